@@ -1,0 +1,241 @@
+"""One engine per device: schedule -> run -> sample -> update. An Engine alone is a
+colocated instance; the prefill and decode workers wrap the same class.
+
+A step:
+
+1. The scheduler picks decodes, prompt chunks and newly admitted requests under the token
+   budget and KV capacity (``ScheduledBatch``).
+2. KV imported for newly admitted requests is copied into their slots.
+3. The runner runs one forward over the whole batch and returns logits for the requests
+   whose known tokens are all computed.
+4. The sampler picks their tokens; the scheduler advances counters, checks stop conditions
+   and frees the slots of finished requests.
+
+Bad input is refused in ``add_request`` / ``import_kv`` with a ``ValueError`` and never
+reaches a forward; a forward that fails turns that step's requests into errors
+(``pop_failed``) and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVStore
+from engine.model import LoadedModel
+from engine.request import Request, RequestState, RequestStatus, TokenOutput
+from engine.runner import ModelRunner
+from engine.sampler import Sampler
+from engine.scheduler import Scheduler
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step, for interference analysis: its phase mix, size and duration."""
+
+    start_s: float  # time.time() at step start
+    duration_s: float
+    num_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+
+class Engine:
+    """Serves many requests at once on one device.
+
+    Args:
+        loaded: the model (``engine.model.load_model``).
+        config: scheduler and KV capacity; ``max_model_len`` is capped by the model's context.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.loaded = loaded
+        self.kv_spec = loaded.kv_spec
+        self.max_model_len = min(self.config.max_model_len, loaded.max_context_len)
+        self.vocab_size = loaded.model.config.vocab_size
+        self.kv_store = KVStore(self.kv_spec, self.config.max_num_seqs, self.max_model_len,
+                                self.config.device)
+        self.scheduler = Scheduler(self.config, loaded.eos_token_ids)
+        self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)
+        self.sampler = Sampler()
+        self.states: dict[str, RequestState] = {}
+        self.step_records: list[StepRecord] = []
+        self._pending_kv: dict[str, torch.Tensor] = {}
+        self._failed: list[tuple[str, str]] = []
+
+    # ---- admission -------------------------------------------------------------------
+    def validate(self, request: Request) -> None:
+        """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run
+        here. (SamplingParams and Request check their own fields when built.)"""
+        rid = request.request_id
+        if rid in self.states:
+            raise ValueError(f"request_id {rid!r} is already in this engine")
+        bad = [t for t in request.prompt_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: prompt_token_ids must be in [0, {self.vocab_size}), "
+                             f"got {bad[0]}")
+        total = request.num_prompt_tokens + request.sampling.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) = {total} exceeds the context length "
+                f"{self.max_model_len} (max_model_len)")
+        if total > self.config.total_kv_capacity_tokens:
+            raise ValueError(f"request {rid}: needs {total} KV tokens, more than this engine's "
+                             f"capacity {self.config.total_kv_capacity_tokens} (kv_capacity_tokens)")
+        if (not self.config.enable_chunked_prefill
+                and request.num_prompt_tokens > self.config.max_num_batched_tokens):
+            raise ValueError(
+                f"request {rid}: prompt of {request.num_prompt_tokens} tokens exceeds "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens} with chunked "
+                "prefill off; enable chunked prefill or raise the budget")
+
+    def add_request(self, request: Request, prefill_only: bool = False) -> None:
+        """Queue a request. ``prefill_only``: stop after the first token and hold the prompt's
+        KV for ``export_kv`` (prefill worker). Raises ValueError (see ``validate``)."""
+        self.validate(request)
+        state = RequestState(request, prefill_only=prefill_only)
+        self.states[request.request_id] = state
+        self.scheduler.add(state)
+
+    def import_kv(self, request: Request, first_token: int, kv: torch.Tensor) -> None:
+        """Continue a request prefilled elsewhere: its prompt KV ``kv`` ``[L, 2, H_kv, T, D]``
+        (T = prompt length, this engine's dtype) and its first sampled token. It waits for a
+        KV slot like any request, then decodes from its second token on.
+
+        Raises:
+            ValueError: invalid request, KV shape/dtype not this engine's geometry, or a
+                request that has nothing left to decode.
+        """
+        self.validate(request)
+        expected = self.kv_spec.kv_shape(request.num_prompt_tokens)
+        if tuple(kv.shape) != expected or kv.dtype != self.kv_spec.torch_dtype:
+            raise ValueError(f"request {request.request_id}: KV expected shape {expected} "
+                             f"dtype {self.kv_spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
+        if not 0 <= first_token < self.vocab_size:
+            raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {first_token}")
+        state = RequestState(request)
+        state.token_ids.append(first_token)
+        state.num_computed_tokens = request.num_prompt_tokens
+        self.scheduler.check_stop(state, first_token)  # EOS / max_tokens=1: nothing to decode
+        if state.status.is_finished:
+            raise ValueError(f"request {request.request_id}: finished with its first token "
+                             f"({state.finish_reason.value}); nothing to decode")
+        self.states[request.request_id] = state
+        self._pending_kv[request.request_id] = kv
+        self.scheduler.add(state)
+
+    def export_kv(self, request_id: str) -> tuple[torch.Tensor, int]:
+        """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T, D]``, contiguous,
+        T = prompt length; first token) and frees its slot.
+
+        Raises:
+            KeyError: the request is not held here in PREFILLED state.
+        """
+        state = self.states.get(request_id)
+        if state is None or state.status != RequestStatus.PREFILLED:
+            raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")
+        kv = self.kv_store.read(state.slot, state.num_prompt_tokens)
+        self.release(request_id, RequestStatus.FINISHED_LENGTH)
+        return kv, state.token_ids[-1]
+
+    def read_kv_layers(self, request_id: str, layers: slice) -> torch.Tensor:
+        """Copy of a running prefill's prompt KV for some layers ``[L', 2, H_kv, T, D]``
+        (layer-wise streaming reads each layer range once the runner has written it)."""
+        state = self.states[request_id]
+        return self.kv_store.read(state.slot, state.num_prompt_tokens, layers)
+
+    def abort(self, request_id: str, error: str | None = None) -> None:
+        """Drop a request wherever it is and free its KV (no-op if unknown)."""
+        if request_id in self.states:
+            status = RequestStatus.FINISHED_ERROR if error else RequestStatus.FINISHED_ABORTED
+            self.release(request_id, status, error)
+
+    def release(self, request_id: str, status: RequestStatus, error: str | None = None) -> None:
+        state = self.states.pop(request_id)
+        state.status, state.error = status, error
+        self.scheduler.release(state)
+        self.sampler.forget(request_id)
+        self._pending_kv.pop(request_id, None)
+
+    # ---- stepping --------------------------------------------------------------------
+    def step(self) -> list[TokenOutput]:
+        """Run one step; returns the tokens it produced (possibly none)."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        start_s = time.time()
+        num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
+        for state in batch.newly_admitted:
+            if state.first_scheduled_time_s is None:
+                state.first_scheduled_time_s = start_s
+            kv = self._pending_kv.pop(state.request_id, None)
+            if kv is not None:
+                self.kv_store.write(state.slot, kv)
+        try:
+            logits = self.runner.execute(batch, self.on_layer_done)
+            sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
+            states = [batch.requests[i] for i in sample_rows]
+            tokens = self.sampler.sample(logits, [s.request_id for s in states],
+                                         [s.sampling for s in states])
+        except Exception as err:  # a failed forward fails its requests, not the engine
+            for state in batch.requests:
+                self._failed.append((state.request_id, f"{type(err).__name__}: {err}"))
+                self.abort(state.request_id, str(err))
+            return []
+        produced = self.scheduler.update(batch, dict(zip(sample_rows, tokens)))
+        end_s = time.time()
+        self.step_records.append(StepRecord(start_s, end_s - start_s, len(batch.requests),
+                                            num_prefill_tokens,
+                                            batch.num_tokens - num_prefill_tokens))
+        return [self._token_output(state, end_s) for state in produced]
+
+    def _token_output(self, state: RequestState, time_s: float) -> TokenOutput:
+        index = state.num_output_tokens - 1
+        if state.status.is_finished:
+            self.states.pop(state.request_id, None)
+            self.sampler.forget(state.request_id)
+        return TokenOutput(state.request_id, state.token_ids[-1], index, time_s,
+                           state.finish_reason,
+                           state.first_scheduled_time_s if index == 0 else None)
+
+    on_layer_done = None  # optional callable(layer_idx) run after each layer (layer-wise KV)
+
+    def pop_failed(self) -> list[tuple[str, str]]:
+        """(request_id, error) of requests whose step failed since the last call."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    # ---- load snapshots (router policies) -------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed (waiting or part-way): prefill load."""
+        return sum(s.num_prompt_tokens - min(s.num_computed_tokens, s.num_prompt_tokens)
+                   for s in self.states.values())
+
+    @property
+    def num_resident_kv_tokens(self) -> int:
+        """Tokens reserved in the KV store: decode load."""
+        return self.scheduler.capacity.reserved_tokens
+
+    def is_empty(self) -> bool:
+        """Nothing queued, running, held or reserved (lifecycle tests end on this)."""
+        return (not self.states and not self.scheduler.waiting and not self.scheduler.running
+                and self.scheduler.capacity.num_used_slots == 0 and not self._pending_kv)
+
+    def generate(self, requests: list[Request]) -> dict[str, list[int]]:
+        """Convenience: run ``requests`` to completion; returns output token ids per request."""
+        outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
+        for request in requests:
+            self.add_request(request)
+        while self.has_unfinished():
+            for out in self.step():
+                outputs[out.request_id].append(out.token_id)
+        return outputs

@@ -1,0 +1,285 @@
+"""Request records and the serving metrics derived from them (no torch).
+
+Measure at the boundaries, derive later (DistServe's ``lifetime.py``):
+
+1. The router creates one ``RequestRecord`` per request and stamps ``arrived``.
+2. Workers and the router stamp the other events (``prefill_queued`` ... ``finished``) into
+   ``record.timeline`` with ``time.time()``; the router appends the time each output token
+   leaves it to ``record.token_times_s``; transports fill ``kv_bytes`` and ``kv_transfer_s``.
+3. Records are saved as JSON (``to_dict`` / ``from_dict``).
+4. Metrics are functions of a record (``ttft_s``, ``tpot_s``, ...), each defined once here;
+   ``summarize`` pools them over a run; ``goodput_rate`` reads a rate sweep.
+
+All times are seconds. A metric whose events are missing is None, never 0. A request with no
+output token (or with an error) is a failure: it has no TTFT and misses every SLO.
+
+Sources:
+    vLLM ``benchmarks/benchmark_serving.py``: TTFT, TPOT, ITL, E2EL, request goodput.
+    DistServe (Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+
+# Event names: the keys of RequestRecord.timeline.
+ARRIVED = "arrived"  # the router received the request
+PREFILL_QUEUED = "prefill_queued"  # the prefill worker (or colocated engine) queued it
+PREFILL_STARTED = "prefill_started"  # its prompt started computing
+PREFILL_FINISHED = "prefill_finished"  # its first token was sampled
+KV_PUT = "kv_put"  # the prompt's KV is owned by the transport
+KV_GOT = "kv_got"  # the decode worker holds the KV
+DECODE_ADMITTED = "decode_admitted"  # the decode worker admitted it for decoding
+FINISHED = "finished"  # the router saw its last token (or its error)
+ERROR = "error"  # it failed
+EVENTS = (
+    ARRIVED, PREFILL_QUEUED, PREFILL_STARTED, PREFILL_FINISHED,
+    KV_PUT, KV_GOT, DECODE_ADMITTED, FINISHED, ERROR,
+)
+
+
+@dataclass
+class RequestRecord:
+    """Everything measured about one request; JSON-serializable through ``to_dict``.
+
+    Attributes:
+        request_id: the router's id.
+        placement: e.g. ``"colocated:1"`` or ``"disagg:1P1D"``.
+        prefill_worker / decode_worker: names of the workers that served it (None if none).
+        num_prompt_tokens: prompt length in tokens.
+        output_token_ids: the tokens it produced.
+        finish_reason: ``FinishReason`` value (``"stop"``, ``"length"``, ...) or None.
+        error: error message when it failed, else None.
+        kv_bytes: bytes of prompt KV shipped for it (0 when colocated).
+        kv_transfer_s: seconds the KV transfer took (None when there was none).
+        timeline: event name -> ``time.time()`` seconds.
+        token_times_s: ``time.time()`` when each output token left the router;
+            ``token_times_s[0]`` is the first token.
+    """
+
+    request_id: str
+    placement: str = ""
+    prefill_worker: str | None = None
+    decode_worker: str | None = None
+    num_prompt_tokens: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_bytes: int = 0
+    kv_transfer_s: float | None = None
+    timeline: dict[str, float] = field(default_factory=dict)
+    token_times_s: list[float] = field(default_factory=list)
+
+    def stamp(self, event: str, time_s: float | None = None) -> None:
+        """Record ``event`` at ``time_s`` (default: now, ``time.time()``)."""
+        self.timeline[event] = time.time() if time_s is None else float(time_s)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RequestRecord:
+        """Inverse of ``to_dict``. Raises ValueError on keys that are not fields."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown RequestRecord fields {sorted(unknown)}; allowed: {sorted(names)}")
+        d = dict(d)
+        d["output_token_ids"] = [int(t) for t in d.get("output_token_ids", [])]
+        d["timeline"] = {str(k): float(v) for k, v in d.get("timeline", {}).items()}
+        d["token_times_s"] = [float(t) for t in d.get("token_times_s", [])]
+        return cls(**d)
+
+
+# ---- per-request metrics (seconds; None when the events are missing) ----
+
+
+def _between(r: RequestRecord, start: str, end: str) -> float | None:
+    if start in r.timeline and end in r.timeline:
+        return r.timeline[end] - r.timeline[start]
+    return None
+
+
+def failed(r: RequestRecord) -> bool:
+    """True when the request errored or produced no output token (DESIGN §6)."""
+    return r.error is not None or len(r.token_times_s) == 0
+
+
+def ttft_s(r: RequestRecord) -> float | None:
+    """Time to first token: first token leaving the router minus ``arrived``.
+
+    vLLM benchmark_serving.py (TTFT). None when there is no token or no arrival.
+    """
+    if not r.token_times_s or ARRIVED not in r.timeline:
+        return None
+    return r.token_times_s[0] - r.timeline[ARRIVED]
+
+
+def itl_s(r: RequestRecord) -> list[float]:
+    """Inter-token latencies: gaps between consecutive output tokens, TTFT excluded.
+
+    vLLM benchmark_serving.py (ITL). Empty with fewer than two tokens.
+    """
+    t = r.token_times_s
+    return [b - a for a, b in zip(t, t[1:])]
+
+
+def e2e_s(r: RequestRecord) -> float | None:
+    """End-to-end latency: last output token minus ``arrived`` (vLLM's E2EL)."""
+    if not r.token_times_s or ARRIVED not in r.timeline:
+        return None
+    return r.token_times_s[-1] - r.timeline[ARRIVED]
+
+
+def tpot_s(r: RequestRecord) -> float | None:
+    """Time per output token after the first: ``(E2E - TTFT) / (n_out - 1)``.
+
+    vLLM benchmark_serving.py (TPOT). None with fewer than two output tokens.
+    """
+    n_out = len(r.token_times_s)
+    e2e, ttft = e2e_s(r), ttft_s(r)
+    if n_out < 2 or e2e is None or ttft is None:
+        return None
+    return (e2e - ttft) / (n_out - 1)
+
+
+def prefill_queue_s(r: RequestRecord) -> float | None:
+    """Wait before the prompt started computing: ``prefill_started - prefill_queued``
+    (or ``- arrived`` when no ``prefill_queued`` was stamped)."""
+    start = PREFILL_QUEUED if PREFILL_QUEUED in r.timeline else ARRIVED
+    return _between(r, start, PREFILL_STARTED)
+
+
+def prefill_s(r: RequestRecord) -> float | None:
+    """Prefill compute time: ``prefill_finished - prefill_started``."""
+    return _between(r, PREFILL_STARTED, PREFILL_FINISHED)
+
+
+def first_decode_gap_s(r: RequestRecord) -> float | None:
+    """First inter-token gap, ``token_times_s[1] - token_times_s[0]``: under disaggregation
+    it contains the KV transfer and decode admission (DESIGN §6)."""
+    t = r.token_times_s
+    return t[1] - t[0] if len(t) >= 2 else None
+
+
+def kv_transfer_s(r: RequestRecord) -> float | None:
+    """Seconds the KV transfer took, as measured by the transport (None if none)."""
+    return r.kv_transfer_s
+
+
+# ---- SLOs ----
+
+
+@dataclass(frozen=True)
+class SLO:
+    """Latency targets in seconds: TTFT and TPOT (DistServe's two SLOs)."""
+
+    ttft_s: float
+    tpot_s: float
+
+
+def meets_slo(r: RequestRecord, slo: SLO) -> bool:
+    """Not failed, TTFT <= slo.ttft_s, and TPOT <= slo.tpot_s (a one-token request has no
+    TPOT and passes that part). DistServe: a request attains the SLO only if it meets both."""
+    if failed(r):
+        return False
+    ttft, tpot = ttft_s(r), tpot_s(r)
+    if ttft is None or ttft > slo.ttft_s:
+        return False
+    return tpot is None or tpot <= slo.tpot_s
+
+
+def slo_attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
+    """Fraction of ALL requests meeting the SLO; failures count as misses (DistServe).
+    NaN for no records."""
+    if not records:
+        return math.nan
+    return sum(meets_slo(r, slo) for r in records) / len(records)
+
+
+# ---- run summary ----
+
+_METRICS: dict[str, Callable[[RequestRecord], float | None]] = {
+    "ttft": ttft_s,
+    "tpot": tpot_s,
+    "e2e": e2e_s,
+    "prefill_queue": prefill_queue_s,
+    "prefill": prefill_s,
+    "kv_transfer": kv_transfer_s,
+    "first_decode_gap": first_decode_gap_s,
+}
+
+
+def _stats(name: str, values: Iterable[float]) -> dict[str, float]:
+    """``<name>_mean_s`` and p50/p90/p99 (numpy.percentile, linear); NaN when empty."""
+    v = np.asarray(list(values), dtype=float)
+    if v.size == 0:
+        return {f"{name}_{k}_s": math.nan for k in ("mean", "p50", "p90", "p99")}
+    p50, p90, p99 = np.percentile(v, [50, 90, 99])
+    return {f"{name}_mean_s": float(v.mean()), f"{name}_p50_s": float(p50),
+            f"{name}_p90_s": float(p90), f"{name}_p99_s": float(p99)}
+
+
+def _default_duration_s(records: Sequence[RequestRecord]) -> float:
+    """Last finish (``finished``, else last token) minus first ``arrived``; NaN if unknown."""
+    arrivals = [r.timeline[ARRIVED] for r in records if ARRIVED in r.timeline]
+    ends = [r.timeline.get(FINISHED, r.token_times_s[-1] if r.token_times_s else None)
+            for r in records]
+    ends = [e for e in ends if e is not None]
+    if not arrivals or not ends:
+        return math.nan
+    return max(ends) - min(arrivals)
+
+
+def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
+              duration_s: float | None = None) -> dict[str, float]:
+    """Pool per-request metrics over a run.
+
+    Latency statistics use completed (not failed) requests only, as vLLM's benchmark does;
+    ITL pools every gap of every completed request. Rates divide by ``duration_s``
+    (default: last finish - first arrival):
+        throughput_req_s: completed requests / s; output_tok_s: their output tokens / s;
+        slo_attainment: DistServe's, over all requests (NaN without ``slo``);
+        goodput_req_s: vLLM's goodput, SLO-meeting requests / s (NaN without ``slo``);
+        kv_bytes_total: KV bytes shipped, all requests.
+    """
+    done = [r for r in records if not failed(r)]
+    out: dict[str, float] = {"num_requests": len(records), "num_failed": len(records) - len(done)}
+    for name, fn in _METRICS.items():
+        out.update(_stats(name, (v for v in map(fn, done) if v is not None)))
+    out.update(_stats("itl", (g for r in done for g in itl_s(r))))
+    if duration_s is None:
+        duration_s = _default_duration_s(records)
+    dur = duration_s if duration_s > 0 else math.nan
+    out["duration_s"] = float(duration_s)
+    out["throughput_req_s"] = len(done) / dur
+    out["output_tok_s"] = sum(len(r.token_times_s) for r in done) / dur
+    if slo is None:
+        out["slo_attainment"] = out["goodput_req_s"] = math.nan
+    else:
+        out["slo_attainment"] = slo_attainment(records, slo)
+        out["goodput_req_s"] = sum(meets_slo(r, slo) for r in records) / dur
+    out["kv_bytes_total"] = sum(r.kv_bytes for r in records)
+    return out
+
+
+def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devices: int,
+                 target: float = 0.9) -> float:
+    """DistServe's goodput (requests/s per device) from a rate sweep.
+
+    The highest swept arrival rate whose SLO attainment is >= ``target``, divided by
+    ``num_devices``; 0.0 when no rate reaches the target. (DistServe searches for the
+    highest such rate; here it is the max over the swept points, so sweep densely enough.)
+    """
+    if len(rates) != len(attainments):
+        raise ValueError(f"rates and attainments differ in length: {len(rates)} vs {len(attainments)}")
+    if num_devices < 1:
+        raise ValueError(f"num_devices must be >= 1, got {num_devices}")
+    ok = [rate for rate, a in zip(rates, attainments) if a >= target]
+    return max(ok) / num_devices if ok else 0.0

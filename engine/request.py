@@ -1,0 +1,215 @@
+"""The request vocabulary shared by every pdlab process (no torch).
+
+A request's life, as counters (vLLM v1 style, not a prefill path and a decode path):
+
+1. ``Request`` is created (frozen, crosses processes) and validated: its ``SamplingParams``
+   check their own ranges; the engine checks prompt and context length against its model.
+2. The engine wraps it in a ``RequestState`` with ``status = WAITING`` and
+   ``num_computed_tokens = 0`` (or the prompt length, when its KV was imported).
+3. Each step the scheduler gives it some new tokens; the runner computes their KV;
+   ``num_computed_tokens`` grows. Once every known token is computed, a token is sampled and
+   appended to ``output_token_ids``.
+4. It stops on EOS, a stop token or ``max_tokens`` (the first token counts): status becomes
+   one of the FINISHED_* values, ordered after every live status, so ``is_finished`` is one
+   comparison.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.IntEnum):
+    """Ordered status: everything ``>= FINISHED_STOPPED`` is finished."""
+
+    WAITING = 0  # queued; holds no KV (or waits for room for its imported KV)
+    RUNNING = 1  # holds a KV slot; prefilling or decoding (num_computed_tokens tells which)
+    PREFILLED = 2  # prefill-only request: first token sampled, prompt KV held for export
+    FINISHED_STOPPED = 3  # EOS or a stop token
+    FINISHED_LENGTH = 4  # max_tokens reached
+    FINISHED_ABORTED = 5  # aborted by the caller
+    FINISHED_ERROR = 6  # failed (worker death, transfer error, ...)
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+class FinishReason(str, enum.Enum):
+    """Why a request ended, as written into records ("stop" and "length" as in OpenAI/vLLM)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+FINISH_REASON_OF_STATUS = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick output tokens.
+
+    Attributes:
+        max_tokens: output tokens to produce at most, the first token included (>= 1).
+        temperature: 0 means greedy (argmax); otherwise logits are divided by it (>= 0).
+        top_k: keep the k most likely tokens; 0 turns the filter off (>= 0).
+        top_p: keep the smallest set of tokens whose probability sums to at least top_p
+            (nucleus sampling, Holtzman et al. 2020); 1.0 turns it off (0 < top_p <= 1).
+        seed: seed of this request's own ``torch.Generator``; None draws one at random.
+        stop_token_ids: extra token ids that end the request (the token is kept in the output).
+        ignore_eos: keep going past EOS (workloads that fix the output length use it).
+
+    Raises:
+        ValueError: a field is out of range; the message names the field and the range.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not self.temperature >= 0.0:  # also rejects NaN
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request; immutable, so it can cross process boundaries as is.
+
+    Attributes:
+        request_id: unique id, issued by the router (or the caller of a bare engine).
+        prompt_token_ids: the prompt, already tokenized (chat template applied).
+        sampling: sampling parameters.
+        arrival_time_s: ``time.time()`` when the request arrived (0.0 when unknown).
+
+    Raises:
+        ValueError: empty prompt or a negative / non-integer token id.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        ids = tuple(self.prompt_token_ids)
+        if len(ids) == 0:
+            raise ValueError(f"request {self.request_id}: prompt_token_ids must not be empty")
+        if not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ValueError(
+                f"request {self.request_id}: prompt_token_ids must be non-negative integers"
+            )
+        object.__setattr__(self, "prompt_token_ids", ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class RequestState:
+    """Engine-side counters for one request (mutable, never leaves its engine).
+
+    ``token_ids`` is prompt + outputs; the KV of ``token_ids[:num_computed_tokens]`` is in
+    the KV store (slot ``slot``). A request is decoding once the whole prompt is computed.
+    """
+
+    __slots__ = (
+        "request", "status", "token_ids", "num_computed_tokens", "slot",
+        "prefill_only", "error", "first_scheduled_time_s",
+    )
+
+    def __init__(self, request: Request, prefill_only: bool = False) -> None:
+        self.request = request
+        self.status = RequestStatus.WAITING
+        self.token_ids: list[int] = list(request.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.slot: int | None = None
+        self.prefill_only = prefill_only
+        self.error: str | None = None
+        self.first_scheduled_time_s: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return self.request.sampling
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.request.num_prompt_tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_prompt_tokens
+
+    @property
+    def max_total_tokens(self) -> int:
+        """Tokens this request may ever hold in the KV store (its reservation)."""
+        return self.num_prompt_tokens + self.sampling.max_tokens
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASON_OF_STATUS.get(self.status)
+
+
+@dataclass(frozen=True)
+class TokenOutput:
+    """One token leaving an engine.
+
+    Attributes:
+        request_id: the request it belongs to.
+        token_id: the sampled token.
+        index: 0 for the first output token, 1 for the second, ...
+        time_s: ``time.time()`` when the step that produced it ended.
+        finish_reason: set on the request's last token, else None.
+        first_scheduled_s: on the first token only: ``time.time()`` when the engine first
+            scheduled the request (its prompt started computing), else None.
+    """
+
+    request_id: str
+    token_id: int
+    index: int
+    time_s: float
+    finish_reason: FinishReason | None = None
+    first_scheduled_s: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

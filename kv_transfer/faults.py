@@ -1,0 +1,79 @@
+"""``FaultyTransport``: wraps any transport and injects the failures P/D systems see.
+
+Modes (each applies only to ``only_request_ids`` when given, else to every request):
+    delay_s: ``get`` sleeps this long first; a delay reaching the deadline sleeps until the
+        deadline and raises ``TransferTimeout``.
+    fail:    ``put`` raises ``TransferFailed`` (nothing is stored).
+    corrupt: ``put`` flips one byte of the tensor frame; the receiver's checksum check raises
+        ``payload.KVChecksumError`` (undetected when checksums are off).
+    drop:    ``get`` waits out the whole deadline, then raises ``TransferTimeout``.
+Records, ``num_held`` and ``free`` are the inner transport's, so leak checks still work.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Iterable
+
+import torch
+
+from engine.kv_cache import KVSpec
+from kv_transfer.payload import Frame
+from kv_transfer.transport import KVHandle, Transport, TransferFailed, TransferTimeout, frame_nbytes
+
+
+def flip_one_byte(frame: Frame) -> Frame:
+    """A copy of ``frame`` with its middle byte inverted (a bytearray or a uint8 tensor)."""
+    if isinstance(frame, torch.Tensor):
+        corrupted = frame.clone()
+        corrupted[corrupted.numel() // 2] ^= 0xFF
+        return corrupted
+    corrupted = bytearray(frame)
+    corrupted[len(corrupted) // 2] ^= 0xFF
+    return corrupted
+
+
+class FaultyTransport(Transport):
+    """``inner`` with injected delay / fail / corrupt / drop faults (see module docstring)."""
+
+    def __init__(self, inner: Transport, delay_s: float = 0.0, fail: bool = False,
+                 corrupt: bool = False, drop: bool = False,
+                 only_request_ids: Iterable[str] | None = None):
+        super().__init__(inner.checksum)
+        self.inner = inner
+        self.name = inner.name
+        self.records = inner.records
+        self.delay_s, self.fail, self.corrupt, self.drop = delay_s, fail, corrupt, drop
+        self.only_request_ids = None if only_request_ids is None else set(only_request_ids)
+
+    def applies_to(self, request_id: str) -> bool:
+        return self.only_request_ids is None or request_id in self.only_request_ids
+
+    def num_held(self) -> int:
+        return self.inner.num_held()
+
+    def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
+              layer_start: int) -> list[Frame]:
+        frames = self.inner._pack(request_id, spec, kv, token_start, layer_start)
+        if self.corrupt and self.applies_to(request_id) and frame_nbytes(frames[1]):
+            frames = [frames[0], flip_one_byte(frames[1])]
+        return frames
+
+    def _put_frames(self, request_id: str, frames: list[Frame], dst_rank: int | None) -> Any:
+        if self.fail and self.applies_to(request_id):
+            raise TransferFailed(f"injected put failure for request {request_id}")
+        return self.inner._put_frames(request_id, frames, dst_rank)
+
+    def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
+        if self.applies_to(handle.request_id):
+            if self.drop or self.delay_s >= timeout_s:
+                time.sleep(timeout_s)
+                raise TransferTimeout(
+                    f"KV for request {handle.request_id} not received within {timeout_s} s "
+                    f"(injected {'drop' if self.drop else f'delay of {self.delay_s} s'})")
+            time.sleep(self.delay_s)
+            timeout_s -= self.delay_s
+        return self.inner._get_frames(handle, timeout_s)
+
+    def _free(self, handle: KVHandle) -> None:
+        self.inner._free(handle)

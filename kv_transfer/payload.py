@@ -1,0 +1,216 @@
+"""Wire format of one KV transfer: a versioned msgpack header plus the raw tensor bytes.
+
+Frames (DESIGN §4):
+    frame 0: msgpack map, the fields of ``KVHeader`` (wire version, request id, model
+             fingerprint, KV geometry, dtype, shape, token range, layer range, CRC32).
+    frame 1: the KV tensor ``[L', 2, H_kv, T, D]`` as raw bytes (``contiguous()`` viewed as
+             uint8, C order). bf16 stays bf16: nothing is upcast, so
+             ``len(frame 1) == spec.kv_bytes(T, L')``.
+
+``unpack`` validates the header against the receiver's ``KVSpec`` before touching the bytes:
+a mismatch raises ``KVSpecMismatch`` naming the field, the expected and the got value;
+corrupted bytes raise ``KVChecksumError``. Both are ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, fields
+
+import msgpack
+import torch
+
+from engine.kv_cache import DTYPE_ITEMSIZE, TORCH_DTYPES, KVSpec
+
+WIRE_VERSION = 1
+
+Frame = bytes | bytearray | memoryview | torch.Tensor  # frame 1 may be a flat uint8 tensor
+
+
+class KVSpecMismatch(ValueError):
+    """The header does not fit the receiver's KVSpec (or wire version, or byte count)."""
+
+    def __init__(self, request_id: str, field: str, expected, got):
+        super().__init__(
+            f"KV header mismatch for request {request_id}: {field} expected {expected}, got {got}")
+        self.request_id, self.field, self.expected, self.got = request_id, field, expected, got
+
+
+class KVChecksumError(ValueError):
+    """The tensor bytes' CRC32 differs from the header's: the KV was corrupted in flight."""
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    """Frame 0 of a transfer. Token and layer ranges are half-open ``[start, end)``.
+
+    ``shape`` is ``(layer_end - layer_start, 2, num_kv_heads, token_end - token_start,
+    head_dim)``; ``checksum`` is ``zlib.crc32`` of frame 1, or None when not computed.
+    """
+
+    wire_version: int
+    request_id: str
+    model_fingerprint: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    shape: tuple[int, ...]
+    token_start: int
+    token_end: int
+    layer_start: int
+    layer_end: int
+    checksum: int | None
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of frame 1: ``prod(shape) * itemsize``."""
+        return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
+
+
+def _crc32(kv_u8: torch.Tensor) -> int:
+    """CRC32 of a flat uint8 tensor (copied to host first if it lives on an accelerator)."""
+    return zlib.crc32(kv_u8.detach().cpu().numpy()) if kv_u8.numel() else 0
+
+
+def tensor_bytes(kv: torch.Tensor) -> torch.Tensor:
+    """``kv`` as a flat, contiguous uint8 tensor on its own device (no copy if contiguous)."""
+    return kv.detach().contiguous().view(torch.uint8).reshape(-1)
+
+
+def encode_header(header: KVHeader) -> bytes:
+    """msgpack bytes of ``header`` (frame 0)."""
+    return msgpack.packb(asdict(header), use_bin_type=True)
+
+
+def decode_header(frame: Frame) -> KVHeader:
+    """Parse frame 0. Raises ``KVSpecMismatch`` on an unreadable header or another wire version."""
+    try:
+        d = msgpack.unpackb(bytes(frame), raw=False)
+        version = d["wire_version"]
+    except Exception as e:  # noqa: BLE001 - any decoding failure means "not our header"
+        raise KVSpecMismatch("?", "wire_version", WIRE_VERSION, f"unreadable header ({e})") from e
+    if version != WIRE_VERSION:
+        raise KVSpecMismatch(d.get("request_id", "?"), "wire_version", WIRE_VERSION, version)
+    names = {f.name for f in fields(KVHeader)}
+    return KVHeader(**{k: (tuple(v) if k == "shape" else v) for k, v in d.items() if k in names})
+
+
+def check_header(header: KVHeader, expected: KVSpec) -> None:
+    """Check ``header`` against the receiver's spec. Raises ``KVSpecMismatch`` naming the field."""
+    rid = header.request_id
+    for name in ("model_fingerprint", "num_layers", "num_kv_heads", "head_dim", "dtype"):
+        want, got = getattr(expected, name), getattr(header, name)
+        if want != got:
+            raise KVSpecMismatch(rid, name, want, got)
+    if not 0 <= header.layer_start < header.layer_end <= expected.num_layers:
+        raise KVSpecMismatch(rid, "layer range", f"within [0, {expected.num_layers})",
+                             f"[{header.layer_start}, {header.layer_end})")
+    want_shape = expected.kv_shape(header.token_end - header.token_start,
+                                   header.layer_end - header.layer_start)
+    if header.shape != want_shape:
+        raise KVSpecMismatch(rid, "shape", want_shape, header.shape)
+
+
+def make_header(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
+                layer_start: int = 0, checksum: int | None = None) -> KVHeader:
+    """Header for ``kv`` ``[L', 2, H_kv, T, D]`` covering tokens ``[token_start, token_start+T)``
+    and layers ``[layer_start, layer_start+L')``.
+
+    Raises:
+        ValueError: ``kv`` does not have the spec's shape or dtype.
+    """
+    num_layers, _, _, num_tokens, _ = kv.shape if kv.dim() == 5 else (0, 0, 0, 0, 0)
+    if tuple(kv.shape) != spec.kv_shape(num_tokens, num_layers) or kv.dtype != spec.torch_dtype:
+        raise ValueError(f"KV tensor for request {request_id} must be {spec.torch_dtype} of shape "
+                         f"[L', 2, {spec.num_kv_heads}, T, {spec.head_dim}], "
+                         f"got {kv.dtype} {tuple(kv.shape)}")
+    return KVHeader(
+        wire_version=WIRE_VERSION, request_id=request_id,
+        model_fingerprint=spec.model_fingerprint, num_layers=spec.num_layers,
+        num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, dtype=spec.dtype,
+        shape=tuple(kv.shape), token_start=token_start, token_end=token_start + num_tokens,
+        layer_start=layer_start, layer_end=layer_start + num_layers, checksum=checksum,
+    )
+
+
+def pack_tensor(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
+                layer_start: int = 0, checksum: bool = True) -> tuple[bytes, torch.Tensor]:
+    """Like ``pack`` but frame 1 stays a flat uint8 tensor on ``kv``'s device (for NCCL).
+
+    The checksum of a CUDA tensor costs one device-to-host copy; pass ``checksum=False`` to skip.
+    """
+    kv_u8 = tensor_bytes(kv)
+    crc = _crc32(kv_u8) if checksum else None
+    header = make_header(request_id, spec, kv, token_start, layer_start, crc)
+    return encode_header(header), kv_u8
+
+
+def pack(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
+         layer_start: int = 0, checksum: bool = True) -> list[bytes | memoryview]:
+    """Frames for ``kv`` ``[L', 2, H_kv, T, D]`` (any device; moved to host, never upcast).
+
+    Returns:
+        ``[header_bytes, tensor_bytes]``; frame 1 is a memoryview over a contiguous host copy
+        of ``kv`` (no copy at all when ``kv`` is already contiguous on CPU), so the caller must
+        not modify ``kv`` until the transport has taken the bytes.
+
+    Raises:
+        ValueError: ``kv`` does not match ``spec``'s shape or dtype.
+    """
+    header, kv_u8 = pack_tensor(request_id, spec, kv.detach().cpu(), token_start, layer_start,
+                                checksum)
+    return [header, memoryview(kv_u8.numpy())]
+
+
+def _as_u8_tensor(frame: Frame) -> torch.Tensor:
+    """Frame 1 as a flat uint8 tensor, sharing memory with a writable buffer.
+
+    A read-only buffer (``bytes``, a Ray object-store array) is copied once into a
+    ``bytearray``: torch tensors are always writable, and a tensor aliasing read-only or
+    store-owned memory would be unsafe to write (or outlive its store object).
+    """
+    if isinstance(frame, torch.Tensor):
+        return frame.reshape(-1)
+    view = memoryview(frame).cast("B")
+    if view.readonly:
+        view = bytearray(view)
+    if len(view) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(view, dtype=torch.uint8)  # keeps the buffer alive
+
+
+def tensor_from_frame(header: KVHeader, frame: Frame) -> torch.Tensor:
+    """Rebuild the KV tensor ``header.shape`` from frame 1 (zero-copy where writable).
+
+    Raises:
+        KVSpecMismatch: the byte count differs from ``prod(shape) * itemsize``.
+        KVChecksumError: the CRC32 differs from ``header.checksum``.
+    """
+    kv_u8 = _as_u8_tensor(frame)
+    if kv_u8.numel() != header.num_bytes:
+        raise KVSpecMismatch(header.request_id, "num_bytes", header.num_bytes, kv_u8.numel())
+    if header.checksum is not None and _crc32(kv_u8) != header.checksum:
+        raise KVChecksumError(f"KV checksum mismatch for request {header.request_id}: "
+                              f"expected crc32 {header.checksum}, got {_crc32(kv_u8)}")
+    return kv_u8.view(TORCH_DTYPES[header.dtype]).view(header.shape)
+
+
+def unpack(frames: list[Frame], expected: KVSpec) -> tuple[KVHeader, torch.Tensor]:
+    """Validate and decode ``[header_bytes, tensor_bytes]`` against the receiver's spec.
+
+    Returns:
+        ``(header, kv)`` with ``kv`` ``header.shape`` = ``[L', 2, H_kv, T, D]`` in the spec's
+        dtype; it shares memory with frame 1 when that buffer is writable, else owns a copy.
+
+    Raises:
+        KVSpecMismatch: wire version, model fingerprint, geometry, dtype, layer range, shape
+            or byte count differ (message names field, expected and got).
+        KVChecksumError: the bytes were corrupted.
+    """
+    if len(frames) != 2:
+        raise KVSpecMismatch("?", "number of frames", 2, len(frames))
+    header = decode_header(frames[0])
+    check_header(header, expected)
+    return header, tensor_from_frame(header, frames[1])

@@ -1,0 +1,180 @@
+"""Transports end to end in one process (InProcess, faults) and across two (torch.distributed)."""
+
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from engine.kv_cache import KVSpec
+from kv_transfer import (FaultyTransport, InProcessTransport, KVChecksumError, KVSpecMismatch,
+                         TransferFailed, TransferTimeout)
+from kv_transfer.torchdist import P2PKey, TorchDistributedTransport
+from kv_transfer.transport import KVHandle
+
+SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
+              dtype="float32")
+BF16 = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
+              dtype="bfloat16")
+
+
+def random_kv(spec: KVSpec, num_tokens: int) -> torch.Tensor:
+    return torch.randn(spec.kv_shape(num_tokens)).to(spec.torch_dtype)
+
+
+@pytest.mark.parametrize("spec", [SPEC, BF16], ids=["float32", "bfloat16"])
+def test_inprocess_round_trip_records_and_no_leak(spec):
+    transport = InProcessTransport()
+    kvs = {f"r{i}": random_kv(spec, 3 + i) for i in range(3)}
+    handles = {rid: transport.put(rid, spec, kv) for rid, kv in kvs.items()}
+    assert transport.num_held() == 3
+    for rid, handle in handles.items():
+        header, out = transport.get(handle, spec, timeout_s=1.0)
+        assert header.request_id == rid and out.dtype == spec.torch_dtype
+        assert torch.equal(out, kvs[rid])
+        transport.free(handle)
+    assert transport.num_held() == 0
+    assert [r.request_id for r in transport.records] == ["r0", "r1", "r2"]
+    for record, kv in zip(transport.records, kvs.values()):
+        assert record.num_bytes == spec.kv_bytes(kv.shape[3]) == 2 * 2 * 2 * 8 * kv.shape[3] * spec.itemsize
+        assert record.put_s > 0 and record.get_s > 0 and record.transport == "inprocess"
+
+
+def test_inprocess_owns_the_bytes_after_put():
+    transport = InProcessTransport()
+    kv = random_kv(SPEC, 4)
+    expected = kv.clone()
+    handle = transport.put("r1", SPEC, kv)
+    kv.zero_()  # the prefill worker reuses its slot
+    assert torch.equal(transport.get(handle, SPEC, 1.0)[1], expected)
+
+
+def test_get_after_free_fails():
+    transport = InProcessTransport()
+    handle = transport.put("r1", SPEC, random_kv(SPEC, 2))
+    transport.free(handle)
+    transport.free(handle)  # twice is harmless
+    with pytest.raises(TransferFailed, match="r1"):
+        transport.get(handle, SPEC, 1.0)
+    assert transport.num_held() == 0 and transport.records == []
+
+
+def test_get_validates_against_receiver_spec():
+    transport = InProcessTransport()
+    handle = transport.put("r1", BF16, random_kv(BF16, 2))
+    with pytest.raises(KVSpecMismatch, match="dtype expected float32, got bfloat16"):
+        transport.get(handle, SPEC, 1.0)
+
+
+def test_fault_fail_raises_in_put_and_stores_nothing():
+    transport = FaultyTransport(InProcessTransport(), fail=True)
+    with pytest.raises(TransferFailed, match="r1"):
+        transport.put("r1", SPEC, random_kv(SPEC, 2))
+    assert transport.num_held() == 0
+
+
+def test_fault_corrupt_is_caught_by_checksum():
+    transport = FaultyTransport(InProcessTransport(), corrupt=True)
+    handle = transport.put("r1", SPEC, random_kv(SPEC, 4))
+    with pytest.raises(KVChecksumError, match="r1"):
+        transport.get(handle, SPEC, 1.0)
+    transport.free(handle)
+    assert transport.num_held() == 0
+
+
+def test_fault_delay_within_deadline_arrives_late():
+    transport = FaultyTransport(InProcessTransport(), delay_s=0.2)
+    kv = random_kv(SPEC, 2)
+    handle = transport.put("r1", SPEC, kv)
+    assert torch.equal(transport.get(handle, SPEC, timeout_s=1.0)[1], kv)
+    assert transport.records[0].get_s >= 0.2
+
+
+def test_fault_delay_past_deadline_times_out():
+    transport = FaultyTransport(InProcessTransport(), delay_s=5.0)
+    handle = transport.put("r1", SPEC, random_kv(SPEC, 2))
+    start_s = time.perf_counter()
+    with pytest.raises(TransferTimeout, match="r1"):
+        transport.get(handle, SPEC, timeout_s=0.2)
+    assert 0.2 <= time.perf_counter() - start_s < 1.0
+    assert transport.records == []
+
+
+def test_fault_drop_waits_out_the_deadline():
+    transport = FaultyTransport(InProcessTransport(), drop=True)
+    handle = transport.put("r1", SPEC, random_kv(SPEC, 2))
+    start_s = time.perf_counter()
+    with pytest.raises(TransferTimeout):
+        transport.get(handle, SPEC, timeout_s=0.2)
+    assert time.perf_counter() - start_s >= 0.2
+    transport.free(handle)
+    assert transport.num_held() == 0
+
+
+def test_faults_target_only_named_requests():
+    transport = FaultyTransport(InProcessTransport(), corrupt=True, only_request_ids={"bad"})
+    kv = random_kv(SPEC, 3)
+    good, bad = transport.put("good", SPEC, kv), transport.put("bad", SPEC, kv)
+    assert torch.equal(transport.get(good, SPEC, 1.0)[1], kv)
+    with pytest.raises(KVChecksumError):
+        transport.get(bad, SPEC, 1.0)
+    assert [r.request_id for r in transport.records] == ["good"]
+
+
+# --- torch.distributed (gloo), two processes ------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchdist_worker(rank: int, port: int, handles, done) -> None:
+    transport = TorchDistributedTransport(rank, world_size=2, backend="gloo",
+                                          init_method=f"tcp://127.0.0.1:{port}", dst_rank=1)
+    torch.manual_seed(0)
+    kvs = {"r1": random_kv(SPEC, 5), "r2": random_kv(BF16, 3)}
+    if rank == 0:  # prefill side: put, ship handles, check the sends drained
+        for rid, kv in kvs.items():
+            spec = SPEC if kv.dtype == torch.float32 else BF16
+            handle = transport.put(rid, spec, kv)
+            assert handle.num_bytes == spec.kv_bytes(kv.shape[3])
+            handles.put(handle)
+        assert done.get(timeout=30) == "received"
+        deadline_s = time.monotonic() + 5
+        while transport.num_held() and time.monotonic() < deadline_s:
+            time.sleep(0.01)
+        assert transport.num_held() == 0
+        assert done.get(timeout=30) == "finished"  # stay up: an exiting peer fails pending gets
+    else:  # decode side: get in reverse order (tags match them), validate, time out
+        received = [handles.get(timeout=30) for _ in kvs]
+        for handle in reversed(received):
+            spec = SPEC if handle.request_id == "r1" else BF16
+            header, out = transport.get(handle, spec, timeout_s=10.0)
+            assert header.request_id == handle.request_id
+            assert out.dtype == spec.torch_dtype and torch.equal(out, kvs[handle.request_id])
+            transport.free(handle)
+        assert [r.num_bytes for r in transport.records] == [BF16.kv_bytes(3), SPEC.kv_bytes(5)]
+        assert all(r.get_s > 0 and r.put_s > 0 for r in transport.records)
+        done.put("received")
+        never_sent = KVHandle("torchdist", "lost", P2PKey(0, 999, 16, 16), 16, 0.0)
+        try:
+            transport.get(never_sent, SPEC, timeout_s=0.3)
+            raise AssertionError("expected TransferTimeout")
+        except TransferTimeout as e:
+            assert "lost" in str(e)
+        done.put("finished")
+
+
+def test_torchdist_gloo_two_processes():
+    ctx = mp.get_context("spawn")
+    handles, done = ctx.Queue(), ctx.Queue()
+    mp.start_processes(_torchdist_worker, args=(free_port(), handles, done), nprocs=2,
+                       start_method="spawn")  # raises if either rank's assertions fail
+
+
+def test_torchdist_rejects_missing_destination():
+    transport = TorchDistributedTransport(rank=0, world_size=2)  # no group needed to refuse
+    with pytest.raises(TransferFailed, match="dst_rank"):
+        transport.put("r1", SPEC, random_kv(SPEC, 2))

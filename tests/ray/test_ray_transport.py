@@ -1,0 +1,132 @@
+"""RayObjectStoreTransport on a local Ray cluster: actor to actor, timeouts, owner death, leaks."""
+
+import gc
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray")
+
+from engine.kv_cache import KVSpec  # noqa: E402
+from kv_transfer import FaultyTransport, KVChecksumError, TransferFailed, TransferTimeout  # noqa: E402
+from kv_transfer.ray_store import RayObjectStoreTransport, live_object_ids  # noqa: E402
+from kv_transfer.transport import KVHandle  # noqa: E402
+
+SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
+              dtype="bfloat16")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    # workers must import this module (actor classes) and the repo's packages
+    here, root = Path(__file__).resolve().parent, Path(__file__).resolve().parents[2]
+    python_path = os.pathsep.join([str(root), str(here), os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": python_path}})
+    yield
+    ray.shutdown()
+
+
+def kv_for(seed: int, num_tokens: int) -> torch.Tensor:
+    torch.manual_seed(seed)
+    return torch.randn(SPEC.kv_shape(num_tokens)).to(torch.bfloat16)
+
+
+@ray.remote(num_cpus=0)
+class Prefill:
+    def __init__(self):
+        self.transport = RayObjectStoreTransport()
+
+    def put(self, request_id, seed, num_tokens):
+        return self.transport.put(request_id, SPEC, kv_for(seed, num_tokens))
+
+    def num_held(self):
+        return self.transport.num_held()
+
+
+@ray.remote(num_cpus=0)
+class Decode:
+    def __init__(self):
+        self.transport = RayObjectStoreTransport()
+
+    def get_and_free(self, handle, seed, num_tokens):
+        header, kv = self.transport.get(handle, SPEC, timeout_s=10.0)
+        self.transport.free(handle)
+        return header.request_id, kv.dtype == torch.bfloat16, torch.equal(kv, kv_for(seed, num_tokens))
+
+    def records(self):
+        return self.transport.records
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> bool:
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate() and time.monotonic() < deadline_s:
+        time.sleep(0.05)
+    return predicate()
+
+
+def test_actor_to_actor_through_the_driver_and_back_to_baseline():
+    prefill, decode = Prefill.remote(), Decode.remote()
+    handle = ray.get(prefill.put.remote("r1", 1, 6))  # the driver only sees the handle
+    assert handle.num_bytes == SPEC.kv_bytes(6) == 2 * 2 * 2 * 8 * 6 * 2
+    assert ray.get(prefill.num_held.remote()) == 1
+    assert ray.get(decode.get_and_free.remote(handle, 1, 6)) == ("r1", True, True)
+    [record] = ray.get(decode.records.remote())
+    assert record.num_bytes == SPEC.kv_bytes(6) and record.put_s > 0 and record.get_s > 0
+    assert record.transport == "ray"
+    object_id = handle.key.hex()
+    del handle
+    gc.collect()
+    # the owner (prefill) releases the object once no process holds the handle any more
+    assert wait_until(lambda: ray.get(prefill.num_held.remote()) == 0)
+    assert object_id not in live_object_ids()
+
+
+def test_get_in_driver_free_and_leak_count():
+    transport = RayObjectStoreTransport()
+    kv = kv_for(2, 4)
+    handle = transport.put("r2", SPEC, kv)
+    assert transport.num_held() == 1
+    assert torch.equal(transport.get(handle, SPEC, timeout_s=5.0)[1], kv)
+    transport.free(handle)
+    assert transport.num_held() == 0
+
+
+def test_owner_death_turns_into_transfer_failed():
+    prefill = Prefill.remote()
+    # 2000 tokens = 256 KiB: above Ray's 100 KiB inline limit, so the bytes live in the store
+    # under the owner (a small object would travel inline with the handle and survive)
+    handle = ray.get(prefill.put.remote("r3", 3, 2000))
+    ray.kill(prefill)
+    transport = RayObjectStoreTransport()
+    # the local store may still serve the bytes for a moment while Ray cleans up the owner
+    deadline_s = time.monotonic() + 20
+    with pytest.raises(TransferFailed, match="r3.*OwnerDied"):
+        while time.monotonic() < deadline_s:
+            transport.get(handle, SPEC, timeout_s=5.0)
+            time.sleep(0.1)
+
+
+def test_timeout_on_an_object_that_never_arrives():
+    @ray.remote(num_cpus=0)
+    def slow():
+        time.sleep(30)
+
+    pending = slow.remote()
+    transport = RayObjectStoreTransport()
+    handle = KVHandle("ray", "r4", pending, 0, 0.0)
+    with pytest.raises(TransferTimeout, match="r4"):
+        transport.get(handle, SPEC, timeout_s=0.3)
+    ray.cancel(pending, force=True)
+
+
+def test_faulty_ray_transport_corruption_is_caught():
+    transport = FaultyTransport(RayObjectStoreTransport(), corrupt=True)
+    handle = transport.put("r5", SPEC, kv_for(5, 3))
+    with pytest.raises(KVChecksumError, match="r5"):
+        transport.get(handle, SPEC, timeout_s=5.0)
+    transport.free(handle)
+    assert transport.num_held() == 0
