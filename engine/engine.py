@@ -121,6 +121,7 @@ class Engine:
         state = RequestState(request)
         state.token_ids.append(first_token)
         state.num_computed_tokens = request.num_prompt_tokens
+        state.first_output_index = 1
         self.scheduler.check_stop(state, first_token)  # EOS / max_tokens=1: nothing to decode
         if state.status.is_finished:
             raise ValueError(f"request {request.request_id}: finished with its first token "
@@ -140,8 +141,16 @@ class Engine:
         if state is None or state.status != RequestStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")
         kv = self.kv_store.read(state.slot, state.num_prompt_tokens)
+        return kv, self.finish_prefilled(request_id)
+
+    def finish_prefilled(self, request_id: str) -> int:
+        """Free a prefilled request's slot without copying its KV (its layers were already
+        streamed out); returns its first token. Raises KeyError as ``export_kv``."""
+        state = self.states.get(request_id)
+        if state is None or state.status != RequestStatus.PREFILLED:
+            raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")
         self.release(request_id, RequestStatus.FINISHED_LENGTH)
-        return kv, state.token_ids[-1]
+        return state.token_ids[-1]
 
     def read_kv_layers(self, request_id: str, layers: slice) -> torch.Tensor:
         """Copy of a running prefill's prompt KV for some layers ``[L', 2, H_kv, T, D]``
@@ -177,7 +186,8 @@ class Engine:
             if kv is not None:
                 self.kv_store.write(state.slot, kv)
         try:
-            logits = self.runner.execute(batch, self.on_layer_done)
+            hook = self.on_layer_done
+            logits = self.runner.execute(batch, hook and (lambda layer: hook(layer, batch)))
             sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
             states = [batch.requests[i] for i in sample_rows]
             tokens = self.sampler.sample(logits, [s.request_id for s in states],
@@ -196,14 +206,17 @@ class Engine:
 
     def _token_output(self, state: RequestState, time_s: float) -> TokenOutput:
         index = state.num_output_tokens - 1
+        first_here = index == state.first_output_index  # first token this engine produced
         if state.status.is_finished:
             self.states.pop(state.request_id, None)
             self.sampler.forget(state.request_id)
         return TokenOutput(state.request_id, state.token_ids[-1], index, time_s,
                            state.finish_reason,
-                           state.first_scheduled_time_s if index == 0 else None)
+                           state.first_scheduled_time_s if first_here else None)
 
-    on_layer_done = None  # optional callable(layer_idx) run after each layer (layer-wise KV)
+    # Optional callable(layer_idx, batch), run once each layer's K/V are written (layer-wise
+    # KV streaming); the batch's counters are not yet advanced.
+    on_layer_done = None
 
     def pop_failed(self) -> list[tuple[str, str]]:
         """(request_id, error) of requests whose step failed since the last call."""

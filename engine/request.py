@@ -138,7 +138,7 @@ class RequestState:
 
     __slots__ = (
         "request", "status", "token_ids", "num_computed_tokens", "slot",
-        "prefill_only", "error", "first_scheduled_time_s",
+        "prefill_only", "error", "first_scheduled_time_s", "first_output_index",
     )
 
     def __init__(self, request: Request, prefill_only: bool = False) -> None:
@@ -150,6 +150,7 @@ class RequestState:
         self.prefill_only = prefill_only
         self.error: str | None = None
         self.first_scheduled_time_s: float | None = None
+        self.first_output_index = 0  # 1 when the first token came with imported KV
 
     @property
     def request_id(self) -> str:
@@ -199,8 +200,9 @@ class TokenOutput:
         index: 0 for the first output token, 1 for the second, ...
         time_s: ``time.time()`` when the step that produced it ended.
         finish_reason: set on the request's last token, else None.
-        first_scheduled_s: on the first token only: ``time.time()`` when the engine first
-            scheduled the request (its prompt started computing), else None.
+        first_scheduled_s: on the first token this engine produced for the request only:
+            ``time.time()`` when the engine first scheduled it (prefill started, or an
+            imported request joined the decode batch), else None.
     """
 
     request_id: str

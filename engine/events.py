@@ -1,0 +1,36 @@
+"""What a worker reports to the router (no torch): one event type, crossing processes.
+
+Kinds:
+    ``token``      an output token (colocated or decode worker); ``finish_reason`` on the last.
+    ``prefilled``  a prefill worker's first token, plus the KV handles for the decode worker
+                   (none when the first token already ended the request).
+    ``kv_got``     a decode worker fetched and checked a request's KV.
+    ``error``      the request failed on this worker; ``error`` says why.
+
+``stamps`` carries timeline events measured inside the worker (``time.time()`` seconds,
+names from ``engine.metrics``: prefill_started, prefill_finished, kv_put, kv_got,
+decode_admitted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+TOKEN, PREFILLED, KV_GOT, ERROR = "token", "prefilled", "kv_got", "error"
+
+
+@dataclass(frozen=True)
+class WorkerEvent:
+    kind: str
+    request_id: str
+    worker: str
+    time_s: float
+    token_id: int | None = None
+    index: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    kv_handles: tuple[Any, ...] = ()  # opaque transport handles (prefilled)
+    kv_bytes: int = 0
+    kv_transfer_s: float | None = None
+    stamps: dict[str, float] = field(default_factory=dict)

@@ -1,0 +1,158 @@
+"""Run an Engine on a background thread: commands in, ``WorkerEvent``s out.
+
+The loop, on its own thread (the only thread that touches the engine):
+
+1. Run the commands queued by ``submit`` / ``abort`` / subclass methods.
+2. If the engine has work, run one ``engine.step()`` and turn its outputs into events
+   (``on_outputs``: subclasses hand KV over or fetch it); failed forwards become errors.
+3. Otherwise sleep until the next command arrives.
+
+Callers collect events with ``wait_events(timeout_s)``, a long poll: it returns as soon as
+there is something to report, or empty-handed at the deadline. A worker (prefill, decode,
+colocated) is this loop plus what it does with tokens; it is a plain class, and
+``experiments/placement.py`` turns it into a Ray actor.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from engine.config import EngineConfig, ModelConfig
+from engine.device import bind_device
+from engine.engine import Engine
+from engine.events import ERROR, TOKEN, WorkerEvent
+from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
+from engine.model import load_model
+from engine.request import Request, TokenOutput
+
+
+class EngineLoop:
+    """An engine on a thread. A colocated instance is exactly this.
+
+    Args:
+        name: worker name used in events and records (e.g. ``colocated-0``).
+        model_config, engine_config: what to load and how to schedule.
+        device: ``cpu:i``, ``cpu:a-b`` or ``cuda:i``; the process pins itself to it.
+        inside_ray: the process is a Ray actor (changes how a CUDA device is named).
+        bind: pin the process to ``device`` (off when several workers share one process).
+    """
+
+    role = "colocated"
+
+    def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
+                 device: str = "cpu:0", inside_ray: bool = False, bind: bool = True) -> None:
+        self.name = name
+        self.device = device
+        torch_device = bind_device(device, inside_ray) if bind else "cpu"
+        engine_config = EngineConfig(**{**engine_config.__dict__, "device": torch_device})
+        self.engine = Engine(load_model(model_config, torch_device), engine_config)
+        self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._events: list[WorkerEvent] = []
+        self._events_ready = threading.Condition()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+
+    # ---- called from other threads (or as Ray actor methods) -------------------------
+    def info(self) -> dict:
+        """What the router needs to validate requests and check compatibility."""
+        engine = self.engine
+        return {"name": self.name, "role": self.role, "device": self.device,
+                "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
+                "kv_spec": engine.kv_spec.to_dict(),
+                "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+                "enable_chunked_prefill": engine.config.enable_chunked_prefill,
+                "kv_capacity_tokens": engine.config.total_kv_capacity_tokens}
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; an invalid one comes back as an ``error`` event."""
+        self._commands.put(lambda: self._add(request))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self.engine.abort(request_id))
+
+    def wait_events(self, timeout_s: float) -> list[WorkerEvent]:
+        """Events since the last call; waits up to ``timeout_s`` seconds for the first one."""
+        with self._events_ready:
+            if not self._events:
+                self._events_ready.wait(timeout_s)
+            events, self._events = self._events, []
+        return events
+
+    def status(self) -> dict:
+        """Leak check: is the engine empty (no queue, no KV held)?"""
+        return {"name": self.name, "engine_empty": self.call(self.engine.is_empty)}
+
+    def step_records(self) -> list[dict]:
+        return [{"worker": self.name, **r.__dict__} for r in list(self.engine.step_records)]
+
+    def call(self, fn: Callable, timeout_s: float = 30.0):
+        """Run ``fn()`` on the loop thread and return its result (for consistent reads)."""
+        done: queue.Queue = queue.Queue(maxsize=1)
+        self._commands.put(lambda: done.put(fn()))
+        return done.get(timeout=timeout_s)
+
+    def shutdown(self) -> None:
+        self._stopped.set()
+        self._commands.put(lambda: None)
+        self._thread.join(timeout=10)
+
+    # ---- the loop thread ---------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopped.is_set():
+            self._drain_commands(block=not self.engine.has_unfinished())
+            if not self.engine.has_unfinished():
+                continue
+            num_steps = len(self.engine.step_records)
+            outputs = self.engine.step()
+            for request_id, error in self.engine.pop_failed():
+                self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
+            if outputs:
+                self.on_outputs(outputs)
+            if len(self.engine.step_records) == num_steps:  # nothing could run: wait a bit
+                self._drain_commands(block=True, timeout_s=0.01)
+
+    def _drain_commands(self, block: bool, timeout_s: float = 0.1) -> None:
+        try:
+            command = self._commands.get(timeout=timeout_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                command()
+            except Exception as err:  # a bad command never kills the loop
+                self.emit(WorkerEvent(ERROR, "", self.name, time.time(), error=repr(err)))
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _add(self, request: Request, **kwargs) -> None:
+        try:
+            self.engine.add_request(request, **kwargs)
+        except ValueError as err:
+            self.emit(WorkerEvent(ERROR, request.request_id, self.name, time.time(),
+                                  error=str(err)))
+
+    def emit(self, event: WorkerEvent) -> None:
+        with self._events_ready:
+            self._events.append(event)
+            self._events_ready.notify_all()
+
+    def on_outputs(self, outputs: list[TokenOutput]) -> None:
+        """Colocated: every token goes straight out."""
+        for out in outputs:
+            self.emit(token_event(self.name, out))
+
+
+def token_event(worker: str, out: TokenOutput, **stamps: float) -> WorkerEvent:
+    """A ``token`` event; the first token of a request carries its prefill stamps."""
+    if out.first_scheduled_s is not None and out.index == 0:
+        stamps = {PREFILL_STARTED: out.first_scheduled_s, PREFILL_FINISHED: out.time_s, **stamps}
+    return WorkerEvent(TOKEN, out.request_id, worker, out.time_s, token_id=out.token_id,
+                       index=out.index,
+                       finish_reason=out.finish_reason.value if out.finish_reason else None,
+                       stamps=stamps)

@@ -1,0 +1,282 @@
+"""PlacementConfig -> workers on a device set, and a router over them: the one place that
+creates Ray actors (the composition root).
+
+Setting up a deployment:
+
+1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that
+   the set has enough devices and that each exists, before anything starts.
+2. Ray mode: start a local Ray cluster (or join ``--address``), reserve one placement-group
+   bundle per worker (one GPU, or the CPU cores of a ``cpu:`` device) and start each worker
+   as an actor in its bundle; the worker pins itself to its device. Local mode: build the
+   workers as plain objects in this process (tests; the in-process transport).
+3. Wait until every worker answers ``info`` (bounded), then build the ``Router``.
+
+``close()`` stops the workers and releases the placement group (and Ray, if it was started
+here).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from decode_worker import DecodeWorker
+from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
+                           cpu_cores_of, parse_devices, parse_placement)
+from engine.serving import EngineLoop
+from kv_transfer.faults import FaultyTransport
+from kv_transfer.inprocess import InProcessTransport
+from prefill_worker import PrefillWorker
+from router.calls import LocalCalls, WorkerDied
+from router.router import Router, WorkerRef
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ACTOR_DEATH = (RayActorError,) + tuple(
+    getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
+    if hasattr(ray.exceptions, name))
+
+
+class RayCalls:
+    """``router.calls.Calls`` over Ray actor handles."""
+
+    def call(self, handle: Any, method: str, *args: Any) -> ray.ObjectRef:
+        return getattr(handle, method).remote(*args)
+
+    def ready(self, pending: list, timeout_s: float) -> list:
+        first, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not first:
+            return []
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        return ready
+
+    def result(self, pending: ray.ObjectRef) -> Any:
+        try:
+            return ray.get(pending, timeout=0)
+        except ACTOR_DEATH as err:
+            raise WorkerDied(f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
+
+
+def worker_layout(placement: str, devices: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """``(name, role, device)`` per worker, devices taken in order.
+
+    Raises:
+        ValueError: the placement needs more devices than the set has.
+    """
+    kind, first, second = parse_placement(placement)
+    roles = ["colocated"] * first if kind == "colocated" else ["prefill"] * first + ["decode"] * second
+    if len(roles) > len(devices):
+        raise ValueError(f"placement {placement} needs {len(roles)} devices, the device set "
+                         f"{','.join(devices)} has {len(devices)}")
+    counts: dict[str, int] = {}
+    layout = []
+    for role, device in zip(roles, devices):
+        layout.append((f"{role}-{counts.get(role, 0)}", role, device))
+        counts[role] = counts.get(role, 0) + 1
+    return layout
+
+
+def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None = None) -> None:
+    """Each device must exist here (or, joining a cluster, fit its resources).
+
+    Raises:
+        ValueError: naming the device and what exists.
+    """
+    gpus = [d for d in devices if d.startswith("cuda")]
+    if cluster_resources is not None:  # remote nodes: only totals can be checked
+        need_cpu = sum(len(cpu_cores_of(d)) for d in devices if d.startswith("cpu"))
+        if gpus and len(gpus) > cluster_resources.get("GPU", 0):
+            raise ValueError(f"{len(gpus)} GPUs asked for, the Ray cluster has "
+                             f"{cluster_resources.get('GPU', 0)}")
+        if need_cpu > cluster_resources.get("CPU", 0):
+            raise ValueError(f"{need_cpu} CPU cores asked for, the Ray cluster has "
+                             f"{cluster_resources.get('CPU', 0)}")
+        return
+    if gpus:
+        import torch
+
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        for device in gpus:
+            if int(device.split(":")[1]) >= count:
+                raise ValueError(f"device {device} does not exist: this machine has {count} GPUs")
+    cores = os.sched_getaffinity(0)
+    for device in devices:
+        if device.startswith("cpu") and not set(cpu_cores_of(device)) <= cores:
+            raise ValueError(f"device {device} does not exist: this machine offers cores "
+                             f"{sorted(cores)}")
+
+
+class Deployment:
+    """The workers of one placement on a device set, and a router over them.
+
+    Args:
+        placement: placement, device set and Ray address.
+        model, engine, transfer: as every worker gets them.
+        local: build workers in this process instead of as Ray actors.
+        faults: worker name -> FaultyTransport arguments (tests and fault experiments).
+        policy: router policy.
+        deadline_s: router deadline; default: the transfer timeout plus 5 s, so a
+            transfer's own timeout error arrives first.
+
+    Raises:
+        ValueError: bad placement or device set, not enough devices, a transport that
+            cannot work in this mode.
+    """
+
+    def __init__(self, placement: PlacementConfig, model: ModelConfig,
+                 engine: EngineConfig | None = None, transfer: TransferConfig | None = None,
+                 local: bool = False, faults: dict[str, dict] | None = None,
+                 policy: str = "least_loaded", deadline_s: float | None = None) -> None:
+        self.placement = placement
+        self.model, self.engine = model, engine or EngineConfig()
+        self.transfer = transfer or TransferConfig()
+        self.local = local
+        self.devices = parse_devices(placement.devices)
+        self.layout = worker_layout(placement.placement, self.devices)
+        if local and self.transfer.transport != "inprocess":
+            raise ValueError("a local placement (one process) needs transport 'inprocess'")
+        if not local and self.transfer.transport == "inprocess":
+            raise ValueError("transport 'inprocess' needs a local placement; use 'ray' or "
+                             "'torchdist' across processes")
+        self._started_ray = False
+        self._pg = None
+        self.handles: dict[str, Any] = {}
+        if local:
+            check_devices_exist(self.devices)
+            self.calls: Any = LocalCalls()
+            self._start_local(faults or {})
+        else:
+            self.calls = RayCalls()
+            self._start_ray(faults or {})
+        self.workers = [WorkerRef(name, role, self.handles[name], rank)
+                        for rank, (name, role, _) in enumerate(self.layout)]
+        self.router = Router(self.workers, self.calls, placement.placement, policy,
+                             deadline_s or self.transfer.timeout_s + 5.0)
+
+    # ---- construction -----------------------------------------------------------------
+    def _worker_args(self, name: str, role: str, device: str, faults: dict, rank: int,
+                     init_method: str | None) -> tuple[type, dict]:
+        if role == "colocated":
+            return EngineLoop, {"name": name, "model_config": self.model,
+                                "engine_config": self.engine, "device": device}
+        cls = PrefillWorker if role == "prefill" else DecodeWorker
+        return cls, {"name": name, "model_config": self.model, "engine_config": self.engine,
+                     "transfer_config": self.transfer, "device": device,
+                     "faults": faults.get(name), "rank": rank, "world_size": len(self.layout),
+                     "init_method": init_method}
+
+    def _start_local(self, faults: dict) -> None:
+        shared = InProcessTransport(checksum=self.transfer.checksum)
+        for rank, (name, role, device) in enumerate(self.layout):
+            cls, kwargs = self._worker_args(name, role, device, faults, rank, None)
+            if cls is not EngineLoop:  # P and D share one in-process transport
+                kwargs["transport"] = _with_faults(shared, kwargs.pop("faults"))
+            self.handles[name] = cls(**kwargs, bind=False)
+
+    def _start_ray(self, faults: dict) -> None:
+        if not ray.is_initialized():
+            init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
+                                    "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
+            if self.placement.address:
+                init["address"] = self.placement.address
+            else:
+                init["num_cpus"] = len(os.sched_getaffinity(0))
+                init["num_gpus"] = sum(d.startswith("cuda") for d in self.devices)
+            ray.init(**init)
+            self._started_ray = True
+        check_devices_exist(self.devices, ray.cluster_resources() if self.placement.address else None)
+        bundles = [({"GPU": 1, "CPU": 1} if device.startswith("cuda")
+                    else {"CPU": len(cpu_cores_of(device))}) for _, _, device in self.layout]
+        self._pg = placement_group(bundles, strategy="PACK")
+        try:
+            ray.get(self._pg.ready(), timeout=60)
+        except GetTimeoutError as err:
+            raise ValueError(f"the Ray cluster cannot hold {bundles} "
+                             f"(it has {ray.cluster_resources()})") from err
+        init_method = None
+        if self.transfer.transport == "torchdist":
+            init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+        for rank, (name, role, device) in enumerate(self.layout):
+            cls, kwargs = self._worker_args(name, role, device, faults, rank, init_method)
+            bundle = bundles[rank]
+            actor_cls = ray.remote(cls).options(
+                name=None, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
+                max_concurrency=16, max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank))
+            self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
+
+    # ---- use ----------------------------------------------------------------------------
+    def run(self, workload, on_finish=None):
+        """``Router.run`` on this deployment."""
+        return self.router.run(workload, on_finish)
+
+    def gather(self, method: str) -> list:
+        """Call ``method`` on every live worker and collect the results (bounded wait)."""
+        results = []
+        for worker in self.workers:
+            if worker.alive:
+                results.append(self.router._call_now(worker, method))
+        return results
+
+    def step_records(self) -> list[dict]:
+        return [r for records in self.gather("step_records") for r in records]
+
+    def transfer_records(self) -> list[dict]:
+        if self.placement.kind == "colocated":
+            return []
+        decode = [w for w in self.workers if w.role == "decode" and w.alive]
+        return [r for w in decode for r in self.router._call_now(w, "transfer_records")]
+
+    def statuses(self) -> list[dict]:
+        return self.gather("status")
+
+    def kill(self, name: str) -> None:
+        """Kill one worker (failure tests)."""
+        if self.local:
+            self.calls.kill(self.handles[name])
+        else:
+            ray.kill(self.handles[name], no_restart=True)
+
+    def close(self) -> None:
+        for name, handle in self.handles.items():
+            try:
+                if self.local:
+                    handle.shutdown()
+                else:
+                    ray.kill(handle, no_restart=True)
+            except Exception:  # already dead
+                pass
+        if self.local:
+            self.calls.shutdown()
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+        if self._started_ray:
+            ray.shutdown()
+
+    def __enter__(self) -> Deployment:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _with_faults(transport, faults: dict | None):
+    return FaultyTransport(transport, **faults) if faults else transport
+
+
+def _pythonpath() -> str:
+    """Actors import pdlab from this checkout even when it is not installed."""
+    return os.pathsep.join([str(REPO_ROOT)] + [p for p in sys.path if p])
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,223 @@
+"""Figures of a placement comparison (matplotlib, Agg backend; no display needed).
+
+Each function writes one PNG and returns its path. Inputs come from ``experiments.analysis``
+or are the runs' records and worker step records (dicts with keys worker, start_s,
+duration_s, num_requests, num_prefill_tokens, num_decode_tokens; ``StepRecord`` objects with
+those attributes work too).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from engine import metrics as m  # noqa: E402
+from engine.metrics import RequestRecord  # noqa: E402
+from experiments.analysis import (  # noqa: E402
+    ATTAINMENT_TARGET, BREAKDOWN_STAGES, requests_frame,
+)
+
+DPI = 110
+_STAGE_LABELS = {
+    "prefill_queue_s": "prefill queue", "prefill_s": "prefill", "transfer_s": "KV transfer",
+    "decode_queue_s": "decode queue", "decode_s": "decode",
+}
+
+
+def _save(fig: plt.Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
+def _cdf(ax: plt.Axes, values: np.ndarray, label: str) -> bool:
+    v = np.sort(values[~np.isnan(values)])
+    if v.size == 0:
+        return False
+    y = np.arange(1, v.size + 1) / v.size
+    ax.step(np.concatenate([[v[0]], v]), np.concatenate([[0.0], y]), where="post", label=label)
+    return True
+
+
+def plot_cdfs(records_by_placement: Mapping[str, Sequence[RequestRecord]],
+              path: str | Path) -> Path:
+    """TTFT and TPOT CDFs (completed requests), one line per placement, two subplots."""
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, col, name in ((axes[0], "ttft_s", "TTFT"), (axes[1], "tpot_s", "TPOT")):
+        for placement, recs in records_by_placement.items():
+            df = requests_frame(recs)
+            vals = df.loc[~df["failed"], col].to_numpy(dtype=float)
+            n = int(np.sum(~np.isnan(vals)))
+            if not _cdf(ax, vals, f"{placement} (n={n})"):
+                ax.plot([], [], label=f"{placement} (no data)")
+        ax.set_title(f"{name} CDF")
+        ax.set_xlabel(f"{name} (s)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
+def plot_attainment(curve_df: pd.DataFrame, path: str | Path) -> Path:
+    """SLO attainment (%) vs arrival rate per placement, with the 90% goodput line."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for placement, g in curve_df.groupby("placement", sort=False):
+        g = g.sort_values("rate")
+        ax.plot(g["rate"], 100 * g["slo_attainment"].astype(float), marker="o", label=placement)
+    ax.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--",
+               label=f"{100 * ATTAINMENT_TARGET:.0f}% target")
+    ax.set_title("SLO attainment vs arrival rate")
+    ax.set_xlabel("arrival rate (req/s)")
+    ax.set_ylabel("SLO attainment (%)")
+    ax.set_ylim(-2, 102)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def _step_get(step: Any, key: str) -> Any:
+    return step[key] if isinstance(step, Mapping) else getattr(step, key, None)
+
+
+def _pick_requests(records: Sequence[RequestRecord], k: int) -> list[RequestRecord]:
+    """Up to ``k`` requests with tokens, evenly spread over the run by arrival time."""
+    have = [r for r in records if r.token_times_s]
+    have.sort(key=lambda r: r.timeline.get(m.ARRIVED, r.token_times_s[0]))
+    if len(have) <= k:
+        return have
+    idx = np.unique(np.linspace(0, len(have) - 1, k).round().astype(int))
+    return [have[i] for i in idx]
+
+
+def plot_token_timeline(records_by_placement: Mapping[str, Sequence[RequestRecord]],
+                        steps_by_placement: Mapping[str, Sequence[Any]], path: str | Path,
+                        max_requests: int = 12) -> Path:
+    """Per placement, one panel, x = seconds since the placement's first arrival.
+
+    - A row per request (at most ``max_requests``, spread over the run by arrival): a dot
+      per output token, a bar at arrival. Behind each row, shaded spans of the prefill steps
+      (steps with prefill tokens), during its lifetime, of the worker that decoded it (``record.decode_worker``,
+      else ``prefill_worker``, matched to the steps' ``worker``): a decode stall under a
+      shaded span is prefill-decode interference.
+    - Above the rows, a lane per worker: its prefill steps (coloured) and decode-only steps
+      (grey), so where prefills ran is visible even when no row matches.
+    Steps without a ``worker`` (e.g. ``StepRecord`` objects) go in one lane named "worker".
+    """
+    placements = list(records_by_placement) or [""]
+    lanes_max = max([len({str(_step_get(s, "worker") or "worker") for s in steps})
+                     for steps in steps_by_placement.values()] + [0])
+    height = 1.6 + 0.3 * (max_requests + lanes_max + 1)
+    fig, axes = plt.subplots(len(placements), 1, figsize=(11, height * len(placements)),
+                             squeeze=False)
+    colors = plt.cm.tab10.colors
+    for ax, placement in zip(axes[:, 0], placements):
+        recs = list(records_by_placement.get(placement, []))
+        shown = _pick_requests(recs, max_requests)
+        starts = [r.timeline[m.ARRIVED] for r in recs if m.ARRIVED in r.timeline]
+        starts += [r.token_times_s[0] for r in recs if r.token_times_s]
+        t0 = min(starts) if starts else 0.0
+        steps = list(steps_by_placement.get(placement, []))
+        by_worker: dict[str, list[tuple[float, float, bool]]] = {}
+        for st in steps:
+            w = str(_step_get(st, "worker") or "worker")
+            by_worker.setdefault(w, []).append((float(_step_get(st, "start_s")) - t0,
+                                                float(_step_get(st, "duration_s")),
+                                                (_step_get(st, "num_prefill_tokens") or 0) > 0))
+        workers = list(by_worker)
+        wcolor = {w: colors[(i + 3) % 10] for i, w in enumerate(workers)}
+        labelled: set[str] = set()
+        # request rows
+        for i, r in enumerate(shown):
+            w = r.decode_worker or r.prefill_worker
+            if w in by_worker:
+                born = r.timeline.get(m.ARRIVED, r.token_times_s[0]) - t0
+                done = r.token_times_s[-1] - t0
+                spans = [(x, d) for x, d, pre in by_worker[w]
+                         if pre and x < done and x + d > born]  # within its lifetime
+                if spans:
+                    lab = f"prefill step on {w}" if w not in labelled else None
+                    labelled.add(w)
+                    ax.broken_barh(spans, (i - 0.45, 0.9), facecolors=wcolor[w], alpha=0.3,
+                                   label=lab)
+            t = np.asarray(r.token_times_s) - t0
+            ax.plot(t, np.full(t.shape, i), "o", ms=3, color="C0",
+                    label="output token" if i == 0 else None)
+            if m.ARRIVED in r.timeline:
+                ax.plot([r.timeline[m.ARRIVED] - t0], [i], "|", ms=10, color="k",
+                        label="arrival" if i == 0 else None)
+        # worker lanes
+        base = len(shown) + 0.5
+        for j, w in enumerate(workers):
+            y = base + j
+            pre = [(x, d) for x, d, p in by_worker[w] if p]
+            dec = [(x, d) for x, d, p in by_worker[w] if not p]
+            if dec:
+                ax.broken_barh(dec, (y - 0.35, 0.7), facecolors="0.75",
+                               label="decode-only step" if "_dec" not in labelled else None)
+                labelled.add("_dec")
+            if pre:
+                ax.broken_barh(pre, (y - 0.35, 0.7), facecolors=wcolor[w], alpha=0.9,
+                               label=f"prefill step on {w}" if w not in labelled else None)
+                labelled.add(w)
+        ax.set_yticks(list(range(len(shown))) + [base + j for j in range(len(workers))])
+        ax.set_yticklabels([str(r.request_id) for r in shown] + [f"[{w}]" for w in workers],
+                           fontsize=7)
+        ax.set_ylim(-0.7, max(base + len(workers) - 0.3, 0.7))
+        if shown:
+            lo = min(r.timeline.get(m.ARRIVED, r.token_times_s[0]) for r in shown) - t0
+            hi = max(r.token_times_s[-1] for r in shown) - t0
+            pad = 0.02 * max(hi - lo, 1e-3)
+            ax.set_xlim(lo - pad, hi + pad)
+        else:
+            ax.text(0.5, 0.5, "no request produced a token", transform=ax.transAxes,
+                    ha="center", va="center")
+        ax.set_title(f"{placement}: token emission ({len(shown)} of {len(recs)} requests) "
+                     "and worker steps")
+        ax.set_xlabel("time since first arrival (s)")
+        ax.set_ylabel("request / [worker]")
+        ax.grid(axis="x", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
+    return _save(fig, path)
+
+
+def plot_breakdown(breakdown_df: pd.DataFrame, path: str | Path) -> Path:
+    """Stacked horizontal bars: mean seconds per stage (``analysis.latency_breakdown``) per
+    placement. A NaN stage is drawn as 0 and named in the bar's label."""
+    df = breakdown_df.reset_index(drop=True)
+    fig, ax = plt.subplots(figsize=(9, 1.5 + 0.7 * max(len(df), 1)))
+    left = np.zeros(len(df))
+    labels = []
+    for _, row in df.iterrows():
+        missing = [_STAGE_LABELS[s] for s in BREAKDOWN_STAGES if math.isnan(float(row[s]))]
+        labels.append(str(row["placement"]) + (f"\n(n/a: {', '.join(missing)})" if missing else ""))
+    for i, stage in enumerate(BREAKDOWN_STAGES):
+        vals = df[stage].astype(float).fillna(0.0).to_numpy() if len(df) else np.zeros(0)
+        ax.barh(range(len(df)), vals, left=left, color=f"C{i}", label=_STAGE_LABELS[stage])
+        left = left + vals
+    for y, total in enumerate(left):
+        ax.text(total, y, f" {total:.3g} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(df)))
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_title("Mean latency breakdown per request")
+    ax.set_xlabel("mean time (s)")
+    ax.set_ylabel("placement")
+    if len(df) and left.max() > 0:
+        ax.set_xlim(0, left.max() * 1.18)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)

@@ -1,0 +1,509 @@
+"""``pdlab profile``: the phase profile of one model on one device, through pdlab's own Engine.
+
+A profile:
+
+1. Prefill: for each prompt length P, a request with P random token ids and ``max_tokens=1``
+   is queued (untimed) and the one ``Engine.step()`` that prefills it whole is timed (the
+   token budget is >= P, so the prompt is not chunked). Time per prompt token = time / P.
+2. Decode vs context: one request (B = 1) is prefilled to context C (untimed), then single
+   decode steps are timed. Each timed step adds one token, so the context grows from C to
+   C + runs; the row is labelled C.
+3. Decode vs batch: B requests at a fixed context are prefilled (untimed), then decode steps
+   over all B are timed; a least-squares line t = a + b*B (``numpy.polyfit``) with its R².
+4. Derived: the cost of a prompt token (prefill time / P at the largest P) over the cost of
+   an output token (decode step at B = 1), and a P x G table of TTFT (= prefill time) and
+   total time (prefill + G-1 decode steps: the first of G output tokens comes from the
+   prefill step) with decode steps estimated from the line fitted to the context sweep.
+
+Every time is ``experiments.timing.measure``: min of N runs after 1 warm-up, median shown.
+Outputs: prefill.csv, decode_context.csv, decode_batch.csv, pg_table.csv, summary.md, profile.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.model import LoadedModel, ModelLoadError, load_model
+from engine.request import Request, SamplingParams
+from experiments.timing import Timing, describe, device_sync, measure
+
+DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
+DEFAULT_CONTEXTS = (16, 64, 256, 1024)
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+DEFAULT_BATCH_CONTEXT = 64
+DEFAULT_PG_PROMPTS = (64, 256, 512)
+DEFAULT_PG_OUTPUTS = (16, 64, 256)
+WARMUP = 1
+
+_request_ids = itertools.count()
+
+
+# ---- fitting ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LinearFit:
+    """Least-squares line ``y = a + b * x`` and its coefficient of determination."""
+
+    a: float
+    b: float
+    r2: float
+
+    def __call__(self, x):
+        return self.a + self.b * np.asarray(x, dtype=float)
+
+
+def fit_linear(x: Sequence[float], y: Sequence[float]) -> LinearFit:
+    """Fit ``y = a + b * x`` by least squares (``numpy.polyfit`` degree 1).
+
+    R² = 1 - SS_res / SS_tot, clipped to [0, 1] (1.0 when y is constant and fitted exactly).
+
+    Raises:
+        ValueError: fewer than two points, or x and y of different lengths.
+    """
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if xs.shape != ys.shape or xs.size < 2:
+        raise ValueError(f"fit needs >= 2 points and x, y of equal length, got {xs.size} and {ys.size}")
+    b, a = np.polyfit(xs, ys, 1)
+    ss_res = float(np.sum((ys - (a + b * xs)) ** 2))
+    ss_tot = float(np.sum((ys - ys.mean()) ** 2))
+    r2 = 1.0 if ss_tot == 0.0 else 1.0 - ss_res / ss_tot
+    return LinearFit(float(a), float(b), float(min(max(r2, 0.0), 1.0)))
+
+
+# ---- measurements ----------------------------------------------------------------------
+def _random_prompt(gen: torch.Generator, vocab_size: int, length: int) -> tuple[int, ...]:
+    low = 3 if vocab_size > 3 else 0  # keep clear of the usual BOS/EOS/PAD ids
+    return tuple(torch.randint(low, vocab_size, (length,), generator=gen).tolist())
+
+
+def _request(gen: torch.Generator, vocab_size: int, prompt_len: int, max_tokens: int) -> Request:
+    return Request(f"profile-{next(_request_ids)}", _random_prompt(gen, vocab_size, prompt_len),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _vocab(loaded: LoadedModel) -> int:
+    return loaded.model.config.vocab_size
+
+
+def _tick(progress) -> None:
+    if progress is not None:
+        progress.update(1)
+
+
+def prefill_engine(loaded: LoadedModel, max_prompt_len: int, device: str = "cpu") -> Engine:
+    """A one-slot engine whose token budget runs a prompt of ``max_prompt_len`` whole."""
+    budget = max(max_prompt_len, 1)
+    return Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=max(max_prompt_len + 1, 2),
+                                       max_num_batched_tokens=budget, device=device))
+
+
+def time_prefill(engine: Engine, prompt_len: int, repeats: int, seed: int = 0) -> Timing:
+    """Time the single ``engine.step()`` that prefills a ``prompt_len``-token prompt whole
+    (and samples its only token); queueing the request is untimed."""
+    gen = torch.Generator().manual_seed(seed)
+    vocab = _vocab(engine.loaded)
+
+    def setup() -> None:
+        engine.add_request(_request(gen, vocab, prompt_len, max_tokens=1))
+
+    def run() -> None:
+        outputs = engine.step()
+        if len(outputs) != 1 or engine.step_records[-1].num_prefill_tokens != prompt_len:
+            raise RuntimeError(f"prefill of {prompt_len} tokens did not run whole in one step")
+
+    timing = measure(run, repeats, setup=setup, warmup=WARMUP,
+                     sync=device_sync(engine.config.device))
+    assert engine.is_empty(), "prefill requests must finish and free their KV"
+    return timing
+
+
+def profile_prefill(loaded: LoadedModel, prompt_lens: Sequence[int], repeats: int,
+                    device: str = "cpu", seed: int = 0, progress=None) -> pd.DataFrame:
+    """Prefill time per prompt length.
+
+    Returns:
+        One row per P: ``prompt_len, prefill_s`` (min), ``prefill_median_s``,
+        ``per_token_s`` (= prefill_s / P), ``num_runs``.
+    """
+    engine = prefill_engine(loaded, max(prompt_lens), device)
+    rows = []
+    for p in prompt_lens:
+        t = time_prefill(engine, p, repeats, seed + p)
+        rows.append({"prompt_len": p, "prefill_s": t.min_s, "prefill_median_s": t.median_s,
+                     "per_token_s": t.min_s / p, "num_runs": t.num_runs})
+        _tick(progress)
+    return pd.DataFrame(rows)
+
+
+def time_decode(loaded: LoadedModel, batch_size: int, context_len: int, repeats: int,
+                device: str = "cpu", seed: int = 0) -> Timing:
+    """Time decode steps of ``batch_size`` requests, each holding ``context_len`` tokens of
+    KV when the first timed step starts (prefill to there is untimed)."""
+    max_tokens = WARMUP + repeats + 2  # never finishes while being timed
+    budget = max(batch_size, min(batch_size * context_len, 4096))
+    engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size,
+                                         max_model_len=context_len + max_tokens,
+                                         max_num_batched_tokens=budget, device=device))
+    gen = torch.Generator().manual_seed(seed)
+    # the prompt is context_len - 1 tokens: its prefill samples one token, so the first
+    # decode step runs with context_len tokens in the KV (context_len - 1 cached + 1 new)
+    requests = [_request(gen, _vocab(loaded), max(context_len - 1, 1), max_tokens)
+                for _ in range(batch_size)]
+    for request in requests:
+        engine.add_request(request)
+    while any(s.is_prefilling or s.num_output_tokens == 0 for s in engine.states.values()):
+        engine.step()
+
+    def run() -> None:
+        outputs = engine.step()
+        record = engine.step_records[-1]
+        if len(outputs) != batch_size or record.num_prefill_tokens != 0:
+            raise RuntimeError(f"decode step ran {len(outputs)} of {batch_size} requests")
+
+    timing = measure(run, repeats, warmup=WARMUP, sync=device_sync(device))
+    for request in requests:
+        engine.abort(request.request_id)
+    assert engine.is_empty()
+    return timing
+
+
+def _decode_row(t: Timing, batch_size: int, context_len: int) -> dict:
+    return {"batch_size": batch_size, "context_len": context_len, "step_s": t.min_s,
+            "step_median_s": t.median_s, "per_token_s": t.min_s / batch_size,
+            "num_runs": t.num_runs}
+
+
+def profile_decode_context(loaded: LoadedModel, contexts: Sequence[int], repeats: int,
+                           device: str = "cpu", seed: int = 0, progress=None) -> pd.DataFrame:
+    """Decode step time at B = 1 against context length.
+
+    Returns:
+        One row per context: ``batch_size, context_len, step_s`` (min), ``step_median_s``,
+        ``per_token_s``, ``num_runs``.
+    """
+    rows = []
+    for c in contexts:
+        rows.append(_decode_row(time_decode(loaded, 1, c, repeats, device, seed + c), 1, c))
+        _tick(progress)
+    return pd.DataFrame(rows)
+
+
+def profile_decode_batch(loaded: LoadedModel, batch_sizes: Sequence[int], context_len: int,
+                         repeats: int, device: str = "cpu", seed: int = 0,
+                         progress=None) -> pd.DataFrame:
+    """Decode step time against batch size at a fixed context; columns as
+    ``profile_decode_context`` (``per_token_s`` = step_s / B)."""
+    rows = []
+    for b in batch_sizes:
+        rows.append(_decode_row(time_decode(loaded, b, context_len, repeats, device, seed + b),
+                                b, context_len))
+        _tick(progress)
+    return pd.DataFrame(rows)
+
+
+# ---- derived ---------------------------------------------------------------------------
+def token_cost_ratio(prefill: pd.DataFrame, decode_batch: pd.DataFrame) -> dict:
+    """A prompt token's cost (prefill_s / P at the largest P) over an output token's cost
+    (decode step at the smallest B, per token)."""
+    big = prefill.loc[prefill["prompt_len"].idxmax()]
+    one = decode_batch.loc[decode_batch["batch_size"].idxmin()]
+    return {"prompt_len": int(big["prompt_len"]), "prompt_token_s": float(big["per_token_s"]),
+            "batch_size": int(one["batch_size"]), "context_len": int(one["context_len"]),
+            "output_token_s": float(one["per_token_s"]),
+            "ratio": float(big["per_token_s"] / one["per_token_s"])}
+
+
+def pg_table(prefill: pd.DataFrame, context_fit: LinearFit, prompt_lens: Sequence[int],
+             output_lens: Sequence[int], min_step_s: float = 0.0) -> pd.DataFrame:
+    """TTFT and total time of one request alone, for each prompt length P and output length G.
+
+    TTFT = measured prefill time of P (must be a row of ``prefill``). The first output token
+    comes out of the prefill step, the other G-1 from decode steps at contexts P+1 .. P+G-1,
+    each estimated by ``context_fit`` (step_s = a + b * context, fitted on the B = 1 sweep)
+    and never below ``min_step_s`` (the fastest measured step: a noisy fit with a negative
+    slope must not extrapolate to shorter steps than any measured one).
+
+    Returns:
+        ``prompt_len, output_len, ttft_s, decode_s, total_s, prompt_share`` (= ttft_s / total_s).
+    """
+    by_p = dict(zip(prefill["prompt_len"], prefill["prefill_s"]))
+    rows = []
+    for p, g in itertools.product(prompt_lens, output_lens):
+        if p not in by_p:
+            raise ValueError(f"prompt length {p} has no measured prefill time")
+        contexts = np.arange(p + 1, p + g)  # G-1 decode steps
+        steps_s = np.maximum(context_fit(contexts), min_step_s)
+        decode_s = float(np.sum(steps_s)) if contexts.size else 0.0
+        total_s = by_p[p] + decode_s
+        rows.append({"prompt_len": p, "output_len": g, "ttft_s": by_p[p], "decode_s": decode_s,
+                     "total_s": total_s, "prompt_share": by_p[p] / total_s})
+    return pd.DataFrame(rows)
+
+
+@dataclass
+class ProfileResult:
+    prefill: pd.DataFrame
+    decode_context: pd.DataFrame
+    decode_batch: pd.DataFrame
+    batch_fit: LinearFit
+    context_fit: LinearFit
+    ratio: dict
+    pg: pd.DataFrame
+    estimator: str
+    notes: list[str]
+
+
+def cap_lengths(loaded: LoadedModel, prompt_lens, contexts, pg_prompts, pg_outputs, batch_context,
+                repeats) -> tuple[list, list, list, list, list[str]]:
+    """Drop sweep points the model's context cannot hold; returns the kept lists and notes."""
+    limit = loaded.max_context_len
+    decode_room = WARMUP + repeats + 2
+    notes = []
+
+    def keep(name, values, fits):
+        kept = [v for v in values if fits(v)]
+        if len(kept) < len(values):
+            notes.append(f"{name}: dropped {[v for v in values if not fits(v)]} "
+                         f"(model context {limit} tokens)")
+        return kept
+
+    prompt_lens = keep("prompt lengths", prompt_lens, lambda p: p + 1 <= limit)
+    contexts = keep("decode contexts", contexts, lambda c: c + decode_room <= limit)
+    pg_prompts = keep("P x G prompts", pg_prompts, lambda p: p + 1 <= limit)
+    pg_outputs = keep("P x G outputs", pg_outputs,
+                      lambda g: max(pg_prompts, default=0) + g <= limit)
+    if batch_context + decode_room > limit:
+        raise ValueError(f"batch context {batch_context} + {decode_room} decode steps exceeds "
+                         f"the model context {limit}")
+    return prompt_lens, contexts, pg_prompts, pg_outputs, notes
+
+
+def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=DEFAULT_CONTEXTS,
+                batch_sizes=DEFAULT_BATCH_SIZES, batch_context: int = DEFAULT_BATCH_CONTEXT,
+                pg_prompts=DEFAULT_PG_PROMPTS, pg_outputs=DEFAULT_PG_OUTPUTS, repeats: int = 5,
+                device: str = "cpu", seed: int = 0, show_progress: bool = True) -> ProfileResult:
+    """The whole profile (module docstring). Prefill is measured for ``prompt_lens`` and the
+    P x G prompts together (prefill rows = their union, sorted)."""
+    from tqdm import tqdm
+
+    prompt_lens, contexts, pg_prompts, pg_outputs, notes = cap_lengths(
+        loaded, list(prompt_lens), list(contexts), list(pg_prompts), list(pg_outputs),
+        batch_context, repeats)
+    if len(contexts) < 2 or len(batch_sizes) < 2 or not prompt_lens:
+        raise ValueError("need >= 1 prompt length, >= 2 decode contexts and >= 2 batch sizes "
+                         "(after capping by the model context)")
+    all_prompts = sorted(set(prompt_lens) | set(pg_prompts))
+    total = len(all_prompts) + len(contexts) + len(batch_sizes)
+    with tqdm(total=total, desc="profile", unit="point", disable=not show_progress,
+              file=sys.stderr) as bar:
+        prefill = profile_prefill(loaded, all_prompts, repeats, device, seed, bar)
+        decode_context = profile_decode_context(loaded, contexts, repeats, device, seed, bar)
+        decode_batch = profile_decode_batch(loaded, batch_sizes, batch_context, repeats, device,
+                                            seed, bar)
+    batch_fit = fit_linear(decode_batch["batch_size"], decode_batch["step_s"])
+    context_fit = fit_linear(decode_context["context_len"], decode_context["step_s"])
+    ratio = token_cost_ratio(prefill[prefill["prompt_len"].isin(prompt_lens)], decode_batch)
+    pg = pg_table(prefill, context_fit, pg_prompts, pg_outputs,
+                  min_step_s=float(decode_context["step_s"].min()))
+    return ProfileResult(prefill, decode_context, decode_batch, batch_fit, context_fit, ratio,
+                         pg, describe(repeats, WARMUP), notes)
+
+
+# ---- output ----------------------------------------------------------------------------
+def markdown_table(df: pd.DataFrame, float_format: str = "{:.6g}") -> str:
+    """A GitHub markdown table (no tabulate needed)."""
+    def cell(v):
+        return float_format.format(v) if isinstance(v, (float, np.floating)) else str(v)
+
+    lines = ["| " + " | ".join(map(str, df.columns)) + " |",
+             "|" + "|".join("---" for _ in df.columns) + "|"]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def _fit_text(name: str, fit: LinearFit, x: str) -> str:
+    return f"{name}: step_s = {fit.a:.6g} + {fit.b:.6g} * {x}   (R^2 = {fit.r2:.4f})"
+
+
+def _ratio_text(ratio: dict) -> str:
+    return (f"prompt token / output token cost: {ratio['ratio']:.4g} "
+            f"(prefill {ratio['prompt_token_s'] * 1e3:.4g} ms/token at P={ratio['prompt_len']}; "
+            f"decode {ratio['output_token_s'] * 1e3:.4g} ms/token at B={ratio['batch_size']}, "
+            f"context {ratio['context_len']})")
+
+
+def summary_markdown(result: ProfileResult, header: str) -> str:
+    r = result
+    parts = [f"# pdlab profile\n\n{header}\n\nEstimator: {r.estimator}.\n",
+             "## Prefill (one step, whole prompt)\n", markdown_table(r.prefill),
+             "\n## Decode step vs context (B = 1)\n", markdown_table(r.decode_context),
+             "\n" + _fit_text("context fit", r.context_fit, "context") + "\n",
+             "\n## Decode step vs batch size\n", markdown_table(r.decode_batch),
+             "\n" + _fit_text("batch fit", r.batch_fit, "B") + "\n",
+             "\n## Prompt vs output token\n", _ratio_text(r.ratio) + "\n",
+             "\n## P x G (one request alone)\n",
+             "TTFT = measured prefill; total = TTFT + (G-1) decode steps estimated from the "
+             "context fit, floored at the fastest measured step (the first of G output "
+             "tokens comes from the prefill step).\n",
+             markdown_table(r.pg)]
+    if r.notes:
+        parts.append("\n## Notes\n\n" + "\n".join(f"- {n}" for n in r.notes))
+    return "\n".join(parts) + "\n"
+
+
+def plot_profile(result: ProfileResult, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    db = result.decode_batch
+    ax1.plot(db["batch_size"], db["step_s"] * 1e3, "o", label="measured (min)")
+    xs = np.linspace(db["batch_size"].min(), db["batch_size"].max(), 100)
+    f = result.batch_fit
+    ax1.plot(xs, f(xs) * 1e3, "-", label=f"fit {f.a * 1e3:.3g} + {f.b * 1e3:.3g}·B ms, R²={f.r2:.3f}")
+    ax1.set(xlabel="batch size B", ylabel="decode step (ms)",
+            title=f"decode step vs B (context {int(db['context_len'].iloc[0])})")
+    ax1.legend(fontsize=8)
+    pf = result.prefill
+    ax2.plot(pf["prompt_len"], pf["prefill_s"] * 1e3, "o-")
+    ax2.set(xlabel="prompt length P (tokens)", ylabel="prefill (ms)", title="prefill vs P",
+            xscale="log", yscale="log")
+    fig.suptitle(f"{title} — {result.estimator}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ---- CLI -------------------------------------------------------------------------------
+def int_list(text: str) -> tuple[int, ...]:
+    """argparse type: comma-separated positive integers."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated positive integers (e.g. 16,64,256), got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def device_arg(text: str) -> str:
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"must be 'cpu' or 'cuda:i' (e.g. cuda:0), got {text!r}")
+    return text
+
+
+def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
+    """Options shared by ``pdlab profile`` and ``pdlab kv-cost``."""
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="smollm2-135m, tiny-random-llama, or a local HF model directory "
+                             "(default: smollm2-135m)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="(default: float32)")
+    parser.add_argument("--device", default="cpu", type=device_arg,
+                        help="cpu or cuda:i (default: cpu)")
+    parser.add_argument("--repeats", default=5, type=positive_int,
+                        help="timed runs per point after 1 warm-up; the estimator is their "
+                             "minimum (default: 5)")
+    parser.add_argument("--seed", default=0, type=int, help="random prompt ids (default: 0)")
+    parser.add_argument("--out", default=None,
+                        help=f"output directory (default: results/{default_out}-<timestamp>)")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pdlab profile``."""
+    add_common_arguments(parser, "profile")
+    parser.add_argument("--prompt-lens", type=int_list, default=DEFAULT_PROMPT_LENS,
+                        help="prefill sweep P (default: 1,4,16,64,128,256,512)")
+    parser.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS,
+                        help="decode contexts at B=1 (default: 16,64,256,1024)")
+    parser.add_argument("--batch-sizes", type=int_list, default=DEFAULT_BATCH_SIZES,
+                        help="decode batch sizes (default: 1,2,4,8,16,32)")
+    parser.add_argument("--batch-context", type=positive_int, default=DEFAULT_BATCH_CONTEXT,
+                        help="context of the batch sweep (default: 64)")
+    parser.add_argument("--pg-prompts", type=int_list, default=DEFAULT_PG_PROMPTS,
+                        help="P of the P x G table (default: 64,256,512)")
+    parser.add_argument("--pg-outputs", type=int_list, default=DEFAULT_PG_OUTPUTS,
+                        help="G of the P x G table (default: 16,64,256)")
+
+
+def out_dir(args: argparse.Namespace, name: str) -> Path:
+    path = Path(args.out) if args.out else Path("results") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def load_for(args: argparse.Namespace) -> LoadedModel | None:
+    """Load the model of ``args``; prints the error and returns None when it cannot."""
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"error: --device {args.device}: CUDA is not available here (use cpu)", file=sys.stderr)
+        return None
+    try:
+        return load_model(ModelConfig(args.model, args.dtype), device=args.device)
+    except (ModelLoadError, ValueError) as err:
+        print(f"error: --model {args.model}: {err}", file=sys.stderr)
+        return None
+
+
+def run_header(loaded: LoadedModel, args: argparse.Namespace) -> str:
+    threads = torch.get_num_threads()
+    return (f"model {loaded.name} ({args.dtype}), device {args.device}, torch {torch.__version__}, "
+            f"{threads} intra-op threads")
+
+
+def main(args: argparse.Namespace) -> int:
+    loaded = load_for(args)
+    if loaded is None:
+        return 2
+    try:
+        result = run_profile(loaded, args.prompt_lens, args.contexts, args.batch_sizes,
+                             args.batch_context, args.pg_prompts, args.pg_outputs, args.repeats,
+                             args.device, args.seed)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = out_dir(args, "profile")
+    header = run_header(loaded, args)
+    result.prefill.to_csv(out / "prefill.csv", index=False)
+    result.decode_context.to_csv(out / "decode_context.csv", index=False)
+    result.decode_batch.to_csv(out / "decode_batch.csv", index=False)
+    result.pg.to_csv(out / "pg_table.csv", index=False)
+    (out / "summary.md").write_text(summary_markdown(result, header))
+    plot_profile(result, out / "profile.png", header)
+    print(f"{header}\nestimator: {result.estimator}\n")
+    print("prefill:\n" + result.prefill.to_string(index=False) + "\n")
+    print("decode vs context (B=1):\n" + result.decode_context.to_string(index=False))
+    print(_fit_text("context fit", result.context_fit, "context") + "\n")
+    print("decode vs batch size:\n" + result.decode_batch.to_string(index=False))
+    print(_fit_text("batch fit", result.batch_fit, "B") + "\n")
+    print(_ratio_text(result.ratio) + "\n")
+    print("P x G (TTFT = prefill; total = TTFT + (G-1) estimated decode steps):\n"
+          + result.pg.to_string(index=False))
+    for note in result.notes:
+        print(f"note: {note}")
+    print(f"\nwrote {out}/: prefill.csv decode_context.csv decode_batch.csv pg_table.csv "
+          "summary.md profile.png")
+    return 0

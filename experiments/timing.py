@@ -1,0 +1,109 @@
+"""The one timing estimator every pdlab measurement script uses.
+
+A measurement:
+
+1. ``setup()`` (untimed) prepares one run, e.g. queues a request in an engine.
+2. ``run()`` is timed with ``time.perf_counter`` (on CUDA the device is synchronized before
+   the clock starts and before it stops, so queued kernels are counted).
+3. ``teardown()`` (untimed) cleans up after the run.
+4. One warm-up run comes first and is discarded; then ``repeats`` timed runs.
+
+The estimator is the **minimum** of the timed runs (the run least disturbed by the rest of the
+machine); the median is reported beside it to show the spread. Output names it with
+``describe(repeats)``: "min of N runs after 1 warm-up; median shown".
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+ESTIMATOR = "min of {n} runs after {w} warm-up; median shown"
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds of ``num_runs`` timed runs of one callable.
+
+    Attributes:
+        min_s: the estimator (fastest run).
+        median_s: the median run, shown beside it.
+        num_runs: timed runs (warm-up excluded).
+        samples_s: every timed run, in order.
+    """
+
+    min_s: float
+    median_s: float
+    num_runs: int
+    samples_s: tuple[float, ...]
+
+
+def describe(repeats: int, warmup: int = 1) -> str:
+    """The estimator's name as printed beside every table."""
+    return ESTIMATOR.format(n=repeats, w=warmup)
+
+
+def device_sync(device: str) -> Callable[[], None] | None:
+    """A callable that waits for ``device`` to finish queued work (CUDA), or None (CPU)."""
+    if not device.startswith("cuda"):
+        return None
+    import torch  # local import: the estimator itself needs no torch
+
+    return lambda: torch.cuda.synchronize(device)
+
+
+def measure(run: Callable[[], object], repeats: int, *,
+            setup: Callable[[], object] | None = None,
+            teardown: Callable[[], object] | None = None,
+            warmup: int = 1, sync: Callable[[], None] | None = None,
+            clock: Callable[[], float] = time.perf_counter) -> Timing:
+    """Time ``run`` ``repeats`` times after ``warmup`` discarded runs.
+
+    Args:
+        run: the callable to time.
+        repeats: timed runs (>= 1).
+        setup, teardown: untimed, called before / after every run (warm-up included).
+        warmup: discarded runs first (>= 0).
+        sync: called before starting and before stopping the clock (``device_sync``).
+        clock: seconds as a float (``time.perf_counter``; tests pass a fake clock).
+
+    Returns:
+        ``Timing`` with min (the estimator) and median of the timed runs.
+
+    Raises:
+        ValueError: ``repeats < 1`` or ``warmup < 0``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    samples_s: list[float] = []
+    for i in range(warmup + repeats):
+        if setup is not None:
+            setup()
+        if sync is not None:
+            sync()
+        start_s = clock()
+        run()
+        if sync is not None:
+            sync()
+        elapsed_s = clock() - start_s
+        if teardown is not None:
+            teardown()
+        if i >= warmup:
+            samples_s.append(elapsed_s)
+    return summarize(samples_s)
+
+
+def summarize(samples_s) -> Timing:
+    """The estimator over timed runs collected elsewhere (e.g. across two processes).
+
+    Raises:
+        ValueError: no samples.
+    """
+    samples_s = tuple(float(s) for s in samples_s)
+    if not samples_s:
+        raise ValueError("summarize needs at least one timed run")
+    return Timing(min(samples_s), statistics.median(samples_s), len(samples_s), samples_s)

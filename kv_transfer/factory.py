@@ -1,0 +1,38 @@
+"""Build the transport a ``TransferConfig`` names, optionally wrapped in fault injection."""
+
+from __future__ import annotations
+
+from engine.config import TransferConfig
+from kv_transfer.faults import FaultyTransport
+from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.transport import Transport
+
+
+def make_transport(config: TransferConfig, faults: dict | None = None, rank: int | None = None,
+                   world_size: int | None = None, init_method: str | None = None,
+                   device: str = "cpu") -> Transport:
+    """The transport of ``config.transport``; ``faults`` (FaultyTransport keyword arguments,
+    e.g. ``{"corrupt": True, "only_request_ids": ["r3"]}``) wraps it for tests/experiments.
+
+    ``torchdist`` needs ``rank``, ``world_size`` and ``init_method``; it uses NCCL when
+    ``device`` is a CUDA device, gloo otherwise.
+
+    Raises:
+        ValueError: torchdist without its rank set-up.
+    """
+    if config.transport == "inprocess":
+        transport: Transport = InProcessTransport(checksum=config.checksum)
+    elif config.transport == "ray":
+        from kv_transfer.ray_store import RayObjectStoreTransport
+
+        transport = RayObjectStoreTransport(checksum=config.checksum)
+    else:
+        if rank is None or world_size is None:
+            raise ValueError("transport 'torchdist' needs rank and world_size (set by the placement)")
+        from kv_transfer.torchdist import TorchDistributedTransport
+
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        transport = TorchDistributedTransport(rank, world_size, backend, init_method, device,
+                                              checksum=config.checksum,
+                                              init_timeout_s=config.timeout_s)
+    return FaultyTransport(transport, **faults) if faults else transport

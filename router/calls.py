@@ -1,0 +1,55 @@
+"""How the router calls workers: an interface with a thread-based implementation.
+
+The router never imports Ray. It calls ``calls.call(worker, method, *args)`` and gets a
+pending call; ``ready(pending, timeout_s)`` returns those that finished and
+``result(pending)`` their value, raising ``WorkerDied`` when the worker is gone.
+``experiments/placement.py`` provides the Ray implementation; ``LocalCalls`` runs plain
+worker objects in this process (tests, the in-process transport).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+from typing import Any, Protocol
+
+
+class WorkerDied(RuntimeError):
+    """The worker process is gone; every request it held has failed."""
+
+
+class Calls(Protocol):
+    def call(self, worker: Any, method: str, *args: Any) -> Any: ...
+
+    def ready(self, pending: list[Any], timeout_s: float) -> list[Any]: ...
+
+    def result(self, pending: Any) -> Any: ...
+
+
+class LocalCalls:
+    """Calls plain worker objects on a thread pool (each long poll holds one thread)."""
+
+    def __init__(self, max_threads: int = 32) -> None:
+        self._pool = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="call")
+        self.dead: set[int] = set()  # ids of workers tests have "killed"
+
+    def call(self, worker: Any, method: str, *args: Any) -> cf.Future:
+        if id(worker) in self.dead:
+            future: cf.Future = cf.Future()
+            future.set_exception(WorkerDied(f"worker {getattr(worker, 'name', worker)} is dead"))
+            return future
+        return self._pool.submit(getattr(worker, method), *args)
+
+    def ready(self, pending: list[cf.Future], timeout_s: float) -> list[cf.Future]:
+        done, _ = cf.wait(pending, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)
+        return list(done)
+
+    def result(self, pending: cf.Future) -> Any:
+        return pending.result()
+
+    def kill(self, worker: Any) -> None:
+        """Simulate a worker death: its calls now raise WorkerDied and its loop stops."""
+        self.dead.add(id(worker))
+        worker.shutdown()
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
