@@ -38,13 +38,16 @@ class EngineLoop:
         device: ``cpu:i``, ``cpu:a-b`` or ``cuda:i``; the process pins itself to it.
         inside_ray: the process is a Ray actor (changes how a CUDA device is named).
         bind: pin the process to ``device`` (off when several workers share one process).
+        step_delay_s: sleep this long after every step: a straggler, for failure tests.
     """
 
     role = "colocated"
 
     def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
-                 device: str = "cpu:0", inside_ray: bool = False, bind: bool = True) -> None:
+                 device: str = "cpu:0", inside_ray: bool = False, bind: bool = True,
+                 step_delay_s: float = 0.0) -> None:
         self.name = name
+        self.step_delay_s = step_delay_s
         self.device = device
         torch_device = bind_device(device, inside_ray) if bind else "cpu"
         engine_config = EngineConfig(**{**engine_config.__dict__, "device": torch_device})
@@ -108,6 +111,8 @@ class EngineLoop:
                 continue
             num_steps = len(self.engine.step_records)
             outputs = self.engine.step()
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             for request_id, error in self.engine.pop_failed():
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
             if outputs:

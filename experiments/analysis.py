@@ -75,8 +75,9 @@ def summary_row(placement: str, rate: float, records: Sequence[RequestRecord], s
 
 
 def summary_table(runs: Sequence[Run], slo: SLO | None) -> pd.DataFrame:
-    """One row per ``(placement, rate, records)`` run, in the given order."""
-    rows = [summary_row(p, rate, recs, slo) for p, rate, recs in runs]
+    """One row per ``(placement, rate, records)`` run, in the given order. A run may carry a
+    4th element, its ``duration_s`` (default: last finish - first arrival)."""
+    rows = [summary_row(run[0], run[1], run[2], slo, *run[3:4]) for run in runs]
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS + EXTRA_COLUMNS)
 
 

@@ -120,7 +120,8 @@ class Deployment:
         placement: placement, device set and Ray address.
         model, engine, transfer: as every worker gets them.
         local: build workers in this process instead of as Ray actors.
-        faults: worker name -> FaultyTransport arguments (tests and fault experiments).
+        faults: worker name -> FaultyTransport arguments, plus ``step_delay_s`` for a
+            straggler worker (tests and fault experiments).
         policy: router policy.
         deadline_s: router deadline; default: the transfer timeout plus 5 s, so a
             transfer's own timeout error arrives first.
@@ -163,14 +164,14 @@ class Deployment:
     # ---- construction -----------------------------------------------------------------
     def _worker_args(self, name: str, role: str, device: str, faults: dict, rank: int,
                      init_method: str | None) -> tuple[type, dict]:
+        worker_faults = dict(faults.get(name) or {})
+        common = {"name": name, "model_config": self.model, "engine_config": self.engine,
+                  "device": device, "step_delay_s": worker_faults.pop("step_delay_s", 0.0)}
         if role == "colocated":
-            return EngineLoop, {"name": name, "model_config": self.model,
-                                "engine_config": self.engine, "device": device}
+            return EngineLoop, common
         cls = PrefillWorker if role == "prefill" else DecodeWorker
-        return cls, {"name": name, "model_config": self.model, "engine_config": self.engine,
-                     "transfer_config": self.transfer, "device": device,
-                     "faults": faults.get(name), "rank": rank, "world_size": len(self.layout),
-                     "init_method": init_method}
+        return cls, {**common, "transfer_config": self.transfer, "faults": worker_faults or None,
+                     "rank": rank, "world_size": len(self.layout), "init_method": init_method}
 
     def _start_local(self, faults: dict) -> None:
         shared = InProcessTransport(checksum=self.transfer.checksum)
@@ -182,8 +183,7 @@ class Deployment:
 
     def _start_ray(self, faults: dict) -> None:
         if not ray.is_initialized():
-            init: dict[str, Any] = {"include_dashboard": False, "log_to_driver": False,
-                                    "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
+            init = ray_init_kwargs()
             if self.placement.address:
                 init["address"] = self.placement.address
             else:
@@ -269,6 +269,12 @@ class Deployment:
 
 def _with_faults(transport, faults: dict | None):
     return FaultyTransport(transport, **faults) if faults else transport
+
+
+def ray_init_kwargs() -> dict[str, Any]:
+    """How pdlab starts or joins Ray (tests that start Ray themselves use the same)."""
+    return {"include_dashboard": False, "log_to_driver": False,
+            "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
 
 
 def _pythonpath() -> str:

@@ -66,6 +66,7 @@ def plot_cdfs(records_by_placement: Mapping[str, Sequence[RequestRecord]],
         ax.set_xlabel(f"{name} (s)")
         ax.set_ylabel("fraction of requests")
         ax.set_ylim(0, 1.02)
+        ax.ticklabel_format(axis="x", useOffset=False)
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
     return _save(fig, path)
@@ -208,16 +209,17 @@ def plot_breakdown(breakdown_df: pd.DataFrame, path: str | Path) -> Path:
         vals = df[stage].astype(float).fillna(0.0).to_numpy() if len(df) else np.zeros(0)
         ax.barh(range(len(df)), vals, left=left, color=f"C{i}", label=_STAGE_LABELS[stage])
         left = left + vals
-    for y, total in enumerate(left):
-        ax.text(total, y, f" {total:.3g} s", va="center", fontsize=8)
+    counts = df["num_requests"].tolist() if "num_requests" in df else [None] * len(df)
+    for y, (total, n) in enumerate(zip(left, counts)):
+        txt = " no completed request" if n == 0 else f" {total:.3g} s"
+        ax.text(total, y, txt, va="center", fontsize=8)
     ax.set_yticks(range(len(df)))
     ax.set_yticklabels(labels, fontsize=8)
     ax.invert_yaxis()
     ax.set_title("Mean latency breakdown per request")
     ax.set_xlabel("mean time (s)")
     ax.set_ylabel("placement")
-    if len(df) and left.max() > 0:
-        ax.set_xlim(0, left.max() * 1.18)
+    ax.set_xlim(0, left.max() * 1.18 if len(df) and left.max() > 0 else 1.0)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)

@@ -429,6 +429,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> N
                         help="timed runs per point after 1 warm-up; the estimator is their "
                              "minimum (default: 5)")
     parser.add_argument("--seed", default=0, type=int, help="random prompt ids (default: 0)")
+    parser.add_argument("--threads", default=None, type=positive_int,
+                        help="torch intra-op threads (default: torch's own choice); 1 is "
+                             "steadier on a shared CPU")
     parser.add_argument("--out", default=None,
                         help=f"output directory (default: results/{default_out}-<timestamp>)")
 
@@ -457,7 +460,10 @@ def out_dir(args: argparse.Namespace, name: str) -> Path:
 
 
 def load_for(args: argparse.Namespace) -> LoadedModel | None:
-    """Load the model of ``args``; prints the error and returns None when it cannot."""
+    """Apply ``--threads`` and load the model of ``args``; prints the error and returns None
+    when it cannot."""
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: CUDA is not available here (use cpu)", file=sys.stderr)
         return None

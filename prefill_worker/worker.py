@@ -41,14 +41,17 @@ class PrefillWorker(EngineLoop):
                  transport: Transport | None = None, faults: dict | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  init_method: str | None = None, inside_ray: bool = False,
-                 bind: bool = True) -> None:
+                 bind: bool = True, step_delay_s: float = 0.0) -> None:
         self.transfer = transfer_config
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, device)
         self._dst_rank: dict[str, int | None] = {}
         self._layer_handles: dict[str, list[KVHandle]] = {}
         self._put_errors: dict[str, Exception] = {}  # layer-wise puts that failed mid-step
-        super().__init__(name, model_config, engine_config, device, inside_ray, bind)
+        # In-process KV outlives a "dead" worker object, so it is dropped on shutdown (as a
+        # dead Ray owner's objects are). Never kept for Ray: a held ObjectRef pins the object.
+        self._sent: list[KVHandle] = []
+        super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s)
         if transfer_config.granularity == "layer":
             self.engine.on_layer_done = self._put_layers
 
@@ -62,6 +65,12 @@ class PrefillWorker(EngineLoop):
 
     def status(self) -> dict:
         return {**super().status(), "transport_held": self.call(self.transport.num_held)}
+
+    def shutdown(self) -> None:
+        """Stop; like a dead Ray owner, drop every KV put here (freeing twice is harmless)."""
+        super().shutdown()
+        for handle in self._sent:
+            self.transport.free(handle)
 
     def transfer_records(self) -> list[dict]:
         return [r.__dict__ for r in self.transport.records]
@@ -91,6 +100,8 @@ class PrefillWorker(EngineLoop):
                 self.emit(WorkerEvent(ERROR, rid, self.name, time.time(),
                                       error=f"KV put failed: {type(err).__name__}: {err}"))
                 continue
+            if self.transport.name == "inprocess":
+                self._sent.extend(handles)
             first = token_event(self.name, out, **{KV_PUT: time.time()})
             self.emit(WorkerEvent(PREFILLED, rid, self.name, out.time_s, token_id=out.token_id,
                                   index=0, kv_handles=tuple(handles),

@@ -72,6 +72,9 @@ def test_summary_columns_first_in_order():
     assert a.SUMMARY_COLUMNS[0] == "placement" and a.SUMMARY_COLUMNS[-1] == "prefill_p50_s"
     assert len(df) == 4
     assert list(df["placement"]) == [COLO, COLO, DIS, DIS]
+    # an explicit run duration (4th element) sets the rates
+    d = a.summary_table([(COLO, 2.0, colocated_records(), 3.0)], SLO_).iloc[0]
+    assert d["duration_s"] == 3.0 and d["throughput_req_s"] == pytest.approx(1.0)
 
 
 def test_summary_values_by_hand_colocated():

@@ -1,0 +1,129 @@
+"""Placements in one process (plain worker objects, in-process transport): outputs equal
+generate(), timelines are complete, failures end requests with a named cause, nothing leaks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
+
+from engine import metrics
+from engine.config import ModelConfig, PlacementConfig, TransferConfig
+from engine.request import Request, SamplingParams
+from experiments.placement import Deployment
+
+TINY = ModelConfig("tiny-random-llama")
+
+
+def deploy(placement, granularity="request", faults=None, timeout_s=5.0, devices="cpu:0,cpu:1"):
+    return Deployment(PlacementConfig(placement, devices), TINY, ENGINE,
+                      TransferConfig(transport="inprocess", granularity=granularity,
+                                     layers_per_chunk=1, timeout_s=timeout_s),
+                      local=True, faults=faults)
+
+
+@pytest.mark.parametrize("placement,granularity", [
+    ("colocated:2", "request"), ("disagg:1p1d", "request"), ("disagg:1p1d", "layer"),
+])
+def test_greedy_through_placement(tiny, placement, granularity):
+    workload, expected = mixed_workload(tiny)
+    with deploy(placement, granularity) as deployment:
+        records = deployment.run(workload)
+        assert_outputs(records, expected)
+        assert_clean(deployment)
+    for record in records:
+        assert record.placement == placement
+        for event in (metrics.ARRIVED, metrics.PREFILL_QUEUED, metrics.PREFILL_STARTED,
+                      metrics.PREFILL_FINISHED, metrics.FINISHED):
+            assert event in record.timeline
+        if placement.startswith("disagg"):
+            assert record.kv_bytes == 2 * 2 * 2 * 16 * record.num_prompt_tokens * 4
+            times = [record.timeline[e] for e in (metrics.ARRIVED, metrics.PREFILL_STARTED,
+                     metrics.PREFILL_FINISHED, metrics.KV_PUT, metrics.KV_GOT,
+                     metrics.DECODE_ADMITTED, metrics.FINISHED)]
+            assert times == sorted(times)
+            assert record.kv_transfer_s > 0
+
+
+def test_many_concurrent_requests_never_mix_kv(tiny):
+    workload, expected = mixed_workload(tiny, num_requests=18, max_tokens=12, spacing_s=0.003)
+    with Deployment(PlacementConfig("disagg:2p1d", "cpu:0,cpu:1,cpu:0-1"), TINY, ENGINE,
+                    TransferConfig(transport="inprocess", timeout_s=5), local=True) as deployment:
+        records = deployment.run(workload)
+        assert_outputs(records, expected)
+        assert {r.prefill_worker for r in records} == {"prefill-0", "prefill-1"}
+        assert_clean(deployment)
+
+
+def test_bad_request_fails_alone(tiny):
+    workload, expected = mixed_workload(tiny, num_requests=4)
+    too_long = Request("long", tuple(range(3, 123)), SamplingParams(max_tokens=20))
+    bad_token = Request("vocab", (5, 999), SamplingParams(max_tokens=2))
+    with deploy("disagg:1p1d") as deployment:
+        records = deployment.run(workload + [(too_long, 0.0), (bad_token, 0.0)])
+        by_id = {r.request_id: r for r in records}
+        assert "exceeds the context length 128" in by_id["long"].error
+        assert "prompt_token_ids must be in [0, 256)" in by_id["vocab"].error
+        assert_outputs([by_id[f"r{i}"] for i in range(4)], expected)
+        assert_clean(deployment)
+
+
+@pytest.mark.parametrize("fault,cause", [
+    ({"fail": True}, "injected put failure"),
+    ({"corrupt": True}, "KVChecksumError"),
+    ({"delay_s": 10.0}, "TransferTimeout"),
+    ({"drop": True}, "TransferTimeout"),
+])
+def test_transfer_faults_fail_only_their_request(tiny, fault, cause):
+    workload, expected = mixed_workload(tiny, num_requests=6)
+    on = "decode-0" if "delay_s" in fault or "drop" in fault else "prefill-0"
+    start = time.time()
+    with deploy("disagg:1p1d", faults={on: {**fault, "only_request_ids": ["r2"]}},
+                timeout_s=1.0) as deployment:
+        records = deployment.run(workload)
+        assert_clean(deployment)
+    by_id = {r.request_id: r for r in records}
+    assert cause in by_id["r2"].error
+    # A failed put fails the request at the prefill worker; later faults come after the
+    # first token has already left the router.
+    assert by_id["r2"].output_token_ids == ([] if "fail" in fault else expected["r2"][:1])
+    assert_outputs([r for r in records if r.request_id != "r2"], expected)
+    assert time.time() - start < 10
+
+
+def test_dead_decode_worker_fails_its_requests_within_deadline(tiny):
+    workload, expected = mixed_workload(tiny, num_requests=6, max_tokens=60)
+    with deploy("disagg:1p2d", faults={"decode-0": {"step_delay_s": 0.05}},
+                devices="cpu:0,cpu:1,cpu:0-1") as deployment:
+        threading.Timer(0.5, deployment.kill, ["decode-0"]).start()
+        start = time.time()
+        records = deployment.run(workload)
+        assert time.time() - start < 10
+        failed = [r for r in records if r.error]
+        assert failed and all(r.decode_worker == "decode-0" for r in failed)
+        assert all("decode worker decode-0 died" in r.error for r in failed)
+        assert_outputs([r for r in records if not r.error], expected)
+        assert_clean(deployment)  # the live workers hold nothing
+
+
+def test_dead_prefill_worker_fails_its_requests_and_router_goes_on(tiny):
+    workload, expected = mixed_workload(tiny, num_requests=8, spacing_s=0.1)
+    with deploy("disagg:2p1d", faults={"prefill-0": {"step_delay_s": 0.3}},
+                devices="cpu:0,cpu:1,cpu:0-1") as deployment:
+        threading.Timer(0.15, deployment.kill, ["prefill-0"]).start()
+        records = deployment.run(workload)
+        failed = [r for r in records if r.error]
+        assert failed and all("prefill-0" in r.error for r in failed)
+        done = [r for r in records if not r.error]
+        assert len(done) >= 4 and all(r.prefill_worker == "prefill-1" for r in done)
+        assert_outputs(done, expected)
+        assert_clean(deployment)
+
+
+def test_too_many_devices_is_a_clear_error():
+    with pytest.raises(ValueError, match="needs 3 devices, the device set cpu:0,cpu:1 has 2"):
+        deploy("disagg:2p1d")
+    with pytest.raises(ValueError, match="device cpu:7 does not exist"):
+        deploy("colocated:1", devices="cpu:7")

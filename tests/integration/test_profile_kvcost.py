@@ -1,0 +1,209 @@
+"""`pdlab profile` and `pdlab kv-cost` on the tiny model; the estimator and the fit on synthetic data."""
+
+import argparse
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from experiments import kv_cost, profile
+from experiments.timing import describe, measure, summarize
+
+REPEATS = 2
+
+
+# ---- estimator -------------------------------------------------------------------------
+def test_measure_counts_runs_and_reports_min_and_median():
+    durations = iter([5.0, 3.0, 1.0, 2.0])  # warm-up first, then three timed runs
+    now = [0.0]
+    events = []
+
+    def clock():
+        return now[0]
+
+    def run():
+        events.append("run")
+        now[0] += next(durations)
+
+    timing = measure(run, 3, setup=lambda: events.append("setup"),
+                     teardown=lambda: events.append("teardown"), clock=clock)
+    assert events == ["setup", "run", "teardown"] * 4  # 1 warm-up + 3 timed
+    assert timing.num_runs == 3 and timing.samples_s == (3.0, 1.0, 2.0)
+    assert timing.min_s == 1.0 and timing.median_s == 2.0 and timing.min_s <= timing.median_s
+
+
+def test_measure_with_real_clock_and_sync():
+    syncs = []
+    timing = measure(lambda: sum(range(1000)), 4, sync=lambda: syncs.append(1))
+    assert timing.num_runs == 4 and 0 < timing.min_s <= timing.median_s
+    assert len(syncs) == 2 * 5  # before start and before stop, warm-up included
+    assert describe(4) == "min of 4 runs after 1 warm-up; median shown"
+
+
+def test_measure_rejects_bad_counts():
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        measure(lambda: None, 0)
+    with pytest.raises(ValueError, match="warmup must be >= 0"):
+        measure(lambda: None, 1, warmup=-1)
+    with pytest.raises(ValueError, match="at least one"):
+        summarize([])
+
+
+# ---- fit -------------------------------------------------------------------------------
+def test_fit_reproduces_exact_line():
+    batch = np.array([1, 2, 4, 8, 16, 32])
+    fit = profile.fit_linear(batch, 0.5 + 0.1 * batch)
+    assert fit.a == pytest.approx(0.5, abs=1e-12) and fit.b == pytest.approx(0.1, abs=1e-12)
+    assert fit.r2 == pytest.approx(1.0, abs=1e-12)
+    assert fit(10) == pytest.approx(1.5)
+
+
+def test_fit_r2_in_unit_interval():
+    rng = np.random.default_rng(0)
+    x = np.arange(1, 33)
+    noisy = profile.fit_linear(x, 0.5 + 0.1 * x + rng.normal(0, 1.0, x.size))
+    assert 0.0 <= noisy.r2 <= 1.0
+    assert 0.0 <= profile.fit_linear(x, rng.normal(size=x.size)).r2 <= 1.0
+    assert profile.fit_linear([1, 2, 3], [2.0, 2.0, 2.0]).r2 == 1.0  # constant, fitted exactly
+    with pytest.raises(ValueError):
+        profile.fit_linear([1], [1.0])
+
+
+def test_pg_table_by_hand():
+    prefill = pd.DataFrame({"prompt_len": [4, 8], "prefill_s": [0.2, 0.4]})
+    fit = profile.LinearFit(a=0.01, b=0.001, r2=1.0)
+    pg = profile.pg_table(prefill, fit, [4, 8], [1, 3])
+    assert list(zip(pg["prompt_len"], pg["output_len"])) == [(4, 1), (4, 3), (8, 1), (8, 3)]
+    row = pg.iloc[1]  # P=4, G=3: decode steps at contexts 5 and 6
+    assert row["ttft_s"] == 0.2
+    assert row["decode_s"] == pytest.approx(2 * 0.01 + 0.001 * (5 + 6))
+    assert row["total_s"] == pytest.approx(0.2 + row["decode_s"])
+    assert row["prompt_share"] == pytest.approx(0.2 / row["total_s"])
+    assert pg.iloc[0]["decode_s"] == 0.0 and pg.iloc[0]["prompt_share"] == 1.0  # G=1: prefill only
+    with pytest.raises(ValueError, match="prompt length 16"):
+        profile.pg_table(prefill, fit, [16], [4])
+
+
+# ---- profile on the tiny model ---------------------------------------------------------
+def test_profile_prefill_and_decode_frames(tiny):
+    prefill = profile.profile_prefill(tiny, [1, 4, 16], REPEATS)
+    assert list(prefill["prompt_len"]) == [1, 4, 16]
+    assert {"prefill_s", "prefill_median_s", "per_token_s", "num_runs"} <= set(prefill.columns)
+    assert (prefill["prefill_s"] > 0).all() and (prefill["prefill_s"] <= prefill["prefill_median_s"]).all()
+    assert np.allclose(prefill["per_token_s"], prefill["prefill_s"] / prefill["prompt_len"])
+    assert (prefill["num_runs"] == REPEATS).all()
+
+    context = profile.profile_decode_context(tiny, [8, 32], REPEATS)
+    assert list(context["context_len"]) == [8, 32] and (context["batch_size"] == 1).all()
+    assert (context["step_s"] > 0).all()
+
+    batch = profile.profile_decode_batch(tiny, [1, 2, 4], 16, REPEATS)
+    assert list(batch["batch_size"]) == [1, 2, 4] and (batch["context_len"] == 16).all()
+    assert (batch["step_s"] > 0).all()
+    assert np.allclose(batch["per_token_s"], batch["step_s"] / batch["batch_size"])
+
+
+def test_run_profile_tiny(tiny):
+    result = profile.run_profile(tiny, prompt_lens=[4, 16], contexts=[8, 32], batch_sizes=[1, 2],
+                                 batch_context=16, pg_prompts=[16, 32], pg_outputs=[4, 8],
+                                 repeats=REPEATS, show_progress=False)
+    assert list(result.prefill["prompt_len"]) == [4, 16, 32]  # P sweep and P x G prompts
+    assert 0.0 <= result.batch_fit.r2 <= 1.0 and 0.0 <= result.context_fit.r2 <= 1.0
+    assert result.ratio["prompt_len"] == 16 and result.ratio["ratio"] > 0
+    assert len(result.pg) == 4 and ((result.pg["prompt_share"] > 0) & (result.pg["prompt_share"] <= 1)).all()
+    assert (result.pg["total_s"] >= result.pg["ttft_s"]).all()
+    assert "min of 2 runs" in result.estimator
+
+
+def test_profile_caps_sweeps_by_model_context(tiny):  # the tiny model has 256 positions
+    kept = profile.cap_lengths(tiny, [16, 512], [16, 300], [64, 300], [16], 16, REPEATS)
+    prompt_lens, contexts, pg_prompts, pg_outputs, notes = kept
+    assert prompt_lens == [16] and contexts == [16] and pg_prompts == [64] and pg_outputs == [16]
+    assert len(notes) == 3 and "256" in notes[0]
+
+
+def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    profile.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny-random-llama", "--repeats", "1", "--out",
+                              str(tmp_path), "--prompt-lens", "4,16", "--contexts", "8,16",
+                              "--batch-sizes", "1,2", "--batch-context", "8",
+                              "--pg-prompts", "16", "--pg-outputs", "4"])
+    assert profile.main(args) == 0
+    for name in ("prefill.csv", "decode_context.csv", "decode_batch.csv", "pg_table.csv",
+                 "summary.md", "profile.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    out = capsys.readouterr().out
+    assert "min of 1 runs after 1 warm-up; median shown" in out and "batch fit" in out
+    assert "R^2" in (tmp_path / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--dtype", "float64"], "--dtype"),
+    (["--device", "tpu"], "--device"),
+    (["--repeats", "0"], "--repeats"),
+    (["--prompt-lens", "16,x"], "--prompt-lens"),
+    (["--batch-sizes", "0,2"], "--batch-sizes"),
+])
+def test_profile_bad_options_name_the_option(argv, option, capsys):
+    parser = argparse.ArgumentParser()
+    profile.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    assert f"argument {option}" in capsys.readouterr().err
+
+
+# ---- kv-cost on the tiny model ---------------------------------------------------------
+def test_kv_cost_table_tiny_inprocess(tiny):
+    df = kv_cost.kv_cost_table(tiny, [8, 32], ("inprocess",), REPEATS, layers_per_chunk=1)
+    assert list(zip(df["prompt_len"], df["mode"])) == [(8, "layer"), (8, "whole"),
+                                                       (32, "layer"), (32, "whole")]
+    assert (df["kv_bytes"] == 2 * 2 * 2 * 16 * df["prompt_len"] * 4).all()
+    assert (df["kv_bytes"] == [tiny.kv_spec.kv_bytes(t) for t in df["prompt_len"]]).all()
+    assert list(df["num_chunks"]) == [2, 1, 2, 1]
+    for col in ("prefill_s", "memcpy_s", "memcpy_GBps", "transfer_s", "transfer_GBps",
+                "transfer_over_prefill", "transfer_over_memcpy"):
+        assert (df[col] > 0).all(), col
+    assert (df["transfer_s"] <= df["transfer_median_s"]).all()
+    assert np.allclose(df["transfer_over_prefill"], df["transfer_s"] / df["prefill_s"])
+    assert (df["where"] == kv_cost.WHERE["inprocess"]).all()
+
+
+def test_kv_cost_export_matches_formula(tiny):
+    kv = kv_cost.export_prompt_kv(tiny, 5)
+    assert tuple(kv.shape) == (2, 2, 2, 5, 16)
+    assert kv.numel() * kv.element_size() == 2 * 2 * 2 * 16 * 5 * 4
+    assert kv_cost.layer_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_kv_cost_main_writes_outputs(tiny, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    kv_cost.add_arguments(parser)
+    args = parser.parse_args(["--model", "tiny-random-llama", "--repeats", "1", "--out",
+                              str(tmp_path), "--prompt-lens", "8,16", "--transports", "inprocess"])
+    assert kv_cost.main(args) == 0
+    assert (tmp_path / "kv_cost.csv").stat().st_size > 0 and (tmp_path / "kv_cost.png").stat().st_size > 0
+    assert len(pd.read_csv(tmp_path / "kv_cost.csv")) == 4
+    assert "memcpy_GBps" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, option", [
+    (["--transports", "inprocess,nccl"], "--transports"),
+    (["--transports", "ray,ray"], "--transports"),
+    (["--layers-per-chunk", "0"], "--layers-per-chunk"),
+    (["--prompt-lens", ""], "--prompt-lens"),
+])
+def test_kv_cost_bad_options_name_the_option(argv, option, capsys):
+    parser = argparse.ArgumentParser()
+    kv_cost.add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err
+    if option == "--transports":
+        assert "inprocess, ray, torchdist" in err
+
+
+def test_kv_cost_rejects_unknown_transport_in_library(tiny):
+    with pytest.raises(ValueError, match="transports must be among"):
+        kv_cost.kv_cost_table(tiny, [8], ("carrier-pigeon",), 1)

@@ -1,0 +1,35 @@
+"""Workloads and checks shared by the placement tests (local and Ray)."""
+
+from __future__ import annotations
+
+from conftest import random_prompts, reference_generate
+
+from engine.config import EngineConfig
+from engine.request import Request, SamplingParams
+
+ENGINE = EngineConfig(max_num_seqs=6, max_model_len=128, max_num_batched_tokens=24)
+LENGTHS = [1, 5, 17, 40, 3, 33, 8, 12, 26, 2, 19, 7, 11, 38, 4, 21, 9, 15]
+
+
+def mixed_workload(tiny, num_requests: int = 8, max_tokens: int = 10, spacing_s: float = 0.01):
+    """Requests of mixed prompt lengths arriving ``spacing_s`` apart (so some arrive while
+    others decode), with their generate() references."""
+    prompts = random_prompts(LENGTHS[:num_requests], seed=3)
+    workload = [(Request(f"r{i}", tuple(p), SamplingParams(max_tokens=max_tokens)), spacing_s * i)
+                for i, p in enumerate(prompts)]
+    expected = {f"r{i}": reference_generate(tiny.model, p, max_tokens) for i, p in enumerate(prompts)}
+    return workload, expected
+
+
+def assert_outputs(records, expected) -> None:
+    for record in records:
+        assert record.error is None, (record.request_id, record.error)
+        assert record.output_token_ids == expected[record.request_id], record.request_id
+        assert len(record.token_times_s) == len(record.output_token_ids)
+
+
+def assert_clean(deployment) -> None:
+    """Nothing leaked: every live worker's engine is empty and its transport holds nothing."""
+    for status in deployment.statuses():
+        assert status["engine_empty"], status
+        assert status.get("transport_held", 0) == 0, status
