@@ -209,9 +209,11 @@ class PlacementConfig:
         return a if kind == "colocated" else a + b
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "") -> None:
-    """Add one ``--field-name`` option per dataclass field, typed and documented by the field."""
+def add_dataclass_args(parser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--field-name`` option per dataclass field (but ``skip``), typed by the field."""
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
         flag = "--" + prefix + f.name.replace("_", "-")
         default = f.default
         if f.type in ("bool", bool):
@@ -225,5 +227,6 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, prefix: str = ""):
     """Build ``cls`` from options added by ``add_dataclass_args``; ValueError on bad values."""
-    values = {f.name: getattr(args, (prefix + f.name).replace("-", "_")) for f in dataclasses.fields(cls)}
+    values = {f.name: getattr(args, (prefix + f.name).replace("-", "_"))
+              for f in dataclasses.fields(cls) if hasattr(args, (prefix + f.name).replace("-", "_"))}
     return cls(**values)

@@ -118,6 +118,24 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
                        config.model, time.perf_counter() - start_s)
 
 
+def load_tokenizer(config: ModelConfig):
+    """The tokenizer alone (workload preparation in the driver); None for the tiny model.
+
+    Raises:
+        ModelLoadError: as ``load_model``.
+    """
+    from transformers import AutoTokenizer
+
+    if config.model == TINY_NAME:
+        return None
+    if config.model == SMOLLM2_NAME:
+        target = cache_dir() / "models" / SMOLLM2_NAME
+        if not (target / "model.safetensors").exists():
+            _convert_gguf(target)
+        return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    return _load_hf(config.model)[1]
+
+
 def _build_tiny():
     from transformers import LlamaForCausalLM
 
