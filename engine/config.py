@@ -169,6 +169,10 @@ def parse_devices(devices: str | None) -> tuple[str, ...]:
     for d in items:
         _check(re.fullmatch(r"cuda:\d+|cpu:\d+(-\d+)?", d) is not None,
                f"device must look like 'cuda:0' or 'cpu:0' or 'cpu:0-3', got {d!r}")
+    for d in items:
+        cores = d.split(":")[1].partition("-")
+        _check(not cores[2] or int(cores[2]) >= int(cores[0]),
+               f"a core group must run low-high (e.g. cpu:0-3), got {d!r}")
     _check(len(set(items)) == len(items), f"devices must not repeat, got {devices!r}")
     _check(len({d.split(":")[0] for d in items}) == 1, f"devices must not mix cpu and cuda: {devices!r}")
     return items

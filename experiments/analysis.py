@@ -289,9 +289,12 @@ def verdict(summary_df: pd.DataFrame, slo: SLO, num_devices: int | None = None) 
         c, d = colo[0], disagg[0]
         ratio = c["tpot_p99_s"] / d["tpot_p99_s"] if d["tpot_p99_s"] > 0 else math.nan
         ratio_txt = "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
+        effect = ("disaggregation removed prefill-decode interference" if ratio > 1 else
+                  "disaggregation did not lower the decode tail here: its decode workers "
+                  "carry every decode" if ratio <= 1 else "")
         lines.append(f"TPOT p99: {c['placement']} {_fmt_s(c['tpot_p99_s'])} vs "
-                     f"{d['placement']} {_fmt_s(d['tpot_p99_s'])}, colocated/disagg = {ratio_txt} "
-                     f"(prefill-decode interference removed by disaggregation).")
+                     f"{d['placement']} {_fmt_s(d['tpot_p99_s'])}, colocated/disagg = {ratio_txt}"
+                     + (f" ({effect})." if effect else "."))
         kv, pf = d["kv_transfer_p50_s"], d["prefill_p50_s"]
         share = kv / pf if pf > 0 else math.nan
         share_txt = "n/a" if math.isnan(share) else f"{100 * share:.1f}% of prefill"

@@ -21,7 +21,7 @@ from experiments.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.report import format_table
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
-CPU_ENGINE_DEFAULTS = {"max_num_seqs": 16, "max_model_len": 1024, "max_num_batched_tokens": 512}
+CPU_ENGINE_DEFAULTS = {"max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512}
 
 
 def _floats(text: str) -> list[float]:
@@ -58,7 +58,7 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     parser.add_argument("--model", default="smollm2-135m",
                         help="smollm2-135m, tiny-random-llama, a local HF directory or a hub id")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--rates", type=_floats, default=[1.0],
+    parser.add_argument("--rates", type=_floats, default=[0.5],
                         help="arrival rates in req/s, comma-separated (a sweep gives goodput)")
     parser.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT SLO in seconds")
     parser.add_argument("--slo-tpot-s", type=float, default=0.2, help="TPOT SLO in seconds")

@@ -46,17 +46,20 @@ class WorkloadSpec:
         num_requests: requests per rate.
         seed: sampling and arrival seed (the same for every placement).
         arrival: ``poisson``, ``gamma`` or ``burst``; burstiness: Gamma shape (1 = Poisson).
-        max_prompt_len, max_output_len: ShareGPT/HumanEval caps in tokens.
+        min_prompt_len, max_prompt_len: ShareGPT prompt-length filter in tokens (the default
+            keeps prompts long enough that a prefill visibly stalls colocated decodes).
+        max_output_len: ShareGPT/HumanEval output cap in tokens.
         prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
     """
 
     dataset: str = "sharegpt"
-    num_requests: int = 40
+    num_requests: int = 24
     seed: int = 0
     arrival: str = "poisson"
     burstiness: float = 1.0
-    max_prompt_len: int = 512
-    max_output_len: int = 64
+    min_prompt_len: int = 128
+    max_prompt_len: int = 1024
+    max_output_len: int = 48
     prompt_len: str = "32-512"
     output_len: str = "16-64"
 
@@ -86,6 +89,7 @@ def build_workload(spec: WorkloadSpec, model: ModelConfig) -> list[workloads.Wor
         raise ValueError(f"model {model.model} has no tokenizer: use --dataset synthetic")
     if spec.dataset == "sharegpt":
         return workloads.sharegpt(tokenizer, spec.num_requests, spec.seed,
+                                  min_prompt_len=spec.min_prompt_len,
                                   max_prompt_len=spec.max_prompt_len,
                                   max_output_len=spec.max_output_len)
     return workloads.humaneval(tokenizer, spec.num_requests, spec.seed,

@@ -1,0 +1,132 @@
+"""Sampler: greedy, top-k, top-p, per-request seeded generators independent of the batch."""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+
+from engine.request import SamplingParams
+from engine.sampler import Sampler
+
+
+def rand_logits(rows: int, vocab: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, vocab, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_per_row():
+    logits = rand_logits(6, 50)
+    tokens = Sampler().sample(logits, [f"r{i}" for i in range(6)], [SamplingParams()] * 6)
+    assert tokens == logits.argmax(dim=-1).tolist()
+    assert len(set(tokens)) > 1  # the rows really differ
+
+
+def test_greedy_rows_unaffected_by_sampled_rows_in_the_same_batch():
+    logits = rand_logits(4, 50, seed=1)
+    params = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(),
+              SamplingParams(temperature=2.0, seed=2)]
+    tokens = Sampler().sample(logits, ["a", "b", "c", "d"], params)
+    argmax = logits.argmax(dim=-1).tolist()
+    assert tokens[0] == argmax[0] and tokens[2] == argmax[2]
+    assert all(0 <= t < 50 for t in tokens)
+
+
+def test_top_k_1_at_temperature_1_is_argmax():
+    logits = rand_logits(5, 64, seed=2)
+    params = [SamplingParams(temperature=1.0, top_k=1, seed=i) for i in range(5)]
+    sampler = Sampler()
+    for _ in range(10):
+        assert sampler.sample(logits, [f"r{i}" for i in range(5)], params) == \
+            logits.argmax(dim=-1).tolist()
+
+
+def test_tiny_top_p_is_argmax():
+    logits = rand_logits(5, 64, seed=3)
+    params = [SamplingParams(temperature=1.5, top_p=1e-6, seed=i) for i in range(5)]
+    sampler = Sampler()
+    for _ in range(10):
+        assert sampler.sample(logits, [f"r{i}" for i in range(5)], params) == \
+            logits.argmax(dim=-1).tolist()
+
+
+def draws(seed: int, num: int = 12, vocab: int = 100, request_id: str = "r") -> list[int]:
+    sampler = Sampler()
+    flat = torch.zeros(1, vocab)
+    params = [SamplingParams(temperature=1.0, seed=seed)]
+    return [sampler.sample(flat, [request_id], params)[0] for _ in range(num)]
+
+
+def test_same_seed_same_tokens_different_seed_differs():
+    a, b = draws(seed=123), draws(seed=123)
+    assert a == b
+    assert len(set(a)) > 3  # a flat distribution really is sampled, not argmax'd
+    assert draws(seed=124) != a
+    assert draws(seed=123, request_id="other") == a  # the seed, not the id, decides
+
+
+def test_draws_do_not_depend_on_batch_companions():
+    vocab = 40
+    target = rand_logits(1, vocab, seed=4)[0] / 3  # a moderately flat row
+    p_target = SamplingParams(temperature=1.0, top_k=20, top_p=0.95, seed=77)
+    s1, s2 = Sampler(), Sampler()
+    seq1, seq2 = [], []
+    for step in range(8):
+        # batch 1: the target alone with one sampled companion
+        other = rand_logits(1, vocab, seed=100 + step)
+        logits1 = torch.stack([target, other[0]])
+        seq1.append(s1.sample(logits1, ["t", "x"],
+                              [p_target, SamplingParams(temperature=0.7, seed=5)])[0])
+        # batch 2: greedy and differently sampled rows around it, in another position
+        others = rand_logits(3, vocab, seed=200 + step)
+        logits2 = torch.stack([others[0], others[1], target, others[2]])
+        params2 = [SamplingParams(), SamplingParams(temperature=1.3, top_k=5, seed=9),
+                   p_target, SamplingParams(temperature=0.2, top_p=0.5, seed=11)]
+        seq2.append(s2.sample(logits2, ["g", "y", "t", "z"], params2)[2])
+    assert seq1 == seq2
+    assert len(set(seq1)) > 1
+
+
+def test_forget_restarts_the_stream():
+    sampler = Sampler()
+    flat = torch.zeros(1, 100)
+    params = [SamplingParams(temperature=1.0, seed=5)]
+    first = [sampler.sample(flat, ["r"], params)[0] for _ in range(5)]
+    sampler.forget("r")
+    again = [sampler.sample(flat, ["r"], params)[0] for _ in range(5)]
+    assert first == again
+
+
+def test_top_k_3_never_samples_outside_top_3():
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.9, 0.0, 2.8, 2.7, 1.0]])  # top 3: 1, 3, 5
+    sampler = Sampler()
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=0)]
+    seen = collections.Counter(sampler.sample(logits, ["r"], params)[0] for _ in range(200))
+    assert set(seen) == {1, 3, 5}  # all three appear; nothing else (6 is a close 4th)
+
+
+def test_top_p_keeps_the_smallest_set_reaching_p():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    sampler = Sampler()
+    params = [SamplingParams(temperature=1.0, top_p=0.7, seed=1)]
+    seen = collections.Counter(sampler.sample(probs.log(), ["r"], params)[0] for _ in range(300))
+    assert set(seen) == {0, 1}  # 0.5 < 0.7, so 1 is needed; 0.5 + 0.3 >= 0.7 stops there
+    assert 0.5 < seen[0] / 300 < 0.75  # renormalized: 0.5 / 0.8 = 0.625
+
+
+def test_frequencies_match_softmax_at_temperature_1():
+    logits = torch.tensor([[1.0, 0.0, -0.5, 0.5]])
+    expected = logits.softmax(dim=-1)[0].tolist()  # ~ [0.43, 0.16, 0.10, 0.26]
+    sampler = Sampler()
+    params = [SamplingParams(temperature=1.0, seed=2024)]
+    n = 4000
+    counts = collections.Counter(sampler.sample(logits, ["r"], params)[0] for _ in range(n))
+    for token, p in enumerate(expected):
+        assert abs(counts[token] / n - p) < 0.03, (token, counts[token] / n, p)
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[1.0, 0.0, -0.5, 0.5]])
+    sampler = Sampler()
+    params = [SamplingParams(temperature=0.05, seed=3)]
+    seen = collections.Counter(sampler.sample(logits, ["r"], params)[0] for _ in range(200))
+    assert seen[0] == 200  # exp(-0.5 / 0.05) ~ 5e-5 for the runner-up

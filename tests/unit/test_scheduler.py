@@ -1,0 +1,275 @@
+"""Scheduler policy, pure Python: decode-first, token budget, chunked prefill, admission by KV
+capacity, FCFS, slot reuse, stop conditions. No torch, no model: tokens are "sampled" by hand."""
+
+from __future__ import annotations
+
+import random
+
+from engine.config import EngineConfig
+from engine.request import Request, RequestState, RequestStatus, SamplingParams
+from engine.scheduler import KVCapacity, Scheduler
+
+EOS = 2
+TOKEN = 9  # a token that is neither EOS nor a stop token
+
+
+def state(rid: str, num_prompt: int, max_tokens: int = 4, prefill_only: bool = False,
+          **params) -> RequestState:
+    request = Request(rid, tuple(range(10, 10 + num_prompt)),
+                      SamplingParams(max_tokens=max_tokens, **params))
+    return RequestState(request, prefill_only=prefill_only)
+
+
+def make(budget=16, seqs=4, chunked=True, model_len=128, capacity=None) -> Scheduler:
+    return Scheduler(EngineConfig(max_num_seqs=seqs, max_model_len=model_len,
+                                  max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                                  kv_capacity_tokens=capacity), eos_token_ids=(EOS,))
+
+
+def entries(batch) -> list[tuple[str, int]]:
+    return [(s.request_id, n) for s, n in zip(batch.requests, batch.num_new_tokens)]
+
+
+def step(sched: Scheduler, token: int = TOKEN):
+    """Schedule, "sample" ``token`` for every entry that completes, update. Returns the batch
+    entries (as scheduled) and the produced states."""
+    batch = sched.schedule()
+    scheduled = entries(batch)
+    sampled = {i: token for i in range(len(batch.requests)) if batch.completes(i)}
+    produced = sched.update(batch, sampled)
+    return scheduled, produced
+
+
+def test_decodes_go_first_then_part_way_prompts_then_new():
+    sched = make(budget=16)
+    a = state("a", 4, max_tokens=10)
+    sched.add(a)
+    assert step(sched)[0] == [("a", 4)]  # a prefilled, first token sampled
+    assert a.status == RequestStatus.RUNNING and not a.is_prefilling
+    b = state("b", 30, max_tokens=10)
+    sched.add(b)
+    assert step(sched)[0] == [("a", 1), ("b", 15)]  # decode first, b takes the rest
+    c = state("c", 5, max_tokens=10)
+    sched.add(c)
+    # a decodes, b (part-way) continues before c is admitted: b's remaining 15 fill the budget
+    assert step(sched)[0] == [("a", 1), ("b", 15)]
+    assert c.status == RequestStatus.WAITING and c.slot is None
+    # now a and b decode, then c's prompt
+    assert step(sched)[0] == [("a", 1), ("b", 1), ("c", 5)]
+
+
+def test_token_budget_respected_every_step_until_all_finish():
+    rng = random.Random(0)
+    for chunked in (True, False):
+        budget = 16
+        sched = make(budget=budget, seqs=3, chunked=chunked, model_len=64)
+        states = [state(f"r{i}", rng.randint(1, budget), max_tokens=rng.randint(1, 6))
+                  for i in range(12)]
+        for s in states:
+            sched.add(s)
+        num_steps = 0
+        while sched.has_work():
+            batch = sched.schedule()
+            assert batch.num_tokens <= budget
+            assert sum(batch.num_new_tokens) == batch.num_tokens
+            assert len(batch.requests) <= 3 and len({id(s) for s in batch.requests}) == len(batch.requests)
+            assert all(n >= 1 for n in batch.num_new_tokens)
+            assert sched.capacity.num_used_slots <= 3
+            sched.update(batch, {i: TOKEN for i in range(len(batch.requests)) if batch.completes(i)})
+            num_steps += 1
+            assert num_steps < 200
+        for s in states:
+            assert s.status == RequestStatus.FINISHED_LENGTH
+            assert s.num_output_tokens == s.sampling.max_tokens
+            assert s.num_computed_tokens == s.num_prompt_tokens + s.sampling.max_tokens - 1
+        assert sched.capacity.reserved_tokens == 0 and sched.capacity.num_used_slots == 0
+        assert not sched.running and not sched.waiting
+
+
+def test_chunked_prefill_splits_40_into_16_16_8():
+    sched = make(budget=16)
+    a = state("a", 40, max_tokens=3)
+    sched.add(a)
+    chunks = []
+    for _ in range(3):
+        batch = sched.schedule()
+        chunks.append(entries(batch))
+        completes = [batch.completes(i) for i in range(len(batch.requests))]
+        sched.update(batch, {i: TOKEN for i, c in enumerate(completes) if c})
+        chunks[-1].append(completes)
+    assert chunks == [[("a", 16), [False]], [("a", 16), [False]], [("a", 8), [True]]]
+    assert a.num_computed_tokens == 40 and a.output_token_ids == [TOKEN]
+    assert step(sched)[0] == [("a", 1)]  # then it decodes
+
+
+def test_chunking_off_runs_whole_prompts_and_waits_for_room():
+    sched = make(budget=16, chunked=False)
+    a, b = state("a", 10, max_tokens=5), state("b", 10, max_tokens=5)
+    sched.add(a)
+    sched.add(b)
+    scheduled, _ = step(sched)
+    assert scheduled == [("a", 10)]  # b needs 10 > 6 left: waits, not chunked
+    assert b.status == RequestStatus.WAITING and b.slot is None and list(sched.waiting) == [b]
+    scheduled, _ = step(sched)
+    assert scheduled == [("a", 1), ("b", 10)]  # 1 + 10 <= 16: whole prompt
+    assert b.num_computed_tokens == 10 and b.num_output_tokens == 1
+
+
+def test_chunking_off_prompt_of_exactly_the_budget_runs_whole():
+    sched = make(budget=16, chunked=False)
+    sched.add(state("a", 16))
+    assert step(sched)[0] == [("a", 16)]
+
+
+def test_admission_by_kv_capacity_waits_until_release():
+    sched = make(budget=64, capacity=50)
+    a = state("a", 30, max_tokens=10)  # reserves 40
+    b = state("b", 20, max_tokens=10)  # reserves 30: 40 + 30 > 50
+    sched.add(a)
+    sched.add(b)
+    assert step(sched)[0] == [("a", 30)]
+    assert sched.capacity.reserved_tokens == 40 and a.slot == 0
+    assert b.status == RequestStatus.WAITING and b.slot is None
+    for _ in range(8):  # a decodes; b still waits (budget is plenty, capacity is not)
+        scheduled, _ = step(sched)
+        assert scheduled == [("a", 1)]
+    scheduled, produced = step(sched)
+    assert scheduled == [("a", 1)] and a.status == RequestStatus.FINISHED_LENGTH
+    assert a.num_output_tokens == 10 and a.slot is None
+    assert sched.capacity.reserved_tokens == 0
+    assert step(sched)[0] == [("b", 20)]
+    assert sched.capacity.reserved_tokens == 30 and b.slot == 0
+
+
+def test_fcfs_head_of_line_blocks_smaller_later_request():
+    sched = make(budget=64, capacity=50)
+    a, b, c = state("a", 30, 10), state("b", 20, 10), state("c", 3, 2)  # 40, 30, 5
+    for s in (a, b, c):
+        sched.add(s)
+    assert step(sched)[0] == [("a", 30)]
+    # c (5 tokens) would fit (40 + 5 <= 50) but b is first in line
+    assert list(sched.waiting) == [b, c] and c.slot is None
+    assert step(sched)[0] == [("a", 1)]
+    sched.release(a)
+    scheduled, _ = step(sched)
+    assert scheduled == [("b", 20), ("c", 3)]  # 30 + 5 <= 50, in arrival order
+
+
+def test_slots_reused_lowest_first():
+    sched = make(budget=64, seqs=4)
+    states = {rid: state(rid, 2, max_tokens=8) for rid in "abc"}
+    for s in states.values():
+        sched.add(s)
+    step(sched)
+    assert [states[r].slot for r in "abc"] == [0, 1, 2]
+    sched.release(states["b"])
+    sched.release(states["a"])
+    assert states["a"].slot is None and states["b"].slot is None
+    d, e, f = state("d", 2), state("e", 2), state("f", 2)
+    for s in (d, e, f):
+        sched.add(s)
+    step(sched)
+    assert (d.slot, e.slot, f.slot) == (0, 1, 3)
+
+
+def test_kv_capacity_unit():
+    cap = KVCapacity(num_slots=2, capacity_tokens=10)
+    assert cap.can_allocate(10) and not cap.can_allocate(11)
+    s0 = cap.allocate(6)
+    assert s0 == 0 and cap.reserved_tokens == 6 and cap.num_used_slots == 1
+    assert cap.can_allocate(4) and not cap.can_allocate(5)
+    s1 = cap.allocate(1)
+    assert s1 == 1 and not cap.can_allocate(1)  # out of slots
+    cap.free(s0)
+    assert cap.reserved_tokens == 1 and cap.allocate(2) == 0
+
+
+def test_imported_request_joins_as_decode_at_once():
+    sched = make(budget=8)
+    s = state("imp", 20, max_tokens=3)  # prompt larger than the budget: no prefill needed
+    s.token_ids.append(TOKEN)
+    s.num_computed_tokens = 20
+    sched.add(s)
+    batch = sched.schedule()
+    assert entries(batch) == [("imp", 1)] and batch.completes(0)
+    assert batch.newly_admitted == [s] and batch.num_prefill_tokens == 0
+    assert sched.capacity.reserved_tokens == 23
+
+
+# ---- update(): stop conditions and release --------------------------------------------------
+
+def run_first_token(sched, s, token):
+    sched.add(s)
+    batch = sched.schedule()
+    assert batch.completes(0)
+    return sched.update(batch, {0: token})
+
+
+def test_stop_token_finishes_and_frees():
+    sched = make()
+    s = state("a", 3, max_tokens=10, stop_token_ids=(7,))
+    assert run_first_token(sched, s, 7) == [s]
+    assert s.status == RequestStatus.FINISHED_STOPPED and s.output_token_ids == [7]
+    assert s.slot is None and sched.capacity.reserved_tokens == 0 and not sched.running
+
+
+def test_eos_finishes_unless_ignore_eos():
+    sched = make()
+    s = state("a", 3, max_tokens=10)
+    run_first_token(sched, s, EOS)
+    assert s.status == RequestStatus.FINISHED_STOPPED and s.slot is None
+    assert sched.capacity.reserved_tokens == 0
+    t = state("b", 3, max_tokens=10, ignore_eos=True)
+    run_first_token(sched, t, EOS)
+    assert t.status == RequestStatus.RUNNING and t.slot == 0
+    assert sched.capacity.reserved_tokens == 13
+    # a stop token still stops an ignore_eos request
+    u = state("c", 3, max_tokens=10, ignore_eos=True, stop_token_ids=(EOS,))
+    run_first_token(make(), u, EOS)
+    assert u.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_max_tokens_gives_finished_length():
+    sched = make()
+    one = state("one", 3, max_tokens=1)
+    run_first_token(sched, one, TOKEN)
+    assert one.status == RequestStatus.FINISHED_LENGTH and one.slot is None
+    three = state("three", 3, max_tokens=3)
+    sched.add(three)
+    statuses = []
+    for _ in range(3):
+        step(sched)
+        statuses.append(three.status)
+    assert statuses == [RequestStatus.RUNNING, RequestStatus.RUNNING, RequestStatus.FINISHED_LENGTH]
+    assert three.output_token_ids == [TOKEN] * 3
+    assert sched.capacity.reserved_tokens == 0 and not sched.has_work()
+
+
+def test_prefill_only_becomes_prefilled_and_keeps_slot():
+    sched = make()
+    s = state("p", 5, max_tokens=8, prefill_only=True)
+    run_first_token(sched, s, TOKEN)
+    assert s.status == RequestStatus.PREFILLED and not s.status.is_finished
+    assert s.slot == 0 and sched.capacity.reserved_tokens == 13
+    assert not sched.has_work()  # a PREFILLED request is not scheduled again
+    assert sched.schedule().is_empty
+    sched.release(s)
+    assert sched.capacity.reserved_tokens == 0 and s.slot is None and not sched.running
+    sched.release(s)  # idempotent
+    # a prefill-only request that ends with its first token is finished, not PREFILLED
+    t = state("q", 5, max_tokens=1, prefill_only=True)
+    run_first_token(sched, t, TOKEN)
+    assert t.status == RequestStatus.FINISHED_LENGTH and t.slot is None
+
+
+def test_update_counts_only_sampled_entries_and_releases_finished_from_running():
+    sched = make(budget=16)
+    a, b = state("a", 4, max_tokens=1), state("b", 30, max_tokens=4)
+    sched.add(a)
+    sched.add(b)
+    batch = sched.schedule()
+    assert entries(batch) == [("a", 4), ("b", 12)]
+    produced = sched.update(batch, {0: TOKEN})
+    assert produced == [a] and a.status == RequestStatus.FINISHED_LENGTH
+    assert sched.running == [b] and b.num_computed_tokens == 12 and b.output_token_ids == []
+    assert sched.capacity.reserved_tokens == 34
