@@ -222,7 +222,7 @@ class Deployment:
         results = []
         for worker in self.workers:
             if worker.alive:
-                results.append(self.router._call_now(worker, method))
+                results.append(self.router.call_now(worker, method))
         return results
 
     def step_records(self) -> list[dict]:
@@ -232,7 +232,7 @@ class Deployment:
         if self.placement.kind == "colocated":
             return []
         decode = [w for w in self.workers if w.role == "decode" and w.alive]
-        return [r for w in decode for r in self.router._call_now(w, "transfer_records")]
+        return [r for w in decode for r in self.router.call_now(w, "transfer_records")]
 
     def statuses(self) -> list[dict]:
         return self.gather("status")

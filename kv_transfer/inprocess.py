@@ -1,17 +1,31 @@
 """``InProcessTransport``: the reference transport, a dict of frames in one process.
 
-Lifecycle: ``put`` copies the frames into immutable ``bytes`` under a fresh integer key (the
-sender may reuse its memory at once); ``get`` decodes them into a new writable tensor (one
-copy, so repeated gets never alias each other); ``free`` deletes the entry. Used by tests and
-by colocated experiments where prefill and decode share a process.
+Lifecycle: ``put`` copies the tensor bytes once into a tensor the transport owns, under a
+fresh integer key (the sender may reuse its memory at once); ``get`` hands that tensor out
+without copying (every get of one handle returns the same memory: the decode side reads it,
+it never writes it); ``free`` drops the entry (the memory lives on while a caller still
+holds the tensor ``get`` returned). Used by tests and by colocated experiments where
+prefill and decode share a process.
+
+Cost: one copy into a fresh tensor per put (its pages are new, so the copy runs below a
+memcpy into warm memory) plus the checksum on both sides; no copy on get.
 """
 
 from __future__ import annotations
 
 import itertools
 
-from kv_transfer.payload import Frame
+import torch
+
+from kv_transfer.payload import Frame, copy_to_tensor
 from kv_transfer.transport import KVHandle, Transport, TransferFailed
+
+
+def _owned_copy(frame: Frame) -> torch.Tensor:
+    """A flat uint8 tensor holding a private copy of ``frame``'s bytes."""
+    if isinstance(frame, torch.Tensor):
+        return frame.detach().reshape(-1).clone()
+    return copy_to_tensor(frame)
 
 
 class InProcessTransport(Transport):
@@ -21,7 +35,7 @@ class InProcessTransport(Transport):
 
     def __init__(self, checksum: bool = True):
         super().__init__(checksum)
-        self._frames: dict[int, list[bytes]] = {}
+        self._frames: dict[int, list[Frame]] = {}
         self._next_key = itertools.count()
 
     def num_held(self) -> int:
@@ -29,10 +43,10 @@ class InProcessTransport(Transport):
 
     def _put_frames(self, request_id: str, frames: list[Frame], dst_rank: int | None) -> int:
         key = next(self._next_key)
-        self._frames[key] = [bytes(frame) for frame in frames]
+        self._frames[key] = [bytes(frames[0]), _owned_copy(frames[1])]
         return key
 
-    def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[bytes]:
+    def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
         try:
             return self._frames[handle.key]
         except KeyError:

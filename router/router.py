@@ -84,7 +84,7 @@ class Router:
         for role in roles:
             if not any(w.role == role for w in workers):
                 raise ValueError(f"placement {placement} has no {role} worker")
-        infos = [self._call_now(w, "info") for w in workers]
+        infos = [self.call_now(w, "info") for w in workers]
         specs = {tuple(sorted(i["kv_spec"].items())) for i in infos}
         if len(specs) != 1:
             raise ValueError(f"workers disagree on the KV geometry: {infos}")
@@ -93,7 +93,8 @@ class Router:
         self.loads = {w.name: 0 for w in workers}
         self._counter = 0
 
-    def _call_now(self, worker: WorkerRef, method: str, *args: Any) -> Any:
+    def call_now(self, worker: WorkerRef, method: str, *args: Any) -> Any:
+        """Call one worker and wait for the answer (bounded by ``deadline_s``)."""
         pending = self.calls.call(worker.handle, method, *args)
         if not self.calls.ready([pending], self.deadline_s):
             raise TimeoutError(f"worker {worker.name} did not answer {method} in {self.deadline_s} s")
