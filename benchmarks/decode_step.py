@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 import torch
 
@@ -93,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 20)
     print(setup_threads(args.threads))
+    warnings.filterwarnings("ignore", category=FutureWarning)  # past_key_values -> cache rename
     loaded = load_model(ModelConfig("smollm2-135m"))
     rows = [compare(loaded, b, args.context, repeats) for b in args.batch_sizes]
     print(f"decode step, SmolLM2-135M fp32 CPU, equal per-row KV lengths; {estimator_line(repeats)}")

@@ -14,7 +14,7 @@ import re
 from dataclasses import dataclass
 
 DTYPES = ("float32", "bfloat16", "float16")
-TRANSPORTS = ("inprocess", "ray", "torchdist")
+TRANSPORTS = ("inprocess", "ray", "torchdist", "shm")
 GRANULARITIES = ("request", "layer")
 
 
@@ -94,16 +94,19 @@ class TransferConfig:
 
     Attributes:
         transport: ``ray`` (object store, default, crosses nodes), ``inprocess`` (reference),
-            ``torchdist`` (torch.distributed point-to-point: gloo on CPU, NCCL on CUDA).
+            ``torchdist`` (torch.distributed point-to-point: gloo on CPU, NCCL on CUDA),
+            ``shm`` (a shared-memory arena per prefill worker: workers of one node only, one
+            copy per transfer; the fastest between processes, see ``kv_transfer.shm``).
         granularity: ``request`` (whole prompt KV after prefill) or ``layer`` (layer ranges
             sent while prefill computes the next).
         layers_per_chunk: layers per layer-wise message (>= 1).
-        checksum: add a CRC32 of the tensor bytes to the header and verify it on receipt.
+        checksum: add a checksum of every tensor byte to the header (hardware CRC-32C; zlib
+            CRC-32 where the ``crc32c`` package is missing) and verify it on receipt.
         timeout_s: deadline of every remote wait in seconds (> 0).
     """
 
-    transport: str = "ray"
-    granularity: str = "request"
+    transport: str = dataclasses.field(default="ray", metadata={"choices": TRANSPORTS})
+    granularity: str = dataclasses.field(default="request", metadata={"choices": GRANULARITIES})
     layers_per_chunk: int = 1
     checksum: bool = True
     timeout_s: float = 60.0
@@ -214,19 +217,22 @@ class PlacementConfig:
 
 
 def add_dataclass_args(parser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--field-name`` option per dataclass field (but ``skip``), typed by the field."""
+    """Add one ``--field-name`` option per dataclass field (but ``skip``), typed by the field;
+    a field's ``metadata`` may carry ``help`` and ``choices``."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + prefix + f.name.replace("_", "-")
         default = f.default
+        text = f"{f.metadata.get('help', '')} (default: {default})".strip()
         if f.type in ("bool", bool):
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
-                                help=f"(default: {default})")
+                                help=text)
             continue
         kind = {"int": int, "float": float, "str": str, "int | None": int,
                 "str | None": str, "float | None": float}.get(str(f.type), str)
-        parser.add_argument(flag, type=kind, default=default, help=f"(default: {default})")
+        parser.add_argument(flag, type=kind, default=default, help=text,
+                            choices=f.metadata.get("choices"))
 
 
 def dataclass_from_args(cls: type, args: argparse.Namespace, prefix: str = ""):

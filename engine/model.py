@@ -87,6 +87,25 @@ def tiny_llama_config():
     )
 
 
+def check_model_name(config: ModelConfig) -> None:
+    """Fail fast, before any process starts, on a name that cannot be loaded.
+
+    Raises:
+        ModelLoadError: not a known name, not an existing directory, not a hub id.
+    """
+    if config.model in KNOWN_NAMES:
+        return
+    path = Path(config.model).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
+        return
+    if "/" not in config.model:
+        raise ModelLoadError(
+            f"unknown model {config.model!r}: use one of {KNOWN_NAMES}, a local Hugging Face "
+            "model directory, or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
 def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     """Load ``config.model`` in ``config.dtype`` onto ``device``.
 
@@ -178,16 +197,10 @@ def _convert_gguf(target: Path) -> None:
 
 
 def _load_hf(name: str):
+    check_model_name(ModelConfig(name))
     path = Path(name).expanduser()
     if path.exists():
-        if not (path / "config.json").exists():
-            raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
         return _from_pretrained(str(path), local_files_only=True)
-    if "/" not in name:
-        raise ModelLoadError(
-            f"unknown model {name!r}: use one of {KNOWN_NAMES}, a local Hugging Face model "
-            "directory, or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct"
-        )
     try:
         return _from_pretrained(name, local_files_only=False)
     except OSError as err:

@@ -7,6 +7,7 @@ Engine, transfer and workload options are derived from the config dataclasses' f
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import time
@@ -19,6 +20,10 @@ from engine.model import ModelLoadError
 from experiments import kv_cost, profile
 from experiments.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.report import format_table
+from router.policy import POLICIES
+
+OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig)
+                 for f in dataclasses.fields(cls)}
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
 CPU_ENGINE_DEFAULTS = {"max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512}
@@ -55,6 +60,9 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     parser.add_argument("--devices", default=None,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    parser.add_argument("--policy", default="least_loaded", choices=POLICIES,
+                        help="router policy: prefill by queued prompt tokens, decode by resident "
+                             "KV tokens (least_loaded), or round_robin")
     parser.add_argument("--model", default="smollm2-135m",
                         help="smollm2-135m, tiny-random-llama, a local HF directory or a hub id")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
@@ -77,16 +85,27 @@ def build_parser() -> argparse.ArgumentParser:
         "Placement experiments for disaggregated LLM serving: colocated vs disaggregated "
         "prefill/decode on the same devices, interference, KV-transfer cost."))
     sub = parser.add_subparsers(dest="command", required=True)
-    _add_experiment_args(sub.add_parser("run", help="one placement, one workload, one or more rates"),
-                         compare=False)
-    _add_experiment_args(sub.add_parser("compare", help="several placements on the same device set"),
-                         compare=True)
+    for name, text in (("run", "one placement, one workload, one or more rates"),
+                       ("compare", "several placements on the same device set")):
+        command = sub.add_parser(name, help=text)
+        _add_experiment_args(command, compare=name == "compare")
+        command.set_defaults(command_parser=command)
     profile.add_arguments(sub.add_parser("profile", help="prefill/decode phase profile of a model"))
     kv_cost.add_arguments(sub.add_parser("kv-cost", help="KV transfer cost vs prefill cost"))
     return parser
 
 
-def _run_experiment(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+def _option_error(parser: argparse.ArgumentParser, err: ValueError) -> None:
+    """Exit with the message, naming the option when it starts with a field name."""
+    message = str(err)
+    field = message.split(" ", 1)[0]
+    if field in OPTION_FIELDS:
+        message = f"argument --{field.replace('_', '-')}: {message}"
+    parser.error(message)
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    parser = args.command_parser
     try:
         devices = parse_devices(args.devices)
         placements = (args.placement if args.command == "run" else
@@ -97,20 +116,25 @@ def _run_experiment(args: argparse.Namespace, parser: argparse.ArgumentParser) -
         model = ModelConfig(args.model, args.dtype)
         slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
     except ValueError as err:
-        parser.error(str(err))
+        _option_error(parser, err)
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
     print(f"pdlab {args.command}: {', '.join(placements)} on {','.join(devices)}, model "
           f"{model.model}, {spec.dataset} x {spec.num_requests}, rates {args.rates} req/s")
     try:
         summary, verdict = run_experiment(placements, args.rates, spec, model, engine, transfer,
-                                          ",".join(devices), args.address, slo, out)
-    except (ValueError, ModelLoadError) as err:
+                                          ",".join(devices), args.address, slo, out,
+                                          args.policy)
+    except (ValueError, ModelLoadError, RuntimeError) as err:
         print(f"pdlab: error: {err}", file=sys.stderr)
         return 2
     print()
     print(format_table(summary))
     print()
     print(verdict)
+    failed = int(summary["num_failed"].sum())
+    if failed:
+        print(f"\nWarning: {failed} request(s) failed; their errors are in requests.jsonl "
+              "(column 'error').", file=sys.stderr)
     print(f"\nResults: {out}/ (requests.jsonl, summary.csv, steps.csv, transfers.csv, "
           "report.md, *.png)")
     return 0
@@ -121,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command in ("run", "compare"):
-        return _run_experiment(args, parser)
+        return _run_experiment(args)
     if args.command == "profile":
         return profile.main(args)
     return kv_cost.main(args)

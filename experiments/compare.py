@@ -19,7 +19,7 @@ import json
 import platform
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 
@@ -52,16 +52,19 @@ class WorkloadSpec:
         prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
     """
 
-    dataset: str = "sharegpt"
-    num_requests: int = 24
-    seed: int = 0
-    arrival: str = "poisson"
-    burstiness: float = 1.0
-    min_prompt_len: int = 128
-    max_prompt_len: int = 1024
-    max_output_len: int = 48
-    prompt_len: str = "32-512"
-    output_len: str = "16-64"
+    dataset: str = field(default="sharegpt", metadata={"choices": DATASETS})
+    num_requests: int = field(default=24, metadata={"help": "requests per rate"})
+    seed: int = field(default=0, metadata={"help": "workload and arrival seed"})
+    arrival: str = field(default="poisson", metadata={"choices": workloads.PROCESSES})
+    burstiness: float = field(default=1.0, metadata={"help": "Gamma shape; 1 = Poisson"})
+    min_prompt_len: int = field(default=128, metadata={"help": "sharegpt: shortest prompt kept"})
+    max_prompt_len: int = field(default=1024, metadata={"help": "sharegpt: longest prompt kept"})
+    max_output_len: int = field(default=48, metadata={
+        "help": "sharegpt/humaneval: output length cap (tokens)"})
+    prompt_len: str = field(default="32-512", metadata={
+        "help": "synthetic only: N or lo-hi tokens"})
+    output_len: str = field(default="16-64", metadata={
+        "help": "synthetic only: N or lo-hi tokens"})
 
     def __post_init__(self) -> None:
         if self.dataset not in DATASETS:
@@ -124,10 +127,12 @@ class RunResult:
 
 def run_placement(placement: str, rates: list[float], items, spec: WorkloadSpec,
                   model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
-                  devices: str | None, address: str | None) -> list[RunResult]:
+                  devices: str | None, address: str | None,
+                  policy: str = "least_loaded") -> list[RunResult]:
     """Deploy one placement and replay the workload at each rate."""
     results = []
-    with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer) as dep:
+    with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer,
+                    policy=policy) as dep:
         for rate in rates:
             workload = router_workload(items, rate, spec, tag=f"{placement}@{rate}")
             bar = tqdm(total=len(workload), desc=f"{placement} @ {rate:g} req/s", unit="req")
@@ -203,8 +208,8 @@ def _num_devices(placement: str) -> int:
 
 def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec,
                    model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
-                   devices: str | None, address: str | None, slo: SLO, out_dir: Path
-                   ) -> tuple[pd.DataFrame, str]:
+                   devices: str | None, address: str | None, slo: SLO, out_dir: Path,
+                   policy: str = "least_loaded") -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text).
 
     Raises:
@@ -219,10 +224,11 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     results = []
     for placement in placements:
         results += run_placement(placement, rates, items, spec, model, engine, transfer,
-                                 ",".join(device_set), address)
+                                 ",".join(device_set), address, policy)
     config = {**environment(model, device_set), "placements": placements, "rates": rates,
               "workload": dataclasses.asdict(spec), "engine": dataclasses.asdict(engine),
               "transfer": dataclasses.asdict(transfer), "slo": dataclasses.asdict(slo),
+              "policy": policy,
               "seed": spec.seed}
     summary = write_results(out_dir, results, config, slo, len(device_set))
     return summary, analysis.verdict(summary, slo, num_devices=len(device_set))

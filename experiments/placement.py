@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from decode_worker import DecodeWorker
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            cpu_cores_of, parse_devices, parse_placement)
+from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import FaultyTransport
 from kv_transfer.inprocess import InProcessTransport
@@ -144,22 +145,26 @@ class Deployment:
         if local and self.transfer.transport != "inprocess":
             raise ValueError("a local placement (one process) needs transport 'inprocess'")
         if not local and self.transfer.transport == "inprocess":
-            raise ValueError("transport 'inprocess' needs a local placement; use 'ray' or "
-                             "'torchdist' across processes")
+            raise ValueError("transport 'inprocess' needs a local placement; use 'ray', "
+                             "'shm' or 'torchdist' across processes")
+        check_model_name(model)
         self._started_ray = False
         self._pg = None
         self.handles: dict[str, Any] = {}
-        if local:
-            check_devices_exist(self.devices)
-            self.calls: Any = LocalCalls()
-            self._start_local(faults or {})
-        else:
-            self.calls = RayCalls()
-            self._start_ray(faults or {})
-        self.workers = [WorkerRef(name, role, self.handles[name], rank)
-                        for rank, (name, role, _) in enumerate(self.layout)]
-        self.router = Router(self.workers, self.calls, placement.placement, policy,
-                             deadline_s or self.transfer.timeout_s + 5.0)
+        self.calls: Any = LocalCalls() if local else RayCalls()
+        try:  # a worker that fails to start must not leave the others (or Ray) behind
+            if local:
+                check_devices_exist(self.devices)
+                self._start_local(faults or {})
+            else:
+                self._start_ray(faults or {})
+            self.workers = [WorkerRef(name, role, self.handles[name], rank)
+                            for rank, (name, role, _) in enumerate(self.layout)]
+            self.router = Router(self.workers, self.calls, placement.placement, policy,
+                                 deadline_s or self.transfer.timeout_s + 5.0)
+        except BaseException:
+            self.close()
+            raise
 
     # ---- construction -----------------------------------------------------------------
     def _worker_args(self, name: str, role: str, device: str, faults: dict, rank: int,
@@ -184,9 +189,8 @@ class Deployment:
     def _start_ray(self, faults: dict) -> None:
         if not ray.is_initialized():
             init = ray_init_kwargs()
-            if self.placement.address:
-                init["address"] = self.placement.address
-            else:
+            init["address"] = self.placement.address or "local"  # never join a stray cluster
+            if not self.placement.address:
                 init["num_cpus"] = len(os.sched_getaffinity(0))
                 init["num_gpus"] = sum(d.startswith("cuda") for d in self.devices)
             ray.init(**init)
@@ -194,7 +198,9 @@ class Deployment:
         check_devices_exist(self.devices, ray.cluster_resources() if self.placement.address else None)
         bundles = [({"GPU": 1, "CPU": 1} if device.startswith("cuda")
                     else {"CPU": len(cpu_cores_of(device))}) for _, _, device in self.layout]
-        self._pg = placement_group(bundles, strategy="PACK")
+        # shm moves KV through one node's shared memory: every worker must be on that node
+        strategy = "STRICT_PACK" if self.transfer.transport == "shm" else "PACK"
+        self._pg = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self._pg.ready(), timeout=60)
         except GetTimeoutError as err:
@@ -245,6 +251,7 @@ class Deployment:
             ray.kill(self.handles[name], no_restart=True)
 
     def close(self) -> None:
+        """Stop every worker, release the placement group (and Ray if started here); twice is fine."""
         for name, handle in self.handles.items():
             try:
                 if self.local:
@@ -255,10 +262,13 @@ class Deployment:
                 pass
         if self.local:
             self.calls.shutdown()
+        self.handles = {}
         if self._pg is not None:
             remove_placement_group(self._pg)
+            self._pg = None
         if self._started_ray:
             ray.shutdown()
+            self._started_ray = False
 
     def __enter__(self) -> Deployment:
         return self
@@ -273,7 +283,7 @@ def _with_faults(transport, faults: dict | None):
 
 def ray_init_kwargs() -> dict[str, Any]:
     """How pdlab starts or joins Ray (tests that start Ray themselves use the same)."""
-    return {"include_dashboard": False, "log_to_driver": False,
+    return {"address": "local", "include_dashboard": False, "log_to_driver": False,
             "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
 
 

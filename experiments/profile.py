@@ -429,9 +429,9 @@ def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> N
                         help="timed runs per point after 1 warm-up; the estimator is their "
                              "minimum (default: 5)")
     parser.add_argument("--seed", default=0, type=int, help="random prompt ids (default: 0)")
-    parser.add_argument("--threads", default=None, type=positive_int,
-                        help="torch intra-op threads (default: torch's own choice); 1 is "
-                             "steadier on a shared CPU")
+    parser.add_argument("--threads", default=1, type=positive_int,
+                        help="torch intra-op threads (default: 1, steady on a shared CPU; "
+                             "a pdlab CPU worker also runs one thread per core it owns)")
     parser.add_argument("--out", default=None,
                         help=f"output directory (default: results/{default_out}-<timestamp>)")
 

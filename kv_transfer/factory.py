@@ -15,7 +15,8 @@ def make_transport(config: TransferConfig, faults: dict | None = None, rank: int
     e.g. ``{"corrupt": True, "only_request_ids": ["r3"]}``) wraps it for tests/experiments.
 
     ``torchdist`` needs ``rank``, ``world_size`` and ``init_method``; it uses NCCL when
-    ``device`` is a CUDA device, gloo otherwise.
+    ``device`` is a CUDA device, gloo otherwise. ``shm`` needs nothing: each process that
+    puts creates its own segment, and handles name it (workers of one node only).
 
     Raises:
         ValueError: torchdist without its rank set-up.
@@ -26,6 +27,11 @@ def make_transport(config: TransferConfig, faults: dict | None = None, rank: int
         from kv_transfer.ray_store import RayObjectStoreTransport
 
         transport = RayObjectStoreTransport(checksum=config.checksum)
+    elif config.transport == "shm":
+        from kv_transfer.shm import SharedMemoryTransport
+
+        transport = SharedMemoryTransport(checksum=config.checksum,
+                                          alloc_timeout_s=config.timeout_s)
     else:
         if rank is None or world_size is None:
             raise ValueError("transport 'torchdist' needs rank and world_size (set by the placement)")

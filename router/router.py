@@ -65,14 +65,17 @@ class Router:
             tokens) or ``round_robin``.
         deadline_s: a worker holding requests that reports nothing for this long fails them.
         poll_s: long-poll timeout of each ``wait_events`` call.
+        startup_timeout_s: how long each worker may take to answer its first call (it may
+            still be loading its model).
 
     Raises:
         ValueError: no workers for a role, or prefill and decode KV geometries differ.
+        RuntimeError: a worker failed to start or did not answer within startup_timeout_s.
     """
 
     def __init__(self, workers: list[WorkerRef], calls: Calls, placement: str,
                  policy: str = "least_loaded", deadline_s: float = 60.0,
-                 poll_s: float = 0.05) -> None:
+                 poll_s: float = 0.05, startup_timeout_s: float = 300.0) -> None:
         self.workers = {w.name: w for w in workers}
         self.calls = calls
         self.placement = placement
@@ -84,7 +87,7 @@ class Router:
         for role in roles:
             if not any(w.role == role for w in workers):
                 raise ValueError(f"placement {placement} has no {role} worker")
-        infos = [self.call_now(w, "info") for w in workers]
+        infos = [self._first_info(w, startup_timeout_s) for w in workers]
         specs = {tuple(sorted(i["kv_spec"].items())) for i in infos}
         if len(specs) != 1:
             raise ValueError(f"workers disagree on the KV geometry: {infos}")
@@ -93,12 +96,20 @@ class Router:
         self.loads = {w.name: 0 for w in workers}
         self._counter = 0
 
-    def call_now(self, worker: WorkerRef, method: str, *args: Any) -> Any:
+    def call_now(self, worker: WorkerRef, method: str, *args: Any,
+                 timeout_s: float | None = None) -> Any:
         """Call one worker and wait for the answer (bounded by ``deadline_s``)."""
+        timeout_s = self.deadline_s if timeout_s is None else timeout_s
         pending = self.calls.call(worker.handle, method, *args)
-        if not self.calls.ready([pending], self.deadline_s):
-            raise TimeoutError(f"worker {worker.name} did not answer {method} in {self.deadline_s} s")
+        if not self.calls.ready([pending], timeout_s):
+            raise TimeoutError(f"worker {worker.name} did not answer {method} in {timeout_s} s")
         return self.calls.result(pending)
+
+    def _first_info(self, worker: WorkerRef, timeout_s: float) -> dict:
+        try:
+            return self.call_now(worker, "info", timeout_s=timeout_s)
+        except (WorkerDied, TimeoutError) as err:
+            raise RuntimeError(f"{worker.role} worker {worker.name} failed to start: {err}") from err
 
     # ---- public ----------------------------------------------------------------------
     def validate(self, request: Request) -> None:
@@ -119,7 +130,13 @@ class Router:
 
         Returns:
             One RequestRecord per request, in arrival order.
+
+        Raises:
+            ValueError: two requests share a request_id.
         """
+        ids = [request.request_id for request, _ in workload]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request_id must be unique within a workload")
         arrivals = sorted(workload, key=lambda item: item[1])
         start_s = time.time()
         self._flights: dict[str, _Flight] = {}
@@ -160,8 +177,6 @@ class Router:
         flight = _Flight(request, record, "", 0)
         self._flights[request.request_id] = flight
         try:
-            if request.request_id in self._done:
-                raise ValueError(f"request_id {request.request_id!r} was already used")
             self.validate(request)
             if self.colocated:
                 first = self._pick("colocated")

@@ -45,9 +45,10 @@ def test_compare_writes_results_directory(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["run", "--placement", "disagg:0p1d"], "disagg:xPyD needs x, y >= 1"),
-    (["compare", "--dataset", "wiki"], "dataset must be one of"),
+    (["compare", "--dataset", "wiki"], "invalid choice: 'wiki'"),
     (["compare", "--rates", "-1"], "rates must be > 0"),
-    (["run", "--transport", "carrier-pigeon"], "transport must be one of"),
+    (["run", "--transport", "carrier-pigeon"], "invalid choice: 'carrier-pigeon'"),
+    (["run", "--num-requests", "0"], "argument --num-requests: num_requests must be >= 1"),
 ])
 def test_bad_options_name_the_option(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:

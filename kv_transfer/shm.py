@@ -1,0 +1,432 @@
+"""``SharedMemoryTransport`` (``shm``): KV between the processes of one node through a
+preallocated shared-memory arena: one copy on put, none on get.
+
+Every process that puts KV (a prefill worker) owns one **segment**: a file created in
+``/dev/shm`` and unlinked at once, so it has no name that could outlive the processes using
+it (the kernel frees it when the last process holding it closes or dies: a SIGKILLed worker
+leaks nothing). Other processes of the node open it by the owner's descriptor,
+``/proc/<owner pid>/fd/<fd>``, the segment name that handles carry, and check the segment's
+random token. Nothing has to be set up in advance: the placement only has to put the
+workers on one node (for crossing nodes use ``ray``).
+
+Segment layout (``S`` slots, ``C`` bytes of data)::
+
+    [0, 64)               control: magic ``PDLABKV1``, capacity C, slots S, slot-table and
+                          data offsets, random token
+    [64, 64 + S)          one state byte per slot: 0 FREE, 1 READY
+    [.., .. + 8 S)        one generation counter (u64) per slot, 8-byte aligned
+    [data_offset, + C)    data area (page aligned); each transfer is one page-aligned extent
+
+Protocol (producer = the process that put, consumer = the process holding the handle):
+
+1. The producer's first ``put`` creates its segment: a sparse file of the full size (tmpfs
+   commits pages only as they are used), mapped into the producer, unlinked, its descriptor
+   kept open.
+2. ``put``: the producer first **reclaims**: every slot it handed out whose state byte is
+   FREE again is forgotten, its extent becomes free space. It takes a slot whose state is
+   FREE and the first free extent that fits (first fit, lowest offset: steady state reuses
+   the same, already mapped pages). No room: it reclaims again every millisecond until
+   ``alloc_timeout_s``, then raises ``TransferFailed`` (so a decode side that never frees
+   turns into an error, not a hang). The first time an extent reaches past the highest
+   offset used so far, those pages are reserved with ``posix_fallocate`` (a full
+   ``/dev/shm`` is a ``TransferFailed``, never a SIGBUS). It copies the tensor bytes into
+   the extent (``torch`` ``copy_``: the only copy of the transfer), bumps the slot's
+   generation, and **last** stores READY in its state byte. The handle's key is an
+   ``ShmKey``: segment name (``/proc/<pid>/fd/<fd>``) and token, node id, owner pid, slot,
+   generation, offset, byte count and the msgpack header, all plain values.
+3. The handle travels to the consumer through the control path (an actor call). That path
+   orders the producer's stores before the consumer's loads.
+4. ``get`` (consumer): checks the node id (another node: ``TransferFailed``) and that the
+   owner lives (dead: ``TransferFailed``, like Ray's OwnerDiedError; a cached mapping of its
+   segment is dropped), maps the segment by name once per process and checks its token,
+   then checks that the slot is READY with the handle's generation (else it was freed, or
+   freed and reused: ``TransferFailed``). The KV it returns is a **view of the
+   extent** (zero copy; its checksum is verified in place), and the get is counted as a
+   lease on the slot. With ``zero_copy=False`` get copies the bytes out instead (no lease).
+5. ``free`` (whoever holds the handle last, usually the consumer after importing the KV):
+   the slot goes READY -> FREE once ``free`` was called **and** every tensor this process's
+   gets returned for it is gone (a finalizer on the view's buffer does the last step), so
+   a caller may free right after ``get`` and keep using the tensor: the bytes stay put until
+   the tensor is dropped. Freeing twice, or a handle whose slot was already reused
+   (generation differs), does nothing.
+6. The producer sees FREE at its next reclaim (step 2); ``num_held()`` is the slots it has
+   handed out and not seen freed, plus this process's leases on other processes' segments.
+
+Why no lock is needed across processes: every state transition has exactly one writer.
+Only the producer turns FREE -> READY, on slots it alone allocates; only the handle's holder
+turns READY -> FREE, after its last read. A freed slot is never touched by the consumer
+again (the generation check). The consumer's FREE store follows its last load of the view
+in program order; x86-64 never makes a store visible before earlier loads (weakly ordered
+CPUs would want a fence there).
+
+Lifetime: the segment's memory is returned when its owner and every consumer that mapped
+it have closed it or exited; ``close()`` drops this process's share.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import socket
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from kv_transfer.payload import Frame
+from kv_transfer.transport import KVHandle, Transport, TransferFailed
+
+MAGIC = b"PDLABKV1"
+FREE, READY = 0, 1
+PAGE = mmap.PAGESIZE
+DEFAULT_CAPACITY = 1 << 30  # sparse: tmpfs commits only the pages that transfers touch
+DEFAULT_SLOTS = 4096
+_CONTROL = 64
+_MADV_POPULATE_READ, _MADV_POPULATE_WRITE = 22, 23  # Linux >= 5.14; best effort
+
+
+def _shm_dir() -> str:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+
+
+def node_id() -> str:
+    """This node's identity: host name plus kernel boot id (two nodes never share both)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class ShmKey(NamedTuple):
+    """Where a shared-memory transfer's bytes are: plain values, picklable."""
+
+    path: str  # the segment's name: /proc/<owner pid>/fd/<fd>
+    token: str
+    node: str
+    owner_pid: int
+    slot: int
+    gen: int
+    offset: int
+    nbytes: int
+    header: bytes
+
+
+class _Segment:
+    """One mapped segment: the data area as a uint8 tensor plus the slot table."""
+
+    def __init__(self, fd: int, path: str, create: bool, capacity: int = 0, num_slots: int = 0):
+        self.fd, self.path = fd, path
+        if create:
+            gen_offset = _round_up(_CONTROL + num_slots, 8)
+            data_offset = _round_up(gen_offset + 8 * num_slots, PAGE)
+            os.ftruncate(fd, data_offset + capacity)
+            os.posix_fallocate(fd, 0, data_offset)  # the control block and slot table
+        self.mm = mmap.mmap(fd, os.fstat(fd).st_size)
+        control = np.frombuffer(self.mm, dtype=np.uint64, count=5, offset=8)
+        if create:
+            control[:] = (capacity, num_slots, gen_offset, data_offset,
+                          int.from_bytes(secrets.token_bytes(8), "little"))
+            self.mm[:8] = MAGIC
+        elif self.mm[:8] != MAGIC:
+            raise TransferFailed(f"{path} is not a pdlab KV segment")
+        self.capacity, self.num_slots, gen_offset, self.data_offset, token = (
+            int(v) for v in control)
+        self.token = f"{token:016x}"
+        self.state = np.frombuffer(self.mm, dtype=np.uint8, count=self.num_slots, offset=_CONTROL)
+        self.gen = np.frombuffer(self.mm, dtype=np.uint64, count=self.num_slots, offset=gen_offset)
+        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.data_offset,
+                                     count=self.capacity)
+        self.populated = 0  # data bytes from 0 already mapped into this process
+
+    def populate(self, end: int, write: bool) -> None:
+        """Map data pages up to ``end`` in one go (best effort: Linux >= 5.14)."""
+        if end <= self.populated:
+            return
+        start = self.populated
+        try:
+            self.mm.madvise(_MADV_POPULATE_WRITE if write else _MADV_POPULATE_READ,
+                            self.data_offset + start, end - start)
+        except (OSError, ValueError):
+            pass
+        self.populated = end
+
+    def view(self, offset: int, nbytes: int) -> np.ndarray:
+        """A numpy view of data bytes ``[offset, offset + nbytes)`` (shares the mapping)."""
+        return np.frombuffer(self.mm, dtype=np.uint8, count=nbytes,
+                             offset=self.data_offset + offset)
+
+    def release(self, slot: int, gen: int) -> None:
+        """READY -> FREE if the slot still holds generation ``gen`` (step 5)."""
+        if self.state[slot] == READY and int(self.gen[slot]) == gen:
+            self.state[slot] = FREE
+
+    def close(self) -> None:
+        """Close the descriptor (once); the mapping lives while views of it do."""
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+@dataclass
+class _Lease:
+    """This process's gets of one transfer: live views and whether ``free`` was called."""
+
+    views: int = 0
+    freed: bool = False
+
+
+class SharedMemoryTransport(Transport):
+    """KV through a per-producer shared-memory arena on one node; see the module docstring.
+
+    Args:
+        checksum: CRC-32C of the tensor bytes in the header, verified on get.
+        capacity_bytes: data bytes of this process's segment (sparse until used).
+        num_slots: transfers this process can have outstanding at once.
+        alloc_timeout_s: how long ``put`` waits for room before ``TransferFailed``.
+        zero_copy: ``get`` returns a view of the shared bytes (True) or a private copy.
+        directory: where segments live (``/dev/shm``).
+    """
+
+    name = "shm"
+
+    def __init__(self, checksum: bool = True, capacity_bytes: int = DEFAULT_CAPACITY,
+                 num_slots: int = DEFAULT_SLOTS, alloc_timeout_s: float = 10.0,
+                 zero_copy: bool = True, directory: str | None = None):
+        super().__init__(checksum)
+        if capacity_bytes < PAGE or num_slots < 1:
+            raise ValueError(f"capacity_bytes must be >= {PAGE} and num_slots >= 1, got "
+                             f"{capacity_bytes} and {num_slots}")
+        self.capacity = _round_up(capacity_bytes, PAGE)
+        self.num_slots = num_slots
+        self.alloc_timeout_s = alloc_timeout_s
+        self.zero_copy = zero_copy
+        self.directory = directory or _shm_dir()
+        self.node = node_id()
+        self._lock = threading.RLock()
+        self._own: _Segment | None = None       # the segment this process puts into
+        self._reserved = 0                       # data bytes of it backed by posix_fallocate
+        self._allocated: dict[int, tuple[int, int, int]] = {}  # slot -> (offset, end, gen)
+        self._mapped: dict[str, _Segment] = {}  # mapped segments (own included), by token
+        self._leases: dict[tuple[str, int, int], _Lease] = {}  # (token, slot, gen)
+
+    # ---- producer side ----------------------------------------------------------------
+    @property
+    def segment_name(self) -> str | None:
+        """Name other processes open this process's segment by (None before the first put)."""
+        return None if self._own is None else self._own.path
+
+    def _segment(self) -> _Segment:
+        if self._own is None:
+            path = os.path.join(self.directory, f"pdlab-kv-{os.getpid()}-{secrets.token_hex(4)}")
+            fd = -1
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                os.unlink(path)  # nameless from now on: freed with its last user
+                self._own = _Segment(fd, f"/proc/{os.getpid()}/fd/{fd}", True, self.capacity,
+                                     self.num_slots)
+            except OSError as err:
+                if fd >= 0:
+                    os.close(fd)
+                raise TransferFailed(f"cannot create a shared-memory segment in "
+                                     f"{self.directory}: {err}") from err
+            self._mapped[self._own.token] = self._own
+        return self._own
+
+    def _reclaim(self) -> None:
+        seg = self._own
+        if seg is None or not self._allocated:
+            return
+        slots = np.fromiter(self._allocated, dtype=np.int64, count=len(self._allocated))
+        for slot in slots[seg.state[slots] == FREE].tolist():
+            del self._allocated[slot]
+
+    def _find_room(self, nbytes: int) -> tuple[int, int] | None:
+        """(slot, offset) of a free slot and the lowest free extent of ``nbytes``, or None."""
+        seg = self._own
+        if len(self._allocated) >= seg.num_slots:
+            return None
+        need = _round_up(max(nbytes, 1), PAGE)
+        offset = 0
+        for start, end, _ in sorted(self._allocated.values()):
+            if start - offset >= need:
+                break
+            offset = max(offset, end)
+        if offset + need > seg.capacity:
+            return None
+        # after a reclaim every slot handed out is READY, so any FREE slot is unallocated
+        slot = int(np.argmin(seg.state))
+        return (slot, offset) if seg.state[slot] == FREE else None
+
+    def _reserve(self, end: int) -> None:
+        """Back data bytes up to ``end`` with tmpfs pages (once) and map them here."""
+        seg = self._own
+        if end > self._reserved:
+            try:
+                os.posix_fallocate(seg.fd, seg.data_offset + self._reserved, end - self._reserved)
+            except OSError as err:
+                raise TransferFailed(f"no room in {self.directory} for {end} bytes of KV "
+                                     f"arena ({err})") from err
+            self._reserved = end
+        seg.populate(end, write=True)
+
+    def _put_frames(self, request_id: str, frames: list[Frame], dst_rank: int | None) -> ShmKey:
+        header, src = bytes(frames[0]), _as_u8(frames[1])
+        nbytes = src.numel()
+        with self._lock:
+            seg = self._segment()
+            if nbytes > seg.capacity:
+                raise TransferFailed(f"KV of request {request_id} ({nbytes} bytes) exceeds the "
+                                     f"shared-memory arena ({seg.capacity} bytes)")
+            deadline_s = time.monotonic() + self.alloc_timeout_s
+            while True:
+                self._reclaim()
+                room = self._find_room(nbytes)
+                if room is not None or time.monotonic() >= deadline_s:
+                    break
+                time.sleep(0.001)
+            if room is None:
+                raise TransferFailed(
+                    f"shared-memory arena full for request {request_id}: {len(self._allocated)} "
+                    f"transfers hold it, none freed within {self.alloc_timeout_s} s "
+                    f"({nbytes} bytes needed of {seg.capacity})")
+            slot, offset = room
+            end = offset + _round_up(max(nbytes, 1), PAGE)
+            self._reserve(end)
+            if nbytes:
+                seg.data[offset:offset + nbytes].copy_(src)
+            gen = int(seg.gen[slot]) + 1
+            seg.gen[slot] = gen
+            seg.state[slot] = READY  # last: the slot is now the handle holder's
+            self._allocated[slot] = (offset, end, gen)
+        return ShmKey(seg.path, seg.token, self.node, os.getpid(), slot, gen, offset, nbytes,
+                      header)
+
+    # ---- consumer side ----------------------------------------------------------------
+    def _map(self, key: ShmKey, request_id: str) -> _Segment:
+        if key.node != self.node:
+            raise TransferFailed(f"KV of request {request_id} is in shared memory on node "
+                                 f"{key.node}, this is {self.node}: use transport 'ray' to "
+                                 "cross nodes")
+        seg = self._mapped.get(key.token)
+        if key.owner_pid != os.getpid() and not _pid_alive(key.owner_pid):
+            if seg is not None:
+                del self._mapped[key.token]
+                seg.close()
+            raise TransferFailed(f"KV of request {request_id} is lost: its owner (pid "
+                                 f"{key.owner_pid}) died")
+        if seg is None:
+            try:
+                fd = os.open(key.path, os.O_RDWR)
+            except OSError as err:
+                raise TransferFailed(f"KV of request {request_id} is lost: segment {key.path} "
+                                     f"cannot be opened ({err})") from None
+            try:
+                seg = _Segment(fd, key.path, create=False)
+            except BaseException:
+                os.close(fd)
+                raise
+            if seg.token != key.token:
+                seg.close()
+                raise TransferFailed(f"KV of request {request_id} is lost: {key.path} is no "
+                                     "longer its owner's segment")
+            self._mapped[key.token] = seg
+        return seg
+
+    def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
+        key: ShmKey = handle.key
+        with self._lock:
+            seg = self._map(key, handle.request_id)
+            if seg.state[key.slot] != READY or int(seg.gen[key.slot]) != key.gen:
+                raise TransferFailed(f"no KV for request {handle.request_id} in slot {key.slot} "
+                                     f"of {key.path}: already freed")
+            if seg is not self._own:
+                seg.populate(key.offset + key.nbytes, write=False)
+            array = seg.view(key.offset, key.nbytes)
+            if not self.zero_copy:
+                return [key.header, torch.from_numpy(array).clone()]
+            lease_key = (key.token, key.slot, key.gen)
+            lease = self._leases.setdefault(lease_key, _Lease())
+            lease.views += 1
+        weakref.finalize(array, self._view_gone, lease_key)
+        return [key.header, torch.from_numpy(array)]
+
+    def _view_gone(self, lease_key: tuple[str, int, int]) -> None:
+        with self._lock:
+            lease = self._leases.get(lease_key)
+            if lease is None:
+                return
+            lease.views -= 1
+            if lease.views == 0 and lease.freed:
+                self._release(lease_key)
+
+    def _release(self, lease_key: tuple[str, int, int]) -> None:
+        token, slot, gen = lease_key
+        self._leases.pop(lease_key, None)
+        seg = self._mapped.get(token)
+        if seg is not None:
+            seg.release(slot, gen)
+
+    def _free(self, handle: KVHandle) -> None:
+        key: ShmKey = handle.key
+        lease_key = (key.token, key.slot, key.gen)
+        with self._lock:
+            lease = self._leases.get(lease_key)
+            if lease is not None and lease.views > 0:
+                lease.freed = True  # the last view's finalizer releases the slot
+                return
+            if key.token not in self._mapped:
+                try:
+                    self._map(key, handle.request_id)
+                except TransferFailed:
+                    return  # owner or segment gone: nothing left to release
+            self._release(lease_key)
+
+    def num_held(self) -> int:
+        with self._lock:
+            self._reclaim()
+            own = None if self._own is None else self._own.token
+            return len(self._allocated) + sum(1 for token, _, _ in self._leases if token != own)
+
+    def close(self) -> None:
+        """Close this process's descriptors of every segment (mappings stay until unused);
+        no further puts: handles already given out can no longer be opened elsewhere."""
+        with self._lock:
+            for seg in self._mapped.values():
+                seg.close()
+
+
+def _as_u8(frame: Frame) -> torch.Tensor:
+    """Frame 1 as a flat uint8 CPU tensor without copying (a read-only buffer is read in place)."""
+    if isinstance(frame, torch.Tensor):
+        return frame.detach().reshape(-1).cpu()
+    view = memoryview(frame).cast("B")
+    if len(view) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    array = np.frombuffer(view, dtype=np.uint8)
+    if view.readonly:  # torch.from_numpy would warn; copy_ only reads it anyway
+        array = array.copy()
+    return torch.from_numpy(array)

@@ -1,0 +1,64 @@
+"""``--transport shm`` in Ray placements on one node: greedy tokens match generate(), the
+shared-memory slots all come back, corruption fails only its request."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
+
+ray = pytest.importorskip("ray")
+
+from engine.config import ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
+from experiments.placement import Deployment, ray_init_kwargs  # noqa: E402
+
+pytestmark = pytest.mark.ray
+TINY = ModelConfig("tiny-random-llama")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    kwargs = ray_init_kwargs()
+    tests_dir = str(Path(__file__).resolve().parents[1])
+    env = kwargs["runtime_env"]["env_vars"]
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], tests_dir])
+    ray.init(num_cpus=4, **kwargs)
+    yield
+    ray.shutdown()
+
+
+def deploy(placement, granularity="request", devices="cpu:0,cpu:1", faults=None):
+    return Deployment(PlacementConfig(placement, devices), TINY, ENGINE,
+                      TransferConfig(transport="shm", granularity=granularity, timeout_s=5.0),
+                      faults=faults, deadline_s=30.0)  # slow actor start on a busy host
+
+
+@pytest.mark.parametrize("placement,granularity,num_requests", [
+    ("disagg:1p1d", "request", 12),
+    ("disagg:1p1d", "layer", 8),
+    ("disagg:2p1d", "request", 8),  # two producers' segments mapped by one decode worker
+])
+def test_greedy_through_shm(tiny, placement, granularity, num_requests):
+    workload, expected = mixed_workload(tiny, num_requests=num_requests, spacing_s=0.005)
+    devices = "cpu:0,cpu:1,cpu:0-1" if placement == "disagg:2p1d" else "cpu:0,cpu:1"
+    with deploy(placement, granularity, devices) as deployment:
+        records = deployment.run(workload)
+        assert_outputs(records, expected)
+        assert_clean(deployment)  # every slot freed, on the prefill (owner) side too
+        transfers = deployment.transfer_records()
+        assert {t["transport"] for t in transfers} == {"shm"}
+        for record in records:  # bytes = 2 * layers * kv_heads * head_dim * tokens * 4
+            assert record.kv_bytes == 2 * 2 * 2 * 16 * record.num_prompt_tokens * 4
+
+
+def test_corrupted_shm_transfer_fails_only_its_request(tiny):
+    workload, expected = mixed_workload(tiny, num_requests=6)
+    with deploy("disagg:1p1d", faults={"prefill-0": {"corrupt": True, "only_request_ids": ["r3"]}}
+                ) as deployment:
+        records = deployment.run(workload)
+        assert_clean(deployment)
+    by_id = {r.request_id: r for r in records}
+    assert "KVChecksumError" in by_id["r3"].error
+    assert_outputs([r for r in records if r.request_id != "r3"], expected)
