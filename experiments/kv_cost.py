@@ -47,6 +47,7 @@ WHERE = {
     "inprocess": "put+get in one process",
     "ray": "put+get in the driver (local object store, no actor)",
     "torchdist": "gloo, 2 processes: sender put_s + receiver get_s",
+    "shm": "put+get in one process through its shared-memory arena (zero-copy get)",
 }
 
 
@@ -174,20 +175,17 @@ def time_torchdist(spec: KVSpec, jobs: list[tuple[int, list[tuple[int, int]]]], 
 
 # ---- the table -------------------------------------------------------------------------
 def _make_transport(name: str, checksum: bool):
-    if name == "inprocess":
-        from kv_transfer.inprocess import InProcessTransport
+    """A transport for put and get in this process (the driver), built by the factory."""
+    from engine.config import TransferConfig
+    from kv_transfer.factory import make_transport
 
-        return InProcessTransport(checksum)
     if name == "ray":
         import ray
 
-        from kv_transfer.ray_store import RayObjectStoreTransport
-
         if not ray.is_initialized():
-            ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+            ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
                      configure_logging=False)
-        return RayObjectStoreTransport(checksum)
-    raise ValueError(f"transport must be one of {TRANSPORTS}, got {name!r}")
+    return make_transport(TransferConfig(transport=name, checksum=checksum))
 
 
 def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
