@@ -69,7 +69,7 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     parser.add_argument("--rates", type=_floats, default=[0.5],
                         help="arrival rates in req/s, comma-separated (a sweep gives goodput)")
     parser.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT SLO in seconds")
-    parser.add_argument("--slo-tpot-s", type=float, default=0.2, help="TPOT SLO in seconds")
+    parser.add_argument("--slo-tpot-s", type=float, default=0.1, help="TPOT SLO in seconds")
     parser.add_argument("--out", default=None, help="results directory (default: results/<cmd>-<time>)")
     workload = parser.add_argument_group("workload")
     add_dataclass_args(workload, WorkloadSpec)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from pathlib import Path
+
 from conftest import random_prompts, reference_generate
 
 from engine.config import EngineConfig
@@ -33,3 +37,21 @@ def assert_clean(deployment) -> None:
     for status in deployment.statuses():
         assert status["engine_empty"], status
         assert status.get("transport_held", 0) == 0, status
+
+
+@contextlib.contextmanager
+def local_ray(num_cpus: int = 4):
+    """A private local Ray instance whose workers can import pdlab and these test helpers.
+    Logical CPUs: 4 leaves room for a 3-worker placement on 2 cores."""
+    import ray
+
+    from experiments.placement import ray_init_kwargs
+
+    kwargs = ray_init_kwargs()
+    env = kwargs["runtime_env"]["env_vars"]
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).resolve().parent)])
+    ray.init(num_cpus=num_cpus, **kwargs)
+    try:
+        yield
+    finally:
+        ray.shutdown()

@@ -3,18 +3,16 @@ generate()'s tokens, dead workers turn into named errors within the deadline, no
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-from pathlib import Path
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
+from placement_helpers import ENGINE, assert_clean, assert_outputs, local_ray, mixed_workload
 
 ray = pytest.importorskip("ray")
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
-from experiments.placement import Deployment, ray_init_kwargs  # noqa: E402
+from experiments.placement import Deployment  # noqa: E402
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")
@@ -22,13 +20,8 @@ TINY = ModelConfig("tiny-random-llama")
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    kwargs = ray_init_kwargs()
-    tests_dir = str(Path(__file__).resolve().parents[1])
-    env = kwargs["runtime_env"]["env_vars"]
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], tests_dir])
-    ray.init(num_cpus=4, **kwargs)  # logical CPUs: room for a 3-worker placement on 2 cores
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 def deploy(placement, transport="ray", granularity="request", devices="cpu:0,cpu:1",

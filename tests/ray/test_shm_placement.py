@@ -3,16 +3,13 @@ shared-memory slots all come back, corruption fails only its request."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
+from placement_helpers import ENGINE, assert_clean, assert_outputs, local_ray, mixed_workload
 
 ray = pytest.importorskip("ray")
 
 from engine.config import ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
-from experiments.placement import Deployment, ray_init_kwargs  # noqa: E402
+from experiments.placement import Deployment  # noqa: E402
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")
@@ -20,13 +17,8 @@ TINY = ModelConfig("tiny-random-llama")
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():
-    kwargs = ray_init_kwargs()
-    tests_dir = str(Path(__file__).resolve().parents[1])
-    env = kwargs["runtime_env"]["env_vars"]
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], tests_dir])
-    ray.init(num_cpus=4, **kwargs)
-    yield
-    ray.shutdown()
+    with local_ray():
+        yield
 
 
 def deploy(placement, granularity="request", devices="cpu:0,cpu:1", faults=None):

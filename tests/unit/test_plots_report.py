@@ -5,7 +5,6 @@ import math
 import re
 
 import pandas as pd
-import pytest
 
 from engine.metrics import SLO, RequestRecord
 from experiments import analysis as a
