@@ -69,14 +69,14 @@ class DecodeWorker(EngineLoop):
         rid = request.request_id
         start_s = time.time()
         try:
-            kv = self._fetch(request, handles)
+            kv, error = self._fetch(request, handles), None
         except Exception as err:  # timeout, lost bytes, header mismatch, corruption
-            self.emit(WorkerEvent(ERROR, rid, self.name, time.time(),
-                                  error=f"KV transfer failed: {type(err).__name__}: {err}"))
+            kv, error = None, f"KV transfer failed: {type(err).__name__}: {err}"
+        for handle in handles:  # freed before anyone hears of the outcome
+            self.transport.free(handle)
+        if error is not None:
+            self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=error))
             return
-        finally:
-            for handle in handles:
-                self.transport.free(handle)
         got_s = time.time()
         self.emit(WorkerEvent(KV_GOT, rid, self.name, got_s, kv_bytes=kv.numel() * kv.element_size(),
                               kv_transfer_s=got_s - start_s, stamps={KV_GOT: got_s}))
