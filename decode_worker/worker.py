@@ -44,11 +44,12 @@ class DecodeWorker(EngineLoop):
                  init_method: str | None = None, inside_ray: bool = False,
                  bind: bool = True, step_delay_s: float = 0.0) -> None:
         self.transfer = transfer_config
-        self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
-                                                     init_method, device)
         # One fetch thread: transfers arrive in order and never block the decode loop.
         self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-kv")
         super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s)
+        # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
+        self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
+                                                     init_method, self.engine.config.device)
 
     def admit(self, request: Request, first_token: int, kv_handles: tuple[KVHandle, ...]) -> None:
         """Fetch the KV of ``request`` in the background, then decode it from its second token."""

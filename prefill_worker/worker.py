@@ -43,8 +43,6 @@ class PrefillWorker(EngineLoop):
                  init_method: str | None = None, inside_ray: bool = False,
                  bind: bool = True, step_delay_s: float = 0.0) -> None:
         self.transfer = transfer_config
-        self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
-                                                     init_method, device)
         self._dst_rank: dict[str, int | None] = {}
         self._layer_handles: dict[str, list[KVHandle]] = {}
         self._put_errors: dict[str, Exception] = {}  # layer-wise puts that failed mid-step
@@ -52,6 +50,9 @@ class PrefillWorker(EngineLoop):
         # dead Ray owner's objects are). Never kept for Ray: a held ObjectRef pins the object.
         self._sent: list[KVHandle] = []
         super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s)
+        # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
+        self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
+                                                     init_method, self.engine.config.device)
         if transfer_config.granularity == "layer":
             self.engine.on_layer_done = self._put_layers
 
