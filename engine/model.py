@@ -215,7 +215,10 @@ def _from_pretrained(source: str, local_files_only: bool):
 
     model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only,
                                                  dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_files_only)
+    except (OSError, ValueError):  # weights without a tokenizer: prompts as token ids only
+        tokenizer = None
     return model, tokenizer
 
 

@@ -112,3 +112,22 @@ def test_smollm2_cached_as_safetensors(smollm2):
     assert (folder / "model.safetensors").is_file()
     assert (folder / "config.json").is_file()
     assert not folder.with_name("smollm2-135m.partial").exists()
+
+
+def test_local_hf_directory_loads_and_serves(tiny, tmp_path):
+    """A model saved with save_pretrained loads by path; without tokenizer files it still
+    serves token-id prompts, and its greedy tokens equal generate()."""
+    from conftest import random_prompts, reference_generate
+
+    from engine.config import EngineConfig
+    from engine.engine import Engine
+    from engine.request import Request, SamplingParams
+
+    tiny.model.save_pretrained(tmp_path / "tiny")
+    loaded = load_model(ModelConfig(str(tmp_path / "tiny")))
+    assert loaded.tokenizer is None
+    assert loaded.kv_spec.num_kv_heads == 2 and loaded.kv_spec.num_layers == 2
+    prompt = random_prompts([9])[0]
+    engine = Engine(loaded, EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16))
+    out = engine.generate([Request("p", tuple(prompt), SamplingParams(max_tokens=6))])
+    assert out["p"] == reference_generate(tiny.model, prompt, 6)
