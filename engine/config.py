@@ -121,11 +121,15 @@ class TransferConfig:
         _check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
 
 
-_PLACEMENT_RE = re.compile(r"colocated:(\d+)|disagg:(\d+)p(\d+)d")
+_PLACEMENT_RE = re.compile(r"colocated(?:-nochunk)?:(\d+)|disagg:(\d+)p(\d+)d")
+NOCHUNK = "colocated-nochunk"
 
 
 def parse_placement(placement: str) -> tuple[str, int, int]:
-    """Parse ``colocated:N`` or ``disagg:xPyD`` (case-insensitive).
+    """Parse ``colocated:N``, ``colocated-nochunk:N`` or ``disagg:xPyD`` (case-insensitive).
+
+    ``colocated-nochunk:N`` is ``colocated:N`` with chunked prefill off (see
+    ``placement_engine_overrides``), so one comparison can hold both colocated baselines.
 
     Returns:
         ``("colocated", N, 0)`` or ``("disagg", x, y)``.
@@ -136,8 +140,8 @@ def parse_placement(placement: str) -> tuple[str, int, int]:
     m = _PLACEMENT_RE.fullmatch(placement.strip().lower())
     if m is None:
         raise ValueError(
-            f"placement must be 'colocated:N' or 'disagg:xPyD' (e.g. disagg:1p1d), got {placement!r}"
-        )
+            "placement must be 'colocated:N', 'colocated-nochunk:N' or 'disagg:xPyD' "
+            f"(e.g. disagg:1p1d), got {placement!r}")
     if m.group(1) is not None:
         n = int(m.group(1))
         _check(n >= 1, f"colocated:N needs N >= 1, got {placement!r}")
@@ -145,6 +149,16 @@ def parse_placement(placement: str) -> tuple[str, int, int]:
     x, y = int(m.group(2)), int(m.group(3))
     _check(x >= 1 and y >= 1, f"disagg:xPyD needs x, y >= 1, got {placement!r}")
     return "disagg", x, y
+
+
+def placement_engine_overrides(placement: str, engine: EngineConfig) -> EngineConfig:
+    """The engine config a placement runs with. ``colocated-nochunk:N`` turns chunked prefill
+    off and, as vLLM requires without chunking, raises the token budget to ``max_model_len``
+    so any admissible prompt runs whole in one step."""
+    if not placement.strip().lower().startswith(NOCHUNK):
+        return engine
+    budget = max(engine.max_num_batched_tokens, engine.max_model_len)
+    return dataclasses.replace(engine, enable_chunked_prefill=False, max_num_batched_tokens=budget)
 
 
 def default_devices() -> tuple[str, ...]:

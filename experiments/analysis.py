@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 
 from engine import metrics as m
+from engine.config import parse_placement
 from engine.metrics import SLO, RequestRecord
 
 SUMMARY_COLUMNS = [
@@ -49,8 +50,9 @@ def _nan(v: float | None) -> float:
 
 
 def placement_kind(placement: str) -> str:
-    """``"colocated:2"`` -> ``"colocated"``, ``"disagg:1p1d"`` -> ``"disagg"`` (lower case)."""
-    return placement.split(":", 1)[0].strip().lower()
+    """``"colocated:2"`` and ``"colocated-nochunk:2"`` -> ``"colocated"``, ``"disagg:1p1d"``
+    -> ``"disagg"``."""
+    return parse_placement(placement)[0]
 
 
 def is_colocated(placement: str) -> bool:

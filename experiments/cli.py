@@ -52,11 +52,13 @@ def _placements(text: str) -> list[str]:
 def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None:
     if compare:
         parser.add_argument("--placements", type=_placements, default=None,
-                            help="comma-separated, e.g. colocated:2,disagg:1p1d "
-                                 "(default: colocated:N and every disagg:xPyD with x+y=N)")
+                            help="comma-separated, e.g. colocated:2,colocated-nochunk:2,disagg:1p1d "
+                                 "(colocated-nochunk = chunked prefill off; default: colocated:N "
+                                 "and every disagg:xPyD with x+y=N)")
     else:
         parser.add_argument("--placement", type=_placements, default=["disagg:1p1d"],
-                            help="colocated:N or disagg:xPyD (default: disagg:1p1d)")
+                            help="colocated:N, colocated-nochunk:N or disagg:xPyD "
+                                 "(default: disagg:1p1d)")
     parser.add_argument("--devices", default=None,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")

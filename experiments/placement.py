@@ -30,7 +30,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from decode_worker import DecodeWorker
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
-                           cpu_cores_of, parse_devices, parse_placement)
+                           cpu_cores_of, parse_devices, parse_placement,
+                           placement_engine_overrides)
 from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import FaultyTransport
@@ -137,7 +138,8 @@ class Deployment:
                  local: bool = False, faults: dict[str, dict] | None = None,
                  policy: str = "least_loaded", deadline_s: float | None = None) -> None:
         self.placement = placement
-        self.model, self.engine = model, engine or EngineConfig()
+        self.model = model
+        self.engine = placement_engine_overrides(placement.placement, engine or EngineConfig())
         self.transfer = transfer or TransferConfig()
         self.local = local
         self.devices = parse_devices(placement.devices)

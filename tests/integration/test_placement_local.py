@@ -25,7 +25,8 @@ def deploy(placement, granularity="request", faults=None, timeout_s=5.0, devices
 
 
 @pytest.mark.parametrize("placement,granularity", [
-    ("colocated:2", "request"), ("disagg:1p1d", "request"), ("disagg:1p1d", "layer"),
+    ("colocated:2", "request"), ("colocated-nochunk:2", "request"),
+    ("disagg:1p1d", "request"), ("disagg:1p1d", "layer"),
 ])
 def test_greedy_through_placement(tiny, placement, granularity):
     workload, expected = mixed_workload(tiny)
@@ -33,6 +34,13 @@ def test_greedy_through_placement(tiny, placement, granularity):
         records = deployment.run(workload)
         assert_outputs(records, expected)
         assert_clean(deployment)
+        chunked = {info["enable_chunked_prefill"] for info in deployment.gather("info")}
+        steps = deployment.step_records()
+    assert chunked == {placement != "colocated-nochunk:2"}
+    if placement == "colocated-nochunk:2":  # every prompt ran whole: no step split one
+        assert sum(s["num_prefill_tokens"] for s in steps) == sum(r.num_prompt_tokens for r in records)
+        assert all(s["num_prefill_tokens"] in _prompt_sums(records) for s in steps
+                   if s["num_prefill_tokens"])
     for record in records:
         assert record.placement == placement
         for event in (metrics.ARRIVED, metrics.PREFILL_QUEUED, metrics.PREFILL_STARTED,
@@ -45,6 +53,14 @@ def test_greedy_through_placement(tiny, placement, granularity):
                      metrics.DECODE_ADMITTED, metrics.FINISHED)]
             assert times == sorted(times)
             assert record.kv_transfer_s > 0
+
+
+def _prompt_sums(records) -> set[int]:
+    """Every total of whole prompts some subset of ``records`` can make."""
+    sums = {0}
+    for record in records:
+        sums |= {s + record.num_prompt_tokens for s in sums}
+    return sums
 
 
 def test_many_concurrent_requests_never_mix_kv(tiny):

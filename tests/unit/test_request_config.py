@@ -8,7 +8,8 @@ import math
 import pytest
 
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
-                           cpu_cores_of, parse_devices, parse_placement)
+                           cpu_cores_of, parse_devices, parse_placement,
+                           placement_engine_overrides)
 from engine.request import (FinishReason, Request, RequestState, RequestStatus,
                             SamplingParams)
 
@@ -123,9 +124,18 @@ def test_model_config_rejects(kwargs, words):
     ("DISAGG:2P1D", ("disagg", 2, 1)),
     ("Colocated:4", ("colocated", 4, 0)),
     ("  disagg:10p12d ", ("disagg", 10, 12)),
+    ("colocated-nochunk:2", ("colocated", 2, 0)),
 ])
 def test_parse_placement_good(text, expected):
     assert parse_placement(text) == expected
+
+
+def test_nochunk_placement_turns_chunking_off_and_fits_any_prompt():
+    engine = EngineConfig(max_model_len=1024, max_num_batched_tokens=256)
+    nochunk = placement_engine_overrides("colocated-nochunk:2", engine)
+    assert nochunk.enable_chunked_prefill is False and nochunk.max_num_batched_tokens == 1024
+    assert placement_engine_overrides("colocated:2", engine) is engine
+    assert placement_engine_overrides("disagg:1p1d", engine) is engine
 
 
 @pytest.mark.parametrize("text,words", [
