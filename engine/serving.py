@@ -15,6 +15,7 @@ colocated) is this loop plus what it does with tokens; it is a plain class, and
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -50,7 +51,7 @@ class EngineLoop:
         self.step_delay_s = step_delay_s
         self.device = device
         torch_device = bind_device(device, inside_ray) if bind else "cpu"
-        engine_config = EngineConfig(**{**engine_config.__dict__, "device": torch_device})
+        engine_config = dataclasses.replace(engine_config, device=torch_device)
         self.engine = Engine(load_model(model_config, torch_device), engine_config)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent] = []

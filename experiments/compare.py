@@ -27,12 +27,12 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
-                           parse_devices, parse_placement)
+                           parse_devices)
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAME, load_tokenizer, tiny_llama_config
 from engine.request import Request, SamplingParams
 from experiments import analysis, plots, report, workloads
-from experiments.placement import Deployment
+from experiments.placement import Deployment, worker_layout
 
 DATASETS = ("sharegpt", "humaneval", "synthetic")
 
@@ -165,8 +165,8 @@ def environment(model: ModelConfig, devices: tuple[str, ...]) -> dict:
 
 
 def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SLO,
-                  num_devices: int) -> pd.DataFrame:
-    """Write every output file; returns the summary table."""
+                  num_devices: int) -> tuple[pd.DataFrame, str]:
+    """Write every output file; returns the summary table and the verdict."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "requests.jsonl", "w") as f:
         f.write(json.dumps({"type": "config", **config}) + "\n")
@@ -194,16 +194,11 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
         "Latency breakdown": plots.plot_breakdown(analysis.latency_breakdown(by_placement),
                                                   out_dir / "latency_breakdown.png"),
     }
-    devices_of = {p: _num_devices(p) for p in by_placement}
+    devices_of = {p: PlacementConfig(p).num_devices_needed for p in by_placement}
     verdict_text = analysis.verdict(summary, slo, num_devices=num_devices)
     goodput = analysis.goodput_per_device(curve, devices_of) if len(set(curve["rate"])) > 1 else None
     report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput)
-    return summary
-
-
-def _num_devices(placement: str) -> int:
-    kind, a, b = parse_placement(placement)
-    return a if kind == "colocated" else a + b
+    return summary, verdict_text
 
 
 def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec,
@@ -217,9 +212,7 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     """
     device_set = parse_devices(devices)
     for placement in placements:  # fail fast, before any model loads
-        if _num_devices(placement) > len(device_set):
-            raise ValueError(f"placement {placement} needs {_num_devices(placement)} devices, "
-                             f"the device set {','.join(device_set)} has {len(device_set)}")
+        worker_layout(placement, device_set)
     items = build_workload(spec, model)
     results = []
     for placement in placements:
@@ -230,5 +223,4 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
               "transfer": dataclasses.asdict(transfer), "slo": dataclasses.asdict(slo),
               "policy": policy,
               "seed": spec.seed}
-    summary = write_results(out_dir, results, config, slo, len(device_set))
-    return summary, analysis.verdict(summary, slo, num_devices=len(device_set))
+    return write_results(out_dir, results, config, slo, len(device_set))
