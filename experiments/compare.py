@@ -27,7 +27,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
-                           parse_devices)
+                           check_fields, parse_devices)
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAME, load_tokenizer, tiny_llama_config
 from engine.request import Request, SamplingParams
@@ -35,6 +35,7 @@ from experiments import analysis, plots, report, workloads
 from experiments.placement import Deployment, worker_layout
 
 DATASETS = ("sharegpt", "humaneval", "synthetic")
+LENGTHS = r"\d+(-\d+)?"  # synthetic lengths: N or lo-hi tokens
 
 
 @dataclass(frozen=True)
@@ -53,26 +54,44 @@ class WorkloadSpec:
     """
 
     dataset: str = field(default="sharegpt", metadata={"choices": DATASETS})
-    num_requests: int = field(default=24, metadata={"help": "requests per rate"})
-    seed: int = field(default=0, metadata={"help": "workload and arrival seed"})
+    num_requests: int = field(default=24, metadata={"help": "requests per rate", "min": 1})
+    seed: int = field(default=0, metadata={"help": "workload and arrival seed", "min": 0})
     arrival: str = field(default="poisson", metadata={"choices": workloads.PROCESSES})
-    burstiness: float = field(default=1.0, metadata={"help": "Gamma shape; 1 = Poisson"})
-    min_prompt_len: int = field(default=128, metadata={"help": "sharegpt: shortest prompt kept"})
-    max_prompt_len: int = field(default=1024, metadata={"help": "sharegpt: longest prompt kept"})
+    burstiness: float = field(default=1.0, metadata={"help": "Gamma shape; 1 = Poisson", "gt": 0})
+    min_prompt_len: int = field(default=128, metadata={"help": "sharegpt: shortest prompt kept",
+                                                       "min": 1})
+    max_prompt_len: int = field(default=1024, metadata={"help": "sharegpt: longest prompt kept",
+                                                        "min": 1})
     max_output_len: int = field(default=48, metadata={
-        "help": "sharegpt/humaneval: output length cap (tokens)"})
+        "help": "sharegpt/humaneval: output length cap (tokens)", "min": 1})
     prompt_len: str = field(default="32-512", metadata={
-        "help": "synthetic only: N or lo-hi tokens"})
+        "help": "synthetic only: N or lo-hi tokens", "pattern": LENGTHS, "hint": "N or lo-hi"})
     output_len: str = field(default="16-64", metadata={
-        "help": "synthetic only: N or lo-hi tokens"})
+        "help": "synthetic only: N or lo-hi tokens", "pattern": LENGTHS, "hint": "N or lo-hi"})
 
     def __post_init__(self) -> None:
-        if self.dataset not in DATASETS:
-            raise ValueError(f"dataset must be one of {DATASETS}, got {self.dataset!r}")
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
-        if self.arrival not in workloads.PROCESSES:
-            raise ValueError(f"arrival must be one of {workloads.PROCESSES}, got {self.arrival!r}")
+        check_fields(self)
+        if self.max_prompt_len < self.min_prompt_len:
+            raise ValueError(f"max_prompt_len must be >= min_prompt_len ({self.min_prompt_len}), "
+                             f"got {self.max_prompt_len}")
+        for name in ("prompt_len", "output_len"):
+            lo, hi = _bounds(getattr(self, name))
+            if not 1 <= lo <= hi:
+                raise ValueError(f"{name} must be N or lo-hi with 1 <= lo <= hi, "
+                                 f"got {getattr(self, name)!r}")
+
+    def max_request_len(self) -> int | None:
+        """The longest prompt + output this workload can ask for (None: humaneval, unknown)."""
+        if self.dataset == "synthetic":
+            return _bounds(self.prompt_len)[1] + _bounds(self.output_len)[1]
+        if self.dataset == "sharegpt":
+            return self.max_prompt_len + self.max_output_len
+        return None
+
+
+def _bounds(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
 
 
 def _length_range(text: str) -> int | tuple[int, int]:

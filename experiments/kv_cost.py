@@ -291,6 +291,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="CRC32 in every transfer, as served (default: on)")
 
 
+def check_arguments(args: argparse.Namespace, model) -> None:
+    """``pdlab kv-cost`` options joined to the device and the model's context (read from its
+    config file: no weights), checked before the model loads.
+
+    Raises:
+        ValueError: ``argument --x: ...`` for the first bad option.
+    """
+    from engine.model import model_context_len
+
+    profile.check_device(args.device)
+    limit = model_context_len(model)
+    if limit is not None and not any(p + 2 <= limit for p in args.prompt_lens):
+        raise ValueError(f"argument --prompt-lens: no length fits the context of model "
+                         f"{model.model} ({limit} tokens, 2 of them kept for decoding)")
+
+
 def main(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 

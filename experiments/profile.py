@@ -453,6 +453,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="G of the P x G table (default: 16,64,256)")
 
 
+def check_device(device: str) -> None:
+    """A ``cuda:i`` device must exist here (``cpu`` always does).
+
+    Raises:
+        ValueError: ``argument --device: ...`` naming what exists.
+    """
+    if device.startswith("cuda"):
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device.partition(":")[2] or 0)
+        if index >= count:
+            raise ValueError(f"argument --device: {device} does not exist: this machine has "
+                             f"{count} GPUs (use cpu)")
+
+
+def check_arguments(args: argparse.Namespace, model) -> None:
+    """``pdlab profile`` options that join each other, the device and the model's context
+    (read from its config file: no weights), checked before the model loads.
+
+    Raises:
+        ValueError: ``argument --x: ...`` for the first bad option.
+    """
+    check_device(args.device)
+    for option, values in (("--contexts", args.contexts), ("--batch-sizes", args.batch_sizes)):
+        if len(set(values)) < 2:
+            raise ValueError(f"argument {option}: needs at least 2 distinct values for its fit, "
+                             f"got {','.join(map(str, values))}")
+    from engine.model import model_context_len
+
+    limit = model_context_len(model)
+    if limit is None:
+        return  # known after loading: cap_lengths drops what does not fit
+    room = WARMUP + args.repeats + 2
+    if not any(p + 1 <= limit for p in args.prompt_lens):
+        raise ValueError(f"argument --prompt-lens: no length fits the context of model "
+                         f"{model.model} ({limit} tokens)")
+    if sum(c + room <= limit for c in set(args.contexts)) < 2:
+        raise ValueError(f"argument --contexts: fewer than 2 contexts leave room for {room} "
+                         f"decode steps in the context of model {model.model} ({limit} tokens)")
+    if args.batch_context + room > limit:
+        raise ValueError(f"argument --batch-context: must be <= {limit - room} (the context of "
+                         f"model {model.model}, {limit} tokens, less {room} decode steps), got "
+                         f"{args.batch_context}")
+
+
 def out_dir(args: argparse.Namespace, name: str) -> Path:
     path = Path(args.out) if args.out else Path("results") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path.mkdir(parents=True, exist_ok=True)
