@@ -102,6 +102,7 @@ class ModelConfig:
     dtype: str = field(default="float32", metadata={"choices": DTYPES})
 
     def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and self.model.strip() != "", "model must not be empty")
         check_fields(self)
 
 

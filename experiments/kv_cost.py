@@ -25,7 +25,6 @@ Outputs: kv_cost.csv and kv_cost.png (transfer and prefill seconds vs T, log-log
 from __future__ import annotations
 
 import argparse
-import socket
 import sys
 import time
 from collections.abc import Sequence
@@ -109,21 +108,15 @@ def time_transfer(transport, spec: KVSpec, kv: torch.Tensor, repeats: int,
 
 
 # ---- torch.distributed (two processes) -------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchdist_rank(rank: int, port: int, spec_dict: dict, jobs: list, repeats: int,
+def _torchdist_rank(rank: int, init_method: str, spec_dict: dict, jobs: list, repeats: int,
                     checksum: bool, handle_q, ack_q, result_q) -> None:
     """One rank of the gloo measurement: rank 0 puts, rank 1 gets (see module docstring)."""
     from kv_transfer.torchdist import TorchDistributedTransport
 
     torch.set_num_threads(1)
     spec = KVSpec(**spec_dict)
-    transport = TorchDistributedTransport(rank, 2, "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                          dst_rank=1, checksum=checksum)
+    transport = TorchDistributedTransport(rank, 2, "gloo", init_method=init_method, dst_rank=1,
+                                          checksum=checksum)
     try:
         for prompt_len, chunks in jobs:
             if rank == 0:
@@ -158,9 +151,12 @@ def time_torchdist(spec: KVSpec, jobs: list[tuple[int, list[tuple[int, int]]]], 
     returns one Timing per job (random KV of the right shape: bytes, not values, matter)."""
     import torch.multiprocessing as mp
 
+    from kv_transfer.torchdist import open_rendezvous
+
     ctx = mp.get_context("spawn")
     handle_q, ack_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    args = (_free_port(), spec.to_dict(), jobs, repeats, checksum, handle_q, ack_q, result_q)
+    store, init_method = open_rendezvous()  # held here while the two ranks live
+    args = (init_method, spec.to_dict(), jobs, repeats, checksum, handle_q, ack_q, result_q)
     procs = [ctx.Process(target=_torchdist_rank, args=(rank, *args), daemon=True) for rank in (0, 1)]
     for proc in procs:
         proc.start()

@@ -7,9 +7,13 @@ Setting up a deployment:
    the set has enough devices and that each exists, before anything starts.
 2. Ray mode: start a local Ray cluster (or join ``--address``), reserve one placement-group
    bundle per worker (one GPU, or the CPU cores of a ``cpu:`` device) and start each worker
-   as an actor in its bundle; the worker pins itself to its device. Local mode: build the
+   as an actor in its bundle; the worker pins itself to its device (``torchdist``: the
+   driver first binds the group's rendezvous store at port 0 and keeps it until ``close``,
+   see ``kv_transfer.torchdist.open_rendezvous``). Local mode: build the
    workers as plain objects in this process (tests; the in-process transport).
-3. Wait until every worker answers ``info`` (bounded), then build the ``Router``.
+3. Wait until every worker answers ``info`` (bounded), then build the ``Router``. A worker
+   that fails to start is an error that keeps its root cause (exception type and message,
+   ``engine.errors.describe_error``), not only Ray's "actor died" line.
 
 ``close()`` stops the workers and releases the placement group (and Ray, if it was started
 here).
@@ -18,7 +22,6 @@ here).
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,7 @@ from decode_worker import DecodeWorker
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            cpu_cores_of, parse_devices, parse_placement,
                            placement_engine_overrides)
+from engine.errors import describe_error
 from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import FaultyTransport
@@ -62,8 +66,8 @@ class RayCalls:
     def result(self, pending: ray.ObjectRef) -> Any:
         try:
             return ray.get(pending, timeout=0)
-        except ACTOR_DEATH as err:
-            raise WorkerDied(f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
+        except ACTOR_DEATH as err:  # keep the root cause: Ray's first line only says "died"
+            raise WorkerDied(f"{type(err).__name__}: {describe_error(err)}") from err
 
 
 def worker_layout(placement: str, devices: tuple[str, ...]) -> list[tuple[str, str, str]]:
@@ -152,6 +156,7 @@ class Deployment:
         check_model_name(model)
         self._started_ray = False
         self._pg = None
+        self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self.handles: dict[str, Any] = {}
         self.calls: Any = LocalCalls() if local else RayCalls()
         try:  # a worker that fails to start must not leave the others (or Ray) behind
@@ -210,7 +215,11 @@ class Deployment:
                              f"(it has {ray.cluster_resources()})") from err
         init_method = None
         if self.transfer.transport == "torchdist":
-            init_method = f"tcp://{ray.util.get_node_ip_address()}:{_free_port()}"
+            # bound here, at port 0, and held until close(): no port can be taken in between
+            from kv_transfer.torchdist import open_rendezvous
+
+            self._rendezvous, init_method = open_rendezvous(ray.util.get_node_ip_address(),
+                                                            self.transfer.timeout_s)
         for rank, (name, role, device) in enumerate(self.layout):
             cls, kwargs = self._worker_args(name, role, device, faults, rank, init_method)
             bundle = bundles[rank]
@@ -265,6 +274,7 @@ class Deployment:
         if self.local:
             self.calls.shutdown()
         self.handles = {}
+        self._rendezvous = None
         if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
@@ -293,8 +303,3 @@ def _pythonpath() -> str:
     """Actors import pdlab from this checkout even when it is not installed."""
     return os.pathsep.join([str(REPO_ROOT)] + [p for p in sys.path if p])
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]

@@ -2,8 +2,13 @@
 
 Setup: every worker that sends or receives KV is a rank of one process group (the
 placement creates it: e.g. prefill workers ranks ``0..x-1``, decode workers ``x..x+y-1``).
-Pass ``init_method`` (``tcp://host:port``) to have the constructor call
-``init_process_group``, or create the group yourself first.
+Pass ``init_method`` to have the constructor call ``init_process_group``, or create the
+group yourself first. The rendezvous port is chosen where it is bound: ``open_rendezvous``
+binds a ``TCPStore`` to port 0 (the kernel picks a free port and the store holds it) in the
+process that sets the group up, and returns ``store://host:port``; every rank joins it as a
+client. No port is picked first and bound later, so another process taking it in between
+cannot break start-up (``tcp://host:port``, where rank 0 binds a port chosen beforehand,
+still works for callers that own the port).
 
 Lifecycle:
     1. ``put(..., dst_rank=r)`` on the sender posts two non-blocking sends to rank ``r``:
@@ -43,6 +48,38 @@ from kv_transfer.payload import Frame, pack_tensor
 from kv_transfer.transport import KVHandle, Transport, TransferFailed, TransferTimeout
 
 
+STORE_SCHEME = "store://"
+
+
+def open_rendezvous(host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[dist.TCPStore, str]:
+    """A rendezvous store listening on ``host`` at a port the kernel picks as it binds.
+
+    Keep the returned store alive (it is the group's rendezvous) until the ranks have
+    formed the group; pass the returned ``store://host:port`` as every rank's ``init_method``.
+
+    Raises:
+        RuntimeError (``torch.distributed.DistNetworkError``): ``host`` cannot be bound.
+    """
+    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return store, f"{STORE_SCHEME}{host}:{store.port}"
+
+
+def _init_group(backend: str, init_method: str, rank: int, world_size: int,
+                timeout_s: float) -> None:
+    """``init_process_group`` through ``init_method``: ``store://host:port`` joins a store
+    from ``open_rendezvous`` as a client; anything else goes to torch unchanged."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if not init_method.startswith(STORE_SCHEME):
+        dist.init_process_group(backend, init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timeout)
+        return
+    host, _, port = init_method[len(STORE_SCHEME):].rpartition(":")
+    store = dist.TCPStore(host, int(port), world_size, is_master=False, timeout=timeout)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
+
+
 class P2PKey(NamedTuple):
     """Where a point-to-point transfer comes from and how big its two messages are."""
 
@@ -58,7 +95,8 @@ class TorchDistributedTransport(Transport):
     Args:
         rank, world_size: this process's rank and the group size.
         backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
-        init_method: e.g. ``tcp://127.0.0.1:29500``; None = the group already exists.
+        init_method: ``store://host:port`` from ``open_rendezvous`` (or torch's own, e.g.
+            ``tcp://127.0.0.1:29500``); None = the group already exists.
         device: where received tensors land (``cpu`` for gloo, ``cuda:i`` for NCCL).
         dst_rank: default receiver for ``put`` when it names none.
         checksum: CRC32 in the header (with NCCL this costs a device-to-host copy per side).
@@ -78,9 +116,7 @@ class TorchDistributedTransport(Transport):
         self.device = torch.device(device)
         self.dst_rank = dst_rank
         if init_method is not None and not dist.is_initialized():
-            dist.init_process_group(backend, init_method=init_method, rank=rank,
-                                    world_size=world_size,
-                                    timeout=datetime.timedelta(seconds=init_timeout_s))
+            _init_group(backend, init_method, rank, world_size, init_timeout_s)
         self._seq = itertools.count()
         self._lock = threading.Lock()
         self._sends: set[int] = set()  # seqs of sends not yet received and not freed
