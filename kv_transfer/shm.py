@@ -51,6 +51,12 @@ Protocol (producer = the process that put, consumer = the process holding the ha
    (generation differs), does nothing.
 6. The producer sees FREE at its next reclaim (step 2); ``num_held()`` is the slots it has
    handed out and not seen freed, plus this process's leases on other processes' segments.
+7. A consumer drops a **dead producer's** segment at its next ``put``, ``get``, ``free`` or
+   ``num_held`` (or ``release_dead_peers``): the owner is dead when its pid is gone or its
+   ``/proc/<pid>/fd/<fd>`` no longer names the mapped file (pid reused). Its leases without
+   live views go, its descriptor is closed and the mapping is unmapped at once, or, while a
+   tensor from a get still views it, as soon as the last such tensor is dropped. Without
+   this a live decode worker would keep a dead prefill worker's arena until it exited.
 
 Why no lock is needed across processes: every state transition has exactly one writer.
 Only the producer turns FREE -> READY, on slots it alone allocates; only the handle's holder
@@ -135,8 +141,11 @@ class ShmKey(NamedTuple):
 class _Segment:
     """One mapped segment: the data area as a uint8 tensor plus the slot table."""
 
-    def __init__(self, fd: int, path: str, create: bool, capacity: int = 0, num_slots: int = 0):
+    def __init__(self, fd: int, path: str, create: bool, capacity: int = 0, num_slots: int = 0,
+                 owner_pid: int | None = None):
         self.fd, self.path = fd, path
+        self.owner_pid = os.getpid() if owner_pid is None else owner_pid
+        self.inode = os.fstat(fd).st_ino
         if create:
             gen_offset = _round_up(_CONTROL + num_slots, 8)
             data_offset = _round_up(gen_offset + 8 * num_slots, PAGE)
@@ -189,6 +198,25 @@ class _Segment:
                 os.close(fd)
             except OSError:
                 pass
+
+    def owner_gone(self) -> bool:
+        """The owner died, or its descriptor no longer names this file (pid reused)."""
+        if not _pid_alive(self.owner_pid):
+            return True
+        try:
+            return os.stat(self.path).st_ino != self.inode
+        except OSError:
+            return True
+
+    def unmap(self) -> None:
+        """Close the descriptor and drop this object's views; unmap now unless a tensor
+        handed out by ``get`` still views the mapping (then the last one unmaps it)."""
+        self.close()
+        self.state = self.gen = self.data = None
+        try:
+            self.mm.close()
+        except BufferError:  # exported views remain: the mmap goes with the last of them
+            pass
 
 
 @dataclass
@@ -297,6 +325,7 @@ class SharedMemoryTransport(Transport):
         header, src = bytes(frames[0]), _as_u8(frames[1])
         nbytes = src.numel()
         with self._lock:
+            self._drop_dead_peers()
             seg = self._segment()
             if nbytes > seg.capacity:
                 raise TransferFailed(f"KV of request {request_id} ({nbytes} bytes) exceeds the "
@@ -331,11 +360,9 @@ class SharedMemoryTransport(Transport):
             raise TransferFailed(f"KV of request {request_id} is in shared memory on node "
                                  f"{key.node}, this is {self.node}: use transport 'ray' to "
                                  "cross nodes")
+        self._drop_dead_peers()
         seg = self._mapped.get(key.token)
         if key.owner_pid != os.getpid() and not _pid_alive(key.owner_pid):
-            if seg is not None:
-                del self._mapped[key.token]
-                seg.close()
             raise TransferFailed(f"KV of request {request_id} is lost: its owner (pid "
                                  f"{key.owner_pid}) died")
         if seg is None:
@@ -345,7 +372,7 @@ class SharedMemoryTransport(Transport):
                 raise TransferFailed(f"KV of request {request_id} is lost: segment {key.path} "
                                      f"cannot be opened ({err})") from None
             try:
-                seg = _Segment(fd, key.path, create=False)
+                seg = _Segment(fd, key.path, create=False, owner_pid=key.owner_pid)
             except BaseException:
                 os.close(fd)
                 raise
@@ -380,8 +407,25 @@ class SharedMemoryTransport(Transport):
             if lease is None:
                 return
             lease.views -= 1
-            if lease.views == 0 and lease.freed:
-                self._release(lease_key)
+            if lease.views == 0 and (lease.freed or lease_key[0] not in self._mapped):
+                self._release(lease_key)  # a dead owner's segment: just forget the lease
+
+    def _drop_dead_peers(self) -> int:
+        """Step 7 for every mapped segment whose owner is gone; returns how many."""
+        dead = [token for token, seg in self._mapped.items()
+                if seg is not self._own and seg.owner_gone()]
+        for token in dead:
+            for lease_key in [k for k, lease in self._leases.items()
+                              if k[0] == token and lease.views == 0]:
+                del self._leases[lease_key]
+            self._mapped.pop(token).unmap()
+        return len(dead)
+
+    def release_dead_peers(self) -> int:
+        """Drop the segments of producers that died (module docstring, step 7); returns how
+        many. Also runs at every put, get, free and num_held."""
+        with self._lock:
+            return self._drop_dead_peers()
 
     def _release(self, lease_key: tuple[str, int, int]) -> None:
         token, slot, gen = lease_key
@@ -398,6 +442,7 @@ class SharedMemoryTransport(Transport):
             if lease is not None and lease.views > 0:
                 lease.freed = True  # the last view's finalizer releases the slot
                 return
+            self._drop_dead_peers()
             if key.token not in self._mapped:
                 try:
                     self._map(key, handle.request_id)
@@ -407,6 +452,7 @@ class SharedMemoryTransport(Transport):
 
     def num_held(self) -> int:
         with self._lock:
+            self._drop_dead_peers()
             self._reclaim()
             own = None if self._own is None else self._own.token
             return len(self._allocated) + sum(1 for token, _, _ in self._leases if token != own)

@@ -2,6 +2,7 @@
 
 import gc
 import glob
+import os
 import time
 
 import pytest
@@ -225,3 +226,64 @@ def test_two_processes_put_get_free_and_owner_death():
         consumer.get(orphan, SPEC, 1.0)
     consumer.free(orphan)  # harmless: nothing left to release
     assert consumer.num_held() == 0
+
+
+def _short_lived_producer(handles, done) -> None:
+    transport = SharedMemoryTransport(capacity_bytes=64 * PAGE, num_slots=4)
+    handles.put(os.getpid())
+    for i in range(2):
+        handles.put(transport.put(f"d{i}", SPEC, random_kv(SPEC, 4 + i, i)))
+    assert done.get(timeout=30) == "exit"  # then die holding both slots
+
+
+def _mapped_segments_of(pid: int) -> int:
+    with open("/proc/self/maps") as maps:
+        return sum(f"pdlab-kv-{pid}-" in line for line in maps)
+
+
+def test_dead_producers_segment_is_unmapped_once_nothing_views_it():
+    ctx = mp.get_context("spawn")
+    handles, done = ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=_short_lived_producer, args=(handles, done), daemon=True)
+    producer.start()
+    pid = handles.get(timeout=60)
+    consumer = SharedMemoryTransport()
+    views = {}
+    for _ in range(2):
+        handle = handles.get(timeout=30)
+        views[handle.request_id] = consumer.get(handle, SPEC, timeout_s=5.0)[1]
+    assert _mapped_segments_of(pid) >= 1 and consumer.num_held() == 2
+    done.put("exit")
+    producer.join(timeout=30)
+    assert producer.exitcode == 0
+    del views["d0"]  # one tensor dropped: its lease goes at the next sweep
+    gc.collect()
+    assert consumer.num_held() == 1  # sweeps: the dead owner's segment is forgotten ...
+    assert _mapped_segments_of(pid) >= 1  # ... but d1's tensor still views it
+    assert torch.equal(views["d1"], random_kv(SPEC, 5, 1))
+    del views["d1"]
+    gc.collect()
+    assert _mapped_segments_of(pid) == 0  # the memory went back with the last view
+    assert consumer.num_held() == 0 and consumer.release_dead_peers() == 0
+    consumer.close()
+
+
+def test_dead_producers_segment_without_views_is_unmapped_at_the_next_call():
+    ctx = mp.get_context("spawn")
+    handles, done = ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=_short_lived_producer, args=(handles, done), daemon=True)
+    producer.start()
+    pid = handles.get(timeout=60)
+    consumer = SharedMemoryTransport(zero_copy=False)  # copies out: no view keeps the mapping
+    for _ in range(2):
+        handle = handles.get(timeout=30)
+        _, out = consumer.get(handle, SPEC, timeout_s=5.0)
+        assert torch.equal(out, random_kv(SPEC, 4 + int(handle.request_id[1:]),
+                                          int(handle.request_id[1:])))
+    assert _mapped_segments_of(pid) >= 1
+    done.put("exit")
+    producer.join(timeout=30)
+    assert _mapped_segments_of(pid) >= 1  # nothing has looked yet
+    assert consumer.release_dead_peers() == 1
+    assert _mapped_segments_of(pid) == 0 and consumer.num_held() == 0
+    consumer.close()
