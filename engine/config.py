@@ -5,7 +5,7 @@ Every field has a default and a **rule** in its metadata (``min``, ``gt``, ``cho
 ``__post_init__``; a bad value raises ``ValueError`` naming the field and what is allowed.
 Rules that join several fields are checked after it. ``add_dataclass_args`` derives CLI
 options from the fields, so the CLI and the config never drift apart, and a new field
-cannot skip validation (``tests/unit/test_cli_options.py`` fails on a field without a rule).
+cannot skip validation (``tests/integration/test_cli_options.py`` fails on a field without a rule).
 """
 
 from __future__ import annotations

@@ -58,7 +58,29 @@ def test_bad_options_name_the_option(argv, message, capsys):
 
 
 def test_placement_larger_than_device_set_fails_before_loading(tmp_path, capsys):
-    code = main(["run", "--placement", "disagg:2p1d", "--devices", "cpu:0,cpu:1",
-                 "--model", "tiny-random-llama", "--dataset", "synthetic", "--out", str(tmp_path)])
-    assert code == 2
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "--placement", "disagg:2p1d", "--devices", "cpu:0,cpu:1",
+              "--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
+              "--output-len", "3-8", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
     assert "needs 3 devices, the device set cpu:0,cpu:1 has 2" in capsys.readouterr().err
+
+
+def test_worker_that_fails_to_start_shows_the_root_cause(tmp_path, capsys):
+    """A model directory with a config but no weights: the workers die in their creation
+    task; the one line the user sees keeps the OSError, not only Ray's "actor died"."""
+    from engine.model import tiny_llama_config
+
+    model_dir = tmp_path / "no-weights"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(tiny_llama_config().to_json_string())
+    code = main(["run", "--model", str(model_dir), "--dataset", "synthetic", "--num-requests", "2",
+                 "--prompt-len", "4-8", "--output-len", "2-3", "--devices", "cpu:0,cpu:1",
+                 "--max-model-len", "64", "--out", str(tmp_path / "out")])
+    assert code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("pdlab")]
+    assert len(lines) == 1, lines
+    line = lines[0]
+    assert "worker" in line and "failed to start" in line and "creation task" in line
+    assert "(cause: OSError:" in line and str(model_dir) in line
+    assert "\x1b" not in line

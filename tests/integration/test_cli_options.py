@@ -1,0 +1,225 @@
+"""Every option of every ``pdlab`` command refuses a bad value before anything starts.
+
+Each row runs ``experiments.cli.main(argv)`` in this process with Ray, the deployment and
+every model/tokenizer load replaced by tripwires, and asserts exit code 2, exactly one line
+on stderr naming the option and what it allows, and that no tripwire fired. Options derived
+from config dataclasses get their bad value from the field's rule; the others are listed by
+hand; ``test_every_option_has_a_bad_value`` fails for an option that has neither, so a new
+option cannot skip validation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import experiments.compare
+import experiments.profile
+from engine.config import EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
+from experiments import cli
+from experiments.compare import WorkloadSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+NUM_CORES = len(os.sched_getaffinity(0))
+TINY_RUN = ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
+            "--output-len", "3-8", "--devices", "cpu:0"]
+BASE = {"run": TINY_RUN + ["--placement", "colocated:1"],
+        "compare": TINY_RUN + ["--placements", "colocated:1"],
+        "profile": ["--model", "tiny-random-llama"],
+        "kv-cost": ["--model", "tiny-random-llama"]}
+DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig),
+           "compare": (WorkloadSpec, EngineConfig, TransferConfig)}
+# dataclass fields the CLI leaves out (each worker binds its own device)
+SKIPPED = {(EngineConfig, "device")}
+
+
+def _derived_rows(command: str) -> list[tuple[str, list[str], tuple[str, ...]]]:
+    """(option, argv tail, words the message must hold) per rule of each derived field."""
+    rows = []
+    for cls in DERIVED.get(command, ()):
+        for f in dataclasses.fields(cls):
+            if (cls, f.name) in SKIPPED:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            rule = f.metadata
+            if field_type(f) is bool:
+                rows.append((flag, [f"{flag}=maybe"], ()))
+            if "min" in rule:
+                rows.append((flag, [flag, str(rule["min"] - 1)], (f">= {rule['min']}",)))
+            if "gt" in rule:
+                rows.append((flag, [flag, str(rule["gt"])], (f"> {rule['gt']}",)))
+            if "choices" in rule:
+                rows.append((flag, [flag, "no-such-choice"], tuple(rule["choices"])))
+            if "pattern" in rule:
+                rows.append((flag, [flag, "!bad!"], (rule["hint"],)))
+    return rows
+
+
+def _a_file(tmp: Path) -> str:
+    path = tmp / "a-file"
+    path.write_text("not a directory")
+    return str(path)
+
+
+# (command, option, argv tail, words the message must hold); FILE is replaced by a file path
+EXPERIMENT_ROWS = [
+    ("--placement", ["--placement", "disagg:0p1d"], ("disagg:xPyD needs x, y >= 1",)),
+    ("--placement", ["--placement", "disagg:1p1d"], ("needs 2 devices", "has 1")),
+    ("--devices", ["--devices", f"cpu:{NUM_CORES + 5}"], ("does not exist", "offers cores")),
+    ("--devices", ["--devices", "gpu:0"], ("'cuda:0' or 'cpu:0'",)),
+    ("--devices", ["--devices", "cpu:0,cpu:0"], ("must not repeat",)),
+    ("--address", ["--address", "nowhere"], ("'auto'", "'host:port'")),
+    ("--policy", ["--policy", "random"], ("least_loaded", "round_robin")),
+    ("--model", ["--model", "/nonexistent/dir"], ("model directory /nonexistent/dir does not exist",)),
+    ("--model", ["--model", "no-such-model"], ("unknown model", "tiny-random-llama")),
+    ("--dtype", ["--dtype", "float64"], ("float32", "bfloat16")),
+    ("--rates", ["--rates", "-1"], ("> 0",)),
+    ("--rates", ["--rates", "1,nan"], ("> 0",)),
+    ("--slo-ttft-s", ["--slo-ttft-s", "-1"], ("> 0",)),
+    ("--slo-tpot-s", ["--slo-tpot-s", "0"], ("> 0",)),
+    ("--out", ["--out", "FILE"], ("is a file",)),
+    ("--max-model-len", ["--max-model-len", "100000"], ("context of model tiny-random-llama",
+                                                        "256 tokens", "100000")),
+    ("--prompt-len", ["--prompt-len", "4-300"], ("--max-model-len 256", "would fail")),
+    ("--prompt-len", ["--prompt-len", "30-4"], ("lo <= hi",)),
+    ("--max-prompt-len", ["--dataset", "sharegpt", "--min-prompt-len", "64", "--max-prompt-len",
+                          "32"], (">= min_prompt_len (64)",)),
+    ("--max-num-batched-tokens", ["--max-num-seqs", "16", "--max-num-batched-tokens", "8"],
+     (">= max_num_seqs (16)",)),
+]
+COMMON_ROWS = [  # profile and kv-cost
+    ("--model", ["--model", "/nonexistent/dir"], ("model directory /nonexistent/dir does not exist",)),
+    ("--dtype", ["--dtype", "float64"], ("float32",)),
+    ("--device", ["--device", "tpu"], ("'cpu' or 'cuda:i'",)),
+    ("--device", ["--device", "cuda:99"], ("cuda:99 does not exist",)),
+    ("--repeats", ["--repeats", "0"], (">= 1",)),
+    ("--seed", ["--seed", "one"], ("invalid int value",)),
+    ("--threads", ["--threads", "0"], (">= 1",)),
+    ("--out", ["--out", "FILE"], ("is a file",)),
+    ("--prompt-lens", ["--prompt-lens", "0,4"], ("positive integers",)),
+]
+ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
+        + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]
+        + [("compare", "--placements", ["--placements", "disagg:1p1d,disagg:1p1d"],
+            ("each placement may appear once", "disagg:1p1d"))]
+        + [("compare", "--placements", ["--placements", "colocated:2,disagg:1p1d"],
+            ("needs 2 devices",))]
+        + [(cmd, *row) for cmd in ("run", "compare") for row in _derived_rows(cmd)]
+        + [(cmd, *r) for cmd in ("profile", "kv-cost") for r in COMMON_ROWS]
+        + [("profile", "--prompt-lens", ["--prompt-lens", "300,1000"],
+            ("no length fits", "256 tokens")),
+           ("profile", "--contexts", ["--contexts", "16"], ("at least 2 distinct",)),
+           ("profile", "--contexts", ["--contexts", "250,300"], ("fewer than 2 contexts",)),
+           ("profile", "--batch-sizes", ["--batch-sizes", "4,4"], ("at least 2 distinct",)),
+           ("profile", "--batch-context", ["--batch-context", "0"], (">= 1",)),
+           ("profile", "--batch-context", ["--batch-context", "300"], ("must be <= 248",)),
+           ("profile", "--pg-prompts", ["--pg-prompts", "x"], ("positive integers",)),
+           ("profile", "--pg-outputs", ["--pg-outputs", "-1"], ("positive integers",)),
+           ("kv-cost", "--prompt-lens", ["--prompt-lens", "255,300"], ("no length fits",)),
+           ("kv-cost", "--transports", ["--transports", "carrier-pigeon"], ("shm", "torchdist")),
+           ("kv-cost", "--transports", ["--transports", "ray,ray"], ("distinct",)),
+           ("kv-cost", "--layers-per-chunk", ["--layers-per-chunk", "0"], (">= 1",)),
+           ("kv-cost", "--checksum", ["--checksum=maybe"], ())])
+
+
+@pytest.fixture
+def tripwires(monkeypatch):
+    """Fail the test if anything past validation runs: Ray, a deployment, a model load."""
+    import ray
+
+    fired = []
+
+    def trip(name):
+        def _trip(*args, **kwargs):
+            fired.append(name)
+            raise AssertionError(f"{name} ran before the options were checked")
+        return _trip
+
+    monkeypatch.setattr(ray, "init", trip("ray.init"))
+    monkeypatch.setattr(experiments.compare, "Deployment", trip("Deployment"))
+    monkeypatch.setattr(experiments.compare, "build_workload", trip("build_workload"))
+    monkeypatch.setattr(experiments.compare, "load_tokenizer", trip("load_tokenizer"))
+    monkeypatch.setattr(experiments.profile, "load_model", trip("load_model"))
+    return fired
+
+
+def _refuse(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    lines = [line for line in captured.err.splitlines() if line.strip()]
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err and captured.out == ""
+    return lines[0]
+
+
+def _options(parser) -> dict[str, set[str]]:
+    """command -> its long options (but --help)."""
+    sub = next(a for a in parser._actions if a.dest == "command")
+    return {name: {a.option_strings[0] if len(a.option_strings) == 1 else
+                   next(o for o in a.option_strings if o.startswith("--") and
+                        not o.startswith("--no-"))
+                   for a in command._actions if a.option_strings and a.dest != "help"}
+            for name, command in sub.choices.items()}
+
+
+def test_every_option_has_a_bad_value():
+    covered: dict[str, set[str]] = {}
+    for command, option, *_ in ROWS:
+        covered.setdefault(command, set()).add(option)
+    for command, options in _options(cli.build_parser()).items():
+        assert options - covered.get(command, set()) == set(), command
+
+
+def test_every_config_field_has_a_rule():
+    for cls in (WorkloadSpec, EngineConfig, TransferConfig, ModelConfig):
+        for f in dataclasses.fields(cls):
+            has_rule = field_type(f) is bool or any(k in f.metadata for k in RULE_KEYS)
+            assert has_rule, f"{cls.__name__}.{f.name} has no rule in its metadata"
+
+
+@pytest.mark.parametrize("command", sorted(BASE))
+def test_base_arguments_pass_the_checks(command, tripwires):
+    args = cli.build_parser().parse_args([command] + BASE[command])
+    cli.check_options(args)
+    assert tripwires == []
+
+
+@pytest.mark.parametrize("command,option,tail,words", ROWS,
+                         ids=[f"{c}{' '.join(t)}" for c, _, t, _ in ROWS])
+def test_bad_value_is_refused_before_anything_starts(command, option, tail, words, tmp_path,
+                                                      capsys, tripwires):
+    tail = [_a_file(tmp_path) if t == "FILE" else t for t in tail]
+    line = _refuse([command] + BASE[command] + tail, capsys)
+    assert line.startswith(f"pdlab {command}: error: argument {option}")
+    for word in words:
+        assert word in line, line
+    assert tripwires == []
+
+
+def test_max_model_len_left_unset_is_the_models_context_and_is_recorded():
+    args = cli.build_parser().parse_args(["run"] + BASE["run"])
+    experiment = cli.check_options(args)
+    assert experiment.engine.max_model_len == 256  # tiny model's context, not the 2048 default
+    args = cli.build_parser().parse_args(["run"] + BASE["run"] + ["--max-model-len", "128"])
+    assert cli.check_options(args).engine.max_model_len == 128
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["run", "--slo-ttft-s", "-1"], ("--slo-ttft-s", "> 0")),
+    (["compare", "--placements", "disagg:1p1d,disagg:1p1d"], ("--placements", "once")),
+])
+def test_console_refusal_is_one_line_without_traceback(argv, words):
+    proc = subprocess.run([sys.executable, "-m", "experiments.cli", *argv], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 2
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert all(word in lines[0] for word in words), lines[0]
