@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import events as ev
+from engine.errors import describe_error
 from engine.metrics import ARRIVED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
 from router.calls import Calls, WorkerDied
@@ -218,7 +219,8 @@ class Router:
             return
         except Exception as err:  # a remote call that raised: only its request fails
             if request_id in self._flights:
-                self._finish(self._flights[request_id], error=f"{worker}.{method}: {err}")
+                self._finish(self._flights[request_id],
+                             error=f"{worker}.{method}: {describe_error(err)}")  # cause, 1 line
             return
         if method == "wait_events":
             if result:

@@ -23,7 +23,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "experiments")
-TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events")
+TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
+                     "engine.errors")
 
 
 @dataclass(frozen=True)
