@@ -237,6 +237,11 @@ def check_experiment(args: argparse.Namespace) -> Experiment:
         raise option_error(lengths.split(" and ")[0], (
             f"{lengths} allow requests of {longest} tokens, more than --max-model-len "
             f"{engine.max_model_len} (those requests would fail): lower them or raise it"))
+    capacity = engine.kv_capacity_tokens
+    if longest is not None and capacity is not None and capacity < longest:
+        raise option_error("--kv-capacity-tokens", (
+            f"must hold the workload's longest request ({longest} tokens), got {capacity} "
+            "(longer requests would fail)"))
     transfer = dataclass_from_args(TransferConfig, args)
     check_out(args.out)
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -91,6 +91,7 @@ EXPERIMENT_ROWS = [
                           "32"], (">= min_prompt_len (64)",)),
     ("--max-num-batched-tokens", ["--max-num-seqs", "16", "--max-num-batched-tokens", "8"],
      (">= max_num_seqs (16)",)),
+    ("--kv-capacity-tokens", ["--kv-capacity-tokens", "20"], ("longest request (38 tokens)",)),
 ]
 COMMON_ROWS = [  # profile and kv-cost
     ("--model", ["--model", "/nonexistent/dir"], ("model directory /nonexistent/dir does not exist",)),
