@@ -122,6 +122,10 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     add_dataclass_args(engine, EngineConfig, skip=("device",))  # each worker binds its own
     # max_model_len None: the CPU default, capped by the model's context (see _engine_config)
     engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
+    for action in engine._group_actions:
+        if action.dest == "max_model_len":
+            action.help = (f"tokens per request slot (>= 2, <= the model's context; default: "
+                           f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
     transfer = parser.add_argument_group("KV transfer")
     add_dataclass_args(transfer, TransferConfig)
 
