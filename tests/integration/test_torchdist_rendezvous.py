@@ -48,3 +48,12 @@ def test_rendezvous_port_is_held_from_the_moment_it_is_chosen():
     handles, done = ctx.Queue(), ctx.Queue()
     mp.start_processes(_rank, args=(init_method, handles, done), nprocs=2,
                        start_method="spawn")  # raises if either rank fails
+
+
+def test_kv_cost_torchdist_measures_through_the_held_rendezvous():
+    from experiments.kv_cost import time_torchdist
+
+    timings = time_torchdist(SPEC, [(4, [(0, 2)]), (4, [(0, 1), (1, 2)])], repeats=2,
+                             timeout_s=120.0)
+    assert [t.num_runs for t in timings] == [2, 2]
+    assert all(t.min_s > 0 for t in timings)
