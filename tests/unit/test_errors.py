@@ -50,3 +50,18 @@ def test_a_message_that_already_has_its_cause_is_not_repeated():
     assert describe_error(err) == "max_num_seqs must be >= 1, got 0"
     wrapped = RuntimeError(f"worker d0 failed to start: {describe_error(ActorDiedError(RAY_CREATION_ERROR))}")
     assert describe_error(wrapped).count("Address already in use") == 1
+
+
+def test_torchdist_rendezvous_port_in_use_keeps_eaddrinuse():
+    """The issue's case: a rank-0 worker whose rendezvous port was taken (message of torch
+    2.x's DistNetworkError inside Ray's ActorDiedError)."""
+    message = ("The actor died because of an error raised in its creation task, \x1b[36mray::"
+               "PrefillWorker.__init__()\x1b[39m (pid=1, ip=10.0.0.1)\n"
+               '  File "/repo/kv_transfer/torchdist.py", line 81, in __init__\n'
+               "    dist.init_process_group(backend, init_method=init_method, rank=rank,\n"
+               "torch.distributed.DistNetworkError: The server socket has failed to listen on "
+               "any local network address. port: 47599, useIpv6: false, code: -98, name: "
+               "EADDRINUSE, message: address already in use")
+    text = describe_error(ActorDiedError(message))
+    assert "(cause: torch.distributed.DistNetworkError: " in text
+    assert "port: 47599" in text and "EADDRINUSE" in text and "\x1b" not in text
