@@ -325,6 +325,21 @@ class SharedMemoryTransport(Transport):
         return ShmKey(seg.path, seg.token, self.node, os.getpid(), slot, gen, offset, nbytes,
                       header)
 
+    def has_room(self, num_bytes: int) -> bool:
+        """True when a put of ``num_bytes`` would find a slot and an extent now (after a
+        reclaim); a producer checks this to defer a put instead of blocking on a full arena.
+
+        Raises:
+            TransferFailed: ``num_bytes`` exceeds the whole arena.
+        """
+        with self._lock:
+            seg = self._segment()
+            if num_bytes > seg.capacity:
+                raise TransferFailed(f"KV of {num_bytes} bytes exceeds the shared-memory arena "
+                                     f"({seg.capacity} bytes)")
+            self._reclaim()
+            return self._find_room(num_bytes) is not None
+
     # ---- consumer side ----------------------------------------------------------------
     def _map(self, key: ShmKey, request_id: str) -> _Segment:
         if key.node != self.node:
