@@ -20,7 +20,8 @@ A request's life here (DESIGN §3, steps 3-5). Transfer is a scheduler state:
    next decode step. So no fetched tensor ever waits outside the KV capacity.
 5. Cancellation wins every race: ``abort`` drops the request from the engine at once (its
    slot is free); handles not yet fetched are freed at once, a fetch in flight has its
-   handles freed and its KV dropped when it returns. An aborted request never decodes.
+   handles freed and its KV dropped when it returns. An aborted request never decodes; an
+   ``error`` event says where it was aborted (ignored by a router that aborted it itself).
 6. Every token leaves as a ``token`` event; the request's KV is freed when it finishes.
 """
 
@@ -106,11 +107,17 @@ class DecodeWorker(EngineLoop):
         self._transfers[rid] = _Transfer(request, handles, self.engine.states[rid])
 
     def _abort(self, request_id: str) -> None:
-        self.engine.abort(request_id)
         transfer = self._transfers.get(request_id)
+        where = ("while its KV was in flight" if transfer and transfer.fetching else
+                 "while waiting for a KV slot" if transfer else "while decoding")
+        known = request_id in self.engine.states
+        self.engine.abort(request_id)
         if transfer is not None and not transfer.fetching:  # a fetch in flight frees on return
             del self._transfers[request_id]
             self._free(transfer.handles)
+        if known:  # whoever did not abort it (the router, if it did not) learns it ended here
+            self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(),
+                                  error=f"aborted on {self.name} {where}"))
 
     def on_tick(self) -> None:
         """Start the fetch of every request whose slot the scheduler just reserved."""

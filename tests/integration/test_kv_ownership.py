@@ -202,7 +202,9 @@ def test_abort_while_kv_in_flight_never_decodes(tiny, shutdown_after):
     until(lambda: decode.status()["transfers_held"] == 0)  # the fetch came back
     assert inner.num_held() == 0
     events = decode.wait_events(0.2)
-    assert [e for e in events if e.request_id in ("inflight", "queued")] == []  # nothing ran
+    assert [(e.kind, e.request_id, e.error) for e in events] == [  # nothing ran, causes named
+        (ERROR, "queued", "aborted on decode-0 while waiting for a KV slot"),
+        (ERROR, "inflight", "aborted on decode-0 while its KV was in flight")]
     assert decode.engine.step_records == []
     assert_empty(decode)
 
