@@ -110,9 +110,12 @@ class PrefillWorker(EngineLoop):
         """Retry deferred puts, oldest first, while the buffer has room."""
         while self._deferred:
             rid, out = next(iter(self._deferred.items()))
+            state = self.engine.states.get(rid)
+            if state is None:  # ended some other way: nothing left to put
+                del self._deferred[rid]
+                continue
             try:
-                if not self.transport.has_room(self.engine.kv_spec.kv_bytes(
-                        self.engine.states[rid].num_prompt_tokens)):
+                if not self.transport.has_room(self.engine.kv_spec.kv_bytes(state.num_prompt_tokens)):
                     return
             except Exception as err:  # can never fit: this request fails, not the worker
                 del self._deferred[rid]
