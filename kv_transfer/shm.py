@@ -155,8 +155,11 @@ class _Segment:
         self.token = f"{token:016x}"
         self.state = np.frombuffer(self.mm, dtype=np.uint8, count=self.num_slots, offset=_CONTROL)
         self.gen = np.frombuffer(self.mm, dtype=np.uint64, count=self.num_slots, offset=gen_offset)
-        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.data_offset,
-                                     count=self.capacity)
+        # a normal tensor even when the first put runs inside the forward's inference mode
+        # (layer-wise puts): an inference tensor could not be written by later puts
+        with torch.inference_mode(False):
+            self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.data_offset,
+                                         count=self.capacity)
         self.populated = 0  # data bytes from 0 already mapped into this process
 
     def populate(self, end: int, write: bool) -> None:

@@ -86,12 +86,14 @@ def prefilled_kv(tiny, request: Request):
 
 # ---- the example: a full shm arena never blocks the prefill loop ----------------
 
-def test_full_arena_defers_puts_8_of_8_succeed(tiny, shutdown_after):
+@pytest.mark.parametrize("granularity", ["request", "layer"])
+def test_full_arena_defers_puts_8_of_8_succeed(tiny, shutdown_after, granularity):
     kv_bytes = 64 * KV_BYTES_PER_TOKEN  # 32 KiB per 64-token prompt
     # alloc_timeout_s=0: any put made without room fails at once with "arena full", so a
     # prefill loop that tried to put into the full arena would fail requests here
     shm = SharedMemoryTransport(capacity_bytes=3 * kv_bytes, num_slots=16, alloc_timeout_s=0.0)
-    transfer = TransferConfig(transport="shm", timeout_s=10.0)
+    transfer = TransferConfig(transport="shm", timeout_s=10.0, granularity=granularity,
+                              layers_per_chunk=1)
     prefill = PrefillWorker("prefill-0", TINY, EngineConfig(max_num_seqs=8, max_model_len=128,
                             max_num_batched_tokens=512), transfer, transport=shm, bind=False)
     shutdown_after(prefill)
