@@ -185,6 +185,26 @@ def test_slow_transfer_does_not_hold_back_others(tiny, shutdown_after):
     assert_empty(decode)
 
 
+class OrderedTransport(InProcessTransport):
+    ordered_gets = True  # as NCCL: gets from one sender must follow its puts' order
+
+
+def test_a_transport_that_needs_ordered_gets_is_fetched_in_order(tiny, shutdown_after):
+    inner = OrderedTransport()
+    transport = FaultyTransport(inner, delay_s=0.3, only_request_ids=["first"])
+    decode = DecodeWorker("decode-0", TINY, EngineConfig(max_num_seqs=2, max_model_len=64,
+                          max_num_batched_tokens=32), TransferConfig(transport="inprocess"),
+                          transport=transport, bind=False)
+    shutdown_after(decode)
+    requests = [Request(rid, (5, 6, 7), SamplingParams(max_tokens=2)) for rid in ("first", "next")]
+    for request in requests:
+        handle = inner.put(request.request_id, tiny.kv_spec, torch.zeros(tiny.kv_spec.kv_shape(3)))
+        decode.admit(request, 10, (handle,))
+    events = collect(decode, lambda ev: finished("first")(ev) and finished("next")(ev))
+    assert [e.request_id for e in events if e.kind == KV_GOT] == ["first", "next"]
+    assert_empty(decode)
+
+
 def test_abort_while_kv_in_flight_never_decodes(tiny, shutdown_after):
     decode, inner = delayed_decode(tiny, shutdown_after, 1, ["inflight"], delay_s=0.5)
     spec = tiny.kv_spec
