@@ -4,11 +4,12 @@ aborts while the KV is in flight. Every request finishes or fails with a named c
 greedy outputs of the healthy ones (delayed ones included) equal generate(); at the end
 every engine is empty, every slot free, the transport holds nothing and the router's loads
 are all 0. Transports: in-process and shm (an arena small enough to push back on the
-prefill worker). Ray is covered by tests/ray/ (too slow for 500 requests on 2 cores).
+prefill worker), whole-request and layer-wise. Ray is covered by tests/ray/ (too slow for 500 requests on 2 cores).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -28,7 +29,7 @@ from router.router import Router, WorkerRef
 TINY = ModelConfig("tiny-random-llama")
 NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS = 500, 16, 4
 ENGINE = EngineConfig(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=128)
-TRANSFER = TransferConfig(transport="inprocess", timeout_s=3.0)
+TRANSFER = TransferConfig(transport="inprocess", timeout_s=3.0, layers_per_chunk=1)
 # request index -> fault: 5% of the transfers (25 of 500), plus 3 aborts mid-transfer
 FAILED = set(range(7, NUM_REQUESTS, 60))          # put fails (prefill side)
 CORRUPTED = set(range(27, NUM_REQUESTS, 60))      # one byte flipped: checksum error
@@ -74,17 +75,19 @@ def abort_in_flight(decode: DecodeWorker, targets: set[str], stop: threading.Eve
     return aborted
 
 
-@pytest.mark.parametrize("transport_name", ["inprocess", "shm"])
-def test_soak_500_requests_with_faults(tiny, workload, transport_name):
+@pytest.mark.parametrize("transport_name,granularity", [
+    ("inprocess", "request"), ("shm", "request"), ("shm", "layer")])
+def test_soak_500_requests_with_faults(tiny, workload, transport_name, granularity):
     items, expected = workload
+    transfer = dataclasses.replace(TRANSFER, granularity=granularity)
     if transport_name == "shm":  # room for 24 of the longest prompts: some puts must wait
         inner = SharedMemoryTransport(capacity_bytes=24 * 15 * 512, num_slots=256,
                                       alloc_timeout_s=0.0)
     else:
         inner = InProcessTransport()
     transport = faulty(inner)
-    prefill = PrefillWorker("prefill-0", TINY, ENGINE, TRANSFER, transport=transport, bind=False)
-    decode = DecodeWorker("decode-0", TINY, ENGINE, TRANSFER, transport=transport, bind=False)
+    prefill = PrefillWorker("prefill-0", TINY, ENGINE, transfer, transport=transport, bind=False)
+    decode = DecodeWorker("decode-0", TINY, ENGINE, transfer, transport=transport, bind=False)
     calls = LocalCalls()
     stop = threading.Event()
     aborted: list = []
