@@ -136,8 +136,8 @@ def test_prefill_loop_stays_responsive_while_the_arena_is_full(tiny, shutdown_af
     until(lambda: prefill.call(lambda: list(prefill._deferred)) == ["p2", "p3"])
     assert prefill.status()["transport_held"] == 2 and not prefill.status()["engine_empty"]
     prefill.abort("p3")  # a deferred request aborted: its prefill slot is freed
-    for handle in events[-1].kv_handles if events[-1].request_id == "p0" else \
-            next(e for e in events if e.request_id == "p0" and e.kind == PREFILLED).kv_handles:
+    p0 = next(e for e in events if e.request_id == "p0" and e.kind == PREFILLED)
+    for handle in p0.kv_handles:
         shm.free(handle)  # the consumer frees p0: the oldest deferred put (p2) goes out
     later = collect(prefill, lambda ev: any(e.kind == PREFILLED for e in ev))
     assert [e.request_id for e in later if e.kind == PREFILLED] == ["p2"]
