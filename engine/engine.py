@@ -81,6 +81,10 @@ class Engine:
         if bad:
             raise ValueError(f"request {rid}: prompt_token_ids must be in [0, {self.vocab_size}), "
                              f"got {bad[0]}")
+        bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: stop_token_ids must be in [0, {self.vocab_size}), "
+                             f"got {bad[0]}")
         total = request.num_prompt_tokens + request.sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(
