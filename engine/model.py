@@ -211,8 +211,14 @@ def check_supported(hf_config, name: str) -> tuple[int, str]:
                 hf_config, "original_max_position_embeddings", limit)
             if original < limit:
                 limit, reason = original, "longrope original_max_position_embeddings"
+    # Which layers slide, as each family's attention module decides: Mistral and Phi-3 apply
+    # config.sliding_window to every layer, Qwen2/3 and Gemma 2/3 to "sliding_attention"
+    # layers only, Llama never.
     window = getattr(hf_config, "sliding_window", None)
-    sliding = "sliding_attention" in layer_types if layer_types else window is not None
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        sliding = window is not None
+    else:
+        sliding = arch != "LlamaForCausalLM" and "sliding_attention" in layer_types
     if sliding and window is not None and window < limit:
         limit, reason = window, "sliding_window"
     return limit, reason
