@@ -53,7 +53,8 @@ SUPPORTED_ARCHITECTURES = (
 _SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 _SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 TINY_FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
-KNOWN_NAMES = (SMOLLM2_NAME, TINY_NAME) + tuple(f"tiny-random-{f}" for f in TINY_FAMILIES)
+TINY_NAMES = (TINY_NAME,) + tuple(f"tiny-random-{f}" for f in TINY_FAMILIES)  # all vocab 256
+KNOWN_NAMES = (SMOLLM2_NAME,) + TINY_NAMES
 
 
 class ModelLoadError(RuntimeError):
@@ -260,7 +261,7 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     dtype = TORCH_DTYPES[config.dtype]
     if config.model == TINY_NAME:
         model, tokenizer = _build_tiny(), None
-    elif config.model.startswith("tiny-random-") and config.model in KNOWN_NAMES:
+    elif config.model in TINY_NAMES:
         model, tokenizer = _build_tiny_family(config.model.removeprefix("tiny-random-")), None
     elif config.model == SMOLLM2_NAME:
         model, tokenizer = _load_smollm2()
@@ -284,14 +285,14 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
 
 
 def load_tokenizer(config: ModelConfig):
-    """The tokenizer alone (workload preparation in the driver); None for the tiny model.
+    """The tokenizer alone (workload preparation in the driver); None for the tiny models.
 
     Raises:
         ModelLoadError: as ``load_model``.
     """
     from transformers import AutoTokenizer
 
-    if config.model == TINY_NAME:
+    if config.model in TINY_NAMES:
         return None
     if config.model == SMOLLM2_NAME:
         target = cache_dir() / "models" / SMOLLM2_NAME

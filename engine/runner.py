@@ -16,7 +16,12 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
    norm and LM head.
 
 The layers' own norms, activation and rotary module are called, so RoPE and normalisation
-are exactly transformers'. The projections use the layers' own weights through ``_Linear``:
+are exactly transformers'. One residual-block shape (``_Layer``) covers every family that
+``engine/model.py`` accepts (``SUPPORTED_ARCHITECTURES``; anything else is refused at load):
+optional per-head q/k norms (Qwen3, Gemma 3), optional sandwich norms around attention and MLP
+(Gemma 2/3), fused QKV / gate-up projections (Phi-3), partial rotary (Phi-3), per-layer-type
+RoPE tables (Gemma 3), a non-default attention scale and attention / final logit soft-capping
+(Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the layers' own weights through ``_Linear``:
 on CPU in float32 each weight is reordered once into oneDNN's blocked layout (Q/K/V fused into
 one matmul, gate/up into another), which runs the small-M matmuls of decode steps 1.2-1.7x
 faster than the default BLAS path on the CPUs measured (benchmarks/README.md); results agree
@@ -210,7 +215,8 @@ class _StepLayout:
 
 
 class ModelRunner:
-    """Runs scheduled batches through a Llama-family model against a ``KVStore``."""
+    """Runs scheduled batches through a supported decoder model (``engine.model.
+    SUPPORTED_ARCHITECTURES``) against a ``KVStore``."""
 
     def __init__(self, model, kv_store: KVStore, device: str = "cpu") -> None:
         self.model = model

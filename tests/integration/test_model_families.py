@@ -34,7 +34,7 @@ GEOMETRY = {
 }
 FAMILIES = [f"tiny-random-{f}" for f in TINY_FAMILIES]
 # The longest prompt + max_tokens is 48: the Gemma models' whole sliding window.
-LENGTHS, MAX_TOKENS = [1, 6, 17, 40], 8
+LENGTHS, MAX_TOKENS = [1, 17, 40], 8
 SUPPORTED = ", ".join(SUPPORTED_ARCHITECTURES)
 
 
@@ -78,7 +78,7 @@ def test_logits_equal_forward(family):
     """Prefill in two chunks, then one decode step: the runner's logits equal the model's own
     forward (this is what checks Gemma 2's final soft-cap, invisible to greedy)."""
     loaded, prompts, expected = family
-    prompt = prompts[2]
+    prompt = prompts[1]
     runner = ModelRunner(loaded.model, KVStore(loaded.kv_spec, 1, 32))
     state = RequestState(Request("x", tuple(prompt), SamplingParams(max_tokens=2)))
     state.slot = 0
@@ -89,7 +89,7 @@ def test_logits_equal_forward(family):
         logits.append(runner.execute(batch))
         state.num_computed_tokens += num_new
     assert logits[0].shape[0] == 0  # the first chunk samples nothing
-    state.token_ids.append(expected[2][0])
+    state.token_ids.append(expected[1][0])
     batch = ScheduledBatch()
     batch.add(state, 1)
     decode_logits = runner.execute(batch)
