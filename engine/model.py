@@ -201,7 +201,9 @@ def check_supported(hf_config, name: str) -> tuple[int, str]:
     for layer_type in sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES)):
         raise refuse(f"{arch} with layer type {layer_type!r}")
     rope = getattr(hf_config, "rope_parameters", None) or {}
-    ropes = list(rope.values()) if all(isinstance(v, dict) for v in rope.values()) and rope else [rope]
+    # Gemma 3 nests one RoPE dict per layer type; the others have one flat dict.
+    nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    ropes = list(rope.values()) if nested else [rope]
     limit, reason = hf_config.max_position_embeddings, "max_position_embeddings"
     for params in ropes:
         rope_type = (params or {}).get("rope_type", "default")

@@ -21,9 +21,10 @@ are exactly transformers'. One residual-block shape (``_Layer``) covers every fa
 optional per-head q/k norms (Qwen3, Gemma 3), optional sandwich norms around attention and MLP
 (Gemma 2/3), fused QKV / gate-up projections (Phi-3), partial rotary (Phi-3), per-layer-type
 RoPE tables (Gemma 3), a non-default attention scale and attention / final logit soft-capping
-(Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the layers' own weights through ``_Linear``:
-on CPU in float32 each weight is reordered once into oneDNN's blocked layout (Q/K/V fused into
-one matmul, gate/up into another), which runs the small-M matmuls of decode steps 1.2-1.7x
+(Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the
+layers' own weights through ``_Linear``: on CPU in float32 each weight is reordered once
+into oneDNN's blocked layout (Q/K/V fused into one matmul, gate/up into another; Phi-3's
+already fused ones packed as they are), which runs the small-M matmuls of decode steps 1.2-1.7x
 faster than the default BLAS path on the CPUs measured (benchmarks/README.md); results agree
 with ``F.linear`` to float32 rounding. Elsewhere ``_Linear`` is plain ``F.linear``. The
 reordered weights (a second copy of the projection and LM-head weights) are built once per
@@ -160,7 +161,8 @@ class _Layer:
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
             o=_Linear([attn.o_proj]),
             attn_out_norm=layer.post_attention_layernorm if sandwich else None,
-            mlp_norm=layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm,
+            mlp_norm=(layer.pre_feedforward_layernorm if sandwich
+                      else layer.post_attention_layernorm),
             gate_up=gate_up, down=_Linear([mlp.down_proj]),
             mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
             act=getattr(mlp, "act_fn", None) or mlp.activation_fn,

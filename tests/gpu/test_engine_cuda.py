@@ -16,7 +16,8 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("name", ["tiny-random-llama"] + [f"tiny-random-{f}" for f in TINY_FAMILIES])
+@pytest.mark.parametrize("name", ["tiny-random-llama"]
+                         + [f"tiny-random-{f}" for f in TINY_FAMILIES])
 def test_engine_on_cuda_matches_generate(name):
     """Every supported family: on CUDA the projections are plain F.linear (fused ones split)."""
     loaded = load_model(ModelConfig(name), device="cuda:0")
