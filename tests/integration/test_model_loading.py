@@ -19,7 +19,9 @@ def test_unknown_name_lists_known_names():
         load_model(ModelConfig("no-such-model"))
     message = str(info.value)
     assert "no-such-model" in message
-    assert KNOWN_NAMES == ("smollm2-135m", "tiny-random-llama")
+    assert KNOWN_NAMES == ("smollm2-135m", "tiny-random-llama", "tiny-random-llama3",
+                           "tiny-random-mistral", "tiny-random-qwen2", "tiny-random-qwen3",
+                           "tiny-random-gemma2", "tiny-random-gemma3", "tiny-random-phi3")
     for name in KNOWN_NAMES:
         assert name in message
 
