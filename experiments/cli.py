@@ -107,7 +107,7 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
                         help="router policy: prefill by queued prompt tokens, decode by resident "
                              "KV tokens (least_loaded), or round_robin")
     parser.add_argument("--model", default="smollm2-135m",
-                        help="smollm2-135m, tiny-random-llama, a local HF directory or a hub id")
+                        help="smollm2-135m, tiny-random-llama (or tiny-random-<family>: llama3, mistral, qwen2, qwen3, gemma2, gemma3, phi3), a local HF directory or a hub id")
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--rates", type=_floats, default=[0.5],
                         help="arrival rates in req/s, comma-separated (a sweep gives goodput)")
