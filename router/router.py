@@ -74,18 +74,18 @@ class _Flight:
     # worker -> load tokens charged to it for this request: the workers it still needs.
     # Each charge is released exactly once (popped), so loads return to exactly 0.
     charges: dict[str, int] = field(default_factory=dict)
+    # KV in transit: handles put by kv_owner, handed to the decode worker, not yet fetched
+    kv_owner: str | None = None
+    kv_handles: tuple[Any, ...] = ()
 
 
 @dataclass(frozen=True)
 class _Call:
-    """A call in flight: what it was, and the KV handles it carries (router-owned until
-    the call succeeds)."""
+    """A call in flight."""
 
     method: str
     worker: str
     request_id: str | None = None
-    kv_handles: tuple[Any, ...] = ()
-    kv_owner: str | None = None
 
 
 class Router:
@@ -245,10 +245,9 @@ class Router:
         flight.worker, flight.stage = worker, stage
         flight.deadline_s = time.time() + self.deadline_s
 
-    def _send(self, worker: str, method: str, request_id: str | None, *args: Any,
-              kv_handles: tuple[Any, ...] = (), kv_owner: str | None = None) -> None:
+    def _send(self, worker: str, method: str, request_id: str | None, *args: Any) -> None:
         pending = self.calls.call(self.workers[worker].handle, method, *args)
-        self._pending[pending] = _Call(method, worker, request_id, kv_handles, kv_owner)
+        self._pending[pending] = _Call(method, worker, request_id)
 
     # ---- events -----------------------------------------------------------------------
     def _poll_workers(self) -> None:
@@ -262,12 +261,11 @@ class Router:
         try:
             result = self.calls.result(pending)
         except Exception as err:
-            self._release_kv(call.kv_owner, call.kv_handles)  # the call never took them
             if isinstance(err, WorkerDied) or call.method == "wait_events":
                 self._worker_died(call.worker, err)  # gone, or its engine loop died
             elif call.request_id in self._flights:  # a remote call that raised: only its request fails
-                self._finish(self._flights[call.request_id],
-                             error=f"{call.worker}.{call.method}: {err}")
+                self._finish(self._flights[call.request_id], error=f"{call.worker}.{call.method}: "
+                             f"{err}", kv_back=call.method == "admit")  # admit took no KV
             return
         if call.method == "wait_events":
             for event in result:
@@ -285,13 +283,12 @@ class Router:
             self._finish(flight, error=f"{event.worker}: {event.error}")
         elif event.kind == ev.KV_GOT:
             record.kv_transfer_s = event.kv_transfer_s
-            flight.stage = DECODE
+            flight.stage, flight.kv_handles = DECODE, ()  # fetched: the decode worker freed them
         elif event.kind in (ev.TOKEN, ev.PREFILLED):
             record.token_times_s.append(time.time())  # the token leaves the router now
             record.output_token_ids.append(event.token_id)
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
             if event.finish_reason is not None:
-                self._release_kv(event.worker, event.kv_handles)  # none expected: belt and braces
                 self._finish(flight, finish_reason=event.finish_reason)
             elif event.kind == ev.PREFILLED:
                 self._hand_over(flight, event)
@@ -301,14 +298,11 @@ class Router:
         record = flight.record
         record.kv_bytes = event.kv_bytes
         self._discharge(flight, flight.worker)
-        decode = record.decode_worker
-        if not self.workers[decode].alive:  # (requests needing a dead worker end at once)
-            self._release_kv(event.worker, event.kv_handles)
-            self._finish(flight, error=f"decode worker {decode} died before the KV hand-over")
-            return
+        decode = record.decode_worker  # alive: requests that need a dead worker end at once
         self._wait_on(flight, decode, TRANSFER)
+        flight.kv_owner, flight.kv_handles = event.worker, event.kv_handles
         self._send(decode, "admit", flight.request.request_id, flight.request, event.token_id,
-                   event.kv_handles, kv_handles=event.kv_handles, kv_owner=event.worker)
+                   event.kv_handles)
 
     def _release_kv(self, owner: str | None, handles: tuple[Any, ...]) -> None:
         """Give KV handles the router cannot pass on back to their producer to free."""
@@ -316,8 +310,12 @@ class Router:
             self._send(owner, "release", None, tuple(handles))
 
     def _finish(self, flight: _Flight, finish_reason: str | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, kv_back: bool = False) -> None:
+        """End ``flight``; ``kv_back``: its KV in transit never reached a live decode worker
+        (``admit`` failed, or the decode worker died), so it goes back to its producer."""
         record = flight.record
+        if kv_back:
+            self._release_kv(flight.kv_owner, flight.kv_handles)
         now = time.time()
         record.timeline[FINISHED] = now
         if error is not None:
@@ -344,7 +342,8 @@ class Router:
         worker.alive = False
         for flight in list(self._flights.values()):
             if name in flight.charges:
-                self._finish(flight, error=f"{worker.role} worker {name} died: {err}")
+                self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
+                             kv_back=flight.worker == name)
 
     def _check_deadlines(self) -> None:
         now = time.time()

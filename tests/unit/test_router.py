@@ -305,3 +305,24 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused():
     assert workers["prefill-0"].submitted == ["r0"]  # nothing scheduled for them
     assert records[2].error is None
     assert_drained(router, workers, transport)
+
+
+def test_decode_death_mid_transfer_gives_the_kv_back_to_its_producer():
+    """decode-0 accepted r0's handles but dies before fetching them: nobody else will free
+    them, so the router hands them back to prefill-0."""
+    router, workers, transport = build("disagg:1p1d")
+    decode = workers["decode-0"]
+    decode.lose.add("r0")
+    real_wait = decode.wait_events
+
+    def wait_then_die(timeout_s):
+        if "r0" in decode.owned:
+            decode.dead_error = WorkerDied("actor decode-0 is gone")
+            raise decode.dead_error
+        return real_wait(timeout_s)
+
+    decode.wait_events = wait_then_die
+    [record] = router.run(requests(1))
+    assert "decode worker decode-0 died: actor decode-0 is gone" in record.error
+    assert workers["prefill-0"].released == ["kv-r0"]
+    assert_drained(router, workers, transport)
