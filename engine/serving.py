@@ -12,9 +12,10 @@ there is something to report, or empty-handed at the deadline. An exception that
 the loop kills the worker at once: the loop stops, and ``wait_events`` (and ``call``) raise
 ``EngineLoopDied`` naming the cause, so the router fails its requests within a poll.
 Commands that must keep their order across a transport that may reorder calls (threaded
-Ray actors) come through ``ordered(seq, method, ...)``, applied in ``seq`` order. A worker (prefill, decode,
-colocated) is this loop plus what it does with tokens; it is a plain class, and
-``experiments/placement.py`` turns it into a Ray actor.
+Ray actors) come through ``ordered(seq, method, ...)``, applied in ``seq`` order.
+
+A worker (prefill, decode, colocated) is this loop plus what it does with tokens; it is a
+plain class, and ``experiments/placement.py`` turns it into a Ray actor.
 """
 
 from __future__ import annotations

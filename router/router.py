@@ -263,7 +263,7 @@ class Router:
         except Exception as err:
             if isinstance(err, WorkerDied) or call.method == "wait_events":
                 self._worker_died(call.worker, err)  # gone, or its engine loop died
-            elif call.request_id in self._flights:  # a remote call that raised: only its request fails
+            elif call.request_id in self._flights:  # a call that raised: only its request fails
                 self._finish(self._flights[call.request_id], error=f"{call.worker}.{call.method}: "
                              f"{err}", kv_back=call.method == "admit")  # admit took no KV
             return

@@ -161,8 +161,9 @@ def build(placement: str, policy: str = "least_loaded", deadline_s: float = 60.0
 
 
 def requests(n: int, prompt_len: int = 4, max_tokens: int = 3, spacing_s: float = 0.0):
-    return [(Request(f"r{i}", tuple(range(3, 3 + prompt_len)), SamplingParams(max_tokens=max_tokens)),
-             spacing_s * i) for i in range(n)]
+    prompt = tuple(range(3, 3 + prompt_len))
+    return [(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens)), spacing_s * i)
+            for i in range(n)]
 
 
 def assert_drained(router, workers, transport) -> None:
@@ -211,7 +212,8 @@ def test_decode_death_at_hand_over_frees_kv_and_loads_return_to_zero():
 
     decode.admit = admit_on_dead_worker
     records = router.run(requests(6))
-    by_worker = {name: [r for r in records if r.decode_worker == name] for name in ("decode-0", "decode-1")}
+    by_worker = {name: [r for r in records if r.decode_worker == name]
+                 for name in ("decode-0", "decode-1")}
     assert len(by_worker["decode-1"]) == 3
     assert all("decode worker decode-1 died: actor decode-1 is gone" in r.error
                for r in by_worker["decode-1"])
