@@ -13,6 +13,10 @@ A request's life here (DESIGN §3, step 2):
 3. The local KV is freed (the transport owns the bytes now) and a ``prefilled`` event
    carries the first token and the handles. If the first token already ends the request
    (EOS, stop token, ``max_tokens == 1``) no KV is sent.
+4. The handles now belong to whoever collected the event (the router, then the decode
+   worker). Handles the router cannot pass on come back through ``release`` and are freed
+   here. An ``abort`` of a request whose ``prefilled`` event nobody has collected yet frees
+   that event's handles (no one else ever will).
 
 Back-pressure: the loop never blocks on a full transport buffer (an shm arena whose
 consumers have not freed it yet). Before each put it asks ``transport.has_room``; without
@@ -79,6 +83,15 @@ class PrefillWorker(EngineLoop):
             self._add(request, prefill_only=True)
         self._commands.put(add)
 
+    def release(self, handles: tuple[KVHandle, ...]) -> None:
+        """Free KV handles this worker put that nobody will fetch (the request ended first,
+        its decode worker died, or ``admit`` refused them). Freeing twice is harmless."""
+        self._commands.put(lambda: self._free(handles))
+
+    def _free(self, handles) -> None:
+        for handle in handles:
+            self.transport.free(handle)
+
     def status(self) -> dict:
         return {**super().status(), "transport_held": self.call(self.transport.num_held)}
 
@@ -92,6 +105,8 @@ class PrefillWorker(EngineLoop):
         return [r.__dict__ for r in self.transport.records]
 
     def abort(self, request_id: str) -> None:
+        """Drop ``request_id`` wherever it is here: queued, computing, deferred, or put but
+        with its ``prefilled`` event not yet collected (no one else will free that KV)."""
         self._commands.put(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
@@ -100,8 +115,9 @@ class PrefillWorker(EngineLoop):
         self._dst_rank.pop(request_id, None)
         self._put_errors.pop(request_id, None)
         self._no_room.discard(request_id)
-        for handle in self._layer_handles.pop(request_id, []):
-            self.transport.free(handle)
+        self._free(self._layer_handles.pop(request_id, []))
+        for event in self._take_events(request_id):
+            self._free(event.kv_handles)
 
     def idle_wait_s(self) -> float:
         return 0.002 if self._deferred else super().idle_wait_s()
