@@ -44,7 +44,7 @@ class VLLMPeer:
         if not available():
             raise RuntimeError(f"{VENV_PYTHON} not found: run `make vllm-venv` first")
         cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_AOT_COMPILE="0",
                    VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
                    VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
                    OMP_NUM_THREADS=str(len(cores)), VLLM_LOGGING_LEVEL="WARNING",

@@ -123,6 +123,7 @@ def _prepare(model) -> tuple[list[_Layer], _Linear]:
 # Grouping decode rows (see ``_group_decodes``): one more SDPA call costs about as much as
 # reading this many tokens of one layer's K/V (~20 us vs ~0.1 us/token on the CPU measured).
 _DECODE_CALL_COST_TOKENS = 256
+_GROUP_DP_UNITS = 32  # split-point candidates in _group_decodes (see there)
 
 
 @dataclass
@@ -314,18 +315,29 @@ def _group_decodes(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int
     """Split decode rows (sorted by slot) into runs, each attended over one padded slot-range
     view. A run costs ``_DECODE_CALL_COST_TOKENS`` plus (slots spanned x longest KV length)
     token reads; dynamic programming over the split points finds the cheapest split, so a
-    few long contexts no longer make every short row read (and mask) their length."""
+    few long contexts no longer make every short row read (and mask) their length.
+
+    The DP is quadratic in its candidate split points, and at 256 rows an exact one cost
+    ~15-90 ms of Python per step (benchmarks/README.md, ``step_overhead``), so it considers
+    at most ~2 x ``_GROUP_DP_UNITS`` of them: every ``ceil(len(rows) / _GROUP_DP_UNITS)``
+    rows, plus the ``_GROUP_DP_UNITS`` largest jumps in KV length between neighbouring rows
+    (where a long context starts or ends). Up to that many rows it is exact."""
     n = len(rows)
-    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = 0
+    size = -(-n // _GROUP_DP_UNITS) if n else 1
+    jumps = sorted(range(1, n), key=lambda i: -abs(rows[i][1] - rows[i - 1][1]))
+    bounds = sorted({*range(0, n, size), *jumps[:_GROUP_DP_UNITS], n})  # unit u = rows[b_u:b_u+1]
+    unit_longest = [max(r[1] for r in rows[a:b]) for a, b in zip(bounds, bounds[1:])]
+    m = len(unit_longest)
+    best, cut = [0.0] + [float("inf")] * m, [0] * (m + 1)
+    for j in range(1, m + 1):
+        longest, last_slot = 0, rows[bounds[j] - 1][0]
         for i in range(j - 1, -1, -1):
-            longest = max(longest, rows[i][1])
-            cost = best[i] + _DECODE_CALL_COST_TOKENS + (rows[j - 1][0] - rows[i][0] + 1) * longest
+            longest = max(longest, unit_longest[i])
+            cost = best[i] + _DECODE_CALL_COST_TOKENS + (last_slot - rows[bounds[i]][0] + 1) * longest
             if cost < best[j]:
                 best[j], cut[j] = cost, i
-    runs, j = [], n
+    runs, j = [], m
     while j > 0:
-        runs.append(rows[cut[j]:j])
+        runs.append(rows[bounds[cut[j]]:bounds[j]])
         j = cut[j]
     return runs[::-1]

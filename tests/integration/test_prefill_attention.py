@@ -98,3 +98,36 @@ def test_smollm2_long_prompts_chunked_match_generate(smollm2):
                            for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):
         assert out[f"s{i}"] == reference_generate(smollm2.model, p, 3)
+
+
+def _exact_grouping_cost(rows):
+    """The exact DP's optimum (every split point), for comparison."""
+    best = [0.0] + [float("inf")] * len(rows)
+    for j in range(1, len(rows) + 1):
+        longest = 0
+        for i in range(j - 1, -1, -1):
+            longest = max(longest, rows[i][1])
+            span = rows[j - 1][0] - rows[i][0] + 1
+            best[j] = min(best[j], best[i] + runner_mod._DECODE_CALL_COST_TOKENS + span * longest)
+    return best[-1]
+
+
+def _grouping_cost(runs):
+    return sum(runner_mod._DECODE_CALL_COST_TOKENS
+               + (run[-1][0] - run[0][0] + 1) * max(r[1] for r in run) for run in runs)
+
+
+@pytest.mark.parametrize("num_rows", [1, 7, 32, 256])
+def test_group_decodes_covers_rows_in_order_near_the_exact_optimum(num_rows):
+    gen = torch.Generator().manual_seed(num_rows)
+    lengths = torch.randint(5, 80, (num_rows,), generator=gen).tolist()
+    lengths[: max(1, num_rows // 64)] = [3000] * max(1, num_rows // 64)  # a few long contexts
+    rows = [(slot, length, slot) for slot, length in enumerate(lengths)]
+    runs = runner_mod._group_decodes(rows)
+    assert [row for run in runs for row in run] == rows
+    exact = _exact_grouping_cost(rows)
+    if num_rows <= runner_mod._GROUP_DP_UNITS:  # every split point is a candidate: exact
+        assert _grouping_cost(runs) == exact
+    else:  # split points every 8 rows: the long rows still get a run of their own
+        assert _grouping_cost(runs) <= 1.1 * exact
+        assert max(r[1] for r in runs[-1]) < 3000
