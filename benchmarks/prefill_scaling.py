@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     if has_vllm:
         worst = max(max(ms[(n, "pdlab")] / ms[(n, "vLLM")],
                         ms[(n, "pdlab@512")] / ms[(n, "vLLM@512")]) for n in lengths)
-        line += f"; pdlab/vLLM worst {worst:.2f} (target <= 1.0: {'met' if worst <= 1.0 else 'NOT met'})"
+        verdict = "met" if worst <= 1.0 else "NOT met"
+        line += f"; pdlab/vLLM worst {worst:.2f} (target <= 1.0: {verdict})"
     print(line)
     return 0
 

@@ -61,7 +61,8 @@ def gemm_shapes(model) -> dict[str, tuple[int, int]]:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim
-    return {"qkv": (cfg.hidden_size, qkv), "o": (cfg.num_attention_heads * head_dim, cfg.hidden_size),
+    return {"qkv": (cfg.hidden_size, qkv),
+            "o": (cfg.num_attention_heads * head_dim, cfg.hidden_size),
             "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
             "down": (cfg.intermediate_size, cfg.hidden_size)}
 
@@ -132,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     best_s = {}  # (shape, rows) -> fastest kernel's seconds
     for rows in (args.prompt_len, 16):
         for name, (fan_in, fan_out) in shapes.items():
-            kernels = {k.split("/")[1]: timings[k].min_s for k in gemms if k.startswith(f"{name}@{rows}/")}
+            prefix = f"{name}@{rows}/"
+            kernels = {k.split("/")[1]: timings[k].min_s for k in gemms if k.startswith(prefix)}
             best_s[(name, rows)] = min(kernels.values())
             flops = 2 * rows * fan_in * fan_out
             gemm_rows.append([f"{name} [{rows}x{fan_in}]x[{fan_in}x{fan_out}]",

@@ -98,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         sides["vLLM"].close()
 
     rows = []
-    for name, job in (("16 prompts x 64 tokens", "16x64"), ("prefill only (max_tokens=1)", "prefill")):
+    for name, job in (("16 prompts x 64 tokens", "16x64"),
+                      ("prefill only (max_tokens=1)", "prefill")):
         rows.append([name, best[(job, "pdlab")], best[(job, "vLLM")],
                      best[(job, "pdlab")] / best[(job, "vLLM")]])
     for b in batch_sizes:

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_cache import KVStore
@@ -211,8 +210,9 @@ class ModelRunner:
         for group in layout.decode_groups:
             self._decode_attention(q, k_store, v_store, group, out)
         for offset, n, slot, start in layout.chunks:
+            ctx = start + n
             out[offset:offset + n] = self._chunk_attention(
-                q[offset:offset + n], k_store[slot, :, :start + n], v_store[slot, :, :start + n], start)
+                q[offset:offset + n], k_store[slot, :, :ctx], v_store[slot, :, :ctx], start)
         return layer.o(out.view(num_tokens, -1))[0]
 
     def _decode_attention(self, q, k_store, v_store, group: _DecodeGroup,
@@ -254,8 +254,8 @@ class ModelRunner:
             out = _merge_lse(_CPU_FLASH(q4, k4[:, :, :start], v4[:, :, :start]),
                              _CPU_FLASH(q4, k4[:, :, start:], v4[:, :, start:], is_causal=True))
         else:
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=causal_lower_right(n, start + n),
-                                                 enable_gqa=True)
+            bias = causal_lower_right(n, start + n)  # query i sees keys 0 .. start + i
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, enable_gqa=True)
         return out[0].transpose(0, 1)
 
     def _layout(self, batch: ScheduledBatch) -> _StepLayout:
@@ -333,7 +333,8 @@ def _group_decodes(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int
         longest, last_slot = 0, rows[bounds[j] - 1][0]
         for i in range(j - 1, -1, -1):
             longest = max(longest, unit_longest[i])
-            cost = best[i] + _DECODE_CALL_COST_TOKENS + (last_slot - rows[bounds[i]][0] + 1) * longest
+            span = last_slot - rows[bounds[i]][0] + 1
+            cost = best[i] + _DECODE_CALL_COST_TOKENS + span * longest
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     runs, j = [], m

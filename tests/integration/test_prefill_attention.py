@@ -48,7 +48,8 @@ def _reference_attention(q, k, v, start):
 def test_chunk_attention_equals_masked_attention(tiny, monkeypatch, flash, start, n):
     if not flash:  # the path taken where the CPU flash op is missing (and on CUDA)
         monkeypatch.setattr(runner_mod, "_CPU_FLASH", None)
-    runner = runner_mod.ModelRunner(tiny.model, Engine(tiny, EngineConfig(max_num_seqs=1, max_model_len=8)).kv_store)
+    kv_store = Engine(tiny, EngineConfig(max_num_seqs=1, max_model_len=8)).kv_store
+    runner = runner_mod.ModelRunner(tiny.model, kv_store)
     gen = torch.Generator().manual_seed(start * 100 + n)
     q = torch.randn(n, runner.num_heads, runner.head_dim, generator=gen)
     k, v = (torch.randn(runner.num_kv_heads, start + n, runner.head_dim, generator=gen)
