@@ -318,7 +318,7 @@ def _group_decodes(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int
     few long contexts no longer make every short row read (and mask) their length.
 
     The DP is quadratic in its candidate split points, and at 256 rows an exact one cost
-    ~15-90 ms of Python per step (benchmarks/README.md, ``step_overhead``), so it considers
+    88 ms of Python per step on a loaded core (benchmarks/README.md), so it considers
     at most ~2 x ``_GROUP_DP_UNITS`` of them: every ``ceil(len(rows) / _GROUP_DP_UNITS)``
     rows, plus the ``_GROUP_DP_UNITS`` largest jumps in KV length between neighbouring rows
     (where a long context starts or ends). Up to that many rows it is exact."""
