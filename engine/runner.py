@@ -8,10 +8,11 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 3. Attention: single-token entries (decodes) run as batched SDPAs over views of the slots
    ``[a:b, :, :T]`` with a per-row length mask (no copy of the cache). The decode rows are
    split into a few slot ranges (``_group_decodes``) so that short rows do not read up to the
-   longest row's length when a few requests hold long contexts; each multi-token prompt chunk
-   runs one SDPA over its own slot with a causal mask.
-   GQA without copying K/V: the G query heads that share a KV head are folded into the
-   query-length axis, ``[H_q, n, D] -> [H_kv, G*n, D]``.
+   longest row's length when a few requests hold long contexts. GQA without copying K/V:
+   the G query heads that share a KV head are folded into the query-length axis,
+   ``[H_q, 1, D] -> [H_kv, G, D]``. Each multi-token prompt chunk runs flash attention over
+   its own slot at the cost of the causal FLOPs (``_chunk_attention``: ``is_causal`` for a
+   first chunk; prefix + causal diagonal merged by log-sum-exp for a later one).
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
@@ -39,12 +40,15 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from engine.kv_cache import KVStore
 from engine.scheduler import ScheduledBatch
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight serves any M
+# CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]); GQA without a copy.
+_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -188,6 +192,7 @@ def _prepare(model) -> tuple[list[_Layer], _Linear]:
 # Grouping decode rows (see ``_group_decodes``): one more SDPA call costs about as much as
 # reading this many tokens of one layer's K/V (~20 us vs ~0.1 us/token on the CPU measured).
 _DECODE_CALL_COST_TOKENS = 256
+_GROUP_DP_UNITS = 32  # split-point candidates in _group_decodes (see there)
 
 
 @dataclass
@@ -212,7 +217,7 @@ class _StepLayout:
     positions: torch.Tensor  # [N]
     token_slots: torch.Tensor  # [N]
     decode_groups: list[_DecodeGroup]  # the single-token entries, by slot range
-    chunks: list[tuple[int, int, int, int, torch.Tensor]]  # (offset, n, slot, ctx_len, mask)
+    chunks: list[tuple[int, int, int, int]]  # (token offset, n, slot, cached tokens)
     sample_idx: torch.Tensor  # [num_sampled] token index whose logits are needed
 
 
@@ -300,9 +305,10 @@ class ModelRunner:
         out = torch.empty_like(q)  # [N, H_q, D]
         for group in layout.decode_groups:
             self._decode_attention(q, k_store, v_store, group, out)
-        for offset, n, slot, ctx_len, mask in layout.chunks:
+        for offset, n, slot, start in layout.chunks:
+            ctx = start + n
             out[offset:offset + n] = self._chunk_attention(
-                q[offset:offset + n], k_store[slot, :, :ctx_len], v_store[slot, :, :ctx_len], mask)
+                q[offset:offset + n], k_store[slot, :, :ctx], v_store[slot, :, :ctx], start)
         return layer.o(out.view(num_tokens, -1))[0]
 
     def _decode_attention(self, q, k_store, v_store, group: _DecodeGroup,
@@ -323,10 +329,46 @@ class ModelRunner:
         res = _sdpa(q_slots, k, v, attn_mask=group.mask, scale=self.scale, softcap=self.softcap)
         out[group.token_idx] = res[group.local_slots].reshape(-1, self.num_heads, self.head_dim)
 
-    def _chunk_attention(self, q, k, v, mask) -> torch.Tensor:
-        n = q.shape[0]  # q [n, H_q, D]; k, v [H_kv, ctx, D]; mask [G*n, ctx]
+    def _chunk_attention(self, q, k, v, start: int) -> torch.Tensor:
+        """Attention of one prompt chunk over its slot: ``q [n, H_q, D]`` (positions
+        ``start .. start+n-1``), ``k, v [H_kv, start+n, D]`` (the cached prefix, then the
+        chunk's own K/V) -> ``[n, H_q, D]``.
+
+        Cost follows the causal FLOPs: no ``[n, ctx]`` mask is built. A chunk with no cached
+        context is one causal SDPA (``is_causal``: CPU and CUDA flash kernels skip the
+        masked blocks). A later chunk on CPU is two flash calls, the prefix (unmasked) and
+        the chunk's own causal diagonal, merged by their log-sum-exp (the split-KV merge of
+        FlashDecoding / FlashAttention-2); elsewhere one SDPA with a lower-right causal bias.
+        Measured in benchmarks/README.md (issue 14): a 3-D SDPA with a boolean mask took
+        the math path, materialising every score.
+        """
+        n = q.shape[0]
+        if self.softcap is not None:  # soft-capped logits (Gemma 2): the eager form, masked
+            return self._capped_chunk_attention(q, k, v, start)
+        q4, k4, v4 = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, len, D]
+        scale = self.scale
+        if start == 0:
+            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True,
+                                                 scale=scale)
+        elif _CPU_FLASH is not None and q.device.type == "cpu":
+            out = _merge_lse(_CPU_FLASH(q4, k4[:, :, :start], v4[:, :, :start], scale=scale),
+                             _CPU_FLASH(q4, k4[:, :, start:], v4[:, :, start:], is_causal=True,
+                                        scale=scale))
+        else:
+            bias = causal_lower_right(n, start + n)  # query i sees keys 0 .. start + i
+            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, enable_gqa=True,
+                                                 scale=scale)
+        return out[0].transpose(0, 1)
+
+    def _capped_chunk_attention(self, q, k, v, start: int) -> torch.Tensor:
+        """``_chunk_attention`` with attention-logit soft-capping: GQA folded into the query
+        axis ``[H_kv, G*n, D]`` and an explicit causal mask ``[G*n, start+n]`` (soft-capping
+        has no flash kernel; the families that use it have short contexts)."""
+        n = q.shape[0]
+        keys = torch.arange(start + n, device=q.device)
+        mask = (keys[None, :] <= torch.arange(start, start + n, device=q.device)[:, None])
         q = q.transpose(0, 1).reshape(self.num_kv_heads, self.group * n, self.head_dim)
-        out = _sdpa(q, k, v, attn_mask=mask, scale=self.scale,
+        out = _sdpa(q, k, v, attn_mask=mask.repeat(self.group, 1), scale=self.scale,
                     softcap=self.softcap)  # [H_kv, G*n, D]
         return out.view(self.num_heads, n, self.head_dim).transpose(0, 1)
 
@@ -342,7 +384,7 @@ class ModelRunner:
             if n == 1:
                 decodes.append((state.slot, start + 1, offset))
             else:
-                chunks.append((offset, n, state.slot, start + n, self._causal_mask(start, n)))
+                chunks.append((offset, n, state.slot, start))
             if batch.completes(i):
                 sample_idx.append(offset + n - 1)
             offset += n
@@ -371,29 +413,46 @@ class ModelRunner:
                             as_long([s - slot_start for s, _, _ in rows]),
                             as_long([t for _, _, t in rows]))
 
-    def _causal_mask(self, start: int, n: int) -> torch.Tensor:
-        """``[G*n, start+n]``: query i (position start+i) sees keys 0..start+i."""
-        keys = torch.arange(start + n, device=self.device)
-        queries = torch.arange(start, start + n, device=self.device)
-        return (keys[None, :] <= queries[:, None]).repeat(self.group, 1)
+
+def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
+               b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Softmax attention over keys A then keys B from the two partial results ``(out [B, H,
+    L, D], lse [B, H, L])``: ``(out_a e^lse_a + out_b e^lse_b) / (e^lse_a + e^lse_b)``,
+    computed in float32 (FlashAttention-2 / FlashDecoding's split-KV merge)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    weight_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]  # e^a / (e^a + e^b)
+    merged = out_b.float() + (out_a.float() - out_b.float()) * weight_a
+    return merged.to(out_a.dtype)
 
 
 def _group_decodes(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
     """Split decode rows (sorted by slot) into runs, each attended over one padded slot-range
     view. A run costs ``_DECODE_CALL_COST_TOKENS`` plus (slots spanned x longest KV length)
     token reads; dynamic programming over the split points finds the cheapest split, so a
-    few long contexts no longer make every short row read (and mask) their length."""
+    few long contexts no longer make every short row read (and mask) their length.
+
+    The DP is quadratic in its candidate split points, and at 256 rows an exact one cost
+    88 ms of Python per step on a loaded core (benchmarks/README.md), so it considers
+    at most ~2 x ``_GROUP_DP_UNITS`` of them: every ``ceil(len(rows) / _GROUP_DP_UNITS)``
+    rows, plus the ``_GROUP_DP_UNITS`` largest jumps in KV length between neighbouring rows
+    (where a long context starts or ends). Up to that many rows it is exact."""
     n = len(rows)
-    best, cut = [0.0] + [float("inf")] * n, [0] * (n + 1)
-    for j in range(1, n + 1):
-        longest = 0
+    size = -(-n // _GROUP_DP_UNITS) if n else 1
+    jumps = sorted(range(1, n), key=lambda i: -abs(rows[i][1] - rows[i - 1][1]))
+    bounds = sorted({*range(0, n, size), *jumps[:_GROUP_DP_UNITS], n})  # unit u = rows[b_u:b_u+1]
+    unit_longest = [max(r[1] for r in rows[a:b]) for a, b in zip(bounds, bounds[1:])]
+    m = len(unit_longest)
+    best, cut = [0.0] + [float("inf")] * m, [0] * (m + 1)
+    for j in range(1, m + 1):
+        longest, last_slot = 0, rows[bounds[j] - 1][0]
         for i in range(j - 1, -1, -1):
-            longest = max(longest, rows[i][1])
-            cost = best[i] + _DECODE_CALL_COST_TOKENS + (rows[j - 1][0] - rows[i][0] + 1) * longest
+            longest = max(longest, unit_longest[i])
+            span = last_slot - rows[bounds[i]][0] + 1
+            cost = best[i] + _DECODE_CALL_COST_TOKENS + span * longest
             if cost < best[j]:
                 best[j], cut[j] = cost, i
-    runs, j = [], n
+    runs, j = [], m
     while j > 0:
-        runs.append(rows[cut[j]:j])
+        runs.append(rows[bounds[cut[j]]:bounds[j]])
         j = cut[j]
     return runs[::-1]

@@ -1,0 +1,92 @@
+"""vLLM's CPU build as a benchmark peer: a subprocess in its own virtualenv (``make vllm-venv``).
+
+``VLLMPeer`` starts ``benchmarks/vllm_worker.py`` with ``.venv-vllm/bin/python`` pinned to
+the benchmark's own cores (the same ``taskset`` cores and thread count as pdlab), and sends
+it one job per call, so a benchmark alternates pdlab and vLLM round by round. vLLM runs
+offline (``vllm.LLM``), fp32, prefix caching **off**, one engine process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no second process competing for the pinned core),
+with its default compilation. The model is the SmolLM2 directory pdlab caches
+(``engine.model.cache_dir()/models/smollm2-135m``), so both load the same weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from engine.model import SMOLLM2_NAME, cache_dir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+START_TIMEOUT_S = 900.0
+
+
+def available() -> bool:
+    """True if ``.venv-vllm`` exists (``make vllm-venv`` creates it)."""
+    return VENV_PYTHON.exists()
+
+
+class VLLMPeer:
+    """One vLLM ``LLM`` in a subprocess. ``run(prompts, max_tokens) -> (seconds, outputs)``:
+    ``seconds`` is vLLM's ``generate`` wall time, measured inside the subprocess (no IPC);
+    ``outputs`` the greedy token ids per prompt (EOS ignored).
+
+    Raises:
+        RuntimeError: the virtualenv is missing, or the worker died / answered no JSON
+            (its stderr tail is in the message).
+    """
+
+    def __init__(self, max_model_len: int, max_num_batched_tokens: int,
+                 cores: list[int] | None = None, kv_cache_gib: int = 2) -> None:
+        if not available():
+            raise RuntimeError(f"{VENV_PYTHON} not found: run `make vllm-venv` first")
+        cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_AOT_COMPILE="0",
+                   VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+                   VLLM_CPU_OMP_THREADS_BIND=",".join(map(str, cores)),
+                   OMP_NUM_THREADS=str(len(cores)), VLLM_LOGGING_LEVEL="WARNING",
+                   TOKENIZERS_PARALLELISM="false")
+        env.pop("PYTHONPATH", None)  # pdlab's torch/transformers must not shadow vLLM's
+        self.stderr_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pdlab-vllm-{os.getpid()}.log"
+        self._stderr = open(self.stderr_path, "w")
+        model_dir = cache_dir() / "models" / SMOLLM2_NAME
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", ",".join(map(str, cores)), str(VENV_PYTHON), str(WORKER),
+             str(model_dir), str(max_model_len), str(max_num_batched_tokens)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
+            env=env, cwd=str(REPO_ROOT))
+        self.version = self._read()["version"]
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        return reply["seconds"], reply["outputs"]
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            self._stderr.flush()
+            tail = self.stderr_path.read_text()[-3000:]
+            raise RuntimeError(f"vLLM worker exited (rc={self.proc.poll()}); stderr tail:\n{tail}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._stderr.close()
+
+    def __enter__(self) -> VLLMPeer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,120 @@
+"""pdlab's Engine against vLLM's CPU build, side by side in one run (issue 10).
+
+Needs ``.venv-vllm`` (``make vllm-venv``); ``make bench-vllm`` runs this. Both engines run on
+the same pinned core(s) (``--threads``, default one core), alternating run by run, each
+figure the minimum over ``--repeats`` rounds after one warm-up round. SmolLM2-135M fp32,
+greedy, EOS ignored, **prefix caching off on both sides** (pdlab has none; vLLM's is turned
+off), token budget 2048 on both (chunked prefill on). vLLM runs offline (``vllm.LLM``, its
+default compilation) in a subprocess (``benchmarks.vllm_peer``); its time is its
+``generate`` call's wall time inside that process. pdlab's is ``Engine.generate``'s.
+
+Rows (the 16 ShareGPT prompts, seed 0, of ``benchmarks.vs_transformers``):
+
+1. **16x64**: all 16 prompts x 64 output tokens.
+2. **prefill**: all 16 prompts, ``max_tokens=1`` (prefill + first token).
+3. **decode B** for B in 1, 16, 64: the first B prompts (cycled past 16), run with
+   ``max_tokens = 1 + K`` and with ``max_tokens = 1``; one decode step =
+   (t(1 + K) - t(1)) / K, the same derivation on both sides (K = 16).
+
+Prints pdlab/vLLM per row (target <= 1.0) and how many of the 16x64 outputs are equal token
+for token (pdlab's are also equal to ``generate()``: ``benchmarks.vs_transformers``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+from benchmarks import add_common_args, print_table, setup_threads, vllm_peer
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.model import load_model
+from engine.request import Request, SamplingParams
+from experiments.workloads import sharegpt
+
+BUDGET = 2048
+OUTPUT_LEN = 64
+DECODE_STEPS = 16
+_ids = itertools.count()
+
+
+class PdlabSide:
+    """``run(prompts, max_tokens) -> (seconds, outputs)`` on one Engine sized for 64 rows."""
+
+    def __init__(self, loaded, max_model_len: int, max_num_seqs: int) -> None:
+        self.engine = Engine(loaded, EngineConfig(max_num_seqs=max_num_seqs,
+                                                  max_model_len=max_model_len,
+                                                  max_num_batched_tokens=BUDGET))
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+        requests = [Request(f"vv{next(_ids)}", tuple(p),
+                            SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                    for p in prompts]
+        start = time.perf_counter()
+        out = self.engine.generate(requests)
+        return time.perf_counter() - start, [out[r.request_id] for r in requests]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.vs_vllm", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    args = parser.parse_args(argv)
+    if not vllm_peer.available():
+        print(f"{vllm_peer.VENV_PYTHON} not found: run `make vllm-venv` first")
+        return 2
+    repeats = args.repeats or (1 if args.quick else 3)
+    batch_sizes = [1, 16] if args.quick else args.batch_sizes
+    print(setup_threads(args.threads))
+    loaded = load_model(ModelConfig("smollm2-135m"))
+    prompts = [list(r.prompt_token_ids) for r in sharegpt(loaded.tokenizer, 16, seed=0)]
+    max_model_len = max(len(p) for p in prompts) + OUTPUT_LEN + 1
+    cores = sorted(os.sched_getaffinity(0))
+    num_seqs = max(16, *batch_sizes)
+    sides = {"pdlab": PdlabSide(loaded, max_model_len, num_seqs)}
+    sides["vLLM"] = vllm_peer.VLLMPeer(max_model_len, BUDGET, cores)
+    print(f"vLLM {sides['vLLM'].version} (CPU build, prefix caching off) and pdlab, both on "
+          f"cores {cores}, token budget {BUDGET}")
+    cycled = lambda b: [prompts[i % len(prompts)] for i in range(b)]  # noqa: E731
+    jobs = {"16x64": (prompts, OUTPUT_LEN), "prefill": (prompts, 1)}
+    for b in batch_sizes:
+        jobs[f"B={b} 1"] = (cycled(b), 1)
+        jobs[f"B={b} 1+K"] = (cycled(b), 1 + DECODE_STEPS)
+    best = {(job, side): float("inf") for job in jobs for side in sides}
+    outputs = {}
+    try:
+        for round_idx in range(repeats + 1):  # round 0: warm-up, discarded
+            for job, (job_prompts, max_tokens) in jobs.items():
+                for side_name, side in sides.items():
+                    seconds, out = side.run(job_prompts, max_tokens)
+                    outputs[(job, side_name)] = out
+                    if round_idx:
+                        best[(job, side_name)] = min(best[(job, side_name)], seconds)
+    finally:
+        sides["vLLM"].close()
+
+    rows = []
+    for name, job in (("16 prompts x 64 tokens", "16x64"),
+                      ("prefill only (max_tokens=1)", "prefill")):
+        rows.append([name, best[(job, "pdlab")], best[(job, "vLLM")],
+                     best[(job, "pdlab")] / best[(job, "vLLM")]])
+    for b in batch_sizes:
+        step = {s: (best[(f"B={b} 1+K", s)] - best[(f"B={b} 1", s)]) / DECODE_STEPS for s in sides}
+        rows.append([f"decode step B={b} (derived)", step["pdlab"], step["vLLM"],
+                     step["pdlab"] / step["vLLM"]])
+    print(f"SmolLM2-135M fp32 CPU; seconds, min of {repeats} alternating rounds after a warm-up")
+    print_table(["row", "pdlab_s", "vLLM_s", "pdlab/vLLM"], rows)
+    equal = sum(a == b for a, b in zip(outputs[("16x64", "pdlab")], outputs[("16x64", "vLLM")]))
+    worst = max(r[3] for r in rows)
+    print(f"ratio pdlab/vLLM worst {worst:.2f} (target <= 1.0: "
+          f"{'met' if worst <= 1.0 else 'NOT met'}); greedy 16x64 outputs equal token for "
+          f"token: {equal}/{len(prompts)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
