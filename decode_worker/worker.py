@@ -80,7 +80,8 @@ class DecodeWorker(EngineLoop):
             return
         got_s = time.time()
         self.emit(WorkerEvent(KV_GOT, rid, self.name, got_s, kv_bytes=kv.numel() * kv.element_size(),
-                              kv_transfer_s=got_s - start_s, stamps={KV_GOT: got_s}))
+                              kv_transfer_s=got_s - start_s, kv_get_s=got_s - start_s,
+                              stamps={KV_GOT: got_s}))
         self._commands.put(lambda: self._import(request, first_token, kv))
 
     def _fetch(self, request: Request, handles: tuple[KVHandle, ...]) -> torch.Tensor:
