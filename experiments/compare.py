@@ -60,6 +60,8 @@ class WorkloadSpec:
         min_prompt_len, max_prompt_len: ShareGPT prompt-length filter in tokens (the default
             keeps prompts long enough that a prefill visibly stalls colocated decodes).
         max_output_len: ShareGPT/HumanEval output cap in tokens.
+        calibrate: pick the rates from a short calibration (``calibrated_rates``) instead
+            of the given ones.
         prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
     """
 
@@ -75,6 +77,9 @@ class WorkloadSpec:
     max_prompt_len: int = field(default=1024, metadata={"help": "sharegpt: longest prompt kept"})
     max_output_len: int = field(default=48, metadata={
         "help": "sharegpt/humaneval: output length cap (tokens)"})
+    calibrate: bool = field(default=False, metadata={
+        "help": "replace --rates by a ladder around the capacity measured on the first "
+                "placement (a burst of the seed's requests): 0.5x, 1.5x and 4x of it"})
     prompt_len: str = field(default="32-512", metadata={
         "help": "synthetic only: N or lo-hi tokens"})
     output_len: str = field(default="16-64", metadata={
@@ -97,7 +102,7 @@ class WorkloadSpec:
 
     def options(self) -> dict:
         """The options that apply to this dataset and arrival process (for the config row)."""
-        keys = ["dataset", "num_requests", "seed", "seeds", "arrival"]
+        keys = ["dataset", "num_requests", "seed", "seeds", "arrival", "calibrate"]
         keys += ["burstiness"] if self.arrival == "gamma" else []
         keys += {"sharegpt": ["min_prompt_len", "max_prompt_len", "max_output_len"],
                  "humaneval": ["max_output_len"],
@@ -220,17 +225,37 @@ class RunResult:
     seed: int = 0
 
 
-def run_placement(placement: str, rates: list[float], items, spec: WorkloadSpec,
+CALIBRATION_FACTORS = (0.5, 1.5, 4.0)  # x the measured capacity: under, near, past saturation
+
+
+def calibrated_rates(capacity_req_s: float, factors=CALIBRATION_FACTORS) -> list[float]:
+    """The rate ladder ``factor * capacity`` (req/s), each rounded to 2 significant digits.
+
+    The capacity is the completed-request throughput of a burst (every request at t = 0) on
+    the deployed placement: the rate it can sustain. Below it queues stay short, above it
+    they grow with every request, so SLO attainment bends inside the ladder on any machine.
+
+    Raises:
+        ValueError: capacity not > 0.
+    """
+    if not capacity_req_s > 0:
+        raise ValueError(f"calibration measured no capacity ({capacity_req_s!r} req/s)")
+    return [float(f"{f * capacity_req_s:.2g}") for f in factors]
+
+
+def run_placement(placement: str, rates: list[float] | None, items, spec: WorkloadSpec,
                   model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                   devices: str | None, address: str | None,
                   policy: str = "least_loaded", worker_info: list | None = None,
-                  local: bool = False) -> list[RunResult]:
+                  local: bool = False, calibration: dict | None = None) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
     ``items`` is seed -> workload (or one workload for every seed). The deployment is
     warmed up with two discarded requests first. ``worker_info`` (a list) receives each
     worker's ``info()`` (device, torch threads). ``local``: workers in this process (tests;
-    needs the in-process transport).
+    needs the in-process transport). ``rates=None``: calibrate first (after the warm-up, the
+    first seed's requests as one burst; ``calibrated_rates``); the chosen rates are those of
+    the results; ``calibration`` (a dict) receives ``capacity_req_s`` and ``rates``.
 
     Raises:
         ValueError: a request does not fit the deployed workers' context.
@@ -247,6 +272,17 @@ def run_placement(placement: str, rates: list[float], items, spec: WorkloadSpec,
             worker_info += [{"placement": placement, **i} for i in dep.gather("info")]
         first = next(iter(by_seed.values()))[:2]
         dep.run(router_workload(first, math.inf, spec, tag=f"{placement}-warmup"))
+        if rates is None:
+            seed, its = next(iter(by_seed.items()))
+            start_s = time.time()
+            burst = dep.run(router_workload(its, math.inf, spec, tag=f"{placement}-calibration"))
+            capacity = sum(not r.error for r in burst) / (time.time() - start_s)
+            rates = calibrated_rates(capacity)
+            print(f"pdlab: calibration on {placement}: capacity {capacity:.3g} req/s -> rates "
+                  f"{rates} req/s", file=sys.stderr)
+            if calibration is not None:
+                calibration.update(capacity_req_s=capacity, factors=list(CALIBRATION_FACTORS),
+                                   rates=rates, placement=placement)
         for rate in rates:
             for seed, its in by_seed.items():
                 workload = router_workload(its, rate, spec, tag=f"{placement}@{rate:g}/s{seed}",
@@ -380,10 +416,15 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
     results: list[RunResult] = []
     worker_info: list[dict] = []
+    calibration: dict = {}
+    sweep: list[float] | None = None if spec.calibrate else list(rates)
     for placement in placements:
-        results += run_placement(placement, rates, items, spec, model, engine, transfer,
-                                 ",".join(device_set), address, policy, worker_info, local)
-    config = {**environment(model, device_set), "placements": placements, "rates": rates,
+        results += run_placement(placement, sweep, items, spec, model, engine, transfer,
+                                 ",".join(device_set), address, policy, worker_info, local,
+                                 calibration)
+        sweep = sorted({r.rate for r in results})  # calibrated once, on the first placement
+    config = {**environment(model, device_set), "placements": placements, "rates": sweep,
+              **({"calibration": calibration} if calibration else {}),
               "workload": spec.options(), "seeds": spec.seed_list,
               "engine": dataclasses.asdict(engine), "transfer": dataclasses.asdict(transfer),
               "slo": dataclasses.asdict(slo), "policy": policy,

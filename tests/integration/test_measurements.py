@@ -118,6 +118,23 @@ def test_each_run_keeps_its_own_transfer_and_step_rows(monkeypatch, tmp_path):
         assert set(df["placement"]) == {"disagg:1p1d"}
 
 
+def test_calibrated_rate_ladder(monkeypatch):
+    assert compare.calibrated_rates(2.0) == [1.0, 3.0, 8.0]
+    assert compare.calibrated_rates(0.437) == [0.22, 0.66, 1.7]  # 2 significant digits
+    with pytest.raises(ValueError, match="no capacity"):
+        compare.calibrated_rates(0.0)
+    monkeypatch.setattr(compare, "Deployment", FakeDeployment)
+    spec = WorkloadSpec(dataset="synthetic", num_requests=3, seeds=1)
+    calibration: dict = {}
+    results = compare.run_placement("colocated:1", None, workloads.synthetic(3, 0, 4, 2), spec,
+                                    TINY, ENGINE, INPROCESS, "cpu:0", None,
+                                    calibration=calibration)
+    # the fake serves a burst of 3 in ~10 ms: capacity = 3 / that burst's duration
+    assert 3 / 1.0 < calibration["capacity_req_s"] < 3 / 0.01
+    assert calibration["rates"] == compare.calibrated_rates(calibration["capacity_req_s"])
+    assert [r.rate for r in results] == calibration["rates"]
+
+
 def test_tiny_compare_two_seeds_two_rates(tmp_path):
     # colocated:1 and colocated-nochunk:1 do identical work here: every prompt (<= 20 tokens)
     # fits the token budget, so chunking never splits one. Duplicate labels are refused by
@@ -150,7 +167,7 @@ def test_tiny_compare_two_seeds_two_rates(tmp_path):
     assert config["seeds"] == [0, 1] and config["git_commit"] and config["command"]
     assert config["cpu_model"] is not None and "torch" in config["versions"]
     assert set(config["workload"]) == {"dataset", "num_requests", "seed", "seeds", "arrival",
-                                       "prompt_len", "output_len"}  # synthetic options only
+                                       "calibrate", "prompt_len", "output_len"}  # synthetic options only
     workers = config["workers"]
     assert len(workers) == 4 and all(w["torch_num_threads"] >= 1 for w in workers)
     requests = pd.DataFrame(rows[1:])
@@ -185,7 +202,7 @@ def test_workload_that_cannot_fit_is_refused_before_the_run(tmp_path):
 def test_config_row_records_only_the_options_that_apply():
     assert WorkloadSpec(dataset="sharegpt").options() == {
         "dataset": "sharegpt", "num_requests": 24, "seed": 0, "seeds": 2, "arrival": "poisson",
-        "min_prompt_len": 128, "max_prompt_len": 1024, "max_output_len": 48}
+        "calibrate": False, "min_prompt_len": 128, "max_prompt_len": 1024, "max_output_len": 48}
     gamma = WorkloadSpec(dataset="humaneval", arrival="gamma", burstiness=0.5).options()
     assert gamma["burstiness"] == 0.5 and gamma["max_output_len"] == 48
     assert "prompt_len" not in gamma and "min_prompt_len" not in gamma
