@@ -455,7 +455,10 @@ def _fmt(col: str, v: float) -> str:
         return "n/a"
     if col == "slo_attainment":
         return f"{100 * v:.1f}%"
-    return f"{v:.4g} s" if col.endswith("_s") else f"{v:.4g}"
+    for suffix, unit in (("_req_s", " req/s"), ("_tok_s", " tok/s"), ("_s", " s")):
+        if col.endswith(suffix):
+            return f"{v:.4g}{unit}"
+    return f"{v:.4g}"
 
 
 def _with_ci(row: pd.Series, col: str) -> str:

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            parse_devices)
+from engine import metrics
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAME, load_tokenizer, tiny_llama_config
 from engine.request import Request, SamplingParams
@@ -79,7 +80,9 @@ class WorkloadSpec:
         "help": "sharegpt/humaneval: output length cap (tokens)"})
     calibrate: bool = field(default=False, metadata={
         "help": "replace --rates by a ladder around the capacity measured on the first "
-                "placement (a burst of the seed's requests): 0.5x, 1.5x and 4x of it"})
+                "placement (a burst of the seed's requests): 0.5x, 1.5x and 4x of it; and "
+                "loosen an SLO that even a lone request misses on this machine "
+                "(to 4x its TTFT, 2x its TPOT)"})
     prompt_len: str = field(default="32-512", metadata={
         "help": "synthetic only: N or lo-hi tokens"})
     output_len: str = field(default="16-64", metadata={
@@ -243,6 +246,35 @@ def calibrated_rates(capacity_req_s: float, factors=CALIBRATION_FACTORS) -> list
     return [float(f"{f * capacity_req_s:.2g}") for f in factors]
 
 
+SLO_TTFT_SCALE, SLO_TPOT_SCALE = 4.0, 2.0  # x a lone request's latency: the tightest SLO used
+
+
+def calibrated_slo(slo: SLO, lone_ttft_s: float, lone_tpot_s: float | None) -> SLO:
+    """The SLO a calibrated run judges by: each target no tighter than ``SLO_TTFT_SCALE`` x
+    (``SLO_TPOT_SCALE`` x) what a lone request achieved on this machine, else as given.
+
+    DistServe states SLOs relative to the model's unloaded latency on the hardware (its "SLO
+    scale"); a target that a request alone misses makes attainment 0 at every rate, and the
+    sweep then shows nothing. On a fast machine the given SLO stands.
+    """
+    tpot = slo.tpot_s if lone_tpot_s is None else max(slo.tpot_s, SLO_TPOT_SCALE * lone_tpot_s)
+    return SLO(max(slo.ttft_s, SLO_TTFT_SCALE * lone_ttft_s), tpot)
+
+
+def _lone_latency(dep, items, spec: WorkloadSpec, placement: str) -> tuple[float, float | None]:
+    """Mean TTFT and TPOT of two requests each served alone (seconds)."""
+    ttfts, tpots = [], []
+    for i, item in enumerate(items[:2]):
+        (record,) = dep.run(router_workload([item], math.inf, spec, tag=f"{placement}-lone{i}"))
+        if metrics.ttft_s(record) is not None:
+            ttfts.append(metrics.ttft_s(record))
+        if metrics.tpot_s(record) is not None:
+            tpots.append(metrics.tpot_s(record))
+    if not ttfts:
+        raise RuntimeError("calibration: a lone request produced no token")
+    return sum(ttfts) / len(ttfts), (sum(tpots) / len(tpots) if tpots else None)
+
+
 def run_placement(placement: str, rates: list[float] | None, items, spec: WorkloadSpec,
                   model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                   devices: str | None, address: str | None,
@@ -255,7 +287,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     worker's ``info()`` (device, torch threads). ``local``: workers in this process (tests;
     needs the in-process transport). ``rates=None``: calibrate first (after the warm-up, the
     first seed's requests as one burst; ``calibrated_rates``); the chosen rates are those of
-    the results; ``calibration`` (a dict) receives ``capacity_req_s`` and ``rates``.
+    the results; ``calibration`` (a dict) receives ``capacity_req_s``, ``rates`` and the
+    lone-request ``lone_ttft_s`` / ``lone_tpot_s`` (two requests, each served alone).
 
     Raises:
         ValueError: a request does not fit the deployed workers' context.
@@ -274,6 +307,7 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
         dep.run(router_workload(first, math.inf, spec, tag=f"{placement}-warmup"))
         if rates is None:
             seed, its = next(iter(by_seed.items()))
+            lone_ttft_s, lone_tpot_s = _lone_latency(dep, its, spec, placement)
             start_s = time.time()
             burst = dep.run(router_workload(its, math.inf, spec, tag=f"{placement}-calibration"))
             capacity = sum(not r.error for r in burst) / (time.time() - start_s)
@@ -282,7 +316,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   f"{rates} req/s", file=sys.stderr)
             if calibration is not None:
                 calibration.update(capacity_req_s=capacity, factors=list(CALIBRATION_FACTORS),
-                                   rates=rates, placement=placement)
+                                   rates=rates, placement=placement, lone_ttft_s=lone_ttft_s,
+                                   lone_tpot_s=lone_tpot_s)
         for rate in rates:
             for seed, its in by_seed.items():
                 workload = router_workload(its, rate, spec, tag=f"{placement}@{rate:g}/s{seed}",
@@ -405,6 +440,10 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
     workers in this process (tests; transport ``inprocess``).
 
+    With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
+    ``calibrated_slo`` (both measured on the first placement, recorded under
+    ``calibration`` in the config row).
+
     Raises:
         ValueError: a bad placement, device set or workload option, or a workload that does
             not fit the model (before anything runs).
@@ -423,6 +462,14 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                                  ",".join(device_set), address, policy, worker_info, local,
                                  calibration)
         sweep = sorted({r.rate for r in results})  # calibrated once, on the first placement
+    if calibration:
+        given, slo = slo, calibrated_slo(slo, calibration["lone_ttft_s"], calibration["lone_tpot_s"])
+        calibration["slo_given"] = dataclasses.asdict(given)
+        if slo != given:
+            print(f"pdlab: a lone request takes TTFT {calibration['lone_ttft_s']:.3g} s, TPOT "
+                  f"{calibration['lone_tpot_s'] or math.nan:.3g} s here: judging by SLO TTFT <= "
+                  f"{slo.ttft_s:.3g} s, TPOT <= {slo.tpot_s:.3g} s instead of {given.ttft_s:g} s, "
+                  f"{given.tpot_s:g} s", file=sys.stderr)
     config = {**environment(model, device_set), "placements": placements, "rates": sweep,
               **({"calibration": calibration} if calibration else {}),
               "workload": spec.options(), "seeds": spec.seed_list,

@@ -133,6 +133,15 @@ def test_calibrated_rate_ladder(monkeypatch):
     assert 3 / 1.0 < calibration["capacity_req_s"] < 3 / 0.01
     assert calibration["rates"] == compare.calibrated_rates(calibration["capacity_req_s"])
     assert [r.rate for r in results] == calibration["rates"]
+    assert calibration["lone_ttft_s"] == pytest.approx(0.01, abs=0.005)  # the fake's first token
+    assert calibration["lone_tpot_s"] == pytest.approx(0.01, abs=0.005)
+
+
+def test_calibrated_slo_is_never_tighter_than_a_lone_request_allows():
+    given = SLO(ttft_s=2.0, tpot_s=0.1)
+    assert compare.calibrated_slo(given, 0.2, 0.03) == given  # a fast machine: as given
+    assert compare.calibrated_slo(given, 1.0, 0.3) == SLO(ttft_s=4.0, tpot_s=0.6)
+    assert compare.calibrated_slo(given, 0.1, None) == given
 
 
 def test_tiny_compare_two_seeds_two_rates(tmp_path):
