@@ -371,7 +371,8 @@ def environment(model: ModelConfig, devices: tuple[str, ...]) -> dict:
         except OSError:
             return None
 
-    return {"command": shlex.join([Path(sys.argv[0]).name] + sys.argv[1:]),
+    # this process's own command line, runnable as is (python, script, arguments)
+    return {"command": shlex.join([sys.executable] + sys.argv),
             "model": model.model, "dtype": model.dtype, "devices": list(devices),
             "git_commit": git("rev-parse", "HEAD"),
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),

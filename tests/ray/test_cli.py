@@ -4,6 +4,7 @@ files and columns, and clear errors for bad options."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pandas as pd
 import pytest
@@ -35,7 +36,8 @@ def test_compare_writes_results_directory(tmp_path, capsys):
     assert rows[0]["devices"] == ["cpu:0", "cpu:1"] and "torch" in rows[0]["versions"]
     requests = pd.DataFrame(rows[1:])
     assert len(requests) == 24 and requests["error"].isna().all()
-    assert "--seeds 2" in rows[0]["command"]
+    assert rows[0]["command"].startswith(sys.executable)  # main() ran inside pytest here
+    assert [w["torch_num_threads"] for w in rows[0]["workers"]] == [1, 1, 1, 1]  # 1 core each
     # the same workload went to both placements: identical prompts and greedy outputs
     by_placement = {p: g.sort_values("request_id") for p, g in requests.groupby("placement")}
     colo, disagg = by_placement["colocated:2"], by_placement["disagg:1p1d"]
