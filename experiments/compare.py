@@ -257,8 +257,11 @@ def calibrated_slo(slo: SLO, lone_ttft_s: float, lone_tpot_s: float | None) -> S
     scale"); a target that a request alone misses makes attainment 0 at every rate, and the
     sweep then shows nothing. On a fast machine the given SLO stands.
     """
-    tpot = slo.tpot_s if lone_tpot_s is None else max(slo.tpot_s, SLO_TPOT_SCALE * lone_tpot_s)
-    return SLO(max(slo.ttft_s, SLO_TTFT_SCALE * lone_ttft_s), tpot)
+    def loosen(given: float, measured: float) -> float:  # 3 significant digits when loosened
+        return given if measured <= given else float(f"{measured:.3g}")
+
+    tpot = slo.tpot_s if lone_tpot_s is None else loosen(slo.tpot_s, SLO_TPOT_SCALE * lone_tpot_s)
+    return SLO(loosen(slo.ttft_s, SLO_TTFT_SCALE * lone_ttft_s), tpot)
 
 
 def _lone_latency(dep, items, spec: WorkloadSpec, placement: str) -> tuple[float, float | None]:
