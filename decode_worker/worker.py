@@ -150,7 +150,8 @@ class DecodeWorker(EngineLoop):
             return
         num_bytes = self.engine.kv_spec.kv_bytes(transfer.request.num_prompt_tokens)
         self.emit(WorkerEvent(KV_GOT, rid, self.name, got_s, kv_bytes=num_bytes,
-                              kv_transfer_s=got_s - start_s, stamps={KV_GOT: got_s}))
+                              kv_transfer_s=got_s - start_s, kv_get_s=got_s - start_s,
+                              stamps={KV_GOT: got_s}))
 
     def _free(self, handles: tuple[KVHandle, ...]) -> None:
         for handle in handles:

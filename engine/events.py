@@ -7,7 +7,8 @@ Kinds:
     ``kv_got``     a decode worker fetched and checked a request's KV.
     ``error``      the request failed on this worker; ``error`` says why.
 
-``stamps`` carries timeline events measured inside the worker (``time.time()`` seconds,
+``time_s`` is when the worker produced the event (for a token: when its step ended); the
+router keeps it beside its own receipt time. ``stamps`` carries timeline events measured inside the worker (``time.time()`` seconds,
 names from ``engine.metrics``: prefill_started, prefill_finished, kv_put, kv_got,
 decode_admitted).
 """
@@ -32,5 +33,7 @@ class WorkerEvent:
     error: str | None = None
     kv_handles: tuple[Any, ...] = ()  # opaque transport handles (prefilled)
     kv_bytes: int = 0
-    kv_transfer_s: float | None = None
+    kv_transfer_s: float | None = None  # kv_got: the decode side's fetch seconds
+    kv_put_s: float | None = None  # prefilled: seconds inside the transport's put, all ranges
+    kv_get_s: float | None = None  # kv_got: seconds fetching and checking every range
     stamps: dict[str, float] = field(default_factory=dict)

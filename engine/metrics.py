@@ -2,13 +2,34 @@
 
 Measure at the boundaries, derive later (DistServe's ``lifetime.py``):
 
-1. The router creates one ``RequestRecord`` per request and stamps ``arrived``.
+1. The router creates one ``RequestRecord`` per request. ``arrived`` is the request's
+   *scheduled* arrival (run start + its offset), not when the router got round to it, so a
+   load generator that falls behind cannot hide queueing (no coordinated omission); the
+   moment it was actually dispatched is ``dispatched`` (``dispatch_lag_s`` = the difference).
 2. Workers and the router stamp the other events (``prefill_queued`` ... ``finished``) into
-   ``record.timeline`` with ``time.time()``; the router appends the time each output token
-   leaves it to ``record.token_times_s``; transports fill ``kv_bytes`` and ``kv_transfer_s``.
+   ``record.timeline`` with ``time.time()``. For every output token two times are kept:
+   ``token_times_s`` when it left the router (receipt; the router long-polls its workers) and
+   ``token_worker_times_s`` when the worker's step produced it. Same host: same clock.
+   The prefill worker measures ``kv_put_s`` (seconds inside the transport's ``put``), the
+   decode worker ``kv_get_s`` (its fetch of every layer range); ``kv_transfer_s`` is their sum.
 3. Records are saved as JSON (``to_dict`` / ``from_dict``).
 4. Metrics are functions of a record (``ttft_s``, ``tpot_s``, ...), each defined once here;
    ``summarize`` pools them over a run; ``goodput_rate`` reads a rate sweep.
+
+Which clock a figure uses:
+    TTFT and E2E: router clock (arrival is scheduled on the router's host; the token counts
+        once it leaves the router, as a client would see it).
+    ITL and TPOT: worker clock (``token_worker_times_s``) when every token has one, so they
+        are not quantised by the router's polling; ``itl_router_s`` / ``tpot_router_s`` give
+        the router-clock versions beside them. Under disaggregation the first gap spans two
+        workers (prefill's first token, decode's second): on one host one clock; across
+        hosts that one gap compares two clocks (DESIGN §6) -- use ``first_decode_gap_s``.
+    TTFT under disaggregation contains the KV **put**: the prefill worker sends the first
+        token only after ``put`` returned (whole-request granularity) or after the step whose
+        layers it streamed (layer-wise). The **get** is not in TTFT: it happens on the decode
+        worker after the first token left, so it shows in the first inter-token gap. (vLLM's
+        disaggregated proxy likewise returns the prefill instance's first token before the
+        decode instance pulls the KV.)
 
 All times are seconds. A metric whose events are missing is None, never 0. A request with no
 output token (or with an error) is a failure: it has no TTFT and misses every SLO.
@@ -29,7 +50,8 @@ from typing import Callable, Iterable, Sequence
 import numpy as np
 
 # Event names: the keys of RequestRecord.timeline.
-ARRIVED = "arrived"  # the router received the request
+ARRIVED = "arrived"  # the request's scheduled arrival (run start + offset)
+DISPATCHED = "dispatched"  # the router actually dispatched it (>= arrived)
 PREFILL_QUEUED = "prefill_queued"  # the prefill worker (or colocated engine) queued it
 PREFILL_STARTED = "prefill_started"  # its prompt started computing
 PREFILL_FINISHED = "prefill_finished"  # its first token was sampled
@@ -39,7 +61,7 @@ DECODE_ADMITTED = "decode_admitted"  # the decode worker admitted it for decodin
 FINISHED = "finished"  # the router saw its last token (or its error)
 ERROR = "error"  # it failed
 EVENTS = (
-    ARRIVED, PREFILL_QUEUED, PREFILL_STARTED, PREFILL_FINISHED,
+    ARRIVED, DISPATCHED, PREFILL_QUEUED, PREFILL_STARTED, PREFILL_FINISHED,
     KV_PUT, KV_GOT, DECODE_ADMITTED, FINISHED, ERROR,
 )
 
@@ -57,10 +79,15 @@ class RequestRecord:
         finish_reason: ``FinishReason`` value (``"stop"``, ``"length"``, ...) or None.
         error: error message when it failed, else None.
         kv_bytes: bytes of prompt KV shipped for it (0 when colocated).
-        kv_transfer_s: seconds the KV transfer took (None when there was none).
+        kv_put_s: seconds inside the transport's ``put`` on the prefill worker (all layer
+            ranges; None when there was no transfer).
+        kv_get_s: seconds the decode worker spent fetching and checking the KV (None if none).
+        kv_transfer_s: the transfer's full cost, ``kv_put_s + kv_get_s`` (None if none).
         timeline: event name -> ``time.time()`` seconds.
         token_times_s: ``time.time()`` when each output token left the router;
             ``token_times_s[0]`` is the first token.
+        token_worker_times_s: ``time.time()`` when the worker's step produced each token
+            (same order; empty when the workers did not report it).
     """
 
     request_id: str
@@ -72,9 +99,12 @@ class RequestRecord:
     finish_reason: str | None = None
     error: str | None = None
     kv_bytes: int = 0
+    kv_put_s: float | None = None
+    kv_get_s: float | None = None
     kv_transfer_s: float | None = None
     timeline: dict[str, float] = field(default_factory=dict)
     token_times_s: list[float] = field(default_factory=list)
+    token_worker_times_s: list[float] = field(default_factory=list)
 
     def stamp(self, event: str, time_s: float | None = None) -> None:
         """Record ``event`` at ``time_s`` (default: now, ``time.time()``)."""
@@ -94,6 +124,7 @@ class RequestRecord:
         d["output_token_ids"] = [int(t) for t in d.get("output_token_ids", [])]
         d["timeline"] = {str(k): float(v) for k, v in d.get("timeline", {}).items()}
         d["token_times_s"] = [float(t) for t in d.get("token_times_s", [])]
+        d["token_worker_times_s"] = [float(t) for t in d.get("token_worker_times_s", [])]
         return cls(**d)
 
 
@@ -121,13 +152,30 @@ def ttft_s(r: RequestRecord) -> float | None:
     return r.token_times_s[0] - r.timeline[ARRIVED]
 
 
+def _worker_times(r: RequestRecord) -> list[float]:
+    """Worker-clock token times when every token has one, else the router's receipt times."""
+    w = r.token_worker_times_s
+    return w if w and len(w) == len(r.token_times_s) else r.token_times_s
+
+
+def _gaps(t: Sequence[float]) -> list[float]:
+    return [b - a for a, b in zip(t, t[1:])]
+
+
 def itl_s(r: RequestRecord) -> list[float]:
-    """Inter-token latencies: gaps between consecutive output tokens, TTFT excluded.
+    """Inter-token latencies on the worker clock: gaps between consecutive output tokens as
+    the workers produced them, TTFT excluded (falls back to router receipt times when the
+    record has no worker times).
 
     vLLM benchmark_serving.py (ITL). Empty with fewer than two tokens.
     """
-    t = r.token_times_s
-    return [b - a for a, b in zip(t, t[1:])]
+    return _gaps(_worker_times(r))
+
+
+def itl_router_s(r: RequestRecord) -> list[float]:
+    """Inter-token latencies on the router clock (when tokens left the router): includes
+    the quantisation of the router's polling. Empty with fewer than two tokens."""
+    return _gaps(r.token_times_s)
 
 
 def e2e_s(r: RequestRecord) -> float | None:
@@ -138,15 +186,36 @@ def e2e_s(r: RequestRecord) -> float | None:
 
 
 def tpot_s(r: RequestRecord) -> float | None:
-    """Time per output token after the first: ``(E2E - TTFT) / (n_out - 1)``.
+    """Time per output token after the first, on the worker clock:
+    ``(t_last - t_first) / (n_out - 1)`` over ``token_worker_times_s`` (router times when
+    the record has no worker times).
 
-    vLLM benchmark_serving.py (TPOT). None with fewer than two output tokens.
+    vLLM benchmark_serving.py: TPOT = ``(E2E - TTFT) / (n_out - 1)``, which is the same
+    span on the router clock (``tpot_router_s``). None with fewer than two output tokens.
     """
+    t = _worker_times(r)
+    if len(t) < 2:
+        return None
+    return (t[-1] - t[0]) / (len(t) - 1)
+
+
+def tpot_router_s(r: RequestRecord) -> float | None:
+    """vLLM's TPOT on the router clock: ``(E2E - TTFT) / (n_out - 1)``; None with fewer
+    than two output tokens."""
     n_out = len(r.token_times_s)
     e2e, ttft = e2e_s(r), ttft_s(r)
     if n_out < 2 or e2e is None or ttft is None:
         return None
     return (e2e - ttft) / (n_out - 1)
+
+
+def dispatch_lag_s(r: RequestRecord) -> float | None:
+    """How late the router dispatched the request: ``dispatched - arrived`` (scheduled).
+
+    Large values mean the load generator fell behind its schedule; TTFT still counts from
+    the scheduled arrival (no coordinated omission). None without both stamps.
+    """
+    return _between(r, ARRIVED, DISPATCHED)
 
 
 def prefill_queue_s(r: RequestRecord) -> float | None:
@@ -168,9 +237,31 @@ def first_decode_gap_s(r: RequestRecord) -> float | None:
     return t[1] - t[0] if len(t) >= 2 else None
 
 
+def kv_put_s(r: RequestRecord) -> float | None:
+    """Seconds inside the transport's ``put`` (prefill worker); None if no transfer."""
+    return r.kv_put_s
+
+
+def kv_get_s(r: RequestRecord) -> float | None:
+    """Seconds the decode worker spent getting the KV; None if no transfer."""
+    return r.kv_get_s
+
+
 def kv_transfer_s(r: RequestRecord) -> float | None:
-    """Seconds the KV transfer took, as measured by the transport (None if none)."""
+    """The KV transfer's full cost: ``kv_put_s + kv_get_s`` (DESIGN §6: put + get). When a
+    record carries only one of them (older records), ``record.kv_transfer_s``; None if none."""
+    if r.kv_put_s is not None and r.kv_get_s is not None:
+        return r.kv_put_s + r.kv_get_s
     return r.kv_transfer_s
+
+
+def kv_gb_per_s(r: RequestRecord) -> float | None:
+    """Achieved transfer bandwidth, ``kv_bytes / kv_transfer_s / 1e9`` (GB/s, decimal);
+    None without a transfer or bytes."""
+    seconds = kv_transfer_s(r)
+    if not r.kv_bytes or seconds is None or seconds <= 0:
+        return None
+    return r.kv_bytes / seconds / 1e9
 
 
 # ---- SLOs ----
@@ -208,9 +299,12 @@ def slo_attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
 _METRICS: dict[str, Callable[[RequestRecord], float | None]] = {
     "ttft": ttft_s,
     "tpot": tpot_s,
+    "tpot_router": tpot_router_s,
     "e2e": e2e_s,
     "prefill_queue": prefill_queue_s,
     "prefill": prefill_s,
+    "kv_put": kv_put_s,
+    "kv_get": kv_get_s,
     "kv_transfer": kv_transfer_s,
     "first_decode_gap": first_decode_gap_s,
 }
@@ -242,18 +336,23 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
     """Pool per-request metrics over a run.
 
     Latency statistics use completed (not failed) requests only, as vLLM's benchmark does;
-    ITL pools every gap of every completed request. Rates divide by ``duration_s``
+    ITL pools every gap of every completed request (``itl_*`` worker clock, ``itl_router_*``
+    router clock); ``dispatch_lag_*`` covers every request. Rates divide by ``duration_s``
     (default: last finish - first arrival):
         throughput_req_s: completed requests / s; output_tok_s: their output tokens / s;
         slo_attainment: DistServe's, over all requests (NaN without ``slo``);
         goodput_req_s: vLLM's goodput, SLO-meeting requests / s (NaN without ``slo``);
-        kv_bytes_total: KV bytes shipped, all requests.
+        kv_bytes_total: KV bytes shipped, all requests; kv_gb_s: kv_bytes_total over the
+            summed put + get seconds (NaN without transfers).
     """
     done = [r for r in records if not failed(r)]
     out: dict[str, float] = {"num_requests": len(records), "num_failed": len(records) - len(done)}
     for name, fn in _METRICS.items():
         out.update(_stats(name, (v for v in map(fn, done) if v is not None)))
     out.update(_stats("itl", (g for r in done for g in itl_s(r))))
+    out.update(_stats("itl_router", (g for r in done for g in itl_router_s(r))))
+    # dispatch lag over every request, failed or not: it is the load generator's, not theirs
+    out.update(_stats("dispatch_lag", (v for v in map(dispatch_lag_s, records) if v is not None)))
     if duration_s is None:
         duration_s = _default_duration_s(records)
     dur = duration_s if duration_s > 0 else math.nan
@@ -266,6 +365,9 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
         out["slo_attainment"] = slo_attainment(records, slo)
         out["goodput_req_s"] = sum(meets_slo(r, slo) for r in records) / dur
     out["kv_bytes_total"] = sum(r.kv_bytes for r in records)
+    moved = [(r.kv_bytes, kv_transfer_s(r)) for r in records if kv_transfer_s(r) is not None]
+    seconds = sum(s for _, s in moved)
+    out["kv_gb_s"] = sum(b for b, _ in moved) / seconds / 1e9 if seconds > 0 else math.nan
     return out
 
 
@@ -273,13 +375,23 @@ def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devic
                  target: float = 0.9) -> float:
     """DistServe's goodput (requests/s per device) from a rate sweep.
 
-    The highest swept arrival rate whose SLO attainment is >= ``target``, divided by
-    ``num_devices``; 0.0 when no rate reaches the target. (DistServe searches for the
-    highest such rate; here it is the max over the swept points, so sweep densely enough.)
+    The highest swept arrival rate whose SLO attainment is >= ``target`` **and** at which
+    every lower swept rate also met it (DistServe, OSDI'24, §2: the maximum rate under which
+    the attainment goal holds; a lucky point above a failing one does not count), divided by
+    ``num_devices``; 0.0 when the lowest rate already misses. A NaN attainment misses.
+    Rates are sorted first; DistServe binary-searches the rate, here it is the swept points,
+    so sweep densely enough.
+
+    Raises:
+        ValueError: lengths differ, or ``num_devices < 1``.
     """
     if len(rates) != len(attainments):
         raise ValueError(f"rates and attainments differ in length: {len(rates)} vs {len(attainments)}")
     if num_devices < 1:
         raise ValueError(f"num_devices must be >= 1, got {num_devices}")
-    ok = [rate for rate, a in zip(rates, attainments) if a >= target]
-    return max(ok) / num_devices if ok else 0.0
+    best = 0.0
+    for rate, a in sorted(zip(rates, attainments), key=lambda x: x[0]):
+        if not a >= target:  # NaN misses too
+            break
+        best = rate
+    return best / num_devices

@@ -101,9 +101,14 @@ class EngineLoop:
 
     # ---- called from other threads (or as Ray actor methods) -------------------------
     def info(self) -> dict:
-        """What the router needs to validate requests and check compatibility."""
+        """What the router needs to validate requests and check compatibility, plus the
+        process's torch thread counts (recorded with every result)."""
+        import torch  # local import: the thread counts are process-wide
+
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
+                "torch_num_threads": torch.get_num_threads(),
+                "torch_num_interop_threads": torch.get_num_interop_threads(),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
                 "kv_spec": engine.kv_spec.to_dict(),
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,

@@ -2,22 +2,31 @@
 
 An experiment:
 
-1. Build the workload once (ShareGPT, HumanEval or synthetic; seeded) with the model's
-   tokenizer; the same requests and the same arrival seed go to every placement.
-2. For each placement: deploy it on the device set (Ray actors), then for each rate replay
-   the workload open-loop (arrivals at their Poisson/Gamma times) through the router,
-   collecting request records, worker step records and KV transfer records.
-3. Derive the metrics (``engine.metrics`` via ``experiments.analysis``), print the
-   side-by-side table and write the results directory: requests.jsonl, summary.csv,
-   steps.csv, transfers.csv, report.md and the plots.
+1. Build one workload per seed (ShareGPT, HumanEval or synthetic; seeds ``seed``,
+   ``seed + 1``, ... for ``seeds`` repeats) with the model's tokenizer, and check that every
+   request fits the model's context (clipped or refused here, with one message, before
+   anything starts). The same requests and arrival seeds go to every placement.
+2. For each placement: deploy it on the device set once (Ray actors), warm it up with two
+   discarded requests, then for each rate and each seed replay that seed's workload
+   open-loop (arrivals at their Poisson/Gamma times) through the router, collecting request
+   records, worker step records and KV transfer records of that run only.
+3. Derive the metrics (``engine.metrics`` via ``experiments.analysis``: means over seeds with
+   95% bootstrap intervals), print the side-by-side table and write the results directory:
+   requests.jsonl (first line: everything needed to rerun), summary.csv (intervals),
+   summary_seeds.csv (one row per seed), goodput.csv, steps.csv and transfers.csv (every
+   row tagged placement, rate, seed), report.md and the plots.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import os
 import platform
+import shlex
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -28,6 +37,7 @@ from tqdm import tqdm
 
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            check_fields, parse_devices)
+from engine import metrics
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAMES, load_tokenizer, tiny_llama_config
 from engine.request import Request, SamplingParams
@@ -44,18 +54,25 @@ class WorkloadSpec:
 
     Attributes:
         dataset: ``sharegpt``, ``humaneval`` or ``synthetic``.
-        num_requests: requests per rate.
-        seed: sampling and arrival seed (the same for every placement).
+        num_requests: requests per (placement, rate, seed) run.
+        seed: the first workload and arrival seed (the same for every placement).
+        seeds: repeats of every (placement, rate): seeds ``seed .. seed + seeds - 1``, each
+            drawing its own requests and arrival times.
         arrival: ``poisson``, ``gamma`` or ``burst``; burstiness: Gamma shape (1 = Poisson).
         min_prompt_len, max_prompt_len: ShareGPT prompt-length filter in tokens (the default
             keeps prompts long enough that a prefill visibly stalls colocated decodes).
         max_output_len: ShareGPT/HumanEval output cap in tokens.
+        calibrate: pick the rates from a short calibration (``calibrated_rates``) instead
+            of the given ones.
         prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
     """
 
     dataset: str = field(default="sharegpt", metadata={"choices": DATASETS})
     num_requests: int = field(default=24, metadata={"help": "requests per rate", "min": 1})
     seed: int = field(default=0, metadata={"help": "workload and arrival seed", "min": 0})
+    seeds: int = field(default=2, metadata={
+        "help": "repeats per (placement, rate), seeds seed, seed+1, ...; the summary reports "
+                "means and 95%% bootstrap intervals over them", "min": 1})
     arrival: str = field(default="poisson", metadata={"choices": workloads.PROCESSES})
     burstiness: float = field(default=1.0, metadata={"help": "Gamma shape; 1 = Poisson", "gt": 0})
     min_prompt_len: int = field(default=128, metadata={"help": "sharegpt: shortest prompt kept",
@@ -64,6 +81,11 @@ class WorkloadSpec:
                                                         "min": 1})
     max_output_len: int = field(default=48, metadata={
         "help": "sharegpt/humaneval: output length cap (tokens)", "min": 1})
+    calibrate: bool = field(default=False, metadata={
+        "help": "replace --rates by a ladder around the capacity measured on the first "
+                "placement (a burst of the seed's requests): 0.5x, 1.5x and 4x of it; and "
+                "loosen an SLO that even a lone request misses on this machine "
+                "(to 4x its TTFT, 2x its TPOT)"})
     prompt_len: str = field(default="32-512", metadata={
         "help": "synthetic only: N or lo-hi tokens", "pattern": LENGTHS, "hint": "N or lo-hi"})
     output_len: str = field(default="16-64", metadata={
@@ -94,35 +116,110 @@ def _bounds(text: str) -> tuple[int, int]:
     return int(lo), int(hi or lo)
 
 
+    @property
+    def seed_list(self) -> list[int]:
+        return [self.seed + i for i in range(self.seeds)]
+
+    def options(self) -> dict:
+        """The options that apply to this dataset and arrival process (for the config row)."""
+        keys = ["dataset", "num_requests", "seed", "seeds", "arrival", "calibrate"]
+        keys += ["burstiness"] if self.arrival == "gamma" else []
+        keys += {"sharegpt": ["min_prompt_len", "max_prompt_len", "max_output_len"],
+                 "humaneval": ["max_output_len"],
+                 "synthetic": ["prompt_len", "output_len"]}[self.dataset]
+        return {k: getattr(self, k) for k in keys}
+
+
 def _length_range(text: str) -> int | tuple[int, int]:
     lo, _, hi = text.partition("-")
     return (int(lo), int(hi)) if hi else int(lo)
 
 
-def build_workload(spec: WorkloadSpec, model: ModelConfig) -> list[workloads.WorkloadRequest]:
-    """The requests of ``spec`` (arrival times are set per rate later)."""
+def context_len(model: ModelConfig, engine: EngineConfig) -> int:
+    """Tokens one request may use (prompt + output), known before any model loads: the
+    engine's ``max_model_len``, capped by the tiny model's context (other models are checked
+    against the workers' own limit once deployed)."""
+    if model.model == TINY_NAME:
+        return min(engine.max_model_len, tiny_llama_config().max_position_embeddings)
+    return engine.max_model_len
+
+
+def build_workload(spec: WorkloadSpec, model: ModelConfig, seed: int | None = None,
+                   max_len: int | None = None) -> list[workloads.WorkloadRequest]:
+    """The requests of ``spec`` drawn with ``seed`` (default ``spec.seed``), each fitting
+    ``max_len`` tokens (prompt + output) when given: ShareGPT and HumanEval outputs are
+    clipped to fit (see ``fit_workload``); synthetic lengths are refused up front. Arrival
+    times are set per rate later.
+
+    Raises:
+        ValueError: a synthetic length range or a prompt that cannot fit ``max_len``.
+    """
+    seed = spec.seed if seed is None else seed
     if spec.dataset == "synthetic":
+        prompt, output = _length_range(spec.prompt_len), _length_range(spec.output_len)
+        if max_len is not None:
+            check_synthetic_fits(prompt, output, max_len, model.model)
         vocab = tiny_llama_config().vocab_size if model.model in TINY_NAMES else 49152
-        return workloads.synthetic(spec.num_requests, spec.seed, _length_range(spec.prompt_len),
-                                   _length_range(spec.output_len), vocab_size=vocab,
+        return workloads.synthetic(spec.num_requests, seed, prompt, output, vocab_size=vocab,
                                    token_range=(3, vocab))
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
         raise ValueError(f"model {model.model} has no tokenizer: use --dataset synthetic")
     if spec.dataset == "sharegpt":
-        return workloads.sharegpt(tokenizer, spec.num_requests, spec.seed,
+        return workloads.sharegpt(tokenizer, spec.num_requests, seed,
                                   min_prompt_len=spec.min_prompt_len,
-                                  max_prompt_len=spec.max_prompt_len,
-                                  max_output_len=spec.max_output_len)
-    return workloads.humaneval(tokenizer, spec.num_requests, spec.seed,
-                               max_output_len=spec.max_output_len)
+                                  max_prompt_len=min(spec.max_prompt_len, max_len - 1)
+                                  if max_len else spec.max_prompt_len,
+                                  max_output_len=spec.max_output_len, max_total_len=max_len)
+    items = workloads.humaneval(tokenizer, spec.num_requests, seed,
+                                max_output_len=spec.max_output_len)
+    return fit_workload(items, max_len, model.model) if max_len else items
+
+
+def check_synthetic_fits(prompt: int | tuple[int, int], output: int | tuple[int, int],
+                         max_len: int, model_name: str) -> None:
+    """Refuse synthetic lengths whose longest prompt + output exceeds ``max_len`` tokens.
+
+    Raises:
+        ValueError: naming the options, the model's context and lengths that would fit.
+    """
+    p_hi = prompt[1] if isinstance(prompt, tuple) else prompt
+    o_hi = output[1] if isinstance(output, tuple) else output
+    if p_hi + o_hi > max_len:
+        raise ValueError(
+            f"prompt_len up to {p_hi} + output_len up to {o_hi} = {p_hi + o_hi} tokens does not "
+            f"fit {model_name}'s context of {max_len} tokens (max_model_len); choose e.g. "
+            f"--prompt-len 8-{max(1, max_len - o_hi)} or a shorter --output-len")
+
+
+def fit_workload(items: list[workloads.WorkloadRequest], max_len: int, model_name: str
+                 ) -> list[workloads.WorkloadRequest]:
+    """Clip each output so prompt + output fits ``max_len`` tokens; prints one line saying
+    how many were clipped.
+
+    Raises:
+        ValueError: a prompt alone leaves no room for one output token.
+    """
+    too_long = [it for it in items if it.num_prompt_tokens >= max_len]
+    if too_long:
+        raise ValueError(f"{len(too_long)} prompt(s) of up to "
+                         f"{max(it.num_prompt_tokens for it in too_long)} tokens do not fit "
+                         f"{model_name}'s context of {max_len} tokens (max_model_len)")
+    out = [dataclasses.replace(it, output_len=min(it.output_len, max_len - it.num_prompt_tokens))
+           for it in items]
+    clipped = sum(a.output_len != b.output_len for a, b in zip(items, out))
+    if clipped:
+        print(f"pdlab: clipped the output of {clipped} request(s) to fit {model_name}'s "
+              f"context of {max_len} tokens", file=sys.stderr)
+    return out
 
 
 def router_workload(items: list[workloads.WorkloadRequest], rate: float, spec: WorkloadSpec,
-                    tag: str) -> list[tuple[Request, float]]:
-    """Requests with arrival offsets at ``rate`` req/s; ``ignore_eos`` so each produces
-    exactly its reference output length."""
-    timed = workloads.with_arrivals(items, rate, spec.seed, spec.arrival, spec.burstiness)
+                    tag: str, seed: int | None = None) -> list[tuple[Request, float]]:
+    """Requests with arrival offsets at ``rate`` req/s drawn with ``seed`` (default
+    ``spec.seed``); ``ignore_eos`` so each produces exactly its reference output length."""
+    seed = spec.seed if seed is None else seed
+    timed = workloads.with_arrivals(items, rate, seed, spec.arrival, spec.burstiness)
     return [(Request(f"{tag}-{i}", item.prompt_token_ids,
                      SamplingParams(max_tokens=item.output_len, ignore_eos=True)), item.arrival_s)
             for i, item in enumerate(timed)]
@@ -136,86 +233,222 @@ def default_placements(num_devices: int) -> list[str]:
 
 @dataclass
 class RunResult:
+    """One (placement, rate, seed) run: its records, and the step and transfer records of
+    that run only."""
+
     placement: str
     rate: float
     records: list[RequestRecord]
     steps: list[dict]
     transfers: list[dict]
     duration_s: float
+    seed: int = 0
 
 
-def run_placement(placement: str, rates: list[float], items, spec: WorkloadSpec,
+CALIBRATION_FACTORS = (0.5, 1.5, 4.0)  # x the measured capacity: under, near, past saturation
+
+
+def calibrated_rates(capacity_req_s: float, factors=CALIBRATION_FACTORS) -> list[float]:
+    """The rate ladder ``factor * capacity`` (req/s), each rounded to 2 significant digits.
+
+    The capacity is the completed-request throughput of a burst (every request at t = 0) on
+    the deployed placement: the rate it can sustain. Below it queues stay short, above it
+    they grow with every request, so SLO attainment bends inside the ladder on any machine.
+
+    Raises:
+        ValueError: capacity not > 0.
+    """
+    if not capacity_req_s > 0:
+        raise ValueError(f"calibration measured no capacity ({capacity_req_s!r} req/s)")
+    return [float(f"{f * capacity_req_s:.2g}") for f in factors]
+
+
+SLO_TTFT_SCALE, SLO_TPOT_SCALE = 4.0, 2.0  # x a lone request's latency: the tightest SLO used
+
+
+def calibrated_slo(slo: SLO, lone_ttft_s: float, lone_tpot_s: float | None) -> SLO:
+    """The SLO a calibrated run judges by: each target no tighter than ``SLO_TTFT_SCALE`` x
+    (``SLO_TPOT_SCALE`` x) what a lone request achieved on this machine, else as given.
+
+    DistServe states SLOs relative to the model's unloaded latency on the hardware (its "SLO
+    scale"); a target that a request alone misses makes attainment 0 at every rate, and the
+    sweep then shows nothing. On a fast machine the given SLO stands.
+    """
+    def loosen(given: float, measured: float) -> float:  # 3 significant digits when loosened
+        return given if measured <= given else float(f"{measured:.3g}")
+
+    tpot = slo.tpot_s if lone_tpot_s is None else loosen(slo.tpot_s, SLO_TPOT_SCALE * lone_tpot_s)
+    return SLO(loosen(slo.ttft_s, SLO_TTFT_SCALE * lone_ttft_s), tpot)
+
+
+def _lone_latency(dep, items, spec: WorkloadSpec, placement: str) -> tuple[float, float | None]:
+    """Mean TTFT and TPOT of two requests each served alone (seconds)."""
+    ttfts, tpots = [], []
+    for i, item in enumerate(items[:2]):
+        (record,) = dep.run(router_workload([item], math.inf, spec, tag=f"{placement}-lone{i}"))
+        if metrics.ttft_s(record) is not None:
+            ttfts.append(metrics.ttft_s(record))
+        if metrics.tpot_s(record) is not None:
+            tpots.append(metrics.tpot_s(record))
+    if not ttfts:
+        raise RuntimeError("calibration: a lone request produced no token")
+    return sum(ttfts) / len(ttfts), (sum(tpots) / len(tpots) if tpots else None)
+
+
+def run_placement(placement: str, rates: list[float] | None, items, spec: WorkloadSpec,
                   model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                   devices: str | None, address: str | None,
-                  policy: str = "least_loaded") -> list[RunResult]:
-    """Deploy one placement and replay the workload at each rate."""
+                  policy: str = "least_loaded", worker_info: list | None = None,
+                  local: bool = False, calibration: dict | None = None) -> list[RunResult]:
+    """Deploy one placement once and replay the workload at each rate and seed.
+
+    ``items`` is seed -> workload (or one workload for every seed). The deployment is
+    warmed up with two discarded requests first. ``worker_info`` (a list) receives each
+    worker's ``info()`` (device, torch threads). ``local``: workers in this process (tests;
+    needs the in-process transport). ``rates=None``: calibrate first (after the warm-up, the
+    first seed's requests as one burst; ``calibrated_rates``); the chosen rates are those of
+    the results; ``calibration`` (a dict) receives ``capacity_req_s``, ``rates`` and the
+    lone-request ``lone_ttft_s`` / ``lone_tpot_s`` (two requests, each served alone).
+
+    Raises:
+        ValueError: a request does not fit the deployed workers' context.
+    """
+    by_seed = items if isinstance(items, dict) else {s: items for s in spec.seed_list}
     results = []
     with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer,
-                    policy=policy) as dep:
-        for rate in rates:
-            workload = router_workload(items, rate, spec, tag=f"{placement}@{rate}")
-            bar = tqdm(total=len(workload), desc=f"{placement} @ {rate:g} req/s", unit="req")
+                    policy=policy, local=local) as dep:
+        longest = max(it.num_prompt_tokens + it.output_len for its in by_seed.values() for it in its)
+        if longest > dep.router.max_model_len:
+            raise ValueError(f"a request of {longest} tokens (prompt + output) does not fit the "
+                             f"workers' context of {dep.router.max_model_len} tokens")
+        if worker_info is not None:
+            worker_info += [{"placement": placement, **i} for i in dep.gather("info")]
+        first = next(iter(by_seed.values()))[:2]
+        dep.run(router_workload(first, math.inf, spec, tag=f"{placement}-warmup"))
+        if rates is None:
+            seed, its = next(iter(by_seed.items()))
+            lone_ttft_s, lone_tpot_s = _lone_latency(dep, its, spec, placement)
             start_s = time.time()
-            records = dep.run(workload, on_finish=lambda _record: bar.update())
-            duration_s = time.time() - start_s
-            bar.close()
-            steps = [s for s in dep.step_records() if s["start_s"] >= start_s]
-            transfers = dep.transfer_records()
-            results.append(RunResult(placement, rate, records, steps, transfers, duration_s))
+            burst = dep.run(router_workload(its, math.inf, spec, tag=f"{placement}-calibration"))
+            capacity = sum(not r.error for r in burst) / (time.time() - start_s)
+            rates = calibrated_rates(capacity)
+            print(f"pdlab: calibration on {placement}: capacity {capacity:.3g} req/s -> rates "
+                  f"{rates} req/s", file=sys.stderr)
+            if calibration is not None:
+                calibration.update(capacity_req_s=capacity, factors=list(CALIBRATION_FACTORS),
+                                   rates=rates, placement=placement, lone_ttft_s=lone_ttft_s,
+                                   lone_tpot_s=lone_tpot_s)
+        for rate in rates:
+            for seed, its in by_seed.items():
+                workload = router_workload(its, rate, spec, tag=f"{placement}@{rate:g}/s{seed}",
+                                           seed=seed)
+                bar = tqdm(total=len(workload), desc=f"{placement} @ {rate:g} req/s seed {seed}",
+                           unit="req")
+                start_s = time.time()
+                records = dep.run(workload, on_finish=lambda _record: bar.update())
+                end_s = time.time()
+                bar.close()
+                ids = {r.request_id for r in records}
+                steps = [s for s in dep.step_records() if start_s <= s["start_s"] <= end_s]
+                transfers = [t for t in dep.transfer_records() if t["request_id"] in ids]
+                results.append(RunResult(placement, rate, records, steps, transfers,
+                                         end_s - start_s, seed))
     return results
 
 
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _gpu_names() -> list[str]:
+    import torch  # local import: only to name the GPUs
+
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+
+
 def environment(model: ModelConfig, devices: tuple[str, ...]) -> dict:
-    """Run provenance: model, device set, git commit, package versions, host."""
+    """Run provenance: the exact command line, model, device set, git commit (and whether
+    the tree had local changes), package versions, host, CPU model, GPU names."""
     def version(name: str) -> str | None:
         try:
             return metadata.version(name)
         except metadata.PackageNotFoundError:
             return None
 
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {"model": model.model, "dtype": model.dtype, "devices": list(devices),
-            "git_commit": commit, "host": platform.node(), "python": platform.python_version(),
+    def git(*args: str) -> str | None:
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True,
+                                  cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+        except OSError:
+            return None
+
+    # this process's own command line, runnable as is (python, script, arguments)
+    return {"command": shlex.join([sys.executable] + sys.argv),
+            "model": model.model, "dtype": model.dtype, "devices": list(devices),
+            "git_commit": git("rev-parse", "HEAD"),
+            "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "host": platform.node(), "cpu_model": _cpu_model(), "num_cpus": os.cpu_count(),
+            "gpus": _gpu_names(), "python": platform.python_version(),
             "versions": {p: version(p) for p in ("torch", "transformers", "ray", "numpy", "pdlab")}}
 
 
+def _tagged(results: list[RunResult], attr: str) -> pd.DataFrame:
+    return pd.DataFrame([{"placement": r.placement, "rate": r.rate, "seed": r.seed, **row}
+                         for r in results for row in getattr(r, attr)])
+
+
 def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SLO,
-                  num_devices: int) -> tuple[pd.DataFrame, str]:
-    """Write every output file; returns the summary table and the verdict."""
+                  num_devices: int | None = None) -> tuple[pd.DataFrame, str]:
+    """Write every output file (module docstring, step 3); returns the summary table (one
+    row per placement and rate, with intervals) and the verdict. ``num_devices`` is unused
+    (goodput divides by each placement's own devices) and kept for callers."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "requests.jsonl", "w") as f:
         f.write(json.dumps({"type": "config", **config}) + "\n")
         for r in results:
             for record in r.records:
-                f.write(json.dumps({"type": "request", "rate": r.rate, **record.to_dict()}) + "\n")
-    pd.DataFrame([{"placement": r.placement, "rate": r.rate, **s} for r in results for s in r.steps]
-                 ).to_csv(out_dir / "steps.csv", index=False)
-    pd.DataFrame([{"placement": r.placement, "rate": r.rate, **t}
-                  for r in results for t in r.transfers]).to_csv(out_dir / "transfers.csv", index=False)
-    runs = [(r.placement, r.rate, r.records, r.duration_s) for r in results]
+                f.write(json.dumps({"type": "request", "rate": r.rate, "seed": r.seed,
+                                    **record.to_dict()}) + "\n")
+    _tagged(results, "steps").to_csv(out_dir / "steps.csv", index=False)
+    _tagged(results, "transfers").to_csv(out_dir / "transfers.csv", index=False)
+    runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in results]
     summary = analysis.summary_table(runs, slo)
     summary.to_csv(out_dir / "summary.csv", index=False)
-    top_rate = {}
-    for r in results:  # plots of one rate per placement: the highest
-        if r.rate >= top_rate.get(r.placement, r).rate:
-            top_rate[r.placement] = r
-    by_placement = {p: r.records for p, r in top_rate.items()}
-    curve = analysis.attainment_curve([(r.placement, r.rate, r.records) for r in results], slo)
+    analysis.seed_table(runs, slo).to_csv(out_dir / "summary_seeds.csv", index=False)
+    devices_of = {p: PlacementConfig(p).num_devices_needed for p in dict.fromkeys(summary["placement"])}
+    goodput = None
+    if summary["rate"].nunique() > 1:
+        goodput = analysis.goodput_table(runs, slo, devices_of)
+        goodput.to_csv(out_dir / "goodput.csv", index=False)
+    top_rate = {p: max(r.rate for r in results if r.placement == p) for p in devices_of}
+    at_top = [r for r in results if r.rate == top_rate[r.placement]]
+    by_placement = {p: [x for r in at_top if r.placement == p for x in r.records] for p in devices_of}
+    first_seed = {}
+    for r in at_top:  # the token timeline shows one run: the first seed at the top rate
+        first_seed.setdefault(r.placement, r)
     plot_paths = {
-        "TTFT and TPOT CDFs": plots.plot_cdfs(by_placement, out_dir / "cdf_ttft_tpot.png"),
-        "SLO attainment vs rate": plots.plot_attainment(curve, out_dir / "slo_attainment.png"),
+        "SLO attainment vs rate (95% intervals)": plots.plot_attainment(
+            analysis.attainment_curve(summary), out_dir / "slo_attainment.png"),
+        "p99 latencies at the top rate (95% intervals)": plots.plot_p99_bars(
+            summary, out_dir / "p99_latency.png"),
+        "TTFT and TPOT CDFs (top rate, all seeds)": plots.plot_cdfs(
+            by_placement, out_dir / "cdf_ttft_tpot.png"),
         "Token timeline (decode stalls during prefills)": plots.plot_token_timeline(
-            by_placement, {p: r.steps for p, r in top_rate.items()}, out_dir / "token_timeline.png"),
+            {p: r.records for p, r in first_seed.items()},
+            {p: r.steps for p, r in first_seed.items()}, out_dir / "token_timeline.png"),
         "Latency breakdown": plots.plot_breakdown(analysis.latency_breakdown(by_placement),
                                                   out_dir / "latency_breakdown.png"),
     }
-    devices_of = {p: PlacementConfig(p).num_devices_needed for p in by_placement}
-    verdict_text = analysis.verdict(summary, slo, num_devices=num_devices)
-    goodput = analysis.goodput_per_device(curve, devices_of) if len(set(curve["rate"])) > 1 else None
+    verdict_text = analysis.verdict(summary, slo, goodput=goodput)
     report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput)
     return summary, verdict_text
 
@@ -223,23 +456,47 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
 def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec,
                    model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                    devices: str | None, address: str | None, slo: SLO, out_dir: Path,
-                   policy: str = "least_loaded") -> tuple[pd.DataFrame, str]:
-    """Steps 1-3 of the module docstring; returns (summary table, verdict text).
+                   policy: str = "least_loaded", local: bool = False
+                   ) -> tuple[pd.DataFrame, str]:
+    """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
+    workers in this process (tests; transport ``inprocess``).
+
+    With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
+    ``calibrated_slo`` (both measured on the first placement, recorded under
+    ``calibration`` in the config row).
 
     Raises:
-        ValueError: a bad placement, device set or workload option (before anything runs).
+        ValueError: a bad placement, device set or workload option, or a workload that does
+            not fit the model (before anything runs).
     """
     device_set = parse_devices(devices)
     for placement in placements:  # fail fast, before any model loads
         worker_layout(placement, device_set)
-    items = build_workload(spec, model)
-    results = []
+    max_len = context_len(model, engine)
+    items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
+    results: list[RunResult] = []
+    worker_info: list[dict] = []
+    calibration: dict = {}
+    sweep: list[float] | None = None if spec.calibrate else list(rates)
     for placement in placements:
-        results += run_placement(placement, rates, items, spec, model, engine, transfer,
-                                 ",".join(device_set), address, policy)
-    config = {**environment(model, device_set), "placements": placements, "rates": rates,
-              "workload": dataclasses.asdict(spec), "engine": dataclasses.asdict(engine),
-              "transfer": dataclasses.asdict(transfer), "slo": dataclasses.asdict(slo),
-              "policy": policy,
-              "seed": spec.seed}
-    return write_results(out_dir, results, config, slo, len(device_set))
+        results += run_placement(placement, sweep, items, spec, model, engine, transfer,
+                                 ",".join(device_set), address, policy, worker_info, local,
+                                 calibration)
+        sweep = sorted({r.rate for r in results})  # calibrated once, on the first placement
+    if calibration:
+        given, slo = slo, calibrated_slo(slo, calibration["lone_ttft_s"], calibration["lone_tpot_s"])
+        calibration["slo_given"] = dataclasses.asdict(given)
+        if slo != given:
+            print(f"pdlab: a lone request takes TTFT {calibration['lone_ttft_s']:.3g} s, TPOT "
+                  f"{calibration['lone_tpot_s'] or math.nan:.3g} s here: judging by SLO TTFT <= "
+                  f"{slo.ttft_s:.3g} s, TPOT <= {slo.tpot_s:.3g} s instead of {given.ttft_s:g} s, "
+                  f"{given.tpot_s:g} s", file=sys.stderr)
+    config = {**environment(model, device_set), "placements": placements, "rates": sweep,
+              **({"calibration": calibration} if calibration else {}),
+              "workload": spec.options(), "seeds": spec.seed_list,
+              "engine": dataclasses.asdict(engine), "transfer": dataclasses.asdict(transfer),
+              "slo": dataclasses.asdict(slo), "policy": policy,
+              "workers": [{k: w.get(k) for k in ("placement", "name", "role", "device",
+                                                 "torch_num_threads", "torch_num_interop_threads")}
+                          for w in worker_info]}
+    return write_results(out_dir, results, config, slo)

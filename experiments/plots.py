@@ -73,19 +73,61 @@ def plot_cdfs(records_by_placement: Mapping[str, Sequence[RequestRecord]],
 
 
 def plot_attainment(curve_df: pd.DataFrame, path: str | Path) -> Path:
-    """SLO attainment (%) vs arrival rate per placement, with the 90% goodput line."""
+    """SLO attainment (%) vs arrival rate per placement (``analysis.attainment_curve``): the
+    mean over seeds as a line, its 95% interval as a shaded band (when the curve has
+    ``slo_attainment_ci_lo/hi``), and the 90% goodput line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for placement, g in curve_df.groupby("placement", sort=False):
+    for i, (placement, g) in enumerate(curve_df.groupby("placement", sort=False)):
         g = g.sort_values("rate")
-        ax.plot(g["rate"], 100 * g["slo_attainment"].astype(float), marker="o", label=placement)
+        ax.plot(g["rate"], 100 * g["slo_attainment"].astype(float), marker="o", color=f"C{i}",
+                label=placement)
+        if "slo_attainment_ci_lo" in g:
+            ax.fill_between(g["rate"], 100 * g["slo_attainment_ci_lo"].astype(float),
+                            100 * g["slo_attainment_ci_hi"].astype(float), color=f"C{i}",
+                            alpha=0.2, linewidth=0)
     ax.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--",
                label=f"{100 * ATTAINMENT_TARGET:.0f}% target")
-    ax.set_title("SLO attainment vs arrival rate")
+    ax.set_title("SLO attainment vs arrival rate (mean over seeds, 95% bootstrap band)")
     ax.set_xlabel("arrival rate (req/s)")
     ax.set_ylabel("SLO attainment (%)")
     ax.set_ylim(-2, 102)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+P99_METRICS = ("ttft_p99_s", "tpot_p99_s", "itl_p99_s")
+
+
+def plot_p99_bars(summary_df: pd.DataFrame, path: str | Path, rate: float | None = None) -> Path:
+    """Grouped bars of TTFT / TPOT / ITL p99 per placement at ``rate`` (default: the highest
+    rate every placement ran, else each one's highest), error bars = the 95% intervals of
+    ``analysis.summary_table``. One panel per metric (their scales differ)."""
+    df = summary_df
+    if rate is None:
+        common = set.intersection(*(set(g["rate"]) for _, g in df.groupby("placement"))) \
+            if len(df) else set()
+        rate = max(common) if common else None
+    at = (df[df["rate"] == rate] if rate is not None
+          else df.loc[df.groupby("placement", sort=False)["rate"].idxmax()]) if len(df) else df
+    fig, axes = plt.subplots(1, len(P99_METRICS), figsize=(10, 3.8))
+    for ax, col in zip(axes, P99_METRICS):
+        vals = at[col].astype(float).to_numpy() if len(at) else np.zeros(0)
+        if col + "_ci_lo" in at:
+            lo = np.clip(vals - at[col + "_ci_lo"].astype(float).to_numpy(), 0, None)
+            hi = np.clip(at[col + "_ci_hi"].astype(float).to_numpy() - vals, 0, None)
+            err = np.nan_to_num(np.vstack([lo, hi]))
+        else:
+            err = None
+        ax.bar(range(len(at)), np.nan_to_num(vals), yerr=err, capsize=4,
+               color=[f"C{i}" for i in range(len(at))])
+        ax.set_xticks(range(len(at)))
+        ax.set_xticklabels(list(at["placement"]) if len(at) else [], rotation=20, fontsize=8)
+        ax.set_title(col.replace("_p99_s", " p99").upper().replace(" P99", " p99"))
+        ax.set_ylabel("seconds")
+        ax.grid(axis="y", alpha=0.3)
+    where = f"at {rate:g} req/s" if rate is not None else "at each placement's top rate"
+    fig.suptitle(f"p99 latencies {where} (mean over seeds, 95% bootstrap error bars)", fontsize=10)
     return _save(fig, path)
 
 

@@ -1,7 +1,8 @@
 """report.md for a placement comparison, and the console table the CLI prints.
 
 Numbers are formatted one way in both: seconds (``*_s`` columns) and rates to 4 significant
-digits, SLO attainment as a percentage, counts as integers, missing values as ``NaN``.
+digits, SLO attainment as a percentage, counts as integers, missing values as ``NaN``. A
+metric with ``<m>_ci_lo`` / ``<m>_ci_hi`` columns is shown as one cell, ``mean [lo, hi]``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,25 @@ import pandas as pd
 from engine.metrics import SLO
 from experiments.analysis import ATTAINMENT_TARGET
 
-CONFIG_KEYS = ("model", "placements", "devices", "workload", "rates", "seed")
+CONFIG_KEYS = ("command", "model", "placements", "devices", "workload", "rates", "seeds",
+               "git_commit")
+DEFINITIONS = [
+    "`arrived` is each request's scheduled arrival (run start + its offset): TTFT and E2E "
+    "count from it even when the router dispatched it late (no coordinated omission); "
+    "`dispatch_lag_p99_s` shows how far the load generator fell behind.",
+    "TTFT and E2E use the router clock (the token leaving the router). ITL and TPOT use the "
+    "worker clock (when the worker's step produced each token), so the router's polling does "
+    "not quantise them; `tpot_router_p99_s` / `itl_router_p99_s` are the router-clock values.",
+    "Disaggregated TTFT includes the KV put (the prefill worker sends the first token after "
+    "its put returns); the get happens on the decode worker afterwards and shows in the first "
+    "inter-token gap. KV transfer = put + get (`kv_put_p50_s`, `kv_get_p50_s`, "
+    "`kv_transfer_p50_s`); `kv_gb_s` = bytes / (put + get seconds).",
+    "Each cell with an interval is the mean over seeds and a 95% hierarchical bootstrap "
+    "interval (seeds and, inside each, requests resampled; 1000 replicates).",
+    "Goodput per device (DistServe): the highest swept rate whose attainment is >= "
+    f"{100 * ATTAINMENT_TARGET:.0f}% and at which every lower swept rate also met it, over "
+    "the placement's devices.",
+]
 _INT_COLUMNS = {"num_requests", "num_failed", "kv_bytes_total"}
 
 
@@ -43,13 +62,26 @@ def format_value(column: str, value: Any) -> str:
     return str(value)
 
 
+def collapse_intervals(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` with each ``<m>, <m>_ci_lo, <m>_ci_hi`` triple replaced by one text column
+    ``<m>`` = ``"mean [lo, hi]"`` (cells through ``format_value``); other columns unchanged."""
+    out = df.copy()
+    for col in [c for c in df.columns if f"{c}_ci_lo" in df.columns and f"{c}_ci_hi" in df.columns]:
+        out[col] = [f"{format_value(col, v)} [{format_value(col, lo)}, {format_value(col, hi)}]"
+                    for v, lo, hi in zip(df[col], df[f"{col}_ci_lo"], df[f"{col}_ci_hi"])]
+        out = out.drop(columns=[f"{col}_ci_lo", f"{col}_ci_hi"])
+    return out
+
+
 def _cells(df: pd.DataFrame) -> list[list[str]]:
     return [[format_value(c, v) for c, v in zip(df.columns, row)]
             for row in df.itertuples(index=False, name=None)]
 
 
 def markdown_table(df: pd.DataFrame) -> str:
-    """``df`` as a GitHub markdown table (no index), cells through ``format_value``."""
+    """``df`` as a GitHub markdown table (no index), cells through ``format_value``,
+    intervals collapsed (``collapse_intervals``)."""
+    df = collapse_intervals(df)
     cols = [str(c) for c in df.columns]
     esc = lambda s: s.replace("|", "\\|")  # noqa: E731
     lines = ["| " + " | ".join(esc(c) for c in cols) + " |",
@@ -60,9 +92,10 @@ def markdown_table(df: pd.DataFrame) -> str:
 
 def format_table(df: pd.DataFrame) -> str:
     """Console table with the runs side by side: one row per metric, one column per run
-    (``placement @ rate``), aligned for a terminal."""
+    (``placement @ rate``), aligned for a terminal; intervals as ``mean [lo, hi]``."""
     if df.empty:
         return "(no runs)"
+    df = collapse_intervals(df)
     heads = [f"{p} @ {format_value('rate', r)}" for p, r in zip(df["placement"], df["rate"])]
     metrics = [c for c in df.columns if c not in ("placement", "rate")]
     body = [[c] + [format_value(c, v) for v in df[c]] for c in metrics]
@@ -87,14 +120,16 @@ def _config_value(v: Any) -> str:
 
 def write_report(out_dir: str | Path, summary_df: pd.DataFrame, slo: SLO, verdict_text: str,
                  plot_paths: Sequence[str | Path] | Mapping[str, str | Path],
-                 config: Mapping[str, Any], goodput: Mapping[str, float] | None = None,
+                 config: Mapping[str, Any],
+                 goodput: pd.DataFrame | Mapping[str, float] | None = None,
                  title: str = "pdlab placement comparison") -> Path:
     """Write ``out_dir/report.md`` and return its path.
 
     Sections: title; run config (``CONFIG_KEYS`` first, missing ones shown as "(not given)",
-    then any other keys); SLOs; the summary table (markdown); optional goodput per device
-    (``analysis.goodput_per_device``); the verdict; the plots as relative image links
-    (``plot_paths``: a list, or a mapping caption -> path).
+    then any other keys); SLOs; definitions (clocks, put in TTFT, intervals, goodput); the
+    summary table (markdown, intervals as ``mean [lo, hi]``); optional goodput per device
+    (``analysis.goodput_table`` or a mapping placement -> value); the verdict; the plots as
+    relative image links (``plot_paths``: a list, or a mapping caption -> path).
     """
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -106,17 +141,20 @@ def write_report(out_dir: str | Path, summary_df: pd.DataFrame, slo: SLO, verdic
     lines += ["", "## SLOs", "",
               f"- TTFT <= {slo.ttft_s:g} s",
               f"- TPOT <= {slo.tpot_s:g} s",
-              "- A request attains the SLO when it meets both (failed requests miss); goodput is "
-              f"the highest swept rate with >= {100 * ATTAINMENT_TARGET:.0f}% attainment.",
+              "- A request attains the SLO when it meets both (failed requests miss).",
+              "", "## Definitions", ""] + [f"- {d}" for d in DEFINITIONS] + [
               "", "## Summary", "",
               "Seconds (`*_s`) to 4 significant digits; latencies over completed requests; "
               "NaN where no request had the value.", "",
               markdown_table(summary_df), ""]
-    if goodput:
+    if goodput is not None and len(goodput):
+        table = goodput if isinstance(goodput, pd.DataFrame) else pd.DataFrame(
+            {"placement": list(goodput), "goodput_per_device_req_s": list(goodput.values())})
         lines += ["## Goodput per device", "",
-                  markdown_table(pd.DataFrame({"placement": list(goodput),
-                                               "goodput_req_s_per_device": list(goodput.values())})),
-                  ""]
+                  "DistServe's definition: the highest swept rate with >= "
+                  f"{100 * ATTAINMENT_TARGET:.0f}% SLO attainment there and at every lower swept "
+                  "rate, divided by the placement's devices; mean over seeds (one sweep per "
+                  "seed) with a 95% bootstrap interval.", "", markdown_table(table), ""]
     lines += ["## Verdict", "", verdict_text.strip() or "(none)", "", "## Plots", ""]
     items = (list(plot_paths.items()) if isinstance(plot_paths, Mapping)
              else [(Path(p).stem.replace("_", " "), p) for p in plot_paths])

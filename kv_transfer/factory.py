@@ -8,6 +8,10 @@ from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.transport import Transport
 
 
+# Seconds for a torch.distributed group to form (the router allows 300 s for start-up).
+GROUP_INIT_TIMEOUT_S = 300.0
+
+
 def make_transport(config: TransferConfig, faults: dict | None = None, rank: int | None = None,
                    world_size: int | None = None, init_method: str | None = None,
                    device: str = "cpu") -> Transport:
@@ -38,7 +42,10 @@ def make_transport(config: TransferConfig, faults: dict | None = None, rank: int
         from kv_transfer.torchdist import TorchDistributedTransport
 
         backend = "nccl" if device.startswith("cuda") else "gloo"
+        # The group forms while the other ranks may still be loading their model: give it
+        # the workers' start-up allowance, not one transfer's deadline.
         transport = TorchDistributedTransport(rank, world_size, backend, init_method, device,
                                               checksum=config.checksum,
-                                              init_timeout_s=config.timeout_s)
+                                              init_timeout_s=max(config.timeout_s,
+                                                                 GROUP_INIT_TIMEOUT_S))
     return FaultyTransport(transport, **faults) if faults else transport

@@ -200,6 +200,7 @@ class PrefillWorker(EngineLoop):
         self.emit(WorkerEvent(PREFILLED, rid, self.name, out.time_s, token_id=out.token_id,
                               index=0, kv_handles=tuple(handles),
                               kv_bytes=sum(h.num_bytes for h in handles),
+                              kv_put_s=sum(h.put_s for h in handles),
                               stamps=first.stamps))
 
     def _put_layers(self, layer: int, batch: ScheduledBatch) -> None:

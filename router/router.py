@@ -43,7 +43,7 @@ from typing import Any
 
 from engine import events as ev
 from engine.errors import describe_error
-from engine.metrics import ARRIVED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
+from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
 from router.calls import Calls, WorkerDied
 from router.policy import pick
@@ -187,7 +187,8 @@ class Router:
         next_index = 0
         while next_index < len(arrivals) or self._flights:
             while next_index < len(arrivals) and start_s + arrivals[next_index][1] <= time.time():
-                self._dispatch(arrivals[next_index][0])
+                # arrived = the scheduled time, however late we got here (no coordinated omission)
+                self._dispatch(arrivals[next_index][0], start_s + arrivals[next_index][1])
                 next_index += 1
             self._poll_workers()
             wait_s = self.poll_s
@@ -208,11 +209,14 @@ class Router:
         self._turns[role] += 1
         return name
 
-    def _dispatch(self, request: Request) -> None:
-        request = dataclasses.replace(request, arrival_time_s=time.time())
+    def _dispatch(self, request: Request, arrived_s: float | None = None) -> None:
+        """``arrived_s``: the scheduled arrival (default: now); ``dispatched`` is stamped now."""
+        now = time.time()
+        request = dataclasses.replace(request, arrival_time_s=now if arrived_s is None else arrived_s)
         record = RequestRecord(request_id=request.request_id, placement=self.placement,
                                num_prompt_tokens=request.num_prompt_tokens)
         record.timeline[ARRIVED] = request.arrival_time_s
+        record.timeline[DISPATCHED] = now
         flight = _Flight(request, record)
         self._flights[request.request_id] = flight
         kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens
@@ -284,10 +288,16 @@ class Router:
         if event.kind == ev.ERROR:
             self._finish(flight, error=f"{event.worker}: {event.error}")
         elif event.kind == ev.KV_GOT:
+            record.kv_get_s = event.kv_get_s
             record.kv_transfer_s = event.kv_transfer_s
             flight.stage, flight.kv_handles = DECODE, ()  # fetched: the decode worker freed them
+            if record.kv_put_s is not None and event.kv_get_s is not None:
+                record.kv_transfer_s = record.kv_put_s + event.kv_get_s  # full cost: put + get
         elif event.kind in (ev.TOKEN, ev.PREFILLED):
             record.token_times_s.append(time.time())  # the token leaves the router now
+            record.token_worker_times_s.append(event.time_s)  # the worker produced it then
+            if event.kind == ev.PREFILLED:
+                record.kv_put_s = event.kv_put_s
             record.output_token_ids.append(event.token_id)
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
             if event.finish_reason is not None:

@@ -4,6 +4,7 @@ files and columns, and clear errors for bad options."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pandas as pd
 import pytest
@@ -18,20 +19,25 @@ def test_compare_writes_results_directory(tmp_path, capsys):
     out = tmp_path / "cmp"
     code = main(["compare", "--model", "tiny-random-llama", "--dataset", "synthetic",
                  "--num-requests", "6", "--prompt-len", "4-30", "--output-len", "3-8",
-                 "--rates", "20", "--devices", "cpu:0,cpu:1", "--max-model-len", "128",
+                 "--rates", "20", "--seeds", "2", "--devices", "cpu:0,cpu:1",
+                 "--max-model-len", "128",
                  "--out", str(out)])
     assert code == 0
     printed = capsys.readouterr().out
-    assert "colocated:2 @ 20" in printed and "disagg:1p1d @ 20" in printed and "Winner:" in printed
+    assert "colocated:2 @ 20" in printed and "disagg:1p1d @ 20" in printed
+    assert "Verdict (" in printed and "At 20 req/s: " in printed
     summary = pd.read_csv(out / "summary.csv")
     assert list(summary.columns[:len(SUMMARY_COLUMNS)]) == SUMMARY_COLUMNS
     assert sorted(summary["placement"]) == ["colocated:2", "disagg:1p1d"]
-    assert (summary["num_failed"] == 0).all() and (summary["num_requests"] == 6).all()
+    assert (summary["num_failed"] == 0).all() and (summary["num_requests"] == 12).all()
+    assert (summary["num_seeds"] == 2).all()
     rows = [json.loads(line) for line in open(out / "requests.jsonl")]
     assert rows[0]["type"] == "config" and rows[0]["model"] == "tiny-random-llama"
     assert rows[0]["devices"] == ["cpu:0", "cpu:1"] and "torch" in rows[0]["versions"]
     requests = pd.DataFrame(rows[1:])
-    assert len(requests) == 12 and requests["error"].isna().all()
+    assert len(requests) == 24 and requests["error"].isna().all()
+    assert rows[0]["command"].startswith(sys.executable)  # main() ran inside pytest here
+    assert [w["torch_num_threads"] for w in rows[0]["workers"]] == [1, 1, 1, 1]  # 1 core each
     # the same workload went to both placements: identical prompts and greedy outputs
     by_placement = {p: g.sort_values("request_id") for p, g in requests.groupby("placement")}
     colo, disagg = by_placement["colocated:2"], by_placement["disagg:1p1d"]

@@ -8,6 +8,8 @@ SLO: TTFT <= 0.5 s, TPOT <= 0.15 s, so colocated attains 2/3 and disagg 3/3.
 
 import math
 
+import numpy as np
+import pandas as pd
 import pytest
 
 from engine.metrics import SLO, RequestRecord
@@ -69,8 +71,11 @@ def row_of(df, placement, rate):
 def test_summary_columns_first_in_order():
     df = a.summary_table(runs(), SLO_)
     assert list(df.columns[:len(a.SUMMARY_COLUMNS)]) == a.SUMMARY_COLUMNS
-    assert a.SUMMARY_COLUMNS[0] == "placement" and a.SUMMARY_COLUMNS[-1] == "prefill_p50_s"
-    assert len(df) == 4
+    assert a.SUMMARY_COLUMNS[:3] == ["placement", "rate", "num_seeds"]
+    for col in a.CI_METRICS:  # every interval metric has its two bounds beside it
+        i = a.SUMMARY_COLUMNS.index(col)
+        assert a.SUMMARY_COLUMNS[i + 1:i + 3] == [col + "_ci_lo", col + "_ci_hi"]
+    assert len(df) == 4 and (df["num_seeds"] == 1).all()
     assert list(df["placement"]) == [COLO, COLO, DIS, DIS]
     # an explicit run duration (4th element) sets the rates
     d = a.summary_table([(COLO, 2.0, colocated_records(), 3.0)], SLO_).iloc[0]
@@ -145,8 +150,9 @@ def test_latency_breakdown_missing_events_are_nan_not_zero():
 
 
 def test_attainment_curve_and_goodput_per_device():
-    curve = a.attainment_curve(runs(), SLO_)
-    assert list(curve.columns) == ["placement", "rate", "slo_attainment"]
+    curve = a.attainment_curve(a.summary_table(runs(), SLO_))
+    assert list(curve.columns) == ["placement", "rate", "slo_attainment", "slo_attainment_ci_lo",
+                                   "slo_attainment_ci_hi"]
     assert curve["slo_attainment"].tolist() == pytest.approx([1.0, 2 / 3, 1.0, 1.0])
     gp = a.goodput_per_device(curve, num_devices=2)
     assert gp == {COLO: pytest.approx(0.5), DIS: pytest.approx(1.0)}
@@ -155,25 +161,113 @@ def test_attainment_curve_and_goodput_per_device():
     assert a.goodput_per_device(low, 2) == {COLO: 0.0, DIS: 0.0}
 
 
-def test_verdict_names_the_designed_winner_with_numbers():
+def seeded_runs():
+    """Two seeds per point. colocated at rate 2: seed 0 stalls (2/3 attain), seed 1 does not
+    (3/3); disagg meets the SLO everywhere."""
+    return [a.Run(COLO, 1.0, colocated_records(stall=False), 0),
+            a.Run(COLO, 1.0, colocated_records(stall=False), 1),
+            a.Run(COLO, 2.0, colocated_records(), 0),
+            a.Run(COLO, 2.0, colocated_records(stall=False), 1),
+            a.Run(DIS, 1.0, disagg_records(), 0), a.Run(DIS, 1.0, disagg_records(), 1),
+            a.Run(DIS, 2.0, disagg_records(), 0), a.Run(DIS, 2.0, disagg_records(), 1)]
+
+
+def test_summary_means_over_seeds_with_bootstrap_intervals():
+    df = a.summary_table(seeded_runs(), SLO_)
+    assert len(df) == 4 and (df["num_seeds"] == 2).all() and (df["num_requests"] == 6).all()
+    c2 = row_of(df, COLO, 2.0)
+    # mean over seeds of the per-seed values: attainment (2/3 + 1) / 2, TPOT p99 (0.2225 + 0.1) / 2
+    assert c2["slo_attainment"] == pytest.approx(5 / 6)
+    assert c2["tpot_p99_s"] == pytest.approx((0.2225 + 0.1) / 2)
+    # resampling can only give attainments in [0, 1] and must straddle the two seeds' spread
+    assert 0.0 <= c2["slo_attainment_ci_lo"] < 5 / 6 < c2["slo_attainment_ci_hi"] <= 1.0
+    # a replicate of only the stalled request has TPOT p99 0.225, the largest TPOT there is
+    assert c2["tpot_p99_s_ci_lo"] < c2["tpot_p99_s"] < c2["tpot_p99_s_ci_hi"] <= 0.225 + 1e-12
+    # identical requests in every seed: every replicate is the same value -> a zero-width interval
+    d2 = row_of(df, DIS, 2.0)
+    assert d2["slo_attainment_ci_lo"] == d2["slo_attainment_ci_hi"] == 1.0
+    assert d2["tpot_p99_s_ci_lo"] == pytest.approx(0.1) and d2["tpot_p99_s_ci_hi"] == pytest.approx(0.1)
+    # deterministic: the same records give the same intervals
+    again = a.summary_table(seeded_runs(), SLO_)
+    assert again["slo_attainment_ci_lo"].tolist() == df["slo_attainment_ci_lo"].tolist()
+    per_seed = a.seed_table(seeded_runs(), SLO_)
+    assert list(per_seed.columns) == a.SEED_COLUMNS and len(per_seed) == 8
+    assert per_seed["slo_attainment"].tolist()[:4] == pytest.approx([1, 1, 2 / 3, 1])
+
+
+def test_goodput_table_distserve_definition_on_a_non_monotone_curve():
+    # one seed; colocated attains 100% at 1 and 3 req/s but 2/3 at 2 req/s
+    runs_ = [a.Run(COLO, 1.0, colocated_records(stall=False)), a.Run(COLO, 2.0, colocated_records()),
+             a.Run(COLO, 3.0, colocated_records(stall=False)),
+             a.Run(DIS, 1.0, disagg_records()), a.Run(DIS, 2.0, disagg_records()),
+             a.Run(DIS, 3.0, disagg_records())]
+    gp = a.goodput_table(runs_, SLO_, {COLO: 2, DIS: 2}, num_boot=200)
+    c, d = gp.iloc[0], gp.iloc[1]
+    assert c["goodput_per_device_req_s"] == pytest.approx(0.5)  # 1 req/s / 2 devices, not 3/2
+    assert d["goodput_per_device_req_s"] == pytest.approx(1.5)
+    assert d["goodput_per_device_req_s_ci_lo"] == d["goodput_per_device_req_s_ci_hi"] == 1.5
+    # a resample of the 2 req/s run without the stalled request (p = (2/3)^3) attains 100%:
+    # replicates are 0.5 or 1.5, so the interval spans both
+    assert c["goodput_per_device_req_s_ci_lo"] == 0.5 and c["goodput_per_device_req_s_ci_hi"] == 1.5
+
+
+def test_row_percentile_equals_numpy():
+    rng = np.random.default_rng(3)
+    v = rng.random((50, 7))
+    v[rng.random((50, 7)) < 0.3] = np.nan
+    v[0] = np.nan
+    for q in (0, 50, 90, 99, 100):
+        with np.errstate(all="ignore"), pytest.warns(RuntimeWarning):
+            expected = np.nanpercentile(v, q, axis=1)
+        assert np.allclose(a._row_percentile(v, q), expected, equal_nan=True)
+
+
+def summary_rows(att_a, att_b, tpot_a, tpot_b, rate=1.0):
+    """A two-row summary with given (mean, lo, hi) for attainment and TPOT p99; every other
+    interval metric identical in both rows."""
+    rows = []
+    for placement, att, tpot in ((COLO, att_a, tpot_a), (DIS, att_b, tpot_b)):
+        row = {c: 0.0 for c in a.SUMMARY_COLUMNS}
+        row.update(placement=placement, rate=rate, num_seeds=2, num_requests=10, num_failed=0)
+        for col in a.CI_METRICS:
+            row[col], row[col + "_ci_lo"], row[col + "_ci_hi"] = 0.5, 0.4, 0.6
+        for col, (mean, lo, hi) in (("slo_attainment", att), ("tpot_p99_s", tpot)):
+            row[col], row[col + "_ci_lo"], row[col + "_ci_hi"] = mean, lo, hi
+        rows.append(row)
+    return pd.DataFrame(rows, columns=a.SUMMARY_COLUMNS)
+
+
+def test_verdict_names_a_winner_only_where_intervals_separate():
+    df = summary_rows((0.6, 0.5, 0.7), (0.95, 0.9, 1.0), (0.2, 0.15, 0.25), (0.1, 0.08, 0.12))
+    first = a.verdict(df, SLO_).splitlines()[1]
+    assert first.startswith(f"At 1 req/s: winner {DIS}: SLO attainment {DIS} 95.0% [90.0%, 100.0%]")
+    # overlapping attainment intervals: no winner, the closest metric is named
+    # attainment [0.5, 0.8] vs [0.7, 1.0]: overlap 0.1 of span 0.5 = 20%;
+    # TPOT p99 [0.15, 0.25] vs [0.08, 0.16]: overlap 0.01 of 0.17 = 5.9% -> closest
+    df = summary_rows((0.65, 0.5, 0.8), (0.85, 0.7, 1.0), (0.2, 0.15, 0.25), (0.12, 0.08, 0.16))
+    text = a.verdict(df, SLO_)
+    assert "At 1 req/s: no clear winner at this rate" in text
+    assert f"Closest to separating: tpot_p99_s, {DIS} 0.12 s [0.08 s, 0.16 s] vs {COLO}" in text
+    assert "(intervals overlap over 6% of their joint span)" in text
+    assert "winner " + DIS not in text
+    # a latency interval that separates is reported, but does not make a winner
+    df = summary_rows((0.9, 0.8, 1.0), (0.9, 0.8, 1.0), (0.2, 0.15, 0.25), (0.1, 0.08, 0.12))
+    text = a.verdict(df, SLO_)
+    assert "no clear winner at this rate" in text
+    assert "Intervals that do separate (not the SLO metric, so no winner): tpot_p99_s" in text
+    assert a.overlap_fraction(df.iloc[0], df.iloc[1], "tpot_p99_s") == pytest.approx(-0.03 / 0.17)
+    assert a.overlap_fraction(df.iloc[0], df.iloc[1], "slo_attainment") == 1.0
+
+
+def test_verdict_lines_with_numbers():
     df = a.summary_table(runs(), SLO_)
-    text = a.verdict(df, SLO_, num_devices=2)
-    first = text.splitlines()[0]
-    assert first.startswith(f"Winner: {DIS} at 2 req/s")
-    assert "100.0%" in first and "66.7%" in first
-    assert "2.23x" in text  # TPOT p99 colocated/disagg = 0.2225 / 0.1
-    assert "KV transfer p50 0.05 s vs prefill p50 0.2 s (25.0% of prefill)" in text
-    assert f"{COLO} 0.5 req/s" in text and f"{DIS} 1 req/s" in text
-
-
-def test_verdict_tie_broken_by_tpot_p99():
-    df = a.summary_table([(COLO, 1.0, colocated_records(stall=False)),
-                          (DIS, 1.0, disagg_records())], SLO(ttft_s=10.0, tpot_s=10.0))
-    # both attain 100%; colocated (no stall) TPOT p99 is 0.1 like disagg -> make disagg slower
-    df.loc[df["placement"] == DIS, "tpot_p99_s"] = 0.12
-    text = a.verdict(df, SLO(ttft_s=10.0, tpot_s=10.0))
-    assert text.splitlines()[0].startswith(f"Winner: {COLO}")
-    assert "tied on SLO attainment" in text
+    gp = a.goodput_table(runs(), SLO_, 2, num_boot=100)
+    text = a.verdict(df, SLO_, goodput=gp)
+    assert "At 1 req/s: no clear winner at this rate" in text  # both 100% [100%, 100%]
+    assert f"TPOT p99: {COLO} 0.2225 s" in text and "2.23x" in text  # 0.2225 / 0.1
+    # the transfer line uses the full cost (record.kv_transfer_s here: no put/get split)
+    assert "KV transfer (put + get) p50 0.05 s" in text and "(25.0% of prefill)" in text
+    assert f"{COLO} 0.5 [" in text and f"{DIS} 1 [" in text  # goodput per device
 
 
 def test_all_failed_does_not_crash_and_gives_nan():
@@ -181,7 +275,7 @@ def test_all_failed_does_not_crash_and_gives_nan():
     assert r["num_failed"] == 3 and r["slo_attainment"] == 0.0
     assert math.isnan(r["ttft_p50_s"]) and math.isnan(r["tpot_p99_s"])
     df = a.summary_table([(COLO, 1.0, failed_records()), (DIS, 1.0, disagg_records())], SLO_)
-    assert a.verdict(df, SLO_).startswith(f"Winner: {DIS}")
+    assert f"At 1 req/s: winner {DIS}" in a.verdict(df, SLO_)  # [0, 0] vs [1, 1]
     only_failed = a.summary_table([(COLO, 1.0, failed_records())], SLO_)
     assert "failed" in a.verdict(only_failed, SLO_)
     bd = a.latency_breakdown(failed_records())

@@ -20,9 +20,9 @@ def rec(rid="a", arrived=10.0, tokens=(10.5, 10.7, 11.0, 11.6), error=None, **ti
 
 
 def test_event_names():
-    assert (m.ARRIVED, m.PREFILL_QUEUED, m.PREFILL_STARTED, m.PREFILL_FINISHED, m.KV_PUT,
-            m.KV_GOT, m.DECODE_ADMITTED, m.FINISHED, m.ERROR) == (
-        "arrived", "prefill_queued", "prefill_started", "prefill_finished", "kv_put",
+    assert (m.ARRIVED, m.DISPATCHED, m.PREFILL_QUEUED, m.PREFILL_STARTED, m.PREFILL_FINISHED,
+            m.KV_PUT, m.KV_GOT, m.DECODE_ADMITTED, m.FINISHED, m.ERROR) == (
+        "arrived", "dispatched", "prefill_queued", "prefill_started", "prefill_finished", "kv_put",
         "kv_got", "decode_admitted", "finished", "error")
 
 
@@ -154,6 +154,72 @@ def test_goodput_rate_from_sweep():
         m.goodput_rate([1.0], [], 1)
     with pytest.raises(ValueError, match="num_devices"):
         m.goodput_rate([1.0], [1.0], 0)
+
+
+def test_late_dispatch_counts_from_the_scheduled_arrival():
+    # scheduled at 10.0, the router got round to it at 10.3, first token out at 10.5
+    r = rec(arrived=10.0, tokens=(10.5, 10.6), dispatched=10.3)
+    assert m.ttft_s(r) == pytest.approx(0.5)  # not 0.2: no coordinated omission
+    assert m.e2e_s(r) == pytest.approx(0.6)
+    assert m.dispatch_lag_s(r) == pytest.approx(0.3)
+    on_time = rec("b", arrived=11.0, tokens=(11.1,), dispatched=11.0)
+    no_stamp = rec("c", arrived=12.0, tokens=(12.1,))
+    assert m.dispatch_lag_s(no_stamp) is None
+    failed = rec("f", arrived=12.0, tokens=(), error="boom", dispatched=12.1)
+    s = m.summarize([r, on_time, no_stamp, failed])
+    # lag over every request that has it, failed ones too: [0.3, 0.0, 0.1]
+    assert s["dispatch_lag_mean_s"] == pytest.approx(0.4 / 3)
+    assert s["dispatch_lag_p50_s"] == pytest.approx(0.1)
+    assert s["dispatch_lag_p99_s"] == pytest.approx(0.1 + 0.98 * 0.2)
+
+
+def test_itl_and_tpot_use_worker_times_not_router_polling():
+    # the router polled twice: tokens 1 and 2 reached it together, 3 one poll later
+    r = rec(arrived=10.0, tokens=(10.5, 10.7, 10.7, 10.9))
+    r.token_worker_times_s = [10.45, 10.55, 10.65, 10.75]
+    assert m.itl_s(r) == pytest.approx([0.1, 0.1, 0.1])
+    assert m.itl_router_s(r) == pytest.approx([0.2, 0.0, 0.2])
+    assert m.tpot_s(r) == pytest.approx(0.3 / 3)
+    assert m.tpot_router_s(r) == pytest.approx(0.4 / 3)  # vLLM's (E2E - TTFT) / (n - 1)
+    assert m.ttft_s(r) == pytest.approx(0.5)  # TTFT stays on the router clock
+    assert m.first_decode_gap_s(r) == pytest.approx(0.2)
+    s = m.summarize([r], duration_s=1.0)
+    assert s["itl_p99_s"] == pytest.approx(0.1)
+    assert s["itl_router_p99_s"] == pytest.approx(0.2)
+    assert s["tpot_p50_s"] == pytest.approx(0.1) and s["tpot_router_p50_s"] == pytest.approx(0.4 / 3)
+    # a record without (or with incomplete) worker times falls back to the router's
+    r.token_worker_times_s = [10.45]
+    assert m.itl_s(r) == pytest.approx([0.2, 0.0, 0.2])
+    back = RequestRecord.from_dict(json.loads(json.dumps(r.to_dict())))
+    assert back.token_worker_times_s == [10.45]
+
+
+def test_kv_transfer_is_put_plus_get():
+    r = rec()  # kv_bytes 1000
+    r.kv_put_s, r.kv_get_s = 0.01, 0.03
+    assert m.kv_put_s(r) == 0.01 and m.kv_get_s(r) == 0.03
+    assert m.kv_transfer_s(r) == pytest.approx(0.04)
+    assert m.kv_gb_per_s(r) == pytest.approx(1000 / 0.04 / 1e9)
+    b = rec("b", arrived=11.0, tokens=(11.1, 11.2))
+    b.kv_bytes, b.kv_put_s, b.kv_get_s = 3000, 0.02, 0.04
+    colocated = rec("c", tokens=(10.5,))
+    colocated.kv_bytes = 0
+    s = m.summarize([r, b, colocated])
+    assert s["kv_put_p50_s"] == pytest.approx(0.015)
+    assert s["kv_get_p50_s"] == pytest.approx(0.035)
+    assert s["kv_transfer_p50_s"] == pytest.approx(0.05)  # of 0.04 and 0.06
+    assert s["kv_gb_s"] == pytest.approx(4000 / 0.10 / 1e9)
+    assert m.kv_gb_per_s(colocated) is None
+    assert math.isnan(m.summarize([colocated])["kv_gb_s"])
+
+
+def test_goodput_needs_every_lower_rate_to_meet_the_target():
+    # non-monotone curve: 3 req/s attains 95% but 2 req/s only 80% -> goodput is 1 req/s
+    rates, att = [3.0, 1.0, 2.0], [0.95, 0.95, 0.8]
+    assert m.goodput_rate(rates, att, num_devices=1) == pytest.approx(1.0)
+    assert m.goodput_rate(rates, att, num_devices=2) == pytest.approx(0.5)
+    assert m.goodput_rate(rates, att, num_devices=1, target=0.8) == pytest.approx(3.0)
+    assert m.goodput_rate([1.0, 2.0], [math.nan, 1.0], 1) == 0.0  # NaN misses
 
 
 def test_metrics_module_imports_no_torch():

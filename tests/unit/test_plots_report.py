@@ -60,11 +60,13 @@ def assert_png(path):
 
 
 def all_plots(tmp_path, by_placement, step_map, runs):
-    curve = a.attainment_curve(runs, SLO_)
+    summary = a.summary_table(runs, SLO_, num_boot=100)
+    curve = a.attainment_curve(summary)
     bd = a.latency_breakdown(by_placement)
     return {
         "Latency CDFs": plots.plot_cdfs(by_placement, tmp_path / "plots" / "cdfs.png"),
         "SLO attainment": plots.plot_attainment(curve, tmp_path / "plots" / "attainment.png"),
+        "p99 bars": plots.plot_p99_bars(summary, tmp_path / "plots" / "p99.png"),
         "Token timeline": plots.plot_token_timeline(by_placement, step_map,
                                                     tmp_path / "plots" / "timeline.png"),
         "Latency breakdown": plots.plot_breakdown(bd, tmp_path / "plots" / "breakdown.png"),
@@ -75,7 +77,7 @@ def test_every_plot_writes_a_png(tmp_path):
     recs = records()
     runs = [(p, rate, rs) for p, rs in recs.items() for rate in (1.0, 2.0)]
     paths = all_plots(tmp_path, recs, steps(), runs)
-    assert len({str(p) for p in paths.values()}) == 4
+    assert len({str(p) for p in paths.values()}) == 5
     for p in paths.values():
         assert p.exists() and p.parent == tmp_path / "plots"
         assert_png(p)
@@ -96,36 +98,38 @@ def test_report_has_config_slo_table_verdict_and_plot_links(tmp_path):
     recs = records()
     runs = [(p, rate, rs) for p, rs in recs.items() for rate in (1.0, 2.0)]
     df = a.summary_table(runs, SLO_)
-    text = a.verdict(df, SLO_, num_devices=2)
+    gp = a.goodput_table(runs, SLO_, 2, num_boot=100)
+    text = a.verdict(df, SLO_, goodput=gp)
     plot_paths = all_plots(tmp_path, recs, steps(), runs)
     config = {"model": "smollm2-135m", "placements": [COLO, DIS], "devices": "cpu x2",
-              "workload": "synthetic", "rates": [1.0, 2.0], "seed": 0}
-    gp = a.goodput_per_device(a.attainment_curve(runs, SLO_), 2)
+              "workload": "synthetic", "rates": [1.0, 2.0], "seeds": [0, 1]}
     path = report.write_report(tmp_path / "out", df, SLO_, text, plot_paths, config, goodput=gp)
     assert path == tmp_path / "out" / "report.md"
     md = path.read_text()
     assert md.startswith("# ")
-    header = "| " + " | ".join(df.columns) + " |"
-    assert header in md
-    assert md.index("| placement | rate | num_requests") < md.index("## Verdict")
+    header = "| " + " | ".join(report.collapse_intervals(df).columns) + " |"
+    assert header in md and "_ci_lo" not in header
+    assert md.index("| placement | rate | num_seeds | num_requests") < md.index("## Verdict")
     for key, val in (("model", "smollm2-135m"), ("placements", f"{COLO}, {DIS}"),
-                     ("rates", "1.0, 2.0"), ("seed", "0"), ("devices", "cpu x2")):
+                     ("rates", "1.0, 2.0"), ("seeds", "0, 1"), ("devices", "cpu x2")):
         assert f"- **{key}**: {val}" in md
     assert "TTFT <= 0.5 s" in md and "TPOT <= 0.15 s" in md
     assert text.splitlines()[0] in md
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)
-    assert links == ["../plots/cdfs.png", "../plots/attainment.png", "../plots/timeline.png",
-                     "../plots/breakdown.png"]
+    assert links == ["../plots/cdfs.png", "../plots/attainment.png", "../plots/p99.png",
+                     "../plots/timeline.png", "../plots/breakdown.png"]
     for link in links:
         assert_png((path.parent / link).resolve())
     # one data row per run, seconds to 4 significant digits, attainment as a percentage
     summary = md[md.index("## Summary"):md.index("## Goodput per device")]
     rows = [line for line in summary.splitlines() if line.startswith(f"| {COLO} |")]
     assert len(rows) == 2
-    assert "| 0.2032 |" in rows[0]  # colocated TPOT p99 at rate 1, 4 significant digits
-    assert "93.3%" in rows[0]
-    assert "| placement | goodput_req_s_per_device |" in md
-    assert f"| {COLO} | 1 |" in md and f"| {DIS} | 1 |" in md  # 93.3% and 100% at rate 2, 2 devices
+    # colocated TPOT p99 at rate 1, 4 significant digits, then its interval
+    assert re.search(r"\| 0\.2032 \[0\.\d+, 0\.\d+\] \|", rows[0])
+    assert "| 93.3% [" in rows[0]
+    assert "| placement | num_devices | num_seeds | goodput_per_device_req_s |" in md
+    assert f"| {COLO} | 2 | 1 | 1 [" in md and f"| {DIS} | 2 | 1 | 1 [" in md  # 2 req/s / 2
+    assert "## Definitions" in md and "includes the KV put" in md
 
 
 def test_format_value_rules():
@@ -148,7 +152,10 @@ def test_format_table_side_by_side():
     assert f"{COLO} @ 2" in lines[0] and f"{DIS} @ 2" in lines[0]
     assert lines[0].index(COLO) < lines[0].index(DIS)
     metric_rows = [line.split()[0] for line in lines[2:]]
-    assert metric_rows[:len(a.SUMMARY_COLUMNS) - 2] == a.SUMMARY_COLUMNS[2:]
+    assert metric_rows == list(report.collapse_intervals(df).columns[2:])
+    assert metric_rows[:4] == ["num_seeds", "num_requests", "num_failed", "slo_attainment"]
+    att = next(line for line in lines if line.startswith("slo_attainment"))
+    assert re.search(r"\d+\.\d% \[\d+\.\d%, \d+\.\d%\]", att)  # mean [lo, hi]
     assert len({len(line) for line in lines}) == 1  # aligned
     assert report.format_table(df.iloc[0:0]) == "(no runs)"
 
@@ -172,8 +179,9 @@ def test_all_failed_run_renders_nan_everywhere(tmp_path):
                              ).read_text()
     row = next(line for line in md.splitlines() if line.startswith(f"| {COLO} |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert cells[a.SUMMARY_COLUMNS.index("ttft_p50_s")] == "NaN"
-    assert cells[a.SUMMARY_COLUMNS.index("num_failed")] == "3"
-    assert cells[a.SUMMARY_COLUMNS.index("slo_attainment")] == "0.0%"
-    assert "- **seed**: (not given)" in md
+    cols = list(report.collapse_intervals(df).columns)
+    assert cells[cols.index("ttft_p50_s")] == "NaN [NaN, NaN]"
+    assert cells[cols.index("num_failed")] == "3"
+    assert cells[cols.index("slo_attainment")] == "0.0% [0.0%, 0.0%]"
+    assert "- **seeds**: (not given)" in md
     assert "NaN" in report.format_table(df)
