@@ -39,7 +39,7 @@ from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferC
                            check_fields, parse_devices)
 from engine import metrics
 from engine.metrics import SLO, RequestRecord
-from engine.model import TINY_NAMES, load_tokenizer, tiny_llama_config
+from engine.model import TINY_NAMES, load_tokenizer, model_context_len, tiny_llama_config
 from engine.request import Request, SamplingParams
 from experiments import analysis, plots, report, workloads
 from experiments.placement import Deployment, worker_layout
@@ -110,12 +110,6 @@ class WorkloadSpec:
             return self.max_prompt_len + self.max_output_len
         return None
 
-
-def _bounds(text: str) -> tuple[int, int]:
-    lo, _, hi = text.partition("-")
-    return int(lo), int(hi or lo)
-
-
     @property
     def seed_list(self) -> list[int]:
         return [self.seed + i for i in range(self.seeds)]
@@ -130,6 +124,11 @@ def _bounds(text: str) -> tuple[int, int]:
         return {k: getattr(self, k) for k in keys}
 
 
+def _bounds(text: str) -> tuple[int, int]:
+    lo, _, hi = text.partition("-")
+    return int(lo), int(hi or lo)
+
+
 def _length_range(text: str) -> int | tuple[int, int]:
     lo, _, hi = text.partition("-")
     return (int(lo), int(hi)) if hi else int(lo)
@@ -137,11 +136,11 @@ def _length_range(text: str) -> int | tuple[int, int]:
 
 def context_len(model: ModelConfig, engine: EngineConfig) -> int:
     """Tokens one request may use (prompt + output), known before any model loads: the
-    engine's ``max_model_len``, capped by the tiny model's context (other models are checked
-    against the workers' own limit once deployed)."""
-    if model.model == TINY_NAME:
-        return min(engine.max_model_len, tiny_llama_config().max_position_embeddings)
-    return engine.max_model_len
+    engine's ``max_model_len``, capped by the model's context where a config file tells it
+    (``engine.model.model_context_len``; otherwise the workers' own limit is checked once
+    they are deployed)."""
+    model_len = model_context_len(model)
+    return engine.max_model_len if model_len is None else min(engine.max_model_len, model_len)
 
 
 def build_workload(spec: WorkloadSpec, model: ModelConfig, seed: int | None = None,
