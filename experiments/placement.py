@@ -57,8 +57,9 @@ class RayCalls:
     A threaded actor (``max_concurrency > 1``) runs calls out of order, even within a
     concurrency group of size 1 (Ray forces ``allow_out_of_order_execution`` there). So the
     ``ORDERED`` methods are numbered per actor and sent as ``ordered(seq, method, ...)``:
-    the worker applies them in that order (``engine.serving.InOrder``), while long polls
-    and reads run beside them on the actor's other threads.
+    the worker applies them in that order, never holding a thread to wait for an earlier
+    number (``engine.serving.InOrder``), while long polls and reads run beside them on the
+    actor's other threads.
     """
 
     def __init__(self) -> None:

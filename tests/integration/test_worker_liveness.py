@@ -21,7 +21,9 @@ TINY = ModelConfig("tiny-random-llama")
 
 
 def test_in_order_runs_calls_by_number_whatever_order_they_arrive_in():
-    in_order, ran = InOrder(timeout_s=10.0), []
+    late_errors = []
+    in_order, ran = InOrder(on_late_error=lambda fn, args, err: late_errors.append(
+        (args, str(err)))), []
     numbers = list(range(40))
     random.Random(0).shuffle(numbers)
     threads = [threading.Thread(target=in_order.run, args=(n, ran.append, n)) for n in numbers]
@@ -34,9 +36,18 @@ def test_in_order_runs_calls_by_number_whatever_order_they_arrive_in():
     assert in_order.run(40, lambda: "its own result") == "its own result"
     with pytest.raises(ValueError, match="call number 3 came twice"):
         in_order.run(3, ran.append, 3)
-    in_order.timeout_s = 0.05
-    with pytest.raises(TimeoutError, match="call number 42 waited 0.05 s for call number 41"):
-        in_order.run(42, lambda: None)  # 41 never comes
+    # an early arrival never waits: it is parked (None at once) and runs when the gap fills
+    assert in_order.run(42, ran.append, 42) is None and ran[-1] == 39
+    with pytest.raises(ValueError, match="call number 42 came twice"):
+        in_order.run(42, ran.append, 42)
+
+    def fails(x):
+        raise RuntimeError(f"bad {x}")
+    in_order.run(43, fails, "late")  # parked too
+    with pytest.raises(RuntimeError, match="bad own"):
+        in_order.run(41, fails, "own")  # runs now, raises its own error, then 42 and 43 run
+    assert ran[-1] == 42
+    assert late_errors == [(("late",), "bad late")]
 
 
 def test_an_exception_escaping_the_loop_kills_the_worker_at_once():
