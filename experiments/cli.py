@@ -1,4 +1,4 @@
-"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``.
+"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``, ``interference``.
 
 Engine, transfer and workload options are derived from the config dataclasses' fields
 (``engine.config.add_dataclass_args``), so every knob has one name, one default and one
@@ -25,13 +25,14 @@ from engine.config import (DTYPES, EngineConfig, ModelConfig, PlacementConfig, T
 from engine.errors import describe_error
 from engine.metrics import SLO
 from engine.model import ModelLoadError, check_model_name, model_context_len
-from experiments import kv_cost, profile
+from experiments import interference, kv_cost, profile
 from experiments.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.placement import check_devices_exist, worker_layout
 from experiments.report import format_table
 from router.policy import POLICIES
 
-OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig)
+OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig,
+                                    interference.InterferenceConfig)
                  for f in dataclasses.fields(cls)}
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
@@ -145,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(command_parser=command)
     command = sub.add_parser("kv-cost", help="KV transfer cost vs prefill cost")
     kv_cost.add_arguments(command)
+    command.set_defaults(command_parser=command)
+    command = sub.add_parser("interference", help="decode stall caused by a prefill, per mode")
+    interference.add_arguments(command)
     command.set_defaults(command_parser=command)
     return parser
 
@@ -284,7 +288,8 @@ def check_options(args: argparse.Namespace) -> Experiment | None:
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     check_out(args.out)
-    (profile if args.command == "profile" else kv_cost).check_arguments(args, model)
+    commands = {"profile": profile, "kv-cost": kv_cost, "interference": interference}
+    commands[args.command].check_arguments(args, model)
     return None
 
 
@@ -304,9 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if experiment is not None:
             return _run_experiment(args, experiment)
-        if args.command == "profile":
-            return profile.main(args)
-        return kv_cost.main(args)
+        commands = {"profile": profile, "kv-cost": kv_cost, "interference": interference}
+        return commands[args.command].main(args)
     except (ValueError, ModelLoadError, RuntimeError, OSError) as err:
         print(f"pdlab {args.command}: error: {describe_error(err)}", file=sys.stderr)
         return 2
