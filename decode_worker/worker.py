@@ -1,25 +1,35 @@
 """DecodeWorker: admits requests whose KV arrives through the transport, then decodes them
 together with all its other running requests, one forward per step.
 
-A request's life here (DESIGN §3, steps 3-5):
+A request's life here (DESIGN §3, steps 3-5). Transfer is a scheduler state:
 
-1. ``admit(request, first_token, kv_handles)`` returns at once; a fetch thread gets the KV
-   (every layer range) within the transfer deadline, so a slow transfer never stalls the
-   decode steps of other requests.
-2. Each payload's header is checked against this worker's own KVSpec (model, layers, KV
-   heads, head dim, dtype) and its token count against the prompt length; a mismatch, a
-   corrupted payload (checksum) or a timeout turns into an ``error`` event naming the cause,
-   the handles are freed, and the worker goes on.
-3. The checked KV ``[L, 2, H_kv, T, D]`` is imported into the engine (``num_computed_tokens``
-   = prompt length): the request waits for a KV slot like any other, then joins the next
-   decode step. A ``kv_got`` event reports bytes and seconds.
-4. Every token leaves as a ``token`` event; the request's KV is freed when it finishes.
+1. ``admit(request, first_token, kv_handles)`` returns at once. On the loop thread the
+   request enters the engine as ``WAITING_FOR_REMOTE_KVS``; this worker holds its handles
+   (the KV bytes stay with their producer). Nothing is fetched yet.
+2. The scheduler reserves the request's KV slot (capacity first, FCFS). Only then is the
+   fetch started, on a pool of fetch threads: several transfers are in flight at once and a
+   slow one never delays the others (a transport that must be read in order, NCCL, gets one
+   thread). The transfer deadline counts from the fetch's start.
+3. Each payload's header is checked against this worker's own KVSpec (model, layers, KV
+   heads, head dim, dtype), its request id and its token count against the request; a
+   mismatch, a corrupted payload (checksum) or a timeout becomes an ``error`` event naming
+   the cause (expected and got), and the reserved slot is released.
+4. The fetch's result goes back to the loop thread, which copies the checked KV
+   ``[L, 2, H_kv, T, D]`` into the reserved slot (the forward never sees a half-written
+   slot), frees the handles, reports ``kv_got`` (bytes, seconds), and the request joins the
+   next decode step. So no fetched tensor ever waits outside the KV capacity.
+5. Cancellation wins every race: ``abort`` drops the request from the engine at once (its
+   slot is free); handles not yet fetched are freed at once, a fetch in flight has its
+   handles freed and its KV dropped when it returns. An aborted request never decodes; an
+   ``error`` event says where it was aborted (ignored by a router that aborted it itself).
+6. Every token leaves as a ``token`` event; the request's KV is freed when it finishes.
 """
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +40,18 @@ from engine.request import Request, TokenOutput
 from engine.serving import EngineLoop, token_event
 from kv_transfer.factory import make_transport
 from kv_transfer.transport import KVHandle, Transport
+
+MAX_FETCH_THREADS = 8  # concurrent KV fetches per decode worker (bounded by its slots too)
+
+
+@dataclass
+class _Transfer:
+    """A remote request this worker holds the KV handles of, until it frees them."""
+
+    request: Request
+    handles: tuple[KVHandle, ...]
+    state: object  # the engine's RequestState: identifies this admission (ids may be reused)
+    fetching: bool = False
 
 
 class DecodeWorker(EngineLoop):
@@ -44,19 +66,27 @@ class DecodeWorker(EngineLoop):
                  init_method: str | None = None, inside_ray: bool = False,
                  bind: bool = True, step_delay_s: float = 0.0) -> None:
         self.transfer = transfer_config
-        # One fetch thread: transfers arrive in order and never block the decode loop.
-        self._fetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-kv")
+        self._transfers: dict[str, _Transfer] = {}  # loop thread only
         super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s)
         # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, self.engine.config.device)
+        # At most one fetch per slot can be in flight: reservations come first.
+        num_threads = 1 if self.transport.ordered_gets else max(1, min(
+            self.engine.config.max_num_seqs, MAX_FETCH_THREADS))
+        self._fetcher = ThreadPoolExecutor(max_workers=num_threads,
+                                           thread_name_prefix=f"{name}-kv")
 
     def admit(self, request: Request, first_token: int, kv_handles: tuple[KVHandle, ...]) -> None:
-        """Fetch the KV of ``request`` in the background, then decode it from its second token."""
-        self._fetcher.submit(self._fetch_and_import, request, first_token, tuple(kv_handles))
+        """Queue ``request`` for a KV slot; its KV is fetched once the slot is reserved."""
+        self._commands.put(lambda: self._admit(request, first_token, tuple(kv_handles)))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._abort(request_id))
 
     def status(self) -> dict:
-        return {**super().status(), "transport_held": self.call(self.transport.num_held)}
+        return {**super().status(), "transport_held": self.call(self.transport.num_held),
+                "transfers_held": self.call(lambda: len(self._transfers))}
 
     def transfer_records(self) -> list[dict]:
         return [r.__dict__ for r in self.transport.records]
@@ -65,49 +95,103 @@ class DecodeWorker(EngineLoop):
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         super().shutdown()
 
-    def _fetch_and_import(self, request: Request, first_token: int,
-                          handles: tuple[KVHandle, ...]) -> None:
+    # ---- the loop thread ---------------------------------------------------------------
+    def _admit(self, request: Request, first_token: int, handles: tuple[KVHandle, ...]) -> None:
         rid = request.request_id
-        start_s = time.time()
         try:
-            kv, error = self._fetch(request, handles), None
-        except Exception as err:  # timeout, lost bytes, header mismatch, corruption
-            kv, error = None, f"KV transfer failed: {type(err).__name__}: {err}"
-        for handle in handles:  # freed before anyone hears of the outcome
-            self.transport.free(handle)
+            self.engine.add_remote(request, first_token)
+        except ValueError as err:
+            self._free(handles)
+            self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=str(err)))
+            return
+        self._transfers[rid] = _Transfer(request, handles, self.engine.states[rid])
+
+    def _abort(self, request_id: str) -> None:
+        transfer = self._transfers.get(request_id)
+        where = ("while its KV was in flight" if transfer and transfer.fetching else
+                 "while waiting for a KV slot" if transfer else "while decoding")
+        known = request_id in self.engine.states
+        self.engine.abort(request_id)
+        if transfer is not None and not transfer.fetching:  # a fetch in flight frees on return
+            del self._transfers[request_id]
+            self._free(transfer.handles)
+        if known:  # whoever did not abort it (the router, if it did not) learns it ended here
+            self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(),
+                                  error=f"aborted on {self.name} {where}"))
+
+    def on_tick(self) -> None:
+        """Start the fetch of every request whose slot the scheduler just reserved."""
+        for rid in self.engine.pop_kv_reserved():
+            transfer = self._transfers.get(rid)
+            if transfer is None or not self.engine.is_waiting_for_kv(rid):
+                continue  # aborted between reservation and now
+            transfer.fetching = True
+            self._fetcher.submit(self._fetch_thread, transfer)
+
+    def _arrived(self, transfer: _Transfer, kv: torch.Tensor | None, error: str | None,
+                 start_s: float, got_s: float) -> None:
+        """A fetch returned: place the KV in the reserved slot, or fail, or drop it."""
+        rid = transfer.request.request_id
+        if self._transfers.get(rid) is transfer:
+            del self._transfers[rid]
+        current = self.engine.states.get(rid) is transfer.state
+        if current and error is None:
+            try:
+                self.engine.finish_remote(rid, kv)
+            except (KeyError, ValueError) as err:
+                error = str(err)
+        del kv  # a zero-copy view of the producer's buffer: let it go before freeing
+        self._free(transfer.handles)  # freed before anyone hears of the outcome
+        if not current:
+            return  # aborted while in flight: cancellation wins, it never decodes
         if error is not None:
+            self.engine.abort(rid, error)
             self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=error))
             return
-        got_s = time.time()
-        self.emit(WorkerEvent(KV_GOT, rid, self.name, got_s, kv_bytes=kv.numel() * kv.element_size(),
+        num_bytes = self.engine.kv_spec.kv_bytes(transfer.request.num_prompt_tokens)
+        self.emit(WorkerEvent(KV_GOT, rid, self.name, got_s, kv_bytes=num_bytes,
                               kv_transfer_s=got_s - start_s, stamps={KV_GOT: got_s}))
-        self._commands.put(lambda: self._import(request, first_token, kv))
+
+    def _free(self, handles: tuple[KVHandle, ...]) -> None:
+        for handle in handles:
+            try:
+                self.transport.free(handle)
+            except Exception:  # freeing is best effort: a dead peer holds nothing
+                pass
+
+    # ---- fetch threads -----------------------------------------------------------------
+    def _fetch_thread(self, transfer: _Transfer) -> None:
+        start_s = time.time()
+        try:
+            kv, error = self._fetch(transfer.request, transfer.handles), None
+        except Exception as err:  # timeout, lost bytes, header mismatch, corruption
+            kv, error = None, f"KV transfer failed: {type(err).__name__}: {err}"
+        got_s = time.time()
+        self._commands.put(lambda: self._arrived(transfer, kv, error, start_s, got_s))
 
     def _fetch(self, request: Request, handles: tuple[KVHandle, ...]) -> torch.Tensor:
         """All layer ranges of the request's KV, checked and in layer order: ``[L, 2, H_kv, T, D]``."""
         spec = self.engine.kv_spec
         deadline_s = time.monotonic() + self.transfer.timeout_s
         parts = []
+        rid = request.request_id
         for handle in handles:
             header, kv = self.transport.get(handle, spec, max(deadline_s - time.monotonic(), 1e-3))
+            if header.request_id != rid:
+                raise ValueError(f"KV header mismatch for request {rid}: request_id expected "
+                                 f"{rid!r}, got {header.request_id!r}")
             num_tokens = header.token_end - header.token_start
             if num_tokens != request.num_prompt_tokens:
-                raise ValueError(f"KV header mismatch for request {request.request_id}: tokens "
+                raise ValueError(f"KV header mismatch for request {rid}: tokens "
                                  f"expected {request.num_prompt_tokens}, got {num_tokens}")
             parts.append((header.layer_start, kv))
         parts.sort(key=lambda part: part[0])
         layers = [start for start, _ in parts]
         expected = list(range(0, spec.num_layers, parts[0][1].shape[0])) if parts else []
         if not parts or sum(kv.shape[0] for _, kv in parts) != spec.num_layers or layers != expected:
-            raise ValueError(f"KV for request {request.request_id} covers layers starting at "
+            raise ValueError(f"KV for request {rid} covers layers starting at "
                              f"{layers}, expected all {spec.num_layers} layers")
         return parts[0][1] if len(parts) == 1 else torch.cat([kv for _, kv in parts])
-
-    def _import(self, request: Request, first_token: int, kv: torch.Tensor) -> None:
-        try:
-            self.engine.import_kv(request, first_token, kv)
-        except ValueError as err:
-            self.emit(WorkerEvent(ERROR, request.request_id, self.name, time.time(), error=str(err)))
 
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:

@@ -5,13 +5,14 @@ A step:
 
 1. The scheduler picks decodes, prompt chunks and newly admitted requests under the token
    budget and KV capacity (``ScheduledBatch``).
-2. KV imported for newly admitted requests is copied into their slots.
+2. Requests prefilled elsewhere only get their KV slot reserved (``pop_kv_reserved``); their
+   worker fetches the KV into it (``finish_remote``) and they decode from the next step on.
 3. The runner runs one forward over the whole batch and returns logits for the requests
    whose known tokens are all computed.
 4. The sampler picks their tokens; the scheduler advances counters, checks stop conditions
    and frees the slots of finished requests.
 
-Bad input is refused in ``add_request`` / ``import_kv`` with a ``ValueError`` and never
+Bad input is refused in ``add_request`` / ``add_remote`` with a ``ValueError`` and never
 reaches a forward; a forward that fails turns that step's requests into errors
 (``pop_failed``) and the engine keeps serving.
 """
@@ -64,13 +65,15 @@ class Engine:
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}
         self.step_records: list[StepRecord] = []
-        self._pending_kv: dict[str, torch.Tensor] = {}
+        self._kv_reserved: list[str] = []  # remote requests whose slot awaits their fetch
         self._failed: list[tuple[str, str]] = []
 
     # ---- admission -------------------------------------------------------------------
-    def validate(self, request: Request) -> None:
+    def validate(self, request: Request, prefill_only: bool = False) -> None:
         """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run
-        here. (SamplingParams and Request check their own fields when built.)"""
+        here. (SamplingParams and Request check their own fields when built.) The context
+        check always counts prompt + max_tokens; the KV capacity check counts what this
+        engine will reserve (prompt + 1 for ``prefill_only``)."""
         rid = request.request_id
         if rid in self.states:
             raise ValueError(f"request_id {rid!r} is already in this engine")
@@ -78,14 +81,19 @@ class Engine:
         if bad:
             raise ValueError(f"request {rid}: prompt_token_ids must be in [0, {self.vocab_size}), "
                              f"got {bad[0]}")
+        bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {rid}: stop_token_ids must be in [0, {self.vocab_size}), "
+                             f"got {bad[0]}")
         total = request.num_prompt_tokens + request.sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(
                 f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                 f"({request.sampling.max_tokens}) = {total} exceeds the context length "
                 f"{self.max_model_len} (max_model_len)")
-        if total > self.config.total_kv_capacity_tokens:
-            raise ValueError(f"request {rid}: needs {total} KV tokens, more than this engine's "
+        reserved = request.num_prompt_tokens + 1 if prefill_only else total
+        if reserved > self.config.total_kv_capacity_tokens:
+            raise ValueError(f"request {rid}: needs {reserved} KV tokens, more than this engine's "
                              f"capacity {self.config.total_kv_capacity_tokens} (kv_capacity_tokens)")
         if (not self.config.enable_chunked_prefill
                 and request.num_prompt_tokens > self.config.max_num_batched_tokens):
@@ -97,27 +105,25 @@ class Engine:
     def add_request(self, request: Request, prefill_only: bool = False) -> None:
         """Queue a request. ``prefill_only``: stop after the first token and hold the prompt's
         KV for ``export_kv`` (prefill worker). Raises ValueError (see ``validate``)."""
-        self.validate(request)
+        self.validate(request, prefill_only)
         state = RequestState(request, prefill_only=prefill_only)
         self.states[request.request_id] = state
         self.scheduler.add(state)
 
-    def import_kv(self, request: Request, first_token: int, kv: torch.Tensor) -> None:
-        """Continue a request prefilled elsewhere: its prompt KV ``kv`` ``[L, 2, H_kv, T, D]``
-        (T = prompt length, this engine's dtype) and its first sampled token. It waits for a
-        KV slot like any request, then decodes from its second token on.
+    def add_remote(self, request: Request, first_token: int) -> None:
+        """Queue a request prefilled elsewhere, whose prompt KV is still with its producer,
+        in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV slot first (listed by
+        ``pop_kv_reserved``); the caller fetches the KV and hands it to ``finish_remote``;
+        then it decodes from its second token on. Nothing is held until the slot exists.
 
         Raises:
-            ValueError: invalid request, KV shape/dtype not this engine's geometry, or a
-                request that has nothing left to decode.
+            ValueError: invalid request, ``first_token`` outside the vocabulary, or a
+                request that has nothing left to decode (EOS, stop token, max_tokens=1).
         """
         self.validate(request)
-        expected = self.kv_spec.kv_shape(request.num_prompt_tokens)
-        if tuple(kv.shape) != expected or kv.dtype != self.kv_spec.torch_dtype:
-            raise ValueError(f"request {request.request_id}: KV expected shape {expected} "
-                             f"dtype {self.kv_spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
         if not 0 <= first_token < self.vocab_size:
-            raise ValueError(f"first_token must be in [0, {self.vocab_size}), got {first_token}")
+            raise ValueError(f"request {request.request_id}: first_token must be in "
+                             f"[0, {self.vocab_size}), got {first_token}")
         state = RequestState(request)
         state.token_ids.append(first_token)
         state.num_computed_tokens = request.num_prompt_tokens
@@ -126,9 +132,40 @@ class Engine:
         if state.status.is_finished:
             raise ValueError(f"request {request.request_id}: finished with its first token "
                              f"({state.finish_reason.value}); nothing to decode")
+        state.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.states[request.request_id] = state
-        self._pending_kv[request.request_id] = kv
         self.scheduler.add(state)
+
+    def pop_kv_reserved(self) -> list[str]:
+        """Ids of remote requests whose KV slot was reserved since the last call: fetch
+        their KV now (in reservation order)."""
+        reserved, self._kv_reserved = self._kv_reserved, []
+        return reserved
+
+    def finish_remote(self, request_id: str, kv: torch.Tensor) -> None:
+        """Copy a fetched prompt KV ``[L, 2, H_kv, T, D]`` (T = prompt length, this engine's
+        dtype) into the request's reserved slot; it joins the next decode step.
+
+        Raises:
+            KeyError: the request is not waiting for its KV here (aborted or unknown).
+            ValueError: KV shape/dtype not this engine's geometry (the request stays
+                reserved; the caller aborts it).
+        """
+        state = self.states.get(request_id)
+        if state is None or state.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
+                or state.slot is None:
+            raise KeyError(f"request {request_id!r} is not waiting for remote KV in this engine")
+        expected = self.kv_spec.kv_shape(state.num_prompt_tokens)
+        if tuple(kv.shape) != expected or kv.dtype != self.kv_spec.torch_dtype:
+            raise ValueError(f"request {request_id}: KV expected shape {expected} "
+                             f"dtype {self.kv_spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
+        self.kv_store.write(state.slot, kv)
+        self.scheduler.kv_arrived(state)
+
+    def is_waiting_for_kv(self, request_id: str) -> bool:
+        """True while ``request_id`` is queued for a slot or its KV fetch is in flight."""
+        state = self.states.get(request_id)
+        return state is not None and state.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def export_kv(self, request_id: str) -> tuple[torch.Tensor, int]:
         """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T, D]``, contiguous,
@@ -169,35 +206,38 @@ class Engine:
         state.status, state.error = status, error
         self.scheduler.release(state)
         self.sampler.forget(request_id)
-        self._pending_kv.pop(request_id, None)
 
     # ---- stepping --------------------------------------------------------------------
     def step(self) -> list[TokenOutput]:
         """Run one step; returns the tokens it produced (possibly none)."""
         batch = self.scheduler.schedule()
+        self._kv_reserved.extend(state.request_id for state in batch.kv_reserved)
         if batch.is_empty:
             return []
         start_s = time.time()
         num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
-        for state in batch.newly_admitted:
-            if state.first_scheduled_time_s is None:
+        for state in batch.requests:
+            if state.first_scheduled_time_s is None:  # prefill started / remote KV decodes
                 state.first_scheduled_time_s = start_s
-            kv = self._pending_kv.pop(state.request_id, None)
-            if kv is not None:
-                self.kv_store.write(state.slot, kv)
         try:
             hook = self.on_layer_done
             logits = self.runner.execute(batch, hook and (lambda layer: hook(layer, batch)))
             sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
             states = [batch.requests[i] for i in sample_rows]
-            tokens = self.sampler.sample(logits, [s.request_id for s in states],
-                                         [s.sampling for s in states])
+            tokens, errors = self.sampler.sample_rows(
+                logits, [s.request_id for s in states], [s.sampling for s in states],
+                [s.num_output_tokens for s in states])
         except Exception as err:  # a failed forward fails its requests, not the engine
             for state in batch.requests:
                 self._failed.append((state.request_id, f"{type(err).__name__}: {err}"))
                 self.abort(state.request_id, str(err))
             return []
-        produced = self.scheduler.update(batch, dict(zip(sample_rows, tokens)))
+        for row, error in errors.items():  # a row that cannot be sampled fails alone
+            state = states[row]
+            self._failed.append((state.request_id, error))
+            self.abort(state.request_id, error)
+        sampled = {i: t for i, t in zip(sample_rows, tokens) if t is not None}
+        produced = self.scheduler.update(batch, sampled)
         end_s = time.time()
         self.step_records.append(StepRecord(start_s, end_s - start_s, len(batch.requests),
                                             num_prefill_tokens,
@@ -241,7 +281,7 @@ class Engine:
     def is_empty(self) -> bool:
         """Nothing queued, running, held or reserved (lifecycle tests end on this)."""
         return (not self.states and not self.scheduler.waiting and not self.scheduler.running
-                and self.scheduler.capacity.num_used_slots == 0 and not self._pending_kv)
+                and not self.scheduler.receiving and self.scheduler.capacity.num_used_slots == 0)
 
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
         """Convenience: run ``requests`` to completion; returns output token ids per request."""

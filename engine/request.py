@@ -5,7 +5,10 @@ A request's life, as counters (vLLM v1 style, not a prefill path and a decode pa
 1. ``Request`` is created (frozen, crosses processes) and validated: its ``SamplingParams``
    check their own ranges; the engine checks prompt and context length against its model.
 2. The engine wraps it in a ``RequestState`` with ``status = WAITING`` and
-   ``num_computed_tokens = 0`` (or the prompt length, when its KV was imported).
+   ``num_computed_tokens = 0``. A request prefilled elsewhere (decode worker) starts as
+   ``WAITING_FOR_REMOTE_KVS`` with ``num_computed_tokens`` = prompt length and its first
+   token appended: the scheduler reserves its KV slot, the worker fetches the KV into it,
+   and only then does it become RUNNING (vLLM v1's ``WAITING_FOR_REMOTE_KVS``).
 3. Each step the scheduler gives it some new tokens; the runner computes their KV;
    ``num_computed_tokens`` grows. Once every known token is computed, a token is sampled and
    appended to ``output_token_ids``.
@@ -20,16 +23,24 @@ import enum
 from dataclasses import dataclass, field
 
 
+# Temperatures below this sample greedily (vLLM's SamplingParams uses the same 1e-5,
+# ``_SAMPLING_EPS``): dividing float32 logits by less only overflows.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
 class RequestStatus(enum.IntEnum):
     """Ordered status: everything ``>= FINISHED_STOPPED`` is finished."""
 
-    WAITING = 0  # queued; holds no KV (or waits for room for its imported KV)
-    RUNNING = 1  # holds a KV slot; prefilling or decoding (num_computed_tokens tells which)
-    PREFILLED = 2  # prefill-only request: first token sampled, prompt KV held for export
-    FINISHED_STOPPED = 3  # EOS or a stop token
-    FINISHED_LENGTH = 4  # max_tokens reached
-    FINISHED_ABORTED = 5  # aborted by the caller
-    FINISHED_ERROR = 6  # failed (worker death, transfer error, ...)
+    WAITING = 0  # queued; holds no KV
+    # prefilled elsewhere: queued for a KV slot, then (slot reserved) its KV is being fetched
+    # into that slot; never scheduled for compute until the fetch completes
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2  # holds a KV slot; prefilling or decoding (num_computed_tokens tells which)
+    PREFILLED = 3  # prefill-only request: first token sampled, prompt KV held for export
+    FINISHED_STOPPED = 4  # EOS or a stop token
+    FINISHED_LENGTH = 5  # max_tokens reached
+    FINISHED_ABORTED = 6  # aborted by the caller
+    FINISHED_ERROR = 7  # failed (worker death, transfer error, ...)
 
     @property
     def is_finished(self) -> bool:
@@ -59,10 +70,15 @@ class SamplingParams:
 
     Attributes:
         max_tokens: output tokens to produce at most, the first token included (>= 1).
-        temperature: 0 means greedy (argmax); otherwise logits are divided by it (>= 0).
+        temperature: below ``GREEDY_BELOW_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``)
+            means greedy (argmax): a smaller divisor adds nothing but float32 overflow
+            (1e-46 is 0 in float32, and logits / 0 is NaN); otherwise logits are divided by
+            it (>= 0).
         top_k: keep the k most likely tokens; 0 turns the filter off (>= 0).
         top_p: keep the smallest set of tokens whose probability sums to at least top_p
             (nucleus sampling, Holtzman et al. 2020); 1.0 turns it off (0 < top_p <= 1).
+            The most likely token always stays, so a top_p that rounds to 0 in float32
+            (1e-46) samples the argmax.
         seed: seed of this request's own ``torch.Generator``; None draws one at random.
         stop_token_ids: extra token ids that end the request (the token is kept in the output).
         ignore_eos: keep going past EOS (workloads that fix the output length use it).
@@ -92,7 +108,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 @dataclass(frozen=True)
@@ -182,8 +198,10 @@ class RequestState:
 
     @property
     def max_total_tokens(self) -> int:
-        """Tokens this request may ever hold in the KV store (its reservation)."""
-        return self.num_prompt_tokens + self.sampling.max_tokens
+        """Tokens this request may ever hold in the KV store (its reservation): prompt +
+        max_tokens, or prompt + 1 for a prefill-only request (it stops after its first
+        token, whose KV is never computed here)."""
+        return self.num_prompt_tokens + (1 if self.prefill_only else self.sampling.max_tokens)
 
     @property
     def finish_reason(self) -> FinishReason | None:

@@ -1,55 +1,113 @@
-"""Logits -> token ids: greedy, temperature, top-k, top-p, one seeded generator per request.
+"""Logits -> token ids: greedy, temperature, top-k, top-p, each draw seeded by (seed, index).
 
-Greedy rows are one batched argmax. Sampled rows are filtered in one batch as well (top-k,
-then top-p on the temperature-scaled distribution, as transformers' logits warpers do);
-each row then draws with its own ``torch.Generator`` so a request's output depends on its
-seed alone, not on what it was batched with.
+Greedy rows (``temperature < GREEDY_BELOW_TEMPERATURE``, 1e-5 as vLLM) are one batched
+argmax. Sampled rows are filtered in one batch as well (top-k, then top-p on the
+temperature-scaled distribution, as transformers' logits warpers do; the most likely token
+always survives top-p, so a top_p that is 0 in float32 samples the argmax).
+
+**Placement invariance.** Output token ``i`` of a request with seed ``s`` is drawn with a
+fresh ``torch.Generator`` seeded ``draw_seed(s, i)`` (a SplitMix64 mix of the two): the
+draw depends on the seed, the token index and the logits alone, never on which process drew
+the earlier tokens or what the request was batched with. So a request whose first token
+is sampled on a prefill worker and the rest on a decode worker gets exactly the tokens of a
+colocated run (no generator state crosses processes, nothing is replayed). An unseeded
+request gets a random base seed once per engine (placement invariance needs a seed).
+
+**Isolation.** A sampled row whose probabilities are not finite (NaN or inf logits) fails
+alone: ``sample_rows`` reports it in its error map and the engine fails that request; its
+step-mates, greedy or sampled, keep their tokens.
 """
 
 from __future__ import annotations
+
+import random
 
 import torch
 
 from engine.request import SamplingParams
 
+_MASK64 = (1 << 64) - 1
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """Seed of output token ``index``'s draw: SplitMix64 (Steele et al. 2014) of
+    ``seed * golden + index``, folded to 63 bits (``torch.Generator.manual_seed`` range)."""
+    z = (seed * 0x9E3779B97F4A7C15 + index + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
 
 class Sampler:
-    """Keeps one ``torch.Generator`` per sampled request, created from its seed."""
+    """Samples rows of logits; keeps per request only a draw counter (for callers that do
+    not pass token indices) and the base seed of unseeded requests."""
 
     def __init__(self) -> None:
-        self._generators: dict[str, torch.Generator] = {}
+        self._num_draws: dict[str, int] = {}
+        self._random_seeds: dict[str, int] = {}
 
     def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._num_draws.pop(request_id, None)
+        self._random_seeds.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams]) -> list[int]:
-        """Pick one token per row.
+               params: list[SamplingParams], indices: list[int] | None = None) -> list[int]:
+        """Pick one token per row (see ``sample_rows``).
+
+        Raises:
+            ValueError: some row could not be sampled (the message names its request).
+        """
+        tokens, errors = self.sample_rows(logits, request_ids, params, indices)
+        if errors:
+            raise ValueError("; ".join(errors.values()))
+        return tokens
+
+    def sample_rows(self, logits: torch.Tensor, request_ids: list[str],
+                    params: list[SamplingParams], indices: list[int] | None = None
+                    ) -> tuple[list[int | None], dict[int, str]]:
+        """Pick one token per row; a row that cannot be sampled gets None and an error.
 
         Args:
             logits: ``[B, vocab]`` float32.
             request_ids, params: one per row.
+            indices: output-token index each row draws (0 = first token); None counts the
+                draws of each request id in this sampler (tests, single-engine use).
 
         Returns:
-            B token ids.
+            (B token ids, None for failed rows; {row: error message}).
         """
-        tokens = logits.argmax(dim=-1)  # [B]; greedy rows keep this
+        if indices is None:
+            indices = [self._next_index(rid) for rid in request_ids]
+        tokens: list[int | None] = logits.argmax(dim=-1).tolist()  # greedy rows keep this
+        errors: dict[int, str] = {}
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
-            rows = torch.tensor(sampled_rows)
+            rows = torch.tensor(sampled_rows, device=logits.device)
             probs = self._filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+            good = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
             for j, i in enumerate(sampled_rows):
-                gen = self._generator(request_ids[i], params[i].seed, logits.device)
-                tokens[i] = torch.multinomial(probs[j], 1, generator=gen)[0]
-        return tokens.tolist()
+                if not good[j]:
+                    tokens[i] = None
+                    errors[i] = (f"request {request_ids[i]}: sampling failed, probabilities are "
+                                 f"not finite (temperature={params[i].temperature}, "
+                                 f"top_p={params[i].top_p}, top_k={params[i].top_k})")
+                    continue
+                gen = torch.Generator(device=logits.device)
+                gen.manual_seed(draw_seed(self._seed(request_ids[i], params[i].seed), indices[i]))
+                tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen)[0])
+        return tokens, errors
 
-    def _generator(self, request_id: str, seed: int | None, device) -> torch.Generator:
-        gen = self._generators.get(request_id)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            gen.manual_seed(seed) if seed is not None else gen.seed()
-            self._generators[request_id] = gen
-        return gen
+    def _next_index(self, request_id: str) -> int:
+        index = self._num_draws.get(request_id, 0)
+        self._num_draws[request_id] = index + 1
+        return index
+
+    def _seed(self, request_id: str, seed: int | None) -> int:
+        if seed is not None:
+            return seed
+        if request_id not in self._random_seeds:
+            self._random_seeds[request_id] = random.getrandbits(63)
+        return self._random_seeds[request_id]
 
     @staticmethod
     def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
@@ -64,8 +122,10 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the mass before it already reaches top_p (the first always stays)
+        # drop a token when the mass before it already reaches top_p; the most likely token
+        # always stays (top_p may be 0 in float32: 1e-46 rounds to 0)
         mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
+        drop = (mass_before >= top_p[:, None]) & (ranks > 0)
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         filtered = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
         return filtered.softmax(dim=-1)

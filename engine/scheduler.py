@@ -5,8 +5,12 @@ A step, as the scheduler sees it:
 1. Running decodes go first, one token each (their latency is what interference hurts).
 2. Running prompts that are part-way through (chunked prefill) get the next chunk.
 3. Waiting requests are admitted in arrival order while a KV slot and KV capacity are free
-   and the token budget lasts. A waiting request whose KV was imported (decode worker) joins
-   as a decode at once.
+   and the token budget lasts. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``,
+   decode worker) only needs capacity: it gets its slot reserved, moves to ``receiving``
+   and is listed in ``batch.kv_reserved`` so its worker starts fetching the KV into that
+   slot; it runs no compute this step. When the fetch completes, ``kv_arrived`` makes it
+   RUNNING and it joins the next step as a decode. (vLLM v1's WAITING_FOR_REMOTE_KVS,
+   SGLang's pre-allocation queue: nothing is fetched before there is room for it.)
 4. ``update`` applies the sampled tokens: counters advance, stop conditions are checked,
    finished requests give back their slot.
 
@@ -26,8 +30,9 @@ from engine.request import RequestState, RequestStatus
 class KVCapacity:
     """Slot and token accounting for a KV store (never touches a tensor).
 
-    A request reserves ``prompt + max_tokens`` tokens when admitted, so it can never run out
-    of KV mid-decode (no preemption needed).
+    A request reserves ``RequestState.max_total_tokens`` (prompt + max_tokens; prompt + 1 for
+    a prefill-only request) when admitted, so it can never run out of KV mid-decode (no
+    preemption needed).
     """
 
     def __init__(self, num_slots: int, capacity_tokens: int) -> None:
@@ -61,11 +66,14 @@ class KVCapacity:
 @dataclass
 class ScheduledBatch:
     """One step's work: ``num_new_tokens[i]`` tokens of ``requests[i]``, starting at its
-    ``num_computed_tokens``. ``newly_admitted`` lists requests that got a slot this step."""
+    ``num_computed_tokens``. ``newly_admitted`` lists requests that got a slot this step;
+    ``kv_reserved`` the WAITING_FOR_REMOTE_KVS requests whose slot was reserved this step
+    (their KV fetch may start now; they are not in ``requests``)."""
 
     requests: list[RequestState] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     newly_admitted: list[RequestState] = field(default_factory=list)
+    kv_reserved: list[RequestState] = field(default_factory=list)
 
     def add(self, state: RequestState, num_tokens: int) -> None:
         self.requests.append(state)
@@ -98,6 +106,7 @@ class Scheduler:
         self.capacity = KVCapacity(config.max_num_seqs, config.total_kv_capacity_tokens)
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: list[RequestState] = []
+        self.receiving: list[RequestState] = []  # slot reserved, KV fetch in flight
 
     def add(self, state: RequestState) -> None:
         self.waiting.append(state)
@@ -116,9 +125,17 @@ class Scheduler:
         for state in live:  # 2. part-way prompts
             if state.is_prefilling and budget > 0:
                 budget -= self._add_prompt_chunk(batch, state, budget)
-        while self.waiting and budget > 0:  # 3. admission, FCFS
+        while self.waiting:  # 3. admission, FCFS
             state = self.waiting[0]
             if not self.capacity.can_allocate(state.max_total_tokens):
+                break
+            if state.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.waiting.popleft()  # reserve now, compute once the KV is in the slot
+                state.slot = self.capacity.allocate(state.max_total_tokens)
+                self.receiving.append(state)
+                batch.kv_reserved.append(state)
+                continue
+            if budget <= 0:
                 break
             needed = 1 if not state.is_prefilling else state.num_prompt_tokens - state.num_computed_tokens
             if not self.config.enable_chunked_prefill and needed > budget:
@@ -132,6 +149,18 @@ class Scheduler:
             if not state.is_prefilling:
                 batch.add(state, 1)
         return batch
+
+    def kv_arrived(self, state: RequestState) -> None:
+        """A receiving request's KV is in its slot: it decodes from the next step on.
+
+        Raises:
+            ValueError: ``state`` is not receiving (never reserved, or already released).
+        """
+        if state not in self.receiving:
+            raise ValueError(f"request {state.request_id} has no KV slot reserved for a fetch")
+        self.receiving.remove(state)
+        state.status = RequestStatus.RUNNING
+        self.running.append(state)
 
     def _add_prompt_chunk(self, batch: ScheduledBatch, state: RequestState, budget: int) -> int:
         remaining = state.num_prompt_tokens - state.num_computed_tokens
@@ -176,3 +205,5 @@ class Scheduler:
             self.running.remove(state)
         if state in self.waiting:
             self.waiting.remove(state)
+        if state in self.receiving:
+            self.receiving.remove(state)

@@ -107,7 +107,9 @@ class EngineLoop:
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         while not self._stopped.is_set():
-            self._drain_commands(block=not self.engine.has_unfinished())
+            self._drain_commands(block=not self.engine.has_unfinished(),
+                                 timeout_s=self.idle_wait_s())
+            self.on_tick()
             if not self.engine.has_unfinished():
                 continue
             num_steps = len(self.engine.step_records)
@@ -118,6 +120,7 @@ class EngineLoop:
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
             if outputs:
                 self.on_outputs(outputs)
+            self.on_tick()
             if len(self.engine.step_records) == num_steps:  # nothing could run: wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
 
@@ -147,6 +150,14 @@ class EngineLoop:
         with self._events_ready:
             self._events.append(event)
             self._events_ready.notify_all()
+
+    def on_tick(self) -> None:
+        """Once per loop iteration, on the loop thread: subclasses start KV fetches or retry
+        deferred KV puts here."""
+
+    def idle_wait_s(self) -> float:
+        """How long an idle loop waits for a command before ticking again (seconds)."""
+        return 0.1
 
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         """Colocated: every token goes straight out."""

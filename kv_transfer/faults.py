@@ -52,6 +52,13 @@ class FaultyTransport(Transport):
     def num_held(self) -> int:
         return self.inner.num_held()
 
+    def has_room(self, num_bytes: int) -> bool:
+        return self.inner.has_room(num_bytes)
+
+    @property
+    def ordered_gets(self) -> bool:
+        return self.inner.ordered_gets
+
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
               layer_start: int) -> list[Frame]:
         frames = self.inner._pack(request_id, spec, kv, token_start, layer_start)

@@ -164,8 +164,11 @@ class _Segment:
         self.token = f"{token:016x}"
         self.state = np.frombuffer(self.mm, dtype=np.uint8, count=self.num_slots, offset=_CONTROL)
         self.gen = np.frombuffer(self.mm, dtype=np.uint64, count=self.num_slots, offset=gen_offset)
-        self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.data_offset,
-                                     count=self.capacity)
+        # a normal tensor even when the first put runs inside the forward's inference mode
+        # (layer-wise puts): an inference tensor could not be written by later puts
+        with torch.inference_mode(False):
+            self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.data_offset,
+                                         count=self.capacity)
         self.populated = 0  # data bytes from 0 already mapped into this process
 
     def populate(self, end: int, write: bool) -> None:
@@ -353,6 +356,21 @@ class SharedMemoryTransport(Transport):
             self._allocated[slot] = (offset, end, gen)
         return ShmKey(seg.path, seg.token, self.node, os.getpid(), slot, gen, offset, nbytes,
                       header)
+
+    def has_room(self, num_bytes: int) -> bool:
+        """True when a put of ``num_bytes`` would find a slot and an extent now (after a
+        reclaim); a producer checks this to defer a put instead of blocking on a full arena.
+
+        Raises:
+            TransferFailed: ``num_bytes`` exceeds the whole arena.
+        """
+        with self._lock:
+            seg = self._segment()
+            if num_bytes > seg.capacity:
+                raise TransferFailed(f"KV of {num_bytes} bytes exceeds the shared-memory arena "
+                                     f"({seg.capacity} bytes)")
+            self._reclaim()
+            return self._find_room(num_bytes) is not None
 
     # ---- consumer side ----------------------------------------------------------------
     def _map(self, key: ShmKey, request_id: str) -> _Segment:

@@ -21,7 +21,23 @@ Lifecycle:
        pair, so treat the group as broken). Each handle can be received once.
     4. A daemon thread per send waits for it to complete, then releases the send buffers;
        ``num_held()`` counts sends not yet received (nor given up by ``free`` on the sender).
-       On the receiver ``free`` has nothing to release.
+       On the receiver ``free`` of a handle it received has nothing to release.
+
+Sends that can no longer be matched (a posted send or receive cannot be withdrawn: neither
+gloo nor NCCL can cancel one):
+    - ``free`` on the receiver of a handle it never received (request aborted or failed
+      before its fetch) **drains** it: a background receive matches the send into a scratch
+      buffer and drops it, so the sender's buffers are released and NCCL's in-order
+      matching stays aligned. A drain that fails marks the pair broken.
+    - A receive that times out or fails marks the pair (sender rank -> this rank) broken:
+      gloo closes the pair, and a late NCCL message would land in a stale buffer. Later
+      gets from that rank raise ``TransferFailed`` naming the first failure. Puts whose
+      send fails mark the pair broken on the sender side the same way.
+    - ``free`` on the sender of a send not yet received: with NCCL the pair is marked
+      broken (every later message would be matched to the wrong receive); with gloo, whose
+      tags keep other transfers apart, the send stays posted (``num_orphaned_sends``)
+      until the receiver drains it or the group is destroyed. Free late handles on the
+      receiving rank when it lives.
 
 Zero copy: the sender's buffer is ``kv``'s own memory (when contiguous on ``device``), kept
 alive by the transport until sent; do not modify ``kv`` in place after ``put``.
@@ -45,7 +61,8 @@ import torch.distributed as dist
 
 from engine.kv_cache import KVSpec
 from kv_transfer.payload import Frame, pack_tensor
-from kv_transfer.transport import KVHandle, Transport, TransferFailed, TransferTimeout
+from kv_transfer.transport import (KVHandle, Transport, TransferError, TransferFailed,
+                                   TransferTimeout)
 
 
 STORE_SCHEME = "store://"
@@ -119,11 +136,41 @@ class TorchDistributedTransport(Transport):
             _init_group(backend, init_method, rank, world_size, init_timeout_s)
         self._seq = itertools.count()
         self._lock = threading.Lock()
-        self._sends: set[int] = set()  # seqs of sends not yet received and not freed
+        self._sends: dict[int, int] = {}  # seq -> dst rank of sends not yet received nor freed
+        self._orphans: dict[int, int] = {}  # seq -> dst of sends freed here before received
+        self._done: set[tuple[int, int]] = set()  # (src, seq) received or drained here
+        self._broken: dict[int, str] = {}  # peer rank -> why the pair with it is unusable
+        self._stranded: list[torch.Tensor] = []  # buffers of receives that may still land
+        self.drain_timeout_s = init_timeout_s
+
+    @property
+    def ordered_gets(self) -> bool:
+        return self.backend == "nccl"  # NCCL matches messages in order, ignoring tags
 
     def num_held(self) -> int:
         with self._lock:
             return len(self._sends)
+
+    def num_orphaned_sends(self) -> int:
+        """gloo sends freed on this (sending) side before their receiver took them."""
+        with self._lock:
+            return len(self._orphans)
+
+    def broken_peers(self) -> dict[int, str]:
+        """Peer rank -> why transfers with it fail (see the module docstring)."""
+        with self._lock:
+            return dict(self._broken)
+
+    def _check_pair(self, peer: int, request_id: str) -> None:
+        reason = self._broken.get(peer)
+        if reason is not None:
+            raise TransferFailed(f"KV of request {request_id}: the torch.distributed pair "
+                                 f"{self.rank}<->{peer} is broken ({reason}); restart the "
+                                 "placement to use it again")
+
+    def _mark_broken(self, peer: int, reason: str) -> None:
+        with self._lock:
+            self._broken.setdefault(peer, reason)
 
     def close(self) -> None:
         """Destroy the process group (call once per process, after the last transfer)."""
@@ -141,6 +188,7 @@ class TorchDistributedTransport(Transport):
         if dst is None or dst == self.rank or not 0 <= dst < self.world_size:
             raise TransferFailed(f"put of request {request_id} needs a dst_rank in "
                                  f"[0, {self.world_size}) other than {self.rank}, got {dst}")
+        self._check_pair(dst, request_id)
         header = torch.frombuffer(bytearray(frames[0]), dtype=torch.uint8).to(self.device)
         tensor_bytes = frames[1]
         seq = next(self._seq)
@@ -148,24 +196,35 @@ class TorchDistributedTransport(Transport):
         if tensor_bytes.numel():
             works.append(dist.isend(tensor_bytes, dst, tag=2 * seq + 1))
         with self._lock:
-            self._sends.add(seq)
+            self._sends[seq] = dst
         # The thread holds the buffers until the receiver has them (a gloo send cannot be
         # waited on with a timeout without breaking the pair, hence a blocking wait here).
-        threading.Thread(target=self._wait_sent, args=(seq, works, [header, tensor_bytes]),
+        threading.Thread(target=self._wait_sent,
+                         args=(seq, dst, request_id, works, [header, tensor_bytes]),
                          daemon=True, name=f"kv-send-{seq}").start()
         return P2PKey(self.rank, seq, header.numel(), tensor_bytes.numel())
 
-    def _wait_sent(self, seq: int, works: list[dist.Work], buffers: list[torch.Tensor]) -> None:
+    def _wait_sent(self, seq: int, dst: int, request_id: str, works: list[dist.Work],
+                   buffers: list[torch.Tensor]) -> None:
         try:
             for work in works:
                 work.wait()
-        except RuntimeError:
-            pass  # peer gone: the receiver's get fails on its side
+        except RuntimeError as err:  # peer gone or pair closed: later puts fail clearly
+            self._mark_broken(dst, f"the send of request {request_id} to rank {dst} failed: "
+                                   f"{str(err).splitlines()[0]}")
         with self._lock:
-            self._sends.discard(seq)
+            self._sends.pop(seq, None)
+            self._orphans.pop(seq, None)
 
-    def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
-        key: P2PKey = handle.key
+    def _receive(self, key: P2PKey, request_id: str, timeout_s: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Post and wait for both receives of ``key``; a failure marks the pair broken."""
+        with self._lock:
+            self._check_pair(key.src_rank, request_id)
+            if (key.src_rank, key.seq) in self._done:
+                raise TransferFailed(f"KV of request {request_id} (rank {key.src_rank}, seq "
+                                     f"{key.seq}) was already received or drained here")
+            self._done.add((key.src_rank, key.seq))
         header = torch.empty(key.header_nbytes, dtype=torch.uint8, device=self.device)
         tensor_bytes = torch.empty(key.tensor_nbytes, dtype=torch.uint8, device=self.device)
         works = [dist.irecv(header, key.src_rank, tag=2 * key.seq)]
@@ -177,13 +236,42 @@ class TorchDistributedTransport(Transport):
                 left_s = max(deadline_s - time.monotonic(), 1e-3)
                 work.wait(timeout=datetime.timedelta(seconds=left_s))
         except RuntimeError as e:
+            with self._lock:
+                self._stranded += [header, tensor_bytes]  # a late message may still land
             timed_out = any(word in str(e).lower() for word in ("timed out", "timeout"))
+            self._mark_broken(key.src_rank, f"the receive of request {request_id} from rank "
+                                            f"{key.src_rank} {'timed out' if timed_out else 'failed'}"
+                                            f" after {timeout_s} s")
             kind = TransferTimeout if timed_out else TransferFailed
-            raise kind(f"KV for request {handle.request_id} from rank {key.src_rank} not "
+            raise kind(f"KV for request {request_id} from rank {key.src_rank} not "
                        f"received within {timeout_s} s: {e}") from e
+        return header, tensor_bytes
+
+    def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
+        header, tensor_bytes = self._receive(handle.key, handle.request_id, timeout_s)
         return [header.cpu().numpy().tobytes(), tensor_bytes]
 
     def _free(self, handle: KVHandle) -> None:
-        if handle.key.src_rank == self.rank:
+        key: P2PKey = handle.key
+        if key.src_rank == self.rank:  # sender side
             with self._lock:
-                self._sends.discard(handle.key.seq)
+                dst = self._sends.pop(key.seq, None)
+                if dst is None:
+                    return
+                if self.backend != "nccl":
+                    self._orphans[key.seq] = dst  # tagged: other transfers stay unaffected
+                    return
+            self._mark_broken(dst, f"the send of request {handle.request_id} to rank {dst} "
+                                   "was freed before it was received; NCCL matches in order")
+            return
+        with self._lock:  # receiver side: drain a send it will never get otherwise
+            if (key.src_rank, key.seq) in self._done or key.src_rank in self._broken:
+                return
+        threading.Thread(target=self._drain, args=(key, handle.request_id), daemon=True,
+                         name=f"kv-drain-{key.src_rank}-{key.seq}").start()
+
+    def _drain(self, key: P2PKey, request_id: str) -> None:
+        try:
+            self._receive(key, request_id, self.drain_timeout_s)
+        except TransferError:
+            pass  # already drained, or the pair is (now) marked broken

@@ -91,10 +91,24 @@ class Transport(ABC):
     """
 
     name = "transport"
+    # True when gets from one sender must run in the order of its puts (NCCL matches
+    # point-to-point messages in order): the decode worker then fetches on one thread.
+    ordered_gets = False
 
     def __init__(self, checksum: bool = True):
         self.checksum = checksum
         self.records: list[TransferRecord] = []
+
+    def has_room(self, num_bytes: int) -> bool:
+        """Whether a ``put`` of ``num_bytes`` tensor bytes would be taken now without waiting
+        for buffer space. A producer that checks this never blocks on a full buffer: it
+        keeps the KV in its own engine and tries again later. Transports without a bounded
+        buffer always have room.
+
+        Raises:
+            TransferFailed: ``num_bytes`` can never fit this transport's buffer.
+        """
+        return True
 
     def put(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
             layer_start: int = 0, dst_rank: int | None = None) -> KVHandle:

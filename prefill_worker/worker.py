@@ -13,10 +13,22 @@ A request's life here (DESIGN §3, step 2):
 3. The local KV is freed (the transport owns the bytes now) and a ``prefilled`` event
    carries the first token and the handles. If the first token already ends the request
    (EOS, stop token, ``max_tokens == 1``) no KV is sent.
+
+Back-pressure: the loop never blocks on a full transport buffer (an shm arena whose
+consumers have not freed it yet). Before each put it asks ``transport.has_room``; without
+room the request stays PREFILLED in this engine, its KV in its own slot (so it counts
+against this worker's KV capacity, which in turn holds back new prompts), and joins a FIFO
+of deferred puts. Every loop iteration retries the head of that FIFO; once it fits, the
+whole KV is put in one transfer and the ``prefilled`` event leaves (so with a full buffer
+the first token leaves late: TTFT shows the back-pressure). A layer-wise request that
+meets a full buffer mid-step frees the layer ranges it already put and is deferred whole,
+so a buffer is never held by half-sent requests that cannot finish. Aborting a deferred
+request frees its slot. Requests that finish here never wait behind the FIFO.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 
 from engine.config import EngineConfig, ModelConfig, TransferConfig
@@ -46,6 +58,9 @@ class PrefillWorker(EngineLoop):
         self._dst_rank: dict[str, int | None] = {}
         self._layer_handles: dict[str, list[KVHandle]] = {}
         self._put_errors: dict[str, Exception] = {}  # layer-wise puts that failed mid-step
+        self._no_room: set[str] = set()  # layer-wise requests that met a full buffer this step
+        self._deferred: collections.OrderedDict[str, TokenOutput] = collections.OrderedDict()
+        self.num_deferred_puts = 0  # requests that had to wait for buffer room (tests, stats)
         # In-process KV outlives a "dead" worker object, so it is dropped on shutdown (as a
         # dead Ray owner's objects are). Never kept for Ray: a held ObjectRef pins the object.
         self._sent: list[KVHandle] = []
@@ -76,41 +91,104 @@ class PrefillWorker(EngineLoop):
     def transfer_records(self) -> list[dict]:
         return [r.__dict__ for r in self.transport.records]
 
+    def abort(self, request_id: str) -> None:
+        self._commands.put(lambda: self._abort(request_id))
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+        self._deferred.pop(request_id, None)
+        self._dst_rank.pop(request_id, None)
+        self._put_errors.pop(request_id, None)
+        self._no_room.discard(request_id)
+        for handle in self._layer_handles.pop(request_id, []):
+            self.transport.free(handle)
+
+    def idle_wait_s(self) -> float:
+        return 0.002 if self._deferred else super().idle_wait_s()
+
+    def on_tick(self) -> None:
+        """Retry deferred puts, oldest first, while the buffer has room."""
+        while self._deferred:
+            rid, out = next(iter(self._deferred.items()))
+            state = self.engine.states.get(rid)
+            if state is None:  # ended some other way: nothing left to put
+                del self._deferred[rid]
+                continue
+            try:
+                if not self.transport.has_room(self.engine.kv_spec.kv_bytes(state.num_prompt_tokens)):
+                    return
+            except Exception as err:  # can never fit: this request fails, not the worker
+                del self._deferred[rid]
+                self._fail(rid, err)
+                continue
+            del self._deferred[rid]
+            self._put_whole(out)
+
     def on_outputs(self, outputs: list[TokenOutput]) -> None:
         for out in outputs:
             rid = out.request_id
-            dst_rank = self._dst_rank.pop(rid, None)
             if out.finish_reason is not None:  # ended with its first token: no KV to send
+                self._dst_rank.pop(rid, None)
                 for handle in self._layer_handles.pop(rid, []):
                     self.transport.free(handle)
                 self.emit(token_event(self.name, out))
                 continue
-            try:
-                handles = self._layer_handles.pop(rid, None)
-                if rid in self._put_errors:
-                    for handle in handles or []:
-                        self.transport.free(handle)
-                    raise self._put_errors.pop(rid)
-                if handles is None:  # whole request
-                    kv, _ = self.engine.export_kv(rid)
-                    handles = [self.transport.put(rid, self.engine.kv_spec, kv, dst_rank=dst_rank)]
-                else:
-                    self.engine.finish_prefilled(rid)
-            except Exception as err:  # the transport refused: this request fails, not the worker
-                self.engine.abort(rid, str(err))
-                self.emit(WorkerEvent(ERROR, rid, self.name, time.time(),
-                                      error=f"KV put failed: {type(err).__name__}: {err}"))
-                continue
-            if self.transport.name == "inprocess":
-                self._sent.extend(handles)
-            first = token_event(self.name, out, **{KV_PUT: time.time()})
-            self.emit(WorkerEvent(PREFILLED, rid, self.name, out.time_s, token_id=out.token_id,
-                                  index=0, kv_handles=tuple(handles),
-                                  kv_bytes=sum(h.num_bytes for h in handles),
-                                  stamps=first.stamps))
+            handles = self._layer_handles.pop(rid, None)
+            if rid in self._put_errors:
+                for handle in handles or []:
+                    self.transport.free(handle)
+                self._fail(rid, self._put_errors.pop(rid))
+            elif rid in self._no_room or (handles is None and not self._fits_now(rid)):
+                self._no_room.discard(rid)  # its layer handles were freed when it met no room
+                self._deferred[rid] = out
+                self.num_deferred_puts += 1
+            elif handles is None:  # whole request
+                self._put_whole(out)
+            else:
+                self.engine.finish_prefilled(rid)
+                self._prefilled(out, handles)
+
+    def _fits_now(self, rid: str) -> bool:
+        """No deferred put is ahead of ``rid`` and the buffer has room for its whole KV."""
+        if self._deferred:
+            return False
+        try:
+            return self.transport.has_room(self.engine.kv_spec.kv_bytes(
+                self.engine.states[rid].num_prompt_tokens))
+        except Exception:
+            return True  # let the put itself fail with the transport's reason
+
+    def _put_whole(self, out: TokenOutput) -> None:
+        rid = out.request_id
+        try:
+            kv, _ = self.engine.export_kv(rid)
+            handle = self.transport.put(rid, self.engine.kv_spec, kv,
+                                        dst_rank=self._dst_rank.get(rid))
+        except Exception as err:  # the transport refused: this request fails, not the worker
+            self._fail(rid, err)
+            return
+        self._prefilled(out, [handle])
+
+    def _fail(self, rid: str, err: Exception) -> None:
+        self._dst_rank.pop(rid, None)
+        self.engine.abort(rid, str(err))
+        self.emit(WorkerEvent(ERROR, rid, self.name, time.time(),
+                              error=f"KV put failed: {type(err).__name__}: {err}"))
+
+    def _prefilled(self, out: TokenOutput, handles: list[KVHandle]) -> None:
+        rid = out.request_id
+        self._dst_rank.pop(rid, None)
+        if self.transport.name == "inprocess":
+            self._sent.extend(handles)
+        first = token_event(self.name, out, **{KV_PUT: time.time()})
+        self.emit(WorkerEvent(PREFILLED, rid, self.name, out.time_s, token_id=out.token_id,
+                              index=0, kv_handles=tuple(handles),
+                              kv_bytes=sum(h.num_bytes for h in handles),
+                              stamps=first.stamps))
 
     def _put_layers(self, layer: int, batch: ScheduledBatch) -> None:
-        """After ``layer``: put the finished layer range of every prompt completing now."""
+        """After ``layer``: put the finished layer range of every prompt completing now
+        (unless the buffer is full or deferred puts wait: then it is deferred whole)."""
         per_chunk = self.transfer.layers_per_chunk
         num_layers = self.engine.kv_spec.num_layers
         if (layer + 1) % per_chunk and layer + 1 != num_layers:
@@ -120,10 +198,16 @@ class PrefillWorker(EngineLoop):
             if not (state.prefill_only and state.is_prefilling and batch.completes(i)):
                 continue
             rid = state.request_id
-            if rid in self._put_errors:
+            if rid in self._put_errors or rid in self._no_room:
                 continue
             kv = self.engine.read_kv_layers(rid, slice(start, layer + 1))
             try:
+                room = not self._deferred and self.transport.has_room(kv.numel() * kv.element_size())
+                if not room:  # free what it holds of the buffer: nothing half-sent waits
+                    self._no_room.add(rid)
+                    for handle in self._layer_handles.pop(rid, []):
+                        self.transport.free(handle)
+                    continue
                 handle = self.transport.put(rid, self.engine.kv_spec, kv, layer_start=start,
                                             dst_rank=self._dst_rank.get(rid))
             except Exception as err:  # fail this request after the step, not the whole batch

@@ -136,7 +136,7 @@ def test_export_import_continues_in_second_engine(tiny, references):
     for request in requests:
         prefill.add_request(request, prefill_only=True)
     by_id = {r.request_id: r for r in requests}
-    outputs = {}
+    outputs, fetched = {}, {}
     spec = tiny.kv_spec
     while prefill.has_unfinished():
         for out in prefill.step():  # hand each prefilled request over while decode is busy
@@ -148,27 +148,63 @@ def test_export_import_continues_in_second_engine(tiny, references):
                                 spec.head_dim)
             # 2 * layers * kv_heads * head_dim * tokens * itemsize (2 layers, 2 heads, 16 dims, fp32)
             assert kv.numel() * kv.element_size() == 2 * 2 * 2 * 16 * request.num_prompt_tokens * 4
-            decode.import_kv(request, first, kv)
+            decode.add_remote(request, first)  # WAITING_FOR_REMOTE_KVS: nothing held yet
+            fetched[request.request_id] = kv
             outputs[request.request_id] = [first]
-        for out in decode.step():
-            outputs[out.request_id].append(out.token_id)
+        decode_step(decode, fetched, outputs)
     while decode.has_unfinished():
-        for out in decode.step():
-            outputs[out.request_id].append(out.token_id)
+        decode_step(decode, fetched, outputs)
     for i in range(6):
         assert outputs[f"r{i}"] == expected[i]
     assert prefill.is_empty() and decode.is_empty()
 
 
-def test_import_rejects_wrong_geometry_and_nothing_to_decode(tiny):
-    engine = Engine(tiny, EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32))
-    request = Request("x", (5, 6, 7), SamplingParams(max_tokens=4))
+def decode_step(decode: Engine, fetched: dict, outputs: dict) -> None:
+    """One decode-engine step, then "fetch" the KV of every request whose slot it reserved
+    (the decode worker's job): the KV enters the engine only once its slot exists."""
+    for out in decode.step():
+        outputs[out.request_id].append(out.token_id)
+    for rid in decode.pop_kv_reserved():
+        decode.finish_remote(rid, fetched.pop(rid))
+
+
+def test_remote_request_reserves_before_its_kv_enters(tiny):
+    config = EngineConfig(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=32)
+    engine = Engine(tiny, config)
+    a, b = (Request(rid, (5, 6, 7), SamplingParams(max_tokens=3)) for rid in "ab")
+    engine.add_remote(a, 9)
+    engine.add_remote(b, 9)
+    assert engine.is_waiting_for_kv("a") and engine.is_waiting_for_kv("b")
+    assert engine.step() == [] and engine.pop_kv_reserved() == ["a"]  # one slot: a only
+    assert engine.scheduler.capacity.reserved_tokens == 6 and engine.step_records == []
+    with pytest.raises(KeyError, match="not waiting for remote KV"):
+        engine.finish_remote("b", torch.zeros(2, 2, 2, 3, 16))  # b has no slot yet
     wrong = torch.zeros(2, 2, 4, 3, 16)  # 4 KV heads instead of 2
     with pytest.raises(ValueError, match=r"expected shape \(2, 2, 2, 3, 16\)"):
-        engine.import_kv(request, 9, wrong)
+        engine.finish_remote("a", wrong)
+    engine.abort("a")  # cancelled while its KV was "in flight": slot free, b reserves next
+    assert engine.scheduler.capacity.reserved_tokens == 0
+    assert engine.step() == [] and engine.pop_kv_reserved() == ["b"]
+    engine.finish_remote("b", torch.zeros(2, 2, 2, 3, 16))
+    assert [o.index for o in engine.step()] == [1] and not engine.is_waiting_for_kv("b")
+    engine.abort("b")
+    assert engine.is_empty()
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny):
+    engine = Engine(tiny, EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32))
+    for stop in (256, -1):
+        with pytest.raises(ValueError, match=rf"stop_token_ids must be in \[0, 256\), got {stop}"):
+            engine.add_request(Request("s", (5, 6), SamplingParams(stop_token_ids=(3, stop))))
+    assert engine.is_empty()
+
+
+def test_add_remote_rejects_nothing_to_decode(tiny):
+    engine = Engine(tiny, EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32))
     with pytest.raises(ValueError, match="nothing to decode"):
-        engine.import_kv(Request("y", (5, 6, 7), SamplingParams(max_tokens=1)), 9,
-                         torch.zeros(2, 2, 2, 3, 16))
+        engine.add_remote(Request("y", (5, 6, 7), SamplingParams(max_tokens=1)), 9)
+    with pytest.raises(ValueError, match=r"first_token must be in \[0, 256\)"):
+        engine.add_remote(Request("z", (5, 6, 7), SamplingParams(max_tokens=4)), 256)
     assert engine.is_empty()
 
 

@@ -141,6 +141,7 @@ def _torchdist_worker(rank: int, port: int, handles, done) -> None:
             handle = transport.put(rid, spec, kv)
             assert handle.num_bytes == spec.kv_bytes(kv.shape[3])
             handles.put(handle)
+        handles.put(transport.put("aborted", SPEC, random_kv(SPEC, 4)))
         assert done.get(timeout=30) == "received"
         deadline_s = time.monotonic() + 5
         while transport.num_held() and time.monotonic() < deadline_s:
@@ -149,6 +150,8 @@ def _torchdist_worker(rank: int, port: int, handles, done) -> None:
         assert done.get(timeout=30) == "finished"  # stay up: an exiting peer fails pending gets
     else:  # decode side: get in reverse order (tags match them), validate, time out
         received = [handles.get(timeout=30) for _ in kvs]
+        aborted = handles.get(timeout=30)
+        transport.free(aborted)  # never fetched: the free drains the send (sender's held -> 0)
         for handle in reversed(received):
             spec = SPEC if handle.request_id == "r1" else BF16
             header, out = transport.get(handle, spec, timeout_s=10.0)
@@ -164,6 +167,13 @@ def _torchdist_worker(rank: int, port: int, handles, done) -> None:
             raise AssertionError("expected TransferTimeout")
         except TransferTimeout as e:
             assert "lost" in str(e)
+        # gloo closed the pair on that timeout: later gets say so instead of hanging
+        assert "the receive of request lost from rank 0 timed out" in transport.broken_peers()[0]
+        try:
+            transport.get(received[0], SPEC, timeout_s=0.3)
+            raise AssertionError("expected TransferFailed")
+        except TransferFailed as e:
+            assert "pair 1<->0 is broken" in str(e) and "restart the placement" in str(e)
         done.put("finished")
 
 

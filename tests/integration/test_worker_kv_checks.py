@@ -188,7 +188,19 @@ def test_kv_for_a_request_already_finished_by_its_first_token(workers):
     spec = w.decode16.engine.kv_spec
     request = Request("done", (5, 6, 7), SamplingParams(max_tokens=1))
     handle = w.transport.put("done", spec, torch.zeros(spec.kv_shape(3), dtype=torch.bfloat16))
-    assert_rejected(w, request, 9, (handle,), "done", "nothing to decode", fetched=True)
+    # refused at admission: nothing is reserved or fetched, the handle is freed at once
+    assert_rejected(w, request, 9, (handle,), "done", "nothing to decode")
+
+
+def test_request_id_mismatch_is_named(workers, bf16_reference):
+    w = workers
+    spec = w.decode16.engine.kv_spec
+    request = ok_request("mine", seed=9, length=4)
+    handle = w.transport.put("someone-else", spec, torch.zeros(spec.kv_shape(4), dtype=torch.bfloat16))
+    assert_rejected(w, request, 7, (handle,), "KV header mismatch for request mine",
+                    "request_id expected 'mine', got 'someone-else'")
+    after = ok_request("after-id", seed=10)
+    assert serve(w, after) == bf16_reference(after)
 
 
 def test_nothing_leaked_at_the_end(workers):

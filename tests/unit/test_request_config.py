@@ -198,7 +198,8 @@ def test_cpu_cores_of():
 # ---- status ordering ---------------------------------------------------------------------------
 
 def test_request_status_order_and_is_finished():
-    order = [RequestStatus.WAITING, RequestStatus.RUNNING, RequestStatus.PREFILLED,
+    order = [RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS, RequestStatus.RUNNING,
+             RequestStatus.PREFILLED,
              RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
              RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR]
     assert sorted(RequestStatus) == order

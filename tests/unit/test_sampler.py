@@ -130,3 +130,39 @@ def test_temperature_sharpens():
     params = [SamplingParams(temperature=0.05, seed=3)]
     seen = collections.Counter(sampler.sample(logits, ["r"], params)[0] for _ in range(200))
     assert seen[0] == 200  # exp(-0.5 / 0.05) ~ 5e-5 for the runner-up
+
+
+# ---- one bad request never fails its step-mates; draws depend on (seed, index) only -------
+
+def test_temperature_and_top_p_that_are_zero_in_float32_do_not_yield_nan():
+    logits = rand_logits(3, 64, seed=5)
+    params = [SamplingParams(),  # greedy step-mate
+              SamplingParams(temperature=1e-46, seed=1),  # below 1e-5: greedy
+              SamplingParams(temperature=1.0, top_p=1e-46, seed=2)]  # top_p is 0 in float32
+    assert torch.tensor([1e-46]).item() == 0.0
+    assert params[1].is_greedy and not params[2].is_greedy
+    tokens, errors = Sampler().sample_rows(logits, ["g", "t", "p"], params)
+    assert errors == {} and tokens == logits.argmax(dim=-1).tolist()
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone():
+    logits = rand_logits(3, 32, seed=6)
+    logits[1, 4] = float("nan")
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1),
+              SamplingParams(temperature=0.8, seed=2)]
+    tokens, errors = Sampler().sample_rows(logits, ["g", "bad", "ok"], params)
+    assert list(errors) == [1] and "request bad: sampling failed" in errors[1]
+    assert tokens[0] == logits[0].argmax().item() and tokens[1] is None
+    assert tokens[2] == Sampler().sample(logits[2:], ["ok"], params[2:])[0]
+
+
+def test_draw_of_token_i_does_not_depend_on_who_drew_earlier_tokens():
+    flat = torch.zeros(1, 1000)
+    params = [SamplingParams(temperature=1.0, seed=123)]
+    whole = [Sampler().sample(flat, ["r"], params, [i])[0] for i in range(6)]
+    one = Sampler()  # one process draws every token, in order
+    assert [one.sample(flat, ["r"], params)[0] for _ in range(6)] == whole
+    prefill, decode = Sampler(), Sampler()  # token 0 on one worker, the rest on another
+    split = prefill.sample(flat, ["r"], params, [0]) + \
+        [decode.sample(flat, ["r"], params, [i])[0] for i in range(1, 6)]
+    assert split == whole and len(set(whole)) == 6

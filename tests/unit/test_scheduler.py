@@ -250,7 +250,7 @@ def test_prefill_only_becomes_prefilled_and_keeps_slot():
     s = state("p", 5, max_tokens=8, prefill_only=True)
     run_first_token(sched, s, TOKEN)
     assert s.status == RequestStatus.PREFILLED and not s.status.is_finished
-    assert s.slot == 0 and sched.capacity.reserved_tokens == 13
+    assert s.slot == 0 and sched.capacity.reserved_tokens == 6  # prompt + 1, not + max_tokens
     assert not sched.has_work()  # a PREFILLED request is not scheduled again
     assert sched.schedule().is_empty
     sched.release(s)
