@@ -8,9 +8,14 @@ The loop, on its own thread (the only thread that touches the engine):
 3. Otherwise sleep until the next command arrives.
 
 Callers collect events with ``wait_events(timeout_s)``, a long poll: it returns as soon as
-there is something to report, or empty-handed at the deadline. A worker (prefill, decode,
-colocated) is this loop plus what it does with tokens; it is a plain class, and
-``experiments/placement.py`` turns it into a Ray actor.
+there is something to report, or empty-handed at the deadline. An exception that escapes
+the loop kills the worker at once: the loop stops, and ``wait_events`` (and ``call``) raise
+``EngineLoopDied`` naming the cause, so the router fails its requests within a poll.
+Commands that must keep their order across a transport that may reorder calls (threaded
+Ray actors) come through ``ordered(seq, method, ...)``, applied in ``seq`` order.
+
+A worker (prefill, decode, colocated) is this loop plus what it does with tokens; it is a
+plain class, and ``experiments/placement.py`` turns it into a Ray actor.
 """
 
 from __future__ import annotations
@@ -28,6 +33,38 @@ from engine.events import ERROR, TOKEN, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.model import load_model
 from engine.request import Request, TokenOutput
+
+
+class EngineLoopDied(RuntimeError):
+    """The worker's engine loop stopped on an exception; the worker serves nothing more."""
+
+
+class InOrder:
+    """Runs calls in the order of their sequence numbers (0, 1, 2, ...), whatever order
+    they arrive in: a call waits, up to ``timeout_s`` seconds, until every call numbered
+    before it has run; then it runs and returns its own result (or raises its own error).
+
+    Raises (from ``run``):
+        TimeoutError: an earlier number never arrived. ValueError: a number came twice.
+    """
+
+    def __init__(self, timeout_s: float = 30.0) -> None:
+        self.timeout_s = timeout_s
+        self._next = 0
+        self._turn = threading.Condition()
+
+    def run(self, seq: int, fn: Callable, *args):
+        with self._turn:
+            if seq < self._next:
+                raise ValueError(f"call number {seq} came twice (next expected: {self._next})")
+            if not self._turn.wait_for(lambda: self._next == seq, self.timeout_s):
+                raise TimeoutError(f"call number {seq} waited {self.timeout_s} s for call "
+                                   f"number {self._next}, which never came")
+            try:
+                return fn(*args)
+            finally:
+                self._next += 1
+                self._turn.notify_all()
 
 
 class EngineLoop:
@@ -57,6 +94,8 @@ class EngineLoop:
         self._events: list[WorkerEvent] = []
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
+        self._died: str | None = None  # why the loop stopped on an exception
+        self._in_order = InOrder()
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
@@ -78,13 +117,35 @@ class EngineLoop:
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort(request_id))
 
+    def ordered(self, seq: int, method: str, *args):
+        """Call ``method(*args)`` as the ``seq``-th ordered command of this worker (see
+        ``InOrder``); for callers whose calls may arrive out of order."""
+        return self._in_order.run(seq, getattr(self, method), *args)
+
     def wait_events(self, timeout_s: float) -> list[WorkerEvent]:
-        """Events since the last call; waits up to ``timeout_s`` seconds for the first one."""
+        """Events since the last call; waits up to ``timeout_s`` seconds for the first one.
+
+        Raises:
+            EngineLoopDied: the engine loop stopped on an exception (events not yet
+                collected are dropped: the caller fails every request of this worker).
+        """
         with self._events_ready:
-            if not self._events:
+            if not self._events and self._died is None:
                 self._events_ready.wait(timeout_s)
+            self._check_alive()
             events, self._events = self._events, []
         return events
+
+    def _check_alive(self) -> None:
+        if self._died is not None:
+            raise EngineLoopDied(f"{self.role} worker {self.name}: engine loop died: {self._died}")
+
+    def _take_events(self, request_id: str) -> list[WorkerEvent]:
+        """Remove the not yet collected events of ``request_id`` (an abort makes them moot)."""
+        with self._events_ready:
+            taken = [e for e in self._events if e.request_id == request_id]
+            self._events = [e for e in self._events if e.request_id != request_id]
+        return taken
 
     def status(self) -> dict:
         """Leak check: is the engine empty (no queue, no KV held)?"""
@@ -94,7 +155,12 @@ class EngineLoop:
         return [{"worker": self.name, **r.__dict__} for r in list(self.engine.step_records)]
 
     def call(self, fn: Callable, timeout_s: float = 30.0):
-        """Run ``fn()`` on the loop thread and return its result (for consistent reads)."""
+        """Run ``fn()`` on the loop thread and return its result (for consistent reads).
+
+        Raises:
+            EngineLoopDied: the loop is dead. queue.Empty: no answer within ``timeout_s``.
+        """
+        self._check_alive()
         done: queue.Queue = queue.Queue(maxsize=1)
         self._commands.put(lambda: done.put(fn()))
         return done.get(timeout=timeout_s)
@@ -106,6 +172,14 @@ class EngineLoop:
 
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as err:  # nothing may escape silently: the worker is dead now
+            with self._events_ready:
+                self._died = f"{type(err).__name__}: {err}"
+                self._events_ready.notify_all()
+
+    def _loop(self) -> None:
         while not self._stopped.is_set():
             self._drain_commands(block=not self.engine.has_unfinished(),
                                  timeout_s=self.idle_wait_s())

@@ -21,13 +21,14 @@ here).
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -41,7 +42,7 @@ from engine.serving import EngineLoop
 from kv_transfer.faults import FaultyTransport
 from kv_transfer.inprocess import InProcessTransport
 from prefill_worker import PrefillWorker
-from router.calls import LocalCalls, WorkerDied
+from router.calls import ORDERED, LocalCalls, WorkerDied
 from router.router import Router, WorkerRef
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -51,9 +52,22 @@ ACTOR_DEATH = (RayActorError,) + tuple(
 
 
 class RayCalls:
-    """``router.calls.Calls`` over Ray actor handles."""
+    """``router.calls.Calls`` over Ray actor handles.
+
+    A threaded actor (``max_concurrency > 1``) runs calls out of order, even within a
+    concurrency group of size 1 (Ray forces ``allow_out_of_order_execution`` there). So the
+    ``ORDERED`` methods are numbered per actor and sent as ``ordered(seq, method, ...)``:
+    the worker applies them in that order (``engine.serving.InOrder``), while long polls
+    and reads run beside them on the actor's other threads.
+    """
+
+    def __init__(self) -> None:
+        self._seqs: dict[str, itertools.count] = {}
 
     def call(self, handle: Any, method: str, *args: Any) -> ray.ObjectRef:
+        if method in ORDERED:
+            seqs = self._seqs.setdefault(handle._actor_id.hex(), itertools.count())
+            return handle.ordered.remote(next(seqs), method, *args)
         return getattr(handle, method).remote(*args)
 
     def ready(self, pending: list, timeout_s: float) -> list:
@@ -68,6 +82,8 @@ class RayCalls:
             return ray.get(pending, timeout=0)
         except ACTOR_DEATH as err:  # keep the root cause: Ray's first line only says "died"
             raise WorkerDied(f"{type(err).__name__}: {describe_error(err)}") from err
+        except RayTaskError as err:  # the method raised: its own error, not Ray's wrapper
+            raise (err.cause if isinstance(err.cause, Exception) else err) from None
 
 
 def worker_layout(placement: str, devices: tuple[str, ...]) -> list[tuple[str, str, str]]:

@@ -13,6 +13,10 @@ A request's life here (DESIGN §3, step 2):
 3. The local KV is freed (the transport owns the bytes now) and a ``prefilled`` event
    carries the first token and the handles. If the first token already ends the request
    (EOS, stop token, ``max_tokens == 1``) no KV is sent.
+4. The handles now belong to whoever collected the event (the router, then the decode
+   worker). Handles the router cannot pass on come back through ``release`` and are freed
+   here. An ``abort`` of a request whose ``prefilled`` event nobody has collected yet frees
+   that event's handles (no one else ever will).
 
 Back-pressure: the loop never blocks on a full transport buffer (an shm arena whose
 consumers have not freed it yet). Before each put it asks ``transport.has_room``; without
@@ -78,6 +82,24 @@ class PrefillWorker(EngineLoop):
             self._dst_rank[request.request_id] = dst_rank
             self._add(request, prefill_only=True)
         self._commands.put(add)
+
+    def abort(self, request_id: str) -> None:
+        """Drop ``request_id`` wherever it is here, including KV put but not yet collected."""
+        def drop() -> None:
+            self.engine.abort(request_id)
+            self._dst_rank.pop(request_id, None)
+            for event in self._take_events(request_id):
+                self._free(event.kv_handles)
+        self._commands.put(drop)
+
+    def release(self, handles: tuple[KVHandle, ...]) -> None:
+        """Free KV handles this worker put that nobody will fetch (the request ended first,
+        its decode worker died, or ``admit`` refused them). Freeing twice is harmless."""
+        self._commands.put(lambda: self._free(handles))
+
+    def _free(self, handles) -> None:
+        for handle in handles:
+            self.transport.free(handle)
 
     def status(self) -> dict:
         return {**super().status(), "transport_held": self.call(self.transport.num_held)}

@@ -5,12 +5,21 @@ pending call; ``ready(pending, timeout_s)`` returns those that finished and
 ``result(pending)`` their value, raising ``WorkerDied`` when the worker is gone.
 ``experiments/placement.py`` provides the Ray implementation; ``LocalCalls`` runs plain
 worker objects in this process (tests, the in-process transport).
+
+Ordering: the methods in ``ORDERED`` change what a worker holds, and must take effect in
+the order they were called (an ``abort`` overtaking its ``submit`` would leave a request
+running for nobody). Every implementation guarantees that, per worker: ``LocalCalls`` runs
+them at once in the caller's thread (they only queue a command); the Ray one numbers them
+and the worker applies them in that order (``engine.serving.InOrder``).
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 from typing import Any, Protocol
+
+
+ORDERED = ("submit", "admit", "abort", "release")
 
 
 class WorkerDied(RuntimeError):
@@ -26,7 +35,8 @@ class Calls(Protocol):
 
 
 class LocalCalls:
-    """Calls plain worker objects on a thread pool (each long poll holds one thread)."""
+    """Calls plain worker objects on a thread pool (each long poll holds one thread);
+    ``ORDERED`` methods run at once in the caller's thread, so they keep its order."""
 
     def __init__(self, max_threads: int = 32) -> None:
         self._pool = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="call")
@@ -37,7 +47,14 @@ class LocalCalls:
             future: cf.Future = cf.Future()
             future.set_exception(WorkerDied(f"worker {getattr(worker, 'name', worker)} is dead"))
             return future
-        return self._pool.submit(getattr(worker, method), *args)
+        if method not in ORDERED:
+            return self._pool.submit(getattr(worker, method), *args)
+        future = cf.Future()
+        try:
+            future.set_result(getattr(worker, method)(*args))
+        except Exception as err:  # reported through the future, as from a thread
+            future.set_exception(err)
+        return future
 
     def ready(self, pending: list[cf.Future], timeout_s: float) -> list[cf.Future]:
         done, _ = cf.wait(pending, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)

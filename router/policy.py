@@ -1,8 +1,10 @@
 """Which worker gets a request: pure functions over load snapshots (no I/O, no state).
 
-``loads`` maps worker name -> load in tokens: for prefill workers the prompt tokens queued
-or computing there, for decode (and colocated) workers the KV tokens resident there, both
-as the router counts them from what it sent and what came back.
+``loads`` maps worker name -> load in tokens: for prefill workers the prompt tokens of the
+requests assigned there and not yet prefilled, for decode (and colocated) workers the KV
+tokens (prompt + max_tokens) of the requests assigned there and not yet ended. The router
+counts a request against each of its workers from the moment it assigns it (so a burst
+spreads out) and releases each charge once. Round robin takes one ``counter`` per pool.
 """
 
 from __future__ import annotations

@@ -3,20 +3,34 @@
 A request's life through the router (DESIGN §3):
 
 1. At its arrival time it is validated (prompt + max_tokens within the model's context,
-   token ids within the vocabulary; else it ends at once with an error, nothing scheduled),
-   stamped ``arrived``, and given a prefill and a decode worker (or one colocated instance)
-   by the policy.
+   prompt and stop token ids within the vocabulary; else it ends at once with an error,
+   nothing scheduled), stamped ``arrived``, and given a prefill and a decode worker (or one
+   colocated instance) by the policy. From this moment it counts against the load of every
+   worker it was given (prefill: its prompt tokens; decode and colocated: its KV tokens,
+   prompt + max_tokens).
 2. ``submit`` sends it to the prefill (or colocated) worker: ``prefill_queued``.
 3. The prefill worker's ``prefilled`` event brings the first token: it leaves the router at
-   once (**TTFT ends here**). The router calls the decode worker's ``admit`` with the KV
-   handles: with Ray the handles are ObjectRefs and the bytes go worker to worker.
+   once (**TTFT ends here**) and the prefill worker's load is released. The router holds
+   the event's KV handles until the decode worker's ``admit`` call accepts them (with Ray
+   the handles are ObjectRefs and the bytes go worker to worker).
 4. ``kv_got`` and every ``token`` event are stamped as they arrive; the last token (or an
-   error) ends the request, whose ``RequestRecord`` is returned.
+   error) ends the request: its remaining loads are released and its ``RequestRecord`` is
+   returned.
 
-No wait is unbounded: every worker is long-polled with a short timeout; a worker whose
-poll fails is dead and its requests end with an error naming it; a worker that holds
-requests and reports nothing for ``deadline_s`` seconds (counted from when each request
-reached it, or its last event) has its requests failed and aborted (freeing their KV). The router never touches KV bytes or tensors.
+No wait is unbounded. Every request has its own deadline: ``deadline_s`` seconds after it
+reached its current worker or after its own last event; when it passes, the request ends
+with an error naming the worker and the stage (``waiting for prefill on prefill-0``). A
+worker whose call raises ``WorkerDied``, or whose long poll raises (its engine loop died),
+is dead: every request that still needs it ends with an error naming it and the cause, and
+nothing new is routed to it.
+
+KV ownership on this side: the router never touches KV bytes, but it owns the handles of a
+``prefilled`` event until ``admit`` accepts them. Handles it cannot pass on (the request
+already ended, the decode worker died, ``admit`` failed) go back to the producer, the
+prefill worker named in the event, whose ``release`` frees them in its transport. A request
+ended by the router is aborted on its live workers, which free what it holds there.
+Commands that must stay ordered (``submit``, ``admit``, ``abort``, ``release``) reach each
+worker in the order sent: ``Calls`` guarantees it (``router.calls.ORDERED``).
 """
 
 from __future__ import annotations
@@ -24,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from engine import events as ev
@@ -33,6 +47,9 @@ from engine.metrics import ARRIVED, ERROR, FINISHED, PREFILL_QUEUED, RequestReco
 from engine.request import Request
 from router.calls import Calls, WorkerDied
 from router.policy import pick
+
+# What a request waits for on its current worker (named in deadline errors).
+PREFILL, TRANSFER, DECODE = "prefill", "KV transfer", "decode"
 
 
 @dataclass
@@ -48,11 +65,28 @@ class WorkerRef:
 
 @dataclass
 class _Flight:
+    """A request between arrival and its end, as the router tracks it."""
+
     request: Request
     record: RequestRecord
-    worker: str  # the worker the request waits on now
-    load_tokens: int
-    since_s: float = 0.0  # when it started waiting on that worker
+    worker: str = ""  # the worker it waits on now
+    stage: str = ""  # what it waits for there: PREFILL, TRANSFER or DECODE
+    deadline_s: float = float("inf")  # time.time() by which its next event is due
+    # worker -> load tokens charged to it for this request: the workers it still needs.
+    # Each charge is released exactly once (popped), so loads return to exactly 0.
+    charges: dict[str, int] = field(default_factory=dict)
+    # KV in transit: handles put by kv_owner, handed to the decode worker, not yet fetched
+    kv_owner: str | None = None
+    kv_handles: tuple[Any, ...] = ()
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call in flight."""
+
+    method: str
+    worker: str
+    request_id: str | None = None
 
 
 class Router:
@@ -62,9 +96,10 @@ class Router:
         workers: every worker of the placement.
         calls: how to call them (Ray or local threads).
         placement: recorded in every RequestRecord (e.g. ``disagg:1p1d``).
-        policy: ``least_loaded`` (prefill by queued prompt tokens, decode by resident KV
-            tokens) or ``round_robin``.
-        deadline_s: a worker holding requests that reports nothing for this long fails them.
+        policy: ``least_loaded`` (prefill by queued prompt tokens, decode and colocated by
+            KV tokens, prompt + max_tokens, both counted from assignment) or
+            ``round_robin`` (one rotation per pool).
+        deadline_s: a request that hears nothing of itself for this long fails.
         poll_s: long-poll timeout of each ``wait_events`` call.
         startup_timeout_s: how long each worker may take to answer its first call (it may
             still be loading its model).
@@ -94,8 +129,12 @@ class Router:
             raise ValueError(f"workers disagree on the KV geometry: {infos}")
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = min(i["vocab_size"] for i in infos)
-        self.loads = {w.name: 0 for w in workers}
-        self._counter = 0
+        self.loads = {w.name: 0 for w in workers}  # tokens, see policy.py
+        self._turns = dict.fromkeys(roles, 0)  # round robin: one rotation per pool
+        self._flights: dict[str, _Flight] = {}
+        self._pending: dict[Any, _Call] = {}
+        self._done: dict[str, RequestRecord] = {}
+        self._on_finish: Callable[[RequestRecord], None] | None = None
 
     def call_now(self, worker: WorkerRef, method: str, *args: Any,
                  timeout_s: float | None = None) -> Any:
@@ -124,6 +163,9 @@ class Router:
         top = max(request.prompt_token_ids)
         if top >= self.vocab_size:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {top}")
+        bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad}")
 
     def run(self, workload: list[tuple[Request, float]],
             on_finish: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
@@ -140,11 +182,7 @@ class Router:
             raise ValueError("request_id must be unique within a workload")
         arrivals = sorted(workload, key=lambda item: item[1])
         start_s = time.time()
-        self._flights: dict[str, _Flight] = {}
-        self._done: dict[str, RequestRecord] = {}
-        self._pending: dict[Any, tuple[str, str, str | None]] = {}  # call -> (method, worker, rid)
-        self._polls: dict[str, Any] = {}
-        self._last_heard = {name: time.time() for name in self.workers}
+        self._flights, self._done, self._pending = {}, {}, {}
         self._on_finish = on_finish
         next_index = 0
         while next_index < len(arrivals) or self._flights:
@@ -155,11 +193,10 @@ class Router:
             wait_s = self.poll_s
             if next_index < len(arrivals):
                 wait_s = min(wait_s, max(0.0, start_s + arrivals[next_index][1] - time.time()))
-            everything = list(self._polls.values()) + list(self._pending)
-            for pending in self.calls.ready(everything, wait_s) if everything else []:
+            for pending in self.calls.ready(list(self._pending), wait_s):
                 self._complete(pending)
             self._check_deadlines()
-        self._drain_polls()
+        self._drain()
         return [self._done[request.request_id] for request, _ in arrivals]
 
     # ---- dispatch ---------------------------------------------------------------------
@@ -167,115 +204,131 @@ class Router:
         return [w.name for w in self.workers.values() if w.role == role and w.alive]
 
     def _pick(self, role: str) -> str:
-        self._counter += 1
-        return pick(self.policy, self._live(role), self.loads, self._counter)
+        name = pick(self.policy, self._live(role), self.loads, self._turns[role])
+        self._turns[role] += 1
+        return name
 
     def _dispatch(self, request: Request) -> None:
         request = dataclasses.replace(request, arrival_time_s=time.time())
         record = RequestRecord(request_id=request.request_id, placement=self.placement,
                                num_prompt_tokens=request.num_prompt_tokens)
         record.timeline[ARRIVED] = request.arrival_time_s
-        flight = _Flight(request, record, "", 0)
+        flight = _Flight(request, record)
         self._flights[request.request_id] = flight
+        kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens
         try:
             self.validate(request)
             if self.colocated:
-                first = self._pick("colocated")
-                record.prefill_worker = record.decode_worker = first
-                self._send(first, "submit", request.request_id, request)
+                first = decode = self._pick("colocated")
+                self._charge(flight, first, kv_tokens)
             else:
                 first, decode = self._pick("prefill"), self._pick("decode")
-                record.prefill_worker, record.decode_worker = first, decode
-                self._send(first, "submit", request.request_id, request,
-                           self.workers[decode].rank)
+                self._charge(flight, first, request.num_prompt_tokens)
+                self._charge(flight, decode, kv_tokens)
         except ValueError as err:
             self._finish(flight, error=str(err))
             return
-        flight.worker, flight.load_tokens, flight.since_s = first, request.num_prompt_tokens, time.time()
-        self.loads[first] += flight.load_tokens
+        record.prefill_worker, record.decode_worker = first, decode
+        self._wait_on(flight, first, PREFILL)
+        args = (request,) if self.colocated else (request, self.workers[decode].rank)
+        self._send(first, "submit", request.request_id, *args)
         record.timeline[PREFILL_QUEUED] = time.time()
+
+    def _charge(self, flight: _Flight, worker: str, tokens: int) -> None:
+        flight.charges[worker] = tokens
+        self.loads[worker] += tokens
+
+    def _discharge(self, flight: _Flight, worker: str) -> None:
+        """Release the charge of ``flight`` on ``worker`` (once: later calls do nothing)."""
+        self.loads[worker] -= flight.charges.pop(worker, 0)
+
+    def _wait_on(self, flight: _Flight, worker: str, stage: str) -> None:
+        flight.worker, flight.stage = worker, stage
+        flight.deadline_s = time.time() + self.deadline_s
 
     def _send(self, worker: str, method: str, request_id: str | None, *args: Any) -> None:
         pending = self.calls.call(self.workers[worker].handle, method, *args)
-        self._pending[pending] = (method, worker, request_id)
+        self._pending[pending] = _Call(method, worker, request_id)
 
     # ---- events -----------------------------------------------------------------------
     def _poll_workers(self) -> None:
+        polling = {c.worker for c in self._pending.values() if c.method == "wait_events"}
         for name, worker in self.workers.items():
-            if worker.alive and name not in self._polls:
-                self._polls[name] = self.calls.call(worker.handle, "wait_events", self.poll_s)
+            if worker.alive and name not in polling:
+                self._send(name, "wait_events", None, self.poll_s)
 
     def _complete(self, pending: Any) -> None:
-        if pending in self._pending:
-            method, worker, request_id = self._pending.pop(pending)
-        else:
-            worker = next(name for name, p in self._polls.items() if p is pending)
-            method, request_id = "wait_events", None
-            del self._polls[worker]
+        call = self._pending.pop(pending)
         try:
             result = self.calls.result(pending)
-        except WorkerDied as err:
-            self._worker_died(worker, err)
+        except Exception as err:
+            if isinstance(err, WorkerDied) or call.method == "wait_events":
+                self._worker_died(call.worker, err)  # gone, or its engine loop died
+            elif call.request_id in self._flights:  # a call that raised: only its request fails
+                self._finish(self._flights[call.request_id], error=f"{call.worker}.{call.method}: "
+                             f"{describe_error(err)}", kv_back=call.method == "admit")  # admit took no KV
             return
-        except Exception as err:  # a remote call that raised: only its request fails
-            if request_id in self._flights:
-                self._finish(self._flights[request_id],
-                             error=f"{worker}.{method}: {describe_error(err)}")  # cause, 1 line
-            return
-        if method == "wait_events":
-            if result:
-                self._last_heard[worker] = time.time()
+        if call.method == "wait_events":
             for event in result:
                 self._on_event(event)
 
     def _on_event(self, event: ev.WorkerEvent) -> None:
         flight = self._flights.get(event.request_id)
-        if flight is None:  # late news of a request already ended (e.g. timed out)
+        if flight is None:  # late news of a request already ended: free the KV it carries
+            self._release_kv(event.worker, event.kv_handles)
             return
         record = flight.record
         record.timeline.update(event.stamps)
+        flight.deadline_s = time.time() + self.deadline_s  # its own news refreshes its deadline
         if event.kind == ev.ERROR:
             self._finish(flight, error=f"{event.worker}: {event.error}")
         elif event.kind == ev.KV_GOT:
             record.kv_transfer_s = event.kv_transfer_s
+            flight.stage, flight.kv_handles = DECODE, ()  # fetched: the decode worker freed them
         elif event.kind in (ev.TOKEN, ev.PREFILLED):
             record.token_times_s.append(time.time())  # the token leaves the router now
             record.output_token_ids.append(event.token_id)
+            flight.stage = DECODE if flight.stage == PREFILL else flight.stage
             if event.finish_reason is not None:
                 self._finish(flight, finish_reason=event.finish_reason)
             elif event.kind == ev.PREFILLED:
                 self._hand_over(flight, event)
 
     def _hand_over(self, flight: _Flight, event: ev.WorkerEvent) -> None:
-        """First token out; now the decode worker fetches the KV and decodes."""
+        """First token out; the router holds the KV handles until ``admit`` accepts them."""
         record = flight.record
         record.kv_bytes = event.kv_bytes
-        self.loads[flight.worker] -= flight.load_tokens
-        decode = record.decode_worker
-        if not self.workers[decode].alive:
-            self._finish(flight, error=f"decode worker {decode} died before the KV hand-over")
-            return
-        flight.worker, flight.since_s = decode, time.time()
-        flight.load_tokens = flight.request.num_prompt_tokens + flight.request.sampling.max_tokens
-        self.loads[decode] += flight.load_tokens
+        self._discharge(flight, flight.worker)
+        decode = record.decode_worker  # alive: requests that need a dead worker end at once
+        self._wait_on(flight, decode, TRANSFER)
+        flight.kv_owner, flight.kv_handles = event.worker, event.kv_handles
         self._send(decode, "admit", flight.request.request_id, flight.request, event.token_id,
                    event.kv_handles)
 
+    def _release_kv(self, owner: str | None, handles: tuple[Any, ...]) -> None:
+        """Give KV handles the router cannot pass on back to their producer to free."""
+        if handles and owner is not None and self.workers[owner].alive:
+            self._send(owner, "release", None, tuple(handles))
+
     def _finish(self, flight: _Flight, finish_reason: str | None = None,
-                error: str | None = None) -> None:
+                error: str | None = None, kv_back: bool = False) -> None:
+        """End ``flight``; ``kv_back``: its KV in transit never reached a live decode worker
+        (``admit`` failed, or the decode worker died), so it goes back to its producer."""
         record = flight.record
+        if kv_back:
+            self._release_kv(flight.kv_owner, flight.kv_handles)
         now = time.time()
         record.timeline[FINISHED] = now
         if error is not None:
             record.timeline[ERROR] = now
             record.error, record.finish_reason = error, "error"
             for name in {record.prefill_worker, record.decode_worker} - {None}:
-                if self.workers[name].alive:  # free whatever KV it holds there
+                if self.workers[name].alive:  # free whatever it holds there
                     self._send(name, "abort", None, record.request_id)
         else:
             record.finish_reason = finish_reason
-        if flight.worker:
-            self.loads[flight.worker] -= flight.load_tokens
+        for name in list(flight.charges):
+            self._discharge(flight, name)
         del self._flights[record.request_id]
         self._done[record.request_id] = record
         if self._on_finish is not None:
@@ -283,27 +336,29 @@ class Router:
 
     # ---- failures ---------------------------------------------------------------------
     def _worker_died(self, name: str, err: Exception) -> None:
+        """Mark ``name`` dead; every request that still needs it ends, naming the cause."""
         worker = self.workers[name]
         if not worker.alive:
             return
         worker.alive = False
-        self._polls.pop(name, None)
         for flight in list(self._flights.values()):
-            if flight.worker == name:
-                self._finish(flight, error=f"{worker.role} worker {name} died: {err}")
+            if name in flight.charges:
+                self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
+                             kv_back=flight.worker == name)
 
     def _check_deadlines(self) -> None:
         now = time.time()
         for flight in list(self._flights.values()):
-            name = flight.worker
-            if name and now - max(flight.since_s, self._last_heard[name]) > self.deadline_s:
-                self._finish(flight, error=f"{self.workers[name].role} worker {name} reported "
-                                           f"nothing for {self.deadline_s} s")
+            if now > flight.deadline_s:
+                self._finish(flight, error=f"deadline: no news of the request for "
+                                           f"{self.deadline_s} s while waiting for "
+                                           f"{flight.stage} on {flight.worker}")
 
-    def _drain_polls(self) -> None:
-        """Let the outstanding long polls and calls end before returning (bounded)."""
-        everything = list(self._polls.values()) + list(self._pending)
-        if everything:
-            self.calls.ready(everything, self.poll_s * 2)
-        self._polls.clear()
+    def _drain(self, limit_s: float = 2.0) -> None:
+        """Let the outstanding polls and calls end (bounded): late events they bring still
+        free their KV, and the aborts and releases sent are delivered before returning."""
+        end_s = time.time() + max(limit_s, 2 * self.poll_s)
+        while self._pending and time.time() < end_s:
+            for pending in self.calls.ready(list(self._pending), end_s - time.time()):
+                self._complete(pending)
         self._pending.clear()

@@ -55,3 +55,33 @@ def local_ray(num_cpus: int = 4):
         yield
     finally:
         ray.shutdown()
+
+
+class OrderProbe:
+    """A stand-in worker (no model) for Ray ordering tests: ``ordered`` as ``EngineLoop``'s,
+    ``submit``/``abort`` record the order they ran in, ``wait_events`` raises like a
+    worker whose engine loop died."""
+
+    def __init__(self) -> None:
+        from engine.serving import InOrder
+
+        self.ran: list[tuple[str, int]] = []
+        self._in_order = InOrder()
+
+    def ordered(self, seq: int, method: str, *args):
+        return self._in_order.run(seq, getattr(self, method), *args)
+
+    def submit(self, i: int) -> int:
+        self.ran.append(("submit", i))
+        return i
+
+    def abort(self, i: int) -> None:
+        self.ran.append(("abort", i))
+
+    def history(self) -> list[tuple[str, int]]:
+        return self.ran
+
+    def wait_events(self, timeout_s: float):
+        from engine.serving import EngineLoopDied
+
+        raise EngineLoopDied("probe: engine loop died: RuntimeError: boom")

@@ -54,3 +54,20 @@ def test_corrupted_shm_transfer_fails_only_its_request(tiny):
     by_id = {r.request_id: r for r in records}
     assert "KVChecksumError" in by_id["r3"].error
     assert_outputs([r for r in records if r.request_id != "r3"], expected)
+
+
+def test_shm_kv_of_requests_past_their_deadline_is_freed(tiny):
+    """Prefill steps take 1 s, the per-request deadline is 0.5 s: the router ends every
+    request before its KV is handed over; the late KV (one handle per layer) is freed by
+    its producer (ordered abort/release through Ray), so every shm slot comes back."""
+    workload, _ = mixed_workload(tiny, num_requests=4)
+    with Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
+                    TransferConfig(transport="shm", granularity="layer", layers_per_chunk=1,
+                                   timeout_s=5.0),
+                    faults={"prefill-0": {"step_delay_s": 1.0}}, deadline_s=0.5) as deployment:
+        records = deployment.run(workload)
+        assert all("waiting for prefill on prefill-0" in r.error for r in records), records[0].error
+        for worker in deployment.workers:  # status waits for the slow step: a long timeout
+            status = deployment.router.call_now(worker, "status", timeout_s=60.0)
+            assert status["engine_empty"] and status["transport_held"] == 0, status
+        assert set(deployment.router.loads.values()) == {0}

@@ -1,0 +1,330 @@
+"""Router over fake workers (no model, no Ray): pool rotation, load accounting from
+assignment, per-request deadlines, KV handles of late events, dead workers, validation.
+
+The fakes answer every call at once in the caller's thread. A fake prefill worker
+"prefills" a request ``prefill_s`` after its submit and reports the first token with one KV
+handle, which it keeps in the shared ``FakeTransport`` until someone frees it; a fake
+decode worker frees the handles on ``admit`` (it "fetched" them) and then reports
+``kv_got`` and one token every ``token_s`` seconds.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import pytest
+
+from engine import events as ev
+from engine.metrics import ARRIVED, FINISHED
+from engine.request import Request, SamplingParams
+from router.calls import WorkerDied
+from router.router import Router, WorkerRef
+
+SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
+        "dtype": "float32"}
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+
+
+class _Done:
+    def __init__(self, value=None, error: Exception | None = None) -> None:
+        self.value, self.error = value, error
+
+
+class FakeCalls:
+    """``Calls`` whose calls run at once; a worker with ``dead_error`` set raises it."""
+
+    def call(self, worker, method, *args):
+        if worker.dead_error is not None and method != "info":
+            return _Done(error=worker.dead_error)
+        try:
+            return _Done(getattr(worker, method)(*args))
+        except Exception as err:
+            return _Done(error=err)
+
+    def ready(self, pending, timeout_s):
+        return list(pending)
+
+    def result(self, pending):
+        if pending.error is not None:
+            raise pending.error
+        return pending.value
+
+
+class FakeWorker:
+    """Events go out at their due time; ``lose`` holds request ids never answered."""
+
+    def __init__(self, name: str, transport: FakeTransport, prefill_s: float = 0.0,
+                 token_s: float = 0.0) -> None:
+        self.name, self.role = name, name.split("-")[0]
+        self.transport, self.prefill_s, self.token_s = transport, prefill_s, token_s
+        self.outbox: list[tuple[float, ev.WorkerEvent]] = []
+        self.lose: set[str] = set()
+        self.delay_s: dict[str, float] = {}  # extra delay of one request's first event
+        self.submitted: list[str] = []
+        self.aborted: list[str] = []
+        self.released: list[str] = []
+        self.owned: dict[str, tuple] = {}  # admitted, handles not yet freed
+        self.dead_error: Exception | None = None
+        self.router: Router | None = None
+        self.loads_at_submit: list[dict[str, int]] = []
+        self.min_load = 0
+
+    def info(self) -> dict:
+        return {"kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256}
+
+    def _emit(self, due_s: float, kind: str, rid: str, **fields) -> None:
+        self.outbox.append((due_s, ev.WorkerEvent(kind, rid, self.name, due_s, **fields)))
+
+    def _watch(self) -> None:
+        if self.router is not None:
+            self.min_load = min(self.min_load, *self.router.loads.values())
+
+    def submit(self, request: Request, dst_rank=None) -> None:
+        self._watch()
+        rid = request.request_id
+        self.submitted.append(rid)
+        if self.router is not None:
+            self.loads_at_submit.append(dict(self.router.loads))
+        if rid in self.lose:
+            return
+        due_s = time.time() + self.prefill_s + self.delay_s.get(rid, 0.0)
+        if self.role == "colocated":
+            self._tokens(request, due_s, first_index=0)
+            return
+        handle = f"kv-{rid}"
+        self.transport.held.add(handle)
+        self._emit(due_s, ev.PREFILLED, rid, token_id=7, index=0, kv_handles=(handle,),
+                   kv_bytes=100)
+
+    def admit(self, request: Request, first_token: int, kv_handles) -> None:
+        self._watch()
+        rid = request.request_id
+        self.submitted.append(rid)
+        if rid in self.lose:  # the handles are this worker's now: an abort frees them
+            self.owned[rid] = tuple(kv_handles)
+            return
+        self.transport.held.difference_update(kv_handles)  # fetched: freed by the consumer
+        now = time.time()
+        self._emit(now, ev.KV_GOT, rid, kv_transfer_s=0.0)
+        self._tokens(request, now, first_index=1)
+
+    def _tokens(self, request: Request, start_s: float, first_index: int) -> None:
+        max_tokens = request.sampling.max_tokens
+        for i in range(first_index, max_tokens):
+            self._emit(start_s + (i - first_index + 1) * self.token_s, ev.TOKEN,
+                       request.request_id, token_id=10 + i, index=i,
+                       finish_reason="length" if i == max_tokens - 1 else None)
+
+    def abort(self, request_id: str) -> None:
+        self._watch()
+        self.aborted.append(request_id)
+        self.transport.held.difference_update(self.owned.pop(request_id, ()))
+        for _, event in [item for item in self.outbox if item[1].request_id == request_id]:
+            self.transport.held.difference_update(event.kv_handles)  # never collected: ours
+        self.outbox = [item for item in self.outbox if item[1].request_id != request_id]
+
+    def release(self, handles) -> None:
+        self.released.extend(handles)
+        self.transport.held.difference_update(handles)
+
+    def wait_events(self, timeout_s: float) -> list[ev.WorkerEvent]:
+        self._watch()
+        now = time.time()
+        due = [e for t, e in self.outbox if t <= now]
+        self.outbox = [(t, e) for t, e in self.outbox if t > now]
+        if not due:
+            time.sleep(min(timeout_s, 0.002))  # a short long-poll: the router does not spin
+        return due
+
+
+def build(placement: str, policy: str = "least_loaded", deadline_s: float = 60.0, **timing):
+    """Fake workers for ``colocated:N`` / ``disagg:xPyD`` and a router over them."""
+    transport = FakeTransport()
+    kind, _, counts = placement.partition(":")
+    if kind == "colocated":
+        names = [f"colocated-{i}" for i in range(int(counts))]
+    else:
+        num_prefill, num_decode = counts.rstrip("d").split("p")
+        names = ([f"prefill-{i}" for i in range(int(num_prefill))]
+                 + [f"decode-{i}" for i in range(int(num_decode))])
+    workers = {name: FakeWorker(name, transport, **timing) for name in names}
+    refs = [WorkerRef(name, w.role, w, rank) for rank, (name, w) in enumerate(workers.items())]
+    router = Router(refs, FakeCalls(), placement, policy, deadline_s=deadline_s, poll_s=0.005)
+    for worker in workers.values():
+        worker.router = router
+    return router, workers, transport
+
+
+def requests(n: int, prompt_len: int = 4, max_tokens: int = 3, spacing_s: float = 0.0):
+    prompt = tuple(range(3, 3 + prompt_len))
+    return [(Request(f"r{i}", prompt, SamplingParams(max_tokens=max_tokens)), spacing_s * i)
+            for i in range(n)]
+
+
+def assert_drained(router, workers, transport) -> None:
+    """Loads exactly 0 and never negative; no KV handle left anywhere."""
+    assert router.loads == dict.fromkeys(workers, 0)
+    assert all(w.min_load >= 0 for w in workers.values())
+    assert transport.held == set()
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded"])
+def test_each_pool_splits_evenly_on_2p2d(policy):
+    router, workers, transport = build("disagg:2p2d", policy)
+    records = router.run(requests(8))
+    assert Counter(r.prefill_worker for r in records) == {"prefill-0": 4, "prefill-1": 4}
+    assert Counter(r.decode_worker for r in records) == {"decode-0": 4, "decode-1": 4}
+    assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in records)
+    assert_drained(router, workers, transport)
+
+
+def test_round_robin_rotates_colocated_instances():
+    router, workers, transport = build("colocated:3", "round_robin")
+    records = router.run(requests(6))
+    assert [r.prefill_worker for r in records] == ["colocated-0", "colocated-1", "colocated-2"] * 2
+    assert all(r.output_token_ids == [10, 11, 12] for r in records)
+    assert_drained(router, workers, transport)
+
+
+def test_least_loaded_counts_a_burst_from_assignment():
+    """6 requests at t=0 on 1p2d: each counts against its decode worker at once: 3/3."""
+    router, workers, transport = build("disagg:1p2d", prefill_s=0.02)
+    records = router.run(requests(6, prompt_len=4, max_tokens=3))
+    assert Counter(r.decode_worker for r in records) == {"decode-0": 3, "decode-1": 3}
+    # At the 6th submit every request is charged: prefill by prompt, decode by prompt + max.
+    assert workers["prefill-0"].loads_at_submit[-1] == {
+        "prefill-0": 6 * 4, "decode-0": 3 * (4 + 3), "decode-1": 3 * (4 + 3)}
+    assert_drained(router, workers, transport)
+
+
+def test_decode_death_at_hand_over_frees_kv_and_loads_return_to_zero():
+    router, workers, transport = build("disagg:1p2d")
+    decode = workers["decode-1"]
+
+    def admit_on_dead_worker(*args):
+        decode.dead_error = WorkerDied("actor decode-1 is gone")
+        raise decode.dead_error
+
+    decode.admit = admit_on_dead_worker
+    records = router.run(requests(6))
+    by_worker = {name: [r for r in records if r.decode_worker == name]
+                 for name in ("decode-0", "decode-1")}
+    assert len(by_worker["decode-1"]) == 3
+    assert all("decode worker decode-1 died: actor decode-1 is gone" in r.error
+               for r in by_worker["decode-1"])
+    assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in by_worker["decode-0"])
+    # the handle of the request at hand-over went back to its producer, which freed it
+    assert "kv-r1" in workers["prefill-0"].released
+    assert_drained(router, workers, transport)
+
+
+@pytest.mark.parametrize("lost_in,where", [
+    ("prefill-0", "waiting for prefill on prefill-0"),
+    ("decode-0", "waiting for KV transfer on decode-0"),
+])
+def test_request_lost_in_a_busy_worker_ends_at_its_own_deadline(lost_in, where):
+    """The worker keeps reporting other requests (every 0.05 s, well inside the deadline),
+    so only a per-request deadline ends the lost one."""
+    deadline_s = 0.3
+    router, workers, transport = build("disagg:1p1d", deadline_s=deadline_s, token_s=0.05)
+    workers[lost_in].lose.add("r1")
+    records = router.run(requests(20, max_tokens=4, spacing_s=0.05))
+    lost = records[1]
+    assert lost.error is not None and where in lost.error, lost.error
+    assert lost.timeline[FINISHED] - lost.timeline[ARRIVED] >= deadline_s
+    # it ended while its worker was still busy reporting others (the last one arrives ~0.9 s)
+    assert lost.timeline[FINISHED] < records[-1].timeline[ARRIVED]
+    assert all(r.error is None and r.output_token_ids == [7, 11, 12, 13]
+               for r in records if r.request_id != "r1")
+    assert "r1" in workers[lost_in].aborted
+    assert_drained(router, workers, transport)
+
+
+def test_a_request_s_own_events_refresh_its_deadline():
+    """20 tokens 0.05 s apart take 1 s, far past the 0.3 s deadline: no error."""
+    router, workers, transport = build("disagg:1p1d", deadline_s=0.3, token_s=0.05)
+    [record] = router.run(requests(1, max_tokens=20))
+    assert record.error is None and len(record.output_token_ids) == 20
+    assert_drained(router, workers, transport)
+
+
+def test_late_prefilled_event_gives_its_kv_back_to_the_producer():
+    """r1's first token comes after its deadline: the router ended it, so the handles the
+    late event carries go back to prefill-0, which frees them."""
+    router, workers, transport = build("disagg:1p1d", deadline_s=0.2, token_s=0.04)
+    prefill = workers["prefill-0"]
+    prefill.delay_s["r1"] = 0.4
+    prefill.abort = lambda rid: prefill.aborted.append(rid)  # too late: already reported
+    # r0 decodes 20 tokens (0.8 s), so the router is still running when r1's event comes
+    work = [(Request("r0", (3, 4), SamplingParams(max_tokens=20)), 0.0),
+            (Request("r1", (3, 4), SamplingParams(max_tokens=20)), 0.0)]
+    records = router.run(work)
+    assert records[0].error is None and len(records[0].output_token_ids) == 20
+    assert "waiting for prefill on prefill-0" in records[1].error
+    assert prefill.released == ["kv-r1"]
+    assert_drained(router, workers, transport)
+
+
+@pytest.mark.parametrize("error", [RuntimeError("prefill worker prefill-0: engine loop died: "
+                                                "RuntimeError: boom"),
+                                   WorkerDied("ActorDiedError: the actor died")])
+def test_dead_worker_fails_its_requests_at_once_and_gets_nothing_new(error):
+    """Death comes from the poll (long before the 60 s deadline): its requests fail
+    naming the cause; later requests all go to prefill-1."""
+    router, workers, transport = build("disagg:2p1d", policy="round_robin", prefill_s=0.2)
+    dying = workers["prefill-0"]
+    real_wait = dying.wait_events
+
+    def wait_then_die(timeout_s):
+        if len(dying.submitted) >= 2:
+            dying.dead_error = error
+            raise error
+        return real_wait(timeout_s)
+
+    dying.wait_events = wait_then_die
+    records = router.run(requests(8, spacing_s=0.05))
+    failed = [r for r in records if r.error]
+    assert {r.request_id for r in failed} == set(dying.submitted) == {"r0", "r2"}
+    assert all(f"prefill worker prefill-0 died: {error}" in r.error for r in failed)
+    rest = [r for r in records if not r.error]
+    assert all(r.prefill_worker == "prefill-1" and r.output_token_ids == [7, 11, 12] for r in rest)
+    assert len(rest) == 6
+    assert router.loads == dict.fromkeys(workers, 0)
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused():
+    router, workers, transport = build("disagg:1p1d")
+    bad = [Request(f"bad{t}", (3, 4), SamplingParams(max_tokens=2, stop_token_ids=(5, t)))
+           for t in (256, -1)]
+    records = router.run([(r, 0.0) for r in bad] + requests(1))
+    assert records[0].error == "stop_token_ids must be in [0, 256), got [256]"
+    assert records[1].error == "stop_token_ids must be in [0, 256), got [-1]"
+    assert workers["prefill-0"].submitted == ["r0"]  # nothing scheduled for them
+    assert records[2].error is None
+    assert_drained(router, workers, transport)
+
+
+def test_decode_death_mid_transfer_gives_the_kv_back_to_its_producer():
+    """decode-0 accepted r0's handles but dies before fetching them: nobody else will free
+    them, so the router hands them back to prefill-0."""
+    router, workers, transport = build("disagg:1p1d")
+    decode = workers["decode-0"]
+    decode.lose.add("r0")
+    real_wait = decode.wait_events
+
+    def wait_then_die(timeout_s):
+        if "r0" in decode.owned:
+            decode.dead_error = WorkerDied("actor decode-0 is gone")
+            raise decode.dead_error
+        return real_wait(timeout_s)
+
+    decode.wait_events = wait_then_die
+    [record] = router.run(requests(1))
+    assert "decode worker decode-0 died: actor decode-0 is gone" in record.error
+    assert workers["prefill-0"].released == ["kv-r0"]
+    assert_drained(router, workers, transport)
