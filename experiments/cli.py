@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from engine.config import (DTYPES, EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
+from engine.config import (DTYPES, ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
 from engine.errors import describe_error
 from engine.metrics import SLO
@@ -31,7 +31,7 @@ from experiments.placement import check_devices_exist, worker_layout
 from experiments.report import format_table
 from router.policy import POLICIES
 
-OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig,
+OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig,
                                     interference.InterferenceConfig)
                  for f in dataclasses.fields(cls)}
 
@@ -97,7 +97,8 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
                                  "and every disagg:xPyD with x+y=N)")
     else:
         parser.add_argument("--placement", type=_placements, default=["disagg:1p1d"],
-                            help="colocated:N, colocated-nochunk:N or disagg:xPyD "
+                            help="colocated:N, colocated-nochunk:N, disagg:xPyD or "
+                                 "conditional:xPyD (decode workers prefill short prompts) "
                                  "(default: disagg:1p1d)")
     parser.add_argument("--devices", default=None, type=_devices,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
@@ -129,6 +130,8 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
                            f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
     transfer = parser.add_argument_group("KV transfer")
     add_dataclass_args(transfer, TransferConfig)
+    add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
+                       ConditionalConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -179,6 +182,7 @@ class Experiment:
     transfer: TransferConfig
     slo: SLO
     out: Path
+    conditional: ConditionalConfig = ConditionalConfig()
 
 
 def _engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
@@ -251,10 +255,11 @@ def check_experiment(args: argparse.Namespace) -> Experiment:
             f"must hold the workload's longest request ({longest} tokens), got {capacity} "
             "(longer requests would fail)"))
     transfer = dataclass_from_args(TransferConfig, args)
+    conditional = dataclass_from_args(ConditionalConfig, args)
     check_out(args.out)
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Experiment(placements, devices, spec, model, engine, transfer,
-                      SLO(args.slo_ttft_s, args.slo_tpot_s), out)
+                      SLO(args.slo_ttft_s, args.slo_tpot_s), out, conditional)
 
 
 def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
@@ -266,7 +271,7 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
               "engine caps max_model_len at it (the config row records the value asked for)")
     summary, verdict = run_experiment(x.placements, args.rates, x.spec, x.model, x.engine,
                                       x.transfer, ",".join(x.devices), args.address, x.slo,
-                                      x.out, args.policy)
+                                      x.out, args.policy, x.conditional)
     print()
     print(format_table(summary))
     print()

@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
+from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            check_fields, parse_devices)
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAME, load_tokenizer, tiny_llama_config
@@ -147,11 +147,12 @@ class RunResult:
 def run_placement(placement: str, rates: list[float], items, spec: WorkloadSpec,
                   model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                   devices: str | None, address: str | None,
-                  policy: str = "least_loaded") -> list[RunResult]:
+                  policy: str = "least_loaded",
+                  conditional: ConditionalConfig | None = None) -> list[RunResult]:
     """Deploy one placement and replay the workload at each rate."""
     results = []
     with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer,
-                    policy=policy) as dep:
+                    policy=policy, conditional=conditional) as dep:
         for rate in rates:
             workload = router_workload(items, rate, spec, tag=f"{placement}@{rate}")
             bar = tqdm(total=len(workload), desc=f"{placement} @ {rate:g} req/s", unit="req")
@@ -223,7 +224,8 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
 def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec,
                    model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                    devices: str | None, address: str | None, slo: SLO, out_dir: Path,
-                   policy: str = "least_loaded") -> tuple[pd.DataFrame, str]:
+                   policy: str = "least_loaded",
+                   conditional: ConditionalConfig | None = None) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text).
 
     Raises:
@@ -236,10 +238,11 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     results = []
     for placement in placements:
         results += run_placement(placement, rates, items, spec, model, engine, transfer,
-                                 ",".join(device_set), address, policy)
+                                 ",".join(device_set), address, policy, conditional)
     config = {**environment(model, device_set), "placements": placements, "rates": rates,
               "workload": dataclasses.asdict(spec), "engine": dataclasses.asdict(engine),
               "transfer": dataclasses.asdict(transfer), "slo": dataclasses.asdict(slo),
               "policy": policy,
+              "conditional": dataclasses.asdict(conditional or ConditionalConfig()),
               "seed": spec.seed}
     return write_results(out_dir, results, config, slo, len(device_set))

@@ -20,7 +20,7 @@ import pytest
 
 import experiments.compare
 import experiments.profile
-from engine.config import EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
+from engine.config import ConditionalConfig, EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
 from experiments import cli
 from experiments.compare import WorkloadSpec
 from experiments.interference import InterferenceConfig
@@ -35,8 +35,8 @@ BASE = {"run": TINY_RUN + ["--placement", "colocated:1"],
         "kv-cost": ["--model", "tiny-random-llama"],
         "interference": ["--model", "tiny-random-llama", "--batch-sizes", "1,2", "--prompt-lens",
                          "0,16", "--context-len", "16", "--chunk-budgets", "12"]}
-DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig),
-           "compare": (WorkloadSpec, EngineConfig, TransferConfig),
+DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
+           "compare": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
            "interference": (InterferenceConfig,)}
 # dataclass fields the CLI leaves out (each worker binds its own device)
 SKIPPED = {(EngineConfig, "device")}
@@ -190,7 +190,8 @@ def test_every_option_has_a_bad_value():
 
 
 def test_every_config_field_has_a_rule():
-    for cls in (WorkloadSpec, EngineConfig, TransferConfig, ModelConfig, InterferenceConfig):
+    for cls in (WorkloadSpec, EngineConfig, TransferConfig, ModelConfig, InterferenceConfig,
+                ConditionalConfig):
         for f in dataclasses.fields(cls):
             has_rule = field_type(f) is bool or any(k in f.metadata for k in RULE_KEYS)
             assert has_rule, f"{cls.__name__}.{f.name} has no rule in its metadata"
