@@ -27,11 +27,11 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
-                           check_fields, parse_devices)
+                           check_fields, parse_devices, parse_placement)
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAME, load_tokenizer, tiny_llama_config
 from engine.request import Request, SamplingParams
-from experiments import analysis, plots, report, workloads
+from experiments import analysis, hindsight, plots, report, workloads
 from experiments.placement import Deployment, worker_layout
 
 DATASETS = ("sharegpt", "humaneval", "synthetic")
@@ -216,9 +216,23 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
     }
     devices_of = {p: PlacementConfig(p).num_devices_needed for p in by_placement}
     verdict_text = analysis.verdict(summary, slo, num_devices=num_devices)
+    verdict_text += _write_hindsight(out_dir, results, slo)
     goodput = analysis.goodput_per_device(curve, devices_of) if len(set(curve["rate"])) > 1 else None
     report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput)
     return summary, verdict_text
+
+
+def _write_hindsight(out_dir: Path, results: list[RunResult], slo: SLO) -> str:
+    """hindsight.csv for the ``conditional:xPyD`` runs (``experiments.hindsight``); returns
+    their one-line summaries for the verdict ("" when there are none)."""
+    runs = [r for r in results if parse_placement(r.placement)[0] == "conditional"]
+    if not runs:
+        return ""
+    tables = [(r, hindsight.hindsight(r.records, r.steps, slo)) for r in runs]
+    pd.concat([t.assign(placement=r.placement, rate=r.rate) for r, t in tables]).to_csv(
+        out_dir / "hindsight.csv", index=False)
+    return "".join(f"\n{r.placement} @ {r.rate:g} req/s {hindsight.hindsight_text(t)}."
+                   for r, t in tables)
 
 
 def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec,

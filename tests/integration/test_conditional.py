@@ -9,9 +9,13 @@ import pytest
 from conftest import random_prompts, reference_generate
 from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
 
+import pandas as pd
+
 from engine.config import ConditionalConfig, ModelConfig, PlacementConfig, TransferConfig, \
     parse_placement
 from engine.request import Request, SamplingParams
+from engine.metrics import SLO
+from experiments.compare import RunResult, _write_hindsight
 from experiments.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")
@@ -40,12 +44,20 @@ def test_rule(length, queued, remote):
     assert rule.remote(length, queued) is remote
 
 
-def test_prompts_route_by_length_and_match_generate(tiny):
+def test_prompts_route_by_length_and_match_generate(tiny, tmp_path):
     workload, expected = mixed_workload(tiny)  # prompt lengths 1..40, spaced 10 ms apart
     with deploy(ConditionalConfig(max_local_prefill_length=16, max_prefill_queue_size=100)) as dep:
         records = dep.run(workload)
         assert_outputs(records, expected)
         assert_clean(dep)
+        steps = dep.step_records()
+    # compare writes the hindsight table of every conditional run
+    run = RunResult("conditional:1p1d", 1.0, records, steps, [], 1.0)
+    text = _write_hindsight(tmp_path, [run], SLO(ttft_s=10.0, tpot_s=10.0))
+    table = pd.read_csv(tmp_path / "hindsight.csv")
+    assert sorted(table["request_id"]) == sorted(r.request_id for r in records)
+    assert table["met_slo"].all() and not table["regret"].any()
+    assert "conditional:1p1d @ 1 req/s hindsight:" in text
     paths = {r.num_prompt_tokens: r.prefill_path for r in records}
     assert {n for n, p in paths.items() if p == "remote"} == {n for n in paths if n > 16}
     assert {n for n, p in paths.items() if p == "local"} == {n for n in paths if n <= 16}
