@@ -224,7 +224,7 @@ class ConditionalConfig:
             queued or prefilling on the prefill workers (>= 1).
     """
 
-    max_local_prefill_length: int = field(default=128, metadata={
+    max_local_prefill_length: int = field(default=256, metadata={
         "min": 0, "help": "prompts of at most this many tokens prefill on their decode worker "
                           "(conditional:xPyD)"})
     max_prefill_queue_size: int = field(default=4, metadata={
