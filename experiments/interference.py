@@ -355,6 +355,11 @@ def fit_step_model(steps: pd.DataFrame) -> dict[str, StepFit]:
     return fits
 
 
+def _time_text(seconds: float) -> str:
+    """``646 ms`` below a second, ``18.6 s`` above."""
+    return f"{seconds:.3g} s" if abs(seconds) >= 1.0 else f"{seconds * 1e3:.3g} ms"
+
+
 def sentence(summary: pd.DataFrame, device_text: str) -> str:
     """The quotable sentence at the largest B and P of the grid (stall = worst step minus
     the baseline step, module docstring; chunked: the worst of its steps, and how many)."""
@@ -366,15 +371,15 @@ def sentence(summary: pd.DataFrame, device_text: str) -> str:
 
     whole = row(NOCHUNK).iloc[0]
     chunks = "; ".join(
-        f"chunking at budget {int(r.budget)} reduces that to {r.stall_s * 1e3:.3g} ms per step "
+        f"chunking at budget {int(r.budget)} reduces that to {_time_text(r.stall_s)} per step "
         f"({r.inflation:.2f}x) over {int(r.num_injection_steps)} steps"
         for r in row(CHUNKED).itertuples())
     kv = row(DISAGG).iloc[0]
     return (f"On this device ({device_text}), a {big_p}-token prefill stalls a {big_b}-request "
-            f"decode batch by {whole.stall_s * 1e3:.3g} ms ({whole.inflation:.2f}x its "
-            f"{whole.base_step_s * 1e3:.3g} ms step); {chunks}; disaggregation to "
-            f"{kv.stall_s * 1e3:.3g} ms ({kv.inflation:.2f}x), with the KV import of the "
-            f"arriving request reported separately: {kv.import_s * 1e3:.3g} ms.")
+            f"decode batch by {_time_text(whole.stall_s)} ({whole.inflation:.2f}x its "
+            f"{_time_text(whole.base_step_s)} step); {chunks}; disaggregation to "
+            f"{_time_text(kv.stall_s)} ({kv.inflation:.2f}x), with the KV import of the "
+            f"arriving request reported separately: {_time_text(kv.import_s)}.")
 
 
 # ---- output ----------------------------------------------------------------------------
