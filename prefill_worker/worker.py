@@ -83,15 +83,6 @@ class PrefillWorker(EngineLoop):
             self._add(request, prefill_only=True)
         self._commands.put(add)
 
-    def abort(self, request_id: str) -> None:
-        """Drop ``request_id`` wherever it is here, including KV put but not yet collected."""
-        def drop() -> None:
-            self.engine.abort(request_id)
-            self._dst_rank.pop(request_id, None)
-            for event in self._take_events(request_id):
-                self._free(event.kv_handles)
-        self._commands.put(drop)
-
     def release(self, handles: tuple[KVHandle, ...]) -> None:
         """Free KV handles this worker put that nobody will fetch (the request ended first,
         its decode worker died, or ``admit`` refused them). Freeing twice is harmless."""
@@ -114,6 +105,8 @@ class PrefillWorker(EngineLoop):
         return [r.__dict__ for r in self.transport.records]
 
     def abort(self, request_id: str) -> None:
+        """Drop ``request_id`` wherever it is here: queued, computing, deferred, or put but
+        with its ``prefilled`` event not yet collected (no one else will free that KV)."""
         self._commands.put(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
@@ -122,8 +115,9 @@ class PrefillWorker(EngineLoop):
         self._dst_rank.pop(request_id, None)
         self._put_errors.pop(request_id, None)
         self._no_room.discard(request_id)
-        for handle in self._layer_handles.pop(request_id, []):
-            self.transport.free(handle)
+        self._free(self._layer_handles.pop(request_id, []))
+        for event in self._take_events(request_id):
+            self._free(event.kv_handles)
 
     def idle_wait_s(self) -> float:
         return 0.002 if self._deferred else super().idle_wait_s()
