@@ -23,6 +23,9 @@ A request's life here (DESIGN §3, steps 3-5). Transfer is a scheduler state:
    handles freed and its KV dropped when it returns. An aborted request never decodes; an
    ``error`` event says where it was aborted (ignored by a router that aborted it itself).
 6. Every token leaves as a ``token`` event; the request's KV is freed when it finishes.
+
+Under ``conditional:xPyD`` the router also ``submit``s whole requests (short prompts) here:
+they prefill and decode in this engine like a colocated instance's, batched with the rest.
 """
 
 from __future__ import annotations

@@ -173,18 +173,21 @@ class TransferConfig:
 
 
 ADDRESS_PATTERN = r"auto|local|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5}"
-_PLACEMENT_RE = re.compile(r"colocated(?:-nochunk)?:(\d+)|disagg:(\d+)p(\d+)d")
+_PLACEMENT_RE = re.compile(r"colocated(?:-nochunk)?:(\d+)|(disagg|conditional):(\d+)p(\d+)d")
 NOCHUNK = "colocated-nochunk"
 
 
 def parse_placement(placement: str) -> tuple[str, int, int]:
-    """Parse ``colocated:N``, ``colocated-nochunk:N`` or ``disagg:xPyD`` (case-insensitive).
+    """Parse ``colocated:N``, ``colocated-nochunk:N``, ``disagg:xPyD`` or
+    ``conditional:xPyD`` (case-insensitive).
 
     ``colocated-nochunk:N`` is ``colocated:N`` with chunked prefill off (see
     ``placement_engine_overrides``), so one comparison can hold both colocated baselines.
+    ``conditional:xPyD`` has the workers of ``disagg:xPyD``, but its decode workers prefill
+    short prompts themselves (``ConditionalConfig``).
 
     Returns:
-        ``("colocated", N, 0)`` or ``("disagg", x, y)``.
+        ``("colocated", N, 0)``, ``("disagg", x, y)`` or ``("conditional", x, y)``.
 
     Raises:
         ValueError: anything else, or a zero count.
@@ -192,15 +195,49 @@ def parse_placement(placement: str) -> tuple[str, int, int]:
     m = _PLACEMENT_RE.fullmatch(placement.strip().lower())
     if m is None:
         raise ValueError(
-            "placement must be 'colocated:N', 'colocated-nochunk:N' or 'disagg:xPyD' "
-            f"(e.g. disagg:1p1d), got {placement!r}")
+            "placement must be 'colocated:N', 'colocated-nochunk:N', 'disagg:xPyD' or "
+            f"'conditional:xPyD' (e.g. disagg:1p1d), got {placement!r}")
     if m.group(1) is not None:
         n = int(m.group(1))
         _check(n >= 1, f"colocated:N needs N >= 1, got {placement!r}")
         return "colocated", n, 0
-    x, y = int(m.group(2)), int(m.group(3))
-    _check(x >= 1 and y >= 1, f"disagg:xPyD needs x, y >= 1, got {placement!r}")
-    return "disagg", x, y
+    kind, x, y = m.group(2), int(m.group(3)), int(m.group(4))
+    _check(x >= 1 and y >= 1, f"{kind}:xPyD needs x, y >= 1, got {placement!r}")
+    return kind, x, y
+
+
+@dataclass(frozen=True)
+class ConditionalConfig:
+    """When a ``conditional:xPyD`` placement prefills a prompt remotely (NVIDIA Dynamo's
+    conditional disaggregation, with its option names ``max_local_prefill_length`` and
+    ``max_prefill_queue_size``: Dynamo docs, "Dynamo Disaggregation", v0.2.0,
+    docs.nvidia.com/dynamo/archive/0.2.0/architecture/disagg_serving.html).
+
+    A request prefills on a prefill worker only if its prompt is longer than
+    ``max_local_prefill_length`` tokens **and** fewer than ``max_prefill_queue_size``
+    requests wait for prefill on the prefill workers; otherwise its decode worker prefills
+    it locally (and decodes it, no KV transfer).
+
+    Attributes:
+        max_local_prefill_length: longest prompt (tokens) a decode worker prefills itself.
+        max_prefill_queue_size: remote prefill only while fewer requests than this are
+            queued or prefilling on the prefill workers (>= 1).
+    """
+
+    max_local_prefill_length: int = field(default=256, metadata={
+        "min": 0, "help": "prompts of at most this many tokens prefill on their decode worker "
+                          "(conditional:xPyD)"})
+    max_prefill_queue_size: int = field(default=4, metadata={
+        "min": 1, "help": "remote prefill only while fewer requests wait on the prefill "
+                          "workers (conditional:xPyD)"})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    def remote(self, num_prompt_tokens: int, num_queued_prefills: int) -> bool:
+        """Dynamo's rule: prefill remotely (True) or on the decode worker (False)."""
+        return (num_prompt_tokens > self.max_local_prefill_length
+                and num_queued_prefills < self.max_prefill_queue_size)
 
 
 def placement_engine_overrides(placement: str, engine: EngineConfig) -> EngineConfig:
@@ -259,7 +296,7 @@ class PlacementConfig:
     """Where prefill and decode run.
 
     Attributes:
-        placement: ``colocated:N`` or ``disagg:xPyD``.
+        placement: ``colocated:N``, ``disagg:xPyD`` or ``conditional:xPyD``.
         devices: comma-separated device set; None = all GPUs, else one device per CPU core.
         address: an existing Ray cluster to join; None starts a local one.
     """

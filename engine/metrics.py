@@ -78,6 +78,8 @@ class RequestRecord:
         output_token_ids: the tokens it produced.
         finish_reason: ``FinishReason`` value (``"stop"``, ``"length"``, ...) or None.
         error: error message when it failed, else None.
+        prefill_path: ``"local"`` (prefilled where it decodes: colocated, or a short prompt
+            under ``conditional:xPyD``) or ``"remote"`` (on a prefill worker, KV shipped).
         kv_bytes: bytes of prompt KV shipped for it (0 when colocated).
         kv_put_s: seconds inside the transport's ``put`` on the prefill worker (all layer
             ranges; None when there was no transfer).
@@ -95,6 +97,7 @@ class RequestRecord:
     prefill_worker: str | None = None
     decode_worker: str | None = None
     num_prompt_tokens: int = 0
+    prefill_path: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None

@@ -1,4 +1,4 @@
-"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``.
+"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``, ``interference``.
 
 Engine, transfer and workload options are derived from the config dataclasses' fields
 (``engine.config.add_dataclass_args``), so every knob has one name, one default and one
@@ -20,18 +20,19 @@ import sys
 import time
 from pathlib import Path
 
-from engine.config import (DTYPES, EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
+from engine.config import (DTYPES, ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
 from engine.errors import describe_error
 from engine.metrics import SLO
 from engine.model import ModelLoadError, check_model_name, model_context_len
-from experiments import kv_cost, profile
+from experiments import interference, kv_cost, profile
 from experiments.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.placement import check_devices_exist, worker_layout
 from experiments.report import format_table
 from router.policy import POLICIES
 
-OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig)
+OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig,
+                                    interference.InterferenceConfig)
                  for f in dataclasses.fields(cls)}
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
@@ -96,7 +97,8 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
                                  "and every disagg:xPyD with x+y=N)")
     else:
         parser.add_argument("--placement", type=_placements, default=["disagg:1p1d"],
-                            help="colocated:N, colocated-nochunk:N or disagg:xPyD "
+                            help="colocated:N, colocated-nochunk:N, disagg:xPyD or "
+                                 "conditional:xPyD (decode workers prefill short prompts) "
                                  "(default: disagg:1p1d)")
     parser.add_argument("--devices", default=None, type=_devices,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
@@ -128,6 +130,8 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
                            f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
     transfer = parser.add_argument_group("KV transfer")
     add_dataclass_args(transfer, TransferConfig)
+    add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
+                       ConditionalConfig)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(command_parser=command)
     command = sub.add_parser("kv-cost", help="KV transfer cost vs prefill cost")
     kv_cost.add_arguments(command)
+    command.set_defaults(command_parser=command)
+    command = sub.add_parser("interference", help="decode stall caused by a prefill, per mode")
+    interference.add_arguments(command)
     command.set_defaults(command_parser=command)
     return parser
 
@@ -175,6 +182,7 @@ class Experiment:
     transfer: TransferConfig
     slo: SLO
     out: Path
+    conditional: ConditionalConfig = ConditionalConfig()
 
 
 def _engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
@@ -247,10 +255,11 @@ def check_experiment(args: argparse.Namespace) -> Experiment:
             f"must hold the workload's longest request ({longest} tokens), got {capacity} "
             "(longer requests would fail)"))
     transfer = dataclass_from_args(TransferConfig, args)
+    conditional = dataclass_from_args(ConditionalConfig, args)
     check_out(args.out)
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Experiment(placements, devices, spec, model, engine, transfer,
-                      SLO(args.slo_ttft_s, args.slo_tpot_s), out)
+                      SLO(args.slo_ttft_s, args.slo_tpot_s), out, conditional)
 
 
 def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
@@ -262,7 +271,7 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
               "engine caps max_model_len at it (the config row records the value asked for)")
     summary, verdict = run_experiment(x.placements, args.rates, x.spec, x.model, x.engine,
                                       x.transfer, ",".join(x.devices), args.address, x.slo,
-                                      x.out, args.policy)
+                                      x.out, args.policy, conditional=x.conditional)
     print()
     print(format_table(summary))
     print()
@@ -284,7 +293,8 @@ def check_options(args: argparse.Namespace) -> Experiment | None:
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     check_out(args.out)
-    (profile if args.command == "profile" else kv_cost).check_arguments(args, model)
+    commands = {"profile": profile, "kv-cost": kv_cost, "interference": interference}
+    commands[args.command].check_arguments(args, model)
     return None
 
 
@@ -304,9 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if experiment is not None:
             return _run_experiment(args, experiment)
-        if args.command == "profile":
-            return profile.main(args)
-        return kv_cost.main(args)
+        commands = {"profile": profile, "kv-cost": kv_cost, "interference": interference}
+        return commands[args.command].main(args)
     except (ValueError, ModelLoadError, RuntimeError, OSError) as err:
         print(f"pdlab {args.command}: error: {describe_error(err)}", file=sys.stderr)
         return 2

@@ -35,13 +35,13 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
-                           check_fields, parse_devices)
+from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
+                           TransferConfig, check_fields, parse_devices, parse_placement)
 from engine import metrics
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAMES, load_tokenizer, model_context_len, tiny_llama_config
 from engine.request import Request, SamplingParams
-from experiments import analysis, plots, report, workloads
+from experiments import analysis, hindsight, plots, report, workloads
 from experiments.placement import Deployment, worker_layout
 
 DATASETS = ("sharegpt", "humaneval", "synthetic")
@@ -298,7 +298,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                   devices: str | None, address: str | None,
                   policy: str = "least_loaded", worker_info: list | None = None,
-                  local: bool = False, calibration: dict | None = None) -> list[RunResult]:
+                  local: bool = False, calibration: dict | None = None,
+                  conditional: ConditionalConfig | None = None) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
     ``items`` is seed -> workload (or one workload for every seed). The deployment is
@@ -308,6 +309,7 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     first seed's requests as one burst; ``calibrated_rates``); the chosen rates are those of
     the results; ``calibration`` (a dict) receives ``capacity_req_s``, ``rates`` and the
     lone-request ``lone_ttft_s`` / ``lone_tpot_s`` (two requests, each served alone).
+    ``conditional``: the thresholds of a ``conditional:xPyD`` placement.
 
     Raises:
         ValueError: a request does not fit the deployed workers' context.
@@ -315,7 +317,7 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     by_seed = items if isinstance(items, dict) else {s: items for s in spec.seed_list}
     results = []
     with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer,
-                    policy=policy, local=local) as dep:
+                    policy=policy, local=local, conditional=conditional) as dep:
         longest = max(it.num_prompt_tokens + it.output_len for its in by_seed.values() for it in its)
         if longest > dep.router.max_model_len:
             raise ValueError(f"a request of {longest} tokens (prompt + output) does not fit the "
@@ -448,15 +450,29 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
                                                   out_dir / "latency_breakdown.png"),
     }
     verdict_text = analysis.verdict(summary, slo, goodput=goodput)
+    verdict_text += _write_hindsight(out_dir, results, slo)
     report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput)
     return summary, verdict_text
+
+
+def _write_hindsight(out_dir: Path, results: list[RunResult], slo: SLO) -> str:
+    """hindsight.csv for the ``conditional:xPyD`` runs (``experiments.hindsight``); returns
+    their one-line summaries for the verdict ("" when there are none)."""
+    runs = [r for r in results if parse_placement(r.placement)[0] == "conditional"]
+    if not runs:
+        return ""
+    tables = [(r, hindsight.hindsight(r.records, r.steps, slo)) for r in runs]
+    pd.concat([t.assign(placement=r.placement, rate=r.rate, seed=r.seed) for r, t in tables]).to_csv(
+        out_dir / "hindsight.csv", index=False)
+    return "".join(f"\n{r.placement} @ {r.rate:g} req/s {hindsight.hindsight_text(t)}."
+                   for r, t in tables)
 
 
 def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec,
                    model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                    devices: str | None, address: str | None, slo: SLO, out_dir: Path,
-                   policy: str = "least_loaded", local: bool = False
-                   ) -> tuple[pd.DataFrame, str]:
+                   policy: str = "least_loaded", local: bool = False,
+                   conditional: ConditionalConfig | None = None) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
     workers in this process (tests; transport ``inprocess``).
 
@@ -480,7 +496,7 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     for placement in placements:
         results += run_placement(placement, sweep, items, spec, model, engine, transfer,
                                  ",".join(device_set), address, policy, worker_info, local,
-                                 calibration)
+                                 calibration, conditional)
         sweep = sorted({r.rate for r in results})  # calibrated once, on the first placement
     if calibration:
         given, slo = slo, calibrated_slo(slo, calibration["lone_ttft_s"], calibration["lone_tpot_s"])
@@ -495,6 +511,7 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
               "workload": spec.options(), "seeds": spec.seed_list,
               "engine": dataclasses.asdict(engine), "transfer": dataclasses.asdict(transfer),
               "slo": dataclasses.asdict(slo), "policy": policy,
+              "conditional": dataclasses.asdict(conditional or ConditionalConfig()),
               "workers": [{k: w.get(k) for k in ("placement", "name", "role", "device",
                                                  "torch_num_threads", "torch_num_interop_threads")}
                           for w in worker_info]}

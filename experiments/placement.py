@@ -33,8 +33,8 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from decode_worker import DecodeWorker
-from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
-                           cpu_cores_of, parse_devices, parse_placement,
+from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
+                           TransferConfig, cpu_cores_of, parse_devices, parse_placement,
                            placement_engine_overrides)
 from engine.errors import describe_error
 from engine.model import check_model_name
@@ -148,6 +148,7 @@ class Deployment:
         policy: router policy.
         deadline_s: router deadline; default: the transfer timeout plus 5 s, so a
             transfer's own timeout error arrives first.
+        conditional: the local/remote prefill rule of ``conditional:xPyD`` (router).
 
     Raises:
         ValueError: bad placement or device set, not enough devices, a transport that
@@ -157,7 +158,8 @@ class Deployment:
     def __init__(self, placement: PlacementConfig, model: ModelConfig,
                  engine: EngineConfig | None = None, transfer: TransferConfig | None = None,
                  local: bool = False, faults: dict[str, dict] | None = None,
-                 policy: str = "least_loaded", deadline_s: float | None = None) -> None:
+                 policy: str = "least_loaded", deadline_s: float | None = None,
+                 conditional: ConditionalConfig | None = None) -> None:
         self.placement = placement
         self.model = model
         self.engine = placement_engine_overrides(placement.placement, engine or EngineConfig())
@@ -185,7 +187,8 @@ class Deployment:
             self.workers = [WorkerRef(name, role, self.handles[name], rank)
                             for rank, (name, role, _) in enumerate(self.layout)]
             self.router = Router(self.workers, self.calls, placement.placement, policy,
-                                 deadline_s or self.transfer.timeout_s + 5.0)
+                                 deadline_s or self.transfer.timeout_s + 5.0,
+                                 conditional=conditional)
         except BaseException:
             self.close()
             raise

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine import events as ev
+from engine.config import ConditionalConfig, parse_placement
 from engine.errors import describe_error
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
@@ -103,6 +104,8 @@ class Router:
         poll_s: long-poll timeout of each ``wait_events`` call.
         startup_timeout_s: how long each worker may take to answer its first call (it may
             still be loading its model).
+        conditional: the local/remote prefill rule of a ``conditional:xPyD`` placement
+            (default ``ConditionalConfig()``); ignored by other placements.
 
     Raises:
         ValueError: no workers for a role, or prefill and decode KV geometries differ.
@@ -111,8 +114,12 @@ class Router:
 
     def __init__(self, workers: list[WorkerRef], calls: Calls, placement: str,
                  policy: str = "least_loaded", deadline_s: float = 60.0,
-                 poll_s: float = 0.05, startup_timeout_s: float = 300.0) -> None:
+                 poll_s: float = 0.05, startup_timeout_s: float = 300.0,
+                 conditional: ConditionalConfig | None = None) -> None:
         self.workers = {w.name: w for w in workers}
+        self.conditional = None
+        if parse_placement(placement)[0] == "conditional":
+            self.conditional = conditional or ConditionalConfig()
         self.calls = calls
         self.placement = placement
         self.policy = policy
@@ -225,6 +232,10 @@ class Router:
             if self.colocated:
                 first = decode = self._pick("colocated")
                 self._charge(flight, first, kv_tokens)
+            elif self.conditional is not None and not self.conditional.remote(
+                    request.num_prompt_tokens, self._num_queued_prefills()):
+                first = decode = self._pick("decode")  # its decode worker prefills it
+                self._charge(flight, decode, kv_tokens)
             else:
                 first, decode = self._pick("prefill"), self._pick("decode")
                 self._charge(flight, first, request.num_prompt_tokens)
@@ -233,10 +244,16 @@ class Router:
             self._finish(flight, error=str(err))
             return
         record.prefill_worker, record.decode_worker = first, decode
+        record.prefill_path = "local" if first == decode else "remote"
         self._wait_on(flight, first, PREFILL)
-        args = (request,) if self.colocated else (request, self.workers[decode].rank)
+        args = (request,) if first == decode else (request, self.workers[decode].rank)
         self._send(first, "submit", request.request_id, *args)
         record.timeline[PREFILL_QUEUED] = time.time()
+
+    def _num_queued_prefills(self) -> int:
+        """Requests queued or prefilling on the prefill workers (Dynamo's prefill queue)."""
+        return sum(1 for f in self._flights.values()
+                   if f.stage == PREFILL and self.workers[f.worker].role == "prefill")
 
     def _charge(self, flight: _Flight, worker: str, tokens: int) -> None:
         flight.charges[worker] = tokens

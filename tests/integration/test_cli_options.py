@@ -20,9 +20,10 @@ import pytest
 
 import experiments.compare
 import experiments.profile
-from engine.config import EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
+from engine.config import ConditionalConfig, EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
 from experiments import cli
 from experiments.compare import WorkloadSpec
+from experiments.interference import InterferenceConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 NUM_CORES = len(os.sched_getaffinity(0))
@@ -31,9 +32,12 @@ TINY_RUN = ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-
 BASE = {"run": TINY_RUN + ["--placement", "colocated:1"],
         "compare": TINY_RUN + ["--placements", "colocated:1"],
         "profile": ["--model", "tiny-random-llama"],
-        "kv-cost": ["--model", "tiny-random-llama"]}
-DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig),
-           "compare": (WorkloadSpec, EngineConfig, TransferConfig)}
+        "kv-cost": ["--model", "tiny-random-llama"],
+        "interference": ["--model", "tiny-random-llama", "--batch-sizes", "1,2", "--prompt-lens",
+                         "0,16", "--context-len", "16", "--chunk-budgets", "12"]}
+DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
+           "compare": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
+           "interference": (InterferenceConfig,)}
 # dataclass fields the CLI leaves out (each worker binds its own device)
 SKIPPED = {(EngineConfig, "device")}
 
@@ -125,7 +129,14 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            ("kv-cost", "--transports", ["--transports", "carrier-pigeon"], ("shm", "torchdist")),
            ("kv-cost", "--transports", ["--transports", "ray,ray"], ("distinct",)),
            ("kv-cost", "--layers-per-chunk", ["--layers-per-chunk", "0"], (">= 1",)),
-           ("kv-cost", "--checksum", ["--checksum=maybe"], ())])
+           ("kv-cost", "--checksum", ["--checksum=maybe"], ())]
+        + [("interference", *r) for r in COMMON_ROWS if r[0] != "--prompt-lens"]
+        + [("interference", *row) for row in _derived_rows("interference")]
+        + [("interference", "--prompt-lens", ["--prompt-lens", "0"], ("must hold a length > 0",)),
+           ("interference", "--prompt-lens", ["--prompt-lens", "0,300"],
+            ("context of model tiny-random-llama", "256 tokens")),
+           ("interference", "--chunk-budgets", ["--chunk-budgets", "2"],
+            ("> the largest batch size (2)",))])
 
 
 @pytest.fixture
@@ -179,7 +190,8 @@ def test_every_option_has_a_bad_value():
 
 
 def test_every_config_field_has_a_rule():
-    for cls in (WorkloadSpec, EngineConfig, TransferConfig, ModelConfig):
+    for cls in (WorkloadSpec, EngineConfig, TransferConfig, ModelConfig, InterferenceConfig,
+                ConditionalConfig):
         for f in dataclasses.fields(cls):
             has_rule = field_type(f) is bool or any(k in f.metadata for k in RULE_KEYS)
             assert has_rule, f"{cls.__name__}.{f.name} has no rule in its metadata"

@@ -1,0 +1,200 @@
+"""`pdlab interference` bookkeeping on a stub engine whose clock advances by known step times.
+
+The stub runs pdlab's real Scheduler (so chunking, budgets and admission are the engine's),
+but its "forward" only advances a fake clock by ``A + B_COST * decode tokens + C_COST *
+prefill tokens`` and its KV write by ``D_COST * tokens``. Every inflation, stall and fitted
+coefficient below is then known by hand.
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pandas as pd
+import pytest
+
+from engine.kv_cache import KVSpec
+from engine.request import RequestState
+from engine.scheduler import Scheduler
+from experiments import interference as itf
+
+# binary fractions: sums of them are exact in floating point
+A, B_COST, C_COST, D_COST = 2.0 ** -6, 2.0 ** -8, 2.0 ** -12, 2.0 ** -14
+GRID = itf.InterferenceConfig(batch_sizes="1,4", prompt_lens="0,20,50", context_len=8,
+                              chunk_budgets="16,36")
+REPEATS = 2
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 0.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+class StubEngine:
+    """The Engine methods ``measure_mode`` uses, over the real Scheduler, with a fake clock."""
+
+    def __init__(self, config, clock: FakeClock) -> None:
+        self.config, self.clock = config, clock
+        self.scheduler = Scheduler(config)
+        self.states: dict[str, RequestState] = {}
+        self.step_records = []
+        self.kv_spec = KVSpec("stub", num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
+        self.kv_store = SimpleNamespace(write=self._write)
+        self._pending_kv = {}
+
+    def _write(self, slot, kv) -> None:
+        self.clock.now_s += D_COST * kv.shape[3]
+
+    def add_request(self, request) -> None:
+        state = RequestState(request)
+        self.states[request.request_id] = state
+        self.scheduler.add(state)
+
+    def import_kv(self, request, first_token, kv) -> None:
+        state = RequestState(request)
+        state.token_ids.append(first_token)
+        state.num_computed_tokens = request.num_prompt_tokens
+        state.first_output_index = 1
+        self.states[request.request_id] = state
+        self._pending_kv[request.request_id] = kv
+        self.scheduler.add(state)
+
+    def step(self):
+        batch = self.scheduler.schedule()
+        for state in batch.newly_admitted:  # as Engine.step: imported KV lands in the step
+            kv = self._pending_kv.pop(state.request_id, None)
+            if kv is not None:
+                self._write(state.slot, kv)
+        prefill = batch.num_prefill_tokens
+        decode = batch.num_tokens - prefill
+        self.clock.now_s += A + B_COST * decode + C_COST * prefill
+        sampled = {i: 7 for i in range(len(batch.requests)) if batch.completes(i)}
+        produced = self.scheduler.update(batch, sampled)
+        for state in produced:
+            if state.status.is_finished:
+                self.states.pop(state.request_id)
+        self.step_records.append(SimpleNamespace(num_prefill_tokens=prefill,
+                                                 num_decode_tokens=decode))
+        return [SimpleNamespace(request_id=s.request_id) for s in produced]
+
+    def abort(self, request_id) -> None:
+        state = self.states.pop(request_id)
+        self.scheduler.release(state)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    clock = FakeClock()
+    steps, imports = [], []
+    for mode, budget in GRID.modes():
+        for b in GRID.batch_sizes_t:
+            engine = StubEngine(itf.engine_config(GRID, mode, budget, b, REPEATS, "cpu"), clock)
+            s, i = itf.measure_mode(engine, GRID, mode, budget, b, REPEATS, vocab_size=100,
+                                    clock=clock)
+            assert engine.states == {} and engine.scheduler.capacity.num_used_slots == 0
+            steps += s
+            imports += i
+    return pd.DataFrame(steps), pd.DataFrame(imports)
+
+
+def _row(summary, mode, b, p, budget=None):
+    sel = summary[(summary["mode"] == mode) & (summary["batch_size"] == b)
+                  & (summary["prompt_len"] == p)]
+    if budget is not None:
+        sel = sel[sel["budget"] == budget]
+    assert len(sel) == 1
+    return sel.iloc[0]
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("p", [20, 50])
+def test_whole_prompt_stalls_by_its_prefill_time(measured, b, p):
+    summary = itf.summarize(*measured)
+    base = A + B_COST * b
+    row = _row(summary, itf.NOCHUNK, b, p)
+    assert row.base_step_s == pytest.approx(base, rel=1e-12)
+    assert row.worst_step_s == pytest.approx(base + C_COST * p, rel=1e-12)
+    assert row.stall_s == pytest.approx(C_COST * p, rel=1e-9)
+    assert row.inflation == pytest.approx((base + C_COST * p) / base, rel=1e-12)
+    assert row.num_injection_steps == 1 and math.isnan(row.import_s)
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("p", [20, 50])
+@pytest.mark.parametrize("k", [16, 36])
+def test_chunking_bounds_each_step_by_the_budget(measured, b, p, k):
+    summary = itf.summarize(*measured)
+    base = A + B_COST * b
+    chunk = min(k - b, p)  # decodes take one token each, the chunk the rest of the budget
+    row = _row(summary, itf.CHUNKED, b, p, budget=k)
+    assert row.num_injection_steps == math.ceil(p / (k - b))
+    assert row.stall_s == pytest.approx(C_COST * chunk, rel=1e-9)
+    assert row.inflation == pytest.approx((base + C_COST * chunk) / base, rel=1e-12)
+    assert row.total_stall_s == pytest.approx(C_COST * p, rel=1e-9)  # the same work, spread
+
+
+@pytest.mark.parametrize("b", [1, 4])
+@pytest.mark.parametrize("p", [20, 50])
+def test_disagg_stalls_by_one_more_decode_and_the_import(measured, b, p):
+    summary = itf.summarize(*measured)
+    row = _row(summary, itf.DISAGG, b, p)
+    assert row.num_injection_steps == 1
+    assert row.stall_s == pytest.approx(B_COST + D_COST * p, rel=1e-9)
+    assert row.import_s == pytest.approx(D_COST * p, rel=1e-12)  # reported separately
+
+
+def test_no_prefill_row_is_the_baseline(measured):
+    summary = itf.summarize(*measured)
+    for mode, budget in GRID.modes():
+        row = _row(summary, mode, 4, 0, budget)
+        assert row.inflation == 1.0 and row.stall_s == 0.0 and row.num_injection_steps == 0
+
+
+def test_step_model_fit_recovers_the_stub_costs(measured):
+    fits = itf.fit_step_model(measured[0])
+    assert set(fits) == {"colocated-nochunk", "chunked-K16", "chunked-K36", "disagg"}
+    for name in ("colocated-nochunk", "chunked-K16", "chunked-K36"):
+        fit = fits[name]
+        assert (fit.a, fit.b, fit.c) == pytest.approx((A, B_COST, C_COST), rel=1e-6)
+        assert fit.r2 == pytest.approx(1.0)
+    # disagg: P counts imported KV tokens, so c is the write cost per token
+    assert (fits["disagg"].a, fits["disagg"].b, fits["disagg"].c) == pytest.approx(
+        (A, B_COST, D_COST), rel=1e-6)
+
+
+def test_sentence_quotes_the_largest_point(measured):
+    text = itf.sentence(itf.summarize(*measured), "stub")
+    base = A + B_COST * 4
+    assert text.startswith(f"On this device (stub), a 50-token prefill stalls a 4-request "
+                           f"decode batch by {C_COST * 50 * 1e3:.3g} ms "
+                           f"({(base + C_COST * 50) / base:.2f}x")
+    assert f"chunking at budget 16 reduces that to {C_COST * 12 * 1e3:.3g} ms per step" in text
+    assert "over 5 steps" in text  # ceil(50 / (16 - 4))
+    assert f"disaggregation to {(B_COST + D_COST * 50) * 1e3:.3g} ms" in text
+    assert f"{D_COST * 50 * 1e3:.3g} ms." in text
+
+
+def test_heatmap_is_written(measured, tmp_path):
+    itf.plot_heatmap(itf.summarize(*measured), tmp_path / "h.png", "stub")
+    assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    ({"prompt_lens": "0"}, "prompt_lens must hold a length > 0"),
+    ({"chunk_budgets": "4", "batch_sizes": "1,4"}, "chunk_budgets must each be > the largest"),
+    ({"batch_sizes": "0,4"}, "batch_sizes must be like"),
+    ({"context_len": 1}, "context_len must be >= 2"),
+])
+def test_bad_grid_is_refused(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        itf.InterferenceConfig(**kwargs)
+
+
+def test_quick_grid_replaces_the_grid():
+    grid = itf.InterferenceConfig(quick=True).grid()
+    assert (grid.batch_sizes_t, grid.prompt_lens_t, grid.context_len, grid.chunk_budgets_t) \
+        == ((1, 2), (0, 16, 48), 16, (12,))
