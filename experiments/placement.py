@@ -39,7 +39,7 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Placeme
 from engine.errors import describe_error
 from engine.model import check_model_name
 from engine.serving import EngineLoop
-from kv_transfer.faults import FaultyTransport
+from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
 from prefill_worker import PrefillWorker
 from router.calls import ORDERED, LocalCalls, WorkerDied
@@ -143,8 +143,9 @@ class Deployment:
         placement: placement, device set and Ray address.
         model, engine, transfer: as every worker gets them.
         local: build workers in this process instead of as Ray actors.
-        faults: worker name -> FaultyTransport arguments, plus ``step_delay_s`` for a
-            straggler worker (tests and fault experiments).
+        faults: worker name -> FaultyTransport arguments (or a list of them, stacked:
+            ``kv_transfer.faults.with_faults``), plus ``step_delay_s`` for a straggler
+            worker (tests and fault experiments).
         policy: router policy.
         deadline_s: router deadline; default: the transfer timeout plus 5 s, so a
             transfer's own timeout error arrives first.
@@ -157,7 +158,7 @@ class Deployment:
 
     def __init__(self, placement: PlacementConfig, model: ModelConfig,
                  engine: EngineConfig | None = None, transfer: TransferConfig | None = None,
-                 local: bool = False, faults: dict[str, dict] | None = None,
+                 local: bool = False, faults: dict[str, dict | list[dict]] | None = None,
                  policy: str = "least_loaded", deadline_s: float | None = None,
                  conditional: ConditionalConfig | None = None) -> None:
         self.placement = placement
@@ -196,9 +197,13 @@ class Deployment:
     # ---- construction -----------------------------------------------------------------
     def _worker_args(self, name: str, role: str, device: str, faults: dict, rank: int,
                      init_method: str | None) -> tuple[type, dict]:
-        worker_faults = dict(faults.get(name) or {})
+        worker_faults = faults.get(name) or []
+        layers = [dict(f) for f in ([worker_faults] if isinstance(worker_faults, dict)
+                                    else worker_faults)]
+        step_delay_s = sum(f.pop("step_delay_s", 0.0) for f in layers)
+        worker_faults = [f for f in layers if f]
         common = {"name": name, "model_config": self.model, "engine_config": self.engine,
-                  "device": device, "step_delay_s": worker_faults.pop("step_delay_s", 0.0)}
+                  "device": device, "step_delay_s": step_delay_s}
         if role == "colocated":
             return EngineLoop, common
         cls = PrefillWorker if role == "prefill" else DecodeWorker
@@ -210,7 +215,7 @@ class Deployment:
         for rank, (name, role, device) in enumerate(self.layout):
             cls, kwargs = self._worker_args(name, role, device, faults, rank, None)
             if cls is not EngineLoop:  # P and D share one in-process transport
-                kwargs["transport"] = _with_faults(shared, kwargs.pop("faults"))
+                kwargs["transport"] = with_faults(shared, kwargs.pop("faults"))
             self.handles[name] = cls(**kwargs, bind=False)
 
     def _start_ray(self, faults: dict) -> None:
@@ -307,10 +312,6 @@ class Deployment:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _with_faults(transport, faults: dict | None):
-    return FaultyTransport(transport, **faults) if faults else transport
 
 
 def ray_init_kwargs() -> dict[str, Any]:

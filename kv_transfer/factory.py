@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from engine.config import TransferConfig
-from kv_transfer.faults import FaultyTransport
+from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.transport import Transport
 
@@ -12,11 +12,12 @@ from kv_transfer.transport import Transport
 GROUP_INIT_TIMEOUT_S = 300.0
 
 
-def make_transport(config: TransferConfig, faults: dict | None = None, rank: int | None = None,
-                   world_size: int | None = None, init_method: str | None = None,
-                   device: str = "cpu") -> Transport:
+def make_transport(config: TransferConfig, faults: dict | list[dict] | None = None,
+                   rank: int | None = None, world_size: int | None = None,
+                   init_method: str | None = None, device: str = "cpu") -> Transport:
     """The transport of ``config.transport``; ``faults`` (FaultyTransport keyword arguments,
-    e.g. ``{"corrupt": True, "only_request_ids": ["r3"]}``) wraps it for tests/experiments.
+    e.g. ``{"corrupt": True, "only_request_ids": ["r3"]}``, or a list of them, stacked:
+    ``faults.with_faults``) wraps it for tests/experiments.
 
     ``torchdist`` needs ``rank``, ``world_size`` and ``init_method``; it uses NCCL when
     ``device`` is a CUDA device, gloo otherwise. ``shm`` needs nothing: each process that
@@ -48,4 +49,4 @@ def make_transport(config: TransferConfig, faults: dict | None = None, rank: int
                                               checksum=config.checksum,
                                               init_timeout_s=max(config.timeout_s,
                                                                  GROUP_INIT_TIMEOUT_S))
-    return FaultyTransport(transport, **faults) if faults else transport
+    return with_faults(transport, faults)

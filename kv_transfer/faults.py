@@ -84,3 +84,12 @@ class FaultyTransport(Transport):
 
     def _free(self, handle: KVHandle) -> None:
         self.inner._free(handle)
+
+
+def with_faults(transport: Transport, faults: dict | list[dict] | None) -> Transport:
+    """``transport`` under fault injection: ``faults`` is one ``FaultyTransport``'s keyword
+    arguments, or a list of them stacked in order (each with its own ``only_request_ids``,
+    so one worker can fail some requests' puts and corrupt others'); None: unchanged."""
+    for fault in [faults] if isinstance(faults, dict) else faults or []:
+        transport = FaultyTransport(transport, **fault)
+    return transport

@@ -54,7 +54,7 @@ class PrefillWorker(EngineLoop):
 
     def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
                  transfer_config: TransferConfig, device: str = "cpu:0",
-                 transport: Transport | None = None, faults: dict | None = None,
+                 transport: Transport | None = None, faults: dict | list[dict] | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  init_method: str | None = None, inside_ray: bool = False,
                  bind: bool = True, step_delay_s: float = 0.0) -> None:
