@@ -25,6 +25,18 @@ def mixed_workload(tiny, num_requests: int = 8, max_tokens: int = 10, spacing_s:
     return workload, expected
 
 
+def soak_workload(tiny, num_requests: int = 500, num_prompts: int = 16, max_tokens: int = 4):
+    """The soak tests' workload: ``num_requests`` requests ``q000``, ``q001``, ... cycling
+    over ``num_prompts`` random prompts of 3-15 tokens, 2 ms apart, EOS ignored; returns
+    (workload, request id -> generate() tokens)."""
+    prompts = random_prompts([3 + i % 13 for i in range(num_prompts)], seed=31)
+    references = [reference_generate(tiny.model, p, max_tokens) for p in prompts]
+    workload = [(Request(f"q{i:03d}", tuple(prompts[i % num_prompts]),
+                         SamplingParams(max_tokens=max_tokens, ignore_eos=True)), 0.002 * i)
+                for i in range(num_requests)]
+    return workload, {f"q{i:03d}": references[i % num_prompts] for i in range(num_requests)}
+
+
 def assert_outputs(records, expected) -> None:
     for record in records:
         assert record.error is None, (record.request_id, record.error)

@@ -14,11 +14,10 @@ import threading
 import time
 
 import pytest
-from conftest import random_prompts, reference_generate
+from placement_helpers import soak_workload
 
 from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
-from engine.request import Request, SamplingParams
 from kv_transfer.faults import FaultyTransport
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.shm import SharedMemoryTransport
@@ -51,12 +50,7 @@ def faulty(inner):
 
 @pytest.fixture(scope="module")
 def workload(tiny):
-    prompts = random_prompts([3 + i % 13 for i in range(NUM_PROMPTS)], seed=31)
-    expected = [reference_generate(tiny.model, p, MAX_TOKENS) for p in prompts]
-    items = [(Request(rid(i), tuple(prompts[i % NUM_PROMPTS]),
-                      SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)), 0.002 * i)
-             for i in range(NUM_REQUESTS)]
-    return items, {rid(i): expected[i % NUM_PROMPTS] for i in range(NUM_REQUESTS)}
+    return soak_workload(tiny, NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS)
 
 
 def abort_in_flight(decode: DecodeWorker, targets: set[str], stop: threading.Event) -> list:

@@ -10,13 +10,11 @@ shm soak (tests/integration/test_soak.py) covers them.
 from __future__ import annotations
 
 import pytest
-from conftest import random_prompts, reference_generate
-from placement_helpers import assert_clean, local_ray
+from placement_helpers import assert_clean, local_ray, soak_workload
 
 ray = pytest.importorskip("ray")
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
-from engine.request import Request, SamplingParams  # noqa: E402
 from experiments.placement import Deployment  # noqa: E402
 
 pytestmark = pytest.mark.ray
@@ -33,11 +31,7 @@ def rid(i: int) -> str:
 
 
 def test_soak_500_requests_through_ray_with_faults(tiny):
-    prompts = random_prompts([3 + i % 13 for i in range(NUM_PROMPTS)], seed=31)
-    expected = [reference_generate(tiny.model, p, MAX_TOKENS) for p in prompts]
-    items = [(Request(rid(i), tuple(prompts[i % NUM_PROMPTS]),
-                      SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)), 0.002 * i)
-             for i in range(NUM_REQUESTS)]
+    items, expected = soak_workload(tiny, NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS)
     faults = {"prefill-0": [{"fail": True, "only_request_ids": [rid(i) for i in FAILED]},
                             {"corrupt": True, "only_request_ids": [rid(i) for i in CORRUPTED]}],
               "decode-0": {"delay_s": 0.2, "only_request_ids": [rid(i) for i in DELAYED]}}
@@ -57,6 +51,6 @@ def test_soak_500_requests_through_ray_with_faults(tiny):
             assert record.error and cause in record.error, (i, record.error)
         else:  # healthy, delayed included: exact greedy output
             assert record.error is None, (i, record.error)
-            assert record.output_token_ids == expected[i % NUM_PROMPTS], i
+            assert record.output_token_ids == expected[rid(i)], i
     assert (len(FAILED) + len(CORRUPTED) + len(DELAYED)) / NUM_REQUESTS == 0.05
     assert loads == {"prefill-0": 0, "decode-0": 0}
