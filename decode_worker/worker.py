@@ -143,7 +143,9 @@ class DecodeWorker(EngineLoop):
                 self.engine.finish_remote(rid, kv)
             except (KeyError, ValueError) as err:
                 error = str(err)
-        del kv  # a zero-copy view of the producer's buffer: let it go before freeing
+            except Exception as err:  # e.g. a device copy failing: this request fails alone
+                error = f"KV placement failed: {type(err).__name__}: {err}"
+        del kv  # this frame's reference to a zero-copy view (shm's lease tracks the others)
         self._free(transfer.handles)  # freed before anyone hears of the outcome
         if not current:
             return  # aborted while in flight: cancellation wins, it never decodes

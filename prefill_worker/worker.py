@@ -89,8 +89,13 @@ class PrefillWorker(EngineLoop):
         self._commands.put(lambda: self._free(handles))
 
     def _free(self, handles) -> None:
+        """Free each handle; best effort, so one failing free (a dead peer's segment) never
+        skips the others nor escapes into the engine loop."""
         for handle in handles:
-            self.transport.free(handle)
+            try:
+                self.transport.free(handle)
+            except Exception:  # nothing is left to free where freeing fails
+                pass
 
     def status(self) -> dict:
         return {**super().status(), "transport_held": self.call(self.transport.num_held)}
@@ -98,8 +103,7 @@ class PrefillWorker(EngineLoop):
     def shutdown(self) -> None:
         """Stop; like a dead Ray owner, drop every KV put here (freeing twice is harmless)."""
         super().shutdown()
-        for handle in self._sent:
-            self.transport.free(handle)
+        self._free(self._sent)
 
     def transfer_records(self) -> list[dict]:
         return [r.__dict__ for r in self.transport.records]
@@ -145,14 +149,14 @@ class PrefillWorker(EngineLoop):
             rid = out.request_id
             if out.finish_reason is not None:  # ended with its first token: no KV to send
                 self._dst_rank.pop(rid, None)
-                for handle in self._layer_handles.pop(rid, []):
-                    self.transport.free(handle)
+                self._put_errors.pop(rid, None)  # a layer put that failed no longer matters
+                self._no_room.discard(rid)
+                self._free(self._layer_handles.pop(rid, []))
                 self.emit(token_event(self.name, out))
                 continue
             handles = self._layer_handles.pop(rid, None)
             if rid in self._put_errors:
-                for handle in handles or []:
-                    self.transport.free(handle)
+                self._free(handles or [])
                 self._fail(rid, self._put_errors.pop(rid))
             elif rid in self._no_room or (handles is None and not self._fits_now(rid)):
                 self._no_room.discard(rid)  # its layer handles were freed when it met no room
@@ -222,8 +226,7 @@ class PrefillWorker(EngineLoop):
                 room = not self._deferred and self.transport.has_room(kv.numel() * kv.element_size())
                 if not room:  # free what it holds of the buffer: nothing half-sent waits
                     self._no_room.add(rid)
-                    for handle in self._layer_handles.pop(rid, []):
-                        self.transport.free(handle)
+                    self._free(self._layer_handles.pop(rid, []))
                     continue
                 handle = self.transport.put(rid, self.engine.kv_spec, kv, layer_start=start,
                                             dst_rank=self._dst_rank.get(rid))

@@ -387,6 +387,6 @@ class Router:
         free their KV, and the aborts and releases sent are delivered before returning."""
         end_s = time.time() + max(limit_s, 2 * self.poll_s)
         while self._pending and time.time() < end_s:
-            for pending in self.calls.ready(list(self._pending), end_s - time.time()):
+            for pending in self.calls.ready(list(self._pending), max(0.0, end_s - time.time())):
                 self._complete(pending)
         self._pending.clear()

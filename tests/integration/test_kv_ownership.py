@@ -258,3 +258,23 @@ def test_prefill_only_reserves_prompt_plus_one(tiny):
     for i in range(4):
         engine.export_kv(f"p{i}")
     assert engine.is_empty()
+
+
+def test_failed_layer_put_of_a_request_that_ends_with_its_first_token_is_forgotten(tiny):
+    """A layer-wise put that fails for a request whose first token ends it (max_tokens=1):
+    the token leaves normally, and the stored error (with the frames its traceback pins) is
+    dropped, so a later request with the same id is not failed by it."""
+    transfer = TransferConfig(transport="inprocess", granularity="layer", layers_per_chunk=1)
+    transport = FaultyTransport(InProcessTransport(), fail=True, only_request_ids=["r0"])
+    prefill = PrefillWorker("prefill-0", TINY, EngineConfig(max_model_len=64), transfer,
+                            transport=transport, bind=False)
+    try:
+        prompt = random_prompts([9], seed=17)[0]
+        prefill.submit(Request("r0", tuple(prompt), SamplingParams(max_tokens=1)))
+        events = collect(prefill, finished("r0"))
+        assert [(e.kind, e.token_id, e.finish_reason) for e in events] == [
+            (TOKEN, reference_generate(tiny.model, prompt, 1)[0], "length")]
+        assert prefill.call(lambda: (dict(prefill._put_errors), set(prefill._no_room))) == ({}, set())
+        assert prefill.status() == {"name": "prefill-0", "engine_empty": True, "transport_held": 0}
+    finally:
+        prefill.shutdown()
