@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 from conftest import random_prompts, reference_generate
@@ -35,6 +36,18 @@ def soak_workload(tiny, num_requests: int = 500, num_prompts: int = 16, max_toke
                          SamplingParams(max_tokens=max_tokens, ignore_eos=True)), 0.002 * i)
                 for i in range(num_requests)]
     return workload, {f"q{i:03d}": references[i % num_prompts] for i in range(num_requests)}
+
+
+def collect_events(worker, done, timeout_s: float = 20.0, poll_s: float = 0.2) -> list:
+    """``worker``'s events (long polls of ``poll_s``) until ``done(events)``; fails at the
+    deadline naming the worker and what it got."""
+    events: list = []
+    deadline_s = time.monotonic() + timeout_s
+    while not done(events):
+        left_s = deadline_s - time.monotonic()
+        assert left_s > 0, f"{worker.name}: timed out, got {events}"
+        events += worker.wait_events(min(left_s, poll_s))
+    return events
 
 
 def assert_outputs(records, expected) -> None:

@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 from conftest import random_prompts, reference_generate
+from placement_helpers import collect_events
 
 from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
@@ -36,15 +37,7 @@ TINY = ModelConfig("tiny-random-llama")
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # 2 * layers * kv_heads * head_dim * fp32 itemsize
 
 
-def collect(worker, done, timeout_s: float = 20.0) -> list:
-    """``worker``'s events until ``done(events)``; fails at the deadline."""
-    events: list = []
-    deadline_s = time.monotonic() + timeout_s
-    while not done(events):
-        left_s = deadline_s - time.monotonic()
-        assert left_s > 0, f"{worker.name}: timed out, got {events}"
-        events += worker.wait_events(min(left_s, 0.2))
-    return events
+collect = collect_events  # 20 s deadline, 0.2 s polls
 
 
 def until(predicate, timeout_s: float = 10.0) -> None:

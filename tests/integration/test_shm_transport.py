@@ -236,17 +236,23 @@ def _short_lived_producer(handles, done) -> None:
     assert done.get(timeout=30) == "exit"  # then die holding both slots
 
 
+def _start_short_lived_producer():
+    """A producer process (``_short_lived_producer``): returns (process, its pid, the queue
+    its two handles arrive on, the queue that tells it to exit)."""
+    ctx = mp.get_context("spawn")
+    handles, done = ctx.Queue(), ctx.Queue()
+    producer = ctx.Process(target=_short_lived_producer, args=(handles, done), daemon=True)
+    producer.start()
+    return producer, handles.get(timeout=60), handles, done
+
+
 def _mapped_segments_of(pid: int) -> int:
     with open("/proc/self/maps") as maps:
         return sum(f"pdlab-kv-{pid}-" in line for line in maps)
 
 
 def test_dead_producers_segment_is_unmapped_once_nothing_views_it():
-    ctx = mp.get_context("spawn")
-    handles, done = ctx.Queue(), ctx.Queue()
-    producer = ctx.Process(target=_short_lived_producer, args=(handles, done), daemon=True)
-    producer.start()
-    pid = handles.get(timeout=60)
+    producer, pid, handles, done = _start_short_lived_producer()
     consumer = SharedMemoryTransport()
     views = {}
     for _ in range(2):
@@ -269,11 +275,7 @@ def test_dead_producers_segment_is_unmapped_once_nothing_views_it():
 
 
 def test_dead_producers_segment_without_views_is_unmapped_at_the_next_call():
-    ctx = mp.get_context("spawn")
-    handles, done = ctx.Queue(), ctx.Queue()
-    producer = ctx.Process(target=_short_lived_producer, args=(handles, done), daemon=True)
-    producer.start()
-    pid = handles.get(timeout=60)
+    producer, pid, handles, done = _start_short_lived_producer()
     consumer = SharedMemoryTransport(zero_copy=False)  # copies out: no view keeps the mapping
     for _ in range(2):
         handle = handles.get(timeout=30)

@@ -6,11 +6,11 @@ transport (no Ray, no pinning)."""
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
 from conftest import random_prompts
+from placement_helpers import collect_events
 
 from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
@@ -53,13 +53,7 @@ def workers():
 
 def wait_for(worker, done, timeout_s: float = 10.0) -> list:
     """Collect ``worker``'s events until ``done(events)``; fail at the deadline."""
-    events: list = []
-    deadline_s = time.monotonic() + timeout_s
-    while not done(events):
-        left_s = deadline_s - time.monotonic()
-        assert left_s > 0, f"{worker.name}: timed out, got {events}"
-        events += worker.wait_events(min(left_s, 0.5))
-    return events
+    return collect_events(worker, done, timeout_s, poll_s=0.5)
 
 
 def has(kind: str, rid: str):
