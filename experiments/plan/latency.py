@@ -142,15 +142,14 @@ def fit_step_models(prefill: Sequence[tuple[StepFeatures, float]],
                     mixed: Sequence[tuple[StepFeatures, float]] = ()) -> tuple[Fit, Fit, Fit]:
     """The prefill, decode and mixed step models (module docstring) from measured
     ``(features, seconds)`` pairs. Without mixed points the mixed intercept is the larger
-    of the two intercepts (one forward pays one fixed cost).
+    of the two intercepts (one forward pays one fixed cost). With fewer points than a
+    model's three coefficients, its last terms are left 0 (``_fit_first``).
 
     Raises:
         ValueError: too few points (see ``fit_least_squares``).
     """
-    pre = fit_least_squares(PREFILL_FEATURES, [_prefill_x(f) for f, _ in prefill],
-                            [t for _, t in prefill])
-    dec = fit_least_squares(DECODE_FEATURES, [_decode_x(f) for f, _ in decode],
-                            [t for _, t in decode])
+    pre = _fit_first(PREFILL_FEATURES, [_prefill_x(f) for f, _ in prefill], [t for _, t in prefill])
+    dec = _fit_first(DECODE_FEATURES, [_decode_x(f) for f, _ in decode], [t for _, t in decode])
     if mixed:
         # only the intercept is free: y - slopes·x = a, least squares on relative error
         ys = np.array([t for _, t in mixed], dtype=float)
@@ -163,6 +162,15 @@ def fit_step_models(prefill: Sequence[tuple[StepFeatures, float]],
         mix = Fit(("1", "slopes"), (max(pre.coef[0], dec.coef[0]), 1.0), math.nan, math.nan,
                   math.nan, 0)
     return pre, dec, mix
+
+
+def _fit_first(features: Sequence[str], x: list[list[float]], y: list[float]) -> Fit:
+    """``fit_least_squares`` on as many leading features as there are points (a short sweep
+    fits ``a + b·x`` and leaves the quadratic term 0), coefficients padded with zeros."""
+    k = max(1, min(len(features), len(y)))
+    fit = fit_least_squares(features[:k], [row[:k] for row in x], y)
+    pad = (0.0,) * (len(features) - k)
+    return dataclasses.replace(fit, features=tuple(features), coef=fit.coef + pad)
 
 
 def _prefill_x(f: StepFeatures) -> list[float]:
