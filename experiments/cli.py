@@ -1,4 +1,5 @@
-"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``, ``interference``.
+"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``, ``interference``,
+``plan`` (``experiments.plan.command``).
 
 Engine, transfer and workload options are derived from the config dataclasses' fields
 (``engine.config.add_dataclass_args``), so every knob has one name, one default and one
@@ -28,11 +29,12 @@ from engine.model import ModelLoadError, check_model_name, model_context_len
 from experiments import interference, kv_cost, profile
 from experiments.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.placement import check_devices_exist, worker_layout
+from experiments.plan import command as plan_command
 from experiments.report import format_table
 from router.policy import POLICIES
 
 OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig,
-                                    interference.InterferenceConfig)
+                                    interference.InterferenceConfig, plan_command.PlanConfig)
                  for f in dataclasses.fields(cls)}
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
@@ -152,6 +154,10 @@ def build_parser() -> argparse.ArgumentParser:
     command.set_defaults(command_parser=command)
     command = sub.add_parser("interference", help="decode stall caused by a prefill, per mode")
     interference.add_arguments(command)
+    command.set_defaults(command_parser=command)
+    command = sub.add_parser("plan", help="rank placements of N devices on the simulator "
+                                          "(--validate: and check it against real runs)")
+    plan_command.add_arguments(command)
     command.set_defaults(command_parser=command)
     return parser
 
@@ -285,11 +291,13 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
     return 0
 
 
-def check_options(args: argparse.Namespace) -> Experiment | None:
+def check_options(args: argparse.Namespace) -> Experiment | plan_command.PlanJob | None:
     """Check ``args`` of any command before it starts anything; returns the checked
-    experiment of ``run``/``compare`` (ValueError: the first bad option)."""
+    experiment of ``run``/``compare`` or job of ``plan`` (ValueError: the first bad option)."""
     if args.command in ("run", "compare"):
         return check_experiment(args)
+    if args.command == "plan":
+        return plan_command.check_arguments(args)
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     check_out(args.out)
@@ -312,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         args.command_parser.error(_option_message(err))
     try:
+        if args.command == "plan":
+            return plan_command.main(args, experiment)
         if experiment is not None:
             return _run_experiment(args, experiment)
         commands = {"profile": profile, "kv-cost": kv_cost, "interference": interference}

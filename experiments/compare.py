@@ -408,10 +408,13 @@ def _tagged(results: list[RunResult], attr: str) -> pd.DataFrame:
 
 
 def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SLO,
-                  num_devices: int | None = None) -> tuple[pd.DataFrame, str]:
+                  num_devices: int | None = None,
+                  simulated: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
     """Write every output file (module docstring, step 3); returns the summary table (one
     row per placement and rate, with intervals) and the verdict. ``num_devices`` is unused
-    (goodput divides by each placement's own devices) and kept for callers."""
+    (goodput divides by each placement's own devices) and kept for callers. ``simulated``:
+    ``pdlab plan``'s simulated attainment curve (``analysis.attainment_curve``), drawn
+    dashed over the measured one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "requests.jsonl", "w") as f:
         f.write(json.dumps({"type": "config", **config}) + "\n")
@@ -438,7 +441,7 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
         first_seed.setdefault(r.placement, r)
     plot_paths = {
         "SLO attainment vs rate (95% intervals)": plots.plot_attainment(
-            analysis.attainment_curve(summary), out_dir / "slo_attainment.png"),
+            analysis.attainment_curve(summary), out_dir / "slo_attainment.png", simulated),
         "p99 latencies at the top rate (95% intervals)": plots.plot_p99_bars(
             summary, out_dir / "p99_latency.png"),
         "TTFT and TPOT CDFs (top rate, all seeds)": plots.plot_cdfs(

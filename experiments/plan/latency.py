@@ -267,11 +267,22 @@ class DeviceProfile:
     def step_s(self, f: StepFeatures) -> float:
         """Predicted duration of one step (seconds): the prefill model for prompt-only steps,
         the decode model for decode-only steps, the mixed model for both; 0 for nothing."""
-        if f.batch_size == 0:
-            return self.prefill.predict(_prefill_x(f)) if f.prefill_tokens else 0.0
-        if f.prefill_tokens == 0:
-            return self.decode.predict(_decode_x(f))
-        return self.mixed.coef[0] + _slopes(self.prefill, self.decode, f)
+        return self.step_time()(f.prefill_tokens, f.prefill_attention, f.batch_size, f.sum_context)
+
+    def step_time(self):
+        """``step_s`` as a plain function of ``(prefill_tokens, prefill_attention,
+        batch_size, sum_context)``: the simulator calls it once per simulated step, so the
+        coefficients are bound once here."""
+        pa, pb, pc = self.prefill.coef
+        da, db, dc = self.decode.coef
+        ma = self.mixed.coef[0]
+
+        def step_s(n_pre: int, q_pre: int, num_decode: int, sum_ctx: int) -> float:
+            if num_decode == 0:
+                return pa + pb * n_pre + pc * q_pre if n_pre else 0.0
+            decode = db * num_decode + dc * sum_ctx
+            return da + decode if n_pre == 0 else ma + pb * n_pre + pc * q_pre + decode
+        return step_s
 
     def transfer(self, transport: str) -> TransferModel:
         """The transfer model of ``transport``.

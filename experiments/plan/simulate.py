@@ -43,7 +43,7 @@ from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_G
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord)
 from engine.request import Request, RequestState, RequestStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from experiments.plan.latency import StepFeatures, TransferModel
+from experiments.plan.latency import TransferModel
 from router.policy import pick
 
 FAKE_TOKEN = 0  # output token ids are not simulated; lengths are (ignore_eos workloads)
@@ -117,7 +117,9 @@ class Simulator:
         placement: the placement string (as ``pdlab compare`` takes it).
         engine: each instance's engine config (``placement_engine_overrides`` applied here,
             as ``Deployment`` does).
-        step_s: step duration in seconds from ``StepFeatures`` (``DeviceProfile.step_s``).
+        step_s: step duration in seconds as a function of ``(prefill_tokens,
+            prefill_attention, batch_size, sum_context)`` (``StepFeatures``' fields;
+            ``DeviceProfile.step_time()``).
         transfer: KV transfer model; required when the placement has prefill workers.
         kv_bytes_per_token: prompt KV bytes per token (``KVSpec.bytes_per_token``).
         policy: router policy (``router.policy.POLICIES``).
@@ -129,7 +131,7 @@ class Simulator:
     """
 
     def __init__(self, placement: str, engine: EngineConfig,
-                 step_s: Callable[[StepFeatures], float], transfer: TransferModel | None = None,
+                 step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
                  kv_bytes_per_token: int = 0, policy: str = "least_loaded",
                  conditional: ConditionalConfig | None = None, transport: str = "simulated") -> None:
         self.kind = parse_placement(placement)[0]
@@ -271,8 +273,15 @@ class Simulator:
     def _wake(self, instance: _Instance, t: float) -> None:
         """An idle instance steps at ``t``, once the other events of ``t`` have run."""
         if not instance.busy:
+            self._start_at(instance, t)
+
+    def _start_at(self, instance: _Instance, t: float) -> None:
+        heap = self._heap
+        if heap and heap[0][0] <= t:  # other events at t first (a step sees them all)
             instance.busy = True
             self._push(t, _START, instance, _LATE)
+        else:
+            self._start_step(instance, t)
 
     def _start(self, t: float, instance: _Instance) -> None:
         instance.busy = False
@@ -297,7 +306,7 @@ class Simulator:
                 state.first_scheduled_time_s = t
                 timeline = flights[state.request.request_id].record.timeline
                 timeline[PREFILL_STARTED if state.first_output_index == 0 else DECODE_ADMITTED] = t
-        duration = self.step_s(StepFeatures(n_pre, q_pre, num_decode, sum_ctx)) if batch.requests else 0.0
+        duration = self.step_s(n_pre, q_pre, num_decode, sum_ctx) if batch.requests else 0.0
         fetch_start = t + duration
         for state in batch.kv_reserved:  # the worker's on_tick starts the fetch after the step
             flight = flights[state.request.request_id]
@@ -320,7 +329,8 @@ class Simulator:
 
     def _step_end(self, t: float, payload: tuple[_Instance, ScheduledBatch]) -> None:
         instance, batch = payload
-        sampled = {i: FAKE_TOKEN for i in range(len(batch.requests)) if batch.completes(i)}
+        sampled = {i: FAKE_TOKEN for i, (s, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                   if s.num_computed_tokens + n == len(s.token_ids)}  # batch.completes(i)
         produced = instance.scheduler.update(batch, sampled)
         busy_until = t
         for state in produced:
@@ -347,7 +357,12 @@ class Simulator:
                 if flight.queued_prefill:  # ended with its first token on a prefill worker
                     self._prefill_done(flight)
                 self._finish(flight, t)
-        self._push(busy_until, _START, instance, _LATE)  # busy until then
+        if busy_until > t:  # the puts hold the loop
+            instance.busy = True
+            self._push(busy_until, _START, instance, _LATE)
+        else:
+            instance.busy = False
+            self._start_at(instance, t)
 
     def _prefill_done(self, flight: _Flight) -> None:
         if flight.queued_prefill:

@@ -48,7 +48,7 @@ def _engine_batches(engine: Engine, prefill_only: bool) -> list[list[tuple[str, 
     ("colocated:1", "colocated-0", False), ("disagg:1p1d", "prefill-0", True)])
 def test_simulated_batches_equal_the_engines(tiny, placement, worker, prefill_only):
     engine = Engine(tiny, ENGINE)
-    sim = Simulator(placement, ENGINE, lambda f: 0.01, TransferModel(0.001, 1e9), 64)
+    sim = Simulator(placement, ENGINE, lambda *f: 0.01, TransferModel(0.001, 1e9), 64)
     result = sim.run([(r, 0.0) for r in _requests()], collect_batches=True)
     assert type(engine.scheduler) is type(sim._instances[worker].scheduler)
     simulated = [batch for name, batch in result.batches if name == worker]

@@ -13,7 +13,7 @@ from experiments.plan.latency import TransferModel
 from experiments.plan.simulate import Simulator
 
 ENGINE = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
-ONE_S = lambda features: 1.0  # noqa: E731  every step takes 1 s
+ONE_S = lambda *features: 1.0  # noqa: E731  every step takes 1 s
 HALF_S_TRANSFER = TransferModel(latency_s=0.5, bandwidth_bytes_s=float("inf"))  # put 0.25 + get 0.25
 
 
