@@ -56,7 +56,7 @@ class PlanConfig:
 
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
     profile: str | None = field(default=None, metadata={
-        "pattern": r".*\S.*", "hint": "a device_profile.json path",
+        "pattern": r".*\S.*\.json", "hint": "a path ending in .json",
         "help": "device profile from `pdlab profile` (unset: the newest of this model)"})
     num_rates: int = field(default=8, metadata={"min": 2, "help": "rates in the automatic sweep"})
     chunk_budgets: str = field(default="", metadata={
@@ -222,7 +222,8 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
     all_items = [it for its in items.values() for it in its]
     rates = x.rates or search.auto_rates(
         x.profile, sum(it.num_prompt_tokens for it in all_items) / len(all_items),
-        sum(it.output_len for it in all_items) / len(all_items), x.plan.devices, x.plan.num_rates)
+        sum(it.output_len for it in all_items) / len(all_items), x.plan.devices, x.plan.num_rates,
+        x.engine.max_num_seqs)
     print(f"pdlab plan: {len(x.candidates)} placements of {x.plan.devices} devices x {len(rates)} "
           f"rates {rates} req/s x {len(requests)} seeds x {x.spec.num_requests} requests; "
           f"profile {x.profile_path} ({x.profile.model}, {x.profile.device_kind} "

@@ -78,11 +78,11 @@ def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Cand
 
 
 def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, num_devices: int,
-               num_rates: int = 8) -> list[float]:
-    """A geometric ladder of ``num_rates`` total arrival rates (req/s), from 0.25x to 8x of
-    ``num_devices`` over the time one request takes alone (its prefill step plus its decode
-    steps at batch 1): batching lifts capacity well above that, saturation ends it, so the
-    curves bend inside the ladder. Two significant digits each.
+               num_rates: int = 8, max_num_seqs: int = 16) -> list[float]:
+    """A geometric ladder of ``num_rates`` total arrival rates (req/s), from 0.25x to
+    ``2 * max_num_seqs`` x of ``num_devices`` over the time one request takes alone (its
+    prefill step plus its decode steps at batch 1): batching lifts capacity above that, by
+    at most the batch size, so the curves bend inside the ladder. Two significant digits.
 
     Raises:
         ValueError: ``num_rates < 2`` or a lone request that takes no time.
@@ -96,7 +96,8 @@ def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, n
     if not lone_s > 0:
         raise ValueError("the profile predicts a request takes no time")
     base = num_devices / lone_s
-    return [float(f"{base * f:.2g}") for f in np.geomspace(0.25, 8.0, num_rates)]
+    top = max(8.0, 2.0 * max_num_seqs)
+    return sorted({float(f"{base * f:.2g}") for f in np.geomspace(0.25, top, num_rates)})
 
 
 def timed_requests(items: Sequence[workloads.WorkloadRequest], tag: str) -> list[Request]:

@@ -103,3 +103,18 @@ def test_disaggregation_needs_a_transfer_model_and_ids_are_unique():
         Simulator("colocated:1", ENGINE, ONE_S, policy="random")
     with pytest.raises(ValueError, match="unique"):
         Simulator("colocated:1", ENGINE, ONE_S).run([(_req("x", 4, 2), 0.0), (_req("x", 4, 2), 1.0)])
+
+
+def test_the_simulator_and_search_import_no_torch():
+    """The hot loop stays torch-free (thousands of requests per second of wall time)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; import experiments.plan.search, experiments.plan.simulate; "
+            "bad = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
+            "sys.exit(1 if bad else 0)")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
