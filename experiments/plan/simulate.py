@@ -185,6 +185,11 @@ class Simulator:
             t, _, _, kind, payload = pop(heap)
             end_s = t
             handlers[kind](t, payload)
+        for flight in self._flights.values():  # nothing left to run it: it never finishes
+            if FINISHED not in flight.record.timeline:
+                flight.record.error = "simulation ended with the request unfinished (no KV room)"
+                flight.record.finish_reason = "error"
+                flight.record.timeline[FINISHED] = end_s
         records = [self._flights[r.request_id].record for r, _ in arrivals]
         return SimResult(records, self._steps or [], self._transfers, end_s, self._batches or [])
 
@@ -241,8 +246,9 @@ class Simulator:
             return (f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                     f"({request.sampling.max_tokens}) = {total} exceeds the context length "
                     f"{self.engine.max_model_len}")
-        if total > self.engine.total_kv_capacity_tokens:
-            return f"needs {total} KV tokens, more than the capacity {self.engine.total_kv_capacity_tokens}"
+        capacity = getattr(self.engine, "total_kv_capacity_tokens", None)  # as Engine.validate
+        if capacity is not None and total > capacity:
+            return f"needs {total} KV tokens, more than the capacity {capacity}"
         if (not self.engine.enable_chunked_prefill
                 and request.num_prompt_tokens > self.engine.max_num_batched_tokens):
             return (f"prompt of {request.num_prompt_tokens} tokens exceeds "
