@@ -7,7 +7,8 @@ placements for real and reports the simulator's error.
    ``--transfer-latency-s`` / ``--transfer-bandwidth-gbps`` give one), chunk budgets suit
    the engine, lengths fit the model's context.
 2. Build the workload per seed (the requests a real ``pdlab compare`` would send).
-3. Sweep and rank (``search``); write plan.csv (ranked), plan_curves.csv (per candidate and
+3. Sweep (refined inside each candidate's bracket when the rates are automatic) and rank
+   (``search``); write plan.csv (ranked), plan_curves.csv (per candidate and
    rate), plan_runs.csv (per seed), plan_attainment.png and plan.md.
 4. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
    machine, at the swept rates, on the first ``--validate-requests`` requests of each seed.
@@ -238,6 +239,17 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
     with tqdm(total=total, desc="simulate", unit="run", file=sys.stderr) as bar:
         runs = search.sweep(x.candidates, rates, requests, x.engine, x.profile, x.transfer_model,
                             x.slo, x.spec.arrival, x.spec.burstiness, x.policy, bar.update)
+        if not x.rates:  # automatic ladder: read each goodput finer inside its bracket
+            extra = search.refine_rates(runs)
+            by_label = {c.label: c for c in x.candidates}
+            bar.total += sum(len(r) for r in extra.values()) * len(requests)
+            runs = pd.concat([runs] + [search.sweep([by_label[label]], more, requests, x.engine,
+                                                    x.profile, x.transfer_model, x.slo,
+                                                    x.spec.arrival, x.spec.burstiness, x.policy,
+                                                    bar.update)
+                                       for label, more in extra.items() if more],
+                             ignore_index=True)
+            total = len(runs)
     wall_s = time.perf_counter() - start
     ranked, curve = search.rank(runs), search.curves(runs)
     x.out.mkdir(parents=True, exist_ok=True)

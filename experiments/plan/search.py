@@ -11,6 +11,8 @@ A search:
    and arrival times the real runs use (``compare.build_workload``; arrival times from
    ``workloads.arrival_times`` with the run's seed, as ``compare.router_workload`` draws
    them); per run: SLO attainment and TTFT/TPOT p50/p99 (``engine.metrics``).
+   Then ``refine_rates`` adds a few rates inside each candidate's bracket (the last rate
+   that meets 90% attainment and the next), as DistServe's binary search narrows it.
 4. Goodput per device (``analysis.goodput_per_device``, DistServe's definition) from the
    mean-over-seeds curve of each candidate, and per seed for its spread; ranked, best first.
 5. ``plot_best``: SLO attainment vs rate per device of the best few (matplotlib).
@@ -169,6 +171,27 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float],
                 if progress is not None:
                     progress()
     return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def refine_rates(runs: pd.DataFrame, num_points: int = 3,
+                 target: float = analysis.ATTAINMENT_TARGET) -> dict[str, list[float]]:
+    """Rates to add per candidate so its goodput is read finer than the coarse ladder: where
+    the mean-over-seeds attainment falls below ``target`` between two swept rates (the
+    last one that meets it at every lower rate too, and the next), ``num_points`` rates
+    geometrically between them (DistServe binary-searches the same bracket). Candidates
+    that meet the target everywhere, or nowhere, get none."""
+    out = {}
+    for label, g in runs.groupby("candidate", sort=False):
+        curve = g.groupby("rate")["slo_attainment"].mean().sort_index()
+        rates, att = list(curve.index), list(curve.values)
+        passing = 0
+        while passing < len(rates) and att[passing] >= target:
+            passing += 1
+        if 0 < passing < len(rates):
+            lo, hi = rates[passing - 1], rates[passing]
+            inner = np.geomspace(lo, hi, num_points + 2)[1:-1]
+            out[label] = sorted({float(f"{r:.3g}") for r in inner} - set(rates))
+    return out
 
 
 RANK_COLUMNS = ["rank", "candidate", "placement", "chunk_budget", "num_devices",
