@@ -346,6 +346,22 @@ class DeviceProfile:
         return dataclasses.replace(self, **changes)
 
 
+def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
+    """Median of measured ÷ modelled seconds over real worker steps (dicts with
+    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step record has no per-entry
+    lengths, so the model is evaluated at its token counts with the attention and context
+    terms left out (a lower bound of the modelled time where those terms are non-zero).
+    NaN without steps."""
+    step_s = profile.step_time()
+    ratios = []
+    for st in steps:
+        n_pre, n_dec = int(st["num_prefill_tokens"]), int(st["num_decode_tokens"])
+        modelled = step_s(n_pre, 0, n_dec, 0)
+        if modelled > 0 and st["duration_s"] > 0:
+            ratios.append(st["duration_s"] / modelled)
+    return float(np.median(ratios)) if ratios else math.nan
+
+
 def summary_lines(profile: DeviceProfile) -> list[str]:
     """One line per model: its formula, coefficients, R² and relative errors."""
     def stats(f: Fit) -> str:

@@ -120,10 +120,16 @@ def arrivals(requests: Sequence[Request], rate: float, seed: int, process: str =
 
 def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile,
               transfer: TransferModel | None, policy: str = "least_loaded",
-              conditional: ConditionalConfig | None = None, transport: str = "simulated") -> Simulator:
-    """The ``Simulator`` of one candidate on the profile's step model."""
+              conditional: ConditionalConfig | None = None, transport: str = "simulated",
+              step_scale: float = 1.0) -> Simulator:
+    """The ``Simulator`` of one candidate on the profile's step model (every step time
+    multiplied by ``step_scale``: a correction factor, see ``latency.step_correction``)."""
     needs_transfer = parse_placement(candidate.placement)[0] != "colocated"
-    return Simulator(candidate.placement, candidate.engine(engine), profile.step_time(),
+    step_s = profile.step_time()
+    if step_scale != 1.0:
+        base = step_s
+        step_s = lambda *f: step_scale * base(*f)  # noqa: E731
+    return Simulator(candidate.placement, candidate.engine(engine), step_s,
                      transfer if needs_transfer else None, profile.kv_bytes_per_token, policy,
                      conditional, transport)
 
@@ -268,9 +274,11 @@ def simulate_runs(placement: str, engine: EngineConfig, profile: DeviceProfile,
                   transfer: TransferModel | None, rates: Sequence[float],
                   requests_by_seed: dict[int, list[Request]], process: str = "poisson",
                   burstiness: float = 1.0, policy: str = "least_loaded",
-                  transport: str = "simulated") -> list[tuple[float, int, SimResult]]:
+                  transport: str = "simulated", step_scale: float = 1.0
+                  ) -> list[tuple[float, int, SimResult]]:
     """Every (rate, seed) of one placement, with step records: ``(rate, seed, result)``
     (for results files shaped like a real run's)."""
-    sim = simulator(Candidate(placement), engine, profile, transfer, policy, transport=transport)
+    sim = simulator(Candidate(placement), engine, profile, transfer, policy, transport=transport,
+                    step_scale=step_scale)
     return [(rate, seed, sim.run(arrivals(reqs, rate, seed, process, burstiness), collect_steps=True))
             for rate in rates for seed, reqs in requests_by_seed.items()]

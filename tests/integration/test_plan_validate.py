@@ -47,6 +47,10 @@ def test_validation_writes_per_point_errors(tmp_path):
     assert summary["attainment_mae_points"] == written["attainment_err_points"].abs().mean()
     assert summary["measured_first"] in {c.placement for c in cands}
     assert "mean abs error" in validate.summary_text(summary)
+    assert summary["step_correction"] > 0 and "corrected" in summary
+    fixed = pd.read_csv(tmp_path / "validation_corrected.csv")
+    assert list(fixed.columns) == validate.COLUMNS and len(fixed) == len(written)
+    assert (fixed["measured_attainment"] == written["measured_attainment"]).all()
     for side, simulated in (("measured", False), ("simulated", True)):
         out = tmp_path / side
         for name in ("requests.jsonl", "summary.csv", "goodput.csv", "report.md", "slo_attainment.png"):

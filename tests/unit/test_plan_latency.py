@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from experiments.plan.latency import (DeviceProfile, Fit, StepFeatures, TransferModel,
-                                      fit_least_squares, fit_step_models, fit_transfer)
+                                      fit_least_squares, fit_step_models, fit_transfer,
+                                      step_correction)
 
 # the true models of the synthetic device (seconds)
 PRE = (2e-3, 1e-4, 3e-8)     # a + b·Σn + c·Σn(k+n)
@@ -120,3 +121,13 @@ def test_bad_inputs_are_refused(tmp_path):
                          Fit(("1",), (1.0,), 1, 0, 0, 1), Fit(("1",), (1.0,), 1, 0, 0, 1))
     with pytest.raises(ValueError, match="no transfer model for transport 'ray'.*--transports ray"):
         prof.transfer("ray")
+
+
+def test_step_correction_is_the_median_of_measured_over_modelled():
+    pre, dec, mix = fit_step_models(_prefill_points(), _decode_points(), _mixed_points())
+    prof = DeviceProfile("m", "float32", "cpu", "x", 1, 100, pre, dec, mix)
+    step = prof.step_time()
+    steps = [{"duration_s": k * step(n, 0, b, 0), "num_prefill_tokens": n, "num_decode_tokens": b}
+             for k, n, b in [(2.0, 64, 0), (3.0, 0, 4), (2.5, 16, 2), (9.0, 0, 1)]]
+    assert step_correction(steps, prof) == pytest.approx(2.75)  # median of 2, 2.5, 3, 9
+    assert math.isnan(step_correction([], prof))
