@@ -48,3 +48,23 @@ def test_refine_rates_adds_points_inside_the_bracket_only():
     extra = search.refine_rates(runs, num_points=3)
     assert set(extra) == {"a"}
     assert extra["a"] == [5.66, 8.0, 11.3]  # geometric between 4 and 16
+
+
+def test_attainment_plot_overlays_the_simulated_curve_dashed(tmp_path, monkeypatch):
+    from experiments import plots
+
+    seen = {}
+    real_save = plots._save
+
+    def keep(fig, path):
+        seen["lines"] = [(ln.get_label(), ln.get_linestyle()) for ln in fig.axes[0].get_lines()]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    measured = pd.DataFrame({"placement": ["colocated:2"] * 2, "rate": [1.0, 2.0],
+                             "slo_attainment": [0.95, 0.5]})
+    simulated = measured.assign(slo_attainment=[0.97, 0.4])
+    path = plots.plot_attainment(measured, tmp_path / "a.png", simulated=simulated)
+    assert path.stat().st_size > 0
+    assert ("colocated:2 (measured)", "-") in seen["lines"]
+    assert ("colocated:2 (simulated)", "--") in seen["lines"]
