@@ -88,6 +88,8 @@ def summary_text(s: dict) -> str:
     if "step_correction" in s:
         text += (f"\nstep-time correction factor (measured ÷ modelled, median over the real "
                  f"steps): {s['step_correction']:.3g}")
+        if s.get("step_correction_by_worker"):
+            text += " (" + ", ".join(f"{k} {v:.3g}" for k, v in s["step_correction_by_worker"].items()) + ")"
     if "corrected" in s:
         text += "\nwith steps scaled by it: " + _summary_line(s["corrected"])
     return text
@@ -135,6 +137,11 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
                                           cand.engine(engine), transfer, devices, address, policy,
                                           local=local, conditional=ConditionalConfig())
     factor = step_correction([s for r in measured for s in r.steps], profile)
+    by_worker = {}  # where the model is off: one factor per placement and worker
+    for r in measured:
+        for st in r.steps:
+            by_worker.setdefault(f"{r.placement} {st['worker']}", []).append(st)
+    by_worker = {k: step_correction(v, profile) for k, v in by_worker.items()}
 
     def simulate(scale: float) -> list[compare.RunResult]:
         out = []
@@ -163,6 +170,7 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
     errors.to_csv(out_dir / "validation.csv", index=False)
     summary = validation_summary(errors, _goodput(meas_summary), _goodput(sim_summary))
     summary["step_correction"] = factor
+    summary["step_correction_by_worker"] = by_worker
     if math.isfinite(factor):
         runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s)
                 for r in simulate(factor)]

@@ -48,6 +48,7 @@ def test_validation_writes_per_point_errors(tmp_path):
     assert summary["measured_first"] in {c.placement for c in cands}
     assert "mean abs error" in validate.summary_text(summary)
     assert summary["step_correction"] > 0 and "corrected" in summary
+    assert set(summary["step_correction_by_worker"]) >= {"colocated:1 colocated-0"}
     fixed = pd.read_csv(tmp_path / "validation_corrected.csv")
     assert list(fixed.columns) == validate.COLUMNS and len(fixed) == len(written)
     assert (fixed["measured_attainment"] == written["measured_attainment"]).all()
