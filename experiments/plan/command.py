@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from engine.config import (EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
+from engine.config import (DTYPES, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
                            check_fields, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
 from experiments.plan import search
@@ -107,7 +107,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_dataclass_args(parser.add_argument_group("plan"), PlanConfig)
     parser.add_argument("--model", default="smollm2-135m", help="the model (as pdlab compare)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--rates", type=cli._floats, default=None,
                         help="total arrival rates in req/s, comma-separated (default: "
                              "--num-rates rates around the profile's capacity estimate)")
@@ -179,7 +179,13 @@ def check_arguments(args: argparse.Namespace) -> PlanJob:
         if budget < engine.max_num_seqs:
             raise cli.option_error("--chunk-budgets", f"each budget must be >= --max-num-seqs "
                                                       f"({engine.max_num_seqs}), got {budget}")
+    if spec.calibrate:
+        raise cli.option_error("--calibrate", "pdlab plan sweeps its own rates (--rates or "
+                                              "--num-rates); calibration is for real runs")
     transfer = dataclass_from_args(TransferConfig, args)
+    if transfer.granularity != "request":
+        raise cli.option_error("--granularity", "the simulator models whole-request KV "
+                                                "transfers only (granularity 'request')")
     path = Path(plan.profile) if plan.profile else find_profile(model)
     if path is None:
         raise cli.option_error("--profile", f"no device profile of model {model.model} "

@@ -129,6 +129,8 @@ PLAN_ROWS = [
                                              "--transports ray")),
     ("--max-model-len", ["--max-model-len", "100000"], ("context of model tiny-random-llama",)),
     ("--prompt-len", ["--prompt-len", "4-300"], ("--max-model-len 256",)),
+    ("--calibrate", ["--calibrate"], ("sweeps its own rates",)),
+    ("--granularity", ["--granularity", "layer"], ("whole-request KV transfers only",)),
 ]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]
