@@ -93,6 +93,10 @@ def _devices(text: str) -> tuple[str, ...]:
 
 def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None:
     if compare:
+        parser.add_argument("--simulate", default=None, metavar="PROFILE.json",
+                            help="also simulate every run with this device profile (pdlab "
+                                 "profile) and report the simulator's error (validation.csv; "
+                                 "the attainment plot overlays the simulated curve)")
         parser.add_argument("--placements", type=_placements, default=None,
                             help="comma-separated, e.g. colocated:2,colocated-nochunk:2,disagg:1p1d "
                                  "(colocated-nochunk = chunked prefill off; default: colocated:N "
@@ -189,6 +193,7 @@ class Experiment:
     slo: SLO
     out: Path
     conditional: ConditionalConfig = ConditionalConfig()
+    simulate: object = None  # experiments.plan.latency.DeviceProfile for --simulate
 
 
 def _engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
@@ -263,9 +268,14 @@ def check_experiment(args: argparse.Namespace) -> Experiment:
     transfer = dataclass_from_args(TransferConfig, args)
     conditional = dataclass_from_args(ConditionalConfig, args)
     check_out(args.out)
+    simulate = None
+    if getattr(args, "simulate", None):
+        simulate = plan_command.load_profile_for(args.simulate, model, "--simulate")
+        if any(parse_placement(p)[0] != "colocated" for p in placements):
+            plan_command.transfer_model_for(simulate, transfer.transport, "--simulate")
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Experiment(placements, devices, spec, model, engine, transfer,
-                      SLO(args.slo_ttft_s, args.slo_tpot_s), out, conditional)
+                      SLO(args.slo_ttft_s, args.slo_tpot_s), out, conditional, simulate)
 
 
 def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
@@ -277,7 +287,8 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
               "engine caps max_model_len at it (the config row records the value asked for)")
     summary, verdict = run_experiment(x.placements, args.rates, x.spec, x.model, x.engine,
                                       x.transfer, ",".join(x.devices), args.address, x.slo,
-                                      x.out, args.policy, conditional=x.conditional)
+                                      x.out, args.policy, conditional=x.conditional,
+                                      simulate=x.simulate)
     print()
     print(format_table(summary))
     print()

@@ -475,9 +475,13 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                    model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                    devices: str | None, address: str | None, slo: SLO, out_dir: Path,
                    policy: str = "least_loaded", local: bool = False,
-                   conditional: ConditionalConfig | None = None) -> tuple[pd.DataFrame, str]:
+                   conditional: ConditionalConfig | None = None,
+                   simulate=None) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
-    workers in this process (tests; transport ``inprocess``).
+    workers in this process (tests; transport ``inprocess``). ``simulate``: a
+    ``experiments.plan.latency.DeviceProfile``; the same runs are then simulated too
+    (``pdlab plan``'s simulator), the attainment plot overlays the simulated curve (dashed)
+    and validation.csv holds the per-point errors (``experiments.plan.validate``).
 
     With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
     ``calibrated_slo`` (both measured on the first placement, recorded under
@@ -518,4 +522,18 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
               "workers": [{k: w.get(k) for k in ("placement", "name", "role", "device",
                                                  "torch_num_threads", "torch_num_interop_threads")}
                           for w in worker_info]}
-    return write_results(out_dir, results, config, slo)
+    if simulate is None:
+        return write_results(out_dir, results, config, slo)
+    from experiments.plan import validate as plan_validate
+
+    twins = plan_validate.simulate_like(results, items, spec, engine, transfer.transport, simulate,
+                                        simulate.transfers.get(transfer.transport), policy)
+    simulated = analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
+                                                     r.duration_s) for r in twins], slo, num_boot=100)
+    summary, verdict_text = write_results(out_dir, results, config, slo,
+                                          simulated=analysis.attainment_curve(simulated))
+    errors = plan_validate.error_table(summary, simulated)
+    errors.to_csv(out_dir / "validation.csv", index=False)
+    text = plan_validate.summary_text(plan_validate.validation_summary(
+        errors, plan_validate._goodput(summary), plan_validate._goodput(simulated)))
+    return summary, verdict_text + "\nSimulated twin (pdlab plan's simulator): " + text

@@ -139,15 +139,36 @@ def find_profile(model: ModelConfig, root: Path = Path("results")) -> Path | Non
     return None
 
 
+def load_profile_for(path: str | Path, model: ModelConfig, option: str) -> DeviceProfile:
+    """The device profile at ``path``, measured on ``model`` (name and dtype).
+
+    Raises:
+        ValueError: ``argument <option>: ...`` when it cannot be read or names another model.
+    """
+    try:
+        profile = DeviceProfile.load(path)
+    except ValueError as err:
+        raise ValueError(f"argument {option}: {err}") from None
+    if (profile.model, profile.dtype) != (model.model, model.dtype):
+        raise ValueError(f"argument {option}: {path} was measured on {profile.model} "
+                         f"({profile.dtype}), not {model.model} ({model.dtype})")
+    return profile
+
+
+def transfer_model_for(profile: DeviceProfile, transport: str, option: str) -> TransferModel:
+    """The profile's transfer model of ``transport``; ValueError ``argument <option>: ...``."""
+    try:
+        return profile.transfer(transport)
+    except ValueError as err:
+        raise ValueError(f"argument {option}: {err}") from None
+
+
 def _transfer_model(plan: PlanConfig, profile: DeviceProfile, transport: str,
                     needed: bool) -> TransferModel | None:
     base = profile.transfers.get(transport)
     if plan.transfer_latency_s is None and plan.transfer_bandwidth_gbps is None:
         if base is None and needed:
-            try:
-                profile.transfer(transport)
-            except ValueError as err:
-                raise ValueError(f"argument --transport: {err}") from None
+            transfer_model_for(profile, transport, "--transport")
         return base
     base = base or TransferModel(0.0, math.inf)
     latency = base.latency_s if plan.transfer_latency_s is None else plan.transfer_latency_s
@@ -191,13 +212,7 @@ def check_arguments(args: argparse.Namespace) -> PlanJob:
         raise cli.option_error("--profile", f"no device profile of model {model.model} "
                                             f"({model.dtype}) under results/: run `pdlab profile "
                                             f"--model {model.model}` or pass --profile FILE")
-    try:
-        profile = DeviceProfile.load(path)
-    except ValueError as err:
-        raise cli.option_error("--profile", str(err)) from None
-    if (profile.model, profile.dtype) != (model.model, model.dtype):
-        raise cli.option_error("--profile", f"{path} was measured on {profile.model} "
-                                            f"({profile.dtype}), not {model.model} ({model.dtype})")
+    profile = load_profile_for(path, model, "--profile")
     cands = search.candidates(plan.devices, plan.budgets)
     transfer_model = _transfer_model(plan, profile, transfer.transport,
                                      any(c.placement.startswith("disagg") for c in cands))

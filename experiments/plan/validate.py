@@ -110,6 +110,25 @@ def _goodput(summary: pd.DataFrame) -> dict[str, float]:
     return analysis.goodput_per_device(analysis.attainment_curve(summary), devices)
 
 
+def simulate_like(results: Sequence[compare.RunResult], items: dict, spec: compare.WorkloadSpec,
+                  engine: EngineConfig, transport: str, profile: DeviceProfile,
+                  transfer_model: TransferModel | None, policy: str = "least_loaded",
+                  step_scale: float = 1.0) -> list[compare.RunResult]:
+    """The simulated twin of real ``results``: every (placement, rate, seed) they hold, on
+    the same requests (``items``: seed -> workload) and arrival times."""
+    out = []
+    for placement in dict.fromkeys(r.placement for r in results):
+        rates = sorted({r.rate for r in results if r.placement == placement})
+        seeds = sorted({r.seed for r in results if r.placement == placement})
+        requests = {seed: search.timed_requests(items[seed], f"{placement}/s{seed}") for seed in seeds}
+        for rate, seed, res in search.simulate_runs(placement, engine, profile, transfer_model, rates,
+                                                    requests, spec.arrival, spec.burstiness, policy,
+                                                    transport, step_scale):
+            out.append(compare.RunResult(placement, rate, res.records, res.steps, res.transfers,
+                                         res.duration_s, seed))
+    return out
+
+
 def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: compare.WorkloadSpec,
              model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
              profile: DeviceProfile, transfer_model: TransferModel | None, slo: SLO,

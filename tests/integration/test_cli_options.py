@@ -138,6 +138,11 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
             ("each placement may appear once", "disagg:1p1d"))]
         + [("compare", "--placements", ["--placements", "colocated:2,disagg:1p1d"],
             ("needs 2 devices",))]
+        + [("compare", "--simulate", ["--simulate", "/nonexistent/profile.json"],
+            ("cannot read device profile",)),
+           ("compare", "--simulate", ["--simulate", TINY_PROFILE, "--model", "tiny-random-llama",
+                                      "--dtype", "bfloat16"],
+            ("measured on tiny-random-llama (float32), not tiny-random-llama (bfloat16)",))]
         + [(cmd, *row) for cmd in ("run", "compare") for row in _derived_rows(cmd)]
         + [(cmd, *r) for cmd in ("profile", "kv-cost") for r in COMMON_ROWS]
         + [("profile", "--prompt-lens", ["--prompt-lens", "300,1000"],

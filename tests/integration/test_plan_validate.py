@@ -60,3 +60,27 @@ def test_validation_writes_per_point_errors(tmp_path):
         assert config["simulated"] is simulated
         summary_csv = pd.read_csv(out / "summary.csv")
         assert (summary_csv["num_requests"] == 6).all() and (summary_csv["num_failed"] == 0).all()
+
+
+def test_compare_simulate_overlays_and_writes_the_errors(tmp_path, monkeypatch):
+    from experiments import compare, plots
+
+    drawn = {}
+    real_plot = plots.plot_attainment
+
+    def spy(curve, path, simulated=None):
+        drawn["simulated"] = simulated
+        return real_plot(curve, path, simulated)
+
+    monkeypatch.setattr(plots, "plot_attainment", spy)
+    spec = WorkloadSpec(dataset="synthetic", num_requests=5, seeds=1, prompt_len="4-20",
+                        output_len="3-5")
+    engine = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    _, verdict = compare.run_experiment(
+        ["colocated:1"], [5.0, 40.0], spec, ModelConfig("tiny-random-llama"), engine,
+        TransferConfig(transport="inprocess"), "cpu:0", None, SLO(1.0, 0.5), tmp_path,
+        local=True, simulate=DeviceProfile.load(PROFILE))
+    errors = pd.read_csv(tmp_path / "validation.csv")
+    assert list(errors["rate"]) == [5.0, 40.0] and list(errors.columns) == validate.COLUMNS
+    assert "Simulated twin" in verdict and "mean abs error" in verdict
+    assert list(drawn["simulated"]["rate"]) == [5.0, 40.0]  # the dashed curve in the report
