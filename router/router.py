@@ -113,7 +113,9 @@ class StreamEvent:
         time_s: ``time.time()`` when the router relayed it.
         token_id: the token (``token`` events).
         index: 0 for the first output token, 1 for the second, ... (``token`` events).
-        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` (``finish``).
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` (``finish``); on the
+            last ``token`` event its worker's reason (``stop`` or ``length``), so a front end
+            can end its response with that token.
         error: why it failed (``finish`` with reason ``error``), else None.
         record: the request's finished ``RequestRecord`` (``finish``).
     """
@@ -505,8 +507,8 @@ class Router:
             record.output_token_ids.append(event.token_id)
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
             self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
-                                   token_id=event.token_id,
-                                   index=len(record.output_token_ids) - 1))
+                                   token_id=event.token_id, index=len(record.output_token_ids) - 1,
+                                   finish_reason=event.finish_reason))
             if event.finish_reason is not None:
                 self._finish(flight, finish_reason=event.finish_reason)
             elif event.kind == ev.PREFILLED:
