@@ -97,8 +97,8 @@ def _nan(v: float | None) -> float:
 
 def placement_kind(placement: str) -> str:
     """``"colocated:2"`` and ``"colocated-nochunk:2"`` -> ``"colocated"``, ``"disagg:1p1d"``
-    -> ``"disagg"``."""
-    return parse_placement(placement)[0]
+    -> ``"disagg"``; a ``pdlab bench`` label ``NAME@PLACEMENT`` by its placement."""
+    return parse_placement(placement.rsplit("@", 1)[-1])[0]
 
 
 def is_colocated(placement: str) -> bool:

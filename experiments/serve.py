@@ -59,45 +59,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import metrics as m
-from engine.config import check_fields
 from engine.metrics import RequestRecord
 from engine.request import Request, SamplingParams
+from experiments.http_config import LOOPBACK, ServeConfig  # noqa: F401 (re-exported)
 from experiments.text import ByteText, HFText, TextStream
 from router.router import FINISH, Router, StreamEvent
 
-LOOPBACK = "127.0.0.1"
 MAX_STOP_STRINGS = 16
 MAX_N = 16
-
-
-@dataclass(frozen=True)
-class ServeConfig:
-    """Where and how ``pdlab serve`` listens.
-
-    Attributes:
-        host: address to bind (default loopback only; ``0.0.0.0`` only when asked).
-        port: TCP port (0 = any free port).
-        max_body_bytes: largest request body accepted (bytes); larger gets 413.
-        served_model_name: the model id clients send and ``/v1/models`` lists (default:
-            the ``--model`` value).
-        local: run the workers in this process (transport ``inprocess``) instead of Ray.
-    """
-
-    host: str = field(default=LOOPBACK, metadata={
-        "help": "address to bind", "pattern": r"[A-Za-z0-9_.:\-]+", "hint": "a host name or IP"})
-    port: int = field(default=8000, metadata={"help": "TCP port (0 = any free one)", "min": 0})
-    max_body_bytes: int = field(default=1 << 20, metadata={
-        "help": "largest request body in bytes (larger: HTTP 413)", "min": 1024})
-    served_model_name: str | None = field(default=None, metadata={
-        "help": "model id clients use (default: the --model value)", "pattern": r"\S+",
-        "hint": "a name without spaces"})
-    local: bool = field(default=False, metadata={
-        "help": "workers in this process (transport inprocess) instead of Ray actors"})
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        if self.port > 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
 
 # ---- request bodies (OpenAI's schema, unknown fields refused) -----------------------------
