@@ -389,9 +389,14 @@ class Router:
                     self._finish(flight, finish_reason="abort")
                 continue
             _, request, arrived_s, sink = command
-            if request.request_id in self._flights:
-                sink(StreamEvent(request.request_id, FINISH, time.time(), finish_reason="error",
-                                 error=f"request_id {request.request_id} is already in flight"))
+            if request.request_id in self._flights:  # refused; the one in flight goes on
+                now, error = time.time(), f"request_id {request.request_id} is already in flight"
+                record = RequestRecord(request.request_id, self.placement,
+                                       num_prompt_tokens=request.num_prompt_tokens,
+                                       finish_reason="error", error=error,
+                                       timeline={ARRIVED: arrived_s, ERROR: now, FINISHED: now})
+                sink(StreamEvent(request.request_id, FINISH, now, finish_reason="error",
+                                 error=error, record=record))
                 continue
             self._sinks[request.request_id] = sink
             self._dispatch(request, arrived_s)
