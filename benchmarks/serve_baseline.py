@@ -47,9 +47,10 @@ def _cores() -> list[int]:
     return sorted(os.sched_getaffinity(0))
 
 
-def server_command(system: str, port: int, cores: list[int],
-                   vllm_python: Path = VLLM_PYTHON) -> tuple[list[str], dict]:
-    """(argv, env) of one system's server on ``port``."""
+def server_command(system: str, port: int, cores: list[int], vllm_python: Path = VLLM_PYTHON,
+                   vllm_compile: bool = False) -> tuple[list[str], dict]:
+    """(argv, env) of one system's server on ``port``; ``vllm_compile``: vLLM's default
+    compilation instead of ``--enforce-eager -O0``."""
     taskset = ["taskset", "-c", ",".join(map(str, cores))]
     if system == "vllm":
         env = dict(os.environ, VLLM_USE_AOT_COMPILE="0", VLLM_CPU_KVCACHE_SPACE="2",
@@ -57,11 +58,12 @@ def server_command(system: str, port: int, cores: list[int],
                    OMP_NUM_THREADS=str(len(cores)), TOKENIZERS_PARALLELISM="false")
         env.pop("PYTHONPATH", None)  # pdlab's torch/transformers must not shadow vLLM's
         model = cache_dir() / "models" / SMOLLM2_NAME
+        fast_start = [] if vllm_compile else ["--enforce-eager", "-O0"]
         return taskset + [str(vllm_python), "-m", "vllm.entrypoints.openai.api_server",
                           "--model", str(model), "--served-model-name", SMOLLM2_NAME,
                           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
-                          "--no-enable-prefix-caching", "--enforce-eager", "-O0",
-                          "--host", "127.0.0.1", "--port", str(port)], env
+                          "--no-enable-prefix-caching", "--host", "127.0.0.1",
+                          "--port", str(port)] + fast_start, env
     placement, devices = {"colocated": ("colocated:1", f"cpu:{cores[0]}-{cores[-1]}"),
                           "disagg": ("disagg:1p1d", f"cpu:{cores[0]},cpu:{cores[-1]}")}[system]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -106,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--start-timeout-s", type=float, default=1200.0)
     parser.add_argument("--vllm-python", type=Path, default=VLLM_PYTHON,
                         help="python of vLLM's virtualenv (default: .venv-vllm, make vllm-venv)")
+    parser.add_argument("--vllm-compile", action="store_true",
+                        help="vLLM's default torch.compile (first start: minutes) instead of "
+                             "--enforce-eager -O0")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "vllm-baseline")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -122,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     dirs = []
     for system in systems:
-        argv_, env = server_command(system, args.port, cores, args.vllm_python)
-        label = {"vllm": "vllm@colocated:1", "colocated": "pdlab@colocated:1",
+        argv_, env = server_command(system, args.port, cores, args.vllm_python, args.vllm_compile)
+        label = {"vllm": "vllm-compiled@colocated:1" if args.vllm_compile else "vllm@colocated:1", "colocated": "pdlab@colocated:1",
                  "disagg": "pdlab@disagg:1p1d"}[system]
         print(f"== {label}: {' '.join(argv_)}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)

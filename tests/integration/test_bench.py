@@ -87,6 +87,7 @@ def test_merge_joins_two_results_directories_into_one_comparison(url, tmp_path):
     summary, verdict = bench.merge([tmp_path / "a", tmp_path / "b"], tmp_path / "both", slo)
     assert list(summary["placement"]) == ["a@colocated:1", "b@disagg:1p1d"]
     assert (summary["num_requests"] == 4).all() and (tmp_path / "both" / "report.md").exists()
+    assert analysis.placement_kind("b@disagg:1p1d") == "disagg"
     with pytest.raises(ValueError, match="two directories"):
         bench.merge([tmp_path / "a", tmp_path / "a"], tmp_path / "again", slo)
 
