@@ -22,7 +22,8 @@ A request's life:
    or a possible stop string is held back), the last with ``finish_reason``, then the usage
    chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
 5. A client that disconnects mid-stream (or while waiting for a non-streamed answer) gets its
-   requests aborted: the router aborts them on every worker, which free their KV.
+   requests aborted as soon as ASGI reports the disconnect: the router aborts them on every
+   worker, which free their KV.
 
 Not supported (400 naming the field): ``logprobs`` / ``top_logprobs`` (the sampler returns
 token ids only), ``echo``, ``suffix``, ``best_of`` > n, penalties other than 0, ``logit_bias``,
@@ -416,6 +417,7 @@ class _Call:
         self.created = int(time.time())
         self.object = "chat.completion" if chat else "text_completion"
         self._getter: asyncio.Future | None = None
+        self._watcher: asyncio.Future | None = None
 
     @property
     def answered(self) -> bool:
@@ -460,23 +462,32 @@ class _Call:
         return errors[0] if errors else None
 
     async def _next_event(self, http: HTTPRequest) -> StreamEvent | None:
-        """The next router event, or None once the client has disconnected (checked every
-        0.25 s). The pending ``get`` survives a timeout (never cancelled while an event may
-        be handed to it), so no event is lost."""
-        while True:
-            if self._getter is None:
-                self._getter = asyncio.ensure_future(self.events.get())
-            done, _ = await asyncio.wait({self._getter}, timeout=0.25)
-            if done:
-                event, self._getter = self._getter.result(), None
-                return event
-            if await http.is_disconnected():
-                return None
+        """The next router event, or None once the client has disconnected (a watcher
+        task waits for ASGI's ``http.disconnect``). The pending ``get`` is never cancelled
+        while an event may be handed to it, so no event is lost."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch(http))
+        if self._getter is None:
+            self._getter = asyncio.ensure_future(self.events.get())
+        done, _ = await asyncio.wait({self._getter, self._watcher},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self._getter in done:
+            event, self._getter = self._getter.result(), None
+            return event
+        return None
+
+    @staticmethod
+    async def _watch(http: HTTPRequest) -> None:
+        """Returns when the client disconnects (the body is read already, so the next ASGI
+        message is the disconnect)."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
 
     def _abort_unanswered(self) -> None:
-        if self._getter is not None:
-            self._getter.cancel()
-            self._getter = None
+        for task in (self._getter, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._getter = self._watcher = None
         for c in self.choices.values():
             if not c.finished:
                 self.server.router.abort(c.request_id)
@@ -533,8 +544,8 @@ class _Call:
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     async def sse(self, http: HTTPRequest) -> AsyncIterator[str]:
-        """Server-sent events; a client gone (seen within 0.25 s, or at the next send)
-        aborts its requests."""
+        """Server-sent events; a client gone (its ``http.disconnect``, or a failed send)
+        aborts its requests at once."""
         started: set[int] = set()
         try:
             while not self.answered:

@@ -283,6 +283,16 @@ def test_client_disconnect_mid_stream_frees_kv_on_every_worker_within_a_second(
         assert_next_request_exact(url, tiny)
 
 
+def test_client_gone_while_waiting_for_a_whole_answer_frees_its_kv(tiny):
+    with served("disagg:1p1d", faults={"decode-0": {"step_delay_s": 0.02}}) as (url, dep):
+        body = {"prompt": random_prompts([12], seed=2)[0], "max_tokens": 100, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        # seen within 0.25 s of the close; the 100 tokens alone would take >= 2 s
+        assert wait_clean(dep, timeout_s=1.0) < 1.0
+        assert_next_request_exact(url, tiny)
+
+
 # ---- load -------------------------------------------------------------------------------
 
 def test_200_concurrent_streaming_clients_get_exact_tokens_and_usage(tiny):
