@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -48,9 +49,10 @@ def _cores() -> list[int]:
 
 
 def server_command(system: str, port: int, cores: list[int], vllm_python: Path = VLLM_PYTHON,
-                   vllm_compile: bool = False) -> tuple[list[str], dict]:
+                   vllm_compile: bool = False, vllm_extra: tuple[str, ...] = ()
+                   ) -> tuple[list[str], dict]:
     """(argv, env) of one system's server on ``port``; ``vllm_compile``: vLLM's default
-    compilation instead of ``--enforce-eager -O0``."""
+    compilation instead of ``--enforce-eager -O0``; ``vllm_extra``: more vLLM options."""
     taskset = ["taskset", "-c", ",".join(map(str, cores))]
     if system == "vllm":
         env = dict(os.environ, VLLM_USE_AOT_COMPILE="0", VLLM_CPU_KVCACHE_SPACE="2",
@@ -63,7 +65,7 @@ def server_command(system: str, port: int, cores: list[int], vllm_python: Path =
                           "--model", str(model), "--served-model-name", SMOLLM2_NAME,
                           "--dtype", "float32", "--max-model-len", str(MAX_MODEL_LEN),
                           "--no-enable-prefix-caching", "--host", "127.0.0.1",
-                          "--port", str(port)] + fast_start, env
+                          "--port", str(port)] + fast_start + list(vllm_extra), env
     placement, devices = {"colocated": ("colocated:1", f"cpu:{cores[0]}-{cores[-1]}"),
                           "disagg": ("disagg:1p1d", f"cpu:{cores[0]},cpu:{cores[-1]}")}[system]
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
@@ -111,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vllm-compile", action="store_true",
                         help="vLLM's default torch.compile (first start: minutes) instead of "
                              "--enforce-eager -O0")
+    parser.add_argument("--vllm-extra", default="",
+                        help="more vLLM server options, one string (e.g. "
+                             "'--distributed-executor-backend uni')")
+    parser.add_argument("--vllm-name", default=None,
+                        help="NAME of vLLM's label NAME@colocated:1 (default: vllm, or "
+                             "vllm-compiled with --vllm-compile)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "vllm-baseline")
     args = parser.parse_args(argv)
     systems = [s for s in args.systems.split(",") if s]
@@ -127,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     dirs = []
     for system in systems:
-        argv_, env = server_command(system, args.port, cores, args.vllm_python, args.vllm_compile)
-        label = {"vllm": "vllm-compiled@colocated:1" if args.vllm_compile else "vllm@colocated:1", "colocated": "pdlab@colocated:1",
+        argv_, env = server_command(system, args.port, cores, args.vllm_python, args.vllm_compile,
+                                    tuple(shlex.split(args.vllm_extra)))
+        vllm_name = args.vllm_name or ("vllm-compiled" if args.vllm_compile else "vllm")
+        label = {"vllm": f"{vllm_name}@colocated:1", "colocated": "pdlab@colocated:1",
                  "disagg": "pdlab@disagg:1p1d"}[system]
         print(f"== {label}: {' '.join(argv_)}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
