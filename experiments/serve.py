@@ -62,7 +62,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine import metrics as m
 from engine.metrics import RequestRecord
 from engine.request import Request, SamplingParams
-from experiments.http_config import LOOPBACK, ServeConfig  # noqa: F401 (re-exported)
+from experiments.http_config import LOOPBACK
 from experiments.text import ByteText, HFText, TextStream
 from router.router import FINISH, Router, StreamEvent
 
@@ -286,20 +286,24 @@ class OpenAIServer:
 
     # ---- endpoints --------------------------------------------------------------------
     async def models(self) -> dict:
+        """``GET /v1/models``: the one served model, with its context length (tokens)."""
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdlab",
             "max_model_len": self.router.max_model_len}]}
 
     async def health(self) -> Response:
+        """``GET /health``: 200 while every worker is alive, else 503 naming the dead ones."""
         dead = [w.name for w in self.router.workers.values() if not w.alive]
         if dead:
             return JSONResponse({"status": "unhealthy", "dead_workers": dead}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     async def prometheus(self) -> Response:
+        """``GET /metrics``: Prometheus text format (module docstring lists the families)."""
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: HTTPRequest) -> Response:
+        """``POST /v1/completions``: prompt a string (tokenized) or a list of token ids."""
         try:
             body = CompletionBody.model_validate(await read_json(request, self.max_body_bytes))
             if isinstance(body.prompt, str):
@@ -313,6 +317,7 @@ class OpenAIServer:
             return error_response(err)
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
+        """``POST /v1/chat/completions``: the messages through the model's chat template."""
         try:
             body = ChatBody.model_validate(await read_json(request, self.max_body_bytes))
             if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -445,6 +450,8 @@ class _Call:
         return choice, delta
 
     def usage(self) -> dict:
+        """OpenAI usage: the prompt counted once, the completions of every choice summed
+        (tokens up to and including the one that ended each choice)."""
         completion = sum(c.text.num_tokens for c in self.choices.values())
         return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
                 "total_tokens": self.num_prompt_tokens + completion}
