@@ -36,7 +36,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
-                           TransferConfig, check_fields, parse_devices, parse_placement)
+                           TransferConfig, check_fields, parse_devices)
 from engine import metrics
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAMES, load_tokenizer, model_context_len, tiny_llama_config
