@@ -532,8 +532,12 @@ class Router:
 
     def _emit(self, event: StreamEvent) -> None:
         sink = self._sinks.get(event.request_id)
-        if sink is not None:
+        if sink is None:
+            return
+        try:
             sink(event)
+        except Exception:  # a front end gone (its event loop closed): it hears no more,
+            self._sinks.pop(event.request_id, None)  # and the loop never dies of it
 
     def _release_kv(self, owner: str | None, handles: tuple[Any, ...]) -> None:
         """Give KV handles the router cannot pass on back to their producer to free."""

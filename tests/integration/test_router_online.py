@@ -77,3 +77,23 @@ def test_abort_mid_decode_frees_kv_everywhere_and_duplicate_ids_are_refused(depl
         router.stop()
     assert router.loads == {name: 0 for name in router.loads}
     assert_clean(deployment)
+
+
+def test_a_sink_that_raises_never_stops_the_loop(tiny, deployment):
+    router = deployment.router
+    workload, expected = mixed_workload(tiny, num_requests=2)
+    (bad, _), (good, _) = workload
+
+    def broken(event):
+        raise RuntimeError("front end gone")
+
+    router.start()
+    try:
+        router.submit(bad, broken)
+        stream = router.submit(good)
+        stream.timeout_s = 20.0  # a dead loop would leave it waiting: fail (queue.Empty) instead
+        record = stream.result()
+    finally:
+        router.stop()
+    assert record.output_token_ids == expected[good.request_id]
+    assert_clean(deployment)
