@@ -225,6 +225,7 @@ class Router:
         self._stopping = threading.Event()
         # (waiting, running) requests, refreshed by the loop each step; read by /metrics
         self.num_waiting = self.num_running = 0
+        self.loop_errors = 0  # exceptions the online loop survived (each failed its flights)
 
     def call_now(self, worker: WorkerRef, method: str, *args: Any,
                  timeout_s: float | None = None) -> Any:
@@ -305,7 +306,12 @@ class Router:
 
     def _serve_forever(self) -> None:
         while not self._stopping.is_set():
-            self._step(self.poll_s)
+            try:
+                self._step(self.poll_s)
+            except Exception as err:  # a bug must not leave every client waiting forever
+                self.loop_errors += 1
+                for flight in list(self._flights.values()):
+                    self._finish(flight, error=f"router loop error: {describe_error(err)}")
         self._drain_inbox()
         for flight in list(self._flights.values()):
             self._finish(flight, error="the router stopped")
