@@ -82,7 +82,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, loaded.eos_token_ids, num_kv_blocks=num_blocks)
         if not quiet:
             print(f"pdlab: KV cache: {num_blocks} blocks = {self.kv_store.num_tokens} tokens = "
-                  f"{self.kv_store.num_bytes / GIB:.3f} GB (GiB; budget {budget_bytes / GIB:.3g} GiB, "
+                  f"{self.kv_store.num_bytes / GIB:.3g} GB (GiB; budget {budget_bytes / GIB:.3g} GiB, "
                   f"block {self.config.block_size} tokens)", file=sys.stderr)
         self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)
         self.sampler = Sampler()

@@ -116,10 +116,10 @@ class KVStore:
     the budget; untouched CPU pages are not even resident).
 
     Masked positions must still be finite (0 * NaN = NaN survives a zero attention
-    weight): a block is zeroed the first time it is handed out (``claim``), and stale
-    values of finished requests are finite. The allocator hands out the lowest free
-    blocks first, so the blocks ever used are ``[0, high_water)`` and ``claim`` zeroes
-    only the ones past it: cost proportional to the peak use, paid once.
+    weight): before any block below ``top`` is read or written, ``claim(top)`` zeroes the
+    blocks ``[high_water, top)`` never zeroed before; stale values of finished requests
+    are finite. The allocator's first fit keeps used blocks low, so the zeroing is
+    proportional to the peak use and paid once per block.
     """
 
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str = "cpu"):
@@ -143,9 +143,9 @@ class KVStore:
     def num_tokens(self) -> int:
         return self.num_blocks * self.block_size
 
-    def claim(self, block_ids: list[int]) -> None:
-        """Zero the blocks of ``block_ids`` never handed out before (see the class doc)."""
-        top = max(block_ids, default=-1) + 1
+    def claim(self, top: int) -> None:
+        """Make blocks ``[0, top)`` safe to read: zero those never zeroed (class doc)."""
+        top = min(top, self.num_blocks)
         if top > self.high_water:
             self.kv[:, :, :, self.high_water:top].zero_()
             self.high_water = top
@@ -212,7 +212,7 @@ class KVStore:
             raise ValueError(f"KV layers {layer_start}+{num_layers} exceed the model's "
                              f"{self.spec.num_layers}")
         self._check_fits(block_ids, num_tokens)
-        self.claim(block_ids)
+        self.claim(max(block_ids) + 1)
         flat = self._flat()[layer_start:layer_start + num_layers]
         run = self._run(block_ids, num_tokens)
         if run is not None:

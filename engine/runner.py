@@ -6,13 +6,18 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 2. Each layer projects Q/K/V for all N tokens at once (one fused matmul), applies RoPE with
    the model's own rotary module, and writes only the new K/V into the requests' KV blocks
    (one ``index_copy_`` at their flat positions ``block * B + offset``).
-3. Attention: single-token entries (decodes) run as batched SDPAs, one per group of rows
-   of similar KV length (``_group_decodes``, so short rows do not read up to the longest
-   row's length): the group's blocks are gathered per layer into one contiguous
-   ``[2, H_kv, rows, T, D]`` tensor (one ``index_select`` over the store's block axis, no
-   transpose; benchmarks/paged_kv.py measures it against the slot store it replaced) and
-   attended with a per-row length mask. GQA without copying K/V: the G query heads that
-   share a KV head are folded into the query-length axis, ``[H_q, 1, D] -> [H_kv, G, D]``.
+3. Attention: single-token entries (decodes) run as batched SDPAs with a per-row length
+   mask, reading the KV blocks in place wherever they can (``_plan_decodes``): a request's
+   blocks are usually consecutive (the allocator's first fit), so its KV is one token range
+   of the store's ``[H_kv, NB * B, D]`` per layer, and rows whose ranges start equally spaced
+   (requests of equal size admitted in turn) are one strided view ``[rows, H_kv, T, D]``,
+   exactly the slot store's view this design replaced. Each such run is split by KV length
+   (``_group_decodes``) so short rows do not read up to the longest row's length; a row on
+   its own is a view of its own range; rows with scattered blocks are gathered per layer
+   (one ``index_select`` over the block axis into a reused buffer: a decode step of 64 such
+   rows took 1.4x the in-place one on the CPU measured, benchmarks/README.md). GQA without copying K/V:
+   the G query heads that share a KV head are folded into the query-length axis,
+   ``[H_q, 1, D] -> [H_kv, G, D]``.
    Each multi-token prompt chunk runs flash attention over its request's blocks (a view
    when they are consecutive, as the allocator makes them unless the free list is
    fragmented; else a gather) at the cost of the causal FLOPs (``_chunk_attention``:
@@ -204,13 +209,16 @@ _GROUP_DP_UNITS = 32  # split-point candidates in _group_decodes (see there)
 
 @dataclass
 class _DecodeGroup:
-    """Decode rows attended by one SDPA over their blocks, gathered into
-    ``[2, H_kv, num_rows, nb * B, D]`` and cut to ``[..., :ctx_len, :]``."""
+    """Decode rows attended by one SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and V: a
+    strided view of the store (row r's range starts at flat token ``token_offset + r *
+    stride_tokens``) or, when ``block_idx`` is set, the rows' blocks gathered."""
 
     num_rows: int
     ctx_len: int  # the longest row's KV length
-    block_idx: torch.Tensor  # [num_rows * nb] block ids, row-major; short rows padded
-    mask: torch.Tensor | None  # [1, num_rows, 1, ctx_len] True = attend; None: all full
+    token_offset: int  # view: the first row's first flat token
+    stride_tokens: int  # view: flat tokens between consecutive rows' starts
+    block_idx: torch.Tensor | None  # gather: [num_rows * nb] block ids, row-major, padded
+    mask: torch.Tensor | None  # [num_rows, 1, 1, ctx_len] True = attend; None: all full
     token_start: int | None  # set when row r is token token_start + r (no gather of q)
     token_idx: torch.Tensor | None  # [num_rows] token index of each row (gather path)
 
@@ -222,7 +230,7 @@ class _StepLayout:
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     token_slots: torch.Tensor  # [N] flat store position (block * B + offset) of each token
-    decode_groups: list[_DecodeGroup]  # the single-token entries, by KV length
+    decode_groups: list[_DecodeGroup]  # the single-token entries (``_plan_decodes``)
     # (token offset, n, cached tokens, the request's KV: a flat token slice when its blocks
     # are consecutive, else [ctx] flat positions to gather)
     chunks: list[tuple[int, int, int, slice | torch.Tensor]]
@@ -252,6 +260,7 @@ class ModelRunner:
         assert all(layer.scale == self.layers[0].scale and layer.softcap == self.softcap
                    for layer in self.layers), "per-layer attention scale/soft-cap"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+        self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -322,20 +331,32 @@ class ModelRunner:
         return layer.o(out.view(num_tokens, -1))[0]
 
     def _decode_attention(self, q, kv_layer, group: _DecodeGroup, out: torch.Tensor) -> None:
-        """One SDPA for ``group``'s rows over their gathered blocks; writes their outputs
-        into ``out`` ``[N, H_q, D]``. ``kv_layer``: the store's ``[2, H_kv, NB, B, D]``."""
-        n, heads, head_dim = group.num_rows, self.num_kv_heads, self.head_dim
-        blocks = kv_layer.view(2, heads, kv_layer.shape[2], -1).index_select(2, group.block_idx)
-        kv = blocks.view(2, heads, n, -1, head_dim)[:, :, :, :group.ctx_len]  # [2, H_kv, n, T, D]
+        """One SDPA for ``group``'s rows over their KV; writes their outputs into ``out``
+        ``[N, H_q, D]``. ``kv_layer``: the store's ``[2, H_kv, NB, B, D]``."""
+        n, heads, head_dim, ctx = group.num_rows, self.num_kv_heads, self.head_dim, group.ctx_len
+        if group.block_idx is None:  # in place: a strided view of each of K and V
+            flat_tokens = kv_layer.shape[2] * kv_layer.shape[3]
+            k, v = (kv_layer[i].as_strided(
+                (n, heads, ctx, head_dim), (group.stride_tokens * head_dim,
+                                            flat_tokens * head_dim, head_dim, 1),
+                kv_layer[i].storage_offset() + group.token_offset * head_dim) for i in (0, 1))
+        else:
+            blocks = kv_layer.view(2, heads, kv_layer.shape[2], -1)
+            size = 2 * heads * group.block_idx.numel() * blocks.shape[-1]
+            if self._gather_buf.numel() < size:  # reused: a fresh tensor this large costs
+                self._gather_buf = blocks.new_empty(size)  # page faults, 5x the copy itself
+            out_buf = self._gather_buf[:size].view(2, heads, group.block_idx.numel(), -1)
+            torch.index_select(blocks, 2, group.block_idx, out=out_buf)
+            kv = out_buf.view(2, heads, n, -1, head_dim)[:, :, :, :ctx].transpose(1, 2)
+            k, v = kv[0], kv[1]  # [n, H_kv, T, D]
         if group.token_start is not None:
             rows = slice(group.token_start, group.token_start + n)
             q_rows = q[rows]
         else:
             q_rows = q.index_select(0, group.token_idx)
-        q_rows = q_rows.view(n, heads, self.group, head_dim).transpose(0, 1)  # [H_kv, n, G, D]
-        res = _sdpa(q_rows, kv[0], kv[1], attn_mask=group.mask, scale=self.scale,
-                    softcap=self.softcap)  # [H_kv, n, G, D]
-        res = res.transpose(0, 1).reshape(n, self.num_heads, head_dim)
+        res = _sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
+                    scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
+        res = res.reshape(n, self.num_heads, head_dim)
         if group.token_start is not None:
             out[rows] = res
         else:
@@ -391,7 +412,8 @@ class ModelRunner:
         offset = 0
         for i, (state, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start, table = state.num_computed_tokens, state.block_ids
-            self.kv_store.claim(table)  # first use of a block: zero it (masked reads stay finite)
+            self.kv_store.claim(max(table) + 1)  # first use of a block: zero it (masked reads
+            # must stay finite)
             ids.extend(state.token_ids[start:start + n])
             positions.extend(range(start, start + n))
             slots.extend(table[t // block_size] * block_size + t % block_size
@@ -404,12 +426,54 @@ class ModelRunner:
                 sample_idx.append(offset + n - 1)
             offset += n
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        decodes.sort(key=lambda row: row[0])  # by KV length (stable: batch order within)
-        rows = [(rank, length, token) for rank, (length, token, _) in enumerate(decodes)]
-        groups = [self._decode_group(run, [decodes[r][2] for r, _, _ in run])
-                  for run in _group_decodes(rows)]
-        return _StepLayout(as_long(ids), as_long(positions), as_long(slots), groups, chunks,
-                           as_long(sample_idx))
+        return _StepLayout(as_long(ids), as_long(positions), as_long(slots),
+                           self._plan_decodes(decodes), chunks, as_long(sample_idx))
+
+    def _plan_decodes(self, decodes: list[tuple[int, int, list[int]]]) -> list[_DecodeGroup]:
+        """Decode rows ``(kv length, token index, block ids)`` -> SDPA groups.
+
+        Rows whose used blocks are consecutive have a flat start token each; sorted by it,
+        runs of equally spaced starts become strided views (a run of one is a row's own
+        view), each run split by length by ``_group_decodes``. A view reads ``ctx_len``
+        tokens from every row's start, past a shorter row's end into its neighbour's
+        blocks (finite values, masked out), so a piece whose last row would read past the
+        store's end is split into single rows. The other rows are one gathered group.
+        """
+        block_size, flat_tokens = self.kv_store.block_size, self.kv_store.num_tokens
+        in_place, scattered = [], []
+        for length, token, table in decodes:
+            used = table[:-(-length // block_size)]
+            if all(b - a == 1 for a, b in zip(used, used[1:])):
+                in_place.append((used[0] * block_size, length, token))
+            else:
+                scattered.append((length, token, table))
+        in_place.sort()
+        runs, groups = [], []
+        for row in in_place:  # greedy: extend the run while the spacing stays the same
+            run = runs[-1] if runs else None
+            if run and (len(run) == 1 or row[0] - run[-1][0] == run[1][0] - run[0][0]):
+                run.append(row)
+            else:
+                runs.append([row])
+        for run in runs:
+            stride = run[1][0] - run[0][0] if len(run) > 1 else 0
+            ranked = [(rank, length, token) for rank, (_, length, token) in enumerate(run)]
+            for piece in _group_decodes(ranked):
+                last = run[piece[-1][0]]
+                ctx_len = max(length for _, length, _ in piece)
+                if len(piece) > 1 and last[0] + ctx_len > flat_tokens:
+                    pieces = [[row] for row in piece]
+                else:
+                    pieces = [piece]  # reads up to the last row's start + ctx_len:
+                    self.kv_store.claim(-(-(last[0] + ctx_len) // block_size))
+                for p in pieces:
+                    start = run[p[0][0]][0]
+                    groups.append(self._decode_group(p, start, stride))
+        if scattered:
+            scattered.sort(key=lambda row: row[0])
+            ranked = [(rank, length, token) for rank, (length, token, _) in enumerate(scattered)]
+            groups.append(self._decode_group(ranked, 0, 0, [t for _, _, t in scattered]))
+        return groups
 
     def _request_tokens(self, block_ids: list[int], num_tokens: int) -> slice | torch.Tensor:
         """Where a request's first ``num_tokens`` tokens lie in the flat store: a slice when
@@ -420,26 +484,30 @@ class ModelRunner:
             return slice(needed[0] * block_size, needed[0] * block_size + num_tokens)
         return self.kv_store.token_index(block_ids, num_tokens)
 
-    def _decode_group(self, rows: list[tuple[int, int, int]],
-                      tables: list[list[int]]) -> _DecodeGroup:
-        """``rows``: (rank, kv length, token index), sorted by length; ``tables``: their block
-        ids. Each row gathers ``nb = ceil(ctx_len / B)`` blocks; a shorter row pads its
-        table with its own first block (finite values, masked out)."""
+    def _decode_group(self, rows: list[tuple[int, int, int]], token_offset: int,
+                      stride_tokens: int, tables: list[list[int]] | None = None) -> _DecodeGroup:
+        """``rows``: (rank, kv length, token index). A view group reads from flat token
+        ``token_offset`` every ``stride_tokens``; a gather group (``tables`` given: the
+        rows' block ids) gathers ``nb = ceil(ctx_len / B)`` blocks per row, a shorter row
+        padding with its own first block (finite values, masked out)."""
         ctx_len = max(length for _, length, _ in rows)
-        num_blocks = -(-ctx_len // self.kv_store.block_size)
-        block_idx = []
-        for table, (_, length, _) in zip(tables, rows):
-            used = table[:-(-length // self.kv_store.block_size)]
-            block_idx.extend(used + [table[0]] * (num_blocks - len(used)))
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        block_idx = None
+        if tables is not None:
+            block_size = self.kv_store.block_size
+            num_blocks, ids = -(-ctx_len // block_size), []
+            for table, (_, length, _) in zip(tables, rows):
+                used = table[:-(-length // block_size)]
+                ids.extend(used + [table[0]] * (num_blocks - len(used)))
+            block_idx = as_long(ids)
         mask = None
         if any(length != ctx_len for _, length, _ in rows):
             lens_t = as_long([length for _, length, _ in rows])
             mask = (torch.arange(ctx_len, device=self.device)[None, :] < lens_t[:, None])
-            mask = mask[None, :, None, :]
+            mask = mask[:, None, None, :]
         tokens = [t for _, _, t in rows]
         dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
-        return _DecodeGroup(len(rows), ctx_len, as_long(block_idx), mask,
+        return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
                             tokens[0] if dense else None, None if dense else as_long(tokens))
 
 

@@ -41,9 +41,11 @@ class BlockAllocator:
     ``num_blocks`` blocks of ``block_size`` tokens, and at most ``max_num_seqs`` requests
     holding blocks at once (nano-vllm's ``BlockManager``, without prefix caching).
 
-    ``allocate`` hands out the lowest free blocks, so a request's blocks are ascending and
-    usually consecutive (the store reads consecutive blocks as one slice), and the blocks
-    ever used form a prefix (``KVStore.claim`` zeroes only new ones).
+    ``allocate`` hands a request the lowest run of consecutive free blocks long enough
+    (first fit), else (free list fragmented) the lowest free blocks: consecutive blocks
+    are read in place by attention and export (``engine.runner``, ``KVStore.read``), a
+    scattered table is gathered. Requests of equal size admitted one after another get
+    equally spaced runs, which decode attention reads as one strided view.
     """
 
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
@@ -93,7 +95,11 @@ class BlockAllocator:
         if n < 1 or not self.can_allocate(num_tokens):
             raise ValueError(f"cannot allocate {n} blocks for {num_tokens} tokens: "
                              f"{len(self._free)} free, {len(self._reserved)} requests held")
-        block_ids, self._free = self._free[:n], self._free[n:]
+        free = self._free
+        start = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1),
+                     0)  # free is ascending and distinct: a span of n - 1 is a run
+        block_ids = free[start:start + n]
+        del free[start:start + n]
         self._reserved[block_ids[0]] = (n, num_tokens)
         return block_ids
 

@@ -46,7 +46,7 @@ class StubEngine:
         self.kv_store = SimpleNamespace(write=self._write)
         self._pending_kv = {}
 
-    def _write(self, slot, kv) -> None:
+    def _write(self, block_ids, kv) -> None:
         self.clock.now_s += D_COST * kv.shape[3]
 
     def add_request(self, request) -> None:
@@ -68,7 +68,7 @@ class StubEngine:
         for state in batch.newly_admitted:  # as Engine.step: imported KV lands in the step
             kv = self._pending_kv.pop(state.request_id, None)
             if kv is not None:
-                self._write(state.slot, kv)
+                self._write(state.block_ids, kv)
         prefill = batch.num_prefill_tokens
         decode = batch.num_tokens - prefill
         self.clock.now_s += A + B_COST * decode + C_COST * prefill
@@ -95,7 +95,7 @@ def measured():
             engine = StubEngine(itf.engine_config(GRID, mode, budget, b, REPEATS, "cpu"), clock)
             s, i = itf.measure_mode(engine, GRID, mode, budget, b, REPEATS, vocab_size=100,
                                     clock=clock)
-            assert engine.states == {} and engine.scheduler.capacity.num_used_slots == 0
+            assert engine.states == {} and engine.scheduler.capacity.num_used_blocks == 0
             steps += s
             imports += i
     return pd.DataFrame(steps), pd.DataFrame(imports)

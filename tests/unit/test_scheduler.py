@@ -181,13 +181,13 @@ def test_blocks_reused_lowest_first():
         sched.add(s)
     step(sched)
     assert (d.block_ids, e.block_ids, f.block_ids) == ([0], [1], [3])
-    # a request of 3 blocks takes the lowest free ones, holes first
+    # a request of 3 blocks takes the lowest run of 3 free blocks (first fit), not the hole
     sched.release(d)
     sched.release(f)
-    g = state("g", 40, max_tokens=8)  # 48 tokens = 3 blocks
+    g = state("g", 40, max_tokens=8)  # 48 tokens = 3 blocks; free: 0, 3, 4, 5, ...
     sched.add(g)
     step(sched)
-    assert g.block_ids == [0, 3, 4]
+    assert g.block_ids == [3, 4, 5]
 
 
 def test_block_allocator_unit():
@@ -200,7 +200,7 @@ def test_block_allocator_unit():
     assert cap.can_allocate(8) and not cap.can_allocate(9)
     b = cap.allocate(1)
     assert b == [2] and not cap.can_allocate(1)  # out of sequences, though a block is free
-    cap.free(a)
+    cap.free(a)  # free: 0, 1, 3: no run of 3, so the lowest three, scattered
     assert cap.reserved_tokens == 1 and cap.allocate(9) == [0, 1, 3]
     with pytest.raises(ValueError, match="not allocated"):
         cap.free(a[:1])  # [0] heads a 3-block table now: not this one
