@@ -20,7 +20,17 @@
    ``max_model_len`` (not built: it would be 24 GB) and the time of zero-filling a slot
    store of ``max_num_seqs=16`` (today's default, 1.51 GB).
 
-Output: tables and ``ratio paged/slot`` / ``build`` lines with the targets.
+3. **capacity**: how many ShareGPT requests (SmolLM2 tokenizer, pdlab's default filters,
+   ``--capacity-requests`` of them) fit at once at their full length (prompt + output) in
+   2 GiB: pdlab's blocks of 16 (preemption-free, so a request holds its whole length from
+   admission) against vLLM's CPU build with ``VLLM_CPU_KVCACHE_SPACE=2``, computed with
+   vLLM's own rule (``vllm/platforms/cpu.py``: 2 GiB exactly, block size 128 on CPU;
+   ``v1/core/kv_cache_utils.py``: ``num_blocks = memory // bytes_per_block``; one block
+   is the block pool's null block). Concurrency = usable blocks / mean blocks per request
+   (vLLM allocates as a request grows, so this is its count at the requests' full length;
+   pdlab holds the full length throughout).
+
+Output: tables and ``ratio paged/slot`` / ``build`` / ``capacity`` lines with the targets.
 """
 
 from __future__ import annotations
@@ -44,6 +54,7 @@ from engine.runner import ModelRunner
 from engine.scheduler import ScheduledBatch
 
 SLOT_COMMIT = "3ed2280"  # main before the paged KV cache
+VLLM_CPU_BLOCK_SIZE = 128  # vllm/platforms/cpu.py: the CPU backend's default block size
 TARGET_RATIO = 1.05
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -163,6 +174,27 @@ def measure_build(loaded: LoadedModel) -> dict:
             "slot16_bytes": slot16_bytes}
 
 
+def measure_capacity(loaded: LoadedModel, num_requests: int, budget_gib: float = 2.0) -> dict:
+    """Concurrent ShareGPT requests at full length in ``budget_gib`` (module doc, part 3)."""
+    from engine.model import load_tokenizer
+    from experiments.compare import WorkloadSpec
+    from experiments.workloads import sharegpt
+
+    spec = WorkloadSpec()  # pdlab's default ShareGPT filters
+    tokenizer = load_tokenizer(ModelConfig("smollm2-135m"))
+    reqs = sharegpt(tokenizer, num_requests, seed=0, min_prompt_len=spec.min_prompt_len,
+                    max_prompt_len=spec.max_prompt_len, max_total_len=2048)
+    lengths = [len(r.prompt_token_ids) + r.output_len for r in reqs]
+    budget, per_token = int(budget_gib * GIB), loaded.kv_spec.bytes_per_token
+    out = {"mean_len": sum(lengths) / len(lengths), "bytes_per_token": per_token}
+    for name, block, reserved in (("pdlab", 16, 0), ("vllm", VLLM_CPU_BLOCK_SIZE, 1)):
+        blocks = budget // (block * per_token) - reserved
+        mean_blocks = sum(-(-n // block) for n in lengths) / len(lengths)
+        out[name] = {"block_size": block, "blocks": blocks, "tokens": blocks * block,
+                     "concurrent": blocks / mean_blocks}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.paged_kv", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -173,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--no-build", action="store_true", help="skip the build measurement")
+    parser.add_argument("--capacity-requests", type=int, default=500,
+                        help="ShareGPT requests in the capacity comparison (0 = skip it)")
     args = parser.parse_args(argv)
     repeats = args.repeats or (5 if args.quick else 15)
     print(setup_threads(args.threads))
@@ -203,6 +237,16 @@ def main(argv: list[str] | None = None) -> int:
               f"{'met' if ok else 'NOT met'}); a slot store of the same shape would be "
               f"{b['slot256_bytes'] / GIB:.1f} GiB; zero-filling the old default slot store "
               f"(16 x 2048, {b['slot16_bytes'] / GIB:.2f} GiB) took {b['slot16_s']:.2f} s")
+    if args.capacity_requests:
+        c = measure_capacity(loaded, args.capacity_requests)
+        p, v = c["pdlab"], c["vllm"]
+        print(f"capacity in 2 GiB ({c['bytes_per_token']} bytes/token; {args.capacity_requests} "
+              f"ShareGPT requests, mean {c['mean_len']:.0f} tokens at full length): pdlab "
+              f"{p['blocks']} blocks of {p['block_size']} = {p['tokens']} tokens, "
+              f"{p['concurrent']:.1f} requests at once; vLLM CPU (VLLM_CPU_KVCACHE_SPACE=2, "
+              f"its formula) {v['blocks']} usable blocks of {v['block_size']} = {v['tokens']} "
+              f"tokens, {v['concurrent']:.1f} at once (target pdlab >= vLLM: "
+              f"{'met' if p['concurrent'] >= v['concurrent'] else 'NOT met'})")
     return 0
 
 

@@ -71,7 +71,7 @@ class Engine:
         self.vocab_size = loaded.model.config.vocab_size
         budget_bytes = kv_budget_bytes(self.config, self.config.device)
         num_blocks = kv_cache_num_blocks(self.config, self.kv_spec, self.config.device,
-                                         budget_bytes)
+                                         budget_bytes, self.max_model_len)
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {budget_bytes / GIB:.3g} GiB holds no block of "

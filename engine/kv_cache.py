@@ -19,6 +19,7 @@ no transpose (``engine.runner``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -101,12 +102,15 @@ def kv_budget_bytes(config, device: str = "cpu") -> int:
 
 
 def kv_cache_num_blocks(config, spec: KVSpec, device: str = "cpu",
-                        budget_bytes: int | None = None) -> int:
+                        budget_bytes: int | None = None, max_model_len: int | None = None) -> int:
     """Blocks of the KV cache: ``budget // (block_size * bytes_per_token)`` (vLLM's
     ``available_memory // bytes_per_block``, v1/core/kv_cache_utils.py), capped by
     ``config.max_kv_blocks`` (more than ``max_num_seqs`` requests of ``max_model_len`` tokens
-    can ever use is never allocated). ``budget_bytes`` None = ``kv_budget_bytes``."""
+    can ever use is never allocated; ``max_model_len`` overrides the config's, as the engine
+    caps it by the model's context). ``budget_bytes`` None = ``kv_budget_bytes``."""
     budget = kv_budget_bytes(config, device) if budget_bytes is None else budget_bytes
+    if max_model_len is not None:
+        config = dataclasses.replace(config, max_model_len=max_model_len)
     return min(budget // (config.block_size * spec.bytes_per_token), config.max_kv_blocks)
 
 

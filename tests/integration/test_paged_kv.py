@@ -69,8 +69,9 @@ def test_budget_to_blocks_rule(tiny, capsys):
     # never more than max_num_seqs requests of max_model_len can use: 2 x ceil(40 / 16)
     small = EngineConfig(max_num_seqs=2, max_model_len=40, kv_cache_memory_gb=1.0)
     assert kv_cache_num_blocks(small, spec) == 6
-    # the CPU default budget
+    # the CPU default budget; the cap follows the model's context (tiny: 256 tokens)
     assert kv_budget_bytes(EngineConfig()) == 4 * GIB
+    assert Engine(tiny, EngineConfig(max_num_seqs=3)).kv_store.num_blocks == 3 * 256 // 16
     with pytest.raises(ValueError, match="holds no block of 16 tokens"):
         Engine(tiny, EngineConfig(kv_cache_memory_gb=1e-6))
 
