@@ -45,7 +45,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import add_common_args, estimator_line, measure_interleaved, print_table, setup_threads
+from benchmarks import (add_common_args, estimator_line, measure_interleaved, print_table,
+                        setup_threads)
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.kv_cache import GIB, KVStore

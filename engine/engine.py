@@ -72,18 +72,20 @@ class Engine:
         budget_bytes = kv_budget_bytes(self.config, self.config.device)
         num_blocks = kv_cache_num_blocks(self.config, self.kv_spec, self.config.device,
                                          budget_bytes, self.max_model_len)
+        block_bytes = self.config.block_size * self.kv_spec.bytes_per_token
         if num_blocks < 1:
             raise ValueError(
                 f"KV cache budget of {budget_bytes / GIB:.3g} GiB holds no block of "
-                f"{self.config.block_size} tokens ({self.config.block_size * self.kv_spec.bytes_per_token} "
-                "bytes): raise kv_cache_memory_gb (or gpu_memory_utilization)")
+                f"{self.config.block_size} tokens ({block_bytes} bytes): raise "
+                "kv_cache_memory_gb (or gpu_memory_utilization)")
         self.kv_store = KVStore(self.kv_spec, num_blocks, self.config.block_size,
                                 self.config.device)
         self.scheduler = Scheduler(self.config, loaded.eos_token_ids, num_kv_blocks=num_blocks)
         if not quiet:
             print(f"pdlab: KV cache: {num_blocks} blocks = {self.kv_store.num_tokens} tokens = "
-                  f"{self.kv_store.num_bytes / GIB:.3g} GB (GiB; budget {budget_bytes / GIB:.3g} GiB, "
-                  f"block {self.config.block_size} tokens)", file=sys.stderr)
+                  f"{self.kv_store.num_bytes / GIB:.3g} GB (GiB; budget "
+                  f"{budget_bytes / GIB:.3g} GiB, block {self.config.block_size} tokens)",
+                  file=sys.stderr)
         self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}

@@ -15,15 +15,15 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
    (``_group_decodes``) so short rows do not read up to the longest row's length; a row on
    its own is a view of its own range; rows with scattered blocks are gathered per layer
    (one ``index_select`` over the block axis into a reused buffer: a decode step of 64 such
-   rows took 1.4x the in-place one on the CPU measured, benchmarks/README.md). GQA without copying K/V:
-   the G query heads that share a KV head are folded into the query-length axis,
-   ``[H_q, 1, D] -> [H_kv, G, D]``.
-   Each multi-token prompt chunk runs flash attention over its request's blocks (a view
-   when they are consecutive, as the allocator makes them unless the free list is
-   fragmented; else a gather) at the cost of the causal FLOPs (``_chunk_attention``:
-   ``is_causal`` for a first chunk; prefix + causal diagonal merged by log-sum-exp for a
-   later one). On CUDA the same gather runs; FlexAttention's paged ``block_mask`` would
-   read the blocks in place, at the price of a compiled kernel per shape (not done).
+   rows took 1.4x the in-place one on the CPU measured, benchmarks/README.md). GQA without
+   copying K/V: the G query heads that share a KV head are folded into the query-length
+   axis, ``[H_q, 1, D] -> [H_kv, G, D]``. Each multi-token prompt chunk runs flash
+   attention over its request's blocks (a view when they are consecutive, as the allocator
+   makes them unless the free list is fragmented; else a gather) at the cost of the causal
+   FLOPs (``_chunk_attention``: ``is_causal`` for a first chunk; prefix + causal diagonal
+   merged by log-sum-exp for a later one). CUDA runs the same plan (views, ``index_select``); FlexAttention's paged
+   ``block_mask`` would read blocks in place at any spacing, at the price of a compiled
+   kernel per shape (not done: no GPU to measure it on).
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
@@ -325,7 +325,8 @@ class ModelRunner:
         for group in layout.decode_groups:
             self._decode_attention(q, kv_layer, group, out)
         for offset, n, start, where in layout.chunks:
-            kv = kv_flat[:, :, where] if isinstance(where, slice) else kv_flat.index_select(2, where)
+            kv = (kv_flat[:, :, where] if isinstance(where, slice)
+                  else kv_flat.index_select(2, where))  # [2, H_kv, ctx, D]
             out[offset:offset + n] = self._chunk_attention(q[offset:offset + n], kv[0], kv[1],
                                                            start)
         return layer.o(out.view(num_tokens, -1))[0]

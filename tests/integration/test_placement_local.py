@@ -7,7 +7,8 @@ import threading
 import time
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, boundary_workload, mixed_workload
+from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload,
+                              mixed_workload)
 
 from engine import metrics
 from engine.config import ModelConfig, PlacementConfig, TransferConfig

@@ -11,7 +11,8 @@ import threading
 from collections import Counter
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, boundary_workload, mixed_workload
+from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload,
+                              mixed_workload)
 
 from decode_worker import DecodeWorker
 from engine.config import ModelConfig, PlacementConfig, TransferConfig

@@ -97,7 +97,8 @@ def test_engine_config_accepts_and_derives_capacity():
     assert EngineConfig(kv_capacity_tokens=50).total_kv_capacity_tokens == 64
     assert EngineConfig(kv_capacity_tokens=50, block_size=5).max_kv_blocks == 10
     default = EngineConfig()  # the field's defaults (vLLM's)
-    assert (default.max_num_seqs, default.block_size, default.max_num_batched_tokens) == (256, 16, 512)
+    assert (default.max_num_seqs, default.block_size,
+            default.max_num_batched_tokens) == (256, 16, 512)
     for device in ("cpu", "cuda", "cuda:3"):
         assert EngineConfig(device=device).device == device
     assert EngineConfig(max_num_seqs=4, max_num_batched_tokens=4).max_num_batched_tokens == 4
