@@ -158,3 +158,23 @@ def test_request_larger_than_the_cache_fails_alone_through_a_placement(tiny):
     assert "3 blocks = 48 tokens" in big.error
     assert_outputs(records.values(), {f"ok{i}": reference_generate(tiny.model, p, 8)
                                       for i, p in enumerate(prompts[1:])})
+
+
+def test_fragmented_cache_stays_token_exact_and_frees_every_block(tiny):
+    """5 blocks of 16: a (1 block), b (2), c (1), d (1) fill the cache; e (2 blocks) waits.
+    a and c end first, leaving blocks 0 and 3 free but no run of two, so e gets the
+    scattered table [0, 3] and its prompt chunk and decodes take the gather paths beside
+    b's and d's in-place views. Outputs equal generate(); every block is free at the end."""
+    engine = Engine(tiny, EngineConfig(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=24,
+                                       kv_capacity_tokens=80))
+    tables = []
+    allocate = engine.scheduler.capacity.allocate
+    engine.scheduler.capacity.allocate = lambda n: tables.append((n, allocate(n))) or tables[-1][1]
+    spec = {"a": (10, 2), "b": (20, 10), "c": (10, 2), "d": (5, 10), "e": (20, 8)}
+    prompts = dict(zip(spec, random_prompts([p for p, _ in spec.values()], seed=29)))
+    outputs = engine.generate([Request(r, tuple(prompts[r]), SamplingParams(max_tokens=m))
+                               for r, (_, m) in spec.items()])
+    assert tables == [(12, [0]), (30, [1, 2]), (12, [3]), (15, [4]), (28, [0, 3])]
+    for r, (_, m) in spec.items():
+        assert outputs[r] == reference_generate(tiny.model, prompts[r], m), r
+    assert engine.is_empty()
