@@ -132,7 +132,9 @@ class EngineLoop:
                 "kv_spec": engine.kv_spec.to_dict(),
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "enable_chunked_prefill": engine.config.enable_chunked_prefill,
-                "kv_capacity_tokens": engine.config.total_kv_capacity_tokens}
+                "kv_capacity_tokens": engine.kv_capacity_tokens,
+                "kv_block_size": engine.config.block_size,
+                "kv_num_blocks": engine.kv_store.num_blocks}
 
     def submit(self, request: Request) -> None:
         """Queue a request; an invalid one comes back as an ``error`` event."""

@@ -37,7 +37,8 @@ OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig, 
                  for f in dataclasses.fields(cls)}
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
-CPU_ENGINE_DEFAULTS = {"max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512}
+# max_num_seqs is vLLM's 256: the KV budget (--kv-cache-memory-gb), not slots, bounds memory.
+CPU_ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_model_len": 2048, "max_num_batched_tokens": 512}
 
 
 class Parser(argparse.ArgumentParser):
@@ -127,7 +128,7 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
     for action in engine._group_actions:
         if action.dest == "max_model_len":
-            action.help = (f"tokens per request slot (>= 2, <= the model's context; default: "
+            action.help = (f"tokens per request (>= 2, <= the model's context; default: "
                            f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
     transfer = parser.add_argument_group("KV transfer")
     add_dataclass_args(transfer, TransferConfig)

@@ -213,6 +213,8 @@ class Router:
             raise ValueError(f"workers disagree on the KV geometry: {infos}")
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = min(i["vocab_size"] for i in infos)
+        # decode load counts whole KV blocks (issue 17): a request holds ceil(tokens / B) blocks
+        self.kv_block_size = max(i.get("kv_block_size", 1) for i in infos)
         self.loads = {w.name: 0 for w in workers}  # tokens, see policy.py
         self._turns = dict.fromkeys(roles, 0)  # round robin: one rotation per pool
         self._flights: dict[str, _Flight] = {}
@@ -427,6 +429,7 @@ class Router:
         flight = _Flight(request, record)
         self._flights[request.request_id] = flight
         kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+        kv_tokens = -(-kv_tokens // self.kv_block_size) * self.kv_block_size  # whole blocks
         try:
             self.validate(request)
             if self.colocated:

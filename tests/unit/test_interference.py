@@ -46,7 +46,7 @@ class StubEngine:
         self.kv_spec = KVSpec("stub", num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
         self._kv_reserved: list[str] = []
 
-    def _write(self, slot, kv) -> None:
+    def _write(self, block_ids, kv) -> None:
         self.clock.now_s += D_COST * kv.shape[3]
 
     def add_request(self, request) -> None:
@@ -100,7 +100,7 @@ def measured():
             engine = StubEngine(itf.engine_config(GRID, mode, budget, b, REPEATS, "cpu"), clock)
             s, i = itf.measure_mode(engine, GRID, mode, budget, b, REPEATS, vocab_size=100,
                                     clock=clock)
-            assert engine.states == {} and engine.scheduler.capacity.num_used_slots == 0
+            assert engine.states == {} and engine.scheduler.capacity.num_used_blocks == 0
             steps += s
             imports += i
     return pd.DataFrame(steps), pd.DataFrame(imports)
