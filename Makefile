@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill
+.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -55,6 +55,14 @@ bench-vllm: $(STAMP) $(VLLM_STAMP)
 
 bench-prefill: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m benchmarks.prefill_scaling
+
+# pdlab bench (streaming HTTP, ShareGPT) against vLLM's OpenAI server and against pdlab serve
+# (colocated:1, disagg:1p1d), one after the other on the same cores; one comparison report in
+# results/vllm-baseline/comparison/. Not part of `make test` (the vLLM virtualenv is ~0.5 GB).
+BASELINE_ARGS ?= --num-requests 8 --rates 0.5 --max-output-len 32
+
+vllm-baseline: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m benchmarks.serve_baseline $(BASELINE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results

@@ -108,25 +108,41 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """Scheduler and KV capacity of one engine instance.
+    """Scheduler and KV cache of one engine instance.
+
+    The KV cache is ``num_blocks`` blocks of ``block_size`` tokens (``engine.kv_cache``),
+    ``num_blocks`` = the memory budget (``kv_cache_memory_gb``; on CUDA, unset, a fraction
+    ``gpu_memory_utilization`` of the device) divided by the bytes of one block, capped by
+    what ``max_num_seqs`` requests of ``max_model_len`` tokens can ever use and by
+    ``kv_capacity_tokens`` (``engine.kv_cache.kv_cache_num_blocks``).
 
     Attributes:
-        max_num_seqs: KV slots, i.e. requests holding KV at once (>= 1).
-        max_model_len: tokens per slot: prompt + output of one request must fit (>= 2);
-            capped by the model's context length.
+        max_num_seqs: requests holding KV at once (>= 1; vLLM's default, 256).
+        max_model_len: tokens of one request: prompt + output must fit (>= 2); capped by the
+            model's context length.
         max_num_batched_tokens: per-step token budget (prompt chunks + decodes), >= max_num_seqs.
         enable_chunked_prefill: split long prompts across steps, mixed with running decodes
             (Sarathi-Serve); off = a prompt runs whole in one step.
-        kv_capacity_tokens: total tokens reserved (prompt + max_tokens per request) that the
-            KV store may hold; None = max_num_seqs * max_model_len.
+        kv_capacity_tokens: an extra cap on the KV cache in tokens (rounded up to whole
+            blocks); None = no cap beyond the memory budget.
+        block_size: tokens per KV block (>= 1; vLLM's default, 16).
+        kv_cache_memory_gb: KV cache budget in GiB (2**30 bytes, as vLLM's
+            ``VLLM_CPU_KVCACHE_SPACE``); None = ``DEFAULT_CPU_KV_CACHE_GB`` on CPU,
+            ``gpu_memory_utilization`` on CUDA.
+        gpu_memory_utilization: on CUDA with no ``kv_cache_memory_gb``: the fraction of the
+            device's memory this process may use in all; the KV cache gets what is left of
+            it after the weights (vLLM's ``gpu_memory_utilization``), in (0, 1].
         device: ``cpu`` or ``cuda[:i]``.
     """
 
-    max_num_seqs: int = field(default=16, metadata={"min": 1})
+    max_num_seqs: int = field(default=256, metadata={"min": 1})
     max_model_len: int = field(default=2048, metadata={"min": 2})
     max_num_batched_tokens: int = field(default=512, metadata={"min": 1})
     enable_chunked_prefill: bool = True
     kv_capacity_tokens: int | None = field(default=None, metadata={"min": 2})
+    block_size: int = field(default=16, metadata={"min": 1})
+    kv_cache_memory_gb: float | None = field(default=None, metadata={"gt": 0})
+    gpu_memory_utilization: float = field(default=0.9, metadata={"gt": 0})
     device: str = field(default="cpu", metadata={"pattern": r"cpu|cuda(:\d+)?",
                                                  "hint": "'cpu' or 'cuda[:i]'"})
 
@@ -137,12 +153,25 @@ class EngineConfig:
             f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}), "
             f"got {self.max_num_batched_tokens}",
         )
+        _check(self.gpu_memory_utilization <= 1,
+               f"gpu_memory_utilization must be <= 1, got {self.gpu_memory_utilization}")
 
     @property
     def total_kv_capacity_tokens(self) -> int:
-        if self.kv_capacity_tokens is None:
-            return self.max_num_seqs * self.max_model_len
-        return self.kv_capacity_tokens
+        """Tokens the KV cache can hold at most without knowing the model's bytes per token:
+        ``max_num_seqs`` requests of ``max_model_len`` tokens in whole blocks, capped by
+        ``kv_capacity_tokens`` (rounded up to whole blocks). The engine's real capacity
+        also obeys the memory budget (``Engine.kv_capacity_tokens``)."""
+        return self.max_kv_blocks * self.block_size
+
+    @property
+    def max_kv_blocks(self) -> int:
+        """``min(max_num_seqs * ceil(max_model_len / block_size),
+        ceil(kv_capacity_tokens / block_size))`` blocks."""
+        blocks = self.max_num_seqs * -(-self.max_model_len // self.block_size)
+        if self.kv_capacity_tokens is not None:
+            blocks = min(blocks, -(-self.kv_capacity_tokens // self.block_size))
+        return blocks
 
 
 @dataclass(frozen=True)

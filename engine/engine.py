@@ -5,12 +5,16 @@ A step:
 
 1. The scheduler picks decodes, prompt chunks and newly admitted requests under the token
    budget and KV capacity (``ScheduledBatch``).
-2. Requests prefilled elsewhere only get their KV slot reserved (``pop_kv_reserved``); their
-   worker fetches the KV into it (``finish_remote``) and they decode from the next step on.
+2. Requests prefilled elsewhere only get their KV blocks reserved (``pop_kv_reserved``);
+   their worker fetches the KV into them (``finish_remote``) and they decode from the next
+   step on.
 3. The runner runs one forward over the whole batch and returns logits for the requests
    whose known tokens are all computed.
 4. The sampler picks their tokens; the scheduler advances counters, checks stop conditions
-   and frees the slots of finished requests.
+   and frees the KV blocks of finished requests.
+
+The KV cache is paged (``engine.kv_cache``): ``num_blocks`` blocks of ``block_size`` tokens
+sized by a memory budget, printed at start-up as ``KV cache: N blocks = T tokens = X GB``.
 
 Bad input is refused in ``add_request`` / ``add_remote`` with a ``ValueError`` and never
 reaches a forward; a forward that fails turns that step's requests into errors
@@ -19,13 +23,14 @@ reaches a forward; a forward that fails turns that step's requests into errors
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import KVStore
+from engine.kv_cache import GIB, KVStore, kv_budget_bytes, kv_cache_num_blocks
 from engine.model import LoadedModel
 from engine.request import Request, RequestState, RequestStatus, TokenOutput
 from engine.runner import ModelRunner
@@ -49,31 +54,52 @@ class Engine:
 
     Args:
         loaded: the model (``engine.model.load_model``).
-        config: scheduler and KV capacity; ``max_model_len`` is capped by the model's context.
+        config: scheduler and KV cache; ``max_model_len`` is capped by the model's context.
+        quiet: do not print the KV cache line at start-up.
+
+    Raises:
+        ValueError: the KV budget holds no block (a request too large for the cache is
+            refused later, in ``validate``).
     """
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 quiet: bool = False) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.kv_spec = loaded.kv_spec
         self.max_model_len = min(self.config.max_model_len, loaded.max_context_len)
         self.vocab_size = loaded.model.config.vocab_size
-        self.kv_store = KVStore(self.kv_spec, self.config.max_num_seqs, self.max_model_len,
+        budget_bytes = kv_budget_bytes(self.config, self.config.device)
+        num_blocks = kv_cache_num_blocks(self.config, self.kv_spec, self.config.device,
+                                         budget_bytes, self.max_model_len)
+        block_bytes = self.config.block_size * self.kv_spec.bytes_per_token
+        if num_blocks < 1:
+            raise ValueError(
+                f"KV cache budget of {budget_bytes / GIB:.3g} GiB holds no block of "
+                f"{self.config.block_size} tokens ({block_bytes} bytes): raise "
+                "kv_cache_memory_gb (or gpu_memory_utilization)")
+        self.kv_store = KVStore(self.kv_spec, num_blocks, self.config.block_size,
                                 self.config.device)
-        self.scheduler = Scheduler(self.config, loaded.eos_token_ids)
+        self.scheduler = Scheduler(self.config, loaded.eos_token_ids, num_kv_blocks=num_blocks)
+        if not quiet:
+            print(f"pdlab: KV cache: {num_blocks} blocks = {self.kv_store.num_tokens} tokens = "
+                  f"{self.kv_store.num_bytes / GIB:.3g} GB (GiB; budget "
+                  f"{budget_bytes / GIB:.3g} GiB, block {self.config.block_size} tokens)",
+                  file=sys.stderr)
         self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}
         self.step_records: list[StepRecord] = []
-        self._kv_reserved: list[str] = []  # remote requests whose slot awaits their fetch
+        self._kv_reserved: list[str] = []  # remote requests whose blocks await their fetch
         self._failed: list[tuple[str, str]] = []
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
         """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run
         here. (SamplingParams and Request check their own fields when built.) The context
-        check always counts prompt + max_tokens; the KV capacity check counts what this
-        engine will reserve (prompt + 1 for ``prefill_only``)."""
+        check always counts prompt + max_tokens; the KV cache check counts the blocks this
+        engine will reserve (prompt + 1 tokens for ``prefill_only``): a request that needs
+        more than the whole cache is refused here, never queued behind others."""
         rid = request.request_id
         if rid in self.states:
             raise ValueError(f"request_id {rid!r} is already in this engine")
@@ -92,9 +118,13 @@ class Engine:
                 f"({request.sampling.max_tokens}) = {total} exceeds the context length "
                 f"{self.max_model_len} (max_model_len)")
         reserved = request.num_prompt_tokens + 1 if prefill_only else total
-        if reserved > self.config.total_kv_capacity_tokens:
-            raise ValueError(f"request {rid}: needs {reserved} KV tokens, more than this engine's "
-                             f"capacity {self.config.total_kv_capacity_tokens} (kv_capacity_tokens)")
+        blocks = self.scheduler.capacity
+        if not blocks.fits_ever(reserved):
+            raise ValueError(
+                f"request {rid}: needs {reserved} KV tokens ({blocks.blocks_needed(reserved)} "
+                f"blocks of {blocks.block_size}), more than this engine's whole KV cache "
+                f"({blocks.num_blocks} blocks = {self.kv_capacity_tokens} tokens; raise "
+                "kv_cache_memory_gb or kv_capacity_tokens)")
         if (not self.config.enable_chunked_prefill
                 and request.num_prompt_tokens > self.config.max_num_batched_tokens):
             raise ValueError(
@@ -112,9 +142,9 @@ class Engine:
 
     def add_remote(self, request: Request, first_token: int) -> None:
         """Queue a request prefilled elsewhere, whose prompt KV is still with its producer,
-        in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV slot first (listed by
+        in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV blocks first (listed by
         ``pop_kv_reserved``); the caller fetches the KV and hands it to ``finish_remote``;
-        then it decodes from its second token on. Nothing is held until the slot exists.
+        then it decodes from its second token on. Nothing is held until the blocks exist.
 
         Raises:
             ValueError: invalid request, ``first_token`` outside the vocabulary, or a
@@ -137,14 +167,14 @@ class Engine:
         self.scheduler.add(state)
 
     def pop_kv_reserved(self) -> list[str]:
-        """Ids of remote requests whose KV slot was reserved since the last call: fetch
+        """Ids of remote requests whose KV blocks were reserved since the last call: fetch
         their KV now (in reservation order)."""
         reserved, self._kv_reserved = self._kv_reserved, []
         return reserved
 
     def finish_remote(self, request_id: str, kv: torch.Tensor) -> None:
         """Copy a fetched prompt KV ``[L, 2, H_kv, T, D]`` (T = prompt length, this engine's
-        dtype) into the request's reserved slot; it joins the next decode step.
+        dtype) into the request's reserved blocks; it joins the next decode step.
 
         Raises:
             KeyError: the request is not waiting for its KV here (aborted or unknown).
@@ -153,23 +183,24 @@ class Engine:
         """
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
-                or state.slot is None:
+                or state.block_ids is None:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV in this engine")
         expected = self.kv_spec.kv_shape(state.num_prompt_tokens)
         if tuple(kv.shape) != expected or kv.dtype != self.kv_spec.torch_dtype:
             raise ValueError(f"request {request_id}: KV expected shape {expected} "
                              f"dtype {self.kv_spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
-        self.kv_store.write(state.slot, kv)
+        self.kv_store.write(state.block_ids, kv)
         self.scheduler.kv_arrived(state)
 
     def is_waiting_for_kv(self, request_id: str) -> bool:
-        """True while ``request_id`` is queued for a slot or its KV fetch is in flight."""
+        """True while ``request_id`` is queued for KV blocks or its KV fetch is in flight."""
         state = self.states.get(request_id)
         return state is not None and state.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def export_kv(self, request_id: str) -> tuple[torch.Tensor, int]:
         """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T, D]``, contiguous,
-        T = prompt length; first token) and frees its slot.
+        T = prompt length, gathered from its blocks: the wire format; first token) and frees
+        its blocks.
 
         Raises:
             KeyError: the request is not held here in PREFILLED state.
@@ -177,11 +208,11 @@ class Engine:
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")
-        kv = self.kv_store.read(state.slot, state.num_prompt_tokens)
+        kv = self.kv_store.read(state.block_ids, state.num_prompt_tokens)
         return kv, self.finish_prefilled(request_id)
 
     def finish_prefilled(self, request_id: str) -> int:
-        """Free a prefilled request's slot without copying its KV (its layers were already
+        """Free a prefilled request's blocks without copying its KV (its layers were already
         streamed out); returns its first token. Raises KeyError as ``export_kv``."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.PREFILLED:
@@ -193,7 +224,7 @@ class Engine:
         """Copy of a running prefill's prompt KV for some layers ``[L', 2, H_kv, T, D]``
         (layer-wise streaming reads each layer range once the runner has written it)."""
         state = self.states[request_id]
-        return self.kv_store.read(state.slot, state.num_prompt_tokens, layers)
+        return self.kv_store.read(state.block_ids, state.num_prompt_tokens, layers)
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Drop a request wherever it is and free its KV (no-op if unknown)."""
@@ -275,13 +306,25 @@ class Engine:
 
     @property
     def num_resident_kv_tokens(self) -> int:
-        """Tokens reserved in the KV store: decode load."""
-        return self.scheduler.capacity.reserved_tokens
+        """Tokens of the KV blocks in use (whole blocks): decode load."""
+        return self.scheduler.capacity.num_used_blocks * self.config.block_size
+
+    @property
+    def num_used_kv_blocks(self) -> int:
+        return self.scheduler.capacity.num_used_blocks
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens the KV cache holds: ``num_blocks * block_size``."""
+        return self.kv_store.num_tokens
 
     def is_empty(self) -> bool:
-        """Nothing queued, running, held or reserved (lifecycle tests end on this)."""
+        """Nothing queued, running, held or reserved, and every KV block free (lifecycle
+        tests end on this)."""
+        blocks = self.scheduler.capacity
         return (not self.states and not self.scheduler.waiting and not self.scheduler.running
-                and not self.scheduler.receiving and self.scheduler.capacity.num_used_slots == 0)
+                and not self.scheduler.receiving and blocks.num_used_seqs == 0
+                and blocks.num_free_blocks == blocks.num_blocks)
 
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
         """Convenience: run ``requests`` to completion; returns output token ids per request."""

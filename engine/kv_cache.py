@@ -1,16 +1,25 @@
-"""KV geometry (``KVSpec``) and one engine's KV store.
+"""KV geometry (``KVSpec``), the KV cache's size from a memory budget, and one engine's
+paged KV store.
 
-The store preallocates one slot per concurrent request (DESIGN §4): a request joining or
-leaving costs only its own KV, and a step writes only its new tokens' K/V. Slot numbers
-come from the scheduler's ``KVCapacity`` (which never touches a tensor).
+The store is ``num_blocks`` blocks of ``block_size`` tokens (vLLM's PagedAttention, Kwon et
+al. 2023; nano-vllm's ``BlockManager``); the scheduler's ``BlockAllocator`` hands a request
+the blocks it needs (never touches a tensor) and the request's block table lists them in
+token order: token ``t`` of a request lives in block ``block_ids[t // block_size]`` at offset
+``t % block_size``. Memory is the budget, not ``max_num_seqs * max_model_len``.
 
 Layouts:
-    store:        [L, 2, S, H_kv, T_max, D]   (L layers, K/V, S slots, T_max = max_model_len)
-    exported KV:  [L, 2, H_kv, T, D]          (one request's first T tokens, contiguous)
+    store:        [L, 2, H_kv, NB, B, D]   (L layers, K/V, KV heads, NB blocks of B tokens)
+    exported KV:  [L, 2, H_kv, T, D]       (one request's first T tokens, contiguous; the
+                                            wire format, unchanged from the slot store)
+
+Blocks sit on the fourth axis so that gathering a batch's blocks per layer
+(``index_select`` over NB) directly gives ``[H_kv, rows, T, D]`` for attention, one copy and
+no transpose (``engine.runner``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
@@ -71,39 +80,130 @@ class KVSpec:
         return asdict(self)
 
 
-class KVStore:
-    """Preallocated per-slot KV for one engine: ``num_slots * max_model_len * bytes_per_token``
-    bytes, allocated once.
+GIB = 2 ** 30
+DEFAULT_CPU_KV_CACHE_GB = 4.0  # vLLM's CPU default before "auto" (VLLM_CPU_KVCACHE_SPACE=4)
 
-    The store starts zeroed: batched decode attention reads padded positions (masked out),
-    and uninitialised memory there could hold NaN, which a zero attention weight does not
-    cancel (0 * NaN = NaN). Stale values of finished requests are finite, so masking them
-    is exact.
+
+def kv_budget_bytes(config, device: str = "cpu") -> int:
+    """The KV cache budget in bytes for ``config`` (an ``EngineConfig``) on ``device``.
+
+    ``kv_cache_memory_gb`` GiB when set; else on CPU ``DEFAULT_CPU_KV_CACHE_GB`` GiB; else on
+    CUDA ``gpu_memory_utilization * total - (total - free)`` (what this process may still
+    take of its share of the device after the weights are loaded, as vLLM's
+    ``gpu_memory_utilization``; activations of a step come out of the same share, so the
+    fraction should leave room for them), from ``torch.cuda.mem_get_info``.
+    """
+    if config.kv_cache_memory_gb is not None:
+        return int(config.kv_cache_memory_gb * GIB)
+    if not device.startswith("cuda"):
+        return int(DEFAULT_CPU_KV_CACHE_GB * GIB)
+    free_bytes, total_bytes = torch.cuda.mem_get_info(torch.device(device))
+    return max(0, int(config.gpu_memory_utilization * total_bytes) - (total_bytes - free_bytes))
+
+
+def kv_cache_num_blocks(config, spec: KVSpec, device: str = "cpu",
+                        budget_bytes: int | None = None, max_model_len: int | None = None) -> int:
+    """Blocks of the KV cache: ``budget // (block_size * bytes_per_token)`` (vLLM's
+    ``available_memory // bytes_per_block``, v1/core/kv_cache_utils.py), capped by
+    ``config.max_kv_blocks`` (more than ``max_num_seqs`` requests of ``max_model_len`` tokens
+    can ever use is never allocated; ``max_model_len`` overrides the config's, as the engine
+    caps it by the model's context). ``budget_bytes`` None = ``kv_budget_bytes``."""
+    budget = kv_budget_bytes(config, device) if budget_bytes is None else budget_bytes
+    if max_model_len is not None:
+        config = dataclasses.replace(config, max_model_len=max_model_len)
+    return min(budget // (config.block_size * spec.bytes_per_token), config.max_kv_blocks)
+
+
+class KVStore:
+    """Paged KV for one engine: ``[L, 2, H_kv, NB, B, D]``, ``NB * B * bytes_per_token``
+    bytes, allocated once and never zero-filled whole (start-up cost does not grow with
+    the budget; untouched CPU pages are not even resident).
+
+    Masked positions must still be finite (0 * NaN = NaN survives a zero attention
+    weight): before any block below ``top`` is read or written, ``claim(top)`` zeroes the
+    blocks ``[high_water, top)`` never zeroed before; stale values of finished requests
+    are finite. The allocator's first fit keeps used blocks low, so the zeroing is
+    proportional to the peak use and paid once per block.
     """
 
-    def __init__(self, spec: KVSpec, num_slots: int, max_model_len: int, device: str = "cpu"):
+    def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str = "cpu"):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a KV store needs num_blocks >= 1 and block_size >= 1, got "
+                             f"{num_blocks} and {block_size}")
         self.spec = spec
-        self.num_slots = num_slots
-        self.max_model_len = max_model_len
-        self.kv = torch.zeros(  # [L, 2, S, H_kv, T_max, D]
-            (spec.num_layers, 2, num_slots, spec.num_kv_heads, max_model_len, spec.head_dim),
-            dtype=spec.torch_dtype, device=device,
-        )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv = torch.empty(  # [L, 2, H_kv, NB, B, D]
+            (spec.num_layers, 2, spec.num_kv_heads, num_blocks, block_size, spec.head_dim),
+            dtype=spec.torch_dtype, device=device)
+        self.high_water = 0  # blocks [0, high_water) have been zeroed once
 
-    def layer_view(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer for all slots, each ``[S, H_kv, T_max, D]`` (views, no copy)."""
-        return self.kv[layer, 0], self.kv[layer, 1]
+    @property
+    def num_bytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
 
-    def read(self, slot: int, num_tokens: int, layers: slice = slice(None)) -> torch.Tensor:
-        """Copy out one request's KV: ``[L', 2, H_kv, T, D]``, contiguous (a new tensor)."""
-        return self.kv[layers, :, slot, :, :num_tokens].contiguous()
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
 
-    def write(self, slot: int, kv: torch.Tensor, layer_start: int = 0) -> None:
-        """Place ``kv`` ``[L', 2, H_kv, T, D]`` into ``slot`` at tokens ``[0, T)``, layers
-        ``[layer_start, layer_start + L')``.
+    def claim(self, top: int) -> None:
+        """Make blocks ``[0, top)`` safe to read: zero those never zeroed (class doc)."""
+        top = min(top, self.num_blocks)
+        if top > self.high_water:
+            self.kv[:, :, :, self.high_water:top].zero_()
+            self.high_water = top
+
+    def layer_view(self, layer: int) -> torch.Tensor:
+        """K and V of one layer, ``[2, H_kv, NB, B, D]`` (a view, no copy)."""
+        return self.kv[layer]
+
+    def token_index(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """``[T]`` flat token positions (``block * B + offset``) of a request's first T
+        tokens in the store's ``[..., NB * B, D]`` view."""
+        t = torch.arange(num_tokens, device=self.device)
+        blocks = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return blocks[t // self.block_size] * self.block_size + t % self.block_size
+
+    def _check_fits(self, block_ids: list[int], num_tokens: int) -> None:
+        if num_tokens > len(block_ids) * self.block_size:
+            raise ValueError(f"KV of {num_tokens} tokens does not fit {len(block_ids)} blocks "
+                             f"of {self.block_size} tokens")
+
+    def _run(self, block_ids: list[int], num_tokens: int) -> slice | None:
+        """The flat token slice of the first T tokens when their blocks are consecutive (no
+        gather needed), else None."""
+        needed = block_ids[:-(-num_tokens // self.block_size)]
+        if needed and all(b - a == 1 for a, b in zip(needed, needed[1:])):
+            start = needed[0] * self.block_size
+            return slice(start, start + num_tokens)
+        return None
+
+    def _flat(self) -> torch.Tensor:
+        """``[L, 2, H_kv, NB * B, D]`` view of the store."""
+        s = self.spec
+        return self.kv.view(s.num_layers, 2, s.num_kv_heads, self.num_tokens, s.head_dim)
+
+    def read(self, block_ids: list[int], num_tokens: int,
+             layers: slice = slice(None)) -> torch.Tensor:
+        """Copy out one request's KV: ``[L', 2, H_kv, T, D]``, contiguous (a new tensor).
 
         Raises:
-            ValueError: shape or dtype differs from this store's geometry.
+            ValueError: T tokens do not fit ``block_ids``.
+        """
+        self._check_fits(block_ids, num_tokens)
+        run, flat = self._run(block_ids, num_tokens), self._flat()[layers]
+        if run is not None:
+            return flat[:, :, :, run].contiguous()
+        return flat.index_select(3, self.token_index(block_ids, num_tokens))
+
+    def write(self, block_ids: list[int], kv: torch.Tensor, layer_start: int = 0) -> None:
+        """Place ``kv`` ``[L', 2, H_kv, T, D]`` into a request's blocks at tokens ``[0, T)``,
+        layers ``[layer_start, layer_start + L')``.
+
+        Raises:
+            ValueError: shape or dtype differs from this store's geometry, or T tokens do not
+                fit ``block_ids``.
         """
         num_layers, _, heads, num_tokens, head_dim = kv.shape
         expected = self.spec.kv_shape(num_tokens, num_layers)
@@ -112,7 +212,14 @@ class KVStore:
                 f"KV tensor mismatch: expected shape {expected} dtype {self.spec.torch_dtype}, "
                 f"got {tuple(kv.shape)} {kv.dtype}"
             )
-        if num_tokens > self.max_model_len or layer_start + num_layers > self.spec.num_layers:
-            raise ValueError(f"KV of {num_tokens} tokens / layers {layer_start}+{num_layers} "
-                             f"does not fit a slot of {self.max_model_len} tokens")
-        self.kv[layer_start:layer_start + num_layers, :, slot, :, :num_tokens].copy_(kv)
+        if layer_start + num_layers > self.spec.num_layers:
+            raise ValueError(f"KV layers {layer_start}+{num_layers} exceed the model's "
+                             f"{self.spec.num_layers}")
+        self._check_fits(block_ids, num_tokens)
+        self.claim(max(block_ids) + 1)
+        flat = self._flat()[layer_start:layer_start + num_layers]
+        run = self._run(block_ids, num_tokens)
+        if run is not None:
+            flat[:, :, :, run].copy_(kv)
+        else:
+            flat.index_copy_(3, self.token_index(block_ids, num_tokens), kv.to(self.device))

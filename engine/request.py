@@ -7,7 +7,7 @@ A request's life, as counters (vLLM v1 style, not a prefill path and a decode pa
 2. The engine wraps it in a ``RequestState`` with ``status = WAITING`` and
    ``num_computed_tokens = 0``. A request prefilled elsewhere (decode worker) starts as
    ``WAITING_FOR_REMOTE_KVS`` with ``num_computed_tokens`` = prompt length and its first
-   token appended: the scheduler reserves its KV slot, the worker fetches the KV into it,
+   token appended: the scheduler reserves its KV blocks, the worker fetches the KV into them,
    and only then does it become RUNNING (vLLM v1's ``WAITING_FOR_REMOTE_KVS``).
 3. Each step the scheduler gives it some new tokens; the runner computes their KV;
    ``num_computed_tokens`` grows. Once every known token is computed, a token is sampled and
@@ -32,10 +32,10 @@ class RequestStatus(enum.IntEnum):
     """Ordered status: everything ``>= FINISHED_STOPPED`` is finished."""
 
     WAITING = 0  # queued; holds no KV
-    # prefilled elsewhere: queued for a KV slot, then (slot reserved) its KV is being fetched
-    # into that slot; never scheduled for compute until the fetch completes
+    # prefilled elsewhere: queued for KV blocks, then (blocks reserved) its KV is being fetched
+    # into them; never scheduled for compute until the fetch completes
     WAITING_FOR_REMOTE_KVS = 1
-    RUNNING = 2  # holds a KV slot; prefilling or decoding (num_computed_tokens tells which)
+    RUNNING = 2  # holds KV blocks; prefilling or decoding (num_computed_tokens tells which)
     PREFILLED = 3  # prefill-only request: first token sampled, prompt KV held for export
     FINISHED_STOPPED = 4  # EOS or a stop token
     FINISHED_LENGTH = 5  # max_tokens reached
@@ -149,11 +149,12 @@ class RequestState:
     """Engine-side counters for one request (mutable, never leaves its engine).
 
     ``token_ids`` is prompt + outputs; the KV of ``token_ids[:num_computed_tokens]`` is in
-    the KV store (slot ``slot``). A request is decoding once the whole prompt is computed.
+    the KV store, in the blocks ``block_ids`` (its block table, in token order; None while it
+    holds none). A request is decoding once the whole prompt is computed.
     """
 
     __slots__ = (
-        "request", "status", "token_ids", "num_computed_tokens", "slot",
+        "request", "status", "token_ids", "num_computed_tokens", "block_ids",
         "prefill_only", "error", "first_scheduled_time_s", "first_output_index",
     )
 
@@ -162,7 +163,7 @@ class RequestState:
         self.status = RequestStatus.WAITING
         self.token_ids: list[int] = list(request.prompt_token_ids)
         self.num_computed_tokens = 0
-        self.slot: int | None = None
+        self.block_ids: list[int] | None = None
         self.prefill_only = prefill_only
         self.error: str | None = None
         self.first_scheduled_time_s: float | None = None

@@ -4,15 +4,26 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 
 1. The new tokens of all requests are packed into one ``[N]`` sequence with their positions.
 2. Each layer projects Q/K/V for all N tokens at once (one fused matmul), applies RoPE with
-   the model's own rotary module, and writes only the new K/V into the requests' KV slots.
-3. Attention: single-token entries (decodes) run as batched SDPAs over views of the slots
-   ``[a:b, :, :T]`` with a per-row length mask (no copy of the cache). The decode rows are
-   split into a few slot ranges (``_group_decodes``) so that short rows do not read up to the
-   longest row's length when a few requests hold long contexts. GQA without copying K/V:
-   the G query heads that share a KV head are folded into the query-length axis,
-   ``[H_q, 1, D] -> [H_kv, G, D]``. Each multi-token prompt chunk runs flash attention over
-   its own slot at the cost of the causal FLOPs (``_chunk_attention``: ``is_causal`` for a
-   first chunk; prefix + causal diagonal merged by log-sum-exp for a later one).
+   the model's own rotary module, and writes only the new K/V into the requests' KV blocks
+   (one ``index_copy_`` at their flat positions ``block * B + offset``).
+3. Attention: single-token entries (decodes) run as batched SDPAs with a per-row length
+   mask, reading the KV blocks in place wherever they can (``_plan_decodes``): a request's
+   blocks are usually consecutive (the allocator's first fit), so its KV is one token range
+   of the store's ``[H_kv, NB * B, D]`` per layer, and rows whose ranges start equally spaced
+   (requests of equal size admitted in turn) are one strided view ``[rows, H_kv, T, D]``,
+   exactly the slot store's view this design replaced. Each such run is split by KV length
+   (``_group_decodes``) so short rows do not read up to the longest row's length; a row on
+   its own is a view of its own range; rows with scattered blocks are gathered per layer
+   (one ``index_select`` over the block axis into a reused buffer: a decode step of 64 such
+   rows took 1.4x the in-place one on the CPU measured, benchmarks/README.md). GQA without
+   copying K/V: the G query heads that share a KV head are folded into the query-length
+   axis, ``[H_q, 1, D] -> [H_kv, G, D]``. Each multi-token prompt chunk runs flash
+   attention over its request's blocks (a view when they are consecutive, as the allocator
+   makes them unless the free list is fragmented; else a gather) at the cost of the causal
+   FLOPs (``_chunk_attention``: ``is_causal`` for a first chunk; prefix + causal diagonal
+   merged by log-sum-exp for a later one). CUDA runs the same plan (views, ``index_select``); FlexAttention's paged
+   ``block_mask`` would read blocks in place at any spacing, at the price of a compiled
+   kernel per shape (not done: no GPU to measure it on).
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
@@ -189,24 +200,27 @@ def _prepare(model) -> tuple[list[_Layer], _Linear]:
     return cached[1], cached[2]
 
 
-# Grouping decode rows (see ``_group_decodes``): one more SDPA call costs about as much as
-# reading this many tokens of one layer's K/V (~20 us vs ~0.1 us/token on the CPU measured).
+# Grouping decode rows (see ``_group_decodes``): one more gather + SDPA call costs about as
+# much as reading this many tokens of one layer's K/V (~20 us vs ~0.1 us/token on the CPU
+# measured).
 _DECODE_CALL_COST_TOKENS = 256
 _GROUP_DP_UNITS = 32  # split-point candidates in _group_decodes (see there)
 
 
 @dataclass
 class _DecodeGroup:
-    """Decode rows whose slots lie in ``[slot_start, slot_start + num_slots)``, attended by
-    one SDPA over that slot range's view ``[:, :, :ctx_len]`` (no copy of the cache)."""
+    """Decode rows attended by one SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and V: a
+    strided view of the store (row r's range starts at flat token ``token_offset + r *
+    stride_tokens``) or, when ``block_idx`` is set, the rows' blocks gathered."""
 
-    slot_start: int
-    num_slots: int
+    num_rows: int
     ctx_len: int  # the longest row's KV length
-    mask: torch.Tensor | None  # [num_slots, 1, 1, ctx_len] True = attend; None: all full
-    token_start: int | None  # set when row r is slot slot_start + r and token token_start + r
-    local_slots: torch.Tensor | None  # [b] slot - slot_start of each row (gather path)
-    token_idx: torch.Tensor | None  # [b] token index of each row (gather path)
+    token_offset: int  # view: the first row's first flat token
+    stride_tokens: int  # view: flat tokens between consecutive rows' starts
+    block_idx: torch.Tensor | None  # gather: [num_rows * nb] block ids, row-major, padded
+    mask: torch.Tensor | None  # [num_rows, 1, 1, ctx_len] True = attend; None: all full
+    token_start: int | None  # set when row r is token token_start + r (no gather of q)
+    token_idx: torch.Tensor | None  # [num_rows] token index of each row (gather path)
 
 
 @dataclass
@@ -215,15 +229,18 @@ class _StepLayout:
 
     input_ids: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
-    token_slots: torch.Tensor  # [N]
-    decode_groups: list[_DecodeGroup]  # the single-token entries, by slot range
-    chunks: list[tuple[int, int, int, int]]  # (token offset, n, slot, cached tokens)
+    token_slots: torch.Tensor  # [N] flat store position (block * B + offset) of each token
+    decode_groups: list[_DecodeGroup]  # the single-token entries (``_plan_decodes``)
+    # (token offset, n, cached tokens, the request's KV: a flat token slice when its blocks
+    # are consecutive, else [ctx] flat positions to gather)
+    chunks: list[tuple[int, int, int, slice | torch.Tensor]]
     sample_idx: torch.Tensor  # [num_sampled] token index whose logits are needed
 
 
 class ModelRunner:
     """Runs scheduled batches through a supported decoder model (``engine.model.
-    SUPPORTED_ARCHITECTURES``) against a ``KVStore``."""
+    SUPPORTED_ARCHITECTURES``) against a paged ``KVStore``; requests name their KV by
+    ``RequestState.block_ids``."""
 
     def __init__(self, model, kv_store: KVStore, device: str = "cpu") -> None:
         self.model = model
@@ -243,6 +260,7 @@ class ModelRunner:
         assert all(layer.scale == self.layers[0].scale and layer.softcap == self.softcap
                    for layer in self.layers), "per-layer attention scale/soft-cap"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+        self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -299,38 +317,54 @@ class ModelRunner:
             q, k = layer.q_norm(q), layer.k_norm(k)
         q = _apply_rope(q, cos, sin)
         k = _apply_rope(k, cos, sin)
-        k_store, v_store = self.kv_store.layer_view(layer_idx)  # [S, H_kv, T_max, D]
-        k_store[layout.token_slots, :, layout.positions] = k  # writes only the new tokens
-        v_store[layout.token_slots, :, layout.positions] = v
+        kv_layer = self.kv_store.layer_view(layer_idx)  # [2, H_kv, NB, B, D]
+        kv_flat = kv_layer.view(2, self.num_kv_heads, -1, self.head_dim)  # [2, H_kv, NB*B, D]
+        kv_flat[0].index_copy_(1, layout.token_slots, k.transpose(0, 1))  # only new tokens
+        kv_flat[1].index_copy_(1, layout.token_slots, v.transpose(0, 1))
         out = torch.empty_like(q)  # [N, H_q, D]
         for group in layout.decode_groups:
-            self._decode_attention(q, k_store, v_store, group, out)
-        for offset, n, slot, start in layout.chunks:
-            ctx = start + n
-            out[offset:offset + n] = self._chunk_attention(
-                q[offset:offset + n], k_store[slot, :, :ctx], v_store[slot, :, :ctx], start)
+            self._decode_attention(q, kv_layer, group, out)
+        for offset, n, start, where in layout.chunks:
+            kv = (kv_flat[:, :, where] if isinstance(where, slice)
+                  else kv_flat.index_select(2, where))  # [2, H_kv, ctx, D]
+            out[offset:offset + n] = self._chunk_attention(q[offset:offset + n], kv[0], kv[1],
+                                                           start)
         return layer.o(out.view(num_tokens, -1))[0]
 
-    def _decode_attention(self, q, k_store, v_store, group: _DecodeGroup,
-                          out: torch.Tensor) -> None:
-        """One SDPA for ``group``'s rows over the slot view ``[a:b, :, :ctx_len]``; writes
-        their outputs into ``out`` ``[N, H_q, D]``."""
-        a, b = group.slot_start, group.slot_start + group.num_slots
-        k, v = k_store[a:b, :, :group.ctx_len], v_store[a:b, :, :group.ctx_len]
-        shape = (group.num_slots, self.num_kv_heads, self.group, self.head_dim)
-        if group.token_start is not None:  # one row per slot, in slot order: no gather
-            rows = slice(group.token_start, group.token_start + group.num_slots)
-            res = _sdpa(q[rows].view(shape), k, v, attn_mask=group.mask,
-                        scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
-            out[rows] = res.reshape(group.num_slots, self.num_heads, self.head_dim)
-            return
-        q_slots = q.new_zeros(shape)  # idle slots inside the view get zero queries
-        q_slots[group.local_slots] = q[group.token_idx].view(-1, *shape[1:])
-        res = _sdpa(q_slots, k, v, attn_mask=group.mask, scale=self.scale, softcap=self.softcap)
-        out[group.token_idx] = res[group.local_slots].reshape(-1, self.num_heads, self.head_dim)
+    def _decode_attention(self, q, kv_layer, group: _DecodeGroup, out: torch.Tensor) -> None:
+        """One SDPA for ``group``'s rows over their KV; writes their outputs into ``out``
+        ``[N, H_q, D]``. ``kv_layer``: the store's ``[2, H_kv, NB, B, D]``."""
+        n, heads, head_dim, ctx = group.num_rows, self.num_kv_heads, self.head_dim, group.ctx_len
+        if group.block_idx is None:  # in place: a strided view of each of K and V
+            flat_tokens = kv_layer.shape[2] * kv_layer.shape[3]
+            k, v = (kv_layer[i].as_strided(
+                (n, heads, ctx, head_dim), (group.stride_tokens * head_dim,
+                                            flat_tokens * head_dim, head_dim, 1),
+                kv_layer[i].storage_offset() + group.token_offset * head_dim) for i in (0, 1))
+        else:
+            blocks = kv_layer.view(2, heads, kv_layer.shape[2], -1)
+            size = 2 * heads * group.block_idx.numel() * blocks.shape[-1]
+            if self._gather_buf.numel() < size:  # reused: a fresh tensor this large costs
+                self._gather_buf = blocks.new_empty(size)  # page faults, 5x the copy itself
+            out_buf = self._gather_buf[:size].view(2, heads, group.block_idx.numel(), -1)
+            torch.index_select(blocks, 2, group.block_idx, out=out_buf)
+            kv = out_buf.view(2, heads, n, -1, head_dim)[:, :, :, :ctx].transpose(1, 2)
+            k, v = kv[0], kv[1]  # [n, H_kv, T, D]
+        if group.token_start is not None:
+            rows = slice(group.token_start, group.token_start + n)
+            q_rows = q[rows]
+        else:
+            q_rows = q.index_select(0, group.token_idx)
+        res = _sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
+                    scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
+        res = res.reshape(n, self.num_heads, head_dim)
+        if group.token_start is not None:
+            out[rows] = res
+        else:
+            out.index_copy_(0, group.token_idx, res)
 
     def _chunk_attention(self, q, k, v, start: int) -> torch.Tensor:
-        """Attention of one prompt chunk over its slot: ``q [n, H_q, D]`` (positions
+        """Attention of one prompt chunk over its request's KV: ``q [n, H_q, D]`` (positions
         ``start .. start+n-1``), ``k, v [H_kv, start+n, D]`` (the cached prefix, then the
         chunk's own K/V) -> ``[n, H_q, D]``.
 
@@ -373,45 +407,109 @@ class ModelRunner:
         return out.view(self.num_heads, n, self.head_dim).transpose(0, 1)
 
     def _layout(self, batch: ScheduledBatch) -> _StepLayout:
+        block_size = self.kv_store.block_size
         ids, positions, slots, sample_idx = [], [], [], []
-        decodes, chunks = [], []  # decodes: (slot, kv length, token index)
+        decodes, chunks = [], []  # decodes: (kv length, token index, block ids)
         offset = 0
         for i, (state, n) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            start = state.num_computed_tokens
+            start, table = state.num_computed_tokens, state.block_ids
+            self.kv_store.claim(max(table) + 1)  # first use of a block: zero it (masked reads
+            # must stay finite)
             ids.extend(state.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend([state.slot] * n)
+            slots.extend(table[t // block_size] * block_size + t % block_size
+                         for t in range(start, start + n))
             if n == 1:
-                decodes.append((state.slot, start + 1, offset))
+                decodes.append((start + 1, offset, table))
             else:
-                chunks.append((offset, n, state.slot, start))
+                chunks.append((offset, n, start, self._request_tokens(table, start + n)))
             if batch.completes(i):
                 sample_idx.append(offset + n - 1)
             offset += n
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        groups = [self._decode_group(rows) for rows in _group_decodes(sorted(decodes))]
-        return _StepLayout(as_long(ids), as_long(positions), as_long(slots), groups, chunks,
-                           as_long(sample_idx))
+        return _StepLayout(as_long(ids), as_long(positions), as_long(slots),
+                           self._plan_decodes(decodes), chunks, as_long(sample_idx))
 
-    def _decode_group(self, rows: list[tuple[int, int, int]]) -> _DecodeGroup:
-        """``rows``: (slot, kv length, token index), sorted by slot."""
-        slot_start, ctx_len = rows[0][0], max(length for _, length, _ in rows)
-        num_slots = rows[-1][0] - slot_start + 1
-        dense = num_slots == len(rows) and all(t == rows[0][2] + r for r, (_, _, t) in enumerate(rows))
+    def _plan_decodes(self, decodes: list[tuple[int, int, list[int]]]) -> list[_DecodeGroup]:
+        """Decode rows ``(kv length, token index, block ids)`` -> SDPA groups.
+
+        Rows whose used blocks are consecutive have a flat start token each; sorted by it,
+        runs of equally spaced starts become strided views (a run of one is a row's own
+        view), each run split by length by ``_group_decodes``. A view reads ``ctx_len``
+        tokens from every row's start, past a shorter row's end into its neighbour's
+        blocks (finite values, masked out), so a piece whose last row would read past the
+        store's end is split into single rows. The other rows are one gathered group.
+        """
+        block_size, flat_tokens = self.kv_store.block_size, self.kv_store.num_tokens
+        in_place, scattered = [], []
+        for length, token, table in decodes:
+            used = table[:-(-length // block_size)]
+            if all(b - a == 1 for a, b in zip(used, used[1:])):
+                in_place.append((used[0] * block_size, length, token))
+            else:
+                scattered.append((length, token, table))
+        in_place.sort()
+        runs, groups = [], []
+        for row in in_place:  # greedy: extend the run while the spacing stays the same
+            run = runs[-1] if runs else None
+            if run and (len(run) == 1 or row[0] - run[-1][0] == run[1][0] - run[0][0]):
+                run.append(row)
+            else:
+                runs.append([row])
+        for run in runs:
+            stride = run[1][0] - run[0][0] if len(run) > 1 else 0
+            ranked = [(rank, length, token) for rank, (_, length, token) in enumerate(run)]
+            for piece in _group_decodes(ranked):
+                last = run[piece[-1][0]]
+                ctx_len = max(length for _, length, _ in piece)
+                if len(piece) > 1 and last[0] + ctx_len > flat_tokens:
+                    pieces = [[row] for row in piece]
+                else:
+                    pieces = [piece]  # reads up to the last row's start + ctx_len:
+                    self.kv_store.claim(-(-(last[0] + ctx_len) // block_size))
+                for p in pieces:
+                    start = run[p[0][0]][0]
+                    groups.append(self._decode_group(p, start, stride))
+        if scattered:
+            scattered.sort(key=lambda row: row[0])
+            ranked = [(rank, length, token) for rank, (length, token, _) in enumerate(scattered)]
+            groups.append(self._decode_group(ranked, 0, 0, [t for _, _, t in scattered]))
+        return groups
+
+    def _request_tokens(self, block_ids: list[int], num_tokens: int) -> slice | torch.Tensor:
+        """Where a request's first ``num_tokens`` tokens lie in the flat store: a slice when
+        their blocks are consecutive, else ``[num_tokens]`` flat positions."""
+        block_size = self.kv_store.block_size
+        needed = block_ids[:-(-num_tokens // block_size)]
+        if all(b - a == 1 for a, b in zip(needed, needed[1:])):
+            return slice(needed[0] * block_size, needed[0] * block_size + num_tokens)
+        return self.kv_store.token_index(block_ids, num_tokens)
+
+    def _decode_group(self, rows: list[tuple[int, int, int]], token_offset: int,
+                      stride_tokens: int, tables: list[list[int]] | None = None) -> _DecodeGroup:
+        """``rows``: (rank, kv length, token index). A view group reads from flat token
+        ``token_offset`` every ``stride_tokens``; a gather group (``tables`` given: the
+        rows' block ids) gathers ``nb = ceil(ctx_len / B)`` blocks per row, a shorter row
+        padding with its own first block (finite values, masked out)."""
+        ctx_len = max(length for _, length, _ in rows)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        block_idx = None
+        if tables is not None:
+            block_size = self.kv_store.block_size
+            num_blocks, ids = -(-ctx_len // block_size), []
+            for table, (_, length, _) in zip(tables, rows):
+                used = table[:-(-length // block_size)]
+                ids.extend(used + [table[0]] * (num_blocks - len(used)))
+            block_idx = as_long(ids)
         mask = None
-        if not dense or any(length != ctx_len for _, length, _ in rows):
-            lens = [1] * num_slots  # idle slots in the range attend position 0 only
-            for slot, length, _ in rows:
-                lens[slot - slot_start] = length
-            lens_t = torch.tensor(lens, device=self.device)
+        if any(length != ctx_len for _, length, _ in rows):
+            lens_t = as_long([length for _, length, _ in rows])
             mask = (torch.arange(ctx_len, device=self.device)[None, :] < lens_t[:, None])
             mask = mask[:, None, None, :]
-        if dense:
-            return _DecodeGroup(slot_start, num_slots, ctx_len, mask, rows[0][2], None, None)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return _DecodeGroup(slot_start, num_slots, ctx_len, mask, None,
-                            as_long([s - slot_start for s, _, _ in rows]),
-                            as_long([t for _, _, t in rows]))
+        tokens = [t for _, _, t in rows]
+        dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
+        return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
+                            tokens[0] if dense else None, None if dense else as_long(tokens))
 
 
 def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
@@ -426,10 +524,11 @@ def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
 
 
 def _group_decodes(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Split decode rows (sorted by slot) into runs, each attended over one padded slot-range
-    view. A run costs ``_DECODE_CALL_COST_TOKENS`` plus (slots spanned x longest KV length)
-    token reads; dynamic programming over the split points finds the cheapest split, so a
-    few long contexts no longer make every short row read (and mask) their length.
+    """Split decode rows ``(rank, kv length, token index)`` (sorted by rank; the runner ranks
+    them by KV length) into runs, each gathered and attended as one padded batch. A run
+    costs ``_DECODE_CALL_COST_TOKENS`` plus (ranks spanned x longest KV length) token reads;
+    dynamic programming over the split points finds the cheapest split, so a few long
+    contexts do not make every short row read (and mask) their length.
 
     The DP is quadratic in its candidate split points, and at 256 rows an exact one cost
     88 ms of Python per step on a loaded core (benchmarks/README.md), so it considers

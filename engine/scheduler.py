@@ -4,15 +4,24 @@ A step, as the scheduler sees it:
 
 1. Running decodes go first, one token each (their latency is what interference hurts).
 2. Running prompts that are part-way through (chunked prefill) get the next chunk.
-3. Waiting requests are admitted in arrival order while a KV slot and KV capacity are free
-   and the token budget lasts. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``,
-   decode worker) only needs capacity: it gets its slot reserved, moves to ``receiving``
-   and is listed in ``batch.kv_reserved`` so its worker starts fetching the KV into that
-   slot; it runs no compute this step. When the fetch completes, ``kv_arrived`` makes it
+3. Waiting requests are admitted in arrival order while ``max_num_seqs`` and the KV blocks
+   allow and the token budget lasts. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``,
+   decode worker) only needs blocks: it gets its blocks reserved, moves to ``receiving``
+   and is listed in ``batch.kv_reserved`` so its worker starts fetching the KV into those
+   blocks; it runs no compute this step. When the fetch completes, ``kv_arrived`` makes it
    RUNNING and it joins the next step as a decode. (vLLM v1's WAITING_FOR_REMOTE_KVS,
    SGLang's pre-allocation queue: nothing is fetched before there is room for it.)
 4. ``update`` applies the sampled tokens: counters advance, stop conditions are checked,
-   finished requests give back their slot.
+   finished requests give back their blocks.
+
+KV blocks are reserved whole at admission (preemption-free): a request gets the blocks for
+``RequestState.max_total_tokens`` (prompt + max_tokens; prompt + 1 for a prefill-only
+request) before its first token is computed, so it never runs out of KV mid-decode and no
+request is ever preempted or recomputed. The price against vLLM's grow-on-demand blocks
+with preemption: blocks for output a request may never produce (it stops early at EOS) are
+held until it ends. A request that needs more blocks than the whole cache is refused by
+``Scheduler.add`` (the engine refuses it earlier, in ``Engine.validate``), so it never
+blocks the queue behind it.
 
 With chunked prefill on, a prompt takes what is left of the budget (Sarathi-Serve); off, a
 prompt runs whole or waits for a step with room for it (no chunking, vLLM v1 style mixing).
@@ -27,47 +36,92 @@ from engine.config import EngineConfig
 from engine.request import RequestState, RequestStatus
 
 
-class KVCapacity:
-    """Slot and token accounting for a KV store (never touches a tensor).
+class BlockAllocator:
+    """Block accounting of a paged KV store (never touches a tensor): a free list of
+    ``num_blocks`` blocks of ``block_size`` tokens, and at most ``max_num_seqs`` requests
+    holding blocks at once (nano-vllm's ``BlockManager``, without prefix caching).
 
-    A request reserves ``RequestState.max_total_tokens`` (prompt + max_tokens; prompt + 1 for
-    a prefill-only request) when admitted, so it can never run out of KV mid-decode (no
-    preemption needed).
+    ``allocate`` hands a request the lowest run of consecutive free blocks long enough
+    (first fit), else (free list fragmented) the lowest free blocks: consecutive blocks
+    are read in place by attention and export (``engine.runner``, ``KVStore.read``), a
+    scattered table is gathered. Requests of equal size admitted one after another get
+    equally spaced runs, which decode attention reads as one strided view.
     """
 
-    def __init__(self, num_slots: int, capacity_tokens: int) -> None:
-        self.capacity_tokens = capacity_tokens
-        self._free_slots = list(range(num_slots - 1, -1, -1))  # pop() gives the lowest slot
-        self._reserved: dict[int, int] = {}
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
+        if num_blocks < 1 or block_size < 1 or max_num_seqs < 1:
+            raise ValueError(f"need num_blocks, block_size, max_num_seqs >= 1, got "
+                             f"{num_blocks}, {block_size}, {max_num_seqs}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self._free = list(range(num_blocks))  # ascending
+        self._reserved: dict[int, tuple[int, int]] = {}  # first block -> (blocks, tokens)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def num_used_seqs(self) -> int:
+        """Requests holding blocks."""
+        return len(self._reserved)
 
     @property
     def reserved_tokens(self) -> int:
-        return sum(self._reserved.values())
+        """Tokens the holders asked for (<= ``num_used_blocks * block_size``)."""
+        return sum(tokens for _, tokens in self._reserved.values())
 
-    @property
-    def num_used_slots(self) -> int:
-        return len(self._reserved)
+    def blocks_needed(self, num_tokens: int) -> int:
+        """``ceil(num_tokens / block_size)``."""
+        return -(-num_tokens // self.block_size)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """True if ``num_tokens`` fit the whole cache (else they can never be admitted)."""
+        return self.blocks_needed(num_tokens) <= self.num_blocks
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return bool(self._free_slots) and self.reserved_tokens + num_tokens <= self.capacity_tokens
+        return (len(self._reserved) < self.max_num_seqs
+                and self.blocks_needed(num_tokens) <= len(self._free))
 
-    def allocate(self, num_tokens: int) -> int:
-        """Reserve ``num_tokens`` tokens; returns the slot. Caller checks ``can_allocate``."""
-        self._free_slots.sort(reverse=True)  # keep used slots low: decode views stay short
-        slot = self._free_slots.pop()
-        self._reserved[slot] = num_tokens
-        return slot
+    def allocate(self, num_tokens: int) -> list[int]:
+        """Reserve blocks for ``num_tokens`` (>= 1) tokens; returns their ids in token order.
+        Caller checks ``can_allocate``."""
+        n = self.blocks_needed(num_tokens)
+        if n < 1 or not self.can_allocate(num_tokens):
+            raise ValueError(f"cannot allocate {n} blocks for {num_tokens} tokens: "
+                             f"{len(self._free)} free, {len(self._reserved)} requests held")
+        free = self._free
+        start = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1),
+                     0)  # free is ascending and distinct: a span of n - 1 is a run
+        block_ids = free[start:start + n]
+        del free[start:start + n]
+        self._reserved[block_ids[0]] = (n, num_tokens)
+        return block_ids
 
-    def free(self, slot: int) -> None:
-        del self._reserved[slot]
-        self._free_slots.append(slot)
+    def free(self, block_ids: list[int]) -> None:
+        """Give back a request's blocks (the list ``allocate`` returned).
+
+        Raises:
+            ValueError: ``block_ids`` is not a table this allocator handed out (double free).
+        """
+        held = self._reserved.get(block_ids[0]) if block_ids else None
+        if held is None or held[0] != len(block_ids):
+            raise ValueError(f"blocks {block_ids[:4]}... are not allocated here")
+        del self._reserved[block_ids[0]]
+        self._free.extend(block_ids)
+        self._free.sort()  # lowest first again (timsort: two sorted runs, linear)
 
 
 @dataclass
 class ScheduledBatch:
     """One step's work: ``num_new_tokens[i]`` tokens of ``requests[i]``, starting at its
-    ``num_computed_tokens``. ``newly_admitted`` lists requests that got a slot this step;
-    ``kv_reserved`` the WAITING_FOR_REMOTE_KVS requests whose slot was reserved this step
+    ``num_computed_tokens``. ``newly_admitted`` lists requests that got their KV blocks this
+    step; ``kv_reserved`` the WAITING_FOR_REMOTE_KVS requests whose blocks were reserved this step
     (their KV fetch may start now; they are not in ``requests``)."""
 
     requests: list[RequestState] = field(default_factory=list)
@@ -98,17 +152,39 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Waiting and running queues under a token budget and KV capacity."""
+    """Waiting and running queues under a token budget and KV blocks.
 
-    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = ()) -> None:
+    Args:
+        config: budget, ``max_num_seqs``, ``block_size``.
+        eos_token_ids: tokens that stop a request (unless ``ignore_eos``).
+        num_kv_blocks: blocks of the KV cache; None = ``config.max_kv_blocks`` (what the
+            config alone allows; the engine passes its budget-derived count,
+            ``engine.kv_cache.kv_cache_num_blocks``).
+    """
+
+    def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
+                 num_kv_blocks: int | None = None) -> None:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.capacity = KVCapacity(config.max_num_seqs, config.total_kv_capacity_tokens)
+        blocks = config.max_kv_blocks if num_kv_blocks is None else num_kv_blocks
+        self.capacity = BlockAllocator(blocks, config.block_size, config.max_num_seqs)
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: list[RequestState] = []
-        self.receiving: list[RequestState] = []  # slot reserved, KV fetch in flight
+        self.receiving: list[RequestState] = []  # blocks reserved, KV fetch in flight
 
     def add(self, state: RequestState) -> None:
+        """Queue a request.
+
+        Raises:
+            ValueError: it needs more KV blocks than the whole cache (it could never run).
+        """
+        if not self.capacity.fits_ever(state.max_total_tokens):
+            cap = self.capacity
+            raise ValueError(
+                f"request {state.request_id}: needs {state.max_total_tokens} KV tokens "
+                f"({cap.blocks_needed(state.max_total_tokens)} blocks of {cap.block_size}), "
+                f"more than the whole KV cache ({cap.num_blocks} blocks = "
+                f"{cap.num_blocks * cap.block_size} tokens)")
         self.waiting.append(state)
 
     def has_work(self) -> bool:
@@ -130,8 +206,8 @@ class Scheduler:
             if not self.capacity.can_allocate(state.max_total_tokens):
                 break
             if state.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.waiting.popleft()  # reserve now, compute once the KV is in the slot
-                state.slot = self.capacity.allocate(state.max_total_tokens)
+                self.waiting.popleft()  # reserve now, compute once the KV is in its blocks
+                state.block_ids = self.capacity.allocate(state.max_total_tokens)
                 self.receiving.append(state)
                 batch.kv_reserved.append(state)
                 continue
@@ -141,7 +217,7 @@ class Scheduler:
             if not self.config.enable_chunked_prefill and needed > budget:
                 break
             self.waiting.popleft()
-            state.slot = self.capacity.allocate(state.max_total_tokens)
+            state.block_ids = self.capacity.allocate(state.max_total_tokens)
             state.status = RequestStatus.RUNNING
             self.running.append(state)
             batch.newly_admitted.append(state)
@@ -151,13 +227,13 @@ class Scheduler:
         return batch
 
     def kv_arrived(self, state: RequestState) -> None:
-        """A receiving request's KV is in its slot: it decodes from the next step on.
+        """A receiving request's KV is in its blocks: it decodes from the next step on.
 
         Raises:
             ValueError: ``state`` is not receiving (never reserved, or already released).
         """
         if state not in self.receiving:
-            raise ValueError(f"request {state.request_id} has no KV slot reserved for a fetch")
+            raise ValueError(f"request {state.request_id} has no KV blocks reserved for a fetch")
         self.receiving.remove(state)
         state.status = RequestStatus.RUNNING
         self.running.append(state)
@@ -192,15 +268,15 @@ class Scheduler:
         elif state.num_output_tokens >= params.max_tokens:
             state.status = RequestStatus.FINISHED_LENGTH
         elif state.prefill_only:
-            state.status = RequestStatus.PREFILLED  # keeps its slot until the KV is exported
+            state.status = RequestStatus.PREFILLED  # keeps its blocks until the KV is exported
         if state.status.is_finished:
             self.release(state)
 
     def release(self, state: RequestState) -> None:
-        """Give back a request's slot and drop it from the queues (idempotent)."""
-        if state.slot is not None:
-            self.capacity.free(state.slot)
-            state.slot = None
+        """Give back a request's blocks and drop it from the queues (idempotent)."""
+        if state.block_ids is not None:
+            self.capacity.free(state.block_ids)
+            state.block_ids = None
         if state in self.running:
             self.running.remove(state)
         if state in self.waiting:

@@ -132,7 +132,9 @@ class EngineLoop:
                 "kv_spec": engine.kv_spec.to_dict(),
                 "max_num_batched_tokens": engine.config.max_num_batched_tokens,
                 "enable_chunked_prefill": engine.config.enable_chunked_prefill,
-                "kv_capacity_tokens": engine.config.total_kv_capacity_tokens}
+                "kv_capacity_tokens": engine.kv_capacity_tokens,
+                "kv_block_size": engine.config.block_size,
+                "kv_num_blocks": engine.kv_store.num_blocks}
 
     def submit(self, request: Request) -> None:
         """Queue a request; an invalid one comes back as an ``error`` event."""
@@ -188,12 +190,33 @@ class EngineLoop:
         """Run ``fn()`` on the loop thread and return its result (for consistent reads).
 
         Raises:
-            EngineLoopDied: the loop is dead. queue.Empty: no answer within ``timeout_s``.
+            EngineLoopDied: the loop is dead, or dies before it runs ``fn`` (checked every
+                0.1 s, so a caller never waits out ``timeout_s`` on a dead loop).
+            Exception: whatever ``fn`` raised, re-raised here.
+            queue.Empty: no answer within ``timeout_s`` seconds.
         """
         self._check_alive()
         done: queue.Queue = queue.Queue(maxsize=1)
-        self._commands.put(lambda: done.put(fn()))
-        return done.get(timeout=timeout_s)
+
+        def run() -> None:
+            try:
+                done.put((True, fn()))
+            except Exception as err:  # the caller gets it; the loop carries on
+                done.put((False, err))
+
+        self._commands.put(run)
+        deadline_s = time.monotonic() + timeout_s
+        while True:
+            try:
+                ok, value = done.get(timeout=max(0.0, min(0.1, deadline_s - time.monotonic())))
+                break
+            except queue.Empty:
+                self._check_alive()
+                if time.monotonic() >= deadline_s:
+                    raise
+        if not ok:
+            raise value
+        return value
 
     def shutdown(self) -> None:
         self._stopped.set()

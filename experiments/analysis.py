@@ -97,8 +97,8 @@ def _nan(v: float | None) -> float:
 
 def placement_kind(placement: str) -> str:
     """``"colocated:2"`` and ``"colocated-nochunk:2"`` -> ``"colocated"``, ``"disagg:1p1d"``
-    -> ``"disagg"``."""
-    return parse_placement(placement)[0]
+    -> ``"disagg"``; a ``pdlab bench`` label ``NAME@PLACEMENT`` by its placement."""
+    return parse_placement(placement.rsplit("@", 1)[-1])[0]
 
 
 def is_colocated(placement: str) -> bool:
@@ -562,7 +562,11 @@ def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = N
     colo = [r for r in rows if is_colocated(r["placement"])]
     disagg = [r for r in rows if placement_kind(r["placement"]) == "disagg"]
     if colo and disagg:
-        c, d = colo[0], disagg[0]
+        # bench labels NAME@PLACEMENT: compare placements of one system where there are
+        def system(row) -> str:
+            return row["placement"].rsplit("@", 1)[0] if "@" in row["placement"] else ""
+        pairs = [(c, d) for d in disagg for c in colo if system(c) == system(d)]
+        c, d = pairs[0] if pairs else (colo[0], disagg[0])
         ratio = c["tpot_p99_s"] / d["tpot_p99_s"] if d["tpot_p99_s"] > 0 else math.nan
         ratio_txt = "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
         effect = ("disaggregation removed prefill-decode interference" if ratio > 1 else

@@ -25,8 +25,9 @@ from engine.config import (DTYPES, ConditionalConfig, EngineConfig, ModelConfig,
                            add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
 from engine.errors import describe_error
 from engine.metrics import SLO
-from engine.model import ModelLoadError, check_model_name, model_context_len
+from engine.model import TINY_NAMES, ModelLoadError, check_model_name, model_context_len
 from experiments import interference, kv_cost, profile
+from experiments.http_config import BenchConfig, ServeConfig
 from experiments.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.placement import check_devices_exist, worker_layout
 from experiments.plan import command as plan_command
@@ -34,11 +35,13 @@ from experiments.report import format_table
 from router.policy import POLICIES
 
 OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig,
-                                    interference.InterferenceConfig, plan_command.PlanConfig)
+                                    interference.InterferenceConfig, ServeConfig, BenchConfig,
+                                    plan_command.PlanConfig)
                  for f in dataclasses.fields(cls)}
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
-CPU_ENGINE_DEFAULTS = {"max_num_seqs": 16, "max_model_len": 2048, "max_num_batched_tokens": 512}
+# max_num_seqs is vLLM's 256: the KV budget (--kv-cache-memory-gb), not slots, bounds memory.
+CPU_ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_model_len": 2048, "max_num_batched_tokens": 512}
 
 
 class Parser(argparse.ArgumentParser):
@@ -132,12 +135,64 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
     for action in engine._group_actions:
         if action.dest == "max_model_len":
-            action.help = (f"tokens per request slot (>= 2, <= the model's context; default: "
+            action.help = (f"tokens per request (>= 2, <= the model's context; default: "
                            f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
     transfer = parser.add_argument_group("KV transfer")
     add_dataclass_args(transfer, TransferConfig)
     add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
                        ConditionalConfig)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m",
+                        help="smollm2-135m, tiny-random-llama (or tiny-random-<family>: llama3, mistral, qwen2, qwen3, gemma2, gemma3, phi3), a local HF directory or a hub id")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    engine = parser.add_argument_group("engine (per instance)")
+    add_dataclass_args(engine, EngineConfig, skip=("device",))  # each worker binds its own
+    # max_model_len None: the CPU default, capped by the model's context (see _engine_config)
+    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
+    for action in engine._group_actions:
+        if action.dest == "max_model_len":
+            action.help = (f"tokens per request slot (>= 2, <= the model's context; default: "
+                           f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
+
+
+def _add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--placement", type=_placements, default=["disagg:1p1d"],
+                        help="one placement: colocated:N, disagg:xPyD or conditional:xPyD "
+                             "(default: disagg:1p1d)")
+    parser.add_argument("--devices", default=None, type=_devices,
+                        help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (auto, host:port or ray://host:port)")
+    parser.add_argument("--policy", default="least_loaded", choices=POLICIES,
+                        help="router policy (least_loaded or round_robin)")
+    _add_model_args(parser)
+    add_dataclass_args(parser.add_argument_group("HTTP server"), ServeConfig)
+    _add_engine_args(parser)
+    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
+    add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
+                       ConditionalConfig)
+
+
+def _add_bench_args(parser: argparse.ArgumentParser) -> None:
+    add_dataclass_args(parser.add_argument_group("server"), BenchConfig)
+    _add_model_args(parser)  # its tokenizer builds the prompts (the server's own model)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens a request may use, prompt + output (>= 2; default: "
+                             f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by the model's "
+                             "context): longer outputs are clipped as in pdlab run")
+    parser.add_argument("--rates", type=_floats, default=[0.5],
+                        help="arrival rates in req/s, comma-separated")
+    parser.add_argument("--slo-ttft-s", type=_positive_seconds, default=2.0,
+                        help="TTFT SLO in seconds (> 0)")
+    parser.add_argument("--slo-tpot-s", type=_positive_seconds, default=0.1,
+                        help="TPOT SLO in seconds (> 0)")
+    parser.add_argument("--out", default=None, help="results directory (default: results/bench-<time>)")
+    add_dataclass_args(parser.add_argument_group("workload"), WorkloadSpec, skip=("calibrate",))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -150,6 +205,13 @@ def build_parser() -> argparse.ArgumentParser:
         command = sub.add_parser(name, help=text)
         _add_experiment_args(command, compare=name == "compare")
         command.set_defaults(command_parser=command)
+    command = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over one placement")
+    _add_serve_args(command)
+    command.set_defaults(command_parser=command)
+    command = sub.add_parser("bench", help="the workloads of run/compare against any "
+                                           "OpenAI-compatible server (streaming HTTP)")
+    _add_bench_args(command)
+    command.set_defaults(command_parser=command)
     command = sub.add_parser("profile", help="prefill/decode phase profile of a model")
     profile.add_arguments(command)
     command.set_defaults(command_parser=command)
@@ -302,11 +364,148 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
     return 0
 
 
-def check_options(args: argparse.Namespace) -> Experiment | plan_command.PlanJob | None:
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """Everything ``pdlab serve`` needs, checked (``check_serve``)."""
+
+    placement: str
+    devices: tuple[str, ...]
+    model: ModelConfig
+    engine: EngineConfig
+    transfer: TransferConfig
+    conditional: ConditionalConfig
+    server: ServeConfig
+
+
+def check_serve(args: argparse.Namespace) -> Serving:
+    """Every ``serve`` option; nothing is started and no weights are read.
+
+    Raises:
+        ValueError: the first bad option.
+    """
+    if len(args.placement) != 1:
+        raise option_error("--placement", f"serve takes one placement, got {len(args.placement)}")
+    placement = args.placement[0]
+    devices = args.devices or parse_devices(None)
+    if args.address is None:
+        try:
+            check_devices_exist(devices)
+        except ValueError as err:
+            raise option_error("--devices", str(err)) from None
+    try:
+        worker_layout(placement, devices)
+    except ValueError as err:
+        raise option_error("--placement", str(err)) from None
+    try:
+        PlacementConfig(placement, ",".join(devices), args.address)
+    except ValueError as err:
+        raise option_error("--address", str(err)) from None
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    engine = _engine_config(args, model)
+    server = dataclass_from_args(ServeConfig, args)
+    transfer = dataclass_from_args(TransferConfig, args)
+    if server.local:
+        if args.address is not None:
+            raise option_error("--local", "runs the workers in this process: drop --address")
+        if transfer.transport not in ("ray", "inprocess"):  # ray: the default, replaced
+            raise option_error("--local", f"needs --transport inprocess, got {transfer.transport}")
+        transfer = dataclasses.replace(transfer, transport="inprocess")
+    elif transfer.transport == "inprocess":
+        raise option_error("--transport", "inprocess needs --local (workers in one process)")
+    return Serving(placement, devices, model, engine, transfer,
+                   dataclass_from_args(ConditionalConfig, args), server)
+
+
+def _serve(x: Serving, policy: str, address: str | None) -> int:
+    """Start the placement, then serve until interrupted."""
+    from engine.model import load_tokenizer
+    from experiments.placement import Deployment
+    from experiments.serve import OpenAIServer, serve_forever, text_of
+
+    text = text_of(load_tokenizer(x.model))
+    name = x.server.served_model_name or x.model.model
+    with Deployment(PlacementConfig(x.placement, ",".join(x.devices), address), x.model,
+                    x.engine, x.transfer, local=x.server.local, policy=policy,
+                    conditional=x.conditional) as dep:
+        server = OpenAIServer(dep.router, text, name, x.server.max_body_bytes)
+        print(f"pdlab serve: {x.placement} on {','.join(x.devices)}, model {name}, "
+              f"http://{x.server.host}:{x.server.port}/v1 (tokenizer: {text.name})", flush=True)
+        serve_forever(server, x.server.host, x.server.port)
+    return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Benching:
+    """Everything ``pdlab bench`` needs, checked (``check_bench``)."""
+
+    config: BenchConfig
+    spec: WorkloadSpec
+    model: ModelConfig
+    max_len: int
+    slo: SLO
+    out: Path
+
+
+def check_bench(args: argparse.Namespace) -> Benching:
+    """Every ``bench`` option; the server is not contacted and no tokenizer is loaded.
+
+    Raises:
+        ValueError: the first bad option.
+    """
+    config = dataclass_from_args(BenchConfig, args)
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    spec = dataclass_from_args(WorkloadSpec, args)
+    if spec.dataset != "synthetic" and model.model in TINY_NAMES:
+        raise option_error("--dataset", f"{spec.dataset} needs a tokenizer; model {model.model} "
+                                        "has none: use --dataset synthetic")
+    context = model_context_len(model)
+    max_len = args.max_model_len
+    if max_len is None:
+        max_len = min(CPU_ENGINE_DEFAULTS["max_model_len"], context or math.inf)
+    elif max_len < 2:
+        raise option_error("--max-model-len", f"must be >= 2, got {max_len}")
+    elif context is not None and max_len > context:
+        raise option_error("--max-model-len", f"must be <= the context of model {model.model} "
+                                              f"({context} tokens), got {max_len}")
+    longest = spec.max_request_len()
+    if spec.dataset == "synthetic" and longest is not None and longest > max_len:
+        raise option_error("--prompt-len", f"--prompt-len and --output-len allow requests of "
+                                           f"{longest} tokens, more than --max-model-len {max_len}")
+    check_out(args.out)
+    out = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Benching(config, spec, model, int(max_len), SLO(args.slo_ttft_s, args.slo_tpot_s), out)
+
+
+def _bench(args: argparse.Namespace, x: Benching) -> int:
+    from experiments.bench import bench
+
+    print(f"pdlab bench: {x.config.label} at {x.config.base_url}, {x.spec.dataset} x "
+          f"{x.spec.num_requests}, rates {args.rates} req/s, seeds {x.spec.seed_list}")
+    summary, verdict = bench(x.config, x.spec, x.model, x.max_len, args.rates, x.slo, x.out)
+    print()
+    print(format_table(summary))
+    print()
+    print(verdict)
+    failed = int(summary["num_failed"].sum())
+    if failed:
+        print(f"\nWarning: {failed} request(s) failed; their errors are in requests.jsonl "
+              "(column 'error').", file=sys.stderr)
+    print(f"\nResults: {x.out}/ (requests.jsonl, summary.csv, report.md, *.png)")
+    return 0
+
+
+def check_options(args: argparse.Namespace):
     """Check ``args`` of any command before it starts anything; returns the checked
-    experiment of ``run``/``compare`` or job of ``plan`` (ValueError: the first bad option)."""
+    experiment of ``run``/``compare``, ``Serving`` of ``serve``, ``Benching`` of ``bench``,
+    ``PlanJob`` of ``plan`` (ValueError: the first bad option)."""
     if args.command in ("run", "compare"):
         return check_experiment(args)
+    if args.command == "serve":
+        return check_serve(args)
+    if args.command == "bench":
+        return check_bench(args)
     if args.command == "plan":
         return plan_command.check_arguments(args)
     model = ModelConfig(args.model, args.dtype)
@@ -333,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "plan":
             return plan_command.main(args, experiment)
+        if isinstance(experiment, Serving):
+            return _serve(experiment, args.policy, args.address)
+        if isinstance(experiment, Benching):
+            return _bench(args, experiment)
         if experiment is not None:
             return _run_experiment(args, experiment)
         commands = {"profile": profile, "kv-cost": kv_cost, "interference": interference}

@@ -36,7 +36,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
-                           TransferConfig, check_fields, parse_devices, parse_placement)
+                           TransferConfig, check_fields, parse_devices)
 from engine import metrics
 from engine.metrics import SLO, RequestRecord
 from engine.model import TINY_NAMES, load_tokenizer, model_context_len, tiny_llama_config
@@ -428,7 +428,8 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
     summary = analysis.summary_table(runs, slo)
     summary.to_csv(out_dir / "summary.csv", index=False)
     analysis.seed_table(runs, slo).to_csv(out_dir / "summary_seeds.csv", index=False)
-    devices_of = {p: PlacementConfig(p).num_devices_needed for p in dict.fromkeys(summary["placement"])}
+    devices_of = {p: PlacementConfig(p.rsplit("@", 1)[-1]).num_devices_needed  # NAME@PLACEMENT: bench
+                  for p in dict.fromkeys(summary["placement"])}
     goodput = None
     if summary["rate"].nunique() > 1:
         goodput = analysis.goodput_table(runs, slo, devices_of)
@@ -461,7 +462,7 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
 def _write_hindsight(out_dir: Path, results: list[RunResult], slo: SLO) -> str:
     """hindsight.csv for the ``conditional:xPyD`` runs (``experiments.hindsight``); returns
     their one-line summaries for the verdict ("" when there are none)."""
-    runs = [r for r in results if parse_placement(r.placement)[0] == "conditional"]
+    runs = [r for r in results if analysis.placement_kind(r.placement) == "conditional"]
     if not runs:
         return ""
     tables = [(r, hindsight.hindsight(r.records, r.steps, slo)) for r in runs]

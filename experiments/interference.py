@@ -14,8 +14,8 @@ A measurement, for each mode and decode batch size B:
       that runs whole in the next step; ``chunked`` (Sarathi-Serve) adds the same request to
       an engine whose token budget K covers the B decodes plus a prompt chunk of K - B, so
       it spreads over ceil(P / (K - B)) steps; ``disagg`` (the prefill ran elsewhere) hands
-      the engine the request's P-token KV (``Engine.import_kv``, or ``add_remote`` +
-      ``finish_remote`` where the engine reserves the slot first) with ``max_tokens=2``, so
+      the engine the request's P-token KV (``add_remote``, then
+      ``finish_remote`` once the engine has reserved its slot) with ``max_tokens=2``, so
       it decodes once beside the B and leaves. Each step of the injection is timed; every
       running request emits one token per step, so a step's time is the ITL it sees.
 4. Disagg only: the KV import alone (copying P tokens of KV into a free slot) is timed
@@ -261,15 +261,10 @@ def _inject_kv(engine, timer: _Timer, step, imports: list[dict], rid: str, promp
     request = Request(rid, _prompt(gen, vocab_size, prompt_len),
                       SamplingParams(max_tokens=2, ignore_eos=True))
     first_token = int(request.prompt_token_ids[-1])
-    if hasattr(engine, "add_remote"):  # the engine reserves the slot, then the KV comes in
-        engine.add_remote(request, first_token)
-        while rid not in engine.pop_kv_reserved():
-            step(prompt_len, repeat, "reserve")
-        import_s, _ = timer(lambda: engine.finish_remote(rid, kv))
-    else:  # import_kv: the copy into the slot happens inside the next step; time it alone
-        engine.import_kv(request, first_token, kv)
-        free_slot = len(engine.states) - 1  # the B decodes hold slots 0..B-1
-        import_s, _ = timer(lambda: engine.kv_store.write(free_slot, kv))
+    engine.add_remote(request, first_token)  # the slot is reserved first, then the KV comes in
+    while rid not in engine.pop_kv_reserved():
+        step(prompt_len, repeat, "reserve")
+    import_s, _ = timer(lambda: engine.finish_remote(rid, kv))
     imports.append({**base, "prompt_len": prompt_len, "repeat": repeat, "import_s": import_s,
                     "num_import_tokens": prompt_len})
     row = step(prompt_len, repeat, "injection", num_import_tokens=prompt_len)

@@ -21,9 +21,11 @@ here).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import itertools
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,8 @@ class RayCalls:
     actor's other threads.
     """
 
+    accepts_futures = True  # ready() also takes concurrent.futures.Futures (wake-ups)
+
     def __init__(self) -> None:
         self._seqs: dict[str, itertools.count] = {}
 
@@ -72,6 +76,21 @@ class RayCalls:
         return getattr(handle, method).remote(*args)
 
     def ready(self, pending: list, timeout_s: float) -> list:
+        futures = [p for p in pending if isinstance(p, cf.Future)]
+        if futures:  # ray.wait takes ObjectRefs only: wait in 5 ms slices, checking the futures
+            refs = [p for p in pending if not isinstance(p, cf.Future)]
+            end_s = time.monotonic() + timeout_s
+            while True:
+                done = [f for f in futures if f.done()]
+                if refs:
+                    done += self.ready(refs, 0.0 if done else
+                                       max(0.0, min(0.005, end_s - time.monotonic())))
+                elif not done:
+                    cf.wait(futures, timeout=max(0.0, end_s - time.monotonic()),
+                            return_when=cf.FIRST_COMPLETED)
+                    done = [f for f in futures if f.done()]
+                if done or time.monotonic() >= end_s:
+                    return done
         first, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
         if not first:
             return []

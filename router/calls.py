@@ -27,6 +27,9 @@ class WorkerDied(RuntimeError):
 
 
 class Calls(Protocol):
+    """``ready`` also takes ``concurrent.futures.Future``s among the pending calls where
+    ``accepts_futures`` is true (the online router's wake-up signal)."""
+
     def call(self, worker: Any, method: str, *args: Any) -> Any: ...
 
     def ready(self, pending: list[Any], timeout_s: float) -> list[Any]: ...
@@ -37,6 +40,8 @@ class Calls(Protocol):
 class LocalCalls:
     """Calls plain worker objects on a thread pool (each long poll holds one thread);
     ``ORDERED`` methods run at once in the caller's thread, so they keep its order."""
+
+    accepts_futures = True  # ready() waits on any concurrent.futures.Future
 
     def __init__(self, max_threads: int = 32) -> None:
         self._pool = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="call")

@@ -2,7 +2,8 @@
 
 ``loads`` maps worker name -> load in tokens: for prefill workers the prompt tokens of the
 requests assigned there and not yet prefilled, for decode (and colocated) workers the KV
-tokens (prompt + max_tokens) of the requests assigned there and not yet ended. The router
+tokens (prompt + max_tokens, rounded up to whole KV blocks: the blocks the worker reserves)
+of the requests assigned there and not yet ended. The router
 counts a request against each of its workers from the moment it assigns it (so a burst
 spreads out) and releases each charge once. Round robin takes one ``counter`` per pool.
 """

@@ -24,6 +24,22 @@ worker whose call raises ``WorkerDied``, or whose long poll raises (its engine l
 is dead: every request that still needs it ends with an error naming it and the cause, and
 nothing new is routed to it.
 
+Two front ends drive one router (DESIGN §3's loop, here in ``_step``):
+
+- **online** (``pdlab serve``): ``start()`` runs the loop on its own thread; any thread calls
+  ``submit(request, sink)`` and ``abort(request_id)``, which only queue a command (a
+  thread-safe inbox) and wake the loop; the loop is the only thread that touches router
+  state. Each request's ``StreamEvent``s (one per output token, then one ``finish`` with its
+  record) go to its ``sink``, called on the loop thread (it must not block: the HTTP server
+  hands them to its event loop), or to a ``TokenStream`` (an iterable queue) by default.
+- **replay** (``run(workload)``, ``pdlab run/compare``): the caller's thread submits each
+  request at its scheduled arrival time through the same ``submit`` and drives the same
+  ``_step`` itself between arrivals, so no arrival waits for a poll.
+
+An ``abort`` ends its request like an error does, with finish reason ``abort``: it is
+aborted on its live workers (which free its KV there) and KV handles in the router's hands
+go back to their producer.
+
 KV ownership on this side: the router never touches KV bytes, but it owns the handles of a
 ``prefilled`` event until ``admit`` accepts them. Handles it cannot pass on (the request
 already ended, the decode worker died, ``admit`` failed) go back to the producer, the
@@ -35,9 +51,12 @@ worker in the order sent: ``Calls`` guarantees it (``router.calls.ORDERED``).
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import dataclasses
+import queue
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +98,64 @@ class _Flight:
     # KV in transit: handles put by kv_owner, handed to the decode worker, not yet fetched
     kv_owner: str | None = None
     kv_handles: tuple[Any, ...] = ()
+
+
+TOKEN, FINISH = "token", "finish"  # StreamEvent kinds
+
+
+@dataclass(frozen=True)
+class StreamEvent:
+    """What a front end hears of its request (on the router's loop thread).
+
+    Attributes:
+        request_id: the request.
+        kind: ``token`` (one output token) or ``finish`` (the last event of the request).
+        time_s: ``time.time()`` when the router relayed it.
+        token_id: the token (``token`` events).
+        index: 0 for the first output token, 1 for the second, ... (``token`` events).
+        finish_reason: ``stop``, ``length``, ``abort`` or ``error`` (``finish``); on the
+            last ``token`` event its worker's reason (``stop`` or ``length``), so a front end
+            can end its response with that token.
+        error: why it failed (``finish`` with reason ``error``), else None.
+        record: the request's finished ``RequestRecord`` (``finish``).
+    """
+
+    request_id: str
+    kind: str
+    time_s: float
+    token_id: int | None = None
+    index: int | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    record: RequestRecord | None = None
+
+
+class TokenStream:
+    """A request's ``StreamEvent``s as a blocking iterator (ends after ``finish``); the
+    default sink of ``Router.submit``. ``timeout_s``: longest wait for one event (the
+    router's own deadline normally ends a request long before)."""
+
+    def __init__(self, request_id: str, timeout_s: float = 600.0) -> None:
+        self.request_id = request_id
+        self.timeout_s = timeout_s
+        self._queue: queue.SimpleQueue[StreamEvent] = queue.SimpleQueue()
+
+    def put(self, event: StreamEvent) -> None:
+        self._queue.put(event)
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        while True:
+            event = self._queue.get(timeout=self.timeout_s)
+            yield event
+            if event.kind == FINISH:
+                return
+
+    def result(self) -> RequestRecord:
+        """Wait for the end; the finished record."""
+        for event in self:
+            if event.kind == FINISH:
+                return event.record
+        raise RuntimeError("unreachable")
 
 
 @dataclass(frozen=True)
@@ -136,12 +213,21 @@ class Router:
             raise ValueError(f"workers disagree on the KV geometry: {infos}")
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = min(i["vocab_size"] for i in infos)
+        # decode load counts whole KV blocks (issue 17): a request holds ceil(tokens / B) blocks
+        self.kv_block_size = max(i.get("kv_block_size", 1) for i in infos)
         self.loads = {w.name: 0 for w in workers}  # tokens, see policy.py
         self._turns = dict.fromkeys(roles, 0)  # round robin: one rotation per pool
         self._flights: dict[str, _Flight] = {}
         self._pending: dict[Any, _Call] = {}
-        self._done: dict[str, RequestRecord] = {}
-        self._on_finish: Callable[[RequestRecord], None] | None = None
+        self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit"|"abort", ...)
+        self._wake_lock = threading.Lock()
+        self._wake: cf.Future = cf.Future()  # set to end the loop's wait early (online)
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        # (waiting, running) requests, refreshed by the loop each step; read by /metrics
+        self.num_waiting = self.num_running = 0
+        self.loop_errors = 0  # exceptions the online loop survived (each failed its flights)
 
     def call_now(self, worker: WorkerRef, method: str, *args: Any,
                  timeout_s: float | None = None) -> Any:
@@ -174,38 +260,154 @@ class Router:
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad}")
 
+    def submit(self, request: Request, sink: Callable[[StreamEvent], None] | None = None,
+               arrived_s: float | None = None) -> TokenStream | None:
+        """Queue ``request`` (any thread); its events go to ``sink`` (called on the loop
+        thread, must not block), or to the returned ``TokenStream`` when ``sink`` is None.
+
+        ``arrived_s``: its arrival (``time.time()``; default now). A request that cannot be
+        served (invalid, its id already in flight, no live worker) still gets one
+        ``finish`` event, with reason ``error`` and the reason why.
+        """
+        stream = None
+        if sink is None:
+            stream = TokenStream(request.request_id)
+            sink = stream.put
+        self._inbox.put(("submit", request, time.time() if arrived_s is None else arrived_s, sink))
+        self._wake_up()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """End ``request_id`` if it is still in flight (any thread): its workers abort it
+        and free its KV; its sink gets ``finish`` with reason ``abort``. Unknown or already
+        finished ids are ignored."""
+        self._inbox.put(("abort", request_id))
+        self._wake_up()
+
+    def start(self) -> None:
+        """Run the loop on a background thread (the online front end).
+
+        Raises:
+            RuntimeError: already started.
+        """
+        if self._thread is not None:
+            raise RuntimeError("the router loop is already running")
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._serve_forever, name="router-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the background loop: requests still in flight end with an error (their
+        workers abort them), then the outstanding calls drain (bounded)."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._wake_up()
+        self._thread.join(timeout_s)
+        self._thread = None
+
+    def _serve_forever(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                self._step(self.poll_s)
+            except Exception as err:  # a bug must not leave every client waiting forever
+                self.loop_errors += 1
+                for flight in list(self._flights.values()):
+                    self._finish(flight, error=f"router loop error: {describe_error(err)}")
+        self._drain_inbox()
+        for flight in list(self._flights.values()):
+            self._finish(flight, error="the router stopped")
+        self._drain()
+
     def run(self, workload: list[tuple[Request, float]],
             on_finish: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
-        """Serve ``workload`` (requests with arrival offsets in seconds from now) to the end.
+        """Serve ``workload`` (requests with arrival offsets in seconds from now) to the end:
+        the replay front end, driving the loop in this thread.
 
         Returns:
             One RequestRecord per request, in arrival order.
 
         Raises:
             ValueError: two requests share a request_id.
+            RuntimeError: the online loop is running (one driver at a time).
         """
+        if self._thread is not None:
+            raise RuntimeError("run() needs the router to itself: stop() the online loop first")
         ids = [request.request_id for request, _ in workload]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
         arrivals = sorted(workload, key=lambda item: item[1])
+        done: dict[str, RequestRecord] = {}
+
+        def collect(event: StreamEvent) -> None:
+            if event.kind == FINISH:
+                done[event.request_id] = event.record
+                if on_finish is not None:
+                    on_finish(event.record)
+
         start_s = time.time()
-        self._flights, self._done, self._pending = {}, {}, {}
-        self._on_finish = on_finish
+        self._flights, self._pending, self._sinks = {}, {}, {}
         next_index = 0
         while next_index < len(arrivals) or self._flights:
             while next_index < len(arrivals) and start_s + arrivals[next_index][1] <= time.time():
                 # arrived = the scheduled time, however late we got here (no coordinated omission)
-                self._dispatch(arrivals[next_index][0], start_s + arrivals[next_index][1])
+                self.submit(arrivals[next_index][0], collect, start_s + arrivals[next_index][1])
                 next_index += 1
-            self._poll_workers()
             wait_s = self.poll_s
             if next_index < len(arrivals):
                 wait_s = min(wait_s, max(0.0, start_s + arrivals[next_index][1] - time.time()))
-            for pending in self.calls.ready(list(self._pending), wait_s):
-                self._complete(pending)
-            self._check_deadlines()
+            self._step(wait_s)
         self._drain()
-        return [self._done[request.request_id] for request, _ in arrivals]
+        return [done[request.request_id] for request, _ in arrivals]
+
+    # ---- the loop -------------------------------------------------------------------------
+    def _step(self, wait_s: float) -> None:
+        """One turn of the loop: take queued submits and aborts, keep a long poll on every
+        live worker, handle the calls that finish within ``wait_s``, check deadlines."""
+        self._drain_inbox()
+        self._poll_workers()
+        pending = list(self._pending)
+        online = self._thread is not None and getattr(self.calls, "accepts_futures", False)
+        if online:
+            pending.append(self._wake)  # a submit or abort ends the wait at once
+        for ready in self.calls.ready(pending, wait_s):
+            if ready is not self._wake:
+                self._complete(ready)
+        if online and self._wake.done():
+            with self._wake_lock:
+                self._wake = cf.Future()
+        self._check_deadlines()
+        self.num_waiting = sum(1 for f in self._flights.values() if f.stage == PREFILL)
+        self.num_running = len(self._flights) - self.num_waiting
+
+    def _wake_up(self) -> None:
+        with self._wake_lock:
+            if not self._wake.done():
+                self._wake.set_result(None)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "abort":
+                flight = self._flights.get(command[1])
+                if flight is not None:
+                    self._finish(flight, finish_reason="abort")
+                continue
+            _, request, arrived_s, sink = command
+            if request.request_id in self._flights:  # refused; the one in flight goes on
+                now, error = time.time(), f"request_id {request.request_id} is already in flight"
+                record = RequestRecord(request.request_id, self.placement,
+                                       num_prompt_tokens=request.num_prompt_tokens,
+                                       finish_reason="error", error=error,
+                                       timeline={ARRIVED: arrived_s, ERROR: now, FINISHED: now})
+                sink(StreamEvent(request.request_id, FINISH, now, finish_reason="error",
+                                 error=error, record=record))
+                continue
+            self._sinks[request.request_id] = sink
+            self._dispatch(request, arrived_s)
 
     # ---- dispatch ---------------------------------------------------------------------
     def _live(self, role: str) -> list[str]:
@@ -227,6 +429,7 @@ class Router:
         flight = _Flight(request, record)
         self._flights[request.request_id] = flight
         kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+        kv_tokens = -(-kv_tokens // self.kv_block_size) * self.kv_block_size  # whole blocks
         try:
             self.validate(request)
             if self.colocated:
@@ -317,6 +520,9 @@ class Router:
                 record.kv_put_s = event.kv_put_s
             record.output_token_ids.append(event.token_id)
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
+            self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
+                                   token_id=event.token_id, index=len(record.output_token_ids) - 1,
+                                   finish_reason=event.finish_reason))
             if event.finish_reason is not None:
                 self._finish(flight, finish_reason=event.finish_reason)
             elif event.kind == ev.PREFILLED:
@@ -332,6 +538,15 @@ class Router:
         flight.kv_owner, flight.kv_handles = event.worker, event.kv_handles
         self._send(decode, "admit", flight.request.request_id, flight.request, event.token_id,
                    event.kv_handles)
+
+    def _emit(self, event: StreamEvent) -> None:
+        sink = self._sinks.get(event.request_id)
+        if sink is None:
+            return
+        try:
+            sink(event)
+        except Exception:  # a front end gone (its event loop closed): it hears no more,
+            self._sinks.pop(event.request_id, None)  # and the loop never dies of it
 
     def _release_kv(self, owner: str | None, handles: tuple[Any, ...]) -> None:
         """Give KV handles the router cannot pass on back to their producer to free."""
@@ -350,17 +565,18 @@ class Router:
         if error is not None:
             record.timeline[ERROR] = now
             record.error, record.finish_reason = error, "error"
+        else:
+            record.finish_reason = finish_reason
+        if error is not None or finish_reason == "abort":
             for name in {record.prefill_worker, record.decode_worker} - {None}:
                 if self.workers[name].alive:  # free whatever it holds there
                     self._send(name, "abort", None, record.request_id)
-        else:
-            record.finish_reason = finish_reason
         for name in list(flight.charges):
             self._discharge(flight, name)
         del self._flights[record.request_id]
-        self._done[record.request_id] = record
-        if self._on_finish is not None:
-            self._on_finish(record)
+        self._emit(StreamEvent(record.request_id, FINISH, now, finish_reason=record.finish_reason,
+                               error=record.error, record=record))
+        self._sinks.pop(record.request_id, None)
 
     # ---- failures ---------------------------------------------------------------------
     def _worker_died(self, name: str, err: Exception) -> None:

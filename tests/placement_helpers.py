@@ -26,6 +26,24 @@ def mixed_workload(tiny, num_requests: int = 8, max_tokens: int = 10, spacing_s:
     return workload, expected
 
 
+# Lengths around the KV block boundaries at the default block size 16 (issue 17).
+BOUNDARY_LENGTHS = (15, 16, 17, 31, 32, 33)
+
+
+def boundary_workload(tiny, spacing_s: float = 0.005, start_s: float = 0.0):
+    """Requests whose prompt is 15, 16, 17, 31, 32, 33 tokens (3 output tokens: the exported
+    prompt KV ends in a partial, full or just-started block), then requests whose prompt +
+    max_tokens is each of those (the reservation ends there), with their generate()
+    references."""
+    prompts = random_prompts(list(BOUNDARY_LENGTHS) + [n - 4 for n in BOUNDARY_LENGTHS], seed=17)
+    max_tokens = [3] * len(BOUNDARY_LENGTHS) + [4] * len(BOUNDARY_LENGTHS)
+    workload = [(Request(f"b{i}", tuple(p), SamplingParams(max_tokens=m)), start_s + spacing_s * i)
+                for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    expected = {f"b{i}": reference_generate(tiny.model, p, m)
+                for i, (p, m) in enumerate(zip(prompts, max_tokens))}
+    return workload, expected
+
+
 def soak_workload(tiny, num_requests: int = 500, num_prompts: int = 16, max_tokens: int = 4):
     """The soak tests' workload: ``num_requests`` requests ``q000``, ``q001``, ... cycling
     over ``num_prompts`` random prompts of 3-15 tokens, 2 ms apart, EOS ignored; returns

@@ -82,7 +82,7 @@ def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Cand
 def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, num_devices: int,
                num_rates: int = 8, max_num_seqs: int = 16) -> list[float]:
     """A geometric ladder of ``num_rates`` total arrival rates (req/s), from 0.25x to
-    ``2 * max_num_seqs`` x of ``num_devices`` over the time one request takes alone (its
+    ``2 * max_num_seqs`` x (within 8x-32x) of ``num_devices`` over the time one request takes alone (its
     prefill step plus its decode steps at batch 1): batching lifts capacity above that, by
     at most the batch size, so the curves bend inside the ladder. Two significant digits.
 
@@ -98,7 +98,7 @@ def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, n
     if not lone_s > 0:
         raise ValueError("the profile predicts a request takes no time")
     base = num_devices / lone_s
-    top = max(8.0, 2.0 * max_num_seqs)
+    top = min(max(8.0, 2.0 * max_num_seqs), 32.0)  # 256 seqs fit, but the budget caps the batch
     return sorted({float(f"{base * f:.2g}") for f in np.geomspace(0.25, top, num_rates)})
 
 

@@ -75,14 +75,29 @@ class SimResult:
     batches: list[tuple[str, list[tuple[str, int]]]] = field(default_factory=list)
 
 
+# engine.kv_cache's CPU default budget (that module imports torch): kept equal by a test
+DEFAULT_CPU_KV_CACHE_GB = 4.0
+
+
+def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int) -> int | None:
+    """KV blocks a CPU engine of ``config`` gets (``engine.kv_cache.kv_cache_num_blocks``:
+    the memory budget over the bytes of a block, capped by ``config.max_kv_blocks``); None
+    without a KV geometry (the Scheduler then uses ``max_kv_blocks``)."""
+    if kv_bytes_per_token <= 0 or not hasattr(config, "block_size"):
+        return None
+    gb = getattr(config, "kv_cache_memory_gb", None) or DEFAULT_CPU_KV_CACHE_GB
+    return min(int(gb * 2 ** 30) // (config.block_size * kv_bytes_per_token), config.max_kv_blocks)
+
+
 class _Instance:
     """One simulated worker: its name, role and a real Scheduler."""
 
     __slots__ = ("name", "role", "scheduler", "busy")
 
-    def __init__(self, name: str, role: str, config: EngineConfig) -> None:
+    def __init__(self, name: str, role: str, config: EngineConfig,
+                 blocks: int | None = None) -> None:
         self.name, self.role = name, role
-        self.scheduler = Scheduler(config, ())
+        self.scheduler = Scheduler(config, ()) if blocks is None else Scheduler(config, (), blocks)
         self.busy = False
 
 
@@ -161,7 +176,8 @@ class Simulator:
         ids = [r.request_id for r, _ in workload]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
-        self._instances = {name: _Instance(name, role, self.engine)
+        blocks = num_kv_blocks(self.engine, self.kv_bytes_per_token)
+        self._instances = {name: _Instance(name, role, self.engine, blocks)
                            for name, role in worker_names(self.placement)}
         roles = ("colocated",) if self.kind == "colocated" else ("prefill", "decode")
         self._pools = {role: [i.name for i in self._instances.values() if i.role == role]

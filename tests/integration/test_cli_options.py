@@ -18,11 +18,14 @@ from pathlib import Path
 
 import pytest
 
+import experiments.bench
 import experiments.compare
+import experiments.placement
 import experiments.profile
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
 from experiments import cli
 from experiments.compare import WorkloadSpec
+from experiments.http_config import BenchConfig, ServeConfig
 from experiments.interference import InterferenceConfig
 from experiments.plan.command import PlanConfig
 
@@ -37,14 +40,21 @@ BASE = {"run": TINY_RUN + ["--placement", "colocated:1"],
         "kv-cost": ["--model", "tiny-random-llama"],
         "interference": ["--model", "tiny-random-llama", "--batch-sizes", "1,2", "--prompt-lens",
                          "0,16", "--context-len", "16", "--chunk-budgets", "12"],
+        "serve": ["--model", "tiny-random-llama", "--devices", "cpu:0", "--placement",
+                  "colocated:1", "--local"],
+        "bench": ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
+                  "--output-len", "3-8"],
         "plan": ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
                  "--output-len", "3-8", "--profile", TINY_PROFILE, "--transport", "inprocess"]}
 DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
            "compare": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
            "interference": (InterferenceConfig,),
+           "serve": (ServeConfig, EngineConfig, TransferConfig, ConditionalConfig),
+           "bench": (BenchConfig, WorkloadSpec),
            "plan": (PlanConfig, WorkloadSpec, EngineConfig, TransferConfig)}
 # dataclass fields the CLI leaves out (each worker binds its own device)
 SKIPPED = {(EngineConfig, "device")}
+SKIPPED_BY_COMMAND = {"bench": {(WorkloadSpec, "calibrate")}}  # bench has no calibration
 
 
 def _derived_rows(command: str) -> list[tuple[str, list[str], tuple[str, ...]]]:
@@ -52,7 +62,7 @@ def _derived_rows(command: str) -> list[tuple[str, list[str], tuple[str, ...]]]:
     rows = []
     for cls in DERIVED.get(command, ()):
         for f in dataclasses.fields(cls):
-            if (cls, f.name) in SKIPPED:
+            if (cls, f.name) in SKIPPED | SKIPPED_BY_COMMAND.get(command, set()):
                 continue
             flag = "--" + f.name.replace("_", "-")
             rule = f.metadata
@@ -164,6 +174,30 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            ("kv-cost", "--transports", ["--transports", "ray,ray"], ("distinct",)),
            ("kv-cost", "--layers-per-chunk", ["--layers-per-chunk", "0"], (">= 1",)),
            ("kv-cost", "--checksum", ["--checksum=maybe"], ())]
+        + [("serve", "--placement", ["--placement", "disagg:1p1d"], ("needs 2 devices", "has 1")),
+           ("serve", "--placement", ["--placement", "colocated:1,colocated:2"], ("one placement",)),
+           ("serve", "--devices", ["--devices", f"cpu:{NUM_CORES + 5}"], ("does not exist",)),
+           ("serve", "--address", ["--address", "nowhere"], ("'auto'",)),
+           ("serve", "--policy", ["--policy", "random"], ("least_loaded",)),
+           ("serve", "--model", ["--model", "no-such-model"], ("unknown model",)),
+           ("serve", "--dtype", ["--dtype", "float64"], ("float32",)),
+           ("serve", "--max-model-len", ["--max-model-len", "100000"], ("256 tokens",)),
+           ("serve", "--port", ["--port", "70000"], ("[0, 65535]",)),
+           ("serve", "--local", ["--transport", "shm"], ("needs --transport inprocess",)),
+           ("serve", "--transport", ["--no-local", "--transport", "inprocess"], ("needs --local",)),
+           ("bench", "--base-url", ["--base-url", "localhost:8000"], ("http://host:port",)),
+           ("bench", "--label", ["--label", "vllm@nowhere:1"], ("NAME@PLACEMENT", "colocated:1")),
+           ("bench", "--model", ["--model", "no-such-model"], ("unknown model",)),
+           ("bench", "--dtype", ["--dtype", "float64"], ("float32",)),
+           ("bench", "--max-model-len", ["--max-model-len", "1"], (">= 2",)),
+           ("bench", "--max-model-len", ["--max-model-len", "100000"], ("256 tokens",)),
+           ("bench", "--rates", ["--rates", "-1"], ("> 0",)),
+           ("bench", "--slo-ttft-s", ["--slo-ttft-s", "-1"], ("> 0",)),
+           ("bench", "--slo-tpot-s", ["--slo-tpot-s", "0"], ("> 0",)),
+           ("bench", "--out", ["--out", "FILE"], ("is a file",)),
+           ("bench", "--prompt-len", ["--prompt-len", "4-300"], ("--max-model-len 256",)),
+           ("bench", "--dataset", ["--dataset", "sharegpt"], ("needs a tokenizer",))]
+        + [(cmd, *row) for cmd in ("serve", "bench") for row in _derived_rows(cmd)]
         + [("interference", *r) for r in COMMON_ROWS if r[0] != "--prompt-lens"]
         + [("interference", *row) for row in _derived_rows("interference")]
         + [("interference", "--prompt-lens", ["--prompt-lens", "0"], ("must hold a length > 0",)),
@@ -193,6 +227,8 @@ def tripwires(monkeypatch):
     monkeypatch.setattr(experiments.compare, "build_workload", trip("build_workload"))
     monkeypatch.setattr(experiments.compare, "load_tokenizer", trip("load_tokenizer"))
     monkeypatch.setattr(experiments.profile, "load_model", trip("load_model"))
+    monkeypatch.setattr(experiments.placement, "Deployment", trip("Deployment"))  # serve
+    monkeypatch.setattr(experiments.bench, "bench", trip("bench"))
     return fired
 
 

@@ -57,7 +57,7 @@ def assert_empty(*workers) -> None:
         status = worker.status()
         assert status["engine_empty"], status
         assert status["transport_held"] == 0, status
-        assert worker.call(lambda w=worker: w.engine.scheduler.capacity.num_used_slots) == 0
+        assert worker.call(lambda w=worker: w.engine.scheduler.capacity.num_used_blocks) == 0
 
 
 @pytest.fixture
@@ -213,7 +213,7 @@ def test_abort_while_kv_in_flight_never_decodes(tiny, shutdown_after):
     decode.abort("queued")  # never reserved: its handle is freed at once
     until(lambda: inner.num_held() == 1)
     decode.abort("inflight")  # its fetch is sleeping in the transport right now
-    assert decode.call(lambda: decode.engine.scheduler.capacity.num_used_slots) == 0
+    assert decode.call(lambda: decode.engine.scheduler.capacity.num_used_blocks) == 0
     until(lambda: decode.status()["transfers_held"] == 0)  # the fetch came back
     assert inner.num_held() == 0
     events = decode.wait_events(0.2)
@@ -247,6 +247,7 @@ def test_prefill_only_reserves_prompt_plus_one(tiny):
     outputs = engine.step()
     assert [(s.num_requests, s.num_prefill_tokens) for s in engine.step_records] == [(4, 120)]
     assert engine.scheduler.capacity.reserved_tokens == 4 * 31
+    assert engine.num_used_kv_blocks == 4 * 2  # 31 tokens = 2 blocks of 16 each
     assert [o.token_id for o in outputs] == [reference_generate(tiny.model, p, 1)[0] for p in prompts]
     for i in range(4):
         engine.export_kv(f"p{i}")

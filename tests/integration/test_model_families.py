@@ -79,9 +79,9 @@ def test_logits_equal_forward(family):
     forward (this is what checks Gemma 2's final soft-cap, invisible to greedy)."""
     loaded, prompts, expected = family
     prompt = prompts[1]
-    runner = ModelRunner(loaded.model, KVStore(loaded.kv_spec, 1, 32))
+    runner = ModelRunner(loaded.model, KVStore(loaded.kv_spec, 4, 8))  # 4 blocks of 8 tokens
     state = RequestState(Request("x", tuple(prompt), SamplingParams(max_tokens=2)))
-    state.slot = 0
+    state.block_ids = [2, 0, 3, 1]  # scattered: chunk and decode attention gather
     logits = []
     for num_new in (7, len(prompt) - 7):
         batch = ScheduledBatch()

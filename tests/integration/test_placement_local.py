@@ -7,7 +7,8 @@ import threading
 import time
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
+from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload,
+                              mixed_workload)
 
 from engine import metrics
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
@@ -53,6 +54,19 @@ def test_greedy_through_placement(tiny, placement, granularity):
                      metrics.DECODE_ADMITTED, metrics.FINISHED)]
             assert times == sorted(times)
             assert record.kv_transfer_s > 0
+
+
+@pytest.mark.parametrize("placement,granularity", [
+    ("colocated:1", "request"), ("disagg:1p1d", "request"), ("disagg:1p1d", "layer")])
+def test_block_boundary_lengths_through_placement(tiny, placement, granularity):
+    """Prompts and reservations of 15-17 and 31-33 tokens (block size 16) are token-exact,
+    and every KV block is free at the end (``assert_clean``: ``engine_empty``)."""
+    workload, expected = boundary_workload(tiny)
+    with deploy(placement, granularity, devices="cpu:0" if placement == "colocated:1"
+                else "cpu:0,cpu:1") as deployment:
+        records = deployment.run(workload)
+        assert_outputs(records, expected)
+        assert_clean(deployment)
 
 
 def _prompt_sums(records) -> set[int]:

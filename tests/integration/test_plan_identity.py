@@ -55,3 +55,13 @@ def test_simulated_batches_equal_the_engines(tiny, placement, worker, prefill_on
     real = _engine_batches(engine, prefill_only)
     assert len(real) >= 5 and any(len(b) > 1 for b in real)  # chunked, batched, queued
     assert simulated == real
+
+
+def test_simulated_kv_blocks_equal_the_engines(tiny):
+    from engine import kv_cache
+    from experiments.plan import simulate
+
+    assert simulate.DEFAULT_CPU_KV_CACHE_GB == kv_cache.DEFAULT_CPU_KV_CACHE_GB
+    for config in (ENGINE, EngineConfig(max_num_seqs=256, max_model_len=2048, kv_cache_memory_gb=0.001)):
+        assert simulate.num_kv_blocks(config, tiny.kv_spec.bytes_per_token) == \
+            kv_cache.kv_cache_num_blocks(config, tiny.kv_spec)

@@ -11,7 +11,8 @@ import threading
 from collections import Counter
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
+from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload,
+                              mixed_workload)
 
 from decode_worker import DecodeWorker
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
@@ -83,6 +84,21 @@ def assert_kv_all_freed(router, workers) -> None:
         segment = getattr(worker.transport, "_own", None)
         assert segment is None or not segment.state.any(), f"{name}: shm slots still READY"
     assert set(router.loads.values()) == {0}
+
+
+@pytest.mark.parametrize("transport,granularity", [
+    ("inprocess", "request"), ("inprocess", "layer"), ("shm", "request"), ("shm", "layer")])
+def test_block_boundary_lengths_decode_exactly_and_free_every_block(tiny, transport, granularity):
+    """Prompts and reservations of 15-17 and 31-33 tokens (block size 16): the prefill side
+    exports from its blocks, the decode side reserves blocks first and fetches into them;
+    outputs equal generate() and every block is free at the end (``engine_empty``)."""
+    workload, expected = boundary_workload(tiny)
+    with disagg(1, 1, transport, granularity, deadline_s=20.0, prefill_delay_s=0.0) as (
+            router, workers, _):
+        records = router.run(workload)
+        assert_outputs(records, expected)
+        assert_kv_all_freed(router, workers)
+        assert {r.prefill_path for r in records} == {"remote"}
 
 
 @pytest.mark.parametrize("transport,granularity", [("inprocess", "request"), ("shm", "layer")])

@@ -100,7 +100,7 @@ def test_soak_500_requests_with_faults(tiny, workload, transport_name, granulari
         while decode.status()["transfers_held"] and time.monotonic() < deadline_s:
             time.sleep(0.01)
         statuses = [prefill.status(), decode.status()]
-        slots = [w.call(lambda w=w: w.engine.scheduler.capacity.num_used_slots)
+        slots = [w.call(lambda w=w: w.engine.scheduler.capacity.num_used_blocks)
                  for w in (prefill, decode)]
         loads = dict(router.loads)
     finally:

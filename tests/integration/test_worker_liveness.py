@@ -69,6 +69,30 @@ def test_an_exception_escaping_the_loop_kills_the_worker_at_once():
         loop.shutdown()
 
 
+def test_call_raises_the_callee_s_error_and_never_waits_out_a_dead_loop():
+    loop = EngineLoop("colocated-0", TINY, ENGINE, bind=False)
+    try:
+        def fails():
+            raise KeyError("no such request")
+
+        with pytest.raises(KeyError, match="no such request"):
+            loop.call(fails, timeout_s=30.0)
+        assert loop.call(lambda: 7) == 7  # the loop carried on
+        started = threading.Event()
+
+        def dies_while_a_call_waits():
+            started.set()
+            raise SystemExit("loop killed")  # BaseException: escapes the command guard
+        loop._commands.put(dies_while_a_call_waits)
+        started.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(EngineLoopDied, match="loop killed"):
+            loop.call(lambda: 1, timeout_s=30.0)
+        assert time.monotonic() - t0 < 5.0  # raised at the next check, not after 30 s
+    finally:
+        loop.shutdown()
+
+
 def test_router_fails_a_dead_loop_s_requests_naming_the_cause_and_moves_on(tiny):
     """prefill-0's loop dies on its first step; the deadline is 60 s, so the errors can only
     come from liveness; requests arriving later all go to prefill-1 and decode exactly."""

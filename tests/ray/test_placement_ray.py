@@ -7,7 +7,8 @@ import threading
 import time
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, local_ray, mixed_workload
+from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload, local_ray,
+                              mixed_workload)
 
 ray = pytest.importorskip("ray")
 
@@ -40,6 +41,8 @@ def deploy(placement, transport="ray", granularity="request", devices="cpu:0,cpu
 ])
 def test_greedy_through_ray_placement(tiny, placement, transport, granularity, num_requests):
     workload, expected = mixed_workload(tiny, num_requests=num_requests, spacing_s=0.005)
+    boundary, boundary_expected = boundary_workload(tiny, start_s=0.005 * num_requests)
+    workload, expected = workload + boundary, {**expected, **boundary_expected}  # issue 17
     with deploy(placement, transport, granularity) as deployment:
         records = deployment.run(workload)
         assert_outputs(records, expected)

@@ -78,6 +78,10 @@ def test_request_normalizes_prompt_to_tuple_and_counts():
     ({"max_num_seqs": 8, "max_num_batched_tokens": 4},
      ("max_num_batched_tokens", ">= max_num_seqs", "(8)", "got 4")),
     ({"kv_capacity_tokens": 1}, ("kv_capacity_tokens", ">= 2", "1")),
+    ({"block_size": 0}, ("block_size", ">= 1", "0")),
+    ({"kv_cache_memory_gb": 0.0}, ("kv_cache_memory_gb", "> 0", "0.0")),
+    ({"gpu_memory_utilization": 0.0}, ("gpu_memory_utilization", "> 0", "0.0")),
+    ({"gpu_memory_utilization": 1.5}, ("gpu_memory_utilization", "<= 1", "1.5")),
     ({"device": "gpu"}, ("device", "'cpu' or 'cuda[:i]'", "'gpu'")),
     ({"device": "cuda:x"}, ("device", "'cuda:x'")),
     ({"device": "cpu:0"}, ("device", "'cpu:0'")),  # an engine device is cpu/cuda, not a core group
@@ -88,7 +92,13 @@ def test_engine_config_rejects(kwargs, words):
 
 def test_engine_config_accepts_and_derives_capacity():
     assert EngineConfig(max_num_seqs=4, max_model_len=32).total_kv_capacity_tokens == 128
-    assert EngineConfig(kv_capacity_tokens=50).total_kv_capacity_tokens == 50
+    # whole blocks: 4 requests of ceil(33 / 16) = 3 blocks; a token cap rounds up to blocks
+    assert EngineConfig(max_num_seqs=4, max_model_len=33).max_kv_blocks == 12
+    assert EngineConfig(kv_capacity_tokens=50).total_kv_capacity_tokens == 64
+    assert EngineConfig(kv_capacity_tokens=50, block_size=5).max_kv_blocks == 10
+    default = EngineConfig()  # the field's defaults (vLLM's)
+    assert (default.max_num_seqs, default.block_size,
+            default.max_num_batched_tokens) == (256, 16, 512)
     for device in ("cpu", "cuda", "cuda:3"):
         assert EngineConfig(device=device).device == device
     assert EngineConfig(max_num_seqs=4, max_num_batched_tokens=4).max_num_batched_tokens == 4
@@ -265,11 +275,14 @@ def test_engine_validate_rejects_then_still_serves(tiny, tiny_engine):
 def test_engine_validate_rejects_duplicate_id_and_kv_capacity(tiny):
     from engine.engine import Engine
 
-    engine = Engine(tiny, EngineConfig(max_num_seqs=2, max_model_len=32, max_num_batched_tokens=16,
-                                       kv_capacity_tokens=20))
+    engine = Engine(tiny, EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=16,
+                                       kv_capacity_tokens=20))  # 2 blocks of 16 tokens
     raises_naming(lambda: engine.add_request(Request("cap", (5,) * 10,
-                                                     SamplingParams(max_tokens=11))),
-                  "cap", "21", "kv_capacity_tokens", "20")
+                                                     SamplingParams(max_tokens=23))),
+                  "cap", "33 KV tokens", "(3 blocks of 16)", "2 blocks = 32 tokens",
+                  "kv_capacity_tokens")
+    assert engine.is_empty()  # refused whole: nothing queued, no block held
+    engine.validate(Request("fits", (5,) * 10, SamplingParams(max_tokens=22)))  # 32 tokens
     engine.add_request(Request("dup", (5, 6), SamplingParams(max_tokens=2)))
     raises_naming(lambda: engine.add_request(Request("dup", (5, 6))), "request_id", "'dup'")
     tokens = []

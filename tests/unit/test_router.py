@@ -202,6 +202,21 @@ def test_least_loaded_counts_a_burst_from_assignment():
     assert_drained(router, workers, transport)
 
 
+def test_decode_load_counts_whole_kv_blocks(monkeypatch):
+    """Workers with 16-token KV blocks: a request of 4 + 3 tokens holds one whole block, so
+    it charges 16 tokens to its decode worker (issue 17); the prefill load stays in prompt
+    tokens."""
+    monkeypatch.setattr(FakeWorker, "info", lambda self: {
+        "kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256, "kv_block_size": 16})
+    router, workers, transport = build("disagg:1p2d", prefill_s=0.02)
+    router.run(requests(6, prompt_len=4, max_tokens=3) + [
+        (Request("two-blocks", tuple(range(3, 23)), SamplingParams(max_tokens=3)), 0.0)])
+    assert router.kv_block_size == 16
+    assert workers["prefill-0"].loads_at_submit[-1] == {
+        "prefill-0": 6 * 4 + 20, "decode-0": 3 * 16 + 32, "decode-1": 3 * 16}  # ties: first
+    assert_drained(router, workers, transport)
+
+
 def test_decode_death_at_hand_over_frees_kv_and_loads_return_to_zero():
     router, workers, transport = build("disagg:1p2d")
     decode = workers["decode-1"]

@@ -1,5 +1,5 @@
 """Scheduler policy, pure Python: decode-first, token budget, chunked prefill, admission by KV
-capacity, FCFS, slot reuse, stop conditions. No torch, no model: tokens are "sampled" by hand."""
+blocks, FCFS, block reuse, stop conditions. No torch, no model: tokens are "sampled" by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import random
 
 from engine.config import EngineConfig
 from engine.request import Request, RequestState, RequestStatus, SamplingParams
-from engine.scheduler import KVCapacity, Scheduler
+import pytest
+
+from engine.scheduler import BlockAllocator, Scheduler
 
 EOS = 2
 TOKEN = 9  # a token that is neither EOS nor a stop token
@@ -20,10 +22,18 @@ def state(rid: str, num_prompt: int, max_tokens: int = 4, prefill_only: bool = F
     return RequestState(request, prefill_only=prefill_only)
 
 
-def make(budget=16, seqs=4, chunked=True, model_len=128, capacity=None) -> Scheduler:
+def make(budget=16, seqs=4, chunked=True, model_len=128, capacity=None,
+         block_size=16) -> Scheduler:
     return Scheduler(EngineConfig(max_num_seqs=seqs, max_model_len=model_len,
                                   max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
-                                  kv_capacity_tokens=capacity), eos_token_ids=(EOS,))
+                                  kv_capacity_tokens=capacity, block_size=block_size),
+                     eos_token_ids=(EOS,))
+
+
+def all_free(sched: Scheduler) -> bool:
+    cap = sched.capacity
+    return (cap.reserved_tokens == 0 and cap.num_used_seqs == 0
+            and cap.num_free_blocks == cap.num_blocks)
 
 
 def entries(batch) -> list[tuple[str, int]]:
@@ -53,7 +63,7 @@ def test_decodes_go_first_then_part_way_prompts_then_new():
     sched.add(c)
     # a decodes, b (part-way) continues before c is admitted: b's remaining 15 fill the budget
     assert step(sched)[0] == [("a", 1), ("b", 15)]
-    assert c.status == RequestStatus.WAITING and c.slot is None
+    assert c.status == RequestStatus.WAITING and c.block_ids is None
     # now a and b decode, then c's prompt
     assert step(sched)[0] == [("a", 1), ("b", 1), ("c", 5)]
 
@@ -74,7 +84,7 @@ def test_token_budget_respected_every_step_until_all_finish():
             assert sum(batch.num_new_tokens) == batch.num_tokens
             assert len(batch.requests) <= 3 and len({id(s) for s in batch.requests}) == len(batch.requests)
             assert all(n >= 1 for n in batch.num_new_tokens)
-            assert sched.capacity.num_used_slots <= 3
+            assert sched.capacity.num_used_seqs <= 3
             sched.update(batch, {i: TOKEN for i in range(len(batch.requests)) if batch.completes(i)})
             num_steps += 1
             assert num_steps < 200
@@ -82,8 +92,7 @@ def test_token_budget_respected_every_step_until_all_finish():
             assert s.status == RequestStatus.FINISHED_LENGTH
             assert s.num_output_tokens == s.sampling.max_tokens
             assert s.num_computed_tokens == s.num_prompt_tokens + s.sampling.max_tokens - 1
-        assert sched.capacity.reserved_tokens == 0 and sched.capacity.num_used_slots == 0
-        assert not sched.running and not sched.waiting
+        assert all_free(sched) and not sched.running and not sched.waiting
 
 
 def test_chunked_prefill_splits_40_into_16_16_8():
@@ -109,7 +118,7 @@ def test_chunking_off_runs_whole_prompts_and_waits_for_room():
     sched.add(b)
     scheduled, _ = step(sched)
     assert scheduled == [("a", 10)]  # b needs 10 > 6 left: waits, not chunked
-    assert b.status == RequestStatus.WAITING and b.slot is None and list(sched.waiting) == [b]
+    assert b.status == RequestStatus.WAITING and b.block_ids is None and list(sched.waiting) == [b]
     scheduled, _ = step(sched)
     assert scheduled == [("a", 1), ("b", 10)]  # 1 + 10 <= 16: whole prompt
     assert b.num_computed_tokens == 10 and b.num_output_tokens == 1
@@ -122,66 +131,117 @@ def test_chunking_off_prompt_of_exactly_the_budget_runs_whole():
 
 
 def test_admission_by_kv_capacity_waits_until_release():
-    sched = make(budget=64, capacity=50)
-    a = state("a", 30, max_tokens=10)  # reserves 40
-    b = state("b", 20, max_tokens=10)  # reserves 30: 40 + 30 > 50
+    sched = make(budget=64, capacity=50)  # ceil(50 / 16) = 4 blocks
+    assert sched.capacity.num_blocks == 4
+    a = state("a", 30, max_tokens=10)  # reserves 40 tokens = 3 blocks
+    b = state("b", 20, max_tokens=10)  # reserves 30 = 2 blocks: 3 + 2 > 4
     sched.add(a)
     sched.add(b)
     assert step(sched)[0] == [("a", 30)]
-    assert sched.capacity.reserved_tokens == 40 and a.slot == 0
-    assert b.status == RequestStatus.WAITING and b.slot is None
+    assert sched.capacity.reserved_tokens == 40 and a.block_ids == [0, 1, 2]
+    assert b.status == RequestStatus.WAITING and b.block_ids is None
     for _ in range(8):  # a decodes; b still waits (budget is plenty, capacity is not)
         scheduled, _ = step(sched)
         assert scheduled == [("a", 1)]
     scheduled, produced = step(sched)
     assert scheduled == [("a", 1)] and a.status == RequestStatus.FINISHED_LENGTH
-    assert a.num_output_tokens == 10 and a.slot is None
-    assert sched.capacity.reserved_tokens == 0
+    assert a.num_output_tokens == 10 and a.block_ids is None
+    assert all_free(sched)
     assert step(sched)[0] == [("b", 20)]
-    assert sched.capacity.reserved_tokens == 30 and b.slot == 0
+    assert sched.capacity.reserved_tokens == 30 and b.block_ids == [0, 1]
+    assert sched.capacity.num_used_blocks == 2
 
 
 def test_fcfs_head_of_line_blocks_smaller_later_request():
     sched = make(budget=64, capacity=50)
-    a, b, c = state("a", 30, 10), state("b", 20, 10), state("c", 3, 2)  # 40, 30, 5
+    a, b, c = state("a", 30, 10), state("b", 20, 10), state("c", 3, 2)  # 3, 2, 1 blocks of 4
     for s in (a, b, c):
         sched.add(s)
     assert step(sched)[0] == [("a", 30)]
-    # c (5 tokens) would fit (40 + 5 <= 50) but b is first in line
-    assert list(sched.waiting) == [b, c] and c.slot is None
+    # c (1 block) would fit (3 + 1 <= 4) but b is first in line
+    assert list(sched.waiting) == [b, c] and c.block_ids is None
     assert step(sched)[0] == [("a", 1)]
     sched.release(a)
     scheduled, _ = step(sched)
-    assert scheduled == [("b", 20), ("c", 3)]  # 30 + 5 <= 50, in arrival order
+    assert scheduled == [("b", 20), ("c", 3)]  # 2 + 1 <= 4 blocks, in arrival order
 
 
-def test_slots_reused_lowest_first():
+def test_blocks_reused_lowest_first():
     sched = make(budget=64, seqs=4)
     states = {rid: state(rid, 2, max_tokens=8) for rid in "abc"}
     for s in states.values():
         sched.add(s)
     step(sched)
-    assert [states[r].slot for r in "abc"] == [0, 1, 2]
+    assert [states[r].block_ids for r in "abc"] == [[0], [1], [2]]
     sched.release(states["b"])
     sched.release(states["a"])
-    assert states["a"].slot is None and states["b"].slot is None
+    assert states["a"].block_ids is None and states["b"].block_ids is None
     d, e, f = state("d", 2), state("e", 2), state("f", 2)
     for s in (d, e, f):
         sched.add(s)
     step(sched)
-    assert (d.slot, e.slot, f.slot) == (0, 1, 3)
+    assert (d.block_ids, e.block_ids, f.block_ids) == ([0], [1], [3])
+    # a request of 3 blocks takes the lowest run of 3 free blocks (first fit), not the hole
+    sched.release(d)
+    sched.release(f)
+    g = state("g", 40, max_tokens=8)  # 48 tokens = 3 blocks; free: 0, 3, 4, 5, ...
+    sched.add(g)
+    step(sched)
+    assert g.block_ids == [3, 4, 5]
 
 
-def test_kv_capacity_unit():
-    cap = KVCapacity(num_slots=2, capacity_tokens=10)
-    assert cap.can_allocate(10) and not cap.can_allocate(11)
-    s0 = cap.allocate(6)
-    assert s0 == 0 and cap.reserved_tokens == 6 and cap.num_used_slots == 1
-    assert cap.can_allocate(4) and not cap.can_allocate(5)
-    s1 = cap.allocate(1)
-    assert s1 == 1 and not cap.can_allocate(1)  # out of slots
-    cap.free(s0)
-    assert cap.reserved_tokens == 1 and cap.allocate(2) == 0
+def test_block_allocator_unit():
+    cap = BlockAllocator(num_blocks=4, block_size=4, max_num_seqs=2)
+    assert cap.can_allocate(16) and not cap.can_allocate(17)
+    assert cap.fits_ever(16) and not cap.fits_ever(17)
+    a = cap.allocate(6)  # 2 blocks
+    assert a == [0, 1] and cap.reserved_tokens == 6 and cap.num_used_seqs == 1
+    assert cap.num_used_blocks == 2 and cap.num_free_blocks == 2
+    assert cap.can_allocate(8) and not cap.can_allocate(9)
+    b = cap.allocate(1)
+    assert b == [2] and not cap.can_allocate(1)  # out of sequences, though a block is free
+    cap.free(a)  # free: 0, 1, 3: no run of 3, so the lowest three, scattered
+    assert cap.reserved_tokens == 1 and cap.allocate(9) == [0, 1, 3]
+    with pytest.raises(ValueError, match="not allocated"):
+        cap.free(a[:1])  # [0] heads a 3-block table now: not this one
+    with pytest.raises(ValueError, match="cannot allocate"):
+        cap.allocate(1)
+
+
+@pytest.mark.parametrize("num_tokens,num_blocks", [(15, 1), (16, 1), (17, 2), (31, 2), (32, 2),
+                                                    (33, 3)])
+def test_reservation_rounds_up_to_whole_blocks_and_frees_all(num_tokens, num_blocks):
+    sched = make(budget=64, seqs=2, capacity=64)
+    s = state("a", num_tokens - 3, max_tokens=3)
+    sched.add(s)
+    step(sched)
+    assert len(s.block_ids) == num_blocks == sched.capacity.num_used_blocks
+    while sched.has_work():
+        step(sched)
+    assert s.status == RequestStatus.FINISHED_LENGTH and s.block_ids is None and all_free(sched)
+
+
+def test_request_larger_than_the_cache_is_refused_at_add_and_blocks_nothing():
+    sched = make(budget=64, capacity=32)  # 2 blocks of 16
+    big = state("big", 30, max_tokens=3)  # 33 tokens = 3 blocks
+    with pytest.raises(ValueError, match=r"big: needs 33 KV tokens \(3 blocks of 16\).*"
+                                         r"2 blocks = 32 tokens"):
+        sched.add(big)
+    assert not sched.waiting and big.block_ids is None
+    ok = state("ok", 29, max_tokens=3)  # 32 tokens: exactly the cache
+    sched.add(ok)
+    while sched.has_work():
+        step(sched)
+    assert ok.status == RequestStatus.FINISHED_LENGTH and all_free(sched)
+
+
+def test_max_num_seqs_limits_admission_even_with_free_blocks():
+    sched = make(budget=64, seqs=2)
+    states = [state(r, 2, max_tokens=4) for r in "abc"]
+    for s in states:
+        sched.add(s)
+    assert [r for r, _ in step(sched)[0]] == ["a", "b"]
+    assert states[2].block_ids is None and sched.capacity.num_free_blocks > 0
 
 
 def test_imported_request_joins_as_decode_at_once():
@@ -210,18 +270,18 @@ def test_stop_token_finishes_and_frees():
     s = state("a", 3, max_tokens=10, stop_token_ids=(7,))
     assert run_first_token(sched, s, 7) == [s]
     assert s.status == RequestStatus.FINISHED_STOPPED and s.output_token_ids == [7]
-    assert s.slot is None and sched.capacity.reserved_tokens == 0 and not sched.running
+    assert s.block_ids is None and all_free(sched) and not sched.running
 
 
 def test_eos_finishes_unless_ignore_eos():
     sched = make()
     s = state("a", 3, max_tokens=10)
     run_first_token(sched, s, EOS)
-    assert s.status == RequestStatus.FINISHED_STOPPED and s.slot is None
+    assert s.status == RequestStatus.FINISHED_STOPPED and s.block_ids is None
     assert sched.capacity.reserved_tokens == 0
     t = state("b", 3, max_tokens=10, ignore_eos=True)
     run_first_token(sched, t, EOS)
-    assert t.status == RequestStatus.RUNNING and t.slot == 0
+    assert t.status == RequestStatus.RUNNING and t.block_ids == [0]
     assert sched.capacity.reserved_tokens == 13
     # a stop token still stops an ignore_eos request
     u = state("c", 3, max_tokens=10, ignore_eos=True, stop_token_ids=(EOS,))
@@ -233,7 +293,7 @@ def test_max_tokens_gives_finished_length():
     sched = make()
     one = state("one", 3, max_tokens=1)
     run_first_token(sched, one, TOKEN)
-    assert one.status == RequestStatus.FINISHED_LENGTH and one.slot is None
+    assert one.status == RequestStatus.FINISHED_LENGTH and one.block_ids is None
     three = state("three", 3, max_tokens=3)
     sched.add(three)
     statuses = []
@@ -245,21 +305,21 @@ def test_max_tokens_gives_finished_length():
     assert sched.capacity.reserved_tokens == 0 and not sched.has_work()
 
 
-def test_prefill_only_becomes_prefilled_and_keeps_slot():
+def test_prefill_only_becomes_prefilled_and_keeps_blocks():
     sched = make()
     s = state("p", 5, max_tokens=8, prefill_only=True)
     run_first_token(sched, s, TOKEN)
     assert s.status == RequestStatus.PREFILLED and not s.status.is_finished
-    assert s.slot == 0 and sched.capacity.reserved_tokens == 6  # prompt + 1, not + max_tokens
+    assert s.block_ids == [0] and sched.capacity.reserved_tokens == 6  # prompt + 1, not + max_tokens
     assert not sched.has_work()  # a PREFILLED request is not scheduled again
     assert sched.schedule().is_empty
     sched.release(s)
-    assert sched.capacity.reserved_tokens == 0 and s.slot is None and not sched.running
+    assert all_free(sched) and s.block_ids is None and not sched.running
     sched.release(s)  # idempotent
     # a prefill-only request that ends with its first token is finished, not PREFILLED
     t = state("q", 5, max_tokens=1, prefill_only=True)
     run_first_token(sched, t, TOKEN)
-    assert t.status == RequestStatus.FINISHED_LENGTH and t.slot is None
+    assert t.status == RequestStatus.FINISHED_LENGTH and t.block_ids is None
 
 
 def test_update_counts_only_sampled_entries_and_releases_finished_from_running():

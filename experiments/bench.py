@@ -1,0 +1,229 @@
+"""``pdlab bench``: the workloads of ``pdlab run`` sent to any OpenAI-compatible server.
+
+A run:
+
+1. Build each seed's workload exactly as ``pdlab run`` does (``compare.build_workload``:
+   the same datasets, prompts as token ids through the model's tokenizer and chat template,
+   output lengths, and ``workloads.with_arrivals``: the same Poisson/Gamma arrival times).
+2. Ask the server which model it serves (``GET /v1/models``, unless ``--served-model``),
+   send two discarded warm-up requests, then for each rate and seed send every request at
+   its scheduled time (open loop, ``asyncio``): ``POST /v1/completions`` with the prompt as
+   token ids (so both servers see the same tokens, whatever their tokenizer does to text),
+   ``max_tokens`` = the output length, ``ignore_eos``, ``temperature`` 0, ``stream`` with
+   ``stream_options.include_usage``.
+3. Each response becomes a ``RequestRecord`` from **client-side** timestamps: ``arrived`` =
+   the scheduled send time, ``dispatched`` = when the request was actually sent, one
+   ``token_times_s`` entry per streamed chunk that carries a choice (pdlab serve and vLLM
+   send one per output token), ``finished`` after ``[DONE]``. ``output_token_ids`` stays
+   empty (the API returns text); a response whose ``usage.completion_tokens`` differs from
+   the number asked for is an error; one whose chunks are fewer than its tokens (a server
+   that merges tokens into one chunk) keeps its chunk times, and the run prints how many. The records go through ``compare.write_results``: the same requests.jsonl,
+   summary.csv, report and plots, with the metric definitions of ``engine.metrics``.
+
+Where client-side timing differs from ``pdlab run`` (router clock): TTFT and E2E include
+HTTP, JSON and detokenization on top of the router's relay; ITL and TPOT are measured on
+the client clock (``pdlab run`` uses the worker clock), so they include the server's
+streaming jitter; there are no worker-side stages (prefill, KV transfer) in the breakdown.
+
+Labels name a system and the placement it ran, ``NAME@PLACEMENT`` (``vllm@colocated:1``,
+``pdlab@disagg:1p1d``): the placement tells goodput per device how many devices it used.
+``merge`` joins several bench results directories into one comparison report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pandas as pd
+
+from engine.config import ModelConfig
+from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, SLO, RequestRecord
+from experiments import compare, workloads
+from experiments.compare import RunResult, WorkloadSpec
+from experiments.http_config import BenchConfig
+
+MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
+
+
+def served_model(base_url: str, timeout_s: float = 30.0) -> str:
+    """The first model id of ``GET /v1/models``.
+
+    Raises:
+        RuntimeError: the server did not answer or lists no model.
+    """
+    try:
+        reply = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s)
+        reply.raise_for_status()
+        return reply.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+        raise RuntimeError(f"{base_url}/v1/models: {type(err).__name__}: {err}") from None
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, request_id: str, label: str,
+               item: workloads.WorkloadRequest, send_at_s: float) -> RequestRecord:
+    """Send one request at ``send_at_s`` (``time.time()``) and time its stream."""
+    record = RequestRecord(request_id=request_id, placement=label,
+                           num_prompt_tokens=item.num_prompt_tokens)
+    record.timeline[ARRIVED] = send_at_s
+    await asyncio.sleep(max(0.0, send_at_s - time.time()))
+    body = {"model": model, "prompt": list(item.prompt_token_ids), "max_tokens": item.output_len,
+            "temperature": 0.0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    record.timeline[DISPATCHED] = time.time()
+    usage = None
+    try:
+        async with client.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                text = (await response.aread()).decode("utf-8", "replace")
+                raise RuntimeError(f"HTTP {response.status_code}: {text[:300]}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    raise RuntimeError(f"server error: {chunk['error']}")
+                if chunk.get("choices"):
+                    record.token_times_s.append(time.time())
+                    reason = chunk["choices"][0].get("finish_reason")
+                    record.finish_reason = reason or record.finish_reason
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+        got = None if usage is None else usage.get("completion_tokens")
+        if got != item.output_len:
+            raise RuntimeError(f"asked for {item.output_len} tokens (ignore_eos), usage says {got}")
+        if got != len(record.token_times_s):  # timed per chunk; the report says how often
+            MISCOUNTED.append(request_id)
+    except Exception as err:  # this request fails; the others go on
+        record.error = f"{type(err).__name__}: {err}"
+        record.finish_reason = "error"
+        record.timeline[ERROR] = time.time()
+    record.timeline[FINISHED] = time.time()
+    return record
+
+
+async def _replay(base_url: str, model: str, label: str, tag: str,
+                  timed: list[workloads.WorkloadRequest], timeout_s: float
+                  ) -> tuple[list[RequestRecord], float]:
+    """Every request of ``timed`` at its arrival offset; (records, duration in seconds)."""
+    url = f"{base_url.rstrip('/')}/v1/completions"
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        start_s = time.time() + 0.05  # room to create the tasks before the first arrival
+        records = await asyncio.gather(*(
+            _one(client, url, model, f"{tag}-{i}", label, item, start_s + item.arrival_s)
+            for i, item in enumerate(timed)))
+    return list(records), time.time() - start_s
+
+
+def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: int,
+          rates: list[float], slo: SLO, out_dir: Path) -> tuple[pd.DataFrame, str]:
+    """Steps 1-3 of the module docstring; returns (summary table, verdict).
+
+    Raises:
+        ValueError: a workload that does not fit ``max_len``. RuntimeError: no server.
+    """
+    items = {seed: compare.build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
+    name = config.served_model or served_model(config.base_url)
+    label = config.label
+    first = next(iter(items.values()))
+    warm, _ = asyncio.run(_replay(config.base_url, name, label, f"{label}-warmup",
+                                  first[:2], config.request_timeout_s))
+    if all(r.error for r in warm):
+        raise RuntimeError(f"every warm-up request to {config.base_url} failed: {warm[0].error}")
+    results = []
+    for rate in rates:
+        for seed, its in items.items():
+            timed = workloads.with_arrivals(its, rate, seed, spec.arrival, spec.burstiness)
+            tag = f"{label}@{rate:g}/s{seed}"
+            print(f"pdlab bench: {label} @ {rate:g} req/s seed {seed}: {len(timed)} requests",
+                  file=sys.stderr)
+            records, duration_s = asyncio.run(_replay(config.base_url, name, label, tag, timed,
+                                                      config.request_timeout_s))
+            results.append(RunResult(label, rate, records, [], [], duration_s, seed))
+    if MISCOUNTED:
+        print(f"pdlab bench: {len(MISCOUNTED)} response(s) streamed fewer chunks than tokens: "
+              "their ITL/TPOT are per chunk", file=sys.stderr)
+    env = compare.environment(model, ())
+    run_config = {**env, "bench": dataclasses.asdict(config), "served_model": name,
+                  "placements": [label], "rates": list(rates), "workload": spec.options(),
+                  "seeds": spec.seed_list, "max_model_len": max_len,
+                  "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/bench.py)",
+                  "responses_with_fewer_chunks_than_tokens": len(MISCOUNTED)}
+    return compare.write_results(out_dir, results, run_config, slo)
+
+
+def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]:
+    """One comparison report from several results directories (bench or run): their
+    records, grouped by (placement, rate, seed), with each run's duration from its
+    summary_seeds.csv.
+
+    Raises:
+        ValueError: a directory without requests.jsonl, or two with the same placement.
+    """
+    results, configs, seen = [], [], set()
+    for d in dirs:
+        path = Path(d) / "requests.jsonl"
+        if not path.exists():
+            raise ValueError(f"{d} has no requests.jsonl")
+        durations = {}
+        seeds_csv = Path(d) / "summary_seeds.csv"
+        if seeds_csv.exists():
+            for _, row in pd.read_csv(seeds_csv).iterrows():
+                durations[(row["placement"], float(row["rate"]), int(row["seed"]))] = float(row["duration_s"])
+        runs: dict[tuple, list[RequestRecord]] = {}
+        with open(path) as f:
+            for line in f:
+                row = json.loads(line)
+                if row.pop("type") == "config":
+                    configs.append(row)
+                    continue
+                rate, seed = float(row.pop("rate")), int(row.pop("seed"))
+                record = RequestRecord.from_dict(row)
+                runs.setdefault((record.placement, rate, seed), []).append(record)
+        placements = {p for p, _, _ in runs}
+        if placements & seen:
+            raise ValueError(f"placement {sorted(placements & seen)} appears in two directories")
+        seen |= placements
+        for key, records in runs.items():
+            results.append(RunResult(key[0], key[1], records, [], [], durations.get(key), key[2]))
+    config = {"merged_from": [str(d) for d in dirs], "configs": configs,
+              "placements": sorted(seen), "slo": dataclasses.asdict(slo)}
+    return compare.write_results(out_dir, results, config, slo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m experiments.bench merge --out DIR DIR1 DIR2 ...`` (the make target's last step)."""
+    parser = argparse.ArgumentParser(prog="python -m experiments.bench")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cmd = sub.add_parser("merge", help="one comparison report from several results directories")
+    cmd.add_argument("dirs", nargs="+", type=Path)
+    cmd.add_argument("--out", type=Path, required=True)
+    cmd.add_argument("--slo-ttft-s", type=float, default=2.0)
+    cmd.add_argument("--slo-tpot-s", type=float, default=0.1)
+    args = parser.parse_args(argv)
+    if not (math.isfinite(args.slo_ttft_s) and args.slo_ttft_s > 0 and
+            math.isfinite(args.slo_tpot_s) and args.slo_tpot_s > 0):
+        parser.error("--slo-ttft-s and --slo-tpot-s must be > 0")
+    from experiments.report import format_table
+
+    summary, verdict = merge(args.dirs, args.out, SLO(args.slo_ttft_s, args.slo_tpot_s))
+    print(format_table(summary))
+    print()
+    print(verdict)
+    print(f"\nResults: {args.out}/")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

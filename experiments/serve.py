@@ -1,0 +1,625 @@
+"""``pdlab serve``: an OpenAI-compatible HTTP server over any placement (FastAPI + uvicorn).
+
+A request's life:
+
+1. The body is read with a size cap (``max_body_bytes``: 413 beyond it), decoded as strict
+   UTF-8 and parsed as JSON (400 otherwise), then validated by a pydantic model that
+   forbids unknown fields and coerces no types (400 naming the field, OpenAI's error
+   object ``{"error": {"message", "type", "param", "code"}}``).
+2. The prompt becomes token ids: a string through the model's tokenizer (``/v1/completions``)
+   or the messages through its chat template (``/v1/chat/completions``); a list of token
+   ids is taken as is (what ``pdlab bench`` sends). Empty prompts, prompts over the context
+   (``prompt + max_tokens > max_model_len``), ids outside the vocabulary and bad sampling
+   values are refused with 400 before anything is queued.
+3. ``n`` choices are ``n`` router requests (ids ``<id>-0`` ...): each prefills on its own
+   (no shared prefill across choices); with a ``seed``, choice ``i`` uses ``seed + i`` so
+   the choices differ and each is reproducible. ``usage.prompt_tokens`` counts the prompt
+   once (as OpenAI), ``completion_tokens`` sums every choice's tokens.
+4. ``Router.submit`` (the router's online interface) streams token ids back; ``TextStream``
+   turns them into text, matching ``stop`` strings across token boundaries (the text ends
+   before the stop string; the request is then aborted on its workers). Streaming sends one
+   server-sent event per output token (its text delta may be empty while a UTF-8 character
+   or a possible stop string is held back), the last with ``finish_reason``, then the usage
+   chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
+5. A client that disconnects mid-stream (or while waiting for a non-streamed answer) gets its
+   requests aborted as soon as ASGI reports the disconnect: the router aborts them on every
+   worker, which free their KV.
+
+Not supported (400 naming the field): ``logprobs`` / ``top_logprobs`` (the sampler returns
+token ids only), ``echo``, ``suffix``, ``best_of`` > n, penalties other than 0, ``logit_bias``,
+tools. ``temperature`` defaults to 1.0 as in OpenAI's API.
+
+``/metrics`` (Prometheus text format, ``prometheus_client``): vLLM's metric names with the
+``pdlab:`` prefix (``pdlab:time_to_first_token_seconds``, ``pdlab:inter_token_latency_seconds``,
+``pdlab:e2e_request_latency_seconds``, ``pdlab:request_queue_time_seconds``,
+``pdlab:num_requests_running`` / ``_waiting``, ``pdlab:prompt_tokens_total``,
+``pdlab:generation_tokens_total``, ``pdlab:request_success_total{finished_reason}``), plus
+``pdlab:kv_transfer_bytes`` and ``pdlab:kv_transfer_seconds`` histograms (labels
+``prefill_worker``, ``decode_worker``) and ``pdlab:worker_info`` / ``pdlab:worker_load_tokens``
+with ``worker`` and ``role`` labels. Latencies come from the router's ``RequestRecord``s with
+the definitions of ``engine.metrics`` (TTFT and E2E on the router clock from arrival at the
+HTTP front end, ITL on the worker clock); queue time is ``prefill_queue_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine import metrics as m
+from engine.metrics import RequestRecord
+from engine.request import Request, SamplingParams
+from experiments.http_config import LOOPBACK
+from experiments.text import ByteText, HFText, TextStream
+from router.router import FINISH, Router, StreamEvent
+
+MAX_STOP_STRINGS = 16
+MAX_N = 16
+
+
+# ---- request bodies (OpenAI's schema, unknown fields refused) -----------------------------
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1 (vLLM): off
+    seed: Annotated[int, Field(ge=0, lt=1 << 62)] | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]],
+                          Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
+    ignore_eos: bool = False
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
+
+
+class CompletionBody(_Sampling):
+    prompt: str | Annotated[list[int], Field(min_length=1)]
+    logprobs: None = None  # not supported: any value but null is refused
+    echo: Literal[False] = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str
+    name: str | None = None
+
+
+class ChatBody(_Sampling):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: Literal[False] = False  # not supported
+    top_logprobs: None = None  # not supported
+
+
+class BadRequest(Exception):
+    """A request refused before anything was queued: HTTP ``status``, field ``param``."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.kind = message, param, status, kind
+
+
+def error_response(err: BadRequest) -> JSONResponse:
+    """OpenAI's error object."""
+    return JSONResponse({"error": {"message": err.message, "type": err.kind, "param": err.param,
+                                   "code": err.status}}, status_code=err.status)
+
+
+def _validation_error(err: ValidationError) -> BadRequest:
+    """The first pydantic error as a BadRequest naming the field (``messages.0.role``)."""
+    first = err.errors()[0]
+    loc = [str(p) for p in first["loc"]]
+    path = [p for p in loc if p.isdigit() or p.isidentifier()]  # drop union branch names
+    param = ".".join(path[:3]) if path and path[0] == "messages" else (path[0] if path else None)
+    if first["type"] == "extra_forbidden":
+        return BadRequest(f"unknown field {param!r}", param)
+    if param in ("logprobs", "top_logprobs", "echo", "presence_penalty", "frequency_penalty"):
+        return BadRequest(f"{param} is not supported by pdlab serve (only its default)", param)
+    return BadRequest(f"{param}: {first['msg']}", param)
+
+
+async def read_json(request: HTTPRequest, max_body_bytes: int) -> Any:
+    """The JSON body, at most ``max_body_bytes`` bytes (BadRequest 413 / 400 otherwise)."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > max_body_bytes:
+        raise BadRequest(f"request body of {length} bytes exceeds the limit of "
+                         f"{max_body_bytes} bytes", None, 413)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_body_bytes:
+            raise BadRequest(f"request body exceeds the limit of {max_body_bytes} bytes", None, 413)
+    try:
+        text = bytes(body).decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise BadRequest(f"request body is not valid UTF-8 (byte {err.start})") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as err:
+        raise BadRequest(f"request body is not valid JSON: {err}") from None
+
+
+# ---- metrics ------------------------------------------------------------------------------
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py) for its latency histograms
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+               7.5, 10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+KV_BYTES_BUCKETS = tuple(float(1 << k) for k in range(10, 31, 2))  # 1 KiB .. 1 GiB
+KV_SECONDS_BUCKETS = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                      0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class ServeMetrics:
+    """The ``/metrics`` families (module docstring), in a registry of their own."""
+
+    def __init__(self, router: Router, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        r, label = self.registry, {"model_name": model_name}
+        self.ttft = Histogram("pdlab:time_to_first_token_seconds", "TTFT (router clock)",
+                              ["model_name"], buckets=TTFT_BUCKETS, registry=r).labels(**label)
+        self.itl = Histogram("pdlab:inter_token_latency_seconds", "ITL (worker clock)",
+                             ["model_name"], buckets=ITL_BUCKETS, registry=r).labels(**label)
+        self.e2e = Histogram("pdlab:e2e_request_latency_seconds", "arrival to last token",
+                             ["model_name"], buckets=E2E_BUCKETS, registry=r).labels(**label)
+        self.queue = Histogram("pdlab:request_queue_time_seconds",
+                               "queued on the prefill (or colocated) worker before its prompt "
+                               "started computing", ["model_name"], buckets=E2E_BUCKETS,
+                               registry=r).labels(**label)
+        self.prompt_tokens = Counter("pdlab:prompt_tokens", "prompt tokens of answered requests",
+                                     ["model_name"], registry=r).labels(**label)
+        self.generation_tokens = Counter("pdlab:generation_tokens",
+                                         "completion tokens of answered requests",
+                                         ["model_name"], registry=r).labels(**label)
+        self.success = Counter("pdlab:request_success", "answered choices by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        self.kv_bytes = Histogram("pdlab:kv_transfer_bytes", "prompt KV bytes shipped per request",
+                                  ["prefill_worker", "decode_worker"], buckets=KV_BYTES_BUCKETS,
+                                  registry=r)
+        self.kv_seconds = Histogram("pdlab:kv_transfer_seconds", "KV put + get seconds per request",
+                                    ["prefill_worker", "decode_worker"],
+                                    buckets=KV_SECONDS_BUCKETS, registry=r)
+        Gauge("pdlab:num_requests_running", "requests past their prefill, decoding",
+              ["model_name"], registry=r).labels(**label).set_function(lambda: router.num_running)
+        Gauge("pdlab:num_requests_waiting", "requests waiting for or in prefill",
+              ["model_name"], registry=r).labels(**label).set_function(lambda: router.num_waiting)
+        info = Gauge("pdlab:worker_info", "1 per live worker", ["worker", "role"], registry=r)
+        load = Gauge("pdlab:worker_load_tokens", "router load of each worker (tokens)",
+                     ["worker", "role"], registry=r)
+        for name, worker in router.workers.items():
+            info.labels(name, worker.role).set_function(lambda w=worker: float(w.alive))
+            load.labels(name, worker.role).set_function(lambda n=name: router.loads.get(n, 0))
+
+    def observe(self, record: RequestRecord) -> None:
+        """One finished request's latencies and KV transfer (called on the router thread)."""
+        if m.failed(record):
+            return
+        for histogram, value in ((self.ttft, m.ttft_s(record)), (self.e2e, m.e2e_s(record)),
+                                 (self.queue, m.prefill_queue_s(record))):
+            if value is not None:
+                histogram.observe(value)
+        for gap in m.itl_s(record):
+            self.itl.observe(gap)
+        if record.kv_bytes and record.prefill_path == "remote":
+            labels = (record.prefill_worker or "", record.decode_worker or "")
+            self.kv_bytes.labels(*labels).observe(record.kv_bytes)
+            if m.kv_transfer_s(record) is not None:
+                self.kv_seconds.labels(*labels).observe(m.kv_transfer_s(record))
+
+
+# ---- the server ---------------------------------------------------------------------------
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    text: TextStream
+    finish_reason: str | None = None
+    error: str | None = None
+    finished: bool = False  # the router's finish event came
+    pieces: list[str] = field(default_factory=list)
+
+
+class OpenAIServer:
+    """The FastAPI app over one router.
+
+    Args:
+        router: the placement's router (its loop is started and stopped with the app).
+        text: ``HFText`` or ``ByteText`` of the served model.
+        model_name: the id clients send and ``/v1/models`` lists.
+        max_body_bytes: request body cap (413 beyond).
+    """
+
+    def __init__(self, router: Router, text: ByteText | HFText, model_name: str,
+                 max_body_bytes: int = 1 << 20) -> None:
+        self.router = router
+        self.text = text
+        self.model_name = model_name
+        self.max_body_bytes = max_body_bytes
+        self.metrics = ServeMetrics(router, model_name)
+        self.created = int(time.time())
+        self.app = FastAPI(title="pdlab serve", lifespan=self._lifespan)
+        self.app.post("/v1/completions")(self.completions)
+        self.app.post("/v1/chat/completions")(self.chat_completions)
+        self.app.get("/v1/models")(self.models)
+        self.app.get("/health")(self.health)
+        self.app.get("/metrics")(self.prometheus)
+
+    async def _lifespan(self, app: FastAPI):
+        self.router.start()
+        try:
+            yield
+        finally:
+            self.router.stop()
+
+    # ---- endpoints --------------------------------------------------------------------
+    async def models(self) -> dict:
+        """``GET /v1/models``: the one served model, with its context length (tokens)."""
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdlab",
+            "max_model_len": self.router.max_model_len}]}
+
+    async def health(self) -> Response:
+        """``GET /health``: 200 while every worker is alive, else 503 naming the dead ones."""
+        dead = [w.name for w in self.router.workers.values() if not w.alive]
+        if dead:
+            return JSONResponse({"status": "unhealthy", "dead_workers": dead}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def prometheus(self) -> Response:
+        """``GET /metrics``: Prometheus text format (module docstring lists the families)."""
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        """``POST /v1/completions``: prompt a string (tokenized) or a list of token ids."""
+        try:
+            body = CompletionBody.model_validate(await read_json(request, self.max_body_bytes))
+            if isinstance(body.prompt, str):
+                prompt = self.text.encode(body.prompt)
+            else:
+                prompt = list(body.prompt)
+            return await self._serve(request, body, prompt, chat=False)
+        except ValidationError as err:
+            return error_response(_validation_error(err))
+        except BadRequest as err:
+            return error_response(err)
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        """``POST /v1/chat/completions``: the messages through the model's chat template."""
+        try:
+            body = ChatBody.model_validate(await read_json(request, self.max_body_bytes))
+            if body.max_tokens is not None and body.max_completion_tokens is not None:
+                raise BadRequest("give max_tokens or max_completion_tokens, not both",
+                                 "max_completion_tokens")
+            messages = [{"role": msg.role, "content": msg.content} for msg in body.messages]
+            try:
+                prompt = self.text.encode_chat(messages)
+            except Exception as err:  # a template that refuses these roles or this order
+                raise BadRequest(f"the chat template refused the messages: {err}",
+                                 "messages") from None
+            return await self._serve(request, body, prompt, chat=True)
+        except ValidationError as err:
+            return error_response(_validation_error(err))
+        except BadRequest as err:
+            return error_response(err)
+
+    # ---- one request --------------------------------------------------------------------
+    def _requests(self, body: _Sampling, prompt: list[int], chat: bool,
+                  base_id: str) -> list[Request]:
+        """The router requests of ``body`` (one per choice), checked like the router does."""
+        if body.model is not None and body.model != self.model_name:
+            raise BadRequest(f"model {body.model!r} does not exist; this server serves "
+                             f"{self.model_name!r}", "model", 404, "not_found_error")
+        if not prompt:
+            raise BadRequest("prompt must not be empty (no tokens)", "messages" if chat else "prompt")
+        context = self.router.max_model_len
+        if len(prompt) >= context:
+            raise BadRequest(f"prompt of {len(prompt)} tokens leaves no room for output: the "
+                             f"context is {context} tokens", "messages" if chat else "prompt")
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        if max_tokens is None:  # OpenAI: 16 for completions; chat: what the context leaves
+            max_tokens = context - len(prompt) if chat else min(16, context - len(prompt))
+        if len(prompt) + max_tokens > context:
+            raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) = "
+                             f"{len(prompt) + max_tokens} exceeds the context of {context} "
+                             "tokens", param)
+        vocab = self.router.vocab_size
+        if max(prompt) >= vocab:
+            raise BadRequest(f"prompt token ids must be in [0, {vocab}), got {max(prompt)}", "prompt")
+        bad = [t for t in body.stop_token_ids if t >= vocab]
+        if bad:
+            raise BadRequest(f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
+        requests = []
+        for i in range(body.n):
+            try:
+                sampling = SamplingParams(
+                    max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                    top_k=max(0, body.top_k),
+                    seed=None if body.seed is None else body.seed + i,
+                    stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos)
+            except ValueError as err:
+                raise BadRequest(str(err), str(err).split(" ", 1)[0]) from None
+            requests.append(Request(f"{base_id}-{i}", tuple(prompt), sampling))
+        return requests
+
+    async def _serve(self, http: HTTPRequest, body: _Sampling, prompt: list[int],
+                     chat: bool) -> Response:
+        base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        requests = self._requests(body, prompt, chat, base_id)
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        choices = {r.request_id: _Choice(i, r.request_id, TextStream(self.text, stop))
+                   for i, r in enumerate(requests)}
+        events: asyncio.Queue[StreamEvent] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def sink(event: StreamEvent) -> None:  # on the router's thread
+            if event.kind == FINISH and event.record is not None:
+                self.metrics.observe(event.record)
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+        for request in requests:
+            self.router.submit(request, sink)
+        call = _Call(self, base_id, chat, body, len(prompt), choices, events)
+        if body.stream:
+            return _ClosingStream(call.sse(http), media_type="text/event-stream")
+        return await call.whole(http)
+
+
+class _ClosingStream(StreamingResponse):
+    """A StreamingResponse that closes its generator as soon as sending stops (a client
+    gone makes ``send`` raise): the generator's ``finally`` aborts at once, not at GC."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _Call:
+    """One HTTP request's choices in flight: folds router events into OpenAI responses."""
+
+    def __init__(self, server: OpenAIServer, base_id: str, chat: bool, body: _Sampling,
+                 num_prompt_tokens: int, choices: dict[str, _Choice],
+                 events: asyncio.Queue) -> None:
+        self.server, self.id, self.chat, self.body = server, base_id, chat, body
+        self.num_prompt_tokens = num_prompt_tokens
+        self.choices = choices
+        self.events = events
+        self.created = int(time.time())
+        self.object = "chat.completion" if chat else "text_completion"
+        self._getter: asyncio.Future | None = None
+        self._watcher: asyncio.Future | None = None
+
+    @property
+    def answered(self) -> bool:
+        return all(c.finish_reason is not None for c in self.choices.values())
+
+    def _fold(self, event: StreamEvent) -> tuple[_Choice, str] | None:
+        """Apply one event; returns (choice, text delta) when the choice has news to send."""
+        choice = self.choices[event.request_id]
+        if event.kind == FINISH:
+            choice.finished = True
+            if choice.finish_reason is None:  # ended by the router, not by its last token
+                choice.finish_reason = event.finish_reason
+                choice.error = event.error
+                return choice, choice.text.finish()
+            return None
+        if choice.finish_reason is not None:  # tokens relayed after a stop string matched
+            return None
+        delta, stopped = choice.text.add(event.token_id)
+        if stopped:
+            choice.finish_reason = "stop"
+            self.server.router.abort(choice.request_id)  # frees its KV on every worker
+        elif event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason
+            delta += choice.text.finish()
+        return choice, delta
+
+    def usage(self) -> dict:
+        """OpenAI usage: the prompt counted once, the completions of every choice summed
+        (tokens up to and including the one that ended each choice)."""
+        completion = sum(c.text.num_tokens for c in self.choices.values())
+        return {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.num_prompt_tokens + completion}
+
+    def _count(self) -> None:
+        metrics = self.server.metrics
+        usage = self.usage()
+        metrics.prompt_tokens.inc(usage["prompt_tokens"])
+        metrics.generation_tokens.inc(usage["completion_tokens"])
+        for c in self.choices.values():
+            metrics.success.labels(self.server.model_name, c.finish_reason).inc()
+
+    def _error(self) -> str | None:
+        errors = [c.error for c in self.choices.values() if c.finish_reason == "error"]
+        return errors[0] if errors else None
+
+    async def _next_event(self, http: HTTPRequest) -> StreamEvent | None:
+        """The next router event, or None once the client has disconnected (a watcher
+        task waits for ASGI's ``http.disconnect``). The pending ``get`` is never cancelled
+        while an event may be handed to it, so no event is lost."""
+        if self._watcher is None:
+            self._watcher = asyncio.ensure_future(self._watch(http))
+        if self._getter is None:
+            self._getter = asyncio.ensure_future(self.events.get())
+        done, _ = await asyncio.wait({self._getter, self._watcher},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self._getter in done:
+            event, self._getter = self._getter.result(), None
+            return event
+        return None
+
+    @staticmethod
+    async def _watch(http: HTTPRequest) -> None:
+        """Returns when the client disconnects (the body is read already, so the next ASGI
+        message is the disconnect)."""
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    def _abort_unanswered(self) -> None:
+        for task in (self._getter, self._watcher):
+            if task is not None:
+                task.cancel()
+        self._getter = self._watcher = None
+        for c in self.choices.values():
+            if not c.finished:
+                self.server.router.abort(c.request_id)
+
+    async def whole(self, http: HTTPRequest) -> Response:
+        """A non-streamed answer; a client gone while waiting aborts its requests."""
+        try:
+            while not self.answered:
+                event = await self._next_event(http)
+                if event is None:  # the client is gone
+                    return Response(status_code=499)
+                news = self._fold(event)
+                if news is not None:
+                    news[0].pieces.append(news[1])
+        finally:
+            self._abort_unanswered()
+        error = self._error()
+        if error is not None:
+            return error_response(BadRequest(f"generation failed: {error}", None, 500,
+                                             "internal_error"))
+        self._count()
+        out = []
+        for c in sorted(self.choices.values(), key=lambda c: c.index):
+            text = "".join(c.pieces)
+            if self.chat:
+                out.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": c.finish_reason})
+            else:
+                out.append({"index": c.index, "text": text, "logprobs": None,
+                            "finish_reason": c.finish_reason})
+        return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
+                             "model": self.server.model_name, "choices": out,
+                             "usage": self.usage()})
+
+    def _chunk(self, choice: _Choice | None, delta: str, first: bool) -> str:
+        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        chunk: dict[str, Any] = {"id": self.id, "created": self.created,
+                                 "model": self.server.model_name,
+                                 "object": "chat.completion.chunk" if self.chat else "text_completion"}
+        if choice is None:  # the usage chunk
+            chunk.update(choices=[], usage=self.usage())
+        else:
+            if self.chat:
+                body: dict[str, Any] = {"index": choice.index,
+                                        "delta": ({"role": "assistant", "content": delta} if first
+                                                  else {"content": delta}),
+                                        "logprobs": None}
+            else:
+                body = {"index": choice.index, "text": delta, "logprobs": None}
+            body["finish_reason"] = choice.finish_reason
+            chunk["choices"] = [body]
+            if include_usage:
+                chunk["usage"] = None
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    async def sse(self, http: HTTPRequest) -> AsyncIterator[str]:
+        """Server-sent events; a client gone (its ``http.disconnect``, or a failed send)
+        aborts its requests at once."""
+        started: set[int] = set()
+        try:
+            while not self.answered:
+                event = await self._next_event(http)
+                if event is None:  # the client is gone
+                    return
+                news = self._fold(event)
+                if news is None:
+                    continue
+                choice, delta = news
+                if choice.finish_reason == "error":
+                    error = {"message": f"generation failed: {choice.error}",
+                             "type": "internal_error", "param": None, "code": 500}
+                    yield f"data: {json.dumps({'error': error})}\n\n"
+                    break
+                yield self._chunk(choice, delta, choice.index not in started)
+                started.add(choice.index)
+            else:
+                self._count()
+                if self.body.stream_options and self.body.stream_options.include_usage:
+                    yield self._chunk(None, "", False)
+            yield "data: [DONE]\n\n"
+        finally:
+            self._abort_unanswered()
+
+
+# ---- running it -------------------------------------------------------------------------
+
+def text_of(loaded_tokenizer: Any) -> ByteText | HFText:
+    """``HFText`` over a tokenizer, ``ByteText`` when the model has none (tiny models)."""
+    return ByteText() if loaded_tokenizer is None else HFText(loaded_tokenizer)
+
+
+class ServerThread:
+    """uvicorn serving ``app`` on a background thread (tests, ``pdlab bench`` self-checks).
+
+    ``url`` is ``http://host:port`` once started (port 0 picks a free one). ``stop()`` shuts
+    it down (and with it the router loop, through the app's lifespan).
+
+    Raises (from ``start``):
+        RuntimeError: the server did not come up within ``timeout_s``.
+    """
+
+    def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int = 0) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, port))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        config = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                       name="uvicorn", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self.thread.start()
+        end_s = time.monotonic() + timeout_s
+        while not self.server.started:
+            if time.monotonic() > end_s or not self.thread.is_alive():
+                raise RuntimeError(f"the HTTP server did not start on {self.url}")
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=15)
+        self.sock.close()
+
+
+def serve_forever(server: OpenAIServer, host: str, port: int) -> None:
+    """Serve until interrupted (Ctrl-C / SIGTERM stop uvicorn, then the router)."""
+    uvicorn.run(server.app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)

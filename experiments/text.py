@@ -1,0 +1,120 @@
+"""Text <-> token ids for the HTTP front end: tokenizers, chat prompts, incremental detokenization
+with stop strings (no torch, no model).
+
+- ``HFText`` wraps a model's Hugging Face tokenizer: completions encode the prompt as the
+  tokenizer does by default (special tokens added as the model's tokenizer config says),
+  chat requests go through the model's chat template (``apply_chat_template``).
+- ``ByteText`` serves the tiny test models, which have no tokenizer (vocabulary 256): one
+  token per UTF-8 byte, and a fixed plain chat template (``BYTE_CHAT_TEMPLATE``). It exists
+  so text prompts, stop strings and UTF-8 handling can be tested without a real model.
+- ``TextStream`` turns output token ids into text deltas: it decodes the whole output so far
+  and emits what is new, holding back an incomplete UTF-8 character (decoded as U+FFFD) and
+  the last ``len(longest stop) - 1`` characters (they may start a stop string that the next
+  token completes). A stop string is matched in the text across token boundaries; the text
+  ends before it (OpenAI: "the returned text will not contain the stop sequence").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+BYTE_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # per message; then "<|assistant|>\n"
+
+
+class ByteText:
+    """One token per UTF-8 byte (token id = byte value); for models without a tokenizer."""
+
+    name = "bytes"
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        text = "".join(BYTE_CHAT_TEMPLATE.format(role=m["role"], content=m["content"])
+                       for m in messages)
+        return self.encode(text + "<|assistant|>\n")
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+
+class HFText:
+    """A Hugging Face tokenizer: prompts, chat template, decoding (special tokens skipped)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.name = getattr(tokenizer, "name_or_path", "hf")
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        ids = self.tokenizer.apply_chat_template([dict(m) for m in messages],
+                                                 add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False)
+        if isinstance(ids, Mapping):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(t) for t in ids]
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True,
+                                     clean_up_tokenization_spaces=False)
+
+
+class TextStream:
+    """Output token ids in, text deltas out, with stop strings matched across tokens.
+
+    Args:
+        text: a ``ByteText`` or ``HFText``.
+        stop: stop strings (non-empty).
+
+    ``add(token_id)`` returns ``(delta, stopped)``: the new text that can be shown now, and
+    whether a stop string has appeared (then ``delta`` ends right before it and the request
+    is over: the caller aborts it). ``finish()`` returns the held-back rest at the end.
+    ``num_tokens`` counts the tokens added up to and including the one that completed the
+    stop string (the completion's token count in ``usage``).
+    """
+
+    def __init__(self, text: ByteText | HFText, stop: Sequence[str] = ()) -> None:
+        self.text = text
+        self.stop = [s for s in stop if s]
+        self._hold = max((len(s) for s in self.stop), default=1) - 1
+        self._ids: list[int] = []
+        self._emitted = 0  # characters of the decoded output already returned
+        self.stopped = False
+        self.full_text = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids)
+
+    def add(self, token_id: int) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        self._ids.append(token_id)
+        decoded = self.text.decode(self._ids)
+        if self.stop:
+            # a stop string can only be new if it ends in the text not yet matched against
+            start = max(0, self._emitted - self._hold)
+            hits = [i for i in (decoded.find(s, start) for s in self.stop) if i >= 0]
+            if hits:
+                self.stopped = True
+                self.full_text = decoded[:min(hits)]
+                return self._take(len(self.full_text)), True
+        self.full_text = decoded
+        end = len(decoded) - self._hold
+        if decoded.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its rest
+            end = min(end, len(decoded) - 1)
+        return self._take(end), False
+
+    def finish(self) -> str:
+        """The text still held back (call once, when the request has ended)."""
+        return self._take(len(self.full_text))
+
+    def _take(self, end: int) -> str:
+        if end <= self._emitted:
+            return ""
+        delta = self.full_text[self._emitted:end]
+        self._emitted = end
+        return delta

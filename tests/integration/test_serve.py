@@ -1,0 +1,327 @@
+"""``pdlab serve`` over in-process placements of the tiny model (``ByteText``: one token per
+UTF-8 byte), reached over real HTTP on a loopback port.
+
+- The official ``openai`` client, streaming and not: greedy text equal to transformers
+  ``generate()``'s tokens decoded, exact usage, one chunk per token, the usage chunk last.
+- Stop strings across tokens, stop_token_ids, n, chat template.
+- Every bad input of the issue gets its status and the field named, and the next request
+  is still served with the exact greedy output.
+- A client that disconnects mid-stream has its KV freed on every worker within a second.
+- 200 concurrent streaming clients: exact usage and tokens, engines and transports empty.
+- /metrics counts what was served; /health and /v1/models answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import random_prompts, reference_generate
+from placement_helpers import assert_clean
+
+from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
+from experiments.placement import Deployment
+from experiments.serve import OpenAIServer, ServerThread
+from experiments.text import ByteText
+
+TINY = ModelConfig("tiny-random-llama")
+ENGINE = EngineConfig(max_num_seqs=16, max_model_len=128, max_num_batched_tokens=64)
+BYTES = ByteText()
+KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # 2 (K, V) * layers * kv_heads * head_dim * fp32
+
+
+@contextlib.contextmanager
+def served(placement: str, faults: dict | None = None, engine: EngineConfig = ENGINE):
+    """(base url, deployment) of ``placement`` served on a free loopback port."""
+    with Deployment(PlacementConfig(placement, "cpu:0,cpu:1"), TINY, engine,
+                    TransferConfig(transport="inprocess", timeout_s=5.0), local=True,
+                    faults=faults) as dep:
+        server = ServerThread(OpenAIServer(dep.router, BYTES, "tiny").app).start()
+        try:
+            yield server.url, dep
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="module", params=["colocated:1", "disagg:1p1d"])
+def server(request):
+    with served(request.param) as (url, dep):
+        yield url, dep
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key="none", max_retries=0)
+
+
+def greedy(tiny, prompt: list[int], max_tokens: int) -> list[int]:
+    return reference_generate(tiny.model, prompt, max_tokens)
+
+
+def assert_next_request_exact(url: str, tiny) -> None:
+    """The server still serves a request with the exact greedy output."""
+    prompt = random_prompts([9], seed=11)[0]
+    reply = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0}, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == BYTES.decode(greedy(tiny, prompt, 6))
+
+
+def wait_clean(dep, timeout_s: float) -> float:
+    """Seconds until every worker is empty (engine, transport) and the router holds nothing;
+    fails after ``timeout_s``."""
+    start_s = time.monotonic()
+    while True:
+        statuses = dep.statuses()
+        clean = all(s["engine_empty"] and s.get("transport_held", 0) == 0
+                    and s.get("transfers_held", 0) == 0 for s in statuses)
+        if clean and dep.router.num_running + dep.router.num_waiting == 0:
+            return time.monotonic() - start_s
+        assert time.monotonic() - start_s < timeout_s, statuses
+        time.sleep(0.02)
+
+
+# ---- the openai client --------------------------------------------------------------------
+
+def test_openai_client_completions_equal_generate(server, client, tiny):
+    prompt = random_prompts([7], seed=1)[0]
+    expected = greedy(tiny, prompt, 8)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0)
+    assert reply.choices[0].text == BYTES.decode(expected)
+    assert reply.choices[0].finish_reason == ("length" if len(expected) == 8 else "stop")
+    assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (7, len(expected))
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=8,
+                                            temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    token_chunks = [c for c in chunks if c.choices]
+    assert len(token_chunks) == len(expected)  # one chunk per output token
+    assert "".join(c.choices[0].text for c in token_chunks) == BYTES.decode(expected)
+    assert token_chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected)
+    assert chunks[-1].usage.total_tokens == 7 + len(expected)
+
+
+def test_text_prompt_and_chat_template_go_through_the_tokenizer(server, client, tiny):
+    text = "hello, world"
+    expected = greedy(tiny, BYTES.encode(text), 5)
+    reply = client.completions.create(model="tiny", prompt=text, max_tokens=5, temperature=0)
+    assert reply.choices[0].text == BYTES.decode(expected)
+    assert reply.usage.prompt_tokens == len(text)
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    chat_prompt = BYTES.encode_chat(messages)
+    expected = greedy(tiny, chat_prompt, 5)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                           temperature=0)
+    assert reply.choices[0].message.content == BYTES.decode(expected)
+    assert reply.usage.prompt_tokens == len(chat_prompt)
+    stream = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                            temperature=0, stream=True)
+    chunks = [c for c in stream if c.choices]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == BYTES.decode(expected)
+
+
+def _stop_case(tiny):
+    """A prompt whose greedy output has two ASCII tokens in a row after the first: the stop
+    string they form spans a token boundary."""
+    for seed in range(50):
+        prompt = random_prompts([6], seed=100 + seed)[0]
+        out = greedy(tiny, prompt, 12)
+        for i in range(1, len(out) - 1):
+            if 32 <= out[i] < 127 and 32 <= out[i + 1] < 127:
+                return prompt, out, chr(out[i]) + chr(out[i + 1])
+    pytest.fail("no greedy output with two printable ASCII tokens in a row")
+
+
+def test_stop_string_across_tokens_ends_text_and_usage_at_it(server, client, tiny):
+    url, dep = server
+    prompt, out, stop = _stop_case(tiny)
+    # oracle: the first prefix of the output whose text contains the stop string
+    k = next(k for k in range(1, len(out) + 1) if stop in BYTES.decode(out[:k]))
+    text = BYTES.decode(out[:k])
+    expected_text = text[:text.find(stop)]
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      stop=[stop, "\x00never"])
+    assert reply.choices[0].text == expected_text
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == k
+    chunks = list(client.completions.create(model="tiny", prompt=prompt, max_tokens=12,
+                                            temperature=0, stop=stop, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected_text
+    assert chunks[-1].usage.completion_tokens == k
+    wait_clean(dep, 5.0)  # the stopped request was aborted: nothing left anywhere
+
+
+def test_stop_token_ids_and_n(server, client, tiny):
+    prompt = random_prompts([5], seed=4)[0]
+    out = greedy(tiny, prompt, 10)
+    stop_id = out[3]
+    first = out.index(stop_id)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                      extra_body={"stop_token_ids": [stop_id]})
+    assert reply.choices[0].finish_reason == "stop"
+    assert reply.usage.completion_tokens == first + 1  # the stop token is kept, as vLLM
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0,
+                                      n=3)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    assert all(c.text == BYTES.decode(out) for c in reply.choices)
+    assert reply.usage.prompt_tokens == 5 and reply.usage.completion_tokens == 3 * len(out)
+    # seeded sampling: choice i is the single request with seed + i
+    many = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=1.0,
+                                     seed=7, n=2)
+    for i in range(2):
+        one = client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                        temperature=1.0, seed=7 + i)
+        assert many.choices[i].text == one.choices[0].text
+
+
+def test_models_health_and_metrics_count_what_was_served(tiny):
+    with served("disagg:1p1d") as (url, dep):
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+        assert httpx.get(f"{url}/health").status_code == 200
+        prompts = random_prompts([4, 9, 13], seed=5)
+        usage = [httpx.post(f"{url}/v1/completions", timeout=30, json={
+            "prompt": p, "max_tokens": 4, "temperature": 0, "ignore_eos": True}).json()["usage"]
+                 for p in prompts]
+        text = httpx.get(f"{url}/metrics").text
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line and not line.startswith("#")}
+        model = '{model_name="tiny"}'
+        assert values[f"pdlab:prompt_tokens_total{model}"] == sum(u["prompt_tokens"] for u in usage) == 26
+        assert values[f"pdlab:generation_tokens_total{model}"] == 12
+        assert values[f"pdlab:time_to_first_token_seconds_count{model}"] == 3
+        assert values[f"pdlab:inter_token_latency_seconds_count{model}"] == 3 * 3
+        pair = '{decode_worker="decode-0",prefill_worker="prefill-0"}'
+        assert values[f"pdlab:kv_transfer_bytes_count{pair}"] == 3
+        assert values[f"pdlab:kv_transfer_bytes_sum{pair}"] == 26 * KV_BYTES_PER_TOKEN
+        assert values[f"pdlab:kv_transfer_seconds_count{pair}"] == 3
+        assert values['pdlab:worker_info{role="prefill",worker="prefill-0"}'] == 1
+        assert values['pdlab:worker_info{role="decode",worker="decode-0"}'] == 1
+        assert values[f"pdlab:num_requests_running{model}"] == 0
+        assert values['pdlab:request_success_total{finished_reason="length",model_name="tiny"}'] == 3
+
+
+# ---- bad input --------------------------------------------------------------------------
+
+BIG = b'{"prompt": "' + b"a" * (10 << 20) + b'"}'
+BAD = [  # (name, body bytes, status, param)
+    ("malformed JSON", b'{"prompt": [1, 2', 400, None),
+    ("invalid UTF-8", b'{"prompt": "\xff\xfe"}', 400, None),
+    ("10 MB body", BIG, 413, None),
+    ("unknown field", {"prompt": [5, 6], "max_tokenz": 3}, 400, "max_tokenz"),
+    ("max_tokens a string", {"prompt": [5, 6], "max_tokens": "3"}, 400, "max_tokens"),
+    ("prompt a number", {"prompt": 5}, 400, "prompt"),
+    ("stream a string", {"prompt": [5], "stream": "yes"}, 400, "stream"),
+    ("temperature < 0", {"prompt": [5], "temperature": -1}, 400, "temperature"),
+    ("top_p = 0", {"prompt": [5], "top_p": 0}, 400, "top_p"),
+    ("max_tokens = 0", {"prompt": [5], "max_tokens": 0}, 400, "max_tokens"),
+    ("n = 0", {"prompt": [5], "n": 0}, 400, "n"),
+    ("prompt over the context", {"prompt": [5] * 200}, 400, "prompt"),
+    ("prompt + max_tokens over the context", {"prompt": [5] * 100, "max_tokens": 50}, 400,
+     "max_tokens"),
+    ("empty prompt", {"prompt": ""}, 400, "prompt"),
+    ("empty token list", {"prompt": []}, 400, "prompt"),
+    ("token outside the vocabulary", {"prompt": [5, 999]}, 400, "prompt"),
+    ("stop_token_ids outside the vocabulary", {"prompt": [5], "stop_token_ids": [999]}, 400,
+     "stop_token_ids"),
+    ("logprobs", {"prompt": [5], "logprobs": 2}, 400, "logprobs"),
+    ("unknown model", {"prompt": [5], "model": "gpt-9"}, 404, "model"),
+]
+CHAT_BAD = [
+    ("no messages", {"messages": []}, 400, "messages"),
+    ("unknown role", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
+    ("content a number", {"messages": [{"role": "user", "content": 3}]}, 400, "messages.0.content"),
+    ("top_logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
+     "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize("endpoint,name,body,status,param",
+                         [("completions", *row) for row in BAD]
+                         + [("chat/completions", *row) for row in CHAT_BAD],
+                         ids=[row[0] for row in BAD + CHAT_BAD])
+def test_bad_input_is_refused_naming_the_field_and_hurts_nobody(server, tiny, endpoint, name,
+                                                               body, status, param):
+    url, dep = server
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    reply = httpx.post(f"{url}/v1/{endpoint}", content=content, timeout=30,
+                       headers={"content-type": "application/json"})
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"], error
+    if param is not None:
+        assert param.split(".")[0] in error["message"] or param == "model", error
+    assert_next_request_exact(url, tiny)
+    assert_clean(dep)
+
+
+# ---- disconnects ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("placement,slow", [("colocated:1", "colocated-0"),
+                                            ("disagg:1p1d", "decode-0")])
+def test_client_disconnect_mid_stream_frees_kv_on_every_worker_within_a_second(
+        tiny, placement, slow):
+    # 20 ms per step: the 100 tokens asked for would take >= 2 s, so only the abort frees
+    # the KV within the second
+    with served(placement, faults={slow: {"step_delay_s": 0.02}}) as (url, dep):
+        body = {"prompt": random_prompts([12], seed=2)[0], "max_tokens": 100,
+                "ignore_eos": True, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as http:
+            with http.stream("POST", f"{url}/v1/completions", json=body) as response:
+                lines = response.iter_lines()
+                chunks = [next(lines) for _ in range(6)]  # a few tokens (blank lines between)
+                assert sum(c.startswith("data:") for c in chunks) >= 3
+                busy = [s for s in dep.statuses() if not s["engine_empty"]]
+                assert busy, "the request should still be running"
+        assert wait_clean(dep, timeout_s=1.0) < 1.0
+        assert_next_request_exact(url, tiny)
+
+
+def test_client_gone_while_waiting_for_a_whole_answer_frees_its_kv(tiny):
+    with served("disagg:1p1d", faults={"decode-0": {"step_delay_s": 0.02}}) as (url, dep):
+        body = {"prompt": random_prompts([12], seed=2)[0], "max_tokens": 100, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+        # seen within 0.25 s of the close; the 100 tokens alone would take >= 2 s
+        assert wait_clean(dep, timeout_s=1.0) < 1.0
+        assert_next_request_exact(url, tiny)
+
+
+# ---- load -------------------------------------------------------------------------------
+
+def test_200_concurrent_streaming_clients_get_exact_tokens_and_usage(tiny):
+    prompts = random_prompts([3 + i % 13 for i in range(16)], seed=31)
+    expected = [BYTES.decode(greedy(tiny, p, 4)) for p in prompts]  # ignore_eos: 4 tokens each
+    engine = EngineConfig(max_num_seqs=32, max_model_len=64, max_num_batched_tokens=128)
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, int]:
+        stream = await client.completions.create(
+            model="tiny", prompt=prompts[i % 16], max_tokens=4, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+            if chunk.usage:
+                usage = chunk.usage
+        return text, usage.prompt_tokens, usage.completion_tokens
+
+    async def all_clients(url: str):
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=250)
+        async with httpx.AsyncClient(limits=limits, timeout=120) as http:
+            client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="none", http_client=http,
+                                        max_retries=0)
+            return await asyncio.gather(*(one(client, i) for i in range(200)))
+
+    with served("disagg:1p1d", engine=engine) as (url, dep):
+        results = asyncio.run(all_clients(url))
+        for i, (text, prompt_tokens, completion_tokens) in enumerate(results):
+            assert text == expected[i % 16], i
+            assert (prompt_tokens, completion_tokens) == (len(prompts[i % 16]), 4), i
+        wait_clean(dep, timeout_s=5.0)
