@@ -1,4 +1,5 @@
-"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``, ``interference``.
+"""The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``, ``interference``,
+``plan`` (``experiments.plan.command``).
 
 Engine, transfer and workload options are derived from the config dataclasses' fields
 (``engine.config.add_dataclass_args``), so every knob has one name, one default and one
@@ -29,11 +30,13 @@ from experiments import interference, kv_cost, profile
 from experiments.http_config import BenchConfig, ServeConfig
 from experiments.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.placement import check_devices_exist, worker_layout
+from experiments.plan import command as plan_command
 from experiments.report import format_table
 from router.policy import POLICIES
 
 OPTION_FIELDS = {f.name for cls in (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig,
-                                    interference.InterferenceConfig, ServeConfig, BenchConfig)
+                                    interference.InterferenceConfig, ServeConfig, BenchConfig,
+                                    plan_command.PlanConfig)
                  for f in dataclasses.fields(cls)}
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
@@ -93,6 +96,10 @@ def _devices(text: str) -> tuple[str, ...]:
 
 def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None:
     if compare:
+        parser.add_argument("--simulate", default=None, metavar="PROFILE.json",
+                            help="also simulate every run with this device profile (pdlab "
+                                 "profile) and report the simulator's error (validation.csv; "
+                                 "the attainment plot overlays the simulated curve)")
         parser.add_argument("--placements", type=_placements, default=None,
                             help="comma-separated, e.g. colocated:2,colocated-nochunk:2,disagg:1p1d "
                                  "(colocated-nochunk = chunked prefill off; default: colocated:N "
@@ -214,6 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     command = sub.add_parser("interference", help="decode stall caused by a prefill, per mode")
     interference.add_arguments(command)
     command.set_defaults(command_parser=command)
+    command = sub.add_parser("plan", help="rank placements of N devices on the simulator "
+                                          "(--validate: and check it against real runs)")
+    plan_command.add_arguments(command)
+    command.set_defaults(command_parser=command)
     return parser
 
 
@@ -244,6 +255,7 @@ class Experiment:
     slo: SLO
     out: Path
     conditional: ConditionalConfig = ConditionalConfig()
+    simulate: object = None  # experiments.plan.latency.DeviceProfile for --simulate
 
 
 def _engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
@@ -318,9 +330,14 @@ def check_experiment(args: argparse.Namespace) -> Experiment:
     transfer = dataclass_from_args(TransferConfig, args)
     conditional = dataclass_from_args(ConditionalConfig, args)
     check_out(args.out)
+    simulate = None
+    if getattr(args, "simulate", None):
+        simulate = plan_command.load_profile_for(args.simulate, model, "--simulate")
+        if any(parse_placement(p)[0] != "colocated" for p in placements):
+            plan_command.transfer_model_for(simulate, transfer.transport, "--simulate")
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Experiment(placements, devices, spec, model, engine, transfer,
-                      SLO(args.slo_ttft_s, args.slo_tpot_s), out, conditional)
+                      SLO(args.slo_ttft_s, args.slo_tpot_s), out, conditional, simulate)
 
 
 def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
@@ -332,7 +349,8 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
               "engine caps max_model_len at it (the config row records the value asked for)")
     summary, verdict = run_experiment(x.placements, args.rates, x.spec, x.model, x.engine,
                                       x.transfer, ",".join(x.devices), args.address, x.slo,
-                                      x.out, args.policy, conditional=x.conditional)
+                                      x.out, args.policy, conditional=x.conditional,
+                                      simulate=x.simulate)
     print()
     print(format_table(summary))
     print()
@@ -480,14 +498,16 @@ def _bench(args: argparse.Namespace, x: Benching) -> int:
 
 def check_options(args: argparse.Namespace):
     """Check ``args`` of any command before it starts anything; returns the checked
-    experiment of ``run``/``compare``, ``Serving`` of ``serve``, ``Benching`` of ``bench``
-    (ValueError: the first bad option)."""
+    experiment of ``run``/``compare``, ``Serving`` of ``serve``, ``Benching`` of ``bench``,
+    ``PlanJob`` of ``plan`` (ValueError: the first bad option)."""
     if args.command in ("run", "compare"):
         return check_experiment(args)
     if args.command == "serve":
         return check_serve(args)
     if args.command == "bench":
         return check_bench(args)
+    if args.command == "plan":
+        return plan_command.check_arguments(args)
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     check_out(args.out)
@@ -510,6 +530,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:
         args.command_parser.error(_option_message(err))
     try:
+        if args.command == "plan":
+            return plan_command.main(args, experiment)
         if isinstance(experiment, Serving):
             return _serve(experiment, args.policy, args.address)
         if isinstance(experiment, Benching):

@@ -408,10 +408,13 @@ def _tagged(results: list[RunResult], attr: str) -> pd.DataFrame:
 
 
 def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SLO,
-                  num_devices: int | None = None) -> tuple[pd.DataFrame, str]:
+                  num_devices: int | None = None,
+                  simulated: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
     """Write every output file (module docstring, step 3); returns the summary table (one
     row per placement and rate, with intervals) and the verdict. ``num_devices`` is unused
-    (goodput divides by each placement's own devices) and kept for callers."""
+    (goodput divides by each placement's own devices) and kept for callers. ``simulated``:
+    ``pdlab plan``'s simulated attainment curve (``analysis.attainment_curve``), drawn
+    dashed over the measured one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "requests.jsonl", "w") as f:
         f.write(json.dumps({"type": "config", **config}) + "\n")
@@ -439,7 +442,7 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
         first_seed.setdefault(r.placement, r)
     plot_paths = {
         "SLO attainment vs rate (95% intervals)": plots.plot_attainment(
-            analysis.attainment_curve(summary), out_dir / "slo_attainment.png"),
+            analysis.attainment_curve(summary), out_dir / "slo_attainment.png", simulated),
         "p99 latencies at the top rate (95% intervals)": plots.plot_p99_bars(
             summary, out_dir / "p99_latency.png"),
         "TTFT and TPOT CDFs (top rate, all seeds)": plots.plot_cdfs(
@@ -473,9 +476,13 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                    model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
                    devices: str | None, address: str | None, slo: SLO, out_dir: Path,
                    policy: str = "least_loaded", local: bool = False,
-                   conditional: ConditionalConfig | None = None) -> tuple[pd.DataFrame, str]:
+                   conditional: ConditionalConfig | None = None,
+                   simulate=None) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
-    workers in this process (tests; transport ``inprocess``).
+    workers in this process (tests; transport ``inprocess``). ``simulate``: a
+    ``experiments.plan.latency.DeviceProfile``; the same runs are then simulated too
+    (``pdlab plan``'s simulator), the attainment plot overlays the simulated curve (dashed)
+    and validation.csv holds the per-point errors (``experiments.plan.validate``).
 
     With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
     ``calibrated_slo`` (both measured on the first placement, recorded under
@@ -516,4 +523,18 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
               "workers": [{k: w.get(k) for k in ("placement", "name", "role", "device",
                                                  "torch_num_threads", "torch_num_interop_threads")}
                           for w in worker_info]}
-    return write_results(out_dir, results, config, slo)
+    if simulate is None:
+        return write_results(out_dir, results, config, slo)
+    from experiments.plan import validate as plan_validate
+
+    twins = plan_validate.simulate_like(results, items, spec, engine, transfer.transport, simulate,
+                                        simulate.transfers.get(transfer.transport), policy)
+    simulated = analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
+                                                     r.duration_s) for r in twins], slo, num_boot=100)
+    summary, verdict_text = write_results(out_dir, results, config, slo,
+                                          simulated=analysis.attainment_curve(simulated))
+    errors = plan_validate.error_table(summary, simulated)
+    errors.to_csv(out_dir / "validation.csv", index=False)
+    text = plan_validate.summary_text(plan_validate.validation_summary(
+        errors, plan_validate._goodput(summary), plan_validate._goodput(simulated)))
+    return summary, verdict_text + "\nSimulated twin (pdlab plan's simulator): " + text

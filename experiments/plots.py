@@ -72,20 +72,31 @@ def plot_cdfs(records_by_placement: Mapping[str, Sequence[RequestRecord]],
     return _save(fig, path)
 
 
-def plot_attainment(curve_df: pd.DataFrame, path: str | Path) -> Path:
+def plot_attainment(curve_df: pd.DataFrame, path: str | Path,
+                    simulated: pd.DataFrame | None = None) -> Path:
     """SLO attainment (%) vs arrival rate per placement (``analysis.attainment_curve``): the
     mean over seeds as a line, its 95% interval as a shaded band (when the curve has
-    ``slo_attainment_ci_lo/hi``), and the 90% goodput line."""
+    ``slo_attainment_ci_lo/hi``), and the 90% goodput line. ``simulated``: the same curve
+    from ``pdlab plan``'s simulator, drawn dashed in each placement's colour over the
+    measured points."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colour = {}
     for i, (placement, g) in enumerate(curve_df.groupby("placement", sort=False)):
         g = g.sort_values("rate")
+        colour[placement] = f"C{i}"
         ax.plot(g["rate"], 100 * g["slo_attainment"].astype(float), marker="o", color=f"C{i}",
-                label=placement)
+                label=placement + (" (measured)" if simulated is not None else ""))
         if "slo_attainment_ci_lo" in g:
             ax.fill_between(g["rate"], 100 * g["slo_attainment_ci_lo"].astype(float),
                             100 * g["slo_attainment_ci_hi"].astype(float), color=f"C{i}",
                             alpha=0.2, linewidth=0)
-    ax.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--",
+    if simulated is not None:
+        for j, (placement, g) in enumerate(simulated.groupby("placement", sort=False)):
+            g = g.sort_values("rate")
+            ax.plot(g["rate"], 100 * g["slo_attainment"].astype(float), linestyle="--",
+                    marker="x", color=colour.get(placement, f"C{len(colour) + j}"),
+                    label=f"{placement} (simulated)")
+    ax.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle=":",
                label=f"{100 * ATTAINMENT_TARGET:.0f}% target")
     ax.set_title("SLO attainment vs arrival rate (mean over seeds, 95% bootstrap band)")
     ax.set_xlabel("arrival rate (req/s)")

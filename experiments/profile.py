@@ -10,13 +10,21 @@ A profile:
    C + runs; the row is labelled C.
 3. Decode vs batch: B requests at a fixed context are prefilled (untimed), then decode steps
    over all B are timed; a least-squares line t = a + b*B (``numpy.polyfit``) with its R².
-4. Derived: the cost of a prompt token (prefill time / P at the largest P) over the cost of
+4. Mixed steps: B requests decode at a fixed context while one new prompt of P tokens is
+   prefilled whole in the same step (the chunked-prefill step of a colocated engine).
+5. Derived: the cost of a prompt token (prefill time / P at the largest P) over the cost of
    an output token (decode step at B = 1), and a P x G table of TTFT (= prefill time) and
    total time (prefill + G-1 decode steps: the first of G output tokens comes from the
    prefill step) with decode steps estimated from the line fitted to the context sweep.
 
+6. The device profile (``experiments.plan.latency``): the prefill, decode and mixed step
+   models fitted on the rows above, and per transport of ``--transports`` a transfer model
+   fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
+   dtype, device and thread count, for ``pdlab plan``.
+
 Every time is ``experiments.timing.measure``: min of N runs after 1 warm-up, median shown.
-Outputs: prefill.csv, decode_context.csv, decode_batch.csv, pg_table.csv, summary.md, profile.png.
+Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv, pg_table.csv,
+kv_cost.csv, device_profile.json, summary.md, profile.png.
 """
 
 from __future__ import annotations
@@ -46,6 +54,9 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_BATCH_CONTEXT = 64
 DEFAULT_PG_PROMPTS = (64, 256, 512)
 DEFAULT_PG_OUTPUTS = (16, 64, 256)
+DEFAULT_MIXED_PROMPTS = (64, 256)
+DEFAULT_MIXED_BATCH_SIZES = (1, 4, 16)
+DEFAULT_PROFILE_TRANSPORTS = ("inprocess",)
 WARMUP = 1
 
 _request_ids = itertools.count()
@@ -213,6 +224,108 @@ def profile_decode_batch(loaded: LoadedModel, batch_sizes: Sequence[int], contex
     return pd.DataFrame(rows)
 
 
+def time_mixed(loaded: LoadedModel, batch_size: int, context_len: int, prompt_len: int,
+               repeats: int, device: str = "cpu", seed: int = 0) -> Timing:
+    """Time steps that decode ``batch_size`` requests (each at ``context_len`` tokens of KV
+    when the first timed step starts) and prefill one new ``prompt_len``-token prompt whole
+    in the same step (queueing the prompt is untimed; it stops after its first token)."""
+    max_tokens = WARMUP + repeats + 2
+    budget = max(prompt_len + batch_size, min(batch_size * context_len, 4096))
+    engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size + 1,
+                                         max_model_len=max(context_len + max_tokens, prompt_len + 1),
+                                         max_num_batched_tokens=budget, device=device))
+    gen = torch.Generator().manual_seed(seed)
+    vocab = _vocab(loaded)
+    decoders = [_request(gen, vocab, max(context_len - 1, 1), max_tokens) for _ in range(batch_size)]
+    for request in decoders:
+        engine.add_request(request)
+    while any(s.is_prefilling or s.num_output_tokens == 0 for s in engine.states.values()):
+        engine.step()
+
+    def setup() -> None:
+        engine.add_request(_request(gen, vocab, prompt_len, max_tokens=1))
+
+    def run() -> None:
+        engine.step()
+        record = engine.step_records[-1]
+        if record.num_prefill_tokens != prompt_len or record.num_decode_tokens != batch_size:
+            raise RuntimeError(f"mixed step ran {record.num_prefill_tokens} prompt and "
+                               f"{record.num_decode_tokens} decode tokens, not {prompt_len} "
+                               f"and {batch_size}")
+
+    timing = measure(run, repeats, setup=setup, warmup=WARMUP, sync=device_sync(device))
+    for request in decoders:
+        engine.abort(request.request_id)
+    assert engine.is_empty()
+    return timing
+
+
+def profile_mixed(loaded: LoadedModel, prompt_lens: Sequence[int], batch_sizes: Sequence[int],
+                  context_len: int, repeats: int, device: str = "cpu", seed: int = 0,
+                  progress=None) -> pd.DataFrame:
+    """Mixed step time per (prompt length, batch size) at a fixed decode context.
+
+    Returns:
+        One row per point: ``prompt_len, batch_size, context_len, step_s`` (min),
+        ``step_median_s``, ``num_runs``.
+    """
+    rows = []
+    for p, b in itertools.product(prompt_lens, batch_sizes):
+        t = time_mixed(loaded, b, context_len, p, repeats, device, seed + p + b)
+        rows.append({"prompt_len": p, "batch_size": b, "context_len": context_len,
+                     "step_s": t.min_s, "step_median_s": t.median_s, "num_runs": t.num_runs})
+        _tick(progress)
+    return pd.DataFrame(rows)
+
+
+def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
+                       kv_table: pd.DataFrame | None = None):
+    """The ``experiments.plan.latency.DeviceProfile`` of a profile run: step models fitted on
+    its prefill, decode (context and batch sweeps together) and mixed rows; transfer models
+    on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport.
+
+    Raises:
+        ValueError: too few points for a fit.
+    """
+    from experiments.plan import latency
+
+    F = latency.StepFeatures
+    prefill = [(F(int(p), int(p) * int(p)), float(t))
+               for p, t in zip(result.prefill["prompt_len"], result.prefill["prefill_s"])]
+    decode = [(F(batch_size=int(b), sum_context=int(b) * int(c)), float(t))
+              for df in (result.decode_context, result.decode_batch)
+              for b, c, t in zip(df["batch_size"], df["context_len"], df["step_s"])]
+    mixed = [(F(int(p), int(p) * int(p), int(b), int(b) * int(c)), float(t))
+             for p, b, c, t in zip(result.mixed["prompt_len"], result.mixed["batch_size"],
+                                   result.mixed["context_len"], result.mixed["step_s"])] \
+        if result.mixed is not None and len(result.mixed) else []
+    pre, dec, mix = latency.fit_step_models(prefill, decode, mixed)
+    transfers = {}
+    if kv_table is not None and len(kv_table):
+        whole = kv_table[kv_table["mode"] == "whole"]
+        for name, g in whole.groupby("transport", sort=False):
+            transfers[str(name)] = latency.fit_transfer(list(g["kv_bytes"]), list(g["transfer_s"]))
+    kind = "cuda" if device.startswith("cuda") else "cpu"
+    name = torch.cuda.get_device_name(device) if kind == "cuda" else (_cpu_name() or "cpu")
+    return latency.DeviceProfile(
+        model=loaded.name, dtype=dtype, device_kind=kind, device_name=name,
+        num_threads=torch.get_num_threads(), kv_bytes_per_token=loaded.kv_spec.bytes_per_token,
+        prefill=pre, decode=dec, mixed=mix, transfers=transfers,
+        notes={"torch": torch.__version__, "estimator": result.estimator,
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+
+
+def _cpu_name() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 # ---- derived ---------------------------------------------------------------------------
 def token_cost_ratio(prefill: pd.DataFrame, decode_batch: pd.DataFrame) -> dict:
     """A prompt token's cost (prefill_s / P at the largest P) over an output token's cost
@@ -263,6 +376,7 @@ class ProfileResult:
     pg: pd.DataFrame
     estimator: str
     notes: list[str]
+    mixed: pd.DataFrame | None = None
 
 
 def cap_lengths(loaded: LoadedModel, prompt_lens, contexts, pg_prompts, pg_outputs, batch_context,
@@ -293,9 +407,12 @@ def cap_lengths(loaded: LoadedModel, prompt_lens, contexts, pg_prompts, pg_outpu
 def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=DEFAULT_CONTEXTS,
                 batch_sizes=DEFAULT_BATCH_SIZES, batch_context: int = DEFAULT_BATCH_CONTEXT,
                 pg_prompts=DEFAULT_PG_PROMPTS, pg_outputs=DEFAULT_PG_OUTPUTS, repeats: int = 5,
-                device: str = "cpu", seed: int = 0, show_progress: bool = True) -> ProfileResult:
+                device: str = "cpu", seed: int = 0, show_progress: bool = True,
+                mixed_prompts=DEFAULT_MIXED_PROMPTS,
+                mixed_batch_sizes=DEFAULT_MIXED_BATCH_SIZES) -> ProfileResult:
     """The whole profile (module docstring). Prefill is measured for ``prompt_lens`` and the
-    P x G prompts together (prefill rows = their union, sorted)."""
+    P x G prompts together (prefill rows = their union, sorted). Mixed prompts that do not
+    fit the model's context are dropped (noted)."""
     from tqdm import tqdm
 
     prompt_lens, contexts, pg_prompts, pg_outputs, notes = cap_lengths(
@@ -305,20 +422,29 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
         raise ValueError("need >= 1 prompt length, >= 2 decode contexts and >= 2 batch sizes "
                          "(after capping by the model context)")
     all_prompts = sorted(set(prompt_lens) | set(pg_prompts))
-    total = len(all_prompts) + len(contexts) + len(batch_sizes)
+    limit = loaded.max_context_len
+    kept = [p for p in mixed_prompts if p + 1 <= limit]
+    if len(kept) < len(mixed_prompts):
+        notes.append(f"mixed prompts: dropped {[p for p in mixed_prompts if p + 1 > limit]} "
+                     f"(model context {limit} tokens)")
+    mixed_prompts = kept
+    total = (len(all_prompts) + len(contexts) + len(batch_sizes)
+             + len(mixed_prompts) * len(mixed_batch_sizes))
     with tqdm(total=total, desc="profile", unit="point", disable=not show_progress,
               file=sys.stderr) as bar:
         prefill = profile_prefill(loaded, all_prompts, repeats, device, seed, bar)
         decode_context = profile_decode_context(loaded, contexts, repeats, device, seed, bar)
         decode_batch = profile_decode_batch(loaded, batch_sizes, batch_context, repeats, device,
                                             seed, bar)
+        mixed = profile_mixed(loaded, mixed_prompts, mixed_batch_sizes, batch_context, repeats,
+                              device, seed, bar)
     batch_fit = fit_linear(decode_batch["batch_size"], decode_batch["step_s"])
     context_fit = fit_linear(decode_context["context_len"], decode_context["step_s"])
     ratio = token_cost_ratio(prefill[prefill["prompt_len"].isin(prompt_lens)], decode_batch)
     pg = pg_table(prefill, context_fit, pg_prompts, pg_outputs,
                   min_step_s=float(decode_context["step_s"].min()))
     return ProfileResult(prefill, decode_context, decode_batch, batch_fit, context_fit, ratio,
-                         pg, describe(repeats, WARMUP), notes)
+                         pg, describe(repeats, WARMUP), notes, mixed)
 
 
 # ---- output ----------------------------------------------------------------------------
@@ -352,6 +478,8 @@ def summary_markdown(result: ProfileResult, header: str) -> str:
              "\n" + _fit_text("context fit", r.context_fit, "context") + "\n",
              "\n## Decode step vs batch size\n", markdown_table(r.decode_batch),
              "\n" + _fit_text("batch fit", r.batch_fit, "B") + "\n",
+             "\n## Mixed steps (B decodes + one whole prompt)\n",
+             markdown_table(r.mixed) if r.mixed is not None and len(r.mixed) else "(none)",
              "\n## Prompt vs output token\n", _ratio_text(r.ratio) + "\n",
              "\n## P x G (one request alone)\n",
              "TTFT = measured prefill; total = TTFT + (G-1) decode steps estimated from the "
@@ -451,6 +579,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="P of the P x G table (default: 64,256,512)")
     parser.add_argument("--pg-outputs", type=int_list, default=DEFAULT_PG_OUTPUTS,
                         help="G of the P x G table (default: 16,64,256)")
+    parser.add_argument("--mixed-prompts", type=int_list, default=DEFAULT_MIXED_PROMPTS,
+                        help="P of the mixed steps (one whole prompt + B decodes) "
+                             "(default: 64,256)")
+    parser.add_argument("--mixed-batch-sizes", type=int_list, default=DEFAULT_MIXED_BATCH_SIZES,
+                        help="B of the mixed steps, decoding at --batch-context (default: 1,4,16)")
+    parser.add_argument("--transports", type=_transports, default=DEFAULT_PROFILE_TRANSPORTS,
+                        help="transports whose KV transfer is timed (pdlab kv-cost's "
+                             "measurement) and fitted into device_profile.json, from "
+                             "inprocess,ray,torchdist,shm (default: inprocess)")
+
+
+def _transports(text: str) -> tuple[str, ...]:
+    from experiments.kv_cost import transport_list
+
+    return transport_list(text)
 
 
 def check_device(device: str) -> None:
@@ -481,9 +624,15 @@ def check_arguments(args: argparse.Namespace, model) -> None:
                              f"got {','.join(map(str, values))}")
     from engine.model import model_context_len
 
+    if len(set(args.prompt_lens)) < 2:
+        raise ValueError("argument --prompt-lens: needs at least 2 distinct values for the "
+                         f"prefill and transfer fits, got {','.join(map(str, args.prompt_lens))}")
     limit = model_context_len(model)
     if limit is None:
         return  # known after loading: cap_lengths drops what does not fit
+    if not any(p + 1 <= limit for p in args.mixed_prompts):
+        raise ValueError(f"argument --mixed-prompts: no length fits the context of model "
+                         f"{model.model} ({limit} tokens)")
     room = WARMUP + args.repeats + 2
     if not any(p + 1 <= limit for p in args.prompt_lens):
         raise ValueError(f"argument --prompt-lens: no length fits the context of model "
@@ -531,7 +680,10 @@ def main(args: argparse.Namespace) -> int:
     try:
         result = run_profile(loaded, args.prompt_lens, args.contexts, args.batch_sizes,
                              args.batch_context, args.pg_prompts, args.pg_outputs, args.repeats,
-                             args.device, args.seed)
+                             args.device, args.seed, mixed_prompts=args.mixed_prompts,
+                             mixed_batch_sizes=args.mixed_batch_sizes)
+        kv_table = _kv_table(loaded, args)
+        device_profile = fit_device_profile(result, loaded, args.dtype, args.device, kv_table)
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -541,6 +693,9 @@ def main(args: argparse.Namespace) -> int:
     result.decode_context.to_csv(out / "decode_context.csv", index=False)
     result.decode_batch.to_csv(out / "decode_batch.csv", index=False)
     result.pg.to_csv(out / "pg_table.csv", index=False)
+    result.mixed.to_csv(out / "mixed.csv", index=False)
+    kv_table.to_csv(out / "kv_cost.csv", index=False)
+    device_profile.save(out / "device_profile.json")
     (out / "summary.md").write_text(summary_markdown(result, header))
     plot_profile(result, out / "profile.png", header)
     print(f"{header}\nestimator: {result.estimator}\n")
@@ -552,8 +707,35 @@ def main(args: argparse.Namespace) -> int:
     print(_ratio_text(result.ratio) + "\n")
     print("P x G (TTFT = prefill; total = TTFT + (G-1) estimated decode steps):\n"
           + result.pg.to_string(index=False))
+    from experiments.plan.latency import summary_lines
+
+    print("\ndevice profile (fitted on relative error):")
+    for line in summary_lines(device_profile):
+        print("  " + line)
     for note in result.notes:
         print(f"note: {note}")
-    print(f"\nwrote {out}/: prefill.csv decode_context.csv decode_batch.csv pg_table.csv "
-          "summary.md profile.png")
+    print(f"\nwrote {out}/: prefill.csv decode_context.csv decode_batch.csv mixed.csv "
+          "pg_table.csv kv_cost.csv device_profile.json summary.md profile.png")
     return 0
+
+
+def _kv_table(loaded: LoadedModel, args: argparse.Namespace) -> pd.DataFrame:
+    """``pdlab kv-cost``'s measurement for ``--transports`` at the profile's prompt lengths
+    that fit the context, those >= 16 when there are two (shorter KV is all fixed cost)."""
+    from experiments import kv_cost
+
+    limit = loaded.max_context_len
+    lens = [p for p in sorted(set(args.prompt_lens)) if p + 2 <= limit]
+    if len([p for p in lens if p >= 16]) >= 2:
+        lens = [p for p in lens if p >= 16]
+    if len(lens) < 2:
+        raise ValueError("argument --prompt-lens: the transfer fit needs >= 2 prompt lengths "
+                         f"that fit the model context ({limit} tokens)")
+    try:
+        return kv_cost.kv_cost_table(loaded, lens, args.transports, args.repeats, device=args.device,
+                                     seed=args.seed)
+    finally:
+        if "ray" in args.transports:
+            import ray
+
+            ray.shutdown()

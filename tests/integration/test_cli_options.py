@@ -27,8 +27,10 @@ from experiments import cli
 from experiments.compare import WorkloadSpec
 from experiments.http_config import BenchConfig, ServeConfig
 from experiments.interference import InterferenceConfig
+from experiments.plan.command import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[2]
+TINY_PROFILE = str(ROOT / "tests" / "data" / "tiny_device_profile.json")
 NUM_CORES = len(os.sched_getaffinity(0))
 TINY_RUN = ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
             "--output-len", "3-8", "--devices", "cpu:0"]
@@ -41,12 +43,15 @@ BASE = {"run": TINY_RUN + ["--placement", "colocated:1"],
         "serve": ["--model", "tiny-random-llama", "--devices", "cpu:0", "--placement",
                   "colocated:1", "--local"],
         "bench": ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
-                  "--output-len", "3-8"]}
+                  "--output-len", "3-8"],
+        "plan": ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
+                 "--output-len", "3-8", "--profile", TINY_PROFILE, "--transport", "inprocess"]}
 DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
            "compare": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
            "interference": (InterferenceConfig,),
            "serve": (ServeConfig, EngineConfig, TransferConfig, ConditionalConfig),
-           "bench": (BenchConfig, WorkloadSpec)}
+           "bench": (BenchConfig, WorkloadSpec),
+           "plan": (PlanConfig, WorkloadSpec, EngineConfig, TransferConfig)}
 # dataclass fields the CLI leaves out (each worker binds its own device)
 SKIPPED = {(EngineConfig, "device")}
 SKIPPED_BY_COMMAND = {"bench": {(WorkloadSpec, "calibrate")}}  # bench has no calibration
@@ -118,12 +123,36 @@ COMMON_ROWS = [  # profile and kv-cost
     ("--out", ["--out", "FILE"], ("is a file",)),
     ("--prompt-lens", ["--prompt-lens", "0,4"], ("positive integers",)),
 ]
+PLAN_ROWS = [
+    ("--model", ["--model", "no-such-model"], ("unknown model",)),
+    ("--dtype", ["--dtype", "float64"], ("float32", "bfloat16")),
+    ("--rates", ["--rates", "0"], ("> 0",)),
+    ("--slo-ttft-s", ["--slo-ttft-s", "0"], ("> 0",)),
+    ("--slo-tpot-s", ["--slo-tpot-s", "-2"], ("> 0",)),
+    ("--policy", ["--policy", "random"], ("least_loaded",)),
+    ("--out", ["--out", "FILE"], ("is a file",)),
+    ("--profile", ["--profile", "/nonexistent/profile.json"], ("cannot read device profile",)),
+    ("--profile", ["--model", "smollm2-135m", "--dataset", "synthetic"],
+     ("measured on tiny-random-llama (float32), not smollm2-135m",)),
+    ("--chunk-budgets", ["--max-num-seqs", "16", "--chunk-budgets", "8"], (">= --max-num-seqs (16)",)),
+    ("--transport", ["--transport", "ray"], ("no transfer model for transport 'ray'",
+                                             "--transports ray")),
+    ("--max-model-len", ["--max-model-len", "100000"], ("context of model tiny-random-llama",)),
+    ("--prompt-len", ["--prompt-len", "4-300"], ("--max-model-len 256",)),
+    ("--calibrate", ["--calibrate"], ("sweeps its own rates",)),
+    ("--granularity", ["--granularity", "layer"], ("whole-request KV transfers only",)),
+]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]
         + [("compare", "--placements", ["--placements", "disagg:1p1d,disagg:1p1d"],
             ("each placement may appear once", "disagg:1p1d"))]
         + [("compare", "--placements", ["--placements", "colocated:2,disagg:1p1d"],
             ("needs 2 devices",))]
+        + [("compare", "--simulate", ["--simulate", "/nonexistent/profile.json"],
+            ("cannot read device profile",)),
+           ("compare", "--simulate", ["--simulate", TINY_PROFILE, "--model", "tiny-random-llama",
+                                      "--dtype", "bfloat16"],
+            ("measured on tiny-random-llama (float32), not tiny-random-llama (bfloat16)",))]
         + [(cmd, *row) for cmd in ("run", "compare") for row in _derived_rows(cmd)]
         + [(cmd, *r) for cmd in ("profile", "kv-cost") for r in COMMON_ROWS]
         + [("profile", "--prompt-lens", ["--prompt-lens", "300,1000"],
@@ -135,6 +164,11 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            ("profile", "--batch-context", ["--batch-context", "300"], ("must be <= 248",)),
            ("profile", "--pg-prompts", ["--pg-prompts", "x"], ("positive integers",)),
            ("profile", "--pg-outputs", ["--pg-outputs", "-1"], ("positive integers",)),
+           ("profile", "--prompt-lens", ["--prompt-lens", "16,16"], ("at least 2 distinct",)),
+           ("profile", "--mixed-prompts", ["--mixed-prompts", "0"], ("positive integers",)),
+           ("profile", "--mixed-prompts", ["--mixed-prompts", "300"], ("no length fits",)),
+           ("profile", "--mixed-batch-sizes", ["--mixed-batch-sizes", "x"], ("positive integers",)),
+           ("profile", "--transports", ["--transports", "pigeon"], ("shm", "torchdist")),
            ("kv-cost", "--prompt-lens", ["--prompt-lens", "255,300"], ("no length fits",)),
            ("kv-cost", "--transports", ["--transports", "carrier-pigeon"], ("shm", "torchdist")),
            ("kv-cost", "--transports", ["--transports", "ray,ray"], ("distinct",)),
@@ -170,7 +204,9 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            ("interference", "--prompt-lens", ["--prompt-lens", "0,300"],
             ("context of model tiny-random-llama", "256 tokens")),
            ("interference", "--chunk-budgets", ["--chunk-budgets", "2"],
-            ("> the largest batch size (2)",))])
+            ("> the largest batch size (2)",))]
+        + [("plan", *row) for row in _derived_rows("plan")]
+        + [("plan", *r) for r in PLAN_ROWS])
 
 
 @pytest.fixture
@@ -227,7 +263,7 @@ def test_every_option_has_a_bad_value():
 
 def test_every_config_field_has_a_rule():
     for cls in (WorkloadSpec, EngineConfig, TransferConfig, ModelConfig, InterferenceConfig,
-                ConditionalConfig):
+                ConditionalConfig, PlanConfig):
         for f in dataclasses.fields(cls):
             has_rule = field_type(f) is bool or any(k in f.metadata for k in RULE_KEYS)
             assert has_rule, f"{cls.__name__}.{f.name} has no rule in its metadata"

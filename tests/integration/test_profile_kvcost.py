@@ -131,10 +131,18 @@ def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
                               "--pg-prompts", "16", "--pg-outputs", "4"])
     assert profile.main(args) == 0
     for name in ("prefill.csv", "decode_context.csv", "decode_batch.csv", "pg_table.csv",
-                 "summary.md", "profile.png"):
+                 "mixed.csv", "kv_cost.csv", "device_profile.json", "summary.md", "profile.png"):
         assert (tmp_path / name).stat().st_size > 0
+    from experiments.plan.latency import DeviceProfile
+
+    prof = DeviceProfile.load(tmp_path / "device_profile.json")
+    assert (prof.model, prof.dtype, prof.device_kind) == ("tiny-random-llama", "float32", "cpu")
+    assert prof.kv_bytes_per_token == tiny.kv_spec.bytes_per_token and prof.num_threads >= 1
+    assert prof.prefill.num_points == 2 and prof.decode.num_points == 4
+    assert prof.mixed.num_points == 3 and set(prof.transfers) == {"inprocess"}
     out = capsys.readouterr().out
     assert "min of 1 runs after 1 warm-up; median shown" in out and "batch fit" in out
+    assert "prefill step_s =" in out and "transfer inprocess:" in out
     assert "R^2" in (tmp_path / "summary.md").read_text()
 
 

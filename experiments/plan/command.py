@@ -1,0 +1,335 @@
+"""The ``pdlab plan`` command: search placements of N devices on the simulator, print the
+ranked table, write it with the curves and a plot; ``--validate`` also runs the best
+placements for real and reports the simulator's error.
+
+1. Check every option before anything starts (``check_arguments``): the device profile file
+   loads and was measured on this model and dtype, the transport has a transfer model (or
+   ``--transfer-latency-s`` / ``--transfer-bandwidth-gbps`` give one), chunk budgets suit
+   the engine, lengths fit the model's context.
+2. Build the workload per seed (the requests a real ``pdlab compare`` would send).
+3. Sweep (refined inside each candidate's bracket when the rates are automatic) and rank
+   (``search``); write plan.csv (ranked), plan_curves.csv (per candidate and
+   rate), plan_runs.csv (per seed), plan_attainment.png and plan.md.
+4. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
+   machine, at the swept rates, on the first ``--validate-requests`` requests of each seed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from engine.config import (DTYPES, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
+                           check_fields, dataclass_from_args, parse_devices)
+from engine.metrics import SLO
+from experiments.plan import search
+from experiments.plan.latency import DeviceProfile, TransferModel, summary_lines
+
+BUDGETS = r"(\d+(,\d+)*)?"
+
+
+@dataclass(frozen=True)
+class PlanConfig:
+    """What ``pdlab plan`` searches and the "what if" knobs beyond the engine's own.
+
+    Attributes:
+        devices: devices to place on (N; may exceed this machine: it is simulated).
+        profile: device profile JSON (``pdlab profile`` writes device_profile.json); unset:
+            the newest results/profile-*/device_profile.json of this model and dtype.
+        num_rates: rates in the automatic sweep (when --rates is not given).
+        chunk_budgets: extra chunk budgets (tokens per step) to try for colocated:N, besides
+            --max-num-batched-tokens; ``""`` = none.
+        transfer_latency_s: what if a KV transfer had this fixed cost (s), instead of the
+            profile's.
+        transfer_bandwidth_gbps: what if it moved this many GB/s, instead of the profile's.
+        top: placements plotted, and validated with --validate.
+        validate: also run the best placements for real and report the simulator's error.
+        validate_requests: requests per seed in the validation runs (real runs are slow).
+    """
+
+    devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
+    profile: str | None = field(default=None, metadata={
+        "pattern": r".*\S.*\.json", "hint": "a path ending in .json",
+        "help": "device profile from `pdlab profile` (unset: the newest of this model)"})
+    num_rates: int = field(default=8, metadata={"min": 2, "help": "rates in the automatic sweep"})
+    chunk_budgets: str = field(default="", metadata={
+        "pattern": BUDGETS, "hint": "N,N,...", "help": "extra chunk budgets for colocated:N"})
+    transfer_latency_s: float | None = field(default=None, metadata={
+        "min": 0, "help": "what if: fixed seconds per KV transfer"})
+    transfer_bandwidth_gbps: float | None = field(default=None, metadata={
+        "gt": 0, "help": "what if: KV transfer GB/s"})
+    top: int = field(default=3, metadata={"min": 1, "help": "placements plotted and validated"})
+    validate: bool = field(default=False, metadata={
+        "help": "run the best --top placements for real too and report the simulator's error"})
+    validate_requests: int = field(default=24, metadata={
+        "min": 1, "help": "requests per seed in each validation run"})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+    @property
+    def budgets(self) -> list[int]:
+        return [int(b) for b in self.chunk_budgets.split(",") if b]
+
+
+@dataclass(frozen=True)
+class PlanJob:
+    """Everything ``main`` needs, checked."""
+
+    plan: PlanConfig
+    profile: DeviceProfile
+    profile_path: Path
+    transfer_model: TransferModel | None
+    candidates: list[search.Candidate]
+    rates: list[float] | None
+    spec: object
+    model: ModelConfig
+    engine: EngineConfig
+    transfer: TransferConfig
+    slo: SLO
+    policy: str
+    out: Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pdlab plan`` (the workload, engine and transfer groups as ``pdlab compare``)."""
+    from experiments import cli
+    from experiments.compare import WorkloadSpec
+    from router.policy import POLICIES
+
+    add_dataclass_args(parser.add_argument_group("plan"), PlanConfig)
+    parser.add_argument("--model", default="smollm2-135m", help="the model (as pdlab compare)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+    parser.add_argument("--rates", type=cli._floats, default=None,
+                        help="total arrival rates in req/s, comma-separated (default: "
+                             "--num-rates rates around the profile's capacity estimate)")
+    parser.add_argument("--slo-ttft-s", type=cli._positive_seconds, default=2.0,
+                        help="TTFT SLO in seconds (> 0)")
+    parser.add_argument("--slo-tpot-s", type=cli._positive_seconds, default=0.1,
+                        help="TPOT SLO in seconds (> 0)")
+    parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="router policy")
+    parser.add_argument("--out", default=None, help="results directory (default: results/plan-<time>)")
+    workload = parser.add_argument_group("workload")
+    add_dataclass_args(workload, WorkloadSpec)
+    workload.set_defaults(num_requests=1000)
+    engine = parser.add_argument_group("engine (per instance; kv-capacity-tokens and "
+                                       "max-num-batched-tokens are what-if knobs here)")
+    add_dataclass_args(engine, EngineConfig, skip=("device",))
+    engine.set_defaults(**{**cli.CPU_ENGINE_DEFAULTS, "max_model_len": None})
+    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
+
+
+def find_profile(model: ModelConfig, root: Path = Path("results")) -> Path | None:
+    """The newest ``root/profile-*/device_profile.json`` measured on ``model`` (name and dtype)."""
+    for path in sorted(glob.glob(str(root / "profile-*" / "device_profile.json")), reverse=True):
+        try:
+            prof = DeviceProfile.load(path)
+        except ValueError:
+            continue
+        if (prof.model, prof.dtype) == (model.model, model.dtype):
+            return Path(path)
+    return None
+
+
+def load_profile_for(path: str | Path, model: ModelConfig, option: str) -> DeviceProfile:
+    """The device profile at ``path``, measured on ``model`` (name and dtype).
+
+    Raises:
+        ValueError: ``argument <option>: ...`` when it cannot be read or names another model.
+    """
+    try:
+        profile = DeviceProfile.load(path)
+    except ValueError as err:
+        raise ValueError(f"argument {option}: {err}") from None
+    if (profile.model, profile.dtype) != (model.model, model.dtype):
+        raise ValueError(f"argument {option}: {path} was measured on {profile.model} "
+                         f"({profile.dtype}), not {model.model} ({model.dtype})")
+    return profile
+
+
+def transfer_model_for(profile: DeviceProfile, transport: str, option: str) -> TransferModel:
+    """The profile's transfer model of ``transport``; ValueError ``argument <option>: ...``."""
+    try:
+        return profile.transfer(transport)
+    except ValueError as err:
+        raise ValueError(f"argument {option}: {err}") from None
+
+
+def _transfer_model(plan: PlanConfig, profile: DeviceProfile, transport: str,
+                    needed: bool) -> TransferModel | None:
+    base = profile.transfers.get(transport)
+    if plan.transfer_latency_s is None and plan.transfer_bandwidth_gbps is None:
+        if base is None and needed:
+            transfer_model_for(profile, transport, "--transport")
+        return base
+    base = base or TransferModel(0.0, math.inf)
+    latency = base.latency_s if plan.transfer_latency_s is None else plan.transfer_latency_s
+    bandwidth = (base.bandwidth_bytes_s if plan.transfer_bandwidth_gbps is None
+                 else plan.transfer_bandwidth_gbps * 1e9)
+    return TransferModel(latency, bandwidth, base.put_share)
+
+
+def check_arguments(args: argparse.Namespace) -> PlanJob:
+    """Step 1 of the module docstring; nothing is started and no weights are read.
+
+    Raises:
+        ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``).
+    """
+    from experiments import cli
+    from experiments.compare import WorkloadSpec
+
+    plan = dataclass_from_args(PlanConfig, args)
+    model = ModelConfig(args.model, args.dtype)
+    cli.check_model(model)
+    spec = dataclass_from_args(WorkloadSpec, args)
+    engine = cli._engine_config(args, model)
+    longest = spec.max_request_len()
+    if longest is not None and longest > engine.max_model_len:
+        raise cli.option_error("--max-output-len" if spec.dataset != "synthetic" else "--prompt-len",
+                               f"the workload allows requests of {longest} tokens, more than "
+                               f"--max-model-len {engine.max_model_len}")
+    for budget in plan.budgets:
+        if budget < engine.max_num_seqs:
+            raise cli.option_error("--chunk-budgets", f"each budget must be >= --max-num-seqs "
+                                                      f"({engine.max_num_seqs}), got {budget}")
+    if spec.calibrate:
+        raise cli.option_error("--calibrate", "pdlab plan sweeps its own rates (--rates or "
+                                              "--num-rates); calibration is for real runs")
+    transfer = dataclass_from_args(TransferConfig, args)
+    if transfer.granularity != "request":
+        raise cli.option_error("--granularity", "the simulator models whole-request KV "
+                                                "transfers only (granularity 'request')")
+    path = Path(plan.profile) if plan.profile else find_profile(model)
+    if path is None:
+        raise cli.option_error("--profile", f"no device profile of model {model.model} "
+                                            f"({model.dtype}) under results/: run `pdlab profile "
+                                            f"--model {model.model}` or pass --profile FILE")
+    profile = load_profile_for(path, model, "--profile")
+    cands = search.candidates(plan.devices, plan.budgets)
+    transfer_model = _transfer_model(plan, profile, transfer.transport,
+                                     any(c.placement.startswith("disagg") for c in cands))
+    cli.check_out(args.out)
+    out = Path(args.out or f"results/plan-{time.strftime('%Y%m%d-%H%M%S')}")
+    return PlanJob(plan, profile, path, transfer_model, cands, args.rates, spec, model, engine,
+                   transfer, SLO(args.slo_ttft_s, args.slo_tpot_s), args.policy, out)
+
+
+def _console(ranked: pd.DataFrame) -> str:
+    cols = {"rank": "#", "candidate": "placement", "num_devices": "devices",
+            "goodput_per_device_req_s": "goodput/device (req/s)",
+            "goodput_seed_min": "seed min", "goodput_seed_max": "seed max",
+            "ttft_p50_s": "TTFT p50 (s)", "tpot_p99_s": "TPOT p99 (s)"}
+    return ranked[list(cols)].rename(columns=cols).to_string(index=False, float_format="{:.4g}".format)
+
+
+def main(args: argparse.Namespace, job: PlanJob) -> int:
+    """Steps 2-4 of the module docstring; returns 0."""
+    from tqdm import tqdm
+
+    from experiments import compare
+    from experiments.report import markdown_table
+
+    x = job
+    max_len = compare.context_len(x.model, x.engine)
+    items = {seed: compare.build_workload(x.spec, x.model, seed, max_len) for seed in x.spec.seed_list}
+    requests = {seed: search.timed_requests(its, f"s{seed}") for seed, its in items.items()}
+    all_items = [it for its in items.values() for it in its]
+    rates = x.rates or search.auto_rates(
+        x.profile, sum(it.num_prompt_tokens for it in all_items) / len(all_items),
+        sum(it.output_len for it in all_items) / len(all_items), x.plan.devices, x.plan.num_rates,
+        x.engine.max_num_seqs)
+    print(f"pdlab plan: {len(x.candidates)} placements of {x.plan.devices} devices x {len(rates)} "
+          f"rates {rates} req/s x {len(requests)} seeds x {x.spec.num_requests} requests; "
+          f"profile {x.profile_path} ({x.profile.model}, {x.profile.device_kind} "
+          f"{x.profile.device_name}, {x.profile.num_threads} threads)")
+    for line in summary_lines(x.profile):
+        print("  " + line)
+    if x.transfer_model is not None:
+        print(f"  transfer used ({x.transfer.transport}): {x.transfer_model.latency_s:.4g} s + "
+              f"bytes / {x.transfer_model.bandwidth_bytes_s / 1e9:.4g} GB/s")
+    total = len(x.candidates) * len(rates) * len(requests)
+    start = time.perf_counter()
+    with tqdm(total=total, desc="simulate", unit="run", file=sys.stderr) as bar:
+        runs = search.sweep(x.candidates, rates, requests, x.engine, x.profile, x.transfer_model,
+                            x.slo, x.spec.arrival, x.spec.burstiness, x.policy, bar.update)
+        if not x.rates:  # automatic ladder: read each goodput finer inside its bracket
+            extra = search.refine_rates(runs)
+            by_label = {c.label: c for c in x.candidates}
+            bar.total += sum(len(r) for r in extra.values()) * len(requests)
+            runs = pd.concat([runs] + [search.sweep([by_label[label]], more, requests, x.engine,
+                                                    x.profile, x.transfer_model, x.slo,
+                                                    x.spec.arrival, x.spec.burstiness, x.policy,
+                                                    bar.update)
+                                       for label, more in extra.items() if more],
+                             ignore_index=True)
+            total = len(runs)
+    wall_s = time.perf_counter() - start
+    ranked, curve = search.rank(runs), search.curves(runs)
+    x.out.mkdir(parents=True, exist_ok=True)
+    ranked.to_csv(x.out / "plan.csv", index=False)
+    curve.to_csv(x.out / "plan_curves.csv", index=False)
+    runs.to_csv(x.out / "plan_runs.csv", index=False)
+    plot = search.plot_best(curve, ranked, x.out / "plan_attainment.png", x.plan.top,
+                            f"{x.model.model} on {x.plan.devices} x {x.profile.device_kind}; SLO "
+                            f"TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s")
+    print(f"\nsimulated {total} runs ({int(runs['num_requests'].sum())} requests) in {wall_s:.1f} s "
+          f"(simulator alone {runs['sim_s'].sum():.1f} s)\n")
+    print(_console(ranked))
+    text = [f"# pdlab plan: {x.model.model} on {x.plan.devices} devices", "",
+            f"SLO TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s; rates {rates} req/s; "
+            f"{x.spec.num_requests} requests x seeds {x.spec.seed_list}; profile "
+            f"`{x.profile_path}`; simulated (pdlab's Scheduler and router policy, fitted step "
+            "and transfer times).", "", "Goodput per device: DistServe's definition (highest "
+            "swept rate with >= 90% SLO attainment there and at every lower rate, over the "
+            "placement's devices), on the mean-over-seeds curve; seed min/max beside it.", "",
+            markdown_table(ranked), "", f"![attainment]({plot.name})", ""]
+    if x.plan.validate:
+        text += _validate(x, rates)
+    (x.out / "plan.md").write_text("\n".join(text))
+    print(f"\nResults: {x.out}/ (plan.csv, plan_curves.csv, plan_runs.csv, plan_attainment.png, "
+          f"plan.md{', validation.csv, measured/, simulated/' if x.plan.validate else ''})")
+    return 0
+
+
+def _validate(x: PlanJob, rates: list[float]) -> list[str]:
+    from experiments.placement import worker_layout
+    from experiments.plan import validate
+
+    devices = parse_devices(None)
+    ranked = pd.read_csv(x.out / "plan.csv")
+    by_label = {c.label: c for c in x.candidates}
+    chosen = []
+    for label in ranked["candidate"]:
+        cand = by_label[label]
+        try:
+            worker_layout(cand.placement, devices)
+        except ValueError:
+            continue  # needs more devices than this machine has: simulated only
+        if cand.placement not in {c.placement for c in chosen}:
+            chosen.append(cand)
+        if len(chosen) == x.plan.top:
+            break
+    if not chosen:
+        print("validation: no placement of the search fits this machine's devices "
+              f"({','.join(devices)})", file=sys.stderr)
+        return ["## Validation", "", "No placement fits this machine: nothing validated.", ""]
+    spec = dataclasses.replace(x.spec, num_requests=min(x.plan.validate_requests, x.spec.num_requests))
+    print(f"\nvalidating {', '.join(c.label for c in chosen)} for real at {rates} req/s "
+          f"({spec.num_requests} requests x {spec.seeds} seeds each)")
+    errors, summary = validate.validate(chosen, rates, spec, x.model, x.engine, x.transfer,
+                                        x.profile, x.transfer_model, x.slo, x.out,
+                                        ",".join(devices), None, x.policy)
+    text = validate.summary_text(summary)
+    print("\n" + errors.to_string(index=False, float_format="{:.3g}".format) + "\n\n" + text)
+    from experiments.report import markdown_table
+
+    return ["## Validation against real runs", "", text, "", markdown_table(errors), "",
+            "![measured vs simulated](measured/slo_attainment.png)", ""]

@@ -1,0 +1,380 @@
+"""Step and transfer latency models fitted on one device, and the device profile file (no torch).
+
+A device profile:
+
+1. ``pdlab profile`` measures prefill steps (one prompt of P tokens), decode steps (B requests
+   at context C) and mixed steps (B decodes plus one prompt in the same step); ``pdlab
+   profile --transports`` also times KV transfers (``pdlab kv-cost``'s measurement).
+2. ``fit_step_models`` fits, by least squares on **relative** error (DistServe's simulator
+   fits its coefficients the same way, so short and long steps weigh alike), with
+   non-negative slopes:
+     prefill step   ``t = a + b·Σn + c·Σn(k+n)``: n = new prompt tokens of an entry, k = its
+                    tokens already in the KV; for whole prompts (k = 0) this is DistServe's
+                    ``a + b·Σl + c·Σl²``;
+     decode step    ``t = a + b·B + c·Σctx``: B decodes, ctx = KV tokens each attends to;
+     mixed step     ``t = a_mix + (prefill terms) + (decode terms)``, the slopes of the two
+                    models above and only the intercept fitted on the mixed steps.
+   ``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport.
+3. Each fit reports R² (on seconds) and the mean and max relative error on its points.
+4. ``DeviceProfile.save`` writes them as JSON with the model, dtype, device kind and
+   torch thread count they were measured with; ``DeviceProfile.load`` reads it back (a file
+   that is not a profile is refused with the key it lacks).
+
+``DeviceProfile.step_s(features)`` is what the simulator asks for every simulated step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PROFILE_VERSION = 1
+PREFILL_FEATURES = ("1", "prefill_tokens", "prefill_attention")
+DECODE_FEATURES = ("1", "batch_size", "sum_context")
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step's duration depends on.
+
+    Attributes:
+        prefill_tokens: Σn, new prompt tokens in the step (all prefill entries).
+        prefill_attention: Σn(k+n), query-key pairs of the prompt entries (tokens).
+        batch_size: B, decode entries (one token each).
+        sum_context: Σctx, KV tokens the decode entries attend to (their KV plus the new one).
+    """
+
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    batch_size: int = 0
+    sum_context: int = 0
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A least-squares fit: ``y ≈ coef · x`` over ``features`` (``"1"`` = intercept).
+
+    Attributes:
+        features: names of the columns, in ``coef`` order.
+        coef: coefficients (seconds per unit of each feature).
+        r2: coefficient of determination on seconds, 1 - SS_res/SS_tot (1.0 for a constant y
+            fitted exactly).
+        mean_rel_err / max_rel_err: mean and max of |fit - y| / y over the points.
+        num_points: measurements fitted.
+    """
+
+    features: tuple[str, ...]
+    coef: tuple[float, ...]
+    r2: float
+    mean_rel_err: float
+    max_rel_err: float
+    num_points: int
+
+    def predict(self, x: Sequence[float]) -> float:
+        return float(sum(c * v for c, v in zip(self.coef, x)))
+
+    def to_dict(self) -> dict:
+        return {"features": list(self.features), "coef": list(self.coef), "r2": self.r2,
+                "mean_rel_err": self.mean_rel_err, "max_rel_err": self.max_rel_err,
+                "num_points": self.num_points}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Fit:
+        return cls(tuple(d["features"]), tuple(float(c) for c in d["coef"]), float(d["r2"]),
+                   float(d["mean_rel_err"]), float(d["max_rel_err"]), int(d["num_points"]))
+
+
+def _stats(features: Sequence[str], coef: np.ndarray, x: np.ndarray, y: np.ndarray) -> Fit:
+    pred = x @ coef
+    ss_res = float(np.sum((y - pred) ** 2))
+    ss_tot = float(np.sum((y - y.mean()) ** 2))
+    r2 = (1.0 if ss_res <= 1e-30 else 0.0) if ss_tot == 0.0 else 1.0 - ss_res / ss_tot
+    rel = np.abs(pred - y) / y
+    return Fit(tuple(features), tuple(float(c) for c in coef), float(r2), float(rel.mean()),
+               float(rel.max()), int(y.size))
+
+
+def fit_least_squares(features: Sequence[str], x: Sequence[Sequence[float]], y: Sequence[float],
+                      relative: bool = True) -> Fit:
+    """Least squares ``y ≈ x · coef`` with every coefficient but the intercept (feature
+    ``"1"``) kept >= 0: a slope fitted negative on noisy points is dropped (set to 0) and the
+    rest refitted (an active-set loop; numpy ``lstsq``), so the model never predicts shorter
+    steps for more work. ``relative``: minimise Σ((fit - y)/y)², i.e. relative error.
+
+    Args:
+        features: column names, ``len(features)`` = columns of ``x``.
+        x: ``[num_points, num_features]``; y: ``[num_points]`` seconds, all > 0.
+
+    Raises:
+        ValueError: shapes disagree, fewer points than features, or a y that is not > 0.
+    """
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if xs.ndim != 2 or xs.shape != (ys.size, len(features)):
+        raise ValueError(f"x must be [{ys.size}, {len(features)}], got {list(xs.shape)}")
+    if ys.size < len(features):
+        raise ValueError(f"fitting {len(features)} coefficients needs >= {len(features)} "
+                         f"points, got {ys.size}")
+    if not np.all(ys > 0):
+        raise ValueError("every measured time must be > 0 seconds")
+    weight = 1.0 / ys if relative else np.ones_like(ys)
+    active = list(range(len(features)))
+    coef = np.zeros(len(features))
+    while active:
+        sol, *_ = np.linalg.lstsq(xs[:, active] * weight[:, None], ys * weight, rcond=None)
+        negative = [j for j, c in zip(active, sol) if c < 0 and features[j] != "1"]
+        if not negative:
+            coef[:] = 0.0
+            coef[active] = sol
+            break
+        worst = min(negative, key=lambda j: sol[active.index(j)])
+        active.remove(worst)
+    return _stats(features, coef, xs, ys)
+
+
+def fit_step_models(prefill: Sequence[tuple[StepFeatures, float]],
+                    decode: Sequence[tuple[StepFeatures, float]],
+                    mixed: Sequence[tuple[StepFeatures, float]] = ()) -> tuple[Fit, Fit, Fit]:
+    """The prefill, decode and mixed step models (module docstring) from measured
+    ``(features, seconds)`` pairs. Without mixed points the mixed intercept is the larger
+    of the two intercepts (one forward pays one fixed cost). With fewer points than a
+    model's three coefficients, its last terms are left 0 (``_fit_first``).
+
+    Raises:
+        ValueError: too few points (see ``fit_least_squares``).
+    """
+    pre = _fit_first(PREFILL_FEATURES, [_prefill_x(f) for f, _ in prefill], [t for _, t in prefill])
+    dec = _fit_first(DECODE_FEATURES, [_decode_x(f) for f, _ in decode], [t for _, t in decode])
+    if mixed:
+        # only the intercept is free: y - slopes·x = a, least squares on relative error
+        ys = np.array([t for _, t in mixed], dtype=float)
+        rest = np.array([_slopes(pre, dec, f) for f, _ in mixed])
+        w = 1.0 / ys
+        a = float(np.sum(w * w * (ys - rest)) / np.sum(w * w))
+        x = np.column_stack([np.ones_like(ys), rest])
+        mix = _stats(("1", "slopes"), np.array([a, 1.0]), x, ys)
+    else:
+        mix = Fit(("1", "slopes"), (max(pre.coef[0], dec.coef[0]), 1.0), math.nan, math.nan,
+                  math.nan, 0)
+    return pre, dec, mix
+
+
+def _fit_first(features: Sequence[str], x: list[list[float]], y: list[float]) -> Fit:
+    """``fit_least_squares`` on as many leading features as there are points (a short sweep
+    fits ``a + b·x`` and leaves the quadratic term 0), coefficients padded with zeros."""
+    k = max(1, min(len(features), len(y)))
+    fit = fit_least_squares(features[:k], [row[:k] for row in x], y)
+    pad = (0.0,) * (len(features) - k)
+    return dataclasses.replace(fit, features=tuple(features), coef=fit.coef + pad)
+
+
+def _prefill_x(f: StepFeatures) -> list[float]:
+    return [1.0, f.prefill_tokens, f.prefill_attention]
+
+
+def _decode_x(f: StepFeatures) -> list[float]:
+    return [1.0, f.batch_size, f.sum_context]
+
+
+def _slopes(pre: Fit, dec: Fit, f: StepFeatures) -> float:
+    return (pre.coef[1] * f.prefill_tokens + pre.coef[2] * f.prefill_attention
+            + dec.coef[1] * f.batch_size + dec.coef[2] * f.sum_context)
+
+
+@dataclass(frozen=True)
+class TransferModel:
+    """KV transfer time ``latency_s + num_bytes / bandwidth_bytes_s`` (put + get together).
+
+    Attributes:
+        latency_s: fixed cost per transfer (seconds, >= 0).
+        bandwidth_bytes_s: bytes per second (> 0; ``inf`` = free bytes).
+        put_share: share of the time spent in ``put`` on the prefill worker (it holds that
+            worker's loop, and shows in TTFT); the rest is the decode worker's ``get``.
+            ``pdlab kv-cost`` times put + get together, so the default splits it evenly.
+        fit: the fit it came from (None when given by hand).
+    """
+
+    latency_s: float
+    bandwidth_bytes_s: float
+    put_share: float = 0.5
+    fit: Fit | None = None
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"transfer latency_s must be a finite number >= 0, got {self.latency_s!r}")
+        if not self.bandwidth_bytes_s > 0:
+            raise ValueError(f"transfer bandwidth must be > 0 bytes/s, got {self.bandwidth_bytes_s!r}")
+        if not 0.0 <= self.put_share <= 1.0:
+            raise ValueError(f"put_share must be in [0, 1], got {self.put_share!r}")
+
+    def seconds(self, num_bytes: int) -> float:
+        return self.latency_s + num_bytes / self.bandwidth_bytes_s
+
+    def to_dict(self) -> dict:
+        return {"latency_s": self.latency_s, "bandwidth_bytes_s": self.bandwidth_bytes_s,
+                "put_share": self.put_share, "fit": self.fit.to_dict() if self.fit else None}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TransferModel:
+        return cls(float(d["latency_s"]), float(d["bandwidth_bytes_s"]),
+                   float(d.get("put_share", 0.5)),
+                   Fit.from_dict(d["fit"]) if d.get("fit") else None)
+
+
+def fit_transfer(num_bytes: Sequence[int], seconds: Sequence[float]) -> TransferModel:
+    """``seconds ≈ latency + bytes / bandwidth`` by least squares on relative error
+    (non-negative latency and slope).
+
+    Raises:
+        ValueError: fewer than 2 points, or times not > 0.
+    """
+    fit = fit_least_squares(("1", "bytes"), [[1.0, b] for b in num_bytes], seconds)
+    slope = fit.coef[1]
+    return TransferModel(max(fit.coef[0], 0.0), 1.0 / slope if slope > 0 else math.inf, fit=fit)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """The fitted models of one model on one device, and what they were measured on.
+
+    Attributes:
+        model, dtype: the model measured (``ModelConfig`` names).
+        device_kind: ``cpu`` or ``cuda``; device_name: the CPU model or GPU name.
+        num_threads: torch intra-op threads during the measurement.
+        kv_bytes_per_token: prompt KV bytes per token (``KVSpec.bytes_per_token``).
+        prefill, decode, mixed: step models (module docstring).
+        transfers: transport name -> ``TransferModel``.
+        notes: free text (torch version, estimator, date).
+    """
+
+    model: str
+    dtype: str
+    device_kind: str
+    device_name: str
+    num_threads: int
+    kv_bytes_per_token: int
+    prefill: Fit
+    decode: Fit
+    mixed: Fit
+    transfers: dict[str, TransferModel] = field(default_factory=dict)
+    notes: dict = field(default_factory=dict)
+
+    def step_s(self, f: StepFeatures) -> float:
+        """Predicted duration of one step (seconds): the prefill model for prompt-only steps,
+        the decode model for decode-only steps, the mixed model for both; 0 for nothing."""
+        return self.step_time()(f.prefill_tokens, f.prefill_attention, f.batch_size, f.sum_context)
+
+    def step_time(self):
+        """``step_s`` as a plain function of ``(prefill_tokens, prefill_attention,
+        batch_size, sum_context)``: the simulator calls it once per simulated step, so the
+        coefficients are bound once here."""
+        pa, pb, pc = self.prefill.coef
+        da, db, dc = self.decode.coef
+        ma = self.mixed.coef[0]
+
+        def step_s(n_pre: int, q_pre: int, num_decode: int, sum_ctx: int) -> float:
+            if num_decode == 0:
+                return pa + pb * n_pre + pc * q_pre if n_pre else 0.0
+            decode = db * num_decode + dc * sum_ctx
+            return da + decode if n_pre == 0 else ma + pb * n_pre + pc * q_pre + decode
+        return step_s
+
+    def transfer(self, transport: str) -> TransferModel:
+        """The transfer model of ``transport``.
+
+        Raises:
+            ValueError: the profile has none, naming the ones it has and how to measure it.
+        """
+        if transport not in self.transfers:
+            raise ValueError(f"the device profile has no transfer model for transport "
+                             f"{transport!r} (it has {sorted(self.transfers) or 'none'}): run "
+                             f"`pdlab profile --transports {transport}` or pass "
+                             "--transfer-latency-s and --transfer-bandwidth-gbps")
+        return self.transfers[transport]
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in ("model", "dtype", "device_kind", "device_name",
+                                            "num_threads", "kv_bytes_per_token", "notes")}
+        return {"version": PROFILE_VERSION, **d, "prefill": self.prefill.to_dict(),
+                "decode": self.decode.to_dict(), "mixed": self.mixed.to_dict(),
+                "transfers": {k: v.to_dict() for k, v in self.transfers.items()}}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DeviceProfile:
+        """Raises ValueError naming a missing key or another version."""
+        if d.get("version") != PROFILE_VERSION:
+            raise ValueError(f"device profile version must be {PROFILE_VERSION}, "
+                             f"got {d.get('version')!r}")
+        try:
+            return cls(str(d["model"]), str(d["dtype"]), str(d["device_kind"]),
+                       str(d["device_name"]), int(d["num_threads"]), int(d["kv_bytes_per_token"]),
+                       Fit.from_dict(d["prefill"]), Fit.from_dict(d["decode"]),
+                       Fit.from_dict(d["mixed"]),
+                       {k: TransferModel.from_dict(v) for k, v in d.get("transfers", {}).items()},
+                       dict(d.get("notes", {})))
+        except KeyError as err:
+            raise ValueError(f"not a device profile: key {err} missing") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> DeviceProfile:
+        """Read a profile written by ``save``.
+
+        Raises:
+            ValueError: not JSON, or not a profile (the message names the file).
+        """
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"cannot read device profile {path}: {err}") from None
+        try:
+            return cls.from_dict(d)
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"{path}: {err}") from None
+
+    def replace(self, **changes) -> DeviceProfile:
+        return dataclasses.replace(self, **changes)
+
+
+def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
+    """Median of measured ÷ modelled seconds over real worker steps (dicts with
+    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step record has no per-entry
+    lengths, so the model is evaluated at its token counts with the attention and context
+    terms left out (a lower bound of the modelled time where those terms are non-zero).
+    NaN without steps."""
+    step_s = profile.step_time()
+    ratios = []
+    for st in steps:
+        n_pre, n_dec = int(st["num_prefill_tokens"]), int(st["num_decode_tokens"])
+        modelled = step_s(n_pre, 0, n_dec, 0)
+        if modelled > 0 and st["duration_s"] > 0:
+            ratios.append(st["duration_s"] / modelled)
+    return float(np.median(ratios)) if ratios else math.nan
+
+
+def summary_lines(profile: DeviceProfile) -> list[str]:
+    """One line per model: its formula, coefficients, R² and relative errors."""
+    def stats(f: Fit) -> str:
+        return (f"R² {f.r2:.4f}, rel. error mean {100 * f.mean_rel_err:.1f}% max "
+                f"{100 * f.max_rel_err:.1f}%, {f.num_points} points")
+
+    p, d, m = profile.prefill.coef, profile.decode.coef, profile.mixed
+    lines = [f"prefill step_s = {p[0]:.4g} + {p[1]:.4g}·Σn + {p[2]:.4g}·Σn(k+n)   ({stats(profile.prefill)})",
+             f"decode  step_s = {d[0]:.4g} + {d[1]:.4g}·B + {d[2]:.4g}·Σctx   ({stats(profile.decode)})",
+             f"mixed   step_s = {m.coef[0]:.4g} + prefill and decode slopes   "
+             f"({stats(m) if m.num_points else 'no mixed points: intercept = the larger one'})"]
+    for name, t in profile.transfers.items():
+        fit = f" ({stats(t.fit)})" if t.fit else ""
+        lines.append(f"transfer {name}: {t.latency_s:.4g} s + bytes / {t.bandwidth_bytes_s / 1e9:.4g} "
+                     f"GB/s{fit}")
+    return lines

@@ -1,0 +1,284 @@
+"""Placement search on the simulator: which placement of N devices gives the most goodput per
+device for these SLOs and this workload (DistServe's question, with the KV transfer in).
+
+A search:
+
+1. Candidates (``candidates``): ``colocated:N`` at each chunk budget asked for,
+   ``colocated-nochunk:N``, and every ``disagg:xPyD`` with x + y <= N.
+2. Rates (``auto_rates`` unless given): a geometric ladder around a crude capacity
+   estimate from the profile, so the attainment curves bend inside the sweep.
+3. Every (candidate, rate, seed) is simulated (``simulate.Simulator``) on the same requests
+   and arrival times the real runs use (``compare.build_workload``; arrival times from
+   ``workloads.arrival_times`` with the run's seed, as ``compare.router_workload`` draws
+   them); per run: SLO attainment and TTFT/TPOT p50/p99 (``engine.metrics``).
+   Then ``refine_rates`` adds a few rates inside each candidate's bracket (the last rate
+   that meets 90% attainment and the next), as DistServe's binary search narrows it.
+4. Goodput per device (``analysis.goodput_per_device``, DistServe's definition) from the
+   mean-over-seeds curve of each candidate, and per seed for its spread; ranked, best first.
+5. ``plot_best``: SLO attainment vs rate per device of the best few (matplotlib).
+
+No torch: thousands of requests per (candidate, rate) simulate in about a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from engine import metrics as m
+from engine.config import ConditionalConfig, EngineConfig, PlacementConfig, parse_placement
+from engine.metrics import SLO, RequestRecord
+from engine.request import Request, SamplingParams
+from experiments import analysis, workloads
+from experiments.plan.latency import DeviceProfile, StepFeatures, TransferModel
+from experiments.plan.simulate import SimResult, Simulator
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A placement and, for chunked colocated ones, the chunk budget (tokens per step; None
+    = the engine config's ``max_num_batched_tokens``)."""
+
+    placement: str
+    chunk_budget: int | None = None
+
+    @property
+    def label(self) -> str:
+        return self.placement + (f" (budget {self.chunk_budget})" if self.chunk_budget else "")
+
+    @property
+    def num_devices(self) -> int:
+        return PlacementConfig(self.placement).num_devices_needed
+
+    def engine(self, base: EngineConfig) -> EngineConfig:
+        if self.chunk_budget is None:
+            return base
+        return dataclasses.replace(base, max_num_batched_tokens=self.chunk_budget)
+
+
+def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Candidate]:
+    """Step 1 of the module docstring, in that order (budgets ascending).
+
+    Raises:
+        ValueError: ``num_devices < 1``.
+    """
+    if num_devices < 1:
+        raise ValueError(f"devices must be >= 1, got {num_devices}")
+    out = [Candidate(f"colocated:{num_devices}")]
+    out += [Candidate(f"colocated:{num_devices}", b) for b in sorted(set(chunk_budgets))]
+    out.append(Candidate(f"colocated-nochunk:{num_devices}"))
+    out += [Candidate(f"disagg:{x}p{y}d") for total in range(2, num_devices + 1)
+            for x in range(1, total) for y in [total - x]]
+    return out
+
+
+def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, num_devices: int,
+               num_rates: int = 8, max_num_seqs: int = 16) -> list[float]:
+    """A geometric ladder of ``num_rates`` total arrival rates (req/s), from 0.25x to
+    ``2 * max_num_seqs`` x (within 8x-32x) of ``num_devices`` over the time one request takes alone (its
+    prefill step plus its decode steps at batch 1): batching lifts capacity above that, by
+    at most the batch size, so the curves bend inside the ladder. Two significant digits.
+
+    Raises:
+        ValueError: ``num_rates < 2`` or a lone request that takes no time.
+    """
+    if num_rates < 2:
+        raise ValueError(f"num_rates must be >= 2, got {num_rates}")
+    p = max(1, round(mean_prompt))
+    prefill_s = profile.step_s(StepFeatures(p, p * p))
+    decode_s = profile.step_s(StepFeatures(batch_size=1, sum_context=round(p + mean_output / 2)))
+    lone_s = prefill_s + max(mean_output - 1, 0) * decode_s
+    if not lone_s > 0:
+        raise ValueError("the profile predicts a request takes no time")
+    base = num_devices / lone_s
+    top = min(max(8.0, 2.0 * max_num_seqs), 32.0)  # 256 seqs fit, but the budget caps the batch
+    return sorted({float(f"{base * f:.2g}") for f in np.geomspace(0.25, top, num_rates)})
+
+
+def timed_requests(items: Sequence[workloads.WorkloadRequest], tag: str) -> list[Request]:
+    """The requests of ``items`` as a real run sends them (``max_tokens`` = the sampled output
+    length, ``ignore_eos``: see ``compare.router_workload``), built once per seed."""
+    return [Request(f"{tag}-{i}", it.prompt_token_ids,
+                    SamplingParams(max_tokens=it.output_len, ignore_eos=True))
+            for i, it in enumerate(items)]
+
+
+def arrivals(requests: Sequence[Request], rate: float, seed: int, process: str = "poisson",
+             burstiness: float = 1.0) -> list[tuple[Request, float]]:
+    """``(request, arrival offset s)`` at ``rate`` req/s: the offsets ``compare.router_workload``
+    gives the same seed (``workloads.arrival_times``)."""
+    times = workloads.arrival_times(len(requests), rate, seed, process, burstiness)
+    return list(zip(requests, (float(t) for t in times)))
+
+
+def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile,
+              transfer: TransferModel | None, policy: str = "least_loaded",
+              conditional: ConditionalConfig | None = None, transport: str = "simulated",
+              step_scale: float = 1.0) -> Simulator:
+    """The ``Simulator`` of one candidate on the profile's step model (every step time
+    multiplied by ``step_scale``: a correction factor, see ``latency.step_correction``)."""
+    needs_transfer = parse_placement(candidate.placement)[0] != "colocated"
+    step_s = profile.step_time()
+    if step_scale != 1.0:
+        base = step_s
+        step_s = lambda *f: step_scale * base(*f)  # noqa: E731
+    return Simulator(candidate.placement, candidate.engine(engine), step_s,
+                     transfer if needs_transfer else None, profile.kv_bytes_per_token, policy,
+                     conditional, transport)
+
+
+RUN_COLUMNS = ["candidate", "placement", "chunk_budget", "num_devices", "rate", "seed",
+               "num_requests", "num_failed", "slo_attainment", "ttft_p50_s", "ttft_p99_s",
+               "tpot_p50_s", "tpot_p99_s", "sim_s"]
+
+
+def run_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
+    """SLO attainment (DistServe's, over all requests) and TTFT/TPOT p50/p99 over completed
+    requests (``engine.metrics``; numpy linear percentiles as ``summarize``)."""
+    done = [r for r in records if not m.failed(r)]
+    ttft = np.array([m.ttft_s(r) for r in done], dtype=float)
+    tpot = np.array([v for v in map(m.tpot_s, done) if v is not None], dtype=float)
+
+    def pct(v: np.ndarray, q: float) -> float:
+        return float(np.percentile(v, q)) if v.size else math.nan
+
+    return {"num_requests": len(records), "num_failed": len(records) - len(done),
+            "slo_attainment": m.slo_attainment(records, slo),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
+
+
+def sweep(cands: Sequence[Candidate], rates: Sequence[float],
+          requests_by_seed: dict[int, list[Request]], engine: EngineConfig,
+          profile: DeviceProfile, transfer: TransferModel | None, slo: SLO,
+          process: str = "poisson", burstiness: float = 1.0, policy: str = "least_loaded",
+          progress: Callable[[], None] | None = None) -> pd.DataFrame:
+    """Step 3: one row per (candidate, rate, seed) (``RUN_COLUMNS``; ``sim_s`` = wall seconds
+    the simulation took)."""
+    rows = []
+    for cand in cands:
+        sim = simulator(cand, engine, profile, transfer, policy)
+        for rate in rates:
+            for seed, requests in requests_by_seed.items():
+                start = time.perf_counter()
+                result = sim.run(arrivals(requests, rate, seed, process, burstiness))
+                sim_s = time.perf_counter() - start
+                rows.append({"candidate": cand.label, "placement": cand.placement,
+                             "chunk_budget": cand.chunk_budget, "num_devices": cand.num_devices,
+                             "rate": float(rate), "seed": seed,
+                             **run_metrics(result.records, slo), "sim_s": sim_s})
+                if progress is not None:
+                    progress()
+    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+def refine_rates(runs: pd.DataFrame, num_points: int = 3,
+                 target: float = analysis.ATTAINMENT_TARGET) -> dict[str, list[float]]:
+    """Rates to add per candidate so its goodput is read finer than the coarse ladder: where
+    the mean-over-seeds attainment falls below ``target`` between two swept rates (the
+    last one that meets it at every lower rate too, and the next), ``num_points`` rates
+    geometrically between them (DistServe binary-searches the same bracket). Candidates
+    that meet the target everywhere, or nowhere, get none."""
+    out = {}
+    for label, g in runs.groupby("candidate", sort=False):
+        curve = g.groupby("rate")["slo_attainment"].mean().sort_index()
+        rates, att = list(curve.index), list(curve.values)
+        passing = 0
+        while passing < len(rates) and att[passing] >= target:
+            passing += 1
+        if 0 < passing < len(rates):
+            lo, hi = rates[passing - 1], rates[passing]
+            inner = np.geomspace(lo, hi, num_points + 2)[1:-1]
+            out[label] = sorted({float(f"{r:.3g}") for r in inner} - set(rates))
+    return out
+
+
+RANK_COLUMNS = ["rank", "candidate", "placement", "chunk_budget", "num_devices",
+                "goodput_per_device_req_s", "goodput_seed_min", "goodput_seed_max",
+                "goodput_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
+
+
+def rank(runs: pd.DataFrame) -> pd.DataFrame:
+    """Step 4: one row per candidate, best goodput per device first (``RANK_COLUMNS``).
+
+    ``goodput_per_device_req_s`` reads the mean-over-seeds attainment curve
+    (``analysis.goodput_per_device``: the highest swept rate with >= 90% attainment there and
+    at every lower rate, over the candidate's devices); ``goodput_seed_min/max`` is the
+    spread of the same figure per seed; the latencies are the seed means at ``goodput_rate``
+    (the lowest rate when even it misses). Ties keep the candidates' order.
+    """
+    rows = []
+    for label, g in runs.groupby("candidate", sort=False):
+        n_dev = int(g["num_devices"].iloc[0])
+        curve = (g.groupby("rate", as_index=False)["slo_attainment"].mean()
+                 .assign(placement=label))
+        goodput = analysis.goodput_per_device(curve, n_dev)[label]
+        per_seed = [analysis.goodput_per_device(s.assign(placement=label), n_dev)[label]
+                    for _, s in g.groupby("seed")]
+        at_rate = goodput * n_dev if goodput > 0 else float(g["rate"].min())
+        at = g[np.isclose(g["rate"], at_rate)]
+        rows.append({"candidate": label, "placement": g["placement"].iloc[0],
+                     "chunk_budget": g["chunk_budget"].iloc[0], "num_devices": n_dev,
+                     "goodput_per_device_req_s": goodput, "goodput_seed_min": min(per_seed),
+                     "goodput_seed_max": max(per_seed), "goodput_rate": at_rate,
+                     **{c: float(at[c].mean()) for c in ("ttft_p50_s", "ttft_p99_s",
+                                                         "tpot_p50_s", "tpot_p99_s")}})
+    df = pd.DataFrame(rows)
+    df = df.sort_values("goodput_per_device_req_s", ascending=False, kind="stable")
+    df.insert(0, "rank", range(1, len(df) + 1))
+    return df.reset_index(drop=True)[RANK_COLUMNS]
+
+
+def curves(runs: pd.DataFrame) -> pd.DataFrame:
+    """Mean-over-seeds attainment and latencies per (candidate, rate), with the rate per
+    device: candidate, num_devices, rate, rate_per_device, slo_attainment, ttft/tpot p50/p99."""
+    cols = ["slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
+    df = runs.groupby(["candidate", "num_devices", "rate"], sort=False, as_index=False)[cols].mean()
+    df.insert(3, "rate_per_device", df["rate"] / df["num_devices"])
+    return df
+
+
+def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, top: int = 3,
+              title: str = "") -> Path:
+    """SLO attainment (%) vs arrival rate per device of the ``top`` best candidates, with the
+    90% goodput line and each one's goodput marked."""
+    from experiments.plots import plt, _save  # Agg backend set there
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, row in enumerate(ranked.head(top).itertuples()):
+        g = curve_df[curve_df["candidate"] == row.candidate].sort_values("rate")
+        ax.plot(g["rate_per_device"], 100 * g["slo_attainment"], marker="o", color=f"C{i}",
+                label=f"#{row.rank} {row.candidate}: {row.goodput_per_device_req_s:.3g} req/s/device")
+        if row.goodput_per_device_req_s > 0:
+            ax.axvline(row.goodput_per_device_req_s, color=f"C{i}", linestyle=":", alpha=0.6)
+    ax.axhline(100 * analysis.ATTAINMENT_TARGET, color="gray", linestyle="--",
+               label=f"{100 * analysis.ATTAINMENT_TARGET:.0f}% target")
+    ax.set_xscale("log")
+    ax.set_xlabel("arrival rate per device (req/s)")
+    ax.set_ylabel("SLO attainment (%), simulated")
+    ax.set_ylim(-2, 102)
+    ax.set_title(title or "pdlab plan: simulated SLO attainment of the best placements", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def simulate_runs(placement: str, engine: EngineConfig, profile: DeviceProfile,
+                  transfer: TransferModel | None, rates: Sequence[float],
+                  requests_by_seed: dict[int, list[Request]], process: str = "poisson",
+                  burstiness: float = 1.0, policy: str = "least_loaded",
+                  transport: str = "simulated", step_scale: float = 1.0
+                  ) -> list[tuple[float, int, SimResult]]:
+    """Every (rate, seed) of one placement, with step records: ``(rate, seed, result)``
+    (for results files shaped like a real run's)."""
+    sim = simulator(Candidate(placement), engine, profile, transfer, policy, transport=transport,
+                    step_scale=step_scale)
+    return [(rate, seed, sim.run(arrivals(reqs, rate, seed, process, burstiness), collect_steps=True))
+            for rate in rates for seed, reqs in requests_by_seed.items()]

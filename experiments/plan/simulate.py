@@ -1,0 +1,405 @@
+"""A discrete-event simulator of one placement serving one workload (no torch, no threads).
+
+It runs pdlab's own scheduling code on a simulated clock: every simulated instance holds a
+real ``engine.scheduler.Scheduler`` (the class every Engine uses, driven through its public
+methods), assignment uses ``router.policy.pick`` with the router's load charges, and only
+the model forward and the KV bytes are replaced by fitted durations (``latency``). A
+request's life, as the real workers and router live it:
+
+1. Arrival (the workload's scheduled offset): the router picks the worker(s) by policy,
+   charges their loads (prefill: prompt tokens; decode/colocated: prompt + max_tokens) and
+   queues the request there (``conditional:xPyD``: Dynamo's rule picks local or remote).
+2. An idle instance steps at once; a busy one at the end of its step (a worker's loop
+   applies commands between steps). A step is ``Scheduler.schedule()``; its duration is
+   the step model at the batch's features; at its end ``Scheduler.update()`` gets one fake
+   token id per entry that completes, and every produced token leaves at that time.
+3. Prefill worker: a request whose first token was sampled is PREFILLED; its slot is freed
+   (``Scheduler.release``, as ``Engine.export_kv`` does) and its KV is put, holding the
+   worker's loop for the put's share of the transfer time; the first token leaves after the
+   put (so TTFT contains the put, as on the real prefill worker).
+4. The router hands it over at once: the decode instance queues it as
+   ``WAITING_FOR_REMOTE_KVS`` (first token appended, prompt computed, as ``Engine.add_remote``
+   builds it). When ``schedule()`` reserves its slot (``batch.kv_reserved``) the fetch starts
+   (at the end of that step, as the worker's ``on_tick`` does) and takes the get's share; then
+   ``Scheduler.kv_arrived`` and it decodes from the next step on.
+5. Requests stop by ``max_tokens`` (workloads run with ``ignore_eos``, so the output length
+   is the workload's), the router releases the charges, and the record is complete.
+
+The output is one ``engine.metrics.RequestRecord`` per request with the stamps a real run
+writes (times in simulated seconds from 0), plus step and transfer records shaped like the
+real ones, so ``experiments.analysis``, ``plots`` and ``report`` read it unchanged.
+Deterministic: the same inputs give the same records.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from engine.config import ConditionalConfig, EngineConfig, parse_placement, placement_engine_overrides
+from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
+                            PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord)
+from engine.request import Request, RequestState, RequestStatus
+from engine.scheduler import ScheduledBatch, Scheduler
+from experiments.plan.latency import TransferModel
+from router.policy import pick
+
+FAKE_TOKEN = 0  # output token ids are not simulated; lengths are (ignore_eos workloads)
+_ARRIVE, _STEP_END, _START, _HANDOVER, _FETCHED = range(5)
+# Events at one instant run in this order: everything else first, then the step starts, so a
+# step sees every request that arrived at its start time (a worker applies all queued
+# commands before it steps).
+_EARLY, _LATE = 0, 1
+
+
+@dataclass
+class SimResult:
+    """What one simulated run produced (seconds on the simulated clock, from 0).
+
+    Attributes:
+        records: one per request, in arrival order.
+        steps: per step ``worker, start_s, duration_s, num_requests, num_prefill_tokens,
+            num_decode_tokens`` (empty unless ``collect_steps``).
+        transfers: per KV transfer ``request_id, num_bytes, put_s, get_s, transport``.
+        duration_s: last finish (the run's end) minus 0.
+        batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when
+            ``collect_batches`` (the Scheduler-identity test compares them to an Engine's).
+    """
+
+    records: list[RequestRecord]
+    steps: list[dict] = field(default_factory=list)
+    transfers: list[dict] = field(default_factory=list)
+    duration_s: float = 0.0
+    batches: list[tuple[str, list[tuple[str, int]]]] = field(default_factory=list)
+
+
+# engine.kv_cache's CPU default budget (that module imports torch): kept equal by a test
+DEFAULT_CPU_KV_CACHE_GB = 4.0
+
+
+def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int) -> int | None:
+    """KV blocks a CPU engine of ``config`` gets (``engine.kv_cache.kv_cache_num_blocks``:
+    the memory budget over the bytes of a block, capped by ``config.max_kv_blocks``); None
+    without a KV geometry (the Scheduler then uses ``max_kv_blocks``)."""
+    if kv_bytes_per_token <= 0 or not hasattr(config, "block_size"):
+        return None
+    gb = getattr(config, "kv_cache_memory_gb", None) or DEFAULT_CPU_KV_CACHE_GB
+    return min(int(gb * 2 ** 30) // (config.block_size * kv_bytes_per_token), config.max_kv_blocks)
+
+
+class _Instance:
+    """One simulated worker: its name, role and a real Scheduler."""
+
+    __slots__ = ("name", "role", "scheduler", "busy")
+
+    def __init__(self, name: str, role: str, config: EngineConfig,
+                 blocks: int | None = None) -> None:
+        self.name, self.role = name, role
+        self.scheduler = Scheduler(config, ()) if blocks is None else Scheduler(config, (), blocks)
+        self.busy = False
+
+
+class _Flight:
+    __slots__ = ("request", "record", "first", "decode", "charges", "remote", "put_s",
+                 "queued_prefill")
+
+    def __init__(self, request: Request, record: RequestRecord) -> None:
+        self.request, self.record = request, record
+        self.first = self.decode = None
+        self.charges: dict[str, int] = {}
+        self.remote = False
+        self.put_s = 0.0
+        self.queued_prefill = False
+
+
+def worker_names(placement: str) -> list[tuple[str, str]]:
+    """``(name, role)`` of each worker, named as ``experiments.placement.worker_layout``
+    names them (``colocated-0``, ``prefill-0``, ``decode-0``, ...)."""
+    kind, first, second = parse_placement(placement)
+    if kind == "colocated":
+        return [(f"colocated-{i}", "colocated") for i in range(first)]
+    return ([(f"prefill-{i}", "prefill") for i in range(first)]
+            + [(f"decode-{i}", "decode") for i in range(second)])
+
+
+class Simulator:
+    """Simulates ``placement`` (``colocated:N``, ``colocated-nochunk:N``, ``disagg:xPyD``,
+    ``conditional:xPyD``) on a simulated clock.
+
+    Args:
+        placement: the placement string (as ``pdlab compare`` takes it).
+        engine: each instance's engine config (``placement_engine_overrides`` applied here,
+            as ``Deployment`` does).
+        step_s: step duration in seconds as a function of ``(prefill_tokens,
+            prefill_attention, batch_size, sum_context)`` (``StepFeatures``' fields;
+            ``DeviceProfile.step_time()``).
+        transfer: KV transfer model; required when the placement has prefill workers.
+        kv_bytes_per_token: prompt KV bytes per token (``KVSpec.bytes_per_token``).
+        policy: router policy (``router.policy.POLICIES``).
+        conditional: the thresholds of ``conditional:xPyD``.
+        transport: the transport name written into transfer records.
+
+    Raises:
+        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``.
+    """
+
+    def __init__(self, placement: str, engine: EngineConfig,
+                 step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
+                 kv_bytes_per_token: int = 0, policy: str = "least_loaded",
+                 conditional: ConditionalConfig | None = None, transport: str = "simulated") -> None:
+        self.kind = parse_placement(placement)[0]
+        if self.kind != "colocated" and transfer is None:
+            raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
+        pick(policy, ["w"], {}, 0)  # refuses an unknown policy now
+        self.placement = placement
+        self.engine = placement_engine_overrides(placement, engine)
+        self.step_s = step_s
+        self.transfer = transfer
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.policy = policy
+        self.conditional = (conditional or ConditionalConfig()) if self.kind == "conditional" else None
+        self.transport = transport
+
+    # ---- one run -----------------------------------------------------------------------
+    def run(self, workload: Sequence[tuple[Request, float]], collect_steps: bool = False,
+            collect_batches: bool = False) -> SimResult:
+        """Serve ``workload`` (requests with arrival offsets in seconds) to the end.
+
+        Returns:
+            ``SimResult`` with one record per request in arrival order.
+
+        Raises:
+            ValueError: two requests share a request_id.
+        """
+        ids = [r.request_id for r, _ in workload]
+        if len(set(ids)) != len(ids):
+            raise ValueError("request_id must be unique within a workload")
+        blocks = num_kv_blocks(self.engine, self.kv_bytes_per_token)
+        self._instances = {name: _Instance(name, role, self.engine, blocks)
+                           for name, role in worker_names(self.placement)}
+        roles = ("colocated",) if self.kind == "colocated" else ("prefill", "decode")
+        self._pools = {role: [i.name for i in self._instances.values() if i.role == role]
+                       for role in roles}
+        self._loads = {name: 0 for name in self._instances}
+        self._turns = dict.fromkeys(roles, 0)
+        self._flights: dict[str, _Flight] = {}
+        self._num_queued_prefills = 0
+        self._heap: list = []
+        self._seq = itertools.count()
+        self._steps: list[dict] | None = [] if collect_steps else None
+        self._batches: list | None = [] if collect_batches else None
+        self._transfers: list[dict] = []
+        arrivals = sorted(workload, key=lambda item: item[1])
+        for request, offset in arrivals:
+            self._push(float(offset), _ARRIVE, request)
+        end_s = 0.0
+        handlers = (self._arrive, self._step_end, self._start, self._hand_over, self._fetched)
+        heap, pop = self._heap, heapq.heappop
+        while heap:
+            t, _, _, kind, payload = pop(heap)
+            end_s = t
+            handlers[kind](t, payload)
+        for flight in self._flights.values():  # nothing left to run it: it never finishes
+            if FINISHED not in flight.record.timeline:
+                flight.record.error = "simulation ended with the request unfinished (no KV room)"
+                flight.record.finish_reason = "error"
+                flight.record.timeline[FINISHED] = end_s
+        records = [self._flights[r.request_id].record for r, _ in arrivals]
+        return SimResult(records, self._steps or [], self._transfers, end_s, self._batches or [])
+
+    def _push(self, t: float, kind: int, payload, order: int = _EARLY) -> None:
+        heapq.heappush(self._heap, (t, order, next(self._seq), kind, payload))
+
+    # ---- router ------------------------------------------------------------------------
+    def _pick(self, role: str) -> str:
+        name = pick(self.policy, self._pools[role], self._loads, self._turns[role])
+        self._turns[role] += 1
+        return name
+
+    def _charge(self, flight: _Flight, name: str, tokens: int) -> None:
+        flight.charges[name] = tokens
+        self._loads[name] += tokens
+
+    def _arrive(self, t: float, request: Request) -> None:
+        record = RequestRecord(request_id=request.request_id, placement=self.placement,
+                               num_prompt_tokens=request.num_prompt_tokens)
+        record.timeline[ARRIVED] = record.timeline[DISPATCHED] = t
+        flight = _Flight(request, record)
+        self._flights[request.request_id] = flight
+        error = self._refusal(request)
+        if error is not None:
+            record.error, record.finish_reason = error, "error"
+            record.timeline[FINISHED] = t
+            return
+        kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens
+        if self.kind == "colocated":
+            first = decode = self._pick("colocated")
+            self._charge(flight, first, kv_tokens)
+        elif self.conditional is not None and not self.conditional.remote(
+                request.num_prompt_tokens, self._num_queued_prefills):
+            first = decode = self._pick("decode")
+            self._charge(flight, decode, kv_tokens)
+        else:
+            first, decode = self._pick("prefill"), self._pick("decode")
+            self._charge(flight, first, request.num_prompt_tokens)
+            self._charge(flight, decode, kv_tokens)
+            flight.remote = flight.queued_prefill = True
+            self._num_queued_prefills += 1
+        flight.first, flight.decode = first, decode
+        record.prefill_worker, record.decode_worker = first, decode
+        record.prefill_path = "remote" if flight.remote else "local"
+        record.timeline[PREFILL_QUEUED] = t
+        instance = self._instances[first]
+        instance.scheduler.add(RequestState(request, prefill_only=flight.remote))
+        self._wake(instance, t)
+
+    def _refusal(self, request: Request) -> str | None:
+        """What the router or engine would refuse the request for (None: it runs)."""
+        total = request.num_prompt_tokens + request.sampling.max_tokens
+        if total > self.engine.max_model_len:
+            return (f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                    f"({request.sampling.max_tokens}) = {total} exceeds the context length "
+                    f"{self.engine.max_model_len}")
+        capacity = getattr(self.engine, "total_kv_capacity_tokens", None)  # as Engine.validate
+        if capacity is not None and total > capacity:
+            return f"needs {total} KV tokens, more than the capacity {capacity}"
+        if (not self.engine.enable_chunked_prefill
+                and request.num_prompt_tokens > self.engine.max_num_batched_tokens):
+            return (f"prompt of {request.num_prompt_tokens} tokens exceeds "
+                    f"max_num_batched_tokens={self.engine.max_num_batched_tokens} with chunked prefill off")
+        return None
+
+    def _finish(self, flight: _Flight, t: float) -> None:
+        flight.record.timeline[FINISHED] = t
+        flight.record.finish_reason = "length"
+        for name, tokens in flight.charges.items():
+            self._loads[name] -= tokens
+        flight.charges.clear()
+
+    def _hand_over(self, t: float, flight: _Flight) -> None:
+        """The prefilled event reached the router: discharge prefill, admit on decode."""
+        self._loads[flight.first] -= flight.charges.pop(flight.first, 0)
+        request = flight.request
+        state = RequestState(request)  # as Engine.add_remote builds it
+        state.token_ids.append(FAKE_TOKEN)
+        state.num_computed_tokens = request.num_prompt_tokens
+        state.first_output_index = 1
+        state.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        instance = self._instances[flight.decode]
+        instance.scheduler.add(state)
+        self._wake(instance, t)
+
+    # ---- instances ---------------------------------------------------------------------
+    def _wake(self, instance: _Instance, t: float) -> None:
+        """An idle instance steps at ``t``, once the other events of ``t`` have run."""
+        if not instance.busy:
+            self._start_at(instance, t)
+
+    def _start_at(self, instance: _Instance, t: float) -> None:
+        heap = self._heap
+        if heap and heap[0][0] <= t:  # other events at t first (a step sees them all)
+            instance.busy = True
+            self._push(t, _START, instance, _LATE)
+        else:
+            self._start_step(instance, t)
+
+    def _start(self, t: float, instance: _Instance) -> None:
+        instance.busy = False
+        self._start_step(instance, t)
+
+    def _start_step(self, instance: _Instance, t: float) -> None:
+        scheduler = instance.scheduler
+        if not scheduler.has_work():
+            return
+        batch = scheduler.schedule()
+        n_pre = q_pre = num_decode = sum_ctx = 0
+        flights = self._flights
+        for state, n in zip(batch.requests, batch.num_new_tokens):
+            k = state.num_computed_tokens
+            if k < state.request.num_prompt_tokens:
+                n_pre += n
+                q_pre += n * (k + n)
+            else:
+                num_decode += 1
+                sum_ctx += k + 1
+            if state.first_scheduled_time_s is None:
+                state.first_scheduled_time_s = t
+                timeline = flights[state.request.request_id].record.timeline
+                timeline[PREFILL_STARTED if state.first_output_index == 0 else DECODE_ADMITTED] = t
+        duration = self.step_s(n_pre, q_pre, num_decode, sum_ctx) if batch.requests else 0.0
+        fetch_start = t + duration
+        for state in batch.kv_reserved:  # the worker's on_tick starts the fetch after the step
+            flight = flights[state.request.request_id]
+            get_s = self._transfer_s(flight) * (1.0 - self.transfer.put_share)
+            self._push(fetch_start + get_s, _FETCHED, (instance, state, get_s))
+        if batch.is_empty:
+            return  # nothing could run (no capacity): the next event wakes it
+        instance.busy = True
+        if self._steps is not None:
+            self._steps.append({"worker": instance.name, "start_s": t, "duration_s": duration,
+                                "num_requests": len(batch.requests),
+                                "num_prefill_tokens": n_pre, "num_decode_tokens": num_decode})
+        if self._batches is not None:
+            self._batches.append((instance.name, [(s.request_id, n) for s, n in
+                                                  zip(batch.requests, batch.num_new_tokens)]))
+        self._push(t + duration, _STEP_END, (instance, batch))
+
+    def _transfer_s(self, flight: _Flight) -> float:
+        return self.transfer.seconds(self.kv_bytes_per_token * flight.request.num_prompt_tokens)
+
+    def _step_end(self, t: float, payload: tuple[_Instance, ScheduledBatch]) -> None:
+        instance, batch = payload
+        sampled = {i: FAKE_TOKEN for i, (s, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
+                   if s.num_computed_tokens + n == len(s.token_ids)}  # batch.completes(i)
+        produced = instance.scheduler.update(batch, sampled)
+        busy_until = t
+        for state in produced:
+            flight = self._flights[state.request.request_id]
+            record = flight.record
+            if not record.token_times_s:
+                record.timeline[PREFILL_FINISHED] = t
+            record.token_worker_times_s.append(t)
+            record.output_token_ids.append(FAKE_TOKEN)
+            if state.status == RequestStatus.PREFILLED:  # KV out, then the first token
+                instance.scheduler.release(state)
+                put_s = self._transfer_s(flight) * self.transfer.put_share
+                busy_until += put_s
+                flight.put_s = put_s
+                record.token_times_s.append(busy_until)
+                record.timeline[KV_PUT] = busy_until
+                record.kv_bytes = self.kv_bytes_per_token * state.num_prompt_tokens
+                record.kv_put_s = put_s
+                self._prefill_done(flight)
+                self._push(busy_until, _HANDOVER, flight)
+                continue
+            record.token_times_s.append(t)
+            if state.status.is_finished:
+                if flight.queued_prefill:  # ended with its first token on a prefill worker
+                    self._prefill_done(flight)
+                self._finish(flight, t)
+        if busy_until > t:  # the puts hold the loop
+            instance.busy = True
+            self._push(busy_until, _START, instance, _LATE)
+        else:
+            instance.busy = False
+            self._start_at(instance, t)
+
+    def _prefill_done(self, flight: _Flight) -> None:
+        if flight.queued_prefill:
+            flight.queued_prefill = False
+            self._num_queued_prefills -= 1
+
+    def _fetched(self, t: float, payload) -> None:
+        instance, state, get_s = payload
+        flight = self._flights[state.request.request_id]
+        record = flight.record
+        record.timeline[KV_GOT] = t
+        record.kv_get_s = get_s
+        record.kv_transfer_s = flight.put_s + get_s
+        self._transfers.append({"request_id": state.request.request_id,
+                                "num_bytes": record.kv_bytes, "put_s": flight.put_s,
+                                "get_s": get_s, "transport": self.transport})
+        instance.scheduler.kv_arrived(state)
+        self._wake(instance, t)

@@ -1,0 +1,67 @@
+"""The simulator schedules with the engine's own Scheduler: on the same burst of requests,
+its per-step batches equal the batches a real Engine (tiny model) schedules, step by step,
+for a colocated engine and for a prefill worker's engine. If the simulator ever used another
+scheduler (or the Engine did), these sequences would diverge."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.engine import Engine
+from engine.request import Request, SamplingParams
+from experiments.plan.latency import TransferModel
+from experiments.plan.simulate import Simulator
+
+# a small slot count and token budget, so admission waits and prompts are chunked
+ENGINE = EngineConfig(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=16)
+LENGTHS = [(20, 4), (5, 6), (30, 3), (8, 5), (12, 2), (3, 1)]  # (prompt, max_tokens)
+
+
+def _requests() -> list[Request]:
+    return [Request(f"q{i}", tuple(range(3, 3 + p)), SamplingParams(max_tokens=g, ignore_eos=True))
+            for i, (p, g) in enumerate(LENGTHS)]
+
+
+def _engine_batches(engine: Engine, prefill_only: bool) -> list[list[tuple[str, int]]]:
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def spy():
+        batch = schedule()
+        if not batch.is_empty:
+            seen.append([(s.request_id, n) for s, n in zip(batch.requests, batch.num_new_tokens)])
+        return batch
+
+    engine.scheduler.schedule = spy
+    for request in _requests():
+        engine.add_request(request, prefill_only=prefill_only)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if prefill_only and out.finish_reason is None:  # as the prefill worker exports it
+                engine.finish_prefilled(out.request_id)
+    assert engine.is_empty()
+    return seen
+
+
+@pytest.mark.parametrize("placement,worker,prefill_only", [
+    ("colocated:1", "colocated-0", False), ("disagg:1p1d", "prefill-0", True)])
+def test_simulated_batches_equal_the_engines(tiny, placement, worker, prefill_only):
+    engine = Engine(tiny, ENGINE)
+    sim = Simulator(placement, ENGINE, lambda *f: 0.01, TransferModel(0.001, 1e9), 64)
+    result = sim.run([(r, 0.0) for r in _requests()], collect_batches=True)
+    assert type(engine.scheduler) is type(sim._instances[worker].scheduler)
+    simulated = [batch for name, batch in result.batches if name == worker]
+    real = _engine_batches(engine, prefill_only)
+    assert len(real) >= 5 and any(len(b) > 1 for b in real)  # chunked, batched, queued
+    assert simulated == real
+
+
+def test_simulated_kv_blocks_equal_the_engines(tiny):
+    from engine import kv_cache
+    from experiments.plan import simulate
+
+    assert simulate.DEFAULT_CPU_KV_CACHE_GB == kv_cache.DEFAULT_CPU_KV_CACHE_GB
+    for config in (ENGINE, EngineConfig(max_num_seqs=256, max_model_len=2048, kv_cache_memory_gb=0.001)):
+        assert simulate.num_kv_blocks(config, tiny.kv_spec.bytes_per_token) == \
+            kv_cache.kv_cache_num_blocks(config, tiny.kv_spec)

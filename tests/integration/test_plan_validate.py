@@ -1,0 +1,86 @@
+"""``pdlab plan``'s validation on the tiny model: the same requests run for real (workers in
+this process) and simulated at two rates; the per-point error figures are computed and
+written, both results directories are complete, and the measured report overlays the
+simulated curve. (The accuracy target is a benchmark, not this test.)"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pandas as pd
+
+from engine.config import EngineConfig, ModelConfig, TransferConfig
+from engine.metrics import SLO
+from experiments.compare import WorkloadSpec
+from experiments.plan import search, validate
+from experiments.plan.latency import DeviceProfile
+
+PROFILE = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
+
+
+def test_validation_writes_per_point_errors(tmp_path):
+    profile = DeviceProfile.load(PROFILE)
+    two = len(os.sched_getaffinity(0)) >= 2
+    cands = [search.Candidate("colocated:1")] + ([search.Candidate("disagg:1p1d")] if two else [])
+    spec = WorkloadSpec(dataset="synthetic", num_requests=6, seeds=1, prompt_len="4-30",
+                        output_len="3-6")
+    engine = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    transfer = TransferConfig(transport="inprocess")
+    errors, summary = validate.validate(
+        cands, [5.0, 50.0], spec, ModelConfig("tiny-random-llama"), engine, transfer, profile,
+        profile.transfer("inprocess"), SLO(ttft_s=1.0, tpot_s=0.5), tmp_path,
+        devices="cpu:0,cpu:1" if two else "cpu:0", local=True)
+    written = pd.read_csv(tmp_path / "validation.csv")
+    assert list(written.columns) == validate.COLUMNS and len(written) == 2 * len(cands)
+    assert set(zip(written["placement"], written["rate"])) == {
+        (c.placement, r) for c in cands for r in (5.0, 50.0)}
+    for col in ("attainment_err_points", "ttft_p50_rel_err", "ttft_p99_rel_err",
+                "tpot_p50_rel_err", "tpot_p99_rel_err"):
+        assert written[col].map(math.isfinite).all(), col
+    row = written.iloc[0]
+    assert row["attainment_err_points"] == 100 * (row["simulated_attainment"] - row["measured_attainment"])
+    assert row["ttft_p50_rel_err"] == (row["simulated_ttft_p50_s"] - row["measured_ttft_p50_s"]) / row["measured_ttft_p50_s"]
+    assert summary["num_points"] == len(written)
+    assert summary["attainment_mae_points"] == written["attainment_err_points"].abs().mean()
+    assert summary["measured_first"] in {c.placement for c in cands}
+    assert "mean abs error" in validate.summary_text(summary)
+    assert summary["step_correction"] > 0 and "corrected" in summary
+    assert set(summary["step_correction_by_worker"]) >= {"colocated:1 colocated-0"}
+    fixed = pd.read_csv(tmp_path / "validation_corrected.csv")
+    assert list(fixed.columns) == validate.COLUMNS and len(fixed) == len(written)
+    assert (fixed["measured_attainment"] == written["measured_attainment"]).all()
+    for side, simulated in (("measured", False), ("simulated", True)):
+        out = tmp_path / side
+        for name in ("requests.jsonl", "summary.csv", "goodput.csv", "report.md", "slo_attainment.png"):
+            assert (out / name).stat().st_size > 0, (side, name)
+        config = json.loads((out / "requests.jsonl").read_text().splitlines()[0])
+        assert config["simulated"] is simulated
+        summary_csv = pd.read_csv(out / "summary.csv")
+        assert (summary_csv["num_requests"] == 6).all() and (summary_csv["num_failed"] == 0).all()
+
+
+def test_compare_simulate_overlays_and_writes_the_errors(tmp_path, monkeypatch):
+    from experiments import compare, plots
+
+    drawn = {}
+    real_plot = plots.plot_attainment
+
+    def spy(curve, path, simulated=None):
+        drawn["simulated"] = simulated
+        return real_plot(curve, path, simulated)
+
+    monkeypatch.setattr(plots, "plot_attainment", spy)
+    spec = WorkloadSpec(dataset="synthetic", num_requests=5, seeds=1, prompt_len="4-20",
+                        output_len="3-5")
+    engine = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    _, verdict = compare.run_experiment(
+        ["colocated:1"], [5.0, 40.0], spec, ModelConfig("tiny-random-llama"), engine,
+        TransferConfig(transport="inprocess"), "cpu:0", None, SLO(1.0, 0.5), tmp_path,
+        local=True, simulate=DeviceProfile.load(PROFILE))
+    errors = pd.read_csv(tmp_path / "validation.csv")
+    assert list(errors["rate"]) == [5.0, 40.0] and list(errors.columns) == validate.COLUMNS
+    assert "Simulated twin" in verdict and "mean abs error" in verdict
+    assert list(drawn["simulated"]["rate"]) == [5.0, 40.0]  # the dashed curve in the report

@@ -1,0 +1,70 @@
+"""Placement search (experiments.plan.search): candidates, the rate bracket refinement and
+the goodput ranking, on hand-built attainment curves."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from experiments.plan import search
+
+
+def test_candidates_of_three_devices():
+    labels = [c.label for c in search.candidates(3, [256, 128])]
+    assert labels == ["colocated:3", "colocated:3 (budget 128)", "colocated:3 (budget 256)",
+                      "colocated-nochunk:3", "disagg:1p1d", "disagg:1p2d", "disagg:2p1d"]
+    assert [c.num_devices for c in search.candidates(3)] == [3, 3, 2, 3, 3]
+    with pytest.raises(ValueError, match="devices must be >= 1"):
+        search.candidates(0)
+
+
+def _runs(curves: dict[str, tuple[int, list[tuple[float, float]]]]) -> pd.DataFrame:
+    rows = []
+    for label, (n_dev, points) in curves.items():
+        for rate, att in points:
+            for seed, delta in ((0, 0.02), (1, -0.02)):  # seeds straddle the mean
+                rows.append({"candidate": label, "placement": label, "chunk_budget": None,
+                             "num_devices": n_dev, "rate": rate, "seed": seed,
+                             "slo_attainment": att + delta, "ttft_p50_s": rate, "ttft_p99_s": 1.0,
+                             "tpot_p50_s": 0.1, "tpot_p99_s": 0.2})
+    return pd.DataFrame(rows)
+
+
+def test_rank_reads_distserve_goodput_per_device_best_first():
+    runs = _runs({"colocated:2": (2, [(1, 0.99), (2, 0.95), (4, 0.5)]),
+                  "disagg:1p1d": (2, [(1, 0.99), (2, 0.97), (4, 0.93), (8, 0.2)]),
+                  "disagg:1p2d": (3, [(1, 0.5), (2, 0.99)])})  # misses the lowest: 0
+    ranked = search.rank(runs)
+    assert list(ranked["candidate"]) == ["disagg:1p1d", "colocated:2", "disagg:1p2d"]
+    assert list(ranked["goodput_per_device_req_s"]) == [2.0, 1.0, 0.0]  # 4/2, 2/2, 0
+    assert list(ranked["goodput_rate"]) == [4, 2, 1]
+    assert ranked.loc[0, "ttft_p50_s"] == 4  # latencies at the goodput rate
+    assert list(ranked["rank"]) == [1, 2, 3]
+
+
+def test_refine_rates_adds_points_inside_the_bracket_only():
+    runs = _runs({"a": (1, [(1, 0.99), (4, 0.95), (16, 0.5)]),
+                  "all": (1, [(1, 0.99), (2, 0.99)]), "none": (1, [(1, 0.3), (2, 0.1)])})
+    extra = search.refine_rates(runs, num_points=3)
+    assert set(extra) == {"a"}
+    assert extra["a"] == [5.66, 8.0, 11.3]  # geometric between 4 and 16
+
+
+def test_attainment_plot_overlays_the_simulated_curve_dashed(tmp_path, monkeypatch):
+    from experiments import plots
+
+    seen = {}
+    real_save = plots._save
+
+    def keep(fig, path):
+        seen["lines"] = [(ln.get_label(), ln.get_linestyle()) for ln in fig.axes[0].get_lines()]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    measured = pd.DataFrame({"placement": ["colocated:2"] * 2, "rate": [1.0, 2.0],
+                             "slo_attainment": [0.95, 0.5]})
+    simulated = measured.assign(slo_attainment=[0.97, 0.4])
+    path = plots.plot_attainment(measured, tmp_path / "a.png", simulated=simulated)
+    assert path.stat().st_size > 0
+    assert ("colocated:2 (measured)", "-") in seen["lines"]
+    assert ("colocated:2 (simulated)", "--") in seen["lines"]

@@ -1,0 +1,120 @@
+"""The simulator on hand-built traces with constant step times: TTFT, TPOT and every stamp
+equal the values computed by hand (experiments.plan.simulate)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import metrics as m
+from engine.config import ConditionalConfig, EngineConfig
+from engine.request import Request, SamplingParams
+from experiments import analysis
+from experiments.plan.latency import TransferModel
+from experiments.plan.simulate import Simulator
+
+ENGINE = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+ONE_S = lambda *features: 1.0  # noqa: E731  every step takes 1 s
+HALF_S_TRANSFER = TransferModel(latency_s=0.5, bandwidth_bytes_s=float("inf"))  # put 0.25 + get 0.25
+
+
+def _req(name: str, prompt_len: int, max_tokens: int) -> Request:
+    return Request(name, tuple(range(3, 3 + prompt_len)),
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_colocated_trace_matches_hand_computed_times():
+    # r0 (10 tokens, 3 out) at 0 s, r1 at 0.5 s. Steps of 1 s:
+    #   0-1  r0 prefill            -> r0 token 1 at 1
+    #   1-2  r0 decode + r1 prefill -> r0 token 2, r1 token 1 at 2
+    #   2-3  r0, r1 decode          -> r0 token 3 (done), r1 token 2 at 3
+    #   3-4  r1 decode              -> r1 token 3 at 4
+    res = Simulator("colocated:1", ENGINE, ONE_S).run(
+        [(_req("r0", 10, 3), 0.0), (_req("r1", 10, 3), 0.5)], collect_steps=True)
+    r0, r1 = res.records
+    assert r0.token_times_s == [1.0, 2.0, 3.0] and r1.token_times_s == [2.0, 3.0, 4.0]
+    assert (m.ttft_s(r0), m.tpot_s(r0), m.e2e_s(r0)) == (1.0, 1.0, 3.0)
+    assert (m.ttft_s(r1), m.tpot_s(r1), m.e2e_s(r1)) == (1.5, 1.0, 3.5)
+    assert r1.timeline[m.PREFILL_STARTED] == 1.0 and m.prefill_queue_s(r1) == 0.5
+    assert [(s["start_s"], s["num_prefill_tokens"], s["num_decode_tokens"]) for s in res.steps] == [
+        (0.0, 10, 0), (1.0, 10, 1), (2.0, 0, 2), (3.0, 0, 1)]
+    assert res.duration_s == 4.0 and r0.finish_reason == "length" and len(r0.output_token_ids) == 3
+
+
+def test_disaggregated_trace_times_the_transfer_as_a_stage():
+    # put 0.25 s holds the prefill worker and precedes the first token; get 0.25 s starts
+    # when the decode worker reserved the slot (after the step that reserved it).
+    #   prefill-0: 0-1 r0, put to 1.25 (r0 TTFT 1.25); 1.25-2.25 r1, put to 2.5 (TTFT 2.0)
+    #   decode-0:  1.25 reserve r0, fetch to 1.5; 1.5-2.5 r0 -> token 2; 2.5-3.5 r0 (reserves
+    #              r1 too) -> token 3; r1 fetch 3.5-3.75; 3.75-4.75, 4.75-5.75 r1 tokens 2, 3
+    res = Simulator("disagg:1p1d", ENGINE, ONE_S, HALF_S_TRANSFER, kv_bytes_per_token=100).run(
+        [(_req("r0", 10, 3), 0.0), (_req("r1", 10, 3), 0.5)], collect_steps=True)
+    r0, r1 = res.records
+    assert r0.token_times_s == [1.25, 2.5, 3.5] and r0.token_worker_times_s == [1.0, 2.5, 3.5]
+    assert r1.token_times_s == [2.5, 4.75, 5.75] and r1.token_worker_times_s == [2.25, 4.75, 5.75]
+    assert (m.ttft_s(r0), m.tpot_s(r0)) == (1.25, 1.25)
+    assert (m.ttft_s(r1), m.tpot_s(r1)) == (2.0, 1.75)
+    assert (r0.kv_put_s, r0.kv_get_s, m.kv_transfer_s(r0), r0.kv_bytes) == (0.25, 0.25, 0.5, 1000)
+    assert (r1.timeline[m.KV_PUT], r1.timeline[m.KV_GOT], r1.timeline[m.DECODE_ADMITTED]) == (2.5, 3.75, 3.75)
+    assert (r0.prefill_worker, r0.decode_worker, r0.prefill_path) == ("prefill-0", "decode-0", "remote")
+    assert [t["request_id"] for t in res.transfers] == ["r0", "r1"]
+
+
+def test_router_policy_decides_the_worker():
+    # loads at r2's arrival: colocated-0 holds r0 (20 + 3 tokens), colocated-1 r1 (10 + 3)
+    work = [(_req("r0", 20, 3), 0.0), (_req("r1", 10, 3), 0.0), (_req("r2", 5, 3), 0.1)]
+    least = Simulator("colocated:2", ENGINE, ONE_S).run(work).records
+    robin = Simulator("colocated:2", ENGINE, ONE_S, policy="round_robin").run(work).records
+    assert [r.prefill_worker for r in least] == ["colocated-0", "colocated-1", "colocated-1"]
+    assert [r.prefill_worker for r in robin] == ["colocated-0", "colocated-1", "colocated-0"]
+
+
+def test_conditional_prefills_short_prompts_on_the_decode_worker():
+    sim = Simulator("conditional:1p1d", ENGINE, ONE_S, HALF_S_TRANSFER,
+                    conditional=ConditionalConfig(max_local_prefill_length=15))
+    short, long_ = sim.run([(_req("s", 10, 2), 0.0), (_req("l", 20, 2), 0.0)]).records
+    assert (short.prefill_path, short.prefill_worker, short.kv_bytes) == ("local", "decode-0", 0)
+    assert (long_.prefill_path, long_.prefill_worker) == ("remote", "prefill-0")
+    assert m.ttft_s(short) == 1.0 and m.ttft_s(long_) == 1.25
+
+
+def test_kv_capacity_holds_requests_back_and_bad_requests_fail_alone():
+    small = EngineConfig(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64)
+    res = Simulator("colocated:1", small, ONE_S).run(
+        [(_req("a", 10, 2), 0.0), (_req("b", 10, 2), 0.0), (_req("big", 60, 10), 0.0)])
+    a, b, big = res.records
+    assert a.token_times_s == [1.0, 2.0] and b.token_times_s == [3.0, 4.0]  # one slot: b waits
+    assert big.error is not None and "exceeds the context length 64" in big.error and m.failed(big)
+
+
+def test_records_feed_the_analysis_unchanged():
+    work = [(_req(f"r{i}", 10, 3), 0.5 * i) for i in range(4)]
+    res = Simulator("colocated:1", ENGINE, ONE_S).run(work)
+    slo = m.SLO(ttft_s=1.6, tpot_s=1.0)
+    row = analysis.seed_table([analysis.Run("colocated:1", 2.0, res.records, 0, res.duration_s)],
+                              slo).iloc[0]
+    assert row["slo_attainment"] == pytest.approx(m.slo_attainment(res.records, slo))
+    assert row["num_requests"] == 4 and row["num_failed"] == 0
+
+
+def test_disaggregation_needs_a_transfer_model_and_ids_are_unique():
+    with pytest.raises(ValueError, match="transfer model"):
+        Simulator("disagg:1p1d", ENGINE, ONE_S)
+    with pytest.raises(ValueError, match="policy"):
+        Simulator("colocated:1", ENGINE, ONE_S, policy="random")
+    with pytest.raises(ValueError, match="unique"):
+        Simulator("colocated:1", ENGINE, ONE_S).run([(_req("x", 4, 2), 0.0), (_req("x", 4, 2), 1.0)])
+
+
+def test_the_simulator_and_search_import_no_torch():
+    """The hot loop stays torch-free (thousands of requests per second of wall time)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; import experiments.plan.search, experiments.plan.simulate; "
+            "bad = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
+            "sys.exit(1 if bad else 0)")
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, timeout=120,
+                          env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
+    assert proc.returncode == 0, proc.stderr
