@@ -9,6 +9,7 @@ Run each from the repository root with the project's Python::
     .venv/bin/python -m benchmarks.vs_vllm          [--quick]   (needs `make vllm-venv`)
     .venv/bin/python -m benchmarks.step_overhead    [--quick]
     .venv/bin/python -m benchmarks.paged_kv         [--quick]   (paged vs slot KV, issue 17)
+    .venv/bin/python -m benchmarks.gemm_kernels     [--quick]
 
 They are not timed tests. Every time comes from ``experiments.timing.measure`` (min of N
 runs after a warm-up, median shown). Contenders are measured *interleaved*, one run of each

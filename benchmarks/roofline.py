@@ -5,9 +5,9 @@
 2. GEMM rate at the engine's own shapes: each projection group of one decoder layer (Q/K/V
    fused, O, gate/up fused, down) as ``[M, in] x [in, out]`` with M = the prefill's token
    count and M = 16 (decode-like), through both kernels this torch offers: the
-   oneDNN-packed ``_linear_pointwise`` the engine uses (``engine.runner._Linear``) and plain
-   ``torch.mm`` (MKL). The faster of the two per shape is the floor: the best this torch
-   reaches on these cores, not one square matmul.
+   oneDNN-packed ``_linear_pointwise`` and MKL's sgemm (``torch.mm``), the two kernels the
+   engine picks between by row count (``engine.runner._Linear``). The faster of the two per
+   shape is the floor: the best this torch reaches on these cores, not one square matmul.
 3. **Decode** (memory floor): one ``Engine.step()`` decoding one request (B = 1) at a KV
    context of 128 tokens. Floor = weight bytes (every parameter read once per step; tied
    embeddings counted once) / read bandwidth.
@@ -75,9 +75,10 @@ def gemm_contenders(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, 
         linear = torch.nn.Linear(fan_in, fan_out, bias=False)
         x = torch.randn(rows, fan_in, generator=gen)
         weight_t = linear.weight.detach().t().contiguous()
-        packed = _Linear([linear])
-        if packed.packed is not None:
-            out[f"{name}@{rows}/onednn"] = lambda x=x, p=packed: p(x)
+        packed = _Linear([linear]).packed  # the engine's oneDNN layout (None: no oneDNN)
+        if packed is not None:
+            out[f"{name}@{rows}/onednn"] = lambda x=x, p=packed: (
+                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
         out[f"{name}@{rows}/mkl"] = lambda x=x, w=weight_t: torch.mm(x, w)
     return out
 

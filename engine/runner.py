@@ -34,13 +34,15 @@ optional per-head q/k norms (Qwen3, Gemma 3), optional sandwich norms around att
 (Gemma 2/3), fused QKV / gate-up projections (Phi-3), partial rotary (Phi-3), per-layer-type
 RoPE tables (Gemma 3), a non-default attention scale and attention / final logit soft-capping
 (Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the
-layers' own weights through ``_Linear``: on CPU in float32 each weight is reordered once
-into oneDNN's blocked layout (Q/K/V fused into one matmul, gate/up into another; Phi-3's
-already fused ones packed as they are), which runs the small-M matmuls of decode steps 1.2-1.7x
-faster than the default BLAS path on the CPUs measured (benchmarks/README.md); results agree
-with ``F.linear`` to float32 rounding. Elsewhere ``_Linear`` is plain ``F.linear``. The
-reordered weights (a second copy of the projection and LM-head weights) are built once per
-model and shared by every runner of that model. Only the attention over the KV store is pdlab's.
+layers' own weights through ``_Linear``: Q/K/V fused into one matmul and gate/up into another
+(the modules' weights become views of the fused tensor, so there is one copy; Phi-3's already
+fused ones as they are). On CPU in float32 each fused weight is also reordered once into
+oneDNN's blocked layout, and each matmul runs on whichever kernel was measured faster for its
+row count: packed oneDNN for 2-63 rows (decode batches), MKL's sgemm for one row and for 64 or
+more (prompt chunks); results agree with ``F.linear`` to float32 rounding. Elsewhere
+``_Linear`` is plain ``F.linear``. The reordered weights (a second copy of the projection and
+LM-head weights) are built once per model and shared by every runner of that model. Only the
+attention over the KV store is pdlab's.
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ from engine.scheduler import ScheduledBatch
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight serves any M
+# From this many rows a matmul runs on MKL (``F.linear``), below it on packed oneDNN (N = 1
+# aside): the crossover measured at SmolLM2's projection shapes (``_Linear``).
+_BLAS_MIN_ROWS = 64
 # CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]); GQA without a copy.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -94,38 +99,60 @@ def _sdpa(q, k, v, attn_mask=None, scale: float | None = None,
 
 
 class _Linear:
-    """One or more projections of the same input, run as one matmul where possible:
-    ``x [N, in] -> (x @ W_i.T + b_i for each module i)``.
+    """One or more projections of the same input, run as one matmul:
+    ``x [N, in] -> (x @ W_i.T + b_i for each module i)``, the output split into per-module
+    views.
 
-    CPU float32 (and oneDNN present): the modules' weights are concatenated and reordered
-    once into oneDNN's blocked layout (a copy); each call is one ``_linear_pointwise`` whose
-    output is split into per-module views. Otherwise: one ``F.linear`` per module, no copy.
+    Several modules (Q/K/V, gate/up) are fused once: their weights are concatenated and each
+    module's ``weight`` becomes a view of its rows of that tensor (same values, no second
+    copy; transformers' own forward reads the same memory). CPU float32 with oneDNN: the
+    fused weight is also reordered once into oneDNN's blocked layout (a copy), and each call
+    picks the kernel by its row count ``N`` (``_use_onednn``), because on the CPU measured
+    (benchmarks/README.md, "Kernel choice") neither kernel wins at every ``N``: MKL's sgemm
+    (``F.linear``) takes 0.56-0.84x oneDNN's time at ``N = 1`` (GEMV) and 0.89-0.99x from
+    ``N = _BLAS_MIN_ROWS``; the packed oneDNN kernel takes 0.74-0.8x MKL's time for
+    ``N = 2 .. 48``. Both are float32 to rounding (max error ~1e-6 of the output scale).
+    Elsewhere (CUDA, other dtypes): ``F.linear`` on the fused weight.
     """
 
-    def __init__(self, modules: list[torch.nn.Linear], split: list[int] | None = None) -> None:
+    def __init__(self, modules: list[torch.nn.Linear], split: list[int] | None = None,
+                 gemv_onednn: bool = False) -> None:
         self.modules = modules
         # A fused module (Phi-3's qkv_proj, gate_up_proj) is one matmul split into ``split``.
         self.sizes = split or [m.out_features for m in modules]
-        self.packed = self.bias = None
-        weight = modules[0].weight
-        if not (_ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32):
-            return
+        # N = 1 on oneDNN instead of MKL: the LM head (576 x 49152), where oneDNN was faster.
+        self.gemv_onednn = gemv_onednn
+        self.packed = None
         with torch.no_grad():
-            weight = torch.cat([m.weight for m in modules]) if len(modules) > 1 else weight
-            if any(m.bias is not None for m in modules):
-                self.bias = torch.cat([m.bias if m.bias is not None else
-                                       weight.new_zeros(m.out_features) for m in modules])
+            self.weight, self.bias = modules[0].weight, modules[0].bias
+            if len(modules) > 1:
+                self.weight = torch.cat([m.weight for m in modules])
+                for m, rows in zip(modules, self.weight.split(self.sizes)):
+                    m.weight.data = rows  # a view of the fused weight: one copy in memory
+                if any(m.bias is not None for m in modules):
+                    self.bias = torch.cat([m.bias if m.bias is not None else
+                                           self.weight.new_zeros(m.out_features)
+                                           for m in modules])
+            if not (_ONEDNN and self.weight.device.type == "cpu"
+                    and self.weight.dtype == torch.float32):
+                return
             try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(),
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                       _PACK_BATCH_HINT)
-            except RuntimeError:  # this build's oneDNN cannot pack it: plain F.linear
-                self.bias = None
+            except RuntimeError:  # this build's oneDNN cannot pack it: F.linear only
+                self.packed = None
+
+    def _use_onednn(self, num_rows: int) -> bool:
+        """True where the packed oneDNN kernel was the faster one for ``num_rows`` rows."""
+        if self.packed is None or num_rows >= _BLAS_MIN_ROWS:
+            return False
+        return num_rows > 1 or self.gemv_onednn
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self.packed is None:
-            outs = tuple(F.linear(x, m.weight, m.bias) for m in self.modules)
-            return outs[0].split(self.sizes, dim=-1) if len(outs) < len(self.sizes) else outs
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self._use_onednn(x.shape[0]):
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        else:
+            out = F.linear(x, self.weight, self.bias)
         return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
 
 
@@ -195,7 +222,8 @@ def _prepare(model) -> tuple[list[_Layer], _Linear]:
     if cached is None or cached[0] != key:
         per_type_rope = hasattr(model.model.rotary_emb, "layer_types")  # Gemma 3
         cached = (key, [_Layer.of(layer, model.config, per_type_rope)
-                        for layer in model.model.layers], _Linear([model.lm_head]))
+                        for layer in model.model.layers],
+                  _Linear([model.lm_head], gemv_onednn=True))
         _PREPARED[model] = cached
     return cached[1], cached[2]
 
