@@ -156,6 +156,7 @@ class RequestState:
     __slots__ = (
         "request", "status", "token_ids", "num_computed_tokens", "block_ids",
         "prefill_only", "error", "first_scheduled_time_s", "first_output_index",
+        "num_prompt_tokens",
     )
 
     def __init__(self, request: Request, prefill_only: bool = False) -> None:
@@ -168,6 +169,9 @@ class RequestState:
         self.error: str | None = None
         self.first_scheduled_time_s: float | None = None
         self.first_output_index = 0  # 1 when the first token came with imported KV
+        # a plain attribute, not a property: the scheduler and the planner's simulator
+        # read it several times per request per step (the prompt never changes)
+        self.num_prompt_tokens: int = len(self.token_ids)
 
     @property
     def request_id(self) -> str:
@@ -176,10 +180,6 @@ class RequestState:
     @property
     def sampling(self) -> SamplingParams:
         return self.request.sampling
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.request.num_prompt_tokens
 
     @property
     def num_tokens(self) -> int:
