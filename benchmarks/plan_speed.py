@@ -1,25 +1,28 @@
-"""How fast ``pdlab plan`` simulates: 10,000 requests x 6 placements x 8 rates, one core.
+"""How fast ``pdlab plan`` simulates: 10,000 requests x 6 placements x 8 rates, on this machine.
 
 The default workload (ShareGPT, SmolLM2 tokenizer, prompts 128-1024 tokens, outputs <= 48:
 2,479 conversations pass those filters, so the 10,000 requests cycle through 2,400 of them)
 is built once (timed apart: tokenizing is not simulating); then every (placement, rate) is
 simulated on one seed with the SmolLM2 device profile (``--profile``, default the newest
-``results/profile-*/device_profile.json`` of smollm2-135m) and the CPU engine defaults.
+``results/profile-*/device_profile.json`` of smollm2-135m) and the CPU engine defaults
+(``experiments.cli.CPU_ENGINE_DEFAULTS``), over ``--jobs`` processes (default: one per CPU).
 Prints wall seconds per run, simulated requests and steps per wall second, and the total
 against the one-minute target.
 
-    python -m benchmarks.plan_speed [--profile FILE] [--num-requests 10000] [--devices 3]
+    python -m benchmarks.plan_speed [--profile FILE] [--num-requests 10000] [--devices 3] [--jobs N]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
 from engine.config import EngineConfig, ModelConfig
 from engine.metrics import SLO
 from experiments import compare
+from experiments.cli import CPU_ENGINE_DEFAULTS
 from experiments.plan import command, search
 from experiments.plan.latency import DeviceProfile
 
@@ -29,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default=None)
     parser.add_argument("--num-requests", type=int, default=10_000)
     parser.add_argument("--devices", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=0,
+                        help="simulation processes (0: one per CPU this process may use)")
     args = parser.parse_args(argv)
     model = ModelConfig("smollm2-135m")
     path = args.profile or command.find_profile(model)
@@ -37,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     profile = DeviceProfile.load(path)
-    engine = EngineConfig(max_num_seqs=16, max_model_len=2048, max_num_batched_tokens=512)
+    engine = EngineConfig(**CPU_ENGINE_DEFAULTS)
     spec = compare.WorkloadSpec(num_requests=min(args.num_requests, 2400), seeds=1)
     start = time.perf_counter()
     pool = compare.build_workload(spec, model, 0, 2048)
@@ -52,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     slo = SLO(2.0, 0.1)
     steps = 0
     start = time.perf_counter()
-    runs = search.sweep(cands, rates, requests, engine, profile, transfer, slo)
+    jobs = args.jobs or len(os.sched_getaffinity(0))
+    runs = search.sweep(cands, rates, requests, engine, profile, transfer, slo, jobs=jobs)
     total_s = time.perf_counter() - start
     for cand in cands:  # steps, on one rate each (counting them costs a second pass)
         sim = search.simulator(cand, engine, profile, transfer)

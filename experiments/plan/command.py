@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import glob
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -53,6 +54,8 @@ class PlanConfig:
         top: placements plotted, and validated with --validate.
         validate: also run the best placements for real and report the simulator's error.
         validate_requests: requests per seed in the validation runs (real runs are slow).
+        jobs: processes the simulations are spread over; 0 = one per CPU this process may
+            use (``os.sched_getaffinity``).
     """
 
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
@@ -71,9 +74,15 @@ class PlanConfig:
         "help": "run the best --top placements for real too and report the simulator's error"})
     validate_requests: int = field(default=24, metadata={
         "min": 1, "help": "requests per seed in each validation run"})
+    jobs: int = field(default=0, metadata={
+        "min": 0, "help": "simulation processes (0: one per CPU this process may use)"})
 
     def __post_init__(self) -> None:
         check_fields(self)
+
+    @property
+    def num_jobs(self) -> int:
+        return self.jobs or len(os.sched_getaffinity(0))
 
     @property
     def budgets(self) -> list[int]:
@@ -259,17 +268,18 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
     start = time.perf_counter()
     with tqdm(total=total, desc="simulate", unit="run", file=sys.stderr) as bar:
         runs = search.sweep(x.candidates, rates, requests, x.engine, x.profile, x.transfer_model,
-                            x.slo, x.spec.arrival, x.spec.burstiness, x.policy, bar.update)
+                            x.slo, x.spec.arrival, x.spec.burstiness, x.policy, bar.update,
+                            x.plan.num_jobs)
         if not x.rates:  # automatic ladder: read each goodput finer inside its bracket
             extra = search.refine_rates(runs)
             by_label = {c.label: c for c in x.candidates}
             bar.total += sum(len(r) for r in extra.values()) * len(requests)
-            runs = pd.concat([runs] + [search.sweep([by_label[label]], more, requests, x.engine,
-                                                    x.profile, x.transfer_model, x.slo,
-                                                    x.spec.arrival, x.spec.burstiness, x.policy,
-                                                    bar.update)
-                                       for label, more in extra.items() if more],
-                             ignore_index=True)
+            more = {label: r for label, r in extra.items() if r}
+            if more:
+                runs = pd.concat([runs, search.sweep(
+                    [by_label[label] for label in more], more, requests, x.engine, x.profile,
+                    x.transfer_model, x.slo, x.spec.arrival, x.spec.burstiness, x.policy,
+                    bar.update, x.plan.num_jobs)], ignore_index=True)
             total = len(runs)
     wall_s = time.perf_counter() - start
     ranked, curve = search.rank(runs), search.curves(runs)

@@ -155,28 +155,65 @@ def run_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
             "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
 
 
-def sweep(cands: Sequence[Candidate], rates: Sequence[float],
+def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequence[float]],
           requests_by_seed: dict[int, list[Request]], engine: EngineConfig,
           profile: DeviceProfile, transfer: TransferModel | None, slo: SLO,
           process: str = "poisson", burstiness: float = 1.0, policy: str = "least_loaded",
-          progress: Callable[[], None] | None = None) -> pd.DataFrame:
+          progress: Callable[[], None] | None = None, jobs: int = 1) -> pd.DataFrame:
     """Step 3: one row per (candidate, rate, seed) (``RUN_COLUMNS``; ``sim_s`` = wall seconds
-    the simulation took)."""
-    rows = []
-    for cand in cands:
-        sim = simulator(cand, engine, profile, transfer, policy)
-        for rate in rates:
-            for seed, requests in requests_by_seed.items():
-                start = time.perf_counter()
-                result = sim.run(arrivals(requests, rate, seed, process, burstiness))
-                sim_s = time.perf_counter() - start
-                rows.append({"candidate": cand.label, "placement": cand.placement,
-                             "chunk_budget": cand.chunk_budget, "num_devices": cand.num_devices,
-                             "rate": float(rate), "seed": seed,
-                             **run_metrics(result.records, slo), "sim_s": sim_s})
-                if progress is not None:
-                    progress()
+    the simulation took), in that order. ``rates`` is one ladder for every candidate, or
+    one per candidate label.
+
+    ``jobs`` > 1 spreads the runs over that many processes (spawned, so no thread state of
+    this process is forked; each receives the requests once); the rows are the same as one
+    process gives, since every run is deterministic.
+    """
+    def ladder(cand: Candidate) -> Sequence[float]:
+        return rates[cand.label] if isinstance(rates, dict) else rates
+
+    tasks = [(cand, float(rate), seed) for cand in cands for rate in ladder(cand)
+             for seed in requests_by_seed]
+    fixed = (engine, profile, transfer, slo, process, burstiness, policy)
+    if jobs <= 1 or len(tasks) <= 1:
+        _init_worker(requests_by_seed, fixed)
+        rows = []
+        for task in tasks:
+            rows.append(_run_task(task))
+            if progress is not None:
+                progress()
+        return pd.DataFrame(rows, columns=RUN_COLUMNS)
+    import concurrent.futures
+    import multiprocessing
+
+    rows = [None] * len(tasks)
+    with concurrent.futures.ProcessPoolExecutor(
+            max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker, initargs=(requests_by_seed, fixed)) as pool:
+        futures = {pool.submit(_run_task, task): i for i, task in enumerate(tasks)}
+        for future in concurrent.futures.as_completed(futures):
+            rows[futures[future]] = future.result()
+            if progress is not None:
+                progress()
     return pd.DataFrame(rows, columns=RUN_COLUMNS)
+
+
+_WORKER: dict = {}  # what every run of a sweep shares, set once per (worker) process
+
+
+def _init_worker(requests_by_seed: dict[int, list[Request]], fixed: tuple) -> None:
+    _WORKER.update(requests=requests_by_seed, fixed=fixed)
+
+
+def _run_task(task: tuple[Candidate, float, int]) -> dict:
+    cand, rate, seed = task
+    engine, profile, transfer, slo, process, burstiness, policy = _WORKER["fixed"]
+    sim = simulator(cand, engine, profile, transfer, policy)
+    start = time.perf_counter()
+    result = sim.run(arrivals(_WORKER["requests"][seed], rate, seed, process, burstiness))
+    sim_s = time.perf_counter() - start
+    return {"candidate": cand.label, "placement": cand.placement,
+            "chunk_budget": cand.chunk_budget, "num_devices": cand.num_devices,
+            "rate": rate, "seed": seed, **run_metrics(result.records, slo), "sim_s": sim_s}
 
 
 def refine_rates(runs: pd.DataFrame, num_points: int = 3,

@@ -68,3 +68,26 @@ def test_attainment_plot_overlays_the_simulated_curve_dashed(tmp_path, monkeypat
     assert path.stat().st_size > 0
     assert ("colocated:2 (measured)", "-") in seen["lines"]
     assert ("colocated:2 (simulated)", "--") in seen["lines"]
+
+
+def test_sweep_over_two_processes_gives_the_rows_of_one():
+    from pathlib import Path
+
+    from engine.config import EngineConfig
+    from engine.metrics import SLO
+    from engine.request import Request, SamplingParams
+    from experiments.plan.latency import DeviceProfile
+
+    profile = DeviceProfile.load(Path(__file__).resolve().parents[1] / "data"
+                                 / "tiny_device_profile.json")
+    requests = {seed: [Request(f"s{seed}-{i}", tuple(range(3, 3 + 8 + 5 * i)),
+                               SamplingParams(max_tokens=4 + i % 3, ignore_eos=True))
+                       for i in range(12)] for seed in (0, 1)}
+    cands = [c for c in search.candidates(2, []) if c.placement in ("colocated:2", "disagg:1p1d")]
+    transfer = next(iter(profile.transfers.values()))
+    args = (cands, {cands[0].label: [2.0, 8.0], cands[1].label: [4.0]}, requests,
+            EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32),
+            profile, transfer, SLO(1.0, 0.1))
+    one, two = search.sweep(*args, jobs=1), search.sweep(*args, jobs=2)
+    assert len(one) == 6 and list(one["rate"]) == [2.0, 2.0, 8.0, 8.0, 4.0, 4.0]
+    pd.testing.assert_frame_equal(one.drop(columns="sim_s"), two.drop(columns="sim_s"))
