@@ -129,14 +129,7 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     parser.add_argument("--out", default=None, help="results directory (default: results/<cmd>-<time>)")
     workload = parser.add_argument_group("workload")
     add_dataclass_args(workload, WorkloadSpec)
-    engine = parser.add_argument_group("engine (per instance)")
-    add_dataclass_args(engine, EngineConfig, skip=("device",))  # each worker binds its own
-    # max_model_len None: the CPU default, capped by the model's context (see _engine_config)
-    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
-    for action in engine._group_actions:
-        if action.dest == "max_model_len":
-            action.help = (f"tokens per request (>= 2, <= the model's context; default: "
-                           f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
+    _add_engine_args(parser)
     transfer = parser.add_argument_group("KV transfer")
     add_dataclass_args(transfer, TransferConfig)
     add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
@@ -156,7 +149,7 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
     for action in engine._group_actions:
         if action.dest == "max_model_len":
-            action.help = (f"tokens per request slot (>= 2, <= the model's context; default: "
+            action.help = (f"tokens per request (>= 2, <= the model's context; default: "
                            f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
 
 

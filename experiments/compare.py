@@ -357,7 +357,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     return results
 
 
-def _cpu_model() -> str | None:
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo, else ``platform.processor()``), or None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -397,7 +398,7 @@ def environment(model: ModelConfig, devices: tuple[str, ...]) -> dict:
             "model": model.model, "dtype": model.dtype, "devices": list(devices),
             "git_commit": git("rev-parse", "HEAD"),
             "git_dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "host": platform.node(), "cpu_model": _cpu_model(), "num_cpus": os.cpu_count(),
+            "host": platform.node(), "cpu_model": cpu_model(), "num_cpus": os.cpu_count(),
             "gpus": _gpu_names(), "python": platform.python_version(),
             "versions": {p: version(p) for p in ("torch", "transformers", "ray", "numpy", "pdlab")}}
 

@@ -305,25 +305,16 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
         whole = kv_table[kv_table["mode"] == "whole"]
         for name, g in whole.groupby("transport", sort=False):
             transfers[str(name)] = latency.fit_transfer(list(g["kv_bytes"]), list(g["transfer_s"]))
+    from experiments.compare import cpu_model  # local: profile needs none of compare's imports
+
     kind = "cuda" if device.startswith("cuda") else "cpu"
-    name = torch.cuda.get_device_name(device) if kind == "cuda" else (_cpu_name() or "cpu")
+    name = torch.cuda.get_device_name(device) if kind == "cuda" else (cpu_model() or "cpu")
     return latency.DeviceProfile(
         model=loaded.name, dtype=dtype, device_kind=kind, device_name=name,
         num_threads=torch.get_num_threads(), kv_bytes_per_token=loaded.kv_spec.bytes_per_token,
         prefill=pre, decode=dec, mixed=mix, transfers=transfers,
         notes={"torch": torch.__version__, "estimator": result.estimator,
                "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
-
-
-def _cpu_name() -> str | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
 
 
 # ---- derived ---------------------------------------------------------------------------
