@@ -10,8 +10,9 @@ A step:
    step on.
 3. The runner runs one forward over the whole batch and returns logits for the requests
    whose known tokens are all computed.
-4. The sampler picks their tokens; the scheduler advances counters, checks stop conditions
-   and frees the KV blocks of finished requests.
+4. The sampler picks their tokens (and, for the requests that asked, their raw logprobs:
+   ``Sampler.logprobs``); the scheduler advances counters, checks stop conditions and frees
+   the KV blocks of finished requests.
 
 The KV cache is paged (``engine.kv_cache``): ``num_blocks`` blocks of ``block_size`` tokens
 sized by a memory budget, printed at start-up as ``KV cache: N blocks = T tokens = X GB``.
@@ -258,6 +259,12 @@ class Engine:
             tokens, errors = self.sampler.sample_rows(
                 logits, [s.request_id for s in states], [s.sampling for s in states],
                 [s.num_output_tokens for s in states])
+            lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
+            logprobs = {}
+            if lp_rows:  # only rows that asked pay for a log_softmax
+                by_row = self.sampler.logprobs(logits, lp_rows, tokens,
+                                               [states[j].sampling.logprobs for j in lp_rows])
+                logprobs = {states[j].request_id: v for j, v in by_row.items()}
         except Exception as err:  # a failed forward fails its requests, not the engine
             for state in batch.requests:
                 self._failed.append((state.request_id, f"{type(err).__name__}: {err}"))
@@ -273,9 +280,11 @@ class Engine:
         self.step_records.append(StepRecord(start_s, end_s - start_s, len(batch.requests),
                                             num_prefill_tokens,
                                             batch.num_tokens - num_prefill_tokens))
-        return [self._token_output(state, end_s) for state in produced]
+        return [self._token_output(state, end_s, logprobs.get(state.request_id))
+                for state in produced]
 
-    def _token_output(self, state: RequestState, time_s: float) -> TokenOutput:
+    def _token_output(self, state: RequestState, time_s: float,
+                      logprobs: tuple[float, tuple] | None = None) -> TokenOutput:
         index = state.num_output_tokens - 1
         first_here = index == state.first_output_index  # first token this engine produced
         if state.status.is_finished:
@@ -283,7 +292,9 @@ class Engine:
             self.sampler.forget(state.request_id)
         return TokenOutput(state.request_id, state.token_ids[-1], index, time_s,
                            state.finish_reason,
-                           state.first_scheduled_time_s if first_here else None)
+                           state.first_scheduled_time_s if first_here else None,
+                           logprobs[0] if logprobs else None,
+                           logprobs[1] if logprobs else ())
 
     # Optional callable(layer_idx, batch), run once each layer's K/V are written (layer-wise
     # KV streaming); the batch's counters are not yet advanced.

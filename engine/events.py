@@ -37,3 +37,7 @@ class WorkerEvent:
     kv_put_s: float | None = None  # prefilled: seconds inside the transport's put, all ranges
     kv_get_s: float | None = None  # kv_got: seconds fetching and checking every range
     stamps: dict[str, float] = field(default_factory=dict)
+    # token / prefilled, requests asking for logprobs: the token's raw logprob and the top
+    # (token_id, logprob) pairs, most likely first (engine.request.TokenOutput)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()

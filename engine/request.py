@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 # ``_SAMPLING_EPS``): dividing float32 logits by less only overflows.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
+# Most top alternatives a request may ask for with each token (OpenAI's top_logprobs limit).
+MAX_LOGPROBS = 20
+
 
 class RequestStatus(enum.IntEnum):
     """Ordered status: everything ``>= FINISHED_STOPPED`` is finished."""
@@ -82,6 +85,10 @@ class SamplingParams:
         seed: seed of this request's own ``torch.Generator``; None draws one at random.
         stop_token_ids: extra token ids that end the request (the token is kept in the output).
         ignore_eos: keep going past EOS (workloads that fix the output length use it).
+        logprobs: return, with each output token, its log-probability and those of the
+            ``logprobs`` most likely tokens (0..``MAX_LOGPROBS`` = 20, as OpenAI's
+            ``top_logprobs``); None = off (rows without it pay nothing). Raw logprobs:
+            ``log_softmax`` of the model's logits before temperature / top-k / top-p.
 
     Raises:
         ValueError: a field is out of range; the message names the field and the range.
@@ -94,6 +101,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -104,6 +112,11 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.logprobs is not None and (
+                not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None (off) or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.logprobs!r}")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
     @property
@@ -222,6 +235,10 @@ class TokenOutput:
         first_scheduled_s: on the first token this engine produced for the request only:
             ``time.time()`` when the engine first scheduled it (prefill started, or an
             imported request joined the decode batch), else None.
+        logprob: the sampled token's raw log-probability (requests with
+            ``SamplingParams.logprobs`` set), else None.
+        top_logprobs: the ``logprobs`` most likely ``(token_id, logprob)`` pairs, most
+            likely first (empty when off or 0).
     """
 
     request_id: str
@@ -230,6 +247,8 @@ class TokenOutput:
     time_s: float
     finish_reason: FinishReason | None = None
     first_scheduled_s: float | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -16,6 +16,11 @@ request gets a random base seed once per engine (placement invariance needs a se
 **Isolation.** A sampled row whose probabilities are not finite (NaN or inf logits) fails
 alone: ``sample_rows`` reports it in its error map and the engine fails that request; its
 step-mates, greedy or sampled, keep their tokens.
+
+**Logprobs.** ``logprobs`` returns, for the rows that asked (``SamplingParams.logprobs``),
+the raw log-probabilities: ``log_softmax`` of the model's logits in float32, *before*
+temperature, top-k and top-p (vLLM's default ``logprobs_mode="raw_logprobs"``), so they do
+not depend on how the token was picked. Other rows cost nothing.
 """
 
 from __future__ import annotations
@@ -96,6 +101,39 @@ class Sampler:
                 gen.manual_seed(draw_seed(self._seed(request_ids[i], params[i].seed), indices[i]))
                 tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen)[0])
         return tokens, errors
+
+    @staticmethod
+    def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int | None],
+                 nums: list[int]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
+        """Raw logprobs of some rows: ``log_softmax`` of ``logits`` (float32, before any
+        temperature / top-k / top-p filtering, as vLLM's default raw logprobs).
+
+        Args:
+            logits: ``[B, vocab]``.
+            rows: the rows that asked for logprobs (only these are computed).
+            tokens: the sampled token of every row (None: failed, skipped).
+            nums: per row of ``rows``, how many top alternatives to return (0..20).
+
+        Returns:
+            {row: (sampled token's logprob, ((token_id, logprob), ...) most likely first)}.
+        """
+        kept = [(r, n) for r, n in zip(rows, nums) if tokens[r] is not None]
+        if not kept:
+            return {}
+        rows, nums = [r for r, _ in kept], [n for _, n in kept]
+        index = torch.tensor(rows, device=logits.device)
+        lp = torch.log_softmax(logits[index].float(), dim=-1)
+        chosen = lp.gather(-1, torch.tensor([[tokens[r]] for r in rows],
+                                            device=logits.device))[:, 0].tolist()
+        k = min(max(nums), lp.shape[-1])
+        if k > 0:
+            top_vals, top_ids = lp.topk(k, dim=-1)  # sorted, most likely first
+            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        out = {}
+        for j, (r, n) in enumerate(zip(rows, nums)):
+            top = tuple(zip(top_ids[j][:n], top_vals[j][:n])) if n > 0 else ()
+            out[r] = (chosen[j], top)
+        return out
 
     def _next_index(self, request_id: str) -> int:
         index = self._num_draws.get(request_id, 0)

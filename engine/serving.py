@@ -299,4 +299,4 @@ def token_event(worker: str, out: TokenOutput, **stamps: float) -> WorkerEvent:
     return WorkerEvent(TOKEN, out.request_id, worker, out.time_s, token_id=out.token_id,
                        index=out.index,
                        finish_reason=out.finish_reason.value if out.finish_reason else None,
-                       stamps=stamps)
+                       stamps=stamps, logprob=out.logprob, top_logprobs=out.top_logprobs)

@@ -25,9 +25,17 @@ A request's life:
    requests aborted as soon as ASGI reports the disconnect: the router aborts them on every
    worker, which free their KV.
 
-Not supported (400 naming the field): ``logprobs`` / ``top_logprobs`` (the sampler returns
-token ids only), ``echo``, ``suffix``, ``best_of`` > n, penalties other than 0, ``logit_bias``,
-tools. ``temperature`` defaults to 1.0 as in OpenAI's API.
+Logprobs: completions ``logprobs: N`` (0..20) returns per choice ``logprobs: {"tokens",
+"token_logprobs", "top_logprobs": [{text: logprob}, ...], "text_offset"}``; chat
+``logprobs: true`` with ``top_logprobs: N`` (0..20) returns ``logprobs: {"content": [{"token",
+"logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``; streamed chunks carry
+the entries of their token. One entry per completion token (``usage.completion_tokens``), the
+first included (in disaggregated placements it comes from the prefill worker). Values are raw
+logprobs: ``log_softmax`` of the model's logits before temperature / top-k / top-p (vLLM's
+default). ``top_logprobs`` without ``logprobs: true`` is refused (400).
+
+Not supported (400 naming the field): ``echo``, ``suffix``, ``best_of`` > n, penalties other
+than 0, ``logit_bias``, tools. ``temperature`` defaults to 1.0 as in OpenAI's API.
 
 ``/metrics`` (Prometheus text format, ``prometheus_client``): vLLM's metric names with the
 ``pdlab:`` prefix (``pdlab:time_to_first_token_seconds``, ``pdlab:inter_token_latency_seconds``,
@@ -61,7 +69,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import metrics as m
 from engine.metrics import RequestRecord
-from engine.request import Request, SamplingParams
+from engine.request import MAX_LOGPROBS, Request, SamplingParams
 from experiments.http_config import LOOPBACK
 from experiments.text import ByteText, HFText, TextStream
 from router.router import FINISH, Router, StreamEvent
@@ -101,7 +109,7 @@ class _Sampling(_Body):
 
 class CompletionBody(_Sampling):
     prompt: str | Annotated[list[int], Field(min_length=1)]
-    logprobs: None = None  # not supported: any value but null is refused
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # top-N per token
     echo: Literal[False] = False
 
 
@@ -114,8 +122,8 @@ class ChatMessage(_Body):
 class ChatBody(_Sampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-    logprobs: Literal[False] = False  # not supported
-    top_logprobs: None = None  # not supported
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # needs logprobs
 
 
 class BadRequest(Exception):
@@ -141,7 +149,7 @@ def _validation_error(err: ValidationError) -> BadRequest:
     param = ".".join(path[:3]) if path and path[0] == "messages" else (path[0] if path else None)
     if first["type"] == "extra_forbidden":
         return BadRequest(f"unknown field {param!r}", param)
-    if param in ("logprobs", "top_logprobs", "echo", "presence_penalty", "frequency_penalty"):
+    if param in ("echo", "presence_penalty", "frequency_penalty"):
         return BadRequest(f"{param} is not supported by pdlab serve (only its default)", param)
     return BadRequest(f"{param}: {first['msg']}", param)
 
@@ -249,6 +257,10 @@ class _Choice:
     error: str | None = None
     finished: bool = False  # the router's finish event came
     pieces: list[str] = field(default_factory=list)
+    # logprobs: one (token_id, logprob, ((token_id, logprob), ...)) per completion token
+    entries: list[tuple] = field(default_factory=list)
+    num_sent: int = 0  # entries already streamed
+    text_offset: int = 0  # completions, streamed: text offset of the next entry
 
 
 class OpenAIServer:
@@ -361,6 +373,12 @@ class OpenAIServer:
         bad = [t for t in body.stop_token_ids if t >= vocab]
         if bad:
             raise BadRequest(f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
+        if chat:
+            if body.top_logprobs is not None and not body.logprobs:
+                raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
         requests = []
         for i in range(body.n):
             try:
@@ -368,7 +386,8 @@ class OpenAIServer:
                     max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                     top_k=max(0, body.top_k),
                     seed=None if body.seed is None else body.seed + i,
-                    stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos)
+                    stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
+                    logprobs=logprobs)
             except ValueError as err:
                 raise BadRequest(str(err), str(err).split(" ", 1)[0]) from None
             requests.append(Request(f"{base_id}-{i}", tuple(prompt), sampling))
@@ -440,6 +459,8 @@ class _Call:
         if choice.finish_reason is not None:  # tokens relayed after a stop string matched
             return None
         delta, stopped = choice.text.add(event.token_id)
+        if event.logprob is not None:
+            choice.entries.append((event.token_id, event.logprob, event.top_logprobs))
         if stopped:
             choice.finish_reason = "stop"
             self.server.router.abort(choice.request_id)  # frees its KV on every worker
@@ -518,11 +539,12 @@ class _Call:
         out = []
         for c in sorted(self.choices.values(), key=lambda c: c.index):
             text = "".join(c.pieces)
+            logprobs = self._logprobs(c.entries)
             if self.chat:
                 out.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                            "logprobs": None, "finish_reason": c.finish_reason})
+                            "logprobs": logprobs, "finish_reason": c.finish_reason})
             else:
-                out.append({"index": c.index, "text": text, "logprobs": None,
+                out.append({"index": c.index, "text": text, "logprobs": logprobs,
                             "finish_reason": c.finish_reason})
         return JSONResponse({"id": self.id, "object": self.object, "created": self.created,
                              "model": self.server.model_name, "choices": out,
@@ -536,18 +558,65 @@ class _Call:
         if choice is None:  # the usage chunk
             chunk.update(choices=[], usage=self.usage())
         else:
+            entries, choice.num_sent = choice.entries[choice.num_sent:], len(choice.entries)
+            logprobs = self._logprobs(entries, choice.text_offset) if entries else None
+            if entries and not self.chat:
+                choice.text_offset += sum(len(self._token_text(e[0])) for e in entries)
             if self.chat:
                 body: dict[str, Any] = {"index": choice.index,
                                         "delta": ({"role": "assistant", "content": delta} if first
                                                   else {"content": delta}),
-                                        "logprobs": None}
+                                        "logprobs": logprobs}
             else:
-                body = {"index": choice.index, "text": delta, "logprobs": None}
+                body = {"index": choice.index, "text": delta, "logprobs": logprobs}
             body["finish_reason"] = choice.finish_reason
             chunk["choices"] = [body]
             if include_usage:
                 chunk["usage"] = None
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
+
+    def _token_text(self, token_id: int) -> str:
+        return self.server.text.decode([token_id])
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        if isinstance(self.server.text, ByteText):
+            return [token_id] if 0 <= token_id < 256 else []
+        return list(self._token_text(token_id).encode("utf-8"))
+
+    def _logprobs(self, entries: list[tuple], text_offset: int = 0) -> dict | None:
+        """OpenAI's ``logprobs`` object of some completion tokens (None when off): chat's
+        ``{"content": [...]}`` or completions' ``{"tokens", "token_logprobs",
+        "top_logprobs", "text_offset"}`` (offsets into the completion text, from
+        ``text_offset``)."""
+        if self._logprobs_off:
+            return None
+        if self.chat:
+            def item(tid: int, lp: float) -> dict:
+                return {"token": self._token_text(tid), "logprob": lp,
+                        "bytes": self._token_bytes(tid)}
+            return {"content": [{**item(tid, lp),
+                                 "top_logprobs": [item(t, v) for t, v in top]}
+                                for tid, lp, top in entries]}
+        tokens = [self._token_text(tid) for tid, _, _ in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [self._top_dict(top) for _, _, top in entries],
+                "text_offset": offsets}
+
+    def _top_dict(self, top: tuple) -> dict[str, float]:
+        """Completions' ``{text: logprob}``; tokens with the same text keep the most likely
+        one's value (the pairs come most likely first)."""
+        out: dict[str, float] = {}
+        for token_id, value in top:
+            out.setdefault(self._token_text(token_id), value)
+        return out
+
+    @property
+    def _logprobs_off(self) -> bool:
+        return not self.body.logprobs if self.chat else self.body.logprobs is None
 
     async def sse(self, http: HTTPRequest) -> AsyncIterator[str]:
         """Server-sent events; a client gone (its ``http.disconnect``, or a failed send)

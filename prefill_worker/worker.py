@@ -205,7 +205,8 @@ class PrefillWorker(EngineLoop):
                               index=0, kv_handles=tuple(handles),
                               kv_bytes=sum(h.num_bytes for h in handles),
                               kv_put_s=sum(h.put_s for h in handles),
-                              stamps=first.stamps))
+                              stamps=first.stamps, logprob=out.logprob,
+                              top_logprobs=out.top_logprobs))
 
     def _put_layers(self, layer: int, batch: ScheduledBatch) -> None:
         """After ``layer``: put the finished layer range of every prompt completing now

@@ -118,6 +118,9 @@ class StreamEvent:
             can end its response with that token.
         error: why it failed (``finish`` with reason ``error``), else None.
         record: the request's finished ``RequestRecord`` (``finish``).
+        logprob, top_logprobs: the token's raw logprob and its top ``(token_id, logprob)``
+            pairs (``token`` events of requests with ``SamplingParams.logprobs``; the first
+            token's come with the prefill worker's ``prefilled`` event), else None / ().
     """
 
     request_id: str
@@ -128,6 +131,8 @@ class StreamEvent:
     finish_reason: str | None = None
     error: str | None = None
     record: RequestRecord | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class TokenStream:
@@ -522,7 +527,8 @@ class Router:
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
             self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
                                    token_id=event.token_id, index=len(record.output_token_ids) - 1,
-                                   finish_reason=event.finish_reason))
+                                   finish_reason=event.finish_reason, logprob=event.logprob,
+                                   top_logprobs=event.top_logprobs))
             if event.finish_reason is not None:
                 self._finish(flight, finish_reason=event.finish_reason)
             elif event.kind == ev.PREFILLED:

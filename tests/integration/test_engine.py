@@ -232,3 +232,50 @@ def test_smollm2_greedy_matches_generate(smollm2):
     for i, p in enumerate(prompts):
         assert outputs[f"r{i}"] == reference_generate(smollm2.model, p, 16)
     assert engine.is_empty()
+
+
+def test_logprobs_equal_log_softmax_of_transformers_logits(tiny, references):
+    """Greedy with logprobs: the sampled token is the argmax, its logprob the max
+    log-probability, the top-N sorted descending, all equal to ``torch.log_softmax`` of
+    transformers' own forward logits at each position (raw logprobs)."""
+    prompts, expected = references
+    n = 5
+    engine = Engine(tiny, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16))
+    requests = make_requests(prompts[:4], logprobs=n) + [
+        Request("plain", tuple(prompts[4]), SamplingParams(max_tokens=12))]
+    for r in requests:
+        engine.add_request(r)
+    outs = {r.request_id: [] for r in requests}
+    while engine.has_unfinished():
+        for out in engine.step():
+            outs[out.request_id].append(out)
+    assert all(o.logprob is None and o.top_logprobs == () for o in outs["plain"])
+    for i in range(4):
+        got = outs[f"r{i}"]
+        assert [o.token_id for o in got] == expected[i]
+        ids = torch.tensor([prompts[i] + expected[i]])
+        with torch.inference_mode():
+            logits = tiny.model(ids).logits[0, len(prompts[i]) - 1:-1].float()
+        want = torch.log_softmax(logits, dim=-1)
+        for pos, o in enumerate(got):
+            top_vals, top_ids = want[pos].topk(n)
+            assert o.token_id == int(want[pos].argmax())
+            assert abs(o.logprob - float(want[pos].max())) < 1e-5
+            assert abs(o.logprob - float(want[pos, o.token_id])) < 1e-5
+            values = [v for _, v in o.top_logprobs]
+            assert values == sorted(values, reverse=True) and len(values) == n
+            assert o.top_logprobs[0][0] == o.token_id
+            assert values == pytest.approx(top_vals.tolist(), abs=1e-5)
+            assert [t for t, _ in o.top_logprobs] == top_ids.tolist()
+
+
+def test_logprobs_zero_gives_the_token_logprob_only(tiny, references):
+    prompts, _ = references
+    engine = Engine(tiny, EngineConfig(max_model_len=64), quiet=True)
+    engine.add_request(Request("z", tuple(prompts[0]), SamplingParams(max_tokens=3, logprobs=0,
+                                                                      temperature=0.8, seed=1)))
+    got = []
+    while engine.has_unfinished():
+        got.extend(engine.step())
+    assert len(got) == 3 and all(o.logprob is not None and o.logprob <= 0 for o in got)
+    assert all(o.top_logprobs == () for o in got)

@@ -4,6 +4,8 @@ UTF-8 byte), reached over real HTTP on a loopback port.
 - The official ``openai`` client, streaming and not: greedy text equal to transformers
   ``generate()``'s tokens decoded, exact usage, one chunk per token, the usage chunk last.
 - Stop strings across tokens, stop_token_ids, n, chat template.
+- Logprobs (completions and chat, streamed and not): one entry per completion token, the
+  first included in disagg:1p1d, equal to a bare engine's.
 - Every bad input of the issue gets its status and the field named, and the next request
   is still served with the exact greedy output.
 - A client that disconnects mid-stream has its KV freed on every worker within a second.
@@ -230,15 +232,18 @@ BAD = [  # (name, body bytes, status, param)
     ("token outside the vocabulary", {"prompt": [5, 999]}, 400, "prompt"),
     ("stop_token_ids outside the vocabulary", {"prompt": [5], "stop_token_ids": [999]}, 400,
      "stop_token_ids"),
-    ("logprobs", {"prompt": [5], "logprobs": 2}, 400, "logprobs"),
+    ("logprobs over 20", {"prompt": [5], "logprobs": 21}, 400, "logprobs"),
+    ("logprobs < 0", {"prompt": [5], "logprobs": -1}, 400, "logprobs"),
     ("unknown model", {"prompt": [5], "model": "gpt-9"}, 404, "model"),
 ]
 CHAT_BAD = [
     ("no messages", {"messages": []}, 400, "messages"),
     ("unknown role", {"messages": [{"role": "robot", "content": "x"}]}, 400, "messages.0.role"),
     ("content a number", {"messages": [{"role": "user", "content": 3}]}, 400, "messages.0.content"),
-    ("top_logprobs", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, 400,
-     "top_logprobs"),
+    ("top_logprobs without logprobs", {"messages": [{"role": "user", "content": "x"}],
+                                       "top_logprobs": 2}, 400, "top_logprobs"),
+    ("top_logprobs over 20", {"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
 ]
 
 
@@ -259,6 +264,68 @@ def test_bad_input_is_refused_naming_the_field_and_hurts_nobody(server, tiny, en
         assert param.split(".")[0] in error["message"] or param == "model", error
     assert_next_request_exact(url, tiny)
     assert_clean(dep)
+
+
+# ---- logprobs ---------------------------------------------------------------------------
+
+def _engine_logprobs(tiny, prompt: list[int], max_tokens: int, n: int) -> list[tuple]:
+    """(token, logprob, top) per output token of a greedy request on a bare engine."""
+    from engine.engine import Engine
+    from engine.request import Request, SamplingParams
+    engine = Engine(tiny, EngineConfig(max_model_len=128), quiet=True)
+    engine.add_request(Request("x", tuple(prompt), SamplingParams(max_tokens=max_tokens,
+                                                                 logprobs=n)))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return [(o.token_id, o.logprob, o.top_logprobs) for o in outs]
+
+
+def test_logprobs_completions_and_chat_equal_the_engine(server, client, tiny):
+    """Every token, the first included (sampled on the prefill worker in disagg:1p1d), has
+    its logprob; greedy: it is the max of its top list; values equal a bare engine's."""
+    prompt, n = random_prompts([7], seed=3)[0], 3
+    want = _engine_logprobs(tiny, prompt, 6, n)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                      logprobs=n)
+    lp = reply.choices[0].logprobs
+    assert len(lp.token_logprobs) == reply.usage.completion_tokens == len(want)
+    assert lp.tokens == [BYTES.decode([t]) for t, _, _ in want]
+    assert lp.text_offset == list(range(len(want)))  # one character per byte token
+    for got, top, (_, value, want_top) in zip(lp.token_logprobs, lp.top_logprobs, want):
+        assert len(top) <= n and got == pytest.approx(max(top.values()), abs=1e-6)
+        assert got == pytest.approx(value, abs=1e-5)
+        want_dict = {}  # byte tokens >= 128 all read U+FFFD: the most likely one's value
+        for t, v in want_top:
+            want_dict.setdefault(BYTES.decode([t]), v)
+        assert top == pytest.approx(want_dict, abs=1e-5)
+    chunks = [c for c in client.completions.create(model="tiny", prompt=prompt, max_tokens=6,
+                                                   temperature=0, logprobs=n, stream=True)
+              if c.choices]
+    streamed = [v for c in chunks for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx([v for _, v, _ in want], abs=1e-5)
+
+    messages = [{"role": "user", "content": "hi"}]
+    want = _engine_logprobs(tiny, BYTES.encode_chat(messages), 5, n)
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5,
+                                           temperature=0, logprobs=True, top_logprobs=n)
+    content = reply.choices[0].logprobs.content
+    assert len(content) == reply.usage.completion_tokens == len(want)
+    for entry, (token, value, want_top) in zip(content, want):
+        assert entry.bytes == [token] and entry.logprob == pytest.approx(value, abs=1e-5)
+        assert [t.bytes[0] if t.bytes else None for t in entry.top_logprobs] == \
+            [t if t < 256 else None for t, _ in want_top]
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
+        assert [t.logprob for t in entry.top_logprobs] == pytest.approx(
+            [v for _, v in want_top], abs=1e-5)
+    chunks = [c for c in client.chat.completions.create(
+        model="tiny", messages=messages, max_tokens=5, temperature=0, logprobs=True,
+        top_logprobs=n, stream=True) if c.choices and c.choices[0].logprobs]
+    streamed = [e.logprob for c in chunks for e in c.choices[0].logprobs.content]
+    assert streamed == pytest.approx([v for _, v, _ in want], abs=1e-5)
+    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 # ---- disconnects ------------------------------------------------------------------------

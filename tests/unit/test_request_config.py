@@ -38,6 +38,10 @@ def raises_naming(fn, *words):
     ({"top_p": 1.5}, ("top_p", "(0, 1]", "1.5")),
     ({"top_p": -0.1}, ("top_p", "(0, 1]")),
     ({"top_p": math.nan}, ("top_p", "(0, 1]")),
+    ({"logprobs": 21}, ("logprobs", "[0, 20]", "21")),
+    ({"logprobs": -1}, ("logprobs", "[0, 20]", "-1")),
+    ({"logprobs": 2.0}, ("logprobs", "integer")),
+    ({"logprobs": True}, ("logprobs", "integer")),
 ])
 def test_sampling_params_rejects_out_of_range(kwargs, words):
     raises_naming(lambda: SamplingParams(**kwargs), *words)
@@ -49,6 +53,8 @@ def test_sampling_params_accepts_edges_and_normalizes_stop_tokens():
     assert p.stop_token_ids == (5, 7) and isinstance(p.stop_token_ids, tuple)
     q = SamplingParams(temperature=0.5, top_p=1e-6, top_k=1)
     assert not q.is_greedy and q.top_p == 1e-6
+    assert SamplingParams().logprobs is None
+    assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(logprobs=20).logprobs == 20
 
 
 # ---- Request -------------------------------------------------------------------------------

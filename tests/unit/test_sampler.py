@@ -166,3 +166,24 @@ def test_draw_of_token_i_does_not_depend_on_who_drew_earlier_tokens():
     split = prefill.sample(flat, ["r"], params, [0]) + \
         [decode.sample(flat, ["r"], params, [i])[0] for i in range(1, 6)]
     assert split == whole and len(set(whole)) == 6
+
+
+def test_logprobs_are_raw_log_softmax_of_the_asking_rows_only():
+    """Raw logprobs: log_softmax of the logits before temperature / top-k / top-p; only the
+    rows that asked are computed; the top list is sorted, most likely first."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=0.7, top_k=3, seed=1, logprobs=4),
+              SamplingParams(), SamplingParams(logprobs=0)]
+    tokens = Sampler().sample(logits, ["a", "b", "c"], params)
+    out = Sampler.logprobs(logits, [0, 2], tokens, [4, 0])
+    assert set(out) == {0, 2}
+    want = torch.log_softmax(logits, dim=-1)
+    for row in (0, 2):
+        value, top = out[row]
+        assert abs(value - float(want[row, tokens[row]])) < 1e-6
+        assert len(top) == (4 if row == 0 else 0)
+    values, ids = want[0].topk(4)
+    assert [t for t, _ in out[0][1]] == ids.tolist()
+    assert [v for _, v in out[0][1]] == sorted((v for _, v in out[0][1]), reverse=True)
+    assert max(abs(v - w) for (_, v), w in zip(out[0][1], values.tolist())) < 1e-6
+    assert Sampler.logprobs(logits, [1], [None, None, None], [3]) == {}  # failed rows skipped
