@@ -569,9 +569,17 @@ def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = N
         c, d = pairs[0] if pairs else (colo[0], disagg[0])
         ratio = c["tpot_p99_s"] / d["tpot_p99_s"] if d["tpot_p99_s"] > 0 else math.nan
         ratio_txt = "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
-        effect = ("disaggregation removed prefill-decode interference" if ratio > 1 else
-                  "disaggregation did not lower the decode tail here: its decode workers "
-                  "carry every decode" if ratio <= 1 else "")
+        separated = overlap_fraction(c, d, "tpot_p99_s") < 0  # NaN (one seed): not separated
+        if ratio > 1 and separated:
+            effect = "disaggregation removed prefill-decode interference"
+        elif ratio > 1:
+            effect = ("lower with disaggregation, but the 95% intervals overlap: not shown "
+                      "to remove interference at this rate")
+        elif ratio <= 1:
+            effect = ("disaggregation did not lower the decode tail here: its decode workers "
+                      "carry every decode")
+        else:
+            effect = ""
         lines.append(f"At {top['rate'].max():g} req/s, TPOT p99: {c['placement']} "
                      f"{_with_ci(c, 'tpot_p99_s')} vs {d['placement']} {_with_ci(d, 'tpot_p99_s')}, "
                      f"colocated/disagg = {ratio_txt}" + (f" ({effect})." if effect else "."))

@@ -404,8 +404,11 @@ def environment(model: ModelConfig, devices: tuple[str, ...]) -> dict:
 
 
 def _tagged(results: list[RunResult], attr: str) -> pd.DataFrame:
-    return pd.DataFrame([{"placement": r.placement, "rate": r.rate, "seed": r.seed, **row}
-                         for r in results for row in getattr(r, attr)])
+    """One row per step/transfer, tagged with its run; never column-less (a run without
+    any still writes a header that ``pd.read_csv`` reads as an empty table)."""
+    rows = [{"placement": r.placement, "rate": r.rate, "seed": r.seed, **row}
+            for r in results for row in getattr(r, attr)]
+    return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["placement", "rate", "seed"])
 
 
 def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SLO,

@@ -66,6 +66,9 @@ def test_bench_writes_the_results_directory_that_analysis_reads(url, tmp_path):
     assert np.allclose(offsets, [t.arrival_s - timed[0].arrival_s for t in timed], atol=1e-6)
     summary = pd.read_csv(out / "summary.csv")
     assert list(summary["placement"]) == ["pdlab@colocated:1"]
+    for name in ("steps.csv", "transfers.csv"):  # a client sees no worker steps: header only
+        table = pd.read_csv(out / name)
+        assert table.empty and list(table.columns) == ["placement", "rate", "seed"]
     assert summary["num_requests"][0] == 6 and summary["num_failed"][0] == 0
     # the same definitions: the summary is engine.metrics over the records read back
     seeds = pd.read_csv(out / "summary_seeds.csv")

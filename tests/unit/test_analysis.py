@@ -259,6 +259,15 @@ def test_verdict_names_a_winner_only_where_intervals_separate():
     assert a.overlap_fraction(df.iloc[0], df.iloc[1], "slo_attainment") == 1.0
 
 
+def test_interference_is_called_removed_only_where_the_tpot_intervals_separate():
+    separate = summary_rows((0.9, 0.8, 1.0), (0.9, 0.8, 1.0), (0.2, 0.15, 0.25), (0.1, 0.08, 0.12))
+    assert "2.00x (disaggregation removed prefill-decode interference)" in a.verdict(separate, SLO_)
+    overlap = summary_rows((0.9, 0.8, 1.0), (0.9, 0.8, 1.0), (0.36, 0.24, 0.38), (0.34, 0.16, 0.51))
+    text = a.verdict(overlap, SLO_)
+    assert "removed" not in text
+    assert "1.06x (lower with disaggregation, but the 95% intervals overlap" in text
+
+
 def test_verdict_lines_with_numbers():
     df = a.summary_table(runs(), SLO_)
     gp = a.goodput_table(runs(), SLO_, 2, num_boot=100)
