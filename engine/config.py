@@ -141,8 +141,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     kv_capacity_tokens: int | None = field(default=None, metadata={"min": 2})
     block_size: int = field(default=16, metadata={"min": 1})
-    kv_cache_memory_gb: float | None = field(default=None, metadata={"gt": 0})
-    gpu_memory_utilization: float = field(default=0.9, metadata={"gt": 0})
+    kv_cache_memory_gb: float | None = field(default=None, metadata={
+        "gt": 0, "help": "KV cache budget per engine in GiB (unset: 4 GiB on CPU; on CUDA "
+                         "--gpu-memory-utilization of the device)"})
+    gpu_memory_utilization: float = field(default=0.9, metadata={
+        "gt": 0, "help": "CUDA only, with no --kv-cache-memory-gb: fraction of the device's "
+                         "memory for weights + KV, in (0, 1]"})
     device: str = field(default="cpu", metadata={"pattern": r"cpu|cuda(:\d+)?",
                                                  "hint": "'cpu' or 'cuda[:i]'"})
 

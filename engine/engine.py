@@ -15,7 +15,7 @@ A step:
    the KV blocks of finished requests.
 
 The KV cache is paged (``engine.kv_cache``): ``num_blocks`` blocks of ``block_size`` tokens
-sized by a memory budget, printed at start-up as ``KV cache: N blocks = T tokens = X GB``.
+sized by a memory budget, printed at start-up as ``KV cache: N blocks = T tokens = X GiB``.
 
 Bad input is refused in ``add_request`` / ``add_remote`` with a ``ValueError`` and never
 reaches a forward; a forward that fails turns that step's requests into errors
@@ -84,7 +84,7 @@ class Engine:
         self.scheduler = Scheduler(self.config, loaded.eos_token_ids, num_kv_blocks=num_blocks)
         if not quiet:
             print(f"pdlab: KV cache: {num_blocks} blocks = {self.kv_store.num_tokens} tokens = "
-                  f"{self.kv_store.num_bytes / GIB:.3g} GB (GiB; budget "
+                  f"{self.kv_store.num_bytes / GIB:.3g} GiB (budget "
                   f"{budget_bytes / GIB:.3g} GiB, block {self.config.block_size} tokens)",
                   file=sys.stderr)
         self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)

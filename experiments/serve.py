@@ -64,6 +64,7 @@ from typing import Annotated, Any, Literal
 import uvicorn
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -287,6 +288,15 @@ class OpenAIServer:
         self.app.get("/v1/models")(self.models)
         self.app.get("/health")(self.health)
         self.app.get("/metrics")(self.prometheus)
+        # routing errors (unknown path 404, wrong method 405) in OpenAI's error shape too
+        self.app.exception_handler(StarletteHTTPException)(self._http_error)
+
+    @staticmethod
+    async def _http_error(request, exc: StarletteHTTPException) -> JSONResponse:
+        reply = error_response(BadRequest(f"{request.method} {request.url.path}: {exc.detail}",
+                                          None, exc.status_code))
+        reply.headers.update(exc.headers or {})  # e.g. Allow: POST on a 405
+        return reply
 
     async def _lifespan(self, app: FastAPI):
         self.router.start()

@@ -291,8 +291,15 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
                             f"{x.model.model} on {x.plan.devices} x {x.profile.device_kind}; SLO "
                             f"TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s")
     print(f"\nsimulated {total} runs ({int(runs['num_requests'].sum())} requests) in {wall_s:.1f} s "
-          f"(simulator alone {runs['sim_s'].sum():.1f} s)\n")
+          f"over {x.plan.num_jobs} process(es) (simulator time summed over runs "
+          f"{runs['sim_s'].sum():.1f} s)\n")
     print(_console(ranked))
+    ceiling = ranked.loc[ranked["at_sweep_top"], "candidate"].tolist()
+    warning = (f"Warning: {', '.join(ceiling)} still met the SLO target at the highest swept "
+               "rate, so their goodput is a lower bound set by the sweep, not a capacity: "
+               "rerun with higher --rates." if ceiling else "")
+    if warning:
+        print("\n" + warning)
     text = [f"# pdlab plan: {x.model.model} on {x.plan.devices} devices", "",
             f"SLO TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s; rates {rates} req/s; "
             f"{x.spec.num_requests} requests x seeds {x.spec.seed_list}; profile "
@@ -300,7 +307,8 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
             "and transfer times).", "", "Goodput per device: DistServe's definition (highest "
             "swept rate with >= 90% SLO attainment there and at every lower rate, over the "
             "placement's devices), on the mean-over-seeds curve; seed min/max beside it.", "",
-            markdown_table(ranked), "", f"![attainment]({plot.name})", ""]
+            markdown_table(ranked), "", *([warning, ""] if warning else []),
+            f"![attainment]({plot.name})", ""]
     if x.plan.validate:
         text += _validate(x, rates)
     (x.out / "plan.md").write_text("\n".join(text))

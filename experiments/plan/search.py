@@ -239,7 +239,8 @@ def refine_rates(runs: pd.DataFrame, num_points: int = 3,
 
 RANK_COLUMNS = ["rank", "candidate", "placement", "chunk_budget", "num_devices",
                 "goodput_per_device_req_s", "goodput_seed_min", "goodput_seed_max",
-                "goodput_rate", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
+                "goodput_rate", "at_sweep_top", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
+                "tpot_p99_s"]
 
 
 def rank(runs: pd.DataFrame) -> pd.DataFrame:
@@ -249,7 +250,9 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
     (``analysis.goodput_per_device``: the highest swept rate with >= 90% attainment there and
     at every lower rate, over the candidate's devices); ``goodput_seed_min/max`` is the
     spread of the same figure per seed; the latencies are the seed means at ``goodput_rate``
-    (the lowest rate when even it misses). Ties keep the candidates' order.
+    (the lowest rate when even it misses). ``at_sweep_top``: the candidate still met the
+    target at its highest swept rate, so its goodput is only a lower bound (sweep higher).
+    Ties keep the candidates' order.
     """
     rows = []
     for label, g in runs.groupby("candidate", sort=False):
@@ -265,6 +268,7 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
                      "chunk_budget": g["chunk_budget"].iloc[0], "num_devices": n_dev,
                      "goodput_per_device_req_s": goodput, "goodput_seed_min": min(per_seed),
                      "goodput_seed_max": max(per_seed), "goodput_rate": at_rate,
+                     "at_sweep_top": bool(goodput > 0 and np.isclose(at_rate, g["rate"].max())),
                      **{c: float(at[c].mean()) for c in ("ttft_p50_s", "ttft_p99_s",
                                                          "tpot_p50_s", "tpot_p99_s")}})
     df = pd.DataFrame(rows)

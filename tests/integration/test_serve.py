@@ -266,6 +266,16 @@ def test_bad_input_is_refused_naming_the_field_and_hurts_nobody(server, tiny, en
     assert_clean(dep)
 
 
+def test_wrong_method_and_unknown_path_get_openai_error_objects(server, tiny):
+    url, dep = server
+    for method, path, status in (("GET", "/v1/completions", 405), ("POST", "/v1/nope", 404)):
+        reply = httpx.request(method, f"{url}{path}", timeout=30)
+        assert reply.status_code == status, reply.text
+        error = reply.json()["error"]
+        assert error["code"] == status and path in error["message"] and error["param"] is None
+    assert_next_request_exact(url, tiny)
+
+
 # ---- logprobs ---------------------------------------------------------------------------
 
 def _engine_logprobs(tiny, prompt: list[int], max_tokens: int, n: int) -> list[tuple]:

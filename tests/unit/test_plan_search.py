@@ -40,6 +40,10 @@ def test_rank_reads_distserve_goodput_per_device_best_first():
     assert list(ranked["goodput_rate"]) == [4, 2, 1]
     assert ranked.loc[0, "ttft_p50_s"] == 4  # latencies at the goodput rate
     assert list(ranked["rank"]) == [1, 2, 3]
+    assert not ranked["at_sweep_top"].any()
+    # a candidate that still meets the target at the top of its sweep is only a lower bound
+    top = search.rank(_runs({"colocated:2": (2, [(1, 0.99), (2, 0.97)])}))
+    assert top.loc[0, "goodput_per_device_req_s"] == 1.0 and bool(top.loc[0, "at_sweep_top"])
 
 
 def test_refine_rates_adds_points_inside_the_bracket_only():
