@@ -70,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{n} simulated requests")
     print(runs.groupby("candidate", sort=False)["sim_s"].agg(["mean", "max"])
           .rename(columns={"mean": "mean s/run", "max": "max s/run"}).to_string())
-    print(f"total {total_s:.1f} s (simulator {runs['sim_s'].sum():.1f} s, metrics the rest): "
+    print(f"total {total_s:.1f} s wall over {jobs} process(es) (simulator time summed over "
+          f"runs {runs['sim_s'].sum():.1f} s): "
           f"{n / total_s:,.0f} requests/s; ~{steps / len(cands):,.0f} steps per run at "
           f"{rates[len(rates) // 2]} req/s; target 60 s -> {total_s / 60:.2f}x of it")
     return 0
