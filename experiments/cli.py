@@ -335,8 +335,9 @@ def check_experiment(args: argparse.Namespace) -> Experiment:
 
 def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
     print(f"pdlab {args.command}: {', '.join(x.placements)} on {','.join(x.devices)}, model "
-          f"{x.model.model}, {x.spec.dataset} x {x.spec.num_requests}, rates {args.rates} req/s"
-          f", max_model_len {x.engine.max_model_len}")
+          f"{x.model.model}, {x.spec.dataset} x {x.spec.num_requests}, rates "
+          + ("from the calibration below" if x.spec.calibrate else f"{args.rates} req/s")
+          + f", max_model_len {x.engine.max_model_len}")
     if model_context_len(x.model) is None:
         print(f"note: the context of model {x.model.model} is known only once it loads; each "
               "engine caps max_model_len at it (the config row records the value asked for)")
