@@ -172,6 +172,15 @@ class _Call:
     request_id: str | None = None
 
 
+
+def _safe_call(sink: Callable[[StreamEvent], None], event: StreamEvent) -> None:
+    """Hand ``event`` to a front end's sink; a sink that raises hears no more (never kills
+    the caller: the router loop, or a thread submitting to a stopped router)."""
+    try:
+        sink(event)
+    except Exception:
+        pass
+
 class Router:
     """Routes requests over prefill/decode workers (disaggregated) or colocated instances.
 
@@ -230,6 +239,8 @@ class Router:
         self._wake: cf.Future = cf.Future()  # set to end the loop's wait early (online)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._closed = False  # the online loop has ended: submits are refused at once
+        self._closed_lock = threading.Lock()
         # (waiting, running) requests, refreshed by the loop each step; read by /metrics
         self.num_waiting = self.num_running = 0
         self.loop_errors = 0  # exceptions the online loop survived (each failed its flights)
@@ -278,8 +289,15 @@ class Router:
         if sink is None:
             stream = TokenStream(request.request_id)
             sink = stream.put
-        self._inbox.put(("submit", request, time.time() if arrived_s is None else arrived_s, sink))
-        self._wake_up()
+        arrived_s = time.time() if arrived_s is None else arrived_s
+        with self._closed_lock:
+            closed = self._closed
+            if not closed:
+                self._inbox.put(("submit", request, arrived_s, sink))
+        if closed:  # nobody drives the loop any more: answer now, on the caller's thread
+            _safe_call(sink, self._refusal(request, arrived_s, "the router is stopped"))
+        else:
+            self._wake_up()
         return stream
 
     def abort(self, request_id: str) -> None:
@@ -298,6 +316,7 @@ class Router:
         if self._thread is not None:
             raise RuntimeError("the router loop is already running")
         self._stopping.clear()
+        self._closed = False
         self._thread = threading.Thread(target=self._serve_forever, name="router-loop", daemon=True)
         self._thread.start()
 
@@ -317,12 +336,25 @@ class Router:
                 self._step(self.poll_s)
             except Exception as err:  # a bug must not leave every client waiting forever
                 self.loop_errors += 1
-                for flight in list(self._flights.values()):
-                    self._finish(flight, error=f"router loop error: {describe_error(err)}")
+                self._fail_all(f"router loop error: {describe_error(err)}")
+        with self._closed_lock:  # from here on submit() refuses; what came before is served
+            self._closed = True
         self._drain_inbox()
-        for flight in list(self._flights.values()):
-            self._finish(flight, error="the router stopped")
+        self._fail_all("the router stopped")
         self._drain()
+
+    def _fail_all(self, error: str) -> None:
+        """End every flight with ``error``; a flight whose ending itself fails (its abort
+        cannot be sent) is still answered and dropped, so the loop never dies here."""
+        for flight in list(self._flights.values()):
+            try:
+                self._finish(flight, error=error)
+            except Exception as err:
+                self.loop_errors += 1
+                self._flights.pop(flight.request.request_id, None)
+                self._emit(self._refusal(flight.request, flight.record.timeline.get(ARRIVED, 0.0),
+                                         f"{error}; ending it failed too: {describe_error(err)}"))
+                self._sinks.pop(flight.request.request_id, None)
 
     def run(self, workload: list[tuple[Request, float]],
             on_finish: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
@@ -338,6 +370,8 @@ class Router:
         """
         if self._thread is not None:
             raise RuntimeError("run() needs the router to itself: stop() the online loop first")
+        with self._closed_lock:  # this thread drives the loop now: submits are served again
+            self._closed = False
         ids = [request.request_id for request, _ in workload]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
@@ -403,13 +437,8 @@ class Router:
                 continue
             _, request, arrived_s, sink = command
             if request.request_id in self._flights:  # refused; the one in flight goes on
-                now, error = time.time(), f"request_id {request.request_id} is already in flight"
-                record = RequestRecord(request.request_id, self.placement,
-                                       num_prompt_tokens=request.num_prompt_tokens,
-                                       finish_reason="error", error=error,
-                                       timeline={ARRIVED: arrived_s, ERROR: now, FINISHED: now})
-                sink(StreamEvent(request.request_id, FINISH, now, finish_reason="error",
-                                 error=error, record=record))
+                _safe_call(sink, self._refusal(
+                    request, arrived_s, f"request_id {request.request_id} is already in flight"))
                 continue
             self._sinks[request.request_id] = sink
             self._dispatch(request, arrived_s)
@@ -544,6 +573,16 @@ class Router:
         flight.kv_owner, flight.kv_handles = event.worker, event.kv_handles
         self._send(decode, "admit", flight.request.request_id, flight.request, event.token_id,
                    event.kv_handles)
+
+    def _refusal(self, request: Request, arrived_s: float, error: str) -> StreamEvent:
+        """The one ``finish`` event of a request that is not (or no longer) served."""
+        now = time.time()
+        record = RequestRecord(request.request_id, self.placement,
+                               num_prompt_tokens=request.num_prompt_tokens,
+                               finish_reason="error", error=error,
+                               timeline={ARRIVED: arrived_s, ERROR: now, FINISHED: now})
+        return StreamEvent(request.request_id, FINISH, now, finish_reason="error", error=error,
+                           record=record)
 
     def _emit(self, event: StreamEvent) -> None:
         sink = self._sinks.get(event.request_id)

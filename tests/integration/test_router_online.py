@@ -97,3 +97,51 @@ def test_a_sink_that_raises_never_stops_the_loop(tiny, deployment):
         router.stop()
     assert record.output_token_ids == expected[good.request_id]
     assert_clean(deployment)
+
+
+def test_a_submit_after_stop_is_answered_at_once(tiny, deployment):
+    router = deployment.router
+    workload, expected = mixed_workload(tiny, num_requests=1)
+    (request, _), = workload
+    router.start()
+    router.stop()
+    stream = router.submit(request)
+    stream.timeout_s = 5.0  # nobody drives the loop: the refusal must already be there
+    record = stream.result()
+    assert record.finish_reason == "error" and "the router is stopped" in record.error
+    records = router.run(workload)  # the replay front end still serves it
+    assert [r.output_token_ids for r in records] == [expected[request.request_id]]
+    assert_clean(deployment)
+
+
+def test_a_loop_error_whose_cleanup_fails_too_still_answers_and_the_loop_lives(tiny, deployment):
+    router = deployment.router
+    workload, expected = mixed_workload(tiny, num_requests=2)
+    (first, _), (second, _) = workload
+    real_finish, real_step = router._finish, router._step
+    broken = {"step": True, "finish": True}
+
+    def step(timeout_s):  # the first step with a flight raises, as a router bug would
+        if router._flights and broken.pop("step", False):
+            raise RuntimeError("router bug")
+        return real_step(timeout_s)
+
+    def finish(flight, *args, **kwargs):  # and ending that flight fails once as well
+        if broken.pop("finish", False):
+            raise RuntimeError("abort could not be sent")
+        return real_finish(flight, *args, **kwargs)
+
+    router._step, router._finish = step, finish
+    router.start()
+    try:
+        stream = router.submit(first)
+        stream.timeout_s = 20.0
+        record = stream.result()
+        assert record.finish_reason == "error" and "ending it failed too" in record.error
+        assert router.loop_errors == 2
+        later = router.submit(second)
+        later.timeout_s = 20.0
+        assert later.result().output_token_ids == expected[second.request_id]  # loop alive
+    finally:
+        router.stop()
+        router._step, router._finish = real_step, real_finish
