@@ -345,6 +345,14 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
                                       x.transfer, ",".join(x.devices), args.address, x.slo,
                                       x.out, args.policy, conditional=x.conditional,
                                       simulate=x.simulate)
+    _print_outcome(summary, verdict, x.out, "requests.jsonl, summary.csv, steps.csv, "
+                   "transfers.csv, report.md, *.png")
+    return 0
+
+
+def _print_outcome(summary, verdict: str, out: Path, files: str) -> None:
+    """The side-by-side table, the verdict, a warning naming failed requests, and where
+    the results went (``run``/``compare`` and ``bench`` alike)."""
     print()
     print(format_table(summary))
     print()
@@ -353,9 +361,7 @@ def _run_experiment(args: argparse.Namespace, x: Experiment) -> int:
     if failed:
         print(f"\nWarning: {failed} request(s) failed; their errors are in requests.jsonl "
               "(column 'error').", file=sys.stderr)
-    print(f"\nResults: {x.out}/ (requests.jsonl, summary.csv, steps.csv, transfers.csv, "
-          "report.md, *.png)")
-    return 0
+    print(f"\nResults: {out}/ ({files})")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -478,15 +484,7 @@ def _bench(args: argparse.Namespace, x: Benching) -> int:
     print(f"pdlab bench: {x.config.label} at {x.config.base_url}, {x.spec.dataset} x "
           f"{x.spec.num_requests}, rates {args.rates} req/s, seeds {x.spec.seed_list}")
     summary, verdict = bench(x.config, x.spec, x.model, x.max_len, args.rates, x.slo, x.out)
-    print()
-    print(format_table(summary))
-    print()
-    print(verdict)
-    failed = int(summary["num_failed"].sum())
-    if failed:
-        print(f"\nWarning: {failed} request(s) failed; their errors are in requests.jsonl "
-              "(column 'error').", file=sys.stderr)
-    print(f"\nResults: {x.out}/ (requests.jsonl, summary.csv, report.md, *.png)")
+    _print_outcome(summary, verdict, x.out, "requests.jsonl, summary.csv, report.md, *.png")
     return 0
 
 
