@@ -352,6 +352,8 @@ class Router:
             except Exception as err:
                 self.loop_errors += 1
                 self._flights.pop(flight.request.request_id, None)
+                for worker in list(flight.charges):  # loads still return to exactly 0
+                    self._discharge(flight, worker)
                 self._emit(self._refusal(flight.request, flight.record.timeline.get(ARRIVED, 0.0),
                                          f"{error}; ending it failed too: {describe_error(err)}"))
                 self._sinks.pop(flight.request.request_id, None)

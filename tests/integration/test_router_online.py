@@ -142,6 +142,7 @@ def test_a_loop_error_whose_cleanup_fails_too_still_answers_and_the_loop_lives(t
         later = router.submit(second)
         later.timeout_s = 20.0
         assert later.result().output_token_ids == expected[second.request_id]  # loop alive
+        assert router.loads == {name: 0 for name in router.loads}  # no charge left behind
     finally:
         router.stop()
         router._step, router._finish = real_step, real_finish
