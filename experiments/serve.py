@@ -9,8 +9,9 @@ A request's life:
 2. The prompt becomes token ids: a string through the model's tokenizer (``/v1/completions``)
    or the messages through its chat template (``/v1/chat/completions``); a list of token
    ids is taken as is (what ``pdlab bench`` sends). Empty prompts, prompts over the context
-   (``prompt + max_tokens > max_model_len``), ids outside the vocabulary and bad sampling
-   values are refused with 400 before anything is queued.
+   (``prompt + max_tokens > max_model_len``) or over a worker's whole KV cache (the router's
+   ``kv_capacity_tokens``; chat's default ``max_tokens`` is what both leave), ids outside
+   the vocabulary and bad sampling values are refused with 400 before anything is queued.
 3. ``n`` choices are ``n`` router requests (ids ``<id>-0`` ...): each prefills on its own
    (no shared prefill across choices); with a ``seed``, choice ``i`` uses ``seed + i`` so
    the choices differ and each is reproducible. ``usage.prompt_tokens`` counts the prompt
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -74,6 +76,8 @@ from engine.request import MAX_LOGPROBS, Request, SamplingParams
 from experiments.http_config import LOOPBACK
 from experiments.text import ByteText, HFText, TextStream
 from router.router import FINISH, Router, StreamEvent
+
+_LOG = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
 MAX_N = 16
@@ -365,18 +369,27 @@ class OpenAIServer:
                              f"{self.model_name!r}", "model", 404, "not_found_error")
         if not prompt:
             raise BadRequest("prompt must not be empty (no tokens)", "messages" if chat else "prompt")
-        context = self.router.max_model_len
+        context, prompt_param = self.router.max_model_len, "messages" if chat else "prompt"
         if len(prompt) >= context:
             raise BadRequest(f"prompt of {len(prompt)} tokens leaves no room for output: the "
-                             f"context is {context} tokens", "messages" if chat else "prompt")
+                             f"context is {context} tokens", prompt_param)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         if max_tokens is None:  # OpenAI: 16 for completions; chat: what the context leaves
-            max_tokens = context - len(prompt) if chat else min(16, context - len(prompt))
+            room = min([context] + [tokens for role, tokens in self.router.kv_capacity_tokens.items()
+                                    if role != "prefill"])  # ... and the KV cache holds
+            max_tokens = max(1, room - len(prompt)) if chat else min(16, context - len(prompt))
         if len(prompt) + max_tokens > context:
             raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) = "
                              f"{len(prompt) + max_tokens} exceeds the context of {context} "
                              "tokens", param)
+        for role, capacity in self.router.kv_capacity_tokens.items():  # as Router.validate
+            needs = len(prompt) + (1 if role == "prefill" else max_tokens)
+            if needs > capacity:
+                raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) "
+                                 f"needs {needs} KV tokens, more than a {role} worker's whole "
+                                 f"KV cache ({capacity} tokens)",
+                                 param if len(prompt) < capacity else prompt_param)
         vocab = self.router.vocab_size
         if max(prompt) >= vocab:
             raise BadRequest(f"prompt token ids must be in [0, {vocab}), got {max(prompt)}", "prompt")
@@ -415,7 +428,10 @@ class OpenAIServer:
 
         def sink(event: StreamEvent) -> None:  # on the router's thread
             if event.kind == FINISH and event.record is not None:
-                self.metrics.observe(event.record)
+                try:  # a metrics fault must not cost the client its answer
+                    self.metrics.observe(event.record)
+                except Exception:  # noqa: BLE001
+                    _LOG.exception("metrics of request %s not recorded", event.request_id)
             loop.call_soon_threadsafe(events.put_nowait, event)
 
         for request in requests:

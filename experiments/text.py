@@ -7,8 +7,10 @@ with stop strings (no torch, no model).
 - ``ByteText`` serves the tiny test models, which have no tokenizer (vocabulary 256): one
   token per UTF-8 byte, and a fixed plain chat template (``BYTE_CHAT_TEMPLATE``). It exists
   so text prompts, stop strings and UTF-8 handling can be tested without a real model.
-- ``TextStream`` turns output token ids into text deltas: it decodes the whole output so far
-  and emits what is new, holding back an incomplete UTF-8 character (decoded as U+FFFD) and
+- ``TextStream`` turns output token ids into text deltas: it decodes the output so far
+  incrementally (vLLM's ``detokenize_incrementally``: only a window from the last point
+  where the text was complete, so a long output costs linear, not quadratic, decoding) and
+  emits what is new, holding back an incomplete UTF-8 character (decoded as U+FFFD) and
   the last ``len(longest stop) - 1`` characters (they may start a stop string that the next
   token completes). A stop string is matched in the text across token boundaries; the text
   ends before it (OpenAI: "the returned text will not contain the stop sequence").
@@ -81,6 +83,11 @@ class TextStream:
         self.stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._ids: list[int] = []
+        # Incremental decoding: the text of ids[:_read] is _stable; ids[_prefix:_read] are
+        # decoded again with each new token so a tokenizer that renders a token by its
+        # neighbours (SentencePiece's leading space) renders it as in the whole output.
+        self._prefix = self._read = 0
+        self._stable = ""
         self._emitted = 0  # characters of the decoded output already returned
         self.stopped = False
         self.full_text = ""
@@ -93,7 +100,7 @@ class TextStream:
         if self.stopped:
             return "", True
         self._ids.append(token_id)
-        decoded = self.text.decode(self._ids)
+        decoded = self._decode_new()
         if self.stop:
             # a stop string can only be new if it ends in the text not yet matched against
             start = max(0, self._emitted - self._hold)
@@ -107,6 +114,19 @@ class TextStream:
         if decoded.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its rest
             end = min(end, len(decoded) - 1)
         return self._take(end), False
+
+    def _decode_new(self) -> str:
+        """The decoded output so far (equal to ``text.decode(all ids)``), decoding only the
+        window ``ids[_prefix:]``; the window moves on once its text is complete (not ending
+        in an incomplete UTF-8 character, U+FFFD)."""
+        prefix_text = self.text.decode(self._ids[self._prefix:self._read])
+        window_text = self.text.decode(self._ids[self._prefix:])
+        tail = window_text[len(prefix_text):]
+        if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
+            self._stable += tail
+            self._prefix, self._read = self._read, len(self._ids)
+            return self._stable
+        return self._stable + tail
 
     def finish(self) -> str:
         """The text still held back (call once, when the request has ended)."""

@@ -229,6 +229,13 @@ class Router:
         self.vocab_size = min(i["vocab_size"] for i in infos)
         # decode load counts whole KV blocks (issue 17): a request holds ceil(tokens / B) blocks
         self.kv_block_size = max(i.get("kv_block_size", 1) for i in infos)
+        # KV tokens the smallest worker of each role can ever hold: a request that needs more
+        # is refused before any prefill runs (validate), not failed by a worker afterwards.
+        capacities: dict[str, list[int]] = {}
+        for w, i in zip(workers, infos):
+            if "kv_capacity_tokens" in i:
+                capacities.setdefault(w.role, []).append(i["kv_capacity_tokens"])
+        self.kv_capacity_tokens = {role: min(c) for role, c in capacities.items()}
         self.loads = {w.name: 0 for w in workers}  # tokens, see policy.py
         self._turns = dict.fromkeys(roles, 0)  # round robin: one rotation per pool
         self._flights: dict[str, _Flight] = {}
@@ -262,13 +269,22 @@ class Router:
 
     # ---- public ----------------------------------------------------------------------
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming the field and its range (Request and SamplingParams have
-        checked their own fields already)."""
+        """Raise ValueError naming the field and its range: the context length, each role's
+        whole KV cache (``kv_capacity_tokens``), the vocabulary (Request and SamplingParams
+        have checked their own fields already)."""
         total = request.num_prompt_tokens + request.sampling.max_tokens
         if total > self.max_model_len:
             raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                              f"({request.sampling.max_tokens}) = {total} exceeds the context "
                              f"length {self.max_model_len}")
+        needs = {"colocated": total, "decode": total, "prefill": request.num_prompt_tokens + 1}
+        for role, capacity in self.kv_capacity_tokens.items():
+            if needs[role] > capacity:
+                raise ValueError(
+                    f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                    f"({request.sampling.max_tokens}) needs {needs[role]} KV tokens, more than "
+                    f"a {role} worker's whole KV cache ({capacity} tokens; raise "
+                    "kv_cache_memory_gb or kv_capacity_tokens)")
         top = max(request.prompt_token_ids)
         if top >= self.vocab_size:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {top}")

@@ -276,6 +276,53 @@ def test_wrong_method_and_unknown_path_get_openai_error_objects(server, tiny):
     assert_next_request_exact(url, tiny)
 
 
+@pytest.mark.parametrize("placement", ["colocated:1", "disagg:1p1d"])
+def test_request_over_the_kv_cache_is_refused_before_prefill(placement, tiny):
+    """KV caches of 48 tokens (3 blocks) under a 128-token context: prompt + max_tokens over
+    48 gets 400 naming max_tokens (a prompt over it alone: naming the prompt) and runs no
+    prefill; chat's default max_tokens fits what the KV cache holds; the next request is
+    exact."""
+    small = EngineConfig(max_num_seqs=16, max_model_len=128, max_num_batched_tokens=64,
+                         kv_capacity_tokens=48)
+    with served(placement, engine=small) as (url, dep):
+        for body, param in (({"prompt": [5] * 20, "max_tokens": 40}, "max_tokens"),
+                            ({"prompt": [5] * 60, "max_tokens": 1}, "prompt")):
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == param and "whole KV cache (48 tokens)" in error["message"]
+        assert dep.step_records() == []  # refused before any worker ran a step
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+            "messages": [{"role": "user", "content": "hi"}], "ignore_eos": True,
+            "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        usage = reply.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 48, usage
+        assert_next_request_exact(url, tiny)
+        assert_clean(dep)
+
+
+def test_a_metrics_fault_is_logged_and_the_answer_still_exact(tiny, monkeypatch, caplog):
+    """/metrics' observe raising on the router's thread: the answer comes back exact and the
+    fault is logged with the request's id (it used to vanish with the router's sink)."""
+    with Deployment(PlacementConfig("colocated:1", "cpu:0"), TINY, ENGINE,
+                    TransferConfig(transport="inprocess", timeout_s=5.0), local=True) as dep:
+        openai_server = OpenAIServer(dep.router, BYTES, "tiny")
+
+        def broken(record):
+            raise RuntimeError("metrics backend down")
+
+        monkeypatch.setattr(openai_server.metrics, "observe", broken)
+        server = ServerThread(openai_server.app).start()
+        try:
+            with caplog.at_level("ERROR", logger="experiments.serve"):
+                assert_next_request_exact(server.url, tiny)
+        finally:
+            server.stop()
+    faults = [r for r in caplog.records if "metrics of request cmpl-" in r.getMessage()]
+    assert len(faults) == 1 and "metrics backend down" in faults[0].exc_text
+
+
 # ---- logprobs ---------------------------------------------------------------------------
 
 def _engine_logprobs(tiny, prompt: list[int], max_tokens: int, n: int) -> list[tuple]:

@@ -343,3 +343,28 @@ def test_decode_death_mid_transfer_gives_the_kv_back_to_its_producer():
     assert "decode worker decode-0 died: actor decode-0 is gone" in record.error
     assert workers["prefill-0"].released == ["kv-r0"]
     assert_drained(router, workers, transport)
+
+
+def test_request_larger_than_a_roles_kv_cache_is_refused_before_any_prefill(monkeypatch):
+    """Decode workers holding 32 KV tokens, the prefill worker 64: 20 + 13 = 33 tokens fails
+    at once (naming the decode cache), before the prefill worker sees it; 20 + 12 runs; a
+    63-token prompt fits the prefill cache (63 + 1) but not decode's."""
+    def info(self):
+        capacity = 64 if self.name.startswith("prefill") else 32
+        return {"kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256,
+                "kv_capacity_tokens": capacity, "kv_block_size": 16}
+
+    monkeypatch.setattr(FakeWorker, "info", info)
+    router, workers, transport = build("disagg:1p2d", prefill_s=0.02)
+    assert router.kv_capacity_tokens == {"prefill": 64, "decode": 32}
+    records = {r.request_id: r for r in router.run([
+        (Request("too-big", tuple(range(3, 23)), SamplingParams(max_tokens=13)), 0.0),
+        (Request("fits", tuple(range(3, 23)), SamplingParams(max_tokens=12)), 0.0)])}
+    assert records["too-big"].error.endswith(
+        "needs 33 KV tokens, more than a decode worker's whole KV cache (32 tokens; raise "
+        "kv_cache_memory_gb or kv_capacity_tokens)"), records["too-big"].error
+    assert records["fits"].error is None
+    assert workers["prefill-0"].submitted == ["fits"]
+    with pytest.raises(ValueError, match="needs 64 KV tokens, more than a decode"):
+        router.validate(Request("p", tuple(range(63)), SamplingParams(max_tokens=1)))
+    assert_drained(router, workers, transport)

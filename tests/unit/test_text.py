@@ -65,3 +65,29 @@ def test_without_stop_strings_the_deltas_join_to_the_decoded_output():
 def test_byte_text_chat_template_is_the_documented_one():
     ids = ByteText().encode_chat([{"role": "user", "content": "hi"}])
     assert bytes(ids).decode() == "<|user|>\nhi\n<|assistant|>\n"
+
+
+class LeadingSpaceText:
+    """SentencePiece-like: a piece starting with "▁" renders as a space, except at the start
+    of what is decoded (so decoding a window differs from decoding the whole output)."""
+
+    def __init__(self, pieces: list[str]) -> None:
+        self.pieces, self.calls = pieces, []
+
+    def decode(self, ids) -> str:
+        self.calls.append(len(ids))
+        return "".join(self.pieces[i] for i in ids).replace("▁", " ").removeprefix(" ")
+
+
+def test_incremental_decoding_equals_the_whole_decode_and_reads_a_short_window():
+    text = LeadingSpaceText(["▁the", "▁cat", "s", "▁sat", "!"])
+    ids = [0, 1, 2, 3, 4] * 200  # 1,000 tokens
+    deltas, _ = run(TextStream(text), ids)
+    assert "".join(deltas) == text.decode(ids)
+    assert max(text.calls[:-1]) <= 2  # each add decodes a window of <= 2 tokens, not all
+
+
+def test_incremental_decoding_of_bytes_with_split_and_invalid_characters():
+    data = list("aé€b".encode()) + [0xFF, 0xC3] + list("ok€".encode())
+    deltas, _ = run(TextStream(ByteText()), data)
+    assert "".join(deltas) == ByteText().decode(data)
