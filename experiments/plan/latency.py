@@ -348,15 +348,23 @@ class DeviceProfile:
 
 def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
     """Median of measured ÷ modelled seconds over real worker steps (dicts with
-    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step record has no per-entry
-    lengths, so the model is evaluated at its token counts with the attention and context
-    terms left out (a lower bound of the modelled time where those terms are non-zero).
-    NaN without steps."""
+    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step rebuilt by
+    ``experiments.plan.diagnose.rebuild_steps`` also carries its batch's
+    ``prefill_tokens, prefill_attention, batch_size, sum_context`` and ``rebuilt``: the
+    model is evaluated on those exactly (a step that could not be rebuilt is skipped). A
+    bare step record has no per-entry lengths, so its model is evaluated at its token
+    counts with the attention and context terms left out (a lower bound of the modelled
+    time where those terms are non-zero, so the ratio comes out high). NaN without steps."""
     step_s = profile.step_time()
     ratios = []
     for st in steps:
-        n_pre, n_dec = int(st["num_prefill_tokens"]), int(st["num_decode_tokens"])
-        modelled = step_s(n_pre, 0, n_dec, 0)
+        if "sum_context" in st:
+            if not st.get("rebuilt", True):
+                continue
+            modelled = step_s(int(st["prefill_tokens"]), int(st["prefill_attention"]),
+                              int(st["batch_size"]), int(st["sum_context"]))
+        else:
+            modelled = step_s(int(st["num_prefill_tokens"]), 0, int(st["num_decode_tokens"]), 0)
         if modelled > 0 and st["duration_s"] > 0:
             ratios.append(st["duration_s"] / modelled)
     return float(np.median(ratios)) if ratios else math.nan

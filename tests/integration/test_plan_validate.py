@@ -34,7 +34,8 @@ def test_validation_writes_per_point_errors(tmp_path):
         profile.transfer("inprocess"), SLO(ttft_s=1.0, tpot_s=0.5), tmp_path,
         devices="cpu:0,cpu:1" if two else "cpu:0", local=True)
     written = pd.read_csv(tmp_path / "validation.csv")
-    assert list(written.columns) == validate.COLUMNS and len(written) == 2 * len(cands)
+    assert list(written.columns) == validate.COLUMNS + validate.OUTCOME_COLUMNS
+    assert len(written) == 2 * len(cands)
     assert set(zip(written["placement"], written["rate"])) == {
         (c.placement, r) for c in cands for r in (5.0, 50.0)}
     for col in ("attainment_err_points", "ttft_p50_rel_err", "ttft_p99_rel_err",
@@ -47,10 +48,21 @@ def test_validation_writes_per_point_errors(tmp_path):
     assert summary["attainment_mae_points"] == written["attainment_err_points"].abs().mean()
     assert summary["measured_first"] in {c.placement for c in cands}
     assert "mean abs error" in validate.summary_text(summary)
+    assert (written["num_requests"] == 6).all()
+    assert summary["num_requests"] == 6 * len(written)
+    assert summary["attainment_resolution_points"] == 100 / 6
+    # |attainment error| is at most the share of requests whose outcome flipped
+    assert (written["attainment_err_points"].abs() <= 100 * written["num_flipped"] / 6 + 1e-9).all()
     assert summary["step_correction"] > 0 and "corrected" in summary
     assert set(summary["step_correction_by_worker"]) >= {"colocated:1 colocated-0"}
+    assert set(summary["step_factor_by_run"]) >= {"colocated:1@5/s0", "colocated:1@50/s0"}
+    steps = pd.read_csv(tmp_path / "validation_steps.csv")
+    assert steps["rebuilt"].all() and (steps["placement"] == "colocated:1").any()
     fixed = pd.read_csv(tmp_path / "validation_corrected.csv")
-    assert list(fixed.columns) == validate.COLUMNS and len(fixed) == len(written)
+    assert list(fixed.columns) == validate.COLUMNS + validate.OUTCOME_COLUMNS
+    assert len(fixed) == len(written)
+    own = summary["step_factor_by_run"]["colocated:1@5/s0"]
+    assert fixed.set_index(["placement", "rate"]).loc[("colocated:1", 5.0), "step_factor"] == own
     assert (fixed["measured_attainment"] == written["measured_attainment"]).all()
     for side, simulated in (("measured", False), ("simulated", True)):
         out = tmp_path / side

@@ -131,3 +131,18 @@ def test_step_correction_is_the_median_of_measured_over_modelled():
              for k, n, b in [(2.0, 64, 0), (3.0, 0, 4), (2.5, 16, 2), (9.0, 0, 1)]]
     assert step_correction(steps, prof) == pytest.approx(2.75)  # median of 2, 2.5, 3, 9
     assert math.isnan(step_correction([], prof))
+
+
+def test_step_correction_models_a_rebuilt_step_on_its_own_batch():
+    """A step carrying its rebuilt batch is modelled with the attention and context terms;
+    the bare token counts would leave them out and read a long-context decode as slower."""
+    pre, dec, mix = fit_step_models(_prefill_points(), _decode_points(), _mixed_points())
+    prof = DeviceProfile("m", "float32", "cpu", "x", 1, 100, pre, dec, mix)
+    step = prof.step_time()
+    batch = {"prefill_tokens": 0, "prefill_attention": 0, "batch_size": 4, "sum_context": 4 * 2000}
+    rebuilt = {"duration_s": 1.5 * step(0, 0, 4, 8000), "num_prefill_tokens": 0,
+               "num_decode_tokens": 4, "rebuilt": True, **batch}
+    assert step_correction([rebuilt], prof) == pytest.approx(1.5)
+    bare = {k: rebuilt[k] for k in ("duration_s", "num_prefill_tokens", "num_decode_tokens")}
+    assert step_correction([bare], prof) > 1.5 * 1.2  # the lower bound it used to be
+    assert math.isnan(step_correction([{**rebuilt, "rebuilt": False}], prof))
