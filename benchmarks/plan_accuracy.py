@@ -104,10 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csv", type=Path, default=None, help="write every real step here")
     parser.add_argument("--rescore", type=Path, default=None,
                         help="score the saved real runs again with this simulator into DIR")
+    parser.add_argument("--step-scale", type=float, default=1.0,
+                        help="with --rescore: the profile's step times x this (pdlab plan --step-scale)")
     args = parser.parse_args(argv)
     if args.rescore:
         profile = DeviceProfile.load(args.profile) if args.profile else DeviceProfile.from_dict(
             load_results(args.out / "simulated")[0]["device_profile"])
+        profile = profile.scaled(args.step_scale)
         errors, summary = rescore(args.out, profile, args.rescore)
         pd.set_option("display.width", 250)
         print(errors.to_string(index=False, float_format="{:.3g}".format))

@@ -342,6 +342,27 @@ class DeviceProfile:
         except (ValueError, TypeError) as err:
             raise ValueError(f"{path}: {err}") from None
 
+    def scaled(self, factor: float) -> DeviceProfile:
+        """This profile with every step time multiplied by ``factor`` (all prefill, decode
+        and mixed coefficients; transfers unchanged; the fits' statistics are the original
+        measurement's). ``notes["step_scale"]`` records the product of the factors applied.
+
+        Raises:
+            ValueError: ``factor`` is not a finite number > 0.
+        """
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"step scale must be a finite number > 0, got {factor!r}")
+        if factor == 1.0:
+            return self
+
+        def times(fit: Fit, n: int) -> Fit:  # the mixed fit's "slopes" weight stays 1
+            return dataclasses.replace(fit, coef=tuple(c * factor if i < n else c
+                                                       for i, c in enumerate(fit.coef)))
+        return dataclasses.replace(
+            self, prefill=times(self.prefill, 3), decode=times(self.decode, 3),
+            mixed=times(self.mixed, 1),
+            notes={**self.notes, "step_scale": self.notes.get("step_scale", 1.0) * factor})
+
     def replace(self, **changes) -> DeviceProfile:
         return dataclasses.replace(self, **changes)
 
@@ -381,6 +402,8 @@ def summary_lines(profile: DeviceProfile) -> list[str]:
              f"decode  step_s = {d[0]:.4g} + {d[1]:.4g}·B + {d[2]:.4g}·Σctx   ({stats(profile.decode)})",
              f"mixed   step_s = {m.coef[0]:.4g} + prefill and decode slopes   "
              f"({stats(m) if m.num_points else 'no mixed points: intercept = the larger one'})"]
+    if profile.notes.get("step_scale", 1.0) != 1.0:
+        lines.append(f"step times above scaled x{profile.notes['step_scale']:.4g} (--step-scale)")
     for name, t in profile.transfers.items():
         fit = f" ({stats(t.fit)})" if t.fit else ""
         lines.append(f"transfer {name}: {t.latency_s:.4g} s + bytes / {t.bandwidth_bytes_s / 1e9:.4g} "

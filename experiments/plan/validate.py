@@ -131,7 +131,8 @@ def step_factors(measured: Sequence[compare.RunResult], profile: DeviceProfile
 def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
                        simulated_goodput: dict[str, float]) -> dict:
     """Mean |attainment error| (points), mean |relative error| per latency, and the placement
-    each side ranks first (ties: the first listed). With ``outcome_table``'s columns also
+    each side ranks first (ties: the first listed); ``first_agrees``: the simulated first is
+    one the measured sweep ranks first (a measured tie at the top accepts either). With ``outcome_table``'s columns also
     the requests compared, those flipped, and the attainment error's resolution (one
     request of the smallest point, in points)."""
     out = {"num_points": len(errors),
@@ -146,6 +147,8 @@ def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
         out["attainment_resolution_points"] = 100.0 / float(errors["num_requests"].min())
     best = lambda g: max(g, key=g.get) if g else None  # noqa: E731
     out["measured_first"], out["simulated_first"] = best(measured_goodput), best(simulated_goodput)
+    out["first_agrees"] = bool(measured_goodput) and (
+        measured_goodput.get(out["simulated_first"]) == max(measured_goodput.values()))
     out["measured_goodput"], out["simulated_goodput"] = measured_goodput, simulated_goodput
     return out
 
@@ -168,7 +171,7 @@ def summary_text(s: dict) -> str:
 def _summary_line(s: dict) -> str:
     lat = ", ".join(f"{c.removesuffix('_s').replace('_', ' ')} {100 * s[c.removesuffix('_s') + '_rel_err_mean_abs']:.1f}%"
                     for c in LATENCIES)
-    agree = "agree" if s["measured_first"] == s["simulated_first"] else "DISAGREE"
+    agree = "agree" if s.get("first_agrees", s["measured_first"] == s["simulated_first"]) else "DISAGREE"
     flips = ""
     if "num_flipped" in s:
         flips = (f" ({s['num_flipped']} of {s['num_requests']} requests flipped; one request "

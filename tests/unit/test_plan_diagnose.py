@@ -95,3 +95,17 @@ def test_outcome_table_counts_the_requests_whose_slo_outcome_flipped():
     t = validate.outcome_table(real, sim, slo)
     assert t.to_dict("records") == [{"placement": "colocated:1", "rate": 0.5, "num_requests": 3,
                                      "num_flipped": 2}]
+
+
+def test_first_placement_agrees_within_a_measured_tie_only():
+    import pandas as pd
+
+    from experiments.plan import validate
+
+    errors = pd.DataFrame({"attainment_err_points": [0.0], **{
+        f"{c.removesuffix('_s')}_rel_err": [0.0] for c in validate.LATENCIES}})
+    tie = validate.validation_summary(errors, {"a": 0.2, "b": 0.2}, {"b": 0.4, "a": 0.2})
+    assert tie["measured_first"] == "a" and tie["simulated_first"] == "b" and tie["first_agrees"]
+    assert "(agree)" in validate.summary_text(tie)
+    apart = validate.validation_summary(errors, {"a": 0.2, "b": 0.1}, {"b": 0.4, "a": 0.2})
+    assert not apart["first_agrees"] and "DISAGREE" in validate.summary_text(apart)
