@@ -77,7 +77,7 @@ class PlanConfig:
     top: int = field(default=3, metadata={"min": 1, "help": "placements plotted and validated"})
     validate: bool = field(default=False, metadata={
         "help": "run the best --top placements for real too and report the simulator's error"})
-    validate_requests: int = field(default=48, metadata={
+    validate_requests: int = field(default=50, metadata={
         "min": 1, "help": "requests per seed in each validation run (one request = 100/N "
                           "attainment points)"})
     step_scale: float = field(default=1.0, metadata={
