@@ -10,7 +10,9 @@ with ``measured/`` and ``simulated/`` results. Printed, per (placement, rate):
    and the loop gap between back-to-back steps (time no step model contains);
 2. the median TTFT parts, measured beside simulated (``diagnose.ttft_parts``);
 3. whether the simulated steps ran the same batches: steps, and the share of the real
-   steps whose (request, tokens) entries a simulated step of that worker ran too.
+   steps whose set of requests a simulated step of that worker ran too;
+4. at the end, over all real runs: the median measured ÷ modelled per wall-clock minute,
+   decode and prompt steps apart (a machine whose speed drifts shows here).
 
 The profile defaults to the one the simulated run recorded (its config line).
 ``--rescore DIR``: ``experiments.plan.validate.score`` again on the saved real runs, with
@@ -88,6 +90,16 @@ def rescore(out: Path, profile: DeviceProfile, dest: Path) -> tuple[pd.DataFrame
                           {k: config[k] for k in ("command",) if k in config})
 
 
+def minute_trace(real: pd.DataFrame) -> pd.DataFrame:
+    """Median measured ÷ modelled ratio and step count per wall-clock minute (UTC) of the
+    rebuilt real steps, decode and prompt (prefill or mixed) steps apart."""
+    t = real[real["rebuilt"] & real["model_s"].gt(0)].copy()
+    t["minute"] = pd.to_datetime(t["start_s"], unit="s").dt.strftime("%H:%M")
+    t["steps"] = np.where(t["kind"] == "decode", "decode", "prompt")
+    return t.pivot_table(index="minute", columns="steps", values="ratio",
+                         aggfunc=["median", "size"])
+
+
 def batches_agree(real: pd.DataFrame, sim: pd.DataFrame) -> float:
     """Share of real steps whose set of entry request ids some simulated step of the same
     worker has too (request ids are the same on both sides)."""
@@ -136,8 +148,12 @@ def main(argv: list[str] | None = None) -> int:
         parts = pd.DataFrame({"measured": diagnose.ttft_parts(measured[key]).median(numeric_only=True),
                               "simulated": diagnose.ttft_parts(simulated.get(key, [])).median(numeric_only=True)})
         print("median TTFT parts (s):\n" + parts.drop(index="num_prompt_tokens").T.to_string(float_format="%.4f"))
-    if args.csv and all_real:
-        pd.concat(all_real).to_csv(args.csv, index=False)
+    if all_real:
+        real = pd.concat(all_real)
+        if args.csv:
+            real.to_csv(args.csv, index=False)
+        print("\nmeasured ÷ modelled per minute (median, steps):")
+        print(minute_trace(real).to_string(float_format="%.3f"))
     return 0
 
 

@@ -64,6 +64,11 @@ def test_validation_writes_per_point_errors(tmp_path):
     own = summary["step_factor_by_run"]["colocated:1@5/s0"]
     assert fixed.set_index(["placement", "rate"]).loc[("colocated:1", 5.0), "step_factor"] == own
     assert (fixed["measured_attainment"] == written["measured_attainment"]).all()
+    # the saved real runs score again to the same figures (the workload rebuilt from records)
+    from benchmarks.plan_accuracy import rescore
+
+    again, _ = rescore(tmp_path, profile, tmp_path / "again")
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / "validation.csv"), written)
     for side, simulated in (("measured", False), ("simulated", True)):
         out = tmp_path / side
         for name in ("requests.jsonl", "summary.csv", "goodput.csv", "report.md", "slo_attainment.png"):
