@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -126,6 +126,19 @@ def step_factors(measured: Sequence[compare.RunResult], profile: DeviceProfile
     return ({k: step_correction(v, profile) for k, v in by_run.items()},
             {k: step_correction(v, profile) for k, v in by_worker.items()},
             step_correction(rows, profile), steps)
+
+
+def with_outcomes(errors: pd.DataFrame, measured: Sequence[compare.RunResult],
+                  simulated: Sequence[compare.RunResult], slo: SLO,
+                  factor_of: Callable[[tuple[str, float, int]], float]) -> pd.DataFrame:
+    """``errors`` (``error_table``) with ``OUTCOME_COLUMNS``: ``outcome_table``'s counts and
+    ``step_factor``, the mean over seeds of ``factor_of((placement, rate, seed))`` (the
+    real runs' measured ÷ modelled step time)."""
+    out = errors.merge(outcome_table(measured, simulated, slo), on=["placement", "rate"], how="left")
+    seeds = sorted({r.seed for r in measured})
+    out["step_factor"] = [float(np.mean([factor_of((p, rate, seed)) for seed in seeds]))
+                          for p, rate in zip(out["placement"], out["rate"])]
+    return out[COLUMNS + OUTCOME_COLUMNS]
 
 
 def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
@@ -271,14 +284,6 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
                                                      res.transfers, res.duration_s, seed))
         return out
 
-    def with_outcomes(errors: pd.DataFrame, simulated: list[compare.RunResult],
-                      scale) -> pd.DataFrame:
-        counts = outcome_table(measured, simulated, slo)
-        out = errors.merge(counts, on=["placement", "rate"], how="left")
-        out["step_factor"] = [float(np.mean([scale((p, rate, seed)) for seed in items]))
-                              for p, rate in zip(out["placement"], out["rate"])]
-        return out[COLUMNS + OUTCOME_COLUMNS]
-
     def own_factor(key) -> float:  # a run without a rebuilt step takes the overall factor
         f = factors.get(key, math.nan)
         return f if math.isfinite(f) else (factor if math.isfinite(factor) else 1.0)
@@ -295,7 +300,7 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
     meas_summary, _ = compare.write_results(out_dir / "measured", measured,
                                             {**config, "simulated": False}, slo,
                                             simulated=analysis.attainment_curve(sim_summary))
-    errors = with_outcomes(error_table(meas_summary, sim_summary), simulated, own_factor)
+    errors = with_outcomes(error_table(meas_summary, sim_summary), measured, simulated, slo, own_factor)
     errors.to_csv(out_dir / "validation.csv", index=False)
     summary = validation_summary(errors, _goodput(meas_summary), _goodput(sim_summary))
     summary["step_correction"] = factor
@@ -305,7 +310,7 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
         twins = simulate(own_factor)
         runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in twins]
         corrected = analysis.summary_table(runs, slo, num_boot=10)
-        fixed = with_outcomes(error_table(meas_summary, corrected), twins, own_factor)
+        fixed = with_outcomes(error_table(meas_summary, corrected), measured, twins, slo, own_factor)
         fixed.to_csv(out_dir / "validation_corrected.csv", index=False)
         summary["corrected"] = validation_summary(fixed, _goodput(meas_summary), _goodput(corrected))
     return errors, summary

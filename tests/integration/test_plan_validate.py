@@ -98,6 +98,9 @@ def test_compare_simulate_overlays_and_writes_the_errors(tmp_path, monkeypatch):
         TransferConfig(transport="inprocess"), "cpu:0", None, SLO(1.0, 0.5), tmp_path,
         local=True, simulate=DeviceProfile.load(PROFILE))
     errors = pd.read_csv(tmp_path / "validation.csv")
-    assert list(errors["rate"]) == [5.0, 40.0] and list(errors.columns) == validate.COLUMNS
+    assert list(errors["rate"]) == [5.0, 40.0]
+    assert list(errors.columns) == validate.COLUMNS + validate.OUTCOME_COLUMNS
+    assert (errors["num_requests"] == 5).all() and (errors["step_factor"] > 0).all()
     assert "Simulated twin" in verdict and "mean abs error" in verdict
+    assert "requests flipped" in verdict and "real steps took" in verdict
     assert list(drawn["simulated"]["rate"]) == [5.0, 40.0]  # the dashed curve in the report
