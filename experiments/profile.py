@@ -23,9 +23,6 @@ A profile:
    dtype, device and thread count, for ``pdlab plan``.
 
 Every time is ``experiments.timing.measure``: min of N runs after 1 warm-up, median shown.
-``--warmup-s S`` first runs decode steps for S seconds, untimed: a CPU that holds a boost
-clock for about a minute of load (the 2-core VM this was built on: served steps ran 0.97x a
-rested profile for a minute, then 1.1-1.4x) is then profiled at the clock it serves at.
 Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv, pg_table.csv,
 kv_cost.csv, device_profile.json, summary.md, profile.png.
 """
@@ -281,30 +278,6 @@ def profile_mixed(loaded: LoadedModel, prompt_lens: Sequence[int], batch_sizes: 
     return pd.DataFrame(rows)
 
 
-def sustain_load(loaded: LoadedModel, seconds: float, device: str = "cpu", seed: int = 0) -> int:
-    """Run untimed decode steps (8 requests from a 255-token prompt, or half the model's
-    context if shorter, restarted as they end) for ``seconds`` of wall time; returns the
-    steps run (0 for ``seconds <= 0``)."""
-    if seconds <= 0:
-        return 0
-    total = min(512, loaded.max_context_len)
-    prompt_len = max(1, min(255, total // 2 - 1))
-    engine = Engine(loaded, EngineConfig(max_num_seqs=8, max_model_len=total,
-                                         max_num_batched_tokens=2048, device=device))
-    gen = torch.Generator().manual_seed(seed)
-    end_s, steps = time.time() + seconds, 0
-    while time.time() < end_s:
-        if engine.is_empty():
-            for _ in range(8):
-                engine.add_request(_request(gen, _vocab(loaded), prompt_len,
-                                            max_tokens=total - prompt_len - 1))
-        engine.step()
-        steps += 1
-    for request_id in list(engine.states):
-        engine.abort(request_id)
-    return steps
-
-
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
                        kv_table: pd.DataFrame | None = None):
     """The ``experiments.plan.latency.DeviceProfile`` of a profile run: step models fitted on
@@ -427,10 +400,10 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
                 pg_prompts=DEFAULT_PG_PROMPTS, pg_outputs=DEFAULT_PG_OUTPUTS, repeats: int = 5,
                 device: str = "cpu", seed: int = 0, show_progress: bool = True,
                 mixed_prompts=DEFAULT_MIXED_PROMPTS,
-                mixed_batch_sizes=DEFAULT_MIXED_BATCH_SIZES, warmup_s: float = 0.0) -> ProfileResult:
+                mixed_batch_sizes=DEFAULT_MIXED_BATCH_SIZES) -> ProfileResult:
     """The whole profile (module docstring). Prefill is measured for ``prompt_lens`` and the
     P x G prompts together (prefill rows = their union, sorted). Mixed prompts that do not
-    fit the model's context are dropped (noted). ``warmup_s``: ``sustain_load`` first."""
+    fit the model's context are dropped (noted)."""
     from tqdm import tqdm
 
     prompt_lens, contexts, pg_prompts, pg_outputs, notes = cap_lengths(
@@ -448,9 +421,6 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
     mixed_prompts = kept
     total = (len(all_prompts) + len(contexts) + len(batch_sizes)
              + len(mixed_prompts) * len(mixed_batch_sizes))
-    if warmup_s > 0:
-        steps = sustain_load(loaded, warmup_s, device, seed)
-        notes.append(f"warm-up: {steps} untimed decode steps over {warmup_s:g} s first")
     with tqdm(total=total, desc="profile", unit="point", disable=not show_progress,
               file=sys.stderr) as bar:
         prefill = profile_prefill(loaded, all_prompts, repeats, device, seed, bar)
@@ -560,16 +530,6 @@ def positive_int(text: str) -> int:
     return value
 
 
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not (value >= 0 and value != float("inf")):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
-
-
 def device_arg(text: str) -> str:
     if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
         raise argparse.ArgumentTypeError(f"must be 'cpu' or 'cuda:i' (e.g. cuda:0), got {text!r}")
@@ -615,9 +575,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 64,256)")
     parser.add_argument("--mixed-batch-sizes", type=int_list, default=DEFAULT_MIXED_BATCH_SIZES,
                         help="B of the mixed steps, decoding at --batch-context (default: 1,4,16)")
-    parser.add_argument("--warmup-s", type=non_negative_float, default=0.0,
-                        help="run untimed decode steps this long first, so the CPU is "
-                             "profiled at the clock it holds under sustained load (default: 0)")
     parser.add_argument("--transports", type=_transports, default=DEFAULT_PROFILE_TRANSPORTS,
                         help="transports whose KV transfer is timed (pdlab kv-cost's "
                              "measurement) and fitted into device_profile.json, from "
@@ -715,11 +672,9 @@ def main(args: argparse.Namespace) -> int:
         result = run_profile(loaded, args.prompt_lens, args.contexts, args.batch_sizes,
                              args.batch_context, args.pg_prompts, args.pg_outputs, args.repeats,
                              args.device, args.seed, mixed_prompts=args.mixed_prompts,
-                             mixed_batch_sizes=args.mixed_batch_sizes, warmup_s=args.warmup_s)
+                             mixed_batch_sizes=args.mixed_batch_sizes)
         kv_table = _kv_table(loaded, args)
         device_profile = fit_device_profile(result, loaded, args.dtype, args.device, kv_table)
-        device_profile = device_profile.replace(notes={**device_profile.notes,
-                                                       "warmup_s": args.warmup_s})
     except ValueError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

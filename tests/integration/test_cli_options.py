@@ -169,7 +169,6 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            ("profile", "--mixed-prompts", ["--mixed-prompts", "300"], ("no length fits",)),
            ("profile", "--mixed-batch-sizes", ["--mixed-batch-sizes", "x"], ("positive integers",)),
            ("profile", "--transports", ["--transports", "pigeon"], ("shm", "torchdist")),
-           ("profile", "--warmup-s", ["--warmup-s", "-1"], ("seconds >= 0",)),
            ("kv-cost", "--prompt-lens", ["--prompt-lens", "255,300"], ("no length fits",)),
            ("kv-cost", "--transports", ["--transports", "carrier-pigeon"], ("shm", "torchdist")),
            ("kv-cost", "--transports", ["--transports", "ray,ray"], ("distinct",)),

@@ -1,7 +1,6 @@
 """`pdlab profile` and `pdlab kv-cost` on the tiny model; the estimator and the fit on synthetic data."""
 
 import argparse
-import time
 
 import numpy as np
 import pandas as pd
@@ -116,13 +115,6 @@ def test_run_profile_tiny(tiny):
     assert "min of 2 runs" in result.estimator
 
 
-def test_sustained_load_runs_decode_steps_for_the_time_given(tiny):
-    start_s = time.time()
-    steps = profile.sustain_load(tiny, 0.3)
-    assert steps > 0 and time.time() - start_s >= 0.3
-    assert profile.sustain_load(tiny, 0.0) == 0
-
-
 def test_profile_caps_sweeps_by_model_context(tiny):  # the tiny model has 256 positions
     kept = profile.cap_lengths(tiny, [16, 512], [16, 300], [64, 300], [16], 16, REPEATS)
     prompt_lens, contexts, pg_prompts, pg_outputs, notes = kept
@@ -136,7 +128,7 @@ def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
     args = parser.parse_args(["--model", "tiny-random-llama", "--repeats", "1", "--out",
                               str(tmp_path), "--prompt-lens", "4,16", "--contexts", "8,16",
                               "--batch-sizes", "1,2", "--batch-context", "8",
-                              "--pg-prompts", "16", "--pg-outputs", "4", "--warmup-s", "0.2"])
+                              "--pg-prompts", "16", "--pg-outputs", "4"])
     assert profile.main(args) == 0
     for name in ("prefill.csv", "decode_context.csv", "decode_batch.csv", "pg_table.csv",
                  "mixed.csv", "kv_cost.csv", "device_profile.json", "summary.md", "profile.png"):
@@ -148,9 +140,7 @@ def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
     assert prof.kv_bytes_per_token == tiny.kv_spec.bytes_per_token and prof.num_threads >= 1
     assert prof.prefill.num_points == 2 and prof.decode.num_points == 4
     assert prof.mixed.num_points == 3 and set(prof.transfers) == {"inprocess"}
-    assert prof.notes["warmup_s"] == 0.2
     out = capsys.readouterr().out
-    assert "note: warm-up:" in out and "untimed decode steps over 0.2 s first" in out
     assert "min of 1 runs after 1 warm-up; median shown" in out and "batch fit" in out
     assert "prefill step_s =" in out and "transfer inprocess:" in out
     assert "R^2" in (tmp_path / "summary.md").read_text()
