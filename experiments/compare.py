@@ -537,8 +537,12 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                                                      r.duration_s) for r in twins], slo, num_boot=100)
     summary, verdict_text = write_results(out_dir, results, config, slo,
                                           simulated=analysis.attainment_curve(simulated))
-    errors = plan_validate.error_table(summary, simulated)
+    factors, by_worker, factor, _ = plan_validate.step_factors(results, simulate)
+    errors = plan_validate.with_outcomes(plan_validate.error_table(summary, simulated), results,
+                                         twins, slo, lambda key: factors.get(key, math.nan))
     errors.to_csv(out_dir / "validation.csv", index=False)
-    text = plan_validate.summary_text(plan_validate.validation_summary(
-        errors, plan_validate._goodput(summary), plan_validate._goodput(simulated)))
+    check = plan_validate.validation_summary(errors, plan_validate._goodput(summary),
+                                             plan_validate._goodput(simulated))
+    check.update(step_correction=factor, step_correction_by_worker=by_worker)
+    text = plan_validate.summary_text(check)
     return summary, verdict_text + "\nSimulated twin (pdlab plan's simulator): " + text

@@ -18,7 +18,8 @@ A profile:
    prefill step) with decode steps estimated from the line fitted to the context sweep.
 
 6. The device profile (``experiments.plan.latency``): the prefill, decode and mixed step
-   models fitted on the rows above, and per transport of ``--transports`` a transfer model
+   models fitted on the rows above (on each point's median run, the typical step a
+   simulator needs), and per transport of ``--transports`` a transfer model
    fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
    dtype, device and thread count, for ``pdlab plan``.
 
@@ -281,7 +282,8 @@ def profile_mixed(loaded: LoadedModel, prompt_lens: Sequence[int], batch_sizes: 
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
                        kv_table: pd.DataFrame | None = None):
     """The ``experiments.plan.latency.DeviceProfile`` of a profile run: step models fitted on
-    its prefill, decode (context and batch sweeps together) and mixed rows; transfer models
+    the median times of its prefill, decode (context and batch sweeps together) and mixed
+    rows; transfer models
     on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport.
 
     Raises:
@@ -289,15 +291,18 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
     """
     from experiments.plan import latency
 
+    # The simulator needs a step's typical time, not its fastest: the fits take each point's
+    # median run (the tables' estimator is the minimum). In the idle validation of 12:33 UTC
+    # the served steps ran at 1.04x a min fit and 1.00x a median fit (benchmarks/README.md).
     F = latency.StepFeatures
     prefill = [(F(int(p), int(p) * int(p)), float(t))
-               for p, t in zip(result.prefill["prompt_len"], result.prefill["prefill_s"])]
+               for p, t in zip(result.prefill["prompt_len"], result.prefill["prefill_median_s"])]
     decode = [(F(batch_size=int(b), sum_context=int(b) * int(c)), float(t))
               for df in (result.decode_context, result.decode_batch)
-              for b, c, t in zip(df["batch_size"], df["context_len"], df["step_s"])]
+              for b, c, t in zip(df["batch_size"], df["context_len"], df["step_median_s"])]
     mixed = [(F(int(p), int(p) * int(p), int(b), int(b) * int(c)), float(t))
              for p, b, c, t in zip(result.mixed["prompt_len"], result.mixed["batch_size"],
-                                   result.mixed["context_len"], result.mixed["step_s"])] \
+                                   result.mixed["context_len"], result.mixed["step_median_s"])] \
         if result.mixed is not None and len(result.mixed) else []
     pre, dec, mix = latency.fit_step_models(prefill, decode, mixed)
     transfers = {}
@@ -313,7 +318,7 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
         model=loaded.name, dtype=dtype, device_kind=kind, device_name=name,
         num_threads=torch.get_num_threads(), kv_bytes_per_token=loaded.kv_spec.bytes_per_token,
         prefill=pre, decode=dec, mixed=mix, transfers=transfers,
-        notes={"torch": torch.__version__, "estimator": result.estimator,
+        notes={"torch": torch.__version__, "estimator": result.estimator, "fitted_on": "median",
                "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
 
 

@@ -53,7 +53,12 @@ class PlanConfig:
         transfer_bandwidth_gbps: what if it moved this many GB/s, instead of the profile's.
         top: placements plotted, and validated with --validate.
         validate: also run the best placements for real and report the simulator's error.
-        validate_requests: requests per seed in the validation runs (real runs are slow).
+        validate_requests: requests per seed in the validation runs (real runs are slow; one
+            request is 100 / N points of attainment, so the 2-point target needs N >= 50).
+        step_scale: every modelled step time multiplied by this (``DeviceProfile.scaled``):
+            the factor a validation measured ("real steps took Nx the modelled time"), for
+            a machine that serves slower than its profile ran (Dynamo's SLA planner applies
+            its observed ÷ expected correction the same way).
         jobs: processes the simulations are spread over; 0 = one per CPU this process may
             use (``os.sched_getaffinity``).
     """
@@ -72,8 +77,11 @@ class PlanConfig:
     top: int = field(default=3, metadata={"min": 1, "help": "placements plotted and validated"})
     validate: bool = field(default=False, metadata={
         "help": "run the best --top placements for real too and report the simulator's error"})
-    validate_requests: int = field(default=24, metadata={
-        "min": 1, "help": "requests per seed in each validation run"})
+    validate_requests: int = field(default=50, metadata={
+        "min": 1, "help": "requests per seed in each validation run (one request = 100/N "
+                          "attainment points)"})
+    step_scale: float = field(default=1.0, metadata={
+        "gt": 0, "help": "multiply every modelled step time (a factor --validate measured)"})
     jobs: int = field(default=0, metadata={
         "min": 0, "help": "simulation processes (0: one per CPU this process may use)"})
 
@@ -221,7 +229,7 @@ def check_arguments(args: argparse.Namespace) -> PlanJob:
         raise cli.option_error("--profile", f"no device profile of model {model.model} "
                                             f"({model.dtype}) under results/: run `pdlab profile "
                                             f"--model {model.model}` or pass --profile FILE")
-    profile = load_profile_for(path, model, "--profile")
+    profile = load_profile_for(path, model, "--profile").scaled(plan.step_scale)
     cands = search.candidates(plan.devices, plan.budgets)
     transfer_model = _transfer_model(plan, profile, transfer.transport,
                                      any(c.placement.startswith("disagg") for c in cands))

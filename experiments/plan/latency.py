@@ -342,21 +342,50 @@ class DeviceProfile:
         except (ValueError, TypeError) as err:
             raise ValueError(f"{path}: {err}") from None
 
+    def scaled(self, factor: float) -> DeviceProfile:
+        """This profile with every step time multiplied by ``factor`` (all prefill, decode
+        and mixed coefficients; transfers unchanged; the fits' statistics are the original
+        measurement's). ``notes["step_scale"]`` records the product of the factors applied.
+
+        Raises:
+            ValueError: ``factor`` is not a finite number > 0.
+        """
+        if not (factor > 0 and math.isfinite(factor)):
+            raise ValueError(f"step scale must be a finite number > 0, got {factor!r}")
+        if factor == 1.0:
+            return self
+
+        def times(fit: Fit, n: int) -> Fit:  # the mixed fit's "slopes" weight stays 1
+            return dataclasses.replace(fit, coef=tuple(c * factor if i < n else c
+                                                       for i, c in enumerate(fit.coef)))
+        return dataclasses.replace(
+            self, prefill=times(self.prefill, 3), decode=times(self.decode, 3),
+            mixed=times(self.mixed, 1),
+            notes={**self.notes, "step_scale": self.notes.get("step_scale", 1.0) * factor})
+
     def replace(self, **changes) -> DeviceProfile:
         return dataclasses.replace(self, **changes)
 
 
 def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
     """Median of measured ÷ modelled seconds over real worker steps (dicts with
-    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step record has no per-entry
-    lengths, so the model is evaluated at its token counts with the attention and context
-    terms left out (a lower bound of the modelled time where those terms are non-zero).
-    NaN without steps."""
+    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step rebuilt by
+    ``experiments.plan.diagnose.rebuild_steps`` also carries its batch's
+    ``prefill_tokens, prefill_attention, batch_size, sum_context`` and ``rebuilt``: the
+    model is evaluated on those exactly (a step that could not be rebuilt is skipped). A
+    bare step record has no per-entry lengths, so its model is evaluated at its token
+    counts with the attention and context terms left out (a lower bound of the modelled
+    time where those terms are non-zero, so the ratio comes out high). NaN without steps."""
     step_s = profile.step_time()
     ratios = []
     for st in steps:
-        n_pre, n_dec = int(st["num_prefill_tokens"]), int(st["num_decode_tokens"])
-        modelled = step_s(n_pre, 0, n_dec, 0)
+        if "sum_context" in st:
+            if not st.get("rebuilt", True):
+                continue
+            modelled = step_s(int(st["prefill_tokens"]), int(st["prefill_attention"]),
+                              int(st["batch_size"]), int(st["sum_context"]))
+        else:
+            modelled = step_s(int(st["num_prefill_tokens"]), 0, int(st["num_decode_tokens"]), 0)
         if modelled > 0 and st["duration_s"] > 0:
             ratios.append(st["duration_s"] / modelled)
     return float(np.median(ratios)) if ratios else math.nan
@@ -373,6 +402,8 @@ def summary_lines(profile: DeviceProfile) -> list[str]:
              f"decode  step_s = {d[0]:.4g} + {d[1]:.4g}·B + {d[2]:.4g}·Σctx   ({stats(profile.decode)})",
              f"mixed   step_s = {m.coef[0]:.4g} + prefill and decode slopes   "
              f"({stats(m) if m.num_points else 'no mixed points: intercept = the larger one'})"]
+    if profile.notes.get("step_scale", 1.0) != 1.0:
+        lines.append(f"step times above scaled x{profile.notes['step_scale']:.4g} (--step-scale)")
     for name, t in profile.transfers.items():
         fit = f" ({stats(t.fit)})" if t.fit else ""
         lines.append(f"transfer {name}: {t.latency_s:.4g} s + bytes / {t.bandwidth_bytes_s / 1e9:.4g} "

@@ -14,28 +14,36 @@ A validation:
    Written to validation.csv; ``validation_summary`` gives the mean absolute attainment
    error (points) and the mean |relative error| per latency, and which placement each side
    ranks first by goodput per device (DistServe's, ``analysis.goodput_per_device``).
-4. The step-time correction factor (``latency.step_correction``: median over the real runs' worker
-   steps of measured ÷ modelled seconds; NVIDIA Dynamo's SLA planner corrects its profile
-   the same way, observed ÷ expected): a machine busier (or quieter) than when it was
-   profiled shows here. The simulation is repeated with every step scaled by it and its
-   errors written to validation_corrected.csv: what is left is the model's error, not the
-   machine's drift.
+   Per point also ``num_requests`` and ``num_flipped``: the requests whose SLO outcome
+   differs between a real request and its simulated twin (the same request: same seed,
+   same position in the workload). |attainment error| <= num_flipped / num_requests, and
+   one request is ``100 / num_requests`` points: the figure's resolution (the summary
+   names it; 24 requests cannot show an error below 4.2 points except 0).
+4. The step speed of each real run: every real step's batch is rebuilt from the request
+   records (``diagnose.step_table``) and the step model evaluated on it; the median of
+   measured ÷ modelled seconds is the run's ``step_factor`` (NVIDIA Dynamo's SLA planner
+   corrects its profile the same way, observed ÷ expected). A machine busier (or
+   quieter) than when it was profiled shows here, run by run (it drifts within minutes on
+   a shared host). The simulation is repeated with each run's steps scaled by its own
+   factor and its errors written to validation_corrected.csv: what is left is the model's
+   error, not the machine's drift. validation_steps.csv holds every rebuilt real step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO
 from experiments import analysis, compare
-from experiments.plan import search
+from experiments.plan import diagnose, search
 from experiments.plan.latency import DeviceProfile, TransferModel, step_correction
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
@@ -43,6 +51,7 @@ COLUMNS = (["placement", "rate", "measured_attainment", "simulated_attainment",
             "attainment_err_points"]
            + [f"{k}_{c}" for c in LATENCIES for k in ("measured", "simulated")]
            + [f"{c.removesuffix('_s')}_rel_err" for c in LATENCIES])
+OUTCOME_COLUMNS = ["num_requests", "num_flipped", "step_factor"]
 
 
 def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame:
@@ -66,18 +75,93 @@ def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame
     return out[COLUMNS].reset_index(drop=True)
 
 
+def _position(request_id: str) -> str:
+    """A request's position in its seed's workload: the ``-<i>`` both sides' ids end with
+    (``compare.router_workload`` and ``search.timed_requests`` tag them so)."""
+    return request_id.rsplit("-", 1)[-1]
+
+
+def outcome_table(measured: Sequence[compare.RunResult], simulated: Sequence[compare.RunResult],
+                  slo: SLO) -> pd.DataFrame:
+    """Step 3's request counts per (placement, rate), pooled over seeds: ``num_requests``
+    (real ones) and ``num_flipped``, those whose ``metrics.meets_slo`` differs from their
+    simulated twin's (paired by seed and workload position; a request the twin lacks
+    counts as flipped when it met the SLO)."""
+    twin = {(r.placement, r.rate, r.seed): {_position(x.request_id): metrics.meets_slo(x, slo)
+                                            for x in r.records} for r in simulated}
+    counts: dict[tuple[str, float], list[int]] = {}
+    for r in measured:
+        sim = twin.get((r.placement, r.rate, r.seed), {})
+        c = counts.setdefault((r.placement, r.rate), [0, 0])
+        for x in r.records:
+            c[0] += 1
+            c[1] += metrics.meets_slo(x, slo) != sim.get(_position(x.request_id), False)
+    return pd.DataFrame([{"placement": p, "rate": rate, "num_requests": n, "num_flipped": f}
+                         for (p, rate), (n, f) in counts.items()],
+                        columns=["placement", "rate", "num_requests", "num_flipped"])
+
+
+def step_factors(measured: Sequence[compare.RunResult], profile: DeviceProfile
+                 ) -> tuple[dict[tuple[str, float, int], float], dict[str, float], float, pd.DataFrame]:
+    """Step 4: every real step rebuilt and modelled (``diagnose.step_table``).
+
+    Returns:
+        (median measured ÷ modelled per run ``(placement, rate, seed)``, the same per
+        ``"<placement> <worker>"``, over all steps, and the table of every step with its
+        run's ``placement, rate, seed`` in front). NaN where a run has no rebuilt step.
+    """
+    step_s = profile.step_time()
+    tables = []
+    for r in measured:
+        t = diagnose.step_table(r.records, r.steps, step_s)
+        tables.append(t.assign(placement=r.placement, rate=r.rate, seed=r.seed))
+    cols = ["placement", "rate", "seed", *diagnose.STEP_COLUMNS]
+    steps = pd.concat(tables, ignore_index=True)[cols] if tables else pd.DataFrame(columns=cols)
+    rows = steps.to_dict("records")
+    by_run: dict = {}
+    by_worker: dict = {}
+    for row in rows:
+        by_run.setdefault((row["placement"], row["rate"], row["seed"]), []).append(row)
+        by_worker.setdefault(f"{row['placement']} {row['worker']}", []).append(row)
+    return ({k: step_correction(v, profile) for k, v in by_run.items()},
+            {k: step_correction(v, profile) for k, v in by_worker.items()},
+            step_correction(rows, profile), steps)
+
+
+def with_outcomes(errors: pd.DataFrame, measured: Sequence[compare.RunResult],
+                  simulated: Sequence[compare.RunResult], slo: SLO,
+                  factor_of: Callable[[tuple[str, float, int]], float]) -> pd.DataFrame:
+    """``errors`` (``error_table``) with ``OUTCOME_COLUMNS``: ``outcome_table``'s counts and
+    ``step_factor``, the mean over seeds of ``factor_of((placement, rate, seed))`` (the
+    real runs' measured ÷ modelled step time)."""
+    out = errors.merge(outcome_table(measured, simulated, slo), on=["placement", "rate"], how="left")
+    seeds = sorted({r.seed for r in measured})
+    out["step_factor"] = [float(np.mean([factor_of((p, rate, seed)) for seed in seeds]))
+                          for p, rate in zip(out["placement"], out["rate"])]
+    return out[COLUMNS + OUTCOME_COLUMNS]
+
+
 def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
                        simulated_goodput: dict[str, float]) -> dict:
     """Mean |attainment error| (points), mean |relative error| per latency, and the placement
-    each side ranks first (ties: the first listed)."""
+    each side ranks first (ties: the first listed); ``first_agrees``: the simulated first is
+    one the measured sweep ranks first (a measured tie at the top accepts either). With ``outcome_table``'s columns also
+    the requests compared, those flipped, and the attainment error's resolution (one
+    request of the smallest point, in points)."""
     out = {"num_points": len(errors),
            "attainment_mae_points": float(errors["attainment_err_points"].abs().mean())}
     for c in LATENCIES:
         col = f"{c.removesuffix('_s')}_rel_err"
         v = errors[col].abs().replace([np.inf], np.nan).dropna()
         out[f"{col}_mean_abs"] = float(v.mean()) if len(v) else math.nan
+    if "num_requests" in errors and len(errors):
+        out["num_requests"] = int(errors["num_requests"].sum())
+        out["num_flipped"] = int(errors["num_flipped"].sum())
+        out["attainment_resolution_points"] = 100.0 / float(errors["num_requests"].min())
     best = lambda g: max(g, key=g.get) if g else None  # noqa: E731
     out["measured_first"], out["simulated_first"] = best(measured_goodput), best(simulated_goodput)
+    out["first_agrees"] = bool(measured_goodput) and (
+        measured_goodput.get(out["simulated_first"]) == max(measured_goodput.values()))
     out["measured_goodput"], out["simulated_goodput"] = measured_goodput, simulated_goodput
     return out
 
@@ -86,22 +170,28 @@ def summary_text(s: dict) -> str:
     """The validation in one paragraph (with the corrected figures when there are any)."""
     text = _summary_line(s)
     if "step_correction" in s:
-        text += (f"\nstep-time correction factor (measured ÷ modelled, median over the real "
-                 f"steps): {s['step_correction']:.3g}")
+        text += (f"\nreal steps took {s['step_correction']:.3g}x the modelled time (median of "
+                 "measured ÷ modelled on each real step's rebuilt batch)")
+        if s.get("step_factor_by_run"):
+            text += "; per run " + ", ".join(f"{k} {v:.3g}" for k, v in s["step_factor_by_run"].items())
         if s.get("step_correction_by_worker"):
-            text += " (" + ", ".join(f"{k} {v:.3g}" for k, v in s["step_correction_by_worker"].items()) + ")"
+            text += "; per worker " + ", ".join(f"{k} {v:.3g}" for k, v in s["step_correction_by_worker"].items())
     if "corrected" in s:
-        text += "\nwith steps scaled by it: " + _summary_line(s["corrected"])
+        text += "\nwith each run's steps scaled by its own factor: " + _summary_line(s["corrected"])
     return text
 
 
 def _summary_line(s: dict) -> str:
     lat = ", ".join(f"{c.removesuffix('_s').replace('_', ' ')} {100 * s[c.removesuffix('_s') + '_rel_err_mean_abs']:.1f}%"
                     for c in LATENCIES)
-    agree = "agree" if s["measured_first"] == s["simulated_first"] else "DISAGREE"
+    agree = "agree" if s.get("first_agrees", s["measured_first"] == s["simulated_first"]) else "DISAGREE"
+    flips = ""
+    if "num_flipped" in s:
+        flips = (f" ({s['num_flipped']} of {s['num_requests']} requests flipped; one request "
+                 f"= {s['attainment_resolution_points']:.2g} points)")
     return (f"validation over {s['num_points']} points: SLO attainment mean abs error "
-            f"{s['attainment_mae_points']:.1f} points; mean |relative error| {lat}; first by "
-            f"goodput per device: measured {s['measured_first']}, simulated "
+            f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative error| {lat}; first "
+            f"by goodput per device: measured {s['measured_first']}, simulated "
             f"{s['simulated_first']} ({agree})")
 
 
@@ -135,12 +225,12 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
              out_dir: Path, devices: str | None = None, address: str | None = None,
              policy: str = "least_loaded", local: bool = False, config: dict | None = None
              ) -> tuple[pd.DataFrame, dict]:
-    """Steps 1-3 for ``cands`` (one per placement string: the first wins) at ``rates``;
-    writes ``out_dir/measured/``, ``out_dir/simulated/`` and ``out_dir/validation.csv``.
-    ``local``: workers in this process (tests; transport ``inprocess``).
+    """Step 1's real runs for ``cands`` (one per placement string: the first wins) at
+    ``rates``, then ``score``. ``local``: workers in this process (tests; transport
+    ``inprocess``).
 
     Returns:
-        (error table, summary dict of ``validation_summary``).
+        (error table, summary dict), as ``score``.
 
     Raises:
         ValueError: a placement that does not fit ``devices``, a workload that does not fit.
@@ -155,46 +245,72 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
         measured += compare.run_placement(placement, list(rates), items, spec, model,
                                           cand.engine(engine), transfer, devices, address, policy,
                                           local=local, conditional=ConditionalConfig())
-    factor = step_correction([s for r in measured for s in r.steps], profile)
-    by_worker = {}  # where the model is off: one factor per placement and worker
-    for r in measured:
-        for st in r.steps:
-            by_worker.setdefault(f"{r.placement} {st['worker']}", []).append(st)
-    by_worker = {k: step_correction(v, profile) for k, v in by_worker.items()}
+    return score(measured, list(by_placement.values()), rates, items, spec, engine, transfer,
+                 profile, transfer_model, slo, out_dir, policy, config)
 
-    def simulate(scale: float) -> list[compare.RunResult]:
+
+def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidate],
+          rates: Sequence[float], items: dict, spec: compare.WorkloadSpec, engine: EngineConfig,
+          transfer: TransferConfig, profile: DeviceProfile, transfer_model: TransferModel | None,
+          slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None
+          ) -> tuple[pd.DataFrame, dict]:
+    """Steps 1-4 after the real runs: simulate their twins (``items``: seed -> workload, as
+    the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
+    validation_steps.csv and validation_corrected.csv. Also what ``benchmarks.plan_accuracy
+    --rescore`` runs on the saved real runs of an earlier validation.
+
+    Returns:
+        (error table: ``COLUMNS + OUTCOME_COLUMNS``, summary dict of ``validation_summary``
+        plus ``step_correction``, ``step_correction_by_worker``, ``step_factor_by_run`` and
+        ``corrected``: the summary with each run's steps scaled by its own factor).
+    """
+    by_placement = {c.placement: c for c in cands}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    factors, by_worker, factor, steps = step_factors(measured, profile)
+    steps.to_csv(out_dir / "validation_steps.csv", index=False)
+
+    def simulate(scale) -> list[compare.RunResult]:
+        """Every measured (placement, rate, seed) simulated, its steps x ``scale(key)``."""
         out = []
         for placement, cand in by_placement.items():
-            requests = {seed: search.timed_requests(its, f"{placement}/s{seed}")
-                        for seed, its in items.items()}
-            for rate, seed, res in search.simulate_runs(
-                    placement, cand.engine(engine), profile, transfer_model, rates, requests,
-                    spec.arrival, spec.burstiness, policy, transfer.transport, scale):
-                out.append(compare.RunResult(placement, rate, res.records, res.steps,
-                                             res.transfers, res.duration_s, seed))
+            for rate in rates:
+                for seed, its in items.items():
+                    requests = {seed: search.timed_requests(its, f"{placement}/s{seed}")}
+                    for _, _, res in search.simulate_runs(
+                            placement, cand.engine(engine), profile, transfer_model, [rate],
+                            requests, spec.arrival, spec.burstiness, policy, transfer.transport,
+                            scale((placement, rate, seed))):
+                        out.append(compare.RunResult(placement, rate, res.records, res.steps,
+                                                     res.transfers, res.duration_s, seed))
         return out
 
-    simulated = simulate(1.0)
+    def own_factor(key) -> float:  # a run without a rebuilt step takes the overall factor
+        f = factors.get(key, math.nan)
+        return f if math.isfinite(f) else (factor if math.isfinite(factor) else 1.0)
+
+    simulated = simulate(lambda key: 1.0)
     config = {**(config or {}), "placements": list(by_placement), "rates": list(rates),
               "workload": spec.options(), "seeds": spec.seed_list,
               "engine": dataclasses.asdict(engine), "transfer": dataclasses.asdict(transfer),
-              "slo": dataclasses.asdict(slo), "policy": policy}
+              "slo": dataclasses.asdict(slo), "policy": policy,
+              "chunk_budgets": {p: c.chunk_budget for p, c in by_placement.items()}}
     sim_summary, _ = compare.write_results(
         out_dir / "simulated", simulated,
         {**config, "simulated": True, "device_profile": profile.to_dict()}, slo)
     meas_summary, _ = compare.write_results(out_dir / "measured", measured,
                                             {**config, "simulated": False}, slo,
                                             simulated=analysis.attainment_curve(sim_summary))
-    errors = error_table(meas_summary, sim_summary)
+    errors = with_outcomes(error_table(meas_summary, sim_summary), measured, simulated, slo, own_factor)
     errors.to_csv(out_dir / "validation.csv", index=False)
     summary = validation_summary(errors, _goodput(meas_summary), _goodput(sim_summary))
     summary["step_correction"] = factor
     summary["step_correction_by_worker"] = by_worker
+    summary["step_factor_by_run"] = {f"{p}@{rate:g}/s{seed}": f for (p, rate, seed), f in factors.items()}
     if math.isfinite(factor):
-        runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s)
-                for r in simulate(factor)]
+        twins = simulate(own_factor)
+        runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in twins]
         corrected = analysis.summary_table(runs, slo, num_boot=10)
-        fixed = error_table(meas_summary, corrected)
+        fixed = with_outcomes(error_table(meas_summary, corrected), measured, twins, slo, own_factor)
         fixed.to_csv(out_dir / "validation_corrected.csv", index=False)
         summary["corrected"] = validation_summary(fixed, _goodput(meas_summary), _goodput(corrected))
     return errors, summary

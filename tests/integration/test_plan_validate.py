@@ -34,7 +34,8 @@ def test_validation_writes_per_point_errors(tmp_path):
         profile.transfer("inprocess"), SLO(ttft_s=1.0, tpot_s=0.5), tmp_path,
         devices="cpu:0,cpu:1" if two else "cpu:0", local=True)
     written = pd.read_csv(tmp_path / "validation.csv")
-    assert list(written.columns) == validate.COLUMNS and len(written) == 2 * len(cands)
+    assert list(written.columns) == validate.COLUMNS + validate.OUTCOME_COLUMNS
+    assert len(written) == 2 * len(cands)
     assert set(zip(written["placement"], written["rate"])) == {
         (c.placement, r) for c in cands for r in (5.0, 50.0)}
     for col in ("attainment_err_points", "ttft_p50_rel_err", "ttft_p99_rel_err",
@@ -47,11 +48,27 @@ def test_validation_writes_per_point_errors(tmp_path):
     assert summary["attainment_mae_points"] == written["attainment_err_points"].abs().mean()
     assert summary["measured_first"] in {c.placement for c in cands}
     assert "mean abs error" in validate.summary_text(summary)
+    assert (written["num_requests"] == 6).all()
+    assert summary["num_requests"] == 6 * len(written)
+    assert summary["attainment_resolution_points"] == 100 / 6
+    # |attainment error| is at most the share of requests whose outcome flipped
+    assert (written["attainment_err_points"].abs() <= 100 * written["num_flipped"] / 6 + 1e-9).all()
     assert summary["step_correction"] > 0 and "corrected" in summary
     assert set(summary["step_correction_by_worker"]) >= {"colocated:1 colocated-0"}
+    assert set(summary["step_factor_by_run"]) >= {"colocated:1@5/s0", "colocated:1@50/s0"}
+    steps = pd.read_csv(tmp_path / "validation_steps.csv")
+    assert steps["rebuilt"].all() and (steps["placement"] == "colocated:1").any()
     fixed = pd.read_csv(tmp_path / "validation_corrected.csv")
-    assert list(fixed.columns) == validate.COLUMNS and len(fixed) == len(written)
+    assert list(fixed.columns) == validate.COLUMNS + validate.OUTCOME_COLUMNS
+    assert len(fixed) == len(written)
+    own = summary["step_factor_by_run"]["colocated:1@5/s0"]
+    assert fixed.set_index(["placement", "rate"]).loc[("colocated:1", 5.0), "step_factor"] == own
     assert (fixed["measured_attainment"] == written["measured_attainment"]).all()
+    # the saved real runs score again to the same figures (the workload rebuilt from records)
+    from benchmarks.plan_accuracy import rescore
+
+    again, _ = rescore(tmp_path, profile, tmp_path / "again")
+    pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / "validation.csv"), written)
     for side, simulated in (("measured", False), ("simulated", True)):
         out = tmp_path / side
         for name in ("requests.jsonl", "summary.csv", "goodput.csv", "report.md", "slo_attainment.png"):
@@ -81,6 +98,9 @@ def test_compare_simulate_overlays_and_writes_the_errors(tmp_path, monkeypatch):
         TransferConfig(transport="inprocess"), "cpu:0", None, SLO(1.0, 0.5), tmp_path,
         local=True, simulate=DeviceProfile.load(PROFILE))
     errors = pd.read_csv(tmp_path / "validation.csv")
-    assert list(errors["rate"]) == [5.0, 40.0] and list(errors.columns) == validate.COLUMNS
+    assert list(errors["rate"]) == [5.0, 40.0]
+    assert list(errors.columns) == validate.COLUMNS + validate.OUTCOME_COLUMNS
+    assert (errors["num_requests"] == 5).all() and (errors["step_factor"] > 0).all()
     assert "Simulated twin" in verdict and "mean abs error" in verdict
+    assert "requests flipped" in verdict and "real steps took" in verdict
     assert list(drawn["simulated"]["rate"]) == [5.0, 40.0]  # the dashed curve in the report

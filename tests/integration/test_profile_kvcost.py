@@ -215,3 +215,30 @@ def test_kv_cost_bad_options_name_the_option(argv, option, capsys):
 def test_kv_cost_rejects_unknown_transport_in_library(tiny):
     with pytest.raises(ValueError, match="transports must be among"):
         kv_cost.kv_cost_table(tiny, [8], ("carrier-pigeon",), 1)
+
+
+def test_device_profile_is_fitted_on_each_points_median_run(tiny):
+    """Rows whose median run is 1.5x their fastest: the fitted models give the median's
+    times (the simulator needs the typical step), not the minimum's."""
+    from types import SimpleNamespace
+
+    pre = lambda p: 0.01 + 1e-4 * p + 1e-8 * p * p  # noqa: E731
+    dec = lambda b, c: 0.005 + 1e-3 * b + 1e-6 * b * c  # noqa: E731
+    lens = [4, 16, 64, 128]
+    prefill = pd.DataFrame({"prompt_len": lens, "prefill_s": [pre(p) for p in lens],
+                            "prefill_median_s": [1.5 * pre(p) for p in lens]})
+    rows = [(1, 16), (1, 64), (1, 256), (2, 64), (4, 64), (8, 64)]
+    decode = pd.DataFrame({"batch_size": [b for b, _ in rows], "context_len": [c for _, c in rows],
+                           "step_s": [dec(b, c) for b, c in rows],
+                           "step_median_s": [1.5 * dec(b, c) for b, c in rows]})
+    mixed = pd.DataFrame({"prompt_len": [16, 64], "batch_size": [2, 4], "context_len": [64, 64],
+                          "step_s": [0.02 + pre(16) - 0.01 + dec(2, 64) - 0.005,
+                                     0.02 + pre(64) - 0.01 + dec(4, 64) - 0.005]})
+    mixed["step_median_s"] = 1.5 * mixed["step_s"]
+    result = SimpleNamespace(prefill=prefill, decode_context=decode.iloc[:3], decode_batch=decode.iloc[3:],
+                             mixed=mixed, estimator="x")
+    prof = profile.fit_device_profile(result, tiny, "float32", "cpu")
+    assert prof.notes["fitted_on"] == "median"
+    assert np.allclose(prof.prefill.coef, [0.015, 1.5e-4, 1.5e-8], rtol=1e-6)
+    assert np.allclose(prof.decode.coef, [0.0075, 1.5e-3, 1.5e-6], rtol=1e-6)
+    assert prof.mixed.coef[0] == pytest.approx(0.03)

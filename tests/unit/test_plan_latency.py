@@ -11,7 +11,7 @@ import pytest
 
 from experiments.plan.latency import (DeviceProfile, Fit, StepFeatures, TransferModel,
                                       fit_least_squares, fit_step_models, fit_transfer,
-                                      step_correction)
+                                      step_correction, summary_lines)
 
 # the true models of the synthetic device (seconds)
 PRE = (2e-3, 1e-4, 3e-8)     # a + b·Σn + c·Σn(k+n)
@@ -131,3 +131,34 @@ def test_step_correction_is_the_median_of_measured_over_modelled():
              for k, n, b in [(2.0, 64, 0), (3.0, 0, 4), (2.5, 16, 2), (9.0, 0, 1)]]
     assert step_correction(steps, prof) == pytest.approx(2.75)  # median of 2, 2.5, 3, 9
     assert math.isnan(step_correction([], prof))
+
+
+def test_step_correction_models_a_rebuilt_step_on_its_own_batch():
+    """A step carrying its rebuilt batch is modelled with the attention and context terms;
+    the bare token counts would leave them out and read a long-context decode as slower."""
+    pre, dec, mix = fit_step_models(_prefill_points(), _decode_points(), _mixed_points())
+    prof = DeviceProfile("m", "float32", "cpu", "x", 1, 100, pre, dec, mix)
+    step = prof.step_time()
+    batch = {"prefill_tokens": 0, "prefill_attention": 0, "batch_size": 4, "sum_context": 4 * 2000}
+    rebuilt = {"duration_s": 1.5 * step(0, 0, 4, 8000), "num_prefill_tokens": 0,
+               "num_decode_tokens": 4, "rebuilt": True, **batch}
+    assert step_correction([rebuilt], prof) == pytest.approx(1.5)
+    bare = {k: rebuilt[k] for k in ("duration_s", "num_prefill_tokens", "num_decode_tokens")}
+    assert step_correction([bare], prof) > 1.5 * 1.2  # the lower bound it used to be
+    assert math.isnan(step_correction([{**rebuilt, "rebuilt": False}], prof))
+
+
+def test_a_scaled_profile_predicts_every_step_that_much_longer():
+    pre, dec, mix = fit_step_models(_prefill_points(), _decode_points(), _mixed_points())
+    prof = DeviceProfile("m", "float32", "cpu", "x", 1, 100, pre, dec, mix,
+                         {"ray": TransferModel(0.01, 1e9)})
+    twice = prof.scaled(2.0)
+    for f in (StepFeatures(64, 64 * 64), StepFeatures(batch_size=4, sum_context=400),
+              StepFeatures(32, 32 * 40, 3, 300)):
+        assert twice.step_s(f) == pytest.approx(2.0 * prof.step_s(f))
+    assert twice.transfers == prof.transfers and twice.scaled(1.5).notes["step_scale"] == 3.0
+    assert prof.scaled(1.0) is prof
+    assert any("scaled x2" in line for line in summary_lines(twice))
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="step scale"):
+            prof.scaled(bad)
