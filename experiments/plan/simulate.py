@@ -423,12 +423,14 @@ class Simulator:
             if left < steps_left:
                 steps_left = left
         ends = []  # end of each step completed here: its tokens leave then
-        num_decode, step_s = len(requests), self.step_s
+        num_decode, step_s, add_end = len(requests), self.step_s, ends.append
+        record = self._steps is not None or self._batches is not None
         while len(ends) < steps_left - 1 and end_s < horizon_s:
-            ends.append(end_s)  # this step completes; the same batch starts at its end
+            add_end(end_s)  # this step completes; the same batch starts at its end
             sum_ctx += num_decode
             duration = step_s(0, 0, num_decode, sum_ctx)
-            self._record_step(instance, batch, end_s, duration, 0, num_decode)
+            if record:
+                self._record_step(instance, batch, end_s, duration, 0, num_decode)
             end_s = end_s + duration
         if ends:
             fakes = [FAKE_TOKEN] * len(ends)
