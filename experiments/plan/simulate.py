@@ -123,8 +123,13 @@ class _Instance:
 
 
 class _Flight:
+    """One request in the simulation. Its tokens' stamps are kept once while it runs:
+    ``times`` (the record's ``token_worker_times_s``) and ``first_out_s`` (when the first
+    token left, after the put, on a prefill worker); ``finalize`` writes the record's
+    ``token_times_s`` and ``output_token_ids`` from them (per token, one append, not three)."""
+
     __slots__ = ("request", "record", "first", "decode", "charges", "remote", "put_s",
-                 "queued_prefill")
+                 "queued_prefill", "times", "first_out_s")
 
     def __init__(self, request: Request, record: RequestRecord) -> None:
         self.request, self.record = request, record
@@ -133,6 +138,17 @@ class _Flight:
         self.remote = False
         self.put_s = 0.0
         self.queued_prefill = False
+        self.times = record.token_worker_times_s
+        self.first_out_s: float | None = None
+
+    def finalize(self) -> None:
+        """Tokens left the router when the worker produced them, the first one of a
+        prefilled request after its put."""
+        record = self.record
+        record.token_times_s = list(self.times)
+        if self.first_out_s is not None:
+            record.token_times_s[0] = self.first_out_s
+        record.output_token_ids = [FAKE_TOKEN] * len(self.times)
 
 
 def worker_names(placement: str) -> list[tuple[str, str]]:
@@ -244,8 +260,9 @@ class Simulator:
         finally:
             if gc_was_enabled:
                 gc.enable()
-        for flight in self._flights.values():  # nothing left to run it: it never finishes
-            if FINISHED not in flight.record.timeline:
+        for flight in self._flights.values():
+            flight.finalize()
+            if FINISHED not in flight.record.timeline:  # nothing left to run it: it never finishes
                 flight.record.error = "simulation ended with the request unfinished (no KV room)"
                 flight.record.finish_reason = "error"
                 flight.record.timeline[FINISHED] = end_s
@@ -361,15 +378,17 @@ class Simulator:
             return
         batch = scheduler.schedule()
         n_pre = q_pre = num_decode = sum_ctx = 0
-        flights = self._flights
-        for state, n in zip(batch.requests, batch.num_new_tokens):
-            k = state.num_computed_tokens
+        flights, counts, completing = self._flights, batch.num_new_tokens, []
+        for i, state in enumerate(batch.requests):
+            k, n = state.num_computed_tokens, counts[i]
             if k < state.num_prompt_tokens:
                 n_pre += n
                 q_pre += n * (k + n)
             else:
                 num_decode += 1
                 sum_ctx += k + 1
+            if k + n == len(state.token_ids):  # batch.completes(i): a token is sampled
+                completing.append(i)  # (counters stay put until the step's end)
             if state.first_scheduled_time_s is None:
                 state.first_scheduled_time_s = t
                 timeline = flights[state.request.request_id].record.timeline
@@ -388,7 +407,7 @@ class Simulator:
         if (self.fast_forward and n_pre == 0 and not batch.kv_reserved
                 and not batch.newly_admitted):
             end_s = self._fast_forward(instance, batch, end_s, sum_ctx)
-        self._push(end_s, _STEP_END, (instance, batch))
+        self._push(end_s, _STEP_END, (instance, batch, dict.fromkeys(completing, FAKE_TOKEN)))
 
     def _record_step(self, instance: _Instance, batch: ScheduledBatch, t: float,
                      duration: float, n_pre: int, num_decode: int) -> None:
@@ -438,12 +457,10 @@ class Simulator:
             for state in requests:  # what Scheduler.update does to each, len(ends) times
                 state.num_computed_tokens += len(ends)
                 state.token_ids.extend(fakes)
-                record = flights[state.request.request_id].record
-                if not record.token_times_s:
-                    record.timeline[PREFILL_FINISHED] = ends[0]
-                record.token_worker_times_s.extend(ends)
-                record.token_times_s.extend(ends)
-                record.output_token_ids.extend(fakes)
+                flight = flights[state.request.request_id]
+                if not flight.times:
+                    flight.record.timeline[PREFILL_FINISHED] = ends[0]
+                flight.times.extend(ends)
         return end_s
 
     def _horizon(self, instance: _Instance) -> float:
@@ -475,35 +492,31 @@ class Simulator:
     def _transfer_s(self, flight: _Flight) -> float:
         return self.transfer.seconds(self.kv_bytes_per_token * flight.request.num_prompt_tokens)
 
-    def _step_end(self, t: float, payload: tuple[_Instance, ScheduledBatch]) -> None:
-        instance, batch = payload
-        counts = batch.num_new_tokens
-        sampled = {i: FAKE_TOKEN for i, s in enumerate(batch.requests)
-                   if s.num_computed_tokens + counts[i] == len(s.token_ids)}  # batch.completes(i)
+    def _step_end(self, t: float, payload: tuple[_Instance, ScheduledBatch, dict[int, int]]) -> None:
+        instance, batch, sampled = payload
         produced = instance.scheduler.update(batch, sampled)
         busy_until = t
         flights = self._flights
         for state in produced:
             flight = flights[state.request.request_id]
-            record = flight.record
-            if not record.token_times_s:
-                record.timeline[PREFILL_FINISHED] = t
-            record.token_worker_times_s.append(t)
-            record.output_token_ids.append(FAKE_TOKEN)
+            times = flight.times
+            if not times:
+                flight.record.timeline[PREFILL_FINISHED] = t
+            times.append(t)
             status = state.status
             if status == _PREFILLED:  # KV out, then the first token
                 instance.scheduler.release(state)
                 put_s = self._transfer_s(flight) * self.transfer.put_share
                 busy_until += put_s
                 flight.put_s = put_s
-                record.token_times_s.append(busy_until)
+                flight.first_out_s = busy_until
+                record = flight.record
                 record.timeline[KV_PUT] = busy_until
                 record.kv_bytes = self.kv_bytes_per_token * state.num_prompt_tokens
                 record.kv_put_s = put_s
                 self._prefill_done(flight)
                 self._push(busy_until, _HANDOVER, flight)
                 continue
-            record.token_times_s.append(t)
             if status >= _FINISHED_STOPPED:  # status.is_finished
                 if flight.queued_prefill:  # ended with its first token on a prefill worker
                     self._prefill_done(flight)
