@@ -87,6 +87,8 @@ class SimResult:
         duration_s: last finish (the run's end) minus 0.
         batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when
             ``collect_batches`` (the Scheduler-identity test compares them to an Engine's).
+        num_fast_forwarded_steps: steps completed by the fast-forward, not by
+            ``Scheduler.update`` (module docstring; 0 with ``fast_forward=False``).
     """
 
     records: list[RequestRecord]
@@ -94,6 +96,7 @@ class SimResult:
     transfers: list[dict] = field(default_factory=list)
     duration_s: float = 0.0
     batches: list[tuple[str, list[tuple[str, int]]]] = field(default_factory=list)
+    num_fast_forwarded_steps: int = 0
 
 
 # engine.kv_cache's CPU default budget (that module imports torch): kept equal by a test
@@ -232,6 +235,7 @@ class Simulator:
         self._steps: list[dict] | None = [] if collect_steps else None
         self._batches: list | None = [] if collect_batches else None
         self._transfers: list[dict] = []
+        self._num_fast_forwarded = 0
         arrivals = sorted(workload, key=lambda item: item[1])  # stable: ties keep workload order
         # Arrivals wait in a sorted list beside the heap (which then holds only the few
         # events in flight, so the fast-forward horizon scans it cheaply). An arrival runs
@@ -269,7 +273,8 @@ class Simulator:
         records = [self._flights[r.request_id].record for r, _ in arrivals]
         if self._steps:
             self._steps.sort(key=lambda step: step["start_s"])  # stable: per worker in order
-        return SimResult(records, self._steps or [], self._transfers, end_s, self._batches or [])
+        return SimResult(records, self._steps or [], self._transfers, end_s, self._batches or [],
+                         self._num_fast_forwarded)
 
     def _push(self, t: float, kind: int, payload, order: int = _EARLY) -> None:
         heapq.heappush(self._heap, (t, order, next(self._seq), kind, payload))
@@ -452,6 +457,7 @@ class Simulator:
                 self._record_step(instance, batch, end_s, duration, 0, num_decode)
             end_s = end_s + duration
         if ends:
+            self._num_fast_forwarded += len(ends)
             fakes = [FAKE_TOKEN] * len(ends)
             flights = self._flights
             for state in requests:  # what Scheduler.update does to each, len(ends) times
