@@ -29,11 +29,15 @@ prompt runs whole or waits for a step with room for it (no chunking, vLLM v1 sty
 
 from __future__ import annotations
 
+import bisect
 import collections
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.request import RequestState, RequestStatus
+
+
+_RUNNING, _FINISHED_STOPPED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
 
 
 class BlockAllocator:
@@ -113,8 +117,16 @@ class BlockAllocator:
         if held is None or held[0] != len(block_ids):
             raise ValueError(f"blocks {block_ids[:4]}... are not allocated here")
         del self._reserved[block_ids[0]]
-        self._free.extend(block_ids)
-        self._free.sort()  # lowest first again (timsort: two sorted runs, linear)
+        free, first, last = self._free, block_ids[0], block_ids[-1]
+        if last - first == len(block_ids) - 1 and block_ids == list(range(first, last + 1)):
+            # one run (the usual table): insert it where it goes, no sort of the whole list;
+            # the same list as extend + sort when no free block lies inside the run
+            i = bisect.bisect_left(free, first)
+            if i == len(free) or free[i] > last:
+                free[i:i] = block_ids
+                return
+        free.extend(block_ids)
+        free.sort()  # lowest first again (timsort: two sorted runs, linear)
 
 
 @dataclass
@@ -193,13 +205,20 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
-        live = [s for s in self.running if s.status == RequestStatus.RUNNING]
-        for state in live:  # 1. decodes
-            if not state.is_prefilling and budget > 0:
-                batch.add(state, 1)
+        # hot path (the planner's simulator calls it per simulated step): the fields read
+        # directly, decodes appended inline (batch.add), prompts set aside in one pass
+        requests, counts, prompts = batch.requests, batch.num_new_tokens, []
+        for state in self.running:
+            if state.status != _RUNNING:
+                continue
+            if state.num_computed_tokens < state.num_prompt_tokens:  # is_prefilling
+                prompts.append(state)
+            elif budget > 0:  # 1. decodes
+                requests.append(state)
+                counts.append(1)
                 budget -= 1
-        for state in live:  # 2. part-way prompts
-            if state.is_prefilling and budget > 0:
+        for state in prompts:  # 2. part-way prompts
+            if budget > 0:
                 budget -= self._add_prompt_chunk(batch, state, budget)
         while self.waiting:  # 3. admission, FCFS
             state = self.waiting[0]
@@ -251,35 +270,41 @@ class Scheduler:
         requests that produced a token this step (finished ones have a FINISHED_* or
         PREFILLED status)."""
         produced = []
-        for i, (state, num_tokens) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            state.num_computed_tokens += num_tokens
+        counts, check_stop = batch.num_new_tokens, self.check_stop
+        for i, state in enumerate(batch.requests):
+            state.num_computed_tokens += counts[i]
             if i not in sampled:
                 continue
             token = sampled[i]
             state.token_ids.append(token)
             produced.append(state)
-            self.check_stop(state, token)
+            check_stop(state, token)
         return produced
 
     def check_stop(self, state: RequestState, token: int) -> None:
-        params = state.sampling
+        params = state.request.sampling
         if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
             state.status = RequestStatus.FINISHED_STOPPED
-        elif state.num_output_tokens >= params.max_tokens:
+        elif len(state.token_ids) - state.num_prompt_tokens >= params.max_tokens:  # num_output_tokens
             state.status = RequestStatus.FINISHED_LENGTH
         elif state.prefill_only:
             state.status = RequestStatus.PREFILLED  # keeps its blocks until the KV is exported
-        if state.status.is_finished:
+        if state.status >= _FINISHED_STOPPED:  # is_finished
             self.release(state)
 
     def release(self, state: RequestState) -> None:
         """Give back a request's blocks and drop it from the queues (idempotent)."""
-        if state.block_ids is not None:
+        held = state.block_ids is not None
+        if held:
             self.capacity.free(state.block_ids)
             state.block_ids = None
-        if state in self.running:
+        try:
             self.running.remove(state)
-        if state in self.waiting:
+        except ValueError:
+            pass
+        # a state holding blocks has left ``waiting`` (blocks are allocated only as it is
+        # popped): skip the scan of what may be a long queue
+        if not held and state in self.waiting:
             self.waiting.remove(state)
         if state in self.receiving:
             self.receiving.remove(state)

@@ -22,8 +22,10 @@ No torch: thousands of requests per (candidate, rate) simulate in about a second
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -189,7 +191,8 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
     with concurrent.futures.ProcessPoolExecutor(
             max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
             initializer=_init_worker, initargs=(requests_by_seed, fixed)) as pool:
-        futures = {pool.submit(_run_task, task): i for i, task in enumerate(tasks)}
+        with _children_skip_main():  # the workers start on these submits
+            futures = {pool.submit(_run_task, task): i for i, task in enumerate(tasks)}
         for future in concurrent.futures.as_completed(futures):
             rows[futures[future]] = future.result()
             if progress is not None:
@@ -198,6 +201,29 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
 
 
 _WORKER: dict = {}  # what every run of a sweep shares, set once per (worker) process
+
+
+@contextlib.contextmanager
+def _children_skip_main():
+    """Processes spawned inside this block do not re-import the parent's ``__main__``.
+
+    A spawned child runs the parent's main module first (multiprocessing's
+    ``spawn.get_preparation_data`` passes its module name or path), so functions defined
+    there can be unpickled. A sweep's workers only run this module's functions, and the
+    main module of ``pdlab`` (``experiments.cli``) imports torch: seconds per worker, more
+    than a run takes. Hiding the main module's ``__spec__`` and ``__file__`` while the
+    workers start makes multiprocessing pass neither."""
+    main = sys.modules.get("__main__")
+    saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main and k in main.__dict__}
+    if main is not None:
+        main.__dict__["__spec__"] = None
+        main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        if main is not None:
+            main.__dict__.pop("__spec__", None)
+            main.__dict__.update(saved)
 
 
 def _init_worker(requests_by_seed: dict[int, list[Request]], fixed: tuple) -> None:

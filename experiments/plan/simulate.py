@@ -29,12 +29,32 @@ The output is one ``engine.metrics.RequestRecord`` per request with the stamps a
 writes (times in simulated seconds from 0), plus step and transfer records shaped like the
 real ones, so ``experiments.analysis``, ``plots`` and ``report`` read it unchanged.
 Deterministic: the same inputs give the same records.
+
+**Fast-forward** (``fast_forward=True``, the default; off gives the plain step-by-step run):
+when an instance's step is pure decode (no prompt tokens, nothing admitted or reserved) the
+Scheduler would schedule exactly the same batch again at the step's end unless something
+reaches that instance first: its waiting queue, its blocks and its running list change
+only by an arrival or hand-over to it, a KV fetch of its own landing, or a request of the
+batch stopping. So the steps up to the earliest of those (the *horizon*: the next event that
+may touch the instance, and the step before the first request of the batch reaches
+``max_tokens``) are advanced in one go: each step's duration from ``step_s`` at the grown
+context (Σctx + B per step), each request's counters and token stamps extended in bulk, the
+same floats the step-by-step run computes. The step that ends at or after the horizon, or in
+which a request stops, runs through ``Scheduler.update`` as usual. Valid because
+``update`` of a decode-only step in which no request stops only advances counters
+(``ignore_eos`` workloads: the fake token is no stop token, checked per batch); the
+records equal the step-by-step run's exactly (tests/unit/test_plan_simulate.py), and the
+per-step batches still equal a real Engine's (tests/integration/test_plan_identity.py).
+Step records are sorted by start time at the end (a skipped-ahead step is recorded when it
+is skipped).
 """
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,11 +67,12 @@ from experiments.plan.latency import TransferModel
 from router.policy import pick
 
 FAKE_TOKEN = 0  # output token ids are not simulated; lengths are (ignore_eos workloads)
-_ARRIVE, _STEP_END, _START, _HANDOVER, _FETCHED = range(5)
+_STEP_END, _START, _HANDOVER, _FETCHED = range(4)  # heap event kinds (arrivals: a sorted list)
 # Events at one instant run in this order: everything else first, then the step starts, so a
 # step sees every request that arrived at its start time (a worker applies all queued
 # commands before it steps).
 _EARLY, _LATE = 0, 1
+_PREFILLED, _FINISHED_STOPPED = RequestStatus.PREFILLED, RequestStatus.FINISHED_STOPPED
 
 
 @dataclass
@@ -66,6 +87,8 @@ class SimResult:
         duration_s: last finish (the run's end) minus 0.
         batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when
             ``collect_batches`` (the Scheduler-identity test compares them to an Engine's).
+        num_fast_forwarded_steps: steps completed by the fast-forward, not by
+            ``Scheduler.update`` (module docstring; 0 with ``fast_forward=False``).
     """
 
     records: list[RequestRecord]
@@ -73,6 +96,7 @@ class SimResult:
     transfers: list[dict] = field(default_factory=list)
     duration_s: float = 0.0
     batches: list[tuple[str, list[tuple[str, int]]]] = field(default_factory=list)
+    num_fast_forwarded_steps: int = 0
 
 
 # engine.kv_cache's CPU default budget (that module imports torch): kept equal by a test
@@ -102,8 +126,13 @@ class _Instance:
 
 
 class _Flight:
+    """One request in the simulation. Its tokens' stamps are kept once while it runs:
+    ``times`` (the record's ``token_worker_times_s``) and ``first_out_s`` (when the first
+    token left, after the put, on a prefill worker); ``finalize`` writes the record's
+    ``token_times_s`` and ``output_token_ids`` from them (per token, one append, not three)."""
+
     __slots__ = ("request", "record", "first", "decode", "charges", "remote", "put_s",
-                 "queued_prefill")
+                 "queued_prefill", "times", "first_out_s")
 
     def __init__(self, request: Request, record: RequestRecord) -> None:
         self.request, self.record = request, record
@@ -112,6 +141,17 @@ class _Flight:
         self.remote = False
         self.put_s = 0.0
         self.queued_prefill = False
+        self.times = record.token_worker_times_s
+        self.first_out_s: float | None = None
+
+    def finalize(self) -> None:
+        """Tokens left the router when the worker produced them, the first one of a
+        prefilled request after its put."""
+        record = self.record
+        record.token_times_s = list(self.times)
+        if self.first_out_s is not None:
+            record.token_times_s[0] = self.first_out_s
+        record.output_token_ids = [FAKE_TOKEN] * len(self.times)
 
 
 def worker_names(placement: str) -> list[tuple[str, str]]:
@@ -140,6 +180,8 @@ class Simulator:
         policy: router policy (``router.policy.POLICIES``).
         conditional: the thresholds of ``conditional:xPyD``.
         transport: the transport name written into transfer records.
+        fast_forward: advance runs of pure-decode steps in one go (module docstring); the
+            records are the same either way, False runs every step through the Scheduler.
 
     Raises:
         ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``.
@@ -148,7 +190,8 @@ class Simulator:
     def __init__(self, placement: str, engine: EngineConfig,
                  step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
                  kv_bytes_per_token: int = 0, policy: str = "least_loaded",
-                 conditional: ConditionalConfig | None = None, transport: str = "simulated") -> None:
+                 conditional: ConditionalConfig | None = None, transport: str = "simulated",
+                 fast_forward: bool = True) -> None:
         self.kind = parse_placement(placement)[0]
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
@@ -161,6 +204,7 @@ class Simulator:
         self.policy = policy
         self.conditional = (conditional or ConditionalConfig()) if self.kind == "conditional" else None
         self.transport = transport
+        self.fast_forward = fast_forward
 
     # ---- one run -----------------------------------------------------------------------
     def run(self, workload: Sequence[tuple[Request, float]], collect_steps: bool = False,
@@ -191,23 +235,46 @@ class Simulator:
         self._steps: list[dict] | None = [] if collect_steps else None
         self._batches: list | None = [] if collect_batches else None
         self._transfers: list[dict] = []
-        arrivals = sorted(workload, key=lambda item: item[1])
-        for request, offset in arrivals:
-            self._push(float(offset), _ARRIVE, request)
+        self._num_fast_forwarded = 0
+        arrivals = sorted(workload, key=lambda item: item[1])  # stable: ties keep workload order
+        # Arrivals wait in a sorted list beside the heap (which then holds only the few
+        # events in flight, so the fast-forward horizon scans it cheaply). An arrival runs
+        # before any heap event at its time, as it did when arrivals were pushed first.
+        self._arrival_s = [float(offset) for _, offset in arrivals] + [math.inf]
+        self._next_arrival = 0  # index of the next arrival not yet run
         end_s = 0.0
-        handlers = (self._arrive, self._step_end, self._start, self._hand_over, self._fetched)
-        heap, pop = self._heap, heapq.heappop
-        while heap:
-            t, _, _, kind, payload = pop(heap)
-            end_s = t
-            handlers[kind](t, payload)
-        for flight in self._flights.values():  # nothing left to run it: it never finishes
-            if FINISHED not in flight.record.timeline:
+        handlers = (self._step_end, self._start, self._hand_over, self._fetched)
+        heap, pop, arrival_s = self._heap, heapq.heappop, self._arrival_s
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # millions of short-lived objects, no cycles: collection only costs time
+        try:
+            while True:
+                t_arrival = arrival_s[self._next_arrival]
+                if heap and heap[0][0] < t_arrival:
+                    t, _, _, kind, payload = pop(heap)
+                    end_s = t
+                    handlers[kind](t, payload)
+                elif t_arrival < math.inf:
+                    request = arrivals[self._next_arrival][0]
+                    self._next_arrival += 1
+                    end_s = t_arrival
+                    self._arrive(t_arrival, request)
+                else:
+                    break
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        for flight in self._flights.values():
+            flight.finalize()
+            if FINISHED not in flight.record.timeline:  # nothing left to run it: it never finishes
                 flight.record.error = "simulation ended with the request unfinished (no KV room)"
                 flight.record.finish_reason = "error"
                 flight.record.timeline[FINISHED] = end_s
         records = [self._flights[r.request_id].record for r, _ in arrivals]
-        return SimResult(records, self._steps or [], self._transfers, end_s, self._batches or [])
+        if self._steps:
+            self._steps.sort(key=lambda step: step["start_s"])  # stable: per worker in order
+        return SimResult(records, self._steps or [], self._transfers, end_s, self._batches or [],
+                         self._num_fast_forwarded)
 
     def _push(self, t: float, kind: int, payload, order: int = _EARLY) -> None:
         heapq.heappush(self._heap, (t, order, next(self._seq), kind, payload))
@@ -299,7 +366,8 @@ class Simulator:
 
     def _start_at(self, instance: _Instance, t: float) -> None:
         heap = self._heap
-        if heap and heap[0][0] <= t:  # other events at t first (a step sees them all)
+        if (heap and heap[0][0] <= t) or self._arrival_s[self._next_arrival] <= t:
+            # other events at t first (a step sees them all)
             instance.busy = True
             self._push(t, _START, instance, _LATE)
         else:
@@ -315,15 +383,17 @@ class Simulator:
             return
         batch = scheduler.schedule()
         n_pre = q_pre = num_decode = sum_ctx = 0
-        flights = self._flights
-        for state, n in zip(batch.requests, batch.num_new_tokens):
-            k = state.num_computed_tokens
-            if k < state.request.num_prompt_tokens:
+        flights, counts, completing = self._flights, batch.num_new_tokens, []
+        for i, state in enumerate(batch.requests):
+            k, n = state.num_computed_tokens, counts[i]
+            if k < state.num_prompt_tokens:
                 n_pre += n
                 q_pre += n * (k + n)
             else:
                 num_decode += 1
                 sum_ctx += k + 1
+            if k + n == len(state.token_ids):  # batch.completes(i): a token is sampled
+                completing.append(i)  # (counters stay put until the step's end)
             if state.first_scheduled_time_s is None:
                 state.first_scheduled_time_s = t
                 timeline = flights[state.request.request_id].record.timeline
@@ -334,9 +404,18 @@ class Simulator:
             flight = flights[state.request.request_id]
             get_s = self._transfer_s(flight) * (1.0 - self.transfer.put_share)
             self._push(fetch_start + get_s, _FETCHED, (instance, state, get_s))
-        if batch.is_empty:
+        if not batch.requests:
             return  # nothing could run (no capacity): the next event wakes it
         instance.busy = True
+        self._record_step(instance, batch, t, duration, n_pre, num_decode)
+        end_s = t + duration
+        if (self.fast_forward and n_pre == 0 and not batch.kv_reserved
+                and not batch.newly_admitted):
+            end_s = self._fast_forward(instance, batch, end_s, sum_ctx)
+        self._push(end_s, _STEP_END, (instance, batch, dict.fromkeys(completing, FAKE_TOKEN)))
+
+    def _record_step(self, instance: _Instance, batch: ScheduledBatch, t: float,
+                     duration: float, n_pre: int, num_decode: int) -> None:
         if self._steps is not None:
             self._steps.append({"worker": instance.name, "start_s": t, "duration_s": duration,
                                 "num_requests": len(batch.requests),
@@ -344,38 +423,107 @@ class Simulator:
         if self._batches is not None:
             self._batches.append((instance.name, [(s.request_id, n) for s, n in
                                                   zip(batch.requests, batch.num_new_tokens)]))
-        self._push(t + duration, _STEP_END, (instance, batch))
+
+    def _fast_forward(self, instance: _Instance, batch: ScheduledBatch, end_s: float,
+                      sum_ctx: int) -> float:
+        """Complete the pure-decode ``batch`` (just scheduled, ending at ``end_s``) and the
+        same batch again while the Scheduler would schedule it unchanged (module docstring):
+        every step that ends before the horizon, and before the step in which the first
+        request of the batch stops. Returns the end of the step left to run as usual.
+        Step durations are ``step_s`` at the context each step has, summed in step order,
+        so every time equals the step-by-step run's to the last bit."""
+        horizon_s = self._horizon(instance)
+        if end_s >= horizon_s:
+            return end_s
+        requests = batch.requests
+        eos = instance.scheduler.eos_token_ids
+        steps_left = math.inf  # steps until the first request stops, its stopping step included
+        for state in requests:
+            params = state.request.sampling
+            if (state.prefill_only or FAKE_TOKEN in params.stop_token_ids
+                    or (not params.ignore_eos and FAKE_TOKEN in eos)):
+                return end_s  # it stops on this token: leave it to Scheduler.update
+            left = params.max_tokens - (len(state.token_ids) - state.num_prompt_tokens)
+            if left < steps_left:
+                steps_left = left
+        ends = []  # end of each step completed here: its tokens leave then
+        num_decode, step_s, add_end = len(requests), self.step_s, ends.append
+        record = self._steps is not None or self._batches is not None
+        while len(ends) < steps_left - 1 and end_s < horizon_s:
+            add_end(end_s)  # this step completes; the same batch starts at its end
+            sum_ctx += num_decode
+            duration = step_s(0, 0, num_decode, sum_ctx)
+            if record:
+                self._record_step(instance, batch, end_s, duration, 0, num_decode)
+            end_s = end_s + duration
+        if ends:
+            self._num_fast_forwarded += len(ends)
+            fakes = [FAKE_TOKEN] * len(ends)
+            flights = self._flights
+            for state in requests:  # what Scheduler.update does to each, len(ends) times
+                state.num_computed_tokens += len(ends)
+                state.token_ids.extend(fakes)
+                flight = flights[state.request.request_id]
+                if not flight.times:
+                    flight.record.timeline[PREFILL_FINISHED] = ends[0]
+                flight.times.extend(ends)
+        return end_s
+
+    def _horizon(self, instance: _Instance) -> float:
+        """The earliest time an event may change what ``instance``'s Scheduler holds: an
+        event queued for it (a hand-over to it, a KV fetch of its own), a prefill worker's
+        step or put (its end hands requests over), and the next arrival unless arrivals
+        cannot reach it first (disaggregated: they go to the prefill workers, and while
+        every prefill worker is busy, its queued step end comes earlier). Other workers'
+        steps only change the router's loads, which an arrival reads: bounded by it."""
+        horizon_s = math.inf
+        instances = self._instances.values()
+        if self.kind != "disagg" or any(i.role == "prefill" and not i.busy for i in instances):
+            horizon_s = self._arrival_s[self._next_arrival]
+        for t, _, _, kind, payload in self._heap:
+            if t >= horizon_s:
+                continue
+            if kind == _STEP_END:
+                touches = payload[0].role == "prefill" or payload[0] is instance
+            elif kind == _START:
+                touches = payload.role == "prefill" or payload is instance
+            elif kind == _HANDOVER:
+                touches = payload.decode == instance.name
+            else:  # _FETCHED
+                touches = payload[0] is instance
+            if touches:
+                horizon_s = t
+        return horizon_s
 
     def _transfer_s(self, flight: _Flight) -> float:
         return self.transfer.seconds(self.kv_bytes_per_token * flight.request.num_prompt_tokens)
 
-    def _step_end(self, t: float, payload: tuple[_Instance, ScheduledBatch]) -> None:
-        instance, batch = payload
-        sampled = {i: FAKE_TOKEN for i, (s, n) in enumerate(zip(batch.requests, batch.num_new_tokens))
-                   if s.num_computed_tokens + n == len(s.token_ids)}  # batch.completes(i)
+    def _step_end(self, t: float, payload: tuple[_Instance, ScheduledBatch, dict[int, int]]) -> None:
+        instance, batch, sampled = payload
         produced = instance.scheduler.update(batch, sampled)
         busy_until = t
+        flights = self._flights
         for state in produced:
-            flight = self._flights[state.request.request_id]
-            record = flight.record
-            if not record.token_times_s:
-                record.timeline[PREFILL_FINISHED] = t
-            record.token_worker_times_s.append(t)
-            record.output_token_ids.append(FAKE_TOKEN)
-            if state.status == RequestStatus.PREFILLED:  # KV out, then the first token
+            flight = flights[state.request.request_id]
+            times = flight.times
+            if not times:
+                flight.record.timeline[PREFILL_FINISHED] = t
+            times.append(t)
+            status = state.status
+            if status == _PREFILLED:  # KV out, then the first token
                 instance.scheduler.release(state)
                 put_s = self._transfer_s(flight) * self.transfer.put_share
                 busy_until += put_s
                 flight.put_s = put_s
-                record.token_times_s.append(busy_until)
+                flight.first_out_s = busy_until
+                record = flight.record
                 record.timeline[KV_PUT] = busy_until
                 record.kv_bytes = self.kv_bytes_per_token * state.num_prompt_tokens
                 record.kv_put_s = put_s
                 self._prefill_done(flight)
                 self._push(busy_until, _HANDOVER, flight)
                 continue
-            record.token_times_s.append(t)
-            if state.status.is_finished:
+            if status >= _FINISHED_STOPPED:  # status.is_finished
                 if flight.queued_prefill:  # ended with its first token on a prefill worker
                     self._prefill_done(flight)
                 self._finish(flight, t)

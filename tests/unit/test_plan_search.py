@@ -95,3 +95,33 @@ def test_sweep_over_two_processes_gives_the_rows_of_one():
     one, two = search.sweep(*args, jobs=1), search.sweep(*args, jobs=2)
     assert len(one) == 6 and list(one["rate"]) == [2.0, 2.0, 8.0, 8.0, 4.0, 4.0]
     pd.testing.assert_frame_equal(one.drop(columns="sim_s"), two.drop(columns="sim_s"))
+
+
+def test_workers_start_without_the_parents_main_module():
+    """While a sweep starts its workers, ``__main__`` shows multiprocessing neither a module
+    name nor a path (so a spawned worker does not import pdlab's CLI, and torch); both are
+    back afterwards."""
+    import multiprocessing.spawn
+    import sys
+
+    main = sys.modules["__main__"]
+    before = (main.__dict__.get("__spec__"), main.__dict__.get("__file__"))
+    with search._children_skip_main():
+        data = multiprocessing.spawn.get_preparation_data("w")
+        assert "init_main_from_name" not in data and "init_main_from_path" not in data
+    assert (main.__dict__.get("__spec__"), main.__dict__.get("__file__")) == before
+    if before != (None, None):  # pytest's __main__ has a path: it would have been passed
+        data = multiprocessing.spawn.get_preparation_data("w")
+        assert "init_main_from_name" in data or "init_main_from_path" in data
+
+
+def test_plan_speed_runs_from_a_clean_checkout_on_its_reference_profile(tmp_path, monkeypatch):
+    from benchmarks import plan_speed
+    from engine.config import ModelConfig
+
+    monkeypatch.chdir(tmp_path)  # no results/profile-*: the built-in profile
+    profile, source = plan_speed.load_profile(None, ModelConfig("smollm2-135m"))
+    assert source.startswith("REFERENCE_PROFILE")
+    assert profile.model == "smollm2-135m" and "ray" in profile.transfers
+    assert profile.step_time()(0, 0, 2, 100) == pytest.approx(
+        0.045976369793162795 + 2 * 0.004722918813309089 + 100 * 9.028762355320699e-06)

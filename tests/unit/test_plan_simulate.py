@@ -118,3 +118,69 @@ def test_the_simulator_and_search_import_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, timeout=120,
                           env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr
+
+
+def _linear_step_s(n_pre: int, q_pre: int, num_decode: int, sum_ctx: int) -> float:
+    """A step model shaped like the fitted one (intercept, per token, per context token),
+    with slopes that make every step time distinct (so any reordering shows)."""
+    if not n_pre and not num_decode:
+        return 0.0
+    return 0.013 + 0.0007 * n_pre + 3e-7 * q_pre + 0.0011 * num_decode + 2.3e-5 * sum_ctx
+
+
+def _poisson_workload(n: int, rate: float, seed: int, stop_zero: int = -1):
+    import random
+
+    rng = random.Random(seed)
+    t, work = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate)
+        stop = (0,) if i == stop_zero else ()  # 0 is the simulator's fake token: stops at once
+        work.append((Request(f"w{i}", tuple(range(3, 3 + rng.randint(2, 40))),
+                             SamplingParams(max_tokens=rng.randint(1, 30), ignore_eos=True,
+                                            stop_token_ids=stop)), t))
+    return work
+
+
+@pytest.mark.parametrize("placement,engine", [
+    ("colocated:2", EngineConfig(max_num_seqs=6, max_model_len=128, max_num_batched_tokens=24)),
+    ("colocated-nochunk:1", EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=64)),
+    ("disagg:1p1d", EngineConfig(max_num_seqs=3, max_model_len=128, max_num_batched_tokens=32)),
+    ("disagg:2p1d", EngineConfig(max_num_seqs=5, max_model_len=128, max_num_batched_tokens=32)),
+    ("disagg:1p2d", EngineConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=48)),
+    ("conditional:1p1d", EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)),
+])
+@pytest.mark.parametrize("rate", [0.5, 8.0, 60.0])
+def test_fast_forward_gives_the_records_of_the_step_by_step_run(placement, engine, rate):
+    """Same workload both ways: every record, step and transfer equal to the last bit; few
+    slots (max_num_seqs 3-8) so requests wait for KV room while others decode, a stop token
+    that ends a request on its first decode, and rates from sparse to saturating."""
+    work = _poisson_workload(80, rate, seed=int(rate * 10), stop_zero=7)
+    transfer = TransferModel(latency_s=0.004, bandwidth_bytes_s=2e6)
+    cond = ConditionalConfig(max_local_prefill_length=20)
+    results = [Simulator(placement, engine, _linear_step_s, transfer, 100, conditional=cond,
+                         fast_forward=ff).run(work, collect_steps=True, collect_batches=True)
+               for ff in (False, True)]
+    plain, fast = results
+    assert [r.to_dict() for r in fast.records] == [r.to_dict() for r in plain.records]
+    assert fast.steps == plain.steps and fast.transfers == plain.transfers
+    assert fast.duration_s == plain.duration_s
+    for worker in {w for w, _ in plain.batches}:
+        assert [b for w, b in fast.batches if w == worker] == [b for w, b in plain.batches if w == worker]
+    assert plain.num_fast_forwarded_steps == 0 and fast.num_fast_forwarded_steps > 0
+    assert fast.records[7].output_token_ids == [0] and fast.records[7].finish_reason == "length"
+
+
+def test_fast_forward_stops_before_a_finish_and_at_the_next_arrival():
+    # r0: 10-token prompt, 6 tokens; 1 s steps. Prefill 0-1 (token 1); decodes end at 2..6.
+    # Alone, steps 1-2 .. 4-5 are completed ahead (tokens 2-5), 5-6 (its last) runs as usual.
+    # r1 arriving at 3.5 bounds the skip: only the decode steps ending before 3.5 are skipped.
+    alone = Simulator("colocated:1", ENGINE, ONE_S).run([(_req("r0", 10, 6), 0.0)])
+    assert alone.records[0].token_times_s == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert alone.num_fast_forwarded_steps == 4  # the steps ending at 2, 3, 4 and 5
+    two = Simulator("colocated:1", ENGINE, ONE_S).run(
+        [(_req("r0", 10, 6), 0.0), (_req("r1", 10, 2), 3.5)], collect_steps=True)
+    assert two.records[0].token_times_s == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert two.records[1].token_times_s == [5.0, 6.0]  # prefilled in the step 4-5
+    assert [s["num_prefill_tokens"] for s in two.steps] == [10, 0, 0, 0, 10, 0]
+    assert two.num_fast_forwarded_steps == 2  # steps ending at 2 and 3 (< 3.5)

@@ -333,3 +333,45 @@ def test_update_counts_only_sampled_entries_and_releases_finished_from_running()
     assert produced == [a] and a.status == RequestStatus.FINISHED_LENGTH
     assert sched.running == [b] and b.num_computed_tokens == 12 and b.output_token_ids == []
     assert sched.capacity.reserved_tokens == 34
+
+
+def test_free_keeps_the_free_list_sorted_for_runs_and_scattered_tables():
+    """``free`` inserts a consecutive table in place (no sort): the free list equals
+    ``sorted`` of everything free, for runs, for fragmented (scattered) tables, and for a
+    random admit/free sequence; blocks are handed out lowest first as before."""
+    alloc = BlockAllocator(num_blocks=12, block_size=4, max_num_seqs=8)
+    a, b, c, f = alloc.allocate(8), alloc.allocate(12), alloc.allocate(8), alloc.allocate(8)
+    assert (a, b, c, f) == ([0, 1], [2, 3, 4], [5, 6], [7, 8])
+    alloc.free(a)
+    alloc.free(c)  # runs inserted where they go
+    assert alloc._free == [0, 1, 5, 6, 9, 10, 11]
+    d = alloc.allocate(20)  # 5 blocks, no run of 5 free: the lowest ones, scattered
+    assert d == [0, 1, 5, 6, 9] and alloc._free == [10, 11]
+    alloc.free(d)  # a scattered table
+    assert alloc._free == [0, 1, 5, 6, 9, 10, 11]
+    alloc.free(b)
+    assert alloc._free == [0, 1, 2, 3, 4, 5, 6, 9, 10, 11]
+    alloc.free(f)
+    assert alloc._free == list(range(12)) and alloc.allocate(4) == [0]
+
+    rng, held = random.Random(3), []
+    alloc = BlockAllocator(num_blocks=64, block_size=1, max_num_seqs=64)
+    for _ in range(400):
+        if held and (rng.random() < 0.5 or not alloc.can_allocate(8)):
+            alloc.free(held.pop(rng.randrange(len(held))))
+        else:
+            held.append(alloc.allocate(rng.randint(1, 8)))
+        taken = sorted(b for table in held for b in table)
+        assert alloc._free == sorted(set(range(64)) - set(taken))
+
+
+def test_release_of_a_waiting_request_drops_it_from_the_queue():
+    sched = Scheduler(EngineConfig(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=64))
+    a, b = (RequestState(Request(n, (3, 4, 5), SamplingParams(max_tokens=2))) for n in "ab")
+    sched.add(a)
+    sched.add(b)
+    sched.schedule()  # a admitted (holds blocks), b waits: one slot
+    sched.release(b)
+    assert not sched.waiting and sched.running == [a]
+    sched.release(a)
+    assert not sched.running and sched.capacity.num_used_blocks == 0
