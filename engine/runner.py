@@ -134,6 +134,7 @@ class _Linear:
                     self.bias = torch.cat([m.bias if m.bias is not None else
                                            self.weight.new_zeros(m.out_features)
                                            for m in modules])
+            self.weight_t = self.weight.t()  # [in, out] view
             if not (_ONEDNN and self.weight.device.type == "cpu"
                     and self.weight.dtype == torch.float32):
                 return
@@ -150,10 +151,15 @@ class _Linear:
         return num_rows > 1 or self.gemv_onednn
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, in]`` -> the unsplit output ``[N, sum(sizes)]`` (contiguous)."""
+        """``x [N, in]`` -> the unsplit output ``[N, sum(sizes)]`` (contiguous). The MKL
+        path calls ``mm`` / ``addmm`` on the transposed weight directly: what ``F.linear``
+        runs for a 2-D input, without its three dispatch layers (``linear``, ``t``,
+        ``matmul``) per call."""
         if self._use_onednn(x.shape[0]):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = self.fused(x)
@@ -301,6 +307,9 @@ class _DecodeGroup:
     mask: torch.Tensor | None  # [num_rows, 1, 1, ctx_len] True = attend; None: all full
     token_start: int | None  # set when row r is token token_start + r (no gather of q)
     token_idx: torch.Tensor | None  # [num_rows] token index of each row (gather path)
+    # view groups: K and V of every layer at once, [L, num_rows, H_kv, ctx_len, D] strided
+    # views of the store (one select per layer instead of an as_strided per layer)
+    kv_views: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -332,8 +341,6 @@ class ModelRunner:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.num_kv_heads
         self.layers, self.final_norm, self.lm_head = _prepare(model)
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         # The fused C kernels (engine/cpu_kernels.py) for a float32 model and store on CPU,
         # where they build; else None and the pure-PyTorch path runs.
         self.kernels = None
@@ -349,6 +356,7 @@ class ModelRunner:
                    for layer in self.layers), "per-layer attention scale/soft-cap"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
         self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
+        self._kv_views: tuple = (None, [])  # (store tensor, [(layer view, flat view)])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -373,7 +381,7 @@ class ModelRunner:
         # run in place; each add is fused with the norm that follows it (``_add_norm``).
         normed = self._add_norm(layers[0].input_norm, hidden, None)
         for layer_idx, layer in enumerate(layers):
-            x = self._attention(layer, layer_idx, normed, *rope[layer.rope_key], layout)
+            x = self._attention(layer, layer_idx, normed, rope[layer.rope_key], layout)
             if layer.attn_out_norm is not None:
                 x = layer.attn_out_norm(x)
             normed = self._add_norm(layer.mlp_norm, hidden, x)
@@ -412,36 +420,38 @@ class ModelRunner:
         return layer.down.fused(layer.act(gate) * up)
 
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """``{rope_key: (cos, sin)}``, each ``[N, 1, R]``, from the model's own rotary module
-        (so Llama 3 / YaRN / longrope scaling and Gemma 3's per-layer-type bases follow
-        transformers). ``R`` < D for partial rotary."""
+        """``{rope_key: (cos, sin)}``, each ``[N, R]`` (contiguous), from the model's own
+        rotary module (so Llama 3 / YaRN / longrope scaling and Gemma 3's per-layer-type bases
+        follow transformers). ``R`` < D for partial rotary."""
         rotary, tables = self.model.model.rotary_emb, {}
         for key in {layer.rope_key for layer in self.layers}:
             args = () if key is None else (key,)
             cos, sin = rotary(hidden, positions[None], *args)  # [1, N, R]
-            tables[key] = (cos[0, :, None, :], sin[0, :, None, :])
+            tables[key] = (cos[0], sin[0])
         return tables
 
-    def _attention(self, layer: _Layer, layer_idx: int, x: torch.Tensor, cos, sin,
-                   layout: _StepLayout) -> torch.Tensor:
+    def _attention(self, layer: _Layer, layer_idx: int, x: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor], layout: _StepLayout) -> torch.Tensor:
+        """Q/K/V of ``x [N, hidden]``, RoPE with ``rope`` = (cos, sin) ``[N, R]``, the new
+        K/V into the store, attention over the requests' KV, and the output projection ->
+        ``[N, hidden]``."""
         num_tokens, heads, kv_heads, head_dim = (x.shape[0], self.num_heads,
                                                   self.num_kv_heads, self.head_dim)
-        qkv = layer.qkv.fused(x)  # [N, (H_q + 2 H_kv) D]
-        q_end = self.q_size
-        k_end = q_end + self.kv_size
-        q = qkv[:, :q_end].view(num_tokens, heads, head_dim)
-        k = qkv[:, q_end:k_end].view(num_tokens, kv_heads, head_dim)
-        v = qkv[:, k_end:].view(num_tokens, kv_heads, head_dim)
+        qkv = layer.qkv.fused(x).view(num_tokens, heads + 2 * kv_heads, head_dim)
+        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)  # views, q then k then v
         if layer.q_norm is not None:  # Qwen3 / Gemma 3: RMSNorm over D, before RoPE
             q, k = layer.q_norm(q), layer.k_norm(k)
-        kv_layer = self.kv_store.layer_view(layer_idx)  # [2, H_kv, NB, B, D]
-        kv_flat = kv_layer.view(2, kv_heads, -1, head_dim)  # [2, H_kv, NB*B, D]
+        if self._kv_views[0] is not self.kv_store.kv:  # the per-layer views, made once
+            self._kv_views = (self.kv_store.kv, [
+                (kv, kv.view(2, kv_heads, -1, head_dim)) for kv in self.kv_store.kv])
+        kv_layer, kv_flat = self._kv_views[1][layer_idx]  # [2, H_kv, NB, B, D], [.., NB*B, D]
+        cos, sin = rope
         if self.kernels is not None and cos.shape[-1] == head_dim:  # full rotary: fused
-            self.kernels.rope_kv(q, k, v, cos[:, 0], sin[:, 0], kv_layer, layout.token_slots)
+            self.kernels.rope_kv(q, k, v, cos, sin, kv_layer, layout.token_slots)
         else:
+            cos, sin = cos[:, None], sin[:, None]  # [N, 1, R]: broadcast over heads
             if layer.q_norm is None:  # q and k adjacent in qkv: one RoPE over both
-                qk = _apply_rope(qkv[:, :k_end].view(num_tokens, heads + kv_heads, head_dim),
-                                 cos, sin)
+                qk = _apply_rope(qkv[:, :heads + kv_heads], cos, sin)
                 q, k = qk[:, :heads], qk[:, heads:]
             else:
                 q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
@@ -450,7 +460,7 @@ class ModelRunner:
         groups, chunks = layout.decode_groups, layout.chunks
         if (len(groups) == 1 and not chunks and groups[0].token_start == 0
                 and groups[0].num_rows == num_tokens):  # one decode group: no out buffer
-            out = self._decode_attention(q, kv_layer, groups[0])
+            out = self._decode_attention(q, layer_idx, kv_layer, groups[0])
         elif not groups and len(chunks) == 1 and chunks[0][1] == num_tokens:  # one prompt
             _, n, start, where = chunks[0]
             kv = (kv_flat[:, :, where] if isinstance(where, slice)
@@ -459,7 +469,7 @@ class ModelRunner:
         else:
             out = q.new_empty(num_tokens, heads, head_dim)
             for group in groups:
-                res = self._decode_attention(q, kv_layer, group)
+                res = self._decode_attention(q, layer_idx, kv_layer, group)
                 if group.token_start is not None:
                     out[group.token_start:group.token_start + group.num_rows] = res
                 else:
@@ -471,17 +481,14 @@ class ModelRunner:
                                                                kv[1], start)
         return layer.o.fused(out.reshape(num_tokens, -1))
 
-    def _decode_attention(self, q, kv_layer, group: _DecodeGroup) -> torch.Tensor:
+    def _decode_attention(self, q, layer_idx: int, kv_layer,
+                          group: _DecodeGroup) -> torch.Tensor:
         """One SDPA for ``group``'s rows over their KV -> their outputs ``[num_rows, H_q,
         D]`` (row r is token ``token_start + r``, or ``token_idx[r]``). ``q``: ``[N, H_q,
-        D]``; ``kv_layer``: the store's ``[2, H_kv, NB, B, D]``."""
+        D]``; ``kv_layer``: the store's ``[2, H_kv, NB, B, D]`` for layer ``layer_idx``."""
         n, heads, head_dim, ctx = group.num_rows, self.num_kv_heads, self.head_dim, group.ctx_len
-        if group.block_idx is None:  # in place: a strided view of each of K and V
-            flat_tokens = kv_layer.shape[2] * kv_layer.shape[3]
-            k, v = (kv_layer[i].as_strided(
-                (n, heads, ctx, head_dim), (group.stride_tokens * head_dim,
-                                            flat_tokens * head_dim, head_dim, 1),
-                kv_layer[i].storage_offset() + group.token_offset * head_dim) for i in (0, 1))
+        if group.kv_views is not None:  # in place: a strided view of each of K and V
+            k, v = group.kv_views[0][layer_idx], group.kv_views[1][layer_idx]
         else:
             blocks = kv_layer.view(2, heads, kv_layer.shape[2], -1)
             size = 2 * heads * group.block_idx.numel() * blocks.shape[-1]
@@ -491,9 +498,10 @@ class ModelRunner:
             torch.index_select(blocks, 2, group.block_idx, out=out_buf)
             kv = out_buf.view(2, heads, n, -1, head_dim)[:, :, :, :ctx].transpose(1, 2)
             k, v = kv[0], kv[1]  # [n, H_kv, T, D]
-        if group.token_start is not None:
-            rows = slice(group.token_start, group.token_start + n)
-            q_rows = q[rows]
+        if group.token_start == 0 and n == q.shape[0]:
+            q_rows = q
+        elif group.token_start is not None:
+            q_rows = q[group.token_start:group.token_start + n]
         else:
             q_rows = q.index_select(0, group.token_idx)
         res = _sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
@@ -645,8 +653,17 @@ class ModelRunner:
             mask = mask[:, None, None, :]
         tokens = [t for _, _, t in rows]
         dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
+        kv_views = None
+        if tables is None:  # row r's K at flat token token_offset + r * stride_tokens
+            kv = self.kv_store.kv  # [L, 2, H_kv, NB, B, D], contiguous
+            size = (kv.shape[0], len(rows), kv.shape[2], ctx_len, kv.shape[-1])
+            strides = (kv.stride(0), stride_tokens * kv.stride(4), kv.stride(2), kv.stride(4), 1)
+            start = kv.storage_offset() + token_offset * kv.stride(4)
+            kv_views = (kv.as_strided(size, strides, start),
+                        kv.as_strided(size, strides, start + kv.stride(1)))
         return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
-                            tokens[0] if dense else None, None if dense else as_long(tokens))
+                            tokens[0] if dense else None, None if dense else as_long(tokens),
+                            kv_views)
 
 
 def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
