@@ -4,8 +4,9 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 
 1. The new tokens of all requests are packed into one ``[N]`` sequence with their positions.
 2. Each layer projects Q/K/V for all N tokens at once (one fused matmul), applies RoPE with
-   the model's own rotary module, and writes only the new K/V into the requests' KV blocks
-   (one ``index_copy_`` at their flat positions ``block * B + offset``).
+   the tables of the model's own rotary module, and writes only the new K/V into the
+   requests' KV blocks at their flat positions ``block * B + offset`` (``index_copy_``, or
+   inside the fused RoPE kernel below).
 3. Attention: single-token entries (decodes) run as batched SDPAs with a per-row length
    mask, reading the KV blocks in place wherever they can (``_plan_decodes``): a request's
    blocks are usually consecutive (the allocator's first fit), so its KV is one token range
@@ -27,8 +28,23 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
-The layers' own norms, activation and rotary module are called, so RoPE and normalisation
-are exactly transformers'. One residual-block shape (``_Layer``) covers every family that
+Elementwise work. On CPU with a float32 model and store, the chains of small torch ops
+between the matmuls run as three fused C kernels (``engine/cpu_kernels.py``, built once per
+machine with the system C compiler, called through ctypes): the residual add with the RMSNorm
+that follows it (``_add_norm``; the residual stream is updated in place), RoPE on q in place
+and on k with the K/V write into the store (``rope_kv``), and SiLU(gate) * up (``_mlp``). On
+the CPU measured they took a decode step at B = 1 from ~1,200 small ops to ~700 (views,
+selects and attention remain) and cut it ~13% (benchmarks/README.md, "Fused elementwise
+kernels"). Each stands in for a module only where it computes the module's formula, checked
+at _prepare on a probe input bit for bit (``_Norm``: Llama-style ``w * x / rms`` or Gemma's
+``(1 + w)`` folded; ``_is_silu``; RoPE only with full rotary): anything else (q/k norms,
+sandwich norms, GELU, partial rotary) runs its own module's forward, so the forward is
+transformers' to float32 rounding (RMSNorm's sum order, exp's last bits; RoPE bit for bit).
+Where the kernels cannot be built (no compiler, a failed build, ``PDLAB_CPU_KERNELS=0``), on
+CUDA and for other dtypes, the same ops run in PyTorch: the modules' forwards, RoPE over q
+and k in one call where they are adjacent, in-place residual adds.
+
+One residual-block shape (``_Layer``) covers every family that
 ``engine/model.py`` accepts (``SUPPORTED_ARCHITECTURES``; anything else is refused at load):
 optional per-head q/k norms (Qwen3, Gemma 3), optional sandwich norms around attention and MLP
 (Gemma 2/3), fused QKV / gate-up projections (Phi-3), partial rotary (Phi-3), per-layer-type
@@ -39,8 +55,8 @@ layers' own weights through ``_Linear``: Q/K/V fused into one matmul and gate/up
 fused ones as they are). On CPU in float32 each fused weight is also reordered once into
 oneDNN's blocked layout, and each matmul runs on whichever kernel was measured faster for its
 row count: packed oneDNN for 2-63 rows (decode batches), MKL's sgemm for one row and for 64 or
-more (prompt chunks); results agree with ``F.linear`` to float32 rounding. Elsewhere
-``_Linear`` is plain ``F.linear``. The reordered weights (a second copy of the projection and
+more (prompt chunks, through ``mm`` / ``addmm`` directly); results agree with ``F.linear`` to
+float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what ``F.linear`` runs. The reordered weights (a second copy of the projection and
 LM-head weights) are built once per model and shared by every runner of that model. Only the
 attention over the KV store is pdlab's.
 """
