@@ -32,9 +32,10 @@ Elementwise work. On CPU with a float32 model and store, the chains of small tor
 between the matmuls run as three fused C kernels (``engine/cpu_kernels.py``, built once per
 machine with the system C compiler, called through ctypes): the residual add with the RMSNorm
 that follows it (``_add_norm``; the residual stream is updated in place), RoPE on q in place
-and on k with the K/V write into the store (``rope_kv``), and SiLU(gate) * up (``_mlp``). On
-the CPU measured they took a decode step at B = 1 from ~1,200 small ops to ~700 (views,
-selects and attention remain) and cut it ~13% (benchmarks/README.md, "Fused elementwise
+and on k with the K/V write into the store (``rope_kv``), and SiLU(gate) * up (``_mlp``).
+With the fewer-ops changes around them (``mm`` for ``F.linear``, one split for q/k/v, views
+made once) a SmolLM2 decode step at B = 1 went from ~1,900 top-level torch ops to ~490 and
+took ~0.87x the time on the CPU measured (benchmarks/README.md, "Fused elementwise
 kernels"). Each stands in for a module only where it computes the module's formula, checked
 at _prepare on a probe input bit for bit (``_Norm``: Llama-style ``w * x / rms`` or Gemma's
 ``(1 + w)`` folded; ``_is_silu``; RoPE only with full rotary): anything else (q/k norms,
@@ -56,9 +57,10 @@ fused ones as they are). On CPU in float32 each fused weight is also reordered o
 oneDNN's blocked layout, and each matmul runs on whichever kernel was measured faster for its
 row count: packed oneDNN for 2-63 rows (decode batches), MKL's sgemm for one row and for 64 or
 more (prompt chunks, through ``mm`` / ``addmm`` directly); results agree with ``F.linear`` to
-float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what ``F.linear`` runs. The reordered weights (a second copy of the projection and
-LM-head weights) are built once per model and shared by every runner of that model. Only the
-attention over the KV store is pdlab's.
+float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what ``F.linear`` runs. The
+reordered weights (a second copy of the projection and LM-head weights) are built once per
+model and shared by every runner of that model. Only the attention over the KV store is
+pdlab's.
 """
 
 from __future__ import annotations
