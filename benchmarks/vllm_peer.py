@@ -19,13 +19,15 @@ from pathlib import Path
 from engine.model import SMOLLM2_NAME, cache_dir
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-VENV_PYTHON = REPO_ROOT / ".venv-vllm" / "bin" / "python"
+# The vLLM virtualenv: ``$PDLAB_VLLM_VENV`` where set (e.g. one made by another checkout),
+# else this checkout's ``.venv-vllm``.
+VENV_PYTHON = Path(os.environ.get("PDLAB_VLLM_VENV", REPO_ROOT / ".venv-vllm")) / "bin" / "python"
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
 START_TIMEOUT_S = 900.0
 
 
 def available() -> bool:
-    """True if ``.venv-vllm`` exists (``make vllm-venv`` creates it)."""
+    """True if the vLLM virtualenv exists (``make vllm-venv`` creates ``.venv-vllm``)."""
     return VENV_PYTHON.exists()
 
 

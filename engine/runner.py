@@ -4,8 +4,9 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 
 1. The new tokens of all requests are packed into one ``[N]`` sequence with their positions.
 2. Each layer projects Q/K/V for all N tokens at once (one fused matmul), applies RoPE with
-   the model's own rotary module, and writes only the new K/V into the requests' KV blocks
-   (one ``index_copy_`` at their flat positions ``block * B + offset``).
+   the tables of the model's own rotary module, and writes only the new K/V into the
+   requests' KV blocks at their flat positions ``block * B + offset`` (``index_copy_``, or
+   inside the fused RoPE kernel below).
 3. Attention: single-token entries (decodes) run as batched SDPAs with a per-row length
    mask, reading the KV blocks in place wherever they can (``_plan_decodes``): a request's
    blocks are usually consecutive (the allocator's first fit), so its KV is one token range
@@ -27,8 +28,24 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
-The layers' own norms, activation and rotary module are called, so RoPE and normalisation
-are exactly transformers'. One residual-block shape (``_Layer``) covers every family that
+Elementwise work. On CPU with a float32 model and store, the chains of small torch ops
+between the matmuls run as three fused C kernels (``engine/cpu_kernels.py``, built once per
+machine with the system C compiler, called through ctypes): the residual add with the RMSNorm
+that follows it (``_add_norm``; the residual stream is updated in place), RoPE on q in place
+and on k with the K/V write into the store (``rope_kv``), and SiLU(gate) * up (``_mlp``).
+With the fewer-ops changes around them (``mm`` for ``F.linear``, one split for q/k/v, views
+made once) a SmolLM2 decode step at B = 1 went from ~1,900 top-level torch ops to ~490 and
+took ~0.87x the time on the CPU measured (benchmarks/README.md, "Fused elementwise
+kernels"). Each stands in for a module only where it computes the module's formula, checked
+at _prepare on a probe input bit for bit (``_Norm``: Llama-style ``w * x / rms`` or Gemma's
+``(1 + w)`` folded; ``_is_silu``; RoPE only with full rotary): anything else (q/k norms,
+sandwich norms, GELU, partial rotary) runs its own module's forward, so the forward is
+transformers' to float32 rounding (RMSNorm's sum order, exp's last bits; RoPE bit for bit).
+Where the kernels cannot be built (no compiler, a failed build, ``PDLAB_CPU_KERNELS=0``), on
+CUDA and for other dtypes, the same ops run in PyTorch: the modules' forwards, RoPE over q
+and k in one call where they are adjacent, in-place residual adds.
+
+One residual-block shape (``_Layer``) covers every family that
 ``engine/model.py`` accepts (``SUPPORTED_ARCHITECTURES``; anything else is refused at load):
 optional per-head q/k norms (Qwen3, Gemma 3), optional sandwich norms around attention and MLP
 (Gemma 2/3), fused QKV / gate-up projections (Phi-3), partial rotary (Phi-3), per-layer-type
@@ -39,10 +56,11 @@ layers' own weights through ``_Linear``: Q/K/V fused into one matmul and gate/up
 fused ones as they are). On CPU in float32 each fused weight is also reordered once into
 oneDNN's blocked layout, and each matmul runs on whichever kernel was measured faster for its
 row count: packed oneDNN for 2-63 rows (decode batches), MKL's sgemm for one row and for 64 or
-more (prompt chunks); results agree with ``F.linear`` to float32 rounding. Elsewhere
-``_Linear`` is plain ``F.linear``. The reordered weights (a second copy of the projection and
-LM-head weights) are built once per model and shared by every runner of that model. Only the
-attention over the KV store is pdlab's.
+more (prompt chunks, through ``mm`` / ``addmm`` directly); results agree with ``F.linear`` to
+float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what ``F.linear`` runs. The
+reordered weights (a second copy of the projection and LM-head weights) are built once per
+model and shared by every runner of that model. Only the attention over the KV store is
+pdlab's.
 """
 
 from __future__ import annotations
@@ -55,6 +73,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from engine import cpu_kernels
 from engine.kv_cache import KVStore
 from engine.scheduler import ScheduledBatch
 
@@ -133,6 +152,7 @@ class _Linear:
                     self.bias = torch.cat([m.bias if m.bias is not None else
                                            self.weight.new_zeros(m.out_features)
                                            for m in modules])
+            self.weight_t = self.weight.t()  # [in, out] view
             if not (_ONEDNN and self.weight.device.type == "cpu"
                     and self.weight.dtype == torch.float32):
                 return
@@ -148,12 +168,66 @@ class _Linear:
             return False
         return num_rows > 1 or self.gemv_onednn
 
-    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def fused(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [N, in]`` -> the unsplit output ``[N, sum(sizes)]`` (contiguous). The MKL
+        path calls ``mm`` / ``addmm`` on the transposed weight directly: what ``F.linear``
+        runs for a 2-D input, without its three dispatch layers (``linear``, ``t``,
+        ``matmul``) per call."""
         if self._use_onednn(x.shape[0]):
-            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        else:
-            out = F.linear(x, self.weight, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.fused(x)
         return out.split(self.sizes, dim=-1) if len(self.sizes) > 1 else (out,)
+
+
+def _probe(width: int, device) -> torch.Tensor:
+    """A fixed ``[2, width]`` float32 input for checking a module's formula at _prepare."""
+    gen = torch.Generator().manual_seed(0)
+    return (torch.randn(2, width, generator=gen) * 3).to(device)
+
+
+@dataclass
+class _Norm:
+    """An RMSNorm module, plus what the fused path needs where the module is the plain form
+    ``out = w' * (x * rsqrt(mean(x^2, -1) + eps))`` (Zhang & Sennrich 2019): Llama-style norms
+    (``w' = weight``: Llama, Mistral, Qwen2/3, Phi-3) and Gemma's (``w' = 1 + weight``,
+    folded once here). Which form, if any, is decided on a probe input at _prepare: the
+    formula must reproduce the module's output bit for bit (``torch.equal``), else ``weight``
+    is None and only the module's own forward is used."""
+
+    module: torch.nn.Module
+    weight: torch.Tensor | None  # [H] float32, contiguous; None: not the plain form
+    eps: float
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> _Norm:
+        weight = getattr(module, "weight", None)
+        eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        if (not isinstance(weight, torch.Tensor) or weight.dim() != 1
+                or weight.dtype != torch.float32 or not isinstance(eps, float)):
+            return cls(module, None, 0.0)
+        with torch.no_grad():
+            probe = _probe(weight.shape[0], weight.device)
+            expected = module(probe)
+            normed = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps)
+            for folded in (weight.detach(), 1.0 + weight.detach()):  # Llama's, Gemma's
+                if torch.equal(folded * normed, expected):
+                    return cls(module, folded.contiguous(), eps)
+        return cls(module, None, 0.0)
+
+
+def _is_silu(act: Callable[[torch.Tensor], torch.Tensor], device) -> bool:
+    """True if ``act`` computes ``F.silu`` (checked on a probe input, bit for bit)."""
+    with torch.no_grad():
+        probe = _probe(64, device)
+        try:
+            return torch.equal(act(probe), F.silu(probe))
+        except (RuntimeError, TypeError):
+            return False
 
 
 @dataclass
@@ -169,17 +243,18 @@ class _Layer:
     Gemma's is ``attn_out_norm`` (its ``pre_feedforward_layernorm`` is ``mlp_norm``).
     """
 
-    input_norm: torch.nn.Module
+    input_norm: _Norm
     qkv: _Linear  # -> q [N, H_q*D], k [N, H_kv*D], v [N, H_kv*D]
     q_norm: torch.nn.Module | None  # over D, per head
     k_norm: torch.nn.Module | None
     o: _Linear
     attn_out_norm: torch.nn.Module | None
-    mlp_norm: torch.nn.Module
+    mlp_norm: _Norm
     gate_up: _Linear  # -> gate [N, I], up [N, I]
     down: _Linear
     mlp_out_norm: torch.nn.Module | None
     act: Callable[[torch.Tensor], torch.Tensor]
+    act_is_silu: bool  # act is SiLU: the fused SiLU(gate) * up applies
     rope_key: str | None  # the layer type whose RoPE table it uses (Gemma 3), else None
     scale: float  # attention logit scale (Gemma: query_pre_attn_scalar**-0.5)
     softcap: float | None  # attention logit soft-cap (Gemma 2)
@@ -198,16 +273,17 @@ class _Layer:
         else:
             gate_up = _Linear([mlp.gate_proj, mlp.up_proj])
         sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 2/3
+        act = getattr(mlp, "act_fn", None) or mlp.activation_fn
         return cls(
-            input_norm=layer.input_layernorm, qkv=qkv,
+            input_norm=_Norm.of(layer.input_layernorm), qkv=qkv,
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
             o=_Linear([attn.o_proj]),
             attn_out_norm=layer.post_attention_layernorm if sandwich else None,
-            mlp_norm=(layer.pre_feedforward_layernorm if sandwich
-                      else layer.post_attention_layernorm),
+            mlp_norm=_Norm.of(layer.pre_feedforward_layernorm if sandwich
+                              else layer.post_attention_layernorm),
             gate_up=gate_up, down=_Linear([mlp.down_proj]),
             mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
-            act=getattr(mlp, "act_fn", None) or mlp.activation_fn,
+            act=act, act_is_silu=_is_silu(act, qkv.weight.device),
             rope_key=attn.layer_type if per_type_rope else None,
             scale=attn.scaling, softcap=getattr(attn, "attn_logit_softcapping", None))
 
@@ -216,16 +292,16 @@ class _Layer:
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _prepare(model) -> tuple[list[_Layer], _Linear]:
+def _prepare(model) -> tuple[list[_Layer], _Norm, _Linear]:
     key = (model.lm_head.weight.data_ptr(), model.lm_head.weight.dtype)  # moved/cast: redo
     cached = _PREPARED.get(model)
     if cached is None or cached[0] != key:
         per_type_rope = hasattr(model.model.rotary_emb, "layer_types")  # Gemma 3
         cached = (key, [_Layer.of(layer, model.config, per_type_rope)
                         for layer in model.model.layers],
-                  _Linear([model.lm_head], gemv_onednn=True))
+                  _Norm.of(model.model.norm), _Linear([model.lm_head], gemv_onednn=True))
         _PREPARED[model] = cached
-    return cached[1], cached[2]
+    return cached[1], cached[2], cached[3]
 
 
 # Grouping decode rows (see ``_group_decodes``): one more gather + SDPA call costs about as
@@ -249,6 +325,9 @@ class _DecodeGroup:
     mask: torch.Tensor | None  # [num_rows, 1, 1, ctx_len] True = attend; None: all full
     token_start: int | None  # set when row r is token token_start + r (no gather of q)
     token_idx: torch.Tensor | None  # [num_rows] token index of each row (gather path)
+    # view groups: K and V of every layer at once, [L, num_rows, H_kv, ctx_len, D] strided
+    # views of the store (one select per layer instead of an as_strided per layer)
+    kv_views: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -279,7 +358,13 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.num_kv_heads
-        self.layers, self.lm_head = _prepare(model)
+        self.layers, self.final_norm, self.lm_head = _prepare(model)
+        # The fused C kernels (engine/cpu_kernels.py) for a float32 model and store on CPU,
+        # where they build; else None and the pure-PyTorch path runs.
+        self.kernels = None
+        if (self.device.type == "cpu" and kv_store.kv.dtype == torch.float32
+                and self.layers[0].qkv.weight.dtype == torch.float32):
+            self.kernels = cpu_kernels.load()
         # Attention scale and soft-cap are the same in every layer of every supported family;
         # None = SDPA's own default 1/sqrt(D), so Llama-like models run exactly as before.
         self.scale = self.layers[0].scale
@@ -289,6 +374,7 @@ class ModelRunner:
                    for layer in self.layers), "per-layer attention scale/soft-cap"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
         self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
+        self._kv_views: tuple = (None, [])  # (store tensor, [(layer view, flat view)])
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
@@ -308,67 +394,119 @@ class ModelRunner:
         inner = self.model.model
         hidden = inner.embed_tokens(layout.input_ids)  # [N, hidden] (Gemma: scaled inside)
         rope = self._rope_tables(hidden, layout.positions)
-        for layer_idx, layer in enumerate(self.layers):
-            x = self._attention(layer, layer_idx, layer.input_norm(hidden),
-                                *rope[layer.rope_key], layout)
-            hidden = hidden + (x if layer.attn_out_norm is None else layer.attn_out_norm(x))
-            gate, up = layer.gate_up(layer.mlp_norm(hidden))
-            x = layer.down(layer.act(gate) * up)[0]
-            hidden = hidden + (x if layer.mlp_out_norm is None else layer.mlp_out_norm(x))
+        layers = self.layers
+        # ``hidden`` is this step's own tensor (the embedding's output), so the residual adds
+        # run in place; each add is fused with the norm that follows it (``_add_norm``).
+        normed = self._add_norm(layers[0].input_norm, hidden, None)
+        for layer_idx, layer in enumerate(layers):
+            x = self._attention(layer, layer_idx, normed, rope[layer.rope_key], layout)
+            if layer.attn_out_norm is not None:
+                x = layer.attn_out_norm(x)
+            normed = self._add_norm(layer.mlp_norm, hidden, x)
+            x = self._mlp(layer, normed)
+            if layer.mlp_out_norm is not None:
+                x = layer.mlp_out_norm(x)
+            if layer_idx + 1 < len(layers):
+                normed = self._add_norm(layers[layer_idx + 1].input_norm, hidden, x)
+            else:
+                hidden.add_(x)
             if on_layer_done is not None:
                 on_layer_done(layer_idx)
-        last = inner.norm(hidden[layout.sample_idx])
+        last = self._add_norm(self.final_norm, hidden[layout.sample_idx], None)
         logits = self.lm_head(last)[0].float()
         if self.final_softcap is not None:  # as Gemma2ForCausalLM.forward
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
+    def _add_norm(self, norm: _Norm, hidden: torch.Tensor,
+                  delta: torch.Tensor | None) -> torch.Tensor:
+        """``hidden += delta`` in place (when given), then ``norm(hidden)`` ``[N, H]``: one C
+        call where the kernels are loaded and the norm is the plain form (``_Norm``), else
+        ``add_`` and the module's own forward."""
+        if self.kernels is not None and norm.weight is not None:
+            return self.kernels.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+        if delta is not None:
+            hidden.add_(delta)
+        return norm.module(hidden)
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """``down(act(gate(x)) * up(x))`` ``[N, H]``: gate and up one matmul; SiLU and the
+        product one C call where the kernels are loaded and ``act`` is SiLU."""
+        if self.kernels is not None and layer.act_is_silu:
+            return layer.down.fused(self.kernels.silu_mul(layer.gate_up.fused(x)))
+        gate, up = layer.gate_up(x)
+        return layer.down.fused(layer.act(gate) * up)
+
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """``{rope_key: (cos, sin)}``, each ``[N, 1, R]``, from the model's own rotary module
-        (so Llama 3 / YaRN / longrope scaling and Gemma 3's per-layer-type bases follow
-        transformers). ``R`` < D for partial rotary."""
+        """``{rope_key: (cos, sin)}``, each ``[N, R]`` (contiguous), from the model's own
+        rotary module (so Llama 3 / YaRN / longrope scaling and Gemma 3's per-layer-type bases
+        follow transformers). ``R`` < D for partial rotary."""
         rotary, tables = self.model.model.rotary_emb, {}
         for key in {layer.rope_key for layer in self.layers}:
             args = () if key is None else (key,)
             cos, sin = rotary(hidden, positions[None], *args)  # [1, N, R]
-            tables[key] = (cos[0, :, None, :], sin[0, :, None, :])
+            tables[key] = (cos[0], sin[0])
         return tables
 
-    def _attention(self, layer: _Layer, layer_idx: int, x: torch.Tensor, cos, sin,
-                   layout: _StepLayout) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = layer.qkv(x)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+    def _attention(self, layer: _Layer, layer_idx: int, x: torch.Tensor,
+                   rope: tuple[torch.Tensor, torch.Tensor], layout: _StepLayout) -> torch.Tensor:
+        """Q/K/V of ``x [N, hidden]``, RoPE with ``rope`` = (cos, sin) ``[N, R]``, the new
+        K/V into the store, attention over the requests' KV, and the output projection ->
+        ``[N, hidden]``."""
+        num_tokens, heads, kv_heads, head_dim = (x.shape[0], self.num_heads,
+                                                  self.num_kv_heads, self.head_dim)
+        qkv = layer.qkv.fused(x).view(num_tokens, heads + 2 * kv_heads, head_dim)
+        q, k, v = qkv.split((heads, kv_heads, kv_heads), dim=1)  # views, q then k then v
         if layer.q_norm is not None:  # Qwen3 / Gemma 3: RMSNorm over D, before RoPE
             q, k = layer.q_norm(q), layer.k_norm(k)
-        q = _apply_rope(q, cos, sin)
-        k = _apply_rope(k, cos, sin)
-        kv_layer = self.kv_store.layer_view(layer_idx)  # [2, H_kv, NB, B, D]
-        kv_flat = kv_layer.view(2, self.num_kv_heads, -1, self.head_dim)  # [2, H_kv, NB*B, D]
-        kv_flat[0].index_copy_(1, layout.token_slots, k.transpose(0, 1))  # only new tokens
-        kv_flat[1].index_copy_(1, layout.token_slots, v.transpose(0, 1))
-        out = torch.empty_like(q)  # [N, H_q, D]
-        for group in layout.decode_groups:
-            self._decode_attention(q, kv_layer, group, out)
-        for offset, n, start, where in layout.chunks:
+        if self._kv_views[0] is not self.kv_store.kv:  # the per-layer views, made once
+            self._kv_views = (self.kv_store.kv, [
+                (kv, kv.view(2, kv_heads, -1, head_dim)) for kv in self.kv_store.kv])
+        kv_layer, kv_flat = self._kv_views[1][layer_idx]  # [2, H_kv, NB, B, D], [.., NB*B, D]
+        cos, sin = rope
+        if self.kernels is not None and cos.shape[-1] == head_dim:  # full rotary: fused
+            self.kernels.rope_kv(q, k, v, cos, sin, kv_layer, layout.token_slots)
+        else:
+            cos, sin = cos[:, None], sin[:, None]  # [N, 1, R]: broadcast over heads
+            if layer.q_norm is None:  # q and k adjacent in qkv: one RoPE over both
+                qk = _apply_rope(qkv[:, :heads + kv_heads], cos, sin)
+                q, k = qk[:, :heads], qk[:, heads:]
+            else:
+                q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            kv_flat[0].index_copy_(1, layout.token_slots, k.transpose(0, 1))  # only new tokens
+            kv_flat[1].index_copy_(1, layout.token_slots, v.transpose(0, 1))
+        groups, chunks = layout.decode_groups, layout.chunks
+        if (len(groups) == 1 and not chunks and groups[0].token_start == 0
+                and groups[0].num_rows == num_tokens):  # one decode group: no out buffer
+            out = self._decode_attention(q, layer_idx, kv_layer, groups[0])
+        elif not groups and len(chunks) == 1 and chunks[0][1] == num_tokens:  # one prompt
+            _, n, start, where = chunks[0]
             kv = (kv_flat[:, :, where] if isinstance(where, slice)
                   else kv_flat.index_select(2, where))  # [2, H_kv, ctx, D]
-            out[offset:offset + n] = self._chunk_attention(q[offset:offset + n], kv[0], kv[1],
-                                                           start)
-        return layer.o(out.view(num_tokens, -1))[0]
+            out = self._chunk_attention(q, kv[0], kv[1], start)
+        else:
+            out = q.new_empty(num_tokens, heads, head_dim)
+            for group in groups:
+                res = self._decode_attention(q, layer_idx, kv_layer, group)
+                if group.token_start is not None:
+                    out[group.token_start:group.token_start + group.num_rows] = res
+                else:
+                    out.index_copy_(0, group.token_idx, res)
+            for offset, n, start, where in chunks:
+                kv = (kv_flat[:, :, where] if isinstance(where, slice)
+                      else kv_flat.index_select(2, where))  # [2, H_kv, ctx, D]
+                out[offset:offset + n] = self._chunk_attention(q[offset:offset + n], kv[0],
+                                                               kv[1], start)
+        return layer.o.fused(out.reshape(num_tokens, -1))
 
-    def _decode_attention(self, q, kv_layer, group: _DecodeGroup, out: torch.Tensor) -> None:
-        """One SDPA for ``group``'s rows over their KV; writes their outputs into ``out``
-        ``[N, H_q, D]``. ``kv_layer``: the store's ``[2, H_kv, NB, B, D]``."""
+    def _decode_attention(self, q, layer_idx: int, kv_layer,
+                          group: _DecodeGroup) -> torch.Tensor:
+        """One SDPA for ``group``'s rows over their KV -> their outputs ``[num_rows, H_q,
+        D]`` (row r is token ``token_start + r``, or ``token_idx[r]``). ``q``: ``[N, H_q,
+        D]``; ``kv_layer``: the store's ``[2, H_kv, NB, B, D]`` for layer ``layer_idx``."""
         n, heads, head_dim, ctx = group.num_rows, self.num_kv_heads, self.head_dim, group.ctx_len
-        if group.block_idx is None:  # in place: a strided view of each of K and V
-            flat_tokens = kv_layer.shape[2] * kv_layer.shape[3]
-            k, v = (kv_layer[i].as_strided(
-                (n, heads, ctx, head_dim), (group.stride_tokens * head_dim,
-                                            flat_tokens * head_dim, head_dim, 1),
-                kv_layer[i].storage_offset() + group.token_offset * head_dim) for i in (0, 1))
+        if group.kv_views is not None:  # in place: a strided view of each of K and V
+            k, v = group.kv_views[0][layer_idx], group.kv_views[1][layer_idx]
         else:
             blocks = kv_layer.view(2, heads, kv_layer.shape[2], -1)
             size = 2 * heads * group.block_idx.numel() * blocks.shape[-1]
@@ -378,18 +516,15 @@ class ModelRunner:
             torch.index_select(blocks, 2, group.block_idx, out=out_buf)
             kv = out_buf.view(2, heads, n, -1, head_dim)[:, :, :, :ctx].transpose(1, 2)
             k, v = kv[0], kv[1]  # [n, H_kv, T, D]
-        if group.token_start is not None:
-            rows = slice(group.token_start, group.token_start + n)
-            q_rows = q[rows]
+        if group.token_start == 0 and n == q.shape[0]:
+            q_rows = q
+        elif group.token_start is not None:
+            q_rows = q[group.token_start:group.token_start + n]
         else:
             q_rows = q.index_select(0, group.token_idx)
         res = _sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
                     scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
-        res = res.reshape(n, self.num_heads, head_dim)
-        if group.token_start is not None:
-            out[rows] = res
-        else:
-            out.index_copy_(0, group.token_idx, res)
+        return res.reshape(n, self.num_heads, head_dim)
 
     def _chunk_attention(self, q, k, v, start: int) -> torch.Tensor:
         """Attention of one prompt chunk over its request's KV: ``q [n, H_q, D]`` (positions
@@ -536,8 +671,17 @@ class ModelRunner:
             mask = mask[:, None, None, :]
         tokens = [t for _, _, t in rows]
         dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
+        kv_views = None
+        if tables is None:  # row r's K at flat token token_offset + r * stride_tokens
+            kv = self.kv_store.kv  # [L, 2, H_kv, NB, B, D], contiguous
+            size = (kv.shape[0], len(rows), kv.shape[2], ctx_len, kv.shape[-1])
+            strides = (kv.stride(0), stride_tokens * kv.stride(4), kv.stride(2), kv.stride(4), 1)
+            start = kv.storage_offset() + token_offset * kv.stride(4)
+            kv_views = (kv.as_strided(size, strides, start),
+                        kv.as_strided(size, strides, start + kv.stride(1)))
         return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
-                            tokens[0] if dense else None, None if dense else as_long(tokens))
+                            tokens[0] if dense else None, None if dense else as_long(tokens),
+                            kv_views)
 
 
 def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],

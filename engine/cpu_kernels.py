@@ -1,0 +1,199 @@
+"""Fused elementwise kernels for the CPU float32 forward, built on first use with the system C
+compiler and called through ctypes (source: ``engine/cpu_kernels.c``).
+
+Why: a decode step of a small model on one core is ~25% small torch ops (RMSNorm as
+transformers writes it is ~8 ops, RoPE ~6 per tensor, the residual adds, the K/V
+``index_copy_``), each paying torch's per-op dispatch (benchmarks/README.md, "Fused
+elementwise kernels"). Each function here replaces one such chain by one C call on the
+calling thread:
+
+- ``add_rms_norm``: residual add + RMSNorm (the next norm after each residual add);
+- ``rope_kv``: RoPE on q in place and on k, and the new K/V written into the paged store;
+- ``silu_mul``: SiLU(gate) * up from the fused gate/up output.
+
+The build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math-errno
+-shared -fPIC`` (no flag that changes a result: no -ffast-math) (``$CC`` overrides
+``cc``) into ``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash
+covering the source, the command and the machine, so a machine compiles it once (well under a
+second here); later processes load the cached library. ``load()`` returns None, and the runner
+keeps its pure-PyTorch path, when the kernels are disabled (``PDLAB_CPU_KERNELS=0``), no
+compiler is found, or the build or load fails (one warning says why). The wrappers refuse
+(``ValueError``) anything but contiguous float32 CPU tensors: they read raw pointers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
+ENV_SWITCH = "PDLAB_CPU_KERNELS"  # "0": never build or use the kernels
+_FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
+          "-shared", "-fPIC")
+_LIBRARY = "libpdlab_kernels.so"
+_i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+_SIGNATURES = {
+    "pd_add_rms_norm": [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _f32],
+    "pd_rope_kv": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                   _ptr, _ptr, _i64, _ptr],
+    "pd_silu_mul": [_ptr, _ptr, _i64, _i64],
+}
+
+
+def enabled() -> bool:
+    """False when ``$PDLAB_CPU_KERNELS`` is ``0`` (the pure-PyTorch path is then forced)."""
+    return os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def _cache_root() -> Path:
+    # As engine/model.py ``cache_dir`` (not imported: that module pulls in transformers).
+    return Path(os.environ.get("PDLAB_CACHE_DIR", Path.home() / ".cache" / "pdlab")) / "kernels"
+
+
+def _compiler() -> str | None:
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds for them), '' where unknown."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile ``cpu_kernels.c`` into the cache (once per source/command/machine) and return
+    the library's path.
+
+    Raises:
+        RuntimeError: no compiler found, or it failed (its stderr in the message).
+    """
+    compiler = compiler or _compiler()
+    if compiler is None:
+        raise RuntimeError("no C compiler found (set $CC)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS, platform.machine(),
+                                            _cpu_flags())).encode()).hexdigest()[:16]
+    target = _cache_root() / key / _LIBRARY
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Build beside the target, then rename: concurrent first uses never see a partial file.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *_FLAGS, "-o", tmp, str(SOURCE), "-lm"],
+                              capture_output=True, text=True, timeout=120)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+class Kernels:
+    """The loaded library; each method is one C call on contiguous float32 CPU tensors."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+        self._norm, self._rope_kv, self._silu_mul = (lib.pd_add_rms_norm, lib.pd_rope_kv,
+                                                     lib.pd_silu_mul)
+
+    def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
+                     weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``hidden += delta`` in place (if given), then RMSNorm of each row:
+        ``weight * (hidden * rsqrt(mean(hidden^2, -1) + eps))`` (transformers'
+        ``LlamaRMSNorm``; Gemma's ``(1 + w)`` is passed already folded into ``weight``).
+
+        Args:
+            hidden: ``[N, H]`` the residual stream, updated in place when ``delta`` is given.
+            delta: ``[N, H]`` or None.
+            weight: ``[H]``.
+        Returns:
+            a new ``[N, H]`` tensor.
+        """
+        _check(hidden, weight, *(() if delta is None else (delta,)))
+        out = torch.empty_like(hidden)
+        rows, dim = hidden.shape
+        self._norm(hidden.data_ptr(), None if delta is None else delta.data_ptr(),
+                   out.data_ptr(), weight.data_ptr(), rows, dim, eps)
+        return out
+
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
+        """RoPE (rotate_half form, full rotary) on ``q`` in place and on ``k``; the rotated
+        k and ``v`` are written into ``kv_layer`` at the flat token positions ``slots``.
+
+        Args:
+            q: ``[N, H_q, D]``, k / v: ``[N, H_kv, D]``: rows of any stride, heads ``D``
+                apart, each head contiguous (the views of the fused QKV output).
+            cos, sin: ``[N, D]`` contiguous.
+            kv_layer: one layer of the store, ``[2, H_kv, NB, B, D]`` contiguous.
+            slots: ``[N]`` int64, ``block * B + offset`` of each token (distinct).
+        """
+        n, hq, d = q.shape
+        hkv = k.shape[1]
+        for t in (q, k, v):
+            if t.device.type != "cpu" or t.dtype != torch.float32 or t.stride()[1:] != (d, 1):
+                raise ValueError("rope_kv needs float32 CPU q/k/v with contiguous heads")
+        _check(cos, sin, kv_layer)
+        if (slots.dtype != torch.int64 or slots.device.type != "cpu"
+                or not slots.is_contiguous() or slots.shape != (n,)):
+            raise ValueError("rope_kv needs [N] contiguous int64 CPU slots")
+        head_stride = kv_layer.stride(1)
+        base = kv_layer.data_ptr()
+        self._rope_kv(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                      v.stride(0), cos.data_ptr(), sin.data_ptr(), n, hq, hkv, d,
+                      base, base + kv_layer.stride(0) * 4, head_stride, slots.data_ptr())
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` for ``gate_up`` ``[N, 2 I]`` contiguous (gate then up) ->
+        ``[N, I]`` (SwiGLU, Shazeer 2020; transformers' ``act_fn(gate_proj(x)) * up_proj(x)``
+        with ``silu(g) = g / (1 + e^-g)`` as torch computes it)."""
+        _check(gate_up)
+        rows, width = gate_up.shape
+        out = gate_up.new_empty(rows, width // 2)
+        self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+        return out
+
+
+def _check(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"cpu kernels need contiguous float32 CPU tensors, got "
+                             f"{t.dtype} {t.device} contiguous={t.is_contiguous()}")
+
+
+_LOADED: dict[str, Kernels | None] = {}
+
+
+def load() -> Kernels | None:
+    """The kernels (built and loaded once per process), or None where they are disabled or
+    cannot be built here (a warning says why, once); callers then use pure PyTorch."""
+    if not enabled():
+        return None
+    if "kernels" not in _LOADED:
+        try:
+            _LOADED["kernels"] = Kernels(build())
+        except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+            warnings.warn(f"pdlab CPU kernels unavailable, using the PyTorch path: {e}",
+                          RuntimeWarning, stacklevel=2)
+            _LOADED["kernels"] = None
+    return _LOADED["kernels"]
