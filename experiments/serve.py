@@ -383,13 +383,13 @@ class OpenAIServer:
             raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) = "
                              f"{len(prompt) + max_tokens} exceeds the context of {context} "
                              "tokens", param)
-        for role, capacity in self.router.kv_capacity_tokens.items():  # as Router.validate
-            needs = len(prompt) + (1 if role == "prefill" else max_tokens)
-            if needs > capacity:
-                raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) "
-                                 f"needs {needs} KV tokens, more than a {role} worker's whole "
-                                 f"KV cache ({capacity} tokens)",
-                                 param if len(prompt) < capacity else prompt_param)
+        short = self.router.kv_shortfall(len(prompt), max_tokens)
+        if short is not None:
+            role, needs, capacity = short
+            raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) "
+                             f"needs {needs} KV tokens, more than a {role} worker's whole "
+                             f"KV cache ({capacity} tokens)",
+                             param if len(prompt) < capacity else prompt_param)
         vocab = self.router.vocab_size
         if max(prompt) >= vocab:
             raise BadRequest(f"prompt token ids must be in [0, {vocab}), got {max(prompt)}", "prompt")

@@ -277,20 +277,31 @@ class Router:
             raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
                              f"({request.sampling.max_tokens}) = {total} exceeds the context "
                              f"length {self.max_model_len}")
-        needs = {"colocated": total, "decode": total, "prefill": request.num_prompt_tokens + 1}
-        for role, capacity in self.kv_capacity_tokens.items():
-            if needs[role] > capacity:
-                raise ValueError(
-                    f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                    f"({request.sampling.max_tokens}) needs {needs[role]} KV tokens, more than "
-                    f"a {role} worker's whole KV cache ({capacity} tokens; raise "
-                    "kv_cache_memory_gb or kv_capacity_tokens)")
+        short = self.kv_shortfall(request.num_prompt_tokens, request.sampling.max_tokens)
+        if short is not None:
+            role, needs, capacity = short
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
+                f"({request.sampling.max_tokens}) needs {needs} KV tokens, more than a {role} "
+                f"worker's whole KV cache ({capacity} tokens; raise kv_cache_memory_gb or "
+                "kv_capacity_tokens)")
         top = max(request.prompt_token_ids)
         if top >= self.vocab_size:
             raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {top}")
         bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad}")
+
+    def kv_shortfall(self, num_prompt_tokens: int, max_tokens: int) -> tuple[str, int, int] | None:
+        """The first role whose smallest worker's whole KV cache cannot hold a request of
+        ``num_prompt_tokens`` + ``max_tokens``, as ``(role, tokens needed, capacity in
+        tokens)``; None if every role can. A prefill worker holds prompt + 1 tokens (the
+        first token is sampled there), a colocated or decode worker the whole request."""
+        for role, capacity in self.kv_capacity_tokens.items():
+            needs = num_prompt_tokens + (1 if role == "prefill" else max_tokens)
+            if needs > capacity:
+                return role, needs, capacity
+        return None
 
     def submit(self, request: Request, sink: Callable[[StreamEvent], None] | None = None,
                arrived_s: float | None = None) -> TokenStream | None:
