@@ -122,10 +122,7 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     parser.add_argument("--dtype", default="float32", choices=DTYPES)
     parser.add_argument("--rates", type=_floats, default=[0.5],
                         help="arrival rates in req/s, comma-separated (a sweep gives goodput)")
-    parser.add_argument("--slo-ttft-s", type=_positive_seconds, default=2.0,
-                        help="TTFT SLO in seconds (> 0)")
-    parser.add_argument("--slo-tpot-s", type=_positive_seconds, default=0.1,
-                        help="TPOT SLO in seconds (> 0)")
+    add_slo_args(parser)
     parser.add_argument("--out", default=None, help="results directory (default: results/<cmd>-<time>)")
     workload = parser.add_argument_group("workload")
     add_dataclass_args(workload, WorkloadSpec)
@@ -134,6 +131,15 @@ def _add_experiment_args(parser: argparse.ArgumentParser, compare: bool) -> None
     add_dataclass_args(transfer, TransferConfig)
     add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
                        ConditionalConfig)
+
+
+def add_slo_args(parser: argparse.ArgumentParser) -> None:
+    """``--slo-ttft-s`` and ``--slo-tpot-s`` (seconds, > 0; defaults 2 and 0.1), the same in
+    every command that judges SLO attainment (run/compare, bench, plan)."""
+    parser.add_argument("--slo-ttft-s", type=_positive_seconds, default=2.0,
+                        help="TTFT SLO in seconds (> 0)")
+    parser.add_argument("--slo-tpot-s", type=_positive_seconds, default=0.1,
+                        help="TPOT SLO in seconds (> 0)")
 
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -180,10 +186,7 @@ def _add_bench_args(parser: argparse.ArgumentParser) -> None:
                              "context): longer outputs are clipped as in pdlab run")
     parser.add_argument("--rates", type=_floats, default=[0.5],
                         help="arrival rates in req/s, comma-separated")
-    parser.add_argument("--slo-ttft-s", type=_positive_seconds, default=2.0,
-                        help="TTFT SLO in seconds (> 0)")
-    parser.add_argument("--slo-tpot-s", type=_positive_seconds, default=0.1,
-                        help="TPOT SLO in seconds (> 0)")
+    add_slo_args(parser)
     parser.add_argument("--out", default=None, help="results directory (default: results/bench-<time>)")
     add_dataclass_args(parser.add_argument_group("workload"), WorkloadSpec, skip=("calibrate",))
 

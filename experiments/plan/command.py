@@ -128,10 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rates", type=cli._floats, default=None,
                         help="total arrival rates in req/s, comma-separated (default: "
                              "--num-rates rates around the profile's capacity estimate)")
-    parser.add_argument("--slo-ttft-s", type=cli._positive_seconds, default=2.0,
-                        help="TTFT SLO in seconds (> 0)")
-    parser.add_argument("--slo-tpot-s", type=cli._positive_seconds, default=0.1,
-                        help="TPOT SLO in seconds (> 0)")
+    cli.add_slo_args(parser)
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="router policy")
     parser.add_argument("--out", default=None, help="results directory (default: results/plan-<time>)")
     workload = parser.add_argument_group("workload")
