@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from engine.model import cache_dir  # transformers is imported there only lazily
+
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "PDLAB_CPU_KERNELS"  # "0": never build or use the kernels
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
@@ -52,11 +54,6 @@ _SIGNATURES = {
 def enabled() -> bool:
     """False when ``$PDLAB_CPU_KERNELS`` is ``0`` (the pure-PyTorch path is then forced)."""
     return os.environ.get(ENV_SWITCH, "1") != "0"
-
-
-def _cache_root() -> Path:
-    # As engine/model.py ``cache_dir`` (not imported: that module pulls in transformers).
-    return Path(os.environ.get("PDLAB_CACHE_DIR", Path.home() / ".cache" / "pdlab")) / "kernels"
 
 
 def _compiler() -> str | None:
@@ -85,7 +82,7 @@ def build(compiler: str | None = None) -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((compiler, *_FLAGS, platform.machine(),
                                             _cpu_flags())).encode()).hexdigest()[:16]
-    target = _cache_root() / key / _LIBRARY
+    target = cache_dir() / "kernels" / key / _LIBRARY
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
