@@ -1,13 +1,20 @@
-"""The two CPU GEMM kernels ``engine.runner._Linear`` picks between, by row count (issue 10).
+"""The CPU GEMM kernels ``engine.runner._Linear`` picks between, by row count (issue 10).
 
-For each projection group of SmolLM2-135M's layers (Q/K/V fused, O, gate/up fused, down) and
-its LM head, ``x [M, in] @ W.T`` through MKL's sgemm (``F.linear``, weights as stored) and
-through oneDNN's ``_linear_pointwise`` on the weight reordered once (the engine's packed
-layout), at M = 1 (a decode step of one request) up to prompt-chunk sizes. Prints, per M,
-the time ratio MKL / oneDNN per shape and over one layer's four matmuls (< 1: MKL faster).
-Random float32 weights of the model's shapes (timing does not depend on the values); both
-kernels interleaved, min of N rounds. ``_BLAS_MIN_ROWS`` and the one-row rule in
-``engine/runner.py`` come from this table on the machine in benchmarks/README.md.
+One "step sweep" per row count M: the matmuls of a whole SmolLM2-135M forward (30 layers x
+Q/K/V fused, O, gate/up fused, down; plus the LM head for M <= 64, the rows a decode step
+samples), each layer with its own random float32 weights, so, as in a real step, the 540 MB
+of weights stream from DRAM rather than sit in cache. Three kernels run the same sweep,
+interleaved round by round:
+
+- **mkl**: MKL's sgemm (``torch.mm`` on the weight as stored: what ``F.linear`` runs);
+- **onednn**: oneDNN's ``_linear_pointwise`` on the weight reordered once (M hint 16);
+- **pdlab**: ``engine.cpu_kernels.linear`` on the weight packed once into 16-column panels
+  (the 6 x 16 AVX2/FMA kernel in ``engine/cpu_kernels.c``).
+
+Prints each sweep's time, GFLOP/s, and the ratios pdlab / best of torch's two and MKL /
+oneDNN (< 1: the first is faster). ``_C_GEMM_MAX_ROWS``, ``_BLAS_MIN_ROWS`` and the
+one-row rule in ``engine/runner.py`` come from this table on the machine in
+benchmarks/README.md. Timing does not depend on the weights' values.
 """
 
 from __future__ import annotations
@@ -16,16 +23,17 @@ import argparse
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks import (add_common_args, estimator_line, measure_interleaved, print_table,
                         setup_threads)
+from engine import cpu_kernels
 
 # (in, out) of SmolLM2-135M's projection groups and LM head (hidden 576, 9 q / 3 kv heads
 # of 64, intermediate 1536, vocabulary 49152).
-SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576),
-          "lm_head": (576, 49152)}
-ROWS = [1, 2, 8, 16, 32, 48, 64, 96, 128, 256, 1024, 2048]
+LAYER_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576)]  # qkv, o, gate_up, down
+NUM_LAYERS = 30
+LM_HEAD = (576, 49152)
+ROWS = [1, 2, 4, 8, 16, 32, 48, 64, 128, 256, 512]
 LM_HEAD_MAX_ROWS = 64  # the LM head sees one row per sampled request
 
 
@@ -35,36 +43,44 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     parser.add_argument("--rows", type=int, nargs="+", default=None)
     args = parser.parse_args(argv)
-    repeats = args.repeats or (5 if args.quick else 15)
-    rows_list = args.rows or ([1, 16, 64, 512] if args.quick else ROWS)
+    repeats = args.repeats or (3 if args.quick else 5)
+    rows_list = args.rows or ([1, 16, 64, 256] if args.quick else ROWS)
     print(setup_threads(args.threads))
+    kernels = cpu_kernels.load()
+    if kernels is None or not kernels.linear_vectorized:
+        print("pdlab's GEMM kernel is not available here (no compiler or no AVX2/FMA)")
+        return 1
     gen = torch.Generator().manual_seed(0)
-    weights = {name: torch.randn(fan_out, fan_in, generator=gen) * 0.05
-               for name, (fan_in, fan_out) in SHAPES.items()}
-    packed = {name: torch.ops.mkldnn._reorder_linear_weight(w, 16) for name, w in weights.items()}
+    shapes = LAYER_SHAPES * NUM_LAYERS + [LM_HEAD]
+    weights = [torch.randn(n, k, generator=gen) * 0.05 for k, n in shapes]
+    onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+    panels = [kernels.pack_linear(w) for w in weights]
     table = []
     for rows in rows_list:
-        names = [n for n in SHAPES if n != "lm_head" or rows <= LM_HEAD_MAX_ROWS]
-        inputs = {n: torch.randn(rows, SHAPES[n][0], generator=gen) for n in names}
-        contenders = {}
-        for n in names:
-            x, w, p = inputs[n], weights[n], packed[n]
-            contenders[f"{n}/mkl"] = lambda x=x, w=w: F.linear(x, w)
-            contenders[f"{n}/onednn"] = lambda x=x, p=p: torch.ops.mkldnn._linear_pointwise(
-                x, p, None, "none", [], "")
+        count = len(shapes) if rows <= LM_HEAD_MAX_ROWS else len(shapes) - 1
+        inputs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+        sweep = list(zip(shapes[:count], weights, onednn, panels))
+        contenders = {
+            "mkl": lambda: [torch.mm(inputs[k], w.t()) for (k, _), w, _, _ in sweep],
+            "onednn": lambda: [torch.ops.mkldnn._linear_pointwise(inputs[k], p, None, "none",
+                                                                  [], "")
+                               for (k, _), _, p, _ in sweep],
+            "pdlab": lambda: [kernels.linear(inputs[k], p, None, n)
+                              for (k, n), _, _, p in sweep],
+        }
         with torch.inference_mode():
-            t = measure_interleaved(contenders, repeats)
-        ratio = {n: t[f"{n}/mkl"].min_s / t[f"{n}/onednn"].min_s for n in names}
-        layer = [n for n in names if n != "lm_head"]
-        layer_ratio = (sum(t[f"{n}/mkl"].min_s for n in layer)
-                       / sum(t[f"{n}/onednn"].min_s for n in layer))
-        flops = 2 * rows * sum(SHAPES[n][0] * SHAPES[n][1] for n in layer)
-        best_s = sum(min(t[f"{n}/mkl"].min_s, t[f"{n}/onednn"].min_s) for n in layer)
-        table.append([rows, *(f"{ratio[n]:.2f}" if n in ratio else "-" for n in SHAPES),
-                      f"{layer_ratio:.2f}", f"{flops / best_s / 1e9:.1f}"])
-    print("MKL / oneDNN-packed time per matmul, SmolLM2-135M shapes fp32; "
+            t = {name: timing.min_s for name, timing in
+                 measure_interleaved(contenders, repeats).items()}
+        flops = 2 * rows * sum(k * n for k, n in shapes[:count])
+        table.append([rows, "yes" if count == len(shapes) else "no",
+                      *(f"{t[name] * 1e3:.1f}" for name in contenders),
+                      f"{flops / t['pdlab'] / 1e9:.1f}",
+                      f"{t['pdlab'] / min(t['mkl'], t['onednn']):.2f}",
+                      f"{t['mkl'] / t['onednn']:.2f}"])
+    print(f"one forward's matmuls (30 layers, distinct weights), SmolLM2-135M shapes fp32; "
           + estimator_line(repeats))
-    print_table(["M", *SHAPES, "layer (4 matmuls)", "best GFLOP/s"], table)
+    print_table(["M", "LM head", "mkl ms", "onednn ms", "pdlab ms", "pdlab GFLOP/s",
+                 "pdlab / best torch", "mkl / onednn"], table)
     return 0
 
 

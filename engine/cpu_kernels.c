@@ -153,3 +153,224 @@ void pd_silu_mul(const float *restrict gu, float *restrict out, int64_t rows,
         for (; j < inter; j++) o[j] = (g[j] / (1.0f + pd_expf(-g[j]))) * u[j];
     }
 }
+
+/* Linear layer y = x @ W.T + bias for a few rows (decode batches), float32:
+ *   x: [m, k] rows ldx apart, each contiguous; W: [n, k] as stored by torch.nn.Linear;
+ *   y: [m, n] contiguous; bias: [n] or NULL.
+ * W is packed once (pd_pack_linear) into panels of PD_PANEL output columns, [ceil(n / 16)][k]
+ * [16], zero padded, so the kernel streams each panel contiguously. Each panel is multiplied
+ * by blocks of at most 6 rows (balanced: 16 rows = 6 + 5 + 5) held in 6 x 2 AVX2
+ * accumulators, the register blocking of BLIS's Haswell sgemm (6 x 16); the next panel is
+ * prefetched while the first block runs, because at decode sizes the weights stream from
+ * DRAM. Each output is bias + sum over k in order, fused multiply-adds (an explicit FMA is
+ * not affected by -ffp-contract=off); torch's sgemm sums in another order, so results agree
+ * to float32 rounding (~1e-6 of the output scale), as oneDNN's and MKL's do with each other.
+ * Without AVX2/FMA the same loops run in scalar C (pd_linear_vectorized() returns 0 and the
+ * runner keeps torch's kernels). */
+#define PD_PANEL 16
+#define PD_MAX_ROWS 6
+
+void pd_pack_linear(const float *restrict w, float *restrict panels, int64_t n, int64_t k) {
+    for (int64_t j = 0; j < (n + PD_PANEL - 1) / PD_PANEL; j++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t c = 0; c < PD_PANEL; c++) {
+                int64_t col = j * PD_PANEL + c;
+                panels[(j * k + kk) * PD_PANEL + c] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+int pd_linear_vectorized(void) { return 1; }
+#define PD_UNROLL _Pragma("GCC unroll 8")
+/* One block of MR rows times one panel; every loop over r is unrolled so the accumulators
+ * stay in registers (a loop the compiler keeps rolled spills them to the stack). */
+#define PD_BLOCK(MR)                                                                        \
+static void pd_block##MR(const float *restrict x, int64_t ldx, const float *restrict p,    \
+                         int64_t k, const float *restrict bias, float *restrict y,          \
+                         int64_t ldy, int64_t cols, const float *prefetch) {                \
+    __m256 lo[MR], hi[MR];                                                                  \
+    PD_UNROLL for (int r = 0; r < MR; r++) {                                                \
+        lo[r] = _mm256_loadu_ps(bias);                                                      \
+        hi[r] = _mm256_loadu_ps(bias + 8);                                                  \
+    }                                                                                       \
+    for (int64_t kk = 0; kk < k; kk++) {                                                    \
+        if (prefetch) _mm_prefetch((const char *)(prefetch + kk * PD_PANEL), _MM_HINT_T0);  \
+        __m256 w0 = _mm256_loadu_ps(p + kk * PD_PANEL), w1 = _mm256_loadu_ps(p + kk * PD_PANEL + 8); \
+        PD_UNROLL for (int r = 0; r < MR; r++) {                                            \
+            __m256 b = _mm256_broadcast_ss(x + r * ldx + kk);                               \
+            lo[r] = _mm256_fmadd_ps(b, w0, lo[r]);                                          \
+            hi[r] = _mm256_fmadd_ps(b, w1, hi[r]);                                          \
+        }                                                                                   \
+    }                                                                                       \
+    if (cols == PD_PANEL) {                                                                 \
+        PD_UNROLL for (int r = 0; r < MR; r++) {                                            \
+            _mm256_storeu_ps(y + r * ldy, lo[r]);                                           \
+            _mm256_storeu_ps(y + r * ldy + 8, hi[r]);                                       \
+        }                                                                                   \
+    } else {                                                                                \
+        float tmp[MR][PD_PANEL];                                                            \
+        PD_UNROLL for (int r = 0; r < MR; r++) {                                            \
+            _mm256_storeu_ps(tmp[r], lo[r]);                                                \
+            _mm256_storeu_ps(tmp[r] + 8, hi[r]);                                            \
+        }                                                                                   \
+        for (int r = 0; r < MR; r++) memcpy(y + r * ldy, tmp[r], cols * sizeof(float));     \
+    }                                                                                       \
+}
+PD_BLOCK(1) PD_BLOCK(2) PD_BLOCK(3) PD_BLOCK(4) PD_BLOCK(5) PD_BLOCK(6)
+typedef void (*pd_block_fn)(const float *, int64_t, const float *, int64_t, const float *,
+                            float *, int64_t, int64_t, const float *);
+static const pd_block_fn PD_BLOCKS[PD_MAX_ROWS + 1] = {
+    0, pd_block1, pd_block2, pd_block3, pd_block4, pd_block5, pd_block6};
+#else
+int pd_linear_vectorized(void) { return 0; }
+static void pd_block_scalar(int64_t mr, const float *x, int64_t ldx, const float *p, int64_t k,
+                            const float *bias, float *y, int64_t ldy, int64_t cols) {
+    for (int64_t r = 0; r < mr; r++)
+        for (int64_t c = 0; c < cols; c++) {
+            float acc = bias[c];
+            for (int64_t kk = 0; kk < k; kk++) acc = fmaf(x[r * ldx + kk], p[kk * PD_PANEL + c], acc);
+            y[r * ldy + c] = acc;
+        }
+}
+#endif
+
+void pd_linear(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
+               const float *restrict panels, int64_t n, const float *restrict bias,
+               float *restrict y) {
+    int64_t num_panels = (n + PD_PANEL - 1) / PD_PANEL;
+    int64_t num_blocks = (m + PD_MAX_ROWS - 1) / PD_MAX_ROWS;
+    for (int64_t j = 0; j < num_panels; j++) {
+        int64_t cols = n - j * PD_PANEL < PD_PANEL ? n - j * PD_PANEL : PD_PANEL;
+        const float *panel = panels + j * k * PD_PANEL;
+        const float *next = j + 1 < num_panels ? panel + k * PD_PANEL : NULL;
+        float panel_bias[PD_PANEL] = {0};
+        if (bias) memcpy(panel_bias, bias + j * PD_PANEL, cols * sizeof(float));
+        for (int64_t block = 0, i = 0; block < num_blocks; block++) {
+            int64_t left = num_blocks - block, mr = (m - i + left - 1) / left;  /* balanced */
+#if defined(__AVX2__) && defined(__FMA__)
+            PD_BLOCKS[mr](x + i * ldx, ldx, panel, k, panel_bias, y + i * n + j * PD_PANEL, n,
+                          cols, block == 0 ? next : NULL);
+#else
+            (void)next;
+            pd_block_scalar(mr, x + i * ldx, ldx, panel, k, panel_bias, y + i * n + j * PD_PANEL,
+                            n, cols);
+#endif
+            i += mr;
+        }
+    }
+}
+
+/* Decode attention: each of `rows` requests has one new query token; for KV head h its
+ * `group` query heads (GQA) attend over the request's first lens[r] cached tokens:
+ *   out[r, h*G + g, :] = softmax(scale * K q^T) V,  q = q[r, h*G + g, :],
+ *   K, V = k/v + r * kv_row_stride + h * kv_head_stride, token t at t * dim.
+ * q rows q_row_stride apart, heads dim apart; out [rows, kv_heads * group, dim] contiguous;
+ * scores: a workspace of group * max(lens) floats. The softmax is the exact form (max
+ * subtracted, exp, sum, one division), not the online form of a flash kernel, so results
+ * agree with torch's SDPA to float32 rounding. Why not torch: its CPU flash kernel blocks
+ * queries by 32+ rows and a decode row has `group` (3 for SmolLM2) per KV head, so it ran at
+ * ~7 GFLOP/s (benchmarks/README.md, "Decode attention"). */
+static inline float pd_dot(const float *a, const float *b, int64_t dim) {
+    int64_t d = 0;
+    float sum = 0.0f;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; d + 16 <= dim; d += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d + 8), _mm256_loadu_ps(b + d + 8), acc1);
+    }
+    if (d + 8 <= dim) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc0);
+        d += 8;
+    }
+    __m256 acc = _mm256_add_ps(acc0, acc1);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    sum = _mm_cvtss_f32(s);
+#endif
+    for (; d < dim; d++) sum = fmaf(a[d], b[d], sum);
+    return sum;
+}
+
+/* out[0:dim] = sum_t p[t] * v[t * dim : (t + 1) * dim], t < len */
+static inline void pd_weighted_sum(const float *restrict p, const float *restrict v,
+                                   int64_t len, int64_t dim, float *restrict out) {
+    int64_t d = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    for (; d + 32 <= dim; d += 32) {  /* 4 accumulators of 8 dims: one pass over v */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        for (int64_t t = 0; t < len; t++) {
+            const float *row = v + t * dim + d;
+            __m256 w = _mm256_broadcast_ss(p + t);
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(row + 24), a3);
+        }
+        _mm256_storeu_ps(out + d, a0);
+        _mm256_storeu_ps(out + d + 8, a1);
+        _mm256_storeu_ps(out + d + 16, a2);
+        _mm256_storeu_ps(out + d + 24, a3);
+    }
+    for (; d + 8 <= dim; d += 8) {
+        __m256 a0 = _mm256_setzero_ps();
+        for (int64_t t = 0; t < len; t++)
+            a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * dim + d), a0);
+        _mm256_storeu_ps(out + d, a0);
+    }
+#endif
+    for (; d < dim; d++) {
+        float acc = 0.0f;
+        for (int64_t t = 0; t < len; t++) acc = fmaf(p[t], v[t * dim + d], acc);
+        out[d] = acc;
+    }
+}
+
+/* s[0:len] = softmax(s[0:len]) in place: e^(s - max) / sum (the sum in 8 partial lanes) */
+static inline void pd_softmax(float *s, int64_t len) {
+    float top = s[0], sum = 0.0f;
+    for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+    int64_t t = 0;
+#if defined(__AVX2__) && defined(__FMA__)
+    __m256 acc = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (; t + 8 <= len; t += 8) {
+        __m256 e = pd_expf8(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, acc);
+    for (int i = 0; i < 8; i++) sum += lanes[i];
+#endif
+    for (; t < len; t++) {
+        s[t] = pd_expf(s[t] - top);
+        sum += s[t];
+    }
+    float inv = 1.0f / sum;
+    for (t = 0; t < len; t++) s[t] *= inv;
+}
+
+void pd_decode_attention(const float *q, int64_t q_row_stride, const float *k, const float *v,
+                         int64_t kv_row_stride, int64_t kv_head_stride,
+                         const int64_t *restrict lens, int64_t rows, int64_t kv_heads,
+                         int64_t group, int64_t dim, float scale, float *restrict scores,
+                         float *restrict out) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t len = lens[r];
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *keys = k + r * kv_row_stride + h * kv_head_stride;
+            const float *values = v + r * kv_row_stride + h * kv_head_stride;
+            const float *qh = q + r * q_row_stride + h * group * dim;
+            float *oh = out + (r * kv_heads + h) * group * dim;
+            for (int64_t t = 0; t < len; t++)  /* K read once for all `group` queries */
+                for (int64_t g = 0; g < group; g++)
+                    scores[g * len + t] = scale * pd_dot(qh + g * dim, keys + t * dim, dim);
+            for (int64_t g = 0; g < group; g++) {
+                float *s = scores + g * len;
+                pd_softmax(s, len);
+                pd_weighted_sum(s, values, len, dim, oh + g * dim);
+            }
+        }
+    }
+}

@@ -24,7 +24,11 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
    FLOPs (``_chunk_attention``: ``is_causal`` for a first chunk; prefix + causal diagonal
    merged by log-sum-exp for a later one). CUDA runs the same plan (views, ``index_select``); FlexAttention's paged
    ``block_mask`` would read blocks in place at any spacing, at the price of a compiled
-   kernel per shape (not done: no GPU to measure it on).
+   kernel per shape (not done: no GPU to measure it on). On CPU in float32 (kernels
+   built, no soft-capping) each decode group is one C call instead of an SDPA
+   (``cpu_kernels.decode_attention``, over the same views, each row read to its own length):
+   torch's CPU flash kernel blocks queries by 32+ rows and a decode row has G per KV head,
+   so it ran at ~7-17 GFLOP/s there (benchmarks/README.md, "Decode attention").
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
@@ -53,13 +57,15 @@ RoPE tables (Gemma 3), a non-default attention scale and attention / final logit
 (Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the
 layers' own weights through ``_Linear``: Q/K/V fused into one matmul and gate/up into another
 (the modules' weights become views of the fused tensor, so there is one copy; Phi-3's already
-fused ones as they are). On CPU in float32 each fused weight is also reordered once into
-oneDNN's blocked layout, and each matmul runs on whichever kernel was measured faster for its
-row count: packed oneDNN for 2-63 rows (decode batches), MKL's sgemm for one row and for 64 or
-more (prompt chunks, through ``mm`` / ``addmm`` directly); results agree with ``F.linear`` to
-float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what ``F.linear`` runs. The
-reordered weights (a second copy of the projection and LM-head weights) are built once per
-model and shared by every runner of that model. Only the attention over the KV store is
+fused ones as they are). On CPU in float32 each fused weight is also packed once more, and
+each matmul runs on whichever kernel was measured faster for its row count: where the C
+kernels build for AVX2/FMA, pdlab's own GEMM (``cpu_kernels.linear``, 16-column panels) for
+1-256 rows with one torch thread (the workers' configuration: ``engine.device.bind_device``)
+and MKL's sgemm beyond; without them, oneDNN's reordered weight for 2-63 rows and MKL for one
+row and for 64 or more (through ``mm`` / ``addmm`` directly). Results agree with
+``F.linear`` to float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what
+``F.linear`` runs. The packed weights (a second copy of the projection and LM-head weights)
+are built once per model and shared by every runner of that model. Only the attention over the KV store is
 pdlab's.
 """
 
@@ -82,6 +88,10 @@ _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight ser
 # From this many rows a matmul runs on MKL (``F.linear``), below it on packed oneDNN (N = 1
 # aside): the crossover measured at SmolLM2's projection shapes (``_Linear``).
 _BLAS_MIN_ROWS = 64
+# Up to this many rows a matmul runs on pdlab's own kernel (``cpu_kernels.linear``) where it
+# is built and torch has one thread: the crossover with MKL measured at SmolLM2's shapes
+# (benchmarks/README.md, "A GEMM kernel for decode rows").
+_C_GEMM_MAX_ROWS = 256
 # CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]); GQA without a copy.
 _CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -125,23 +135,28 @@ class _Linear:
     Several modules (Q/K/V, gate/up) are fused once: their weights are concatenated and each
     module's ``weight`` becomes a view of its rows of that tensor (same values, no second
     copy; transformers' own forward reads the same memory). CPU float32 with oneDNN: the
-    fused weight is also reordered once into oneDNN's blocked layout (a copy), and each call
-    picks the kernel by its row count ``N`` (``_use_onednn``), because on the CPU measured
-    (benchmarks/README.md, "Kernel choice") neither kernel wins at every ``N``: MKL's sgemm
+    fused weight is also packed once (a copy) and each call picks the kernel by its row
+    count ``N``. Where the C kernels are built for AVX2/FMA (``kernels`` given), the copy is
+    pdlab's panel layout and ``N <= _C_GEMM_MAX_ROWS`` runs ``cpu_kernels.linear`` with one
+    torch thread (``_use_c_kernel``): over a whole forward's matmuls it took 0.63-0.94x the
+    better of torch's two kernels from 1 to 256 rows (benchmarks/README.md, "A GEMM kernel
+    for decode rows"). Otherwise the copy is oneDNN's blocked layout (``_use_onednn``),
+    because neither of torch's kernels wins at every ``N`` ("Kernel choice"): MKL's sgemm
     (``F.linear``) takes 0.56-0.84x oneDNN's time at ``N = 1`` (GEMV) and 0.89-0.99x from
     ``N = _BLAS_MIN_ROWS``; the packed oneDNN kernel takes 0.74-0.8x MKL's time for
-    ``N = 2 .. 48``. Both are float32 to rounding (max error ~1e-6 of the output scale).
+    ``N = 2 .. 48``. All are float32 to rounding (max error ~1e-6 of the output scale).
     Elsewhere (CUDA, other dtypes): ``F.linear`` on the fused weight.
     """
 
     def __init__(self, modules: list[torch.nn.Linear], split: list[int] | None = None,
-                 gemv_onednn: bool = False) -> None:
+                 gemv_onednn: bool = False, kernels: cpu_kernels.Kernels | None = None) -> None:
         self.modules = modules
         # A fused module (Phi-3's qkv_proj, gate_up_proj) is one matmul split into ``split``.
         self.sizes = split or [m.out_features for m in modules]
         # N = 1 on oneDNN instead of MKL: the LM head (576 x 49152), where oneDNN was faster.
         self.gemv_onednn = gemv_onednn
-        self.packed = None
+        self.packed = None  # oneDNN's reordered copy of the weight
+        self.panels, self.kernels = None, None  # pdlab's own packed copy, its kernels
         with torch.no_grad():
             self.weight, self.bias = modules[0].weight, modules[0].bias
             if len(modules) > 1:
@@ -153,14 +168,25 @@ class _Linear:
                                            self.weight.new_zeros(m.out_features)
                                            for m in modules])
             self.weight_t = self.weight.t()  # [in, out] view
-            if not (_ONEDNN and self.weight.device.type == "cpu"
-                    and self.weight.dtype == torch.float32):
+            if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
+                return
+            if kernels is not None and kernels.linear_vectorized:  # pdlab's kernel instead
+                self.kernels, self.panels = kernels, kernels.pack_linear(self.weight)
+                return
+            if not _ONEDNN:
                 return
             try:
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                       _PACK_BATCH_HINT)
             except RuntimeError:  # this build's oneDNN cannot pack it: F.linear only
                 self.packed = None
+
+    def _use_c_kernel(self, num_rows: int) -> bool:
+        """True where pdlab's packed kernel runs ``num_rows`` rows: it was the faster one up
+        to ``_C_GEMM_MAX_ROWS``, and it is single-threaded, so with more torch threads the
+        threaded BLAS runs instead."""
+        return (self.panels is not None and num_rows <= _C_GEMM_MAX_ROWS
+                and torch.get_num_threads() == 1)
 
     def _use_onednn(self, num_rows: int) -> bool:
         """True where the packed oneDNN kernel was the faster one for ``num_rows`` rows."""
@@ -173,6 +199,8 @@ class _Linear:
         path calls ``mm`` / ``addmm`` on the transposed weight directly: what ``F.linear``
         runs for a 2-D input, without its three dispatch layers (``linear``, ``t``,
         ``matmul``) per call."""
+        if self._use_c_kernel(x.shape[0]):
+            return self.kernels.linear(x, self.panels, self.bias, self.weight.shape[0])
         if self._use_onednn(x.shape[0]):
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         if self.bias is None:
@@ -260,28 +288,30 @@ class _Layer:
     softcap: float | None  # attention logit soft-cap (Gemma 2)
 
     @classmethod
-    def of(cls, layer, cfg, per_type_rope: bool) -> _Layer:
+    def of(cls, layer, cfg, per_type_rope: bool,
+           kernels: cpu_kernels.Kernels | None = None) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
+        linear = lambda mods, split=None: _Linear(mods, split, kernels=kernels)  # noqa: E731
         q_size = cfg.num_attention_heads * attn.head_dim
         kv_size = cfg.num_key_value_heads * attn.head_dim
         if hasattr(attn, "qkv_proj"):  # Phi-3: fused, q then k then v
-            qkv = _Linear([attn.qkv_proj], split=[q_size, kv_size, kv_size])
+            qkv = linear([attn.qkv_proj], [q_size, kv_size, kv_size])
         else:
-            qkv = _Linear([attn.q_proj, attn.k_proj, attn.v_proj])
+            qkv = linear([attn.q_proj, attn.k_proj, attn.v_proj])
         if hasattr(mlp, "gate_up_proj"):  # Phi-3: fused, gate then up
-            gate_up = _Linear([mlp.gate_up_proj], split=[cfg.intermediate_size] * 2)
+            gate_up = linear([mlp.gate_up_proj], [cfg.intermediate_size] * 2)
         else:
-            gate_up = _Linear([mlp.gate_proj, mlp.up_proj])
+            gate_up = linear([mlp.gate_proj, mlp.up_proj])
         sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma 2/3
         act = getattr(mlp, "act_fn", None) or mlp.activation_fn
         return cls(
             input_norm=_Norm.of(layer.input_layernorm), qkv=qkv,
             q_norm=getattr(attn, "q_norm", None), k_norm=getattr(attn, "k_norm", None),
-            o=_Linear([attn.o_proj]),
+            o=linear([attn.o_proj]),
             attn_out_norm=layer.post_attention_layernorm if sandwich else None,
             mlp_norm=_Norm.of(layer.pre_feedforward_layernorm if sandwich
                               else layer.post_attention_layernorm),
-            gate_up=gate_up, down=_Linear([mlp.down_proj]),
+            gate_up=gate_up, down=linear([mlp.down_proj]),
             mlp_out_norm=layer.post_feedforward_layernorm if sandwich else None,
             act=act, act_is_silu=_is_silu(act, qkv.weight.device),
             rope_key=attn.layer_type if per_type_rope else None,
@@ -292,14 +322,19 @@ class _Layer:
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _prepare(model) -> tuple[list[_Layer], _Norm, _Linear]:
-    key = (model.lm_head.weight.data_ptr(), model.lm_head.weight.dtype)  # moved/cast: redo
+def _prepare(model, kernels: cpu_kernels.Kernels | None
+             ) -> tuple[list[_Layer], _Norm, _Linear]:
+    """The model's layers as ``_Layer``s, its final norm and LM head, built once per model
+    (and per choice of ``kernels``: the projections' packed weights depend on it)."""
+    weight = model.lm_head.weight
+    key = (weight.data_ptr(), weight.dtype, kernels is not None)  # moved/cast: redo
     cached = _PREPARED.get(model)
     if cached is None or cached[0] != key:
         per_type_rope = hasattr(model.model.rotary_emb, "layer_types")  # Gemma 3
-        cached = (key, [_Layer.of(layer, model.config, per_type_rope)
+        cached = (key, [_Layer.of(layer, model.config, per_type_rope, kernels)
                         for layer in model.model.layers],
-                  _Norm.of(model.model.norm), _Linear([model.lm_head], gemv_onednn=True))
+                  _Norm.of(model.model.norm),
+                  _Linear([model.lm_head], gemv_onednn=True, kernels=kernels))
         _PREPARED[model] = cached
     return cached[1], cached[2], cached[3]
 
@@ -323,6 +358,7 @@ class _DecodeGroup:
     stride_tokens: int  # view: flat tokens between consecutive rows' starts
     block_idx: torch.Tensor | None  # gather: [num_rows * nb] block ids, row-major, padded
     mask: torch.Tensor | None  # [num_rows, 1, 1, ctx_len] True = attend; None: all full
+    lens: torch.Tensor  # [num_rows] int64, each row's KV length (the C kernel's form of mask)
     token_start: int | None  # set when row r is token token_start + r (no gather of q)
     token_idx: torch.Tensor | None  # [num_rows] token index of each row (gather path)
     # view groups: K and V of every layer at once, [L, num_rows, H_kv, ctx_len, D] strided
@@ -358,13 +394,14 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.num_kv_heads
-        self.layers, self.final_norm, self.lm_head = _prepare(model)
-        # The fused C kernels (engine/cpu_kernels.py) for a float32 model and store on CPU,
-        # where they build; else None and the pure-PyTorch path runs.
-        self.kernels = None
-        if (self.device.type == "cpu" and kv_store.kv.dtype == torch.float32
-                and self.layers[0].qkv.weight.dtype == torch.float32):
-            self.kernels = cpu_kernels.load()
+        # The C kernels (engine/cpu_kernels.py) for a float32 model on CPU, where they build:
+        # the projections' GEMMs, and with a float32 store the fused elementwise ones; else
+        # None and the pure-PyTorch path runs.
+        on_cpu_fp32 = (self.device.type == "cpu"
+                       and model.lm_head.weight.dtype == torch.float32)
+        kernels = cpu_kernels.load() if on_cpu_fp32 else None
+        self.layers, self.final_norm, self.lm_head = _prepare(model, kernels)
+        self.kernels = kernels if kv_store.kv.dtype == torch.float32 else None
         # Attention scale and soft-cap are the same in every layer of every supported family;
         # None = SDPA's own default 1/sqrt(D), so Llama-like models run exactly as before.
         self.scale = self.layers[0].scale
@@ -522,6 +559,9 @@ class ModelRunner:
             q_rows = q[group.token_start:group.token_start + n]
         else:
             q_rows = q.index_select(0, group.token_idx)
+        if self.kernels is not None and self.softcap is None:  # one C call (see there)
+            return self.kernels.decode_attention(q_rows, k, v, group.lens,
+                                                 self.scale or head_dim ** -0.5)
         res = _sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
                     scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
         return res.reshape(n, self.num_heads, head_dim)
@@ -664,10 +704,9 @@ class ModelRunner:
                 used = table[:-(-length // block_size)]
                 ids.extend(used + [table[0]] * (num_blocks - len(used)))
             block_idx = as_long(ids)
-        mask = None
+        mask, lens = None, as_long([length for _, length, _ in rows])
         if any(length != ctx_len for _, length, _ in rows):
-            lens_t = as_long([length for _, length, _ in rows])
-            mask = (torch.arange(ctx_len, device=self.device)[None, :] < lens_t[:, None])
+            mask = (torch.arange(ctx_len, device=self.device)[None, :] < lens[:, None])
             mask = mask[:, None, None, :]
         tokens = [t for _, _, t in rows]
         dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
@@ -680,7 +719,7 @@ class ModelRunner:
             kv_views = (kv.as_strided(size, strides, start),
                         kv.as_strided(size, strides, start + kv.stride(1)))
         return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
-                            tokens[0] if dense else None, None if dense else as_long(tokens),
+                            lens, tokens[0] if dense else None, None if dense else as_long(tokens),
                             kv_views)
 
 

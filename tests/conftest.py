@@ -9,6 +9,17 @@ from engine.config import ModelConfig
 from engine.model import load_model
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_torch_thread():
+    """Tests run the engine as its workers run it (``bind_device``: one core, one torch
+    thread), so the kernels chosen for one thread (``runner._Linear``: the C GEMM) are the
+    ones the greedy-equality tests check."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny():
     """The tiny random Llama (GQA 4q/2kv, 2 layers, fp32, CPU)."""

@@ -109,6 +109,85 @@ def test_wrappers_refuse_what_they_cannot_read(kernels):
                         torch.zeros(2, 1, 1, 4, 4), torch.tensor([0], dtype=torch.int32))
 
 
+@needs_kernels
+@pytest.mark.parametrize("rows,n,k", [(1, 960, 576), (16, 48, 33), (13, 17, 8), (257, 40, 24)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(kernels, rows, n, k, bias):
+    """Every block split (1..6 rows), a partial last panel (n % 16), rows of a wider tensor."""
+    w, b = _randn(n, k, seed=1) * k ** -0.5, (_randn(n, seed=2) if bias else None)  # out ~1
+    x = _randn(rows, k + 3, seed=3)[:, 2:2 + k]  # rows k + 3 apart, each contiguous
+    panels = kernels.pack_linear(w)
+    assert panels.shape == (-(-n // 16), k, 16)
+    torch.testing.assert_close(kernels.linear(x, panels, b, n), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_linear_scalar_fallback_without_avx2_equals_f_linear():
+    """Built for a CPU without AVX2/FMA: the same packing, scalar loops, same results; the
+    runner would not pick it (``linear_vectorized`` is False)."""
+    scalar = cpu_kernels.Kernels(cpu_kernels.build(extra_flags=("-mno-avx2", "-mno-fma")))
+    assert not scalar.linear_vectorized
+    w, b, x = _randn(20, 9, seed=4), _randn(20, seed=5), _randn(7, 9, seed=6)
+    torch.testing.assert_close(scalar.linear(x, scalar.pack_linear(w), b, 20),
+                               F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    q, kv = _randn(2, 4, 20, seed=7), _randn(2, 2, 2, 5, 20, seed=8)
+    lens = torch.tensor([5, 3])
+    mask = (torch.arange(5)[None, :] < lens[:, None])[:, None, None, :]
+    torch.testing.assert_close(
+        scalar.decode_attention(q, kv[0], kv[1], lens, 0.3),
+        F.scaled_dot_product_attention(q.view(2, 2, 2, 20), kv[0], kv[1], attn_mask=mask,
+                                       scale=0.3).reshape(2, 4, 20), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("n,kv_heads,group,d,length", [(16, 3, 3, 64, 130), (5, 2, 4, 128, 37),
+                                                       (3, 1, 1, 80, 9), (2, 2, 2, 20, 1)])
+def test_decode_attention_equals_sdpa_with_key_padding(kernels, n, kv_heads, group, d, length):
+    """Strided K/V views (as of the paged store), q rows of the fused QKV output, each row
+    its own KV length (the rest of the view is garbage it must not read: NaN here)."""
+    store = _randn(2, n, kv_heads, length + 4, d, seed=9)
+    lens = torch.randint(1, length + 1, (n,), generator=torch.Generator().manual_seed(10))
+    lens[0] = length
+    for r, used in enumerate(lens.tolist()):
+        store[:, r, :, used:] = float("nan")  # past each row's end
+    k, v = store[0, :, :, :length], store[1, :, :, :length]
+    q = _randn(n, kv_heads * (group + 2), d, seed=11)[:, :kv_heads * group]
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q.reshape(n, kv_heads, group, d),
+                                         k.nan_to_num(), v.nan_to_num(), attn_mask=mask)
+    got = kernels.decode_attention(q, k, v, lens, d ** -0.5)
+    torch.testing.assert_close(got, ref.reshape(n, kv_heads * group, d), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_gemm_and_attention_wrappers_refuse_what_they_cannot_read(kernels):
+    panels = kernels.pack_linear(torch.ones(16, 8))
+    with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+        kernels.linear(torch.ones(2, 8, dtype=torch.float64), panels, None, 16)
+    with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+        kernels.linear(torch.ones(2, 9), panels, None, 16)
+    kv = torch.ones(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="contiguous tokens"):
+        kernels.decode_attention(torch.ones(1, 2, 8), kv.transpose(2, 3), kv.transpose(2, 3),
+                                 torch.tensor([4]), 1.0)
+    with pytest.raises(ValueError, match="int64 lens"):
+        kernels.decode_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([4.0]), 1.0)
+
+
+@needs_kernels
+def test_projections_run_on_the_c_gemm_up_to_its_row_limit(tiny, monkeypatch):
+    """The packed kernel replaces oneDNN's copy (one extra weight copy, not two) and runs
+    1 .. _C_GEMM_MAX_ROWS rows with one torch thread; otherwise torch's kernels run."""
+    runner = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
+    qkv, head = runner.layers[0].qkv, runner.lm_head
+    assert qkv.panels is not None and qkv.packed is None and head.panels is not None
+    edge = runner_mod._C_GEMM_MAX_ROWS
+    assert [qkv._use_c_kernel(n) for n in (1, 16, edge, edge + 1)] == [True, True, True, False]
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert not qkv._use_c_kernel(16)
+
+
 def test_detection_keeps_other_modules_on_their_own_forward():
     """Only the plain RMSNorm form and SiLU are taken over; anything else keeps its module."""
     assert runner_mod._Norm.of(torch.nn.LayerNorm(8)).weight is None  # has a bias: not RMS
@@ -131,6 +210,7 @@ def test_engine_with_kernels_matches_generate(tiny):
     prompts = random_prompts([1, 9, 40], seed=21)
     engine, got = _greedy(tiny, prompts, budget=16)  # chunked, mixed prefill + decode steps
     assert engine.runner.kernels is not None  # the fast path really ran
+    assert engine.runner.layers[0].qkv.panels is not None  # and its GEMM
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 
 
@@ -159,7 +239,7 @@ def test_fallback_without_kernels_matches_generate(tiny, monkeypatch, tmp_path, 
 @needs_kernels
 @pytest.mark.parametrize("name", ["tiny-random-llama", "tiny-random-qwen3", "tiny-random-gemma2",
                                   "tiny-random-phi3"])
-def test_fast_path_logits_equal_torch_path(name):
+def test_fast_path_logits_equal_torch_path(name, monkeypatch):
     """A prompt in two chunks, then a decode step, kernels on and off: the logits agree to
     float32 rounding. Llama takes every fused op; Qwen3 (q/k norms), Gemma 2 ((1 + w) norms,
     sandwich norms, GELU, soft-caps) and Phi-3 (partial rotary) mix fused and module ops."""
@@ -167,10 +247,11 @@ def test_fast_path_logits_equal_torch_path(name):
     prompt = random_prompts([13], seed=23)[0]
     logits = {}
     for on in (True, False):
+        if not on:  # every kernel off, the GEMMs included (the projections re-prepared)
+            monkeypatch.setattr(cpu_kernels, "load", lambda: None)
         runner = ModelRunner(loaded.model, KVStore(loaded.kv_spec, 4, 8))
-        assert runner.kernels is not None
-        if not on:
-            runner.kernels = None
+        assert (runner.kernels is not None) == on
+        assert (runner.layers[0].qkv.panels is not None) == on
         state = RequestState(Request("x", tuple(prompt), SamplingParams(max_tokens=2)))
         state.block_ids = [2, 0, 3, 1]
         steps = []
