@@ -27,6 +27,15 @@ A validation:
    a shared host). The simulation is repeated with each run's steps scaled by its own
    factor and its errors written to validation_corrected.csv: what is left is the model's
    error, not the machine's drift. validation_steps.csv holds every rebuilt real step.
+5. Drift replay (``drift``): a run's factor is one number, but the machine's speed changes
+   within the run. From each real run's rebuilt steps, a piecewise-constant speed trace
+   (median measured ÷ modelled per 5 s window, per worker; validation_speed_trace.csv), and
+   the run simulated again with every step scaled by the trace at its simulated start.
+   validation.csv gets ``REPLAY_COLUMNS`` beside the open-loop ones, validation_replay.csv
+   the full table. The open-loop error is the planner's predictive error on this machine;
+   the replay's is the simulator's own (the machine's measured speed given to it): what
+   DistServe's "< 2 points" is about. The replay is no prediction: it uses the run's own
+   step times.
 """
 
 from __future__ import annotations
@@ -42,8 +51,8 @@ import pandas as pd
 from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO
-from experiments import analysis, compare
-from experiments.plan import diagnose, search
+from experiments import analysis, compare, workloads
+from experiments.plan import diagnose, drift, search
 from experiments.plan.latency import DeviceProfile, TransferModel, step_correction
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
@@ -52,6 +61,9 @@ COLUMNS = (["placement", "rate", "measured_attainment", "simulated_attainment",
            + [f"{k}_{c}" for c in LATENCIES for k in ("measured", "simulated")]
            + [f"{c.removesuffix('_s')}_rel_err" for c in LATENCIES])
 OUTCOME_COLUMNS = ["num_requests", "num_flipped", "step_factor"]
+REPLAY_COLUMNS = (["replay_simulated_attainment", "replay_attainment_err_points"]
+                  + [f"replay_{c.removesuffix('_s')}_rel_err" for c in LATENCIES]
+                  + ["replay_num_flipped"])
 
 
 def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame:
@@ -141,6 +153,34 @@ def with_outcomes(errors: pd.DataFrame, measured: Sequence[compare.RunResult],
     return out[COLUMNS + OUTCOME_COLUMNS]
 
 
+def with_replay(errors: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
+    """``errors`` with ``REPLAY_COLUMNS`` taken from ``replay`` (the ``with_outcomes``
+    table of the drift-replayed simulation), matched by (placement, rate)."""
+    cols = {"simulated_attainment": "replay_simulated_attainment",
+            "attainment_err_points": "replay_attainment_err_points", "num_flipped": "replay_num_flipped",
+            **{f"{c.removesuffix('_s')}_rel_err": f"replay_{c.removesuffix('_s')}_rel_err"
+               for c in LATENCIES}}
+    part = replay[["placement", "rate", *cols]].rename(columns=cols)
+    return errors.merge(part, on=["placement", "rate"], how="left")
+
+
+def speed_traces(measured: Sequence[compare.RunResult], steps: pd.DataFrame, items: dict,
+                 spec: compare.WorkloadSpec, window_s: float = drift.DEFAULT_WINDOW_S
+                 ) -> dict[tuple[str, float, int], drift.SpeedTrace]:
+    """Step 5: each real run's speed trace (``drift.speed_trace``) from its rows of
+    ``steps`` (``step_factors``' table), on the simulated clock: the origin is the run's
+    scheduled start (``drift.run_origin`` with the arrival offsets the simulation uses)."""
+    out = {}
+    for r in measured:
+        offsets = workloads.arrival_times(len(items[r.seed]), r.rate, r.seed, spec.arrival,
+                                          spec.burstiness)
+        mine = steps[(steps["placement"] == r.placement) & np.isclose(steps["rate"], r.rate)
+                     & (steps["seed"] == r.seed)]
+        out[(r.placement, r.rate, r.seed)] = drift.speed_trace(
+            mine, drift.run_origin(r.records, offsets), window_s)
+    return out
+
+
 def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
                        simulated_goodput: dict[str, float]) -> dict:
     """Mean |attainment error| (points), mean |relative error| per latency, and the placement
@@ -178,6 +218,15 @@ def summary_text(s: dict) -> str:
             text += "; per worker " + ", ".join(f"{k} {v:.3g}" for k, v in s["step_correction_by_worker"].items())
     if "corrected" in s:
         text += "\nwith each run's steps scaled by its own factor: " + _summary_line(s["corrected"])
+    if "replay" in s:
+        text += (f"\nreplaying each run's measured machine speed (median measured ÷ modelled "
+                 f"step time per {s.get('replay_window_s', drift.DEFAULT_WINDOW_S):g} s window): "
+                 + _summary_line(s["replay"]))
+        text += (f"\nopen-loop: MAE {s['attainment_mae_points']:.1f} points; replaying this run's "
+                 f"measured machine speed: MAE {s['replay']['attainment_mae_points']:.1f} points "
+                 "(open-loop is the planner's predictive error on this machine; the replay "
+                 "gives the simulator the speed the machine had, so what is left is the "
+                 "simulator's own error)")
     return text
 
 
@@ -252,25 +301,30 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
 def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidate],
           rates: Sequence[float], items: dict, spec: compare.WorkloadSpec, engine: EngineConfig,
           transfer: TransferConfig, profile: DeviceProfile, transfer_model: TransferModel | None,
-          slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None
-          ) -> tuple[pd.DataFrame, dict]:
-    """Steps 1-4 after the real runs: simulate their twins (``items``: seed -> workload, as
+          slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
+          replay_window_s: float = drift.DEFAULT_WINDOW_S) -> tuple[pd.DataFrame, dict]:
+    """Steps 1-5 after the real runs: simulate their twins (``items``: seed -> workload, as
     the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
-    validation_steps.csv and validation_corrected.csv. Also what ``benchmarks.plan_accuracy
-    --rescore`` runs on the saved real runs of an earlier validation.
+    validation_steps.csv, validation_corrected.csv, validation_replay.csv and
+    validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``).
+    Also what ``benchmarks.plan_accuracy --rescore`` runs on the saved real runs of an
+    earlier validation.
 
     Returns:
-        (error table: ``COLUMNS + OUTCOME_COLUMNS``, summary dict of ``validation_summary``
-        plus ``step_correction``, ``step_correction_by_worker``, ``step_factor_by_run`` and
-        ``corrected``: the summary with each run's steps scaled by its own factor).
+        (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS``, summary dict of
+        ``validation_summary`` plus ``step_correction``, ``step_correction_by_worker``,
+        ``step_factor_by_run``, ``corrected`` (the summary with each run's steps scaled by
+        its own factor), ``replay`` (with each run's speed trace replayed) and
+        ``replay_window_s``).
     """
     by_placement = {c.placement: c for c in cands}
     out_dir.mkdir(parents=True, exist_ok=True)
     factors, by_worker, factor, steps = step_factors(measured, profile)
     steps.to_csv(out_dir / "validation_steps.csv", index=False)
 
-    def simulate(scale) -> list[compare.RunResult]:
-        """Every measured (placement, rate, seed) simulated, its steps x ``scale(key)``."""
+    def simulate(scale, trace=lambda key: None) -> list[compare.RunResult]:
+        """Every measured (placement, rate, seed) simulated, its steps x ``scale(key)``
+        (and x the speed trace ``trace(key)`` at each step's start, when not None)."""
         out = []
         for placement, cand in by_placement.items():
             for rate in rates:
@@ -279,7 +333,7 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
                     for _, _, res in search.simulate_runs(
                             placement, cand.engine(engine), profile, transfer_model, [rate],
                             requests, spec.arrival, spec.burstiness, policy, transfer.transport,
-                            scale((placement, rate, seed))):
+                            scale((placement, rate, seed)), trace((placement, rate, seed))):
                         out.append(compare.RunResult(placement, rate, res.records, res.steps,
                                                      res.transfers, res.duration_s, seed))
         return out
@@ -301,7 +355,6 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
                                             {**config, "simulated": False}, slo,
                                             simulated=analysis.attainment_curve(sim_summary))
     errors = with_outcomes(error_table(meas_summary, sim_summary), measured, simulated, slo, own_factor)
-    errors.to_csv(out_dir / "validation.csv", index=False)
     summary = validation_summary(errors, _goodput(meas_summary), _goodput(sim_summary))
     summary["step_correction"] = factor
     summary["step_correction_by_worker"] = by_worker
@@ -313,4 +366,19 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
         fixed = with_outcomes(error_table(meas_summary, corrected), measured, twins, slo, own_factor)
         fixed.to_csv(out_dir / "validation_corrected.csv", index=False)
         summary["corrected"] = validation_summary(fixed, _goodput(meas_summary), _goodput(corrected))
+    traces = speed_traces(measured, steps, items, spec, replay_window_s)
+    pd.DataFrame(
+        [{"placement": p, "rate": rate, "seed": seed, **row}
+         for (p, rate, seed), trace in traces.items() for row in trace.table().to_dict("records")],
+        columns=["placement", "rate", "seed", "worker", "window_start_s", "factor"]
+    ).to_csv(out_dir / "validation_speed_trace.csv", index=False)
+    replayed = simulate(lambda key: 1.0, traces.get)
+    replay_runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in replayed]
+    replay_summary = analysis.summary_table(replay_runs, slo, num_boot=10)
+    replay = with_outcomes(error_table(meas_summary, replay_summary), measured, replayed, slo, own_factor)
+    replay.to_csv(out_dir / "validation_replay.csv", index=False)
+    summary["replay"] = validation_summary(replay, _goodput(meas_summary), _goodput(replay_summary))
+    summary["replay_window_s"] = replay_window_s
+    errors = with_replay(errors, replay)
+    errors.to_csv(out_dir / "validation.csv", index=False)
     return errors, summary
