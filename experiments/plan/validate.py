@@ -161,7 +161,7 @@ def with_replay(errors: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
             **{f"{c.removesuffix('_s')}_rel_err": f"replay_{c.removesuffix('_s')}_rel_err"
                for c in LATENCIES}}
     part = replay[["placement", "rate", *cols]].rename(columns=cols)
-    return errors.merge(part, on=["placement", "rate"], how="left")
+    return errors.merge(part, on=["placement", "rate"], how="left")[list(errors.columns) + REPLAY_COLUMNS]
 
 
 def speed_traces(measured: Sequence[compare.RunResult], steps: pd.DataFrame, items: dict,
@@ -230,6 +230,12 @@ def summary_text(s: dict) -> str:
     return text
 
 
+def _firsts(goodput: dict[str, float] | None, first: str | None) -> str:
+    """The placement ranked first, or all those tied first (``a = b (tied)``)."""
+    tied = [p for p, g in (goodput or {}).items() if g == max(goodput.values())]
+    return " = ".join(tied) + " (tied)" if len(tied) > 1 else str(first)
+
+
 def _summary_line(s: dict) -> str:
     lat = ", ".join(f"{c.removesuffix('_s').replace('_', ' ')} {100 * s[c.removesuffix('_s') + '_rel_err_mean_abs']:.1f}%"
                     for c in LATENCIES)
@@ -240,7 +246,7 @@ def _summary_line(s: dict) -> str:
                  f"= {s['attainment_resolution_points']:.2g} points)")
     return (f"validation over {s['num_points']} points: SLO attainment mean abs error "
             f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative error| {lat}; first "
-            f"by goodput per device: measured {s['measured_first']}, simulated "
+            f"by goodput per device: measured {_firsts(s.get('measured_goodput'), s['measured_first'])}, simulated "
             f"{s['simulated_first']} ({agree})")
 
 
