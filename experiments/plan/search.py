@@ -317,7 +317,8 @@ def curves(runs: pd.DataFrame) -> pd.DataFrame:
 def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, top: int = 3,
               title: str = "") -> Path:
     """SLO attainment (%) vs arrival rate per device of the ``top`` best candidates, with the
-    90% goodput line and each one's goodput marked."""
+    90% goodput line and each one's goodput marked; shaded between ``slo_attainment_slow``
+    and ``_fast`` where ``curve_df`` has them (``band.curve_band``)."""
     from experiments.plots import plt, _save  # Agg backend set there
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
@@ -325,6 +326,9 @@ def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, to
         g = curve_df[curve_df["candidate"] == row.candidate].sort_values("rate")
         ax.plot(g["rate_per_device"], 100 * g["slo_attainment"], marker="o", color=f"C{i}",
                 label=f"#{row.rank} {row.candidate}: {row.goodput_per_device_req_s:.3g} req/s/device")
+        if "slo_attainment_slow" in g and g["slo_attainment_slow"].notna().any():
+            ax.fill_between(g["rate_per_device"], 100 * g["slo_attainment_slow"],
+                            100 * g["slo_attainment_fast"], color=f"C{i}", alpha=0.15, linewidth=0)
         if row.goodput_per_device_req_s > 0:
             ax.axvline(row.goodput_per_device_req_s, color=f"C{i}", linestyle=":", alpha=0.6)
     ax.axhline(100 * analysis.ATTAINMENT_TARGET, color="gray", linestyle="--",

@@ -36,6 +36,11 @@ A validation:
    the replay's is the simulator's own (the machine's measured speed given to it): what
    DistServe's "< 2 points" is about. The replay is no prediction: it uses the run's own
    step times.
+6. With ``speed_spread`` S > 0 (``band``): the twins again with every step (1 + S) and
+   (1 - S) times the model: per point ``BAND_COLUMNS`` (the simulated attainment at each
+   end and whether the measured one lies between), and the ranking check within the band:
+   the planner's first is accepted when it is the real first, or when its goodput band
+   reaches the real first's (the planner could not have told them apart at ±S).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO
 from experiments import analysis, compare, workloads
-from experiments.plan import diagnose, drift, search
+from experiments.plan import band, diagnose, drift, search
 from experiments.plan.latency import DeviceProfile, TransferModel, step_correction
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
@@ -64,6 +69,7 @@ OUTCOME_COLUMNS = ["num_requests", "num_flipped", "step_factor"]
 REPLAY_COLUMNS = (["replay_simulated_attainment", "replay_attainment_err_points"]
                   + [f"replay_{c.removesuffix('_s')}_rel_err" for c in LATENCIES]
                   + ["replay_num_flipped"])
+BAND_COLUMNS = ["band_slow_attainment", "band_fast_attainment", "measured_in_band"]
 
 
 def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame:
@@ -227,6 +233,15 @@ def summary_text(s: dict) -> str:
                  "(open-loop is the planner's predictive error on this machine; the replay "
                  "gives the simulator the speed the machine had, so what is left is the "
                  "simulator's own error)")
+    if "band" in s:
+        b = s["band"]
+        spans = ", ".join(f"{p} [{lo:.3g} slow, {hi:.3g} fast]" for p, (lo, hi) in b["goodput_band"].items())
+        text += (f"\nspeed band ±{100 * b['spread']:g}% (every step 1 ± {b['spread']:g} x the "
+                 f"model): measured attainment inside the simulated band at {b['num_in_band']} of "
+                 f"{b['num_points']} points; goodput per device {spans}; the planner's first "
+                 f"{s['simulated_first']} is "
+                 + ("the real first or within its band" if b["first_within_band"]
+                    else "outside the real first's band"))
     return text
 
 
@@ -278,11 +293,11 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
              model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
              profile: DeviceProfile, transfer_model: TransferModel | None, slo: SLO,
              out_dir: Path, devices: str | None = None, address: str | None = None,
-             policy: str = "least_loaded", local: bool = False, config: dict | None = None
-             ) -> tuple[pd.DataFrame, dict]:
+             policy: str = "least_loaded", local: bool = False, config: dict | None = None,
+             speed_spread: float = 0.0) -> tuple[pd.DataFrame, dict]:
     """Step 1's real runs for ``cands`` (one per placement string: the first wins) at
     ``rates``, then ``score``. ``local``: workers in this process (tests; transport
-    ``inprocess``).
+    ``inprocess``). ``speed_spread``: step 6's band (0: none).
 
     Returns:
         (error table, summary dict), as ``score``.
@@ -301,15 +316,16 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
                                           cand.engine(engine), transfer, devices, address, policy,
                                           local=local, conditional=ConditionalConfig())
     return score(measured, list(by_placement.values()), rates, items, spec, engine, transfer,
-                 profile, transfer_model, slo, out_dir, policy, config)
+                 profile, transfer_model, slo, out_dir, policy, config, speed_spread=speed_spread)
 
 
 def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidate],
           rates: Sequence[float], items: dict, spec: compare.WorkloadSpec, engine: EngineConfig,
           transfer: TransferConfig, profile: DeviceProfile, transfer_model: TransferModel | None,
           slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
-          replay_window_s: float = drift.DEFAULT_WINDOW_S) -> tuple[pd.DataFrame, dict]:
-    """Steps 1-5 after the real runs: simulate their twins (``items``: seed -> workload, as
+          replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0
+          ) -> tuple[pd.DataFrame, dict]:
+    """Steps 1-6 after the real runs: simulate their twins (``items``: seed -> workload, as
     the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
     validation_steps.csv, validation_corrected.csv, validation_replay.csv and
     validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``).
@@ -317,11 +333,12 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
     earlier validation.
 
     Returns:
-        (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS``, summary dict of
-        ``validation_summary`` plus ``step_correction``, ``step_correction_by_worker``,
-        ``step_factor_by_run``, ``corrected`` (the summary with each run's steps scaled by
-        its own factor), ``replay`` (with each run's speed trace replayed) and
-        ``replay_window_s``).
+        (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS + BAND_COLUMNS``
+        (the band's NaN without ``speed_spread``), summary dict of ``validation_summary``
+        plus ``step_correction``, ``step_correction_by_worker``, ``step_factor_by_run``,
+        ``corrected`` (the summary with each run's steps scaled by its own factor),
+        ``replay`` (with each run's speed trace replayed), ``replay_window_s`` and, with
+        ``speed_spread``, ``band`` (``band_summary``)).
     """
     by_placement = {c.placement: c for c in cands}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -386,5 +403,54 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
     summary["replay"] = validation_summary(replay, _goodput(meas_summary), _goodput(replay_summary))
     summary["replay_window_s"] = replay_window_s
     errors = with_replay(errors, replay)
+    tables = {}
+    for speed, scale in (band.scales(speed_spread).items() if speed_spread > 0 else ()):
+        twins = simulate(lambda key, scale=scale: scale)
+        tables[speed] = analysis.summary_table(
+            [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in twins],
+            slo, num_boot=10)
+    errors = with_band(errors, tables)
+    if tables:
+        summary["band"] = band_summary(errors, summary, speed_spread,
+                                       {k: _goodput(t) for k, t in tables.items()})
     errors.to_csv(out_dir / "validation.csv", index=False)
     return errors, summary
+
+
+def with_band(errors: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Step 6: ``errors`` with ``BAND_COLUMNS`` from the slow and fast twins' summary tables
+    (``{"slow": ..., "fast": ...}``; empty: NaN). ``measured_in_band``: 1.0 when the measured
+    attainment lies within the two (ends included), 0.0 when not."""
+    out = errors.copy()
+    if not tables:
+        for c in BAND_COLUMNS:
+            out[c] = math.nan
+        return out
+    for speed in band.SPEEDS:
+        part = tables[speed][["placement", "rate", "slo_attainment"]].rename(
+            columns={"slo_attainment": f"band_{speed}_attainment"})
+        out = out.merge(part, on=["placement", "rate"], how="left")
+    lo = out[["band_slow_attainment", "band_fast_attainment"]].min(axis=1)
+    hi = out[["band_slow_attainment", "band_fast_attainment"]].max(axis=1)
+    out["measured_in_band"] = ((out["measured_attainment"] >= lo - 1e-12)
+                               & (out["measured_attainment"] <= hi + 1e-12)).astype(float)
+    return out
+
+
+def band_summary(errors: pd.DataFrame, summary: dict, spread: float,
+                 goodput: dict[str, dict[str, float]]) -> dict:
+    """Step 6's figures: ``spread``, ``num_in_band`` of ``num_points``, ``goodput_band``
+    (placement -> (slow, fast) goodput per device) and ``first_within_band``: the planner's
+    first is a real first (``first_agrees``) or its band overlaps a real first's."""
+    bands = {p: (goodput["slow"].get(p, math.nan), goodput["fast"].get(p, math.nan))
+             for p in goodput["slow"]}
+    measured = summary["measured_goodput"]
+    firsts = [p for p, g in measured.items() if measured and g == max(measured.values())]
+    planner = summary["simulated_first"]
+    lo, hi = bands.get(planner, (math.nan, math.nan))
+    within = summary["first_agrees"] or any(  # the two [slow, fast] intervals overlap
+        bands.get(p, (math.nan, math.nan))[1] >= lo and hi >= bands.get(p, (math.nan, math.nan))[0]
+        for p in firsts)
+    return {"spread": spread, "num_points": len(errors),
+            "num_in_band": int(errors["measured_in_band"].sum()), "goodput_band": bands,
+            "measured_firsts": firsts, "first_within_band": bool(within)}
