@@ -346,7 +346,8 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
         text += _validate(x, rates)
     (x.out / "plan.md").write_text("\n".join(text))
     print(f"\nResults: {x.out}/ (plan.csv, plan_curves.csv, plan_runs.csv, plan_attainment.png, "
-          f"plan.md{', validation.csv, measured/, simulated/' if x.plan.validate else ''})")
+          f"plan.md{', plan_band_runs.csv' if band_text else ''}"
+          f"{', validation.csv, measured/, simulated/' if x.plan.validate else ''})")
     return 0
 
 
