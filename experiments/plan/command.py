@@ -53,7 +53,7 @@ class PlanConfig:
         transfer_latency_s: what if a KV transfer had this fixed cost (s), instead of the
             profile's.
         transfer_bandwidth_gbps: what if it moved this many GB/s, instead of the profile's.
-        top: placements plotted, and validated with --validate.
+        top: placements plotted, banded with --speed-spread and validated with --validate.
         validate: also run the best placements for real and report the simulator's error.
         validate_requests: requests per seed in the validation runs (real runs are slow; one
             request is 100 / N points of attainment, so the 2-point target needs N >= 50).
@@ -81,7 +81,8 @@ class PlanConfig:
         "min": 0, "help": "what if: fixed seconds per KV transfer"})
     transfer_bandwidth_gbps: float | None = field(default=None, metadata={
         "gt": 0, "help": "what if: KV transfer GB/s"})
-    top: int = field(default=3, metadata={"min": 1, "help": "placements plotted and validated"})
+    top: int = field(default=3, metadata={"min": 1, "help": "placements plotted, banded "
+                                                          "(--speed-spread) and validated"})
     validate: bool = field(default=False, metadata={
         "help": "run the best --top placements for real too and report the simulator's error"})
     validate_requests: int = field(default=50, metadata={

@@ -259,10 +259,10 @@ def _summary_line(s: dict) -> str:
     if "num_flipped" in s:
         flips = (f" ({s['num_flipped']} of {s['num_requests']} requests flipped; one request "
                  f"= {s['attainment_resolution_points']:.2g} points)")
+    measured = _firsts(s.get("measured_goodput"), s["measured_first"])
     return (f"validation over {s['num_points']} points: SLO attainment mean abs error "
             f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative error| {lat}; first "
-            f"by goodput per device: measured {_firsts(s.get('measured_goodput'), s['measured_first'])}, simulated "
-            f"{s['simulated_first']} ({agree})")
+            f"by goodput per device: measured {measured}, simulated {s['simulated_first']} ({agree})")
 
 
 def _goodput(summary: pd.DataFrame) -> dict[str, float]:
@@ -361,6 +361,11 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
                                                      res.transfers, res.duration_s, seed))
         return out
 
+    def summarize(twins: list[compare.RunResult]) -> pd.DataFrame:
+        """The summary table of simulated twins (few bootstrap draws: only means are read)."""
+        return analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
+                                                    r.duration_s) for r in twins], slo, num_boot=10)
+
     def own_factor(key) -> float:  # a run without a rebuilt step takes the overall factor
         f = factors.get(key, math.nan)
         return f if math.isfinite(f) else (factor if math.isfinite(factor) else 1.0)
@@ -384,8 +389,7 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
     summary["step_factor_by_run"] = {f"{p}@{rate:g}/s{seed}": f for (p, rate, seed), f in factors.items()}
     if math.isfinite(factor):
         twins = simulate(own_factor)
-        runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in twins]
-        corrected = analysis.summary_table(runs, slo, num_boot=10)
+        corrected = summarize(twins)
         fixed = with_outcomes(error_table(meas_summary, corrected), measured, twins, slo, own_factor)
         fixed.to_csv(out_dir / "validation_corrected.csv", index=False)
         summary["corrected"] = validation_summary(fixed, _goodput(meas_summary), _goodput(corrected))
@@ -396,19 +400,14 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
         columns=["placement", "rate", "seed", "worker", "window_start_s", "factor"]
     ).to_csv(out_dir / "validation_speed_trace.csv", index=False)
     replayed = simulate(lambda key: 1.0, traces.get)
-    replay_runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in replayed]
-    replay_summary = analysis.summary_table(replay_runs, slo, num_boot=10)
+    replay_summary = summarize(replayed)
     replay = with_outcomes(error_table(meas_summary, replay_summary), measured, replayed, slo, own_factor)
     replay.to_csv(out_dir / "validation_replay.csv", index=False)
     summary["replay"] = validation_summary(replay, _goodput(meas_summary), _goodput(replay_summary))
     summary["replay_window_s"] = replay_window_s
     errors = with_replay(errors, replay)
-    tables = {}
-    for speed, scale in (band.scales(speed_spread).items() if speed_spread > 0 else ()):
-        twins = simulate(lambda key, scale=scale: scale)
-        tables[speed] = analysis.summary_table(
-            [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in twins],
-            slo, num_boot=10)
+    tables = {speed: summarize(simulate(lambda key, scale=scale: scale))
+              for speed, scale in (band.scales(speed_spread).items() if speed_spread > 0 else ())}
     errors = with_band(errors, tables)
     if tables:
         summary["band"] = band_summary(errors, summary, speed_spread,
