@@ -19,7 +19,10 @@ The profile defaults to the one the simulated run recorded (its config line).
 this checkout's simulator and the profile, into DIR (validation*.csv, measured/,
 simulated/): a validation's figures after a simulator change, without new real runs. The
 workload is rebuilt from the records (the simulator needs only the lengths; the arrival
-times come from the same seeds).
+times come from the same seeds). The rescore includes the drift replay (each real run's
+measured speed over time replayed in its simulation, ``experiments.plan.drift``;
+``--replay-window-s`` sets its window) beside the open-loop figures; ``--speed-spread S``
+adds the speed band (``experiments.plan.band``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ import pandas as pd
 from engine.config import EngineConfig, TransferConfig
 from engine.metrics import ARRIVED, FINISHED, SLO, RequestRecord
 from experiments import compare, workloads
-from experiments.plan import diagnose, search, validate
+from experiments.plan import diagnose, drift, search, validate
 from experiments.plan.latency import DeviceProfile
 
 
@@ -61,8 +64,12 @@ def _steps_of(steps: pd.DataFrame, key: tuple) -> list[dict]:
     return sel.drop(columns=["placement", "rate", "seed"]).to_dict("records")
 
 
-def rescore(out: Path, profile: DeviceProfile, dest: Path) -> tuple[pd.DataFrame, dict]:
-    """``validate.score`` on the real runs saved under ``out/measured`` (module docstring)."""
+def rescore(out: Path, profile: DeviceProfile, dest: Path,
+            replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0
+            ) -> tuple[pd.DataFrame, dict]:
+    """``validate.score`` on the real runs saved under ``out/measured`` (module docstring),
+    the drift replay included (``replay_window_s``: its speed trace's window) and, with
+    ``speed_spread`` > 0, the speed band (``pdlab plan --speed-spread``)."""
     config, runs, steps = load_results(out / "measured")
     transfers = pd.read_csv(out / "measured" / "transfers.csv")
     measured, items = [], {}
@@ -87,7 +94,8 @@ def rescore(out: Path, profile: DeviceProfile, dest: Path) -> tuple[pd.DataFrame
     return validate.score(measured, cands, config["rates"], items, spec,
                           EngineConfig(**config["engine"]), transfer, profile, transfer_model,
                           SLO(**config["slo"]), dest, config.get("policy", "least_loaded"),
-                          {k: config[k] for k in ("command",) if k in config})
+                          {k: config[k] for k in ("command",) if k in config}, replay_window_s,
+                          speed_spread)
 
 
 def minute_trace(real: pd.DataFrame) -> pd.DataFrame:
@@ -118,12 +126,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="score the saved real runs again with this simulator into DIR")
     parser.add_argument("--step-scale", type=float, default=1.0,
                         help="with --rescore: the profile's step times x this (pdlab plan --step-scale)")
+    parser.add_argument("--replay-window-s", type=float, default=drift.DEFAULT_WINDOW_S,
+                        help="with --rescore: window of the drift replay's speed trace (s)")
+    parser.add_argument("--speed-spread", type=float, default=0.0,
+                        help="with --rescore: the speed band (pdlab plan --speed-spread)")
     args = parser.parse_args(argv)
     if args.rescore:
         profile = DeviceProfile.load(args.profile) if args.profile else DeviceProfile.from_dict(
             load_results(args.out / "simulated")[0]["device_profile"])
         profile = profile.scaled(args.step_scale)
-        errors, summary = rescore(args.out, profile, args.rescore)
+        errors, summary = rescore(args.out, profile, args.rescore, args.replay_window_s,
+                                  args.speed_spread)
         pd.set_option("display.width", 250)
         print(errors.to_string(index=False, float_format="{:.3g}".format))
         print("\n" + validate.summary_text(summary))

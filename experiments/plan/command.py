@@ -9,7 +9,9 @@ placements for real and reports the simulator's error.
 2. Build the workload per seed (the requests a real ``pdlab compare`` would send).
 3. Sweep (refined inside each candidate's bracket when the rates are automatic) and rank
    (``search``); write plan.csv (ranked), plan_curves.csv (per candidate and
-   rate), plan_runs.csv (per seed), plan_attainment.png and plan.md.
+   rate), plan_runs.csv (per seed), plan_attainment.png and plan.md. ``--speed-spread``:
+   the best ``--top`` again at steps 1 ± spread x the profile's (``band``): goodput and
+   attainment bands in plan.csv / plan_curves.csv, plan_band_runs.csv, and the verdict.
 4. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
    machine, at the swept rates, on the first ``--validate-requests`` requests of each seed.
 """
@@ -31,7 +33,7 @@ import pandas as pd
 from engine.config import (DTYPES, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
                            check_fields, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
-from experiments.plan import search
+from experiments.plan import band, search
 from experiments.plan.latency import DeviceProfile, TransferModel, summary_lines
 
 BUDGETS = r"(\d+(,\d+)*)?"
@@ -51,7 +53,7 @@ class PlanConfig:
         transfer_latency_s: what if a KV transfer had this fixed cost (s), instead of the
             profile's.
         transfer_bandwidth_gbps: what if it moved this many GB/s, instead of the profile's.
-        top: placements plotted, and validated with --validate.
+        top: placements plotted, banded with --speed-spread and validated with --validate.
         validate: also run the best placements for real and report the simulator's error.
         validate_requests: requests per seed in the validation runs (real runs are slow; one
             request is 100 / N points of attainment, so the 2-point target needs N >= 50).
@@ -61,6 +63,11 @@ class PlanConfig:
             its observed ÷ expected correction the same way).
         jobs: processes the simulations are spread over; 0 = one per CPU this process may
             use (``os.sched_getaffinity``).
+        speed_spread: how sure the answer is (``band``): the best --top placements are also
+            simulated with every step (1 + this) and (1 - this) times the profile's, giving
+            a goodput band per placement and "no clear winner" where the first's and the
+            second's overlap; with --validate also the per-point attainment band and the
+            ranking check within it. 0 = off. In [0, 1).
     """
 
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
@@ -74,7 +81,8 @@ class PlanConfig:
         "min": 0, "help": "what if: fixed seconds per KV transfer"})
     transfer_bandwidth_gbps: float | None = field(default=None, metadata={
         "gt": 0, "help": "what if: KV transfer GB/s"})
-    top: int = field(default=3, metadata={"min": 1, "help": "placements plotted and validated"})
+    top: int = field(default=3, metadata={"min": 1, "help": "placements plotted, banded "
+                                                          "(--speed-spread) and validated"})
     validate: bool = field(default=False, metadata={
         "help": "run the best --top placements for real too and report the simulator's error"})
     validate_requests: int = field(default=50, metadata={
@@ -84,9 +92,14 @@ class PlanConfig:
         "gt": 0, "help": "multiply every modelled step time (a factor --validate measured)"})
     jobs: int = field(default=0, metadata={
         "min": 0, "help": "simulation processes (0: one per CPU this process may use)"})
+    speed_spread: float = field(default=0.0, metadata={
+        "min": 0, "help": "also simulate the best --top with steps 1 +/- this x the profile's "
+                          "(a goodput band; 0.15 covers this VM's drift), < 1; 0 = off"})
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.speed_spread >= 1:
+            raise ValueError(f"speed_spread must be >= 0 and < 1, got {self.speed_spread}")
 
     @property
     def num_jobs(self) -> int:
@@ -240,6 +253,7 @@ def _console(ranked: pd.DataFrame) -> str:
     cols = {"rank": "#", "candidate": "placement", "num_devices": "devices",
             "goodput_per_device_req_s": "goodput/device (req/s)",
             "goodput_seed_min": "seed min", "goodput_seed_max": "seed max",
+            **({"goodput_slow": "slow", "goodput_fast": "fast"} if "goodput_slow" in ranked else {}),
             "ttft_p50_s": "TTFT p50 (s)", "tpot_p99_s": "TPOT p99 (s)"}
     return ranked[list(cols)].rename(columns=cols).to_string(index=False, float_format="{:.4g}".format)
 
@@ -289,6 +303,18 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
     wall_s = time.perf_counter() - start
     ranked, curve = search.rank(runs), search.curves(runs)
     x.out.mkdir(parents=True, exist_ok=True)
+    band_text = ""
+    if x.plan.speed_spread > 0:
+        by_label = {c.label: c for c in x.candidates}
+        top = [by_label[label] for label in ranked["candidate"].head(x.plan.top)]
+        with tqdm(total=2 * int(runs["candidate"].isin(ranked["candidate"].head(x.plan.top)).sum()),
+                  desc=f"speed band ±{x.plan.speed_spread:g}", unit="run", file=sys.stderr) as bar:
+            banded = band.band_runs(top, runs, requests, x.engine, x.profile, x.transfer_model,
+                                    x.slo, x.plan.speed_spread, x.spec.arrival, x.spec.burstiness,
+                                    x.policy, bar.update, x.plan.num_jobs)
+        banded.to_csv(x.out / "plan_band_runs.csv", index=False)
+        ranked, curve = band.with_band(ranked, banded), band.curve_band(curve, banded)
+        band_text = band.verdict(ranked, x.plan.speed_spread)
     ranked.to_csv(x.out / "plan.csv", index=False)
     curve.to_csv(x.out / "plan_curves.csv", index=False)
     runs.to_csv(x.out / "plan_runs.csv", index=False)
@@ -299,6 +325,8 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
           f"over {x.plan.num_jobs} process(es) (simulator time summed over runs "
           f"{runs['sim_s'].sum():.1f} s)\n")
     print(_console(ranked))
+    if band_text:
+        print("\n" + band_text)
     ceiling = ranked.loc[ranked["at_sweep_top"], "candidate"].tolist()
     warning = (f"Warning: {', '.join(ceiling)} still met the SLO target at the highest swept "
                "rate, so their goodput is a lower bound set by the sweep, not a capacity: "
@@ -312,13 +340,15 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
             "and transfer times).", "", "Goodput per device: DistServe's definition (highest "
             "swept rate with >= 90% SLO attainment there and at every lower rate, over the "
             "placement's devices), on the mean-over-seeds curve; seed min/max beside it.", "",
-            markdown_table(ranked), "", *([warning, ""] if warning else []),
+            markdown_table(ranked), "", *([band_text, ""] if band_text else []),
+            *([warning, ""] if warning else []),
             f"![attainment]({plot.name})", ""]
     if x.plan.validate:
         text += _validate(x, rates)
     (x.out / "plan.md").write_text("\n".join(text))
     print(f"\nResults: {x.out}/ (plan.csv, plan_curves.csv, plan_runs.csv, plan_attainment.png, "
-          f"plan.md{', validation.csv, measured/, simulated/' if x.plan.validate else ''})")
+          f"plan.md{', plan_band_runs.csv' if band_text else ''}"
+          f"{', validation.csv, measured/, simulated/' if x.plan.validate else ''})")
     return 0
 
 
@@ -349,7 +379,8 @@ def _validate(x: PlanJob, rates: list[float]) -> list[str]:
           f"({spec.num_requests} requests x {spec.seeds} seeds each)")
     errors, summary = validate.validate(chosen, rates, spec, x.model, x.engine, x.transfer,
                                         x.profile, x.transfer_model, x.slo, x.out,
-                                        ",".join(devices), None, x.policy)
+                                        ",".join(devices), None, x.policy,
+                                        speed_spread=x.plan.speed_spread)
     text = validate.summary_text(summary)
     print("\n" + errors.to_string(index=False, float_format="{:.3g}".format) + "\n\n" + text)
     from experiments.report import markdown_table

@@ -123,9 +123,11 @@ def arrivals(requests: Sequence[Request], rate: float, seed: int, process: str =
 def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile,
               transfer: TransferModel | None, policy: str = "least_loaded",
               conditional: ConditionalConfig | None = None, transport: str = "simulated",
-              step_scale: float = 1.0) -> Simulator:
+              step_scale: float = 1.0,
+              speed_trace: Callable[[str, float], float] | None = None) -> Simulator:
     """The ``Simulator`` of one candidate on the profile's step model (every step time
-    multiplied by ``step_scale``: a correction factor, see ``latency.step_correction``)."""
+    multiplied by ``step_scale``: a correction factor, see ``latency.step_correction``;
+    and by ``speed_trace(worker, start s)`` when given: ``drift.SpeedTrace``)."""
     needs_transfer = parse_placement(candidate.placement)[0] != "colocated"
     step_s = profile.step_time()
     if step_scale != 1.0:
@@ -133,7 +135,7 @@ def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile
         step_s = lambda *f: step_scale * base(*f)  # noqa: E731
     return Simulator(candidate.placement, candidate.engine(engine), step_s,
                      transfer if needs_transfer else None, profile.kv_bytes_per_token, policy,
-                     conditional, transport)
+                     conditional, transport, speed_trace=speed_trace)
 
 
 RUN_COLUMNS = ["candidate", "placement", "chunk_budget", "num_devices", "rate", "seed",
@@ -315,7 +317,8 @@ def curves(runs: pd.DataFrame) -> pd.DataFrame:
 def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, top: int = 3,
               title: str = "") -> Path:
     """SLO attainment (%) vs arrival rate per device of the ``top`` best candidates, with the
-    90% goodput line and each one's goodput marked."""
+    90% goodput line and each one's goodput marked; shaded between ``slo_attainment_slow``
+    and ``_fast`` where ``curve_df`` has them (``band.curve_band``)."""
     from experiments.plots import plt, _save  # Agg backend set there
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
@@ -323,6 +326,9 @@ def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, to
         g = curve_df[curve_df["candidate"] == row.candidate].sort_values("rate")
         ax.plot(g["rate_per_device"], 100 * g["slo_attainment"], marker="o", color=f"C{i}",
                 label=f"#{row.rank} {row.candidate}: {row.goodput_per_device_req_s:.3g} req/s/device")
+        if "slo_attainment_slow" in g and g["slo_attainment_slow"].notna().any():
+            ax.fill_between(g["rate_per_device"], 100 * g["slo_attainment_slow"],
+                            100 * g["slo_attainment_fast"], color=f"C{i}", alpha=0.15, linewidth=0)
         if row.goodput_per_device_req_s > 0:
             ax.axvline(row.goodput_per_device_req_s, color=f"C{i}", linestyle=":", alpha=0.6)
     ax.axhline(100 * analysis.ATTAINMENT_TARGET, color="gray", linestyle="--",
@@ -341,11 +347,13 @@ def simulate_runs(placement: str, engine: EngineConfig, profile: DeviceProfile,
                   transfer: TransferModel | None, rates: Sequence[float],
                   requests_by_seed: dict[int, list[Request]], process: str = "poisson",
                   burstiness: float = 1.0, policy: str = "least_loaded",
-                  transport: str = "simulated", step_scale: float = 1.0
+                  transport: str = "simulated", step_scale: float = 1.0,
+                  speed_trace: Callable[[str, float], float] | None = None
                   ) -> list[tuple[float, int, SimResult]]:
     """Every (rate, seed) of one placement, with step records: ``(rate, seed, result)``
-    (for results files shaped like a real run's)."""
+    (for results files shaped like a real run's); ``step_scale`` and ``speed_trace`` as
+    ``simulator``."""
     sim = simulator(Candidate(placement), engine, profile, transfer, policy, transport=transport,
-                    step_scale=step_scale)
+                    step_scale=step_scale, speed_trace=speed_trace)
     return [(rate, seed, sim.run(arrivals(reqs, rate, seed, process, burstiness), collect_steps=True))
             for rate in rates for seed, reqs in requests_by_seed.items()]

@@ -38,8 +38,10 @@ only by an arrival or hand-over to it, a KV fetch of its own landing, or a reque
 batch stopping. So the steps up to the earliest of those (the *horizon*: the next event that
 may touch the instance, and the step before the first request of the batch reaches
 ``max_tokens``) are advanced in one go: each step's duration from ``step_s`` at the grown
-context (Σctx + B per step), each request's counters and token stamps extended in bulk, the
-same floats the step-by-step run computes. The step that ends at or after the horizon, or in
+context (Σctx + B per step), times ``speed_trace`` at that step's own start when one is
+given (a window edge inside the run changes the steps after it, as step by step), each
+request's counters and token stamps extended in bulk, the same floats the step-by-step run
+computes. The step that ends at or after the horizon, or in
 which a request stops, runs through ``Scheduler.update`` as usual. Valid because
 ``update`` of a decode-only step in which no request stops only advances counters
 (``ignore_eos`` workloads: the fake token is no stop token, checked per batch); the
@@ -182,6 +184,9 @@ class Simulator:
         transport: the transport name written into transfer records.
         fast_forward: advance runs of pure-decode steps in one go (module docstring); the
             records are the same either way, False runs every step through the Scheduler.
+        speed_trace: ``(worker name, step start s) -> factor``: every modelled step time of
+            that worker starting then is multiplied by it (``drift.SpeedTrace``: a real
+            run's measured machine speed, replayed); None: the model's times as they are.
 
     Raises:
         ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``.
@@ -191,7 +196,8 @@ class Simulator:
                  step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
                  kv_bytes_per_token: int = 0, policy: str = "least_loaded",
                  conditional: ConditionalConfig | None = None, transport: str = "simulated",
-                 fast_forward: bool = True) -> None:
+                 fast_forward: bool = True,
+                 speed_trace: Callable[[str, float], float] | None = None) -> None:
         self.kind = parse_placement(placement)[0]
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
@@ -205,6 +211,7 @@ class Simulator:
         self.conditional = (conditional or ConditionalConfig()) if self.kind == "conditional" else None
         self.transport = transport
         self.fast_forward = fast_forward
+        self.speed_trace = speed_trace
 
     # ---- one run -----------------------------------------------------------------------
     def run(self, workload: Sequence[tuple[Request, float]], collect_steps: bool = False,
@@ -399,6 +406,8 @@ class Simulator:
                 timeline = flights[state.request.request_id].record.timeline
                 timeline[PREFILL_STARTED if state.first_output_index == 0 else DECODE_ADMITTED] = t
         duration = self.step_s(n_pre, q_pre, num_decode, sum_ctx) if batch.requests else 0.0
+        if self.speed_trace is not None and duration:
+            duration *= self.speed_trace(instance.name, t)
         fetch_start = t + duration
         for state in batch.kv_reserved:  # the worker's on_tick starts the fetch after the step
             flight = flights[state.request.request_id]
@@ -430,8 +439,9 @@ class Simulator:
         same batch again while the Scheduler would schedule it unchanged (module docstring):
         every step that ends before the horizon, and before the step in which the first
         request of the batch stops. Returns the end of the step left to run as usual.
-        Step durations are ``step_s`` at the context each step has, summed in step order,
-        so every time equals the step-by-step run's to the last bit."""
+        Step durations are ``step_s`` at the context each step has (times the speed trace
+        at the step's start), summed in step order, so every time equals the step-by-step
+        run's to the last bit."""
         horizon_s = self._horizon(instance)
         if end_s >= horizon_s:
             return end_s
@@ -449,10 +459,13 @@ class Simulator:
         ends = []  # end of each step completed here: its tokens leave then
         num_decode, step_s, add_end = len(requests), self.step_s, ends.append
         record = self._steps is not None or self._batches is not None
+        trace, name = self.speed_trace, instance.name
         while len(ends) < steps_left - 1 and end_s < horizon_s:
             add_end(end_s)  # this step completes; the same batch starts at its end
             sum_ctx += num_decode
             duration = step_s(0, 0, num_decode, sum_ctx)
+            if trace is not None:  # the factor at this step's own start, as step by step
+                duration *= trace(name, end_s)
             if record:
                 self._record_step(instance, batch, end_s, duration, 0, num_decode)
             end_s = end_s + duration

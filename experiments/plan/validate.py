@@ -27,6 +27,20 @@ A validation:
    a shared host). The simulation is repeated with each run's steps scaled by its own
    factor and its errors written to validation_corrected.csv: what is left is the model's
    error, not the machine's drift. validation_steps.csv holds every rebuilt real step.
+5. Drift replay (``drift``): a run's factor is one number, but the machine's speed changes
+   within the run. From each real run's rebuilt steps, a piecewise-constant speed trace
+   (median measured ÷ modelled per 5 s window, per worker; validation_speed_trace.csv), and
+   the run simulated again with every step scaled by the trace at its simulated start.
+   validation.csv gets ``REPLAY_COLUMNS`` beside the open-loop ones, validation_replay.csv
+   the full table. The open-loop error is the planner's predictive error on this machine;
+   the replay's is the simulator's own (the machine's measured speed given to it): what
+   DistServe's "< 2 points" is about. The replay is no prediction: it uses the run's own
+   step times.
+6. With ``speed_spread`` S > 0 (``band``): the twins again with every step (1 + S) and
+   (1 - S) times the model: per point ``BAND_COLUMNS`` (the simulated attainment at each
+   end and whether the measured one lies between), and the ranking check within the band:
+   the planner's first is accepted when it is the real first, or when its goodput band
+   reaches the real first's (the planner could not have told them apart at ±S).
 """
 
 from __future__ import annotations
@@ -42,8 +56,8 @@ import pandas as pd
 from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO
-from experiments import analysis, compare
-from experiments.plan import diagnose, search
+from experiments import analysis, compare, workloads
+from experiments.plan import band, diagnose, drift, search
 from experiments.plan.latency import DeviceProfile, TransferModel, step_correction
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
@@ -52,6 +66,10 @@ COLUMNS = (["placement", "rate", "measured_attainment", "simulated_attainment",
            + [f"{k}_{c}" for c in LATENCIES for k in ("measured", "simulated")]
            + [f"{c.removesuffix('_s')}_rel_err" for c in LATENCIES])
 OUTCOME_COLUMNS = ["num_requests", "num_flipped", "step_factor"]
+REPLAY_COLUMNS = (["replay_simulated_attainment", "replay_attainment_err_points"]
+                  + [f"replay_{c.removesuffix('_s')}_rel_err" for c in LATENCIES]
+                  + ["replay_num_flipped"])
+BAND_COLUMNS = ["band_slow_attainment", "band_fast_attainment", "measured_in_band"]
 
 
 def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame:
@@ -141,6 +159,34 @@ def with_outcomes(errors: pd.DataFrame, measured: Sequence[compare.RunResult],
     return out[COLUMNS + OUTCOME_COLUMNS]
 
 
+def with_replay(errors: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
+    """``errors`` with ``REPLAY_COLUMNS`` taken from ``replay`` (the ``with_outcomes``
+    table of the drift-replayed simulation), matched by (placement, rate)."""
+    cols = {"simulated_attainment": "replay_simulated_attainment",
+            "attainment_err_points": "replay_attainment_err_points", "num_flipped": "replay_num_flipped",
+            **{f"{c.removesuffix('_s')}_rel_err": f"replay_{c.removesuffix('_s')}_rel_err"
+               for c in LATENCIES}}
+    part = replay[["placement", "rate", *cols]].rename(columns=cols)
+    return errors.merge(part, on=["placement", "rate"], how="left")[list(errors.columns) + REPLAY_COLUMNS]
+
+
+def speed_traces(measured: Sequence[compare.RunResult], steps: pd.DataFrame, items: dict,
+                 spec: compare.WorkloadSpec, window_s: float = drift.DEFAULT_WINDOW_S
+                 ) -> dict[tuple[str, float, int], drift.SpeedTrace]:
+    """Step 5: each real run's speed trace (``drift.speed_trace``) from its rows of
+    ``steps`` (``step_factors``' table), on the simulated clock: the origin is the run's
+    scheduled start (``drift.run_origin`` with the arrival offsets the simulation uses)."""
+    out = {}
+    for r in measured:
+        offsets = workloads.arrival_times(len(items[r.seed]), r.rate, r.seed, spec.arrival,
+                                          spec.burstiness)
+        mine = steps[(steps["placement"] == r.placement) & np.isclose(steps["rate"], r.rate)
+                     & (steps["seed"] == r.seed)]
+        out[(r.placement, r.rate, r.seed)] = drift.speed_trace(
+            mine, drift.run_origin(r.records, offsets), window_s)
+    return out
+
+
 def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
                        simulated_goodput: dict[str, float]) -> dict:
     """Mean |attainment error| (points), mean |relative error| per latency, and the placement
@@ -178,7 +224,31 @@ def summary_text(s: dict) -> str:
             text += "; per worker " + ", ".join(f"{k} {v:.3g}" for k, v in s["step_correction_by_worker"].items())
     if "corrected" in s:
         text += "\nwith each run's steps scaled by its own factor: " + _summary_line(s["corrected"])
+    if "replay" in s:
+        text += (f"\nreplaying each run's measured machine speed (median measured ÷ modelled "
+                 f"step time per {s.get('replay_window_s', drift.DEFAULT_WINDOW_S):g} s window): "
+                 + _summary_line(s["replay"]))
+        text += (f"\nopen-loop: MAE {s['attainment_mae_points']:.1f} points; replaying this run's "
+                 f"measured machine speed: MAE {s['replay']['attainment_mae_points']:.1f} points "
+                 "(open-loop is the planner's predictive error on this machine; the replay "
+                 "gives the simulator the speed the machine had, so what is left is the "
+                 "simulator's own error)")
+    if "band" in s:
+        b = s["band"]
+        spans = ", ".join(f"{p} [{lo:.3g} slow, {hi:.3g} fast]" for p, (lo, hi) in b["goodput_band"].items())
+        text += (f"\nspeed band ±{100 * b['spread']:g}% (every step 1 ± {b['spread']:g} x the "
+                 f"model): measured attainment inside the simulated band at {b['num_in_band']} of "
+                 f"{b['num_points']} points; goodput per device {spans}; the planner's first "
+                 f"{s['simulated_first']} is "
+                 + ("the real first or within its band" if b["first_within_band"]
+                    else "outside the real first's band"))
     return text
+
+
+def _firsts(goodput: dict[str, float] | None, first: str | None) -> str:
+    """The placement ranked first, or all those tied first (``a = b (tied)``)."""
+    tied = [p for p, g in (goodput or {}).items() if g == max(goodput.values())]
+    return " = ".join(tied) + " (tied)" if len(tied) > 1 else str(first)
 
 
 def _summary_line(s: dict) -> str:
@@ -189,10 +259,10 @@ def _summary_line(s: dict) -> str:
     if "num_flipped" in s:
         flips = (f" ({s['num_flipped']} of {s['num_requests']} requests flipped; one request "
                  f"= {s['attainment_resolution_points']:.2g} points)")
+    measured = _firsts(s.get("measured_goodput"), s["measured_first"])
     return (f"validation over {s['num_points']} points: SLO attainment mean abs error "
             f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative error| {lat}; first "
-            f"by goodput per device: measured {s['measured_first']}, simulated "
-            f"{s['simulated_first']} ({agree})")
+            f"by goodput per device: measured {measured}, simulated {s['simulated_first']} ({agree})")
 
 
 def _goodput(summary: pd.DataFrame) -> dict[str, float]:
@@ -223,11 +293,11 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
              model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
              profile: DeviceProfile, transfer_model: TransferModel | None, slo: SLO,
              out_dir: Path, devices: str | None = None, address: str | None = None,
-             policy: str = "least_loaded", local: bool = False, config: dict | None = None
-             ) -> tuple[pd.DataFrame, dict]:
+             policy: str = "least_loaded", local: bool = False, config: dict | None = None,
+             speed_spread: float = 0.0) -> tuple[pd.DataFrame, dict]:
     """Step 1's real runs for ``cands`` (one per placement string: the first wins) at
     ``rates``, then ``score``. ``local``: workers in this process (tests; transport
-    ``inprocess``).
+    ``inprocess``). ``speed_spread``: step 6's band (0: none).
 
     Returns:
         (error table, summary dict), as ``score``.
@@ -246,31 +316,38 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
                                           cand.engine(engine), transfer, devices, address, policy,
                                           local=local, conditional=ConditionalConfig())
     return score(measured, list(by_placement.values()), rates, items, spec, engine, transfer,
-                 profile, transfer_model, slo, out_dir, policy, config)
+                 profile, transfer_model, slo, out_dir, policy, config, speed_spread=speed_spread)
 
 
 def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidate],
           rates: Sequence[float], items: dict, spec: compare.WorkloadSpec, engine: EngineConfig,
           transfer: TransferConfig, profile: DeviceProfile, transfer_model: TransferModel | None,
-          slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None
+          slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
+          replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0
           ) -> tuple[pd.DataFrame, dict]:
-    """Steps 1-4 after the real runs: simulate their twins (``items``: seed -> workload, as
+    """Steps 1-6 after the real runs: simulate their twins (``items``: seed -> workload, as
     the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
-    validation_steps.csv and validation_corrected.csv. Also what ``benchmarks.plan_accuracy
-    --rescore`` runs on the saved real runs of an earlier validation.
+    validation_steps.csv, validation_corrected.csv, validation_replay.csv and
+    validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``).
+    Also what ``benchmarks.plan_accuracy --rescore`` runs on the saved real runs of an
+    earlier validation.
 
     Returns:
-        (error table: ``COLUMNS + OUTCOME_COLUMNS``, summary dict of ``validation_summary``
-        plus ``step_correction``, ``step_correction_by_worker``, ``step_factor_by_run`` and
-        ``corrected``: the summary with each run's steps scaled by its own factor).
+        (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS + BAND_COLUMNS``
+        (the band's NaN without ``speed_spread``), summary dict of ``validation_summary``
+        plus ``step_correction``, ``step_correction_by_worker``, ``step_factor_by_run``,
+        ``corrected`` (the summary with each run's steps scaled by its own factor),
+        ``replay`` (with each run's speed trace replayed), ``replay_window_s`` and, with
+        ``speed_spread``, ``band`` (``band_summary``)).
     """
     by_placement = {c.placement: c for c in cands}
     out_dir.mkdir(parents=True, exist_ok=True)
     factors, by_worker, factor, steps = step_factors(measured, profile)
     steps.to_csv(out_dir / "validation_steps.csv", index=False)
 
-    def simulate(scale) -> list[compare.RunResult]:
-        """Every measured (placement, rate, seed) simulated, its steps x ``scale(key)``."""
+    def simulate(scale, trace=lambda key: None) -> list[compare.RunResult]:
+        """Every measured (placement, rate, seed) simulated, its steps x ``scale(key)``
+        (and x the speed trace ``trace(key)`` at each step's start, when not None)."""
         out = []
         for placement, cand in by_placement.items():
             for rate in rates:
@@ -279,10 +356,15 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
                     for _, _, res in search.simulate_runs(
                             placement, cand.engine(engine), profile, transfer_model, [rate],
                             requests, spec.arrival, spec.burstiness, policy, transfer.transport,
-                            scale((placement, rate, seed))):
+                            scale((placement, rate, seed)), trace((placement, rate, seed))):
                         out.append(compare.RunResult(placement, rate, res.records, res.steps,
                                                      res.transfers, res.duration_s, seed))
         return out
+
+    def summarize(twins: list[compare.RunResult]) -> pd.DataFrame:
+        """The summary table of simulated twins (few bootstrap draws: only means are read)."""
+        return analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
+                                                    r.duration_s) for r in twins], slo, num_boot=10)
 
     def own_factor(key) -> float:  # a run without a rebuilt step takes the overall factor
         f = factors.get(key, math.nan)
@@ -301,16 +383,73 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
                                             {**config, "simulated": False}, slo,
                                             simulated=analysis.attainment_curve(sim_summary))
     errors = with_outcomes(error_table(meas_summary, sim_summary), measured, simulated, slo, own_factor)
-    errors.to_csv(out_dir / "validation.csv", index=False)
     summary = validation_summary(errors, _goodput(meas_summary), _goodput(sim_summary))
     summary["step_correction"] = factor
     summary["step_correction_by_worker"] = by_worker
     summary["step_factor_by_run"] = {f"{p}@{rate:g}/s{seed}": f for (p, rate, seed), f in factors.items()}
     if math.isfinite(factor):
         twins = simulate(own_factor)
-        runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in twins]
-        corrected = analysis.summary_table(runs, slo, num_boot=10)
+        corrected = summarize(twins)
         fixed = with_outcomes(error_table(meas_summary, corrected), measured, twins, slo, own_factor)
         fixed.to_csv(out_dir / "validation_corrected.csv", index=False)
         summary["corrected"] = validation_summary(fixed, _goodput(meas_summary), _goodput(corrected))
+    traces = speed_traces(measured, steps, items, spec, replay_window_s)
+    pd.DataFrame(
+        [{"placement": p, "rate": rate, "seed": seed, **row}
+         for (p, rate, seed), trace in traces.items() for row in trace.table().to_dict("records")],
+        columns=["placement", "rate", "seed", "worker", "window_start_s", "factor"]
+    ).to_csv(out_dir / "validation_speed_trace.csv", index=False)
+    replayed = simulate(lambda key: 1.0, traces.get)
+    replay_summary = summarize(replayed)
+    replay = with_outcomes(error_table(meas_summary, replay_summary), measured, replayed, slo, own_factor)
+    replay.to_csv(out_dir / "validation_replay.csv", index=False)
+    summary["replay"] = validation_summary(replay, _goodput(meas_summary), _goodput(replay_summary))
+    summary["replay_window_s"] = replay_window_s
+    errors = with_replay(errors, replay)
+    tables = {speed: summarize(simulate(lambda key, scale=scale: scale))
+              for speed, scale in (band.scales(speed_spread).items() if speed_spread > 0 else ())}
+    errors = with_band(errors, tables)
+    if tables:
+        summary["band"] = band_summary(errors, summary, speed_spread,
+                                       {k: _goodput(t) for k, t in tables.items()})
+    errors.to_csv(out_dir / "validation.csv", index=False)
     return errors, summary
+
+
+def with_band(errors: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
+    """Step 6: ``errors`` with ``BAND_COLUMNS`` from the slow and fast twins' summary tables
+    (``{"slow": ..., "fast": ...}``; empty: NaN). ``measured_in_band``: 1.0 when the measured
+    attainment lies within the two (ends included), 0.0 when not."""
+    out = errors.copy()
+    if not tables:
+        for c in BAND_COLUMNS:
+            out[c] = math.nan
+        return out
+    for speed in band.SPEEDS:
+        part = tables[speed][["placement", "rate", "slo_attainment"]].rename(
+            columns={"slo_attainment": f"band_{speed}_attainment"})
+        out = out.merge(part, on=["placement", "rate"], how="left")
+    lo = out[["band_slow_attainment", "band_fast_attainment"]].min(axis=1)
+    hi = out[["band_slow_attainment", "band_fast_attainment"]].max(axis=1)
+    out["measured_in_band"] = ((out["measured_attainment"] >= lo - 1e-12)
+                               & (out["measured_attainment"] <= hi + 1e-12)).astype(float)
+    return out
+
+
+def band_summary(errors: pd.DataFrame, summary: dict, spread: float,
+                 goodput: dict[str, dict[str, float]]) -> dict:
+    """Step 6's figures: ``spread``, ``num_in_band`` of ``num_points``, ``goodput_band``
+    (placement -> (slow, fast) goodput per device) and ``first_within_band``: the planner's
+    first is a real first (``first_agrees``) or its band overlaps a real first's."""
+    bands = {p: (goodput["slow"].get(p, math.nan), goodput["fast"].get(p, math.nan))
+             for p in goodput["slow"]}
+    measured = summary["measured_goodput"]
+    firsts = [p for p, g in measured.items() if measured and g == max(measured.values())]
+    planner = summary["simulated_first"]
+    lo, hi = bands.get(planner, (math.nan, math.nan))
+    within = summary["first_agrees"] or any(  # the two [slow, fast] intervals overlap
+        bands.get(p, (math.nan, math.nan))[1] >= lo and hi >= bands.get(p, (math.nan, math.nan))[0]
+        for p in firsts)
+    return {"spread": spread, "num_points": len(errors),
+            "num_in_band": int(errors["measured_in_band"].sum()), "goodput_band": bands,
+            "measured_firsts": firsts, "first_within_band": bool(within)}

@@ -141,6 +141,7 @@ PLAN_ROWS = [
     ("--prompt-len", ["--prompt-len", "4-300"], ("--max-model-len 256",)),
     ("--calibrate", ["--calibrate"], ("sweeps its own rates",)),
     ("--granularity", ["--granularity", "layer"], ("whole-request KV transfers only",)),
+    ("--speed-spread", ["--speed-spread", "1.5"], ("< 1",)),
 ]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]

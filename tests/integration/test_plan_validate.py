@@ -32,9 +32,10 @@ def test_validation_writes_per_point_errors(tmp_path):
     errors, summary = validate.validate(
         cands, [5.0, 50.0], spec, ModelConfig("tiny-random-llama"), engine, transfer, profile,
         profile.transfer("inprocess"), SLO(ttft_s=1.0, tpot_s=0.5), tmp_path,
-        devices="cpu:0,cpu:1" if two else "cpu:0", local=True)
+        devices="cpu:0,cpu:1" if two else "cpu:0", local=True, speed_spread=0.2)
     written = pd.read_csv(tmp_path / "validation.csv")
-    assert list(written.columns) == validate.COLUMNS + validate.OUTCOME_COLUMNS
+    assert list(written.columns) == (validate.COLUMNS + validate.OUTCOME_COLUMNS
+                                     + validate.REPLAY_COLUMNS + validate.BAND_COLUMNS)
     assert len(written) == 2 * len(cands)
     assert set(zip(written["placement"], written["rate"])) == {
         (c.placement, r) for c in cands for r in (5.0, 50.0)}
@@ -64,10 +65,27 @@ def test_validation_writes_per_point_errors(tmp_path):
     own = summary["step_factor_by_run"]["colocated:1@5/s0"]
     assert fixed.set_index(["placement", "rate"]).loc[("colocated:1", 5.0), "step_factor"] == own
     assert (fixed["measured_attainment"] == written["measured_attainment"]).all()
+    # the drift replay: each run's speed trace written, its simulation scored beside
+    trace = pd.read_csv(tmp_path / "validation_speed_trace.csv")
+    assert set(zip(trace["placement"], trace["rate"])) == set(zip(written["placement"], written["rate"]))
+    assert (trace["factor"] > 0).all() and (trace["window_start_s"] % 5.0 == 0).all()
+    replay = pd.read_csv(tmp_path / "validation_replay.csv")
+    assert list(replay["simulated_attainment"]) == list(written["replay_simulated_attainment"])
+    assert (written["replay_attainment_err_points"]
+            == 100 * (written["replay_simulated_attainment"] - written["measured_attainment"])).all()
+    for col in validate.REPLAY_COLUMNS:
+        assert written[col].map(math.isfinite).all(), col
+    assert summary["replay"]["attainment_mae_points"] == written["replay_attainment_err_points"].abs().mean()
+    assert "replaying this run's measured machine speed: MAE" in validate.summary_text(summary)
+    # the speed band: every step 1.2x and 0.8x, slower steps never meet more SLOs
+    assert (written["band_slow_attainment"] <= written["band_fast_attainment"]).all()
+    assert summary["band"]["num_in_band"] == written["measured_in_band"].sum()
+    assert set(summary["band"]["goodput_band"]) == {c.placement for c in cands}
+    assert "speed band ±20%" in validate.summary_text(summary)
     # the saved real runs score again to the same figures (the workload rebuilt from records)
     from benchmarks.plan_accuracy import rescore
 
-    again, _ = rescore(tmp_path, profile, tmp_path / "again")
+    again, _ = rescore(tmp_path, profile, tmp_path / "again", speed_spread=0.2)
     pd.testing.assert_frame_equal(pd.read_csv(tmp_path / "again" / "validation.csv"), written)
     for side, simulated in (("measured", False), ("simulated", True)):
         out = tmp_path / side

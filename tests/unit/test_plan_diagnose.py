@@ -106,6 +106,6 @@ def test_first_placement_agrees_within_a_measured_tie_only():
         f"{c.removesuffix('_s')}_rel_err": [0.0] for c in validate.LATENCIES}})
     tie = validate.validation_summary(errors, {"a": 0.2, "b": 0.2}, {"b": 0.4, "a": 0.2})
     assert tie["measured_first"] == "a" and tie["simulated_first"] == "b" and tie["first_agrees"]
-    assert "(agree)" in validate.summary_text(tie)
+    assert "measured a = b (tied), simulated b (agree)" in validate.summary_text(tie)
     apart = validate.validation_summary(errors, {"a": 0.2, "b": 0.1}, {"b": 0.4, "a": 0.2})
     assert not apart["first_agrees"] and "DISAGREE" in validate.summary_text(apart)

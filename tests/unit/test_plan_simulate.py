@@ -184,3 +184,64 @@ def test_fast_forward_stops_before_a_finish_and_at_the_next_arrival():
     assert two.records[1].token_times_s == [5.0, 6.0]  # prefilled in the step 4-5
     assert [s["num_prefill_tokens"] for s in two.steps] == [10, 0, 0, 0, 10, 0]
     assert two.num_fast_forwarded_steps == 2  # steps ending at 2 and 3 (< 3.5)
+
+
+# ---- speed trace (the drift replay's hook) -------------------------------------------------
+def test_a_constant_speed_factor_scales_every_time_exactly():
+    # the colocated trace above with every step 1.5x as long and the arrival 1.5x later: every
+    # stamp is 1.5x the hand-computed one (1.5 and its multiples are exact floats)
+    k = 1.5
+    res = Simulator("colocated:1", ENGINE, ONE_S, speed_trace=lambda worker, t: k).run(
+        [(_req("r0", 10, 3), 0.0), (_req("r1", 10, 3), 0.5 * k)], collect_steps=True)
+    r0, r1 = res.records
+    assert r0.token_times_s == [1.5, 3.0, 4.5] and r1.token_times_s == [3.0, 4.5, 6.0]
+    assert (m.ttft_s(r0), m.tpot_s(r0)) == (1.0 * k, 1.0 * k)
+    assert (m.ttft_s(r1), m.tpot_s(r1), m.e2e_s(r1)) == (1.5 * k, 1.0 * k, 3.5 * k)
+    assert [s["duration_s"] for s in res.steps] == [k] * 4 and res.duration_s == 4.0 * k
+
+
+@pytest.mark.parametrize("fast_forward", [False, True])
+def test_the_factor_is_the_one_at_each_step_start(fast_forward):
+    # factor 1 before 2 s, 3 from then on: steps 0-1 (prefill), 1-2, then 2-5 and 5-8
+    trace = lambda worker, t: 1.0 if t < 2.0 else 3.0  # noqa: E731
+    res = Simulator("colocated:1", ENGINE, ONE_S, speed_trace=trace,
+                    fast_forward=fast_forward).run([(_req("r0", 10, 4), 0.0)])
+    assert res.records[0].token_times_s == [1.0, 2.0, 5.0, 8.0]
+    assert res.num_fast_forwarded_steps == (2 if fast_forward else 0)
+
+
+def test_the_trace_is_read_per_worker():
+    # prefill-0 twice as slow as its model, decode-0 as modelled
+    trace = lambda worker, t: 2.0 if worker == "prefill-0" else 1.0  # noqa: E731
+    res = Simulator("disagg:1p1d", ENGINE, ONE_S, HALF_S_TRANSFER, kv_bytes_per_token=100,
+                    speed_trace=trace).run([(_req("r0", 10, 3), 0.0), (_req("r1", 10, 3), 0.5)],
+                                           collect_steps=True)
+    durations = {(s["worker"], s["duration_s"]) for s in res.steps}
+    assert durations == {("prefill-0", 2.0), ("decode-0", 1.0)}
+    assert m.ttft_s(res.records[0]) == 2.25  # 2 s prefill + the 0.25 s put
+
+
+@pytest.mark.parametrize("placement,engine", [
+    ("colocated:2", EngineConfig(max_num_seqs=6, max_model_len=128, max_num_batched_tokens=24)),
+    ("disagg:1p2d", EngineConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=48)),
+    ("conditional:1p1d", EngineConfig(max_num_seqs=4, max_model_len=128, max_num_batched_tokens=32)),
+])
+def test_fast_forward_gives_the_records_of_the_step_by_step_run_with_a_trace(placement, engine):
+    """A trace whose 0.7 s windows change the speed many times within fast-forwarded runs
+    (and differ per worker): both ways give the same records to the last bit."""
+    from experiments.plan.drift import SpeedTrace
+
+    work = _poisson_workload(80, 8.0, seed=3, stop_zero=7)
+    transfer = TransferModel(latency_s=0.004, bandwidth_bytes_s=2e6)
+    factors = tuple(0.8 + 0.05 * ((7 * i) % 11) for i in range(40))
+    trace = SpeedTrace(0.7, {name: factors[j:] for j, name in enumerate(
+        ["colocated-0", "colocated-1", "prefill-0", "decode-0", "decode-1"])})
+    cond = ConditionalConfig(max_local_prefill_length=20)
+    plain, fast = [Simulator(placement, engine, _linear_step_s, transfer, 100, conditional=cond,
+                             fast_forward=ff, speed_trace=trace).run(work, collect_steps=True)
+                   for ff in (False, True)]
+    assert [r.to_dict() for r in fast.records] == [r.to_dict() for r in plain.records]
+    assert fast.steps == plain.steps and fast.duration_s == plain.duration_s
+    assert fast.num_fast_forwarded_steps > 0
+    untraced = Simulator(placement, engine, _linear_step_s, transfer, 100, conditional=cond).run(work)
+    assert [r.token_times_s for r in untraced.records] != [r.token_times_s for r in fast.records]

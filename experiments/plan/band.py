@@ -1,0 +1,114 @@
+"""How sure ``pdlab plan``'s answer is when the machine's speed is not the profile's (no torch).
+
+A profile is measured once, but a shared machine's steps drift: the idle validation of
+2026-12-01 saw 5 s windows of a run at 0.87-1.32x the model (5th-95th percentile) and a
+slow episode of 1.18-1.43x for 80 s (``drift``). A plan that names a winner should say
+whether it still wins if the machine runs that much slower or faster. With
+``--speed-spread S``:
+
+1. ``band_runs``: the best few candidates (``--top``) are simulated again at every rate
+   they were swept at, with every step time x (1 + S) ("slow") and x (1 - S) ("fast")
+   (``DeviceProfile.scaled``), on the same requests and arrival times.
+2. ``with_band``: per candidate, the goodput per device at each speed (``search.rank``'s
+   reading: DistServe's goodput of the mean-over-seeds curve): the goodput band
+   [slow, fast]; per (candidate, rate) the attainment band (``curve_band``).
+3. ``verdict``: the first is a clear winner only if its goodput when slow exceeds the
+   second's when fast. Real runs of two placements happen at different times, so each may
+   meet a different speed: opposite ends of the band are the fair comparison. Otherwise
+   "no clear winner within ±S" (DESIGN §7: a verdict names a winner only where intervals
+   separate).
+
+The validation uses the same band (``validate.score(speed_spread=S)``): per point the
+measured attainment against the simulated [slow, fast] band, and the ranking check
+accepts the planner's first when its goodput band overlaps the real first's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import pandas as pd
+
+from engine.config import EngineConfig
+from engine.metrics import SLO
+from engine.request import Request
+from experiments.plan import search
+from experiments.plan.latency import DeviceProfile, TransferModel
+
+SPEEDS = ("slow", "fast")
+
+
+def scales(spread: float) -> dict[str, float]:
+    """``{"slow": 1 + spread, "fast": 1 - spread}``: the step-time factor of each end.
+
+    Raises:
+        ValueError: ``spread`` is not in [0, 1).
+    """
+    if not (0 <= spread < 1):
+        raise ValueError(f"speed spread must be >= 0 and < 1, got {spread!r}")
+    return {"slow": 1.0 + spread, "fast": 1.0 - spread}
+
+
+def band_runs(cands: Sequence[search.Candidate], runs: pd.DataFrame,
+              requests_by_seed: dict[int, list[Request]], engine: EngineConfig,
+              profile: DeviceProfile, transfer: TransferModel | None, slo: SLO, spread: float,
+              process: str = "poisson", burstiness: float = 1.0, policy: str = "least_loaded",
+              progress: Callable[[], None] | None = None, jobs: int = 1) -> pd.DataFrame:
+    """Step 1: ``search.sweep`` rows of ``cands`` at both ends of the band, each on the rates
+    that candidate has in ``runs`` (the nominal sweep), with a ``speed`` column
+    (``"slow"``/``"fast"``). Raises ValueError for a bad ``spread`` (``scales``)."""
+    ladders = {c.label: sorted(set(runs.loc[runs["candidate"] == c.label, "rate"])) for c in cands}
+    out = []
+    for speed, scale in scales(spread).items():
+        rows = search.sweep(cands, ladders, requests_by_seed, engine, profile.scaled(scale),
+                            transfer, slo, process, burstiness, policy, progress, jobs)
+        out.append(rows.assign(speed=speed))
+    return pd.concat(out, ignore_index=True)
+
+
+def _goodput(g: pd.DataFrame) -> float:
+    """``search.rank``'s goodput per device of one candidate's rows (mean over seeds)."""
+    return float(search.rank(g)["goodput_per_device_req_s"].iloc[0])
+
+
+def with_band(ranked: pd.DataFrame, band: pd.DataFrame) -> pd.DataFrame:
+    """Step 2: ``ranked`` (``search.rank``) with ``goodput_slow`` and ``goodput_fast`` (NaN
+    for candidates outside the band runs)."""
+    out = ranked.copy()
+    for speed in SPEEDS:
+        got = {label: _goodput(g) for label, g in
+               band[band["speed"] == speed].groupby("candidate", sort=False)}
+        out[f"goodput_{speed}"] = [got.get(label, math.nan) for label in out["candidate"]]
+    return out
+
+
+def curve_band(curve: pd.DataFrame, band: pd.DataFrame) -> pd.DataFrame:
+    """Step 2: ``search.curves`` with ``slo_attainment_slow`` and ``slo_attainment_fast``
+    (mean over seeds; NaN outside the band runs)."""
+    out = curve.copy()
+    for speed in SPEEDS:
+        att = (band[band["speed"] == speed].groupby(["candidate", "rate"])["slo_attainment"]
+               .mean().rename(f"slo_attainment_{speed}").reset_index())
+        out = out.merge(att, on=["candidate", "rate"], how="left")
+    return out
+
+
+def verdict(ranked: pd.DataFrame, spread: float) -> str:
+    """Step 3 in one sentence, from ``with_band``'s table (best first)."""
+    banded = ranked.dropna(subset=["goodput_slow", "goodput_fast"])
+    pct = f"{100 * spread:g}%"
+    if len(banded) < 2:
+        return f"speed band ±{pct}: fewer than two placements banded, nothing to compare"
+    first, second = banded.iloc[0], banded.iloc[1]
+
+    def span(row) -> str:
+        return (f"{row.candidate} {row.goodput_per_device_req_s:.3g} req/s/device "
+                f"[{row.goodput_slow:.3g} slow, {row.goodput_fast:.3g} fast]")
+
+    if first.goodput_slow > second.goodput_fast:
+        return (f"speed band ±{pct}: {span(first)} stays first even with its steps {pct} "
+                f"slower and the next one's {pct} faster ({span(second)})")
+    return (f"speed band ±{pct}: no clear winner: {span(first)} and {span(second)} overlap "
+            f"(each could come first if the machine runs {pct} slower or faster during its "
+            "real runs)")
