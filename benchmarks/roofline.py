@@ -4,10 +4,10 @@
    (default 1 GiB); bytes read / seconds.
 2. GEMM rate at the engine's own shapes: each projection group of one decoder layer (Q/K/V
    fused, O, gate/up fused, down) as ``[M, in] x [in, out]`` with M = the prefill's token
-   count and M = 16 (decode-like), through both kernels this torch offers: the
-   oneDNN-packed ``_linear_pointwise`` and MKL's sgemm (``torch.mm``), the two kernels the
-   engine picks between by row count (``engine.runner._Linear``). The faster of the two per
-   shape is the floor: the best this torch reaches on these cores, not one square matmul.
+   count and M = 16 (decode-like), through every kernel the engine picks between by row
+   count (``engine.runner._Linear``): the oneDNN-packed ``_linear_pointwise``, MKL's sgemm
+   (``torch.mm``) and pdlab's own (``engine.cpu_kernels.linear``, where it builds). The
+   fastest per shape is the floor: the best reached on these cores, not one square matmul.
 3. **Decode** (memory floor): one ``Engine.step()`` decoding one request (B = 1) at a KV
    context of 128 tokens. Floor = weight bytes (every parameter read once per step; tied
    embeddings counted once) / read bandwidth.
@@ -31,6 +31,7 @@ import torch
 
 from benchmarks import (add_common_args, estimator_line, measure_interleaved, print_table,
                         setup_threads)
+from engine import cpu_kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
@@ -38,6 +39,7 @@ from engine.runner import _Linear
 from engine.request import Request, SamplingParams
 
 _ids = itertools.count()
+KERNELS = ("onednn", "mkl", "pdlab")  # the GEMM kernels gemm_contenders times
 
 
 def weight_bytes(model) -> int:
@@ -68,8 +70,10 @@ def gemm_shapes(model) -> dict[str, tuple[int, int]]:
 
 
 def gemm_contenders(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, object]:
-    """``{"<shape>@<rows>/<kernel>": callable}`` for the packed oneDNN and the MKL kernel."""
+    """``{"<shape>@<rows>/<kernel>": callable}`` for the packed oneDNN, the MKL and (where it
+    builds for AVX2/FMA) pdlab's kernel."""
     gen = torch.Generator().manual_seed(0)
+    kernels = cpu_kernels.load()
     out = {}
     for name, (fan_in, fan_out) in shapes.items():
         linear = torch.nn.Linear(fan_in, fan_out, bias=False)
@@ -80,6 +84,10 @@ def gemm_contenders(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, 
             out[f"{name}@{rows}/onednn"] = lambda x=x, p=packed: (
                 torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
         out[f"{name}@{rows}/mkl"] = lambda x=x, w=weight_t: torch.mm(x, w)
+        if kernels is not None and kernels.linear_vectorized:
+            panels = kernels.pack_linear(linear.weight.detach())
+            out[f"{name}@{rows}/pdlab"] = lambda x=x, p=panels, n=fan_out: (
+                kernels.linear(x, p, None, n))
     return out
 
 
@@ -140,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             flops = 2 * rows * fan_in * fan_out
             gemm_rows.append([f"{name} [{rows}x{fan_in}]x[{fan_in}x{fan_out}]",
                               *(f"{flops / kernels[k] / 1e9:.1f}" if k in kernels else "-"
-                                for k in ("onednn", "mkl")),
+                                for k in KERNELS),
                               f"{flops / best_s[(name, rows)] / 1e9:.1f}"])
     prefill_gemm_flops = 2 * args.prompt_len * sum(i * o for i, o in shapes.values())
     prefill_gemm_s = sum(best_s[(name, args.prompt_len)] for name in shapes)
@@ -155,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: read bandwidth {bandwidth / 1e9:.2f} GB/s ({args.bandwidth_mib} MiB sum, "
           f"{timings['read'].min_s:.4f} s)")
     print("GEMM rate at the engine's shapes, GFLOP/s (best kernel per shape is the floor):")
-    print_table(["shape", "oneDNN packed", "MKL mm", "best"], gemm_rows)
+    print_table(["shape", "oneDNN packed", "MKL mm", "pdlab", "best"], gemm_rows)
     print_table(
         ["phase", "engine_s", "engine_median_s", "work", "floor_s", "engine/floor",
          "achieved"],

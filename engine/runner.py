@@ -65,8 +65,7 @@ and MKL's sgemm beyond; without them, oneDNN's reordered weight for 2-63 rows an
 row and for 64 or more (through ``mm`` / ``addmm`` directly). Results agree with
 ``F.linear`` to float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what
 ``F.linear`` runs. The packed weights (a second copy of the projection and LM-head weights)
-are built once per model and shared by every runner of that model. Only the attention over the KV store is
-pdlab's.
+are built once per model and shared by every runner of that model.
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ class _Linear:
 
     Several modules (Q/K/V, gate/up) are fused once: their weights are concatenated and each
     module's ``weight`` becomes a view of its rows of that tensor (same values, no second
-    copy; transformers' own forward reads the same memory). CPU float32 with oneDNN: the
+    copy; transformers' own forward reads the same memory). CPU float32: the
     fused weight is also packed once (a copy) and each call picks the kernel by its row
     count ``N``. Where the C kernels are built for AVX2/FMA (``kernels`` given), the copy is
     pdlab's panel layout and ``N <= _C_GEMM_MAX_ROWS`` runs ``cpu_kernels.linear`` with one
@@ -171,7 +170,7 @@ class _Linear:
             if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
                 return
             if kernels is not None and kernels.linear_vectorized:  # pdlab's kernel instead
-                self.kernels, self.panels = kernels, kernels.pack_linear(self.weight)
+                self.kernels, self.panels = kernels, kernels.pack_linear(self.weight.contiguous())
                 return
             if not _ONEDNN:
                 return
