@@ -2,8 +2,9 @@
 
 What is compared (SmolLM2-135M fp32, one pinned core): two Engines on the same model, one
 whose runner uses ``engine/cpu_kernels.py`` (residual add + RMSNorm, RoPE + K/V write,
-SiLU * up as one C call each) and one forced onto the pure-PyTorch path
-(``runner.kernels = None``, what a machine without a C compiler runs). Rows:
+SiLU * up as one C call each; the GEMM for up to 256 rows; paged decode attention) and one
+built as if they could not load (torch's GEMMs, SDPA, the modules' ops: what a machine
+without a C compiler runs). Rows:
 
 1. **decode B** for each ``--batch-sizes``: B random prompts of ``--context - 1`` tokens,
    prefilled untimed; then one ``Engine.step()`` (B decode tokens) per timed run, the two
@@ -13,7 +14,9 @@ SiLU * up as one C call each) and one forced onto the pure-PyTorch path
 
 With ``--against REV`` a third contender, **REV**, runs ``engine/runner.py`` as it was at
 git revision REV (e.g. the commit before the kernels) on the same model, so the whole
-change (kernels plus the fewer-ops PyTorch path) is visible side by side.
+change (kernels plus the fewer-ops PyTorch path) is visible side by side. REV's runner runs
+against this checkout's ``engine/cpu_kernels.py``, so REV must call only kernels whose
+signatures are unchanged (e.g. 03548fa, before the GEMM and attention kernels).
 
 Prints fused/torch (and fused/REV) per row (< 1: faster) and whether the greedy tokens agree
 (they should: the kernels equal the ops they replace to float32 rounding).
@@ -31,10 +34,12 @@ import torch
 
 from benchmarks import (add_common_args, estimator_line, measure_interleaved, print_table,
                         setup_threads)
+from engine import cpu_kernels
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
 from engine.request import Request, SamplingParams
+from engine.runner import ModelRunner
 
 
 def _prompts(vocab_size: int, batch_size: int, length: int, seed: int) -> list[list[int]]:
@@ -64,10 +69,21 @@ def _engines(loaded, max_num_seqs: int, max_model_len: int) -> dict[str, Engine]
                for name in names}
     if engines["fused"].runner.kernels is None:
         raise RuntimeError("the CPU kernels did not build here: nothing to compare")
-    engines["torch"].runner.kernels = None
+    engines["torch"].runner = _torch_runner(loaded, engines["torch"].kv_store)
     for rev, runner_cls in _AGAINST.items():
         engines[rev].runner = runner_cls(loaded.model, engines[rev].kv_store, "cpu")
     return engines
+
+
+def _torch_runner(loaded, kv_store) -> ModelRunner:
+    """A runner built as where the kernels cannot load: torch's GEMMs (oneDNN/MKL), SDPA,
+    the modules' elementwise ops."""
+    load = cpu_kernels.load
+    cpu_kernels.load = lambda: None
+    try:
+        return ModelRunner(loaded.model, kv_store, "cpu")
+    finally:
+        cpu_kernels.load = load
 
 
 def _row(name: str, t: dict, agree: str) -> list:

@@ -6,9 +6,15 @@
  * op, in the same order (built with -ffp-contract=off so no multiply-add is fused), so the
  * results equal transformers' to float32 rounding: RMSNorm differs only in the order of the
  * sum of squares, SiLU only in exp's last bits (a Cephes-style polynomial here, Sleef's in
- * torch), RoPE and the K/V copy not at all (bit for bit). Loops over LANES independent accumulators let the compiler vectorise without
- * -ffast-math (which would reorder the arithmetic); SiLU's exp is written with AVX2 intrinsics
- * where the compiler targets AVX2 (same operations, same results as the scalar form).
+ * torch), RoPE and the K/V copy not at all (bit for bit). Loops over LANES independent
+ * accumulators let the compiler vectorise without -ffast-math (which would reorder the
+ * arithmetic); SiLU's exp is written with AVX2 intrinsics where the compiler targets AVX2
+ * (same operations, same results as the scalar form).
+ *
+ * Two more replace torch kernels rather than module ops (at the end of this file): a GEMM for
+ * decode-sized row counts and decode attention. They use explicit FMA intrinsics (not
+ * affected by -ffp-contract=off) and sum in their own order, so they agree with torch's
+ * kernels to float32 rounding, as torch's own kernels (MKL, oneDNN) agree with each other.
  */
 #include <math.h>
 #include <stdint.h>
@@ -115,8 +121,10 @@ static inline float pd_expf(float x) {
 /* pd_expf on 8 lanes, the same operations in the same order (so equal results); written
  * with intrinsics because the compiler, left to itself, splits the clamps into branches. */
 static inline __m256 pd_expf8(__m256 x) {
-    x = _mm256_min_ps(x, _mm256_set1_ps(88.0f));
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    /* constant first: min/max return their second operand when one is NaN, so NaN stays
+     * NaN (as in the scalar form's comparisons and in torch) instead of becoming e^88 */
+    x = _mm256_min_ps(_mm256_set1_ps(88.0f), x);
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     __m256 n = _mm256_floor_ps(_mm256_add_ps(
         _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f)));
     __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
@@ -195,7 +203,8 @@ static void pd_block##MR(const float *restrict x, int64_t ldx, const float *rest
     }                                                                                       \
     for (int64_t kk = 0; kk < k; kk++) {                                                    \
         if (prefetch) _mm_prefetch((const char *)(prefetch + kk * PD_PANEL), _MM_HINT_T0);  \
-        __m256 w0 = _mm256_loadu_ps(p + kk * PD_PANEL), w1 = _mm256_loadu_ps(p + kk * PD_PANEL + 8); \
+        const float *row = p + kk * PD_PANEL;                                               \
+        __m256 w0 = _mm256_loadu_ps(row), w1 = _mm256_loadu_ps(row + 8);                    \
         PD_UNROLL for (int r = 0; r < MR; r++) {                                            \
             __m256 b = _mm256_broadcast_ss(x + r * ldx + kk);                               \
             lo[r] = _mm256_fmadd_ps(b, w0, lo[r]);                                          \
@@ -228,7 +237,8 @@ static void pd_block_scalar(int64_t mr, const float *x, int64_t ldx, const float
     for (int64_t r = 0; r < mr; r++)
         for (int64_t c = 0; c < cols; c++) {
             float acc = bias[c];
-            for (int64_t kk = 0; kk < k; kk++) acc = fmaf(x[r * ldx + kk], p[kk * PD_PANEL + c], acc);
+            for (int64_t kk = 0; kk < k; kk++)
+                acc = fmaf(x[r * ldx + kk], p[kk * PD_PANEL + c], acc);
             y[r * ldy + c] = acc;
         }
 }
@@ -260,16 +270,22 @@ void pd_linear(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
     }
 }
 
-/* Decode attention: each of `rows` requests has one new query token; for KV head h its
- * `group` query heads (GQA) attend over the request's first lens[r] cached tokens:
+/* Paged decode attention (vLLM's paged attention, for one query token per request): for
+ * KV head h the `group` query heads (GQA) of request r attend over its first lens[r] cached
+ * tokens, read in place from the paged store through its block table:
  *   out[r, h*G + g, :] = softmax(scale * K q^T) V,  q = q[r, h*G + g, :],
- *   K, V = k/v + r * kv_row_stride + h * kv_head_stride, token t at t * dim.
- * q rows q_row_stride apart, heads dim apart; out [rows, kv_heads * group, dim] contiguous;
- * scores: a workspace of group * max(lens) floats. The softmax is the exact form (max
- * subtracted, exp, sum, one division), not the online form of a flash kernel, so results
- * agree with torch's SDPA to float32 rounding. Why not torch: its CPU flash kernel blocks
- * queries by 32+ rows and a decode row has `group` (3 for SmolLM2) per KV head, so it ran at
- * ~7 GFLOP/s (benchmarks/README.md, "Decode attention"). */
+ *   token t of request r: k_cache/v_cache + h * head_stride
+ *                         + (block_tables[r, t / block_size] * block_size + t % block_size) * dim
+ * k_cache, v_cache: one layer's K and V, [H_kv, num_blocks, block_size, dim] (head_stride =
+ * num_blocks * block_size * dim); block_tables [rows, max_blocks] int64; q rows q_row_stride
+ * apart, heads dim apart; out [rows, kv_heads * group, dim] contiguous; scores: a workspace
+ * of group * max(lens) floats. Returns 0, or -1 with nothing written when a lens[r] is outside
+ * 1 .. max_blocks * block_size or a block it reads is outside 0 .. num_blocks - 1.
+ * The softmax is the exact form (max subtracted, exp, sum, one division), not a flash
+ * kernel's online form, so results agree with torch's SDPA to float32 rounding. Why not
+ * torch: its CPU flash kernel blocks queries by 32+ rows and a decode row has `group` (3
+ * for SmolLM2) per KV head, so it ran at ~7-17 GFLOP/s, and a request's blocks had to be
+ * one strided view or gathered (benchmarks/README.md, "Decode attention"). */
 static inline float pd_dot(const float *a, const float *b, int64_t dim) {
     int64_t d = 0;
     float sum = 0.0f;
@@ -293,13 +309,14 @@ static inline float pd_dot(const float *a, const float *b, int64_t dim) {
     return sum;
 }
 
-/* out[0:dim] = sum_t p[t] * v[t * dim : (t + 1) * dim], t < len */
+/* out[0:dim] += sum_t p[t] * v[t * dim : (t + 1) * dim], t < len */
 static inline void pd_weighted_sum(const float *restrict p, const float *restrict v,
                                    int64_t len, int64_t dim, float *restrict out) {
     int64_t d = 0;
 #if defined(__AVX2__) && defined(__FMA__)
     for (; d + 32 <= dim; d += 32) {  /* 4 accumulators of 8 dims: one pass over v */
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        __m256 a0 = _mm256_loadu_ps(out + d), a1 = _mm256_loadu_ps(out + d + 8);
+        __m256 a2 = _mm256_loadu_ps(out + d + 16), a3 = _mm256_loadu_ps(out + d + 24);
         for (int64_t t = 0; t < len; t++) {
             const float *row = v + t * dim + d;
             __m256 w = _mm256_broadcast_ss(p + t);
@@ -314,14 +331,14 @@ static inline void pd_weighted_sum(const float *restrict p, const float *restric
         _mm256_storeu_ps(out + d + 24, a3);
     }
     for (; d + 8 <= dim; d += 8) {
-        __m256 a0 = _mm256_setzero_ps();
+        __m256 a0 = _mm256_loadu_ps(out + d);
         for (int64_t t = 0; t < len; t++)
             a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(p + t), _mm256_loadu_ps(v + t * dim + d), a0);
         _mm256_storeu_ps(out + d, a0);
     }
 #endif
     for (; d < dim; d++) {
-        float acc = 0.0f;
+        float acc = out[d];
         for (int64_t t = 0; t < len; t++) acc = fmaf(p[t], v[t * dim + d], acc);
         out[d] = acc;
     }
@@ -351,26 +368,45 @@ static inline void pd_softmax(float *s, int64_t len) {
     for (t = 0; t < len; t++) s[t] *= inv;
 }
 
-void pd_decode_attention(const float *q, int64_t q_row_stride, const float *k, const float *v,
-                         int64_t kv_row_stride, int64_t kv_head_stride,
-                         const int64_t *restrict lens, int64_t rows, int64_t kv_heads,
-                         int64_t group, int64_t dim, float scale, float *restrict scores,
-                         float *restrict out) {
+int pd_paged_decode_attention(const float *q, int64_t q_row_stride, const float *k_cache,
+                              const float *v_cache, int64_t head_stride, int64_t num_blocks,
+                              int64_t block_size, const int64_t *restrict block_tables,
+                              int64_t max_blocks, const int64_t *restrict lens, int64_t rows,
+                              int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                              float *restrict scores, float *restrict out) {
     for (int64_t r = 0; r < rows; r++) {
-        int64_t len = lens[r];
+        if (lens[r] < 1 || lens[r] > max_blocks * block_size) return -1;
+        for (int64_t i = 0; i < (lens[r] + block_size - 1) / block_size; i++) {
+            int64_t block = block_tables[r * max_blocks + i];
+            if (block < 0 || block >= num_blocks) return -1;
+        }
+    }
+    const int64_t block_floats = block_size * dim;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = lens[r], *table = block_tables + r * max_blocks;
         for (int64_t h = 0; h < kv_heads; h++) {
-            const float *keys = k + r * kv_row_stride + h * kv_head_stride;
-            const float *values = v + r * kv_row_stride + h * kv_head_stride;
+            const float *keys = k_cache + h * head_stride, *values = v_cache + h * head_stride;
             const float *qh = q + r * q_row_stride + h * group * dim;
             float *oh = out + (r * kv_heads + h) * group * dim;
-            for (int64_t t = 0; t < len; t++)  /* K read once for all `group` queries */
-                for (int64_t g = 0; g < group; g++)
-                    scores[g * len + t] = scale * pd_dot(qh + g * dim, keys + t * dim, dim);
+            for (int64_t t0 = 0; t0 < len; t0 += block_size) {  /* K read once for all g */
+                const float *block = keys + table[t0 / block_size] * block_floats;
+                int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                for (int64_t o = 0; o < n; o++)
+                    for (int64_t g = 0; g < group; g++)
+                        scores[g * len + t0 + o] =
+                            scale * pd_dot(qh + g * dim, block + o * dim, dim);
+            }
             for (int64_t g = 0; g < group; g++) {
-                float *s = scores + g * len;
+                float *s = scores + g * len, *og = oh + g * dim;
                 pd_softmax(s, len);
-                pd_weighted_sum(s, values, len, dim, oh + g * dim);
+                memset(og, 0, dim * sizeof(float));
+                for (int64_t t0 = 0; t0 < len; t0 += block_size) {
+                    int64_t n = len - t0 < block_size ? len - t0 : block_size;
+                    pd_weighted_sum(s + t0, values + table[t0 / block_size] * block_floats, n,
+                                    dim, og);
+                }
             }
         }
     }
+    return 0;
 }

@@ -12,8 +12,14 @@ calling thread:
 - ``silu_mul``: SiLU(gate) * up from the fused gate/up output;
 - ``pack_linear`` / ``linear``: a linear layer for a few rows (decode batches) on weights
   packed once into column panels: the 6 x 16 AVX2/FMA register blocking of BLIS's Haswell
-  sgemm, which at 2-256 rows ran 1.3-1.7x faster here than torch's kernels (oneDNN's packed
-  inner product, MKL's sgemm: benchmarks/README.md, "A GEMM kernel for decode rows").
+  sgemm, which over a whole forward's matmuls took 0.63-0.94x the better of torch's two
+  kernels (oneDNN's packed inner product, MKL's sgemm) from 1 to 256 rows here
+  (benchmarks/README.md, "A GEMM kernel for decode rows");
+- ``decode_attention``: paged attention of one query token per request over its cached K/V
+  (GQA), read in place through the block tables, in place of SDPAs whose CPU flash kernel is
+  built for long query blocks and which need each group's K/V as one strided view or a copy.
+
+All of them run on the calling thread (single-threaded).
 
 The build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math-errno
 -shared -fPIC`` (no flag that changes a result: no -ffast-math) (``$CC`` overrides
@@ -22,7 +28,8 @@ covering the source, the command and the machine, so a machine compiles it once 
 second here); later processes load the cached library. ``load()`` returns None, and the runner
 keeps its pure-PyTorch path, when the kernels are disabled (``PDLAB_CPU_KERNELS=0``), no
 compiler is found, or the build or load fails (one warning says why). The wrappers refuse
-(``ValueError``) anything but contiguous float32 CPU tensors: they read raw pointers.
+(``ValueError``) anything but float32 CPU tensors in the layouts their docstrings give: they
+read raw pointers.
 """
 
 from __future__ import annotations
@@ -54,8 +61,8 @@ _SIGNATURES = {
     "pd_silu_mul": [_ptr, _ptr, _i64, _i64],
     "pd_pack_linear": [_ptr, _ptr, _i64, _i64],
     "pd_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr],
-    "pd_decode_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                            _f32, _ptr, _ptr],
+    "pd_paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
+                                  _i64, _i64, _i64, _i64, _f32, _ptr, _ptr],
 }
 PANEL = 16  # output columns per packed weight panel (PD_PANEL in cpu_kernels.c)
 
@@ -113,7 +120,9 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
 
 
 class Kernels:
-    """The loaded library; each method is one C call on contiguous float32 CPU tensors."""
+    """The loaded library; each method is one C call on float32 CPU tensors. One instance
+    is shared by every runner of the process (``load``), so no method keeps state between
+    calls: engines in threads of one process (local placements) call it at once."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -122,11 +131,11 @@ class Kernels:
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = None
         lib.pd_linear_vectorized.restype = ctypes.c_int
+        lib.pd_paged_decode_attention.restype = ctypes.c_int
         self._norm, self._rope_kv, self._silu_mul = (lib.pd_add_rms_norm, lib.pd_rope_kv,
                                                      lib.pd_silu_mul)
         self._pack_linear, self._linear = lib.pd_pack_linear, lib.pd_linear
-        self._decode_attention = lib.pd_decode_attention
-        self._scores = torch.empty(0)  # decode_attention's workspace, grown on demand
+        self._decode_attention = lib.pd_paged_decode_attention
         # False where the compiler did not target AVX2 + FMA: ``linear`` is then plain scalar
         # C (correct, slow) and the runner keeps torch's kernels.
         self.linear_vectorized = bool(lib.pd_linear_vectorized())
@@ -190,9 +199,13 @@ class Kernels:
 
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [n, k]`` (``torch.nn.Linear.weight``) -> its panels for ``linear``: a new
-        ``[ceil(n / 16), k, 16]`` tensor (``PANEL`` output columns each, zero padded), one
-        more copy of the weight."""
+        """``weight [n, k]`` (``torch.nn.Linear.weight``, contiguous float32 CPU) -> its panels
+        for ``linear``: a new ``[ceil(n / 16), k, 16]`` tensor (``PANEL`` output columns each,
+        zero padded), one more copy of the weight.
+
+        Raises:
+            ValueError: another dtype/device, or not contiguous.
+        """
         _check(weight)
         n, k = weight.shape
         panels = weight.new_empty(-(-n // PANEL), k, PANEL)
@@ -211,7 +224,8 @@ class Kernels:
         Returns:
             a new ``[m, out_features]`` tensor.
         Raises:
-            ValueError: other dtypes/devices, a non-contiguous row, or mismatched sizes.
+            ValueError: other dtypes/devices, a non-contiguous row, or sizes that do not
+                match (x against the panels, a bias not ``[out_features]``).
         """
         m, k = x.shape
         if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
@@ -219,48 +233,62 @@ class Kernels:
             raise ValueError(f"linear needs float32 CPU rows of {panels.shape[1]} features "
                              f"matching the panels, got {tuple(x.shape)} {x.dtype}")
         _check(panels, *(() if bias is None else (bias,)))
+        if bias is not None and bias.shape != (out_features,):
+            raise ValueError(f"linear's bias must be [{out_features}], got {tuple(bias.shape)}")
         out = x.new_empty(m, out_features)
         self._linear(x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), out_features,
                      None if bias is None else bias.data_ptr(), out.data_ptr())
         return out
 
 
-    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """Attention of one query token per request over its cached K/V (GQA: query head
-        ``h * G + g`` reads KV head ``h``): ``softmax(scale * q K^T) V`` over each row's
-        first ``lens[r]`` tokens, as ``F.scaled_dot_product_attention`` with a key-padding
-        mask, to float32 rounding.
+    def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor,
+                         block_tables: torch.Tensor, lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Paged attention of one query token per request over its cached K/V, read in place
+        through its block table (GQA: query head ``h * G + g`` reads KV head ``h``):
+        ``softmax(scale * q K^T) V`` over each row's first ``lens[r]`` tokens, as
+        ``F.scaled_dot_product_attention`` over the gathered K/V with a key-padding mask, to
+        float32 rounding.
 
         Args:
             q: ``[n, H_q, D]`` float32, rows of any stride, heads contiguous.
-            k, v: ``[n, H_kv, T, D]`` with the same strides, tokens contiguous (``D`` apart):
-                strided views of the paged store or a gathered copy; ``T >= max(lens)``.
-            lens: ``[n]`` int64 contiguous, each in ``1 .. T``.
+            kv_layer: one layer of the store, ``[2, H_kv, NB, B, D]`` contiguous (K then V).
+            block_tables: ``[n, max_blocks]`` int64 contiguous: row r's token t is in block
+                ``block_tables[r, t // B]`` (entries past a row's last block are not read).
+            lens: ``[n]`` int64 contiguous CPU, each in ``1 .. max_blocks * B``.
             scale: the logit scale (``1 / sqrt(D)`` for most families).
         Returns:
             a new ``[n, H_q, D]`` tensor.
         Raises:
-            ValueError: other dtypes/devices or layouts.
+            ValueError: other dtypes/devices or layouts, a length outside
+                ``1 .. max_blocks * B``, or a block it would read outside ``0 .. NB - 1``.
         """
         n, hq, d = q.shape
-        hkv, length = k.shape[1], k.shape[2]
-        if (any(t.dtype != torch.float32 or t.device.type != "cpu" for t in (q, k, v))
-                or q.stride()[1:] != (d, 1) or k.stride() != v.stride()
-                or k.stride()[2:] != (d, 1) or k.shape != (n, hkv, length, d)
-                or v.shape != k.shape or hq % hkv):
-            raise ValueError(f"decode_attention needs float32 CPU q [n, H_q, D] and k/v "
-                             f"[n, H_kv, T, D] with contiguous tokens, got {tuple(q.shape)}, "
-                             f"{tuple(k.shape)} strides {k.stride()}")
-        if (lens.dtype != torch.int64 or lens.shape != (n,) or not lens.is_contiguous()):
-            raise ValueError("decode_attention needs [n] contiguous int64 lens")
-        group = hq // hkv
-        if self._scores.numel() < group * length:
-            self._scores = torch.empty(group * length)
+        _check(kv_layer)
+        _, hkv, num_blocks, block_size, kv_d = kv_layer.shape
+        if (q.dtype != torch.float32 or q.device.type != "cpu" or q.stride()[1:] != (d, 1)
+                or kv_d != d or hq % hkv):
+            raise ValueError(f"decode_attention needs float32 CPU q [n, H_q, D] with "
+                             f"contiguous heads matching the store's [2, {hkv}, NB, B, "
+                             f"{kv_d}], got {tuple(q.shape)} strides {q.stride()}")
+        for name, t, shape in (("block_tables", block_tables, (n, block_tables.shape[-1])),
+                               ("lens", lens, (n,))):
+            if (t.dtype != torch.int64 or t.device.type != "cpu" or t.shape != shape
+                    or not t.is_contiguous()):
+                raise ValueError(f"decode_attention needs contiguous int64 CPU {name} with "
+                                 f"{n} rows, got {t.dtype} {tuple(t.shape)}")
+        group, max_blocks = hq // hkv, block_tables.shape[1]
+        # per call: one Kernels instance is shared by the engines of a process' threads
+        scores = q.new_empty(group * max_blocks * block_size)
         out = q.new_empty(n, hq, d)
-        self._decode_attention(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(),
-                               k.stride(0), k.stride(1), lens.data_ptr(), n, hkv, group, d,
-                               scale, self._scores.data_ptr(), out.data_ptr())
+        base = kv_layer.data_ptr()
+        if self._decode_attention(q.data_ptr(), q.stride(0), base, base + kv_layer.stride(0) * 4,
+                                  kv_layer.stride(1), num_blocks, block_size,
+                                  block_tables.data_ptr(), max_blocks, lens.data_ptr(), n, hkv,
+                                  group, d, scale, scores.data_ptr(), out.data_ptr()):
+            raise ValueError(f"decode_attention: lengths must be in 1 .. {max_blocks * block_size}"
+                             f" and blocks in 0 .. {num_blocks - 1}, got lengths "
+                             f"{lens.tolist()}, tables {block_tables.tolist()}")
         return out
 
 

@@ -24,11 +24,13 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
    FLOPs (``_chunk_attention``: ``is_causal`` for a first chunk; prefix + causal diagonal
    merged by log-sum-exp for a later one). CUDA runs the same plan (views, ``index_select``); FlexAttention's paged
    ``block_mask`` would read blocks in place at any spacing, at the price of a compiled
-   kernel per shape (not done: no GPU to measure it on). On CPU in float32 (kernels
-   built, no soft-capping) each decode group is one C call instead of an SDPA
-   (``cpu_kernels.decode_attention``, over the same views, each row read to its own length):
-   torch's CPU flash kernel blocks queries by 32+ rows and a decode row has G per KV head,
-   so it ran at ~7-17 GFLOP/s there (benchmarks/README.md, "Decode attention").
+   kernel per shape (not done: no GPU to measure it on). On CPU in float32 with one torch
+   thread (kernels built for AVX2/FMA, no soft-capping) none of that planning runs: every
+   decode row of the step is one paged C call per layer (``_paged_group``,
+   ``cpu_kernels.decode_attention``: each row's blocks read in place through its block
+   table, to its own length), because torch's CPU flash kernel blocks queries by 32+ rows
+   and a decode row has G per KV head (~7-17 GFLOP/s there), and a group needs a view or a
+   copy (benchmarks/README.md, "Decode attention").
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
@@ -167,18 +169,27 @@ class _Linear:
                                            self.weight.new_zeros(m.out_features)
                                            for m in modules])
             self.weight_t = self.weight.t()  # [in, out] view
-            if not (self.weight.device.type == "cpu" and self.weight.dtype == torch.float32):
+            # oneDNN's copy is made now, or with pdlab's kernel only on the first call that
+            # needs it (more than one torch thread), so a worker holds one extra copy.
+            self._onednn_pending = (_ONEDNN and self.weight.device.type == "cpu"
+                                    and self.weight.dtype == torch.float32)
+            if not self._onednn_pending:
                 return
             if kernels is not None and kernels.linear_vectorized:  # pdlab's kernel instead
                 self.kernels, self.panels = kernels, kernels.pack_linear(self.weight.contiguous())
-                return
-            if not _ONEDNN:
-                return
-            try:
+            else:
+                self._pack_onednn()
+
+    def _pack_onednn(self) -> None:
+        """``packed``: the weight reordered into oneDNN's blocked layout (None where this
+        build's oneDNN cannot pack it: ``mm`` only)."""
+        self._onednn_pending = False
+        try:
+            with torch.no_grad():
                 self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
                                                                       _PACK_BATCH_HINT)
-            except RuntimeError:  # this build's oneDNN cannot pack it: F.linear only
-                self.packed = None
+        except RuntimeError:
+            self.packed = None
 
     def _use_c_kernel(self, num_rows: int) -> bool:
         """True where pdlab's packed kernel runs ``num_rows`` rows: it was the faster one up
@@ -188,10 +199,13 @@ class _Linear:
                 and torch.get_num_threads() == 1)
 
     def _use_onednn(self, num_rows: int) -> bool:
-        """True where the packed oneDNN kernel was the faster one for ``num_rows`` rows."""
-        if self.packed is None or num_rows >= _BLAS_MIN_ROWS:
+        """True where the packed oneDNN kernel was the faster one for ``num_rows`` rows
+        (packing it on first use where pdlab's kernel made it unneeded until now)."""
+        if num_rows >= _BLAS_MIN_ROWS or not (num_rows > 1 or self.gemv_onednn):
             return False
-        return num_rows > 1 or self.gemv_onednn
+        if self._onednn_pending:
+            self._pack_onednn()
+        return self.packed is not None
 
     def fused(self, x: torch.Tensor) -> torch.Tensor:
         """``x [N, in]`` -> the unsplit output ``[N, sum(sizes)]`` (contiguous). The MKL
@@ -347,9 +361,10 @@ _GROUP_DP_UNITS = 32  # split-point candidates in _group_decodes (see there)
 
 @dataclass
 class _DecodeGroup:
-    """Decode rows attended by one SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and V: a
-    strided view of the store (row r's range starts at flat token ``token_offset + r *
-    stride_tokens``) or, when ``block_idx`` is set, the rows' blocks gathered."""
+    """Decode rows attended by one call: an SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and
+    V, a strided view of the store (row r's range starts at flat token ``token_offset + r *
+    stride_tokens``) or, when ``block_idx`` is set, the rows' blocks gathered; or, when
+    ``block_tables`` is set, the C paged kernel reading every row's blocks in place."""
 
     num_rows: int
     ctx_len: int  # the longest row's KV length
@@ -357,12 +372,15 @@ class _DecodeGroup:
     stride_tokens: int  # view: flat tokens between consecutive rows' starts
     block_idx: torch.Tensor | None  # gather: [num_rows * nb] block ids, row-major, padded
     mask: torch.Tensor | None  # [num_rows, 1, 1, ctx_len] True = attend; None: all full
-    lens: torch.Tensor  # [num_rows] int64, each row's KV length (the C kernel's form of mask)
     token_start: int | None  # set when row r is token token_start + r (no gather of q)
     token_idx: torch.Tensor | None  # [num_rows] token index of each row (gather path)
     # view groups: K and V of every layer at once, [L, num_rows, H_kv, ctx_len, D] strided
     # views of the store (one select per layer instead of an as_strided per layer)
     kv_views: tuple[torch.Tensor, torch.Tensor] | None = None
+    # paged (C kernel): [num_rows, max_blocks] int64, each row's used blocks, 0-padded,
+    # and [num_rows] int64 KV lengths
+    block_tables: torch.Tensor | None = None
+    lens: torch.Tensor | None = None
 
 
 @dataclass
@@ -535,12 +553,29 @@ class ModelRunner:
                                                                kv[1], start)
         return layer.o.fused(out.reshape(num_tokens, -1))
 
+    def _use_c_attention(self) -> bool:
+        """Decode attention in C (``cpu_kernels.decode_attention``): only a vectorised build
+        (scalar C would be slower than SDPA), one torch thread (it is single-threaded; SDPA
+        uses them all), and no soft-capped logits."""
+        return (self.kernels is not None and self.kernels.linear_vectorized
+                and self.softcap is None and torch.get_num_threads() == 1)
+
     def _decode_attention(self, q, layer_idx: int, kv_layer,
                           group: _DecodeGroup) -> torch.Tensor:
-        """One SDPA for ``group``'s rows over their KV -> their outputs ``[num_rows, H_q,
+        """One attention call for ``group``'s rows over their KV (the C paged kernel for a
+        ``_paged_group``, else SDPA) -> their outputs ``[num_rows, H_q,
         D]`` (row r is token ``token_start + r``, or ``token_idx[r]``). ``q``: ``[N, H_q,
         D]``; ``kv_layer``: the store's ``[2, H_kv, NB, B, D]`` for layer ``layer_idx``."""
         n, heads, head_dim, ctx = group.num_rows, self.num_kv_heads, self.head_dim, group.ctx_len
+        if group.token_start == 0 and n == q.shape[0]:
+            q_rows = q
+        elif group.token_start is not None:
+            q_rows = q[group.token_start:group.token_start + n]
+        else:
+            q_rows = q.index_select(0, group.token_idx)
+        if group.block_tables is not None:  # paged, in place (``_paged_group``)
+            return self.kernels.decode_attention(q_rows, kv_layer, group.block_tables,
+                                                 group.lens, self.scale or head_dim ** -0.5)
         if group.kv_views is not None:  # in place: a strided view of each of K and V
             k, v = group.kv_views[0][layer_idx], group.kv_views[1][layer_idx]
         else:
@@ -552,15 +587,6 @@ class ModelRunner:
             torch.index_select(blocks, 2, group.block_idx, out=out_buf)
             kv = out_buf.view(2, heads, n, -1, head_dim)[:, :, :, :ctx].transpose(1, 2)
             k, v = kv[0], kv[1]  # [n, H_kv, T, D]
-        if group.token_start == 0 and n == q.shape[0]:
-            q_rows = q
-        elif group.token_start is not None:
-            q_rows = q[group.token_start:group.token_start + n]
-        else:
-            q_rows = q.index_select(0, group.token_idx)
-        if self.kernels is not None and self.softcap is None:  # one C call (see there)
-            return self.kernels.decode_attention(q_rows, k, v, group.lens,
-                                                 self.scale or head_dim ** -0.5)
         res = _sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
                     scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
         return res.reshape(n, self.num_heads, head_dim)
@@ -629,8 +655,28 @@ class ModelRunner:
                 sample_idx.append(offset + n - 1)
             offset += n
         as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return _StepLayout(as_long(ids), as_long(positions), as_long(slots),
-                           self._plan_decodes(decodes), chunks, as_long(sample_idx))
+        if decodes and self._use_c_attention():  # every decode row in one paged C call
+            groups = [self._paged_group(decodes)]
+        else:
+            groups = self._plan_decodes(decodes)
+        return _StepLayout(as_long(ids), as_long(positions), as_long(slots), groups, chunks,
+                           as_long(sample_idx))
+
+    def _paged_group(self, decodes: list[tuple[int, int, list[int]]]) -> _DecodeGroup:
+        """Decode rows ``(kv length, token index, block ids)`` -> one group for the C paged
+        kernel: no views, no gather, no split by length (it reads each row to its own
+        length), so none of ``_plan_decodes``' planning."""
+        block_size = self.kv_store.block_size
+        used = [table[:-(-length // block_size)] for length, _, table in decodes]
+        width = max(len(u) for u in used)
+        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+        tokens = [token for _, token, _ in decodes]
+        dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
+        return _DecodeGroup(
+            len(decodes), max(length for length, _, _ in decodes), 0, 0, None, None,
+            tokens[0] if dense else None, None if dense else as_long(tokens),
+            block_tables=as_long([u + [0] * (width - len(u)) for u in used]),
+            lens=as_long([length for length, _, _ in decodes]))
 
     def _plan_decodes(self, decodes: list[tuple[int, int, list[int]]]) -> list[_DecodeGroup]:
         """Decode rows ``(kv length, token index, block ids)`` -> SDPA groups.
@@ -703,9 +749,10 @@ class ModelRunner:
                 used = table[:-(-length // block_size)]
                 ids.extend(used + [table[0]] * (num_blocks - len(used)))
             block_idx = as_long(ids)
-        mask, lens = None, as_long([length for _, length, _ in rows])
+        mask = None
         if any(length != ctx_len for _, length, _ in rows):
-            mask = (torch.arange(ctx_len, device=self.device)[None, :] < lens[:, None])
+            lens_t = as_long([length for _, length, _ in rows])
+            mask = (torch.arange(ctx_len, device=self.device)[None, :] < lens_t[:, None])
             mask = mask[:, None, None, :]
         tokens = [t for _, _, t in rows]
         dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
@@ -718,7 +765,7 @@ class ModelRunner:
             kv_views = (kv.as_strided(size, strides, start),
                         kv.as_strided(size, strides, start + kv.stride(1)))
         return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
-                            lens, tokens[0] if dense else None, None if dense else as_long(tokens),
+                            tokens[0] if dense else None, None if dense else as_long(tokens),
                             kv_views)
 
 

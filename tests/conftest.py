@@ -11,9 +11,10 @@ from engine.model import load_model
 
 @pytest.fixture(autouse=True, scope="session")
 def one_torch_thread():
-    """Tests run the engine as its workers run it (``bind_device``: one core, one torch
-    thread), so the kernels chosen for one thread (``runner._Linear``: the C GEMM) are the
-    ones the greedy-equality tests check."""
+    """Tests run the engine as a worker bound to one core runs it (``bind_device``: one
+    torch thread), so the kernels chosen for one thread (``runner._Linear``'s C GEMM, the C
+    decode attention) are the ones the greedy-equality tests check; the threaded choice is
+    tested where it is made (``test_cpu_kernels.py``)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -6,6 +6,8 @@ engine equals generate() with them and without them (no compiler, a failing buil
 
 from __future__ import annotations
 
+import platform
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -25,6 +27,10 @@ from engine.scheduler import ScheduledBatch
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
                                    reason="no C compiler here: the kernels cannot be built")
+# The GEMM and decode attention are taken only where the build targets AVX2 + FMA.
+needs_vector_kernels = pytest.mark.skipif(
+    cpu_kernels.load() is None or not cpu_kernels.load().linear_vectorized,
+    reason="the kernels are not built for AVX2/FMA here")
 
 
 def _randn(*shape, seed=0):
@@ -110,10 +116,12 @@ def test_wrappers_refuse_what_they_cannot_read(kernels):
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows,n,k", [(1, 960, 576), (16, 48, 33), (13, 17, 8), (257, 40, 24)])
+@pytest.mark.parametrize("rows,n,k", [(1, 960, 576), (2, 16, 5), (3, 32, 7), (7, 48, 9),
+                                      (8, 17, 8), (16, 48, 33), (257, 40, 24)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_equals_f_linear(kernels, rows, n, k, bias):
-    """Every block split (1..6 rows), a partial last panel (n % 16), rows of a wider tensor."""
+    """Every block size 1..6 (7 = 4 + 3, 8 = 4 + 4, 16 = 6 + 5 + 5, 257 = 42 x 6 + 5), a
+    partial last panel (n % 16), rows of a wider tensor."""
     w, b = _randn(n, k, seed=1) * k ** -0.5, (_randn(n, seed=2) if bias else None)  # out ~1
     x = _randn(rows, k + 3, seed=3)[:, 2:2 + k]  # rows k + 3 apart, each contiguous
     panels = kernels.pack_linear(w)
@@ -123,6 +131,8 @@ def test_linear_equals_f_linear(kernels, rows, n, k, bias):
 
 
 @needs_kernels
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="-mno-avx2 is an x86 flag")
 def test_linear_scalar_fallback_without_avx2_equals_f_linear():
     """Built for a CPU without AVX2/FMA: the same packing, scalar loops, same results; the
     runner would not pick it (``linear_vectorized`` is False)."""
@@ -131,33 +141,48 @@ def test_linear_scalar_fallback_without_avx2_equals_f_linear():
     w, b, x = _randn(20, 9, seed=4), _randn(20, seed=5), _randn(7, 9, seed=6)
     torch.testing.assert_close(scalar.linear(x, scalar.pack_linear(w), b, 20),
                                F.linear(x, w, b), rtol=1e-5, atol=1e-5)
-    q, kv = _randn(2, 4, 20, seed=7), _randn(2, 2, 2, 5, 20, seed=8)
-    lens = torch.tensor([5, 3])
-    mask = (torch.arange(5)[None, :] < lens[:, None])[:, None, None, :]
-    torch.testing.assert_close(
-        scalar.decode_attention(q, kv[0], kv[1], lens, 0.3),
-        F.scaled_dot_product_attention(q.view(2, 2, 2, 20), kv[0], kv[1], attn_mask=mask,
-                                       scale=0.3).reshape(2, 4, 20), rtol=1e-5, atol=1e-5)
+    q, store = _randn(2, 4, 20, seed=7), _randn(2, 2, 3, 4, 20, seed=8)  # 3 blocks of 4
+    tables, lens = torch.tensor([[2, 0], [1, 0]]), torch.tensor([5, 3])
+    torch.testing.assert_close(scalar.decode_attention(q, store, tables, lens, 0.3),
+                               _paged_reference(q, store, tables, lens, 0.3),
+                               rtol=1e-5, atol=1e-5)
+
+
+def _paged_reference(q, store, tables, lens, scale):
+    """SDPA over each row's blocks gathered into one sequence, key padding masked."""
+    n, hq, d = q.shape
+    _, hkv, _, block, _ = store.shape
+    length = tables.shape[1] * block
+    kv = store[:, :, tables].reshape(2, hkv, n, length, d).transpose(1, 2)  # [2, n, H_kv, T, D]
+    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.reshape(n, hkv, hq // hkv, d), kv[0], kv[1],
+                                         attn_mask=mask, scale=scale)
+    return out.reshape(n, hq, d)
 
 
 @needs_kernels
-@pytest.mark.parametrize("n,kv_heads,group,d,length", [(16, 3, 3, 64, 130), (5, 2, 4, 128, 37),
-                                                       (3, 1, 1, 80, 9), (2, 2, 2, 20, 1)])
-def test_decode_attention_equals_sdpa_with_key_padding(kernels, n, kv_heads, group, d, length):
-    """Strided K/V views (as of the paged store), q rows of the fused QKV output, each row
-    its own KV length (the rest of the view is garbage it must not read: NaN here)."""
-    store = _randn(2, n, kv_heads, length + 4, d, seed=9)
-    lens = torch.randint(1, length + 1, (n,), generator=torch.Generator().manual_seed(10))
-    lens[0] = length
+@pytest.mark.parametrize("n,kv_heads,group,d,block", [(16, 3, 3, 64, 16), (5, 2, 4, 128, 8),
+                                                      (3, 1, 1, 80, 4), (2, 2, 2, 20, 1)])
+def test_decode_attention_equals_sdpa_over_gathered_blocks(kernels, n, kv_heads, group, d,
+                                                           block):
+    """Scattered block tables (a permutation of the store's blocks), each row its own length
+    (partial last blocks), q rows of the fused QKV output; the blocks no row uses and the
+    tokens past each row's end hold NaN, which must not be read."""
+    max_blocks = 5
+    store = torch.full((2, kv_heads, n * max_blocks + 3, block, d), float("nan"))
+    order = torch.randperm(store.shape[2], generator=torch.Generator().manual_seed(9))
+    tables = order[:n * max_blocks].view(n, max_blocks).contiguous()
+    lens = torch.randint(1, max_blocks * block + 1, (n,),
+                         generator=torch.Generator().manual_seed(10))
+    lens[0] = max_blocks * block
+    values = _randn(2, kv_heads, n, max_blocks * block, d, seed=11)
     for r, used in enumerate(lens.tolist()):
-        store[:, r, :, used:] = float("nan")  # past each row's end
-    k, v = store[0, :, :, :length], store[1, :, :, :length]
-    q = _randn(n, kv_heads * (group + 2), d, seed=11)[:, :kv_heads * group]
-    mask = (torch.arange(length)[None, :] < lens[:, None])[:, None, None, :]
-    ref = F.scaled_dot_product_attention(q.reshape(n, kv_heads, group, d),
-                                         k.nan_to_num(), v.nan_to_num(), attn_mask=mask)
-    got = kernels.decode_attention(q, k, v, lens, d ** -0.5)
-    torch.testing.assert_close(got, ref.reshape(n, kv_heads * group, d), rtol=1e-5, atol=1e-5)
+        for t in range(used):
+            store[:, :, tables[r, t // block], t % block] = values[:, :, r, t]
+    q = _randn(n, kv_heads * (group + 2), d, seed=12)[:, :kv_heads * group]
+    ref = _paged_reference(q, store.nan_to_num(), tables, lens, d ** -0.5)
+    got = kernels.decode_attention(q, store, tables, lens, d ** -0.5)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 @needs_kernels
@@ -167,25 +192,39 @@ def test_gemm_and_attention_wrappers_refuse_what_they_cannot_read(kernels):
         kernels.linear(torch.ones(2, 8, dtype=torch.float64), panels, None, 16)
     with pytest.raises(ValueError, match="float32 CPU rows of 8"):
         kernels.linear(torch.ones(2, 9), panels, None, 16)
-    kv = torch.ones(1, 1, 4, 8)
-    with pytest.raises(ValueError, match="contiguous tokens"):
-        kernels.decode_attention(torch.ones(1, 2, 8), kv.transpose(2, 3), kv.transpose(2, 3),
+    store, tables = torch.ones(2, 1, 2, 4, 8), torch.tensor([[1]])
+    with pytest.raises(ValueError, match="contiguous heads"):
+        kernels.decode_attention(torch.ones(1, 8, 2).transpose(1, 2), store, tables,
                                  torch.tensor([4]), 1.0)
-    with pytest.raises(ValueError, match="int64 lens"):
-        kernels.decode_attention(torch.ones(1, 2, 8), kv, kv, torch.tensor([4.0]), 1.0)
+    with pytest.raises(ValueError, match="int64 CPU lens"):
+        kernels.decode_attention(torch.ones(1, 2, 8), store, tables, torch.tensor([4.0]), 1.0)
+    for bad_len, bad_table in ((0, tables), (5, tables), (4, torch.tensor([[2]]))):
+        with pytest.raises(ValueError, match=r"lengths must be in 1 \.\. 4 and blocks in 0 \.\. 1"):
+            kernels.decode_attention(torch.ones(1, 2, 8), store, bad_table,
+                                     torch.tensor([bad_len]), 1.0)
+    with pytest.raises(ValueError, match="bias must be"):
+        kernels.linear(torch.ones(2, 8), panels, torch.ones(8), 16)
 
 
-@needs_kernels
+@needs_vector_kernels
 def test_projections_run_on_the_c_gemm_up_to_its_row_limit(tiny, monkeypatch):
     """The packed kernel replaces oneDNN's copy (one extra weight copy, not two) and runs
-    1 .. _C_GEMM_MAX_ROWS rows with one torch thread; otherwise torch's kernels run."""
+    1 .. _C_GEMM_MAX_ROWS rows with one torch thread, as does decode attention; with more
+    threads torch's kernels run, oneDNN's copy made on first use, with equal results."""
     runner = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
     qkv, head = runner.layers[0].qkv, runner.lm_head
     assert qkv.panels is not None and qkv.packed is None and head.panels is not None
     edge = runner_mod._C_GEMM_MAX_ROWS
     assert [qkv._use_c_kernel(n) for n in (1, 16, edge, edge + 1)] == [True, True, True, False]
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert not qkv._use_c_kernel(16)
+    assert runner._use_c_attention()
+    x = _randn(16, qkv.weight.shape[1], seed=12)
+    with torch.inference_mode():
+        on_c = qkv.fused(x)
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+        assert not qkv._use_c_kernel(16) and not runner._use_c_attention()
+        threaded = qkv.fused(x)  # oneDNN, packed now
+    assert runner_mod._ONEDNN is (qkv.packed is not None)
+    torch.testing.assert_close(on_c, threaded, rtol=1e-5, atol=1e-5)
 
 
 def test_detection_keeps_other_modules_on_their_own_forward():
@@ -210,7 +249,8 @@ def test_engine_with_kernels_matches_generate(tiny):
     prompts = random_prompts([1, 9, 40], seed=21)
     engine, got = _greedy(tiny, prompts, budget=16)  # chunked, mixed prefill + decode steps
     assert engine.runner.kernels is not None  # the fast path really ran
-    assert engine.runner.layers[0].qkv.panels is not None  # and its GEMM
+    vector = engine.runner.kernels.linear_vectorized  # and its GEMM where built for AVX2
+    assert (engine.runner.layers[0].qkv.panels is not None) == vector
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 
 
@@ -251,7 +291,8 @@ def test_fast_path_logits_equal_torch_path(name, monkeypatch):
             monkeypatch.setattr(cpu_kernels, "load", lambda: None)
         runner = ModelRunner(loaded.model, KVStore(loaded.kv_spec, 4, 8))
         assert (runner.kernels is not None) == on
-        assert (runner.layers[0].qkv.panels is not None) == on
+        assert (runner.layers[0].qkv.panels is not None) == (
+            on and cpu_kernels.load().linear_vectorized)
         state = RequestState(Request("x", tuple(prompt), SamplingParams(max_tokens=2)))
         state.block_ids = [2, 0, 3, 1]
         steps = []

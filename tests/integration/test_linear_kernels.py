@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_prompts, reference_generate
 
+from engine import cpu_kernels
 from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -52,13 +53,16 @@ def test_kernel_choice_by_rows():
 
 
 def test_engine_without_onednn_matches_generate(monkeypatch):
-    """The fallback where oneDNN is missing: every projection is ``F.linear``."""
+    """The fallback where oneDNN and pdlab's kernels are missing: every projection is
+    ``F.linear``."""
     monkeypatch.setattr(runner_mod, "_ONEDNN", False)
+    monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     loaded = load_model(ModelConfig("tiny-random-llama"))  # fresh: prepared without oneDNN
     prompts = random_prompts([3, 70, 9], seed=10)  # 70 + 2 rows in one step reach MKL's range
     engine = Engine(loaded, EngineConfig(max_num_seqs=3, max_model_len=96,
                                          max_num_batched_tokens=96))
-    assert all(layer.qkv.packed is None for layer in engine.runner.layers)
+    assert all(layer.qkv.packed is None and layer.qkv.panels is None
+               for layer in engine.runner.layers)
     outputs = engine.generate([Request(f"n{i}", tuple(p), SamplingParams(max_tokens=6))
                                for i, p in enumerate(prompts)])
     for i, p in enumerate(prompts):

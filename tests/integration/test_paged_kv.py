@@ -112,11 +112,21 @@ def _forward_logits(model, token_ids: list[int]) -> torch.Tensor:
     # a strided pair whose short last row sits at the store's end: read past it -> split
     ([[0, 1], [2]], [31, 15], [("view", 1), ("view", 1)]),
 ])
-def test_decode_over_every_block_layout_equals_forward(tiny, tables, lengths, group_sizes):
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_over_every_block_layout_equals_forward(tiny, tables, lengths, group_sizes,
+                                                       paged):
+    """SDPA groups (the torch path) or one C paged call (``paged``: every row's blocks read
+    in place); the blocks no row uses hold NaN, which neither may read."""
     num_blocks = max(max(t) for t in tables) + 1
     store = KVStore(tiny.kv_spec, num_blocks, 16)
     store.kv.fill_(float("nan"))
     runner = ModelRunner(tiny.model, store)
+    if paged and not runner._use_c_attention():
+        pytest.skip("the C kernels are not built for AVX2/FMA here")
+    if paged:
+        group_sizes = [("paged", len(tables))]
+    else:
+        runner._use_c_attention = lambda: False
     prompts = random_prompts(lengths, seed=len(lengths))
     states = []
     for i, (prompt, table) in enumerate(zip(prompts, tables)):
@@ -131,8 +141,9 @@ def test_decode_over_every_block_layout_equals_forward(tiny, tables, lengths, gr
     for state in states:
         batch.add(state, 1)
     groups = runner._layout(batch).decode_groups
-    assert [("gather" if g.block_idx is not None else "view", g.num_rows)
-            for g in groups] == group_sizes
+    kind = lambda g: ("paged" if g.block_tables is not None  # noqa: E731
+                      else "gather" if g.block_idx is not None else "view")
+    assert [(kind(g), g.num_rows) for g in groups] == group_sizes
     logits = runner.execute(batch)
     for row, prompt in enumerate(prompts):
         torch.testing.assert_close(logits[row], _forward_logits(tiny.model, prompt),
