@@ -197,7 +197,6 @@ class Kernels:
         self._silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
         return out
 
-
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight [n, k]`` (``torch.nn.Linear.weight``, contiguous float32 CPU) -> its panels
         for ``linear``: a new ``[ceil(n / 16), k, 16]`` tensor (``PANEL`` output columns each,
