@@ -285,7 +285,7 @@ void pd_linear(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
  * kernel's online form, so results agree with torch's SDPA to float32 rounding. Why not
  * torch: its CPU flash kernel blocks queries by 32+ rows and a decode row has `group` (3
  * for SmolLM2) per KV head, so it ran at ~7-17 GFLOP/s, and a request's blocks had to be
- * one strided view or gathered (benchmarks/README.md, "Decode attention"). */
+ * one strided view or gathered (benchmarks/README.md, "A GEMM kernel for decode rows"). */
 static inline float pd_dot(const float *a, const float *b, int64_t dim) {
     int64_t d = 0;
     float sum = 0.0f;

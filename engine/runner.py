@@ -30,7 +30,7 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
    ``cpu_kernels.decode_attention``: each row's blocks read in place through its block
    table, to its own length), because torch's CPU flash kernel blocks queries by 32+ rows
    and a decode row has G per KV head (~7-17 GFLOP/s there), and a group needs a view or a
-   copy (benchmarks/README.md, "Decode attention").
+   copy (benchmarks/README.md, "A GEMM kernel for decode rows").
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
