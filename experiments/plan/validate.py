@@ -66,9 +66,10 @@ COLUMNS = (["placement", "rate", "measured_attainment", "simulated_attainment",
            + [f"{k}_{c}" for c in LATENCIES for k in ("measured", "simulated")]
            + [f"{c.removesuffix('_s')}_rel_err" for c in LATENCIES])
 OUTCOME_COLUMNS = ["num_requests", "num_flipped", "step_factor"]
-REPLAY_COLUMNS = (["replay_simulated_attainment", "replay_attainment_err_points"]
-                  + [f"replay_{c.removesuffix('_s')}_rel_err" for c in LATENCIES]
-                  + ["replay_num_flipped"])
+# The replayed twin's columns of the error table, each kept as "replay_<column>".
+_REPLAYED = (["simulated_attainment", "attainment_err_points"]
+             + [f"{c.removesuffix('_s')}_rel_err" for c in LATENCIES] + ["num_flipped"])
+REPLAY_COLUMNS = [f"replay_{c}" for c in _REPLAYED]
 BAND_COLUMNS = ["band_slow_attainment", "band_fast_attainment", "measured_in_band"]
 
 
@@ -162,11 +163,8 @@ def with_outcomes(errors: pd.DataFrame, measured: Sequence[compare.RunResult],
 def with_replay(errors: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
     """``errors`` with ``REPLAY_COLUMNS`` taken from ``replay`` (the ``with_outcomes``
     table of the drift-replayed simulation), matched by (placement, rate)."""
-    cols = {"simulated_attainment": "replay_simulated_attainment",
-            "attainment_err_points": "replay_attainment_err_points", "num_flipped": "replay_num_flipped",
-            **{f"{c.removesuffix('_s')}_rel_err": f"replay_{c.removesuffix('_s')}_rel_err"
-               for c in LATENCIES}}
-    part = replay[["placement", "rate", *cols]].rename(columns=cols)
+    part = replay[["placement", "rate", *_REPLAYED]].rename(
+        columns=dict(zip(_REPLAYED, REPLAY_COLUMNS)))
     return errors.merge(part, on=["placement", "rate"], how="left")[list(errors.columns) + REPLAY_COLUMNS]
 
 
