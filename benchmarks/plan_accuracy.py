@@ -67,11 +67,32 @@ def _steps_of(steps: pd.DataFrame, key: tuple) -> list[dict]:
 def rescore(out: Path, profile: DeviceProfile, dest: Path,
             replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0
             ) -> tuple[pd.DataFrame, dict]:
-    """``validate.score`` on the real runs saved under ``out/measured`` (module docstring),
+    """``validate.score`` on the real runs saved under ``out/measured`` (module docstring)
+    and the reruns under ``out/measured_rerun<k>`` (``pdlab plan --validate-reruns``),
     the drift replay included (``replay_window_s``: its speed trace's window) and, with
     ``speed_spread`` > 0, the speed band (``pdlab plan --speed-spread``)."""
-    config, runs, steps = load_results(out / "measured")
-    transfers = pd.read_csv(out / "measured" / "transfers.csv")
+    config, measured, items = load_runs(out / "measured")
+    reruns = [load_runs(path)[1] for path in sorted(out.glob("measured_rerun*"),
+                                                     key=lambda p: int(p.name.removeprefix("measured_rerun")))]
+    spec = compare.WorkloadSpec(**config["workload"])
+    cands = [search.Candidate(p, config.get("chunk_budgets", {}).get(p)) for p in config["placements"]]
+    transfer = TransferConfig(**config["transfer"])
+    transfer_model = profile.transfers.get(transfer.transport) if any(
+        not p.startswith("colocated") for p in config["placements"]) else None
+    return validate.score(measured, cands, config["rates"], items, spec,
+                          EngineConfig(**config["engine"]), transfer, profile, transfer_model,
+                          SLO(**config["slo"]), dest, config.get("policy", "least_loaded"),
+                          {k: config[k] for k in ("command",) if k in config}, replay_window_s,
+                          speed_spread, reruns)
+
+
+def load_runs(path: Path) -> tuple[dict, list[compare.RunResult], dict]:
+    """A saved results directory as ``(config, runs, items)``: its real runs as
+    ``compare.RunResult``s (records, steps and transfers of each) and per seed the
+    workload rebuilt from the records (prompt lengths and output lengths; the token ids
+    are not saved and the simulator needs none)."""
+    config, runs, steps = load_results(path)
+    transfers = pd.read_csv(path / "transfers.csv")
     measured, items = [], {}
     for (placement, rate, seed), records in sorted(runs.items()):
         position = lambda r: int(r.request_id.rsplit("-", 1)[-1])  # noqa: E731
@@ -86,16 +107,7 @@ def rescore(out: Path, profile: DeviceProfile, dest: Path,
             moved.drop(columns=["placement", "rate", "seed"]).to_dict("records"),
             max(r.timeline.get(FINISHED, 0.0) for r in records)
             - min(r.timeline[ARRIVED] for r in records), seed))
-    spec = compare.WorkloadSpec(**config["workload"])
-    cands = [search.Candidate(p, config.get("chunk_budgets", {}).get(p)) for p in config["placements"]]
-    transfer = TransferConfig(**config["transfer"])
-    transfer_model = profile.transfers.get(transfer.transport) if any(
-        not p.startswith("colocated") for p in config["placements"]) else None
-    return validate.score(measured, cands, config["rates"], items, spec,
-                          EngineConfig(**config["engine"]), transfer, profile, transfer_model,
-                          SLO(**config["slo"]), dest, config.get("policy", "least_loaded"),
-                          {k: config[k] for k in ("command",) if k in config}, replay_window_s,
-                          speed_spread)
+    return config, measured, items
 
 
 def minute_trace(real: pd.DataFrame) -> pd.DataFrame:

@@ -319,7 +319,8 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
         num_threads=torch.get_num_threads(), kv_bytes_per_token=loaded.kv_spec.bytes_per_token,
         prefill=pre, decode=dec, mixed=mix, transfers=transfers,
         notes={"torch": torch.__version__, "estimator": result.estimator, "fitted_on": "median",
-               "created": time.strftime("%Y-%m-%dT%H:%M:%S")})
+               "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
+        max_prefill_tokens=int(result.prefill["prompt_len"].max()))
 
 
 # ---- derived ---------------------------------------------------------------------------

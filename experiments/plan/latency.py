@@ -250,6 +250,9 @@ class DeviceProfile:
         prefill, decode, mixed: step models (module docstring).
         transfers: transport name -> ``TransferModel``.
         notes: free text (torch version, estimator, date).
+        max_prefill_tokens: the longest prompt (tokens) the prefill model was measured on;
+            longer prefill steps are extrapolated by its quadratic term. None: not recorded
+            (profiles written before it was).
     """
 
     model: str
@@ -263,6 +266,7 @@ class DeviceProfile:
     mixed: Fit
     transfers: dict[str, TransferModel] = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
+    max_prefill_tokens: int | None = None
 
     def step_s(self, f: StepFeatures) -> float:
         """Predicted duration of one step (seconds): the prefill model for prompt-only steps,
@@ -302,7 +306,9 @@ class DeviceProfile:
                                             "num_threads", "kv_bytes_per_token", "notes")}
         return {"version": PROFILE_VERSION, **d, "prefill": self.prefill.to_dict(),
                 "decode": self.decode.to_dict(), "mixed": self.mixed.to_dict(),
-                "transfers": {k: v.to_dict() for k, v in self.transfers.items()}}
+                "transfers": {k: v.to_dict() for k, v in self.transfers.items()},
+                **({} if self.max_prefill_tokens is None
+                   else {"max_prefill_tokens": self.max_prefill_tokens})}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -322,7 +328,8 @@ class DeviceProfile:
                        Fit.from_dict(d["prefill"]), Fit.from_dict(d["decode"]),
                        Fit.from_dict(d["mixed"]),
                        {k: TransferModel.from_dict(v) for k, v in d.get("transfers", {}).items()},
-                       dict(d.get("notes", {})))
+                       dict(d.get("notes", {})),
+                       None if d.get("max_prefill_tokens") is None else int(d["max_prefill_tokens"]))
         except KeyError as err:
             raise ValueError(f"not a device profile: key {err} missing") from None
 

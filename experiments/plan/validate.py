@@ -41,6 +41,13 @@ A validation:
    end and whether the measured one lies between), and the ranking check within the band:
    the planner's first is accepted when it is the real first, or when its goodput band
    reaches the real first's (the planner could not have told them apart at ±S).
+7. Reruns (``num_reruns`` N > 0): every point run again for real N times, after the
+   first pass over all placements, on the same requests and arrival times, and scored
+   against the first run as the simulation is (the error table with the rerun in place of the
+   simulated twin): ``RERUN_COLUMNS`` in validation.csv (means over the
+   reruns), validation_reruns.csv per rerun, ``measured_rerun<k>/``. The machine's own
+   run-to-run difference is the floor under any simulator's error on it: a simulator
+   whose error matches it is as good as the machine can show.
 """
 
 from __future__ import annotations
@@ -70,6 +77,10 @@ OUTCOME_COLUMNS = ["num_requests", "num_flipped", "step_factor"]
 _REPLAYED = (["simulated_attainment", "attainment_err_points"]
              + [f"{c.removesuffix('_s')}_rel_err" for c in LATENCIES] + ["num_flipped"])
 REPLAY_COLUMNS = [f"replay_{c}" for c in _REPLAYED]
+# A rerun's columns: the error table of the first real run against a rerun of the same
+# requests (its "simulated" side is the rerun), each kept as "rerun_<column>".
+_RERUN = _REPLAYED
+RERUN_COLUMNS = ["rerun_measured_attainment"] + [f"rerun_{c}" for c in _RERUN[1:]]
 BAND_COLUMNS = ["band_slow_attainment", "band_fast_attainment", "measured_in_band"]
 
 
@@ -160,12 +171,29 @@ def with_outcomes(errors: pd.DataFrame, measured: Sequence[compare.RunResult],
     return out[COLUMNS + OUTCOME_COLUMNS]
 
 
+def _with_columns(errors: pd.DataFrame, other: pd.DataFrame, names: list[str],
+                  renamed: list[str]) -> pd.DataFrame:
+    """``errors`` with ``other``'s columns ``names`` (means over its rows of each
+    (placement, rate)) added as ``renamed``, matched by (placement, rate)."""
+    part = other.groupby(["placement", "rate"], as_index=False, sort=False)[names].mean()
+    part = part.rename(columns=dict(zip(names, renamed)))
+    return errors.merge(part, on=["placement", "rate"], how="left")[list(errors.columns) + renamed]
+
+
 def with_replay(errors: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
     """``errors`` with ``REPLAY_COLUMNS`` taken from ``replay`` (the ``with_outcomes``
     table of the drift-replayed simulation), matched by (placement, rate)."""
-    part = replay[["placement", "rate", *_REPLAYED]].rename(
-        columns=dict(zip(_REPLAYED, REPLAY_COLUMNS)))
-    return errors.merge(part, on=["placement", "rate"], how="left")[list(errors.columns) + REPLAY_COLUMNS]
+    return _with_columns(errors, replay, _REPLAYED, REPLAY_COLUMNS)
+
+
+def with_reruns(errors: pd.DataFrame, reruns: pd.DataFrame) -> pd.DataFrame:
+    """``errors`` with ``RERUN_COLUMNS``: per (placement, rate) the mean over ``reruns``'
+    rows (``score``'s step 7 table) of the rerun's attainment, its difference from the first run
+    (points), the latencies' relative differences and the requests flipped; NaN without
+    reruns."""
+    if reruns.empty:
+        return errors.assign(**{c: math.nan for c in RERUN_COLUMNS})
+    return _with_columns(errors, reruns, _RERUN, RERUN_COLUMNS)
 
 
 def speed_traces(measured: Sequence[compare.RunResult], steps: pd.DataFrame, items: dict,
@@ -231,6 +259,13 @@ def summary_text(s: dict) -> str:
                  "(open-loop is the planner's predictive error on this machine; the replay "
                  "gives the simulator the speed the machine had, so what is left is the "
                  "simulator's own error)")
+    if "rerun" in s:
+        text += (f"\nrun to run (the same requests run again for real, {s['num_reruns']} "
+                 f"rerun(s), first run against rerun): " + _summary_line(s["rerun"], "rerun")
+                 + f"\nthe simulator against the first run: MAE {s['attainment_mae_points']:.1f} "
+                 f"points; the machine against itself: MAE {s['rerun']['attainment_mae_points']:.1f} "
+                 "points (no simulator can be held to less than the machine's own "
+                 "repeatability)")
     if "band" in s:
         b = s["band"]
         spans = ", ".join(f"{p} [{lo:.3g} slow, {hi:.3g} fast]" for p, (lo, hi) in b["goodput_band"].items())
@@ -249,7 +284,9 @@ def _firsts(goodput: dict[str, float] | None, first: str | None) -> str:
     return " = ".join(tied) + " (tied)" if len(tied) > 1 else str(first)
 
 
-def _summary_line(s: dict) -> str:
+def _summary_line(s: dict, other: str = "simulated") -> str:
+    """One summary as a sentence; ``other`` names the side compared with the first real run
+    (``simulated``, or ``rerun``)."""
     lat = ", ".join(f"{c.removesuffix('_s').replace('_', ' ')} {100 * s[c.removesuffix('_s') + '_rel_err_mean_abs']:.1f}%"
                     for c in LATENCIES)
     agree = "agree" if s.get("first_agrees", s["measured_first"] == s["simulated_first"]) else "DISAGREE"
@@ -258,6 +295,11 @@ def _summary_line(s: dict) -> str:
         flips = (f" ({s['num_flipped']} of {s['num_requests']} requests flipped; one request "
                  f"= {s['attainment_resolution_points']:.2g} points)")
     measured = _firsts(s.get("measured_goodput"), s["measured_first"])
+    if other != "simulated":  # the other side is real too: its ties are shown as well
+        return (f"over {s['num_points']} points: SLO attainment mean abs difference "
+                f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative difference| "
+                f"{lat}; first by goodput per device: first run {measured}, {other} "
+                f"{_firsts(s.get('simulated_goodput'), s['simulated_first'])} ({agree})")
     return (f"validation over {s['num_points']} points: SLO attainment mean abs error "
             f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative error| {lat}; first "
             f"by goodput per device: measured {measured}, simulated {s['simulated_first']} ({agree})")
@@ -292,10 +334,11 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
              profile: DeviceProfile, transfer_model: TransferModel | None, slo: SLO,
              out_dir: Path, devices: str | None = None, address: str | None = None,
              policy: str = "least_loaded", local: bool = False, config: dict | None = None,
-             speed_spread: float = 0.0) -> tuple[pd.DataFrame, dict]:
+             speed_spread: float = 0.0, num_reruns: int = 0) -> tuple[pd.DataFrame, dict]:
     """Step 1's real runs for ``cands`` (one per placement string: the first wins) at
     ``rates``, then ``score``. ``local``: workers in this process (tests; transport
-    ``inprocess``). ``speed_spread``: step 6's band (0: none).
+    ``inprocess``). ``speed_spread``: step 6's band (0: none). ``num_reruns``: step 7's
+    reruns, each a second pass over every placement after the first pass (0: none).
 
     Returns:
         (error table, summary dict), as ``score``.
@@ -308,35 +351,42 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
         by_placement.setdefault(cand.placement, cand)
     max_len = compare.context_len(model, engine)
     items = {seed: compare.build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
-    measured: list[compare.RunResult] = []
-    for placement, cand in by_placement.items():
-        measured += compare.run_placement(placement, list(rates), items, spec, model,
-                                          cand.engine(engine), transfer, devices, address, policy,
-                                          local=local, conditional=ConditionalConfig())
-    return score(measured, list(by_placement.values()), rates, items, spec, engine, transfer,
-                 profile, transfer_model, slo, out_dir, policy, config, speed_spread=speed_spread)
+    passes: list[list[compare.RunResult]] = []
+    for _ in range(1 + num_reruns):
+        passes.append([])
+        for placement, cand in by_placement.items():
+            passes[-1] += compare.run_placement(placement, list(rates), items, spec, model,
+                                                cand.engine(engine), transfer, devices, address,
+                                                policy, local=local, conditional=ConditionalConfig())
+    return score(passes[0], list(by_placement.values()), rates, items, spec, engine, transfer,
+                 profile, transfer_model, slo, out_dir, policy, config, speed_spread=speed_spread,
+                 reruns=passes[1:])
 
 
 def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidate],
           rates: Sequence[float], items: dict, spec: compare.WorkloadSpec, engine: EngineConfig,
           transfer: TransferConfig, profile: DeviceProfile, transfer_model: TransferModel | None,
           slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
-          replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0
-          ) -> tuple[pd.DataFrame, dict]:
-    """Steps 1-6 after the real runs: simulate their twins (``items``: seed -> workload, as
+          replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0,
+          reruns: Sequence[Sequence[compare.RunResult]] = ()) -> tuple[pd.DataFrame, dict]:
+    """Steps 1-7 after the real runs: simulate their twins (``items``: seed -> workload, as
     the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
     validation_steps.csv, validation_corrected.csv, validation_replay.csv and
-    validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``).
-    Also what ``benchmarks.plan_accuracy --rescore`` runs on the saved real runs of an
-    earlier validation.
+    validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``);
+    with ``reruns`` (each a list like ``measured``: the same points run again for real)
+    ``measured_rerun<k>/`` and validation_reruns.csv. Also what
+    ``benchmarks.plan_accuracy --rescore`` runs on the saved real runs of an earlier
+    validation.
 
     Returns:
-        (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS + BAND_COLUMNS``
-        (the band's NaN without ``speed_spread``), summary dict of ``validation_summary``
-        plus ``step_correction``, ``step_correction_by_worker``, ``step_factor_by_run``,
-        ``corrected`` (the summary with each run's steps scaled by its own factor),
-        ``replay`` (with each run's speed trace replayed), ``replay_window_s`` and, with
-        ``speed_spread``, ``band`` (``band_summary``)).
+        (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS + BAND_COLUMNS +
+        RERUN_COLUMNS`` (the band's NaN without ``speed_spread``, the reruns' without
+        ``reruns``), summary dict of ``validation_summary`` plus ``step_correction``,
+        ``step_correction_by_worker``, ``step_factor_by_run``, ``corrected`` (the summary
+        with each run's steps scaled by its own factor), ``replay`` (with each run's speed
+        trace replayed), ``replay_window_s``, with ``speed_spread`` ``band``
+        (``band_summary``) and with ``reruns`` ``rerun`` (``validation_summary`` of the
+        first run against its reruns) and ``num_reruns``).
     """
     by_placement = {c.placement: c for c in cands}
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -410,6 +460,19 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
     if tables:
         summary["band"] = band_summary(errors, summary, speed_spread,
                                        {k: _goodput(t) for k, t in tables.items()})
+    rerun_rows, rerun_goodput = [], {}
+    for k, again in enumerate(reruns, start=1):
+        table, _ = compare.write_results(out_dir / f"measured_rerun{k}", again,
+                                         {**config, "simulated": False, "rerun": k}, slo)
+        rerun_goodput = rerun_goodput or _goodput(table)
+        rerun_rows.append(with_outcomes(error_table(meas_summary, table), measured, again, slo,
+                                        own_factor).assign(rerun=k))
+    reruns_table = pd.concat(rerun_rows, ignore_index=True) if rerun_rows else pd.DataFrame()
+    if rerun_rows:
+        reruns_table.to_csv(out_dir / "validation_reruns.csv", index=False)
+        summary["rerun"] = validation_summary(reruns_table, _goodput(meas_summary), rerun_goodput)
+        summary["num_reruns"] = len(rerun_rows)
+    errors = with_reruns(errors, reruns_table)
     errors.to_csv(out_dir / "validation.csv", index=False)
     return errors, summary
 

@@ -32,10 +32,11 @@ def test_validation_writes_per_point_errors(tmp_path):
     errors, summary = validate.validate(
         cands, [5.0, 50.0], spec, ModelConfig("tiny-random-llama"), engine, transfer, profile,
         profile.transfer("inprocess"), SLO(ttft_s=1.0, tpot_s=0.5), tmp_path,
-        devices="cpu:0,cpu:1" if two else "cpu:0", local=True, speed_spread=0.2)
+        devices="cpu:0,cpu:1" if two else "cpu:0", local=True, speed_spread=0.2, num_reruns=1)
     written = pd.read_csv(tmp_path / "validation.csv")
     assert list(written.columns) == (validate.COLUMNS + validate.OUTCOME_COLUMNS
-                                     + validate.REPLAY_COLUMNS + validate.BAND_COLUMNS)
+                                     + validate.REPLAY_COLUMNS + validate.BAND_COLUMNS
+                                     + validate.RERUN_COLUMNS)
     assert len(written) == 2 * len(cands)
     assert set(zip(written["placement"], written["rate"])) == {
         (c.placement, r) for c in cands for r in (5.0, 50.0)}
@@ -82,6 +83,18 @@ def test_validation_writes_per_point_errors(tmp_path):
     assert summary["band"]["num_in_band"] == written["measured_in_band"].sum()
     assert set(summary["band"]["goodput_band"]) == {c.placement for c in cands}
     assert "speed band ±20%" in validate.summary_text(summary)
+    # the rerun: the same points run again for real, scored against the first run
+    reruns = pd.read_csv(tmp_path / "validation_reruns.csv")
+    assert (reruns["rerun"] == 1).all() and len(reruns) == len(written)
+    rerun_summary = pd.read_csv(tmp_path / "measured_rerun1" / "summary.csv")
+    at = rerun_summary.set_index(["placement", "rate"])["slo_attainment"]
+    assert list(written["rerun_measured_attainment"]) == [at[k] for k in zip(written["placement"], written["rate"])]
+    assert (written["rerun_attainment_err_points"]
+            == 100 * (written["rerun_measured_attainment"] - written["measured_attainment"])).all()
+    assert (written["rerun_attainment_err_points"].abs() <= 100 * written["rerun_num_flipped"] / 6 + 1e-9).all()
+    assert summary["num_reruns"] == 1
+    assert summary["rerun"]["attainment_mae_points"] == written["rerun_attainment_err_points"].abs().mean()
+    assert "the machine against itself: MAE" in validate.summary_text(summary)
     # the saved real runs score again to the same figures (the workload rebuilt from records)
     from benchmarks.plan_accuracy import rescore
 

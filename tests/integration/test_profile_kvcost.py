@@ -239,6 +239,7 @@ def test_device_profile_is_fitted_on_each_points_median_run(tiny):
                              mixed=mixed, estimator="x")
     prof = profile.fit_device_profile(result, tiny, "float32", "cpu")
     assert prof.notes["fitted_on"] == "median"
+    assert prof.max_prefill_tokens == 128  # the longest prompt measured
     assert np.allclose(prof.prefill.coef, [0.015, 1.5e-4, 1.5e-8], rtol=1e-6)
     assert np.allclose(prof.decode.coef, [0.0075, 1.5e-3, 1.5e-6], rtol=1e-6)
     assert prof.mixed.coef[0] == pytest.approx(0.03)

@@ -99,6 +99,10 @@ def test_profile_round_trips_and_names_what_it_was_measured_on(tmp_path):
     d = json.loads(path.read_text())
     assert (d["model"], d["dtype"], d["device_kind"], d["num_threads"]) == ("smollm2-135m", "float32", "cpu", 1)
     assert DeviceProfile.load(path) == prof
+    assert "max_prefill_tokens" not in d  # not recorded: an older profile's key set
+    longest = prof.replace(max_prefill_tokens=1024)
+    assert json.loads(longest.save(tmp_path / "q.json").read_text())["max_prefill_tokens"] == 1024
+    assert DeviceProfile.load(tmp_path / "q.json") == longest
 
 
 def test_without_mixed_points_the_mixed_intercept_is_the_larger_one():

@@ -125,3 +125,28 @@ def test_plan_speed_runs_from_a_clean_checkout_on_its_reference_profile(tmp_path
     assert profile.model == "smollm2-135m" and "ray" in profile.transfers
     assert profile.step_time()(0, 0, 2, 100) == pytest.approx(
         0.045976369793162795 + 2 * 0.004722918813309089 + 100 * 9.028762355320699e-06)
+
+
+def test_prompts_longer_than_the_profile_measured_are_warned_about(tmp_path):
+    from pathlib import Path
+
+    from experiments import cli
+    from experiments.plan.command import prefill_range_warning
+    from experiments.plan.latency import DeviceProfile
+
+    path = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
+    old = DeviceProfile.load(path)
+    assert old.max_prefill_tokens is None and prefill_range_warning(old, 10**6) == ""
+    short = old.replace(max_prefill_tokens=16)
+    assert prefill_range_warning(short, 16) == ""
+    text = prefill_range_warning(short, 30)
+    assert "prompts of up to 30 tokens" in text and "only up to 16" in text
+    out = tmp_path / "plan"
+    code = cli.main(["plan", "--model", "tiny-random-llama", "--profile",
+                     str(short.save(tmp_path / "short.json")), "--dataset", "synthetic",
+                     "--prompt-len", "30", "--output-len", "3-8", "--num-requests", "8",
+                     "--devices", "1", "--rates", "100,400", "--transport", "inprocess",
+                     "--seeds", "1", "--jobs", "1", "--out", str(out)])
+    assert code == 0
+    plan_md = (out / "plan.md").read_text()
+    assert "only up to 16" in plan_md and "--prompt-lens ...,30" in plan_md
