@@ -23,7 +23,11 @@ A profile:
    fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
    dtype, device and thread count, for ``pdlab plan``.
 
-Every time is ``experiments.timing.measure``: min of N runs after 1 warm-up, median shown.
+Every time is min of N runs after 1 warm-up, median shown. The runs of every point of
+steps 1-4 are interleaved (``experiments.timing.measure_interleaved``): each round runs each
+point once, in a shuffled order, so a machine whose speed drifts during the profile (a
+shared VM: ~13% within a minute) moves all the points alike and does not tilt the prefill
+model against the decode model (measured back to back, they were minutes apart).
 Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv, pg_table.csv,
 kv_cost.csv, device_profile.json, summary.md, profile.png.
 """
@@ -35,7 +39,7 @@ import itertools
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +51,7 @@ from engine.config import DTYPES, EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import LoadedModel, ModelLoadError, load_model
 from engine.request import Request, SamplingParams
-from experiments.timing import Timing, describe, device_sync, measure
+from experiments.timing import Timing, describe, device_sync, measure, measure_interleaved
 
 DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
 DEFAULT_CONTEXTS = (16, 64, 256, 1024)
@@ -58,6 +62,7 @@ DEFAULT_PG_OUTPUTS = (16, 64, 256)
 DEFAULT_MIXED_PROMPTS = (64, 256)
 DEFAULT_MIXED_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROFILE_TRANSPORTS = ("inprocess",)
+INTERLEAVED = "; every point once per round, rounds shuffled"
 WARMUP = 1
 
 _request_ids = itertools.count()
@@ -121,9 +126,10 @@ def prefill_engine(loaded: LoadedModel, max_prompt_len: int, device: str = "cpu"
                                        max_num_batched_tokens=budget, device=device))
 
 
-def time_prefill(engine: Engine, prompt_len: int, repeats: int, seed: int = 0) -> Timing:
-    """Time the single ``engine.step()`` that prefills a ``prompt_len``-token prompt whole
-    (and samples its only token); queueing the request is untimed."""
+def prefill_point(engine: Engine, prompt_len: int, seed: int = 0) -> tuple[Callable, Callable]:
+    """``(setup, run)`` of one prefill measurement: ``setup`` queues a ``prompt_len``-token
+    prompt (``max_tokens=1``), ``run`` is the single ``engine.step()`` that prefills it whole
+    (and samples its only token), so the request finishes and frees its KV."""
     gen = torch.Generator().manual_seed(seed)
     vocab = _vocab(engine.loaded)
 
@@ -134,7 +140,13 @@ def time_prefill(engine: Engine, prompt_len: int, repeats: int, seed: int = 0) -
         outputs = engine.step()
         if len(outputs) != 1 or engine.step_records[-1].num_prefill_tokens != prompt_len:
             raise RuntimeError(f"prefill of {prompt_len} tokens did not run whole in one step")
+    return setup, run
 
+
+def time_prefill(engine: Engine, prompt_len: int, repeats: int, seed: int = 0) -> Timing:
+    """Time the single ``engine.step()`` that prefills a ``prompt_len``-token prompt whole
+    (and samples its only token); queueing the request is untimed (``prefill_point``)."""
+    setup, run = prefill_point(engine, prompt_len, seed)
     timing = measure(run, repeats, setup=setup, warmup=WARMUP,
                      sync=device_sync(engine.config.device))
     assert engine.is_empty(), "prefill requests must finish and free their KV"
@@ -152,17 +164,22 @@ def profile_prefill(loaded: LoadedModel, prompt_lens: Sequence[int], repeats: in
     engine = prefill_engine(loaded, max(prompt_lens), device)
     rows = []
     for p in prompt_lens:
-        t = time_prefill(engine, p, repeats, seed + p)
-        rows.append({"prompt_len": p, "prefill_s": t.min_s, "prefill_median_s": t.median_s,
-                     "per_token_s": t.min_s / p, "num_runs": t.num_runs})
+        rows.append(_prefill_row(time_prefill(engine, p, repeats, seed + p), p))
         _tick(progress)
     return pd.DataFrame(rows)
 
 
-def time_decode(loaded: LoadedModel, batch_size: int, context_len: int, repeats: int,
-                device: str = "cpu", seed: int = 0) -> Timing:
-    """Time decode steps of ``batch_size`` requests, each holding ``context_len`` tokens of
-    KV when the first timed step starts (prefill to there is untimed)."""
+def _prefill_row(t: Timing, prompt_len: int) -> dict:
+    return {"prompt_len": prompt_len, "prefill_s": t.min_s, "prefill_median_s": t.median_s,
+            "per_token_s": t.min_s / prompt_len, "num_runs": t.num_runs}
+
+
+def decode_point(loaded: LoadedModel, batch_size: int, context_len: int, repeats: int,
+                 device: str = "cpu", seed: int = 0) -> tuple[Callable, Callable]:
+    """``(run, close)`` of one decode measurement: an engine whose ``batch_size`` requests
+    each hold ``context_len`` tokens of KV (their prefill runs here, untimed); ``run`` is one
+    decode step over all of them (``WARMUP + repeats`` runs fit before they finish),
+    ``close`` aborts them."""
     max_tokens = WARMUP + repeats + 2  # never finishes while being timed
     budget = max(batch_size, min(batch_size * context_len, 4096))
     engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size,
@@ -184,10 +201,20 @@ def time_decode(loaded: LoadedModel, batch_size: int, context_len: int, repeats:
         if len(outputs) != batch_size or record.num_prefill_tokens != 0:
             raise RuntimeError(f"decode step ran {len(outputs)} of {batch_size} requests")
 
+    def close() -> None:
+        for request in requests:
+            engine.abort(request.request_id)
+        assert engine.is_empty()
+    return run, close
+
+
+def time_decode(loaded: LoadedModel, batch_size: int, context_len: int, repeats: int,
+                device: str = "cpu", seed: int = 0) -> Timing:
+    """Time decode steps of ``batch_size`` requests, each holding ``context_len`` tokens of
+    KV when the first timed step starts (prefill to there is untimed; ``decode_point``)."""
+    run, close = decode_point(loaded, batch_size, context_len, repeats, device, seed)
     timing = measure(run, repeats, warmup=WARMUP, sync=device_sync(device))
-    for request in requests:
-        engine.abort(request.request_id)
-    assert engine.is_empty()
+    close()
     return timing
 
 
@@ -225,11 +252,13 @@ def profile_decode_batch(loaded: LoadedModel, batch_sizes: Sequence[int], contex
     return pd.DataFrame(rows)
 
 
-def time_mixed(loaded: LoadedModel, batch_size: int, context_len: int, prompt_len: int,
-               repeats: int, device: str = "cpu", seed: int = 0) -> Timing:
-    """Time steps that decode ``batch_size`` requests (each at ``context_len`` tokens of KV
-    when the first timed step starts) and prefill one new ``prompt_len``-token prompt whole
-    in the same step (queueing the prompt is untimed; it stops after its first token)."""
+def mixed_point(loaded: LoadedModel, batch_size: int, context_len: int, prompt_len: int,
+                repeats: int, device: str = "cpu", seed: int = 0
+                ) -> tuple[Callable, Callable, Callable]:
+    """``(setup, run, close)`` of one mixed measurement: an engine whose ``batch_size``
+    requests each hold ``context_len`` tokens of KV (prefilled here, untimed); ``setup``
+    queues a new ``prompt_len``-token prompt, ``run`` is the step that decodes the batch and
+    prefills that prompt whole (it stops after its first token), ``close`` aborts the batch."""
     max_tokens = WARMUP + repeats + 2
     budget = max(prompt_len + batch_size, min(batch_size * context_len, 4096))
     engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size + 1,
@@ -254,10 +283,22 @@ def time_mixed(loaded: LoadedModel, batch_size: int, context_len: int, prompt_le
                                f"{record.num_decode_tokens} decode tokens, not {prompt_len} "
                                f"and {batch_size}")
 
+    def close() -> None:
+        for request in decoders:
+            engine.abort(request.request_id)
+        assert engine.is_empty()
+    return setup, run, close
+
+
+def time_mixed(loaded: LoadedModel, batch_size: int, context_len: int, prompt_len: int,
+               repeats: int, device: str = "cpu", seed: int = 0) -> Timing:
+    """Time steps that decode ``batch_size`` requests (each at ``context_len`` tokens of KV
+    when the first timed step starts) and prefill one new ``prompt_len``-token prompt whole
+    in the same step (queueing the prompt is untimed; ``mixed_point``)."""
+    setup, run, close = mixed_point(loaded, batch_size, context_len, prompt_len, repeats,
+                                    device, seed)
     timing = measure(run, repeats, setup=setup, warmup=WARMUP, sync=device_sync(device))
-    for request in decoders:
-        engine.abort(request.request_id)
-    assert engine.is_empty()
+    close()
     return timing
 
 
@@ -273,10 +314,60 @@ def profile_mixed(loaded: LoadedModel, prompt_lens: Sequence[int], batch_sizes: 
     rows = []
     for p, b in itertools.product(prompt_lens, batch_sizes):
         t = time_mixed(loaded, b, context_len, p, repeats, device, seed + p + b)
-        rows.append({"prompt_len": p, "batch_size": b, "context_len": context_len,
-                     "step_s": t.min_s, "step_median_s": t.median_s, "num_runs": t.num_runs})
+        rows.append(_mixed_row(t, p, b, context_len))
         _tick(progress)
     return pd.DataFrame(rows)
+
+
+def _mixed_row(t: Timing, prompt_len: int, batch_size: int, context_len: int) -> dict:
+    return {"prompt_len": prompt_len, "batch_size": batch_size, "context_len": context_len,
+            "step_s": t.min_s, "step_median_s": t.median_s, "num_runs": t.num_runs}
+
+
+def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], contexts: Sequence[int],
+                        batch_sizes: Sequence[int], batch_context: int,
+                        mixed_prompts: Sequence[int], mixed_batch_sizes: Sequence[int],
+                        repeats: int, device: str = "cpu", seed: int = 0, progress=None
+                        ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
+    """Every point of the four sweeps measured in interleaved rounds
+    (``timing.measure_interleaved``: one run of each point per round, shuffled), so a
+    machine that drifts during the profile biases no sweep against another (module
+    docstring). Each point is set up as the sequential ``profile_*`` functions set it up
+    (the same engines, prompts and seeds), all of them first, untimed.
+
+    Returns:
+        ``(prefill, decode_context, decode_batch, mixed)``, with the columns of
+        ``profile_prefill``, ``profile_decode_context``, ``profile_decode_batch`` and
+        ``profile_mixed``.
+    """
+    points, closes = {}, []
+    engine = prefill_engine(loaded, max(prompt_lens), device)
+    for p in prompt_lens:
+        points["prefill", p] = prefill_point(engine, p, seed + p)
+    for kind, sizes in (("context", [(1, c) for c in contexts]),
+                        ("batch", [(b, batch_context) for b in batch_sizes])):
+        for b, c in sizes:
+            run, close = decode_point(loaded, b, c, repeats, device, seed + (c if kind == "context" else b))
+            points[kind, b, c] = (None, run)
+            closes.append(close)
+    for p, b in itertools.product(mixed_prompts, mixed_batch_sizes):
+        setup, run, close = mixed_point(loaded, b, batch_context, p, repeats, device, seed + p + b)
+        points["mixed", p, b] = (setup, run)
+        closes.append(close)
+    timings = measure_interleaved(points, repeats, warmup=WARMUP, sync=device_sync(device),
+                                  seed=seed, on_run=lambda: _tick(progress))
+    for close in closes:
+        close()
+    assert engine.is_empty(), "prefill requests must finish and free their KV"
+    prefill = pd.DataFrame([_prefill_row(timings["prefill", p], p) for p in prompt_lens])
+    context = pd.DataFrame([_decode_row(timings["context", 1, c], 1, c) for c in contexts])
+    batch = pd.DataFrame([_decode_row(timings["batch", b, batch_context], b, batch_context)
+                          for b in batch_sizes])
+    mixed = pd.DataFrame([_mixed_row(timings["mixed", p, b], p, b, batch_context)
+                          for p, b in itertools.product(mixed_prompts, mixed_batch_sizes)],
+                         columns=["prompt_len", "batch_size", "context_len", "step_s",
+                                  "step_median_s", "num_runs"])
+    return prefill, context, batch, mixed
 
 
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
@@ -426,22 +517,19 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
                      f"(model context {limit} tokens)")
     mixed_prompts = kept
     total = (len(all_prompts) + len(contexts) + len(batch_sizes)
-             + len(mixed_prompts) * len(mixed_batch_sizes))
-    with tqdm(total=total, desc="profile", unit="point", disable=not show_progress,
+             + len(mixed_prompts) * len(mixed_batch_sizes)) * (WARMUP + repeats)
+    with tqdm(total=total, desc="profile", unit="run", disable=not show_progress,
               file=sys.stderr) as bar:
-        prefill = profile_prefill(loaded, all_prompts, repeats, device, seed, bar)
-        decode_context = profile_decode_context(loaded, contexts, repeats, device, seed, bar)
-        decode_batch = profile_decode_batch(loaded, batch_sizes, batch_context, repeats, device,
-                                            seed, bar)
-        mixed = profile_mixed(loaded, mixed_prompts, mixed_batch_sizes, batch_context, repeats,
-                              device, seed, bar)
+        prefill, decode_context, decode_batch, mixed = profile_interleaved(
+            loaded, all_prompts, contexts, batch_sizes, batch_context, mixed_prompts,
+            mixed_batch_sizes, repeats, device, seed, bar)
     batch_fit = fit_linear(decode_batch["batch_size"], decode_batch["step_s"])
     context_fit = fit_linear(decode_context["context_len"], decode_context["step_s"])
     ratio = token_cost_ratio(prefill[prefill["prompt_len"].isin(prompt_lens)], decode_batch)
     pg = pg_table(prefill, context_fit, pg_prompts, pg_outputs,
                   min_step_s=float(decode_context["step_s"].min()))
     return ProfileResult(prefill, decode_context, decode_batch, batch_fit, context_fit, ratio,
-                         pg, describe(repeats, WARMUP), notes, mixed)
+                         pg, describe(repeats, WARMUP) + INTERLEAVED, notes, mixed)
 
 
 # ---- output ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ machine); the median is reported beside it to show the spread. Output names it w
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -95,6 +96,60 @@ def measure(run: Callable[[], object], repeats: int, *,
         if i >= warmup:
             samples_s.append(elapsed_s)
     return summarize(samples_s)
+
+
+def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
+                        sync: Callable[[], None] | None = None,
+                        clock: Callable[[], float] = time.perf_counter, seed: int = 0,
+                        on_run: Callable[[], object] | None = None) -> dict:
+    """Time several measurements in rounds instead of one after another.
+
+    ``measure`` runs a point's warm-up and repeats back to back, so a machine whose speed
+    drifts within minutes (a shared VM: 13% within a minute, issue 12) gives the points
+    measured in a fast minute a faster time than the rest, and a model fitted on several
+    sweeps measured minutes apart (prefill, then decode) inherits that. Here every round
+    runs each point once, in an order shuffled per round (``random.Random(seed)``); the
+    first ``warmup`` rounds are discarded. Each point's samples are then spread over the
+    whole measurement, and a drift moves every point alike.
+
+    Args:
+        points: key -> ``(setup, run)``: ``setup`` (untimed, may be None) then ``run``
+            (timed), as ``measure``'s; the point's own state carries over between rounds.
+        repeats, warmup, sync, clock: as ``measure``'s.
+        seed: the shuffle's seed.
+        on_run: called after every run (warm-up included), e.g. a progress bar's update.
+
+    Returns:
+        key -> ``Timing`` of its ``repeats`` timed runs, in the order of ``points``.
+
+    Raises:
+        ValueError: ``repeats < 1`` or ``warmup < 0``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    rng = random.Random(seed)
+    samples_s: dict = {key: [] for key in points}
+    for i in range(warmup + repeats):
+        order = list(points)
+        rng.shuffle(order)
+        for key in order:
+            setup, run = points[key]
+            if setup is not None:
+                setup()
+            if sync is not None:
+                sync()
+            start_s = clock()
+            run()
+            if sync is not None:
+                sync()
+            elapsed_s = clock() - start_s
+            if i >= warmup:
+                samples_s[key].append(elapsed_s)
+            if on_run is not None:
+                on_run()
+    return {key: summarize(v) for key, v in samples_s.items()}
 
 
 def summarize(samples_s) -> Timing:

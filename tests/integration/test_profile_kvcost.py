@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from experiments import kv_cost, profile
-from experiments.timing import describe, measure, summarize
+from experiments.timing import describe, measure, measure_interleaved, summarize
 
 REPEATS = 2
 
@@ -38,6 +38,32 @@ def test_measure_with_real_clock_and_sync():
     assert timing.num_runs == 4 and 0 < timing.min_s <= timing.median_s
     assert len(syncs) == 2 * 5  # before start and before stop, warm-up included
     assert describe(4) == "min of 4 runs after 1 warm-up; median shown"
+
+
+def test_interleaved_rounds_spread_a_drift_over_every_point():
+    # the machine slows 10% per round: each point's samples come one per round, so the two
+    # points' medians keep their true ratio (2.0), which back-to-back points would not
+    now, rounds, order, ticks = [0.0], [0], [], []
+    base = {"a": 1.0, "b": 2.0, "c": 0.5}
+
+    def runner(key):
+        def run():
+            order.append(key)
+            rounds[0] = (len(order) - 1) // len(base)
+            now[0] += base[key] * (1 + 0.1 * rounds[0])
+        return run
+
+    setups = []
+    points = {k: ((lambda k=k: setups.append(k)) if k == "a" else None, runner(k)) for k in base}
+    timings = measure_interleaved(points, 3, clock=lambda: now[0], seed=1,
+                                  on_run=lambda: ticks.append(1))
+    assert list(timings) == ["a", "b", "c"] and len(ticks) == 4 * 3 and setups == ["a"] * 4
+    assert all(sorted(order[3 * i:3 * i + 3]) == ["a", "b", "c"] for i in range(4))  # each round once
+    assert len({tuple(order[3 * i:3 * i + 3]) for i in range(4)}) > 1  # shuffled per round
+    assert timings["a"].samples_s == pytest.approx((1.1, 1.2, 1.3))  # round 0 is the warm-up
+    assert timings["b"].median_s / timings["a"].median_s == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        measure_interleaved(points, 0)
 
 
 def test_measure_rejects_bad_counts():
@@ -103,10 +129,22 @@ def test_profile_prefill_and_decode_frames(tiny):
     assert np.allclose(batch["per_token_s"], batch["step_s"] / batch["batch_size"])
 
 
-def test_run_profile_tiny(tiny):
+def test_run_profile_tiny(tiny, monkeypatch):
+    seen = []
+
+    def spy(points, repeats, **kwargs):  # every point of the four sweeps, in one set of rounds
+        seen.append(sorted(map(str, points)))
+        return measure_interleaved(points, repeats, **kwargs)
+
+    monkeypatch.setattr(profile, "measure_interleaved", spy)
     result = profile.run_profile(tiny, prompt_lens=[4, 16], contexts=[8, 32], batch_sizes=[1, 2],
                                  batch_context=16, pg_prompts=[16, 32], pg_outputs=[4, 8],
-                                 repeats=REPEATS, show_progress=False)
+                                 repeats=REPEATS, show_progress=False, mixed_prompts=[8],
+                                 mixed_batch_sizes=[1, 2])
+    assert len(seen) == 1 and len(seen[0]) == 3 + 2 + 2 + 2
+    for df in (result.prefill, result.decode_context, result.decode_batch, result.mixed):
+        assert (df["num_runs"] == REPEATS).all() and (df["step_s" if "step_s" in df else "prefill_s"] > 0).all()
+    assert list(result.mixed["batch_size"]) == [1, 2] and "rounds shuffled" in result.estimator
     assert list(result.prefill["prompt_len"]) == [4, 16, 32]  # P sweep and P x G prompts
     assert 0.0 <= result.batch_fit.r2 <= 1.0 and 0.0 <= result.context_fit.r2 <= 1.0
     assert result.ratio["prompt_len"] == 16 and result.ratio["ratio"] > 0
