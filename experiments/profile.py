@@ -5,9 +5,11 @@ A profile:
 1. Prefill: for each prompt length P, a request with P random token ids and ``max_tokens=1``
    is queued (untimed) and the one ``Engine.step()`` that prefills it whole is timed (the
    token budget is >= P, so the prompt is not chunked). Time per prompt token = time / P.
-2. Decode vs context: one request (B = 1) is prefilled to context C (untimed), then single
-   decode steps are timed. Each timed step adds one token, so the context grows from C to
-   C + runs; the row is labelled C.
+2. Decode vs context: B requests (each B of the context batch sizes, 1 and 8 by default)
+   are prefilled to context C (untimed), then single decode steps are timed. Each timed step
+   adds one token, so the context grows from C to C + runs; the row is labelled C. The line
+   fitted on context (and the P x G table) uses the B = 1 rows; the device profile's decode
+   model all of them.
 3. Decode vs batch: B requests at a fixed context are prefilled (untimed), then decode steps
    over all B are timed; a least-squares line t = a + b*B (``numpy.polyfit``) with its R².
 4. Mixed steps: B requests decode at a fixed context while one new prompt of P tokens is
@@ -36,6 +38,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import queue
 import re
 import sys
 import time
@@ -55,6 +59,11 @@ from experiments.timing import Timing, describe, device_sync, measure, measure_i
 
 DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
 DEFAULT_CONTEXTS = (16, 64, 256, 1024)
+# The context sweep also runs batched: at B = 1 alone, a context token's cost was ~20% of a
+# ~55 ms step, inside the points' +-10% noise, and two profiles read its coefficient as
+# 1.0e-5 and 1.75e-5 s; served steps of B = 4-16 at contexts of 200-600 then ran 0.69-0.76x
+# the model (issue 12, 2026-12-01). At B = 8 the same contexts move the step by ~4x as much.
+DEFAULT_CONTEXT_BATCH_SIZES = (1, 8)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_BATCH_CONTEXT = 64
 DEFAULT_PG_PROMPTS = (64, 256, 512)
@@ -225,18 +234,30 @@ def _decode_row(t: Timing, batch_size: int, context_len: int) -> dict:
 
 
 def profile_decode_context(loaded: LoadedModel, contexts: Sequence[int], repeats: int,
-                           device: str = "cpu", seed: int = 0, progress=None) -> pd.DataFrame:
-    """Decode step time at B = 1 against context length.
+                           device: str = "cpu", seed: int = 0, progress=None,
+                           batch_sizes: Sequence[int] = (1,)) -> pd.DataFrame:
+    """Decode step time against context length, at each of ``batch_sizes`` (B = 1 alone
+    by default).
 
     Returns:
-        One row per context: ``batch_size, context_len, step_s`` (min), ``step_median_s``,
-        ``per_token_s``, ``num_runs``.
+        One row per (batch size, context): ``batch_size, context_len, step_s`` (min),
+        ``step_median_s``, ``per_token_s``, ``num_runs``.
     """
     rows = []
-    for c in contexts:
-        rows.append(_decode_row(time_decode(loaded, 1, c, repeats, device, seed + c), 1, c))
+    for b, c in itertools.product(batch_sizes, contexts):
+        t = time_decode(loaded, b, c, repeats, device, _context_seed(seed, b, c))
+        rows.append(_decode_row(t, b, c))
         _tick(progress)
     return pd.DataFrame(rows)
+
+
+def _context_seed(seed: int, batch_size: int, context_len: int) -> int:
+    return seed + context_len + 100_003 * (batch_size - 1)  # B = 1 keeps its old seeds
+
+
+def single_row(decode_context: pd.DataFrame) -> pd.DataFrame:
+    """The context sweep's rows at its smallest batch size (B = 1 by default)."""
+    return decode_context[decode_context["batch_size"] == decode_context["batch_size"].min()]
 
 
 def profile_decode_batch(loaded: LoadedModel, batch_sizes: Sequence[int], context_len: int,
@@ -327,7 +348,8 @@ def _mixed_row(t: Timing, prompt_len: int, batch_size: int, context_len: int) ->
 def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], contexts: Sequence[int],
                         batch_sizes: Sequence[int], batch_context: int,
                         mixed_prompts: Sequence[int], mixed_batch_sizes: Sequence[int],
-                        repeats: int, device: str = "cpu", seed: int = 0, progress=None
+                        repeats: int, device: str = "cpu", seed: int = 0, progress=None,
+                        context_batch_sizes: Sequence[int] = DEFAULT_CONTEXT_BATCH_SIZES
                         ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Every point of the four sweeps measured in interleaved rounds
     (``timing.measure_interleaved``: one run of each point per round, shuffled), so a
@@ -344,10 +366,11 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
     engine = prefill_engine(loaded, max(prompt_lens), device)
     for p in prompt_lens:
         points["prefill", p] = prefill_point(engine, p, seed + p)
-    for kind, sizes in (("context", [(1, c) for c in contexts]),
+    for kind, sizes in (("context", list(itertools.product(context_batch_sizes, contexts))),
                         ("batch", [(b, batch_context) for b in batch_sizes])):
         for b, c in sizes:
-            run, close = decode_point(loaded, b, c, repeats, device, seed + (c if kind == "context" else b))
+            run, close = decode_point(loaded, b, c, repeats, device,
+                                      _context_seed(seed, b, c) if kind == "context" else seed + b)
             points[kind, b, c] = (None, run)
             closes.append(close)
     for p, b in itertools.product(mixed_prompts, mixed_batch_sizes):
@@ -360,7 +383,8 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
         close()
     assert engine.is_empty(), "prefill requests must finish and free their KV"
     prefill = pd.DataFrame([_prefill_row(timings["prefill", p], p) for p in prompt_lens])
-    context = pd.DataFrame([_decode_row(timings["context", 1, c], 1, c) for c in contexts])
+    context = pd.DataFrame([_decode_row(timings["context", b, c], b, c)
+                            for b, c in itertools.product(context_batch_sizes, contexts)])
     batch = pd.DataFrame([_decode_row(timings["batch", b, batch_context], b, batch_context)
                           for b in batch_sizes])
     mixed = pd.DataFrame([_mixed_row(timings["mixed", p, b], p, b, batch_context)
@@ -497,7 +521,8 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
                 pg_prompts=DEFAULT_PG_PROMPTS, pg_outputs=DEFAULT_PG_OUTPUTS, repeats: int = 5,
                 device: str = "cpu", seed: int = 0, show_progress: bool = True,
                 mixed_prompts=DEFAULT_MIXED_PROMPTS,
-                mixed_batch_sizes=DEFAULT_MIXED_BATCH_SIZES) -> ProfileResult:
+                mixed_batch_sizes=DEFAULT_MIXED_BATCH_SIZES,
+                context_batch_sizes=DEFAULT_CONTEXT_BATCH_SIZES) -> ProfileResult:
     """The whole profile (module docstring). Prefill is measured for ``prompt_lens`` and the
     P x G prompts together (prefill rows = their union, sorted). Mixed prompts that do not
     fit the model's context are dropped (noted)."""
@@ -516,20 +541,125 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
         notes.append(f"mixed prompts: dropped {[p for p in mixed_prompts if p + 1 > limit]} "
                      f"(model context {limit} tokens)")
     mixed_prompts = kept
-    total = (len(all_prompts) + len(contexts) + len(batch_sizes)
+    total = (len(all_prompts) + len(contexts) * len(context_batch_sizes) + len(batch_sizes)
              + len(mixed_prompts) * len(mixed_batch_sizes)) * (WARMUP + repeats)
     with tqdm(total=total, desc="profile", unit="run", disable=not show_progress,
               file=sys.stderr) as bar:
         prefill, decode_context, decode_batch, mixed = profile_interleaved(
             loaded, all_prompts, contexts, batch_sizes, batch_context, mixed_prompts,
-            mixed_batch_sizes, repeats, device, seed, bar)
+            mixed_batch_sizes, repeats, device, seed, bar, context_batch_sizes)
+    return derive(prefill, decode_context, decode_batch, mixed, max(prompt_lens), pg_prompts,
+                  pg_outputs, describe(repeats, WARMUP) + INTERLEAVED, notes)
+
+
+def derive(prefill: pd.DataFrame, decode_context: pd.DataFrame, decode_batch: pd.DataFrame,
+           mixed: pd.DataFrame, ratio_prompt_len: int, pg_prompts: Sequence[int],
+           pg_outputs: Sequence[int], estimator: str, notes: list[str]) -> ProfileResult:
+    """The ``ProfileResult`` of measured sweeps: the batch and context lines, the token cost
+    ratio at prompt ``ratio_prompt_len`` (module docstring, step 5) and the P x G table."""
     batch_fit = fit_linear(decode_batch["batch_size"], decode_batch["step_s"])
-    context_fit = fit_linear(decode_context["context_len"], decode_context["step_s"])
-    ratio = token_cost_ratio(prefill[prefill["prompt_len"].isin(prompt_lens)], decode_batch)
-    pg = pg_table(prefill, context_fit, pg_prompts, pg_outputs,
-                  min_step_s=float(decode_context["step_s"].min()))
+    one = single_row(decode_context)
+    context_fit = fit_linear(one["context_len"], one["step_s"])
+    ratio = token_cost_ratio(prefill[prefill["prompt_len"] <= ratio_prompt_len], decode_batch)
+    pg = pg_table(prefill, context_fit, pg_prompts, pg_outputs, min_step_s=float(one["step_s"].min()))
     return ProfileResult(prefill, decode_context, decode_batch, batch_fit, context_fit, ratio,
-                         pg, describe(repeats, WARMUP) + INTERLEAVED, notes, mixed)
+                         pg, estimator, notes, mixed)
+
+
+def pooled(results: Sequence[ProfileResult], devices: Sequence[str]) -> ProfileResult:
+    """One profile from the same sweeps measured on several devices at once
+    (``profile_on_devices``): per point the fastest run of any device (``*_s``, the
+    estimator), the median of the devices' medians (``*_median_s``, what the device profile
+    is fitted on) and every run counted; the lines, ratio and P x G table derived again.
+
+    Raises:
+        ValueError: no results, or results of different sweeps.
+    """
+    if not results:
+        raise ValueError("pooled needs at least one profile")
+
+    def pool(frames: list[pd.DataFrame], keys: list[str]) -> pd.DataFrame:
+        if any(list(f[keys].itertuples(index=False)) != list(frames[0][keys].itertuples(index=False))
+               for f in frames):
+            raise ValueError("profiles of different sweeps cannot be pooled")
+        agg = {c: ("median" if c.endswith("_median_s") else "sum" if c == "num_runs" else "min")
+               for c in frames[0].columns if c not in keys}
+        return (pd.concat(frames).groupby(keys, sort=False, as_index=False).agg(agg)
+                [list(frames[0].columns)])
+
+    first = results[0]
+    frames = {name: pool([getattr(r, name) for r in results], keys) for name, keys in (
+        ("prefill", ["prompt_len"]), ("decode_context", ["batch_size", "context_len"]),
+        ("decode_batch", ["batch_size", "context_len"]),
+        ("mixed", ["prompt_len", "batch_size", "context_len"]))}
+    return derive(frames["prefill"], frames["decode_context"], frames["decode_batch"],
+                  frames["mixed"], int(first.ratio["prompt_len"]),
+                  list(dict.fromkeys(first.pg["prompt_len"])), list(dict.fromkeys(first.pg["output_len"])),
+                  f"{first.estimator}; measured on {','.join(devices)} at once, pooled (fastest "
+                  "run, median of the devices' medians)", first.notes)
+
+
+def _profile_process(device: str, model: ModelConfig, kwargs: dict, start, results) -> None:
+    """One process of ``profile_on_devices``: bound to ``device``'s cores (one torch thread
+    each), the model loaded, then, once every process is ready (``start``, a barrier), the
+    profile; its result (or error text) is put on ``results`` as ``(device, result, error)``."""
+    try:
+        from engine.config import cpu_cores_of
+
+        if device.startswith("cpu"):
+            cores = cpu_cores_of(device)
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
+        loaded = load_model(model, device="cpu" if device.startswith("cpu") else device)
+        start.wait()
+        result = run_profile(loaded, device="cpu" if device.startswith("cpu") else device,
+                             show_progress=False, **kwargs)
+        results.put((device, result, None))
+    except BaseException as err:  # the parent must hear of it, not wait forever
+        start.abort()
+        results.put((device, None, f"{type(err).__name__}: {err}"))
+
+
+def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> ProfileResult:
+    """``run_profile`` on every device of ``devices`` at the same time, each in its own
+    process bound to that device (``cpu:i`` / ``cpu:i-j`` cores, or ``cuda:i``), then
+    ``pooled``. A placement that uses all of them runs each worker beside the others: on a
+    CPU the cores share the memory bandwidth and the last-level cache (a decode step here
+    took 11-18% longer while another core copied memory, issue 12), which a profile measured
+    on one device with the others idle never sees.
+
+    Raises:
+        ValueError: a device's process failed (its error named).
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no forked torch / Ray state
+    start, results = ctx.Barrier(len(devices)), ctx.Queue()
+    procs = [ctx.Process(target=_profile_process, args=(d, model, kwargs, start, results))
+             for d in devices]
+    for proc in procs:
+        proc.start()
+    got = {}
+    try:
+        while len(got) < len(devices):
+            try:
+                device, result, error = results.get(timeout=5.0)
+            except queue.Empty:  # a process killed outright (OOM) reports nothing: look
+                dead = [(d, p.exitcode) for d, p in zip(devices, procs)
+                        if d not in got and not p.is_alive()]
+                if dead and results.empty():
+                    raise ValueError(f"profile on {dead[0][0]} died (exit code "
+                                     f"{dead[0][1]}) before reporting") from None
+                continue
+            if error is not None:
+                raise ValueError(f"profile on {device} failed: {error}")
+            got[device] = result
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return pooled([got[d] for d in devices], devices)
 
 
 # ---- output ----------------------------------------------------------------------------
@@ -559,8 +689,8 @@ def summary_markdown(result: ProfileResult, header: str) -> str:
     r = result
     parts = [f"# pdlab profile\n\n{header}\n\nEstimator: {r.estimator}.\n",
              "## Prefill (one step, whole prompt)\n", markdown_table(r.prefill),
-             "\n## Decode step vs context (B = 1)\n", markdown_table(r.decode_context),
-             "\n" + _fit_text("context fit", r.context_fit, "context") + "\n",
+             "\n## Decode step vs context\n", markdown_table(r.decode_context),
+             "\n" + _fit_text("context fit (B = 1 rows)", r.context_fit, "context") + "\n",
              "\n## Decode step vs batch size\n", markdown_table(r.decode_batch),
              "\n" + _fit_text("batch fit", r.batch_fit, "B") + "\n",
              "\n## Mixed steps (B decodes + one whole prompt)\n",
@@ -655,7 +785,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lens", type=int_list, default=DEFAULT_PROMPT_LENS,
                         help="prefill sweep P (default: 1,4,16,64,128,256,512)")
     parser.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS,
-                        help="decode contexts at B=1 (default: 16,64,256,1024)")
+                        help="decode contexts of the context sweep (default: 16,64,256,1024)")
+    parser.add_argument("--context-batch-sizes", type=int_list,
+                        default=DEFAULT_CONTEXT_BATCH_SIZES,
+                        help="batch sizes the context sweep runs at (default: 1,8; batched "
+                             "rows pin the decode model's context term)")
     parser.add_argument("--batch-sizes", type=int_list, default=DEFAULT_BATCH_SIZES,
                         help="decode batch sizes (default: 1,2,4,8,16,32)")
     parser.add_argument("--batch-context", type=positive_int, default=DEFAULT_BATCH_CONTEXT,
@@ -669,10 +803,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 64,256)")
     parser.add_argument("--mixed-batch-sizes", type=int_list, default=DEFAULT_MIXED_BATCH_SIZES,
                         help="B of the mixed steps, decoding at --batch-context (default: 1,4,16)")
+    parser.add_argument("--devices", type=_device_list, default=None,
+                        help="measure on every device of this list at once (e.g. cpu:0,cpu:1), "
+                             "each in its own process, and pool them: the speed each device "
+                             "has while the others work too, as in a placement using them all "
+                             "(default: --device alone)")
     parser.add_argument("--transports", type=_transports, default=DEFAULT_PROFILE_TRANSPORTS,
                         help="transports whose KV transfer is timed (pdlab kv-cost's "
                              "measurement) and fitted into device_profile.json, from "
                              "inprocess,ray,torchdist,shm (default: inprocess)")
+
+
+def _device_list(text: str) -> tuple[str, ...]:
+    """``--devices``: a device list (``engine.config.parse_devices``) whose devices exist here.
+
+    Raises:
+        argparse.ArgumentTypeError: a malformed list, or a core or GPU this process lacks.
+    """
+    from engine.config import cpu_cores_of, parse_devices
+
+    try:
+        devices = parse_devices(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    cores = os.sched_getaffinity(0)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for d in devices:
+        if d.startswith("cpu") and not set(cpu_cores_of(d)) <= cores:
+            raise argparse.ArgumentTypeError(f"device {d} does not exist: this process may use "
+                                             f"cores {sorted(cores)}")
+        if d.startswith("cuda") and int(d.partition(":")[2]) >= gpus:
+            raise argparse.ArgumentTypeError(f"device {d} does not exist: this machine has "
+                                             f"{gpus} GPUs")
+    return devices
 
 
 def _transports(text: str) -> tuple[str, ...]:
@@ -703,6 +866,9 @@ def check_arguments(args: argparse.Namespace, model) -> None:
         ValueError: ``argument --x: ...`` for the first bad option.
     """
     check_device(args.device)
+    if getattr(args, "devices", None) and args.device != "cpu":
+        raise ValueError(f"argument --devices: it replaces --device (got --device {args.device}"
+                         "): name the devices in --devices only")
     for option, values in (("--contexts", args.contexts), ("--batch-sizes", args.batch_sizes)):
         if len(set(values)) < 2:
             raise ValueError(f"argument {option}: needs at least 2 distinct values for its fit, "
@@ -754,7 +920,10 @@ def load_for(args: argparse.Namespace) -> LoadedModel | None:
 
 def run_header(loaded: LoadedModel, args: argparse.Namespace) -> str:
     threads = torch.get_num_threads()
-    return (f"model {loaded.name} ({args.dtype}), device {args.device}, torch {torch.__version__}, "
+    devices = getattr(args, "devices", None)
+    where = (f"devices {','.join(devices)} at once (one process each, one thread per core)"
+             if devices else f"device {args.device}")
+    return (f"model {loaded.name} ({args.dtype}), {where}, torch {torch.__version__}, "
             f"{threads} intra-op threads")
 
 
@@ -762,11 +931,18 @@ def main(args: argparse.Namespace) -> int:
     loaded = load_for(args)
     if loaded is None:
         return 2
+    sweeps = dict(prompt_lens=args.prompt_lens, contexts=args.contexts,
+                  batch_sizes=args.batch_sizes, batch_context=args.batch_context,
+                  pg_prompts=args.pg_prompts, pg_outputs=args.pg_outputs, repeats=args.repeats,
+                  seed=args.seed, mixed_prompts=args.mixed_prompts,
+                  mixed_batch_sizes=args.mixed_batch_sizes,
+                  context_batch_sizes=args.context_batch_sizes)
     try:
-        result = run_profile(loaded, args.prompt_lens, args.contexts, args.batch_sizes,
-                             args.batch_context, args.pg_prompts, args.pg_outputs, args.repeats,
-                             args.device, args.seed, mixed_prompts=args.mixed_prompts,
-                             mixed_batch_sizes=args.mixed_batch_sizes)
+        if getattr(args, "devices", None):
+            print(f"pdlab profile: measuring on {','.join(args.devices)} at once", file=sys.stderr)
+            result = profile_on_devices(ModelConfig(args.model, args.dtype), args.devices, **sweeps)
+        else:
+            result = run_profile(loaded, device=args.device, **sweeps)
         kv_table = _kv_table(loaded, args)
         device_profile = fit_device_profile(result, loaded, args.dtype, args.device, kv_table)
     except ValueError as err:
@@ -785,7 +961,7 @@ def main(args: argparse.Namespace) -> int:
     plot_profile(result, out / "profile.png", header)
     print(f"{header}\nestimator: {result.estimator}\n")
     print("prefill:\n" + result.prefill.to_string(index=False) + "\n")
-    print("decode vs context (B=1):\n" + result.decode_context.to_string(index=False))
+    print("decode vs context:\n" + result.decode_context.to_string(index=False))
     print(_fit_text("context fit", result.context_fit, "context") + "\n")
     print("decode vs batch size:\n" + result.decode_batch.to_string(index=False))
     print(_fit_text("batch fit", result.batch_fit, "B") + "\n")

@@ -141,7 +141,8 @@ def test_run_profile_tiny(tiny, monkeypatch):
                                  batch_context=16, pg_prompts=[16, 32], pg_outputs=[4, 8],
                                  repeats=REPEATS, show_progress=False, mixed_prompts=[8],
                                  mixed_batch_sizes=[1, 2])
-    assert len(seen) == 1 and len(seen[0]) == 3 + 2 + 2 + 2
+    assert len(seen) == 1 and len(seen[0]) == 3 + 2 * 2 + 2 + 2  # contexts at B = 1 and 8
+    assert sorted(set(result.decode_context["batch_size"])) == [1, 8]
     for df in (result.prefill, result.decode_context, result.decode_batch, result.mixed):
         assert (df["num_runs"] == REPEATS).all() and (df["step_s" if "step_s" in df else "prefill_s"] > 0).all()
     assert list(result.mixed["batch_size"]) == [1, 2] and "rounds shuffled" in result.estimator
@@ -151,6 +152,56 @@ def test_run_profile_tiny(tiny, monkeypatch):
     assert len(result.pg) == 4 and ((result.pg["prompt_share"] > 0) & (result.pg["prompt_share"] <= 1)).all()
     assert (result.pg["total_s"] >= result.pg["ttft_s"]).all()
     assert "min of 2 runs" in result.estimator
+
+
+def _result(prefill_s, step_s):
+    """A ProfileResult of two prompt lengths, two decode rows per sweep and one mixed row,
+    every time scaled from ``prefill_s`` / ``step_s``; median = 1.5 x min."""
+    pre = pd.DataFrame({"prompt_len": [4, 16], "prefill_s": [prefill_s, 2 * prefill_s],
+                        "prefill_median_s": [1.5 * prefill_s, 3 * prefill_s],
+                        "per_token_s": [prefill_s / 4, 2 * prefill_s / 16], "num_runs": [2, 2]})
+    dec = lambda rows: pd.DataFrame({  # noqa: E731
+        "batch_size": [b for b, _ in rows], "context_len": [c for _, c in rows],
+        "step_s": [step_s * b for b, _ in rows], "step_median_s": [1.5 * step_s * b for b, _ in rows],
+        "per_token_s": [step_s for _ in rows], "num_runs": [2, 2]})
+    mixed = pd.DataFrame({"prompt_len": [8], "batch_size": [2], "context_len": [16],
+                          "step_s": [prefill_s + step_s], "step_median_s": [1.5 * (prefill_s + step_s)],
+                          "num_runs": [2]})
+    context, batch = dec([(1, 8), (1, 32)]), dec([(1, 16), (2, 16)])
+    return profile.derive(pre, context, batch, mixed, 16, [16], [4], "min of 2 runs", [])
+
+
+def test_pooled_profiles_take_the_fastest_run_and_the_median_of_medians():
+    a, b, c = _result(0.1, 0.01), _result(0.3, 0.02), _result(0.2, 0.04)
+    both = profile.pooled([a, b, c], ["cpu:0", "cpu:1", "cpu:2"])
+    assert list(both.prefill["prefill_s"]) == [0.1, 0.2]  # a's, the fastest
+    assert list(both.prefill["prefill_median_s"]) == pytest.approx([0.3, 0.6])  # c's, the median
+    assert list(both.decode_batch["step_median_s"]) == pytest.approx([0.03, 0.06])  # b's
+    assert list(both.mixed["step_s"]) == pytest.approx([0.11])
+    assert (both.prefill["num_runs"] == 6).all() and (both.mixed["num_runs"] == 6).all()
+    assert both.batch_fit.b == pytest.approx(0.01)  # the line through the pooled minima
+    assert "measured on cpu:0,cpu:1,cpu:2 at once" in both.estimator
+    assert list(both.pg["prompt_len"]) == [16] and both.ratio["prompt_len"] == 16
+    other = profile.derive(a.prefill.iloc[:1], a.decode_context, a.decode_batch, a.mixed, 4,
+                           [4], [4], "x", [])
+    with pytest.raises(ValueError, match="different sweeps"):
+        profile.pooled([a, other], ["cpu:0", "cpu:1"])
+    with pytest.raises(ValueError, match="at least one"):
+        profile.pooled([], [])
+
+
+@pytest.mark.skipif(len(__import__("os").sched_getaffinity(0)) < 2, reason="needs 2 cores")
+def test_profile_on_two_cores_at_once():
+    from engine.config import ModelConfig
+
+    result = profile.profile_on_devices(
+        ModelConfig("tiny-random-llama"), ["cpu:0", "cpu:1"], prompt_lens=[4, 16],
+        contexts=[8, 32], batch_sizes=[1, 2], batch_context=16, pg_prompts=[16], pg_outputs=[4],
+        repeats=REPEATS, mixed_prompts=[8], mixed_batch_sizes=[1])
+    for df in (result.prefill, result.decode_context, result.decode_batch, result.mixed):
+        assert (df["num_runs"] == 2 * REPEATS).all()
+    assert (result.prefill["prefill_s"] <= result.prefill["prefill_median_s"]).all()
+    assert "measured on cpu:0,cpu:1 at once" in result.estimator
 
 
 def test_profile_caps_sweeps_by_model_context(tiny):  # the tiny model has 256 positions
@@ -176,7 +227,7 @@ def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
     prof = DeviceProfile.load(tmp_path / "device_profile.json")
     assert (prof.model, prof.dtype, prof.device_kind) == ("tiny-random-llama", "float32", "cpu")
     assert prof.kv_bytes_per_token == tiny.kv_spec.bytes_per_token and prof.num_threads >= 1
-    assert prof.prefill.num_points == 2 and prof.decode.num_points == 4
+    assert prof.prefill.num_points == 2 and prof.decode.num_points == 2 * 2 + 2  # contexts x B 1, 8; batch
     assert prof.mixed.num_points == 3 and set(prof.transfers) == {"inprocess"}
     out = capsys.readouterr().out
     assert "min of 1 runs after 1 warm-up; median shown" in out and "batch fit" in out
