@@ -76,26 +76,36 @@ def measure(run: Callable[[], object], repeats: int, *,
     Raises:
         ValueError: ``repeats < 1`` or ``warmup < 0``.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    _check_counts(repeats, warmup)
     samples_s: list[float] = []
     for i in range(warmup + repeats):
-        if setup is not None:
-            setup()
-        if sync is not None:
-            sync()
-        start_s = clock()
-        run()
-        if sync is not None:
-            sync()
-        elapsed_s = clock() - start_s
+        elapsed_s = _timed(run, setup, sync, clock)
         if teardown is not None:
             teardown()
         if i >= warmup:
             samples_s.append(elapsed_s)
     return summarize(samples_s)
+
+
+def _check_counts(repeats: int, warmup: int) -> None:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if warmup < 0:
+        raise ValueError(f"warmup must be >= 0, got {warmup}")
+
+
+def _timed(run: Callable[[], object], setup: Callable[[], object] | None,
+           sync: Callable[[], None] | None, clock: Callable[[], float]) -> float:
+    """One run: ``setup`` untimed, then seconds of ``run`` between two ``sync`` calls."""
+    if setup is not None:
+        setup()
+    if sync is not None:
+        sync()
+    start_s = clock()
+    run()
+    if sync is not None:
+        sync()
+    return clock() - start_s
 
 
 def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
@@ -125,10 +135,7 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
     Raises:
         ValueError: ``repeats < 1`` or ``warmup < 0``.
     """
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
-    if warmup < 0:
-        raise ValueError(f"warmup must be >= 0, got {warmup}")
+    _check_counts(repeats, warmup)
     rng = random.Random(seed)
     samples_s: dict = {key: [] for key in points}
     for i in range(warmup + repeats):
@@ -136,15 +143,7 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
         rng.shuffle(order)
         for key in order:
             setup, run = points[key]
-            if setup is not None:
-                setup()
-            if sync is not None:
-                sync()
-            start_s = clock()
-            run()
-            if sync is not None:
-                sync()
-            elapsed_s = clock() - start_s
+            elapsed_s = _timed(run, setup, sync, clock)
             if i >= warmup:
                 samples_s[key].append(elapsed_s)
             if on_run is not None:
