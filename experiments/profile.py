@@ -217,38 +217,10 @@ def decode_point(loaded: LoadedModel, batch_size: int, context_len: int, repeats
     return run, close
 
 
-def time_decode(loaded: LoadedModel, batch_size: int, context_len: int, repeats: int,
-                device: str = "cpu", seed: int = 0) -> Timing:
-    """Time decode steps of ``batch_size`` requests, each holding ``context_len`` tokens of
-    KV when the first timed step starts (prefill to there is untimed; ``decode_point``)."""
-    run, close = decode_point(loaded, batch_size, context_len, repeats, device, seed)
-    timing = measure(run, repeats, warmup=WARMUP, sync=device_sync(device))
-    close()
-    return timing
-
-
 def _decode_row(t: Timing, batch_size: int, context_len: int) -> dict:
     return {"batch_size": batch_size, "context_len": context_len, "step_s": t.min_s,
             "step_median_s": t.median_s, "per_token_s": t.min_s / batch_size,
             "num_runs": t.num_runs}
-
-
-def profile_decode_context(loaded: LoadedModel, contexts: Sequence[int], repeats: int,
-                           device: str = "cpu", seed: int = 0, progress=None,
-                           batch_sizes: Sequence[int] = (1,)) -> pd.DataFrame:
-    """Decode step time against context length, at each of ``batch_sizes`` (B = 1 alone
-    by default).
-
-    Returns:
-        One row per (batch size, context): ``batch_size, context_len, step_s`` (min),
-        ``step_median_s``, ``per_token_s``, ``num_runs``.
-    """
-    rows = []
-    for b, c in itertools.product(batch_sizes, contexts):
-        t = time_decode(loaded, b, c, repeats, device, _context_seed(seed, b, c))
-        rows.append(_decode_row(t, b, c))
-        _tick(progress)
-    return pd.DataFrame(rows)
 
 
 def _context_seed(seed: int, batch_size: int, context_len: int) -> int:
@@ -258,19 +230,6 @@ def _context_seed(seed: int, batch_size: int, context_len: int) -> int:
 def single_row(decode_context: pd.DataFrame) -> pd.DataFrame:
     """The context sweep's rows at its smallest batch size (B = 1 by default)."""
     return decode_context[decode_context["batch_size"] == decode_context["batch_size"].min()]
-
-
-def profile_decode_batch(loaded: LoadedModel, batch_sizes: Sequence[int], context_len: int,
-                         repeats: int, device: str = "cpu", seed: int = 0,
-                         progress=None) -> pd.DataFrame:
-    """Decode step time against batch size at a fixed context; columns as
-    ``profile_decode_context`` (``per_token_s`` = step_s / B)."""
-    rows = []
-    for b in batch_sizes:
-        rows.append(_decode_row(time_decode(loaded, b, context_len, repeats, device, seed + b),
-                                b, context_len))
-        _tick(progress)
-    return pd.DataFrame(rows)
 
 
 def mixed_point(loaded: LoadedModel, batch_size: int, context_len: int, prompt_len: int,
@@ -311,35 +270,6 @@ def mixed_point(loaded: LoadedModel, batch_size: int, context_len: int, prompt_l
     return setup, run, close
 
 
-def time_mixed(loaded: LoadedModel, batch_size: int, context_len: int, prompt_len: int,
-               repeats: int, device: str = "cpu", seed: int = 0) -> Timing:
-    """Time steps that decode ``batch_size`` requests (each at ``context_len`` tokens of KV
-    when the first timed step starts) and prefill one new ``prompt_len``-token prompt whole
-    in the same step (queueing the prompt is untimed; ``mixed_point``)."""
-    setup, run, close = mixed_point(loaded, batch_size, context_len, prompt_len, repeats,
-                                    device, seed)
-    timing = measure(run, repeats, setup=setup, warmup=WARMUP, sync=device_sync(device))
-    close()
-    return timing
-
-
-def profile_mixed(loaded: LoadedModel, prompt_lens: Sequence[int], batch_sizes: Sequence[int],
-                  context_len: int, repeats: int, device: str = "cpu", seed: int = 0,
-                  progress=None) -> pd.DataFrame:
-    """Mixed step time per (prompt length, batch size) at a fixed decode context.
-
-    Returns:
-        One row per point: ``prompt_len, batch_size, context_len, step_s`` (min),
-        ``step_median_s``, ``num_runs``.
-    """
-    rows = []
-    for p, b in itertools.product(prompt_lens, batch_sizes):
-        t = time_mixed(loaded, b, context_len, p, repeats, device, seed + p + b)
-        rows.append(_mixed_row(t, p, b, context_len))
-        _tick(progress)
-    return pd.DataFrame(rows)
-
-
 def _mixed_row(t: Timing, prompt_len: int, batch_size: int, context_len: int) -> dict:
     return {"prompt_len": prompt_len, "batch_size": batch_size, "context_len": context_len,
             "step_s": t.min_s, "step_median_s": t.median_s, "num_runs": t.num_runs}
@@ -354,13 +284,17 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
     """Every point of the four sweeps measured in interleaved rounds
     (``timing.measure_interleaved``: one run of each point per round, shuffled), so a
     machine that drifts during the profile biases no sweep against another (module
-    docstring). Each point is set up as the sequential ``profile_*`` functions set it up
-    (the same engines, prompts and seeds), all of them first, untimed.
+    docstring). Every point is set up first, untimed (``prefill_point``, ``decode_point``,
+    ``mixed_point``): the context sweep at each of ``context_batch_sizes`` x ``contexts``,
+    the batch sweep at ``batch_sizes`` x ``batch_context``, the mixed steps at
+    ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at ``batch_context``.
 
     Returns:
-        ``(prefill, decode_context, decode_batch, mixed)``, with the columns of
-        ``profile_prefill``, ``profile_decode_context``, ``profile_decode_batch`` and
-        ``profile_mixed``.
+        ``(prefill, decode_context, decode_batch, mixed)``: prefill has the columns of
+        ``profile_prefill``; the two decode sweeps one row per (batch size, context):
+        ``batch_size, context_len, step_s`` (min), ``step_median_s``, ``per_token_s``
+        (= step_s / B), ``num_runs``; mixed one row per (prompt length, batch size):
+        ``prompt_len, batch_size, context_len, step_s``, ``step_median_s``, ``num_runs``.
     """
     points, closes = {}, []
     engine = prefill_engine(loaded, max(prompt_lens), device)

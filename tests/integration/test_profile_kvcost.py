@@ -119,14 +119,19 @@ def test_profile_prefill_and_decode_frames(tiny):
     assert np.allclose(prefill["per_token_s"], prefill["prefill_s"] / prefill["prompt_len"])
     assert (prefill["num_runs"] == REPEATS).all()
 
-    context = profile.profile_decode_context(tiny, [8, 32], REPEATS)
-    assert list(context["context_len"]) == [8, 32] and (context["batch_size"] == 1).all()
+    _, context, batch, mixed = profile.profile_interleaved(tiny, [4], [8, 32], [1, 2, 4], 16,
+                                                           [8], [2], REPEATS,
+                                                           context_batch_sizes=[1, 3])
+    assert list(zip(context["batch_size"], context["context_len"])) == [(1, 8), (1, 32), (3, 8), (3, 32)]
     assert (context["step_s"] > 0).all()
+    assert list(profile.single_row(context)["context_len"]) == [8, 32]
 
-    batch = profile.profile_decode_batch(tiny, [1, 2, 4], 16, REPEATS)
     assert list(batch["batch_size"]) == [1, 2, 4] and (batch["context_len"] == 16).all()
     assert (batch["step_s"] > 0).all()
     assert np.allclose(batch["per_token_s"], batch["step_s"] / batch["batch_size"])
+    assert list(mixed[["prompt_len", "batch_size", "context_len"]].iloc[0]) == [8, 2, 16]
+    for df in (context, batch, mixed):
+        assert (df["num_runs"] == REPEATS).all() and (df["step_s"] <= df["step_median_s"]).all()
 
 
 def test_run_profile_tiny(tiny, monkeypatch):
