@@ -654,13 +654,24 @@ class ModelRunner:
             if batch.completes(i):
                 sample_idx.append(offset + n - 1)
             offset += n
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         if decodes and self._use_c_attention():  # every decode row in one paged C call
             groups = [self._paged_group(decodes)]
         else:
             groups = self._plan_decodes(decodes)
-        return _StepLayout(as_long(ids), as_long(positions), as_long(slots), groups, chunks,
-                           as_long(sample_idx))
+        return _StepLayout(self._long(ids), self._long(positions), self._long(slots), groups,
+                           chunks, self._long(sample_idx))
+
+    def _long(self, xs: list[int]) -> torch.Tensor:
+        """``xs`` as an int64 tensor on the runner's device."""
+        return torch.tensor(xs, dtype=torch.long, device=self.device)
+
+    def _query_rows(self, tokens: list[int]) -> tuple[int | None, torch.Tensor | None]:
+        """A group's ``(token_start, token_idx)`` for decode rows at step tokens ``tokens``:
+        ``(tokens[0], None)`` when they are consecutive (q is a slice), else ``(None, the
+        indices)`` (q is gathered)."""
+        if all(t == tokens[0] + r for r, t in enumerate(tokens)):
+            return tokens[0], None
+        return None, self._long(tokens)
 
     def _paged_group(self, decodes: list[tuple[int, int, list[int]]]) -> _DecodeGroup:
         """Decode rows ``(kv length, token index, block ids)`` -> one group for the C paged
@@ -669,14 +680,11 @@ class ModelRunner:
         block_size = self.kv_store.block_size
         used = [table[:-(-length // block_size)] for length, _, table in decodes]
         width = max(len(u) for u in used)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        tokens = [token for _, token, _ in decodes]
-        dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
         return _DecodeGroup(
             len(decodes), max(length for length, _, _ in decodes), 0, 0, None, None,
-            tokens[0] if dense else None, None if dense else as_long(tokens),
-            block_tables=as_long([u + [0] * (width - len(u)) for u in used]),
-            lens=as_long([length for length, _, _ in decodes]))
+            *self._query_rows([token for _, token, _ in decodes]),
+            block_tables=self._long([u + [0] * (width - len(u)) for u in used]),
+            lens=self._long([length for length, _, _ in decodes]))
 
     def _plan_decodes(self, decodes: list[tuple[int, int, list[int]]]) -> list[_DecodeGroup]:
         """Decode rows ``(kv length, token index, block ids)`` -> SDPA groups.
@@ -740,7 +748,6 @@ class ModelRunner:
         rows' block ids) gathers ``nb = ceil(ctx_len / B)`` blocks per row, a shorter row
         padding with its own first block (finite values, masked out)."""
         ctx_len = max(length for _, length, _ in rows)
-        as_long = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         block_idx = None
         if tables is not None:
             block_size = self.kv_store.block_size
@@ -748,14 +755,12 @@ class ModelRunner:
             for table, (_, length, _) in zip(tables, rows):
                 used = table[:-(-length // block_size)]
                 ids.extend(used + [table[0]] * (num_blocks - len(used)))
-            block_idx = as_long(ids)
+            block_idx = self._long(ids)
         mask = None
         if any(length != ctx_len for _, length, _ in rows):
-            lens_t = as_long([length for _, length, _ in rows])
+            lens_t = self._long([length for _, length, _ in rows])
             mask = (torch.arange(ctx_len, device=self.device)[None, :] < lens_t[:, None])
             mask = mask[:, None, None, :]
-        tokens = [t for _, _, t in rows]
-        dense = all(t == tokens[0] + r for r, t in enumerate(tokens))
         kv_views = None
         if tables is None:  # row r's K at flat token token_offset + r * stride_tokens
             kv = self.kv_store.kv  # [L, 2, H_kv, NB, B, D], contiguous
@@ -765,8 +770,7 @@ class ModelRunner:
             kv_views = (kv.as_strided(size, strides, start),
                         kv.as_strided(size, strides, start + kv.stride(1)))
         return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
-                            tokens[0] if dense else None, None if dense else as_long(tokens),
-                            kv_views)
+                            *self._query_rows([t for _, _, t in rows]), kv_views)
 
 
 def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
