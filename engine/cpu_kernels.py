@@ -280,9 +280,8 @@ class Kernels:
         # per call: one Kernels instance is shared by the engines of a process' threads
         scores = q.new_empty(group * max_blocks * block_size)
         out = q.new_empty(n, hq, d)
-        base = kv_layer.data_ptr()
-        if self._decode_attention(q.data_ptr(), q.stride(0), base, base + kv_layer.stride(0) * 4,
-                                  kv_layer.stride(1), num_blocks, block_size,
+        if self._decode_attention(q.data_ptr(), q.stride(0), kv_layer[0].data_ptr(),
+                                  kv_layer[1].data_ptr(), kv_layer.stride(1), num_blocks, block_size,
                                   block_tables.data_ptr(), max_blocks, lens.data_ptr(), n, hkv,
                                   group, d, scale, scores.data_ptr(), out.data_ptr()):
             raise ValueError(f"decode_attention: lengths must be in 1 .. {max_blocks * block_size}"
