@@ -28,7 +28,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from experiments.timing import Timing, describe, measure, summarize
+from experiments import timing
+from experiments.timing import Timing, describe
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -53,20 +54,17 @@ def setup_threads(threads: int) -> str:
 def measure_interleaved(contenders: dict[str, Callable[[], object]], repeats: int, *,
                         setups: dict[str, Callable[[], object]] | None = None,
                         warmup: int = 1) -> dict[str, Timing]:
-    """Time several callables side by side: each round runs every contender once (each run
-    is one ``measure`` call), so slow phases of a shared machine hit all of them alike.
+    """Time several callables side by side: each round runs every contender once, in the
+    order given (``experiments.timing.measure_interleaved`` without a shuffle), so slow
+    phases of a shared machine hit all of them alike.
 
     Returns:
         name -> ``Timing`` over the ``repeats`` rounds after ``warmup`` discarded rounds.
     """
     setups = setups or {}
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
-    for round_idx in range(warmup + repeats):
-        for name, run in contenders.items():
-            timing = measure(run, 1, setup=setups.get(name), warmup=0)
-            if round_idx >= warmup:
-                samples[name].append(timing.min_s)
-    return {name: summarize(s) for name, s in samples.items()}
+    return timing.measure_interleaved({name: (setups.get(name), run)
+                                       for name, run in contenders.items()},
+                                      repeats, warmup=warmup, seed=None)
 
 
 def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:

@@ -110,7 +110,8 @@ def _timed(run: Callable[[], object], setup: Callable[[], object] | None,
 
 def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
                         sync: Callable[[], None] | None = None,
-                        clock: Callable[[], float] = time.perf_counter, seed: int = 0,
+                        clock: Callable[[], float] = time.perf_counter,
+                        seed: int | None = 0,
                         on_run: Callable[[], object] | None = None) -> dict:
     """Time several measurements in rounds instead of one after another.
 
@@ -126,7 +127,8 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
         points: key -> ``(setup, run)``: ``setup`` (untimed, may be None) then ``run``
             (timed), as ``measure``'s; the point's own state carries over between rounds.
         repeats, warmup, sync, clock: as ``measure``'s.
-        seed: the shuffle's seed.
+        seed: the shuffle's seed; None: no shuffle, every round in the order of ``points``
+            (the benchmarks' contenders side by side, ``benchmarks.measure_interleaved``).
         on_run: called after every run (warm-up included), e.g. a progress bar's update.
 
     Returns:
@@ -136,11 +138,12 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
         ValueError: ``repeats < 1`` or ``warmup < 0``.
     """
     _check_counts(repeats, warmup)
-    rng = random.Random(seed)
+    rng = None if seed is None else random.Random(seed)
     samples_s: dict = {key: [] for key in points}
     for i in range(warmup + repeats):
         order = list(points)
-        rng.shuffle(order)
+        if rng is not None:
+            rng.shuffle(order)
         for key in order:
             setup, run = points[key]
             elapsed_s = _timed(run, setup, sync, clock)

@@ -64,6 +64,13 @@ def test_interleaved_rounds_spread_a_drift_over_every_point():
     assert timings["b"].median_s / timings["a"].median_s == pytest.approx(2.0)
     with pytest.raises(ValueError, match="repeats must be >= 1"):
         measure_interleaved(points, 0)
+    order.clear()  # seed None: the benchmarks' contenders, every round in the order given
+    from benchmarks import measure_interleaved as side_by_side
+
+    fixed = side_by_side({k: run for k, (_, run) in points.items()}, 2,
+                         setups={"a": points["a"][0]})
+    assert order == ["a", "b", "c"] * 3 and setups == ["a"] * 7
+    assert all(t.num_runs == 2 for t in fixed.values())
 
 
 def test_measure_rejects_bad_counts():
