@@ -800,7 +800,7 @@ def check_arguments(args: argparse.Namespace, model) -> None:
         ValueError: ``argument --x: ...`` for the first bad option.
     """
     check_device(args.device)
-    if getattr(args, "devices", None) and args.device != "cpu":
+    if args.devices and args.device != "cpu":
         raise ValueError(f"argument --devices: it replaces --device (got --device {args.device}"
                          "): name the devices in --devices only")
     for option, values in (("--contexts", args.contexts), ("--batch-sizes", args.batch_sizes)):
@@ -854,7 +854,7 @@ def load_for(args: argparse.Namespace) -> LoadedModel | None:
 
 def run_header(loaded: LoadedModel, args: argparse.Namespace) -> str:
     threads = torch.get_num_threads()
-    devices = getattr(args, "devices", None)
+    devices = getattr(args, "devices", None)  # interference and kv-cost have no --devices
     where = (f"devices {','.join(devices)} at once (one process each, one thread per core)"
              if devices else f"device {args.device}")
     return (f"model {loaded.name} ({args.dtype}), {where}, torch {torch.__version__}, "
@@ -872,7 +872,7 @@ def main(args: argparse.Namespace) -> int:
                   mixed_batch_sizes=args.mixed_batch_sizes,
                   context_batch_sizes=args.context_batch_sizes)
     try:
-        if getattr(args, "devices", None):
+        if args.devices:
             print(f"pdlab profile: measuring on {','.join(args.devices)} at once", file=sys.stderr)
             result = profile_on_devices(ModelConfig(args.model, args.dtype), args.devices, **sweeps)
         else:
