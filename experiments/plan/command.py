@@ -238,6 +238,10 @@ def check_arguments(args: argparse.Namespace) -> PlanJob:
         raise cli.option_error("--calibrate", "pdlab plan sweeps its own rates (--rates or "
                                               "--num-rates); calibration is for real runs")
     transfer = dataclass_from_args(TransferConfig, args)
+    if plan.validate and transfer.transport == "inprocess":  # Deployment would refuse it, later
+        raise cli.option_error("--transport", "--validate runs the placements for real, one "
+                                              "process per worker: use 'ray', 'shm' or "
+                                              "'torchdist' ('inprocess' needs one process)")
     if transfer.granularity != "request":
         raise cli.option_error("--granularity", "the simulator models whole-request KV "
                                                 "transfers only (granularity 'request')")

@@ -142,6 +142,8 @@ PLAN_ROWS = [
     ("--calibrate", ["--calibrate"], ("sweeps its own rates",)),
     ("--granularity", ["--granularity", "layer"], ("whole-request KV transfers only",)),
     ("--speed-spread", ["--speed-spread", "1.5"], ("< 1",)),
+    ("--transport", ["--validate", "--transport", "inprocess"], ("one process per worker",
+                                                                 "use 'ray'")),
 ]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]
