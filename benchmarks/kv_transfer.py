@@ -200,7 +200,7 @@ def bandwidth_table(sizes: list[int], repeats: int, threads: int, with_ray: bool
             add(name, where, mib, t)
         print(f"  measured {name}", file=sys.stderr)
     if with_torchdist:
-        from experiments.kv_cost import time_torchdist
+        from experiments.commands.kv_cost import time_torchdist
 
         jobs = [(mib * MIB // SPEC.bytes_per_token, [(0, SPEC.num_layers)]) for mib in sizes]
         for mib, t in zip(sizes, time_torchdist(SPEC, jobs, repeats)):
@@ -251,7 +251,7 @@ def streaming_table(transport_names: list[str], prompt_len: int, repeats: int,
     from engine.config import EngineConfig, ModelConfig
     from engine.engine import Engine
     from engine.model import load_model
-    from experiments import profile
+    from experiments.commands import profile
     from kv_transfer.inprocess import InProcessTransport
     from kv_transfer.shm import SharedMemoryTransport
 

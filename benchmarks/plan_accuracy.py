@@ -6,7 +6,7 @@ PLAN_OUT is a ``pdlab plan --validate`` (or ``pdlab compare --simulate``) output
 with ``measured/`` and ``simulated/`` results. Printed, per (placement, rate):
 
 1. the real steps against the step model on their own rebuilt batches
-   (``experiments.plan.diagnose.step_table``): measured ÷ modelled per worker and step kind,
+   (``planner.diagnose.step_table``): measured ÷ modelled per worker and step kind,
    and the loop gap between back-to-back steps (time no step model contains);
 2. the median TTFT parts, measured beside simulated (``diagnose.ttft_parts``);
 3. whether the simulated steps ran the same batches: steps, and the share of the real
@@ -15,14 +15,14 @@ with ``measured/`` and ``simulated/`` results. Printed, per (placement, rate):
    decode and prompt steps apart (a machine whose speed drifts shows here).
 
 The profile defaults to the one the simulated run recorded (its config line).
-``--rescore DIR``: ``experiments.plan.validate.score`` again on the saved real runs, with
+``--rescore DIR``: ``experiments.validate.score`` again on the saved real runs, with
 this checkout's simulator and the profile, into DIR (validation*.csv, measured/,
 simulated/): a validation's figures after a simulator change, without new real runs. The
 workload is rebuilt from the records (the simulator needs only the lengths; the arrival
 times come from the same seeds). The rescore includes the drift replay (each real run's
-measured speed over time replayed in its simulation, ``experiments.plan.drift``;
+measured speed over time replayed in its simulation, ``planner.drift``;
 ``--replay-window-s`` sets its window) beside the open-loop figures; ``--speed-spread S``
-adds the speed band (``experiments.plan.band``).
+adds the speed band (``planner.band``).
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ import pandas as pd
 
 from engine.config import EngineConfig, TransferConfig
 from engine.metrics import ARRIVED, FINISHED, SLO, RequestRecord
-from experiments import compare, workloads
-from experiments.plan import diagnose, drift, search, validate
-from experiments.plan.latency import DeviceProfile
+from experiments import workloads
+from experiments.commands import compare
+from planner import diagnose, drift, search
+from experiments import validate
+from planner.latency import DeviceProfile
 
 
 def load_results(path: Path) -> tuple[dict, dict, pd.DataFrame]:

@@ -26,10 +26,11 @@ import time
 
 from engine.config import EngineConfig, ModelConfig
 from engine.metrics import SLO
-from experiments import compare
+from experiments.commands import compare
 from experiments.cli import CPU_ENGINE_DEFAULTS
-from experiments.plan import command, search
-from experiments.plan.latency import PROFILE_VERSION, DeviceProfile
+from planner import search
+from experiments.commands import plan as command
+from planner.latency import PROFILE_VERSION, DeviceProfile
 
 TARGET_S = 60.0
 

@@ -1,5 +1,5 @@
 """The ``pdlab`` command: ``run``, ``compare``, ``profile``, ``kv-cost``, ``interference``,
-``plan`` (``experiments.plan.command``).
+``plan`` (``experiments.commands.plan``).
 
 Engine, transfer and workload options are derived from the config dataclasses' fields
 (``engine.config.add_dataclass_args``), so every knob has one name, one default and one
@@ -26,11 +26,11 @@ from engine.config import (DTYPES, ConditionalConfig, EngineConfig, ModelConfig,
 from engine.errors import describe_error
 from engine.metrics import SLO
 from engine.model import TINY_NAMES, ModelLoadError, check_model_name, model_context_len
-from experiments import interference, kv_cost, profile
-from experiments.http_config import BenchConfig, ServeConfig
-from experiments.compare import WorkloadSpec, default_placements, run_experiment
+from experiments.commands import interference, kv_cost, profile
+from server.config import BenchConfig, ServeConfig
+from experiments.commands.compare import WorkloadSpec, default_placements, run_experiment
 from experiments.placement import check_devices_exist, worker_layout
-from experiments.plan import command as plan_command
+from experiments.commands import plan as plan_command
 from experiments.report import format_table
 from router.policy import POLICIES
 
@@ -251,7 +251,7 @@ class Experiment:
     slo: SLO
     out: Path
     conditional: ConditionalConfig = ConditionalConfig()
-    simulate: object = None  # experiments.plan.latency.DeviceProfile for --simulate
+    simulate: object = None  # planner.latency.DeviceProfile for --simulate
 
 
 def _engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
@@ -424,7 +424,7 @@ def _serve(x: Serving, policy: str, address: str | None) -> int:
     """Start the placement, then serve until interrupted."""
     from engine.model import load_tokenizer
     from experiments.placement import Deployment
-    from experiments.serve import OpenAIServer, serve_forever, text_of
+    from server.app import OpenAIServer, serve_forever, text_of
 
     text = text_of(load_tokenizer(x.model))
     name = x.server.served_model_name or x.model.model
@@ -482,7 +482,7 @@ def check_bench(args: argparse.Namespace) -> Benching:
 
 
 def _bench(args: argparse.Namespace, x: Benching) -> int:
-    from experiments.bench import bench
+    from experiments.commands.bench import bench
 
     print(f"pdlab bench: {x.config.label} at {x.config.base_url}, {x.spec.dataset} x "
           f"{x.spec.num_requests}, rates {args.rates} req/s, seeds {x.spec.seed_list}")

@@ -13,10 +13,11 @@ import pytest
 from engine import metrics as m
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import ARRIVED, SLO, RequestRecord
-from experiments import analysis, bench, cli, compare, workloads
+from experiments import analysis, cli, workloads
+from experiments.commands import bench, compare
 from experiments.placement import Deployment
-from experiments.serve import OpenAIServer, ServerThread
-from experiments.text import ByteText
+from server.app import OpenAIServer, ServerThread
+from server.text import ByteText
 
 TINY = ModelConfig("tiny-random-llama")
 ARGS = ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-20",

@@ -21,8 +21,9 @@ from engine import metrics
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO, RequestRecord
 from engine.request import Request, SamplingParams
-from experiments import analysis, compare, workloads
-from experiments.compare import WorkloadSpec
+from experiments import analysis, workloads
+from experiments.commands import compare
+from experiments.commands.compare import WorkloadSpec
 from experiments.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")

@@ -6,7 +6,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments import kv_cost, profile
+from experiments.commands import kv_cost, profile
 from experiments.timing import describe, measure, measure_interleaved, summarize
 
 REPEATS = 2
@@ -234,7 +234,7 @@ def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
     for name in ("prefill.csv", "decode_context.csv", "decode_batch.csv", "pg_table.csv",
                  "mixed.csv", "kv_cost.csv", "device_profile.json", "summary.md", "profile.png"):
         assert (tmp_path / name).stat().st_size > 0
-    from experiments.plan.latency import DeviceProfile
+    from planner.latency import DeviceProfile
 
     prof = DeviceProfile.load(tmp_path / "device_profile.json")
     assert (prof.model, prof.dtype, prof.device_kind) == ("tiny-random-llama", "float32", "cpu")

@@ -18,7 +18,7 @@ import pytest
 from engine.kv_cache import KVSpec
 from engine.request import RequestState, RequestStatus
 from engine.scheduler import Scheduler
-from experiments import interference as itf
+from experiments.commands import interference as itf
 
 # binary fractions: sums of them are exact in floating point
 A, B_COST, C_COST, D_COST = 2.0 ** -6, 2.0 ** -8, 2.0 ** -12, 2.0 ** -14

@@ -484,9 +484,9 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                    simulate=None) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
     workers in this process (tests; transport ``inprocess``). ``simulate``: a
-    ``experiments.plan.latency.DeviceProfile``; the same runs are then simulated too
+    ``planner.latency.DeviceProfile``; the same runs are then simulated too
     (``pdlab plan``'s simulator), the attainment plot overlays the simulated curve (dashed)
-    and validation.csv holds the per-point errors (``experiments.plan.validate``).
+    and validation.csv holds the per-point errors (``experiments.validate``).
 
     With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
     ``calibrated_slo`` (both measured on the first placement, recorded under
@@ -529,7 +529,7 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                           for w in worker_info]}
     if simulate is None:
         return write_results(out_dir, results, config, slo)
-    from experiments.plan import validate as plan_validate
+    from experiments import validate as plan_validate
 
     twins = plan_validate.simulate_like(results, items, spec, engine, transfer.transport, simulate,
                                         simulate.transfers.get(transfer.transport), policy)

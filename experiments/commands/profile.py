@@ -19,7 +19,7 @@ A profile:
    total time (prefill + G-1 decode steps: the first of G output tokens comes from the
    prefill step) with decode steps estimated from the line fitted to the context sweep.
 
-6. The device profile (``experiments.plan.latency``): the prefill, decode and mixed step
+6. The device profile (``planner.latency``): the prefill, decode and mixed step
    models fitted on the rows above (on each point's median run, the typical step a
    simulator needs), and per transport of ``--transports`` a transfer model
    fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
@@ -330,7 +330,7 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
 
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
                        kv_table: pd.DataFrame | None = None):
-    """The ``experiments.plan.latency.DeviceProfile`` of a profile run: step models fitted on
+    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on
     the median times of its prefill, decode (context and batch sweeps together) and mixed
     rows; transfer models
     on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport.
@@ -338,7 +338,7 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
     Raises:
         ValueError: too few points for a fit.
     """
-    from experiments.plan import latency
+    from planner import latency
 
     # The simulator needs a step's typical time, not its fastest: the fits take each point's
     # median run (the tables' estimator is the minimum). In the idle validation of 12:33 UTC
@@ -359,7 +359,7 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
         whole = kv_table[kv_table["mode"] == "whole"]
         for name, g in whole.groupby("transport", sort=False):
             transfers[str(name)] = latency.fit_transfer(list(g["kv_bytes"]), list(g["transfer_s"]))
-    from experiments.compare import cpu_model  # local: profile needs none of compare's imports
+    from experiments.commands.compare import cpu_model  # local: profile needs none of compare's imports
 
     kind = "cuda" if device.startswith("cuda") else "cpu"
     name = torch.cuda.get_device_name(device) if kind == "cuda" else (cpu_model() or "cpu")
@@ -773,7 +773,7 @@ def _device_list(text: str) -> tuple[str, ...]:
 
 
 def _transports(text: str) -> tuple[str, ...]:
-    from experiments.kv_cost import transport_list
+    from experiments.commands.kv_cost import transport_list
 
     return transport_list(text)
 
@@ -902,7 +902,7 @@ def main(args: argparse.Namespace) -> int:
     print(_ratio_text(result.ratio) + "\n")
     print("P x G (TTFT = prefill; total = TTFT + (G-1) estimated decode steps):\n"
           + result.pg.to_string(index=False))
-    from experiments.plan.latency import summary_lines
+    from planner.latency import summary_lines
 
     print("\ndevice profile (fitted on relative error):")
     for line in summary_lines(device_profile):
@@ -917,7 +917,7 @@ def main(args: argparse.Namespace) -> int:
 def _kv_table(loaded: LoadedModel, args: argparse.Namespace) -> pd.DataFrame:
     """``pdlab kv-cost``'s measurement for ``--transports`` at the profile's prompt lengths
     that fit the context, those >= 16 when there are two (shorter KV is all fixed cost)."""
-    from experiments import kv_cost
+    from experiments.commands import kv_cost
 
     limit = loaded.max_context_len
     lens = [p for p in sorted(set(args.prompt_lens)) if p + 2 <= limit]

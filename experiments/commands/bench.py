@@ -46,9 +46,10 @@ import pandas as pd
 
 from engine.config import ModelConfig
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, SLO, RequestRecord
-from experiments import compare, workloads
-from experiments.compare import RunResult, WorkloadSpec
-from experiments.http_config import BenchConfig
+from experiments import workloads
+from experiments.commands import compare
+from experiments.commands.compare import RunResult, WorkloadSpec
+from server.config import BenchConfig
 
 MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
 
@@ -158,7 +159,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
     run_config = {**env, "bench": dataclasses.asdict(config), "served_model": name,
                   "placements": [label], "rates": list(rates), "workload": spec.options(),
                   "seeds": spec.seed_list, "max_model_len": max_len,
-                  "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/bench.py)",
+                  "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/commands/bench.py)",
                   "responses_with_fewer_chunks_than_tokens": len(MISCOUNTED)}
     return compare.write_results(out_dir, results, run_config, slo)
 
@@ -203,8 +204,8 @@ def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments.bench merge --out DIR DIR1 DIR2 ...`` (the make target's last step)."""
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench")
+    """``python -m experiments.commands.bench merge --out DIR DIR1 DIR2 ...`` (the make target's last step)."""
+    parser = argparse.ArgumentParser(prog="python -m experiments.commands.bench")
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = sub.add_parser("merge", help="one comparison report from several results directories")
     cmd.add_argument("dirs", nargs="+", type=Path)

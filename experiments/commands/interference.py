@@ -441,7 +441,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pdlab interference``: the shared model/device ones, then the grid's,
     derived from ``InterferenceConfig``."""
     from engine.config import add_dataclass_args
-    from experiments.profile import add_common_arguments
+    from experiments.commands.profile import add_common_arguments
 
     add_common_arguments(parser, "interference")
     parser.set_defaults(repeats=3)
@@ -466,7 +466,7 @@ def check_arguments(args: argparse.Namespace, model: ModelConfig) -> None:
         ValueError: ``<field> must ...`` or ``argument --x: ...``.
     """
     from engine.model import model_context_len
-    from experiments.profile import check_device
+    from experiments.commands.profile import check_device
 
     check_device(args.device)
     grid = config_from_args(args).grid()
@@ -480,7 +480,7 @@ def check_arguments(args: argparse.Namespace, model: ModelConfig) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from experiments.profile import load_for, markdown_table, out_dir, run_header
+    from experiments.commands.profile import load_for, markdown_table, out_dir, run_header
 
     grid = config_from_args(args).grid()
     loaded = load_for(args)

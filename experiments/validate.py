@@ -63,9 +63,10 @@ import pandas as pd
 from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO
-from experiments import analysis, compare, workloads
-from experiments.plan import band, diagnose, drift, search
-from experiments.plan.latency import DeviceProfile, TransferModel, step_correction
+from experiments import analysis, workloads
+from experiments.commands import compare
+from planner import band, diagnose, drift, search
+from planner.latency import DeviceProfile, TransferModel, step_correction
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 COLUMNS = (["placement", "rate", "measured_attainment", "simulated_attainment",

@@ -33,8 +33,8 @@ import pandas as pd
 from engine.config import (DTYPES, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
                            check_fields, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
-from experiments.plan import band, search
-from experiments.plan.latency import DeviceProfile, TransferModel, summary_lines
+from planner import band, search
+from planner.latency import DeviceProfile, TransferModel, summary_lines
 
 BUDGETS = r"(\d+(,\d+)*)?"
 
@@ -139,7 +139,7 @@ class PlanJob:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pdlab plan`` (the workload, engine and transfer groups as ``pdlab compare``)."""
     from experiments import cli
-    from experiments.compare import WorkloadSpec
+    from experiments.commands.compare import WorkloadSpec
     from router.policy import POLICIES
 
     add_dataclass_args(parser.add_argument_group("plan"), PlanConfig)
@@ -218,7 +218,7 @@ def check_arguments(args: argparse.Namespace) -> PlanJob:
         ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``).
     """
     from experiments import cli
-    from experiments.compare import WorkloadSpec
+    from experiments.commands.compare import WorkloadSpec
 
     plan = dataclass_from_args(PlanConfig, args)
     model = ModelConfig(args.model, args.dtype)
@@ -287,7 +287,7 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
     """Steps 2-4 of the module docstring; returns 0."""
     from tqdm import tqdm
 
-    from experiments import compare
+    from experiments.commands import compare
     from experiments.report import markdown_table
 
     x = job
@@ -383,7 +383,7 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
 
 def _validate(x: PlanJob, rates: list[float]) -> list[str]:
     from experiments.placement import worker_layout
-    from experiments.plan import validate
+    from experiments import validate
 
     devices = parse_devices(None)
     ranked = pd.read_csv(x.out / "plan.csv")

@@ -39,8 +39,8 @@ from engine.config import ConditionalConfig, EngineConfig, PlacementConfig, pars
 from engine.metrics import SLO, RequestRecord
 from engine.request import Request, SamplingParams
 from experiments import analysis, workloads
-from experiments.plan.latency import DeviceProfile, StepFeatures, TransferModel
-from experiments.plan.simulate import SimResult, Simulator
+from planner.latency import DeviceProfile, StepFeatures, TransferModel
+from planner.simulate import SimResult, Simulator
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from engine.config import TRANSPORTS, EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import KVSpec
 from engine.model import LoadedModel
-from experiments import profile
+from experiments.commands import profile
 from experiments.timing import Timing, describe, device_sync, measure, summarize
 
 DEFAULT_PROMPT_LENS = (16, 64, 128, 256, 512)

@@ -65,7 +65,7 @@ from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_G
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord)
 from engine.request import Request, RequestState, RequestStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from experiments.plan.latency import TransferModel
+from planner.latency import TransferModel
 from router.policy import pick
 
 FAKE_TOKEN = 0  # output token ids are not simulated; lengths are (ignore_eos workloads)
