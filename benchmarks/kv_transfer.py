@@ -200,7 +200,7 @@ def bandwidth_table(sizes: list[int], repeats: int, threads: int, with_ray: bool
             add(name, where, mib, t)
         print(f"  measured {name}", file=sys.stderr)
     if with_torchdist:
-        from experiments.commands.kv_cost import time_torchdist
+        from experiments.transfer_cost import time_torchdist
 
         jobs = [(mib * MIB // SPEC.bytes_per_token, [(0, SPEC.num_layers)]) for mib in sizes]
         for mib, t in zip(sizes, time_torchdist(SPEC, jobs, repeats)):

@@ -178,7 +178,7 @@ def measure_build(loaded: LoadedModel) -> dict:
 def measure_capacity(loaded: LoadedModel, num_requests: int, budget_gib: float = 2.0) -> dict:
     """Concurrent ShareGPT requests at full length in ``budget_gib`` (module doc, part 3)."""
     from engine.model import load_tokenizer
-    from experiments.commands.compare import WorkloadSpec
+    from experiments.workload_spec import WorkloadSpec
     from experiments.workloads import sharegpt
 
     spec = WorkloadSpec()  # pdlab's default ShareGPT filters

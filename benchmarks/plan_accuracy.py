@@ -36,8 +36,8 @@ import pandas as pd
 
 from engine.config import EngineConfig, TransferConfig
 from engine.metrics import ARRIVED, FINISHED, SLO, RequestRecord
+from experiments import replay, workload_spec
 from experiments import workloads
-from experiments.commands import compare
 from planner import diagnose, drift, search
 from experiments import validate
 from planner.latency import DeviceProfile
@@ -45,7 +45,7 @@ from planner.latency import DeviceProfile
 
 def load_results(path: Path) -> tuple[dict, dict, pd.DataFrame]:
     """``(config, {(placement, rate, seed): [RequestRecord]}, steps table)`` of a results
-    directory (``compare.write_results``' requests.jsonl and steps.csv)."""
+    directory (``experiments.results.write_results``' requests.jsonl and steps.csv)."""
     config, runs = {}, {}
     with open(path / "requests.jsonl") as f:
         for line in f:
@@ -76,7 +76,7 @@ def rescore(out: Path, profile: DeviceProfile, dest: Path,
     config, measured, items = load_runs(out / "measured")
     reruns = [load_runs(path)[1] for path in sorted(out.glob("measured_rerun*"),
                                                      key=lambda p: int(p.name.removeprefix("measured_rerun")))]
-    spec = compare.WorkloadSpec(**config["workload"])
+    spec = workload_spec.WorkloadSpec(**config["workload"])
     cands = [search.Candidate(p, config.get("chunk_budgets", {}).get(p)) for p in config["placements"]]
     transfer = TransferConfig(**config["transfer"])
     transfer_model = profile.transfers.get(transfer.transport) if any(
@@ -88,9 +88,9 @@ def rescore(out: Path, profile: DeviceProfile, dest: Path,
                           speed_spread, reruns)
 
 
-def load_runs(path: Path) -> tuple[dict, list[compare.RunResult], dict]:
+def load_runs(path: Path) -> tuple[dict, list[replay.RunResult], dict]:
     """A saved results directory as ``(config, runs, items)``: its real runs as
-    ``compare.RunResult``s (records, steps and transfers of each) and per seed the
+    ``replay.RunResult``s (records, steps and transfers of each) and per seed the
     workload rebuilt from the records (prompt lengths and output lengths; the token ids
     are not saved and the simulator needs none)."""
     config, runs, steps = load_results(path)
@@ -104,7 +104,7 @@ def load_runs(path: Path) -> tuple[dict, list[compare.RunResult], dict]:
                                 for r in records])
         moved = (transfers[transfers["request_id"].isin({r.request_id for r in records})]
                  if "request_id" in transfers else transfers)  # colocated runs move no KV
-        measured.append(compare.RunResult(
+        measured.append(replay.RunResult(
             placement, rate, records, _steps_of(steps, (placement, rate, seed)),
             moved.drop(columns=["placement", "rate", "seed"]).to_dict("records"),
             max(r.timeline.get(FINISHED, 0.0) for r in records)

@@ -34,8 +34,8 @@ from engine.config import ModelConfig
 from engine.metrics import SLO
 from engine.model import SMOLLM2_NAME, cache_dir
 from experiments.commands import bench
-from experiments.commands.compare import WorkloadSpec
-from server.config import BenchConfig
+from experiments.workload_spec import WorkloadSpec
+
 from experiments.report import format_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(url, proc, args.start_timeout_s)
             print(f"   up after {time.monotonic() - start_s:.0f} s", flush=True)
             out = args.out / system
-            bench.bench(BenchConfig(base_url=url, label=label, served_model=SMOLLM2_NAME),
+            bench.bench(bench.BenchConfig(base_url=url, label=label, served_model=SMOLLM2_NAME),
                         spec, ModelConfig(SMOLLM2_NAME), MAX_MODEL_LEN, rates, slo, out)
             dirs.append(out)
         finally:

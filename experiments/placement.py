@@ -22,10 +22,12 @@ here).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import itertools
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -343,3 +345,19 @@ def _pythonpath() -> str:
     """Actors import pdlab from this checkout even when it is not installed."""
     return os.pathsep.join([str(REPO_ROOT)] + [p for p in sys.path if p])
 
+
+
+@contextlib.contextmanager
+def driver_ray(needed: bool = True) -> Iterator[None]:
+    """A private one-CPU Ray instance in this process while the block runs (``needed``), for
+    measurements that put and get through the driver's own object store (``pdlab kv-cost``,
+    ``pdlab profile``'s transfer models); shut down after, unless it was running before."""
+    started = needed and not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()

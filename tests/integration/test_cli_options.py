@@ -20,12 +20,16 @@ import pytest
 
 import experiments.commands.bench
 import experiments.commands.compare
-import experiments.placement
 import experiments.commands.profile
+import experiments.commands.serve
+import experiments.measure
+import experiments.replay
+import experiments.workload_spec
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
 from experiments import cli
-from experiments.commands.compare import WorkloadSpec
-from server.config import BenchConfig, ServeConfig
+from experiments.workload_spec import WorkloadSpec
+from experiments.commands.bench import BenchConfig
+from server.config import ServeConfig
 from experiments.commands.interference import InterferenceConfig
 from experiments.commands.plan import PlanConfig
 
@@ -229,11 +233,12 @@ def tripwires(monkeypatch):
         return _trip
 
     monkeypatch.setattr(ray, "init", trip("ray.init"))
-    monkeypatch.setattr(experiments.commands.compare, "Deployment", trip("Deployment"))
+    monkeypatch.setattr(experiments.replay, "Deployment", trip("Deployment"))
     monkeypatch.setattr(experiments.commands.compare, "build_workload", trip("build_workload"))
-    monkeypatch.setattr(experiments.commands.compare, "load_tokenizer", trip("load_tokenizer"))
+    monkeypatch.setattr(experiments.workload_spec, "load_tokenizer", trip("load_tokenizer"))
     monkeypatch.setattr(experiments.commands.profile, "load_model", trip("load_model"))
-    monkeypatch.setattr(experiments.placement, "Deployment", trip("Deployment"))  # serve
+    monkeypatch.setattr(experiments.measure, "load_model", trip("load_model"))
+    monkeypatch.setattr(experiments.commands.serve, "Deployment", trip("Deployment"))
     monkeypatch.setattr(experiments.commands.bench, "bench", trip("bench"))
     return fired
 

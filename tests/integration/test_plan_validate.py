@@ -14,7 +14,7 @@ import pandas as pd
 
 from engine.config import EngineConfig, ModelConfig, TransferConfig
 from engine.metrics import SLO
-from experiments.commands.compare import WorkloadSpec
+from experiments.workload_spec import WorkloadSpec
 from planner import search
 from experiments import validate
 from planner.latency import DeviceProfile

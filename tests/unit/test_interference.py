@@ -18,6 +18,7 @@ import pytest
 from engine.kv_cache import KVSpec
 from engine.request import RequestState, RequestStatus
 from engine.scheduler import Scheduler
+from experiments import plots
 from experiments.commands import interference as itf
 
 # binary fractions: sums of them are exact in floating point
@@ -186,7 +187,7 @@ def test_sentence_quotes_the_largest_point(measured):
 
 
 def test_heatmap_is_written(measured, tmp_path):
-    itf.plot_heatmap(itf.summarize(*measured), tmp_path / "h.png", "stub")
+    plots.plot_heatmap(itf.summarize(*measured), tmp_path / "h.png", "stub", itf.mode_label)
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -78,7 +78,7 @@ def test_ttft_parts_add_up_to_ttft():
 
 def test_outcome_table_counts_the_requests_whose_slo_outcome_flipped():
     from engine.metrics import SLO
-    from experiments.commands.compare import RunResult
+    from experiments.replay import RunResult
     from experiments import validate
 
     def rec(rid, ttft_s):
