@@ -24,6 +24,7 @@ def main() -> int:
     model_dir, max_model_len, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything vLLM prints stays off the protocol channel
+    # imported after the redirect: what vLLM prints on import must not reach the channel
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

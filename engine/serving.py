@@ -26,6 +26,8 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device
 from engine.engine import Engine
@@ -122,8 +124,6 @@ class EngineLoop:
     def info(self) -> dict:
         """What the router needs to validate requests and check compatibility, plus the
         process's torch thread counts (recorded with every result)."""
-        import torch  # local import: the thread counts are process-wide
-
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
                 "torch_num_threads": torch.get_num_threads(),

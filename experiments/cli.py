@@ -18,6 +18,7 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -62,16 +63,16 @@ def load(name: str) -> ModuleType:
     return importlib.import_module(f"experiments.commands.{COMMANDS[name].module}")
 
 
-def build_parser(only: str | None = None) -> Parser:
-    """The ``pdlab`` parser; every command's options, or only those of command ``only`` (the
-    others are listed with their help but not loaded)."""
+def build_parser(loaded: Collection[str] = tuple(COMMANDS)) -> Parser:
+    """The ``pdlab`` parser with the options of the ``loaded`` commands (default: all); the
+    others are listed with their help, but their modules are not imported."""
     parser = Parser(prog="pdlab", description=(
         "Placement experiments for disaggregated LLM serving: colocated vs disaggregated "
         "prefill/decode on the same devices, interference, KV-transfer cost."))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         command_parser = sub.add_parser(name, help=command.help)
-        if only is None or name == only:
+        if name in loaded:
             load(name).add_arguments(command_parser, **command.options)
         command_parser.set_defaults(command_parser=command_parser)
     return parser
@@ -101,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     argv = sys.argv[1:] if argv is None else argv
-    named = argv[0] if argv and argv[0] in COMMANDS else None  # the command comes first
-    args = build_parser(only=named).parse_args(argv)
+    named = argv[:1] if argv and argv[0] in COMMANDS else []  # the command comes first
+    args = build_parser(loaded=named).parse_args(argv)
     try:
         checked = check_options(args)
     except ValueError as err:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -45,6 +46,7 @@ from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.torchdist import open_rendezvous
 from prefill_worker import PrefillWorker
 from router.calls import ORDERED, LocalCalls, WorkerDied
 from router.router import Router, WorkerRef
@@ -144,8 +146,6 @@ def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None
                              f"{cluster_resources.get('CPU', 0)}")
         return
     if gpus:
-        import torch
-
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         for device in gpus:
             if int(device.split(":")[1]) >= count:
@@ -262,8 +262,6 @@ class Deployment:
         init_method = None
         if self.transfer.transport == "torchdist":
             # bound here, at port 0, and held until close(): no port can be taken in between
-            from kv_transfer.torchdist import open_rendezvous
-
             self._rendezvous, init_method = open_rendezvous(ray.util.get_node_ip_address(),
                                                             self.transfer.timeout_s)
         for rank, (name, role, device) in enumerate(self.layout):

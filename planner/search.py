@@ -22,7 +22,9 @@ No torch: thousands of requests per (candidate, rate) simulate in about a second
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import multiprocessing
 import dataclasses
 import math
 import sys
@@ -177,9 +179,6 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
             if progress is not None:
                 progress()
         return pd.DataFrame(rows, columns=RUN_COLUMNS)
-    import concurrent.futures
-    import multiprocessing
-
     rows = [None] * len(tasks)
     with concurrent.futures.ProcessPoolExecutor(
             max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
