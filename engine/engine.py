@@ -148,7 +148,8 @@ class StepOutput:
         kv_reserved: ids of requests prefilled elsewhere whose KV blocks this step reserved,
             in reservation order: fetch their KV now and hand it to ``finish_remote``.
         record: the step's ``StepRecord`` (also appended to ``Engine.step_records``), or
-            None when no forward ran (nothing to compute: at most reservations).
+            None when no forward ran (nothing to compute: at most reservations) or the
+            forward failed (its requests are all in ``failed``).
     """
 
     tokens: tuple[TokenOutput, ...] = ()
