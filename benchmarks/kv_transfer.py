@@ -26,10 +26,10 @@ the CRC is single-threaded) in every process, memcpy included.
 
 Part 2, layer-wise streaming (SmolLM2-135M, one 512-token prompt, fp32 KV = 23.6 MB).
 The prefill runs as ``PrefillWorker`` runs it: one ``Engine.step`` (the whole prompt in one
-step); whole-request: after the step ``export_kv`` + one put; layer-wise: ``on_layer_done``
-puts each layer (``read_kv_layers`` + put) while the next layer computes. A receiver
-thread in the same process gets each handle as soon as it is put (it waits on a queue the
-puts feed) and frees it after. Measured per run:
+step); whole-request: after the step ``export_kv`` + one put; layer-wise: the engine's layer
+listener (``Engine(on_layer_done=...)``) puts each layer (``read_kv_layers`` + put) while
+the next layer computes. A receiver thread in the same process gets each handle as soon as
+it is put (it waits on a queue the puts feed) and frees it after. Measured per run:
 
 - ``prefill_s``: the step's wall time (the hook's puts included for layer-wise);
 - ``exposed_s``: from the step's end until the receiver has returned from the get of the
@@ -249,38 +249,42 @@ def streaming_table(transport_names: list[str], prompt_len: int, repeats: int,
                     layers_per_chunk: int) -> list[dict]:
     loaded = load_model(ModelConfig("smollm2-135m"))
     spec = loaded.kv_spec
-    engine = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
-                                         max_num_batched_tokens=prompt_len))
     gen = torch.Generator().manual_seed(0)
     num_layers = spec.num_layers
     chunks = [(s, min(s + layers_per_chunk, num_layers))
               for s in range(0, num_layers, layers_per_chunk)]
+    sink: dict = {}  # the transport and receiver being measured
+
+    def put_layers(layer: int, batch) -> None:
+        for state in batch.requests:  # the step's one prompt
+            for start, end in chunks:
+                if end == layer + 1:
+                    kv = engines["layer"].read_kv_layers(state.request_id, slice(start, end))
+                    sink["receiver"].handles.put(
+                        sink["transport"].put(state.request_id, spec, kv, layer_start=start))
+
+    # one engine per mode, as a prefill worker's granularity is fixed when it is built
+    config = EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
+                          max_num_batched_tokens=prompt_len)
+    engines = {"whole": Engine(loaded, config),
+               "layer": Engine(loaded, config, quiet=True, on_layer_done=put_layers)}
     rows = []
     for name in transport_names:
         transport = SharedMemoryTransport() if name == "shm" else InProcessTransport()
         receiver = Receiver(transport, spec)
+        sink.update(transport=transport, receiver=receiver)
         results: dict[str, dict[str, list[float]]] = {}
         try:
-            for mode in ("whole", "layer"):
+            for mode, engine in engines.items():
                 prefill, exposed = [], []
                 for i in range(1 + repeats):
                     request = random_request(gen, loaded, prompt_len, 2)
                     rid = request.request_id
                     engine.add_request(request, prefill_only=True)
                     receiver.expect(1 if mode == "whole" else len(chunks))
-
-                    def put_layers(layer: int, batch, rid=rid) -> None:
-                        for start, end in chunks:
-                            if end == layer + 1:
-                                kv = engine.read_kv_layers(rid, slice(start, end))
-                                receiver.handles.put(
-                                    transport.put(rid, spec, kv, layer_start=start))
-
-                    engine.on_layer_done = put_layers if mode == "layer" else None
                     start_s = time.perf_counter()
                     engine.step()
                     end_s = time.perf_counter()
-                    engine.on_layer_done = None
                     if mode == "whole":
                         kv, _ = engine.export_kv(rid)
                         receiver.handles.put(transport.put(rid, spec, kv))
@@ -294,7 +298,6 @@ def streaming_table(transport_names: list[str], prompt_len: int, repeats: int,
                 results[mode] = {"prefill": prefill, "exposed": exposed}
         finally:
             receiver.close()
-            engine.on_layer_done = None
         if transport.num_held():
             raise RuntimeError(f"{name} still holds {transport.num_held()} transfers")
         whole, layer = (summarize(results[m]["exposed"]) for m in ("whole", "layer"))

@@ -3,8 +3,9 @@
 The loop, on its own thread (the only thread that touches the engine):
 
 1. Run the commands queued by ``submit`` / ``abort`` / subclass methods.
-2. If the engine has work, run one ``engine.step()`` and turn its outputs into events
-   (``on_outputs``: subclasses hand KV over or fetch it); failed forwards become errors.
+2. If the engine has work, run one ``engine.step()`` and turn its ``StepOutput`` into
+   events: failed requests become errors, the rest goes to ``on_step`` (subclasses hand KV
+   over, or fetch the KV of the requests whose blocks the step reserved).
 3. Otherwise sleep until the next command arrives.
 
 Callers collect events with ``wait_events(timeout_s)``, a long poll: it returns as soon as
@@ -30,11 +31,12 @@ import torch
 
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device
-from engine.engine import Engine
+from engine.engine import Engine, StepOutput
 from engine.events import ERROR, TOKEN, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.model import load_model
 from engine.request import Request, TokenOutput
+from engine.scheduler import ScheduledBatch
 
 
 class EngineLoopDied(RuntimeError):
@@ -110,7 +112,8 @@ class EngineLoop:
         self.device = device
         torch_device = bind_device(device, inside_ray) if bind else "cpu"
         engine_config = dataclasses.replace(engine_config, device=torch_device)
-        self.engine = Engine(load_model(model_config, torch_device), engine_config)
+        self.engine = Engine(load_model(model_config, torch_device), engine_config,
+                             on_layer_done=self.layer_listener())
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent] = []
         self._events_ready = threading.Condition()
@@ -184,7 +187,9 @@ class EngineLoop:
         return {"name": self.name, "engine_empty": self.call(self.engine.is_empty)}
 
     def step_records(self) -> list[dict]:
-        return [{"worker": self.name, **r.__dict__} for r in list(self.engine.step_records)]
+        """Every step this worker ran, one flat row each (``StepRecord.to_row``: its batch as
+        JSON text) with ``worker``: this worker's name."""
+        return [{"worker": self.name, **r.to_row()} for r in list(self.engine.step_records)]
 
     def call(self, fn: Callable, timeout_s: float = 30.0):
         """Run ``fn()`` on the loop thread and return its result (for consistent reads).
@@ -239,16 +244,14 @@ class EngineLoop:
             self.on_tick()
             if not self.engine.has_unfinished():
                 continue
-            num_steps = len(self.engine.step_records)
-            outputs = self.engine.step()
+            output = self.engine.step()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            for request_id, error in self.engine.pop_failed():
+            for request_id, error in output.failed:
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
-            if outputs:
-                self.on_outputs(outputs)
+            self.on_step(output)
             self.on_tick()
-            if len(self.engine.step_records) == num_steps:  # nothing could run: wait a bit
+            if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
 
     def _drain_commands(self, block: bool, timeout_s: float = 0.1) -> None:
@@ -279,16 +282,22 @@ class EngineLoop:
             self._events_ready.notify_all()
 
     def on_tick(self) -> None:
-        """Once per loop iteration, on the loop thread: subclasses start KV fetches or retry
-        deferred KV puts here."""
+        """Once per loop iteration, on the loop thread: subclasses retry deferred KV puts
+        here."""
 
     def idle_wait_s(self) -> float:
         """How long an idle loop waits for a command before ticking again (seconds)."""
         return 0.1
 
-    def on_outputs(self, outputs: list[TokenOutput]) -> None:
-        """Colocated: every token goes straight out."""
-        for out in outputs:
+    def layer_listener(self) -> Callable[[int, ScheduledBatch], None] | None:
+        """The engine's layer listener (``Engine(on_layer_done=...)``), asked once when the
+        engine is built; None (the default) streams nothing while a step computes."""
+        return None
+
+    def on_step(self, output: StepOutput) -> None:
+        """After every step, on the loop thread, with what it did (its failed requests are
+        already reported). Colocated: every token goes straight out."""
+        for out in output.tokens:
             self.emit(token_event(self.name, out))
 
 

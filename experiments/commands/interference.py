@@ -265,7 +265,7 @@ def _inject_kv(engine, timer: _Timer, step, imports: list[dict], rid: str, promp
                       SamplingParams(max_tokens=2, ignore_eos=True))
     first_token = int(request.prompt_token_ids[-1])
     engine.add_remote(request, first_token)  # the slot is reserved first, then the KV comes in
-    while rid not in engine.pop_kv_reserved():
+    while engine.states[rid].block_ids is None:  # a step reserves it (StepOutput.kv_reserved)
         step(prompt_len, repeat, "reserve")
     import_s, _ = timer(lambda: engine.finish_remote(rid, kv))
     imports.append({**base, "prompt_len": prompt_len, "repeat": repeat, "import_s": import_s,

@@ -45,7 +45,6 @@ class StubEngine:
         self.states: dict[str, RequestState] = {}
         self.step_records = []
         self.kv_spec = KVSpec("stub", num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
-        self._kv_reserved: list[str] = []
 
     def _write(self, block_ids, kv) -> None:
         self.clock.now_s += D_COST * kv.shape[3]
@@ -64,17 +63,12 @@ class StubEngine:
         self.states[request.request_id] = state
         self.scheduler.add(state)
 
-    def pop_kv_reserved(self) -> list[str]:
-        reserved, self._kv_reserved = self._kv_reserved, []
-        return reserved
-
     def finish_remote(self, request_id, kv) -> None:  # as Engine: copy in, then decode
         self._write(None, kv)
         self.scheduler.kv_arrived(self.states[request_id])
 
     def step(self):
         batch = self.scheduler.schedule()
-        self._kv_reserved += [s.request_id for s in batch.kv_reserved]
         prefill = batch.num_prefill_tokens
         decode = batch.num_tokens - prefill
         self.clock.now_s += A + B_COST * decode + C_COST * prefill
