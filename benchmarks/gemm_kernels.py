@@ -1,4 +1,5 @@
-"""The CPU GEMM kernels ``engine.runner._Linear`` picks between, by row count (issue 10).
+"""The CPU GEMM kernels the engine's CPU backend picks between, by row count (issue 10:
+``engine.ops.CpuOps.linear``).
 
 One "step sweep" per row count M: the matmuls of a whole SmolLM2-135M forward (30 layers x
 Q/K/V fused, O, gate/up fused, down; plus the LM head for M <= 64, the rows a decode step
@@ -12,9 +13,8 @@ interleaved round by round:
   (the 6 x 16 AVX2/FMA kernel in ``engine/cpu_kernels.c``).
 
 Prints each sweep's time, GFLOP/s, and the ratios pdlab / best of torch's two and MKL /
-oneDNN (< 1: the first is faster). ``_C_GEMM_MAX_ROWS``, ``_BLAS_MIN_ROWS`` and the
-one-row rule in ``engine/runner.py`` come from this table on the machine in
-benchmarks/README.md. Timing does not depend on the weights' values.
+oneDNN (< 1: the first is faster). The crossovers in ``engine/ops.py`` come from this table
+on the machine in benchmarks/README.md. Timing does not depend on the weights' values.
 """
 
 from __future__ import annotations

@@ -25,9 +25,10 @@ The build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math
 -shared -fPIC`` (no flag that changes a result: no -ffast-math) (``$CC`` overrides
 ``cc``) into ``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash
 covering the source, the command and the machine, so a machine compiles it once (well under a
-second here); later processes load the cached library. ``load()`` returns None, and the runner
-keeps its pure-PyTorch path, when the kernels are disabled (``PDLAB_CPU_KERNELS=0``), no
-compiler is found, or the build or load fails (one warning says why). The wrappers refuse
+second here); later processes load the cached library. ``load()`` returns None, and the CPU backend
+(``engine/ops.py``) runs torch's kernels instead, when the kernels are disabled
+(``PDLAB_CPU_KERNELS=0``), no compiler is found, or the build or load fails (one warning says
+why). The wrappers refuse
 (``ValueError``) anything but float32 CPU tensors in the layouts their docstrings give: they
 read raw pointers.
 """

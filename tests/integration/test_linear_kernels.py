@@ -1,6 +1,7 @@
-"""The runner's projections (``engine.runner._Linear``, issue 10): each GEMM kernel it picks by
-row count gives ``F.linear``'s result, the fused weight is the modules' only copy, and without
-oneDNN the engine still equals generate()."""
+"""The runner's projections (``engine.runner._Linear`` on ``engine.ops``' kernels, issues 10
+and 24): every GEMM kernel the backend can pick gives ``F.linear``'s result, each row-count
+bucket runs the kernel chosen for it, the fused weight is the modules' only copy, and
+without oneDNN and pdlab's kernels the engine still equals generate()."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import torch
 import torch.nn.functional as F
 from conftest import random_prompts, reference_generate
 
-from engine import cpu_kernels
+from engine import cpu_kernels, ops
 from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
 from engine.request import Request, SamplingParams
+
+CAN_PDLAB = cpu_kernels.load() is not None and cpu_kernels.load().linear_vectorized
+# every kernel the CPU backend can pick here, and the reference backend's
+KERNELS = ["torch", "mkl", *(["onednn"] if ops.ONEDNN else []), *(["pdlab"] if CAN_PDLAB else [])]
 
 
 def _modules(bias: bool):
@@ -22,14 +27,21 @@ def _modules(bias: bool):
     return [torch.nn.Linear(32, out, bias=bias and out != 16) for out in (48, 16, 24)]
 
 
+def _backend(kernel: str, monkeypatch) -> ops.TorchOps:
+    if kernel == "torch":
+        return ops.TorchOps()
+    monkeypatch.setenv(ops.FORCE_ENV, f"linear={kernel}")
+    return ops.select_ops(torch.device("cpu"), torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, runner_mod._BLAS_MIN_ROWS - 1,
-                                  runner_mod._BLAS_MIN_ROWS, 130])
-def test_fused_projection_equals_f_linear_per_module(bias, rows):
+@pytest.mark.parametrize("rows", [1, 2, 63, 64, 130, 600])
+def test_fused_projection_equals_f_linear_per_module(bias, rows, kernel, monkeypatch):
     modules = _modules(bias)
     before = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
               for m in modules]
-    fused = runner_mod._Linear(modules)
+    fused = runner_mod._Linear(modules, ops=_backend(kernel, monkeypatch))
     x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         outs = fused(x)
@@ -41,27 +53,34 @@ def test_fused_projection_equals_f_linear_per_module(bias, rows):
         assert m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
-@pytest.mark.skipif(not runner_mod._ONEDNN, reason="this torch has no oneDNN linear")
-def test_kernel_choice_by_rows():
-    layer = runner_mod._Linear(_modules(False))
-    head = runner_mod._Linear([torch.nn.Linear(32, 64, bias=False)], gemv_onednn=True)
-    assert layer.packed is not None and head.packed is not None
-    edge = runner_mod._BLAS_MIN_ROWS
-    assert [layer._use_onednn(n) for n in (1, 2, edge - 1, edge, 4 * edge)] == [
-        False, True, True, False, False]  # MKL for one row and from the crossover on
-    assert [head._use_onednn(n) for n in (1, 2, edge)] == [True, True, False]
+def test_each_row_bucket_runs_its_kernel():
+    """The fixed crossovers: pdlab's kernel for 1-256 rows where it builds, else oneDNN for
+    2-64 rows (and the LM head's single row), MKL otherwise."""
+    backend = ops.CpuOps(cpu_kernels.load(), True)
+    layer = runner_mod._Linear([torch.nn.Linear(32, 40)], ops=backend)
+    head = runner_mod._Linear([torch.nn.Linear(32, 64)], ops=backend, lm_head=True)
+    pick = lambda lin, rows: lin.fused.by_bucket[  # noqa: E731
+        min(ops.bucket(rows), lin.fused.last)].name
+    if CAN_PDLAB:
+        assert [pick(layer, n) for n in (1, 16, 256, 257, 3000)] == [
+            "pdlab", "pdlab", "pdlab", "mkl", "mkl"]
+    elif ops.ONEDNN:
+        assert [pick(layer, n) for n in (1, 2, 64, 65, 3000)] == [
+            "mkl", "onednn", "onednn", "mkl", "mkl"]
+        assert [pick(head, n) for n in (1, 2, 65)] == ["onednn", "onednn", "mkl"]
 
 
 def test_engine_without_onednn_matches_generate(monkeypatch):
     """The fallback where oneDNN and pdlab's kernels are missing: every projection is
-    ``F.linear``."""
-    monkeypatch.setattr(runner_mod, "_ONEDNN", False)
+    ``mm`` / ``addmm`` (MKL), the only candidate, so nothing is measured."""
+    monkeypatch.setattr(ops, "ONEDNN", False)
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     loaded = load_model(ModelConfig("tiny-random-llama"))  # fresh: prepared without oneDNN
-    prompts = random_prompts([3, 70, 9], seed=10)  # 70 + 2 rows in one step reach MKL's range
+    prompts = random_prompts([3, 70, 9], seed=10)  # 70 + 2 rows in one step
     engine = Engine(loaded, EngineConfig(max_num_seqs=3, max_model_len=96,
                                          max_num_batched_tokens=96))
-    assert all(layer.qkv.packed is None and layer.qkv.panels is None
+    assert engine.runner.ops.linear_candidates == ["mkl"]
+    assert all({k.name for k in layer.qkv.fused.by_bucket} == {"mkl"}
                for layer in engine.runner.layers)
     outputs = engine.generate([Request(f"n{i}", tuple(p), SamplingParams(max_tokens=6))
                                for i, p in enumerate(prompts)])
