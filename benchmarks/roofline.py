@@ -8,7 +8,7 @@
    count (``engine.ops.CpuOps.linear``): the oneDNN-packed ``_linear_pointwise``, MKL's
    sgemm (``torch.mm``) and pdlab's own (``engine.cpu_kernels.linear``, where it builds). The
    fastest per shape is the floor: the best reached on these cores, not one square matmul.
-   Also printed: the kernel the engine runs for each shape at that row count.
+   Also printed: the kernel the engine's selector chose for each shape at that row count.
 3. **Decode** (memory floor): one ``Engine.step()`` decoding one request (B = 1) at a KV
    context of 128 tokens. Floor = weight bytes (every parameter read once per step; tied
    embeddings counted once) / read bandwidth.
@@ -37,10 +37,11 @@ from benchmarks import (
     print_table,
     setup_threads,
 )
+from engine import kernel_choice
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
-from engine.ops import CpuOps, bucket, select_ops
+from engine.ops import CpuOps, select_ops
 from engine.request import Request, SamplingParams
 
 _ids = itertools.count()
@@ -96,10 +97,10 @@ def gemm_contenders(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, 
 
 
 def _engine_pick(choice: dict[int, str] | None, rows: int) -> str:
-    """The kernel the engine runs for ``rows`` rows of a shape ('-': reference)."""
+    """The kernel the engine's selector runs for ``rows`` rows of a shape ('-': reference)."""
     if not choice:
         return "-"
-    return choice[min(bucket(rows), max(choice))]
+    return choice[min(kernel_choice.bucket(rows), max(choice))]
 
 
 def main(argv: list[str] | None = None) -> int:

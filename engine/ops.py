@@ -9,12 +9,11 @@ has. Two backends:
   It runs on CUDA and for dtypes other than float32 (and on CPU when forced:
   ``PDLAB_FORCE_KERNELS=backend=torch``).
 - ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``; not where
-  ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains,
-  and, for the projections, one of MKL's sgemm (``mm``), oneDNN's packed inner product
-  (``torch.ops.mkldnn``) or pdlab's 6 x 16 AVX2/FMA GEMM per row-count bucket (the
-  crossovers measured at SmolLM2's shapes on one machine, benchmarks/README.md, "A GEMM
-  kernel for decode rows": pdlab's for 1-256 rows, else oneDNN for 2-64 rows and the LM
-  head's one row, MKL otherwise; at bucket edges, ``bucket``); the C paged decode attention where it runs. Prompt chunks after the first run torch's CPU flash kernel twice (prefix, causal
+  ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains, and, for the projections and decode attention, whichever candidate
+  ``engine/kernel_choice.py`` measured fastest on this machine per shape class and row-count
+  bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``) or
+  pdlab's 6 x 16 AVX2/FMA GEMM; the C paged decode attention or the runner's planned SDPA
+  groups. Prompt chunks after the first run torch's CPU flash kernel twice (prefix, causal
   diagonal) merged by log-sum-exp.
 
 Two rules live here and nowhere else:
@@ -34,7 +33,7 @@ Two rules live here and nowhere else:
 
 Every implementation gives ``generate()``'s greedy tokens (tests/integration/
 test_cpu_kernels.py and test_linear_kernels.py run the engine under each forced choice).
-``PDLAB_FORCE_KERNELS`` pins choices, e.g.
+``PDLAB_FORCE_KERNELS`` pins choices instead of measuring, e.g.
 ``linear=onednn,decode_attention=planned`` (tests and benchmarks; unknown or unavailable
 names are refused).
 """
@@ -48,7 +47,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from engine import cpu_kernels
+from engine import cpu_kernels, kernel_choice
+from engine.model import cache_dir
 
 FORCE_ENV = "PDLAB_FORCE_KERNELS"
 # oneDNN's packed linear in this torch build (private ops: CPU backend only, never the
@@ -58,11 +58,22 @@ _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight ser
 # torch's CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]), GQA without a
 # copy (private: CPU backend only).
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# Row-count buckets: rows 1 .. 2^LINEAR_MAX_BUCKET (512); more rows use the last bucket's
-# kernel; the LM head sees one row per sampled request.
+# Row-count buckets measured: rows 1 .. 2^LINEAR_MAX_BUCKET (512); more rows use the last
+# bucket's choice. The LM head sees one row per sampled request and is measured up to 64 rows
+# (its 576 x 49152 weight makes each larger measurement cost ~0.1 s per candidate).
 LINEAR_MAX_BUCKET = 9
 LM_HEAD_MAX_BUCKET = 6
 DECODE_MAX_BUCKET = 8  # decode rows 1 .. 256
+# The decode-attention measurement's KV context: about a ShareGPT prompt plus its reply.
+DECODE_PROBE_CONTEXT = 256
+# Weights streamed per timed call of a small-M GEMM: a decode step reads every layer's
+# weights from DRAM once, so each candidate is timed over enough distinct copies of the
+# weight to exceed the last-level cache (32 MiB on the machines measured), not on one copy
+# that stays cached.
+_STREAM_BYTES = 64 * 2**20
+_STREAM_MAX_ROWS = 64  # from this many rows a GEMM is compute bound: one copy is timed
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     """As transformers' ``rotate_half`` (Llama RoPE, Su et al. 2021)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -153,20 +164,15 @@ class _PdlabGemm:
         return self.kernels.linear(x, self.panels, self.bias, self.out_features)
 
 
-def bucket(num_rows: int) -> int:
-    """The row-count bucket of ``num_rows`` >= 1: ``ceil(log2 num_rows)``."""
-    return (num_rows - 1).bit_length()
-
-
 class _Bucketed:
     """A projection whose kernel depends on the row count: ``by_bucket[i]`` runs rows in
-    bucket ``i`` (``bucket``), the last entry also every larger count."""
+    bucket ``i`` (``kernel_choice.bucket``), the last entry also every larger count."""
 
     def __init__(self, by_bucket: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
         self.by_bucket, self.last = by_bucket, len(by_bucket) - 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.by_bucket[min(bucket(x.shape[0]), self.last)](x)
+        return self.by_bucket[min((x.shape[0] - 1).bit_length(), self.last)](x)
 
 
 class TorchOps:
@@ -288,14 +294,15 @@ def _parse_force(spec: str) -> dict[str, str]:
 
 
 class CpuOps(TorchOps):
-    """Float32 on CPU: pdlab's C kernels where they build, and per row-count bucket the GEMM
-    and decode-attention layout of the fixed crossovers (module docstring).
+    """Float32 on CPU: pdlab's C kernels where they build, and per shape class and row-count
+    bucket the GEMM and decode-attention layout measured fastest here (module docstring).
 
     Args:
         kernels: the loaded C library (``cpu_kernels.load()``), or None where it cannot be
             built: then the GEMM candidates are oneDNN and MKL and the elementwise ops are
             the reference's.
         kv_float32: the KV store is float32 (the C kernels that write or read it need it).
+        selector: where choices are measured and cached (``kernel_choice.KernelSelector``).
         force: ``{"linear": name, "decode_attention": layout}`` pins (``PDLAB_FORCE_KERNELS``).
     Raises:
         ValueError: a forced choice that is not a candidate here.
@@ -304,9 +311,10 @@ class CpuOps(TorchOps):
     name = "cpu"
 
     def __init__(self, kernels: cpu_kernels.Kernels | None, kv_float32: bool,
-                 force: dict[str, str] | None = None) -> None:
+                 selector: kernel_choice.KernelSelector, force: dict[str, str] | None = None,
+                 ) -> None:
         self.kernels = kernels
-        self.force = dict(force or {})
+        self.selector, self.force = selector, dict(force or {})
         self.threads = torch.get_num_threads()
         # The one-thread rule (module docstring): the single-threaded C GEMM and paged
         # attention compete only when torch runs on one thread.
@@ -345,7 +353,10 @@ class CpuOps(TorchOps):
         if "linear" in self.force:
             choice = dict.fromkeys(buckets, self.force["linear"])
         else:
-            choice = {b: self._fixed_linear(2 ** b, lm_head) for b in buckets}
+            choice = self.selector.choose(
+                "linear", shape, buckets,
+                {name: self._linear_probe(name, in_features, out_features, bias is not None)
+                 for name in self.linear_candidates})
         self.linear_choices[shape + ("/lm_head" if lm_head else "")] = choice
         built = {}
         for name in dict.fromkeys(choice.values()):
@@ -355,13 +366,29 @@ class CpuOps(TorchOps):
                 built[name] = _Mm(weight, bias)
         return _Bucketed([built[choice[b]] for b in buckets])
 
-    def _fixed_linear(self, rows: int, lm_head: bool) -> str:
-        """The crossovers measured at SmolLM2's shapes (module docstring)."""
-        if "pdlab" in self.linear_candidates and rows <= 256:
-            return "pdlab"
-        if "onednn" in self.linear_candidates and rows <= 64 and (rows > 1 or lm_head):
-            return "onednn"
-        return "mkl"
+    def _linear_probe(self, name: str, in_features: int, out_features: int, has_bias: bool):
+        """``make(rows)`` for ``KernelSelector.choose``: the candidate built once on several
+        distinct weight copies (timing does not depend on the values), of which a call with
+        fewer than ``_STREAM_MAX_ROWS`` rows runs all, so they stream from DRAM as in a
+        step, and a larger one the first."""
+        built: list = []
+
+        def make(rows: int) -> Callable[[], object]:
+            if not built:
+                copies = max(1, min(32, _STREAM_BYTES // (4 * in_features * out_features)))
+                weight = torch.full((out_features, in_features), in_features ** -0.5)
+                bias = torch.zeros(out_features) if has_bias else None
+                built.extend(self._make_linear(name, weight.clone(), bias)
+                             for _ in range(copies))
+            kernels = built if rows < _STREAM_MAX_ROWS else built[:1]
+            x = torch.full((rows, in_features), 0.5)
+
+            def run() -> None:
+                with torch.inference_mode():
+                    for kernel in kernels:
+                        kernel(x)
+            return run
+        return make
 
     # -- elementwise (C where built and the module computes the kernel's formula) --------
     def add_norm(self, norm, hidden, delta):
@@ -382,18 +409,43 @@ class CpuOps(TorchOps):
 
     # -- attention ---------------------------------------------------------------------
     def prepare_attention(self, num_kv_heads, group, head_dim, block_size, softcap):
-        """Paged wherever the C kernel runs (it took less time than the planned SDPA groups
-        at every batch measured); soft-capped logits (Gemma 2) have no paged kernel."""
+        """Measure (or read) the decode layout per row-count bucket for this attention
+        geometry. Soft-capped logits (Gemma 2) have no paged kernel: always planned."""
         buckets = list(range(DECODE_MAX_BUCKET + 1))
         candidates = self.decode_candidates if softcap is None else ["planned"]
-        layout = self.force.get("decode_attention", candidates[-1])
-        if layout not in candidates:
-            layout = "planned"
-        self.decode_choices = dict.fromkeys(buckets, layout)
+        if "decode_attention" in self.force and self.force["decode_attention"] in candidates:
+            self.decode_choices = dict.fromkeys(buckets, self.force["decode_attention"])
+            return
+        shape = f"{num_kv_heads}x{group}x{head_dim}/B{block_size}"
+        self.decode_choices = self.selector.choose(
+            "decode_attention", shape, buckets,
+            {name: self._decode_probe(name, num_kv_heads, group, head_dim, block_size)
+             for name in candidates})
+
+    def _decode_probe(self, name: str, num_kv_heads: int, group: int, head_dim: int,
+                      block_size: int):
+        """``make(rows)``: ``rows`` decode rows of ``DECODE_PROBE_CONTEXT`` tokens each in
+        consecutive blocks, one layer; ``planned``'s best case (one strided view, no mask,
+        no gather) against the paged kernel reading the same blocks by table."""
+        def make(rows: int) -> Callable[[], object]:
+            gen = torch.Generator().manual_seed(rows)
+            per_row = -(-DECODE_PROBE_CONTEXT // block_size)
+            kv_layer = torch.randn(2, num_kv_heads, rows * per_row, block_size, head_dim,
+                                   generator=gen)
+            q = torch.randn(rows, num_kv_heads * group, head_dim, generator=gen)
+            if name == "paged":
+                tables = torch.arange(rows * per_row).view(rows, per_row).contiguous()
+                lens = torch.full((rows,), DECODE_PROBE_CONTEXT, dtype=torch.long)
+                return lambda: self.kernels.decode_attention(q, kv_layer, tables, lens,
+                                                             head_dim ** -0.5)
+            kv = kv_layer.view(2, num_kv_heads, rows, per_row * block_size, head_dim)
+            k, v = (kv[i].transpose(0, 1)[:, :, :DECODE_PROBE_CONTEXT] for i in (0, 1))
+            return lambda: sdpa(q.view(rows, num_kv_heads, group, head_dim), k, v)
+        return make
 
     def decode_layout(self, num_rows, softcap):
         choices = self.decode_choices
-        return choices[min(bucket(num_rows), DECODE_MAX_BUCKET)] if choices \
+        return choices[min(kernel_choice.bucket(num_rows), DECODE_MAX_BUCKET)] if choices \
             else "planned"
 
     def decode_attention(self, q, kv_layer, block_tables, lens, scale):
@@ -411,14 +463,47 @@ class CpuOps(TorchOps):
                                     scale=scale))
 
     def describe(self):
-        return {"backend": self.name, "threads": self.threads,
+        cpu = kernel_choice.cpu_info()
+        return {"backend": self.name, "cpu_model": cpu["model"],
+                "cpu_family_model": f"{cpu['family']}/{cpu['model_id']}",
+                "cpu_isa": kernel_choice.isa_summary(cpu["flags"]),
+                "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "isa_env": {name: os.environ[name] for name in kernel_choice.ISA_ENV
+                            if os.environ.get(name)},
+                "threads": self.threads,
                 "c_kernels": (None if self.kernels is None else
                               "avx2-fma" if self.kernels.linear_vectorized else "scalar"),
-                "forced": self.force}
+                "forced": self.force,
+                "linear": {shape: kernel_choice.describe_buckets(c)
+                           for shape, c in self.linear_choices.items()},
+                "decode_attention": (kernel_choice.describe_buckets(self.decode_choices)
+                                     if self.decode_choices else "planned")}
 
     def summary(self):
         d = self.describe()
-        return f"kernels: cpu backend, {d['threads']} thread(s), C kernels {d['c_kernels']}"
+        linear = "; ".join(f"{shape} {c}" for shape, c in d["linear"].items())
+        return (f"kernels: cpu backend on {d['cpu_model']} ({d['cpu_isa']}; torch "
+                f"{d['torch_cpu_capability']}{'; caps ' + str(d['isa_env']) if d['isa_env'] else ''}"
+                f"), {d['threads']} thread(s); linear {linear}; decode attention "
+                f"{d['decode_attention']}")
+
+
+_SELECTORS: dict[tuple, kernel_choice.KernelSelector] = {}
+
+
+def selector_for(threads: int, kernels: cpu_kernels.Kernels | None
+                 ) -> kernel_choice.KernelSelector:
+    """The process's selector for this machine, thread count and C build (one per key, so
+    every runner of the process shares its measurements), cached under
+    ``$PDLAB_CACHE_DIR/kernels``."""
+    build = None if kernels is None else kernels.path.parent.name
+    key = kernel_choice.machine_key(threads, build)
+    root = cache_dir() / "kernels"
+    path = kernel_choice.cache_path(key, root)
+    ident = (str(path),)
+    if ident not in _SELECTORS:
+        _SELECTORS[ident] = kernel_choice.KernelSelector(key, path)
+    return _SELECTORS[ident]
 
 
 def select_ops(device: torch.device, weight_dtype: torch.dtype,
@@ -436,4 +521,5 @@ def select_ops(device: torch.device, weight_dtype: torch.dtype,
             or force.pop("backend", "cpu") == "torch"):
         return TorchOps()
     kernels = cpu_kernels.load()  # None where switched off (PDLAB_CPU_KERNELS=0) or unbuildable
-    return CpuOps(kernels, kv_dtype == torch.float32, force)
+    threads = torch.get_num_threads()
+    return CpuOps(kernels, kv_dtype == torch.float32, selector_for(threads, kernels), force)

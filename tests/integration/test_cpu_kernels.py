@@ -250,8 +250,8 @@ def _greedy(loaded, prompts, max_tokens=6, budget=96):
     return engine, [outputs[f"k{i}"] for i in range(len(prompts))]
 
 
-# Every choice the CPU backend can make, forced: each GEMM candidate and each decode layout,
-# and the reference backend.
+# Every choice the selector can make (engine/kernel_choice.py), forced: each GEMM candidate
+# and each decode layout, and the reference backend.
 FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention=paged",
           "linear=pdlab,decode_attention=paged", "linear=pdlab,decode_attention=planned",
           "backend=torch"]
@@ -272,6 +272,17 @@ def test_engine_under_every_kernel_choice_matches_generate(tiny, monkeypatch, fo
         assert {k.name for k in engine.runner.layers[0].qkv.fused.by_bucket} == {linear}
         assert backend.decode_layout(3, None) == layout
         assert backend.c_elementwise is not None
+    assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
+
+
+@needs_kernels
+def test_engine_with_measured_kernels_matches_generate(tiny):
+    """Whatever the selector measured fastest here (cached per machine)."""
+    prompts = random_prompts([1, 9, 40], seed=21)
+    engine, got = _greedy(tiny, prompts, budget=16)
+    assert engine.runner.ops.kernels is not None  # the fast path really ran
+    described = engine.runner.ops.describe()
+    assert set(described["linear"]) == {"64x128", "64x64", "64x256", "128x64", "64x256/lm_head"}
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 
 

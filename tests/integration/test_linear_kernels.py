@@ -1,5 +1,5 @@
 """The runner's projections (``engine.runner._Linear`` on ``engine.ops``' kernels, issues 10
-and 24): every GEMM kernel the backend can pick gives ``F.linear``'s result, each row-count
+and 30): every GEMM kernel the backend can pick gives ``F.linear``'s result, each row-count
 bucket runs the kernel chosen for it, the fused weight is the modules' only copy, and
 without oneDNN and pdlab's kernels the engine still equals generate()."""
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from conftest import random_prompts, reference_generate
 
-from engine import cpu_kernels, ops
+from engine import cpu_kernels, kernel_choice, ops
 from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -18,7 +18,7 @@ from engine.model import load_model
 from engine.request import Request, SamplingParams
 
 CAN_PDLAB = cpu_kernels.load() is not None and cpu_kernels.load().linear_vectorized
-# every kernel the CPU backend can pick here, and the reference backend's
+# every kernel the selector can pick here, and the reference backend's
 KERNELS = ["torch", "mkl", *(["onednn"] if ops.ONEDNN else []), *(["pdlab"] if CAN_PDLAB else [])]
 
 
@@ -53,21 +53,27 @@ def test_fused_projection_equals_f_linear_per_module(bias, rows, kernel, monkeyp
         assert m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
-def test_each_row_bucket_runs_its_kernel():
-    """The fixed crossovers: pdlab's kernel for 1-256 rows where it builds, else oneDNN for
-    2-64 rows (and the LM head's single row), MKL otherwise."""
-    backend = ops.CpuOps(cpu_kernels.load(), True)
-    layer = runner_mod._Linear([torch.nn.Linear(32, 40)], ops=backend)
-    head = runner_mod._Linear([torch.nn.Linear(32, 64)], ops=backend, lm_head=True)
-    pick = lambda lin, rows: lin.fused.by_bucket[  # noqa: E731
-        min(ops.bucket(rows), lin.fused.last)].name
-    if CAN_PDLAB:
-        assert [pick(layer, n) for n in (1, 16, 256, 257, 3000)] == [
-            "pdlab", "pdlab", "pdlab", "mkl", "mkl"]
-    elif ops.ONEDNN:
-        assert [pick(layer, n) for n in (1, 2, 64, 65, 3000)] == [
-            "mkl", "onednn", "onednn", "mkl", "mkl"]
-        assert [pick(head, n) for n in (1, 2, 65)] == ["onednn", "onednn", "mkl"]
+def test_each_row_bucket_runs_its_chosen_kernel(tmp_path):
+    """A selector whose (fake) timings make MKL fastest for 1 row, oneDNN or pdlab for 2-8
+    rows and MKL again from 9: the projection runs exactly those, the last bucket's choice
+    for every larger count, and the chosen kernels are what ``describe()`` reports."""
+    names = ["mkl", *(["onednn"] if ops.ONEDNN else []), *(["pdlab"] if CAN_PDLAB else [])]
+    middle = names[-1]
+
+    def timer(runs):
+        b = timer.buckets.pop(0)
+        fastest = "mkl" if b == 0 or b > 3 else middle
+        return {name: 1.0 if name == fastest else 2.0 for name in runs}
+    timer.buckets = list(range(ops.LINEAR_MAX_BUCKET + 1))
+    selector = kernel_choice.KernelSelector({"cpu_model": "fake"}, tmp_path / "c.json", timer)
+    backend = ops.CpuOps(cpu_kernels.load(), True, selector)
+    linear = runner_mod._Linear([torch.nn.Linear(32, 40)], ops=backend)
+    want = {1: "mkl", 2: middle, 5: middle, 8: middle, 9: "mkl", 512: "mkl", 3000: "mkl"}
+    for rows, name in want.items():
+        assert linear.fused.by_bucket[min(kernel_choice.bucket(rows), linear.fused.last)].name \
+            == name
+    expected = "1 mkl, 2-8 " + middle + ", 9+ mkl" if middle != "mkl" else "1+ mkl"
+    assert backend.describe()["linear"] == {"32x40": expected}
 
 
 def test_engine_without_onednn_matches_generate(monkeypatch):
