@@ -20,7 +20,8 @@ times the candidates that exist here and keeps the fastest.
   count, the ISA limits in the environment (``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
   ``PDLAB_CPU_KERNELS_ISA``) and the C kernels' build. A file whose stored key differs (another
   CPU, a copied home directory) is ignored and rewritten, so a machine measures once and
-  every later process of it reads the file.
+  every later process of it reads the file. A choice measured while the machine was loaded
+  by other work sticks with it: delete the file to measure again.
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ class KernelSelector:
             fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.path.parent)
             with os.fdopen(fd, "w") as f:
                 json.dump({"key": self.key, "choices": self.choices}, f, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the machine's other users
             os.replace(tmp, self.path)
         except OSError:
             pass
