@@ -181,6 +181,9 @@ class TorchOps:
 
     name = "torch"
     cache_key: tuple = ("torch",)  # what prepared (packed) weights depend on
+    # "in x out" -> {bucket: kernel} of the projections built (CpuOps fills it; the
+    # reference runs mm everywhere and leaves it empty)
+    linear_choices: dict = {}
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
                lm_head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:

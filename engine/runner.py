@@ -225,8 +225,11 @@ def _prepare(model, ops: TorchOps) -> tuple[list[_Layer], _Norm, _Linear]:
         per_type_rope = hasattr(model.model.rotary_emb, "layer_types")  # Gemma 3
         cached = (key, [_Layer.of(layer, model.config, per_type_rope, ops)
                         for layer in model.model.layers],
-                  _Norm.of(model.model.norm), _Linear([model.lm_head], ops=ops, lm_head=True))
+                  _Norm.of(model.model.norm), _Linear([model.lm_head], ops=ops, lm_head=True),
+                  dict(ops.linear_choices))
         _PREPARED[model] = cached
+    else:  # built by another runner's backend: record the choices they run (describe())
+        ops.linear_choices.update(cached[4])
     return cached[1], cached[2], cached[3]
 
 

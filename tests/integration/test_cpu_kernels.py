@@ -283,6 +283,8 @@ def test_engine_with_measured_kernels_matches_generate(tiny):
     assert engine.runner.ops.kernels is not None  # the fast path really ran
     described = engine.runner.ops.describe()
     assert set(described["linear"]) == {"64x128", "64x64", "64x256", "128x64", "64x256/lm_head"}
+    second = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))  # layers prepared already
+    assert second.ops.describe()["linear"] == described["linear"]
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 
 
