@@ -126,7 +126,9 @@ class EngineLoop:
     # ---- called from other threads (or as Ray actor methods) -------------------------
     def info(self) -> dict:
         """What the router needs to validate requests and check compatibility, plus the
-        process's torch thread counts (recorded with every result)."""
+        process's torch thread counts and its kernels (``kernels``: the backend's
+        ``describe()``, engine/ops.py: CPU model and ISA, the GEMM chosen per shape class
+        and row range, the decode-attention layout), recorded with every result."""
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
                 "torch_num_threads": torch.get_num_threads(),
@@ -137,7 +139,8 @@ class EngineLoop:
                 "enable_chunked_prefill": engine.config.enable_chunked_prefill,
                 "kv_capacity_tokens": engine.kv_capacity_tokens,
                 "kv_block_size": engine.config.block_size,
-                "kv_num_blocks": engine.kv_store.num_blocks}
+                "kv_num_blocks": engine.kv_store.num_blocks,
+                "kernels": engine.runner.ops.describe()}
 
     def submit(self, request: Request) -> None:
         """Queue a request; an invalid one comes back as an ``error`` event."""
