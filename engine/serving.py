@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 
 from engine.config import EngineConfig, ModelConfig
-from engine.device import bind_device
+from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine
 from engine.events import ERROR, TOKEN, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
@@ -94,7 +94,8 @@ class EngineLoop:
         model_config, engine_config: what to load and how to schedule.
         device: ``cpu:i``, ``cpu:a-b`` or ``cuda:i``; the process pins itself to it.
         inside_ray: the process is a Ray actor (changes how a CUDA device is named).
-        bind: pin the process to ``device`` (off when several workers share one process).
+        bind: pin the process to ``device`` (off when several workers share one process:
+            a CUDA worker still runs on its own GPU, ``engine.device.bind_device``).
         step_delay_s: sleep this long after every step: a straggler, for failure tests.
     """
 
@@ -106,9 +107,9 @@ class EngineLoop:
         self.name = name
         self.step_delay_s = step_delay_s
         self.device = device
-        torch_device = bind_device(device, inside_ray) if bind else "cpu"
-        engine_config = dataclasses.replace(engine_config, device=torch_device)
-        self.engine = Engine(load_model(model_config, torch_device), engine_config)
+        self.torch_device = bind_device(device, inside_ray, pin=bind)
+        engine_config = dataclasses.replace(engine_config, device=self.torch_device)
+        self.engine = Engine(load_model(model_config, self.torch_device), engine_config)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent] = []
         self._events_ready = threading.Condition()
@@ -121,11 +122,14 @@ class EngineLoop:
     # ---- called from other threads (or as Ray actor methods) -------------------------
     def info(self) -> dict:
         """What the router needs to validate requests and check compatibility, plus the
-        process's torch thread counts (recorded with every result)."""
+        process's torch thread counts and the physical GPU used (``gpu``: index as this
+        process sees it, name, UUID, CUDA_VISIBLE_DEVICES; None on CPU), recorded with
+        every result. ``device`` is the device asked for, ``torch_device`` the one used."""
         import torch  # local import: the thread counts are process-wide
 
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
+                "torch_device": self.torch_device, "gpu": gpu_identity(self.torch_device),
                 "torch_num_threads": torch.get_num_threads(),
                 "torch_num_interop_threads": torch.get_num_interop_threads(),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
@@ -226,6 +230,7 @@ class EngineLoop:
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
+            use_on_this_thread(self.torch_device)  # the CUDA current device is per thread
             self._loop()
         except BaseException as err:  # nothing may escape silently: the worker is dead now
             with self._events_ready:

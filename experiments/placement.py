@@ -6,11 +6,13 @@ Setting up a deployment:
 1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that
    the set has enough devices and that each exists, before anything starts.
 2. Ray mode: start a local Ray cluster (or join ``--address``), reserve one placement-group
-   bundle per worker (one GPU, or the CPU cores of a ``cpu:`` device) and start each worker
-   as an actor in its bundle; the worker pins itself to its device (``torchdist``: the
-   driver first binds the group's rendezvous store at port 0 and keeps it until ``close``,
-   see ``kv_transfer.torchdist.open_rendezvous``). Local mode: build the
-   workers as plain objects in this process (tests; the in-process transport).
+   bundle per worker (its GPU, or the CPU cores of a ``cpu:`` device: ``gpu_actor_resources``)
+   and start each worker as an actor in its bundle; the worker pins itself to its device
+   (on a cluster started here ``cuda:i`` is GPU i exactly; joining one, Ray picks the GPU).
+   ``torchdist``: the driver first binds the group's rendezvous store at port 0 and keeps it
+   until ``close``, see ``kv_transfer.torchdist.open_rendezvous``. Local mode: build the
+   workers as plain objects in this process (tests; the in-process transport), each on its
+   own device without pinning the process (a ``cuda:i`` worker runs on ``cuda:i``).
 3. Wait until every worker answers ``info`` (bounded), then build the ``Router``. A worker
    that fails to start is an error that keeps its root cause (exception type and message,
    ``engine.errors.describe_error``), not only Ray's "actor died" line.
@@ -29,15 +31,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
 from decode_worker import DecodeWorker
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
                            TransferConfig, cpu_cores_of, parse_devices, parse_placement,
                            placement_engine_overrides)
+from engine.device import PIN_ENV, VISIBLE_ENV
 from engine.errors import describe_error
 from engine.model import check_model_name
 from engine.serving import EngineLoop
@@ -48,9 +46,17 @@ from router.calls import ORDERED, LocalCalls, WorkerDied
 from router.router import Router, WorkerRef
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-ACTOR_DEATH = (RayActorError,) + tuple(
-    getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
-    if hasattr(ray.exceptions, name))
+# Ray is imported inside the functions that use it, never here: local mode (one process, the
+# in-process transport) runs where Ray is not installed, e.g. `make gpu-check`.
+
+
+def _actor_death() -> tuple[type, ...]:
+    """Ray's exceptions for an actor that died (the set differs between Ray versions)."""
+    import ray
+
+    return (ray.exceptions.RayActorError,) + tuple(
+        getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
+        if hasattr(ray.exceptions, name))
 
 
 class RayCalls:
@@ -69,13 +75,16 @@ class RayCalls:
     def __init__(self) -> None:
         self._seqs: dict[str, itertools.count] = {}
 
-    def call(self, handle: Any, method: str, *args: Any) -> ray.ObjectRef:
+    def call(self, handle: Any, method: str, *args: Any) -> Any:
+        """Start ``handle.method(*args)``; returns its ``ray.ObjectRef``."""
         if method in ORDERED:
             seqs = self._seqs.setdefault(handle._actor_id.hex(), itertools.count())
             return handle.ordered.remote(next(seqs), method, *args)
         return getattr(handle, method).remote(*args)
 
     def ready(self, pending: list, timeout_s: float) -> list:
+        import ray
+
         futures = [p for p in pending if isinstance(p, cf.Future)]
         if futures:  # ray.wait takes ObjectRefs only: wait in 5 ms slices, checking the futures
             refs = [p for p in pending if not isinstance(p, cf.Future)]
@@ -97,10 +106,13 @@ class RayCalls:
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
         return ready
 
-    def result(self, pending: ray.ObjectRef) -> Any:
+    def result(self, pending: Any) -> Any:
+        import ray
+        from ray.exceptions import RayTaskError
+
         try:
             return ray.get(pending, timeout=0)
-        except ACTOR_DEATH as err:  # keep the root cause: Ray's first line only says "died"
+        except _actor_death() as err:  # keep the root cause: Ray's first line only says "died"
             raise WorkerDied(f"{type(err).__name__}: {describe_error(err)}") from err
         except RayTaskError as err:  # the method raised: its own error, not Ray's wrapper
             raise (err.cause if isinstance(err.cause, Exception) else err) from None
@@ -142,9 +154,9 @@ def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None
                              f"{cluster_resources.get('CPU', 0)}")
         return
     if gpus:
-        import torch
+        from engine.device import CUDA  # the CUDA seam (tests fake the device table)
 
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        count = CUDA.device_count() if CUDA.is_available() else 0
         for device in gpus:
             if int(device.split(":")[1]) >= count:
                 raise ValueError(f"device {device} does not exist: this machine has {count} GPUs")
@@ -169,6 +181,15 @@ class Deployment:
         deadline_s: router deadline; default: the transfer timeout plus 5 s, so a
             transfer's own timeout error arrives first.
         conditional: the local/remote prefill rule of ``conditional:xPyD`` (router).
+        worker_devices: local mode only: each worker's device, in layout order, instead of
+            one device of the set each; devices may repeat (e.g. both workers of
+            ``disagg:1p1d`` on ``cuda:0``, which only one process can share).
+
+    Devices: in local mode a ``cuda:i`` worker runs on GPU i of this process as the torch
+    device ``cuda:i`` (``engine.device``: several workers, several GPUs, one process). Under
+    Ray each worker sees only its GPU; on a cluster pdlab starts, ``cuda:i`` is exactly GPU i
+    of the driver's numbering (``gpu_actor_resources``), on a cluster it joins (``--address``)
+    Ray picks a free GPU. Either way ``info()["gpu"]`` records the GPU used (UUID, name).
 
     Raises:
         ValueError: bad placement or device set, not enough devices, a transport that
@@ -179,13 +200,20 @@ class Deployment:
                  engine: EngineConfig | None = None, transfer: TransferConfig | None = None,
                  local: bool = False, faults: dict[str, dict | list[dict]] | None = None,
                  policy: str = "least_loaded", deadline_s: float | None = None,
-                 conditional: ConditionalConfig | None = None) -> None:
+                 conditional: ConditionalConfig | None = None,
+                 worker_devices: tuple[str, ...] | None = None) -> None:
         self.placement = placement
         self.model = model
         self.engine = placement_engine_overrides(placement.placement, engine or EngineConfig())
         self.transfer = transfer or TransferConfig()
         self.local = local
-        self.devices = parse_devices(placement.devices)
+        if worker_devices is not None:
+            if not local:
+                raise ValueError("worker_devices (workers sharing a device) needs a local placement")
+            parse_devices(",".join(dict.fromkeys(worker_devices)))  # each must be a device
+            self.devices = tuple(worker_devices)
+        else:
+            self.devices = parse_devices(placement.devices)
         self.layout = worker_layout(placement.placement, self.devices)
         if local and self.transfer.transport != "inprocess":
             raise ValueError("a local placement (one process) needs transport 'inprocess'")
@@ -238,17 +266,24 @@ class Deployment:
             self.handles[name] = cls(**kwargs, bind=False)
 
     def _start_ray(self, faults: dict) -> None:
+        import ray
+        from ray.exceptions import GetTimeoutError
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         if not ray.is_initialized():
             init = ray_init_kwargs()
-            init["address"] = self.placement.address or "local"  # never join a stray cluster
-            if not self.placement.address:
-                init["num_cpus"] = len(os.sched_getaffinity(0))
-                init["num_gpus"] = sum(d.startswith("cuda") for d in self.devices)
+            if self.placement.address:
+                init["address"] = self.placement.address
+            else:
+                init.update(local_cluster_kwargs(self.devices))
             ray.init(**init)
             self._started_ray = True
         check_devices_exist(self.devices, ray.cluster_resources() if self.placement.address else None)
-        bundles = [({"GPU": 1, "CPU": 1} if device.startswith("cuda")
-                    else {"CPU": len(cpu_cores_of(device))}) for _, _, device in self.layout]
+        # cuda:i is honoured exactly only on a cluster started here (its resources are ours)
+        pinned = self._started_ray and not self.placement.address
+        resources = [gpu_actor_resources(device, pinned) for _, _, device in self.layout]
+        bundles = [bundle for bundle, _ in resources]
         # shm moves KV through one node's shared memory: every worker must be on that node
         strategy = "STRICT_PACK" if self.transfer.transport == "shm" else "PACK"
         self._pg = placement_group(bundles, strategy=strategy)
@@ -266,10 +301,8 @@ class Deployment:
                                                             self.transfer.timeout_s)
         for rank, (name, role, device) in enumerate(self.layout):
             cls, kwargs = self._worker_args(name, role, device, faults, rank, init_method)
-            bundle = bundles[rank]
             actor_cls = ray.remote(cls).options(
-                name=None, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                max_concurrency=16, max_restarts=0,
+                name=None, max_concurrency=16, max_restarts=0, **resources[rank][1],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank))
             self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
 
@@ -303,6 +336,8 @@ class Deployment:
         if self.local:
             self.calls.kill(self.handles[name])
         else:
+            import ray
+
             ray.kill(self.handles[name], no_restart=True)
 
     def close(self) -> None:
@@ -312,6 +347,8 @@ class Deployment:
                 if self.local:
                     handle.shutdown()
                 else:
+                    import ray
+
                     ray.kill(handle, no_restart=True)
             except Exception:  # already dead
                 pass
@@ -320,9 +357,13 @@ class Deployment:
         self.handles = {}
         self._rendezvous = None
         if self._pg is not None:
+            from ray.util.placement_group import remove_placement_group
+
             remove_placement_group(self._pg)
             self._pg = None
         if self._started_ray:
+            import ray
+
             ray.shutdown()
             self._started_ray = False
 
@@ -331,6 +372,56 @@ class Deployment:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def physical_gpu(device: str) -> str:
+    """The GPU id that ``cuda:i`` names for this (driver) process: entry i of its
+    ``CUDA_VISIBLE_DEVICES`` where that is set (an index, a UUID or a MIG id), else ``i``."""
+    index = int(device.split(":")[1])
+    visible = os.environ.get(VISIBLE_ENV)
+    if visible is None:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise ValueError(f"device {device} does not exist: {VISIBLE_ENV}={visible!r} shows "
+                         f"{len(ids)} GPUs")
+    return ids[index]
+
+
+def gpu_resource(device: str) -> str:
+    """The Ray custom resource that stands for GPU ``cuda:i`` on a cluster pdlab starts."""
+    return f"pdlab_cuda_{device.split(':')[1]}"
+
+
+def gpu_actor_resources(device: str, pinned: bool) -> tuple[dict[str, float], dict[str, Any]]:
+    """``(bundle, actor options)`` of a worker on ``device`` under Ray.
+
+    A CPU device: its cores. A CUDA device, ``pinned`` (a cluster pdlab started, so its
+    resources are all pdlab's): one ``gpu_resource`` unit instead of Ray's ``GPU``, and the
+    actor gets ``PDLAB_CUDA_VISIBLE_DEVICES`` = ``physical_gpu(device)``, which
+    ``engine.device.bind_device`` makes its ``CUDA_VISIBLE_DEVICES`` before CUDA starts: so
+    ``cuda:i`` is exactly GPU i. Not pinned (``--address``: a shared cluster whose GPU indices
+    are per node): ``num_gpus=1``, Ray picks the GPU and sets ``CUDA_VISIBLE_DEVICES``; the
+    index is then only a label, and ``info()["gpu"]`` says which GPU it was.
+    """
+    if device.startswith("cpu"):
+        cores = len(cpu_cores_of(device))
+        return {"CPU": cores}, {"num_cpus": cores, "num_gpus": 0}
+    if not pinned:
+        return {"GPU": 1.0, "CPU": 1.0}, {"num_cpus": 1, "num_gpus": 1}
+    resource = gpu_resource(device)
+    env = {**ray_init_kwargs()["runtime_env"]["env_vars"], PIN_ENV: physical_gpu(device)}
+    return ({resource: 1.0, "CPU": 1.0},
+            {"num_cpus": 1, "num_gpus": 0, "resources": {resource: 1.0},
+             "runtime_env": {"env_vars": env}})
+
+
+def local_cluster_kwargs(devices: tuple[str, ...]) -> dict[str, Any]:
+    """``ray.init`` arguments of the private cluster pdlab starts for ``devices``: this
+    machine's cores, no Ray ``GPU`` resource, one ``gpu_resource`` per CUDA device."""
+    return {"address": "local",  # never join a stray cluster
+            "num_cpus": len(os.sched_getaffinity(0)), "num_gpus": 0,
+            "resources": {gpu_resource(d): 1.0 for d in devices if d.startswith("cuda")}}
 
 
 def ray_init_kwargs() -> dict[str, Any]:
