@@ -525,7 +525,8 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
               "slo": dataclasses.asdict(slo), "policy": policy,
               "conditional": dataclasses.asdict(conditional or ConditionalConfig()),
               "workers": [{k: w.get(k) for k in ("placement", "name", "role", "device",
-                                                 "torch_num_threads", "torch_num_interop_threads")}
+                                                 "torch_device", "gpu", "torch_num_threads",
+                                                 "torch_num_interop_threads")}
                           for w in worker_info]}
     if simulate is None:
         return write_results(out_dir, results, config, slo)
