@@ -179,11 +179,11 @@ class TorchDistributedTransport(Transport):
         self._send_lock = threading.Lock()  # a pair's sends are posted in seq order
         self._post_lock = threading.Lock()  # receives are posted in one place (in order)
         self._next_send: dict[int, int] = {}  # dst rank -> seq of the next put to it
-        self._sends: dict[tuple[int, int], bool] = {}  # (dst, seq) of sends not completed
+        self._sends: set[tuple[int, int]] = set()  # (dst, seq) of sends not completed
         self._orphans: set[tuple[int, int]] = set()  # of those, freed here before completing
         self._next_post: dict[int, int] = {}  # src rank -> seq whose receive is posted next
         self._parked: dict[int, dict[int, _Receive]] = {}  # src -> seq -> waiting its turn
-        self._done: set[tuple[int, int]] = set()  # (src, seq) posted here (gloo: any order)
+        self._done: set[tuple[int, int]] = set()  # gloo: (src, seq) posted here (any order)
         self._broken: dict[int, str] = {}  # peer rank -> why the pair with it is unusable
         self._stranded: list[torch.Tensor] = []  # buffers of receives that may still land
         self.drain_timeout_s = init_timeout_s
@@ -289,7 +289,7 @@ class TorchDistributedTransport(Transport):
                 self._mark_broken(dst, reason)
                 raise TransferFailed(f"KV of request {request_id}: {reason}") from err
             with self._lock:
-                self._sends[(dst, seq)] = True
+                self._sends.add((dst, seq))
         # The thread holds the buffers until the host knows the send completed.
         threading.Thread(target=self._wait_sent,
                          args=(seq, dst, request_id, works, [header, tensor_bytes]),
@@ -305,7 +305,7 @@ class TorchDistributedTransport(Transport):
             self._mark_broken(dst, f"the send of request {request_id} to rank {dst} failed: "
                                    f"{str(err).splitlines()[0]}")
         with self._lock:
-            self._sends.pop((dst, seq), None)
+            self._sends.discard((dst, seq))
             self._orphans.discard((dst, seq))
 
     def _free_sent(self, key: P2PKey, handle: KVHandle, dst: int) -> None:
@@ -358,11 +358,11 @@ class TorchDistributedTransport(Transport):
                         if receive is None:
                             return
                         self._next_post[src] = seq + 1
-                    elif parked:
+                    elif parked:  # gloo: tags keep transfers apart, any order will do
                         receive = parked.pop(next(iter(parked)))
+                        self._done.add((src, receive.key.seq))
                     else:
                         return
-                    self._done.add((src, receive.key.seq))
                 self._post(receive)
 
     def _post(self, receive: _Receive) -> None:
