@@ -25,7 +25,8 @@ rest still runs; a part that would pass the time budget is skipped and says so):
    **interference stall** = ITL p99 - ITL p50 (how much the worst gaps exceed a typical
    decode step; ITLs from each request's second decode gap on, so a disaggregated
    request's first gap, which holds its KV transfer, is not counted: its KV transfer p50 is
-   its own row).
+   its own row; the in-process transport moves KV through host memory, device to host,
+   CRC-32C, host to device, so that row is not a GPU-to-GPU figure).
 3. **Decode step time at B = 1, 16, 64** for SmolLM2-135M in bf16 at a 512-token context:
    the median of 30 timed ``Engine.step()``s (CUDA synchronized around each) against its
    HBM floor = bytes read per step / bandwidth, bytes = every weight once
