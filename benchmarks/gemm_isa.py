@@ -19,6 +19,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 _ONEDNN_ISA = re.compile(r"info,cpu,isa:([^,\n]+)")
 _ONEDNN_IMPL = re.compile(r"(?:create|exec)[^,]*,cpu,(?:inner_product|matmul),([^,]+),")
 # "... for Intel(R) 64 architecture Intel(R) Advanced Vector Extensions 2 (Intel(R) AVX2)
@@ -52,8 +54,6 @@ def probe(python: str | Path, env: dict[str, str], timeout_s: float = 300.0) -> 
 
 
 def _child() -> int:
-    import torch
-
     torch.set_num_threads(1)
     weight, x = torch.randn(960, 576), torch.randn(16, 576)
     try:  # vLLM's interpreter: its own oneDNN matmul, as its CPU linear dispatch builds it

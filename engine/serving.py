@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 from engine.config import EngineConfig, ModelConfig
-from engine.device import bind_device
+from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine, StepOutput
 from engine.events import ERROR, TOKEN, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
@@ -98,7 +98,8 @@ class EngineLoop:
         model_config, engine_config: what to load and how to schedule.
         device: ``cpu:i``, ``cpu:a-b`` or ``cuda:i``; the process pins itself to it.
         inside_ray: the process is a Ray actor (changes how a CUDA device is named).
-        bind: pin the process to ``device`` (off when several workers share one process).
+        bind: pin the process to ``device`` (off when several workers share one process:
+            a CUDA worker still runs on its own GPU, ``engine.device.bind_device``).
         step_delay_s: sleep this long after every step: a straggler, for failure tests.
     """
 
@@ -110,9 +111,9 @@ class EngineLoop:
         self.name = name
         self.step_delay_s = step_delay_s
         self.device = device
-        torch_device = bind_device(device, inside_ray) if bind else "cpu"
-        engine_config = dataclasses.replace(engine_config, device=torch_device)
-        self.engine = Engine(load_model(model_config, torch_device), engine_config,
+        self.torch_device = bind_device(device, inside_ray, pin=bind)
+        engine_config = dataclasses.replace(engine_config, device=self.torch_device)
+        self.engine = Engine(load_model(model_config, self.torch_device), engine_config,
                              on_layer_done=self.layer_listener())
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent] = []
@@ -126,11 +127,14 @@ class EngineLoop:
     # ---- called from other threads (or as Ray actor methods) -------------------------
     def info(self) -> dict:
         """What the router needs to validate requests and check compatibility, plus the
-        process's torch thread counts and its kernels (``kernels``: the backend's
-        ``describe()``, engine/ops.py: CPU model and ISA, the GEMM chosen per shape class
-        and row range, the decode-attention layout), recorded with every result."""
+        process's torch thread counts, the physical GPU used (``gpu``: index as this process
+        sees it, name, UUID, CUDA_VISIBLE_DEVICES; None on CPU) and its kernels
+        (``kernels``: the backend's ``describe()``, engine/ops.py: CPU model and ISA, the
+        GEMM chosen per shape class and row range, the decode-attention layout), recorded
+        with every result. ``device`` is the device asked for, ``torch_device`` the one used."""
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
+                "torch_device": self.torch_device, "gpu": gpu_identity(self.torch_device),
                 "torch_num_threads": torch.get_num_threads(),
                 "torch_num_interop_threads": torch.get_num_interop_threads(),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
@@ -234,6 +238,7 @@ class EngineLoop:
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
+            use_on_this_thread(self.torch_device)  # the CUDA current device is per thread
             self._loop()
         except BaseException as err:  # nothing may escape silently: the worker is dead now
             with self._events_ready:

@@ -174,5 +174,6 @@ def experiment_config(model: ModelConfig, devices: tuple[str, ...], placements: 
             "slo": dataclasses.asdict(slo), "policy": policy,
             "conditional": dataclasses.asdict(conditional or ConditionalConfig()),
             "workers": [{k: w.get(k) for k in ("placement", "name", "role", "device",
-                                               "torch_num_threads", "torch_num_interop_threads")}
+                                               "torch_device", "gpu", "torch_num_threads",
+                                               "torch_num_interop_threads", "kernels")}
                         for w in worker_info]}

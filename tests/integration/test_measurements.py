@@ -182,6 +182,7 @@ def test_tiny_compare_two_seeds_two_rates(tmp_path):
                                        "calibrate", "prompt_len", "output_len"}  # synthetic options only
     workers = config["workers"]
     assert len(workers) == 4 and all(w["torch_num_threads"] >= 1 for w in workers)
+    assert all(w["torch_device"] == "cpu" and w["gpu"] is None for w in workers)  # no GPU used
     requests = pd.DataFrame(rows[1:])
     assert len(requests) == 3 * 2 * 2 * 4
     # the same seed draws the same prompts for every placement and rate; seeds differ
