@@ -30,7 +30,7 @@ from decode_worker import DecodeWorker
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
                            TransferConfig, cpu_cores_of, parse_devices, parse_placement,
                            placement_engine_overrides)
-from engine.device import CUDA
+from engine import device as engine_device  # .CUDA: the seam tests fake
 from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
@@ -78,7 +78,8 @@ def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None
                              f"{cluster_resources.get('CPU', 0)}")
         return
     if gpus:
-        count = CUDA.device_count() if CUDA.is_available() else 0
+        cuda = engine_device.CUDA
+        count = cuda.device_count() if cuda.is_available() else 0
         for device in gpus:
             if int(device.split(":")[1]) >= count:
                 raise ValueError(f"device {device} does not exist: this machine has {count} GPUs")

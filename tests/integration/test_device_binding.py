@@ -33,9 +33,9 @@ def on_fake_gpus(monkeypatch):
         return real_load(config, "cpu")
 
     class CpuEngine(real_engine):
-        def __init__(self, loaded, config):
+        def __init__(self, loaded, config, **kwargs):
             asked["engine"].append(config.device)
-            super().__init__(loaded, dataclasses.replace(config, device="cpu"))
+            super().__init__(loaded, dataclasses.replace(config, device="cpu"), **kwargs)
 
     monkeypatch.setattr(serving, "load_model", load_model)
     monkeypatch.setattr(serving, "Engine", CpuEngine)
