@@ -5,7 +5,7 @@
 PLAN_OUT is a ``pdlab plan --validate`` (or ``pdlab compare --simulate``) output directory
 with ``measured/`` and ``simulated/`` results. Printed, per (placement, rate):
 
-1. the real steps against the step model on their own rebuilt batches
+1. the real steps against the step model on their own recorded batches
    (``planner.diagnose.step_table``): measured ÷ modelled per worker and step kind,
    and the loop gap between back-to-back steps (time no step model contains);
 2. the median TTFT parts, measured beside simulated (``diagnose.ttft_parts``);
@@ -114,7 +114,7 @@ def load_runs(path: Path) -> tuple[dict, list[replay.RunResult], dict]:
 
 def minute_trace(real: pd.DataFrame) -> pd.DataFrame:
     """Median measured ÷ modelled ratio and step count per wall-clock minute (UTC) of the
-    rebuilt real steps, decode and prompt (prefill or mixed) steps apart."""
+    real steps whose batch agrees with their counts, decode and prompt (prefill or mixed) steps apart."""
     t = real[real["rebuilt"] & real["model_s"].gt(0)].copy()
     t["minute"] = pd.to_datetime(t["start_s"], unit="s").dt.strftime("%H:%M")
     t["steps"] = np.where(t["kind"] == "decode", "decode", "prompt")
@@ -163,12 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     pd.set_option("display.width", 200)
     all_real = []
     for key in sorted(measured):
-        real = diagnose.step_table(measured[key], _steps_of(msteps, key), step_s)
-        sim = diagnose.step_table(simulated.get(key, []), _steps_of(ssteps, key), step_s)
+        real = diagnose.step_table(_steps_of(msteps, key), step_s)
+        sim = diagnose.step_table(_steps_of(ssteps, key), step_s)
         real.insert(0, "run", f"{key[0]}@{key[1]:g}/s{key[2]}")
         all_real.append(real)
         print(f"\n== {key[0]} @ {key[1]:g} req/s seed {key[2]}: {len(real)} real steps "
-              f"({real['rebuilt'].mean():.0%} rebuilt), {len(sim)} simulated; busy "
+              f"({real["rebuilt"].mean():.0%} with consistent batches), {len(sim)} simulated; busy "
               f"{real['duration_s'].sum():.1f} s real, {sim['duration_s'].sum():.1f} s simulated; "
               f"same batches {batches_agree(real, sim):.0%}")
         print(diagnose.step_summary(real).to_string(index=False, float_format="%.3f"))

@@ -27,7 +27,6 @@ reaches a forward; a forward that fails turns that step's requests into errors
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -37,87 +36,13 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
+from engine.metrics import StepRecord
 from engine.kv_cache import GIB, KVStore, kv_budget_bytes, kv_cache_num_blocks
 from engine.model import LoadedModel
 from engine.request import Request, RequestState, RequestStatus, TokenOutput
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch, Scheduler
-
-PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase
-
-
-class BatchEntry(NamedTuple):
-    """One request's part of a step (``StepRecord.batch``).
-
-    A NamedTuple rather than a dataclass: one is built per request per step on the serving
-    hot path (a tuple is the cheapest immutable record), and ``json.dumps`` writes it as a
-    plain array in field order, which is what ``StepRecord.to_row`` ships.
-
-    Attributes:
-        request_id: the request.
-        num_tokens: its tokens the step computed (a prompt chunk, or 1 for a decode).
-        phase: ``"prefill"`` (prompt tokens: ``RequestState.is_prefilling`` at the step's
-            start) or ``"decode"`` (one output token fed back).
-        num_context_tokens: its tokens computed before the step (its KV the step's new
-            tokens attend to besides their own): ``RequestState.num_computed_tokens`` at
-            the step's start. A prompt chunk of n tokens after k attends to k + n keys per
-            query at most, a decode to k + 1.
-    """
-
-    request_id: str
-    num_tokens: int
-    phase: str
-    num_context_tokens: int
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One engine step that ran a forward, for interference analysis and the planner's
-    diagnosis: its phase mix, size, duration and batch.
-
-    Attributes:
-        start_s: ``time.time()`` at the step's start (seconds).
-        duration_s: schedule-to-update wall time (seconds); its tokens are stamped with
-            ``start_s + duration_s`` (``TokenOutput.time_s``).
-        num_requests: entries in the batch.
-        num_prefill_tokens, num_decode_tokens: prompt and decode tokens it computed.
-        batch: its entries in the scheduler's order (decodes first, then prompt chunks;
-            ``engine.scheduler.Scheduler.schedule``); empty on records built by hand.
-    """
-
-    start_s: float
-    duration_s: float
-    num_requests: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-    batch: tuple[BatchEntry, ...] = ()
-
-    def to_row(self) -> dict:
-        """The record as one flat row (a steps.csv row, a Ray-shipped dict): the scalar
-        fields as they are, ``batch`` as JSON text, a list of
-        ``[request_id, num_tokens, phase, num_context_tokens]`` arrays (one cell holds a
-        batch of any size, and pandas writes and reads it back unchanged; ``parse_batch``
-        turns it back into entries)."""
-        return {"start_s": self.start_s, "duration_s": self.duration_s,
-                "num_requests": self.num_requests,
-                "num_prefill_tokens": self.num_prefill_tokens,
-                "num_decode_tokens": self.num_decode_tokens,
-                "batch": json.dumps(self.batch, separators=(",", ":"))}
-
-
-def parse_batch(text: str) -> tuple[BatchEntry, ...]:
-    """The entries of a ``StepRecord.to_row()["batch"]`` cell.
-
-    Raises:
-        ValueError: ``text`` is not such a JSON list (``json.JSONDecodeError`` is one).
-    """
-    try:
-        return tuple(BatchEntry(str(r), int(n), str(p), int(c)) for r, n, p, c in json.loads(text))
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"not a step batch ([[request_id, num_tokens, phase, "
-                         f"num_context_tokens], ...]): {text[:80]!r}: {err}") from None
-
 
 class FailedRequest(NamedTuple):
     """A request a step failed (it left the engine; its KV is freed)."""
@@ -377,10 +302,7 @@ class Engine:
             return StepOutput(kv_reserved=kv_reserved)
         start_s = time.time()
         num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
-        entries = tuple(
-            BatchEntry(s.request_id, n, PREFILL if s.is_prefilling else DECODE,
-                       s.num_computed_tokens)
-            for s, n in zip(batch.requests, batch.num_new_tokens))
+        entries = batch.entries()
         for state in batch.requests:
             if state.first_scheduled_time_s is None:  # prefill started / remote KV decodes
                 state.first_scheduled_time_s = start_s

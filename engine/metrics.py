@@ -42,10 +42,11 @@ Sources:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -401,3 +402,81 @@ def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devic
             break
         best = rate
     return best / num_devices
+
+
+# ---- engine steps (measured at the boundary: each step with its batch) -----------------
+
+
+PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase
+
+
+class BatchEntry(NamedTuple):
+    """One request's part of a step (``StepRecord.batch``).
+
+    A NamedTuple rather than a dataclass: one is built per request per step on the serving
+    hot path (a tuple is the cheapest immutable record), and ``json.dumps`` writes it as a
+    plain array in field order, which is what ``StepRecord.to_row`` ships.
+
+    Attributes:
+        request_id: the request.
+        num_tokens: its tokens the step computed (a prompt chunk, or 1 for a decode).
+        phase: ``"prefill"`` (prompt tokens: ``RequestState.is_prefilling`` at the step's
+            start) or ``"decode"`` (one output token fed back).
+        num_context_tokens: its tokens computed before the step (its KV the step's new
+            tokens attend to besides their own): ``RequestState.num_computed_tokens`` at
+            the step's start. A prompt chunk of n tokens after k attends to k + n keys per
+            query at most, a decode to k + 1.
+    """
+
+    request_id: str
+    num_tokens: int
+    phase: str
+    num_context_tokens: int
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One engine step that ran a forward, for interference analysis and the planner's
+    diagnosis: its phase mix, size, duration and batch.
+
+    Attributes:
+        start_s: ``time.time()`` at the step's start (seconds).
+        duration_s: schedule-to-update wall time (seconds); its tokens are stamped with
+            ``start_s + duration_s`` (``TokenOutput.time_s``).
+        num_requests: entries in the batch.
+        num_prefill_tokens, num_decode_tokens: prompt and decode tokens it computed.
+        batch: its entries in the scheduler's order (decodes first, then prompt chunks;
+            ``engine.scheduler.Scheduler.schedule``); empty on records built by hand.
+    """
+
+    start_s: float
+    duration_s: float
+    num_requests: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    batch: tuple[BatchEntry, ...] = ()
+
+    def to_row(self) -> dict:
+        """The record as one flat row (a steps.csv row, a Ray-shipped dict): the scalar
+        fields as they are, ``batch`` as JSON text, a list of
+        ``[request_id, num_tokens, phase, num_context_tokens]`` arrays (one cell holds a
+        batch of any size, and pandas writes and reads it back unchanged; ``parse_batch``
+        turns it back into entries)."""
+        return {"start_s": self.start_s, "duration_s": self.duration_s,
+                "num_requests": self.num_requests,
+                "num_prefill_tokens": self.num_prefill_tokens,
+                "num_decode_tokens": self.num_decode_tokens,
+                "batch": json.dumps(self.batch, separators=(",", ":"))}
+
+
+def parse_batch(text: str) -> tuple[BatchEntry, ...]:
+    """The entries of a ``StepRecord.to_row()["batch"]`` cell.
+
+    Raises:
+        ValueError: ``text`` is not such a JSON list (``json.JSONDecodeError`` is one).
+    """
+    try:
+        return tuple(BatchEntry(str(r), int(n), str(p), int(c)) for r, n, p, c in json.loads(text))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"not a step batch ([[request_id, num_tokens, phase, "
+                         f"num_context_tokens], ...]): {text[:80]!r}: {err}") from None

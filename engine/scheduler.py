@@ -34,6 +34,7 @@ import collections
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
+from engine.metrics import DECODE, PREFILL, BatchEntry
 from engine.request import RequestState, RequestStatus
 
 
@@ -156,6 +157,14 @@ class ScheduledBatch:
     @property
     def num_prefill_tokens(self) -> int:
         return sum(n for s, n in zip(self.requests, self.num_new_tokens) if s.is_prefilling)
+
+    def entries(self, steps_ahead: int = 0) -> tuple[BatchEntry, ...]:
+        """The batch as ``StepRecord.batch`` entries, taken before ``update`` advances the
+        counters; ``steps_ahead``: of the same decode batch that many steps later (the
+        planner's fast-forward records steps it does not schedule)."""
+        return tuple(BatchEntry(s.request_id, n, PREFILL if s.is_prefilling else DECODE,
+                                s.num_computed_tokens + steps_ahead)
+                     for s, n in zip(self.requests, self.num_new_tokens))
 
     def completes(self, i: int) -> bool:
         """True when entry i computes the request's last known token, so a token is sampled."""

@@ -19,16 +19,16 @@ A validation:
    same position in the workload). |attainment error| <= num_flipped / num_requests, and
    one request is ``100 / num_requests`` points: the figure's resolution (the summary
    names it; 24 requests cannot show an error below 4.2 points except 0).
-4. The step speed of each real run: every real step's batch is rebuilt from the request
-   records (``diagnose.step_table``) and the step model evaluated on it; the median of
+4. The step speed of each real run: every real step's recorded batch
+   (``diagnose.step_table``) has the step model evaluated on it; the median of
    measured ÷ modelled seconds is the run's ``step_factor`` (NVIDIA Dynamo's SLA planner
    corrects its profile the same way, observed ÷ expected). A machine busier (or
    quieter) than when it was profiled shows here, run by run (it drifts within minutes on
    a shared host). The simulation is repeated with each run's steps scaled by its own
    factor and its errors written to validation_corrected.csv: what is left is the model's
-   error, not the machine's drift. validation_steps.csv holds every rebuilt real step.
+   error, not the machine's drift. validation_steps.csv holds every real step.
 5. Drift replay (``drift``): a run's factor is one number, but the machine's speed changes
-   within the run. From each real run's rebuilt steps, a piecewise-constant speed trace
+   within the run. From each real run's steps, a piecewise-constant speed trace
    (median measured ÷ modelled per 5 s window, per worker; validation_speed_trace.csv), and
    the run simulated again with every step scaled by the trace at its simulated start.
    validation.csv gets ``REPLAY_COLUMNS`` beside the open-loop ones, validation_replay.csv
@@ -137,17 +137,17 @@ def outcome_table(measured: Sequence[RunResult], simulated: Sequence[RunResult],
 
 def step_factors(measured: Sequence[RunResult], profile: DeviceProfile
                  ) -> tuple[dict[tuple[str, float, int], float], dict[str, float], float, pd.DataFrame]:
-    """Step 4: every real step rebuilt and modelled (``diagnose.step_table``).
+    """Step 4: every real step modelled on its batch (``diagnose.step_table``).
 
     Returns:
         (median measured ÷ modelled per run ``(placement, rate, seed)``, the same per
         ``"<placement> <worker>"``, over all steps, and the table of every step with its
-        run's ``placement, rate, seed`` in front). NaN where a run has no rebuilt step.
+        run's ``placement, rate, seed`` in front). NaN where a run has no usable step.
     """
     step_s = profile.step_time()
     tables = []
     for r in measured:
-        t = diagnose.step_table(r.records, r.steps, step_s)
+        t = diagnose.step_table(r.steps, step_s)
         tables.append(t.assign(placement=r.placement, rate=r.rate, seed=r.seed))
     cols = ["placement", "rate", "seed", *diagnose.STEP_COLUMNS]
     steps = pd.concat(tables, ignore_index=True)[cols] if tables else pd.DataFrame(columns=cols)
@@ -247,7 +247,7 @@ def summary_text(s: dict) -> str:
     text = _summary_line(s)
     if "step_correction" in s:
         text += (f"\nreal steps took {s['step_correction']:.3g}x the modelled time (median of "
-                 "measured ÷ modelled on each real step's rebuilt batch)")
+                 "measured ÷ modelled on each real step's batch)")
         if s.get("step_factor_by_run"):
             text += "; per run " + ", ".join(f"{k} {v:.3g}" for k, v in s["step_factor_by_run"].items())
         if s.get("step_correction_by_worker"):
@@ -418,7 +418,7 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
         return analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
                                                     r.duration_s) for r in twins], slo, num_boot=10)
 
-    def own_factor(key) -> float:  # a run without a rebuilt step takes the overall factor
+    def own_factor(key) -> float:  # a run without a usable step takes the overall factor
         f = factors.get(key, math.nan)
         return f if math.isfinite(f) else (factor if math.isfinite(factor) else 1.0)
 

@@ -1,126 +1,91 @@
 """Where the simulator's error comes from: real runs' steps against the step model (no torch).
 
-A real run's step records (``engine.engine.StepRecord``: start, duration, token counts)
-carry no per-entry lengths, so the batch of every real step is rebuilt from the request
-records of the same run:
+Every step record carries its batch (``engine.metrics.StepRecord.batch``: each request's
+tokens in the step, prefill or decode, and the tokens it had computed before), measured where
+the step ran, so each step's features are read off its own record (``step_features``): a
+prompt chunk of ``n`` tokens after ``k`` computed ones adds ``n`` prompt tokens and
+``n(k + n)`` attention pairs; a decode after ``k`` adds one request of context ``k + 1``.
+The simulator writes the same records, so its steps are read the same way.
 
-1. Decode entries: output token ``i >= 1`` of a request was produced by the step of its
-   decode worker that ended at ``token_worker_times_s[i]`` (the engine stamps a step's
-   tokens with that step's end, ``Engine.step``); it attended to ``prompt + i`` KV tokens
-   (its prompt, its ``i - 1`` earlier outputs fed back, and the new token).
-2. Prompt entries: a step's prompt tokens go to the prompts of its worker that had started
-   (``prefill_started`` is the start of their first step) and are not yet complete, in order
-   of their start: a prompt part-way through takes its next chunk first, then newly admitted
-   ones, as ``engine.scheduler.Scheduler`` fills the token budget. A chunk of ``n`` tokens
-   after ``k`` computed ones adds ``n`` prompt tokens and ``n(k + n)`` attention pairs.
-
-``step_table`` evaluates the step model on each rebuilt batch beside its measured duration,
-and the loop's time between two steps of one worker with work (``gap_s``: scheduling,
-turning tokens into events, the worker's commands: time no step model contains).
-``ttft_parts`` splits each request's TTFT into dispatch, queueing, prefill and delivery to
-the router. Both tables come out of a real run and of its simulated twin alike, so the
-two can be compared part by part.
+``step_table`` evaluates the step model on each step beside its measured duration, and the
+loop's time between two steps of one worker with work (``gap_s``: scheduling, turning
+tokens into events, the worker's commands: time no step model contains). ``ttft_parts``
+splits each request's TTFT into dispatch, queueing, prefill and delivery to the router. Both
+tables come out of a real run and of its simulated twin alike, so the two can be compared
+part by part.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 import pandas as pd
 
-from engine.metrics import (ARRIVED, DISPATCHED, PREFILL_FINISHED, PREFILL_QUEUED,
-                            PREFILL_STARTED, RequestRecord)
+from engine.metrics import (ARRIVED, DISPATCHED, PREFILL, PREFILL_FINISHED, PREFILL_QUEUED,
+                            PREFILL_STARTED, RequestRecord, parse_batch)
 
-# Steps and tokens share a ``time.time()`` float; start + duration may differ from it by
-# rounding only (far below a millisecond).
-MATCH_TOL_S = 1e-5
 STEP_COLUMNS = ["worker", "start_s", "duration_s", "num_prefill_tokens", "num_decode_tokens",
                 "prefill_tokens", "prefill_attention", "batch_size", "sum_context",
                 "request_ids", "rebuilt", "model_s", "ratio", "kind", "gap_s"]
 
 
-def rebuild_steps(records: Sequence[RequestRecord], steps: Sequence[dict]) -> list[dict]:
-    """Every step of one run with its batch rebuilt (module docstring, steps 1-2).
+def step_features(steps: Sequence[dict]) -> list[dict]:
+    """Every step with the features of its recorded batch (module docstring).
 
     Args:
-        records: the run's request records (``RequestRecord``).
-        steps: the run's step records, dicts with ``worker, start_s, duration_s,
-            num_prefill_tokens, num_decode_tokens``.
+        steps: step records as rows (``StepRecord.to_row``: ``worker, start_s, duration_s,
+            num_prefill_tokens, num_decode_tokens, batch``; ``batch`` the JSON text, or the
+            entries themselves).
 
     Returns:
         One dict per step, in start order per worker: the step's own keys plus
         ``prefill_tokens, prefill_attention, batch_size, sum_context`` (``StepFeatures``'
         fields), ``request_ids`` (the entries, a tuple) and ``rebuilt`` (True when the
-        rebuilt token counts equal the step record's).
+        batch's token counts equal the step record's).
+
+    Raises:
+        ValueError: a step without its batch (steps.csv written before batches were
+            recorded: rerun it), or a batch that is not one.
     """
-    decode_times: dict[str, list[tuple[float, int, str]]] = {}
-    prompts: dict[str, list[list]] = {}
-    for r in records:
-        for i, t in enumerate(r.token_worker_times_s[1:], start=1):
-            if r.decode_worker is not None:
-                decode_times.setdefault(r.decode_worker, []).append(
-                    (t, r.num_prompt_tokens + i, r.request_id))
-        started = r.timeline.get(PREFILL_STARTED)
-        if r.prefill_worker is not None and started is not None:
-            # [start, prompt length, tokens computed so far, request id]
-            prompts.setdefault(r.prefill_worker, []).append(
-                [started, r.num_prompt_tokens, 0, r.request_id])
-    for v in decode_times.values():
-        v.sort()
-    for v in prompts.values():
-        v.sort(key=lambda p: p[0])
     out = []
-    by_worker: dict[str, list[dict]] = {}
-    for st in steps:
-        by_worker.setdefault(st["worker"], []).append(st)
-    for worker, worker_steps in by_worker.items():
-        times = decode_times.get(worker, [])
-        keys = [t for t, _, _ in times]
-        pending = prompts.get(worker, [])
-        for st in sorted(worker_steps, key=lambda s: s["start_s"]):
-            start = float(st["start_s"])
-            end = start + float(st["duration_s"])
-            lo = bisect.bisect_left(keys, end - MATCH_TOL_S)
-            hi = bisect.bisect_right(keys, end + MATCH_TOL_S)
-            decodes = times[lo:hi]
-            ids = [rid for _, _, rid in decodes]
-            left = int(st["num_prefill_tokens"])
-            n_pre = q_pre = 0
-            for p in pending:
-                if left <= 0 or p[0] > start + MATCH_TOL_S:
-                    break
-                if p[2] >= p[1]:
-                    continue
-                n = min(left, p[1] - p[2])
-                q_pre += n * (p[2] + n)
-                p[2] += n
-                n_pre += n
-                left -= n
-                ids.append(p[3])
-            out.append({**st, "prefill_tokens": n_pre, "prefill_attention": q_pre,
-                        "batch_size": len(decodes), "sum_context": sum(c for _, c, _ in decodes),
-                        "request_ids": tuple(ids),
-                        "rebuilt": left == 0 and len(decodes) == int(st["num_decode_tokens"])})
+    for st in sorted(steps, key=lambda s: (s["worker"], s["start_s"])):
+        batch = st.get("batch")
+        if batch is None or (isinstance(batch, float) and math.isnan(batch)):
+            raise ValueError(f"step of {st['worker']} at {st['start_s']} has no batch (steps "
+                             "recorded before batches were: rerun the run)")
+        entries = parse_batch(batch) if isinstance(batch, str) else tuple(batch)
+        n_pre = q_pre = num_decode = sum_ctx = 0
+        for e in entries:
+            if e.phase == PREFILL:
+                n_pre += e.num_tokens
+                q_pre += e.num_tokens * (e.num_context_tokens + e.num_tokens)
+            else:
+                num_decode += 1
+                sum_ctx += e.num_context_tokens + 1
+        out.append({**st, "prefill_tokens": n_pre, "prefill_attention": q_pre,
+                    "batch_size": num_decode, "sum_context": sum_ctx,
+                    "request_ids": tuple(e.request_id for e in entries),
+                    "rebuilt": (n_pre == int(st["num_prefill_tokens"])
+                                and num_decode == int(st["num_decode_tokens"]))})
     return out
 
 
-def step_table(records: Sequence[RequestRecord], steps: Sequence[dict],
+def step_table(steps: Sequence[dict],
                step_s: Callable[[int, int, int, int], float]) -> pd.DataFrame:
-    """The rebuilt steps of one run (``rebuild_steps``) with the model beside them.
+    """The steps of one run (``step_features``) with the model beside them.
 
     Args:
         step_s: the step model, ``DeviceProfile.step_time()``.
 
     Returns:
-        ``STEP_COLUMNS``: ``model_s`` (the model on the rebuilt batch), ``ratio`` (measured ÷
+        ``STEP_COLUMNS``: ``model_s`` (the model on the step's batch), ``ratio`` (measured ÷
         modelled), ``kind`` (``prefill``, ``decode`` or ``mixed``), ``gap_s`` (from this
         step's end to the worker's next step, when that next step holds a request this step
         held, i.e. the loop went straight on; NaN otherwise and for a worker's last step).
     """
-    rows = rebuild_steps(records, steps)
+    rows = step_features(steps)
     df = pd.DataFrame(rows, columns=[c for c in STEP_COLUMNS if c not in
                                      ("model_s", "ratio", "kind", "gap_s")])
     if df.empty:

@@ -9,11 +9,11 @@ run can be made to run at that speed. What is left is the simulator's own error 
 scheduling, its step model's shape, the loop's overheads): the figure DistServe's "< 2
 points" is about. The open-loop figure stays the planner's predictive error on this VM.
 
-1. Per real step (``diagnose.step_table``: its batch rebuilt from the request records, the
+1. Per real step (``diagnose.step_table``: its features from its recorded batch, the
    step model evaluated on exactly that batch): factor = measured ÷ modelled seconds.
 2. ``speed_trace``: per worker, the run's time from its origin (the simulated clock's 0:
    a request's scheduled arrival minus its offset, ``run_origin``) cut into windows of
-   ``window_s``; a window's factor is the median factor of the rebuilt steps that start in
+   ``window_s``; a window's factor is the median factor of the steps (whose batch agrees with their counts) that start in
    it; a window with no step keeps the factor of the last window before it that had one
    (the first windows, the first measured one's): speed persists while the worker idles.
 3. ``SpeedTrace(worker, t_s)``: the factor at simulated time ``t_s``. The simulator
@@ -83,7 +83,7 @@ def _windows(start_s: np.ndarray, ratio: np.ndarray, window_s: float) -> tuple[f
 
 def speed_trace(steps: pd.DataFrame, origin_s: float,
                 window_s: float = DEFAULT_WINDOW_S) -> SpeedTrace:
-    """Step 2: the speed trace of one run from its rebuilt steps.
+    """Step 2: the speed trace of one run from its steps.
 
     Args:
         steps: ``diagnose.step_table`` of the run (``worker, start_s, rebuilt, ratio``;
@@ -92,7 +92,7 @@ def speed_trace(steps: pd.DataFrame, origin_s: float,
         window_s: window width in seconds (``DEFAULT_WINDOW_S``: why 5 s).
 
     Returns:
-        A ``SpeedTrace``; no usable step (none rebuilt, or none with a modelled time > 0):
+        A ``SpeedTrace``; no usable step (none whose batch agrees, or none with a modelled time > 0):
         one with no factors (every factor 1.0).
 
     Raises:

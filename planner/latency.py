@@ -376,10 +376,10 @@ class DeviceProfile:
 
 def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
     """Median of measured ÷ modelled seconds over real worker steps (dicts with
-    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step rebuilt by
-    ``planner.diagnose.rebuild_steps`` also carries its batch's
+    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step read by
+    ``planner.diagnose.step_features`` also carries its batch's
     ``prefill_tokens, prefill_attention, batch_size, sum_context`` and ``rebuilt``: the
-    model is evaluated on those exactly (a step that could not be rebuilt is skipped). A
+    model is evaluated on those exactly (a step whose batch disagrees with its counts is skipped). A
     bare step record has no per-entry lengths, so its model is evaluated at its token
     counts with the attention and context terms left out (a lower bound of the modelled
     time where those terms are non-zero, so the ratio comes out high). NaN without steps."""

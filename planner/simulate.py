@@ -64,7 +64,8 @@ from dataclasses import dataclass, field
 
 from engine.config import ConditionalConfig, EngineConfig, parse_placement, placement_engine_overrides
 from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
-                            PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord)
+                            PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord,
+                            StepRecord)
 from engine.request import Request, RequestState, RequestStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from planner.latency import TransferModel
@@ -399,11 +400,13 @@ class Simulator:
         self._push(end_s, _STEP_END, (instance, batch, dict.fromkeys(completing, FAKE_TOKEN)))
 
     def _record_step(self, instance: _Instance, batch: ScheduledBatch, t: float,
-                     duration: float, n_pre: int, num_decode: int) -> None:
+                     duration: float, n_pre: int, num_decode: int, steps_ahead: int = 0) -> None:
+        """A step record shaped like a real one (``StepRecord.to_row``, batch included);
+        ``steps_ahead``: a fast-forwarded step, that many steps after ``batch``'s own."""
         if self._steps is not None:
-            self._steps.append({"worker": instance.name, "start_s": t, "duration_s": duration,
-                                "num_requests": len(batch.requests),
-                                "num_prefill_tokens": n_pre, "num_decode_tokens": num_decode})
+            self._steps.append(StepRecord(t, duration, len(batch.requests), n_pre, num_decode,
+                                          batch.entries(steps_ahead)).to_row()
+                               | {"worker": instance.name})
         if self._batches is not None:
             self._batches.append((instance.name, [(s.request_id, n) for s, n in
                                                   zip(batch.requests, batch.num_new_tokens)]))
@@ -442,7 +445,7 @@ class Simulator:
             if trace is not None:  # the factor at this step's own start, as step by step
                 duration *= trace(name, end_s)
             if record:
-                self._record_step(instance, batch, end_s, duration, 0, num_decode)
+                self._record_step(instance, batch, end_s, duration, 0, num_decode, len(ends))
             end_s = end_s + duration
         if ends:
             self._num_fast_forwarded += len(ends)

@@ -11,7 +11,8 @@ import torch
 from conftest import random_prompts, reference_generate
 
 from engine.config import EngineConfig
-from engine.engine import BatchEntry, Engine, FailedRequest, StepRecord, parse_batch
+from engine.engine import Engine, FailedRequest
+from engine.metrics import BatchEntry, StepRecord, parse_batch
 from engine.request import FinishReason, Request, SamplingParams
 
 P, D = "prefill", "decode"

@@ -1,6 +1,6 @@
 """planner.diagnose: a hand-built real run (chunked prompt, a second prompt in the
-same step, then two decodes) comes back as the batches that produced it, with the step
-model, the loop gaps and the TTFT parts computed by hand."""
+same step, then two decodes) gives each step's features from its recorded batch, with the
+step model, the loop gaps and the TTFT parts computed by hand."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import math
 
 import pytest
 
-from engine.metrics import (ARRIVED, DISPATCHED, PREFILL_FINISHED, PREFILL_QUEUED,
-                            PREFILL_STARTED, RequestRecord)
+from engine.metrics import (ARRIVED, DECODE, DISPATCHED, PREFILL, PREFILL_FINISHED,
+                            PREFILL_QUEUED, PREFILL_STARTED, BatchEntry, RequestRecord,
+                            StepRecord)
 from planner import diagnose
 
 W = "colocated-0"
@@ -18,12 +19,12 @@ W = "colocated-0"
 def _run():
     # budget 8: A (10 tokens) chunk 8 in step 1; step 2 runs A's last 2 and all of B (6);
     # step 3 decodes both (A at 10 + 1, B at 6 + 1 tokens of KV)
-    steps = [{"worker": W, "start_s": 0.0, "duration_s": 1.0, "num_requests": 1,
-              "num_prefill_tokens": 8, "num_decode_tokens": 0},
-             {"worker": W, "start_s": 1.01, "duration_s": 0.99, "num_requests": 2,
-              "num_prefill_tokens": 8, "num_decode_tokens": 0},
-             {"worker": W, "start_s": 2.03, "duration_s": 0.5, "num_requests": 2,
-              "num_prefill_tokens": 0, "num_decode_tokens": 2}]
+    steps = [StepRecord(0.0, 1.0, 1, 8, 0, (BatchEntry("r-0", 8, PREFILL, 0),)),
+             StepRecord(1.01, 0.99, 2, 8, 0, (BatchEntry("r-0", 2, PREFILL, 8),
+                                               BatchEntry("r-1", 6, PREFILL, 0))),
+             StepRecord(2.03, 0.5, 2, 0, 2, (BatchEntry("r-0", 1, DECODE, 10),
+                                              BatchEntry("r-1", 1, DECODE, 6)))]
+    steps = [{"worker": W, **s.to_row()} for s in steps]
     a = RequestRecord("r-0", placement="colocated:1", prefill_worker=W, decode_worker=W,
                       num_prompt_tokens=10, token_worker_times_s=[2.0, 2.53],
                       token_times_s=[2.004, 2.535],
@@ -37,9 +38,9 @@ def _run():
     return [a, b], steps
 
 
-def test_rebuilt_batches_are_the_ones_that_ran():
-    records, steps = _run()
-    rows = diagnose.rebuild_steps(records, steps)
+def test_features_come_from_the_recorded_batches():
+    _, steps = _run()
+    rows = diagnose.step_features(steps)
     got = [(r["prefill_tokens"], r["prefill_attention"], r["batch_size"], r["sum_context"],
             set(r["request_ids"]), r["rebuilt"]) for r in rows]
     assert got == [(8, 8 * 8, 0, 0, {"r-0"}, True),
@@ -48,9 +49,9 @@ def test_rebuilt_batches_are_the_ones_that_ran():
 
 
 def test_step_table_puts_the_model_beside_each_step_and_the_loop_gaps():
-    records, steps = _run()
+    _, steps = _run()
     model = lambda n, q, b, c: 0.5 if b else 1.0  # noqa: E731
-    t = diagnose.step_table(records, steps, model)
+    t = diagnose.step_table(steps, model)
     assert list(t.columns) == diagnose.STEP_COLUMNS
     assert list(t["kind"]) == ["prefill", "prefill", "decode"]
     assert list(t["ratio"]) == pytest.approx([1.0, 0.99, 1.0])
@@ -61,10 +62,13 @@ def test_step_table_puts_the_model_beside_each_step_and_the_loop_gaps():
     assert s.loc["prefill", "gap_p50_ms"] == pytest.approx(20.0)
 
 
-def test_a_step_whose_tokens_do_not_add_up_is_flagged():
-    records, steps = _run()
-    steps[2]["num_decode_tokens"] = 3  # a decode entry no record accounts for
-    assert [r["rebuilt"] for r in diagnose.rebuild_steps(records, steps)] == [True, True, False]
+def test_a_step_whose_tokens_do_not_add_up_is_flagged_and_one_without_a_batch_refused():
+    _, steps = _run()
+    steps[2]["num_decode_tokens"] = 3  # a decode entry its batch does not account for
+    assert [r["rebuilt"] for r in diagnose.step_features(steps)] == [True, True, False]
+    del steps[0]["batch"]  # a steps.csv from before batches were recorded
+    with pytest.raises(ValueError, match="has no batch"):
+        diagnose.step_features(steps)
 
 
 def test_ttft_parts_add_up_to_ttft():

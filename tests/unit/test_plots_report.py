@@ -84,7 +84,7 @@ def test_every_plot_writes_a_png(tmp_path):
 
 
 def test_token_timeline_caps_requests_and_accepts_step_objects(tmp_path):
-    from engine.engine import StepRecord  # steps may be StepRecord objects without a worker
+    from engine.metrics import StepRecord  # steps may be StepRecord objects without a worker
 
     recs = records()
     objs = {COLO: [StepRecord(T0 + 0.2 * i, 0.2, 2, 16, 1) for i in range(15)], DIS: []}
