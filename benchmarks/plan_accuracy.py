@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         real.insert(0, "run", f"{key[0]}@{key[1]:g}/s{key[2]}")
         all_real.append(real)
         print(f"\n== {key[0]} @ {key[1]:g} req/s seed {key[2]}: {len(real)} real steps "
-              f"({real["rebuilt"].mean():.0%} with consistent batches), {len(sim)} simulated; busy "
+              f"({real['rebuilt'].mean():.0%} with consistent batches), {len(sim)} simulated; busy "
               f"{real['duration_s'].sum():.1f} s real, {sim['duration_s'].sum():.1f} s simulated; "
               f"same batches {batches_agree(real, sim):.0%}")
         print(diagnose.step_summary(real).to_string(index=False, float_format="%.3f"))
