@@ -10,7 +10,8 @@ A step:
    step on.
 3. The runner runs one forward over the whole batch and returns logits for the requests
    whose known tokens are all computed.
-4. The sampler picks their tokens (and, for the requests that asked, their raw logprobs:
+4. The sampler picks their tokens (min_tokens and penalties read each request's token
+   history, prompt + outputs; for the requests that asked, their raw logprobs:
    ``Sampler.logprobs``); the scheduler advances counters, checks stop conditions and frees
    the KV blocks of finished requests.
 
@@ -48,6 +49,14 @@ class StepRecord:
     num_requests: int
     num_prefill_tokens: int
     num_decode_tokens: int
+
+
+def _histories(states: list[RequestState]) -> list[tuple[list[int], int]] | None:
+    """The sampler's token histories (prompt + outputs, prompt length) of a step's sampled
+    rows, or None when no row has a penalty (the sampler reads them for those rows only)."""
+    if not any(s.sampling.has_penalties for s in states):
+        return None
+    return [(s.token_ids, s.num_prompt_tokens) for s in states]
 
 
 class Engine:
@@ -88,7 +97,7 @@ class Engine:
                   f"{budget_bytes / GIB:.3g} GiB, block {self.config.block_size} tokens)",
                   file=sys.stderr)
         self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(loaded.eos_token_ids)  # min_tokens masks EOS too
         self.states: dict[str, RequestState] = {}
         self.step_records: list[StepRecord] = []
         self._kv_reserved: list[str] = []  # remote requests whose blocks await their fetch
@@ -258,7 +267,7 @@ class Engine:
             states = [batch.requests[i] for i in sample_rows]
             tokens, errors = self.sampler.sample_rows(
                 logits, [s.request_id for s in states], [s.sampling for s in states],
-                [s.num_output_tokens for s in states])
+                [s.num_output_tokens for s in states], _histories(states))
             lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
             logprobs = {}
             if lp_rows:  # only rows that asked pay for a log_softmax
