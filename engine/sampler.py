@@ -140,7 +140,7 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
-            row_logits = logits[rows].float()  # a copy: the caller's logits stay as they are
+            row_logits = logits.index_select(0, rows).float()  # a copy: the caller's stay
             if edited is not None:
                 at = {i: j for j, i in enumerate(edited_rows)}
                 pairs = [(k, at[i]) for k, i in enumerate(sampled_rows) if i in at]
@@ -228,7 +228,7 @@ class Sampler:
             ValueError: a row with penalties and ``histories`` None.
         """
         device = logits.device
-        out = logits[torch.tensor(rows, device=device)].float()
+        out = logits.index_select(0, torch.tensor(rows, device=device)).float()
         masked = [(j, params[i]) for j, i in enumerate(rows) if indices[i] < params[i].min_tokens]
         if masked:  # 1. EOS and stop ids cannot be drawn yet (vLLM masks EOS even with ignore_eos)
             pos, ids = [], []
@@ -243,20 +243,51 @@ class Sampler:
         if penalized and histories is None:
             raise ValueError(f"request {request_ids[penalized[0][1]]}: penalties need the "
                              "token history (histories)")
-        for j, i in penalized:  # 2. only the tokens seen are touched: O(history), not O(vocab)
-            p, (token_ids, num_prompt) = params[i], histories[i]
-            row = out[j]
-            ids = torch.tensor(token_ids, dtype=torch.long, device=device)
-            if p.repetition_penalty != 1.0:  # prompt + output
-                seen = torch.unique(ids)
-                values = row[seen]
-                row[seen] = torch.where(values > 0, values / p.repetition_penalty,
-                                        values * p.repetition_penalty)
-            if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:  # output only
-                seen, counts = torch.unique(ids[num_prompt:], return_counts=True)
-                row[seen] = (row[seen] - p.frequency_penalty * counts.to(row.dtype)
-                             - p.presence_penalty)
+        if penalized:  # 2. only the tokens seen are touched: O(history), not O(vocab)
+            self._penalize(out, penalized, params, histories)
         return out
+
+    @staticmethod
+    def _penalize(out: torch.Tensor, penalized: list[tuple[int, int]],
+                  params: list[SamplingParams], histories: Sequence[History]) -> None:
+        """Apply the penalties in place to rows of ``out`` ``[n, vocab]`` float32: for each
+        ``(j, i)``, row ``j`` of ``out`` with ``params[i]`` and ``histories[i]``. One batch
+        of ops over all those histories (flat ``row * vocab + token`` keys), so the cost
+        grows with the histories' length, not with the vocabulary or the number of rows."""
+        device, vocab = out.device, out.shape[-1]
+        flat = out.view(-1)  # ``out`` is a fresh contiguous copy
+        token_ids: list[int] = []
+        for _, i in penalized:
+            token_ids.extend(histories[i][0])
+        lengths = torch.tensor([len(histories[i][0]) for _, i in penalized], device=device)
+        starts = torch.cumsum(lengths, 0) - lengths
+        row_of = torch.repeat_interleave(torch.tensor([j for j, _ in penalized], device=device),
+                                         lengths)
+        keys = row_of * vocab + torch.tensor(token_ids, dtype=torch.long, device=device)
+        position = torch.arange(len(token_ids), device=device) - torch.repeat_interleave(
+            starts, lengths)
+        num_prompt = torch.tensor([histories[i][1] for _, i in penalized], device=device)
+        is_output = position >= torch.repeat_interleave(num_prompt, lengths)
+
+        def per_row(name: str) -> torch.Tensor:  # [n] float32 by row of ``out``
+            values = torch.zeros(out.shape[0], dtype=out.dtype, device=device)
+            values[[j for j, _ in penalized]] = torch.tensor(
+                [getattr(params[i], name) for _, i in penalized], dtype=out.dtype, device=device)
+            return values
+
+        if any(params[i].repetition_penalty != 1.0 for _, i in penalized):  # prompt + output
+            seen = torch.unique(keys)
+            penalty = per_row("repetition_penalty").index_select(0, seen // vocab)  # 1 = off
+            values = flat.index_select(0, seen)
+            flat.index_copy_(0, seen, torch.where(values > 0, values / penalty, values * penalty))
+        if any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0
+               for _, i in penalized):  # output only
+            seen, counts = torch.unique(keys.masked_select(is_output), return_counts=True)
+            row = seen // vocab
+            flat.index_copy_(0, seen, flat.index_select(0, seen)
+                             - per_row("frequency_penalty").index_select(0, row)
+                             * counts.to(out.dtype)
+                             - per_row("presence_penalty").index_select(0, row))
 
     @staticmethod
     def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
