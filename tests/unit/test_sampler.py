@@ -325,3 +325,20 @@ def test_penalized_draws_depend_on_history_and_index_only():
     plain = SamplingParams(temperature=1.0, seed=42)
     unpenalized = [Sampler().sample(logits, ["r"], [plain], [i])[0] for i in range(10)]
     assert whole != unpenalized  # the penalties really took part
+
+
+def test_penalties_of_several_rows_in_one_call_are_each_rows_own():
+    """The penalized rows are edited in one batch: each row must get its own penalties and
+    history, exactly as when edited alone (rows without penalties stay as they came)."""
+    logits = rand_logits(4, 50, seed=11)
+    histories = [([1, 2, 3, 3], 2), ([4, 4, 5], 1), ([7], 1), ([2, 9, 9, 9, 1], 2)]
+    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3),
+              SamplingParams(presence_penalty=-0.7), SamplingParams(),
+              SamplingParams(repetition_penalty=0.6, presence_penalty=1.1)]
+    indices = [2, 2, 0, 3]
+    together = Sampler().edited_logits(logits, [0, 1, 2, 3], params, indices, histories, list("abcd"))
+    for row in range(4):
+        alone = Sampler().edited_logits(logits, [row], params, indices, histories, list("abcd"))
+        assert torch.equal(together[row], alone[0]), row
+    assert torch.equal(together[2], logits[2])
+    assert all(not torch.equal(together[r], logits[r]) for r in (0, 1, 3))
