@@ -11,7 +11,8 @@ A step (``Engine.step``, which returns one ``StepOutput``):
 3. The runner runs one forward over the whole batch and returns logits for the requests
    whose known tokens are all computed. A layer listener given at construction
    (``on_layer_done``) hears of each layer as its K/V are written (layer-wise streaming).
-4. The sampler picks their tokens (and, for the requests that asked, their raw logprobs:
+4. The sampler picks their tokens (min_tokens and penalties read each request's token
+   history, prompt + outputs; for the requests that asked, their raw logprobs:
    ``Sampler.logprobs``); the scheduler advances counters, checks stop conditions and frees
    the KV blocks of finished requests. A step that ran a forward leaves a ``StepRecord``
    with its batch (``BatchEntry``: request, tokens, phase, context), measured at the
@@ -93,6 +94,14 @@ class StepOutput:
         return self.tokens[i]
 
 
+def _histories(states: list[RequestState]) -> list[tuple[list[int], int]] | None:
+    """The sampler's token histories (prompt + outputs, prompt length) of a step's sampled
+    rows, or None when no row has a penalty (the sampler reads them for those rows only)."""
+    if not any(s.sampling.has_penalties for s in states):
+        return None
+    return [(s.token_ids, s.num_prompt_tokens) for s in states]
+
+
 class Engine:
     """Serves many requests at once on one device.
 
@@ -141,7 +150,7 @@ class Engine:
                   f"{budget_bytes / GIB:.3g} GiB, block {self.config.block_size} tokens)",
                   file=sys.stderr)
         self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(loaded.eos_token_ids)  # min_tokens masks EOS too
         self.states: dict[str, RequestState] = {}
         self.step_records: list[StepRecord] = []
         self._on_layer_done = on_layer_done
@@ -314,7 +323,7 @@ class Engine:
             states = [batch.requests[i] for i in sample_rows]
             tokens, errors = self.sampler.sample_rows(
                 logits, [s.request_id for s in states], [s.sampling for s in states],
-                [s.num_output_tokens for s in states])
+                [s.num_output_tokens for s in states], _histories(states))
             lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
             logprobs = {}
             if lp_rows:  # only rows that asked pay for a log_softmax

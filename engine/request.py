@@ -20,6 +20,7 @@ A request's life, as counters (vLLM v1 style, not a prefill path and a decode pa
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 
@@ -77,14 +78,33 @@ class SamplingParams:
             means greedy (argmax): a smaller divisor adds nothing but float32 overflow
             (1e-46 is 0 in float32, and logits / 0 is NaN); otherwise logits are divided by
             it (>= 0).
-        top_k: keep the k most likely tokens; 0 turns the filter off (>= 0).
+        top_k: keep the k most likely tokens; 0 turns the filter off; -1 (vLLM's other
+            spelling of off) is taken as 0 (>= -1).
         top_p: keep the smallest set of tokens whose probability sums to at least top_p
             (nucleus sampling, Holtzman et al. 2020); 1.0 turns it off (0 < top_p <= 1).
             The most likely token always stays, so a top_p that rounds to 0 in float32
             (1e-46) samples the argmax.
+        min_p: drop the tokens whose probability (after temperature) is below ``min_p``
+            times the most likely token's (Nguyen et al. 2024, "min-p sampling"; vLLM's
+            ``MinPLogitsProcessor``, transformers' ``MinPLogitsWarper``); applied after
+            temperature and before top-k / top-p, as vLLM; 0 turns it off (0 <= min_p <= 1).
+            Greedy rows ignore it (it never changes the argmax).
         seed: seed of this request's own ``torch.Generator``; None draws one at random.
         stop_token_ids: extra token ids that end the request (the token is kept in the output).
         ignore_eos: keep going past EOS (workloads that fix the output length use it).
+        min_tokens: output tokens (the first included) before which EOS and
+            ``stop_token_ids`` cannot be drawn: their logits are -inf until then (vLLM's
+            ``MinTokensLogitsProcessor``, which masks EOS even with ``ignore_eos``;
+            transformers' ``min_new_tokens``); 0 = off (0 <= min_tokens <= max_tokens).
+        repetition_penalty: the logit of every token already in the prompt or the output is
+            divided by it when positive and multiplied by it otherwise (Keskar et al. 2019,
+            CTRL; vLLM's and transformers' ``RepetitionPenaltyLogitsProcessor``'s
+            definition); 1.0 = off (> 0, finite).
+        presence_penalty: subtracted once from the logit of every token already in the
+            *output* (OpenAI's definition, as vLLM; prompt tokens do not count); 0 = off
+            ([-2, 2]).
+        frequency_penalty: subtracted from each token's logit once per occurrence in the
+            *output* (OpenAI, vLLM); 0 = off ([-2, 2]).
         logprobs: return, with each output token, its log-probability and those of the
             ``logprobs`` most likely tokens (0..``MAX_LOGPROBS`` = 20, as OpenAI's
             ``top_logprobs``); None = off (rows without it pay nothing). Raw logprobs:
@@ -102,16 +122,36 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    min_p: float = 0.0
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not self.temperature >= 0.0:  # also rejects NaN
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 = off), got {self.top_k!r}")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)  # one spelling of off from here on
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}]"
+                             f", got {self.min_tokens!r}")
+        if (not _is_real(self.repetition_penalty) or not math.isfinite(self.repetition_penalty)
+                or self.repetition_penalty <= 0.0):
+            raise ValueError("repetition_penalty must be a finite number > 0 (1 = off), got "
+                             f"{self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
         if self.logprobs is not None and (
                 not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
                 or not 0 <= self.logprobs <= MAX_LOGPROBS):
@@ -122,6 +162,20 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a penalty is on: the sampler then needs this request's token history."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)

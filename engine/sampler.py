@@ -1,9 +1,30 @@
-"""Logits -> token ids: greedy, temperature, top-k, top-p, each draw seeded by (seed, index).
+"""Logits -> token ids: min_tokens, penalties, greedy, temperature, min-p, top-k, top-p, each
+draw seeded by (seed, index).
 
-Greedy rows (``temperature < GREEDY_BELOW_TEMPERATURE``, 1e-5 as vLLM) are one batched
-argmax. Sampled rows are filtered in one batch as well (top-k, then top-p on the
-temperature-scaled distribution, as transformers' logits warpers do; the most likely token
-always survives top-p, so a top_p that is 0 in float32 samples the argmax).
+The order is vLLM v1's (``vllm/v1/sample/sampler.py``, 0.32.0): on float32 logits,
+
+1. **min_tokens**: while a request has fewer than ``min_tokens`` outputs, EOS and its
+   ``stop_token_ids`` get -inf (vLLM's ``MinTokensLogitsProcessor``);
+2. **penalties** (``vllm/model_executor/layers/utils.py`` ``apply_penalties``): repetition
+   over the tokens of prompt + output (a token's logit ``l`` becomes ``l / r`` if ``l > 0``
+   else ``l * r``: the division, as vLLM's CUDA kernel ``csrc/sampler.cu`` and transformers'
+   ``RepetitionPenaltyLogitsProcessor``, whose values it equals bit for bit; vLLM's CPU
+   fallback computes ``l * (1 / r)``, 1 ulp off for about 10% of penalized positive logits),
+   then ``l -= frequency * count_in_output`` and ``l -= presence * (count_in_output > 0)``
+   (OpenAI's definitions: output tokens only, the prompt does not count; the first output
+   token counts as output, wherever it was sampled);
+3. greedy rows take the argmax of that;
+4. sampled rows: divide by temperature, drop tokens under ``min_p`` times the top
+   probability, then top-k, then top-p on what is left (as transformers' logits warpers do;
+   the most likely token always survives top-p, so a top_p that is 0 in float32 samples the
+   argmax), then draw.
+
+**Only rows that ask pay.** Greedy rows without min_tokens or penalties are one batched
+argmax of the logits as they came; steps 1-2 copy and edit only the rows that need them, and
+min-p runs only on the rows that set it. The penalties read the request's token history
+(``histories``: prompt + outputs so far, which the engine already holds in
+``RequestState.token_ids``), rebuilt each step from that list: nothing is cached here, so the
+result is a function of the history alone.
 
 **Placement invariance.** Output token ``i`` of a request with seed ``s`` is drawn with a
 fresh ``torch.Generator`` seeded ``draw_seed(s, i)`` (a SplitMix64 mix of the two): the
@@ -11,7 +32,10 @@ draw depends on the seed, the token index and the logits alone, never on which p
 the earlier tokens or what the request was batched with. So a request whose first token
 is sampled on a prefill worker and the rest on a decode worker gets exactly the tokens of a
 colocated run (no generator state crosses processes, nothing is replayed). An unseeded
-request gets a random base seed once per engine (placement invariance needs a seed).
+request gets a random base seed once per engine (placement invariance needs a seed). The
+penalties and min_tokens keep this: they depend on the history, and a decode worker holds the
+same history as a colocated engine (the prompt, the first token sampled by the prefill
+worker, its own outputs).
 
 **Isolation.** A sampled row whose probabilities are not finite (NaN or inf logits) fails
 alone: ``sample_rows`` reports it in its error map and the engine fails that request; its
@@ -19,13 +43,15 @@ step-mates, greedy or sampled, keep their tokens.
 
 **Logprobs.** ``logprobs`` returns, for the rows that asked (``SamplingParams.logprobs``),
 the raw log-probabilities: ``log_softmax`` of the model's logits in float32, *before*
-temperature, top-k and top-p (vLLM's default ``logprobs_mode="raw_logprobs"``), so they do
-not depend on how the token was picked. Other rows cost nothing.
+temperature, top-k and top-p, and before min_tokens and the penalties (vLLM's default
+``logprobs_mode="raw_logprobs"``), so they do not depend on how the token was picked. Other
+rows cost nothing.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -43,11 +69,20 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
+# One row's token history: (prompt + output token ids so far, number of prompt tokens).
+History = tuple[Sequence[int], int]
+
+
 class Sampler:
     """Samples rows of logits; keeps per request only a draw counter (for callers that do
-    not pass token indices) and the base seed of unseeded requests."""
+    not pass token indices) and the base seed of unseeded requests.
 
-    def __init__(self) -> None:
+    Args:
+        eos_token_ids: the model's EOS ids, masked with the stop ids under ``min_tokens``.
+    """
+
+    def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
+        self.eos_token_ids = tuple(eos_token_ids)
         self._num_draws: dict[str, int] = {}
         self._random_seeds: dict[str, int] = {}
 
@@ -56,46 +91,72 @@ class Sampler:
         self._random_seeds.pop(request_id, None)
 
     def sample(self, logits: torch.Tensor, request_ids: list[str],
-               params: list[SamplingParams], indices: list[int] | None = None) -> list[int]:
+               params: list[SamplingParams], indices: list[int] | None = None,
+               histories: Sequence[History] | None = None) -> list[int]:
         """Pick one token per row (see ``sample_rows``).
 
         Raises:
             ValueError: some row could not be sampled (the message names its request).
         """
-        tokens, errors = self.sample_rows(logits, request_ids, params, indices)
+        tokens, errors = self.sample_rows(logits, request_ids, params, indices, histories)
         if errors:
             raise ValueError("; ".join(errors.values()))
         return tokens
 
     def sample_rows(self, logits: torch.Tensor, request_ids: list[str],
-                    params: list[SamplingParams], indices: list[int] | None = None
+                    params: list[SamplingParams], indices: list[int] | None = None,
+                    histories: Sequence[History] | None = None
                     ) -> tuple[list[int | None], dict[int, str]]:
         """Pick one token per row; a row that cannot be sampled gets None and an error.
 
         Args:
-            logits: ``[B, vocab]`` float32.
+            logits: ``[B, vocab]`` float32 (not modified).
             request_ids, params: one per row.
-            indices: output-token index each row draws (0 = first token); None counts the
-                draws of each request id in this sampler (tests, single-engine use).
+            indices: output-token index each row draws (0 = first token), i.e. the number of
+                outputs it has; None counts the draws of each request id in this sampler
+                (tests, single-engine use).
+            histories: per row, (prompt + output token ids so far, number of prompt
+                tokens); read only for the rows with penalties (``has_penalties``), so
+                None is fine when no row has any.
 
         Returns:
             (B token ids, None for failed rows; {row: error message}).
+
+        Raises:
+            ValueError: a row with penalties and no history.
         """
         if indices is None:
             indices = [self._next_index(rid) for rid in request_ids]
-        tokens: list[int | None] = logits.argmax(dim=-1).tolist()  # greedy rows keep this
+        tokens: list[int | None] = logits.argmax(dim=-1).tolist()  # plain greedy rows keep this
         errors: dict[int, str] = {}
+        edited_rows = [i for i, p in enumerate(params)
+                       if indices[i] < p.min_tokens or p.has_penalties]
+        edited = None  # [len(edited_rows), vocab] float32: those rows after steps 1-2
+        if edited_rows:
+            edited = self.edited_logits(logits, edited_rows, params, indices, histories,
+                                         request_ids)
+            for i, token in zip(edited_rows, edited.argmax(dim=-1).tolist()):
+                tokens[i] = token
         sampled_rows = [i for i, p in enumerate(params) if not p.is_greedy]
         if sampled_rows:
             rows = torch.tensor(sampled_rows, device=logits.device)
-            probs = self._filtered_probs(logits[rows], [params[i] for i in sampled_rows])
+            row_logits = logits.index_select(0, rows).float()  # a copy: the caller's stay
+            if edited is not None:
+                at = {i: j for j, i in enumerate(edited_rows)}
+                pairs = [(k, at[i]) for k, i in enumerate(sampled_rows) if i in at]
+                if pairs:
+                    dst = torch.tensor([k for k, _ in pairs], device=logits.device)
+                    src = torch.tensor([j for _, j in pairs], device=logits.device)
+                    row_logits[dst] = edited[src]
+            probs = self.distribution(row_logits, [params[i] for i in sampled_rows])
             good = (torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)).tolist()
             for j, i in enumerate(sampled_rows):
                 if not good[j]:
                     tokens[i] = None
                     errors[i] = (f"request {request_ids[i]}: sampling failed, probabilities are "
                                  f"not finite (temperature={params[i].temperature}, "
-                                 f"top_p={params[i].top_p}, top_k={params[i].top_k})")
+                                 f"top_p={params[i].top_p}, top_k={params[i].top_k}, "
+                                 f"min_p={params[i].min_p})")
                     continue
                 gen = torch.Generator(device=logits.device)
                 gen.manual_seed(draw_seed(self._seed(request_ids[i], params[i].seed), indices[i]))
@@ -147,11 +208,103 @@ class Sampler:
             self._random_seeds[request_id] = random.getrandbits(63)
         return self._random_seeds[request_id]
 
+    def edited_logits(self, logits: torch.Tensor, rows: list[int],
+                       params: list[SamplingParams], indices: list[int],
+                       histories: Sequence[History] | None,
+                       request_ids: list[str]) -> torch.Tensor:
+        """Some rows after min_tokens and the penalties (module docstring, steps 1-2;
+        vLLM's order and formulas), as a new tensor.
+
+        Args:
+            logits: ``[B, vocab]`` (not modified).
+            rows: the rows to edit (any of ``range(B)``).
+            params, indices, request_ids: one per row of ``logits`` (``sample_rows``).
+            histories: one per row of ``logits``; read for the rows with penalties.
+
+        Returns:
+            ``[len(rows), vocab]`` float32.
+
+        Raises:
+            ValueError: a row with penalties and ``histories`` None.
+        """
+        device = logits.device
+        out = logits.index_select(0, torch.tensor(rows, device=device)).float()
+        masked = [(j, params[i]) for j, i in enumerate(rows) if indices[i] < params[i].min_tokens]
+        if masked:  # 1. EOS and stop ids cannot be drawn yet (vLLM masks EOS even with ignore_eos)
+            pos, ids = [], []
+            for j, p in masked:
+                stop = set(p.stop_token_ids).union(self.eos_token_ids)
+                pos += [j] * len(stop)
+                ids += sorted(stop)
+            if ids:
+                out[torch.tensor(pos, device=device), torch.tensor(ids, device=device)] = \
+                    float("-inf")
+        penalized = [(j, i) for j, i in enumerate(rows) if params[i].has_penalties]
+        if penalized and histories is None:
+            raise ValueError(f"request {request_ids[penalized[0][1]]}: penalties need the "
+                             "token history (histories)")
+        if penalized:  # 2. only the tokens seen are touched: O(history), not O(vocab)
+            self._penalize(out, penalized, params, histories)
+        return out
+
     @staticmethod
-    def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """``[b, vocab]`` probabilities after temperature, top-k and top-p."""
+    def _penalize(out: torch.Tensor, penalized: list[tuple[int, int]],
+                  params: list[SamplingParams], histories: Sequence[History]) -> None:
+        """Apply the penalties in place to rows of ``out`` ``[n, vocab]`` float32: for each
+        ``(j, i)``, row ``j`` of ``out`` with ``params[i]`` and ``histories[i]``. One batch
+        of ops over all those histories (flat ``row * vocab + token`` keys), so the cost
+        grows with the histories' length, not with the vocabulary or the number of rows."""
+        device, vocab = out.device, out.shape[-1]
+        flat = out.view(-1)  # ``out`` is a fresh contiguous copy
+        token_ids: list[int] = []
+        for _, i in penalized:
+            token_ids.extend(histories[i][0])
+        lengths = torch.tensor([len(histories[i][0]) for _, i in penalized], device=device)
+        starts = torch.cumsum(lengths, 0) - lengths
+        row_of = torch.repeat_interleave(torch.tensor([j for j, _ in penalized], device=device),
+                                         lengths)
+        keys = row_of * vocab + torch.tensor(token_ids, dtype=torch.long, device=device)
+        position = torch.arange(len(token_ids), device=device) - torch.repeat_interleave(
+            starts, lengths)
+        num_prompt = torch.tensor([histories[i][1] for _, i in penalized], device=device)
+        is_output = position >= torch.repeat_interleave(num_prompt, lengths)
+
+        def per_row(name: str) -> torch.Tensor:  # [n] float32 by row of ``out``
+            values = torch.zeros(out.shape[0], dtype=out.dtype, device=device)
+            values[[j for j, _ in penalized]] = torch.tensor(
+                [getattr(params[i], name) for _, i in penalized], dtype=out.dtype, device=device)
+            return values
+
+        if any(params[i].repetition_penalty != 1.0 for _, i in penalized):  # prompt + output
+            seen = torch.unique(keys)
+            penalty = per_row("repetition_penalty").index_select(0, seen // vocab)  # 1 = off
+            values = flat.index_select(0, seen)
+            flat.index_copy_(0, seen, torch.where(values > 0, values / penalty, values * penalty))
+        if any(params[i].frequency_penalty != 0.0 or params[i].presence_penalty != 0.0
+               for _, i in penalized):  # output only
+            seen, counts = torch.unique(keys.masked_select(is_output), return_counts=True)
+            row = seen // vocab
+            flat.index_copy_(0, seen, flat.index_select(0, seen)
+                             - per_row("frequency_penalty").index_select(0, row)
+                             * counts.to(out.dtype)
+                             - per_row("presence_penalty").index_select(0, row))
+
+    @staticmethod
+    def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """What sampled rows draw from: ``[b, vocab]`` probabilities of ``logits``
+        ``[b, vocab]`` (float32, after min_tokens and penalties) divided by each row's
+        temperature, then min-p, top-k and top-p applied (module docstring, step 4)."""
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps[:, None]
+        min_p_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
+        if min_p_rows:  # vLLM's MinPLogitsProcessor (= transformers' MinPLogitsWarper)
+            index = torch.tensor(min_p_rows, device=logits.device)
+            sub = logits[index]
+            probs = sub.softmax(dim=-1)
+            min_p = torch.tensor([params[j].min_p for j in min_p_rows],
+                                 dtype=probs.dtype, device=logits.device)[:, None]
+            drop = probs < probs.amax(dim=-1, keepdim=True) * min_p
+            logits[index] = sub.masked_fill(drop, float("-inf"))
         vocab = logits.shape[-1]
         top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params],
                              device=logits.device)

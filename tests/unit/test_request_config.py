@@ -32,8 +32,9 @@ def raises_naming(fn, *words):
     ({"max_tokens": 2.0}, ("max_tokens", "integer")),
     ({"temperature": -1.0}, ("temperature", ">= 0", "-1")),
     ({"temperature": math.nan}, ("temperature", ">= 0", "nan")),
-    ({"top_k": -1}, ("top_k", ">= 0", "-1")),
+    ({"top_k": -2}, ("top_k", ">= -1", "-2")),  # -1 is vLLM's "off" (issue 28)
     ({"top_k": 1.5}, ("top_k", "integer")),
+    ({"top_k": True}, ("top_k", "integer")),
     ({"top_p": 0.0}, ("top_p", "(0, 1]", "0.0")),
     ({"top_p": 1.5}, ("top_p", "(0, 1]", "1.5")),
     ({"top_p": -0.1}, ("top_p", "(0, 1]")),
@@ -42,6 +43,21 @@ def raises_naming(fn, *words):
     ({"logprobs": -1}, ("logprobs", "[0, 20]", "-1")),
     ({"logprobs": 2.0}, ("logprobs", "integer")),
     ({"logprobs": True}, ("logprobs", "integer")),
+    ({"min_p": -0.1}, ("min_p", "[0, 1]", "-0.1")),
+    ({"min_p": 1.5}, ("min_p", "[0, 1]", "1.5")),
+    ({"min_p": math.nan}, ("min_p", "[0, 1]")),
+    ({"min_p": "0.1"}, ("min_p", "[0, 1]")),
+    ({"min_tokens": -1}, ("min_tokens", "[0, max_tokens=16]", "-1")),
+    ({"min_tokens": 17}, ("min_tokens", "[0, max_tokens=16]", "17")),
+    ({"min_tokens": 2.0}, ("min_tokens", "integer")),
+    ({"repetition_penalty": 0.0}, ("repetition_penalty", "> 0", "0.0")),
+    ({"repetition_penalty": -1.0}, ("repetition_penalty", "> 0")),
+    ({"repetition_penalty": math.inf}, ("repetition_penalty", "finite")),
+    ({"repetition_penalty": math.nan}, ("repetition_penalty", "finite")),
+    ({"presence_penalty": 2.5}, ("presence_penalty", "[-2, 2]", "2.5")),
+    ({"presence_penalty": -2.01}, ("presence_penalty", "[-2, 2]")),
+    ({"frequency_penalty": math.nan}, ("frequency_penalty", "[-2, 2]")),
+    ({"frequency_penalty": True}, ("frequency_penalty", "[-2, 2]")),
 ])
 def test_sampling_params_rejects_out_of_range(kwargs, words):
     raises_naming(lambda: SamplingParams(**kwargs), *words)
@@ -55,6 +71,24 @@ def test_sampling_params_accepts_edges_and_normalizes_stop_tokens():
     assert not q.is_greedy and q.top_p == 1e-6
     assert SamplingParams().logprobs is None
     assert SamplingParams(logprobs=0).logprobs == 0 and SamplingParams(logprobs=20).logprobs == 20
+
+
+def test_sampling_params_extensions_edges_and_defaults():
+    """vLLM's extension fields (issue 28): defaults are off; -1 top_k is 0; the edges of
+    each range are accepted; has_penalties says when the sampler needs the history."""
+    default = SamplingParams()
+    assert (default.min_p, default.min_tokens, default.repetition_penalty,
+            default.presence_penalty, default.frequency_penalty) == (0.0, 0, 1.0, 0.0, 0.0)
+    assert not default.has_penalties
+    assert SamplingParams(top_k=-1).top_k == 0
+    edges = SamplingParams(max_tokens=4, min_tokens=4, min_p=1.0, repetition_penalty=1e-3,
+                           presence_penalty=-2.0, frequency_penalty=2)
+    assert edges.min_tokens == 4 and edges.min_p == 1.0 and edges.has_penalties
+    assert SamplingParams(min_p=0, min_tokens=0).min_p == 0
+    for kwargs in ({"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
+                   {"frequency_penalty": -0.1}):
+        assert SamplingParams(**kwargs).has_penalties
+    assert not SamplingParams(min_tokens=3, min_p=0.2).has_penalties  # no history needed
 
 
 # ---- Request -------------------------------------------------------------------------------

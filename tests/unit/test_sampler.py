@@ -1,9 +1,11 @@
-"""Sampler: greedy, top-k, top-p, per-request seeded generators independent of the batch."""
+"""Sampler: greedy, top-k, top-p, min-p, min_tokens, penalties, per-request seeded generators
+independent of the batch."""
 
 from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 
 from engine.request import SamplingParams
@@ -187,3 +189,156 @@ def test_logprobs_are_raw_log_softmax_of_the_asking_rows_only():
     assert [v for _, v in out[0][1]] == sorted((v for _, v in out[0][1]), reverse=True)
     assert max(abs(v - w) for (_, v), w in zip(out[0][1], values.tolist())) < 1e-6
     assert Sampler.logprobs(logits, [1], [None, None, None], [3]) == {}  # failed rows skipped
+
+
+# ---- vLLM's extensions (issue 28): min_tokens, penalties, min-p, top_k -1 -------------------
+
+def hf_processors():
+    from transformers.generation.logits_process import (MinPLogitsWarper,
+                                                        RepetitionPenaltyLogitsProcessor,
+                                                        TemperatureLogitsWarper)
+    return RepetitionPenaltyLogitsProcessor, MinPLogitsWarper, TemperatureLogitsWarper
+
+
+def test_repetition_penalty_is_transformers_processor_bit_for_bit():
+    """Over prompt + output (transformers passes generate()'s whole input_ids, prompt
+    included; vLLM ORs its prompt and output masks): the same float32 values exactly."""
+    repetition, _, _ = hf_processors()
+    logits = rand_logits(3, 64, seed=7)  # both signs, and one exact 0 below
+    logits[0, 9] = 0.0
+    histories = [([9, 1, 2, 2, 40], 3), ([5, 6], 2), ([63, 0, 17, 17, 5, 33], 1)]
+    for penalty in (1.3, 0.7):
+        params = [SamplingParams(repetition_penalty=penalty)] * 3
+        got = Sampler().edited_logits(logits, [0, 1, 2], params, [2, 0, 5], histories, list("abc"))
+        for row, (ids, _) in enumerate(histories):
+            want = repetition(penalty)(torch.tensor([ids]), logits[row:row + 1].clone())
+            assert torch.equal(got[row], want[0]), (penalty, row)
+        assert not torch.equal(got, logits)  # it really changed something
+    assert logits[0, 9] == 0.0  # the caller's logits are not edited
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only():
+    """OpenAI's definition (vLLM's): l -= frequency * count_in_output + presence * [count > 0];
+    the prompt's tokens are not penalized by either, only by the repetition penalty."""
+    logits = torch.tensor([[1.0, 2.0, 0.5, -1.0, 0.0]])
+    history = [([0, 1, 2, 2, 3], 2)]  # prompt [0, 1], output [2, 2, 3]
+    params = [SamplingParams(presence_penalty=0.5, frequency_penalty=0.25)]
+    got = Sampler().edited_logits(logits, [0], params, [3], history, ["r"])
+    assert got[0].tolist() == [1.0, 2.0, 0.5 - 0.5 - 0.5, -1.0 - 0.25 - 0.5, 0.0]
+    both = [SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)]
+    got = Sampler().edited_logits(logits, [0], both, [3], history, ["r"])  # repetition first
+    assert got[0].tolist() == [0.5, 1.0, 0.25 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 0.0]
+    negative = [SamplingParams(presence_penalty=-1.0, frequency_penalty=-2.0)]  # favour repeats
+    got = Sampler().edited_logits(logits, [0], negative, [3], history, ["r"])
+    assert got[0].tolist() == [1.0, 2.0, 0.5 + 4.0 + 1.0, -1.0 + 2.0 + 1.0, 0.0]
+
+
+def test_penalized_greedy_row_picks_the_penalized_argmax_and_spares_its_step_mates():
+    logits = torch.tensor([[3.0, 2.9, 0.0, 1.0],
+                           [3.0, 2.9, 0.0, 1.0],
+                           [3.0, 2.9, 0.0, 1.0]])
+    params = [SamplingParams(), SamplingParams(frequency_penalty=0.2),
+              SamplingParams(temperature=1.0, top_k=1, seed=3)]
+    histories = [([0, 0], 1), ([1, 0], 1), ([0], 1)]  # row 1 has output token 0 once
+    tokens = Sampler().sample(logits, ["g", "p", "s"], params, [1, 1, 0], histories)
+    assert tokens == [0, 1, 0]  # 3.0 - 0.2 < 2.9; the plain rows keep the argmax
+    # rows without penalties need no history at all
+    assert Sampler().sample(logits[:2], ["g", "s"], [params[0], params[2]], [0, 0]) == [0, 0]
+    with pytest.raises(ValueError, match="request p: penalties need the token history"):
+        Sampler().sample(logits, ["g", "p", "s"], params, [1, 1, 0])
+
+
+def test_min_tokens_masks_eos_and_stop_ids_until_reached():
+    """vLLM's MinTokensLogitsProcessor: EOS (even with ignore_eos) and the stop ids are -inf
+    while the request has fewer than min_tokens outputs (the index being drawn)."""
+    logits = torch.tensor([[0.0, 1.0, 2.0, 5.0, 0.5, 4.0]])  # EOS 3 first, stop id 5 second
+    sampler = Sampler(eos_token_ids=(3,))
+    p = SamplingParams(max_tokens=8, min_tokens=2, stop_token_ids=(5,))
+    assert [sampler.sample(logits, ["r"], [p], [i])[0] for i in range(4)] == [2, 2, 3, 3]
+    ignoring = SamplingParams(max_tokens=8, min_tokens=1, ignore_eos=True)
+    assert sampler.sample(logits, ["r"], [ignoring], [0]) == [5]  # EOS still masked
+    masked = sampler.edited_logits(logits, [0], [p], [0], None, ["r"])
+    assert masked[0].tolist() == [0.0, 1.0, 2.0, float("-inf"), 0.5, float("-inf")]
+    seen = {sampler.sample(logits, ["s"], [SamplingParams(
+        max_tokens=8, min_tokens=3, temperature=1.0, seed=seed, stop_token_ids=(5,))], [2])[0]
+        for seed in range(300)}
+    assert seen == {0, 1, 2, 4}  # sampled rows are masked too
+
+
+def test_min_p_keeps_transformers_min_p_warper_survivors():
+    _, min_p_warper, temperature_warper = hf_processors()
+    logits = rand_logits(4, 80, seed=8)
+    for min_p, temperature in ((0.05, 1.0), (0.3, 0.7), (1.0, 1.3)):
+        params = [SamplingParams(temperature=temperature, min_p=min_p)] * 4
+        kept = Sampler.distribution(logits.clone(), params) > 0
+        scaled = temperature_warper(temperature)(None, logits.clone())
+        want = torch.isfinite(min_p_warper(min_p)(None, scaled))
+        assert torch.equal(kept, want), (min_p, temperature)
+        assert 0 < int(want.sum()) < 4 * 80
+    assert torch.equal(Sampler.distribution(logits.clone(), [SamplingParams(temperature=1.0)] * 4),
+                       logits.softmax(dim=-1))  # min_p 0: off
+
+
+def test_min_p_runs_before_top_p_as_vllm():
+    """vLLM applies min-p before top-k / top-p: [0.5, 0.3, 0.2] with min_p 0.5 drops 0.2
+    (< 0.25), renormalizes to [0.625, 0.375], and top_p 0.6 then keeps token 0 alone (the
+    other order would keep {0, 1})."""
+    logits = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    p = SamplingParams(temperature=1.0, min_p=0.5, top_p=0.6, seed=4)
+    sampler = Sampler()
+    assert {sampler.sample(logits, ["r"], [p])[0] for _ in range(100)} == {0}
+    q = SamplingParams(temperature=1.0, min_p=0.5, seed=4)
+    seen = collections.Counter(sampler.sample(logits, ["q"], [q])[0] for _ in range(400))
+    assert set(seen) == {0, 1} and 0.55 < seen[0] / 400 < 0.7  # 0.625
+
+
+def test_top_k_minus_one_is_off():
+    logits = rand_logits(1, 30, seed=9) / 3
+    off, minus_one = SamplingParams(temperature=1.0, seed=6), SamplingParams(temperature=1.0,
+                                                                           top_k=-1, seed=6)
+    assert minus_one.top_k == 0
+    assert torch.equal(Sampler.distribution(logits.clone(), [minus_one]), logits.softmax(dim=-1))
+    assert draws(6) == [Sampler().sample(torch.zeros(1, 100), ["r"], [minus_one], [i])[0]
+                        for i in range(12)]
+    assert off == minus_one
+
+
+def test_penalized_draws_depend_on_history_and_index_only():
+    """A penalized, seeded request sampled token by token gives the same tokens whether one
+    sampler draws them all or the first comes from another process (the history, prompt +
+    outputs, is what both hold)."""
+    vocab, prompt = 20, [3, 4, 4, 9]
+    logits = rand_logits(1, vocab, seed=10) / 4
+    p = SamplingParams(temperature=1.0, seed=42, repetition_penalty=1.8, frequency_penalty=0.7,
+                       presence_penalty=0.3, min_p=0.02, max_tokens=10, min_tokens=3)
+
+    def run(samplers):
+        tokens = []
+        for i in range(10):
+            sampler = samplers[min(i, len(samplers) - 1)]
+            history = [(prompt + tokens, len(prompt))]
+            tokens += sampler.sample(logits, ["r"], [p], [i], history)
+        return tokens
+
+    whole = run([Sampler(eos_token_ids=(0,))])
+    assert run([Sampler(eos_token_ids=(0,)), Sampler(eos_token_ids=(0,))]) == whole
+    plain = SamplingParams(temperature=1.0, seed=42)
+    unpenalized = [Sampler().sample(logits, ["r"], [plain], [i])[0] for i in range(10)]
+    assert whole != unpenalized  # the penalties really took part
+
+
+def test_penalties_of_several_rows_in_one_call_are_each_rows_own():
+    """The penalized rows are edited in one batch: each row must get its own penalties and
+    history, exactly as when edited alone (rows without penalties stay as they came)."""
+    logits = rand_logits(4, 50, seed=11)
+    histories = [([1, 2, 3, 3], 2), ([4, 4, 5], 1), ([7], 1), ([2, 9, 9, 9, 1], 2)]
+    params = [SamplingParams(repetition_penalty=1.4, frequency_penalty=0.3),
+              SamplingParams(presence_penalty=-0.7), SamplingParams(),
+              SamplingParams(repetition_penalty=0.6, presence_penalty=1.1)]
+    indices = [2, 2, 0, 3]
+    together = Sampler().edited_logits(logits, [0, 1, 2, 3], params, indices, histories, list("abcd"))
+    for row in range(4):
+        alone = Sampler().edited_logits(logits, [row], params, indices, histories, list("abcd"))
+        assert torch.equal(together[row], alone[0]), row
+    assert torch.equal(together[2], logits[2])
+    assert all(not torch.equal(together[r], logits[r]) for r in (0, 1, 3))
