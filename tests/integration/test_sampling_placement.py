@@ -124,8 +124,8 @@ def test_penalties_equal_transformers_generate_and_spare_step_mates(tiny):
               SamplingParams(max_tokens=n, ignore_eos=True)]
     requests = [Request(f"p{i}", tuple(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     engine = Engine(tiny, CONFIG)
-    outputs = engine.generate(requests)
-    assert engine.pop_failed() == [] and engine.is_empty()
+    outputs, failed = generate(engine, requests)
+    assert failed == [] and engine.is_empty()
     assert all(s.num_requests == 4 for s in engine.step_records)  # they shared every step
     want = [reference_generate(tiny.model, prompts[0], n, repetition_penalty=1.5),
             reference_generate(tiny.model, prompts[1], n, repetition_penalty=0.6),
