@@ -37,6 +37,7 @@ from typing import NamedTuple
 import torch
 
 from engine.config import EngineConfig
+from engine.limits import Limits
 from engine.metrics import StepRecord
 from engine.kv_cache import GIB, KVStore, kv_budget_bytes, kv_cache_num_blocks
 from engine.model import LoadedModel
@@ -144,6 +145,10 @@ class Engine:
         self.kv_store = KVStore(self.kv_spec, num_blocks, self.config.block_size,
                                 self.config.device)
         self.scheduler = Scheduler(self.config, loaded.eos_token_ids, num_kv_blocks=num_blocks)
+        self.limits = Limits(self.max_model_len, self.vocab_size, num_blocks,
+                             self.config.block_size, "this engine's",
+                             None if self.config.enable_chunked_prefill
+                             else self.config.max_num_batched_tokens)
         if not quiet:
             print(f"pdlab: KV cache: {num_blocks} blocks = {self.kv_store.num_tokens} tokens = "
                   f"{self.kv_store.num_bytes / GIB:.3g} GiB (budget "
@@ -158,41 +163,18 @@ class Engine:
     # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
         """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run
-        here. (SamplingParams and Request check their own fields when built.) The context
-        check always counts prompt + max_tokens; the KV cache check counts the blocks this
-        engine will reserve (prompt + 1 tokens for ``prefill_only``): a request that needs
-        more than the whole cache is refused here, never queued behind others."""
+        here: its id is already here, or it passes one of ``self.limits``
+        (``engine.limits``: the context, the vocabulary, the whole KV cache, counting the
+        blocks this engine reserves, prompt + 1 tokens for ``prefill_only``, and with chunked
+        prefill off the step budget). A request that needs more than the whole cache is
+        refused here, never queued behind others. (SamplingParams and Request check their
+        own fields when built.)"""
         rid = request.request_id
         if rid in self.states:
             raise ValueError(f"request_id {rid!r} is already in this engine")
-        bad = [t for t in request.prompt_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid}: prompt_token_ids must be in [0, {self.vocab_size}), "
-                             f"got {bad[0]}")
-        bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"request {rid}: stop_token_ids must be in [0, {self.vocab_size}), "
-                             f"got {bad[0]}")
-        total = request.num_prompt_tokens + request.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(
-                f"request {rid}: prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.sampling.max_tokens}) = {total} exceeds the context length "
-                f"{self.max_model_len} (max_model_len)")
-        reserved = request.num_prompt_tokens + 1 if prefill_only else total
-        blocks = self.scheduler.capacity
-        if not blocks.fits_ever(reserved):
-            raise ValueError(
-                f"request {rid}: needs {reserved} KV tokens ({blocks.blocks_needed(reserved)} "
-                f"blocks of {blocks.block_size}), more than this engine's whole KV cache "
-                f"({blocks.num_blocks} blocks = {self.kv_capacity_tokens} tokens; raise "
-                "kv_cache_memory_gb or kv_capacity_tokens)")
-        if (not self.config.enable_chunked_prefill
-                and request.num_prompt_tokens > self.config.max_num_batched_tokens):
-            raise ValueError(
-                f"request {rid}: prompt of {request.num_prompt_tokens} tokens exceeds "
-                f"max_num_batched_tokens={self.config.max_num_batched_tokens} with chunked "
-                "prefill off; enable chunked prefill or raise the budget")
+        self.limits.check(request.num_prompt_tokens, request.sampling.max_tokens,
+                          request.prompt_token_ids, request.sampling.stop_token_ids,
+                          prefill_only, subject=f"request {rid}: ")
 
     def add_request(self, request: Request, prefill_only: bool = False) -> None:
         """Queue a request. ``prefill_only``: stop after the first token and hold the prompt's

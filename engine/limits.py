@@ -74,7 +74,7 @@ class Limits:
                 if bad:
                     name = "prompt_token_ids" if field == "prompt" else field
                     raise LimitError(f"{subject}{name} must be in [0, {self.vocab_size}), got "
-                                     f"{bad[0]}", field)
+                                     f"{bad}", field)
         kv_tokens = num_prompt_tokens + 1 if prefill_only else total
         if self.kv_blocks is not None:
             blocks = -(-kv_tokens // self.block_size)
@@ -83,10 +83,10 @@ class Limits:
                 field = "prompt" if num_prompt_tokens >= capacity else "max_tokens"
                 raise LimitError(
                     f"{subject}prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) "
-                    f"needs {kv_tokens} KV tokens, more than {self.whose} whole KV cache "
-                    f"({capacity} tokens): {kv_tokens} tokens ({blocks} blocks of "
-                    f"{self.block_size}) against {self.kv_blocks} blocks = {capacity} tokens; "
-                    "raise kv_cache_memory_gb or kv_capacity_tokens", field)
+                    f"in whole blocks ({blocks} blocks of {self.block_size}) against the "
+                    f"cache's {self.kv_blocks} blocks = {capacity} tokens: needs {kv_tokens} KV "
+                    f"tokens, more than {self.whose} whole KV cache ({capacity} tokens; raise "
+                    "kv_cache_memory_gb or kv_capacity_tokens)", field)
         if self.prompt_budget is not None and num_prompt_tokens > self.prompt_budget:
             raise LimitError(
                 f"{subject}prompt of {num_prompt_tokens} tokens exceeds max_num_batched_tokens="

@@ -63,6 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from engine.config import ConditionalConfig, EngineConfig, parse_placement, placement_engine_overrides
+from engine.limits import LimitError, Limits
 from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord,
                             StepRecord)
@@ -230,6 +231,11 @@ class Simulator:
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
         blocks = num_kv_blocks(self.engine, self.kv_bytes_per_token)
+        engine = self.engine
+        self._limits = Limits(engine.max_model_len, None,
+                              engine.max_kv_blocks if blocks is None else blocks,
+                              engine.block_size, "an instance's",
+                              None if engine.enable_chunked_prefill else engine.max_num_batched_tokens)
         self._instances = {name: _Instance(name, role, self.engine, blocks)
                            for name, role in worker_names(self.placement)}
         self._assigner = Assigner(worker_names(self.placement), self.kind, self.policy,
@@ -308,19 +314,14 @@ class Simulator:
         self._wake(instance, t)
 
     def _refusal(self, request: Request) -> str | None:
-        """What the router or engine would refuse the request for (None: it runs)."""
-        total = request.num_prompt_tokens + request.sampling.max_tokens
-        if total > self.engine.max_model_len:
-            return (f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                    f"({request.sampling.max_tokens}) = {total} exceeds the context length "
-                    f"{self.engine.max_model_len}")
-        capacity = getattr(self.engine, "total_kv_capacity_tokens", None)  # as Engine.validate
-        if capacity is not None and total > capacity:
-            return f"needs {total} KV tokens, more than the capacity {capacity}"
-        if (not self.engine.enable_chunked_prefill
-                and request.num_prompt_tokens > self.engine.max_num_batched_tokens):
-            return (f"prompt of {request.num_prompt_tokens} tokens exceeds "
-                    f"max_num_batched_tokens={self.engine.max_num_batched_tokens} with chunked prefill off")
+        """What the engine would refuse the request for (``engine.limits``, as
+        ``Engine.validate``: context, whole KV cache, the step budget without chunking);
+        None: it runs."""
+        try:
+            self._limits.check(request.num_prompt_tokens, request.sampling.max_tokens,
+                               prefill_only=False, subject=f"request {request.request_id}: ")
+        except LimitError as err:
+            return str(err)
         return None
 
     def _finish(self, flight: _Flight, t: float) -> None:

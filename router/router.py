@@ -63,6 +63,7 @@ from typing import Any
 from engine import events as ev
 from engine.config import ConditionalConfig, parse_placement
 from engine.errors import describe_error
+from engine.limits import Limits
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
 from router.assignment import Assigner
@@ -223,13 +224,18 @@ class Router:
         self.vocab_size = min(i["vocab_size"] for i in infos)
         # decode load counts whole KV blocks (issue 17): a request holds ceil(tokens / B) blocks
         self.kv_block_size = max(i.get("kv_block_size", 1) for i in infos)
-        # KV tokens the smallest worker of each role can ever hold: a request that needs more
-        # is refused before any prefill runs (validate), not failed by a worker afterwards.
-        capacities: dict[str, list[int]] = {}
+        # what the smallest worker of each role can ever hold: a request past it is refused
+        # before any prefill runs (validate), not failed by a worker afterwards
+        blocks: dict[str, list[int]] = {}
         for w, i in zip(workers, infos):
-            if "kv_capacity_tokens" in i:
-                capacities.setdefault(w.role, []).append(i["kv_capacity_tokens"])
-        self.kv_capacity_tokens = {role: min(c) for role, c in capacities.items()}
+            if "kv_capacity_tokens" in i:  # num_blocks * block_size
+                blocks.setdefault(w.role, []).append(i["kv_capacity_tokens"] // self.kv_block_size)
+        self.limits = {role: Limits(self.max_model_len, self.vocab_size,
+                                    min(blocks[role]) if role in blocks else None,
+                                    self.kv_block_size, f"a {role} worker's")
+                       for role in dict.fromkeys(w.role for w in workers)}
+        self.kv_capacity_tokens = {role: limits.kv_capacity_tokens
+                                   for role, limits in self.limits.items() if limits.kv_blocks}
         self.assigner = Assigner([(w.name, w.role) for w in workers], kind, policy,
                                  self.kv_block_size, conditional)
         self._flights: dict[str, _Flight] = {}
@@ -269,39 +275,15 @@ class Router:
 
     # ---- public ----------------------------------------------------------------------
     def validate(self, request: Request) -> None:
-        """Raise ValueError naming the field and its range: the context length, each role's
-        whole KV cache (``kv_capacity_tokens``), the vocabulary (Request and SamplingParams
-        have checked their own fields already)."""
-        total = request.num_prompt_tokens + request.sampling.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                             f"({request.sampling.max_tokens}) = {total} exceeds the context "
-                             f"length {self.max_model_len}")
-        short = self.kv_shortfall(request.num_prompt_tokens, request.sampling.max_tokens)
-        if short is not None:
-            role, needs, capacity = short
-            raise ValueError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens "
-                f"({request.sampling.max_tokens}) needs {needs} KV tokens, more than a {role} "
-                f"worker's whole KV cache ({capacity} tokens; raise kv_cache_memory_gb or "
-                "kv_capacity_tokens)")
-        top = max(request.prompt_token_ids)
-        if top >= self.vocab_size:
-            raise ValueError(f"prompt_token_ids must be in [0, {self.vocab_size}), got {top}")
-        bad = [t for t in request.sampling.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad}")
-
-    def kv_shortfall(self, num_prompt_tokens: int, max_tokens: int) -> tuple[str, int, int] | None:
-        """The first role whose smallest worker's whole KV cache cannot hold a request of
-        ``num_prompt_tokens`` + ``max_tokens``, as ``(role, tokens needed, capacity in
-        tokens)``; None if every role can. A prefill worker holds prompt + 1 tokens (the
-        first token is sampled there), a colocated or decode worker the whole request."""
-        for role, capacity in self.kv_capacity_tokens.items():
-            needs = num_prompt_tokens + (1 if role == "prefill" else max_tokens)
-            if needs > capacity:
-                return role, needs, capacity
-        return None
+        """Raise ``engine.limits.LimitError`` (a ValueError naming the field at fault) when a
+        worker the request needs could never serve it: each role's ``limits`` (the context,
+        the vocabulary, the smallest worker's whole KV cache: prompt + 1 tokens on a prefill
+        worker, the whole request on a decode or colocated one). Request and
+        SamplingParams have checked their own fields already."""
+        for role, limits in self.limits.items():
+            limits.check(request.num_prompt_tokens, request.sampling.max_tokens,
+                         request.prompt_token_ids, request.sampling.stop_token_ids,
+                         prefill_only=role == "prefill")
 
     def submit(self, request: Request, sink: Callable[[StreamEvent], None] | None = None,
                arrived_s: float | None = None) -> TokenStream | None:

@@ -71,6 +71,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine import metrics as m
+from engine.limits import LimitError
 from engine.metrics import RequestRecord
 from engine.request import MAX_LOGPROBS, Request, SamplingParams
 from server.config import LOOPBACK
@@ -370,32 +371,20 @@ class OpenAIServer:
         if not prompt:
             raise BadRequest("prompt must not be empty (no tokens)", "messages" if chat else "prompt")
         context, prompt_param = self.router.max_model_len, "messages" if chat else "prompt"
-        if len(prompt) >= context:
-            raise BadRequest(f"prompt of {len(prompt)} tokens leaves no room for output: the "
-                             f"context is {context} tokens", prompt_param)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         if max_tokens is None:  # OpenAI: 16 for completions; chat: what the context leaves
             room = min([context] + [tokens for role, tokens in self.router.kv_capacity_tokens.items()
                                     if role != "prefill"])  # ... and the KV cache holds
-            max_tokens = max(1, room - len(prompt)) if chat else min(16, context - len(prompt))
-        if len(prompt) + max_tokens > context:
-            raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) = "
-                             f"{len(prompt) + max_tokens} exceeds the context of {context} "
-                             "tokens", param)
-        short = self.router.kv_shortfall(len(prompt), max_tokens)
-        if short is not None:
-            role, needs, capacity = short
-            raise BadRequest(f"prompt ({len(prompt)} tokens) + {param} ({max_tokens}) "
-                             f"needs {needs} KV tokens, more than a {role} worker's whole "
-                             f"KV cache ({capacity} tokens)",
-                             param if len(prompt) < capacity else prompt_param)
-        vocab = self.router.vocab_size
-        if max(prompt) >= vocab:
-            raise BadRequest(f"prompt token ids must be in [0, {vocab}), got {max(prompt)}", "prompt")
-        bad = [t for t in body.stop_token_ids if t >= vocab]
-        if bad:
-            raise BadRequest(f"stop_token_ids must be in [0, {vocab}), got {bad}", "stop_token_ids")
+            max_tokens = max(1, room - len(prompt)) if chat else max(1, min(16, context - len(prompt)))
+        try:  # the limits every worker of the placement must meet (engine.limits)
+            self.router.validate(Request("check", tuple(prompt), SamplingParams(
+                max_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids))))
+        except LimitError as err:
+            where = {"prompt": prompt_param, "max_tokens": param}.get(err.field, err.field)
+            raise BadRequest(str(err), where) from None
+        except ValueError as err:  # Request / SamplingParams refused a field (it is named)
+            raise BadRequest(str(err), str(err).split(" ", 1)[0]) from None
         if chat:
             if body.top_logprobs is not None and not body.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")

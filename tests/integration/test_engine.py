@@ -197,7 +197,7 @@ def test_remote_request_reserves_before_its_kv_enters(tiny):
 def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny):
     engine = Engine(tiny, EngineConfig(max_num_seqs=2, max_model_len=64, max_num_batched_tokens=32))
     for stop in (256, -1):
-        with pytest.raises(ValueError, match=rf"stop_token_ids must be in \[0, 256\), got {stop}"):
+        with pytest.raises(ValueError, match=rf"stop_token_ids must be in \[0, 256\), got \[{stop}\]"):
             engine.add_request(Request("s", (5, 6), SamplingParams(stop_token_ids=(3, stop))))
     assert engine.is_empty()
 
