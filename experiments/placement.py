@@ -14,6 +14,11 @@ Setting up a deployment:
 3. Wait until every worker answers ``info`` (bounded), then build the ``Router``. A worker
    that fails to start is an error that keeps its root cause (exception type and message,
    ``engine.errors.describe_error``), not only Ray's "actor died" line.
+4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``,
+   issue 29) and set it on that worker's transport, so every ``TransferRecord`` carries
+   ``efficiency``: a memcpy on its node when every prefill worker shares the node, else a
+   short probe from a prefill worker on another node (NIXL READ, or TCP without NIXL).
+   ``link_peaks`` keeps them (decode worker name -> ``LinkPeak``).
 
 ``close()`` stops the workers and releases the placement group (and Ray, if it was started
 here).
@@ -43,11 +48,13 @@ from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, probe_peak
 from prefill_worker import PrefillWorker
 from router.calls import ORDERED, LocalCalls, WorkerDied
 from router.router import Router, WorkerRef
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PEAK_TIMEOUT_S = 60.0  # one link-peak measurement (a 32 MiB copy or probe, 4 runs)
 ACTOR_DEATH = (RayActorError,) + tuple(
     getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
     if hasattr(ray.exceptions, name))
@@ -191,13 +198,19 @@ class Deployment:
             raise ValueError("a local placement (one process) needs transport 'inprocess'")
         if not local and self.transfer.transport == "inprocess":
             raise ValueError("transport 'inprocess' needs a local placement; use 'ray', "
-                             "'shm' or 'torchdist' across processes")
+                             "'shm', 'nixl' or 'torchdist' across processes")
+        if self.transfer.transport == "nixl":  # refused here, not in each worker's start-up
+            from kv_transfer.nixl import MISSING, nixl_available
+
+            if not nixl_available():
+                raise ValueError(MISSING)
         check_model_name(model)
         self._started_ray = False
         self._pg = None
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self.handles: dict[str, Any] = {}
         self.calls: Any = LocalCalls() if local else RayCalls()
+        self.link_peaks: dict[str, LinkPeak] = {}
         try:  # a worker that fails to start must not leave the others (or Ray) behind
             if local:
                 check_devices_exist(self.devices)
@@ -209,6 +222,7 @@ class Deployment:
             self.router = Router(self.workers, self.calls, placement.placement, policy,
                                  deadline_s or self.transfer.timeout_s + 5.0,
                                  conditional=conditional)
+            self.link_peaks = self._measure_link_peaks()
         except BaseException:
             self.close()
             raise
@@ -273,6 +287,46 @@ class Deployment:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank))
             self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
 
+    def _measure_link_peaks(self) -> dict[str, LinkPeak]:
+        """Step 4 of the module docstring; {} for a colocated placement, or when the
+        measurement fails (said on stderr: the records then have no efficiency, the run
+        goes on)."""
+        try:
+            return self._link_peaks()
+        except Exception as err:  # noqa: BLE001 - a missing peak must not stop a run
+            print(f"pdlab: link peak not measured ({type(err).__name__}: {err}); transfer "
+                  "records carry no efficiency", file=sys.stderr)
+            return {}
+
+    def _link_peaks(self) -> dict[str, LinkPeak]:
+        decode = [w for w in self.workers if w.role == "decode"]
+        prefill = [w for w in self.workers if w.role == "prefill"]
+        if not decode or not prefill:
+            return {}
+        if self.local:  # one process: P and D share one transport
+            peak = memcpy_peak()
+            self.handles[decode[0].name].transport.peak_gbps = peak.gbps
+            return {w.name: peak for w in decode}
+        nodes = dict(zip(self.handles, ray.get(
+            [h.__ray_call__.remote(_node_of) for h in self.handles.values()],
+            timeout=PEAK_TIMEOUT_S)))
+        peaks = {}
+        for worker in decode:
+            remote = [p for p in prefill if nodes[p.name] != nodes[worker.name]]
+            target = self.handles[worker.name]
+            if not remote:
+                peaks[worker.name] = ray.get(target.__ray_call__.remote(_memcpy_peak_here),
+                                             timeout=PEAK_TIMEOUT_S)
+                continue
+            source = self.handles[remote[0].name]
+            ticket = ray.get(source.__ray_call__.remote(_open_probe), timeout=PEAK_TIMEOUT_S)
+            try:
+                peaks[worker.name] = ray.get(target.__ray_call__.remote(_probe_here, ticket),
+                                             timeout=PEAK_TIMEOUT_S)
+            finally:
+                ray.get(source.__ray_call__.remote(_close_probe), timeout=PEAK_TIMEOUT_S)
+        return peaks
+
     # ---- use ----------------------------------------------------------------------------
     def run(self, workload, on_finish=None):
         """``Router.run`` on this deployment."""
@@ -331,6 +385,33 @@ class Deployment:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# ---- link peaks, run inside the worker actors (``__ray_call__``: fn(worker, *args)) ----------
+def _node_of(worker) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _memcpy_peak_here(worker) -> LinkPeak:
+    peak = memcpy_peak()
+    worker.transport.peak_gbps = peak.gbps
+    return peak
+
+
+def _open_probe(worker) -> ProbeTicket:
+    worker._link_probe = ProbeSource(host=ray.util.get_node_ip_address())
+    return worker._link_probe.ticket
+
+
+def _probe_here(worker, ticket: ProbeTicket) -> LinkPeak:
+    peak = probe_peak(ticket)
+    worker.transport.peak_gbps = peak.gbps
+    return peak
+
+
+def _close_probe(worker) -> None:
+    worker._link_probe.close()
+    del worker._link_probe
 
 
 def ray_init_kwargs() -> dict[str, Any]:
