@@ -202,6 +202,7 @@ class NixlTransport(Transport):
         self._metadata: bytes | None = None
         self._remotes: set[str] = set()  # producers whose metadata is loaded
         self._gens = itertools.count(1)
+        self._land_ids = itertools.count()  # landing extents' ids
         self._leases = 0  # landing extents still viewed by tensors handed out
         self._wake = threading.Event()  # a put woke the poller
         self._closed = threading.Event()
@@ -338,6 +339,7 @@ class NixlTransport(Transport):
         need = round_up(length, ALIGN)
         scratch = None
         with self._lock:
+            land = next(self._land_ids)  # local: two producers' generations may be equal
             try:
                 landing = self._landing_region()
                 offset = landing.place(need)
@@ -345,7 +347,7 @@ class NixlTransport(Transport):
                     scratch = _Scratch(self._agent, length, self.device)
                     local_addr = scratch.addr
                 else:
-                    landing.extents[key.gen] = (offset, offset + need, key.nbytes)
+                    landing.extents[land] = (offset, offset + need, key.nbytes)
                     local_addr = landing.addr + offset
                 mem, dev = (landing.mem, landing.device_id)
                 remote = self._remote(key)
@@ -355,7 +357,7 @@ class NixlTransport(Transport):
                     remote)
                 state = self._agent.transfer(xfer)
             except Exception as err:
-                self._drop_landing(key.gen, scratch)
+                self._drop_landing(land, scratch)
                 self._failed(key, err)
                 raise TransferFailed(f"KV of request {rid} cannot be read from {key.agent}: "
                                      f"{type(err).__name__}: {err}") from err
@@ -364,7 +366,7 @@ class NixlTransport(Transport):
         except BaseException as err:
             with self._lock:
                 self._release_xfer(xfer)
-                self._drop_landing(key.gen, scratch)
+                self._drop_landing(land, scratch)
                 if not isinstance(err, TransferTimeout):
                     self._failed(key, err)
             raise
@@ -374,17 +376,17 @@ class NixlTransport(Transport):
             base = 0 if scratch is not None else offset
             stamp = region_data[base + key.nbytes:base + length].cpu()
             if not torch.equal(stamp, _stamp(key.gen)):
-                self._drop_landing(key.gen, scratch)
+                self._drop_landing(land, scratch)
                 raise TransferFailed(f"no KV for request {rid} at {key.agent}: already freed")
             if scratch is not None:
                 return [key.header, scratch.take(key.nbytes)]
             if self.device.type == "cuda":  # a device copy; the extent goes back at once
                 out = landing.data[offset:offset + key.nbytes].clone()
-                landing.extents.pop(key.gen, None)
+                landing.extents.pop(land, None)
                 return [key.header, out]
             view = landing.array[offset:offset + key.nbytes]
             self._leases += 1
-        weakref.finalize(view, self._view_gone, key.gen)
+        weakref.finalize(view, self._view_gone, land)
         return [key.header, torch.from_numpy(view)]
 
     def _wait(self, xfer, state: str, deadline_s: float, rid: str, timeout_s: float) -> None:
@@ -412,15 +414,15 @@ class NixlTransport(Transport):
         if "Disconnect" in type(err).__name__ or not pid_alive_on(key, self.node):
             self._forget(key.agent)
 
-    def _drop_landing(self, gen: int, scratch) -> None:
+    def _drop_landing(self, land: int, scratch) -> None:
         if scratch is not None:
             scratch.close()
         elif self._landing is not None:
-            self._landing.extents.pop(gen, None)
+            self._landing.extents.pop(land, None)
 
-    def _view_gone(self, gen: int) -> None:
+    def _view_gone(self, land: int) -> None:
         with self._lock:
-            if self._landing is not None and self._landing.extents.pop(gen, None) is not None:
+            if self._landing is not None and self._landing.extents.pop(land, None) is not None:
                 self._leases -= 1
 
     def _free(self, handle: KVHandle) -> None:
