@@ -86,9 +86,9 @@ def arena_of(transport_name: str, kv_bytes: int):
     made without room fails at once with "arena full", so a prefill loop that tried to put
     into the full arena would fail requests."""
     if transport_name == "nixl":
-        from kv_transfer.nixl import ALIGN, STAMP_BYTES, NixlTransport
+        from kv_transfer.nixl import ALIGN, TAIL_BYTES, NixlTransport
 
-        extent = -(-(kv_bytes + STAMP_BYTES) // ALIGN) * ALIGN
+        extent = -(-(kv_bytes + TAIL_BYTES) // ALIGN) * ALIGN
         return NixlTransport(capacity_bytes=3 * extent, landing_bytes=1 << 20,
                              alloc_timeout_s=0.0)
     return SharedMemoryTransport(capacity_bytes=3 * kv_bytes, num_slots=16, alloc_timeout_s=0.0)

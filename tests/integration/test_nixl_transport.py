@@ -1,5 +1,5 @@
 """NixlTransport (issue 29): NIXL READs in one process (loopback) and across two, leases,
-extent reuse, faults, deadlines, a dead producer, free by notification, records."""
+extent reuse, faults, deadlines, a dead producer, free by a one-sided WRITE, records."""
 
 import dataclasses
 import gc
@@ -120,8 +120,27 @@ def test_get_after_free_and_stale_generation_fail(nixl):
     assert [r.request_id for r in nixl.records] == ["r2"]
 
 
+def test_another_agent_frees_by_write_and_a_stale_free_is_ignored(nixl):
+    consumer = NixlTransport(capacity_bytes=ALIGN, landing_bytes=16 * ALIGN)  # its own agent
+    try:
+        handle = nixl.put("r1", SPEC, random_kv(SPEC, 2))
+        assert torch.equal(consumer.get(handle, SPEC, 5.0)[1], random_kv(SPEC, 2))
+        consumer.free(handle)  # a WRITE of the generation into the producer's freed word
+        assert nixl.num_held() == 0
+        reused = nixl.put("r2", SPEC, random_kv(SPEC, 2, 1))
+        assert reused.key.addr == handle.key.addr
+        consumer.free(handle)  # stale: writes r1's generation, r2's extent stays held
+        assert nixl.num_held() == 1
+        assert torch.equal(consumer.get(reused, SPEC, 5.0)[1], random_kv(SPEC, 2, 1))
+        consumer.free(reused)
+        gc.collect()
+        assert nixl.num_held() == 0 and consumer.num_held() == 0
+    finally:
+        consumer.close()
+
+
 def test_full_arena_fails_after_the_allocation_timeout_and_recovers(nixl):
-    big = torch.randn(SPEC.kv_shape(3 * ALIGN // SPEC.bytes_per_token))  # 3 pages + stamp: 4
+    big = torch.randn(SPEC.kv_shape(3 * ALIGN // SPEC.bytes_per_token))  # 3 pages + tail: 4
     handles = [nixl.put(f"r{i}", SPEC, big) for i in range(4)]
     assert not nixl.has_room(big.numel() * 4)
     start_s = time.perf_counter()
@@ -139,7 +158,7 @@ def test_full_arena_fails_after_the_allocation_timeout_and_recovers(nixl):
 
 
 def test_a_full_landing_buffer_reads_through_a_one_off_buffer(nixl):
-    kv = random_kv(SPEC, 3 * ALIGN // SPEC.bytes_per_token)  # 3 pages + stamp: 4 pages
+    kv = random_kv(SPEC, 3 * ALIGN // SPEC.bytes_per_token)  # 3 pages + tail: 4 pages
     outs = []
     for i in range(4):  # 4 views of 4 pages each fill the 16-page landing buffer
         handle = nixl.put(f"r{i}", SPEC, kv)
@@ -232,7 +251,7 @@ def _producer(handles, done) -> None:
         spec = list(SPECS.values())[i % 3]
         handles.put(transport.put(f"r{i}", spec, random_kv(spec, 5 + i, i)))
     assert done.get(timeout=60) == "received"
-    deadline_s = time.monotonic() + 10  # the consumer's free notifications come in
+    deadline_s = time.monotonic() + 10  # the consumer WROTE its frees: reclaimed here
     while transport.num_held() and time.monotonic() < deadline_s:
         time.sleep(0.01)
     handles.put(("held", transport.num_held()))
@@ -241,7 +260,7 @@ def _producer(handles, done) -> None:
     assert done.get(timeout=60) == "exit"
 
 
-def test_two_processes_read_free_by_notification_and_owner_death():
+def test_two_processes_read_free_by_write_and_owner_death():
     ctx = mp.get_context("spawn")
     handles, done = ctx.Queue(), ctx.Queue()
     producer = ctx.Process(target=_producer, args=(handles, done), daemon=True)
@@ -255,7 +274,7 @@ def test_two_processes_read_free_by_notification_and_owner_death():
             header, out = consumer.get(handle, spec, timeout_s=10.0)
             assert torch.equal(out.view(torch.uint8), random_kv(spec, 5 + i, i).view(torch.uint8))
             assert header.request_id == handle.request_id
-            consumer.free(handle)  # a notification to the producer
+            consumer.free(handle)  # a WRITE into the producer's freed word
             del out
         gc.collect()
         assert consumer.num_held() == 0
