@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass, field
 
 DTYPES = ("float32", "bfloat16", "float16")
-TRANSPORTS = ("inprocess", "ray", "torchdist", "shm")
+TRANSPORTS = ("inprocess", "ray", "torchdist", "shm", "nixl")
 GRANULARITIES = ("request", "layer")
 
 
@@ -186,7 +186,10 @@ class TransferConfig:
         transport: ``ray`` (object store, default, crosses nodes), ``inprocess`` (reference),
             ``torchdist`` (torch.distributed point-to-point: gloo on CPU, NCCL on CUDA),
             ``shm`` (a shared-memory arena per prefill worker: workers of one node only, one
-            copy per transfer; the fastest between processes, see ``kv_transfer.shm``).
+            copy per transfer; the fastest between processes, see ``kv_transfer.shm``),
+            ``nixl`` (NIXL one-sided READs from a registered arena per prefill worker, as
+            vLLM/Dynamo/SGLang move KV; crosses nodes; needs the ``nixl`` extra, see
+            ``kv_transfer.nixl``).
         granularity: ``request`` (whole prompt KV after prefill) or ``layer`` (layer ranges
             sent while prefill computes the next).
         layers_per_chunk: layers per layer-wise message (>= 1).

@@ -16,6 +16,11 @@ Setting up a deployment:
 3. Wait until every worker answers ``info`` (bounded), then build the ``Router``. A worker
    that fails to start is an error that keeps its root cause (exception type and message,
    ``engine.errors.describe_error``), not only Ray's "actor died" line.
+4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``,
+   issue 29) and set it on that worker's transport, so every ``TransferRecord`` carries
+   ``efficiency``: a memcpy on its node when every prefill worker shares the node, else a
+   short probe from a prefill worker on another node (NIXL READ, or TCP without NIXL).
+   ``link_peaks`` keeps them (decode worker name -> ``LinkPeak``).
 
 ``close()`` stops the workers and releases the placement group (and Ray, if it was started
 here).
@@ -24,6 +29,7 @@ here).
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 from decode_worker import DecodeWorker
@@ -35,6 +41,8 @@ from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.link import LinkPeak, memcpy_peak
+from kv_transfer.nixl import MISSING, nixl_available
 from kv_transfer.torchdist import open_rendezvous
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
@@ -142,12 +150,15 @@ class Deployment:
             raise ValueError("a local placement (one process) needs transport 'inprocess'")
         if not local and self.transfer.transport == "inprocess":
             raise ValueError("transport 'inprocess' needs a local placement; use 'ray', "
-                             "'shm' or 'torchdist' across processes")
+                             "'shm', 'nixl' or 'torchdist' across processes")
+        if self.transfer.transport == "nixl" and not nixl_available():
+            raise ValueError(MISSING)  # here, not in each worker's start-up
         check_model_name(model)
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self._ray = None  # experiments.ray_actors.RayWorkers of a Ray deployment
         self.handles: dict[str, Any] = {}
         self.calls: Any = LocalCalls()
+        self.link_peaks: dict[str, LinkPeak] = {}
         try:  # a worker that fails to start must not leave the others (or Ray) behind
             if local:
                 check_devices_exist(self.devices)
@@ -159,6 +170,7 @@ class Deployment:
             self.router = Router(self.workers, self.calls, placement.placement, policy,
                                  deadline_s or self.transfer.timeout_s + 5.0,
                                  conditional=conditional)
+            self.link_peaks = self._measure_link_peaks()
         except BaseException:
             self.close()
             raise
@@ -205,6 +217,28 @@ class Deployment:
             cls, kwargs = self._worker_args(name, role, device, faults, rank, init_method)
             self._ray.start(name, rank, cls, options[rank], kwargs)
         self.handles = self._ray.handles
+
+    def _measure_link_peaks(self) -> dict[str, LinkPeak]:
+        """Step 4 of the module docstring; {} for a colocated placement, or when the
+        measurement fails (said on stderr: the records then have no efficiency, the run
+        goes on)."""
+        try:
+            return self._link_peaks()
+        except Exception as err:  # noqa: BLE001 - a missing peak must not stop a run
+            print(f"pdlab: link peak not measured ({type(err).__name__}: {err}); transfer "
+                  "records carry no efficiency", file=sys.stderr)
+            return {}
+
+    def _link_peaks(self) -> dict[str, LinkPeak]:
+        decode = [w.name for w in self.workers if w.role == "decode"]
+        prefill = [w.name for w in self.workers if w.role == "prefill"]
+        if not decode or not prefill:
+            return {}
+        if self.local:  # one process: P and D share one transport
+            peak = memcpy_peak()
+            self.handles[decode[0]].transport.peak_gbps = peak.gbps
+            return dict.fromkeys(decode, peak)
+        return self._ray.link_peaks(decode, prefill)
 
     # ---- use ----------------------------------------------------------------------------
     def run(self, workload, on_finish=None):

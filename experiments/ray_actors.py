@@ -35,9 +35,11 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from engine.config import cpu_cores_of
 from engine.device import PIN_ENV, VISIBLE_ENV
 from engine.errors import describe_error
+from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, probe_peak
 from router.calls import ORDERED, WorkerDied
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+PEAK_TIMEOUT_S = 60.0  # one link-peak measurement (a 32 MiB copy or probe, 4 runs)
 # Ray's exceptions for an actor that died (the set differs between Ray versions)
 ACTOR_DEATH = (RayActorError,) + tuple(
     getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
@@ -221,6 +223,30 @@ class RayWorkers:
                 self._pg, placement_group_bundle_index=rank))
         self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
 
+    def link_peaks(self, decode: list[str], prefill: list[str]) -> dict[str, LinkPeak]:
+        """The link each decode worker's transfers run on, measured inside the actors and set
+        on its transport (``placement.Deployment`` step 4): a memcpy on its node when every
+        prefill worker shares it, else a probe from a prefill worker on another node."""
+        nodes = dict(zip(self.handles, ray.get(
+            [h.__ray_call__.remote(_node_of) for h in self.handles.values()],
+            timeout=PEAK_TIMEOUT_S)))
+        peaks = {}
+        for name in decode:
+            remote = [p for p in prefill if nodes[p] != nodes[name]]
+            target = self.handles[name]
+            if not remote:
+                peaks[name] = ray.get(target.__ray_call__.remote(_memcpy_peak_here),
+                                      timeout=PEAK_TIMEOUT_S)
+                continue
+            source = self.handles[remote[0]]
+            ticket = ray.get(source.__ray_call__.remote(_open_probe), timeout=PEAK_TIMEOUT_S)
+            try:
+                peaks[name] = ray.get(target.__ray_call__.remote(_probe_here, ticket),
+                                      timeout=PEAK_TIMEOUT_S)
+            finally:
+                ray.get(source.__ray_call__.remote(_close_probe), timeout=PEAK_TIMEOUT_S)
+        return peaks
+
     def kill(self, name: str) -> None:
         """Kill one worker (failure tests), never restarted."""
         ray.kill(self.handles[name], no_restart=True)
@@ -239,6 +265,33 @@ class RayWorkers:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+# ---- link peaks, run inside the worker actors (``__ray_call__``: fn(worker, *args)) ----------
+def _node_of(worker) -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
+def _memcpy_peak_here(worker) -> LinkPeak:
+    peak = memcpy_peak()
+    worker.transport.peak_gbps = peak.gbps
+    return peak
+
+
+def _open_probe(worker) -> ProbeTicket:
+    worker._link_probe = ProbeSource(host=ray.util.get_node_ip_address())
+    return worker._link_probe.ticket
+
+
+def _probe_here(worker, ticket: ProbeTicket) -> LinkPeak:
+    peak = probe_peak(ticket)
+    worker.transport.peak_gbps = peak.gbps
+    return peak
+
+
+def _close_probe(worker) -> None:
+    worker._link_probe.close()
+    del worker._link_probe
 
 
 @contextlib.contextmanager

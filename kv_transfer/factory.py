@@ -23,10 +23,13 @@ def make_transport(config: TransferConfig, faults: dict | list[dict] | None = No
 
     ``torchdist`` needs ``rank``, ``world_size`` and ``init_method``; it uses NCCL when
     ``device`` is a CUDA device, gloo otherwise. ``shm`` needs nothing: each process that
-    puts creates its own segment, and handles name it (workers of one node only).
+    puts creates its own segment, and handles name it (workers of one node only). ``nixl``
+    needs nothing either (each process registers its own arena; handles carry what a
+    consumer needs to read it); its buffers live on ``device`` (CUDA memory on a GPU).
 
     Raises:
-        ValueError: torchdist without its rank set-up.
+        ValueError: torchdist without its rank set-up; nixl without NIXL installed
+            (``kv_transfer.nixl.MISSING``, naming the extra).
     """
     if config.transport == "inprocess":
         transport: Transport = InProcessTransport(checksum=config.checksum)
@@ -37,6 +40,14 @@ def make_transport(config: TransferConfig, faults: dict | list[dict] | None = No
     elif config.transport == "shm":
         transport = SharedMemoryTransport(checksum=config.checksum,
                                           alloc_timeout_s=config.timeout_s)
+    elif config.transport == "nixl":
+        from kv_transfer.nixl import NixlTransport
+
+        try:
+            transport = NixlTransport(checksum=config.checksum, alloc_timeout_s=config.timeout_s,
+                                      device=device)
+        except ImportError as err:
+            raise ValueError(str(err)) from None
     else:
         if rank is None or world_size is None:
             raise ValueError("transport 'torchdist' needs rank and world_size (set by the placement)")

@@ -7,7 +7,8 @@ Modes (each applies only to ``only_request_ids`` when given, else to every reque
     corrupt: ``put`` flips one byte of the tensor frame; the receiver's checksum check raises
         ``payload.KVChecksumError`` (undetected when checksums are off).
     drop:    ``get`` waits out the whole deadline, then raises ``TransferTimeout``.
-Records, ``num_held`` and ``free`` are the inner transport's, so leak checks still work.
+Records, ``num_held``, ``free`` and ``peak_gbps`` are the inner transport's, so leak checks
+and efficiency still work.
 """
 
 from __future__ import annotations
@@ -39,8 +40,10 @@ class FaultyTransport(Transport):
     def __init__(self, inner: Transport, delay_s: float = 0.0, fail: bool = False,
                  corrupt: bool = False, drop: bool = False,
                  only_request_ids: Iterable[str] | None = None):
+        self.inner = inner  # first: Transport.__init__ sets peak_gbps, forwarded to it
+        peak = inner.peak_gbps
         super().__init__(inner.checksum)
-        self.inner = inner
+        inner.peak_gbps = peak
         self.name = inner.name
         self.records = inner.records
         self.delay_s, self.fail, self.corrupt, self.drop = delay_s, fail, corrupt, drop
@@ -51,6 +54,17 @@ class FaultyTransport(Transport):
 
     def num_held(self) -> int:
         return self.inner.num_held()
+
+    @property
+    def peak_gbps(self) -> float | None:
+        return self.inner.peak_gbps
+
+    @peak_gbps.setter
+    def peak_gbps(self, value: float | None) -> None:
+        self.inner.peak_gbps = value
+
+    def _num_messages(self, handle: KVHandle) -> int:
+        return self.inner._num_messages(handle)
 
     def has_room(self, num_bytes: int) -> bool:
         return self.inner.has_room(num_bytes)

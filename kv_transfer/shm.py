@@ -84,6 +84,8 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from kv_transfer.extents import first_fit
+from kv_transfer.extents import round_up as _round_up
 from kv_transfer.payload import Frame
 from kv_transfer.transport import KVHandle, Transport, TransferFailed
 
@@ -110,7 +112,8 @@ def node_id() -> str:
     return f"{socket.gethostname()}/{boot}"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` of this node exists (``kill(pid, 0)``)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -118,10 +121,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
 
 
 class ShmKey(NamedTuple):
@@ -204,7 +203,7 @@ class _Segment:
 
     def owner_gone(self) -> bool:
         """The owner died, or its descriptor no longer names this file (pid reused)."""
-        if not _pid_alive(self.owner_pid):
+        if not pid_alive(self.owner_pid):
             return True
         try:
             return os.stat(self.path).st_ino != self.inode
@@ -300,13 +299,9 @@ class SharedMemoryTransport(Transport):
         seg = self._own
         if len(self._allocated) >= seg.num_slots:
             return None
-        need = _round_up(max(nbytes, 1), PAGE)
-        offset = 0
-        for start, end, _ in sorted(self._allocated.values()):
-            if start - offset >= need:
-                break
-            offset = max(offset, end)
-        if offset + need > seg.capacity:
+        offset = first_fit(((start, end) for start, end, _ in self._allocated.values()),
+                           _round_up(max(nbytes, 1), PAGE), seg.capacity)
+        if offset is None:
             return None
         # after a reclaim every slot handed out is READY, so any FREE slot is unallocated
         slot = int(np.argmin(seg.state))
@@ -380,7 +375,7 @@ class SharedMemoryTransport(Transport):
                                  "cross nodes")
         self._drop_dead_peers()
         seg = self._mapped.get(key.token)
-        if key.owner_pid != os.getpid() and not _pid_alive(key.owner_pid):
+        if key.owner_pid != os.getpid() and not pid_alive(key.owner_pid):
             raise TransferFailed(f"KV of request {request_id} is lost: its owner (pid "
                                  f"{key.owner_pid}) died")
         if seg is None:

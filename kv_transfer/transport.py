@@ -10,7 +10,8 @@ Lifecycle of one transfer:
     3. The decode side calls ``get(handle, expected_spec, timeout_s)``: the bytes are fetched
        within the deadline, the header is checked against the receiver's ``KVSpec`` and the
        checksum verified, and ``(KVHeader, kv)`` comes back. One ``TransferRecord`` (bytes,
-       put and get seconds) is appended to that transport's ``records``.
+       put and get seconds, GB/s against the link's peak, messages, exposed and overlapped
+       seconds) is appended to that transport's ``records``.
     4. Whoever holds the handle last calls ``free(handle)``; afterwards ``num_held()`` no longer
        counts it (tests end by asserting ``num_held() == 0``).
 
@@ -19,11 +20,38 @@ owner died, put failed) are ``TransferError``s; a header that does not fit the r
 raises ``payload.KVSpecMismatch``, corrupted bytes ``payload.KVChecksumError``.
 
 A subclass implements four hooks: ``_put_frames``, ``_get_frames``, ``_free`` and
-``num_held``; packing, validation, timing and records live here once.
+``num_held`` (and may override ``_num_messages``); packing, validation, timing and records
+live here once.
+
+Efficiency (issue 29). ``peak_gbps`` is the GB/s of the link this transport's transfers run
+on, measured by whoever runs the experiment (``kv_transfer.link``: memcpy within a node, a
+probe between two nodes) and set on the transport; every record then carries
+``achieved_gbps = num_bytes / (put_s + get_s) / 1e9`` (the definition of
+``benchmarks.kv_transfer``) and ``efficiency = achieved_gbps / peak_gbps`` (None while no
+peak was measured).
+
+Exposed and overlapped time (layer-wise streaming; whole-request is the one-chunk case). A
+request's chunks form a **stream**: its gets of layers ``[0, L)``, in layer order. Let
+``ready`` be the wall-clock time at which the producer began the put of the stream's last
+chunk: the producer's compute of this request's KV was finished then (the last layer's
+hook, or the put after a whole-request prefill). For each chunk's put interval
+``[put_time_s, + put_s]`` and get interval ``[get_time_s, + get_s]``:
+
+- ``exposed_s``: the part of the two intervals after ``ready``: transfer time on the
+  request's critical path (the decode side waits for it after prefill ended);
+- ``overlapped_s``: the part before ``ready``: transfer time hidden behind the prefill's
+  compute of later layers.
+
+So ``exposed_s + overlapped_s = put_s + get_s`` for every record; a whole-request transfer
+is all exposed. Both stay None until the stream's last chunk has been got. Put and get
+stamps come from two processes' wall clocks: on one machine they agree; across machines
+their offset enters both values.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -58,6 +86,8 @@ class KVHandle:
         num_bytes: tensor bytes (frame 1), ``spec.kv_bytes(T, L')``.
         put_s: seconds spent inside ``put`` (packing + handing over), so the get side can
             record the whole transfer.
+        put_time_s: wall-clock time (``time.time()``, seconds) at which ``put`` began
+            (exposed/overlapped time, module docstring); 0.0 when unknown.
     """
 
     transport: str
@@ -65,17 +95,61 @@ class KVHandle:
     key: Any
     num_bytes: int
     put_s: float
+    put_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """One completed transfer, appended by ``get``: tensor bytes and seconds inside put/get."""
+    """One completed transfer (one chunk of a request), appended by ``get``.
+
+    Attributes:
+        request_id, transport: whose KV, moved by which transport.
+        num_bytes: tensor bytes (frame 1).
+        put_s, get_s: seconds inside ``put`` and inside ``get``.
+        put_time_s, get_time_s: wall-clock times (``time.time()``) at which they began.
+        layer_start, layer_end: the chunk's layer range ``[start, end)``.
+        num_messages: wire messages (NIXL: descriptors) the get consumed for this chunk.
+        achieved_gbps: ``num_bytes / (put_s + get_s) / 1e9``.
+        peak_gbps: the link peak set on the transport (``Transport.peak_gbps``), or None.
+        efficiency: ``achieved_gbps / peak_gbps``, or None without a peak.
+        exposed_s, overlapped_s: this chunk's transfer seconds after / before its request's
+            KV was ready (module docstring); None until the request's last chunk arrived.
+    """
 
     request_id: str
     num_bytes: int
     put_s: float
     get_s: float
     transport: str
+    put_time_s: float = 0.0
+    get_time_s: float = 0.0
+    layer_start: int = 0
+    layer_end: int = 0
+    num_messages: int = 1
+    achieved_gbps: float = 0.0
+    peak_gbps: float | None = None
+    efficiency: float | None = None
+    exposed_s: float | None = None
+    overlapped_s: float | None = None
+
+
+def split_exposed(records: list[TransferRecord]) -> list[TransferRecord]:
+    """``records`` (one stream: a request's chunks, the last chunk covering its last layer)
+    with ``exposed_s`` and ``overlapped_s`` set, as defined in the module docstring."""
+    last = max(records, key=lambda r: r.layer_end)
+    ready_s = last.put_time_s
+
+    def after(start_s: float, length_s: float) -> float:
+        lead_s = ready_s - start_s  # > 0: the interval began before the KV was ready
+        return length_s if lead_s <= 0 else max(0.0, length_s - lead_s)
+
+    out = []
+    for r in records:
+        exposed_s = min(after(r.put_time_s, r.put_s) + after(r.get_time_s, r.get_s),
+                        r.put_s + r.get_s)
+        out.append(dataclasses.replace(r, exposed_s=exposed_s,
+                                       overlapped_s=r.put_s + r.get_s - exposed_s))
+    return out
 
 
 def frame_nbytes(frame: Frame) -> int:
@@ -98,6 +172,10 @@ class Transport(ABC):
     def __init__(self, checksum: bool = True):
         self.checksum = checksum
         self.records: list[TransferRecord] = []
+        # GB/s of the link transfers run on (kv_transfer.link), set by the experiment
+        self.peak_gbps: float | None = None
+        self._records_lock = threading.Lock()  # decode workers get on several threads
+        self._streams: dict[str, list[int]] = {}  # request id -> indices of its open stream
 
     def has_room(self, num_bytes: int) -> bool:
         """Whether a ``put`` of ``num_bytes`` tensor bytes would be taken now without waiting
@@ -119,11 +197,11 @@ class Transport(ABC):
         Raises:
             ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused.
         """
-        start_s = time.perf_counter()
+        start_time_s, start_s = time.time(), time.perf_counter()
         frames = self._pack(request_id, spec, kv, token_start, layer_start)
         key = self._put_frames(request_id, frames, dst_rank)
         return KVHandle(self.name, request_id, key, frame_nbytes(frames[1]),
-                        time.perf_counter() - start_s)
+                        time.perf_counter() - start_s, start_time_s)
 
     def get(self, handle: KVHandle, expected: KVSpec, timeout_s: float
             ) -> tuple[KVHeader, torch.Tensor]:
@@ -135,13 +213,41 @@ class Transport(ABC):
         Raises:
             TransferTimeout, TransferFailed, KVSpecMismatch, KVChecksumError.
         """
-        start_s = time.perf_counter()
+        start_time_s, start_s = time.time(), time.perf_counter()
         frames = self._get_frames(handle, timeout_s)
         header, kv = unpack(frames, expected)
         get_s = time.perf_counter() - start_s
-        self.records.append(TransferRecord(handle.request_id, frame_nbytes(frames[1]),
-                                           handle.put_s, get_s, self.name))
+        num_bytes = frame_nbytes(frames[1])
+        total_s = handle.put_s + get_s
+        achieved = num_bytes / total_s / 1e9 if total_s > 0 else 0.0
+        peak = self.peak_gbps
+        self._record(TransferRecord(
+            handle.request_id, num_bytes, handle.put_s, get_s, self.name,
+            put_time_s=handle.put_time_s, get_time_s=start_time_s,
+            layer_start=header.layer_start, layer_end=header.layer_end,
+            num_messages=self._num_messages(handle), achieved_gbps=achieved, peak_gbps=peak,
+            efficiency=achieved / peak if peak else None), header.num_layers)
         return header, kv
+
+    def _record(self, record: TransferRecord, num_layers: int) -> None:
+        """Append ``record``; once its stream covers all ``num_layers`` layers, fill in the
+        stream's exposed and overlapped seconds (module docstring)."""
+        with self._records_lock:
+            self.records.append(record)
+            index = len(self.records) - 1
+            if record.layer_start == 0:  # a stream's first chunk (a retry starts anew)
+                self._streams[record.request_id] = []
+            stream = self._streams.setdefault(record.request_id, [])
+            stream.append(index)
+            parts = [self.records[i] for i in stream]
+            if sum(r.layer_end - r.layer_start for r in parts) >= num_layers:
+                del self._streams[record.request_id]
+                for i, scored in zip(stream, split_exposed(parts)):
+                    self.records[i] = scored
+
+    def _num_messages(self, handle: KVHandle) -> int:
+        """Wire messages (NIXL: descriptors) one get of ``handle`` consumes; 1 by default."""
+        return 1
 
     def free(self, handle: KVHandle) -> None:
         """Release the bytes of ``handle``; freeing twice is harmless."""

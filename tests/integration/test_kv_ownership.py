@@ -28,6 +28,7 @@ from engine.events import ERROR, KV_GOT, PREFILLED, TOKEN
 from engine.request import Request, SamplingParams
 from kv_transfer.faults import FaultyTransport
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.nixl import nixl_available
 from kv_transfer.shm import SharedMemoryTransport
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
@@ -35,6 +36,7 @@ from router.router import Router, WorkerRef
 
 TINY = ModelConfig("tiny-random-llama")
 KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4  # 2 * layers * kv_heads * head_dim * fp32 itemsize
+NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="pip install 'pdlab[nixl]'")
 
 
 collect = collect_events  # 20 s deadline, 0.2 s polls
@@ -79,14 +81,26 @@ def prefilled_kv(tiny, request: Request):
 
 # ---- the issue's example: a full shm arena never blocks the prefill loop ----------------
 
+def arena_of(transport_name: str, kv_bytes: int):
+    """A transport whose arena holds three ``kv_bytes`` transfers; alloc_timeout_s=0: any put
+    made without room fails at once with "arena full", so a prefill loop that tried to put
+    into the full arena would fail requests."""
+    if transport_name == "nixl":
+        from kv_transfer.nixl import ALIGN, TAIL_BYTES, NixlTransport
+
+        extent = -(-(kv_bytes + TAIL_BYTES) // ALIGN) * ALIGN
+        return NixlTransport(capacity_bytes=3 * extent, landing_bytes=1 << 20,
+                             alloc_timeout_s=0.0)
+    return SharedMemoryTransport(capacity_bytes=3 * kv_bytes, num_slots=16, alloc_timeout_s=0.0)
+
+
+@pytest.mark.parametrize("transport_name", ["shm", pytest.param("nixl", marks=NEEDS_NIXL)])
 @pytest.mark.parametrize("granularity", ["request", "layer"])
-def test_full_arena_defers_puts_8_of_8_succeed(tiny, shutdown_after, granularity):
+def test_full_arena_defers_puts_8_of_8_succeed(tiny, shutdown_after, granularity, transport_name):
     kv_bytes = 64 * KV_BYTES_PER_TOKEN  # 32 KiB per 64-token prompt
-    # alloc_timeout_s=0: any put made without room fails at once with "arena full", so a
-    # prefill loop that tried to put into the full arena would fail requests here
-    shm = SharedMemoryTransport(capacity_bytes=3 * kv_bytes, num_slots=16, alloc_timeout_s=0.0)
-    transfer = TransferConfig(transport="shm", timeout_s=10.0, granularity=granularity,
-                              layers_per_chunk=1)
+    shm = arena_of(transport_name, kv_bytes)
+    transfer = TransferConfig(transport=transport_name, timeout_s=10.0,
+                              granularity=granularity, layers_per_chunk=1)
     prefill = PrefillWorker("prefill-0", TINY, EngineConfig(max_num_seqs=8, max_model_len=128,
                             max_num_batched_tokens=512), transfer, transport=shm, bind=False)
     shutdown_after(prefill)
@@ -110,7 +124,10 @@ def test_full_arena_defers_puts_8_of_8_succeed(tiny, shutdown_after, granularity
         assert record.output_token_ids == reference_generate(tiny.model, prompt, 4)
         assert record.kv_bytes == kv_bytes
     assert prefill.num_deferred_puts >= 1  # the arena really was full at some point
-    assert shm.num_held() == 0 and not shm._allocated and not shm._leases
+    if transport_name == "nixl":
+        assert shm.num_held() == 0 and not shm._arena.extents and not shm._leases
+    else:
+        assert shm.num_held() == 0 and not shm._allocated and not shm._leases
     assert_empty(prefill, decode)
 
 

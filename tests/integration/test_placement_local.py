@@ -37,6 +37,7 @@ def test_greedy_through_placement(tiny, placement, granularity):
         assert_clean(deployment)
         chunked = {info["enable_chunked_prefill"] for info in deployment.gather("info")}
         steps = deployment.step_records()
+        transfers, peaks = deployment.transfer_records(), deployment.link_peaks
     assert chunked == {placement != "colocated-nochunk:2"}
     if placement == "colocated-nochunk:2":  # every prompt ran whole: no step split one
         assert sum(s["num_prefill_tokens"] for s in steps) == sum(r.num_prompt_tokens for r in records)
@@ -54,6 +55,15 @@ def test_greedy_through_placement(tiny, placement, granularity):
                      metrics.DECODE_ADMITTED, metrics.FINISHED)]
             assert times == sorted(times)
             assert record.kv_transfer_s > 0
+    if placement.startswith("disagg"):  # every record scored against the memcpy peak
+        assert peaks["decode-0"].method == "memcpy" and peaks["decode-0"].gbps > 0
+        assert len(transfers) == len(records) * (2 if granularity == "layer" else 1)
+        for t in transfers:
+            assert t["peak_gbps"] == peaks["decode-0"].gbps
+            assert t["efficiency"] == pytest.approx(t["achieved_gbps"] / t["peak_gbps"])
+            assert t["exposed_s"] + t["overlapped_s"] == pytest.approx(t["put_s"] + t["get_s"])
+    else:
+        assert peaks == {} and transfers == []
 
 
 @pytest.mark.parametrize("placement,granularity", [

@@ -3,7 +3,7 @@ process) with 5% of transfers failed, delayed or corrupted by the fault wrapper 
 aborts while the KV is in flight. Every request finishes or fails with a named cause; the
 greedy outputs of the healthy ones (delayed ones included) equal generate(); at the end
 every engine is empty, every slot free, the transport holds nothing and the router's loads
-are all 0. Transports: in-process and shm (an arena small enough to push back on the
+are all 0. Transports: in-process, shm and nixl (arenas small enough to push back on the
 prefill worker), whole-request and layer-wise. Ray is covered by tests/ray/ (too slow for 500 requests on 2 cores).
 """
 
@@ -20,12 +20,14 @@ from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
 from kv_transfer.faults import FaultyTransport
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.nixl import nixl_available
 from kv_transfer.shm import SharedMemoryTransport
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
 
 TINY = ModelConfig("tiny-random-llama")
+NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="pip install 'pdlab[nixl]'")
 NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS = 500, 16, 4
 ENGINE = EngineConfig(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=128)
 TRANSFER = TransferConfig(transport="inprocess", timeout_s=3.0, layers_per_chunk=1)
@@ -70,7 +72,8 @@ def abort_in_flight(decode: DecodeWorker, targets: set[str], stop: threading.Eve
 
 
 @pytest.mark.parametrize("transport_name,granularity", [
-    ("inprocess", "request"), ("shm", "request"), ("shm", "layer")])
+    ("inprocess", "request"), ("shm", "request"), ("shm", "layer"),
+    pytest.param("nixl", "layer", marks=NEEDS_NIXL)])
 def test_soak_500_requests_with_faults(tiny, workload, transport_name, granularity):
     items, expected = workload
     transfer = dataclasses.replace(TRANSFER, granularity=granularity)
@@ -78,6 +81,11 @@ def test_soak_500_requests_with_faults(tiny, workload, transport_name, granulari
         # (with room for 24, a decode worker as fast as the C kernels make it kept up)
         inner = SharedMemoryTransport(capacity_bytes=4 * 15 * 512, num_slots=256,
                                       alloc_timeout_s=0.0)
+    elif transport_name == "nixl":  # the same: 4 of the longest (2 pages each, with stamp)
+        from kv_transfer.nixl import NixlTransport
+
+        inner = NixlTransport(capacity_bytes=4 * 2 * 4096, landing_bytes=1 << 20,
+                              alloc_timeout_s=0.0)
     else:
         inner = InProcessTransport()
     transport = faulty(inner)
@@ -130,6 +138,6 @@ def test_soak_500_requests_with_faults(tiny, workload, transport_name, granulari
     for status in statuses:
         assert status["engine_empty"] and status["transport_held"] == 0, status
     assert slots == [0, 0] and inner.num_held() == 0
-    if transport_name == "shm":
+    if transport_name in ("shm", "nixl"):
         assert prefill.num_deferred_puts > 0  # the small arena really pushed back
     assert loads == {"prefill-0": 0, "decode-0": 0}  # router-side accounting (helper "route")

@@ -188,3 +188,32 @@ def test_torchdist_rejects_missing_destination():
     transport = TorchDistributedTransport(rank=0, world_size=2)  # no group needed to refuse
     with pytest.raises(TransferFailed, match="dst_rank"):
         transport.put("r1", SPEC, random_kv(SPEC, 2))
+
+
+def test_layer_wise_records_split_exposed_from_overlapped_time():
+    """Issue 29's definitions (kv_transfer/transport.py): a chunk's transfer time before the
+    put of its request's last chunk began is overlapped, after it exposed."""
+    transport = InProcessTransport()
+    transport.peak_gbps = 4.0
+    kv = random_kv(SPEC, 4)  # 2 layers: two one-layer chunks
+    # r1: the first chunk is put and got while the producer still computes layer 1
+    first = transport.put("r1", SPEC, kv[0:1], layer_start=0)
+    transport.get(first, SPEC, 1.0)
+    assert transport.records[0].exposed_s is None  # the stream is not complete yet
+    time.sleep(0.02)
+    last = transport.put("r1", SPEC, kv[1:2], layer_start=1)
+    transport.get(last, SPEC, 1.0)
+    # r2: both chunks put first, then both got (what a decode worker does)
+    handles = [transport.put("r2", SPEC, kv[i:i + 1], layer_start=i) for i in range(2)]
+    for handle in handles:
+        transport.get(handle, SPEC, 1.0)
+    r1a, r1b, r2a, r2b = transport.records
+    near = lambda want: pytest.approx(want, abs=1e-5)  # noqa: E731 - wall stamps: ~0.2 us
+    assert (r1a.exposed_s, r1a.overlapped_s) == (near(0.0), near(r1a.put_s + r1a.get_s))
+    assert (r1b.exposed_s, r1b.overlapped_s) == (r1b.put_s + r1b.get_s, 0.0)
+    assert (r2a.exposed_s, r2a.overlapped_s) == (near(r2a.get_s), near(r2a.put_s))
+    assert (r2b.exposed_s, r2b.overlapped_s) == (r2b.put_s + r2b.get_s, 0.0)
+    for record in transport.records:
+        assert (record.layer_end - record.layer_start, record.num_messages) == (1, 1)
+        assert record.achieved_gbps == record.num_bytes / (record.put_s + record.get_s) / 1e9
+        assert record.efficiency == record.achieved_gbps / 4.0

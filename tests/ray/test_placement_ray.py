@@ -14,9 +14,11 @@ import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from experiments.placement import Deployment
+from kv_transfer.nixl import nixl_available
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")
+NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="pip install 'pdlab[nixl]'")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,6 +40,7 @@ def deploy(placement, transport="ray", granularity="request", devices="cpu:0,cpu
     ("disagg:1p1d", "ray", "layer", 8),
     ("disagg:1p1d", "torchdist", "request", 8),
     ("disagg:1p1d", "torchdist", "layer", 8),
+    pytest.param("disagg:1p1d", "nixl", "request", 8, marks=NEEDS_NIXL),
 ])
 def test_greedy_through_ray_placement(tiny, placement, transport, granularity, num_requests):
     workload, expected = mixed_workload(tiny, num_requests=num_requests, spacing_s=0.005)
@@ -68,9 +71,10 @@ def test_corrupted_transfer_fails_only_its_request(tiny):
     assert_outputs([r for r in records if r.request_id != "r3"], expected)
 
 
-def test_decode_actor_killed_mid_decode(tiny):
+@pytest.mark.parametrize("transport", ["ray", pytest.param("nixl", marks=NEEDS_NIXL)])
+def test_decode_actor_killed_mid_decode(tiny, transport):
     workload, expected = mixed_workload(tiny, num_requests=6, max_tokens=60)
-    with deploy("disagg:1p2d", devices="cpu:0,cpu:1,cpu:0-1",
+    with deploy("disagg:1p2d", transport, devices="cpu:0,cpu:1,cpu:0-1",
                 faults={"decode-0": {"step_delay_s": 0.05}}, timeout_s=3.0) as deployment:
         threading.Timer(1.0, deployment.kill, ["decode-0"]).start()
         start = time.time()
@@ -83,9 +87,10 @@ def test_decode_actor_killed_mid_decode(tiny):
         assert_clean(deployment)
 
 
-def test_prefill_actor_killed_mid_prefill(tiny):
+@pytest.mark.parametrize("transport", ["ray", pytest.param("nixl", marks=NEEDS_NIXL)])
+def test_prefill_actor_killed_mid_prefill(tiny, transport):
     workload, expected = mixed_workload(tiny, num_requests=8, spacing_s=0.2)
-    with deploy("disagg:2p1d", devices="cpu:0,cpu:1,cpu:0-1",
+    with deploy("disagg:2p1d", transport, devices="cpu:0,cpu:1,cpu:0-1",
                 faults={"prefill-0": {"step_delay_s": 0.5}}, timeout_s=3.0) as deployment:
         threading.Timer(0.3, deployment.kill, ["prefill-0"]).start()
         records = deployment.run(workload)

@@ -1,5 +1,5 @@
 """A disaggregated placement spanning two Ray nodes (``ray.cluster_utils.Cluster``): the KV
-crosses nodes through the object store, and the tokens still equal generate()."""
+crosses nodes through the object store or NIXL READs, and the tokens still equal generate()."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from ray.cluster_utils import Cluster
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from experiments.placement import Deployment
 from experiments.ray_actors import ray_init_kwargs
+from kv_transfer.nixl import nixl_available
 
 pytestmark = pytest.mark.ray
 
@@ -29,12 +30,15 @@ def two_nodes():
     cluster.shutdown()
 
 
-@pytest.mark.parametrize("granularity", ["request", "layer"])
-def test_disagg_across_two_nodes(tiny, two_nodes, granularity):
+@pytest.mark.parametrize("transport,granularity", [
+    ("ray", "request"), ("ray", "layer"),
+    pytest.param("nixl", "layer", marks=pytest.mark.skipif(
+        not nixl_available(), reason="pip install 'pdlab[nixl]'"))])
+def test_disagg_across_two_nodes(tiny, two_nodes, transport, granularity):
     workload, expected = mixed_workload(tiny, num_requests=8)
     placement = PlacementConfig("disagg:1p1d", "cpu:0,cpu:1", address=two_nodes.address)
     with Deployment(placement, ModelConfig("tiny-random-llama"), ENGINE,
-                    TransferConfig(transport="ray", granularity=granularity, timeout_s=10)
+                    TransferConfig(transport=transport, granularity=granularity, timeout_s=10)
                     ) as deployment:
         nodes = {name: ray.get(handle.__ray_call__.remote(
             lambda self: ray.get_runtime_context().get_node_id()))
@@ -43,3 +47,14 @@ def test_disagg_across_two_nodes(tiny, two_nodes, granularity):
         records = deployment.run(workload)
         assert_outputs(records, expected)
         assert_clean(deployment)
+        transfers = deployment.transfer_records()
+        assert {t["transport"] for t in transfers} == {transport}
+        peak = deployment.link_peaks["decode-0"]  # probed between the two nodes at start
+        assert peak.method in ("nixl", "tcp") and peak.gbps > 0
+        for t in transfers:
+            assert t["peak_gbps"] == peak.gbps
+            assert t["efficiency"] == pytest.approx(t["achieved_gbps"] / peak.gbps)
+        if granularity == "layer":  # one record per layer, each scored once its stream ended
+            assert all(t["layer_end"] - t["layer_start"] == 1 for t in transfers)
+            for t in transfers:
+                assert t["exposed_s"] + t["overlapped_s"] == pytest.approx(t["put_s"] + t["get_s"])
