@@ -255,14 +255,14 @@ class DeviceProfile:
         max_prefill_tokens: the longest prompt (tokens) the prefill model was measured on;
             longer prefill steps are extrapolated by its quadratic term. None: not recorded
             (profiles written before it was).
-        device_memory_bytes: the device's memory in bytes (CUDA: ``torch.cuda.
-            get_device_properties(i).total_memory``, what ``mem_get_info`` calls ``total``);
-            None on CPU and in profiles written before it was.
+        device_memory_bytes: the GPU's memory in bytes (``torch.cuda.mem_get_info``'s
+            ``total``, what the engine's own budget reads); None on CPU and in profiles
+            written before it was.
         weight_bytes: bytes of the model's parameters in ``dtype`` (``engine.model.
             weight_bytes``: tied tensors once); None where not recorded.
-        The last two are what ``kv_budget_bytes`` needs on CUDA under
-        ``gpu_memory_utilization``; a CUDA profile built without measuring (from a
-        datasheet) must fill them: the GPU's memory, and parameters x bytes per element.
+            These two are what ``kv_budget_bytes`` needs on CUDA under
+            ``gpu_memory_utilization``; a CUDA profile built without measuring (from a
+            datasheet) must fill them: the GPU's memory, and parameters x bytes per element.
     """
 
     model: str

@@ -14,8 +14,10 @@ from gpu_models import smollm2
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import GIB
-from engine.model import load_model
+from engine.model import load_model, weight_bytes
 from engine.request import Request, SamplingParams
+from planner import simulate
+from planner.latency import DeviceProfile, Fit
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -62,10 +64,6 @@ def test_the_planner_sizes_the_kv_cache_as_this_engine_did(tmp_path_factory):
     the device: the planner counts the weights only, the engine everything in use when it
     starts (also CUDA contexts and the allocator's cache), so the planner's blocks exceed
     the engine's by exactly that difference's worth of blocks."""
-    from engine.model import weight_bytes
-    from planner import simulate
-    from planner.latency import DeviceProfile, Fit
-
     model_config, _ = smollm2("float32", tmp_path_factory.mktemp("smollm2"))
     loaded = load_model(model_config, device="cuda:0")
     config = EngineConfig(max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=2048,
