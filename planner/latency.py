@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from engine.config import EngineConfig, kv_budget_bytes_for
+
 PROFILE_VERSION = 1
 PREFILL_FEATURES = ("1", "prefill_tokens", "prefill_attention")
 DECODE_FEATURES = ("1", "batch_size", "sum_context")
@@ -253,6 +255,14 @@ class DeviceProfile:
         max_prefill_tokens: the longest prompt (tokens) the prefill model was measured on;
             longer prefill steps are extrapolated by its quadratic term. None: not recorded
             (profiles written before it was).
+        device_memory_bytes: the GPU's memory in bytes (``torch.cuda.mem_get_info``'s
+            ``total``, what the engine's own budget reads); None on CPU and in profiles
+            written before it was.
+        weight_bytes: bytes of the model's parameters in ``dtype`` (``engine.model.
+            weight_bytes``: tied tensors once); None where not recorded.
+            These two are what ``kv_budget_bytes`` needs on CUDA under
+            ``gpu_memory_utilization``; a CUDA profile built without measuring (from a
+            datasheet) must fill them: the GPU's memory, and parameters x bytes per element.
     """
 
     model: str
@@ -267,6 +277,29 @@ class DeviceProfile:
     transfers: dict[str, TransferModel] = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
     max_prefill_tokens: int | None = None
+    device_memory_bytes: int | None = None
+    weight_bytes: int | None = None
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int:
+        """The KV cache budget (bytes) of one engine of ``config`` on this profile's device,
+        by the engine's own rule (``engine.config.kv_budget_bytes_for``): on CUDA without
+        ``kv_cache_memory_gb``, ``gpu_memory_utilization * device_memory_bytes -
+        weight_bytes``. The engine subtracts everything in use on the device when it starts
+        (its weights plus the CUDA context, ~0.5 GiB, and anything else there), so a real
+        engine gets up to that much less than planned.
+
+        Raises:
+            ValueError: a CUDA profile that lacks ``device_memory_bytes`` or
+                ``weight_bytes`` while ``config`` sets no ``kv_cache_memory_gb``.
+        """
+        if (self.device_kind == "cuda" and config.kv_cache_memory_gb is None
+                and (self.device_memory_bytes is None or self.weight_bytes is None)):
+            raise ValueError(f"the device profile ({self.device_kind}, {self.device_name}) "
+                             "records no device_memory_bytes / weight_bytes, which the KV "
+                             "budget under --gpu-memory-utilization needs: profile again on "
+                             "the GPU (`pdlab profile`) or pass --kv-cache-memory-gb")
+        return kv_budget_bytes_for(config, self.device_kind, self.device_memory_bytes,
+                                   self.weight_bytes)
 
     def step_s(self, f: StepFeatures) -> float:
         """Predicted duration of one step (seconds): the prefill model for prompt-only steps,
@@ -307,8 +340,8 @@ class DeviceProfile:
         return {"version": PROFILE_VERSION, **d, "prefill": self.prefill.to_dict(),
                 "decode": self.decode.to_dict(), "mixed": self.mixed.to_dict(),
                 "transfers": {k: v.to_dict() for k, v in self.transfers.items()},
-                **({} if self.max_prefill_tokens is None
-                   else {"max_prefill_tokens": self.max_prefill_tokens})}
+                **{k: getattr(self, k) for k in ("max_prefill_tokens", "device_memory_bytes",
+                                                 "weight_bytes") if getattr(self, k) is not None}}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -329,7 +362,8 @@ class DeviceProfile:
                        Fit.from_dict(d["mixed"]),
                        {k: TransferModel.from_dict(v) for k, v in d.get("transfers", {}).items()},
                        dict(d.get("notes", {})),
-                       None if d.get("max_prefill_tokens") is None else int(d["max_prefill_tokens"]))
+                       *(None if d.get(k) is None else int(d[k])
+                         for k in ("max_prefill_tokens", "device_memory_bytes", "weight_bytes")))
         except KeyError as err:
             raise ValueError(f"not a device profile: key {err} missing") from None
 

@@ -52,7 +52,7 @@ import torch
 from tqdm import tqdm
 
 from engine.config import ModelConfig, cpu_cores_of
-from engine.model import LoadedModel, load_model, model_context_len
+from engine.model import LoadedModel, load_model, model_context_len, weight_bytes
 from experiments import measure, plots, transfer_cost
 from experiments.measure import (WARMUP, add_measure_args, decode_point, decode_row, load_for,
                                  mixed_point, mixed_row, out_dir, prefill_engine, prefill_point,
@@ -177,7 +177,9 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
     """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on
     the median times of its prefill, decode (context and batch sweeps together) and mixed
     rows; transfer models
-    on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport.
+    on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport;
+    the model's weight bytes and, on CUDA, the device's memory (``mem_get_info``'s total),
+    which the planner's KV budget under ``--gpu-memory-utilization`` needs.
 
     Raises:
         ValueError: too few points for a fit.
@@ -203,13 +205,17 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
             transfers[str(name)] = latency.fit_transfer(list(g["kv_bytes"]), list(g["transfer_s"]))
     kind = "cuda" if device.startswith("cuda") else "cpu"
     name = torch.cuda.get_device_name(device) if kind == "cuda" else (cpu_model() or "cpu")
+    # the planner's KV budget under --gpu-memory-utilization needs the device's memory (the
+    # total the engine's own budget reads) and the weights (DeviceProfile.kv_budget_bytes)
+    memory_bytes = int(torch.cuda.mem_get_info(torch.device(device))[1]) if kind == "cuda" else None
     return latency.DeviceProfile(
         model=loaded.name, dtype=dtype, device_kind=kind, device_name=name,
         num_threads=torch.get_num_threads(), kv_bytes_per_token=loaded.kv_spec.bytes_per_token,
         prefill=pre, decode=dec, mixed=mix, transfers=transfers,
         notes={"torch": torch.__version__, "estimator": result.estimator, "fitted_on": "median",
                "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
-        max_prefill_tokens=int(result.prefill["prompt_len"].max()))
+        max_prefill_tokens=int(result.prefill["prompt_len"].max()),
+        device_memory_bytes=memory_bytes, weight_bytes=weight_bytes(loaded.model))
 
 
 # ---- derived ---------------------------------------------------------------------------
