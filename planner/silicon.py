@@ -94,7 +94,7 @@ class SampleGrid:
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def quiet() -> Iterator[None]:
     """The package's loggers at ERROR while it works: it warns at WARNING about fallback
     tables of other models' operations (MLA, sparse attention) on every database load."""
     loggers = [logging.getLogger(n) for n in ("aiconfigurator_core", "aiconfigurator")]
@@ -146,7 +146,7 @@ def supported_databases() -> dict[str, dict[str, list[str]]]:
 # again for the default version): once per process is enough, the installed files do not move.
 @functools.cache
 def _scan(perf_database) -> dict[str, dict[str, tuple[str, ...]]]:
-    with _quiet():
+    with quiet():
         found = perf_database.get_supported_databases()
     return {s: {b: tuple(v) for b, v in found[s].items()} for s in sorted(found)}
 
@@ -155,7 +155,7 @@ def _scan(perf_database) -> dict[str, dict[str, tuple[str, ...]]]:
 def _default_version(perf_database, system: str, backend: str) -> str | None:
     """``get_latest_database_version``'s answer: the version slots' ``current`` where the
     scan lists it (its own first rule, without its second scan), else its answer."""
-    with _quiet():
+    with quiet():
         slots = perf_database.get_version_slots(system, backend)
         if slots and slots.get("current") in _scan(perf_database).get(system, {}).get(backend, ()):
             return slots["current"]
@@ -257,7 +257,7 @@ class SiliconDatabase:
 
     def _ms(self, call) -> float:
         try:
-            with _quiet():
+            with quiet():
                 return float(call())
         except self._aic.errors.PerfDataNotAvailableError as err:
             raise SiliconError(missing_data_message(err, self.where)) from None
@@ -309,7 +309,7 @@ def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDa
     path = str(Path(model_dir).expanduser())
     where = f"{system}/{backend}"
     try:
-        with _quiet():
+        with quiet():
             if aic.models.check_is_moe(path):
                 raise SiliconError(f"{path} is a mixture-of-experts model: pdlab profiles "
                                    "dense models (one GPU, no expert parallelism)")
