@@ -496,9 +496,9 @@ def summary_lines(profile: DeviceProfile) -> list[str]:
              f"({stats(m) if m.num_points else 'no mixed points: intercept = the larger one'})"]
     if profile.source is not None:
         src = profile.source
-        lines.append(f"source: {src.get('kind')} {src.get('package', '')} database "
+        lines.append(f"source: {src.get('package', src.get('kind'))} database "
                      f"{src.get('system')}/{src.get('backend')} {src.get('database_version')} "
-                     f"(no step was run on this machine)")
+                     "(no step ran on this machine)")
     if profile.notes.get("step_scale", 1.0) != 1.0:
         lines.append(f"step times above scaled x{profile.notes['step_scale']:.4g} (--step-scale)")
     for name, t in profile.transfers.items():

@@ -521,7 +521,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="fit the device profile on the database's step estimates for one "
                           "GPU of SYSTEM (e.g. h100_sxm, h200_sxm, b200_sxm, gb200) instead of "
                           "measuring here; --model is a directory with a config.json (e.g. "
-                          "engine/configs/llama-3.1-8b); --prompt-lens, --batch-sizes, "
+                          "engine/configs/llama-3.1-8b); the profile's dtype is the "
+                          "database's (bfloat16 for these); --prompt-lens, --batch-sizes, "
                           "--contexts, --mixed-prompts, --mixed-batch-sizes replace its "
                           "GPU-scale sweeps when given")
     gpu.add_argument("--backend", default="vllm", choices=silicon.BACKENDS,
