@@ -34,7 +34,8 @@ from engine.config import (GIB, EngineConfig, ModelConfig, TransferConfig, add_d
                            check_fields, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
 from experiments import plots, validate
-from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, check_model,
+from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, add_transfer_args,
+                                 check_model,
                                  check_out, engine_config, find_profile, load_profile_for,
                                  option_error, rate_list, transfer_model_for)
 from experiments.placement import worker_layout
@@ -163,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "max-num-batched-tokens are what-if knobs here)")
     add_dataclass_args(engine, EngineConfig, skip=("device",))
     engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
-    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
+    add_transfer_args(parser, conditional=False)
 
 
 def _transfer_model(plan: PlanConfig, profile: DeviceProfile, transport: str,
