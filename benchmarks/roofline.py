@@ -40,17 +40,12 @@ from benchmarks import (
 from engine import kernel_choice
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
-from engine.model import load_model
+from engine.model import load_model, weight_bytes
 from engine.ops import CpuOps, select_ops
 from engine.request import Request, SamplingParams
 
 _ids = itertools.count()
 KERNELS = ("onednn", "mkl", "pdlab")  # the GEMM kernels gemm_contenders can time
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every parameter (shared tensors, e.g. tied embeddings, counted once)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def prefill_flops(model, num_tokens: int) -> int:

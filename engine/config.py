@@ -178,6 +178,55 @@ class EngineConfig:
         return blocks
 
 
+# ---- the KV cache's size: one rule for the engine (engine.kv_cache reads the device) and the
+# planner (planner.latency.DeviceProfile gives the device facts a profile recorded) ----------
+GIB = 2 ** 30
+DEFAULT_CPU_KV_CACHE_GB = 4.0  # vLLM's CPU default before "auto" (VLLM_CPU_KVCACHE_SPACE=4)
+
+
+def kv_budget_bytes_for(config: EngineConfig, device: str,
+                        device_memory_bytes: int | None = None,
+                        used_memory_bytes: int | None = None) -> int:
+    """The KV cache budget in bytes of an engine of ``config`` on ``device`` (``cpu``,
+    ``cuda`` or ``cuda:i``), from the device's facts (no torch: the caller measures them).
+
+    ``kv_cache_memory_gb`` GiB (2**30 bytes) when set; else on CPU
+    ``DEFAULT_CPU_KV_CACHE_GB`` GiB; else on CUDA ``max(0, int(gpu_memory_utilization *
+    device_memory_bytes) - used_memory_bytes)``: what is left of this engine's share of the
+    device once what already occupies it is counted (vLLM's ``gpu_memory_utilization``;
+    activations of a step come out of the same share, so the fraction should leave room
+    for them). The engine passes ``torch.cuda.mem_get_info``'s ``total`` and ``total -
+    free`` after loading its weights (``engine.kv_cache.kv_budget_bytes``); the planner the
+    profile's ``device_memory_bytes`` and ``weight_bytes`` (``DeviceProfile.kv_budget_bytes``).
+
+    Raises:
+        ValueError: a CUDA budget from the utilization without ``device_memory_bytes`` or
+            ``used_memory_bytes``.
+    """
+    if config.kv_cache_memory_gb is not None:
+        return int(config.kv_cache_memory_gb * GIB)
+    if not device.startswith("cuda"):
+        return int(DEFAULT_CPU_KV_CACHE_GB * GIB)
+    if device_memory_bytes is None or used_memory_bytes is None:
+        raise ValueError("a CUDA KV budget from gpu_memory_utilization needs the device's "
+                         "memory and the bytes already in use on it (or set "
+                         "kv_cache_memory_gb)")
+    return max(0, int(config.gpu_memory_utilization * device_memory_bytes) - used_memory_bytes)
+
+
+def kv_num_blocks_for(config: EngineConfig, bytes_per_token: int, budget_bytes: int,
+                      max_model_len: int | None = None) -> int:
+    """Blocks of the KV cache: ``budget_bytes // (block_size * bytes_per_token)`` (vLLM's
+    ``available_memory // bytes_per_block``, v1/core/kv_cache_utils.py), capped by
+    ``config.max_kv_blocks`` (more than ``max_num_seqs`` requests of ``max_model_len``
+    tokens can ever use is never allocated); ``max_model_len`` overrides the config's (the
+    engine caps it by the model's context). ``bytes_per_token``: ``KVSpec.bytes_per_token``
+    (K and V of every layer), > 0."""
+    if max_model_len is not None:
+        config = dataclasses.replace(config, max_model_len=max_model_len)
+    return min(budget_bytes // (config.block_size * bytes_per_token), config.max_kv_blocks)
+
+
 @dataclass(frozen=True)
 class TransferConfig:
     """How KV moves from a prefill worker to a decode worker.

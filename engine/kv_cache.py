@@ -19,10 +19,14 @@ no transpose (``engine.runner``).
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import asdict, dataclass
 
 import torch
+
+# The budget rule is torch-free, in engine.config, so the planner applies the same one; GIB
+# and DEFAULT_CPU_KV_CACHE_GB stay importable from here (engine.engine, the tests).
+from engine.config import (DEFAULT_CPU_KV_CACHE_GB, GIB,  # noqa: F401
+                           kv_budget_bytes_for, kv_num_blocks_for)
 
 DTYPE_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,38 +84,27 @@ class KVSpec:
         return asdict(self)
 
 
-GIB = 2 ** 30
-DEFAULT_CPU_KV_CACHE_GB = 4.0  # vLLM's CPU default before "auto" (VLLM_CPU_KVCACHE_SPACE=4)
-
-
 def kv_budget_bytes(config, device: str = "cpu") -> int:
-    """The KV cache budget in bytes for ``config`` (an ``EngineConfig``) on ``device``.
-
-    ``kv_cache_memory_gb`` GiB when set; else on CPU ``DEFAULT_CPU_KV_CACHE_GB`` GiB; else on
-    CUDA ``gpu_memory_utilization * total - (total - free)`` (what this process may still
-    take of its share of the device after the weights are loaded, as vLLM's
-    ``gpu_memory_utilization``; activations of a step come out of the same share, so the
-    fraction should leave room for them), from ``torch.cuda.mem_get_info``.
+    """The KV cache budget in bytes for ``config`` (an ``EngineConfig``) on ``device``:
+    ``engine.config.kv_budget_bytes_for`` with this device's facts. On CUDA without
+    ``kv_cache_memory_gb`` those are ``torch.cuda.mem_get_info``'s ``total`` and ``total -
+    free`` (what is in use on the device now: this process's weights, its CUDA context, any
+    other process), so call it after the weights are loaded.
     """
-    if config.kv_cache_memory_gb is not None:
-        return int(config.kv_cache_memory_gb * GIB)
-    if not device.startswith("cuda"):
-        return int(DEFAULT_CPU_KV_CACHE_GB * GIB)
+    if config.kv_cache_memory_gb is not None or not device.startswith("cuda"):
+        return kv_budget_bytes_for(config, device)
     free_bytes, total_bytes = torch.cuda.mem_get_info(torch.device(device))
-    return max(0, int(config.gpu_memory_utilization * total_bytes) - (total_bytes - free_bytes))
+    return kv_budget_bytes_for(config, device, total_bytes, total_bytes - free_bytes)
 
 
 def kv_cache_num_blocks(config, spec: KVSpec, device: str = "cpu",
                         budget_bytes: int | None = None, max_model_len: int | None = None) -> int:
-    """Blocks of the KV cache: ``budget // (block_size * bytes_per_token)`` (vLLM's
-    ``available_memory // bytes_per_block``, v1/core/kv_cache_utils.py), capped by
-    ``config.max_kv_blocks`` (more than ``max_num_seqs`` requests of ``max_model_len`` tokens
-    can ever use is never allocated; ``max_model_len`` overrides the config's, as the engine
-    caps it by the model's context). ``budget_bytes`` None = ``kv_budget_bytes``."""
+    """Blocks of the KV cache (``engine.config.kv_num_blocks_for``: ``budget // (block_size *
+    bytes_per_token)`` capped by ``config.max_kv_blocks``; ``max_model_len`` overrides the
+    config's, as the engine caps it by the model's context). ``budget_bytes`` None =
+    ``kv_budget_bytes``."""
     budget = kv_budget_bytes(config, device) if budget_bytes is None else budget_bytes
-    if max_model_len is not None:
-        config = dataclasses.replace(config, max_model_len=max_model_len)
-    return min(budget // (config.block_size * spec.bytes_per_token), config.max_kv_blocks)
+    return kv_num_blocks_for(config, spec.bytes_per_token, budget, max_model_len)
 
 
 class KVStore:

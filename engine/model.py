@@ -311,6 +311,12 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
                        config.model, time.perf_counter() - start_s, context_limit)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every parameter of ``model`` in its dtype (shared tensors, e.g. tied
+    embeddings, counted once: ``parameters()`` yields each once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def load_tokenizer(config: ModelConfig):
     """The tokenizer alone (workload preparation in the driver); None for the tiny models.
 

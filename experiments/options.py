@@ -16,8 +16,9 @@ import math
 import re
 from pathlib import Path
 
-from engine.config import (DTYPES, TRANSPORTS, EngineConfig, PlacementConfig, ModelConfig,
-                           add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
+from engine.config import (DTYPES, TRANSPORTS, ConditionalConfig, EngineConfig, ModelConfig,
+                           PlacementConfig, TransferConfig, add_dataclass_args,
+                           dataclass_from_args, parse_devices, parse_placement)
 from engine.model import ModelLoadError, check_model_name, model_context_len
 from experiments.placement import check_devices_exist, worker_layout
 from planner.latency import DeviceProfile, TransferModel
@@ -161,6 +162,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if action.dest == "max_model_len":
             action.help = (f"tokens per request (>= 2, <= the model's context; default: "
                            f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
+
+
+def add_transfer_args(parser: argparse.ArgumentParser, conditional: bool = True) -> None:
+    """The ``TransferConfig`` fields (KV transfer) and, with ``conditional``, the
+    ``ConditionalConfig`` fields (NVIDIA Dynamo's rule of ``conditional:xPyD``)."""
+    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
+    if conditional:
+        add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
+                           ConditionalConfig)
 
 
 def add_deployment_args(parser: argparse.ArgumentParser) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.config import TransferConfig
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.nixl import NixlTransport
 from kv_transfer.shm import SharedMemoryTransport
 from kv_transfer.torchdist import TorchDistributedTransport
 from kv_transfer.transport import Transport
@@ -41,8 +42,6 @@ def make_transport(config: TransferConfig, faults: dict | list[dict] | None = No
         transport = SharedMemoryTransport(checksum=config.checksum,
                                           alloc_timeout_s=config.timeout_s)
     elif config.transport == "nixl":
-        from kv_transfer.nixl import NixlTransport
-
         try:
             transport = NixlTransport(checksum=config.checksum, alloc_timeout_s=config.timeout_s,
                                       device=device)

@@ -20,6 +20,11 @@ A device profile:
    torch thread count they were measured with; ``DeviceProfile.load`` reads it back (a file
    that is not a profile is refused with the key it lacks).
 
+A profile can also come from NVIDIA's measured per-operation GPU database instead of this
+machine (``planner.silicon``, ``pdlab profile --from-silicon-db``): the same models fitted on
+the database's step estimates, ``DeviceProfile.source`` naming the database, and transfer
+models of the usual links (``LINKS``, ``link_transfer``) instead of measured transports.
+
 ``DeviceProfile.step_s(features)`` is what the simulator asks for every simulated step.
 """
 
@@ -33,6 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from engine.config import EngineConfig, kv_budget_bytes_for
 
 PROFILE_VERSION = 1
 PREFILL_FEATURES = ("1", "prefill_tokens", "prefill_attention")
@@ -239,6 +246,78 @@ def fit_transfer(num_bytes: Sequence[int], seconds: Sequence[float]) -> Transfer
 
 
 @dataclass(frozen=True)
+class Link:
+    """A link KV crosses between a prefill and a decode GPU, as a first-order model:
+    ``latency_s + bytes / bandwidth_bytes_s`` (one direction; ``link_transfer``).
+
+    Attributes:
+        name: ``--link`` name.
+        latency_s: fixed cost of one transfer (seconds).
+        bandwidth_bytes_s: bytes per second, one direction.
+        bandwidth_key, latency_key: the keys of an AIConfigurator system spec's ``node``
+            section whose figures replace ``bandwidth_bytes_s`` / ``latency_s`` for that
+            system (the GPU's own NVLink or PCIe generation); None: the link's figure is
+            the same on every system.
+        source: where the figures come from.
+    """
+
+    name: str
+    latency_s: float
+    bandwidth_bytes_s: float
+    bandwidth_key: str | None
+    latency_key: str | None
+    source: str
+
+
+# The figures, one direction each. Bandwidths are the links' nominal rates (what a large
+# transfer approaches; nccl-tests reach ~80-95% of them), latencies the fixed cost of one
+# GPU-to-GPU transfer, not the wire's alone:
+# - nvlink: NVLink 4 (H100/H200 SXM) 900 GB/s per GPU both ways = 450 GB/s one way; NVLink 5
+#   (B200/GB200) 900 GB/s one way (NVIDIA H100 and B200 datasheets). AIConfigurator's system
+#   specs carry the same as node.intra_node_bw, and node.p2p_latency = 10 us ("a nonofficial
+#   correction based on observations", aiconfigurator_core/systems/h100_sxm.yaml).
+# - pcie: PCIe 5.0 x16, 32 GT/s x 16 lanes, 128b/130b = 63 GB/s one way, 64 GB/s as the
+#   system specs round it (node.pcie_bw; A100: PCIe 4.0, 32 GB/s); the same 10 us.
+# - ib400: 400 Gb/s NDR InfiniBand (one ConnectX-7 per GPU) = 50 GB/s, the H100/H200 specs'
+#   node.inter_node_bw; 10 us as above (RDMA's wire latency is 1-5 us, the transfer's
+#   posting and completion the rest).
+# - tcp25: 25 Gb/s Ethernet = 3.125 GB/s; 50 us: an assumption, not a measurement (a kernel
+#   TCP request/response between two hosts in one data centre takes tens of microseconds).
+LINKS: dict[str, Link] = {link.name: link for link in (
+    Link("nvlink", 10e-6, 450e9, "intra_node_bw", "p2p_latency",
+         "NVLink 4 (H100/H200 SXM); the system spec's node.intra_node_bw, node.p2p_latency"),
+    Link("pcie", 10e-6, 64e9, "pcie_bw", "p2p_latency",
+         "PCIe 5.0 x16; the system spec's node.pcie_bw, node.p2p_latency"),
+    Link("ib400", 10e-6, 50e9, None, "p2p_latency",
+         "400 Gb/s NDR InfiniBand, 1:1 per GPU; the system spec's node.p2p_latency"),
+    Link("tcp25", 50e-6, 25e9 / 8, None, None, "25 Gb/s Ethernet line rate; 50 us assumed"),
+)}
+
+
+def link_transfer(name: str, node: dict | None = None) -> TransferModel:
+    """The transfer model of link ``name`` (``LINKS``): its latency and bandwidth, those of
+    ``node`` (an AIConfigurator system spec's ``node`` section: ``p2p_latency`` in seconds,
+    bandwidths in bytes/s) where it has them. ``put_share`` stays the default half: a
+    link's model says nothing about which side's loop waits.
+
+    Raises:
+        ValueError: an unknown link, naming the known ones; ``nvlink`` on a system whose
+            spec shows none (its intra-node rate no higher than its PCIe rate).
+    """
+    if name not in LINKS:
+        raise ValueError(f"unknown link {name!r}: use one of {', '.join(LINKS)}")
+    link, node = LINKS[name], node or {}
+    if name == "nvlink" and "intra_node_bw" in node and \
+            float(node["intra_node_bw"]) <= float(node.get("pcie_bw", 0.0)):
+        raise ValueError("this system has no NVLink: its GPUs talk over PCIe (the system "
+                         f"spec's node.intra_node_bw {float(node['intra_node_bw']) / 1e9:g} GB/s"
+                         " is its PCIe rate); use --link pcie")
+    bandwidth = float(node.get(link.bandwidth_key, link.bandwidth_bytes_s))
+    latency = float(node.get(link.latency_key, link.latency_s))
+    return TransferModel(latency, bandwidth)
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
     """The fitted models of one model on one device, and what they were measured on.
 
@@ -253,6 +332,19 @@ class DeviceProfile:
         max_prefill_tokens: the longest prompt (tokens) the prefill model was measured on;
             longer prefill steps are extrapolated by its quadratic term. None: not recorded
             (profiles written before it was).
+        device_memory_bytes: the GPU's memory in bytes (``torch.cuda.mem_get_info``'s
+            ``total``, what the engine's own budget reads); None on CPU and in profiles
+            written before it was.
+        weight_bytes: bytes of the model's parameters in ``dtype`` (``engine.model.
+            weight_bytes``: tied tensors once); None where not recorded.
+            These two are what ``kv_budget_bytes`` needs on CUDA under
+            ``gpu_memory_utilization``; a CUDA profile built without measuring (from a
+            datasheet) must fill them: the GPU's memory, and parameters x bytes per element.
+        source: where the step times came from when not from ``pdlab profile`` on this
+            machine: for a silicon-database profile (``planner.silicon``) ``{"kind":
+            "aiconfigurator", "package", "system", "backend", "database_version",
+            "database_mode", "link", "model_config"}``. None: measured here (every profile
+            written before the field existed).
     """
 
     model: str
@@ -267,6 +359,30 @@ class DeviceProfile:
     transfers: dict[str, TransferModel] = field(default_factory=dict)
     notes: dict = field(default_factory=dict)
     max_prefill_tokens: int | None = None
+    device_memory_bytes: int | None = None
+    weight_bytes: int | None = None
+    source: dict | None = None
+
+    def kv_budget_bytes(self, config: EngineConfig) -> int:
+        """The KV cache budget (bytes) of one engine of ``config`` on this profile's device,
+        by the engine's own rule (``engine.config.kv_budget_bytes_for``): on CUDA without
+        ``kv_cache_memory_gb``, ``gpu_memory_utilization * device_memory_bytes -
+        weight_bytes``. The engine subtracts everything in use on the device when it starts
+        (its weights plus the CUDA context, ~0.5 GiB, and anything else there), so a real
+        engine gets up to that much less than planned.
+
+        Raises:
+            ValueError: a CUDA profile that lacks ``device_memory_bytes`` or
+                ``weight_bytes`` while ``config`` sets no ``kv_cache_memory_gb``.
+        """
+        if (self.device_kind == "cuda" and config.kv_cache_memory_gb is None
+                and (self.device_memory_bytes is None or self.weight_bytes is None)):
+            raise ValueError(f"the device profile ({self.device_kind}, {self.device_name}) "
+                             "records no device_memory_bytes / weight_bytes, which the KV "
+                             "budget under --gpu-memory-utilization needs: profile again on "
+                             "the GPU (`pdlab profile`) or pass --kv-cache-memory-gb")
+        return kv_budget_bytes_for(config, self.device_kind, self.device_memory_bytes,
+                                   self.weight_bytes)
 
     def step_s(self, f: StepFeatures) -> float:
         """Predicted duration of one step (seconds): the prefill model for prompt-only steps,
@@ -307,8 +423,9 @@ class DeviceProfile:
         return {"version": PROFILE_VERSION, **d, "prefill": self.prefill.to_dict(),
                 "decode": self.decode.to_dict(), "mixed": self.mixed.to_dict(),
                 "transfers": {k: v.to_dict() for k, v in self.transfers.items()},
-                **({} if self.max_prefill_tokens is None
-                   else {"max_prefill_tokens": self.max_prefill_tokens})}
+                **{k: getattr(self, k) for k in ("max_prefill_tokens", "device_memory_bytes",
+                                                 "weight_bytes") if getattr(self, k) is not None},
+                **({} if self.source is None else {"source": self.source})}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -329,7 +446,9 @@ class DeviceProfile:
                        Fit.from_dict(d["mixed"]),
                        {k: TransferModel.from_dict(v) for k, v in d.get("transfers", {}).items()},
                        dict(d.get("notes", {})),
-                       None if d.get("max_prefill_tokens") is None else int(d["max_prefill_tokens"]))
+                       *(None if d.get(k) is None else int(d[k])
+                         for k in ("max_prefill_tokens", "device_memory_bytes", "weight_bytes")),
+                       None if d.get("source") is None else dict(d["source"]))
         except KeyError as err:
             raise ValueError(f"not a device profile: key {err} missing") from None
 
@@ -409,6 +528,11 @@ def summary_lines(profile: DeviceProfile) -> list[str]:
              f"decode  step_s = {d[0]:.4g} + {d[1]:.4g}·B + {d[2]:.4g}·Σctx   ({stats(profile.decode)})",
              f"mixed   step_s = {m.coef[0]:.4g} + prefill and decode slopes   "
              f"({stats(m) if m.num_points else 'no mixed points: intercept = the larger one'})"]
+    if profile.source is not None:
+        src = profile.source
+        lines.append(f"source: {src.get('package', src.get('kind'))} database "
+                     f"{src.get('system')}/{src.get('backend')} {src.get('database_version')} "
+                     "(no step ran on this machine)")
     if profile.notes.get("step_scale", 1.0) != 1.0:
         lines.append(f"step times above scaled x{profile.notes['step_scale']:.4g} (--step-scale)")
     for name, t in profile.transfers.items():

@@ -120,15 +120,23 @@ def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile
               speed_trace: Callable[[str, float], float] | None = None) -> Simulator:
     """The ``Simulator`` of one candidate on the profile's step model (every step time
     multiplied by ``step_scale``: a correction factor, see ``latency.step_correction``;
-    and by ``speed_trace(worker, start s)`` when given: ``drift.SpeedTrace``)."""
+    and by ``speed_trace(worker, start s)`` when given: ``drift.SpeedTrace``), each
+    instance's KV cache sized by the engine's rule on the profile's device
+    (``DeviceProfile.kv_budget_bytes``).
+
+    Raises:
+        ValueError: a CUDA profile without the memory facts the budget needs.
+    """
     needs_transfer = parse_placement(candidate.placement)[0] != "colocated"
     step_s = profile.step_time()
     if step_scale != 1.0:
         base = step_s
         step_s = lambda *f: step_scale * base(*f)  # noqa: E731
-    return Simulator(candidate.placement, candidate.engine(engine), step_s,
+    config = candidate.engine(engine)
+    return Simulator(candidate.placement, config, step_s,
                      transfer if needs_transfer else None, profile.kv_bytes_per_token, policy,
-                     conditional, transport, speed_trace=speed_trace)
+                     conditional, transport, speed_trace=speed_trace,
+                     kv_budget_bytes=profile.kv_budget_bytes(config))
 
 
 RUN_COLUMNS = ["candidate", "placement", "chunk_budget", "num_devices", "rate", "seed",

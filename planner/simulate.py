@@ -62,7 +62,9 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from engine.config import ConditionalConfig, EngineConfig, parse_placement, placement_engine_overrides
+from engine.config import (DEFAULT_CPU_KV_CACHE_GB,  # noqa: F401 (test_plan_identity reads it here)
+                           ConditionalConfig, EngineConfig, kv_budget_bytes_for,
+                           kv_num_blocks_for, parse_placement, placement_engine_overrides)
 from engine.limits import LimitError, Limits
 from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord,
@@ -106,18 +108,18 @@ class SimResult:
     num_fast_forwarded_steps: int = 0
 
 
-# engine.kv_cache's CPU default budget (that module imports torch): kept equal by a test
-DEFAULT_CPU_KV_CACHE_GB = 4.0
-
-
-def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int) -> int | None:
-    """KV blocks a CPU engine of ``config`` gets (``engine.kv_cache.kv_cache_num_blocks``:
-    the memory budget over the bytes of a block, capped by ``config.max_kv_blocks``); None
-    without a KV geometry (the Scheduler then uses ``max_kv_blocks``)."""
+def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int,
+                  budget_bytes: int | None = None) -> int | None:
+    """KV blocks an engine of ``config`` gets: the engine's own rule
+    (``engine.config.kv_num_blocks_for``: the memory budget over the bytes of a block,
+    capped by ``config.max_kv_blocks``) on ``budget_bytes`` (``DeviceProfile.
+    kv_budget_bytes``; None = the CPU rule, ``kv_cache_memory_gb`` or 4 GiB); None without a
+    KV geometry (the Scheduler then uses ``max_kv_blocks``)."""
     if kv_bytes_per_token <= 0 or not hasattr(config, "block_size"):
         return None
-    gb = getattr(config, "kv_cache_memory_gb", None) or DEFAULT_CPU_KV_CACHE_GB
-    return min(int(gb * 2 ** 30) // (config.block_size * kv_bytes_per_token), config.max_kv_blocks)
+    if budget_bytes is None:
+        budget_bytes = kv_budget_bytes_for(config, "cpu")
+    return kv_num_blocks_for(config, kv_bytes_per_token, budget_bytes)
 
 
 class _Instance:
@@ -190,6 +192,9 @@ class Simulator:
         speed_trace: ``(worker name, step start s) -> factor``: every modelled step time of
             that worker starting then is multiplied by it (``drift.SpeedTrace``: a real
             run's measured machine speed, replayed); None: the model's times as they are.
+        kv_budget_bytes: each instance's KV cache budget in bytes (``DeviceProfile.
+            kv_budget_bytes``: on CUDA the ``gpu_memory_utilization`` share less the
+            weights); None: the CPU rule (``num_kv_blocks``).
 
     Raises:
         ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``.
@@ -200,7 +205,8 @@ class Simulator:
                  kv_bytes_per_token: int = 0, policy: str = "least_loaded",
                  conditional: ConditionalConfig | None = None, transport: str = "simulated",
                  fast_forward: bool = True,
-                 speed_trace: Callable[[str, float], float] | None = None) -> None:
+                 speed_trace: Callable[[str, float], float] | None = None,
+                 kv_budget_bytes: int | None = None) -> None:
         self.kind = parse_placement(placement)[0]
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
@@ -215,6 +221,7 @@ class Simulator:
         self.transport = transport
         self.fast_forward = fast_forward
         self.speed_trace = speed_trace
+        self.kv_budget_bytes = kv_budget_bytes
 
     # ---- one run -----------------------------------------------------------------------
     def run(self, workload: Sequence[tuple[Request, float]], collect_steps: bool = False,
@@ -230,7 +237,7 @@ class Simulator:
         ids = [r.request_id for r, _ in workload]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
-        blocks = num_kv_blocks(self.engine, self.kv_bytes_per_token)
+        blocks = num_kv_blocks(self.engine, self.kv_bytes_per_token, self.kv_budget_bytes)
         engine = self.engine
         self._limits = Limits(engine.max_model_len, None,
                               engine.max_kv_blocks if blocks is None else blocks,

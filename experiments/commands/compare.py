@@ -35,7 +35,8 @@ from engine.metrics import SLO
 from engine.model import model_context_len
 from experiments import validate
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args, add_slo_args,
-                                 check_model, check_out, check_placements, engine_config,
+                                 add_transfer_args, check_model, check_out, check_placements,
+                                 engine_config,
                                  load_profile_for, option_error, placement_list, rate_list,
                                  transfer_model_for)
 from experiments.placement import worker_layout
@@ -120,9 +121,7 @@ def add_arguments(parser: argparse.ArgumentParser, single: bool = False) -> None
     parser.add_argument("--out", default=None, help="results directory (default: results/<cmd>-<time>)")
     add_dataclass_args(parser.add_argument_group("workload"), WorkloadSpec)
     add_engine_args(parser)
-    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
-    add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
-                       ConditionalConfig)
+    add_transfer_args(parser)
 
 
 @dataclass(frozen=True)

@@ -30,17 +30,18 @@ from pathlib import Path
 import pandas as pd
 from tqdm import tqdm
 
-from engine.config import (EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
+from engine.config import (GIB, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
                            check_fields, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
 from experiments import plots, validate
-from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, check_model,
+from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, add_transfer_args,
+                                 check_model,
                                  check_out, engine_config, find_profile, load_profile_for,
                                  option_error, rate_list, transfer_model_for)
 from experiments.placement import worker_layout
 from experiments.report import markdown_table
 from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
-from planner import band, search
+from planner import band, search, simulate
 from planner.latency import DeviceProfile, TransferModel, summary_lines
 from router.policy import POLICIES
 
@@ -163,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                        "max-num-batched-tokens are what-if knobs here)")
     add_dataclass_args(engine, EngineConfig, skip=("device",))
     engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
-    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
+    add_transfer_args(parser, conditional=False)
 
 
 def _transfer_model(plan: PlanConfig, profile: DeviceProfile, transport: str,
@@ -217,6 +218,7 @@ def check(args: argparse.Namespace) -> PlanJob:
                                             f"({model.dtype}) under results/: run `pdlab profile "
                                             f"--model {model.model}` or pass --profile FILE")
     profile = load_profile_for(path, model, "--profile").scaled(plan.step_scale)
+    kv_cache_line(profile, engine)  # a budget that cannot be computed or holds no block
     cands = search.candidates(plan.devices, plan.budgets)
     transfer_model = _transfer_model(plan, profile, transfer.transport,
                                      any(c.placement.startswith("disagg") for c in cands))
@@ -224,6 +226,40 @@ def check(args: argparse.Namespace) -> PlanJob:
     out = Path(args.out or f"results/plan-{time.strftime('%Y%m%d-%H%M%S')}")
     return PlanJob(plan, profile, path, transfer_model, cands, args.rates, spec, model, engine,
                    transfer, SLO(args.slo_ttft_s, args.slo_tpot_s), args.policy, out)
+
+
+def kv_cache_line(profile: DeviceProfile, engine: EngineConfig) -> str:
+    """One line: each simulated instance's KV cache, by the engine's rule on the profile's
+    device (``DeviceProfile.kv_budget_bytes``; on CUDA ``--gpu-memory-utilization`` x the
+    device's memory less the weights).
+
+    Raises:
+        ValueError: ``argument --profile: ...`` when the profile lacks what the rule needs;
+            ``argument --gpu-memory-utilization`` / ``--kv-cache-memory-gb: ...`` when the
+            budget holds no block.
+    """
+    try:
+        budget_bytes = profile.kv_budget_bytes(engine)
+    except ValueError as err:
+        raise option_error("--profile", str(err)) from None
+    blocks = simulate.num_kv_blocks(engine, profile.kv_bytes_per_token, budget_bytes)
+    if blocks is not None and blocks < 1:
+        option = ("--gpu-memory-utilization" if profile.device_kind == "cuda"
+                  and engine.kv_cache_memory_gb is None else "--kv-cache-memory-gb")
+        raise option_error(option, f"each instance's KV budget of {budget_bytes / GIB:.3g} GiB "
+                                   f"holds no block of {engine.block_size} tokens "
+                                   f"({engine.block_size * profile.kv_bytes_per_token} bytes)")
+    rule = (f"{engine.kv_cache_memory_gb:g} GiB (--kv-cache-memory-gb)"
+            if engine.kv_cache_memory_gb is not None else
+            f"{engine.gpu_memory_utilization:g} x {profile.device_memory_bytes / GIB:.4g} GiB "
+            f"- {profile.weight_bytes / GIB:.3g} GiB of weights"
+            if profile.device_kind == "cuda" else "the CPU default")
+    if blocks is None:  # no KV geometry: the Scheduler's cap alone
+        blocks = engine.max_kv_blocks
+    capped = (" (capped: max_num_seqs x max_model_len need no more)"
+              if blocks == engine.max_kv_blocks else "")
+    return (f"  KV cache per instance: {blocks} blocks of {engine.block_size} tokens{capped}; "
+            f"budget {budget_bytes / GIB:.4g} GiB = {rule}")
 
 
 def prefill_range_warning(profile: DeviceProfile, longest_prompt: int) -> str:
@@ -266,6 +302,7 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
           f"{x.profile.device_name}, {x.profile.num_threads} threads)")
     for line in summary_lines(x.profile):
         print("  " + line)
+    print(kv_cache_line(x.profile, x.engine))
     extrapolated = prefill_range_warning(x.profile, max(it.num_prompt_tokens for it in all_items))
     if extrapolated:
         print(extrapolated)

@@ -25,6 +25,14 @@ A profile:
    fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
    dtype, device and thread count, for ``pdlab plan``.
 
+``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes the
+device profile of a GPU instead, from NVIDIA's measured per-operation database
+(``planner.silicon``, the optional extra ``silicon``): no step runs here, no weights are
+read; with it, the link transfer models (``--link``, ``planner.latency.LINKS``). Outputs:
+device_profile.json, silicon_steps.csv (every sampled step, the database's time and the
+fitted model's), decode_check.csv (decode steps at B = 1, 16, 64 against the database's
+TPOT estimate), summary.md.
+
 Every time is min of N runs after 1 warm-up, median shown. The runs of every point of
 steps 1-4 are interleaved (``experiments.timing.measure_interleaved``): each round runs each
 point once, in a shuffled order, so a machine whose speed drifts during the profile (a
@@ -41,6 +49,7 @@ import itertools
 import multiprocessing
 import os
 import queue
+import re
 import sys
 import time
 from collections.abc import Sequence
@@ -52,16 +61,19 @@ import torch
 from tqdm import tqdm
 
 from engine.config import ModelConfig, cpu_cores_of
-from engine.model import LoadedModel, load_model, model_context_len
+from engine.kv_cache import KVSpec
+from engine.model import (SMOLLM2_NAME, TINY_NAMES, LoadedModel, cache_dir, load_model,
+                          model_context_len, weight_bytes)
 from experiments import measure, plots, transfer_cost
 from experiments.measure import (WARMUP, add_measure_args, decode_point, decode_row, load_for,
                                  mixed_point, mixed_row, out_dir, prefill_engine, prefill_point,
                                  prefill_row, run_header, tick)
-from experiments.options import existing_device_set, int_list, positive_int, transport_list
+from experiments.options import (check_model, check_out, existing_device_set, int_list,
+                                 option_error, positive_int, transport_list)
 from experiments.report import markdown_table
 from experiments.results import cpu_model
 from experiments.timing import describe, device_sync, measure_interleaved
-from planner import latency
+from planner import latency, silicon
 
 DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
 DEFAULT_CONTEXTS = (16, 64, 256, 1024)
@@ -177,7 +189,9 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
     """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on
     the median times of its prefill, decode (context and batch sweeps together) and mixed
     rows; transfer models
-    on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport.
+    on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport;
+    the model's weight bytes and, on CUDA, the device's memory (``mem_get_info``'s total),
+    which the planner's KV budget under ``--gpu-memory-utilization`` needs.
 
     Raises:
         ValueError: too few points for a fit.
@@ -203,13 +217,17 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
             transfers[str(name)] = latency.fit_transfer(list(g["kv_bytes"]), list(g["transfer_s"]))
     kind = "cuda" if device.startswith("cuda") else "cpu"
     name = torch.cuda.get_device_name(device) if kind == "cuda" else (cpu_model() or "cpu")
+    # the planner's KV budget under --gpu-memory-utilization needs the device's memory (the
+    # total the engine's own budget reads) and the weights (DeviceProfile.kv_budget_bytes)
+    memory_bytes = int(torch.cuda.mem_get_info(torch.device(device))[1]) if kind == "cuda" else None
     return latency.DeviceProfile(
         model=loaded.name, dtype=dtype, device_kind=kind, device_name=name,
         num_threads=torch.get_num_threads(), kv_bytes_per_token=loaded.kv_spec.bytes_per_token,
         prefill=pre, decode=dec, mixed=mix, transfers=transfers,
         notes={"torch": torch.__version__, "estimator": result.estimator, "fitted_on": "median",
                "created": time.strftime("%Y-%m-%dT%H:%M:%S")},
-        max_prefill_tokens=int(result.prefill["prompt_len"].max()))
+        max_prefill_tokens=int(result.prefill["prompt_len"].max()),
+        device_memory_bytes=memory_bytes, weight_bytes=weight_bytes(loaded.model))
 
 
 # ---- derived ---------------------------------------------------------------------------
@@ -462,6 +480,14 @@ def summary_markdown(result: ProfileResult, header: str) -> str:
     return "\n".join(parts) + "\n"
 
 
+def system_name(text: str) -> str:
+    """``--from-silicon-db``: a system name of the database's form (``h100_sxm``); whether
+    the installed database has it is ``check_silicon``'s question."""
+    if re.fullmatch(r"[a-z0-9][a-z0-9_]*", text) is None:
+        raise argparse.ArgumentTypeError(f"must be a system name such as h100_sxm, got {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pdlab profile``."""
     add_measure_args(parser, "profile")
@@ -495,6 +521,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="transports whose KV transfer is timed (pdlab kv-cost's "
                              "measurement) and fitted into device_profile.json, from "
                              "inprocess,ray,torchdist,shm (default: inprocess)")
+    gpu = parser.add_argument_group(
+        "a GPU's profile without a GPU (NVIDIA's silicon database, AIConfigurator: "
+        "pip install 'pdlab[silicon]')")
+    gpu.add_argument("--from-silicon-db", default=None, metavar="SYSTEM", type=system_name,
+                     help="fit the device profile on the database's step estimates for one "
+                          "GPU of SYSTEM (e.g. h100_sxm, h200_sxm, b200_sxm, gb200) instead of "
+                          "measuring here; --model is a directory with a config.json (e.g. "
+                          "engine/configs/llama-3.1-8b); the profile's dtype is the "
+                          "database's (bfloat16 for these); --prompt-lens, --batch-sizes, "
+                          "--contexts, --mixed-prompts, --mixed-batch-sizes replace its "
+                          "GPU-scale sweeps when given")
+    gpu.add_argument("--backend", default="vllm", choices=silicon.BACKENDS,
+                     help="the serving engine whose kernels the database measured "
+                          "(default: vllm)")
+    gpu.add_argument("--link", default=None, choices=tuple(latency.LINKS),
+                     help="the link KV crosses between GPUs, written as the transfer model "
+                          "of every transport (default: nvlink where the system has it, "
+                          "else pcie; every link is also written under its own name)")
 
 
 def check(args: argparse.Namespace) -> None:
@@ -504,6 +548,8 @@ def check(args: argparse.Namespace) -> None:
     Raises:
         ValueError: ``argument --x: ...`` for the first bad option.
     """
+    if args.from_silicon_db is not None:
+        return check_silicon(args)
     model = measure.check_measure_args(args)
     if args.devices and args.device != "cpu":
         raise ValueError(f"argument --devices: it replaces --device (got --device {args.device}"
@@ -534,8 +580,10 @@ def check(args: argparse.Namespace) -> None:
                          f"{args.batch_context}")
 
 
-def run(args: argparse.Namespace, _checked: None = None) -> int:
+def run(args: argparse.Namespace, _checked: str | None = None) -> int:
     """Run the profile (module docstring), write its files, print its tables."""
+    if args.from_silicon_db is not None:
+        return run_silicon(args, _checked or silicon_model_dir(args.model))
     loaded = load_for(args)
     if loaded is None:
         return 2
@@ -598,3 +646,139 @@ def _kv_table(loaded: LoadedModel, args: argparse.Namespace) -> pd.DataFrame:
                          f"that fit the model context ({limit} tokens)")
     return transfer_cost.kv_cost_table(loaded, lens, args.transports, args.repeats,
                                        device=args.device, seed=args.seed)
+
+
+# ---- a GPU's profile from the silicon database ----------------------------------------------
+# The CPU sweeps' options that, given on the command line, replace the silicon grid's
+# defaults (an option left alone still holds its default object: argparse keeps it as is).
+SILICON_SWEEPS = {"prompt_lens": DEFAULT_PROMPT_LENS, "batch_sizes": DEFAULT_BATCH_SIZES,
+                  "contexts": DEFAULT_CONTEXTS, "mixed_prompts": DEFAULT_MIXED_PROMPTS,
+                  "mixed_batch_sizes": DEFAULT_MIXED_BATCH_SIZES}
+
+
+def silicon_model_dir(model: str) -> str:
+    """The config directory the silicon database reads for ``--model``: the directory
+    itself, or for ``smollm2-135m`` its converted copy in the pdlab cache.
+
+    Raises:
+        ValueError: ``argument --model: ...`` for a model with no config file here.
+    """
+    if model in TINY_NAMES:
+        raise option_error("--model", f"{model} is built in memory and has no config.json: the "
+                                      "silicon database reads a model directory (e.g. "
+                                      "engine/configs/llama-3.1-8b)")
+    if model == SMOLLM2_NAME:
+        path = cache_dir() / "models" / SMOLLM2_NAME
+        if not (path / "config.json").exists():
+            raise option_error("--model", f"{model} has no config.json under {path} yet (run "
+                                          "`pdlab profile` on it once to convert it)")
+        return str(path)
+    try:
+        silicon.read_model_config(model)
+    except silicon.SiliconError as err:
+        raise option_error("--model", str(err)) from None
+    return model
+
+
+def silicon_grid(args: argparse.Namespace) -> silicon.SampleGrid:
+    """``planner.silicon.SampleGrid`` with the sweep options given on the command line."""
+    given = {name: tuple(getattr(args, name)) for name, default in SILICON_SWEEPS.items()
+             if getattr(args, name) is not default}
+    return silicon.SampleGrid(**given)
+
+
+def check_silicon(args: argparse.Namespace) -> str:
+    """``--from-silicon-db``'s options: the model's config directory (which pdlab must be
+    able to serve), the system and backend in the installed database, options of the CPU
+    measurement refused. Returns the config directory.
+
+    Raises:
+        ValueError: ``argument --x: ...`` for the first bad option.
+    """
+    for option, value, default in (("--devices", args.devices, None),
+                                   ("--device", args.device, "cpu"),
+                                   ("--transports", args.transports, DEFAULT_PROFILE_TRANSPORTS)):
+        if value != default:
+            raise option_error(option, "measures this machine, and --from-silicon-db runs no "
+                                       f"step here: drop it{' (use --link)' if option == '--transports' else ''}")
+    if args.dtype not in ("float32", "bfloat16"):  # float32 is the option's default
+        raise option_error("--dtype", "a silicon-database profile has the database's dtype "
+                                      f"(bfloat16 for bfloat16 checkpoints), got {args.dtype}")
+    model_dir = silicon_model_dir(args.model)
+    check_model(ModelConfig(model_dir))
+    check_out(args.out)
+    try:
+        silicon.check_system(args.from_silicon_db, args.backend)
+    except silicon.SiliconError as err:
+        raise option_error("--from-silicon-db", str(err)) from None
+    return model_dir
+
+
+def silicon_kv_bytes_per_token(model_dir: str, dtype: str) -> int:
+    """pdlab's KV bytes per token of the model in ``model_dir`` (its config.json) at
+    ``dtype``: ``engine.kv_cache.KVSpec.bytes_per_token``."""
+    hf = silicon.read_model_config(model_dir)
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"]
+    spec = KVSpec(model_dir, int(hf["num_hidden_layers"]),
+                  int(hf.get("num_key_value_heads", hf["num_attention_heads"])), int(head_dim), dtype)
+    return spec.bytes_per_token
+
+
+def silicon_steps_table(db: silicon.SiliconDatabase, profile: latency.DeviceProfile,
+                        grid: silicon.SampleGrid) -> pd.DataFrame:
+    """Every sampled step: its kind, features, the database's and the model's seconds."""
+    prefill, decode, mixed = silicon.sample_steps(db, grid)
+    rows = []
+    for kind, points in (("prefill", prefill), ("decode", decode), ("mixed", mixed)):
+        for f, t in points:
+            model_s = profile.step_s(f)
+            rows.append({"kind": kind, "prefill_tokens": f.prefill_tokens,
+                         "prefill_attention": f.prefill_attention, "batch_size": f.batch_size,
+                         "sum_context": f.sum_context, "database_s": t, "model_s": model_s,
+                         "rel_error": model_s / t - 1.0})
+    return pd.DataFrame(rows)
+
+
+def run_silicon(args: argparse.Namespace, model_dir: str) -> int:
+    """``--from-silicon-db``: open the database, fit, write device_profile.json,
+    silicon_steps.csv, decode_check.csv and summary.md, print the fits and the check."""
+    grid = silicon_grid(args)
+    try:
+        db = silicon.open_database(model_dir, args.from_silicon_db, args.backend)
+        if args.dtype not in ("float32", db.kv_dtype):
+            raise ValueError(f"argument --dtype: {db.where} estimates {model_dir} with its KV "
+                             f"in {db.kv_dtype}, not {args.dtype}")
+        kv_bytes = silicon_kv_bytes_per_token(model_dir, db.kv_dtype)
+        profile = silicon.build_profile(db, args.model, kv_bytes, args.link, grid,
+                                        created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+        steps = silicon_steps_table(db, profile, grid)
+        check = pd.DataFrame(silicon.decode_table(profile, db))
+    except ValueError as err:  # SiliconError included
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    out = out_dir(args, "profile")
+    profile.save(out / "device_profile.json")
+    steps.to_csv(out / "silicon_steps.csv", index=False)
+    check.to_csv(out / "decode_check.csv", index=False)
+    header = (f"{args.model} on one {db.system} GPU under {db.backend} ({db.where} database of "
+              f"{silicon.PACKAGE} {silicon.PACKAGE_VERSION}, {db.kv_dtype} KV, "
+              f"{kv_bytes} KV bytes/token; no step ran on this machine)")
+    lines = latency.summary_lines(profile)
+    shown = check.assign(pdlab_ms=1e3 * check["pdlab_s"], database_ms=1e3 * check["database_s"],
+                         error_pct=100 * check["error"])[
+        ["batch_size", "isl", "osl", "pdlab_ms", "database_ms", "error_pct"]]
+    (out / "summary.md").write_text(
+        f"# pdlab profile --from-silicon-db\n\n{header}\n\n## Fitted models\n\n"
+        + "\n".join(f"- {line}" for line in lines)
+        + "\n\n## Decode steps vs the database's TPOT (static_gen)\n\n"
+        + markdown_table(shown) + "\n")
+    if kv_bytes != db.kv_bytes_per_token:
+        print(f"note: pdlab's KV bytes per token {kv_bytes} differ from the database's "
+              f"{db.kv_bytes_per_token}", file=sys.stderr)
+    print(header + "\n\ndevice profile (fitted on relative error):")
+    for line in lines:
+        print("  " + line)
+    print("\ndecode steps (mean over the osl - 1 steps) vs the database's TPOT estimate:\n"
+          + shown.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    print(f"\nwrote {out}/: device_profile.json silicon_steps.csv decode_check.csv summary.md")
+    return 0

@@ -19,7 +19,7 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Placeme
                            TransferConfig, add_dataclass_args, dataclass_from_args, parse_devices)
 from engine.model import load_tokenizer
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args,
-                                 check_model, check_placements, engine_config, option_error,
+                                 add_transfer_args, check_model, check_placements, engine_config, option_error,
                                  placement_list)
 from experiments.placement import Deployment
 from server.app import OpenAIServer, serve_forever, text_of
@@ -37,9 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_args(parser)
     add_dataclass_args(parser.add_argument_group("HTTP server"), ServeConfig)
     add_engine_args(parser)
-    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
-    add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
-                       ConditionalConfig)
+    add_transfer_args(parser)
 
 
 @dataclass(frozen=True)

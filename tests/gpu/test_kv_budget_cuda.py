@@ -1,6 +1,7 @@
 """The paged KV cache on a real device under ``--gpu-memory-utilization``: its size follows
 ``engine.kv_cache.kv_budget_bytes`` (the fraction of the device, less what is already in
-use), the memory really is taken, and requests run in it (skipped without CUDA)."""
+use), the memory really is taken, and requests run in it; the planner's rule on this
+device's facts gives the same blocks but for what it does not count (skipped without CUDA)."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ from gpu_models import smollm2
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.kv_cache import GIB
-from engine.model import load_model
+from engine.model import load_model, weight_bytes
 from engine.request import Request, SamplingParams
+from planner import simulate
+from planner.latency import DeviceProfile, Fit
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -50,6 +53,37 @@ def test_kv_cache_takes_the_fraction_of_the_device_left_after_the_weights(tmp_pa
                         SamplingParams(max_tokens=4, ignore_eos=True)) for i in range(8)]
     outputs = engine.generate(requests)
     assert all(len(tokens) == 4 for tokens in outputs.values()) and engine.is_empty()
+    del engine, loaded
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def test_the_planner_sizes_the_kv_cache_as_this_engine_did(tmp_path_factory):
+    """``pdlab plan``'s rule (``DeviceProfile.kv_budget_bytes`` with this device's memory
+    and the weight bytes, what ``pdlab profile`` records on CUDA) against the engine's on
+    the device: the planner counts the weights only, the engine everything in use when it
+    starts (also CUDA contexts and the allocator's cache), so the planner's blocks exceed
+    the engine's by exactly that difference's worth of blocks."""
+    model_config, _ = smollm2("float32", tmp_path_factory.mktemp("smollm2"))
+    loaded = load_model(model_config, device="cuda:0")
+    config = EngineConfig(max_num_seqs=256, max_model_len=8192, max_num_batched_tokens=2048,
+                          gpu_memory_utilization=0.5, device="cuda:0")
+    torch.cuda.synchronize()
+    free_bytes, total_bytes = torch.cuda.mem_get_info(0)
+    engine = Engine(loaded, config, quiet=True)
+    block_bytes = config.block_size * engine.kv_spec.bytes_per_token
+    fit = Fit(("1",), (1.0,), 1.0, 0.0, 0.0, 1)
+    profile = DeviceProfile(model_config.model, "float32", "cuda", torch.cuda.get_device_name(0),
+                            1, engine.kv_spec.bytes_per_token, fit, fit, fit,
+                            device_memory_bytes=total_bytes,
+                            weight_bytes=weight_bytes(loaded.model))
+    planned = simulate.num_kv_blocks(config, profile.kv_bytes_per_token,
+                                     profile.kv_budget_bytes(config))
+    assert planned == (int(0.5 * total_bytes) - weight_bytes(loaded.model)) // block_bytes
+    overhead_bytes = (total_bytes - free_bytes) - weight_bytes(loaded.model)
+    assert overhead_bytes >= 0
+    assert abs(planned - engine.kv_store.num_blocks - overhead_bytes / block_bytes) <= 2, (
+        planned, engine.kv_store.num_blocks, overhead_bytes)
     del engine, loaded
     gc.collect()
     torch.cuda.empty_cache()
