@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
-                     "engine.errors")
+                     "engine.errors", "engine.kv_blocks")
 
 
 @dataclass(frozen=True)
