@@ -291,7 +291,9 @@ class BlockAllocator:
     def pop_events(self) -> tuple[list[bytes], list[bytes]]:
         """(hashes registered, hashes evicted) since the last call, in order: the KV
         events a router can mirror a worker's cache with (vLLM's ``BlockStored`` /
-        ``BlockRemoved``). A hash may appear in both lists (stored, then evicted)."""
+        ``BlockRemoved``). A hash may appear in both lists (stored, then evicted). The first
+        call turns recording on (before it, nothing is kept)."""
+        self.record_events = True
         events = (self._stored, self._removed)
         self._stored, self._removed = [], []
         return events
