@@ -40,7 +40,8 @@ def main():
     from engine.model import load_model
     from engine.request import Request, SamplingParams
     loaded = load_model(ModelConfig("smollm2-135m"))
-    eng = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=2048, max_num_batched_tokens=512))
+    eng = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=2048, max_num_batched_tokens=512,
+                                      enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
     n = 0
 

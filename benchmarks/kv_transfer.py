@@ -258,7 +258,8 @@ def streaming_table(transport_names: list[str], prompt_len: int, repeats: int,
     loaded = load_model(ModelConfig("smollm2-135m"))
     spec = loaded.kv_spec
     engine = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
-                                         max_num_batched_tokens=prompt_len))
+                                         max_num_batched_tokens=prompt_len,
+                                         enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
     num_layers = spec.num_layers
     chunks = [(s, min(s + layers_per_chunk, num_layers))
