@@ -34,10 +34,13 @@ append-only instead of deduplicating.
 
 from __future__ import annotations
 
+import array
 import bisect
 import collections
 import hashlib
 import struct
+import sys
+import weakref
 from dataclasses import dataclass
 
 # The parent hash of a prompt's first block (vLLM's NONE_HASH, from a fixed seed so every
@@ -56,13 +59,40 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
 
 def block_hashes(token_ids, block_size: int, hashes: list[bytes] | None = None) -> list[bytes]:
     """The chained hashes of every full block of ``token_ids`` (``len // block_size`` of
-    them). ``hashes``: the hashes already computed for a prefix of the same tokens; the
-    list is extended in place and returned (a request's list grows with its tokens)."""
+    them), each equal to ``hash_block_tokens(previous, block)``. ``hashes``: the hashes
+    already computed for a prefix of the same tokens; the list is extended in place and
+    returned (a request's list grows with its tokens)."""
     hashes = [] if hashes is None else hashes
-    parent = hashes[-1] if hashes else None
-    for i in range(len(hashes), len(token_ids) // block_size):
-        parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
+    first, last = len(hashes), len(token_ids) // block_size
+    if first >= last:
+        return hashes
+    # one packing for all the new blocks (the hot part of admission: the planner's
+    # simulator admits thousands of prompts per run)
+    packed = array.array("q", token_ids[first * block_size:last * block_size])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    data, step, sha = packed.tobytes(), 8 * block_size, hashlib.sha256
+    parent = hashes[-1] if hashes else NONE_HASH
+    for offset in range(0, len(data), step):
+        parent = sha(parent + data[offset:offset + step]).digest()
         hashes.append(parent)
+    return hashes
+
+
+# Prompt block hashes per Request (frozen, shared by every RequestState made of it): a
+# request admitted again, or the same workload simulated at several rates, hashes once.
+_PROMPT_HASHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def prompt_block_hashes(request, block_size: int) -> tuple[bytes, ...]:
+    """``block_hashes`` of ``request.prompt_token_ids`` (an ``engine.request.Request``),
+    computed once per request and block size (kept while the request lives)."""
+    by_size = _PROMPT_HASHES.get(request)
+    if by_size is None:
+        by_size = _PROMPT_HASHES[request] = {}
+    hashes = by_size.get(block_size)
+    if hashes is None:
+        hashes = by_size[block_size] = tuple(block_hashes(request.prompt_token_ids, block_size))
     return hashes
 
 
@@ -169,6 +199,10 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate {n} blocks for {num_tokens} tokens: "
                              f"{self.num_free_blocks} free")
         free = self._free
+        if n == 1 and free:  # on-demand growth, the common case: the lowest free block
+            block = free.pop(0)
+            self.ref_cnt[block] = 1
+            return [block]
         if len(free) >= n:
             start = next((i for i in range(len(free) - n + 1)
                           if free[i + n - 1] - free[i] == n - 1), 0)  # ascending: a run

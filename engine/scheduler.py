@@ -59,7 +59,7 @@ import collections
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_blocks import BlockAllocator, PrefixCacheStats, block_hashes
+from engine.kv_blocks import BlockAllocator, PrefixCacheStats, block_hashes, prompt_block_hashes
 from engine.request import RequestState, RequestStatus
 
 __all__ = ["BlockAllocator", "ScheduledBatch", "Scheduler"]
@@ -288,8 +288,8 @@ class Scheduler:
         num_prompt = state.num_prompt_tokens
         hit = []
         if cap.enable_caching:
-            hashes = block_hashes(state.token_ids, block_size, state.block_hashes)
-            hit = cap.lookup(hashes, num_prompt // block_size, exclude=set(self._step_cached))
+            hit = cap.lookup(self._hashes(state), num_prompt // block_size,
+                             exclude=set(self._step_cached))
         num_hit = len(hit) * block_size
         if num_hit < state.kv_token_start:
             state.status = _WAITING  # admitted as a local request from here on
@@ -315,8 +315,15 @@ class Scheduler:
         logits are needed: vLLM's ``max_cache_hit_length = num_tokens - 1``)."""
         if not self.capacity.enable_caching:
             return []
-        hashes = block_hashes(state.token_ids, self.block_size, state.block_hashes)
-        return self.capacity.lookup(hashes, (len(state.token_ids) - 1) // self.block_size)
+        return self.capacity.lookup(self._hashes(state),
+                                    (len(state.token_ids) - 1) // self.block_size)
+
+    def _hashes(self, state: RequestState) -> list[bytes]:
+        """``state``'s block hashes over all its full blocks (the prompt's computed once per
+        ``Request``: ``prompt_block_hashes``)."""
+        if not state.block_hashes and state.num_prompt_tokens >= self.block_size:
+            state.block_hashes = list(prompt_block_hashes(state.request, self.block_size))
+        return block_hashes(state.token_ids, self.block_size, state.block_hashes)
 
     def _cache_blocks(self, state: RequestState, num_tokens: int, this_step: bool = True) -> None:
         """Register ``state``'s full blocks among its first ``num_tokens`` tokens (their KV is
@@ -324,7 +331,7 @@ class Scheduler:
         num_full = num_tokens // self.block_size
         if num_full <= state.num_cached_blocks:
             return
-        hashes = block_hashes(state.token_ids, self.block_size, state.block_hashes)
+        hashes = self._hashes(state)
         cap, table = self.capacity, state.block_ids
         for i in range(state.num_cached_blocks, num_full):
             if cap.cache(table[i], hashes[i]) and this_step:
