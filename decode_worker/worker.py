@@ -7,8 +7,9 @@ A request's life here (DESIGN §3, steps 3-5). Transfer is a scheduler state:
    request enters the engine as ``WAITING_FOR_REMOTE_KVS``; this worker holds its handles
    (the KV bytes stay with their producer). Nothing is fetched yet.
 2. The scheduler reserves the request's KV blocks (capacity first, FCFS; prompt + 1 tokens
-   on demand, sharing the prompt blocks this worker caches). Only then is the fetch started, on a pool of fetch threads: several transfers are in flight at once and a
-   slow one never delays the others (a transport that must be read in order, NCCL, gets one
+   on demand, sharing the prompt blocks this worker caches). Only then is the fetch
+   started, on a pool of fetch threads: several transfers are in flight at once and a slow
+   one never delays the others (a transport that must be read in order, NCCL, gets one
    thread). The transfer deadline counts from the fetch's start.
 3. Each payload's header is checked against this worker's own KVSpec (model, layers, KV
    heads, head dim, dtype), its request id and its token count against the request; a

@@ -40,8 +40,11 @@ import collections
 import hashlib
 import struct
 import sys
-import weakref
 from dataclasses import dataclass
+
+# How many start positions ``allocate`` tries for a run of consecutive free blocks before it
+# takes the lowest free blocks, scattered.
+RUN_SEARCH_LIMIT = 64
 
 # The parent hash of a prompt's first block (vLLM's NONE_HASH, from a fixed seed so every
 # process agrees: vLLM's DEFAULT_NONE_HASH_SEED for sha256).
@@ -79,17 +82,15 @@ def block_hashes(token_ids, block_size: int, hashes: list[bytes] | None = None) 
     return hashes
 
 
-# Prompt block hashes per Request (frozen, shared by every RequestState made of it): a
-# request admitted again, or the same workload simulated at several rates, hashes once.
-_PROMPT_HASHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def prompt_block_hashes(request, block_size: int) -> tuple[bytes, ...]:
     """``block_hashes`` of ``request.prompt_token_ids`` (an ``engine.request.Request``),
-    computed once per request and block size (kept while the request lives)."""
-    by_size = _PROMPT_HASHES.get(request)
+    computed once per request and block size and kept on the request (every RequestState
+    made of it shares them: a preempted request admitted again, the same workload
+    simulated at several rates)."""
+    by_size = request._prompt_hashes
     if by_size is None:
-        by_size = _PROMPT_HASHES[request] = {}
+        by_size = {}
+        object.__setattr__(request, "_prompt_hashes", by_size)  # frozen: a cache, not a field
     hashes = by_size.get(block_size)
     if hashes is None:
         hashes = by_size[block_size] = tuple(block_hashes(request.prompt_token_ids, block_size))
@@ -188,7 +189,8 @@ class BlockAllocator:
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, num_tokens: int) -> list[int]:
         """``blocks_needed(num_tokens)`` (>= 1) new blocks at one reference each, in table
-        order: uncached blocks first (the lowest run long enough, else the lowest), then
+        order: uncached blocks first (the lowest run long enough among the first
+        ``RUN_SEARCH_LIMIT`` starts, else the lowest), then
         cached free ones, evicted least recently freed first.
 
         Raises:
@@ -204,8 +206,11 @@ class BlockAllocator:
             self.ref_cnt[block] = 1
             return [block]
         if len(free) >= n:
-            start = next((i for i in range(len(free) - n + 1)
-                          if free[i + n - 1] - free[i] == n - 1), 0)  # ascending: a run
+            # ascending and distinct: a span of n - 1 is a run. Only the first
+            # RUN_SEARCH_LIMIT starts are tried: kept cached blocks fragment the free list,
+            # and a scan of all of it per admission was the planner simulator's hot spot
+            start = next((i for i in range(min(len(free) - n + 1, RUN_SEARCH_LIMIT))
+                          if free[i + n - 1] - free[i] == n - 1), 0)
             block_ids = free[start:start + n]
             del free[start:start + n]
         else:
@@ -244,16 +249,16 @@ class BlockAllocator:
         Raises:
             ValueError: a block has no reference to drop (double free); nothing changes.
         """
-        ref = self.ref_cnt
-        bad = [b for b in block_ids if not 0 <= b < self.num_blocks or ref[b] < 1]
-        if bad:
+        ref, hashed = self.ref_cnt, self.block_hash
+        if min((ref[b] for b in block_ids), default=1) < 1:
+            bad = [b for b in block_ids if ref[b] < 1]
             raise ValueError(f"blocks {bad[:4]} are not allocated here")
         uncached = []
         for block in reversed(block_ids):
             ref[block] -= 1
             if ref[block]:
                 continue
-            if self.block_hash[block] is not None:
+            if hashed[block] is not None:
                 self._evictable[block] = None
             else:
                 uncached.append(block)

@@ -134,6 +134,10 @@ class Request:
         sampling: sampling parameters.
         arrival_time_s: ``time.time()`` when the request arrived (0.0 when unknown).
 
+    The prefix cache keeps the prompt's block hashes on the request (``_prompt_hashes``,
+    ``engine.kv_blocks.prompt_block_hashes``: not a field to pass, compare or copy; a
+    ``dataclasses.replace`` starts without them).
+
     Raises:
         ValueError: empty prompt or a negative / non-integer token id.
     """
@@ -142,6 +146,7 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time_s: float = 0.0
+    _prompt_hashes: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = tuple(self.prompt_token_ids)

@@ -331,7 +331,9 @@ class Scheduler:
         num_full = num_tokens // self.block_size
         if num_full <= state.num_cached_blocks:
             return
-        hashes = self._hashes(state)
+        hashes = state.block_hashes
+        if len(hashes) < num_full:
+            hashes = self._hashes(state)
         cap, table = self.capacity, state.block_ids
         for i in range(state.num_cached_blocks, num_full):
             if cap.cache(table[i], hashes[i]) and this_step:
