@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline
+.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,16 @@ BASELINE_ARGS ?= --num-requests 8 --rates 0.5 --max-output-len 32
 
 vllm-baseline: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m benchmarks.serve_baseline $(BASELINE_ARGS)
+
+# The prepared check for a GPU box (tests/gpu/check.py): the GPU tests, greedy equality of
+# every family in fp32 and bf16, the KV cache under --gpu-memory-utilization, colocated:1 vs
+# disagg:1p1d on one GPU, decode step time against the HBM floor; one table, < 8 minutes.
+# It needs only torch (CUDA), transformers and msgpack: no virtualenv, no install, no network
+# (pytest comes from tests/gpu/wheels where it is missing). No CUDA: it stops, saying so.
+GPU_PYTHON ?= python3
+
+gpu-check:
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) tests/gpu/check.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results

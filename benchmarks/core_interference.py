@@ -16,6 +16,12 @@ import statistics
 import time
 
 import numpy as np
+import torch
+
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.model import load_model
+from engine.request import Request, SamplingParams
 
 
 def spin(kind, stop):
@@ -33,12 +39,7 @@ def spin(kind, stop):
 
 def main():
     os.sched_setaffinity(0, {0})
-    import torch
     torch.set_num_threads(1)
-    from engine.config import EngineConfig, ModelConfig
-    from engine.engine import Engine
-    from engine.model import load_model
-    from engine.request import Request, SamplingParams
     loaded = load_model(ModelConfig("smollm2-135m"))
     eng = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=2048, max_num_batched_tokens=512,
                                       enable_prefix_caching=False))

@@ -68,7 +68,7 @@ def _engines(loaded, max_num_seqs: int, max_model_len: int) -> dict[str, Engine]
                                                  max_num_batched_tokens=max(2048, max_model_len),
                                                  enable_prefix_caching=False))
                for name in names}
-    if engines["fused"].runner.kernels is None:
+    if getattr(engines["fused"].runner.ops, "kernels", None) is None:
         raise RuntimeError("the CPU kernels did not build here: nothing to compare")
     engines["torch"].runner = _torch_runner(loaded, engines["torch"].kv_store)
     for rev, runner_cls in _AGAINST.items():

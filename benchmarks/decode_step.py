@@ -22,6 +22,7 @@ import sys
 import warnings
 
 import torch
+from transformers import DynamicCache
 
 from benchmarks import (add_common_args, estimator_line, measure_interleaved, print_table,
                         setup_threads)
@@ -40,8 +41,6 @@ def _prompts(vocab_size: int, batch_size: int, length: int, seed: int) -> list[l
 
 def compare(loaded: LoadedModel, batch_size: int, context: int, repeats: int) -> dict:
     """Prefill both contenders, then time interleaved decode steps; returns a result row."""
-    from transformers import DynamicCache
-
     model = loaded.model
     prompts = _prompts(model.config.vocab_size, batch_size, context - 1, seed=batch_size)
     max_tokens = repeats + 4  # never finishes while being timed

@@ -1,4 +1,5 @@
-"""The CPU GEMM kernels ``engine.runner._Linear`` picks between, by row count (issue 10).
+"""The CPU GEMM kernels the engine's CPU backend picks between, by row count (issues 10, 30:
+``engine.ops.CpuOps.linear``, measured per machine by ``engine.kernel_choice``).
 
 One "step sweep" per row count M: the matmuls of a whole SmolLM2-135M forward (30 layers x
 Q/K/V fused, O, gate/up fused, down; plus the LM head for M <= 64, the rows a decode step
@@ -12,9 +13,10 @@ interleaved round by round:
   (the 6 x 16 AVX2/FMA kernel in ``engine/cpu_kernels.c``).
 
 Prints each sweep's time, GFLOP/s, and the ratios pdlab / best of torch's two and MKL /
-oneDNN (< 1: the first is faster). ``_C_GEMM_MAX_ROWS``, ``_BLAS_MIN_ROWS`` and the
-one-row rule in ``engine/runner.py`` come from this table on the machine in
-benchmarks/README.md. Timing does not depend on the weights' values.
+oneDNN (< 1: the first is faster). The engine takes no crossover from this table: it
+measures the candidates per shape class on the machine it runs on (``engine.kernel_choice``);
+this sweep shows the same comparison over a whole forward. Timing does not depend on the
+weights' values.
 """
 
 from __future__ import annotations

@@ -26,10 +26,10 @@ the CRC is single-threaded) in every process, memcpy included.
 
 Part 2, layer-wise streaming (SmolLM2-135M, one 512-token prompt, fp32 KV = 23.6 MB).
 The prefill runs as ``PrefillWorker`` runs it: one ``Engine.step`` (the whole prompt in one
-step); whole-request: after the step ``export_kv`` + one put; layer-wise: ``on_layer_done``
-puts each layer (``read_kv_layers`` + put) while the next layer computes. A receiver
-thread in the same process gets each handle as soon as it is put (it waits on a queue the
-puts feed) and frees it after. Measured per run:
+step); whole-request: after the step ``export_kv`` + one put; layer-wise: the engine's layer
+listener (``Engine(on_layer_done=...)``) puts each layer (``read_kv_layers`` + put) while
+the next layer computes. A receiver thread in the same process gets each handle as soon as
+it is put (it waits on a queue the puts feed) and frees it after. Measured per run:
 
 - ``prefill_s``: the step's wall time (the hook's puts included for layer-wise);
 - ``exposed_s``: from the step's end until the receiver has returned from the get of the
@@ -43,16 +43,28 @@ Target: layer-wise exposed_s <= 20% of the whole-request exposed_s.
 from __future__ import annotations
 
 import argparse
+import importlib
 import queue
 import sys
 import threading
 import time
 from pathlib import Path
 
+import pandas as pd
+import ray
 import torch
+import torch.multiprocessing as mp
 
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
 from engine.kv_cache import KVSpec
+from engine.model import load_model
+from experiments.measure import random_request
 from experiments.timing import Timing, measure, summarize
+from experiments.transfer_cost import time_torchdist
+from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.ray_store import RayObjectStoreTransport
+from kv_transfer.shm import SharedMemoryTransport
 
 MIB = 1 << 20
 SPEC = KVSpec(model_fingerprint="bench", num_layers=16, num_kv_heads=8, head_dim=128,
@@ -93,7 +105,6 @@ def time_local(transport, kv: torch.Tensor, repeats: int) -> Timing:
 def _shm_side(role: str, sizes: list[int], repeats: int, checksum: bool, zero_copy: bool,
               threads: int, handle_q, ack_q, result_q) -> None:
     """One process of the two-process shm measurement: ``put`` side or ``get`` side."""
-    from kv_transfer.shm import SharedMemoryTransport
 
     torch.set_num_threads(threads)
     transport = SharedMemoryTransport(checksum=checksum, capacity_bytes=(max(sizes) + 1) * MIB,
@@ -129,10 +140,8 @@ def _shm_side(role: str, sizes: list[int], repeats: int, checksum: bool, zero_co
 
 def time_shm(sizes: list[int], repeats: int, checksum: bool, zero_copy: bool,
              threads: int) -> list[Timing]:
-    import torch.multiprocessing as mp
-
-    from benchmarks.kv_transfer import _shm_side as side  # importable by name when run as -m
-
+    # the spawned child finds the target by module name even when this runs as __main__ (-m)
+    side = importlib.import_module("benchmarks.kv_transfer")._shm_side
     ctx = mp.get_context("spawn")
     handle_q, ack_q, result_q = ctx.Queue(), ctx.Queue(), ctx.Queue()
     args = (sizes, repeats, checksum, zero_copy, threads, handle_q, ack_q, result_q)
@@ -151,8 +160,6 @@ def time_shm(sizes: list[int], repeats: int, checksum: bool, zero_copy: bool,
 
 def bandwidth_table(sizes: list[int], repeats: int, threads: int, with_ray: bool,
                     with_torchdist: bool) -> list[dict]:
-    from kv_transfer.inprocess import InProcessTransport
-
     rows: list[dict] = []
     memcpy: dict[int, Timing] = {}
 
@@ -165,10 +172,6 @@ def bandwidth_table(sizes: list[int], repeats: int, threads: int, with_ray: bool
 
     ray_transport = None
     if with_ray:
-        import ray
-
-        from kv_transfer.ray_store import RayObjectStoreTransport
-
         ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
                  configure_logging=False,
                  object_store_memory=max(4 * max(sizes) * MIB, 512 * MIB))
@@ -189,8 +192,6 @@ def bandwidth_table(sizes: list[int], repeats: int, threads: int, with_ray: bool
                   file=sys.stderr)
     finally:
         if with_ray:
-            import ray
-
             ray.shutdown()
     for name, checksum, zero_copy, where in [
             ("shm", True, True, "2 processes: put_s + get_s (zero-copy view)"),
@@ -200,8 +201,6 @@ def bandwidth_table(sizes: list[int], repeats: int, threads: int, with_ray: bool
             add(name, where, mib, t)
         print(f"  measured {name}", file=sys.stderr)
     if with_torchdist:
-        from experiments.kv_cost import time_torchdist
-
         jobs = [(mib * MIB // SPEC.bytes_per_token, [(0, SPEC.num_layers)]) for mib in sizes]
         for mib, t in zip(sizes, time_torchdist(SPEC, jobs, repeats)):
             add("torchdist", "gloo, 2 processes: put_s + get_s", mib, t)
@@ -248,48 +247,45 @@ class Receiver:
 
 def streaming_table(transport_names: list[str], prompt_len: int, repeats: int,
                     layers_per_chunk: int) -> list[dict]:
-    from engine.config import EngineConfig, ModelConfig
-    from engine.engine import Engine
-    from engine.model import load_model
-    from experiments import profile
-    from kv_transfer.inprocess import InProcessTransport
-    from kv_transfer.shm import SharedMemoryTransport
-
     loaded = load_model(ModelConfig("smollm2-135m"))
     spec = loaded.kv_spec
-    engine = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
-                                         max_num_batched_tokens=prompt_len,
-                                         enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
     num_layers = spec.num_layers
     chunks = [(s, min(s + layers_per_chunk, num_layers))
               for s in range(0, num_layers, layers_per_chunk)]
+    sink: dict = {}  # the transport and receiver being measured
+
+    def put_layers(layer: int, batch) -> None:
+        for state in batch.requests:  # the step's one prompt
+            for start, end in chunks:
+                if end == layer + 1:
+                    kv = engines["layer"].read_kv_layers(state.request_id, slice(start, end))
+                    sink["receiver"].handles.put(
+                        sink["transport"].put(state.request_id, spec, kv, layer_start=start))
+
+    # one engine per mode, as a prefill worker's granularity is fixed when it is built
+    config = EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
+                          max_num_batched_tokens=prompt_len,
+                          enable_prefix_caching=False)  # every repeat: the same prompt
+    engines = {"whole": Engine(loaded, config),
+               "layer": Engine(loaded, config, quiet=True, on_layer_done=put_layers)}
     rows = []
     for name in transport_names:
         transport = SharedMemoryTransport() if name == "shm" else InProcessTransport()
         receiver = Receiver(transport, spec)
+        sink.update(transport=transport, receiver=receiver)
         results: dict[str, dict[str, list[float]]] = {}
         try:
-            for mode in ("whole", "layer"):
+            for mode, engine in engines.items():
                 prefill, exposed = [], []
                 for i in range(1 + repeats):
-                    request = profile._request(gen, profile._vocab(loaded), prompt_len, 2)
+                    request = random_request(gen, loaded, prompt_len, 2)
                     rid = request.request_id
                     engine.add_request(request, prefill_only=True)
                     receiver.expect(1 if mode == "whole" else len(chunks))
-
-                    def put_layers(layer: int, batch, rid=rid) -> None:
-                        for start, end in chunks:
-                            if end == layer + 1:
-                                kv = engine.read_kv_layers(rid, slice(start, end))
-                                receiver.handles.put(
-                                    transport.put(rid, spec, kv, layer_start=start))
-
-                    engine.on_layer_done = put_layers if mode == "layer" else None
                     start_s = time.perf_counter()
                     engine.step()
                     end_s = time.perf_counter()
-                    engine.on_layer_done = None
                     if mode == "whole":
                         kv, _ = engine.export_kv(rid)
                         receiver.handles.put(transport.put(rid, spec, kv))
@@ -303,7 +299,6 @@ def streaming_table(transport_names: list[str], prompt_len: int, repeats: int,
                 results[mode] = {"prefill": prefill, "exposed": exposed}
         finally:
             receiver.close()
-            engine.on_layer_done = None
         if transport.num_held():
             raise RuntimeError(f"{name} still holds {transport.num_held()} transfers")
         whole, layer = (summarize(results[m]["exposed"]) for m in ("whole", "layer"))
@@ -379,8 +374,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'holds' if r['exposed_over_whole'] <= 0.2 else 'misses'}); prefill "
                       f"lengthened by {r['lengthening_ms']:.1f} ms")
     if args.out is not None:
-        import pandas as pd
-
         args.out.mkdir(parents=True, exist_ok=True)
         pd.DataFrame(rows).to_csv(args.out / "kv_bandwidth.csv", index=False)
         if stream_rows:

@@ -50,9 +50,11 @@ from benchmarks import (add_common_args, estimator_line, measure_interleaved, pr
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.kv_cache import GIB, KVStore
-from engine.model import LoadedModel, load_model
+from engine.model import LoadedModel, load_model, load_tokenizer
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledBatch
+from experiments.workload_spec import WorkloadSpec
+from experiments.workloads import sharegpt
 
 SLOT_COMMIT = "3ed2280"  # main before the paged KV cache
 VLLM_CPU_BLOCK_SIZE = 128  # vllm/platforms/cpu.py: the CPU backend's default block size
@@ -177,10 +179,6 @@ def measure_build(loaded: LoadedModel) -> dict:
 
 def measure_capacity(loaded: LoadedModel, num_requests: int, budget_gib: float = 2.0) -> dict:
     """Concurrent ShareGPT requests at full length in ``budget_gib`` (module doc, part 3)."""
-    from engine.model import load_tokenizer
-    from experiments.compare import WorkloadSpec
-    from experiments.workloads import sharegpt
-
     spec = WorkloadSpec()  # pdlab's default ShareGPT filters
     tokenizer = load_tokenizer(ModelConfig("smollm2-135m"))
     reqs = sharegpt(tokenizer, num_requests, seed=0, min_prompt_len=spec.min_prompt_len,

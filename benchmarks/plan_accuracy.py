@@ -6,7 +6,7 @@ PLAN_OUT is a ``pdlab plan --validate`` (or ``pdlab compare --simulate``) output
 with ``measured/`` and ``simulated/`` results. Printed, per (placement, rate):
 
 1. the real steps against the step model on their own rebuilt batches
-   (``experiments.plan.diagnose.step_table``): measured ÷ modelled per worker and step kind,
+   (``planner.diagnose.step_table``): measured ÷ modelled per worker and step kind,
    and the loop gap between back-to-back steps (time no step model contains);
 2. the median TTFT parts, measured beside simulated (``diagnose.ttft_parts``);
 3. whether the simulated steps ran the same batches: steps, and the share of the real
@@ -15,14 +15,14 @@ with ``measured/`` and ``simulated/`` results. Printed, per (placement, rate):
    decode and prompt steps apart (a machine whose speed drifts shows here).
 
 The profile defaults to the one the simulated run recorded (its config line).
-``--rescore DIR``: ``experiments.plan.validate.score`` again on the saved real runs, with
+``--rescore DIR``: ``experiments.validate.score`` again on the saved real runs, with
 this checkout's simulator and the profile, into DIR (validation*.csv, measured/,
 simulated/): a validation's figures after a simulator change, without new real runs. The
 workload is rebuilt from the records (the simulator needs only the lengths; the arrival
 times come from the same seeds). The rescore includes the drift replay (each real run's
-measured speed over time replayed in its simulation, ``experiments.plan.drift``;
+measured speed over time replayed in its simulation, ``planner.drift``;
 ``--replay-window-s`` sets its window) beside the open-loop figures; ``--speed-spread S``
-adds the speed band (``experiments.plan.band``).
+adds the speed band (``planner.band``).
 """
 
 from __future__ import annotations
@@ -36,14 +36,16 @@ import pandas as pd
 
 from engine.config import EngineConfig, TransferConfig
 from engine.metrics import ARRIVED, FINISHED, SLO, RequestRecord
-from experiments import compare, workloads
-from experiments.plan import diagnose, drift, search, validate
-from experiments.plan.latency import DeviceProfile
+from experiments import replay, workload_spec
+from experiments import workloads
+from planner import diagnose, drift, search
+from experiments import validate
+from planner.latency import DeviceProfile
 
 
 def load_results(path: Path) -> tuple[dict, dict, pd.DataFrame]:
     """``(config, {(placement, rate, seed): [RequestRecord]}, steps table)`` of a results
-    directory (``compare.write_results``' requests.jsonl and steps.csv)."""
+    directory (``experiments.results.write_results``' requests.jsonl and steps.csv)."""
     config, runs = {}, {}
     with open(path / "requests.jsonl") as f:
         for line in f:
@@ -74,7 +76,7 @@ def rescore(out: Path, profile: DeviceProfile, dest: Path,
     config, measured, items = load_runs(out / "measured")
     reruns = [load_runs(path)[1] for path in sorted(out.glob("measured_rerun*"),
                                                      key=lambda p: int(p.name.removeprefix("measured_rerun")))]
-    spec = compare.WorkloadSpec(**config["workload"])
+    spec = workload_spec.WorkloadSpec(**config["workload"])
     cands = [search.Candidate(p, config.get("chunk_budgets", {}).get(p)) for p in config["placements"]]
     transfer = TransferConfig(**config["transfer"])
     transfer_model = profile.transfers.get(transfer.transport) if any(
@@ -86,9 +88,9 @@ def rescore(out: Path, profile: DeviceProfile, dest: Path,
                           speed_spread, reruns)
 
 
-def load_runs(path: Path) -> tuple[dict, list[compare.RunResult], dict]:
+def load_runs(path: Path) -> tuple[dict, list[replay.RunResult], dict]:
     """A saved results directory as ``(config, runs, items)``: its real runs as
-    ``compare.RunResult``s (records, steps and transfers of each) and per seed the
+    ``replay.RunResult``s (records, steps and transfers of each) and per seed the
     workload rebuilt from the records (prompt lengths and output lengths; the token ids
     are not saved: each rebuilt prompt starts with its own token, so the simulator's
     prefix cache finds no block shared, as on the synthetic workloads validated; a run
@@ -104,7 +106,7 @@ def load_runs(path: Path) -> tuple[dict, list[compare.RunResult], dict]:
             for i, r in enumerate(records)])
         moved = (transfers[transfers["request_id"].isin({r.request_id for r in records})]
                  if "request_id" in transfers else transfers)  # colocated runs move no KV
-        measured.append(compare.RunResult(
+        measured.append(replay.RunResult(
             placement, rate, records, _steps_of(steps, (placement, rate, seed)),
             moved.drop(columns=["placement", "rate", "seed"]).to_dict("records"),
             max(r.timeline.get(FINISHED, 0.0) for r in records)

@@ -4,7 +4,7 @@ The default workload (ShareGPT, SmolLM2 tokenizer, prompts 128-1024 tokens, outp
 2,479 conversations pass those filters, so the 10,000 requests cycle through 2,400 of them)
 is built once (timed apart: tokenizing is not simulating); then every (placement, rate) is
 simulated on one seed with a SmolLM2 device profile and the CPU engine defaults
-(``experiments.cli.CPU_ENGINE_DEFAULTS``), over ``--jobs`` processes (default: one per CPU).
+(``experiments.options.CPU_ENGINE_DEFAULTS``), over ``--jobs`` processes (default: one per CPU).
 The profile: ``--profile``, else the newest ``results/profile-*/device_profile.json`` of
 smollm2-135m, else ``REFERENCE_PROFILE`` (the coefficients ``pdlab profile`` measured for
 SmolLM2 fp32 on one core of this machine, so a clean checkout runs it in one command).
@@ -26,10 +26,10 @@ import time
 
 from engine.config import EngineConfig, ModelConfig
 from engine.metrics import SLO
-from experiments import compare
-from experiments.cli import CPU_ENGINE_DEFAULTS
-from experiments.plan import command, search
-from experiments.plan.latency import PROFILE_VERSION, DeviceProfile
+from experiments.options import CPU_ENGINE_DEFAULTS, find_profile
+from experiments.workload_spec import WorkloadSpec, build_workload, requests_of
+from planner import search
+from planner.latency import PROFILE_VERSION, DeviceProfile
 
 TARGET_S = 60.0
 
@@ -58,7 +58,7 @@ REFERENCE_PROFILE = {
 
 def load_profile(path: str | None, model: ModelConfig) -> tuple[DeviceProfile, str]:
     """The profile to time with and where it came from (module docstring's order)."""
-    path = path or command.find_profile(model)
+    path = path or find_profile(model)
     if path is not None:
         return DeviceProfile.load(path), str(path)
     return DeviceProfile.from_dict(REFERENCE_PROFILE), "REFERENCE_PROFILE (built in)"
@@ -75,11 +75,11 @@ def main(argv: list[str] | None = None) -> int:
     model = ModelConfig("smollm2-135m")
     profile, source = load_profile(args.profile, model)
     engine = EngineConfig(**CPU_ENGINE_DEFAULTS)
-    spec = compare.WorkloadSpec(num_requests=min(args.num_requests, 2400), seeds=1)
+    spec = WorkloadSpec(num_requests=min(args.num_requests, 2400), seeds=1)
     start = time.perf_counter()
-    pool = compare.build_workload(spec, model, 0, 2048)
+    pool = build_workload(spec, model, 0, 2048)
     items = [pool[i % len(pool)] for i in range(args.num_requests)]
-    requests = {0: search.timed_requests(items, "bench")}
+    requests = {0: requests_of(items, "bench")}
     build_s = time.perf_counter() - start
     cands = search.candidates(args.devices, [256])[:6]
     rates = search.auto_rates(profile, sum(i.num_prompt_tokens for i in items) / len(items),

@@ -5,9 +5,10 @@
 2. GEMM rate at the engine's own shapes: each projection group of one decoder layer (Q/K/V
    fused, O, gate/up fused, down) as ``[M, in] x [in, out]`` with M = the prefill's token
    count and M = 16 (decode-like), through every kernel the engine picks between by row
-   count (``engine.runner._Linear``): the oneDNN-packed ``_linear_pointwise``, MKL's sgemm
-   (``torch.mm``) and pdlab's own (``engine.cpu_kernels.linear``, where it builds). The
+   count (``engine.ops.CpuOps.linear``): the oneDNN-packed ``_linear_pointwise``, MKL's
+   sgemm (``torch.mm``) and pdlab's own (``engine.cpu_kernels.linear``, where it builds). The
    fastest per shape is the floor: the best reached on these cores, not one square matmul.
+   Also printed: the kernel the engine's selector chose for each shape at that row count.
 3. **Decode** (memory floor): one ``Engine.step()`` decoding one request (B = 1) at a KV
    context of 128 tokens. Floor = weight bytes (every parameter read once per step; tied
    embeddings counted once) / read bandwidth.
@@ -29,17 +30,22 @@ import sys
 
 import torch
 
-from benchmarks import (add_common_args, estimator_line, measure_interleaved, print_table,
-                        setup_threads)
-from engine import cpu_kernels
+from benchmarks import (
+    add_common_args,
+    estimator_line,
+    measure_interleaved,
+    print_table,
+    setup_threads,
+)
+from engine import kernel_choice
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
-from engine.runner import _Linear
+from engine.ops import CpuOps, select_ops
 from engine.request import Request, SamplingParams
 
 _ids = itertools.count()
-KERNELS = ("onednn", "mkl", "pdlab")  # the GEMM kernels gemm_contenders times
+KERNELS = ("onednn", "mkl", "pdlab")  # the GEMM kernels gemm_contenders can time
 
 
 def weight_bytes(model) -> int:
@@ -70,25 +76,31 @@ def gemm_shapes(model) -> dict[str, tuple[int, int]]:
 
 
 def gemm_contenders(shapes: dict[str, tuple[int, int]], rows: int) -> dict[str, object]:
-    """``{"<shape>@<rows>/<kernel>": callable}`` for the packed oneDNN, the MKL and (where it
-    builds for AVX2/FMA) pdlab's kernel."""
+    """``{"<shape>@<rows>/<kernel>": callable}`` for every GEMM candidate the engine's CPU
+    backend has here (``CpuOps.linear_candidates``: MKL, the packed oneDNN where this torch
+    has it, pdlab's kernel where it builds for AVX2/FMA and torch has one thread), each
+    built as the backend builds it."""
     gen = torch.Generator().manual_seed(0)
-    kernels = cpu_kernels.load()
+    backend = select_ops(torch.device("cpu"), torch.float32, torch.float32)
+    names = backend.linear_candidates if isinstance(backend, CpuOps) else ["mkl"]
     out = {}
     for name, (fan_in, fan_out) in shapes.items():
-        linear = torch.nn.Linear(fan_in, fan_out, bias=False)
+        weight = torch.randn(fan_out, fan_in, generator=gen) * fan_in ** -0.5
         x = torch.randn(rows, fan_in, generator=gen)
-        weight_t = linear.weight.detach().t().contiguous()
-        packed = _Linear([linear]).packed  # the engine's oneDNN layout (None: no oneDNN)
-        if packed is not None:
-            out[f"{name}@{rows}/onednn"] = lambda x=x, p=packed: (
-                torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))
-        out[f"{name}@{rows}/mkl"] = lambda x=x, w=weight_t: torch.mm(x, w)
-        if kernels is not None and kernels.linear_vectorized:
-            panels = kernels.pack_linear(linear.weight.detach())
-            out[f"{name}@{rows}/pdlab"] = lambda x=x, p=panels, n=fan_out: (
-                kernels.linear(x, p, None, n))
+        for kernel in names:
+            try:
+                run = backend._make_linear(kernel, weight, None)
+            except RuntimeError:  # oneDNN could not pack it
+                continue
+            out[f"{name}@{rows}/{kernel}"] = lambda x=x, run=run: run(x)
     return out
+
+
+def _engine_pick(choice: dict[int, str] | None, rows: int) -> str:
+    """The kernel the engine's selector runs for ``rows`` rows of a shape ('-': reference)."""
+    if not choice:
+        return "-"
+    return choice[min(kernel_choice.bucket(rows), max(choice))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -141,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = model.config
     bandwidth = big.numel() * big.element_size() / timings["read"].min_s  # bytes/s
     gemm_rows = []
+    chosen = getattr(prefiller.runner.ops, "linear_choices", {})  # "in x out" -> bucket -> name
     best_s = {}  # (shape, rows) -> fastest kernel's seconds
     for rows in (args.prompt_len, 16):
         for name, (fan_in, fan_out) in shapes.items():
@@ -151,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             gemm_rows.append([f"{name} [{rows}x{fan_in}]x[{fan_in}x{fan_out}]",
                               *(f"{flops / kernels[k] / 1e9:.1f}" if k in kernels else "-"
                                 for k in KERNELS),
-                              f"{flops / best_s[(name, rows)] / 1e9:.1f}"])
+                              f"{flops / best_s[(name, rows)] / 1e9:.1f}",
+                              _engine_pick(chosen.get(f"{fan_in}x{fan_out}"), rows)])
     prefill_gemm_flops = 2 * args.prompt_len * sum(i * o for i, o in shapes.values())
     prefill_gemm_s = sum(best_s[(name, args.prompt_len)] for name in shapes)
     best_rate = prefill_gemm_flops / prefill_gemm_s  # FLOP/s over one layer's matmuls
@@ -165,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device: read bandwidth {bandwidth / 1e9:.2f} GB/s ({args.bandwidth_mib} MiB sum, "
           f"{timings['read'].min_s:.4f} s)")
     print("GEMM rate at the engine's shapes, GFLOP/s (best kernel per shape is the floor):")
-    print_table(["shape", "oneDNN packed", "MKL mm", "pdlab", "best"], gemm_rows)
+    print(prefiller.runner.ops.summary())
+    print_table(["shape", "oneDNN packed", "MKL mm", "pdlab", "best", "engine picks"],
+                gemm_rows)
     print_table(
         ["phase", "engine_s", "engine_median_s", "work", "floor_s", "engine/floor",
          "achieved"],

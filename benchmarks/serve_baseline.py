@@ -1,10 +1,10 @@
 """``make vllm-baseline``: the same ShareGPT workload, over streaming HTTP, against vLLM's CPU
 OpenAI server and against ``pdlab serve`` (colocated:1 and disagg:1p1d), one after the other
-on the same cores, then one comparison report (``experiments.bench.merge``).
+on the same cores, then one comparison report (``experiments.commands.bench.merge``).
 
 For each system: start its server as a subprocess (``taskset`` to the benchmark cores), wait
 for ``/v1/models`` to answer (vLLM compiles first: minutes), run ``pdlab bench`` against it
-(``experiments.bench.bench``), stop it (SIGTERM to its process group, SIGKILL after 20 s).
+(``experiments.commands.bench.bench``), stop it (SIGTERM to its process group, SIGKILL after 20 s).
 
 vLLM runs as ``benchmarks/vllm_peer.py`` runs it: fp32, prefix caching off, the SmolLM2
 directory pdlab caches, ``VLLM_CPU_OMP_THREADS_BIND`` = the benchmark cores, and
@@ -33,9 +33,9 @@ import httpx
 from engine.config import ModelConfig
 from engine.metrics import SLO
 from engine.model import SMOLLM2_NAME, cache_dir
-from experiments import bench
-from experiments.compare import WorkloadSpec
-from experiments.http_config import BenchConfig
+from experiments.commands import bench
+from experiments.workload_spec import WorkloadSpec
+
 from experiments.report import format_table
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             wait_ready(url, proc, args.start_timeout_s)
             print(f"   up after {time.monotonic() - start_s:.0f} s", flush=True)
             out = args.out / system
-            bench.bench(BenchConfig(base_url=url, label=label, served_model=SMOLLM2_NAME),
+            bench.bench(bench.BenchConfig(base_url=url, label=label, served_model=SMOLLM2_NAME),
                         spec, ModelConfig(SMOLLM2_NAME), MAX_MODEL_LEN, rates, slo, out)
             dirs.append(out)
         finally:

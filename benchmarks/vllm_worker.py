@@ -29,6 +29,7 @@ def main() -> int:
     caching = len(sys.argv) > 4 and sys.argv[4] == "1"
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything vLLM prints stays off the protocol channel
+    # imported after the redirect: what vLLM prints on import must not reach the channel
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt

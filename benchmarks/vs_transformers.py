@@ -28,6 +28,8 @@ import sys
 import warnings
 
 import torch
+import transformers
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from benchmarks import add_common_args, print_table, setup_threads
 from engine.config import EngineConfig, ModelConfig
@@ -47,8 +49,6 @@ class Contenders:
     outputs (token ids per prompt) in ``self.outputs[name]``."""
 
     def __init__(self, loaded, prompts: list[list[int]], output_len: int) -> None:
-        from transformers import ContinuousBatchingConfig, GenerationConfig
-
         self.loaded, self.model = loaded, loaded.model
         self.prompts, self.output_len = prompts, output_len
         self.outputs: dict[str, list[list[int]]] = {}
@@ -110,7 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     num_prompts = args.num_prompts or (8 if args.quick else 16)
     output_len = args.output_len or (32 if args.quick else 64)
     print(setup_threads(args.threads))
-    import transformers
     transformers.logging.set_verbosity_error()
     loaded = load_model(ModelConfig("smollm2-135m"))
     prompts = [list(r.prompt_token_ids) for r in sharegpt(loaded.tokenizer, num_prompts, seed=0)]

@@ -45,9 +45,10 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig, ModelConfig, TransferConfig
+from engine.engine import StepOutput
 from engine.events import ERROR, KV_GOT, WorkerEvent
 from engine.metrics import DECODE_ADMITTED
-from engine.request import Request, TokenOutput
+from engine.request import Request
 from engine.serving import EngineLoop, token_event
 from kv_transfer.factory import make_transport
 from kv_transfer.transport import KVHandle, Transport
@@ -136,10 +137,14 @@ class DecodeWorker(EngineLoop):
             self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(),
                                   error=f"aborted on {self.name} {where}"))
 
-    def on_tick(self) -> None:
-        """Start the fetch of every request whose slot the scheduler just reserved; free the
-        handles of those that recompute here instead."""
-        for rid in self.engine.pop_kv_dropped():
+    def on_step(self, output: StepOutput) -> None:
+        """Every token goes out; the handles of requests that recompute here instead of
+        receiving their KV are freed; then the fetch of every request whose slot this step
+        reserved starts (also after a step that did nothing else)."""
+        for out in output.tokens:
+            stamps = {DECODE_ADMITTED: out.first_scheduled_s} if out.first_scheduled_s else {}
+            self.emit(token_event(self.name, out, **stamps))
+        for rid in output.kv_dropped:
             transfer = self._transfers.pop(rid, None)
             if transfer is None:
                 continue
@@ -147,10 +152,10 @@ class DecodeWorker(EngineLoop):
             now = time.time()  # nothing fetched: the router stops holding the handles
             self.emit(WorkerEvent(KV_GOT, rid, self.name, now, kv_bytes=0, kv_transfer_s=0.0,
                                   kv_get_s=0.0, stamps={KV_GOT: now}))
-        for rid in self.engine.pop_kv_reserved():
+        for rid in output.kv_reserved:
             transfer = self._transfers.get(rid)
             if transfer is None or not self.engine.is_waiting_for_kv(rid):
-                continue  # aborted between reservation and now
+                continue  # no handles held here (added to the engine directly)
             transfer.fetching = True
             self._fetcher.submit(self._fetch_thread, transfer)
 
@@ -228,8 +233,3 @@ class DecodeWorker(EngineLoop):
             raise ValueError(f"KV for request {rid} covers layers starting at "
                              f"{layers}, expected all {spec.num_layers} layers")
         return parts[0][1] if len(parts) == 1 else torch.cat([kv for _, kv in parts])
-
-    def on_outputs(self, outputs: list[TokenOutput]) -> None:
-        for out in outputs:
-            stamps = {DECODE_ADMITTED: out.first_scheduled_s} if out.first_scheduled_s else {}
-            self.emit(token_event(self.name, out, **stamps))

@@ -25,9 +25,12 @@ The build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math
 -shared -fPIC`` (no flag that changes a result: no -ffast-math) (``$CC`` overrides
 ``cc``) into ``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash
 covering the source, the command and the machine, so a machine compiles it once (well under a
-second here); later processes load the cached library. ``load()`` returns None, and the runner
-keeps its pure-PyTorch path, when the kernels are disabled (``PDLAB_CPU_KERNELS=0``), no
-compiler is found, or the build or load fails (one warning says why). The wrappers refuse
+second here); later processes load the cached library. ``PDLAB_CPU_KERNELS_ISA=avx2`` adds
+``-mno-avx512f`` (an AVX-512 machine standing in for an AVX2-only one, as
+``ONEDNN_MAX_CPU_ISA=AVX2`` does for oneDNN). ``load()`` returns None, and the CPU backend
+(``engine/ops.py``) runs torch's kernels instead, when the kernels are disabled
+(``PDLAB_CPU_KERNELS=0``), no compiler is found, or the build or load fails (one warning says
+why). The wrappers refuse
 (``ValueError``) anything but float32 CPU tensors in the layouts their docstrings give: they
 read raw pointers.
 """
@@ -50,6 +53,8 @@ from engine.model import cache_dir  # transformers is imported there only lazily
 
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "PDLAB_CPU_KERNELS"  # "0": never build or use the kernels
+ISA_ENV = "PDLAB_CPU_KERNELS_ISA"  # "avx2": no AVX-512 in the build; unset/"native": -march only
+_ISA_CAPS = {"": (), "native": (), "avx2": ("-mno-avx512f",)}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
           "-shared", "-fPIC")
 _LIBRARY = "libpdlab_kernels.so"
@@ -96,8 +101,11 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
     compiler = compiler or _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC)")
+    cap = os.environ.get(ISA_ENV, "").lower()
+    if cap not in _ISA_CAPS:
+        raise RuntimeError(f"${ISA_ENV}={cap!r}: expected one of {sorted(k for k in _ISA_CAPS if k)}")
     source = SOURCE.read_bytes()
-    flags = (*_FLAGS, *extra_flags)
+    flags = (*_FLAGS, *_ISA_CAPS[cap], *extra_flags)
     key = hashlib.sha256(source + " ".join((compiler, *flags, platform.machine(),
                                             _cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / key / _LIBRARY

@@ -1,4 +1,32 @@
-"""Bind the current process to one device of a device set (DESIGN §5)."""
+"""Bind a worker to one device of a device set, and name the GPU it uses (DESIGN §5).
+
+A worker's device is ``cpu:i`` / ``cpu:a-b`` (cores) or ``cuda:i`` (a GPU). How it binds
+depends on whether it has its process to itself:
+
+- **Pinned** (``pin=True``: a Ray actor, one worker per process): a CPU worker pins the
+  process to its cores (``os.sched_setaffinity``) and sets torch's thread count to match; a
+  CUDA worker makes its GPU the process's current device.
+- **Placed** (``pin=False``: local mode, several workers in one process): nothing
+  process-wide changes. A CPU worker runs on ``cpu`` with the process's threads; a CUDA
+  worker still runs on its own GPU, as the torch device ``cuda:i``: its weights, KV and
+  every tensor it makes are on that device, so workers on different GPUs can share one
+  process (``CUDA_VISIBLE_DEVICES`` is process-wide and cannot separate them).
+
+Either way the worker's engine thread calls ``use_on_this_thread`` first: the CUDA current
+device is per host thread, and ops that take no device (streams, events, synchronize) use it.
+
+Inside Ray (``inside_ray=True``) a CUDA worker sees one GPU, ``cuda:0``: either the one Ray
+gave it (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES``), or, where the placement pins the
+index itself, the one named by ``PDLAB_CUDA_VISIBLE_DEVICES`` (``PIN_ENV``), which
+``bind_device`` copies into ``CUDA_VISIBLE_DEVICES`` before CUDA starts in this process (see
+``experiments.placement``: ``cuda:i`` is honoured exactly on a cluster pdlab starts).
+
+``gpu_identity`` says which physical GPU a worker used (index as this process sees it, name,
+UUID, ``CUDA_VISIBLE_DEVICES``); ``EngineLoop.info`` records it with every result.
+
+Every CUDA call goes through ``CUDA`` (a ``CudaAPI``), the seam that the unit tests replace
+with a fake device table (``tests/unit/test_device.py``).
+"""
 
 from __future__ import annotations
 
@@ -8,17 +36,56 @@ import torch
 
 from engine.config import cpu_cores_of
 
+VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
+PIN_ENV = "PDLAB_CUDA_VISIBLE_DEVICES"  # set by the placement on an actor it pins to a GPU
 
-def bind_device(device: str, inside_ray: bool = False) -> str:
-    """Pin this process to ``device`` and return the torch device its engine should use.
 
-    ``cpu:i`` / ``cpu:a-b``: ``os.sched_setaffinity`` to those cores and
-    ``torch.set_num_threads`` to their count. ``cuda:i``: that GPU; inside a Ray actor that
-    was given ``num_gpus=1``, Ray has already narrowed ``CUDA_VISIBLE_DEVICES`` to it, so it
-    is ``cuda:0`` there.
+class CudaAPI:
+    """The CUDA calls device binding and recording make (torch.cuda), in one replaceable place."""
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def is_initialized(self) -> bool:
+        """Whether CUDA has started in this process (after that ``CUDA_VISIBLE_DEVICES``
+        no longer changes what it sees)."""
+        return torch.cuda.is_initialized()
+
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def set_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
+    def properties(self, index: int) -> dict:
+        """``{"name", "uuid", "total_memory_bytes"}`` of GPU ``index`` (as this process numbers
+        them); the UUID as ``nvidia-smi -L`` prints it (``GPU-...``), None if torch lacks it."""
+        props = torch.cuda.get_device_properties(index)
+        uuid = getattr(props, "uuid", None)
+        uuid = None if uuid is None else str(uuid)
+        if uuid is not None and not uuid.startswith(("GPU-", "MIG-")):
+            uuid = f"GPU-{uuid}"
+        return {"name": props.name, "uuid": uuid, "total_memory_bytes": int(props.total_memory)}
+
+
+CUDA = CudaAPI()
+
+
+def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
+    """Bind this worker to ``device``; return the torch device its engine should use.
+
+    Args:
+        device: ``cpu:i``, ``cpu:a-b`` or ``cuda:i`` (index in this process's numbering).
+        inside_ray: the process is a Ray actor that sees only its own GPU (``cuda:0``).
+        pin: change process-wide state (CPU affinity and threads, the current GPU); False
+            where several workers share the process (local mode; see the module docstring).
+
+    Returns:
+        ``"cpu"`` or ``"cuda:j"``.
 
     Raises:
-        ValueError: a core this process may not use, or a GPU that does not exist.
+        ValueError: a core this process may not use; no CUDA; a GPU that does not exist;
+            a pinned GPU asked for after CUDA started here with another view.
     """
     kind = device.split(":")[0]
     if kind == "cpu":
@@ -27,15 +94,59 @@ def bind_device(device: str, inside_ray: bool = False) -> str:
         if not set(cores) <= allowed:
             raise ValueError(f"device {device} names cores {cores}, but this machine offers "
                              f"{sorted(allowed)}")
-        os.sched_setaffinity(0, cores)
-        torch.set_num_threads(len(cores))
+        if pin:
+            os.sched_setaffinity(0, cores)
+            torch.set_num_threads(len(cores))
         return "cpu"
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {device} needs CUDA, which this machine does not have")
     if inside_ray:
-        return "cuda:0"
-    index = int(device.split(":")[1])
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device {device} does not exist ({torch.cuda.device_count()} GPUs)")
-    torch.cuda.set_device(index)
-    return device
+        _apply_pin()
+    if not CUDA.is_available():
+        raise ValueError(f"device {device} needs CUDA, which this machine does not have")
+    index = 0 if inside_ray else int(device.split(":")[1])
+    count = CUDA.device_count()
+    if index >= count:
+        raise ValueError(f"device {device} does not exist ({count} GPUs"
+                         f"{' visible to this Ray actor' if inside_ray else ''})")
+    if pin:
+        CUDA.set_device(index)
+    return f"cuda:{index}"
+
+
+def _apply_pin() -> None:
+    """Copy ``PIN_ENV`` into ``CUDA_VISIBLE_DEVICES`` while CUDA has not started here.
+
+    Raises:
+        ValueError: CUDA already started in this process with another view.
+    """
+    pinned = os.environ.get(PIN_ENV)
+    if pinned is None or os.environ.get(VISIBLE_ENV) == pinned:
+        return
+    if CUDA.is_initialized():
+        raise ValueError(f"this worker is pinned to GPU {pinned} ({PIN_ENV}), but CUDA already "
+                         f"started in its process with {VISIBLE_ENV}="
+                         f"{os.environ.get(VISIBLE_ENV)!r}")
+    os.environ[VISIBLE_ENV] = pinned
+
+
+def use_on_this_thread(torch_device: str) -> None:
+    """Make ``torch_device``'s GPU current on the calling thread (nothing for CPU).
+
+    The CUDA current device is per host thread, so an engine thread calls this before its
+    first step; ops that take no device then use the worker's own GPU, also in local mode."""
+    if torch_device.startswith("cuda"):
+        CUDA.set_device(int(torch_device.split(":")[1]))
+
+
+def gpu_identity(torch_device: str) -> dict | None:
+    """The physical GPU behind ``torch_device`` (None for CPU), for the records.
+
+    Returns:
+        ``{"index": j (this process's numbering), "name", "uuid", "total_memory_bytes",
+        "cuda_visible_devices": this process's CUDA_VISIBLE_DEVICES (None if unset; under
+        Ray it is the GPU id Ray or the placement assigned)}``.
+    """
+    if not torch_device.startswith("cuda"):
+        return None
+    index = int(torch_device.split(":")[1])
+    return {"index": index, **CUDA.properties(index),
+            "cuda_visible_devices": os.environ.get(VISIBLE_ENV)}

@@ -1,32 +1,38 @@
 """One engine per device: schedule -> run -> sample -> update. An Engine alone is a
 colocated instance; the prefill and decode workers wrap the same class.
 
-A step:
+A step (``Engine.step``, which returns one ``StepOutput``):
 
 1. The scheduler picks decodes, prompt chunks and newly admitted requests under the token
    budget and KV capacity (``ScheduledBatch``).
-2. Requests prefilled elsewhere only get their KV blocks reserved (``pop_kv_reserved``);
-   their worker fetches the KV into them (``finish_remote``) and they decode from the next
-   step on.
+2. Requests prefilled elsewhere only get their KV blocks reserved (listed in the step's
+   ``StepOutput.kv_reserved``, also when that is all the step did); their worker fetches
+   the KV into them (``finish_remote``) and they decode from the next step on.
 3. The runner runs one forward over the whole batch and returns logits for the requests
-   whose known tokens are all computed.
+   whose known tokens are all computed. A layer listener given at construction
+   (``on_layer_done``) hears of each layer as its K/V are written (layer-wise streaming).
 4. The sampler picks their tokens (and, for the requests that asked, their raw logprobs:
    ``Sampler.logprobs``); the scheduler advances counters, checks stop conditions and frees
-   the KV blocks of finished requests.
+   the KV blocks of finished requests. A step that ran a forward leaves a ``StepRecord``
+   with its batch (``BatchEntry``: request, tokens, phase, context), measured at the
+   engine's own boundary.
 
 The KV cache is paged (``engine.kv_cache``): ``num_blocks`` blocks of ``block_size`` tokens
 sized by a memory budget, printed at start-up as ``KV cache: N blocks = T tokens = X GiB``.
 
 Bad input is refused in ``add_request`` / ``add_remote`` with a ``ValueError`` and never
 reaches a forward; a forward that fails turns that step's requests into errors
-(``pop_failed``) and the engine keeps serving.
+(``StepOutput.failed``) and the engine keeps serving.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -37,18 +43,134 @@ from engine.model import LoadedModel
 from engine.request import Request, RequestState, RequestStatus, TokenOutput
 from engine.runner import ModelRunner
 from engine.sampler import Sampler
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
+
+PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase
+
+
+class BatchEntry(NamedTuple):
+    """One request's part of a step (``StepRecord.batch``).
+
+    A NamedTuple rather than a dataclass: one is built per request per step on the serving
+    hot path (a tuple is the cheapest immutable record), and ``json.dumps`` writes it as a
+    plain array in field order, which is what ``StepRecord.to_row`` ships.
+
+    Attributes:
+        request_id: the request.
+        num_tokens: its tokens the step computed (a prompt chunk, or 1 for a decode).
+        phase: ``"prefill"`` (prompt tokens: ``RequestState.is_prefilling`` at the step's
+            start) or ``"decode"`` (one output token fed back).
+        num_context_tokens: its tokens computed before the step (its KV the step's new
+            tokens attend to besides their own): ``RequestState.num_computed_tokens`` at
+            the step's start. A prompt chunk of n tokens after k attends to k + n keys per
+            query at most, a decode to k + 1.
+    """
+
+    request_id: str
+    num_tokens: int
+    phase: str
+    num_context_tokens: int
 
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step, for interference analysis: its phase mix, size and duration."""
+    """One engine step that ran a forward, for interference analysis and the planner's
+    diagnosis: its phase mix, size, duration and batch.
 
-    start_s: float  # time.time() at step start
+    Attributes:
+        start_s: ``time.time()`` at the step's start (seconds).
+        duration_s: schedule-to-update wall time (seconds); its tokens are stamped with
+            ``start_s + duration_s`` (``TokenOutput.time_s``).
+        num_requests: entries in the batch.
+        num_prefill_tokens, num_decode_tokens: prompt and decode tokens it computed.
+        batch: its entries in the scheduler's order (decodes first, then prompt chunks;
+            ``engine.scheduler.Scheduler.schedule``); empty on records built by hand.
+    """
+
+    start_s: float
     duration_s: float
     num_requests: int
     num_prefill_tokens: int
     num_decode_tokens: int
+    batch: tuple[BatchEntry, ...] = ()
+
+    def to_row(self) -> dict:
+        """The record as one flat row (a steps.csv row, a Ray-shipped dict): the scalar
+        fields as they are, ``batch`` as JSON text, a list of
+        ``[request_id, num_tokens, phase, num_context_tokens]`` arrays (one cell holds a
+        batch of any size, and pandas writes and reads it back unchanged; ``parse_batch``
+        turns it back into entries)."""
+        return {"start_s": self.start_s, "duration_s": self.duration_s,
+                "num_requests": self.num_requests,
+                "num_prefill_tokens": self.num_prefill_tokens,
+                "num_decode_tokens": self.num_decode_tokens,
+                "batch": json.dumps(self.batch, separators=(",", ":"))}
+
+
+def parse_batch(text: str) -> tuple[BatchEntry, ...]:
+    """The entries of a ``StepRecord.to_row()["batch"]`` cell.
+
+    Raises:
+        ValueError: ``text`` is not such a JSON list (``json.JSONDecodeError`` is one).
+    """
+    try:
+        return tuple(BatchEntry(str(r), int(n), str(p), int(c)) for r, n, p, c in json.loads(text))
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"not a step batch ([[request_id, num_tokens, phase, "
+                         f"num_context_tokens], ...]): {text[:80]!r}: {err}") from None
+
+
+class FailedRequest(NamedTuple):
+    """A request a step failed (it left the engine; its KV is freed)."""
+
+    request_id: str
+    error: str  # one line: the forward's exception, or why its row could not be sampled
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Everything one ``Engine.step`` did, in one object (vLLM v1's ``EngineCoreOutputs``).
+
+    Iterating it (and ``len``, indexing) goes over ``tokens``: a caller that only wants the
+    tokens reads it as the list ``step`` used to return.
+
+    Layers done are not a field: the step's output exists only once the whole forward has
+    run, and layer-wise streaming must put each layer range while the next layers compute;
+    they reach the engine's layer listener during the step (``Engine(on_layer_done=...)``).
+
+    Attributes:
+        tokens: the tokens the step produced, in batch order.
+        finished: ids of requests that ended with their token of this step (stop token, EOS
+            or max_tokens: that token's ``finish_reason`` is set); they have left the engine.
+            A prefill-only request that reached PREFILLED is not finished: it holds its KV
+            for ``export_kv`` / ``finish_prefilled``.
+        failed: requests the step failed (forward or sampling error); they have left the
+            engine and produced no token this step.
+        kv_reserved: ids of requests prefilled elsewhere whose KV blocks this step reserved,
+            in reservation order: fetch their KV now and hand it to ``finish_remote``.
+        record: the step's ``StepRecord`` (also appended to ``Engine.step_records``), or
+            None when no forward ran (nothing to compute: at most reservations) or the
+            forward failed (its requests are all in ``failed``).
+        kv_dropped: ids of requests prefilled elsewhere that this step turned into local
+            recomputes instead of reserving for their KV (``Engine.add_remote``'s
+            ``kv_token_start`` past what is cached here): free their handles, unfetched.
+    """
+
+    tokens: tuple[TokenOutput, ...] = ()
+    finished: tuple[str, ...] = ()
+    failed: tuple[FailedRequest, ...] = ()
+    kv_reserved: tuple[str, ...] = ()
+    record: StepRecord | None = None
+    kv_dropped: tuple[str, ...] = ()
+
+    def __iter__(self):
+        return iter(self.tokens)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return self.tokens[i]
 
 
 class Engine:
@@ -58,6 +180,15 @@ class Engine:
         loaded: the model (``engine.model.load_model``).
         config: scheduler and KV cache; ``max_model_len`` is capped by the model's context.
         quiet: do not print the KV cache line at start-up.
+        on_layer_done: the layer listener, ``on_layer_done(layer_idx, batch)``: called during
+            every step's forward once layer ``layer_idx``'s K/V are in the KV store, with the
+            step's ``ScheduledBatch`` (its counters not yet advanced), so that a layer range
+            can be read (``read_kv_layers``) and put while the next layers compute
+            (layer-wise KV streaming). Given at construction, not per step and not set
+            from outside later: it is the owner's transport sink, fixed for the engine's
+            life as the owner's ``TransferConfig.granularity`` is; ``step()`` keeps one
+            signature for every caller (serving loop, profiler, benchmarks); and it runs
+            inside the forward, so it cannot be part of the step's returned output.
 
     Raises:
         ValueError: the KV budget holds no block (a request too large for the cache is
@@ -65,7 +196,8 @@ class Engine:
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
-                 quiet: bool = False) -> None:
+                 quiet: bool = False,
+                 on_layer_done: Callable[[int, ScheduledBatch], None] | None = None) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.kv_spec = loaded.kv_spec
@@ -92,9 +224,7 @@ class Engine:
         self.sampler = Sampler()
         self.states: dict[str, RequestState] = {}
         self.step_records: list[StepRecord] = []
-        self._kv_reserved: list[str] = []  # remote requests whose blocks await their fetch
-        self._kv_dropped: list[str] = []  # remote requests recomputing instead of fetching
-        self._failed: list[tuple[str, str]] = []
+        self._on_layer_done = on_layer_done
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
@@ -145,16 +275,16 @@ class Engine:
 
     def add_remote(self, request: Request, first_token: int, kv_token_start: int = 0) -> None:
         """Queue a request prefilled elsewhere, whose prompt KV is still with its producer,
-        in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV blocks first (listed by
-        ``pop_kv_reserved``), sharing the prompt blocks this engine caches; the caller
-        fetches the KV and hands it to ``finish_remote``; then it decodes from its second
-        token on. Nothing is held until the blocks exist.
+        in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV blocks first (listed in
+        that step's ``StepOutput.kv_reserved``), sharing the prompt blocks this engine
+        caches; the caller fetches the KV and hands it to ``finish_remote``; then it decodes
+        from its second token on. Nothing is held until the blocks exist.
 
         ``kv_token_start``: the KV it will receive starts at this prompt token (a router
         that knows this engine caches the prefix sends only the rest); a multiple of
         ``block_size`` below the prompt length. If at reservation the cached prefix is
         shorter (evicted meanwhile), the request recomputes here instead, with no fetch
-        (listed by ``pop_kv_dropped``: free its handles).
+        (listed in that step's ``StepOutput.kv_dropped``: free its handles).
 
         Raises:
             ValueError: invalid request, ``first_token`` outside the vocabulary, a bad
@@ -183,18 +313,6 @@ class Engine:
         state.status = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.states[request.request_id] = state
         self.scheduler.add(state)
-
-    def pop_kv_reserved(self) -> list[str]:
-        """Ids of remote requests whose KV blocks were reserved since the last call: fetch
-        their KV now (in reservation order)."""
-        reserved, self._kv_reserved = self._kv_reserved, []
-        return reserved
-
-    def pop_kv_dropped(self) -> list[str]:
-        """Ids of remote requests that recompute here instead of receiving their KV (see
-        ``add_remote``) since the last call: their handles are to be freed, unfetched."""
-        dropped, self._kv_dropped = self._kv_dropped, []
-        return dropped
 
     def finish_remote(self, request_id: str, kv: torch.Tensor) -> None:
         """Copy a fetched prompt KV ``[L, 2, H_kv, T - s, D]`` (tokens ``[s, T)``, s =
@@ -285,21 +403,33 @@ class Engine:
         self.sampler.forget(request_id)
 
     # ---- stepping --------------------------------------------------------------------
-    def step(self) -> list[TokenOutput]:
-        """Run one step; returns the tokens it produced (possibly none)."""
+    def step(self) -> StepOutput:
+        """Run one step: schedule, reserve, forward, sample, update.
+
+        Returns:
+            What the step did (``StepOutput``): its tokens, finished and failed requests,
+            reserved KV blocks and record. A step with nothing to compute runs no forward
+            and records nothing, but still reports the reservations it made, so a worker
+            whose only work is reserving gets them from the step that made them.
+        """
         batch = self.scheduler.schedule()
-        self._kv_reserved.extend(state.request_id for state in batch.kv_reserved)
-        self._kv_dropped.extend(state.request_id for state in batch.kv_dropped)
+        kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
+        kv_dropped = tuple(state.request_id for state in batch.kv_dropped)
         if batch.is_empty:
-            return []
+            return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
         start_s = time.time()
         num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
+        entries = tuple(
+            BatchEntry(s.request_id, n, PREFILL if s.is_prefilling else DECODE,
+                       s.num_computed_tokens)
+            for s, n in zip(batch.requests, batch.num_new_tokens))
         for state in batch.requests:
             if state.first_scheduled_time_s is None:  # prefill started / remote KV decodes
                 state.first_scheduled_time_s = start_s
         try:
-            hook = self.on_layer_done
-            logits = self.runner.execute(batch, hook and (lambda layer: hook(layer, batch)))
+            listener = self._on_layer_done
+            logits = self.runner.execute(
+                batch, listener and (lambda layer: listener(layer, batch)))
             sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
             states = [batch.requests[i] for i in sample_rows]
             tokens, errors = self.sampler.sample_rows(
@@ -313,22 +443,26 @@ class Engine:
                 logprobs = {states[j].request_id: v for j, v in by_row.items()}
         except Exception as err:  # a failed forward fails its requests, not the engine
             self.scheduler.step_failed()  # the blocks it was to fill leave the prefix cache
+            failed = tuple(FailedRequest(state.request_id, f"{type(err).__name__}: {err}")
+                           for state in batch.requests)
             for state in batch.requests:
-                self._failed.append((state.request_id, f"{type(err).__name__}: {err}"))
                 self.abort(state.request_id, str(err))
-            return []
+            return StepOutput(failed=failed, kv_reserved=kv_reserved, kv_dropped=kv_dropped)
+        failed = []
         for row, error in errors.items():  # a row that cannot be sampled fails alone
             state = states[row]
-            self._failed.append((state.request_id, error))
+            failed.append(FailedRequest(state.request_id, error))
             self.abort(state.request_id, error)
         sampled = {i: t for i, t in zip(sample_rows, tokens) if t is not None}
         produced = self.scheduler.update(batch, sampled)
         end_s = time.time()
-        self.step_records.append(StepRecord(start_s, end_s - start_s, len(batch.requests),
-                                            num_prefill_tokens,
-                                            batch.num_tokens - num_prefill_tokens))
-        return [self._token_output(state, end_s, logprobs.get(state.request_id))
-                for state in produced]
+        record = StepRecord(start_s, end_s - start_s, len(entries), num_prefill_tokens,
+                            batch.num_tokens - num_prefill_tokens, entries)
+        self.step_records.append(record)
+        outputs = tuple(self._token_output(state, end_s, logprobs.get(state.request_id))
+                        for state in produced)
+        return StepOutput(outputs, tuple(o.request_id for o in outputs if o.finished),
+                          tuple(failed), kv_reserved, record, kv_dropped)
 
     def _token_output(self, state: RequestState, time_s: float,
                       logprobs: tuple[float, tuple] | None = None) -> TokenOutput:
@@ -344,15 +478,6 @@ class Engine:
                            logprobs[1] if logprobs else (),
                            num_cached_tokens=state.num_cached_tokens if first_here else None,
                            num_preemptions=state.num_preemptions)
-
-    # Optional callable(layer_idx, batch), run once each layer's K/V are written (layer-wise
-    # KV streaming); the batch's counters are not yet advanced.
-    on_layer_done = None
-
-    def pop_failed(self) -> list[tuple[str, str]]:
-        """(request_id, error) of requests whose step failed since the last call."""
-        failed, self._failed = self._failed, []
-        return failed
 
     # ---- load snapshots (router policies) -------------------------------------------
     def has_unfinished(self) -> bool:
@@ -388,7 +513,8 @@ class Engine:
                 and all(n == 0 for n in blocks.ref_cnt))
 
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
-        """Convenience: run ``requests`` to completion; returns output token ids per request."""
+        """Convenience: run ``requests`` to completion; returns output token ids per request
+        (a request that failed keeps the tokens it produced before; ``step`` says why)."""
         outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
         for request in requests:
             self.add_request(request)

@@ -384,8 +384,11 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
     return out
 
 
+ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold (DESIGN §6)
+
+
 def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devices: int,
-                 target: float = 0.9) -> float:
+                 target: float = ATTAINMENT_TARGET) -> float:
     """DistServe's goodput (requests/s per device) from a rate sweep.
 
     The highest swept arrival rate whose SLO attainment is >= ``target`` **and** at which

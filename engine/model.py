@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from engine.config import ModelConfig
 from engine.kv_cache import TORCH_DTYPES, KVSpec
@@ -111,8 +113,6 @@ def cache_dir() -> Path:
 
 def tiny_llama_config():
     """The test model's config: Llama, 2 layers, 4 query heads, 2 KV heads (GQA), fp32."""
-    from transformers import LlamaConfig
-
     return LlamaConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=TINY_MAX_POSITIONS,
@@ -128,8 +128,6 @@ def tiny_family_config(family: str):
     Raises:
         KeyError: ``family`` not in ``TINY_FAMILIES``.
     """
-    import transformers
-
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
@@ -241,8 +239,6 @@ def check_model_name(config: ModelConfig) -> None:
     if path.exists():
         if not (path / "config.json").exists():
             raise ModelLoadError(f"{path} is not a Hugging Face model directory (no config.json)")
-        from transformers import AutoConfig
-
         check_supported(AutoConfig.from_pretrained(str(path), local_files_only=True), config.model)
         return
     if _looks_like_path(config.model):
@@ -321,8 +317,6 @@ def load_tokenizer(config: ModelConfig):
     Raises:
         ModelLoadError: as ``load_model``.
     """
-    from transformers import AutoTokenizer
-
     if config.model in TINY_NAMES:
         return None
     if config.model == SMOLLM2_NAME:
@@ -334,8 +328,6 @@ def load_tokenizer(config: ModelConfig):
 
 
 def _build_tiny():
-    from transformers import LlamaForCausalLM
-
     with torch.random.fork_rng():  # seeded, without disturbing the caller's RNG
         torch.manual_seed(0)
         return LlamaForCausalLM(tiny_llama_config())
@@ -347,8 +339,6 @@ def _build_tiny_family(family: str):
     (Qwen2's QKV biases, Qwen3's q/k norms, Gemma's sandwich norms) would give other tokens.
     Q/K weights are scaled up so attention logits are O(1), not O(0.01): attention is then far
     from uniform, and position (RoPE) and soft-capping errors change the tokens."""
-    import transformers
-
     config = tiny_family_config(family)
     qk_rows = (config.num_attention_heads + config.num_key_value_heads) * (
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
@@ -378,8 +368,6 @@ def _load_smollm2():
 
 def _convert_gguf(target: Path) -> None:
     """Dequantize the bundled GGUF once and save it (weights + tokenizer) as safetensors."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
@@ -417,8 +405,6 @@ def _load_hf(name: str):
 
 
 def _from_pretrained(source: str, local_files_only: bool):
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
     # Refuse before reading any weights (load_model checks again, for every source).
     check_supported(AutoConfig.from_pretrained(source, local_files_only=local_files_only), source)
     model = AutoModelForCausalLM.from_pretrained(source, local_files_only=local_files_only,

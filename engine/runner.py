@@ -5,51 +5,41 @@ One step is one forward over every scheduled token, prompt chunks and decodes to
 1. The new tokens of all requests are packed into one ``[N]`` sequence with their positions.
 2. Each layer projects Q/K/V for all N tokens at once (one fused matmul), applies RoPE with
    the tables of the model's own rotary module, and writes only the new K/V into the
-   requests' KV blocks at their flat positions ``block * B + offset`` (``index_copy_``, or
-   inside the fused RoPE kernel below).
-3. Attention: single-token entries (decodes) run as batched SDPAs with a per-row length
-   mask, reading the KV blocks in place wherever they can (``_plan_decodes``): a request's
-   blocks are usually consecutive (the allocator's first fit), so its KV is one token range
-   of the store's ``[H_kv, NB * B, D]`` per layer, and rows whose ranges start equally spaced
-   (requests of equal size admitted in turn) are one strided view ``[rows, H_kv, T, D]``,
-   exactly the slot store's view this design replaced. Each such run is split by KV length
-   (``_group_decodes``) so short rows do not read up to the longest row's length; a row on
-   its own is a view of its own range; rows with scattered blocks are gathered per layer
-   (one ``index_select`` over the block axis into a reused buffer: a decode step of 64 such
-   rows took 1.4x the in-place one on the CPU measured, benchmarks/README.md). GQA without
-   copying K/V: the G query heads that share a KV head are folded into the query-length
-   axis, ``[H_q, 1, D] -> [H_kv, G, D]``. Each multi-token prompt chunk runs flash
-   attention over its request's blocks (a view when they are consecutive, as the allocator
-   makes them unless the free list is fragmented; else a gather) at the cost of the causal
-   FLOPs (``_chunk_attention``: ``is_causal`` for a first chunk; prefix + causal diagonal
-   merged by log-sum-exp for a later one). CUDA runs the same plan (views, ``index_select``); FlexAttention's paged
-   ``block_mask`` would read blocks in place at any spacing, at the price of a compiled
-   kernel per shape (not done: no GPU to measure it on). On CPU in float32 with one torch
-   thread (kernels built for AVX2/FMA, no soft-capping) none of that planning runs: every
-   decode row of the step is one paged C call per layer (``_paged_group``,
-   ``cpu_kernels.decode_attention``: each row's blocks read in place through its block
-   table, to its own length), because torch's CPU flash kernel blocks queries by 32+ rows
-   and a decode row has G per KV head (~7-17 GFLOP/s there), and a group needs a view or a
-   copy (benchmarks/README.md, "A GEMM kernel for decode rows").
+   requests' KV blocks at their flat positions ``block * B + offset`` (``ops.rope_kv``).
+3. Attention. Single-token entries (decodes) are attended in the layout the backend picks
+   for the step's row count (``ops.decode_layout``):
+   - ``"planned"``: batched SDPAs with a per-row length mask, reading the KV blocks in place
+     wherever they can (``_plan_decodes``): a request's blocks are usually consecutive (the
+     allocator's first fit), so its KV is one token range of the store's ``[H_kv, NB * B,
+     D]`` per layer, and rows whose ranges start equally spaced (requests of equal size
+     admitted in turn) are one strided view ``[rows, H_kv, T, D]``. Each such run is split
+     by KV length (``_group_decodes``) so short rows do not read up to the longest row's
+     length; a row on its own is a view of its own range; rows with scattered blocks are
+     gathered per layer (one ``index_select`` over the block axis into a reused buffer: a
+     decode step of 64 such rows took 1.4x the in-place one on the CPU measured,
+     benchmarks/README.md). GQA without copying K/V: the G query heads that share a KV head
+     are folded into the query-length axis, ``[H_q, 1, D] -> [H_kv, G, D]``.
+   - ``"paged"``: every decode row of the step in one ``ops.decode_attention`` call per
+     layer (``_paged_group``: each row's blocks read in place through its block table, to
+     its own length; the C kernel on CPU).
+   Each multi-token prompt chunk runs flash attention over its request's blocks (a view when
+   they are consecutive, else a gather) at the cost of the causal FLOPs
+   (``ops.chunk_attention``). CUDA runs the planned layout (views, ``index_select``);
+   FlexAttention's paged ``block_mask`` would read blocks in place at any spacing, at the
+   price of a compiled kernel per shape (not done: no GPU to measure it on).
 4. Only the last position of each request that completes this step goes through the final
    norm and LM head.
 
-Elementwise work. On CPU with a float32 model and store, the chains of small torch ops
-between the matmuls run as three fused C kernels (``engine/cpu_kernels.py``, built once per
-machine with the system C compiler, called through ctypes): the residual add with the RMSNorm
-that follows it (``_add_norm``; the residual stream is updated in place), RoPE on q in place
-and on k with the K/V write into the store (``rope_kv``), and SiLU(gate) * up (``_mlp``).
-With the fewer-ops changes around them (``mm`` for ``F.linear``, one split for q/k/v, views
-made once) a SmolLM2 decode step at B = 1 went from ~1,900 top-level torch ops to ~490 and
-took ~0.87x the time on the CPU measured (benchmarks/README.md, "Fused elementwise
-kernels"). Each stands in for a module only where it computes the module's formula, checked
-at _prepare on a probe input bit for bit (``_Norm``: Llama-style ``w * x / rms`` or Gemma's
-``(1 + w)`` folded; ``_is_silu``; RoPE only with full rotary): anything else (q/k norms,
-sandwich norms, GELU, partial rotary) runs its own module's forward, so the forward is
-transformers' to float32 rounding (RMSNorm's sum order, exp's last bits; RoPE bit for bit).
-Where the kernels cannot be built (no compiler, a failed build, ``PDLAB_CPU_KERNELS=0``), on
-CUDA and for other dtypes, the same ops run in PyTorch: the modules' forwards, RoPE over q
-and k in one call where they are adjacent, in-place residual adds.
+Kernels. Every kernel with more than one implementation is the backend's (``engine/ops.py``),
+chosen once when the runner starts (``ops.select_ops``): the reference ``TorchOps`` (public
+torch ops: CUDA, other dtypes) or ``CpuOps`` (float32 on CPU: pdlab's fused C kernels and, per
+shape class and row count, the GEMM and decode layout measured fastest on this machine). The
+runner calls it without asking which it is; the rules on threads and on block layout live
+there. The fused elementwise kernels stand in for a module only where it computes the
+kernel's formula, checked at _prepare on a probe input bit for bit (``_Norm``: Llama-style
+``w * x / rms`` or Gemma's ``(1 + w)`` folded; ``_is_silu``; RoPE only with full rotary):
+anything else (q/k norms, sandwich norms, GELU, partial rotary) runs its own module's
+forward, so the forward is transformers' to float32 rounding.
 
 One residual-block shape (``_Layer``) covers every family that
 ``engine/model.py`` accepts (``SUPPORTED_ARCHITECTURES``; anything else is refused at load):
@@ -59,73 +49,25 @@ RoPE tables (Gemma 3), a non-default attention scale and attention / final logit
 (Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the
 layers' own weights through ``_Linear``: Q/K/V fused into one matmul and gate/up into another
 (the modules' weights become views of the fused tensor, so there is one copy; Phi-3's already
-fused ones as they are). On CPU in float32 each fused weight is also packed once more, and
-each matmul runs on whichever kernel was measured faster for its row count: where the C
-kernels build for AVX2/FMA, pdlab's own GEMM (``cpu_kernels.linear``, 16-column panels) for
-1-256 rows with one torch thread (the workers' configuration: ``engine.device.bind_device``)
-and MKL's sgemm beyond; without them, oneDNN's reordered weight for 2-63 rows and MKL for one
-row and for 64 or more (through ``mm`` / ``addmm`` directly). Results agree with
-``F.linear`` to float32 rounding. Elsewhere ``_Linear`` is ``mm`` / ``addmm``, what
-``F.linear`` runs. The packed weights (a second copy of the projection and LM-head weights)
-are built once per model and shared by every runner of that model.
+fused ones as they are); the backend may pack a copy for the kernel it chose. The prepared
+layers (and packed weights) are built once per model and backend configuration and shared
+by every runner of that model.
 """
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
-from engine import cpu_kernels
+from engine import ops as ops_mod
 from engine.kv_cache import KVStore
+from engine.ops import TorchOps, sdpa
 from engine.scheduler import ScheduledBatch
-
-_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight serves any M
-# From this many rows a matmul runs on MKL (``F.linear``), below it on packed oneDNN (N = 1
-# aside): the crossover measured at SmolLM2's projection shapes (``_Linear``).
-_BLAS_MIN_ROWS = 64
-# Up to this many rows a matmul runs on pdlab's own kernel (``cpu_kernels.linear``) where it
-# is built and torch has one thread: the crossover with MKL measured at SmolLM2's shapes
-# (benchmarks/README.md, "A GEMM kernel for decode rows").
-_C_GEMM_MAX_ROWS = 256
-# CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]); GQA without a copy.
-_CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """As transformers' ``rotate_half`` (Llama RoPE, Su et al. 2021)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on ``x`` ``[N, H, D]`` with ``cos``/``sin`` ``[N, 1, R]``: the first R <= D dims
-    rotate, the rest pass (partial rotary, as transformers' Phi-3 ``apply_rotary_pos_emb``)."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
-
-
-def _sdpa(q, k, v, attn_mask=None, scale: float | None = None,
-          softcap: float | None = None) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` (boolean mask, True = attend; ``scale`` None =
-    1/sqrt(D)), plus attention-logit soft-capping ``softcap * tanh(scores / softcap)``, which
-    SDPA lacks, done the eager way as transformers' Gemma 2 ``eager_attention_forward``
-    (scores scaled, capped, masked, softmax in float32)."""
-    if softcap is None:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
-    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap
-    if attn_mask is not None:
-        scores = scores.masked_fill(~attn_mask, float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
 
 
 class _Linear:
@@ -135,29 +77,16 @@ class _Linear:
 
     Several modules (Q/K/V, gate/up) are fused once: their weights are concatenated and each
     module's ``weight`` becomes a view of its rows of that tensor (same values, no second
-    copy; transformers' own forward reads the same memory). CPU float32: the
-    fused weight is also packed once (a copy) and each call picks the kernel by its row
-    count ``N``. Where the C kernels are built for AVX2/FMA (``kernels`` given), the copy is
-    pdlab's panel layout and ``N <= _C_GEMM_MAX_ROWS`` runs ``cpu_kernels.linear`` with one
-    torch thread (``_use_c_kernel``): over a whole forward's matmuls it took 0.63-0.94x the
-    better of torch's two kernels from 1 to 256 rows (benchmarks/README.md, "A GEMM kernel
-    for decode rows"). Otherwise the copy is oneDNN's blocked layout (``_use_onednn``),
-    because neither of torch's kernels wins at every ``N`` ("Kernel choice"): MKL's sgemm
-    (``F.linear``) takes 0.56-0.84x oneDNN's time at ``N = 1`` (GEMV) and 0.89-0.99x from
-    ``N = _BLAS_MIN_ROWS``; the packed oneDNN kernel takes 0.74-0.8x MKL's time for
-    ``N = 2 .. 48``. All are float32 to rounding (max error ~1e-6 of the output scale).
-    Elsewhere (CUDA, other dtypes): ``F.linear`` on the fused weight.
+    copy; transformers' own forward reads the same memory). The matmul itself is the
+    backend's (``ops.linear``: on CPU in float32 the kernel measured fastest here for each
+    row-count bucket, on a packed copy where that kernel wants one; else ``mm`` / ``addmm``).
     """
 
     def __init__(self, modules: list[torch.nn.Linear], split: list[int] | None = None,
-                 gemv_onednn: bool = False, kernels: cpu_kernels.Kernels | None = None) -> None:
+                 ops: TorchOps | None = None, lm_head: bool = False) -> None:
         self.modules = modules
         # A fused module (Phi-3's qkv_proj, gate_up_proj) is one matmul split into ``split``.
         self.sizes = split or [m.out_features for m in modules]
-        # N = 1 on oneDNN instead of MKL: the LM head (576 x 49152), where oneDNN was faster.
-        self.gemv_onednn = gemv_onednn
-        self.packed = None  # oneDNN's reordered copy of the weight
-        self.panels, self.kernels = None, None  # pdlab's own packed copy, its kernels
         with torch.no_grad():
             self.weight, self.bias = modules[0].weight, modules[0].bias
             if len(modules) > 1:
@@ -168,57 +97,8 @@ class _Linear:
                     self.bias = torch.cat([m.bias if m.bias is not None else
                                            self.weight.new_zeros(m.out_features)
                                            for m in modules])
-            self.weight_t = self.weight.t()  # [in, out] view
-            # oneDNN's copy is made now, or with pdlab's kernel only on the first call that
-            # needs it (more than one torch thread), so a worker holds one extra copy.
-            self._onednn_pending = (_ONEDNN and self.weight.device.type == "cpu"
-                                    and self.weight.dtype == torch.float32)
-            if not self._onednn_pending:
-                return
-            if kernels is not None and kernels.linear_vectorized:  # pdlab's kernel instead
-                self.kernels, self.panels = kernels, kernels.pack_linear(self.weight.contiguous())
-            else:
-                self._pack_onednn()
-
-    def _pack_onednn(self) -> None:
-        """``packed``: the weight reordered into oneDNN's blocked layout (None where this
-        build's oneDNN cannot pack it: ``mm`` only)."""
-        self._onednn_pending = False
-        try:
-            with torch.no_grad():
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(),
-                                                                      _PACK_BATCH_HINT)
-        except RuntimeError:
-            self.packed = None
-
-    def _use_c_kernel(self, num_rows: int) -> bool:
-        """True where pdlab's packed kernel runs ``num_rows`` rows: it was the faster one up
-        to ``_C_GEMM_MAX_ROWS``, and it is single-threaded, so with more torch threads the
-        threaded BLAS runs instead."""
-        return (self.panels is not None and num_rows <= _C_GEMM_MAX_ROWS
-                and torch.get_num_threads() == 1)
-
-    def _use_onednn(self, num_rows: int) -> bool:
-        """True where the packed oneDNN kernel was the faster one for ``num_rows`` rows
-        (packing it on first use where pdlab's kernel made it unneeded until now)."""
-        if num_rows >= _BLAS_MIN_ROWS or not (num_rows > 1 or self.gemv_onednn):
-            return False
-        if self._onednn_pending:
-            self._pack_onednn()
-        return self.packed is not None
-
-    def fused(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [N, in]`` -> the unsplit output ``[N, sum(sizes)]`` (contiguous). The MKL
-        path calls ``mm`` / ``addmm`` on the transposed weight directly: what ``F.linear``
-        runs for a 2-D input, without its three dispatch layers (``linear``, ``t``,
-        ``matmul``) per call."""
-        if self._use_c_kernel(x.shape[0]):
-            return self.kernels.linear(x, self.panels, self.bias, self.weight.shape[0])
-        if self._use_onednn(x.shape[0]):
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if self.bias is None:
-            return torch.mm(x, self.weight_t)
-        return torch.addmm(self.bias, x, self.weight_t)
+            self.fused = (ops or TorchOps()).linear(self.weight.detach(), self.bias, lm_head)
+        # ``fused(x [N, in])`` -> the unsplit output ``[N, sum(sizes)]`` (contiguous)
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = self.fused(x)
@@ -301,10 +181,9 @@ class _Layer:
     softcap: float | None  # attention logit soft-cap (Gemma 2)
 
     @classmethod
-    def of(cls, layer, cfg, per_type_rope: bool,
-           kernels: cpu_kernels.Kernels | None = None) -> _Layer:
+    def of(cls, layer, cfg, per_type_rope: bool, ops: TorchOps) -> _Layer:
         attn, mlp = layer.self_attn, layer.mlp
-        linear = lambda mods, split=None: _Linear(mods, split, kernels=kernels)  # noqa: E731
+        linear = lambda mods, split=None: _Linear(mods, split, ops)  # noqa: E731
         q_size = cfg.num_attention_heads * attn.head_dim
         kv_size = cfg.num_key_value_heads * attn.head_dim
         if hasattr(attn, "qkv_proj"):  # Phi-3: fused, q then k then v
@@ -333,22 +212,24 @@ class _Layer:
 
 # Prepared layers per model, shared by every runner (and engine) of that model.
 _PREPARED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_ANNOUNCED: set[str] = set()  # backend summaries already printed by this process
 
 
-def _prepare(model, kernels: cpu_kernels.Kernels | None
-             ) -> tuple[list[_Layer], _Norm, _Linear]:
+def _prepare(model, ops: TorchOps) -> tuple[list[_Layer], _Norm, _Linear]:
     """The model's layers as ``_Layer``s, its final norm and LM head, built once per model
-    (and per choice of ``kernels``: the projections' packed weights depend on it)."""
+    (and per backend configuration: the projections' packed weights depend on it)."""
     weight = model.lm_head.weight
-    key = (weight.data_ptr(), weight.dtype, kernels is not None)  # moved/cast: redo
+    key = (weight.data_ptr(), weight.dtype, ops.cache_key)  # moved/cast/other kernels: redo
     cached = _PREPARED.get(model)
     if cached is None or cached[0] != key:
         per_type_rope = hasattr(model.model.rotary_emb, "layer_types")  # Gemma 3
-        cached = (key, [_Layer.of(layer, model.config, per_type_rope, kernels)
+        cached = (key, [_Layer.of(layer, model.config, per_type_rope, ops)
                         for layer in model.model.layers],
-                  _Norm.of(model.model.norm),
-                  _Linear([model.lm_head], gemv_onednn=True, kernels=kernels))
+                  _Norm.of(model.model.norm), _Linear([model.lm_head], ops=ops, lm_head=True),
+                  dict(ops.linear_choices))
         _PREPARED[model] = cached
+    else:  # built by another runner's backend: record the choices they run (describe())
+        ops.linear_choices.update(cached[4])
     return cached[1], cached[2], cached[3]
 
 
@@ -411,14 +292,11 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.num_kv_heads
-        # The C kernels (engine/cpu_kernels.py) for a float32 model on CPU, where they build:
-        # the projections' GEMMs, and with a float32 store the fused elementwise ones; else
-        # None and the pure-PyTorch path runs.
-        on_cpu_fp32 = (self.device.type == "cpu"
-                       and model.lm_head.weight.dtype == torch.float32)
-        kernels = cpu_kernels.load() if on_cpu_fp32 else None
-        self.layers, self.final_norm, self.lm_head = _prepare(model, kernels)
-        self.kernels = kernels if kv_store.kv.dtype == torch.float32 else None
+        # The kernel backend (engine/ops.py), chosen once here: every kernel call below goes
+        # to it without asking which one it is.
+        self.ops = ops_mod.select_ops(self.device, model.lm_head.weight.dtype,
+                                      kv_store.kv.dtype)
+        self.layers, self.final_norm, self.lm_head = _prepare(model, self.ops)
         # Attention scale and soft-cap are the same in every layer of every supported family;
         # None = SDPA's own default 1/sqrt(D), so Llama-like models run exactly as before.
         self.scale = self.layers[0].scale
@@ -427,6 +305,14 @@ class ModelRunner:
         assert all(layer.scale == self.layers[0].scale and layer.softcap == self.softcap
                    for layer in self.layers), "per-layer attention scale/soft-cap"
         self.final_softcap = getattr(cfg, "final_logit_softcapping", None)  # Gemma 2/3
+        self.ops.prepare_attention(self.num_kv_heads, self.group, self.head_dim,
+                                   kv_store.block_size, self.softcap)
+        self._decode_planners = {"planned": self._plan_decodes,
+                                 "paged": lambda decodes: [self._paged_group(decodes)]}
+        summary = self.ops.summary()
+        if summary not in _ANNOUNCED:  # once per process and backend configuration
+            _ANNOUNCED.add(summary)
+            print(f"pdlab: {summary}", file=sys.stderr)
         self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
         self._kv_views: tuple = (None, [])  # (store tensor, [(layer view, flat view)])
 
@@ -474,22 +360,15 @@ class ModelRunner:
 
     def _add_norm(self, norm: _Norm, hidden: torch.Tensor,
                   delta: torch.Tensor | None) -> torch.Tensor:
-        """``hidden += delta`` in place (when given), then ``norm(hidden)`` ``[N, H]``: one C
-        call where the kernels are loaded and the norm is the plain form (``_Norm``), else
-        ``add_`` and the module's own forward."""
-        if self.kernels is not None and norm.weight is not None:
-            return self.kernels.add_rms_norm(hidden, delta, norm.weight, norm.eps)
-        if delta is not None:
-            hidden.add_(delta)
-        return norm.module(hidden)
+        """``hidden += delta`` in place (when given), then ``norm(hidden)`` ``[N, H]``
+        (``ops.add_norm``)."""
+        return self.ops.add_norm(norm, hidden, delta)
 
     def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        """``down(act(gate(x)) * up(x))`` ``[N, H]``: gate and up one matmul; SiLU and the
-        product one C call where the kernels are loaded and ``act`` is SiLU."""
-        if self.kernels is not None and layer.act_is_silu:
-            return layer.down.fused(self.kernels.silu_mul(layer.gate_up.fused(x)))
-        gate, up = layer.gate_up(x)
-        return layer.down.fused(layer.act(gate) * up)
+        """``down(act(gate(x)) * up(x))`` ``[N, H]``: gate and up one matmul, then
+        ``ops.act_mul``."""
+        return layer.down.fused(self.ops.act_mul(layer.act, layer.act_is_silu,
+                                                 layer.gate_up.fused(x)))
 
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
         """``{rope_key: (cos, sin)}``, each ``[N, R]`` (contiguous), from the model's own
@@ -518,17 +397,9 @@ class ModelRunner:
                 (kv, kv.view(2, kv_heads, -1, head_dim)) for kv in self.kv_store.kv])
         kv_layer, kv_flat = self._kv_views[1][layer_idx]  # [2, H_kv, NB, B, D], [.., NB*B, D]
         cos, sin = rope
-        if self.kernels is not None and cos.shape[-1] == head_dim:  # full rotary: fused
-            self.kernels.rope_kv(q, k, v, cos, sin, kv_layer, layout.token_slots)
-        else:
-            cos, sin = cos[:, None], sin[:, None]  # [N, 1, R]: broadcast over heads
-            if layer.q_norm is None:  # q and k adjacent in qkv: one RoPE over both
-                qk = _apply_rope(qkv[:, :heads + kv_heads], cos, sin)
-                q, k = qk[:, :heads], qk[:, heads:]
-            else:
-                q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
-            kv_flat[0].index_copy_(1, layout.token_slots, k.transpose(0, 1))  # only new tokens
-            kv_flat[1].index_copy_(1, layout.token_slots, v.transpose(0, 1))
+        # q and k still adjacent in qkv (no q/k norm made new tensors): one RoPE over both
+        q = self.ops.rope_kv(q, k, v, cos, sin, kv_layer, layout.token_slots,
+                             qkv if layer.q_norm is None else None)
         groups, chunks = layout.decode_groups, layout.chunks
         if (len(groups) == 1 and not chunks and groups[0].token_start == 0
                 and groups[0].num_rows == num_tokens):  # one decode group: no out buffer
@@ -553,13 +424,6 @@ class ModelRunner:
                                                                kv[1], start)
         return layer.o.fused(out.reshape(num_tokens, -1))
 
-    def _use_c_attention(self) -> bool:
-        """Decode attention in C (``cpu_kernels.decode_attention``): only a vectorised build
-        (scalar C would be slower than SDPA), one torch thread (it is single-threaded; SDPA
-        uses them all), and no soft-capped logits."""
-        return (self.kernels is not None and self.kernels.linear_vectorized
-                and self.softcap is None and torch.get_num_threads() == 1)
-
     def _decode_attention(self, q, layer_idx: int, kv_layer,
                           group: _DecodeGroup) -> torch.Tensor:
         """One attention call for ``group``'s rows over their KV (the C paged kernel for a
@@ -574,8 +438,8 @@ class ModelRunner:
         else:
             q_rows = q.index_select(0, group.token_idx)
         if group.block_tables is not None:  # paged, in place (``_paged_group``)
-            return self.kernels.decode_attention(q_rows, kv_layer, group.block_tables,
-                                                 group.lens, self.scale or head_dim ** -0.5)
+            return self.ops.decode_attention(q_rows, kv_layer, group.block_tables,
+                                             group.lens, self.scale or head_dim ** -0.5)
         if group.kv_views is not None:  # in place: a strided view of each of K and V
             k, v = group.kv_views[0][layer_idx], group.kv_views[1][layer_idx]
         else:
@@ -587,7 +451,7 @@ class ModelRunner:
             torch.index_select(blocks, 2, group.block_idx, out=out_buf)
             kv = out_buf.view(2, heads, n, -1, head_dim)[:, :, :, :ctx].transpose(1, 2)
             k, v = kv[0], kv[1]  # [n, H_kv, T, D]
-        res = _sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
+        res = sdpa(q_rows.view(n, heads, self.group, head_dim), k, v, attn_mask=group.mask,
                     scale=self.scale, softcap=self.softcap)  # [n, H_kv, G, D]
         return res.reshape(n, self.num_heads, head_dim)
 
@@ -596,31 +460,14 @@ class ModelRunner:
         ``start .. start+n-1``), ``k, v [H_kv, start+n, D]`` (the cached prefix, then the
         chunk's own K/V) -> ``[n, H_q, D]``.
 
-        Cost follows the causal FLOPs: no ``[n, ctx]`` mask is built. A chunk with no cached
-        context is one causal SDPA (``is_causal``: CPU and CUDA flash kernels skip the
-        masked blocks). A later chunk on CPU is two flash calls, the prefix (unmasked) and
-        the chunk's own causal diagonal, merged by their log-sum-exp (the split-KV merge of
-        FlashDecoding / FlashAttention-2); elsewhere one SDPA with a lower-right causal bias.
-        Measured in benchmarks/README.md (issue 14): a 3-D SDPA with a boolean mask took
-        the math path, materialising every score.
+        Cost follows the causal FLOPs: no ``[n, ctx]`` mask is built (``ops.chunk_attention``:
+        a causal SDPA for a first chunk; for a later one, two flash calls merged by their
+        log-sum-exp on CPU, one SDPA with a lower-right causal bias elsewhere).
         """
-        n = q.shape[0]
         if self.softcap is not None:  # soft-capped logits (Gemma 2): the eager form, masked
             return self._capped_chunk_attention(q, k, v, start)
         q4, k4, v4 = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, len, D]
-        scale = self.scale
-        if start == 0:
-            out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True,
-                                                 scale=scale)
-        elif _CPU_FLASH is not None and q.device.type == "cpu":
-            out = _merge_lse(_CPU_FLASH(q4, k4[:, :, :start], v4[:, :, :start], scale=scale),
-                             _CPU_FLASH(q4, k4[:, :, start:], v4[:, :, start:], is_causal=True,
-                                        scale=scale))
-        else:
-            bias = causal_lower_right(n, start + n)  # query i sees keys 0 .. start + i
-            out = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, enable_gqa=True,
-                                                 scale=scale)
-        return out[0].transpose(0, 1)
+        return self.ops.chunk_attention(q4, k4, v4, start, self.scale)[0].transpose(0, 1)
 
     def _capped_chunk_attention(self, q, k, v, start: int) -> torch.Tensor:
         """``_chunk_attention`` with attention-logit soft-capping: GQA folded into the query
@@ -630,7 +477,7 @@ class ModelRunner:
         keys = torch.arange(start + n, device=q.device)
         mask = (keys[None, :] <= torch.arange(start, start + n, device=q.device)[:, None])
         q = q.transpose(0, 1).reshape(self.num_kv_heads, self.group * n, self.head_dim)
-        out = _sdpa(q, k, v, attn_mask=mask.repeat(self.group, 1), scale=self.scale,
+        out = sdpa(q, k, v, attn_mask=mask.repeat(self.group, 1), scale=self.scale,
                     softcap=self.softcap)  # [H_kv, G*n, D]
         return out.view(self.num_heads, n, self.head_dim).transpose(0, 1)
 
@@ -654,10 +501,9 @@ class ModelRunner:
             if batch.completes(i):
                 sample_idx.append(offset + n - 1)
             offset += n
-        if decodes and self._use_c_attention():  # every decode row in one paged C call
-            groups = [self._paged_group(decodes)]
-        else:
-            groups = self._plan_decodes(decodes)
+        # the backend's layout for this many rows: planned SDPA groups or one paged call
+        groups = (self._decode_planners[self.ops.decode_layout(len(decodes), self.softcap)](
+            decodes) if decodes else [])
         return _StepLayout(self._long(ids), self._long(positions), self._long(slots), groups,
                            chunks, self._long(sample_idx))
 
@@ -771,17 +617,6 @@ class ModelRunner:
                         kv.as_strided(size, strides, start + kv.stride(1)))
         return _DecodeGroup(len(rows), ctx_len, token_offset, stride_tokens, block_idx, mask,
                             *self._query_rows([t for _, _, t in rows]), kv_views)
-
-
-def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
-               b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Softmax attention over keys A then keys B from the two partial results ``(out [B, H,
-    L, D], lse [B, H, L])``: ``(out_a e^lse_a + out_b e^lse_b) / (e^lse_a + e^lse_b)``,
-    computed in float32 (FlashAttention-2 / FlashDecoding's split-KV merge)."""
-    (out_a, lse_a), (out_b, lse_b) = a, b
-    weight_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]  # e^a / (e^a + e^b)
-    merged = out_b.float() + (out_a.float() - out_b.float()) * weight_a
-    return merged.to(out_a.dtype)
 
 
 def _group_decodes(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:

@@ -3,8 +3,9 @@
 The loop, on its own thread (the only thread that touches the engine):
 
 1. Run the commands queued by ``submit`` / ``abort`` / subclass methods.
-2. If the engine has work, run one ``engine.step()`` and turn its outputs into events
-   (``on_outputs``: subclasses hand KV over or fetch it); failed forwards become errors.
+2. If the engine has work, run one ``engine.step()`` and turn its ``StepOutput`` into
+   events: failed requests become errors, the rest goes to ``on_step`` (subclasses hand KV
+   over, or fetch the KV of the requests whose blocks the step reserved).
 3. Otherwise sleep until the next command arrives.
 
 Callers collect events with ``wait_events(timeout_s)``, a long poll: it returns as soon as
@@ -26,13 +27,16 @@ import threading
 import time
 from collections.abc import Callable
 
+import torch
+
 from engine.config import EngineConfig, ModelConfig
-from engine.device import bind_device
-from engine.engine import Engine
+from engine.device import bind_device, gpu_identity, use_on_this_thread
+from engine.engine import Engine, StepOutput
 from engine.events import ERROR, TOKEN, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.model import load_model
 from engine.request import Request, TokenOutput
+from engine.scheduler import ScheduledBatch
 
 
 class EngineLoopDied(RuntimeError):
@@ -94,7 +98,8 @@ class EngineLoop:
         model_config, engine_config: what to load and how to schedule.
         device: ``cpu:i``, ``cpu:a-b`` or ``cuda:i``; the process pins itself to it.
         inside_ray: the process is a Ray actor (changes how a CUDA device is named).
-        bind: pin the process to ``device`` (off when several workers share one process).
+        bind: pin the process to ``device`` (off when several workers share one process:
+            a CUDA worker still runs on its own GPU, ``engine.device.bind_device``).
         step_delay_s: sleep this long after every step: a straggler, for failure tests.
     """
 
@@ -106,9 +111,10 @@ class EngineLoop:
         self.name = name
         self.step_delay_s = step_delay_s
         self.device = device
-        torch_device = bind_device(device, inside_ray) if bind else "cpu"
-        engine_config = dataclasses.replace(engine_config, device=torch_device)
-        self.engine = Engine(load_model(model_config, torch_device), engine_config)
+        self.torch_device = bind_device(device, inside_ray, pin=bind)
+        engine_config = dataclasses.replace(engine_config, device=self.torch_device)
+        self.engine = Engine(load_model(model_config, self.torch_device), engine_config,
+                             on_layer_done=self.layer_listener())
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent] = []
         self._events_ready = threading.Condition()
@@ -121,11 +127,14 @@ class EngineLoop:
     # ---- called from other threads (or as Ray actor methods) -------------------------
     def info(self) -> dict:
         """What the router needs to validate requests and check compatibility, plus the
-        process's torch thread counts (recorded with every result)."""
-        import torch  # local import: the thread counts are process-wide
-
+        process's torch thread counts, the physical GPU used (``gpu``: index as this process
+        sees it, name, UUID, CUDA_VISIBLE_DEVICES; None on CPU) and its kernels
+        (``kernels``: the backend's ``describe()``, engine/ops.py: CPU model and ISA, the
+        GEMM chosen per shape class and row range, the decode-attention layout), recorded
+        with every result. ``device`` is the device asked for, ``torch_device`` the one used."""
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
+                "torch_device": self.torch_device, "gpu": gpu_identity(self.torch_device),
                 "torch_num_threads": torch.get_num_threads(),
                 "torch_num_interop_threads": torch.get_num_interop_threads(),
                 "max_model_len": engine.max_model_len, "vocab_size": engine.vocab_size,
@@ -136,7 +145,8 @@ class EngineLoop:
                 "kv_block_size": engine.config.block_size,
                 "kv_num_blocks": engine.kv_store.num_blocks,
                 "enable_prefix_caching": engine.config.enable_prefix_caching,
-                "kv_reservation": engine.config.kv_reservation}
+                "kv_reservation": engine.config.kv_reservation,
+                "kernels": engine.runner.ops.describe()}
 
     def kv_cache_stats(self) -> dict:
         """The prefix cache's lookups and hits in tokens (``engine.kv_blocks.
@@ -199,7 +209,9 @@ class EngineLoop:
         return {"name": self.name, "engine_empty": self.call(self.engine.is_empty)}
 
     def step_records(self) -> list[dict]:
-        return [{"worker": self.name, **r.__dict__} for r in list(self.engine.step_records)]
+        """Every step this worker ran, one flat row each (``StepRecord.to_row``: its batch as
+        JSON text) with ``worker``: this worker's name."""
+        return [{"worker": self.name, **r.to_row()} for r in list(self.engine.step_records)]
 
     def call(self, fn: Callable, timeout_s: float = 30.0):
         """Run ``fn()`` on the loop thread and return its result (for consistent reads).
@@ -241,6 +253,7 @@ class EngineLoop:
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
+            use_on_this_thread(self.torch_device)  # the CUDA current device is per thread
             self._loop()
         except BaseException as err:  # nothing may escape silently: the worker is dead now
             with self._events_ready:
@@ -254,16 +267,14 @@ class EngineLoop:
             self.on_tick()
             if not self.engine.has_unfinished():
                 continue
-            num_steps = len(self.engine.step_records)
-            outputs = self.engine.step()
+            output = self.engine.step()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            for request_id, error in self.engine.pop_failed():
+            for request_id, error in output.failed:
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
-            if outputs:
-                self.on_outputs(outputs)
+            self.on_step(output)
             self.on_tick()
-            if len(self.engine.step_records) == num_steps:  # nothing could run: wait a bit
+            if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
 
     def _drain_commands(self, block: bool, timeout_s: float = 0.1) -> None:
@@ -294,16 +305,22 @@ class EngineLoop:
             self._events_ready.notify_all()
 
     def on_tick(self) -> None:
-        """Once per loop iteration, on the loop thread: subclasses start KV fetches or retry
-        deferred KV puts here."""
+        """Once per loop iteration, on the loop thread: subclasses retry deferred KV puts
+        here."""
 
     def idle_wait_s(self) -> float:
         """How long an idle loop waits for a command before ticking again (seconds)."""
         return 0.1
 
-    def on_outputs(self, outputs: list[TokenOutput]) -> None:
-        """Colocated: every token goes straight out."""
-        for out in outputs:
+    def layer_listener(self) -> Callable[[int, ScheduledBatch], None] | None:
+        """The engine's layer listener (``Engine(on_layer_done=...)``), asked once when the
+        engine is built; None (the default) streams nothing while a step computes."""
+        return None
+
+    def on_step(self, output: StepOutput) -> None:
+        """After every step, on the loop thread, with what it did (its failed requests are
+        already reported). Colocated: every token goes straight out."""
+        for out in output.tokens:
             self.emit(token_event(self.name, out))
 
 

@@ -64,7 +64,7 @@ SUMMARY_COLUMNS = (["placement", "rate", "num_seeds", "num_requests", "num_faile
                    + [c + sfx for c in CI_METRICS for sfx in ("", "_ci_lo", "_ci_hi")]
                    + EXTRA_COLUMNS)
 BREAKDOWN_STAGES = ["prefill_queue_s", "prefill_s", "transfer_s", "decode_queue_s", "decode_s"]
-ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold (DESIGN §6)
+ATTAINMENT_TARGET = m.ATTAINMENT_TARGET
 CI_LEVEL = 0.95
 NUM_BOOT = 1000
 

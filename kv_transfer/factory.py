@@ -5,6 +5,8 @@ from __future__ import annotations
 from engine.config import TransferConfig
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
+from kv_transfer.shm import SharedMemoryTransport
+from kv_transfer.torchdist import TorchDistributedTransport
 from kv_transfer.transport import Transport
 
 
@@ -29,19 +31,15 @@ def make_transport(config: TransferConfig, faults: dict | list[dict] | None = No
     if config.transport == "inprocess":
         transport: Transport = InProcessTransport(checksum=config.checksum)
     elif config.transport == "ray":
-        from kv_transfer.ray_store import RayObjectStoreTransport
+        from kv_transfer.ray_store import RayObjectStoreTransport  # lazy: it imports ray
 
         transport = RayObjectStoreTransport(checksum=config.checksum)
     elif config.transport == "shm":
-        from kv_transfer.shm import SharedMemoryTransport
-
         transport = SharedMemoryTransport(checksum=config.checksum,
                                           alloc_timeout_s=config.timeout_s)
     else:
         if rank is None or world_size is None:
             raise ValueError("transport 'torchdist' needs rank and world_size (set by the placement)")
-        from kv_transfer.torchdist import TorchDistributedTransport
-
         backend = "nccl" if device.startswith("cuda") else "gloo"
         # The group forms while the other ranks may still be loading their model: give it
         # the workers' start-up allowance, not one transfer's deadline.

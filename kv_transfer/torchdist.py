@@ -12,49 +12,65 @@ still works for callers that own the port).
 
 Lifecycle:
     1. ``put(..., dst_rank=r)`` on the sender posts two non-blocking sends to rank ``r``:
-       the msgpack header, then the tensor bytes, tagged ``2*seq`` and ``2*seq+1``. It
-       returns at once; the handle's key is ``P2PKey(src_rank, seq, header_nbytes,
+       the msgpack header, then the tensor bytes, tagged ``2*seq`` and ``2*seq+1``, where
+       ``seq`` counts the transfers from this rank to ``r`` (0, 1, 2, ...: one sequence per
+       pair). It returns at once; the handle's key is ``P2PKey(src_rank, seq, header_nbytes,
        tensor_nbytes)`` (plain ints), so the receiver can allocate before receiving.
     2. The handle reaches the receiver through the control path (router / actor call).
     3. ``get`` on rank ``r`` posts the matching receives from ``src_rank`` and waits for them
        until the deadline (``TransferTimeout`` after it; the pending receive then poisons the
        pair, so treat the group as broken). Each handle can be received once.
-    4. A daemon thread per send waits for it to complete, then releases the send buffers;
-       ``num_held()`` counts sends not yet received (nor given up by ``free`` on the sender).
-       On the receiver ``free`` of a handle it received has nothing to release.
+    4. A daemon thread per send waits until the **host** knows the send completed, then
+       releases its buffers; ``num_held()`` counts the sends not completed yet (nor given up
+       by ``free`` on the sender). With gloo ``work.wait()`` blocks until then; with NCCL it
+       only makes the current CUDA stream wait and returns at once, so the thread polls
+       ``work.is_completed()`` (the NCCL kernel's end event) instead. On the receiver ``free``
+       of a handle it received has nothing to release.
+
+NCCL ignores tags and matches the messages of a pair in the order they were posted, so a
+receive posted out of order would take another transfer's bytes. Every receive from a rank
+(a ``get``, or the drain a ``free`` starts) is therefore posted in one place, in ``seq``
+order (``_post_in_order``): a ``get`` of seq 5 waits, within its deadline, until seq 4 has
+been received or drained here, and whoever posts seq 4 then posts the receives of 5 at once.
+With gloo tags keep transfers apart, and receives are posted as they come.
 
 Sends that can no longer be matched (a posted send or receive cannot be withdrawn: neither
 gloo nor NCCL can cancel one):
     - ``free`` on the receiver of a handle it never received (request aborted or failed
-      before its fetch) **drains** it: a background receive matches the send into a scratch
-      buffer and drops it, so the sender's buffers are released and NCCL's in-order
-      matching stays aligned. A drain that fails marks the pair broken.
+      before its fetch) **drains** it: a receive, posted in order like a ``get``, matches the
+      send into a scratch buffer and drops it, so the sender's buffers are released and
+      NCCL's in-order matching stays aligned. A drain that fails marks the pair broken.
     - A receive that times out or fails marks the pair (sender rank -> this rank) broken:
-      gloo closes the pair, and a late NCCL message would land in a stale buffer. Later
-      gets from that rank raise ``TransferFailed`` naming the first failure. Puts whose
-      send fails mark the pair broken on the sender side the same way.
-    - ``free`` on the sender of a send not yet received: with NCCL the pair is marked
-      broken (every later message would be matched to the wrong receive); with gloo, whose
-      tags keep other transfers apart, the send stays posted (``num_orphaned_sends``)
-      until the receiver drains it or the group is destroyed. Free late handles on the
-      receiving rank when it lives.
+      gloo closes the pair, and a late NCCL message would land in a stale buffer. So does a
+      ``get`` that waited out its deadline for an earlier transfer of the pair that was
+      neither received nor freed here. Later gets from that rank raise ``TransferFailed``
+      naming the first failure. Puts whose send fails mark the pair broken on the sender
+      side the same way.
+    - ``free`` on the sender (its producer got the handle back: no receiver took it). With
+      NCCL it marks the pair broken: the receiver will never post this receive, so every
+      later message of the pair would be matched to the wrong one. It does so even if the
+      send completed, because a small NCCL send completes into the receiver's buffer before
+      any receive is posted (NVIDIA/nccl#544): the sender cannot tell it from a received one.
+      With gloo, whose tags keep other transfers apart, a send still in flight stays posted
+      (``num_orphaned_sends``) until the receiver drains it or the group is destroyed. Free
+      late handles on the receiving rank when it lives.
 
 Zero copy: the sender's buffer is ``kv``'s own memory (when contiguous on ``device``), kept
 alive by the transport until sent; do not modify ``kv`` in place after ``put``.
 
 ``backend='gloo'`` moves host tensors; ``backend='nccl'`` keeps the tensor bytes on the GPU
-(``device='cuda:i'``): nothing is staged on the host except the header. NCCL ignores tags
-and matches messages in order, so with NCCL a receiver must get handles from one sender in
-the order they were put.
+(``device='cuda:i'``): nothing is staged on the host except the header. The point-to-point
+calls go through ``p2p`` (``torch.distributed`` by default), which tests replace with a fake
+process group that completes sends late or out of order (``tests/unit/test_torchdist_order.py``).
 """
 
 from __future__ import annotations
 
 import datetime
-import itertools
 import threading
 import time
-from typing import NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -98,12 +114,30 @@ def _init_group(backend: str, init_method: str, rank: int, world_size: int,
 
 
 class P2PKey(NamedTuple):
-    """Where a point-to-point transfer comes from and how big its two messages are."""
+    """Where a point-to-point transfer comes from, its place in the pair's sequence, how
+    big its two messages are, and where it goes (-1: not said)."""
 
     src_rank: int
     seq: int
     header_nbytes: int
     tensor_nbytes: int
+    dst_rank: int = -1
+
+
+NCCL_POLL_MAX_S = 0.01  # longest sleep between two polls of an NCCL work's completion
+
+
+@dataclass
+class _Receive:
+    """The receives of one handle (a ``get`` or a drain), posted in the pair's order."""
+
+    key: P2PKey
+    request_id: str
+    drain: bool
+    posted: threading.Event = field(default_factory=threading.Event)
+    buffers: list[torch.Tensor] = field(default_factory=list)  # header, tensor bytes
+    works: list = field(default_factory=list)
+    error: TransferError | None = None  # set instead of works when it cannot be posted
 
 
 class TorchDistributedTransport(Transport):
@@ -117,7 +151,13 @@ class TorchDistributedTransport(Transport):
         device: where received tensors land (``cpu`` for gloo, ``cuda:i`` for NCCL).
         dst_rank: default receiver for ``put`` when it names none.
         checksum: CRC32 in the header (with NCCL this costs a device-to-host copy per side).
-        init_timeout_s: deadline for forming the group.
+        init_timeout_s: deadline for forming the group (and for a drain to complete).
+        p2p: what provides ``isend(tensor, dst, tag)`` / ``irecv(tensor, src, tag)``
+            returning works with ``wait(timeout=None)`` and ``is_completed()``: default
+            ``torch.distributed``; tests pass a fake process group.
+
+    Raises:
+        ValueError: an unknown backend.
     """
 
     name = "torchdist"
@@ -125,20 +165,25 @@ class TorchDistributedTransport(Transport):
     def __init__(self, rank: int, world_size: int, backend: str = "gloo",
                  init_method: str | None = None, device: str = "cpu",
                  dst_rank: int | None = None, checksum: bool = True,
-                 init_timeout_s: float = 60.0):
+                 init_timeout_s: float = 60.0, p2p: Any = None):
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         super().__init__(checksum)
         self.rank, self.world_size, self.backend = rank, world_size, backend
         self.device = torch.device(device)
         self.dst_rank = dst_rank
-        if init_method is not None and not dist.is_initialized():
+        self._p2p = dist if p2p is None else p2p
+        if init_method is not None and p2p is None and not dist.is_initialized():
             _init_group(backend, init_method, rank, world_size, init_timeout_s)
-        self._seq = itertools.count()
-        self._lock = threading.Lock()
-        self._sends: dict[int, int] = {}  # seq -> dst rank of sends not yet received nor freed
-        self._orphans: dict[int, int] = {}  # seq -> dst of sends freed here before received
-        self._done: set[tuple[int, int]] = set()  # (src, seq) received or drained here
+        self._lock = threading.Lock()  # the state below
+        self._send_lock = threading.Lock()  # a pair's sends are posted in seq order
+        self._post_lock = threading.Lock()  # receives are posted in one place (in order)
+        self._next_send: dict[int, int] = {}  # dst rank -> seq of the next put to it
+        self._sends: set[tuple[int, int]] = set()  # (dst, seq) of sends not completed
+        self._orphans: set[tuple[int, int]] = set()  # of those, freed here before completing
+        self._next_post: dict[int, int] = {}  # src rank -> seq whose receive is posted next
+        self._parked: dict[int, dict[int, _Receive]] = {}  # src -> seq -> waiting its turn
+        self._done: set[tuple[int, int]] = set()  # gloo: (src, seq) posted here (any order)
         self._broken: dict[int, str] = {}  # peer rank -> why the pair with it is unusable
         self._stranded: list[torch.Tensor] = []  # buffers of receives that may still land
         self.drain_timeout_s = init_timeout_s
@@ -148,11 +193,13 @@ class TorchDistributedTransport(Transport):
         return self.backend == "nccl"  # NCCL matches messages in order, ignoring tags
 
     def num_held(self) -> int:
+        """Sends whose completion this host has not seen yet, not counting those freed here
+        (``num_orphaned_sends``)."""
         with self._lock:
-            return len(self._sends)
+            return len(self._sends) - len(self._orphans)
 
     def num_orphaned_sends(self) -> int:
-        """gloo sends freed on this (sending) side before their receiver took them."""
+        """Sends freed on this (sending) side before they completed."""
         with self._lock:
             return len(self._orphans)
 
@@ -169,14 +216,51 @@ class TorchDistributedTransport(Transport):
                                  "placement to use it again")
 
     def _mark_broken(self, peer: int, reason: str) -> None:
+        """Record why the pair with ``peer`` is unusable (the first reason stays) and fail
+        every receive from it still waiting for its turn."""
         with self._lock:
             self._broken.setdefault(peer, reason)
+            parked = list(self._parked.pop(peer, {}).values())
+        for receive in parked:
+            receive.error = TransferFailed(f"KV of request {receive.request_id}: the "
+                                           f"torch.distributed pair {self.rank}<->{peer} "
+                                           f"broke while it waited ({reason})")
+            receive.posted.set()
 
     def close(self) -> None:
         """Destroy the process group (call once per process, after the last transfer)."""
-        if dist.is_initialized():
+        if self._p2p is dist and dist.is_initialized():
             dist.destroy_process_group()
 
+    # ---- the host's view of a work's completion -----------------------------------------
+    def _wait_host(self, work, deadline_s: float | None = None) -> None:
+        """Return once the host knows ``work`` completed, or raise.
+
+        gloo: ``work.wait`` blocks the host. NCCL: ``work.wait`` only orders the current
+        CUDA stream after the work and returns at once, so ``is_completed()`` is polled
+        (sleeps doubling from 0.1 ms to ``NCCL_POLL_MAX_S``); ``wait`` then surfaces an
+        error and orders the caller's stream after the bytes.
+
+        Raises:
+            RuntimeError: the work failed, or ``deadline_s`` (``time.monotonic``) passed
+                ("timed out").
+        """
+        if self.backend != "nccl":
+            if deadline_s is None:
+                work.wait()
+            else:
+                left_s = max(deadline_s - time.monotonic(), 1e-3)
+                work.wait(timeout=datetime.timedelta(seconds=left_s))
+            return
+        sleep_s = 1e-4
+        while not work.is_completed():
+            if deadline_s is not None and time.monotonic() >= deadline_s:
+                raise RuntimeError("NCCL work timed out")
+            time.sleep(sleep_s)
+            sleep_s = min(2 * sleep_s, NCCL_POLL_MAX_S)
+        work.wait()
+
+    # ---- send side -------------------------------------------------------------------
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
               layer_start: int) -> list[Frame]:
         header, tensor_bytes = pack_tensor(request_id, spec, kv.to(self.device), token_start,
@@ -188,64 +272,177 @@ class TorchDistributedTransport(Transport):
         if dst is None or dst == self.rank or not 0 <= dst < self.world_size:
             raise TransferFailed(f"put of request {request_id} needs a dst_rank in "
                                  f"[0, {self.world_size}) other than {self.rank}, got {dst}")
-        self._check_pair(dst, request_id)
         header = torch.frombuffer(bytearray(frames[0]), dtype=torch.uint8).to(self.device)
         tensor_bytes = frames[1]
-        seq = next(self._seq)
-        works = [dist.isend(header, dst, tag=2 * seq)]
-        if tensor_bytes.numel():
-            works.append(dist.isend(tensor_bytes, dst, tag=2 * seq + 1))
-        with self._lock:
-            self._sends[seq] = dst
-        # The thread holds the buffers until the receiver has them (a gloo send cannot be
-        # waited on with a timeout without breaking the pair, hence a blocking wait here).
+        with self._send_lock:  # seq order is posting order: NCCL matches in that order
+            with self._lock:
+                self._check_pair(dst, request_id)
+                seq = self._next_send.get(dst, 0)
+                self._next_send[dst] = seq + 1
+            try:
+                works = [self._p2p.isend(header, dst, tag=2 * seq)]
+                if tensor_bytes.numel():
+                    works.append(self._p2p.isend(tensor_bytes, dst, tag=2 * seq + 1))
+            except RuntimeError as err:  # seq is spent: the receiver would wait for it
+                reason = f"the send of request {request_id} to rank {dst} failed: " \
+                         f"{str(err).splitlines()[0]}"
+                self._mark_broken(dst, reason)
+                raise TransferFailed(f"KV of request {request_id}: {reason}") from err
+            with self._lock:
+                self._sends.add((dst, seq))
+        # The thread holds the buffers until the host knows the send completed.
         threading.Thread(target=self._wait_sent,
                          args=(seq, dst, request_id, works, [header, tensor_bytes]),
-                         daemon=True, name=f"kv-send-{seq}").start()
-        return P2PKey(self.rank, seq, header.numel(), tensor_bytes.numel())
+                         daemon=True, name=f"kv-send-{dst}-{seq}").start()
+        return P2PKey(self.rank, seq, header.numel(), tensor_bytes.numel(), dst)
 
-    def _wait_sent(self, seq: int, dst: int, request_id: str, works: list[dist.Work],
+    def _wait_sent(self, seq: int, dst: int, request_id: str, works: list,
                    buffers: list[torch.Tensor]) -> None:
         try:
             for work in works:
-                work.wait()
+                self._wait_host(work)
         except RuntimeError as err:  # peer gone or pair closed: later puts fail clearly
             self._mark_broken(dst, f"the send of request {request_id} to rank {dst} failed: "
                                    f"{str(err).splitlines()[0]}")
         with self._lock:
-            self._sends.pop(seq, None)
-            self._orphans.pop(seq, None)
+            self._sends.discard((dst, seq))
+            self._orphans.discard((dst, seq))
+
+    def _free_sent(self, key: P2PKey, handle: KVHandle, dst: int) -> None:
+        """``free`` on the sender: its producer got the handle back, so no receiver took it."""
+        if self.backend == "nccl":  # see the module docstring: never posted = misaligned
+            with self._lock:
+                if (dst, key.seq) in self._sends:
+                    self._orphans.add((dst, key.seq))
+            self._mark_broken(dst, f"the send of request {handle.request_id} to rank {dst} "
+                                   "was freed before it was received; NCCL matches in order")
+            return
+        with self._lock:  # gloo: tagged, other transfers stay unaffected
+            if (dst, key.seq) in self._sends:
+                self._orphans.add((dst, key.seq))
+
+    # ---- receive side ----------------------------------------------------------------
+    def _post_in_order(self, key: P2PKey, request_id: str, drain: bool) -> _Receive:
+        """Register the receives of ``key`` and post them in the pair's order (NCCL) or at
+        once (gloo); returns the ``_Receive`` (its ``posted`` event is set once posted).
+
+        Raises:
+            TransferFailed: the pair is broken, or ``key`` was already received or drained.
+        """
+        receive = _Receive(key, request_id, drain)
+        src = key.src_rank
+        if key.dst_rank not in (-1, self.rank):
+            raise TransferFailed(f"KV of request {request_id} was sent to rank {key.dst_rank}, "
+                                 f"not to this rank {self.rank}")
+        with self._lock:
+            self._check_pair(src, request_id)
+            next_seq = self._next_post.get(src, 0)
+            parked = self._parked.setdefault(src, {})
+            if ((src, key.seq) in self._done or key.seq in parked
+                    or (self.ordered_gets and key.seq < next_seq)):
+                raise TransferFailed(f"KV of request {request_id} (rank {src}, seq "
+                                     f"{key.seq}) was already received or drained here")
+            parked[key.seq] = receive
+        self._post_ready(src)
+        return receive
+
+    def _post_ready(self, src: int) -> None:
+        """Post every parked receive from ``src`` whose turn has come, in seq order."""
+        with self._post_lock:
+            while True:
+                with self._lock:
+                    parked = self._parked.get(src, {})
+                    if self.ordered_gets:
+                        seq = self._next_post.get(src, 0)
+                        receive = parked.pop(seq, None)
+                        if receive is None:
+                            return
+                        self._next_post[src] = seq + 1
+                    elif parked:  # gloo: tags keep transfers apart, any order will do
+                        receive = parked.pop(next(iter(parked)))
+                        self._done.add((src, receive.key.seq))
+                    else:
+                        return
+                self._post(receive)
+
+    def _post(self, receive: _Receive) -> None:
+        """Allocate and post the receives of one handle (under ``_post_lock``)."""
+        key = receive.key
+        header = torch.empty(key.header_nbytes, dtype=torch.uint8, device=self.device)
+        tensor_bytes = torch.empty(key.tensor_nbytes, dtype=torch.uint8, device=self.device)
+        try:
+            works = [self._p2p.irecv(header, key.src_rank, tag=2 * key.seq)]
+            if key.tensor_nbytes:
+                works.append(self._p2p.irecv(tensor_bytes, key.src_rank, tag=2 * key.seq + 1))
+        except RuntimeError as err:
+            reason = f"posting the receive of request {receive.request_id} failed: " \
+                     f"{str(err).splitlines()[0]}"
+            receive.error = TransferFailed(f"KV of request {receive.request_id}: {reason}")
+            receive.posted.set()
+            self._mark_broken(key.src_rank, reason)
+            return
+        receive.buffers, receive.works = [header, tensor_bytes], works
+        receive.posted.set()
+        if receive.drain:
+            threading.Thread(target=self._finish_drain, args=(receive,), daemon=True,
+                             name=f"kv-drain-{key.src_rank}-{key.seq}").start()
+
+    def _complete(self, receive: _Receive, timeout_s: float, deadline_s: float) -> None:
+        """Wait (host side) for the posted receives of ``receive`` until ``deadline_s``.
+
+        Raises:
+            TransferTimeout, TransferFailed: and the pair is marked broken.
+        """
+        key = receive.key
+        try:
+            for work in receive.works:
+                self._wait_host(work, deadline_s)
+        except RuntimeError as e:
+            with self._lock:
+                self._stranded += receive.buffers  # a late message may still land
+            timed_out = any(word in str(e).lower() for word in ("timed out", "timeout"))
+            self._mark_broken(key.src_rank, f"the receive of request {receive.request_id} from "
+                                            f"rank {key.src_rank} "
+                                            f"{'timed out' if timed_out else 'failed'} after "
+                                            f"{timeout_s} s")
+            kind = TransferTimeout if timed_out else TransferFailed
+            raise kind(f"KV for request {receive.request_id} from rank {key.src_rank} not "
+                       f"received within {timeout_s} s: {e}") from e
 
     def _receive(self, key: P2PKey, request_id: str, timeout_s: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post and wait for both receives of ``key``; a failure marks the pair broken."""
-        with self._lock:
-            self._check_pair(key.src_rank, request_id)
-            if (key.src_rank, key.seq) in self._done:
-                raise TransferFailed(f"KV of request {request_id} (rank {key.src_rank}, seq "
-                                     f"{key.seq}) was already received or drained here")
-            self._done.add((key.src_rank, key.seq))
-        header = torch.empty(key.header_nbytes, dtype=torch.uint8, device=self.device)
-        tensor_bytes = torch.empty(key.tensor_nbytes, dtype=torch.uint8, device=self.device)
-        works = [dist.irecv(header, key.src_rank, tag=2 * key.seq)]
-        if key.tensor_nbytes:
-            works.append(dist.irecv(tensor_bytes, key.src_rank, tag=2 * key.seq + 1))
+        """Post (in order) and wait for both receives of ``key``; a failure marks the pair
+        broken. Returns the header and tensor-byte buffers."""
         deadline_s = time.monotonic() + timeout_s
-        try:
-            for work in works:
-                left_s = max(deadline_s - time.monotonic(), 1e-3)
-                work.wait(timeout=datetime.timedelta(seconds=left_s))
-        except RuntimeError as e:
+        receive = self._post_in_order(key, request_id, drain=False)
+        if not receive.posted.wait(max(deadline_s - time.monotonic(), 0.0)):
             with self._lock:
-                self._stranded += [header, tensor_bytes]  # a late message may still land
-            timed_out = any(word in str(e).lower() for word in ("timed out", "timeout"))
-            self._mark_broken(key.src_rank, f"the receive of request {request_id} from rank "
-                                            f"{key.src_rank} {'timed out' if timed_out else 'failed'}"
-                                            f" after {timeout_s} s")
-            kind = TransferTimeout if timed_out else TransferFailed
-            raise kind(f"KV for request {request_id} from rank {key.src_rank} not "
-                       f"received within {timeout_s} s: {e}") from e
-        return header, tensor_bytes
+                parked = self._parked.get(key.src_rank, {})
+                withdrawn = parked.get(key.seq) is receive
+                if withdrawn:
+                    del parked[key.seq]
+                waiting_for = self._next_post.get(key.src_rank, 0)
+            if withdrawn:  # never posted; the pair's order now has a hole
+                self._mark_broken(key.src_rank, f"the KV of request {request_id} (seq {key.seq}) "
+                                                f"waited {timeout_s} s for rank {key.src_rank}'s "
+                                                f"transfer seq {waiting_for}, which was neither "
+                                                "received nor freed here")
+                raise TransferTimeout(f"KV for request {request_id} from rank {key.src_rank} "
+                                      f"not received within {timeout_s} s: its receive waited "
+                                      f"for transfer seq {waiting_for} of that rank, which was "
+                                      "neither received nor freed here (NCCL matches in order)")
+            receive.posted.wait()  # posted just now, by another thread
+        if receive.error is not None:
+            raise receive.error
+        self._complete(receive, timeout_s, deadline_s)
+        return receive.buffers[0], receive.buffers[1]
+
+    def _finish_drain(self, receive: _Receive) -> None:
+        try:
+            self._complete(receive, self.drain_timeout_s,
+                           time.monotonic() + self.drain_timeout_s)
+        except TransferError:
+            pass  # the pair is now marked broken
 
     def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
         header, tensor_bytes = self._receive(handle.key, handle.request_id, timeout_s)
@@ -254,24 +451,13 @@ class TorchDistributedTransport(Transport):
     def _free(self, handle: KVHandle) -> None:
         key: P2PKey = handle.key
         if key.src_rank == self.rank:  # sender side
-            with self._lock:
-                dst = self._sends.pop(key.seq, None)
-                if dst is None:
-                    return
-                if self.backend != "nccl":
-                    self._orphans[key.seq] = dst  # tagged: other transfers stay unaffected
-                    return
-            self._mark_broken(dst, f"the send of request {handle.request_id} to rank {dst} "
-                                   "was freed before it was received; NCCL matches in order")
+            if key.dst_rank >= 0:
+                self._free_sent(key, handle, key.dst_rank)
             return
         with self._lock:  # receiver side: drain a send it will never get otherwise
-            if (key.src_rank, key.seq) in self._done or key.src_rank in self._broken:
+            if key.src_rank in self._broken:
                 return
-        threading.Thread(target=self._drain, args=(key, handle.request_id), daemon=True,
-                         name=f"kv-drain-{key.src_rank}-{key.seq}").start()
-
-    def _drain(self, key: P2PKey, request_id: str) -> None:
         try:
-            self._receive(key, request_id, self.drain_timeout_s)
-        except TransferError:
-            pass  # already drained, or the pair is (now) marked broken
+            self._post_in_order(key, handle.request_id, drain=True)
+        except TransferFailed:
+            pass  # already received or drained here, or the pair is broken

@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 
 from engine.config import EngineConfig, ModelConfig, TransferConfig
+from engine.engine import StepOutput
 from engine.events import ERROR, PREFILLED, WorkerEvent
 from engine.metrics import KV_PUT
 from engine.request import Request, TokenOutput
@@ -78,8 +80,10 @@ class PrefillWorker(EngineLoop):
         # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, self.engine.config.device)
-        if transfer_config.granularity == "layer":
-            self.engine.on_layer_done = self._put_layers
+
+    def layer_listener(self) -> Callable[[int, ScheduledBatch], None] | None:
+        """Layer-wise granularity: ``_put_layers`` hears of every layer as it is written."""
+        return self._put_layers if self.transfer.granularity == "layer" else None
 
     def submit(self, request: Request, dst_rank: int | None = None,
                kv_token_start: int = 0) -> None:
@@ -162,8 +166,8 @@ class PrefillWorker(EngineLoop):
             del self._deferred[rid]
             self._put_whole(out)
 
-    def on_outputs(self, outputs: list[TokenOutput]) -> None:
-        for out in outputs:
+    def on_step(self, output: StepOutput) -> None:
+        for out in output.tokens:
             rid = out.request_id
             if out.finish_reason is not None:  # ended with its first token: no KV to send
                 self._dst_rank.pop(rid, None)

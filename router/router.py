@@ -57,7 +57,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from engine import events as ev
@@ -65,8 +65,8 @@ from engine.config import ConditionalConfig, parse_placement
 from engine.errors import describe_error
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
+from router.assignment import Assigner
 from router.calls import Calls, WorkerDied
-from router.policy import pick
 
 # What a request waits for on its current worker (named in deadline errors).
 PREFILL, TRANSFER, DECODE = "prefill", "KV transfer", "decode"
@@ -92,9 +92,6 @@ class _Flight:
     worker: str = ""  # the worker it waits on now
     stage: str = ""  # what it waits for there: PREFILL, TRANSFER or DECODE
     deadline_s: float = float("inf")  # time.time() by which its next event is due
-    # worker -> load tokens charged to it for this request: the workers it still needs.
-    # Each charge is released exactly once (popped), so loads return to exactly 0.
-    charges: dict[str, int] = field(default_factory=dict)
     # KV in transit: handles put by kv_owner, handed to the decode worker, not yet fetched
     kv_owner: str | None = None
     kv_handles: tuple[Any, ...] = ()
@@ -208,17 +205,14 @@ class Router:
                  poll_s: float = 0.05, startup_timeout_s: float = 300.0,
                  conditional: ConditionalConfig | None = None) -> None:
         self.workers = {w.name: w for w in workers}
-        self.conditional = None
-        if parse_placement(placement)[0] == "conditional":
-            self.conditional = conditional or ConditionalConfig()
         self.calls = calls
         self.placement = placement
         self.policy = policy
         self.deadline_s = deadline_s
         self.poll_s = poll_s
-        self.colocated = all(w.role == "colocated" for w in workers)
-        roles = ("colocated",) if self.colocated else ("prefill", "decode")
-        for role in roles:
+        kind = parse_placement(placement)[0]
+        kind = "colocated" if all(w.role == "colocated" for w in workers) else kind
+        for role in ("colocated",) if kind == "colocated" else ("prefill", "decode"):
             if not any(w.role == role for w in workers):
                 raise ValueError(f"placement {placement} has no {role} worker")
         infos = [self._first_info(w, startup_timeout_s) for w in workers]
@@ -236,8 +230,8 @@ class Router:
             if "kv_capacity_tokens" in i:
                 capacities.setdefault(w.role, []).append(i["kv_capacity_tokens"])
         self.kv_capacity_tokens = {role: min(c) for role, c in capacities.items()}
-        self.loads = {w.name: 0 for w in workers}  # tokens, see policy.py
-        self._turns = dict.fromkeys(roles, 0)  # round robin: one rotation per pool
+        self.assigner = Assigner([(w.name, w.role) for w in workers], kind, policy,
+                                 self.kv_block_size, conditional)
         self._flights: dict[str, _Flight] = {}
         self._pending: dict[Any, _Call] = {}
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
@@ -251,6 +245,12 @@ class Router:
         # (waiting, running) requests, refreshed by the loop each step; read by /metrics
         self.num_waiting = self.num_running = 0
         self.loop_errors = 0  # exceptions the online loop survived (each failed its flights)
+
+    @property
+    def loads(self) -> dict[str, int]:
+        """Worker name -> load in tokens (``router.assignment``: what it was charged for the
+        requests it still serves)."""
+        return self.assigner.loads
 
     def call_now(self, worker: WorkerRef, method: str, *args: Any,
                  timeout_s: float | None = None) -> Any:
@@ -379,8 +379,7 @@ class Router:
             except Exception as err:
                 self.loop_errors += 1
                 self._flights.pop(flight.request.request_id, None)
-                for worker in list(flight.charges):  # loads still return to exactly 0
-                    self._discharge(flight, worker)
+                self.assigner.release(flight.request.request_id)  # loads still return to 0
                 self._emit(self._refusal(flight.request, flight.record.timeline.get(ARRIVED, 0.0),
                                          f"{error}; ending it failed too: {describe_error(err)}"))
                 self._sinks.pop(flight.request.request_id, None)
@@ -473,14 +472,6 @@ class Router:
             self._dispatch(request, arrived_s)
 
     # ---- dispatch ---------------------------------------------------------------------
-    def _live(self, role: str) -> list[str]:
-        return [w.name for w in self.workers.values() if w.role == role and w.alive]
-
-    def _pick(self, role: str) -> str:
-        name = pick(self.policy, self._live(role), self.loads, self._turns[role])
-        self._turns[role] += 1
-        return name
-
     def _dispatch(self, request: Request, arrived_s: float | None = None) -> None:
         """``arrived_s``: the scheduled arrival (default: now); ``dispatched`` is stamped now."""
         now = time.time()
@@ -491,43 +482,20 @@ class Router:
         record.timeline[DISPATCHED] = now
         flight = _Flight(request, record)
         self._flights[request.request_id] = flight
-        kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens
-        kv_tokens = -(-kv_tokens // self.kv_block_size) * self.kv_block_size  # whole blocks
         try:
             self.validate(request)
-            if self.colocated:
-                first = decode = self._pick("colocated")
-                self._charge(flight, first, kv_tokens)
-            elif self.conditional is not None and not self.conditional.remote(
-                    request.num_prompt_tokens, self._num_queued_prefills()):
-                first = decode = self._pick("decode")  # its decode worker prefills it
-                self._charge(flight, decode, kv_tokens)
-            else:
-                first, decode = self._pick("prefill"), self._pick("decode")
-                self._charge(flight, first, request.num_prompt_tokens)
-                self._charge(flight, decode, kv_tokens)
+            assignment = self.assigner.assign(request.request_id, request.num_prompt_tokens,
+                                              request.sampling.max_tokens)
         except ValueError as err:
             self._finish(flight, error=str(err))
             return
+        first, decode = assignment.first, assignment.decode
         record.prefill_worker, record.decode_worker = first, decode
-        record.prefill_path = "local" if first == decode else "remote"
+        record.prefill_path = "remote" if assignment.remote else "local"
         self._wait_on(flight, first, PREFILL)
         args = (request,) if first == decode else (request, self.workers[decode].rank)
         self._send(first, "submit", request.request_id, *args)
         record.timeline[PREFILL_QUEUED] = time.time()
-
-    def _num_queued_prefills(self) -> int:
-        """Requests queued or prefilling on the prefill workers (Dynamo's prefill queue)."""
-        return sum(1 for f in self._flights.values()
-                   if f.stage == PREFILL and self.workers[f.worker].role == "prefill")
-
-    def _charge(self, flight: _Flight, worker: str, tokens: int) -> None:
-        flight.charges[worker] = tokens
-        self.loads[worker] += tokens
-
-    def _discharge(self, flight: _Flight, worker: str) -> None:
-        """Release the charge of ``flight`` on ``worker`` (once: later calls do nothing)."""
-        self.loads[worker] -= flight.charges.pop(worker, 0)
 
     def _wait_on(self, flight: _Flight, worker: str, stage: str) -> None:
         flight.worker, flight.stage = worker, stage
@@ -600,7 +568,7 @@ class Router:
         """First token out; the router holds the KV handles until ``admit`` accepts them."""
         record = flight.record
         record.kv_bytes = event.kv_bytes
-        self._discharge(flight, flight.worker)
+        self.assigner.prefilled(flight.request.request_id, flight.worker)
         decode = record.decode_worker  # alive: requests that need a dead worker end at once
         self._wait_on(flight, decode, TRANSFER)
         flight.kv_owner, flight.kv_handles = event.worker, event.kv_handles
@@ -649,8 +617,7 @@ class Router:
             for name in {record.prefill_worker, record.decode_worker} - {None}:
                 if self.workers[name].alive:  # free whatever it holds there
                     self._send(name, "abort", None, record.request_id)
-        for name in list(flight.charges):
-            self._discharge(flight, name)
+        self.assigner.release(record.request_id)
         del self._flights[record.request_id]
         self._emit(StreamEvent(record.request_id, FINISH, now, finish_reason=record.finish_reason,
                                error=record.error, record=record))
@@ -663,8 +630,10 @@ class Router:
         if not worker.alive:
             return
         worker.alive = False
-        for flight in list(self._flights.values()):
-            if name in flight.charges:
+        self.assigner.mark_dead(name)
+        for rid in self.assigner.requests_needing(name):
+            flight = self._flights.get(rid)
+            if flight is not None:
                 self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
                              kv_back=flight.worker == name)
 

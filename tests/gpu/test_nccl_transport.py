@@ -6,12 +6,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs 2 CUDA devices")
+from engine.kv_cache import KVSpec
+from kv_transfer.torchdist import TorchDistributedTransport
 
-from engine.kv_cache import KVSpec  # noqa: E402
-from kv_transfer.torchdist import TorchDistributedTransport  # noqa: E402
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                                 reason="needs 2 CUDA devices")]
 
 SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=64,
               dtype="bfloat16")

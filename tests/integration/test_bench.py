@@ -13,10 +13,12 @@ import pytest
 from engine import metrics as m
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import ARRIVED, SLO, RequestRecord
-from experiments import analysis, bench, cli, compare, workloads
+from experiments import workload_spec
+from experiments import analysis, cli, workloads
+from experiments.commands import bench
 from experiments.placement import Deployment
-from experiments.serve import OpenAIServer, ServerThread
-from experiments.text import ByteText
+from server.app import OpenAIServer, ServerThread
+from server.text import ByteText
 
 TINY = ModelConfig("tiny-random-llama")
 ARGS = ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-20",
@@ -50,9 +52,9 @@ def test_bench_writes_the_results_directory_that_analysis_reads(url, tmp_path):
     assert code == 0
     for name in ("requests.jsonl", "summary.csv", "summary_seeds.csv", "report.md"):
         assert (out / name).exists(), name
-    spec = compare.WorkloadSpec(dataset="synthetic", prompt_len="4-20", output_len="2-6",
+    spec = workload_spec.WorkloadSpec(dataset="synthetic", prompt_len="4-20", output_len="2-6",
                                 num_requests=6, seeds=1)
-    items = compare.build_workload(spec, TINY, 0, 64)
+    items = workload_spec.build_workload(spec, TINY, 0, 64)
     timed = workloads.with_arrivals(items, 20.0, 0, "poisson")
     records = [r for _, _, r in read_records(out)]
     assert len(records) == 6
@@ -81,7 +83,7 @@ def test_bench_writes_the_results_directory_that_analysis_reads(url, tmp_path):
 
 
 def test_merge_joins_two_results_directories_into_one_comparison(url, tmp_path):
-    spec = compare.WorkloadSpec(dataset="synthetic", prompt_len="4-20", output_len="2-6",
+    spec = workload_spec.WorkloadSpec(dataset="synthetic", prompt_len="4-20", output_len="2-6",
                                 num_requests=4, seeds=1)
     slo = SLO(2.0, 0.1)
     for label in ("a@colocated:1", "b@disagg:1p1d"):
@@ -96,7 +98,7 @@ def test_merge_joins_two_results_directories_into_one_comparison(url, tmp_path):
 
 
 def test_bench_records_a_refusing_server_as_failures_not_a_crash(url, tmp_path):
-    spec = compare.WorkloadSpec(dataset="synthetic", prompt_len="4-20", output_len="2-6",
+    spec = workload_spec.WorkloadSpec(dataset="synthetic", prompt_len="4-20", output_len="2-6",
                                 num_requests=2, seeds=1)
     config = bench.BenchConfig(base_url=url, served_model="no-such-model")
     with pytest.raises(RuntimeError, match="warm-up"):

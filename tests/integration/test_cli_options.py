@@ -18,16 +18,20 @@ from pathlib import Path
 
 import pytest
 
-import experiments.bench
-import experiments.compare
-import experiments.placement
-import experiments.profile
+import experiments.commands.bench
+import experiments.commands.compare
+import experiments.commands.profile
+import experiments.commands.serve
+import experiments.measure
+import experiments.replay
+import experiments.workload_spec
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, RULE_KEYS, TransferConfig, field_type
 from experiments import cli
-from experiments.compare import WorkloadSpec
-from experiments.http_config import BenchConfig, ServeConfig
-from experiments.interference import InterferenceConfig
-from experiments.plan.command import PlanConfig
+from experiments.workload_spec import WorkloadSpec
+from experiments.commands.bench import BenchConfig
+from server.config import ServeConfig
+from experiments.commands.interference import InterferenceConfig
+from experiments.commands.plan import PlanConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_PROFILE = str(ROOT / "tests" / "data" / "tiny_device_profile.json")
@@ -229,12 +233,13 @@ def tripwires(monkeypatch):
         return _trip
 
     monkeypatch.setattr(ray, "init", trip("ray.init"))
-    monkeypatch.setattr(experiments.compare, "Deployment", trip("Deployment"))
-    monkeypatch.setattr(experiments.compare, "build_workload", trip("build_workload"))
-    monkeypatch.setattr(experiments.compare, "load_tokenizer", trip("load_tokenizer"))
-    monkeypatch.setattr(experiments.profile, "load_model", trip("load_model"))
-    monkeypatch.setattr(experiments.placement, "Deployment", trip("Deployment"))  # serve
-    monkeypatch.setattr(experiments.bench, "bench", trip("bench"))
+    monkeypatch.setattr(experiments.replay, "Deployment", trip("Deployment"))
+    monkeypatch.setattr(experiments.commands.compare, "build_workload", trip("build_workload"))
+    monkeypatch.setattr(experiments.workload_spec, "load_tokenizer", trip("load_tokenizer"))
+    monkeypatch.setattr(experiments.commands.profile, "load_model", trip("load_model"))
+    monkeypatch.setattr(experiments.measure, "load_model", trip("load_model"))
+    monkeypatch.setattr(experiments.commands.serve, "Deployment", trip("Deployment"))
+    monkeypatch.setattr(experiments.commands.bench, "bench", trip("bench"))
     return fired
 
 

@@ -15,7 +15,8 @@ from engine.config import ConditionalConfig, ModelConfig, PlacementConfig, Trans
     parse_placement
 from engine.request import Request, SamplingParams
 from engine.metrics import SLO
-from experiments.compare import RunResult, _write_hindsight
+from experiments.replay import RunResult
+from experiments.results import _write_hindsight
 from experiments.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")

@@ -15,7 +15,7 @@ from conftest import random_prompts, reference_generate
 from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from engine import cpu_kernels
+from engine import cpu_kernels, ops
 from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
@@ -79,9 +79,9 @@ def test_rope_kv_equals_rope_and_index_copy(kernels, n, heads, kv_heads, d):
     slots = torch.tensor([(5 + 3 * t) % 32 for t in range(n)])
     want_store = store.clone()
     q, k, v = views(qkv.clone())
-    want_q = runner_mod._apply_rope(q, cos[:, None], sin[:, None])
+    want_q = ops.apply_rope(q, cos[:, None], sin[:, None])
     flat = want_store[1].view(2, kv_heads, -1, d)
-    flat[0].index_copy_(1, slots, runner_mod._apply_rope(k, cos[:, None], sin[:, None])
+    flat[0].index_copy_(1, slots, ops.apply_rope(k, cos[:, None], sin[:, None])
                         .transpose(0, 1))
     flat[1].index_copy_(1, slots, v.transpose(0, 1))
     q, k, v = views(qkv)
@@ -207,24 +207,30 @@ def test_gemm_and_attention_wrappers_refuse_what_they_cannot_read(kernels):
 
 
 @needs_vector_kernels
-def test_projections_run_on_the_c_gemm_up_to_its_row_limit(tiny, monkeypatch):
-    """The packed kernel replaces oneDNN's copy (one extra weight copy, not two) and runs
-    1 .. _C_GEMM_MAX_ROWS rows with one torch thread, as does decode attention; with more
-    threads torch's kernels run, oneDNN's copy made on first use, with equal results."""
+def test_c_gemm_and_paged_attention_compete_only_with_one_torch_thread(tiny, monkeypatch):
+    """The one-thread rule (``engine/ops.py``): with one torch thread pdlab's GEMM and the
+    paged attention are candidates (forcing them runs them); with more threads they are not,
+    forcing them is refused, and the threaded kernels give equal results."""
+    monkeypatch.setenv(ops.FORCE_ENV, "linear=pdlab,decode_attention=paged")
     runner = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
-    qkv, head = runner.layers[0].qkv, runner.lm_head
-    assert qkv.panels is not None and qkv.packed is None and head.panels is not None
-    edge = runner_mod._C_GEMM_MAX_ROWS
-    assert [qkv._use_c_kernel(n) for n in (1, 16, edge, edge + 1)] == [True, True, True, False]
-    assert runner._use_c_attention()
+    qkv = runner.layers[0].qkv
+    assert runner.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else []), "pdlab"]
+    assert runner.ops.decode_candidates == ["planned", "paged"]
+    assert {type(k).__name__ for k in qkv.fused.by_bucket} == {"_PdlabGemm"}
+    assert runner.ops.decode_layout(16, None) == "paged"
     x = _randn(16, qkv.weight.shape[1], seed=12)
     with torch.inference_mode():
         on_c = qkv.fused(x)
-        monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-        assert not qkv._use_c_kernel(16) and not runner._use_c_attention()
-        threaded = qkv.fused(x)  # oneDNN, packed now
-    assert runner_mod._ONEDNN is (qkv.packed is not None)
-    torch.testing.assert_close(on_c, threaded, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    with pytest.raises(ValueError, match="linear=pdlab is not available here"):
+        ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
+    monkeypatch.setenv(ops.FORCE_ENV, "linear=mkl")
+    threaded = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
+    assert "pdlab" not in threaded.ops.linear_candidates
+    assert threaded.ops.decode_candidates == ["planned"]
+    assert threaded.ops.decode_layout(16, None) == "planned"
+    with torch.inference_mode():
+        torch.testing.assert_close(on_c, threaded.layers[0].qkv.fused(x), rtol=1e-5, atol=1e-5)
 
 
 def test_detection_keeps_other_modules_on_their_own_forward():
@@ -244,13 +250,41 @@ def _greedy(loaded, prompts, max_tokens=6, budget=96):
     return engine, [outputs[f"k{i}"] for i in range(len(prompts))]
 
 
-@needs_kernels
-def test_engine_with_kernels_matches_generate(tiny):
+# Every choice the selector can make (engine/kernel_choice.py), forced: each GEMM candidate
+# and each decode layout, and the reference backend.
+FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention=paged",
+          "linear=pdlab,decode_attention=paged", "linear=pdlab,decode_attention=planned",
+          "backend=torch"]
+
+
+@needs_vector_kernels
+@pytest.mark.parametrize("force", FORCED)
+def test_engine_under_every_kernel_choice_matches_generate(tiny, monkeypatch, force):
+    if "onednn" in force and not ops.ONEDNN:
+        pytest.skip("this torch has no oneDNN linear")
+    monkeypatch.setenv(ops.FORCE_ENV, force)
     prompts = random_prompts([1, 9, 40], seed=21)
     engine, got = _greedy(tiny, prompts, budget=16)  # chunked, mixed prefill + decode steps
-    assert engine.runner.kernels is not None  # the fast path really ran
-    vector = engine.runner.kernels.linear_vectorized  # and its GEMM where built for AVX2
-    assert (engine.runner.layers[0].qkv.panels is not None) == vector
+    backend = engine.runner.ops
+    assert backend.name == ("torch" if force == "backend=torch" else "cpu")
+    if backend.name == "cpu":  # the forced kernels really ran
+        linear, layout = (part.split("=")[1] for part in force.split(","))
+        assert {k.name for k in engine.runner.layers[0].qkv.fused.by_bucket} == {linear}
+        assert backend.decode_layout(3, None) == layout
+        assert backend.c_elementwise is not None
+    assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
+
+
+@needs_kernels
+def test_engine_with_measured_kernels_matches_generate(tiny):
+    """Whatever the selector measured fastest here (cached per machine)."""
+    prompts = random_prompts([1, 9, 40], seed=21)
+    engine, got = _greedy(tiny, prompts, budget=16)
+    assert engine.runner.ops.kernels is not None  # the fast path really ran
+    described = engine.runner.ops.describe()
+    assert set(described["linear"]) == {"64x128", "64x64", "64x256", "128x64", "64x256/lm_head"}
+    second = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))  # layers prepared already
+    assert second.ops.describe()["linear"] == described["linear"]
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 
 
@@ -272,7 +306,7 @@ def test_fallback_without_kernels_matches_generate(tiny, monkeypatch, tmp_path, 
             assert cpu_kernels.load() is None
     prompts = random_prompts([1, 9, 40], seed=22)
     engine, got = _greedy(tiny, prompts, budget=16)
-    assert engine.runner.kernels is None
+    assert engine.runner.ops.kernels is None
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 
 
@@ -290,9 +324,7 @@ def test_fast_path_logits_equal_torch_path(name, monkeypatch):
         if not on:  # every kernel off, the GEMMs included (the projections re-prepared)
             monkeypatch.setattr(cpu_kernels, "load", lambda: None)
         runner = ModelRunner(loaded.model, KVStore(loaded.kv_spec, 4, 8))
-        assert (runner.kernels is not None) == on
-        assert (runner.layers[0].qkv.panels is not None) == (
-            on and cpu_kernels.load().linear_vectorized)
+        assert (runner.ops.kernels is not None) == on
         state = RequestState(Request("x", tuple(prompt), SamplingParams(max_tokens=2)))
         state.block_ids = [2, 0, 3, 1]
         steps = []

@@ -162,9 +162,10 @@ def test_export_import_continues_in_second_engine(tiny, references):
 def decode_step(decode: Engine, fetched: dict, outputs: dict) -> None:
     """One decode-engine step, then "fetch" the KV of every request whose slot it reserved
     (the decode worker's job): the KV enters the engine only once its slot exists."""
-    for out in decode.step():
+    step = decode.step()
+    for out in step:
         outputs[out.request_id].append(out.token_id)
-    for rid in decode.pop_kv_reserved():
+    for rid in step.kv_reserved:
         decode.finish_remote(rid, fetched.pop(rid))
 
 
@@ -179,7 +180,8 @@ def test_remote_request_reserves_before_its_kv_enters(tiny, reservation, reserve
     engine.add_remote(a, 9)
     engine.add_remote(b, 9)
     assert engine.is_waiting_for_kv("a") and engine.is_waiting_for_kv("b")
-    assert engine.step() == [] and engine.pop_kv_reserved() == ["a"]  # one slot: a only
+    step = engine.step()
+    assert list(step) == [] and list(step.kv_reserved) == ["a"]  # one slot: a only
     assert engine.scheduler.reserved_tokens == reserved and engine.step_records == []
     with pytest.raises(KeyError, match="not waiting for remote KV"):
         engine.finish_remote("b", torch.zeros(2, 2, 2, 3, 16))  # b has no slot yet
@@ -188,7 +190,8 @@ def test_remote_request_reserves_before_its_kv_enters(tiny, reservation, reserve
         engine.finish_remote("a", wrong)
     engine.abort("a")  # cancelled while its KV was "in flight": slot free, b reserves next
     assert engine.scheduler.reserved_tokens == 0
-    assert engine.step() == [] and engine.pop_kv_reserved() == ["b"]
+    step = engine.step()
+    assert list(step) == [] and list(step.kv_reserved) == ["b"]
     engine.finish_remote("b", torch.zeros(2, 2, 2, 3, 16))
     assert [o.index for o in engine.step()] == [1] and not engine.is_waiting_for_kv("b")
     engine.abort("b")

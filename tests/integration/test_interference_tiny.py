@@ -7,7 +7,7 @@ from __future__ import annotations
 import pandas as pd
 
 from experiments import cli
-from experiments import interference as itf
+from experiments.commands import interference as itf
 
 GRID = itf.InterferenceConfig(batch_sizes="1,3", prompt_lens="0,9,30", context_len=12,
                               chunk_budgets="10")

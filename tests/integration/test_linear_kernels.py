@@ -1,6 +1,7 @@
-"""The runner's projections (``engine.runner._Linear``, issue 10): each GEMM kernel it picks by
-row count gives ``F.linear``'s result, the fused weight is the modules' only copy, and without
-oneDNN the engine still equals generate()."""
+"""The runner's projections (``engine.runner._Linear`` on ``engine.ops``' kernels, issues 10
+and 30): every GEMM kernel the backend can pick gives ``F.linear``'s result, each row-count
+bucket runs the kernel chosen for it, the fused weight is the modules' only copy, and
+without oneDNN and pdlab's kernels the engine still equals generate()."""
 
 from __future__ import annotations
 
@@ -9,12 +10,16 @@ import torch
 import torch.nn.functional as F
 from conftest import random_prompts, reference_generate
 
-from engine import cpu_kernels
+from engine import cpu_kernels, kernel_choice, ops
 from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
 from engine.request import Request, SamplingParams
+
+CAN_PDLAB = cpu_kernels.load() is not None and cpu_kernels.load().linear_vectorized
+# every kernel the selector can pick here, and the reference backend's
+KERNELS = ["torch", "mkl", *(["onednn"] if ops.ONEDNN else []), *(["pdlab"] if CAN_PDLAB else [])]
 
 
 def _modules(bias: bool):
@@ -22,14 +27,21 @@ def _modules(bias: bool):
     return [torch.nn.Linear(32, out, bias=bias and out != 16) for out in (48, 16, 24)]
 
 
+def _backend(kernel: str, monkeypatch) -> ops.TorchOps:
+    if kernel == "torch":
+        return ops.TorchOps()
+    monkeypatch.setenv(ops.FORCE_ENV, f"linear={kernel}")
+    return ops.select_ops(torch.device("cpu"), torch.float32, torch.float32)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 2, runner_mod._BLAS_MIN_ROWS - 1,
-                                  runner_mod._BLAS_MIN_ROWS, 130])
-def test_fused_projection_equals_f_linear_per_module(bias, rows):
+@pytest.mark.parametrize("rows", [1, 2, 63, 64, 130, 600])
+def test_fused_projection_equals_f_linear_per_module(bias, rows, kernel, monkeypatch):
     modules = _modules(bias)
     before = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone())
               for m in modules]
-    fused = runner_mod._Linear(modules)
+    fused = runner_mod._Linear(modules, ops=_backend(kernel, monkeypatch))
     x = torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows))
     with torch.inference_mode():
         outs = fused(x)
@@ -41,27 +53,40 @@ def test_fused_projection_equals_f_linear_per_module(bias, rows):
         assert m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
 
 
-@pytest.mark.skipif(not runner_mod._ONEDNN, reason="this torch has no oneDNN linear")
-def test_kernel_choice_by_rows():
-    layer = runner_mod._Linear(_modules(False))
-    head = runner_mod._Linear([torch.nn.Linear(32, 64, bias=False)], gemv_onednn=True)
-    assert layer.packed is not None and head.packed is not None
-    edge = runner_mod._BLAS_MIN_ROWS
-    assert [layer._use_onednn(n) for n in (1, 2, edge - 1, edge, 4 * edge)] == [
-        False, True, True, False, False]  # MKL for one row and from the crossover on
-    assert [head._use_onednn(n) for n in (1, 2, edge)] == [True, True, False]
+def test_each_row_bucket_runs_its_chosen_kernel(tmp_path):
+    """A selector whose (fake) timings make MKL fastest for 1 row, oneDNN or pdlab for 2-8
+    rows and MKL again from 9: the projection runs exactly those, the last bucket's choice
+    for every larger count, and the chosen kernels are what ``describe()`` reports."""
+    names = ["mkl", *(["onednn"] if ops.ONEDNN else []), *(["pdlab"] if CAN_PDLAB else [])]
+    middle = names[-1]
+
+    def timer(runs):
+        b = timer.buckets.pop(0)
+        fastest = "mkl" if b == 0 or b > 3 else middle
+        return {name: 1.0 if name == fastest else 2.0 for name in runs}
+    timer.buckets = list(range(ops.LINEAR_MAX_BUCKET + 1))
+    selector = kernel_choice.KernelSelector({"cpu_model": "fake"}, tmp_path / "c.json", timer)
+    backend = ops.CpuOps(cpu_kernels.load(), True, selector)
+    linear = runner_mod._Linear([torch.nn.Linear(32, 40)], ops=backend)
+    want = {1: "mkl", 2: middle, 5: middle, 8: middle, 9: "mkl", 512: "mkl", 3000: "mkl"}
+    for rows, name in want.items():
+        assert linear.fused.by_bucket[min(kernel_choice.bucket(rows), linear.fused.last)].name \
+            == name
+    expected = "1 mkl, 2-8 " + middle + ", 9+ mkl" if middle != "mkl" else "1+ mkl"
+    assert backend.describe()["linear"] == {"32x40": expected}
 
 
 def test_engine_without_onednn_matches_generate(monkeypatch):
     """The fallback where oneDNN and pdlab's kernels are missing: every projection is
-    ``F.linear``."""
-    monkeypatch.setattr(runner_mod, "_ONEDNN", False)
+    ``mm`` / ``addmm`` (MKL), the only candidate, so nothing is measured."""
+    monkeypatch.setattr(ops, "ONEDNN", False)
     monkeypatch.setattr(cpu_kernels, "load", lambda: None)
     loaded = load_model(ModelConfig("tiny-random-llama"))  # fresh: prepared without oneDNN
-    prompts = random_prompts([3, 70, 9], seed=10)  # 70 + 2 rows in one step reach MKL's range
+    prompts = random_prompts([3, 70, 9], seed=10)  # 70 + 2 rows in one step
     engine = Engine(loaded, EngineConfig(max_num_seqs=3, max_model_len=96,
                                          max_num_batched_tokens=96))
-    assert all(layer.qkv.packed is None and layer.qkv.panels is None
+    assert engine.runner.ops.linear_candidates == ["mkl"]
+    assert all({k.name for k in layer.qkv.fused.by_bucket} == {"mkl"}
                for layer in engine.runner.layers)
     outputs = engine.generate([Request(f"n{i}", tuple(p), SamplingParams(max_tokens=6))
                                for i, p in enumerate(prompts)])

@@ -21,8 +21,11 @@ from engine import metrics
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO, RequestRecord
 from engine.request import Request, SamplingParams
-from experiments import analysis, compare, workloads
-from experiments.compare import WorkloadSpec
+from experiments import replay, workload_spec
+from experiments import analysis, workloads
+from experiments.commands import compare
+from experiments.results import write_results
+from experiments.workload_spec import WorkloadSpec
 from experiments.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")
@@ -99,17 +102,17 @@ class FakeDeployment:
 
 
 def test_each_run_keeps_its_own_transfer_and_step_rows(monkeypatch, tmp_path):
-    monkeypatch.setattr(compare, "Deployment", FakeDeployment)
+    monkeypatch.setattr(replay, "Deployment", FakeDeployment)
     spec = WorkloadSpec(dataset="synthetic", num_requests=3, seeds=2)
     items = {s: workloads.synthetic(3, s, 4, 2) for s in spec.seed_list}
-    results = compare.run_placement("disagg:1p1d", [1.0, 2.0], items, spec, TINY, ENGINE,
+    results = replay.run_placement("disagg:1p1d", [1.0, 2.0], items, spec, TINY, ENGINE,
                                     INPROCESS, "cpu:0,cpu:1", None)
     assert [(r.rate, r.seed) for r in results] == [(1.0, 0), (1.0, 1), (2.0, 0), (2.0, 1)]
     for r in results:  # 3 transfers and 3 steps each, not the 3, 6, 9, 12 accumulated so far
         ids = {rec.request_id for rec in r.records}
         assert len(r.transfers) == 3 and {t["request_id"] for t in r.transfers} == ids
         assert len(r.steps) == 3
-    compare.write_results(tmp_path, results, {"model": "tiny"}, SLO(1.0, 1.0))
+    write_results(tmp_path, results, {"model": "tiny"}, SLO(1.0, 1.0))
     for name in ("transfers.csv", "steps.csv"):
         df = pd.read_csv(tmp_path / name)
         assert list(df.columns[:3]) == ["placement", "rate", "seed"]
@@ -119,19 +122,19 @@ def test_each_run_keeps_its_own_transfer_and_step_rows(monkeypatch, tmp_path):
 
 
 def test_calibrated_rate_ladder(monkeypatch):
-    assert compare.calibrated_rates(2.0) == [1.0, 3.0, 8.0]
-    assert compare.calibrated_rates(0.437) == [0.22, 0.66, 1.7]  # 2 significant digits
+    assert replay.calibrated_rates(2.0) == [1.0, 3.0, 8.0]
+    assert replay.calibrated_rates(0.437) == [0.22, 0.66, 1.7]  # 2 significant digits
     with pytest.raises(ValueError, match="no capacity"):
-        compare.calibrated_rates(0.0)
-    monkeypatch.setattr(compare, "Deployment", FakeDeployment)
+        replay.calibrated_rates(0.0)
+    monkeypatch.setattr(replay, "Deployment", FakeDeployment)
     spec = WorkloadSpec(dataset="synthetic", num_requests=3, seeds=1)
     calibration: dict = {}
-    results = compare.run_placement("colocated:1", None, workloads.synthetic(3, 0, 4, 2), spec,
+    results = replay.run_placement("colocated:1", None, workloads.synthetic(3, 0, 4, 2), spec,
                                     TINY, ENGINE, INPROCESS, "cpu:0", None,
                                     calibration=calibration)
     # the fake serves a burst of 3 in ~10 ms: capacity = 3 / that burst's duration
     assert 3 / 1.0 < calibration["capacity_req_s"] < 3 / 0.01
-    assert calibration["rates"] == compare.calibrated_rates(calibration["capacity_req_s"])
+    assert calibration["rates"] == replay.calibrated_rates(calibration["capacity_req_s"])
     assert [r.rate for r in results] == calibration["rates"]
     assert calibration["lone_ttft_s"] == pytest.approx(0.01, abs=0.005)  # the fake's first token
     assert calibration["lone_tpot_s"] == pytest.approx(0.01, abs=0.005)
@@ -139,9 +142,9 @@ def test_calibrated_rate_ladder(monkeypatch):
 
 def test_calibrated_slo_is_never_tighter_than_a_lone_request_allows():
     given = SLO(ttft_s=2.0, tpot_s=0.1)
-    assert compare.calibrated_slo(given, 0.2, 0.03) == given  # a fast machine: as given
-    assert compare.calibrated_slo(given, 1.0, 0.3) == SLO(ttft_s=4.0, tpot_s=0.6)
-    assert compare.calibrated_slo(given, 0.1, None) == given
+    assert replay.calibrated_slo(given, 0.2, 0.03) == given  # a fast machine: as given
+    assert replay.calibrated_slo(given, 1.0, 0.3) == SLO(ttft_s=4.0, tpot_s=0.6)
+    assert replay.calibrated_slo(given, 0.1, None) == given
 
 
 def test_tiny_compare_two_seeds_two_rates(tmp_path):
@@ -179,6 +182,7 @@ def test_tiny_compare_two_seeds_two_rates(tmp_path):
                                        "calibrate", "prompt_len", "output_len"}  # synthetic options only
     workers = config["workers"]
     assert len(workers) == 4 and all(w["torch_num_threads"] >= 1 for w in workers)
+    assert all(w["torch_device"] == "cpu" and w["gpu"] is None for w in workers)  # no GPU used
     requests = pd.DataFrame(rows[1:])
     assert len(requests) == 3 * 2 * 2 * 4
     # the same seed draws the same prompts for every placement and rate; seeds differ
@@ -191,7 +195,7 @@ def test_tiny_compare_two_seeds_two_rates(tmp_path):
 
 def test_workload_that_cannot_fit_is_refused_before_the_run(tmp_path):
     spec = WorkloadSpec(dataset="synthetic")  # prompts up to 512 + outputs up to 64
-    max_len = compare.context_len(TINY, EngineConfig())
+    max_len = workload_spec.context_len(TINY, EngineConfig())
     assert max_len == 256
     with pytest.raises(ValueError, match=r"prompt_len up to 512 \+ output_len up to 64 = 576 "
                                          r"tokens does not fit tiny-random-llama's context of "
@@ -202,10 +206,10 @@ def test_workload_that_cannot_fit_is_refused_before_the_run(tmp_path):
     # ShareGPT/HumanEval outputs are clipped instead; a prompt with no room left is refused
     items = [workloads.WorkloadRequest(tuple(range(100)), 50, "a"),
              workloads.WorkloadRequest(tuple(range(10)), 50, "b")]
-    fitted = compare.fit_workload(items, 120, "m")
+    fitted = workload_spec.fit_workload(items, 120, "m")
     assert [it.output_len for it in fitted] == [20, 50]
     with pytest.raises(ValueError, match="1 prompt\\(s\\) of up to 100 tokens do not fit m's"):
-        compare.fit_workload(items, 100, "m")
+        workload_spec.fit_workload(items, 100, "m")
 
 
 def test_config_row_records_only_the_options_that_apply():

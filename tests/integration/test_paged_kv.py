@@ -10,6 +10,7 @@ import torch
 from conftest import random_prompts, reference_generate
 from placement_helpers import BOUNDARY_LENGTHS, assert_clean, assert_outputs
 
+from engine import ops
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.engine import Engine
 from engine.kv_cache import GIB, KVSpec, KVStore, kv_budget_bytes, kv_cache_num_blocks
@@ -114,19 +115,19 @@ def _forward_logits(model, token_ids: list[int]) -> torch.Tensor:
 ])
 @pytest.mark.parametrize("paged", [False, True])
 def test_decode_over_every_block_layout_equals_forward(tiny, tables, lengths, group_sizes,
-                                                       paged):
-    """SDPA groups (the torch path) or one C paged call (``paged``: every row's blocks read
-    in place); the blocks no row uses hold NaN, which neither may read."""
+                                                       paged, monkeypatch):
+    """SDPA groups (the planned layout) or one C paged call (``paged``: every row's blocks
+    read in place), forced; the blocks no row uses hold NaN, which neither may read."""
     num_blocks = max(max(t) for t in tables) + 1
     store = KVStore(tiny.kv_spec, num_blocks, 16)
     store.kv.fill_(float("nan"))
     runner = ModelRunner(tiny.model, store)
-    if paged and not runner._use_c_attention():
+    if paged and "paged" not in getattr(runner.ops, "decode_candidates", ()):
         pytest.skip("the C kernels are not built for AVX2/FMA here")
+    monkeypatch.setenv(ops.FORCE_ENV, f"decode_attention={'paged' if paged else 'planned'}")
+    runner = ModelRunner(tiny.model, store)
     if paged:
         group_sizes = [("paged", len(tables))]
-    else:
-        runner._use_c_attention = lambda: False
     prompts = random_prompts(lengths, seed=len(lengths))
     states = []
     for i, (prompt, table) in enumerate(zip(prompts, tables)):

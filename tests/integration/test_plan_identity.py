@@ -10,8 +10,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
-from experiments.plan.latency import TransferModel
-from experiments.plan.simulate import Simulator
+from planner.latency import TransferModel
+from planner.simulate import Simulator
 
 # a small slot count and token budget, so admission waits and prompts are chunked
 ENGINE = EngineConfig(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=16)
@@ -84,7 +84,7 @@ def test_simulated_prefix_cache_hits_equal_the_engines(tiny, placement, worker, 
 
 def test_simulated_kv_blocks_equal_the_engines(tiny):
     from engine import kv_cache
-    from experiments.plan import simulate
+    from planner import simulate
 
     assert simulate.DEFAULT_CPU_KV_CACHE_GB == kv_cache.DEFAULT_CPU_KV_CACHE_GB
     for config in (ENGINE, EngineConfig(max_num_seqs=256, max_model_len=2048, kv_cache_memory_gb=0.001)):

@@ -14,9 +14,10 @@ import pandas as pd
 
 from engine.config import EngineConfig, ModelConfig, TransferConfig
 from engine.metrics import SLO
-from experiments.compare import WorkloadSpec
-from experiments.plan import search, validate
-from experiments.plan.latency import DeviceProfile
+from experiments.workload_spec import WorkloadSpec
+from planner import search
+from experiments import validate
+from planner.latency import DeviceProfile
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
 
@@ -111,7 +112,8 @@ def test_validation_writes_per_point_errors(tmp_path):
 
 
 def test_compare_simulate_overlays_and_writes_the_errors(tmp_path, monkeypatch):
-    from experiments import compare, plots
+    from experiments import plots
+    from experiments.commands import compare
 
     drawn = {}
     real_plot = plots.plot_attainment

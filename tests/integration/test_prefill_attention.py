@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from conftest import random_prompts, reference_generate
 from placement_helpers import assert_clean, assert_outputs
 
+from engine import ops
 from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.engine import Engine
@@ -46,10 +47,12 @@ def _reference_attention(q, k, v, start):
 @pytest.mark.parametrize("flash", [True, False], ids=["cpu-flash-lse", "lower-right-bias"])
 @pytest.mark.parametrize("start,n", [(0, 2), (0, 37), (1, 2), (5, 16), (16, 16), (200, 33)])
 def test_chunk_attention_equals_masked_attention(tiny, monkeypatch, flash, start, n):
-    if not flash:  # the path taken where the CPU flash op is missing (and on CUDA)
-        monkeypatch.setattr(runner_mod, "_CPU_FLASH", None)
     kv_store = Engine(tiny, EngineConfig(max_num_seqs=1, max_model_len=8)).kv_store
     runner = runner_mod.ModelRunner(tiny.model, kv_store)
+    if flash:  # the CPU backend's two flash calls merged by log-sum-exp
+        assert isinstance(runner.ops, ops.CpuOps) and ops.CPU_FLASH is not None
+    else:  # the reference backend (public SDPA; CUDA runs it)
+        runner.ops = ops.TorchOps()
     gen = torch.Generator().manual_seed(start * 100 + n)
     q = torch.randn(n, runner.num_heads, runner.head_dim, generator=gen)
     k, v = (torch.randn(runner.num_kv_heads, start + n, runner.head_dim, generator=gen)

@@ -237,7 +237,8 @@ def test_blocks_of_a_failed_step_leave_the_cache(tiny, monkeypatch):
     monkeypatch.setattr(engine.runner, "execute", lambda *a, **k: (_ for _ in ()).throw(
         RuntimeError("device lost")))
     engine.add_request(Request("doomed", tuple(prompt), SamplingParams(max_tokens=4)))
-    assert engine.step() == [] and engine.pop_failed()[0][0] == "doomed"
+    step = engine.step()
+    assert list(step) == [] and step.failed[0].request_id == "doomed"
     assert engine.scheduler.capacity.num_cached_blocks == 0 and engine.is_empty()
     monkeypatch.setattr(engine.runner, "execute", real)
     out = engine.generate([Request("after", tuple(prompt), SamplingParams(max_tokens=4))])
@@ -299,9 +300,8 @@ def test_bad_kv_token_start_is_refused_in_one_line(tiny):
     assert engine.is_empty()
     kv = torch.zeros(tiny.kv_spec.kv_shape(24))
     engine.add_remote(request, 5, 16)
-    engine.step()
-    assert engine.pop_kv_reserved() == []  # nothing cached here: it recomputes instead
-    assert engine.pop_kv_dropped() == ["x"]
+    step = engine.step()
+    assert step.kv_reserved == () and step.kv_dropped == ("x",)  # nothing cached: recompute
     with pytest.raises(KeyError):
         engine.finish_remote("x", kv)
     engine.abort("x")

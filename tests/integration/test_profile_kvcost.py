@@ -6,7 +6,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from experiments import kv_cost, profile
+from experiments import transfer_cost
+from experiments.measure import profile_prefill
+from experiments.commands import kv_cost, profile
 from experiments.timing import describe, measure, measure_interleaved, summarize
 
 REPEATS = 2
@@ -119,7 +121,7 @@ def test_pg_table_by_hand():
 
 # ---- profile on the tiny model ---------------------------------------------------------
 def test_profile_prefill_and_decode_frames(tiny):
-    prefill = profile.profile_prefill(tiny, [1, 4, 16], REPEATS)
+    prefill = profile_prefill(tiny, [1, 4, 16], REPEATS)
     assert list(prefill["prompt_len"]) == [1, 4, 16]
     assert {"prefill_s", "prefill_median_s", "per_token_s", "num_runs"} <= set(prefill.columns)
     assert (prefill["prefill_s"] > 0).all() and (prefill["prefill_s"] <= prefill["prefill_median_s"]).all()
@@ -230,11 +232,11 @@ def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
                               str(tmp_path), "--prompt-lens", "4,16", "--contexts", "8,16",
                               "--batch-sizes", "1,2", "--batch-context", "8",
                               "--pg-prompts", "16", "--pg-outputs", "4"])
-    assert profile.main(args) == 0
+    assert profile.run(args) == 0
     for name in ("prefill.csv", "decode_context.csv", "decode_batch.csv", "pg_table.csv",
                  "mixed.csv", "kv_cost.csv", "device_profile.json", "summary.md", "profile.png"):
         assert (tmp_path / name).stat().st_size > 0
-    from experiments.plan.latency import DeviceProfile
+    from planner.latency import DeviceProfile
 
     prof = DeviceProfile.load(tmp_path / "device_profile.json")
     assert (prof.model, prof.dtype, prof.device_kind) == ("tiny-random-llama", "float32", "cpu")
@@ -264,7 +266,7 @@ def test_profile_bad_options_name_the_option(argv, option, capsys):
 
 # ---- kv-cost on the tiny model ---------------------------------------------------------
 def test_kv_cost_table_tiny_inprocess(tiny):
-    df = kv_cost.kv_cost_table(tiny, [8, 32], ("inprocess",), REPEATS, layers_per_chunk=1)
+    df = transfer_cost.kv_cost_table(tiny, [8, 32], ("inprocess",), REPEATS, layers_per_chunk=1)
     assert list(zip(df["prompt_len"], df["mode"])) == [(8, "layer"), (8, "whole"),
                                                        (32, "layer"), (32, "whole")]
     assert (df["kv_bytes"] == 2 * 2 * 2 * 16 * df["prompt_len"] * 4).all()
@@ -275,14 +277,14 @@ def test_kv_cost_table_tiny_inprocess(tiny):
         assert (df[col] > 0).all(), col
     assert (df["transfer_s"] <= df["transfer_median_s"]).all()
     assert np.allclose(df["transfer_over_prefill"], df["transfer_s"] / df["prefill_s"])
-    assert (df["where"] == kv_cost.WHERE["inprocess"]).all()
+    assert (df["where"] == transfer_cost.WHERE["inprocess"]).all()
 
 
 def test_kv_cost_export_matches_formula(tiny):
-    kv = kv_cost.export_prompt_kv(tiny, 5)
+    kv = transfer_cost.export_prompt_kv(tiny, 5)
     assert tuple(kv.shape) == (2, 2, 2, 5, 16)
     assert kv.numel() * kv.element_size() == 2 * 2 * 2 * 16 * 5 * 4
-    assert kv_cost.layer_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)]
+    assert transfer_cost.layer_chunks(5, 2) == [(0, 2), (2, 4), (4, 5)]
 
 
 def test_kv_cost_main_writes_outputs(tiny, tmp_path, capsys):
@@ -290,7 +292,7 @@ def test_kv_cost_main_writes_outputs(tiny, tmp_path, capsys):
     kv_cost.add_arguments(parser)
     args = parser.parse_args(["--model", "tiny-random-llama", "--repeats", "1", "--out",
                               str(tmp_path), "--prompt-lens", "8,16", "--transports", "inprocess"])
-    assert kv_cost.main(args) == 0
+    assert kv_cost.run(args) == 0
     assert (tmp_path / "kv_cost.csv").stat().st_size > 0 and (tmp_path / "kv_cost.png").stat().st_size > 0
     assert len(pd.read_csv(tmp_path / "kv_cost.csv")) == 4
     assert "memcpy_GBps" in capsys.readouterr().out
@@ -315,7 +317,7 @@ def test_kv_cost_bad_options_name_the_option(argv, option, capsys):
 
 def test_kv_cost_rejects_unknown_transport_in_library(tiny):
     with pytest.raises(ValueError, match="transports must be among"):
-        kv_cost.kv_cost_table(tiny, [8], ("carrier-pigeon",), 1)
+        transfer_cost.kv_cost_table(tiny, [8], ("carrier-pigeon",), 1)
 
 
 def test_device_profile_is_fitted_on_each_points_median_run(tiny):

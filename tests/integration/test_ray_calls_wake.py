@@ -8,7 +8,7 @@ import concurrent.futures as cf
 import threading
 import time
 
-import experiments.placement as placement
+import experiments.ray_actors as ray_actors
 
 
 class FakeRay:
@@ -28,8 +28,8 @@ class FakeRay:
 
 def test_wake_future_ends_the_wait_and_only_refs_reach_ray_wait(monkeypatch):
     fake = FakeRay()
-    monkeypatch.setattr(placement.ray, "wait", fake.wait)
-    calls = placement.RayCalls()
+    monkeypatch.setattr(ray_actors.ray, "wait", fake.wait)
+    calls = ray_actors.RayCalls()
     wake: cf.Future = cf.Future()
     threading.Timer(0.05, wake.set_result, (None,)).start()
     start_s = time.monotonic()

@@ -19,6 +19,19 @@ TINY = ModelConfig("tiny-random-llama")
 CONFIG = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
 
 
+def generate(engine: Engine, requests: list[Request]):
+    """``Engine.generate`` keeping what its steps report failed: (outputs, failed)."""
+    outputs, failed = {r.request_id: [] for r in requests}, []
+    for request in requests:
+        engine.add_request(request)
+    while engine.has_unfinished():
+        step = engine.step()
+        failed += step.failed
+        for out in step:
+            outputs[out.request_id].append(out.token_id)
+    return outputs, failed
+
+
 def test_float32_zero_temperature_and_top_p_share_a_step_with_greedy(tiny):
     prompts = random_prompts([7, 11, 5], seed=21)
     params = [SamplingParams(max_tokens=6, ignore_eos=True),
@@ -26,8 +39,8 @@ def test_float32_zero_temperature_and_top_p_share_a_step_with_greedy(tiny):
               SamplingParams(max_tokens=6, ignore_eos=True, temperature=1.0, top_p=1e-46, seed=4)]
     requests = [Request(f"r{i}", tuple(p), sp) for i, (p, sp) in enumerate(zip(prompts, params))]
     engine = Engine(tiny, CONFIG)
-    outputs = engine.generate(requests)
-    assert engine.pop_failed() == [] and engine.is_empty()
+    outputs, failed = generate(engine, requests)
+    assert failed == [] and engine.is_empty()
     assert all(s.num_requests == 3 for s in engine.step_records)  # they really shared steps
     for i, prompt in enumerate(prompts):  # the two odd ones reduce to argmax, as documented
         assert outputs[f"r{i}"] == reference_generate(tiny.model, prompt, 6)
@@ -48,8 +61,7 @@ def test_a_request_whose_logits_are_nan_fails_alone(tiny):
         return logits
 
     engine.runner.execute = poisoned
-    outputs = engine.generate([good, bad])
-    failed = engine.pop_failed()
+    outputs, failed = generate(engine, [good, bad])
     assert [rid for rid, _ in failed] == ["bad"] and "sampling failed" in failed[0][1]
     assert outputs["bad"] == []
     assert outputs["good"] == reference_generate(tiny.model, prompts[0], 5)

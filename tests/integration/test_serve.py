@@ -28,8 +28,8 @@ from placement_helpers import assert_clean
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from experiments.placement import Deployment
-from experiments.serve import OpenAIServer, ServerThread
-from experiments.text import ByteText
+from server.app import OpenAIServer, ServerThread
+from server.text import ByteText
 
 TINY = ModelConfig("tiny-random-llama")
 ENGINE = EngineConfig(max_num_seqs=16, max_model_len=128, max_num_batched_tokens=64)
@@ -326,7 +326,7 @@ def test_a_metrics_fault_is_logged_and_the_answer_still_exact(tiny, monkeypatch,
         monkeypatch.setattr(openai_server.metrics, "observe", broken)
         server = ServerThread(openai_server.app).start()
         try:
-            with caplog.at_level("ERROR", logger="experiments.serve"):
+            with caplog.at_level("ERROR", logger="server.app"):
                 assert_next_request_exact(server.url, tiny)
         finally:
             server.stop()

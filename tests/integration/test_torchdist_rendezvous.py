@@ -51,7 +51,7 @@ def test_rendezvous_port_is_held_from_the_moment_it_is_chosen():
 
 
 def test_kv_cost_torchdist_measures_through_the_held_rendezvous():
-    from experiments.kv_cost import time_torchdist
+    from experiments.transfer_cost import time_torchdist
 
     timings = time_torchdist(SPEC, [(4, [(0, 2)]), (4, [(0, 1), (1, 2)])], repeats=2,
                              timeout_s=120.0)

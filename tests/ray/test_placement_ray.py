@@ -10,10 +10,10 @@ import pytest
 from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload, local_ray,
                               mixed_workload)
 
-ray = pytest.importorskip("ray")
+import ray  # a required dependency: a broken install fails here, it never skips
 
-from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
-from experiments.placement import Deployment  # noqa: E402
+from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
+from experiments.placement import Deployment
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")

@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-ray = pytest.importorskip("ray")
+import ray  # a required dependency: a broken install fails here, it never skips
 
-from engine.kv_cache import KVSpec  # noqa: E402
-from kv_transfer import FaultyTransport, KVChecksumError, TransferFailed, TransferTimeout  # noqa: E402
-from kv_transfer.ray_store import RayObjectStoreTransport, live_object_ids  # noqa: E402
-from kv_transfer.transport import KVHandle  # noqa: E402
+from engine.kv_cache import KVSpec
+from kv_transfer import FaultyTransport, KVChecksumError, TransferFailed, TransferTimeout
+from kv_transfer.ray_store import RayObjectStoreTransport, live_object_ids
+from kv_transfer.transport import KVHandle
 
 SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
               dtype="bfloat16")

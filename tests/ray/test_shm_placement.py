@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 from placement_helpers import ENGINE, assert_clean, assert_outputs, local_ray, mixed_workload
 
-ray = pytest.importorskip("ray")
+import ray  # a required dependency: a broken install fails here, it never skips
 
-from engine.config import ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
-from experiments.placement import Deployment  # noqa: E402
+from engine.config import ModelConfig, PlacementConfig, TransferConfig
+from experiments.placement import Deployment
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import pytest
 from placement_helpers import assert_clean, local_ray, soak_workload
 
-ray = pytest.importorskip("ray")
+import ray  # a required dependency: a broken install fails here, it never skips
 
-from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
-from experiments.placement import Deployment  # noqa: E402
+from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
+from experiments.placement import Deployment
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")

@@ -6,12 +6,13 @@ from __future__ import annotations
 import pytest
 from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
 
-ray = pytest.importorskip("ray")
+import ray  # a required dependency: a broken install fails here, it never skips
 
-from ray.cluster_utils import Cluster  # noqa: E402
+from ray.cluster_utils import Cluster
 
-from engine.config import ModelConfig, PlacementConfig, TransferConfig  # noqa: E402
-from experiments.placement import Deployment, ray_init_kwargs  # noqa: E402
+from engine.config import ModelConfig, PlacementConfig, TransferConfig
+from experiments.placement import Deployment
+from experiments.ray_actors import ray_init_kwargs
 
 pytestmark = pytest.mark.ray
 

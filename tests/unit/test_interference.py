@@ -18,7 +18,8 @@ import pytest
 from engine.kv_cache import KVSpec
 from engine.request import RequestState, RequestStatus
 from engine.scheduler import Scheduler
-from experiments import interference as itf
+from experiments import plots
+from experiments.commands import interference as itf
 
 # binary fractions: sums of them are exact in floating point
 A, B_COST, C_COST, D_COST = 2.0 ** -6, 2.0 ** -8, 2.0 ** -12, 2.0 ** -14
@@ -44,7 +45,6 @@ class StubEngine:
         self.states: dict[str, RequestState] = {}
         self.step_records = []
         self.kv_spec = KVSpec("stub", num_layers=2, num_kv_heads=1, head_dim=2, dtype="float32")
-        self._kv_reserved: list[str] = []
 
     def _write(self, block_ids, kv) -> None:
         self.clock.now_s += D_COST * kv.shape[3]
@@ -63,17 +63,12 @@ class StubEngine:
         self.states[request.request_id] = state
         self.scheduler.add(state)
 
-    def pop_kv_reserved(self) -> list[str]:
-        reserved, self._kv_reserved = self._kv_reserved, []
-        return reserved
-
     def finish_remote(self, request_id, kv) -> None:  # as Engine: copy in, then decode
         self._write(None, kv)
         self.scheduler.kv_arrived(self.states[request_id])
 
     def step(self):
         batch = self.scheduler.schedule()
-        self._kv_reserved += [s.request_id for s in batch.kv_reserved]
         prefill = batch.num_prefill_tokens
         decode = batch.num_tokens - prefill
         self.clock.now_s += A + B_COST * decode + C_COST * prefill
@@ -186,7 +181,7 @@ def test_sentence_quotes_the_largest_point(measured):
 
 
 def test_heatmap_is_written(measured, tmp_path):
-    itf.plot_heatmap(itf.summarize(*measured), tmp_path / "h.png", "stub")
+    plots.plot_heatmap(itf.summarize(*measured), tmp_path / "h.png", "stub", itf.mode_label)
     assert (tmp_path / "h.png").read_bytes()[:4] == b"\x89PNG"
 
 

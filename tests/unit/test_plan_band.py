@@ -1,6 +1,6 @@
-"""experiments.plan.band (pdlab plan --speed-spread): the slow and fast ends scale every
+"""planner.band (pdlab plan --speed-spread): the slow and fast ends scale every
 step, the goodput bands and the verdict on hand-built curves, and the validation's band
-columns and ranking check (experiments.plan.validate)."""
+columns and ranking check (experiments.validate)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import pytest
 from engine.config import EngineConfig
 from engine.metrics import SLO
 from engine.request import Request, SamplingParams
-from experiments.plan import band, search, validate
-from experiments.plan.latency import DeviceProfile
+from planner import band, search
+from experiments import validate
+from planner.latency import DeviceProfile
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
 

@@ -1,4 +1,4 @@
-"""experiments.plan.diagnose: a hand-built real run (chunked prompt, a second prompt in the
+"""planner.diagnose: a hand-built real run (chunked prompt, a second prompt in the
 same step, then two decodes) comes back as the batches that produced it, with the step
 model, the loop gaps and the TTFT parts computed by hand."""
 
@@ -10,7 +10,7 @@ import pytest
 
 from engine.metrics import (ARRIVED, DISPATCHED, PREFILL_FINISHED, PREFILL_QUEUED,
                             PREFILL_STARTED, RequestRecord)
-from experiments.plan import diagnose
+from planner import diagnose
 
 W = "colocated-0"
 
@@ -78,8 +78,8 @@ def test_ttft_parts_add_up_to_ttft():
 
 def test_outcome_table_counts_the_requests_whose_slo_outcome_flipped():
     from engine.metrics import SLO
-    from experiments.compare import RunResult
-    from experiments.plan import validate
+    from experiments.replay import RunResult
+    from experiments import validate
 
     def rec(rid, ttft_s):
         return RequestRecord(rid, timeline={ARRIVED: 0.0}, token_times_s=[ttft_s],
@@ -100,7 +100,7 @@ def test_outcome_table_counts_the_requests_whose_slo_outcome_flipped():
 def test_first_placement_agrees_within_a_measured_tie_only():
     import pandas as pd
 
-    from experiments.plan import validate
+    from experiments import validate
 
     errors = pd.DataFrame({"attainment_err_points": [0.0], **{
         f"{c.removesuffix('_s')}_rel_err": [0.0] for c in validate.LATENCIES}})

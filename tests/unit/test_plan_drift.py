@@ -1,4 +1,4 @@
-"""experiments.plan.drift: a speed trace from a hand-built steps table (known factors ->
+"""planner.drift: a speed trace from a hand-built steps table (known factors ->
 known windows), the run's origin from its records, and bad input."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pandas as pd
 import pytest
 
 from engine.metrics import ARRIVED, RequestRecord
-from experiments.plan import drift
+from planner import drift
 
 
 def _steps(rows):

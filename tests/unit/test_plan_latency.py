@@ -1,4 +1,4 @@
-"""Fitted latency models (experiments.plan.latency): known coefficients come back from
+"""Fitted latency models (planner.latency): known coefficients come back from
 synthetic measurements, the profile file round-trips, and bad inputs are refused."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from experiments.plan.latency import (DeviceProfile, Fit, StepFeatures, TransferModel,
+from planner.latency import (DeviceProfile, Fit, StepFeatures, TransferModel,
                                       fit_least_squares, fit_step_models, fit_transfer,
                                       step_correction, summary_lines)
 

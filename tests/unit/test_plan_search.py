@@ -1,4 +1,4 @@
-"""Placement search (experiments.plan.search): candidates, the rate bracket refinement and
+"""Placement search (planner.search): candidates, the rate bracket refinement and
 the goodput ranking, on hand-built attainment curves."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pandas as pd
 import pytest
 
-from experiments.plan import search
+from planner import search
 
 
 def test_candidates_of_three_devices():
@@ -80,7 +80,7 @@ def test_sweep_over_two_processes_gives_the_rows_of_one():
     from engine.config import EngineConfig
     from engine.metrics import SLO
     from engine.request import Request, SamplingParams
-    from experiments.plan.latency import DeviceProfile
+    from planner.latency import DeviceProfile
 
     profile = DeviceProfile.load(Path(__file__).resolve().parents[1] / "data"
                                  / "tiny_device_profile.json")
@@ -131,8 +131,8 @@ def test_prompts_longer_than_the_profile_measured_are_warned_about(tmp_path):
     from pathlib import Path
 
     from experiments import cli
-    from experiments.plan.command import prefill_range_warning
-    from experiments.plan.latency import DeviceProfile
+    from experiments.commands.plan import prefill_range_warning
+    from planner.latency import DeviceProfile
 
     path = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
     old = DeviceProfile.load(path)

@@ -1,5 +1,5 @@
 """The simulator on hand-built traces with constant step times: TTFT, TPOT and every stamp
-equal the values computed by hand (experiments.plan.simulate)."""
+equal the values computed by hand (planner.simulate)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from engine import metrics as m
 from engine.config import ConditionalConfig, EngineConfig
 from engine.request import Request, SamplingParams
 from experiments import analysis
-from experiments.plan.latency import TransferModel
-from experiments.plan.simulate import Simulator
+from planner.latency import TransferModel
+from planner.simulate import Simulator
 
 ENGINE = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
 ONE_S = lambda *features: 1.0  # noqa: E731  every step takes 1 s
@@ -111,7 +111,7 @@ def test_the_simulator_and_search_import_no_torch():
     import sys
     from pathlib import Path
 
-    code = ("import sys; import experiments.plan.search, experiments.plan.simulate; "
+    code = ("import sys; import planner.search, planner.simulate; "
             "bad = [m for m in ('torch', 'ray', 'transformers') if m in sys.modules]; "
             "sys.exit(1 if bad else 0)")
     root = Path(__file__).resolve().parents[2]
@@ -229,7 +229,7 @@ def test_the_trace_is_read_per_worker():
 def test_fast_forward_gives_the_records_of_the_step_by_step_run_with_a_trace(placement, engine):
     """A trace whose 0.7 s windows change the speed many times within fast-forwarded runs
     (and differ per worker): both ways give the same records to the last bit."""
-    from experiments.plan.drift import SpeedTrace
+    from planner.drift import SpeedTrace
 
     work = _poisson_workload(80, 8.0, seed=3, stop_zero=7)
     transfer = TransferModel(latency_s=0.004, bandwidth_bytes_s=2e6)

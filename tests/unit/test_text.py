@@ -3,7 +3,7 @@ incomplete UTF-8 held back, and the exact token count of a stopped completion.""
 
 from __future__ import annotations
 
-from experiments.text import ByteText, TextStream
+from server.text import ByteText, TextStream
 
 
 class WordText:

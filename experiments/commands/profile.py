@@ -19,7 +19,7 @@ A profile:
    total time (prefill + G-1 decode steps: the first of G output tokens comes from the
    prefill step) with decode steps estimated from the line fitted to the context sweep.
 
-6. The device profile (``experiments.plan.latency``): the prefill, decode and mixed step
+6. The device profile (``planner.latency``): the prefill, decode and mixed step
    models fitted on the rows above (on each point's median run, the typical step a
    simulator needs), and per transport of ``--transports`` a transfer model
    fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
@@ -38,24 +38,30 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
 import os
 import queue
-import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from tqdm import tqdm
 
-from engine.config import DTYPES, EngineConfig, ModelConfig
-from engine.engine import Engine
-from engine.model import LoadedModel, ModelLoadError, load_model
-from engine.request import Request, SamplingParams
-from experiments.timing import Timing, describe, device_sync, measure, measure_interleaved
+from engine.config import ModelConfig, cpu_cores_of
+from engine.model import LoadedModel, load_model, model_context_len
+from experiments import measure, plots, transfer_cost
+from experiments.measure import (WARMUP, add_measure_args, decode_point, decode_row, load_for,
+                                 mixed_point, mixed_row, out_dir, prefill_engine, prefill_point,
+                                 prefill_row, run_header, tick)
+from experiments.options import existing_device_set, int_list, positive_int, transport_list
+from experiments.report import markdown_table
+from experiments.results import cpu_model
+from experiments.timing import describe, device_sync, measure_interleaved
+from planner import latency
 
 DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
 DEFAULT_CONTEXTS = (16, 64, 256, 1024)
@@ -72,11 +78,7 @@ DEFAULT_MIXED_PROMPTS = (64, 256)
 DEFAULT_MIXED_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROFILE_TRANSPORTS = ("inprocess",)
 INTERLEAVED = "; every point once per round, rounds shuffled"
-WARMUP = 1
-
-_request_ids = itertools.count()
-
-
+HELP = "prefill/decode phase profile of a model"
 # ---- fitting ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinearFit:
@@ -108,121 +110,6 @@ def fit_linear(x: Sequence[float], y: Sequence[float]) -> LinearFit:
     return LinearFit(float(a), float(b), float(min(max(r2, 0.0), 1.0)))
 
 
-# ---- measurements ----------------------------------------------------------------------
-def _random_prompt(gen: torch.Generator, vocab_size: int, length: int) -> tuple[int, ...]:
-    low = 3 if vocab_size > 3 else 0  # keep clear of the usual BOS/EOS/PAD ids
-    return tuple(torch.randint(low, vocab_size, (length,), generator=gen).tolist())
-
-
-def _request(gen: torch.Generator, vocab_size: int, prompt_len: int, max_tokens: int) -> Request:
-    return Request(f"profile-{next(_request_ids)}", _random_prompt(gen, vocab_size, prompt_len),
-                   SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-
-
-def _vocab(loaded: LoadedModel) -> int:
-    return loaded.model.config.vocab_size
-
-
-def _tick(progress) -> None:
-    if progress is not None:
-        progress.update(1)
-
-
-def prefill_engine(loaded: LoadedModel, max_prompt_len: int, device: str = "cpu") -> Engine:
-    """A one-slot engine whose token budget runs a prompt of ``max_prompt_len`` whole."""
-    budget = max(max_prompt_len, 1)
-    return Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=max(max_prompt_len + 1, 2),
-                                       max_num_batched_tokens=budget, device=device))
-
-
-def prefill_point(engine: Engine, prompt_len: int, seed: int = 0) -> tuple[Callable, Callable]:
-    """``(setup, run)`` of one prefill measurement: ``setup`` queues a ``prompt_len``-token
-    prompt (``max_tokens=1``), ``run`` is the single ``engine.step()`` that prefills it whole
-    (and samples its only token), so the request finishes and frees its KV."""
-    gen = torch.Generator().manual_seed(seed)
-    vocab = _vocab(engine.loaded)
-
-    def setup() -> None:
-        engine.add_request(_request(gen, vocab, prompt_len, max_tokens=1))
-
-    def run() -> None:
-        outputs = engine.step()
-        if len(outputs) != 1 or engine.step_records[-1].num_prefill_tokens != prompt_len:
-            raise RuntimeError(f"prefill of {prompt_len} tokens did not run whole in one step")
-    return setup, run
-
-
-def time_prefill(engine: Engine, prompt_len: int, repeats: int, seed: int = 0) -> Timing:
-    """Time the single ``engine.step()`` that prefills a ``prompt_len``-token prompt whole
-    (and samples its only token); queueing the request is untimed (``prefill_point``)."""
-    setup, run = prefill_point(engine, prompt_len, seed)
-    timing = measure(run, repeats, setup=setup, warmup=WARMUP,
-                     sync=device_sync(engine.config.device))
-    assert engine.is_empty(), "prefill requests must finish and free their KV"
-    return timing
-
-
-def profile_prefill(loaded: LoadedModel, prompt_lens: Sequence[int], repeats: int,
-                    device: str = "cpu", seed: int = 0, progress=None) -> pd.DataFrame:
-    """Prefill time per prompt length.
-
-    Returns:
-        One row per P: ``prompt_len, prefill_s`` (min), ``prefill_median_s``,
-        ``per_token_s`` (= prefill_s / P), ``num_runs``.
-    """
-    engine = prefill_engine(loaded, max(prompt_lens), device)
-    rows = []
-    for p in prompt_lens:
-        rows.append(_prefill_row(time_prefill(engine, p, repeats, seed + p), p))
-        _tick(progress)
-    return pd.DataFrame(rows)
-
-
-def _prefill_row(t: Timing, prompt_len: int) -> dict:
-    return {"prompt_len": prompt_len, "prefill_s": t.min_s, "prefill_median_s": t.median_s,
-            "per_token_s": t.min_s / prompt_len, "num_runs": t.num_runs}
-
-
-def decode_point(loaded: LoadedModel, batch_size: int, context_len: int, repeats: int,
-                 device: str = "cpu", seed: int = 0) -> tuple[Callable, Callable]:
-    """``(run, close)`` of one decode measurement: an engine whose ``batch_size`` requests
-    each hold ``context_len`` tokens of KV (their prefill runs here, untimed); ``run`` is one
-    decode step over all of them (``WARMUP + repeats`` runs fit before they finish),
-    ``close`` aborts them."""
-    max_tokens = WARMUP + repeats + 2  # never finishes while being timed
-    budget = max(batch_size, min(batch_size * context_len, 4096))
-    engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size,
-                                         max_model_len=context_len + max_tokens,
-                                         max_num_batched_tokens=budget, device=device))
-    gen = torch.Generator().manual_seed(seed)
-    # the prompt is context_len - 1 tokens: its prefill samples one token, so the first
-    # decode step runs with context_len tokens in the KV (context_len - 1 cached + 1 new)
-    requests = [_request(gen, _vocab(loaded), max(context_len - 1, 1), max_tokens)
-                for _ in range(batch_size)]
-    for request in requests:
-        engine.add_request(request)
-    while any(s.is_prefilling or s.num_output_tokens == 0 for s in engine.states.values()):
-        engine.step()
-
-    def run() -> None:
-        outputs = engine.step()
-        record = engine.step_records[-1]
-        if len(outputs) != batch_size or record.num_prefill_tokens != 0:
-            raise RuntimeError(f"decode step ran {len(outputs)} of {batch_size} requests")
-
-    def close() -> None:
-        for request in requests:
-            engine.abort(request.request_id)
-        assert engine.is_empty()
-    return run, close
-
-
-def _decode_row(t: Timing, batch_size: int, context_len: int) -> dict:
-    return {"batch_size": batch_size, "context_len": context_len, "step_s": t.min_s,
-            "step_median_s": t.median_s, "per_token_s": t.min_s / batch_size,
-            "num_runs": t.num_runs}
-
-
 def _context_seed(seed: int, batch_size: int, context_len: int) -> int:
     return seed + context_len + 100_003 * (batch_size - 1)  # B = 1 keeps its old seeds
 
@@ -230,49 +117,6 @@ def _context_seed(seed: int, batch_size: int, context_len: int) -> int:
 def single_row(decode_context: pd.DataFrame) -> pd.DataFrame:
     """The context sweep's rows at its smallest batch size (B = 1 by default)."""
     return decode_context[decode_context["batch_size"] == decode_context["batch_size"].min()]
-
-
-def mixed_point(loaded: LoadedModel, batch_size: int, context_len: int, prompt_len: int,
-                repeats: int, device: str = "cpu", seed: int = 0
-                ) -> tuple[Callable, Callable, Callable]:
-    """``(setup, run, close)`` of one mixed measurement: an engine whose ``batch_size``
-    requests each hold ``context_len`` tokens of KV (prefilled here, untimed); ``setup``
-    queues a new ``prompt_len``-token prompt, ``run`` is the step that decodes the batch and
-    prefills that prompt whole (it stops after its first token), ``close`` aborts the batch."""
-    max_tokens = WARMUP + repeats + 2
-    budget = max(prompt_len + batch_size, min(batch_size * context_len, 4096))
-    engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size + 1,
-                                         max_model_len=max(context_len + max_tokens, prompt_len + 1),
-                                         max_num_batched_tokens=budget, device=device))
-    gen = torch.Generator().manual_seed(seed)
-    vocab = _vocab(loaded)
-    decoders = [_request(gen, vocab, max(context_len - 1, 1), max_tokens) for _ in range(batch_size)]
-    for request in decoders:
-        engine.add_request(request)
-    while any(s.is_prefilling or s.num_output_tokens == 0 for s in engine.states.values()):
-        engine.step()
-
-    def setup() -> None:
-        engine.add_request(_request(gen, vocab, prompt_len, max_tokens=1))
-
-    def run() -> None:
-        engine.step()
-        record = engine.step_records[-1]
-        if record.num_prefill_tokens != prompt_len or record.num_decode_tokens != batch_size:
-            raise RuntimeError(f"mixed step ran {record.num_prefill_tokens} prompt and "
-                               f"{record.num_decode_tokens} decode tokens, not {prompt_len} "
-                               f"and {batch_size}")
-
-    def close() -> None:
-        for request in decoders:
-            engine.abort(request.request_id)
-        assert engine.is_empty()
-    return setup, run, close
-
-
-def _mixed_row(t: Timing, prompt_len: int, batch_size: int, context_len: int) -> dict:
-    return {"prompt_len": prompt_len, "batch_size": batch_size, "context_len": context_len,
-            "step_s": t.min_s, "step_median_s": t.median_s, "num_runs": t.num_runs}
 
 
 def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], contexts: Sequence[int],
@@ -312,16 +156,16 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
         points["mixed", p, b] = (setup, run)
         closes.append(close)
     timings = measure_interleaved(points, repeats, warmup=WARMUP, sync=device_sync(device),
-                                  seed=seed, on_run=lambda: _tick(progress))
+                                  seed=seed, on_run=lambda: tick(progress))
     for close in closes:
         close()
     assert engine.is_empty(), "prefill requests must finish and free their KV"
-    prefill = pd.DataFrame([_prefill_row(timings["prefill", p], p) for p in prompt_lens])
-    context = pd.DataFrame([_decode_row(timings["context", b, c], b, c)
+    prefill = pd.DataFrame([prefill_row(timings["prefill", p], p) for p in prompt_lens])
+    context = pd.DataFrame([decode_row(timings["context", b, c], b, c)
                             for b, c in itertools.product(context_batch_sizes, contexts)])
-    batch = pd.DataFrame([_decode_row(timings["batch", b, batch_context], b, batch_context)
+    batch = pd.DataFrame([decode_row(timings["batch", b, batch_context], b, batch_context)
                           for b in batch_sizes])
-    mixed = pd.DataFrame([_mixed_row(timings["mixed", p, b], p, b, batch_context)
+    mixed = pd.DataFrame([mixed_row(timings["mixed", p, b], p, b, batch_context)
                           for p, b in itertools.product(mixed_prompts, mixed_batch_sizes)],
                          columns=["prompt_len", "batch_size", "context_len", "step_s",
                                   "step_median_s", "num_runs"])
@@ -330,7 +174,7 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
 
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
                        kv_table: pd.DataFrame | None = None):
-    """The ``experiments.plan.latency.DeviceProfile`` of a profile run: step models fitted on
+    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on
     the median times of its prefill, decode (context and batch sweeps together) and mixed
     rows; transfer models
     on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport.
@@ -338,8 +182,6 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
     Raises:
         ValueError: too few points for a fit.
     """
-    from experiments.plan import latency
-
     # The simulator needs a step's typical time, not its fastest: the fits take each point's
     # median run (the tables' estimator is the minimum). In the idle validation of 12:33 UTC
     # the served steps ran at 1.04x a min fit and 1.00x a median fit (benchmarks/README.md).
@@ -359,8 +201,6 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
         whole = kv_table[kv_table["mode"] == "whole"]
         for name, g in whole.groupby("transport", sort=False):
             transfers[str(name)] = latency.fit_transfer(list(g["kv_bytes"]), list(g["transfer_s"]))
-    from experiments.compare import cpu_model  # local: profile needs none of compare's imports
-
     kind = "cuda" if device.startswith("cuda") else "cpu"
     name = torch.cuda.get_device_name(device) if kind == "cuda" else (cpu_model() or "cpu")
     return latency.DeviceProfile(
@@ -460,8 +300,6 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
     """The whole profile (module docstring). Prefill is measured for ``prompt_lens`` and the
     P x G prompts together (prefill rows = their union, sorted). Mixed prompts that do not
     fit the model's context are dropped (noted)."""
-    from tqdm import tqdm
-
     prompt_lens, contexts, pg_prompts, pg_outputs, notes = cap_lengths(
         loaded, list(prompt_lens), list(contexts), list(pg_prompts), list(pg_outputs),
         batch_context, repeats)
@@ -538,8 +376,6 @@ def _profile_process(device: str, model: ModelConfig, kwargs: dict, start, resul
     each), the model loaded, then, once every process is ready (``start``, a barrier), the
     profile; its result (or error text) is put on ``results`` as ``(device, result, error)``."""
     try:
-        from engine.config import cpu_cores_of
-
         if device.startswith("cpu"):
             cores = cpu_cores_of(device)
             os.sched_setaffinity(0, cores)
@@ -565,8 +401,6 @@ def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> 
     Raises:
         ValueError: a device's process failed (its error named).
     """
-    import multiprocessing
-
     ctx = multiprocessing.get_context("spawn")  # no forked torch / Ray state
     start, results = ctx.Barrier(len(devices)), ctx.Queue()
     procs = [ctx.Process(target=_profile_process, args=(d, model, kwargs, start, results))
@@ -594,18 +428,6 @@ def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> 
             if proc.is_alive():
                 proc.kill()
     return pooled([got[d] for d in devices], devices)
-
-
-# ---- output ----------------------------------------------------------------------------
-def markdown_table(df: pd.DataFrame, float_format: str = "{:.6g}") -> str:
-    """A GitHub markdown table (no tabulate needed)."""
-    def cell(v):
-        return float_format.format(v) if isinstance(v, (float, np.floating)) else str(v)
-
-    lines = ["| " + " | ".join(map(str, df.columns)) + " |",
-             "|" + "|".join("---" for _ in df.columns) + "|"]
-    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in df.itertuples(index=False)]
-    return "\n".join(lines)
 
 
 def _fit_text(name: str, fit: LinearFit, x: str) -> str:
@@ -640,82 +462,9 @@ def summary_markdown(result: ProfileResult, header: str) -> str:
     return "\n".join(parts) + "\n"
 
 
-def plot_profile(result: ProfileResult, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    db = result.decode_batch
-    ax1.plot(db["batch_size"], db["step_s"] * 1e3, "o", label="measured (min)")
-    xs = np.linspace(db["batch_size"].min(), db["batch_size"].max(), 100)
-    f = result.batch_fit
-    ax1.plot(xs, f(xs) * 1e3, "-", label=f"fit {f.a * 1e3:.3g} + {f.b * 1e3:.3g}·B ms, R²={f.r2:.3f}")
-    ax1.set(xlabel="batch size B", ylabel="decode step (ms)",
-            title=f"decode step vs B (context {int(db['context_len'].iloc[0])})")
-    ax1.legend(fontsize=8)
-    pf = result.prefill
-    ax2.plot(pf["prompt_len"], pf["prefill_s"] * 1e3, "o-")
-    ax2.set(xlabel="prompt length P (tokens)", ylabel="prefill (ms)", title="prefill vs P",
-            xscale="log", yscale="log")
-    fig.suptitle(f"{title} — {result.estimator}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# ---- CLI -------------------------------------------------------------------------------
-def int_list(text: str) -> tuple[int, ...]:
-    """argparse type: comma-separated positive integers."""
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        values = ()
-    if not values or any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(
-            f"must be comma-separated positive integers (e.g. 16,64,256), got {text!r}")
-    return values
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
-    return value
-
-
-def device_arg(text: str) -> str:
-    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
-        raise argparse.ArgumentTypeError(f"must be 'cpu' or 'cuda:i' (e.g. cuda:0), got {text!r}")
-    return text
-
-
-def add_common_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
-    """Options shared by ``pdlab profile`` and ``pdlab kv-cost``."""
-    parser.add_argument("--model", default="smollm2-135m",
-                        help="smollm2-135m, tiny-random-llama, or a local HF model directory "
-                             "(default: smollm2-135m)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="(default: float32)")
-    parser.add_argument("--device", default="cpu", type=device_arg,
-                        help="cpu or cuda:i (default: cpu)")
-    parser.add_argument("--repeats", default=5, type=positive_int,
-                        help="timed runs per point after 1 warm-up; the estimator is their "
-                             "minimum (default: 5)")
-    parser.add_argument("--seed", default=0, type=int, help="random prompt ids (default: 0)")
-    parser.add_argument("--threads", default=1, type=positive_int,
-                        help="torch intra-op threads (default: 1, steady on a shared CPU; "
-                             "a pdlab CPU worker also runs one thread per core it owns)")
-    parser.add_argument("--out", default=None,
-                        help=f"output directory (default: results/{default_out}-<timestamp>)")
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pdlab profile``."""
-    add_common_arguments(parser, "profile")
+    add_measure_args(parser, "profile")
     parser.add_argument("--prompt-lens", type=int_list, default=DEFAULT_PROMPT_LENS,
                         help="prefill sweep P (default: 1,4,16,64,128,256,512)")
     parser.add_argument("--contexts", type=int_list, default=DEFAULT_CONTEXTS,
@@ -737,69 +486,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default: 64,256)")
     parser.add_argument("--mixed-batch-sizes", type=int_list, default=DEFAULT_MIXED_BATCH_SIZES,
                         help="B of the mixed steps, decoding at --batch-context (default: 1,4,16)")
-    parser.add_argument("--devices", type=_device_list, default=None,
+    parser.add_argument("--devices", type=existing_device_set, default=None,
                         help="measure on every device of this list at once (e.g. cpu:0,cpu:1), "
                              "each in its own process, and pool them: the speed each device "
                              "has while the others work too, as in a placement using them all "
                              "(default: --device alone)")
-    parser.add_argument("--transports", type=_transports, default=DEFAULT_PROFILE_TRANSPORTS,
+    parser.add_argument("--transports", type=transport_list, default=DEFAULT_PROFILE_TRANSPORTS,
                         help="transports whose KV transfer is timed (pdlab kv-cost's "
                              "measurement) and fitted into device_profile.json, from "
                              "inprocess,ray,torchdist,shm (default: inprocess)")
 
 
-def _device_list(text: str) -> tuple[str, ...]:
-    """``--devices``: a device list (``engine.config.parse_devices``) whose devices exist here.
-
-    Raises:
-        argparse.ArgumentTypeError: a malformed list, or a core or GPU this process lacks.
-    """
-    from engine.config import cpu_cores_of, parse_devices
-
-    try:
-        devices = parse_devices(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-    cores = os.sched_getaffinity(0)
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    for d in devices:
-        if d.startswith("cpu") and not set(cpu_cores_of(d)) <= cores:
-            raise argparse.ArgumentTypeError(f"device {d} does not exist: this process may use "
-                                             f"cores {sorted(cores)}")
-        if d.startswith("cuda") and int(d.partition(":")[2]) >= gpus:
-            raise argparse.ArgumentTypeError(f"device {d} does not exist: this machine has "
-                                             f"{gpus} GPUs")
-    return devices
-
-
-def _transports(text: str) -> tuple[str, ...]:
-    from experiments.kv_cost import transport_list
-
-    return transport_list(text)
-
-
-def check_device(device: str) -> None:
-    """A ``cuda:i`` device must exist here (``cpu`` always does).
-
-    Raises:
-        ValueError: ``argument --device: ...`` naming what exists.
-    """
-    if device.startswith("cuda"):
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        index = int(device.partition(":")[2] or 0)
-        if index >= count:
-            raise ValueError(f"argument --device: {device} does not exist: this machine has "
-                             f"{count} GPUs (use cpu)")
-
-
-def check_arguments(args: argparse.Namespace, model) -> None:
+def check(args: argparse.Namespace) -> None:
     """``pdlab profile`` options that join each other, the device and the model's context
     (read from its config file: no weights), checked before the model loads.
 
     Raises:
         ValueError: ``argument --x: ...`` for the first bad option.
     """
-    check_device(args.device)
+    model = measure.check_measure_args(args)
     if args.devices and args.device != "cpu":
         raise ValueError(f"argument --devices: it replaces --device (got --device {args.device}"
                          "): name the devices in --devices only")
@@ -807,8 +512,6 @@ def check_arguments(args: argparse.Namespace, model) -> None:
         if len(set(values)) < 2:
             raise ValueError(f"argument {option}: needs at least 2 distinct values for its fit, "
                              f"got {','.join(map(str, values))}")
-    from engine.model import model_context_len
-
     if len(set(args.prompt_lens)) < 2:
         raise ValueError("argument --prompt-lens: needs at least 2 distinct values for the "
                          f"prefill and transfer fits, got {','.join(map(str, args.prompt_lens))}")
@@ -831,37 +534,8 @@ def check_arguments(args: argparse.Namespace, model) -> None:
                          f"{args.batch_context}")
 
 
-def out_dir(args: argparse.Namespace, name: str) -> Path:
-    path = Path(args.out) if args.out else Path("results") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
-def load_for(args: argparse.Namespace) -> LoadedModel | None:
-    """Apply ``--threads`` and load the model of ``args``; prints the error and returns None
-    when it cannot."""
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"error: --device {args.device}: CUDA is not available here (use cpu)", file=sys.stderr)
-        return None
-    try:
-        return load_model(ModelConfig(args.model, args.dtype), device=args.device)
-    except (ModelLoadError, ValueError) as err:
-        print(f"error: --model {args.model}: {err}", file=sys.stderr)
-        return None
-
-
-def run_header(loaded: LoadedModel, args: argparse.Namespace) -> str:
-    threads = torch.get_num_threads()
-    devices = getattr(args, "devices", None)  # interference and kv-cost have no --devices
-    where = (f"devices {','.join(devices)} at once (one process each, one thread per core)"
-             if devices else f"device {args.device}")
-    return (f"model {loaded.name} ({args.dtype}), {where}, torch {torch.__version__}, "
-            f"{threads} intra-op threads")
-
-
-def main(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, _checked: None = None) -> int:
+    """Run the profile (module docstring), write its files, print its tables."""
     loaded = load_for(args)
     if loaded is None:
         return 2
@@ -892,7 +566,7 @@ def main(args: argparse.Namespace) -> int:
     kv_table.to_csv(out / "kv_cost.csv", index=False)
     device_profile.save(out / "device_profile.json")
     (out / "summary.md").write_text(summary_markdown(result, header))
-    plot_profile(result, out / "profile.png", header)
+    plots.plot_profile(result, out / "profile.png", header)
     print(f"{header}\nestimator: {result.estimator}\n")
     print("prefill:\n" + result.prefill.to_string(index=False) + "\n")
     print("decode vs context:\n" + result.decode_context.to_string(index=False))
@@ -902,10 +576,8 @@ def main(args: argparse.Namespace) -> int:
     print(_ratio_text(result.ratio) + "\n")
     print("P x G (TTFT = prefill; total = TTFT + (G-1) estimated decode steps):\n"
           + result.pg.to_string(index=False))
-    from experiments.plan.latency import summary_lines
-
     print("\ndevice profile (fitted on relative error):")
-    for line in summary_lines(device_profile):
+    for line in latency.summary_lines(device_profile):
         print("  " + line)
     for note in result.notes:
         print(f"note: {note}")
@@ -917,8 +589,6 @@ def main(args: argparse.Namespace) -> int:
 def _kv_table(loaded: LoadedModel, args: argparse.Namespace) -> pd.DataFrame:
     """``pdlab kv-cost``'s measurement for ``--transports`` at the profile's prompt lengths
     that fit the context, those >= 16 when there are two (shorter KV is all fixed cost)."""
-    from experiments import kv_cost
-
     limit = loaded.max_context_len
     lens = [p for p in sorted(set(args.prompt_lens)) if p + 2 <= limit]
     if len([p for p in lens if p >= 16]) >= 2:
@@ -926,11 +596,5 @@ def _kv_table(loaded: LoadedModel, args: argparse.Namespace) -> pd.DataFrame:
     if len(lens) < 2:
         raise ValueError("argument --prompt-lens: the transfer fit needs >= 2 prompt lengths "
                          f"that fit the model context ({limit} tokens)")
-    try:
-        return kv_cost.kv_cost_table(loaded, lens, args.transports, args.repeats, device=args.device,
-                                     seed=args.seed)
-    finally:
-        if "ray" in args.transports:
-            import ray
-
-            ray.shutdown()
+    return transfer_cost.kv_cost_table(loaded, lens, args.transports, args.repeats,
+                                       device=args.device, seed=args.seed)

@@ -33,8 +33,8 @@ import pandas as pd
 from engine.config import EngineConfig
 from engine.metrics import SLO
 from engine.request import Request
-from experiments.plan import search
-from experiments.plan.latency import DeviceProfile, TransferModel
+from planner import search
+from planner.latency import DeviceProfile, TransferModel
 
 SPEEDS = ("slow", "fast")
 

@@ -75,8 +75,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from engine import metrics as m
 from engine.metrics import RequestRecord
 from engine.request import MAX_LOGPROBS, Request, SamplingParams
-from experiments.http_config import LOOPBACK
-from experiments.text import ByteText, HFText, TextStream
+from server.config import LOOPBACK
+from server.text import ByteText, HFText, TextStream
 from router.router import FINISH, Router, StreamEvent
 
 _LOG = logging.getLogger(__name__)

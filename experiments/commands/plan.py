@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import glob
 import math
 import os
 import sys
@@ -29,12 +28,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
+from tqdm import tqdm
 
-from engine.config import (DTYPES, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
+from engine.config import (EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
                            check_fields, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
-from experiments.plan import band, search
-from experiments.plan.latency import DeviceProfile, TransferModel, summary_lines
+from experiments import plots, validate
+from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, check_model,
+                                 check_out, engine_config, find_profile, load_profile_for,
+                                 option_error, rate_list, transfer_model_for)
+from experiments.placement import worker_layout
+from experiments.report import markdown_table
+from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
+from planner import band, search
+from planner.latency import DeviceProfile, TransferModel, summary_lines
+from router.policy import POLICIES
+
+HELP = "rank placements of N devices on the simulator (--validate: and check it against real runs)"
 
 BUDGETS = r"(\d+(,\d+)*)?"
 
@@ -138,17 +148,12 @@ class PlanJob:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pdlab plan`` (the workload, engine and transfer groups as ``pdlab compare``)."""
-    from experiments import cli
-    from experiments.compare import WorkloadSpec
-    from router.policy import POLICIES
-
     add_dataclass_args(parser.add_argument_group("plan"), PlanConfig)
-    parser.add_argument("--model", default="smollm2-135m", help="the model (as pdlab compare)")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES)
-    parser.add_argument("--rates", type=cli._floats, default=None,
+    add_model_args(parser)
+    parser.add_argument("--rates", type=rate_list, default=None,
                         help="total arrival rates in req/s, comma-separated (default: "
                              "--num-rates rates around the profile's capacity estimate)")
-    cli.add_slo_args(parser)
+    add_slo_args(parser)
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="router policy")
     parser.add_argument("--out", default=None, help="results directory (default: results/plan-<time>)")
     workload = parser.add_argument_group("workload")
@@ -157,44 +162,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("engine (per instance; kv-capacity-tokens and "
                                        "max-num-batched-tokens are what-if knobs here)")
     add_dataclass_args(engine, EngineConfig, skip=("device",))
-    engine.set_defaults(**{**cli.CPU_ENGINE_DEFAULTS, "max_model_len": None})
+    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
     add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
-
-
-def find_profile(model: ModelConfig, root: Path = Path("results")) -> Path | None:
-    """The newest ``root/profile-*/device_profile.json`` measured on ``model`` (name and dtype)."""
-    for path in sorted(glob.glob(str(root / "profile-*" / "device_profile.json")), reverse=True):
-        try:
-            prof = DeviceProfile.load(path)
-        except ValueError:
-            continue
-        if (prof.model, prof.dtype) == (model.model, model.dtype):
-            return Path(path)
-    return None
-
-
-def load_profile_for(path: str | Path, model: ModelConfig, option: str) -> DeviceProfile:
-    """The device profile at ``path``, measured on ``model`` (name and dtype).
-
-    Raises:
-        ValueError: ``argument <option>: ...`` when it cannot be read or names another model.
-    """
-    try:
-        profile = DeviceProfile.load(path)
-    except ValueError as err:
-        raise ValueError(f"argument {option}: {err}") from None
-    if (profile.model, profile.dtype) != (model.model, model.dtype):
-        raise ValueError(f"argument {option}: {path} was measured on {profile.model} "
-                         f"({profile.dtype}), not {model.model} ({model.dtype})")
-    return profile
-
-
-def transfer_model_for(profile: DeviceProfile, transport: str, option: str) -> TransferModel:
-    """The profile's transfer model of ``transport``; ValueError ``argument <option>: ...``."""
-    try:
-        return profile.transfer(transport)
-    except ValueError as err:
-        raise ValueError(f"argument {option}: {err}") from None
 
 
 def _transfer_model(plan: PlanConfig, profile: DeviceProfile, transport: str,
@@ -211,50 +180,47 @@ def _transfer_model(plan: PlanConfig, profile: DeviceProfile, transport: str,
     return TransferModel(latency, bandwidth, base.put_share)
 
 
-def check_arguments(args: argparse.Namespace) -> PlanJob:
+def check(args: argparse.Namespace) -> PlanJob:
     """Step 1 of the module docstring; nothing is started and no weights are read.
 
     Raises:
         ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``).
     """
-    from experiments import cli
-    from experiments.compare import WorkloadSpec
-
     plan = dataclass_from_args(PlanConfig, args)
     model = ModelConfig(args.model, args.dtype)
-    cli.check_model(model)
+    check_model(model)
     spec = dataclass_from_args(WorkloadSpec, args)
-    engine = cli._engine_config(args, model)
+    engine = engine_config(args, model)
     longest = spec.max_request_len()
     if longest is not None and longest > engine.max_model_len:
-        raise cli.option_error("--max-output-len" if spec.dataset != "synthetic" else "--prompt-len",
+        raise option_error("--max-output-len" if spec.dataset != "synthetic" else "--prompt-len",
                                f"the workload allows requests of {longest} tokens, more than "
                                f"--max-model-len {engine.max_model_len}")
     for budget in plan.budgets:
         if budget < engine.max_num_seqs:
-            raise cli.option_error("--chunk-budgets", f"each budget must be >= --max-num-seqs "
+            raise option_error("--chunk-budgets", f"each budget must be >= --max-num-seqs "
                                                       f"({engine.max_num_seqs}), got {budget}")
     if spec.calibrate:
-        raise cli.option_error("--calibrate", "pdlab plan sweeps its own rates (--rates or "
+        raise option_error("--calibrate", "pdlab plan sweeps its own rates (--rates or "
                                               "--num-rates); calibration is for real runs")
     transfer = dataclass_from_args(TransferConfig, args)
     if plan.validate and transfer.transport == "inprocess":  # Deployment would refuse it, later
-        raise cli.option_error("--transport", "--validate runs the placements for real, one "
+        raise option_error("--transport", "--validate runs the placements for real, one "
                                               "process per worker: use 'ray', 'shm' or "
                                               "'torchdist' ('inprocess' needs one process)")
     if transfer.granularity != "request":
-        raise cli.option_error("--granularity", "the simulator models whole-request KV "
+        raise option_error("--granularity", "the simulator models whole-request KV "
                                                 "transfers only (granularity 'request')")
     path = Path(plan.profile) if plan.profile else find_profile(model)
     if path is None:
-        raise cli.option_error("--profile", f"no device profile of model {model.model} "
+        raise option_error("--profile", f"no device profile of model {model.model} "
                                             f"({model.dtype}) under results/: run `pdlab profile "
                                             f"--model {model.model}` or pass --profile FILE")
     profile = load_profile_for(path, model, "--profile").scaled(plan.step_scale)
     cands = search.candidates(plan.devices, plan.budgets)
     transfer_model = _transfer_model(plan, profile, transfer.transport,
                                      any(c.placement.startswith("disagg") for c in cands))
-    cli.check_out(args.out)
+    check_out(args.out)
     out = Path(args.out or f"results/plan-{time.strftime('%Y%m%d-%H%M%S')}")
     return PlanJob(plan, profile, path, transfer_model, cands, args.rates, spec, model, engine,
                    transfer, SLO(args.slo_ttft_s, args.slo_tpot_s), args.policy, out)
@@ -283,17 +249,12 @@ def _console(ranked: pd.DataFrame) -> str:
     return ranked[list(cols)].rename(columns=cols).to_string(index=False, float_format="{:.4g}".format)
 
 
-def main(args: argparse.Namespace, job: PlanJob) -> int:
+def run(args: argparse.Namespace, job: PlanJob) -> int:
     """Steps 2-4 of the module docstring; returns 0."""
-    from tqdm import tqdm
-
-    from experiments import compare
-    from experiments.report import markdown_table
-
     x = job
-    max_len = compare.context_len(x.model, x.engine)
-    items = {seed: compare.build_workload(x.spec, x.model, seed, max_len) for seed in x.spec.seed_list}
-    requests = {seed: search.timed_requests(its, f"s{seed}") for seed, its in items.items()}
+    max_len = context_len(x.model, x.engine)
+    items = {seed: build_workload(x.spec, x.model, seed, max_len) for seed in x.spec.seed_list}
+    requests = {seed: requests_of(its, f"s{seed}") for seed, its in items.items()}
     all_items = [it for its in items.values() for it in its]
     rates = x.rates or search.auto_rates(
         x.profile, sum(it.num_prompt_tokens for it in all_items) / len(all_items),
@@ -346,7 +307,7 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
     ranked.to_csv(x.out / "plan.csv", index=False)
     curve.to_csv(x.out / "plan_curves.csv", index=False)
     runs.to_csv(x.out / "plan_runs.csv", index=False)
-    plot = search.plot_best(curve, ranked, x.out / "plan_attainment.png", x.plan.top,
+    plot = plots.plot_best(curve, ranked, x.out / "plan_attainment.png", x.plan.top,
                             f"{x.model.model} on {x.plan.devices} x {x.profile.device_kind}; SLO "
                             f"TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s")
     print(f"\nsimulated {total} runs ({int(runs['num_requests'].sum())} requests) in {wall_s:.1f} s "
@@ -382,9 +343,6 @@ def main(args: argparse.Namespace, job: PlanJob) -> int:
 
 
 def _validate(x: PlanJob, rates: list[float]) -> list[str]:
-    from experiments.placement import worker_layout
-    from experiments.plan import validate
-
     devices = parse_devices(None)
     ranked = pd.read_csv(x.out / "plan.csv")
     by_label = {c.label: c for c in x.candidates}
@@ -413,7 +371,5 @@ def _validate(x: PlanJob, rates: list[float]) -> list[str]:
                                         num_reruns=x.plan.validate_reruns)
     text = validate.summary_text(summary)
     print("\n" + errors.to_string(index=False, float_format="{:.3g}".format) + "\n\n" + text)
-    from experiments.report import markdown_table
-
     return ["## Validation against real runs", "", text, "", markdown_table(errors), "",
             "![measured vs simulated](measured/slo_attainment.png)", ""]

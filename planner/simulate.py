@@ -2,12 +2,14 @@
 
 It runs pdlab's own scheduling code on a simulated clock: every simulated instance holds a
 real ``engine.scheduler.Scheduler`` (the class every Engine uses, driven through its public
-methods), assignment uses ``router.policy.pick`` with the router's load charges, and only
+methods), assignment is the router's own ``router.assignment.Assigner`` (pools, policy,
+load charges, the conditional rule), and only
 the model forward and the KV bytes are replaced by fitted durations (``latency``). A
 request's life, as the real workers and router live it:
 
 1. Arrival (the workload's scheduled offset): the router picks the worker(s) by policy,
-   charges their loads (prefill: prompt tokens; decode/colocated: prompt + max_tokens) and
+   charges their loads (prefill: prompt tokens; decode/colocated: prompt + max_tokens in
+   whole KV blocks) and
    queues the request there (``conditional:xPyD``: Dynamo's rule picks local or remote).
 2. An idle instance steps at once; a busy one at the end of its step (a worker's loop
    applies commands between steps). A step is ``Scheduler.schedule()``; its duration is
@@ -65,7 +67,8 @@ from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_G
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord)
 from engine.request import Request, RequestState, RequestStatus
 from engine.scheduler import ScheduledBatch, Scheduler
-from experiments.plan.latency import TransferModel
+from planner.latency import TransferModel
+from router.assignment import Assigner
 from router.policy import pick
 
 FAKE_TOKEN = 0  # output token ids are not simulated; lengths are (ignore_eos workloads)
@@ -133,16 +136,14 @@ class _Flight:
     token left, after the put, on a prefill worker); ``finalize`` writes the record's
     ``token_times_s`` and ``output_token_ids`` from them (per token, one append, not three)."""
 
-    __slots__ = ("request", "record", "first", "decode", "charges", "remote", "put_s",
-                 "queued_prefill", "times", "first_out_s")
+    __slots__ = ("request", "record", "first", "decode", "remote", "put_s", "times",
+                 "first_out_s")
 
     def __init__(self, request: Request, record: RequestRecord) -> None:
         self.request, self.record = request, record
         self.first = self.decode = None
-        self.charges: dict[str, int] = {}
         self.remote = False
         self.put_s = 0.0
-        self.queued_prefill = False
         self.times = record.token_worker_times_s
         self.first_out_s: float | None = None
 
@@ -201,7 +202,7 @@ class Simulator:
         self.kind = parse_placement(placement)[0]
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
-        pick(policy, ["w"], {}, 0)  # refuses an unknown policy now
+        pick(policy, ["w"], {}, 0)  # refuses an unknown policy now (Assigner does it per run)
         self.placement = placement
         self.engine = placement_engine_overrides(placement, engine)
         self.step_s = step_s
@@ -230,13 +231,9 @@ class Simulator:
         blocks = num_kv_blocks(self.engine, self.kv_bytes_per_token)
         self._instances = {name: _Instance(name, role, self.engine, blocks)
                            for name, role in worker_names(self.placement)}
-        roles = ("colocated",) if self.kind == "colocated" else ("prefill", "decode")
-        self._pools = {role: [i.name for i in self._instances.values() if i.role == role]
-                       for role in roles}
-        self._loads = {name: 0 for name in self._instances}
-        self._turns = dict.fromkeys(roles, 0)
+        self._assigner = Assigner(worker_names(self.placement), self.kind, self.policy,
+                                  self.engine.block_size, self.conditional)
         self._flights: dict[str, _Flight] = {}
-        self._num_queued_prefills = 0
         self._heap: list = []
         self._seq = itertools.count()
         self._steps: list[dict] | None = [] if collect_steps else None
@@ -287,15 +284,6 @@ class Simulator:
         heapq.heappush(self._heap, (t, order, next(self._seq), kind, payload))
 
     # ---- router ------------------------------------------------------------------------
-    def _pick(self, role: str) -> str:
-        name = pick(self.policy, self._pools[role], self._loads, self._turns[role])
-        self._turns[role] += 1
-        return name
-
-    def _charge(self, flight: _Flight, name: str, tokens: int) -> None:
-        flight.charges[name] = tokens
-        self._loads[name] += tokens
-
     def _arrive(self, t: float, request: Request) -> None:
         record = RequestRecord(request_id=request.request_id, placement=self.placement,
                                num_prompt_tokens=request.num_prompt_tokens)
@@ -307,21 +295,10 @@ class Simulator:
             record.error, record.finish_reason = error, "error"
             record.timeline[FINISHED] = t
             return
-        kv_tokens = request.num_prompt_tokens + request.sampling.max_tokens
-        if self.kind == "colocated":
-            first = decode = self._pick("colocated")
-            self._charge(flight, first, kv_tokens)
-        elif self.conditional is not None and not self.conditional.remote(
-                request.num_prompt_tokens, self._num_queued_prefills):
-            first = decode = self._pick("decode")
-            self._charge(flight, decode, kv_tokens)
-        else:
-            first, decode = self._pick("prefill"), self._pick("decode")
-            self._charge(flight, first, request.num_prompt_tokens)
-            self._charge(flight, decode, kv_tokens)
-            flight.remote = flight.queued_prefill = True
-            self._num_queued_prefills += 1
-        flight.first, flight.decode = first, decode
+        assignment = self._assigner.assign(request.request_id, request.num_prompt_tokens,
+                                           request.sampling.max_tokens)
+        first, decode = flight.first, flight.decode = assignment.first, assignment.decode
+        flight.remote = assignment.remote
         record.prefill_worker, record.decode_worker = first, decode
         record.prefill_path = "remote" if flight.remote else "local"
         record.timeline[PREFILL_QUEUED] = t
@@ -348,13 +325,11 @@ class Simulator:
     def _finish(self, flight: _Flight, t: float) -> None:
         flight.record.timeline[FINISHED] = t
         flight.record.finish_reason = "length"
-        for name, tokens in flight.charges.items():
-            self._loads[name] -= tokens
-        flight.charges.clear()
+        self._assigner.release(flight.request.request_id)
 
     def _hand_over(self, t: float, flight: _Flight) -> None:
         """The prefilled event reached the router: discharge prefill, admit on decode."""
-        self._loads[flight.first] -= flight.charges.pop(flight.first, 0)
+        self._assigner.prefilled(flight.request.request_id, flight.first)
         request = flight.request
         state = RequestState(request)  # as Engine.add_remote builds it
         state.token_ids.append(FAKE_TOKEN)
@@ -533,12 +508,9 @@ class Simulator:
                 record.timeline[KV_PUT] = busy_until
                 record.kv_bytes = self.kv_bytes_per_token * state.num_prompt_tokens
                 record.kv_put_s = put_s
-                self._prefill_done(flight)
                 self._push(busy_until, _HANDOVER, flight)
                 continue
             if status >= _FINISHED_STOPPED:  # status.is_finished
-                if flight.queued_prefill:  # ended with its first token on a prefill worker
-                    self._prefill_done(flight)
                 self._finish(flight, t)
         if busy_until > t:  # the puts hold the loop
             instance.busy = True
@@ -546,11 +518,6 @@ class Simulator:
         else:
             instance.busy = False
             self._start_at(instance, t)
-
-    def _prefill_done(self, flight: _Flight) -> None:
-        if flight.queued_prefill:
-            flight.queued_prefill = False
-            self._num_queued_prefills -= 1
 
     def _fetched(self, t: float, payload) -> None:
         instance, state, get_s = payload

@@ -9,11 +9,11 @@ A search:
    estimate from the profile, so the attainment curves bend inside the sweep.
 3. Every (candidate, rate, seed) is simulated (``simulate.Simulator``) on the same requests
    and arrival times the real runs use (``compare.build_workload``; arrival times from
-   ``workloads.arrival_times`` with the run's seed, as ``compare.router_workload`` draws
+   ``engine.arrivals.arrival_times`` with the run's seed, as ``workload_spec.router_workload`` draws
    them); per run: SLO attainment and TTFT/TPOT p50/p99 (``engine.metrics``).
    Then ``refine_rates`` adds a few rates inside each candidate's bracket (the last rate
    that meets 90% attainment and the next), as DistServe's binary search narrows it.
-4. Goodput per device (``analysis.goodput_per_device``, DistServe's definition) from the
+4. Goodput per device (``engine.metrics.goodput_rate``, DistServe's definition) from the
    mean-over-seeds curve of each candidate, and per seed for its spread; ranked, best first.
 5. ``plot_best``: SLO attainment vs rate per device of the best few (matplotlib).
 
@@ -22,14 +22,15 @@ No torch: thousands of requests per (candidate, rate) simulate in about a second
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import multiprocessing
 import dataclasses
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -37,10 +38,10 @@ import pandas as pd
 from engine import metrics as m
 from engine.config import ConditionalConfig, EngineConfig, PlacementConfig, parse_placement
 from engine.metrics import SLO, RequestRecord
-from engine.request import Request, SamplingParams
-from experiments import analysis, workloads
-from experiments.plan.latency import DeviceProfile, StepFeatures, TransferModel
-from experiments.plan.simulate import SimResult, Simulator
+from engine.request import Request
+from engine.arrivals import arrival_times
+from planner.latency import DeviceProfile, StepFeatures, TransferModel
+from planner.simulate import SimResult, Simulator
 
 
 @dataclass(frozen=True)
@@ -104,19 +105,11 @@ def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, n
     return sorted({float(f"{base * f:.2g}") for f in np.geomspace(0.25, top, num_rates)})
 
 
-def timed_requests(items: Sequence[workloads.WorkloadRequest], tag: str) -> list[Request]:
-    """The requests of ``items`` as a real run sends them (``max_tokens`` = the sampled output
-    length, ``ignore_eos``: see ``compare.router_workload``), built once per seed."""
-    return [Request(f"{tag}-{i}", it.prompt_token_ids,
-                    SamplingParams(max_tokens=it.output_len, ignore_eos=True))
-            for i, it in enumerate(items)]
-
-
 def arrivals(requests: Sequence[Request], rate: float, seed: int, process: str = "poisson",
              burstiness: float = 1.0) -> list[tuple[Request, float]]:
-    """``(request, arrival offset s)`` at ``rate`` req/s: the offsets ``compare.router_workload``
-    gives the same seed (``workloads.arrival_times``)."""
-    times = workloads.arrival_times(len(requests), rate, seed, process, burstiness)
+    """``(request, arrival offset s)`` at ``rate`` req/s: the offsets a real run's
+    ``workload_spec.router_workload`` gives the same seed (``engine.arrivals``)."""
+    times = arrival_times(len(requests), rate, seed, process, burstiness)
     return list(zip(requests, (float(t) for t in times)))
 
 
@@ -186,9 +179,6 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
             if progress is not None:
                 progress()
         return pd.DataFrame(rows, columns=RUN_COLUMNS)
-    import concurrent.futures
-    import multiprocessing
-
     rows = [None] * len(tasks)
     with concurrent.futures.ProcessPoolExecutor(
             max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
@@ -245,7 +235,7 @@ def _run_task(task: tuple[Candidate, float, int]) -> dict:
 
 
 def refine_rates(runs: pd.DataFrame, num_points: int = 3,
-                 target: float = analysis.ATTAINMENT_TARGET) -> dict[str, list[float]]:
+                 target: float = m.ATTAINMENT_TARGET) -> dict[str, list[float]]:
     """Rates to add per candidate so its goodput is read finer than the coarse ladder: where
     the mean-over-seeds attainment falls below ``target`` between two swept rates (the
     last one that meets it at every lower rate too, and the next), ``num_points`` rates
@@ -275,7 +265,7 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
     """Step 4: one row per candidate, best goodput per device first (``RANK_COLUMNS``).
 
     ``goodput_per_device_req_s`` reads the mean-over-seeds attainment curve
-    (``analysis.goodput_per_device``: the highest swept rate with >= 90% attainment there and
+    (``engine.metrics.goodput_rate``: the highest swept rate with >= 90% attainment there and
     at every lower rate, over the candidate's devices); ``goodput_seed_min/max`` is the
     spread of the same figure per seed; the latencies are the seed means at ``goodput_rate``
     (the lowest rate when even it misses). ``at_sweep_top``: the candidate still met the
@@ -285,10 +275,9 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for label, g in runs.groupby("candidate", sort=False):
         n_dev = int(g["num_devices"].iloc[0])
-        curve = (g.groupby("rate", as_index=False)["slo_attainment"].mean()
-                 .assign(placement=label))
-        goodput = analysis.goodput_per_device(curve, n_dev)[label]
-        per_seed = [analysis.goodput_per_device(s.assign(placement=label), n_dev)[label]
+        curve = g.groupby("rate", as_index=False)["slo_attainment"].mean()
+        goodput = m.goodput_rate(list(curve["rate"]), list(curve["slo_attainment"]), n_dev)
+        per_seed = [m.goodput_rate(list(s["rate"]), list(s["slo_attainment"]), n_dev)
                     for _, s in g.groupby("seed")]
         at_rate = goodput * n_dev if goodput > 0 else float(g["rate"].min())
         at = g[np.isclose(g["rate"], at_rate)]
@@ -312,35 +301,6 @@ def curves(runs: pd.DataFrame) -> pd.DataFrame:
     df = runs.groupby(["candidate", "num_devices", "rate"], sort=False, as_index=False)[cols].mean()
     df.insert(3, "rate_per_device", df["rate"] / df["num_devices"])
     return df
-
-
-def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, top: int = 3,
-              title: str = "") -> Path:
-    """SLO attainment (%) vs arrival rate per device of the ``top`` best candidates, with the
-    90% goodput line and each one's goodput marked; shaded between ``slo_attainment_slow``
-    and ``_fast`` where ``curve_df`` has them (``band.curve_band``)."""
-    from experiments.plots import plt, _save  # Agg backend set there
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for i, row in enumerate(ranked.head(top).itertuples()):
-        g = curve_df[curve_df["candidate"] == row.candidate].sort_values("rate")
-        ax.plot(g["rate_per_device"], 100 * g["slo_attainment"], marker="o", color=f"C{i}",
-                label=f"#{row.rank} {row.candidate}: {row.goodput_per_device_req_s:.3g} req/s/device")
-        if "slo_attainment_slow" in g and g["slo_attainment_slow"].notna().any():
-            ax.fill_between(g["rate_per_device"], 100 * g["slo_attainment_slow"],
-                            100 * g["slo_attainment_fast"], color=f"C{i}", alpha=0.15, linewidth=0)
-        if row.goodput_per_device_req_s > 0:
-            ax.axvline(row.goodput_per_device_req_s, color=f"C{i}", linestyle=":", alpha=0.6)
-    ax.axhline(100 * analysis.ATTAINMENT_TARGET, color="gray", linestyle="--",
-               label=f"{100 * analysis.ATTAINMENT_TARGET:.0f}% target")
-    ax.set_xscale("log")
-    ax.set_xlabel("arrival rate per device (req/s)")
-    ax.set_ylabel("SLO attainment (%), simulated")
-    ax.set_ylim(-2, 102)
-    ax.set_title(title or "pdlab plan: simulated SLO attainment of the best placements", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
 
 
 def simulate_runs(placement: str, engine: EngineConfig, profile: DeviceProfile,

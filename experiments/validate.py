@@ -2,10 +2,10 @@
 
 A validation:
 
-1. The same requests (``compare.build_workload``, seeds ``seed ..``) run for real through
-   ``compare.run_placement`` (deployed workers, the router, the transport) at each rate, and
+1. The same requests (``build_workload``, seeds ``seed ..``) run for real through
+   ``run_placement`` (deployed workers, the router, the transport) at each rate, and
    through the simulator (``search.simulate_runs``) with the same arrival times.
-2. Both are written as results directories by ``compare.write_results``: ``measured/``
+2. Both are written as results directories by ``write_results``: ``measured/``
    (its attainment plot overlays the simulated curve, dashed) and ``simulated/`` (its
    config row marked ``simulated: true``), so every report and plot reads both.
 3. Per (placement, rate), from the two summary tables (means over seeds):
@@ -61,11 +61,15 @@ import numpy as np
 import pandas as pd
 
 from engine import metrics
+from engine.arrivals import arrival_times
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO
-from experiments import analysis, compare, workloads
-from experiments.plan import band, diagnose, drift, search
-from experiments.plan.latency import DeviceProfile, TransferModel, step_correction
+from experiments import analysis
+from experiments.replay import RunResult, run_placement
+from experiments.results import write_results
+from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
+from planner import band, diagnose, drift, search
+from planner.latency import DeviceProfile, TransferModel, step_correction
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 COLUMNS = (["placement", "rate", "measured_attainment", "simulated_attainment",
@@ -107,11 +111,11 @@ def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame
 
 def _position(request_id: str) -> str:
     """A request's position in its seed's workload: the ``-<i>`` both sides' ids end with
-    (``compare.router_workload`` and ``search.timed_requests`` tag them so)."""
+    (``workload_spec.requests_of`` tags them so)."""
     return request_id.rsplit("-", 1)[-1]
 
 
-def outcome_table(measured: Sequence[compare.RunResult], simulated: Sequence[compare.RunResult],
+def outcome_table(measured: Sequence[RunResult], simulated: Sequence[RunResult],
                   slo: SLO) -> pd.DataFrame:
     """Step 3's request counts per (placement, rate), pooled over seeds: ``num_requests``
     (real ones) and ``num_flipped``, those whose ``metrics.meets_slo`` differs from their
@@ -131,7 +135,7 @@ def outcome_table(measured: Sequence[compare.RunResult], simulated: Sequence[com
                         columns=["placement", "rate", "num_requests", "num_flipped"])
 
 
-def step_factors(measured: Sequence[compare.RunResult], profile: DeviceProfile
+def step_factors(measured: Sequence[RunResult], profile: DeviceProfile
                  ) -> tuple[dict[tuple[str, float, int], float], dict[str, float], float, pd.DataFrame]:
     """Step 4: every real step rebuilt and modelled (``diagnose.step_table``).
 
@@ -158,8 +162,8 @@ def step_factors(measured: Sequence[compare.RunResult], profile: DeviceProfile
             step_correction(rows, profile), steps)
 
 
-def with_outcomes(errors: pd.DataFrame, measured: Sequence[compare.RunResult],
-                  simulated: Sequence[compare.RunResult], slo: SLO,
+def with_outcomes(errors: pd.DataFrame, measured: Sequence[RunResult],
+                  simulated: Sequence[RunResult], slo: SLO,
                   factor_of: Callable[[tuple[str, float, int]], float]) -> pd.DataFrame:
     """``errors`` (``error_table``) with ``OUTCOME_COLUMNS``: ``outcome_table``'s counts and
     ``step_factor``, the mean over seeds of ``factor_of((placement, rate, seed))`` (the
@@ -196,15 +200,15 @@ def with_reruns(errors: pd.DataFrame, reruns: pd.DataFrame) -> pd.DataFrame:
     return _with_columns(errors, reruns, _RERUN, RERUN_COLUMNS)
 
 
-def speed_traces(measured: Sequence[compare.RunResult], steps: pd.DataFrame, items: dict,
-                 spec: compare.WorkloadSpec, window_s: float = drift.DEFAULT_WINDOW_S
+def speed_traces(measured: Sequence[RunResult], steps: pd.DataFrame, items: dict,
+                 spec: WorkloadSpec, window_s: float = drift.DEFAULT_WINDOW_S
                  ) -> dict[tuple[str, float, int], drift.SpeedTrace]:
     """Step 5: each real run's speed trace (``drift.speed_trace``) from its rows of
     ``steps`` (``step_factors``' table), on the simulated clock: the origin is the run's
     scheduled start (``drift.run_origin`` with the arrival offsets the simulation uses)."""
     out = {}
     for r in measured:
-        offsets = workloads.arrival_times(len(items[r.seed]), r.rate, r.seed, spec.arrival,
+        offsets = arrival_times(len(items[r.seed]), r.rate, r.seed, spec.arrival,
                                           spec.burstiness)
         mine = steps[(steps["placement"] == r.placement) & np.isclose(steps["rate"], r.rate)
                      & (steps["seed"] == r.seed)]
@@ -310,26 +314,26 @@ def _goodput(summary: pd.DataFrame) -> dict[str, float]:
     return analysis.goodput_per_device(analysis.attainment_curve(summary), devices)
 
 
-def simulate_like(results: Sequence[compare.RunResult], items: dict, spec: compare.WorkloadSpec,
+def simulate_like(results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
                   engine: EngineConfig, transport: str, profile: DeviceProfile,
                   transfer_model: TransferModel | None, policy: str = "least_loaded",
-                  step_scale: float = 1.0) -> list[compare.RunResult]:
+                  step_scale: float = 1.0) -> list[RunResult]:
     """The simulated twin of real ``results``: every (placement, rate, seed) they hold, on
     the same requests (``items``: seed -> workload) and arrival times."""
     out = []
     for placement in dict.fromkeys(r.placement for r in results):
         rates = sorted({r.rate for r in results if r.placement == placement})
         seeds = sorted({r.seed for r in results if r.placement == placement})
-        requests = {seed: search.timed_requests(items[seed], f"{placement}/s{seed}") for seed in seeds}
+        requests = {seed: requests_of(items[seed], f"{placement}/s{seed}") for seed in seeds}
         for rate, seed, res in search.simulate_runs(placement, engine, profile, transfer_model, rates,
                                                     requests, spec.arrival, spec.burstiness, policy,
                                                     transport, step_scale):
-            out.append(compare.RunResult(placement, rate, res.records, res.steps, res.transfers,
+            out.append(RunResult(placement, rate, res.records, res.steps, res.transfers,
                                          res.duration_s, seed))
     return out
 
 
-def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: compare.WorkloadSpec,
+def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: WorkloadSpec,
              model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
              profile: DeviceProfile, transfer_model: TransferModel | None, slo: SLO,
              out_dir: Path, devices: str | None = None, address: str | None = None,
@@ -349,13 +353,13 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
     by_placement = {}
     for cand in cands:
         by_placement.setdefault(cand.placement, cand)
-    max_len = compare.context_len(model, engine)
-    items = {seed: compare.build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
-    passes: list[list[compare.RunResult]] = []
+    max_len = context_len(model, engine)
+    items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
+    passes: list[list[RunResult]] = []
     for _ in range(1 + num_reruns):
         passes.append([])
         for placement, cand in by_placement.items():
-            passes[-1] += compare.run_placement(placement, list(rates), items, spec, model,
+            passes[-1] += run_placement(placement, list(rates), items, spec, model,
                                                 cand.engine(engine), transfer, devices, address,
                                                 policy, local=local, conditional=ConditionalConfig())
     return score(passes[0], list(by_placement.values()), rates, items, spec, engine, transfer,
@@ -363,12 +367,12 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: co
                  reruns=passes[1:])
 
 
-def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidate],
-          rates: Sequence[float], items: dict, spec: compare.WorkloadSpec, engine: EngineConfig,
+def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
+          rates: Sequence[float], items: dict, spec: WorkloadSpec, engine: EngineConfig,
           transfer: TransferConfig, profile: DeviceProfile, transfer_model: TransferModel | None,
           slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
           replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0,
-          reruns: Sequence[Sequence[compare.RunResult]] = ()) -> tuple[pd.DataFrame, dict]:
+          reruns: Sequence[Sequence[RunResult]] = ()) -> tuple[pd.DataFrame, dict]:
     """Steps 1-7 after the real runs: simulate their twins (``items``: seed -> workload, as
     the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
     validation_steps.csv, validation_corrected.csv, validation_replay.csv and
@@ -393,23 +397,23 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
     factors, by_worker, factor, steps = step_factors(measured, profile)
     steps.to_csv(out_dir / "validation_steps.csv", index=False)
 
-    def simulate(scale, trace=lambda key: None) -> list[compare.RunResult]:
+    def simulate(scale, trace=lambda key: None) -> list[RunResult]:
         """Every measured (placement, rate, seed) simulated, its steps x ``scale(key)``
         (and x the speed trace ``trace(key)`` at each step's start, when not None)."""
         out = []
         for placement, cand in by_placement.items():
             for rate in rates:
                 for seed, its in items.items():
-                    requests = {seed: search.timed_requests(its, f"{placement}/s{seed}")}
+                    requests = {seed: requests_of(its, f"{placement}/s{seed}")}
                     for _, _, res in search.simulate_runs(
                             placement, cand.engine(engine), profile, transfer_model, [rate],
                             requests, spec.arrival, spec.burstiness, policy, transfer.transport,
                             scale((placement, rate, seed)), trace((placement, rate, seed))):
-                        out.append(compare.RunResult(placement, rate, res.records, res.steps,
+                        out.append(RunResult(placement, rate, res.records, res.steps,
                                                      res.transfers, res.duration_s, seed))
         return out
 
-    def summarize(twins: list[compare.RunResult]) -> pd.DataFrame:
+    def summarize(twins: list[RunResult]) -> pd.DataFrame:
         """The summary table of simulated twins (few bootstrap draws: only means are read)."""
         return analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
                                                     r.duration_s) for r in twins], slo, num_boot=10)
@@ -424,10 +428,10 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
               "engine": dataclasses.asdict(engine), "transfer": dataclasses.asdict(transfer),
               "slo": dataclasses.asdict(slo), "policy": policy,
               "chunk_budgets": {p: c.chunk_budget for p, c in by_placement.items()}}
-    sim_summary, _ = compare.write_results(
+    sim_summary, _ = write_results(
         out_dir / "simulated", simulated,
         {**config, "simulated": True, "device_profile": profile.to_dict()}, slo)
-    meas_summary, _ = compare.write_results(out_dir / "measured", measured,
+    meas_summary, _ = write_results(out_dir / "measured", measured,
                                             {**config, "simulated": False}, slo,
                                             simulated=analysis.attainment_curve(sim_summary))
     errors = with_outcomes(error_table(meas_summary, sim_summary), measured, simulated, slo, own_factor)
@@ -462,7 +466,7 @@ def score(measured: Sequence[compare.RunResult], cands: Sequence[search.Candidat
                                        {k: _goodput(t) for k, t in tables.items()})
     rerun_rows, rerun_goodput = [], {}
     for k, again in enumerate(reruns, start=1):
-        table, _ = compare.write_results(out_dir / f"measured_rerun{k}", again,
+        table, _ = write_results(out_dir / f"measured_rerun{k}", again,
                                          {**config, "simulated": False, "rerun": k}, slo)
         rerun_goodput = rerun_goodput or _goodput(table)
         rerun_rows.append(with_outcomes(error_table(meas_summary, table), measured, again, slo,
@@ -514,3 +518,26 @@ def band_summary(errors: pd.DataFrame, summary: dict, spread: float,
     return {"spread": spread, "num_points": len(errors),
             "num_in_band": int(errors["measured_in_band"].sum()), "goodput_band": bands,
             "measured_firsts": firsts, "first_within_band": bool(within)}
+
+
+def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, slo: SLO,
+                    items: dict, spec: WorkloadSpec, engine: EngineConfig, transport: str,
+                    profile: DeviceProfile, policy: str) -> tuple[pd.DataFrame, str]:
+    """``pdlab compare --simulate``: every real run simulated too (``simulate_like``), the
+    results written with the simulated attainment curve drawn dashed over the measured one,
+    and validation.csv with the per-point errors; returns (summary, verdict text with the
+    simulator's error)."""
+    twins = simulate_like(results, items, spec, engine, transport, profile,
+                          profile.transfers.get(transport), policy)
+    simulated = analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
+                                                     r.duration_s) for r in twins], slo, num_boot=100)
+    summary, verdict_text = write_results(out_dir, results, config, slo,
+                                          simulated=analysis.attainment_curve(simulated))
+    factors, by_worker, factor, _ = step_factors(results, profile)
+    errors = with_outcomes(error_table(summary, simulated), results, twins, slo,
+                           lambda key: factors.get(key, math.nan))
+    errors.to_csv(out_dir / "validation.csv", index=False)
+    check = validation_summary(errors, _goodput(summary), _goodput(simulated))
+    check.update(step_correction=factor, step_correction_by_worker=by_worker)
+    return summary, (verdict_text + "\nSimulated twin (pdlab plan's simulator): "
+                     + summary_text(check))

@@ -36,16 +36,24 @@ import argparse
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
+from tqdm import tqdm
 
-from engine.config import EngineConfig, ModelConfig, check_fields
+from engine.config import EngineConfig, add_dataclass_args, check_fields, dataclass_from_args
+from engine.engine import Engine
+from engine.model import model_context_len
 from engine.request import Request, SamplingParams
+from experiments import measure, plots
+from experiments.measure import random_prompt
+from experiments.report import markdown_table
+from experiments.timing import device_sync
+
+HELP = "decode stall caused by a prefill, per mode"
 
 NOCHUNK, CHUNKED, DISAGG = "colocated-nochunk", "chunked", "disagg"
 WARMUP_STEPS = 1
@@ -182,11 +190,6 @@ class _Timer:
         return self.clock() - start_s, result
 
 
-def _prompt(gen: torch.Generator, vocab_size: int, length: int) -> tuple[int, ...]:
-    low = 3 if vocab_size > 3 else 0  # keep clear of the usual BOS/EOS/PAD ids
-    return tuple(torch.randint(low, vocab_size, (length,), generator=gen).tolist())
-
-
 def measure_mode(engine, grid: InterferenceConfig, mode: str, budget: int | None,
                  batch_size: int, repeats: int, vocab_size: int, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter,
@@ -208,7 +211,7 @@ def measure_mode(engine, grid: InterferenceConfig, mode: str, budget: int | None
     max_tokens = grid.decode_tokens_needed(mode, budget, batch_size, repeats) + 1
     decode_ids = [f"decode-{i}" for i in range(batch_size)]
     for rid in decode_ids:  # 1. the running batch, prefilled untimed
-        engine.add_request(Request(rid, _prompt(gen, vocab_size, grid.context_len - 1),
+        engine.add_request(Request(rid, random_prompt(gen, vocab_size, grid.context_len - 1),
                                    SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
     while any(engine.states[r].is_prefilling or engine.states[r].num_output_tokens == 0
               for r in decode_ids):
@@ -240,7 +243,7 @@ def measure_mode(engine, grid: InterferenceConfig, mode: str, budget: int | None
                 steps.append(_inject_kv(engine, timer, step, imports, rid, p, repeat, base,
                                         vocab_size, gen))
                 continue
-            engine.add_request(Request(rid, _prompt(gen, vocab_size, p),
+            engine.add_request(Request(rid, random_prompt(gen, vocab_size, p),
                                        SamplingParams(max_tokens=1, ignore_eos=True)))
             for _ in range(grid.injection_steps(mode, budget, batch_size, p)):
                 steps.append(step(p, repeat, "injection"))
@@ -258,11 +261,11 @@ def _inject_kv(engine, timer: _Timer, step, imports: list[dict], rid: str, promp
     lies in host memory, as the shm and ray transports deliver it."""
     spec = engine.kv_spec
     kv = torch.randn(spec.kv_shape(prompt_len), generator=gen).to(spec.torch_dtype)
-    request = Request(rid, _prompt(gen, vocab_size, prompt_len),
+    request = Request(rid, random_prompt(gen, vocab_size, prompt_len),
                       SamplingParams(max_tokens=2, ignore_eos=True))
     first_token = int(request.prompt_token_ids[-1])
     engine.add_remote(request, first_token)  # the slot is reserved first, then the KV comes in
-    while rid not in engine.pop_kv_reserved():
+    while engine.states[rid].block_ids is None:  # a step reserves it (StepOutput.kv_reserved)
         step(prompt_len, repeat, "reserve")
     import_s, _ = timer(lambda: engine.finish_remote(rid, kv))
     imports.append({**base, "prompt_len": prompt_len, "repeat": repeat, "import_s": import_s,
@@ -377,38 +380,6 @@ def sentence(summary: pd.DataFrame, device_text: str) -> str:
             f"arriving request reported separately: {_time_text(kv.import_s)}.")
 
 
-# ---- output ----------------------------------------------------------------------------
-def plot_heatmap(summary: pd.DataFrame, path: Path, title: str) -> None:
-    """One panel per mode: ITL inflation (worst step / baseline step) over B (rows) and
-    P > 0 (columns), one colour scale for all panels."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    data = summary[summary["prompt_len"] > 0]
-    labels = list(dict.fromkeys(mode_label(m, k) for m, k in zip(data["mode"], data["budget"])))
-    bs, ps = sorted(data["batch_size"].unique()), sorted(data["prompt_len"].unique())
-    vmax = float(data["inflation"].max())
-    fig, axes = plt.subplots(1, len(labels), figsize=(3.2 * len(labels) + 1, 3.2), squeeze=False)
-    for ax, label in zip(axes[0], labels):
-        sel = data[[mode_label(m, k) == label for m, k in zip(data["mode"], data["budget"])]]
-        grid = sel.pivot_table(index="batch_size", columns="prompt_len", values="inflation")
-        grid = grid.reindex(index=bs, columns=ps)
-        image = ax.imshow(grid.to_numpy(float), cmap="magma_r", vmin=1.0, vmax=max(vmax, 1.01),
-                          origin="lower", aspect="auto")
-        for i, j in np.ndindex(grid.shape):
-            ax.text(j, i, f"{grid.iat[i, j]:.2f}x", ha="center", va="center", fontsize=8,
-                    color="white" if grid.iat[i, j] > (1 + vmax) / 2 else "black")
-        ax.set(xticks=range(len(ps)), xticklabels=ps, yticks=range(len(bs)), yticklabels=bs,
-               xlabel="prompt tokens P", title=label)
-    axes[0][0].set_ylabel("decode batch B")
-    fig.colorbar(image, ax=axes[0].tolist(), label="ITL inflation (worst step / no-prefill step)")
-    fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
 def fits_frame(fits: dict[str, StepFit]) -> pd.DataFrame:
     return pd.DataFrame([{"mode": k, "a_s": f.a, "b_s_per_decode": f.b, "c_s_per_token": f.c,
                           "r2": f.r2, "num_steps": f.num_steps} for k, f in fits.items()])
@@ -417,11 +388,6 @@ def fits_frame(fits: dict[str, StepFit]) -> pd.DataFrame:
 def run_interference(loaded, grid: InterferenceConfig, repeats: int, device: str = "cpu",
                      seed: int = 0, show_progress: bool = True) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Every (mode, B) of ``grid`` on a fresh Engine; returns (steps, imports) frames."""
-    from tqdm import tqdm
-
-    from engine.engine import Engine
-    from experiments.timing import device_sync
-
     grid = grid.grid()
     steps, imports = [], []
     points = [(m, k, b) for m, k in grid.modes() for b in grid.batch_sizes_t]
@@ -440,10 +406,7 @@ def run_interference(loaded, grid: InterferenceConfig, repeats: int, device: str
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pdlab interference``: the shared model/device ones, then the grid's,
     derived from ``InterferenceConfig``."""
-    from engine.config import add_dataclass_args
-    from experiments.profile import add_common_arguments
-
-    add_common_arguments(parser, "interference")
+    measure.add_measure_args(parser, "interference")
     parser.set_defaults(repeats=3)
     for action in parser._actions:
         if action.dest == "repeats":
@@ -453,22 +416,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> InterferenceConfig:
-    from engine.config import dataclass_from_args
-
+    """The grid of the options (``InterferenceConfig``'s own checks apply)."""
     return dataclass_from_args(InterferenceConfig, args)
 
 
-def check_arguments(args: argparse.Namespace, model: ModelConfig) -> None:
+def check(args: argparse.Namespace) -> None:
     """Grid rules (``InterferenceConfig``), the device, and the model's context (read from
     its config file, no weights): the longest slot the grid needs must fit.
 
     Raises:
         ValueError: ``<field> must ...`` or ``argument --x: ...``.
     """
-    from engine.model import model_context_len
-    from experiments.profile import check_device
-
-    check_device(args.device)
+    model = measure.check_measure_args(args)
     grid = config_from_args(args).grid()
     limit = model_context_len(model)
     needed = grid.max_len_needed(args.repeats)
@@ -479,23 +438,23 @@ def check_arguments(args: argparse.Namespace, model: ModelConfig) -> None:
                          "lower --prompt-lens, --context-len or --repeats")
 
 
-def main(args: argparse.Namespace) -> int:
-    from experiments.profile import load_for, markdown_table, out_dir, run_header
-
+def run(args: argparse.Namespace, _checked: None = None) -> int:
+    """Measure every grid point, write the outputs (module docstring), print the summary."""
     grid = config_from_args(args).grid()
-    loaded = load_for(args)
+    loaded = measure.load_for(args)
     if loaded is None:
         return 2
     steps, imports = run_interference(loaded, grid, args.repeats, args.device, args.seed)
     summary = summarize(steps, imports)
     fits = fit_step_model(steps)
-    header = run_header(loaded, args)
+    header = measure.run_header(loaded, args)
     text = sentence(summary, f"{args.device}, {loaded.name} {args.dtype}")
-    out = out_dir(args, "interference")
+    out = measure.out_dir(args, "interference")
     steps.to_csv(out / "steps.csv", index=False)
     summary.to_csv(out / "interference.csv", index=False)
     fits_frame(fits).to_csv(out / "fits.csv", index=False)
-    plot_heatmap(summary, out / "interference.png", f"{header}; context {grid.context_len}")
+    plots.plot_heatmap(summary, out / "interference.png", f"{header}; context {grid.context_len}",
+                       mode_label)
     fit_lines = [f"{k}: t = {f.a * 1e3:.4g} ms + {f.b * 1e3:.4g} ms * B + {f.c * 1e3:.4g} ms * P"
                  f"   (R^2 = {f.r2:.3f}, {f.num_steps} steps)" for k, f in fits.items()]
     (out / "summary.md").write_text(

@@ -377,7 +377,7 @@ class DeviceProfile:
 def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
     """Median of measured ÷ modelled seconds over real worker steps (dicts with
     ``duration_s, num_prefill_tokens, num_decode_tokens``). A step rebuilt by
-    ``experiments.plan.diagnose.rebuild_steps`` also carries its batch's
+    ``planner.diagnose.rebuild_steps`` also carries its batch's
     ``prefill_tokens, prefill_attention, batch_size, sum_context`` and ``rebuilt``: the
     model is evaluated on those exactly (a step that could not be rebuilt is skipped). A
     bare step record has no per-entry lengths, so its model is evaluated at its token

@@ -41,14 +41,58 @@ import sys
 import time
 from pathlib import Path
 
+from dataclasses import dataclass, field
+
 import httpx
 import pandas as pd
 
-from engine.config import ModelConfig
+from engine.config import ModelConfig, add_dataclass_args, check_fields, dataclass_from_args, parse_placement
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, SLO, RequestRecord
-from experiments import compare, workloads
-from experiments.compare import RunResult, WorkloadSpec
-from experiments.http_config import BenchConfig
+from engine.model import TINY_NAMES
+from experiments import workloads
+from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, check_model,
+                                 check_out, context_limit, option_error, rate_list)
+from experiments.replay import RunResult
+from experiments.report import format_table
+from experiments.results import environment, print_outcome, write_results
+from experiments.workload_spec import WorkloadSpec, build_workload
+
+HELP = "the workloads of run/compare against any OpenAI-compatible server (streaming HTTP)"
+
+LABEL_PATTERN = r"[A-Za-z0-9_.\-]+@[A-Za-z0-9:\-]+"
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """Which server ``pdlab bench`` drives.
+
+    Attributes:
+        base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1/...`` is appended).
+        label: ``NAME@PLACEMENT`` recorded as the placement of every request.
+        served_model: model id to send (default: the first one ``/v1/models`` lists).
+        request_timeout_s: longest wait for one response (seconds).
+    """
+
+    base_url: str = field(default="http://127.0.0.1:8000", metadata={
+        "help": "OpenAI-compatible server to drive", "pattern": r"https?://[^\s/]+(/\S*)?",
+        "hint": "http://host:port"})
+    label: str = field(default="server@colocated:1", metadata={
+        "help": "NAME@PLACEMENT recorded for this server (e.g. vllm@colocated:1)",
+        "pattern": LABEL_PATTERN, "hint": "NAME@PLACEMENT"})
+    served_model: str | None = field(default=None, metadata={
+        "help": "model id to send (default: the first of GET /v1/models)", "pattern": r"[A-Za-z0-9_./:\-]+",
+        "hint": "letters, digits and _./:-"})
+    request_timeout_s: float = field(default=600.0, metadata={
+        "help": "longest wait for one response, seconds", "gt": 0})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        try:
+            parse_placement(self.label.rsplit("@", 1)[1])
+        except ValueError as err:
+            raise ValueError(f"label must be NAME@PLACEMENT with a placement such as "
+                             f"colocated:1: {err}") from None
+
 
 MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
 
@@ -133,7 +177,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
     Raises:
         ValueError: a workload that does not fit ``max_len``. RuntimeError: no server.
     """
-    items = {seed: compare.build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
+    items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
     name = config.served_model or served_model(config.base_url)
     label = config.label
     first = next(iter(items.values()))
@@ -154,13 +198,72 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
     if MISCOUNTED:
         print(f"pdlab bench: {len(MISCOUNTED)} response(s) streamed fewer chunks than tokens: "
               "their ITL/TPOT are per chunk", file=sys.stderr)
-    env = compare.environment(model, ())
+    env = environment(model, ())
     run_config = {**env, "bench": dataclasses.asdict(config), "served_model": name,
                   "placements": [label], "rates": list(rates), "workload": spec.options(),
                   "seeds": spec.seed_list, "max_model_len": max_len,
-                  "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/bench.py)",
+                  "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/commands/bench.py)",
                   "responses_with_fewer_chunks_than_tokens": len(MISCOUNTED)}
-    return compare.write_results(out_dir, results, run_config, slo)
+    return write_results(out_dir, results, run_config, slo)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pdlab bench``."""
+    add_dataclass_args(parser.add_argument_group("server"), BenchConfig)
+    add_model_args(parser)  # its tokenizer builds the prompts (the server's own model)
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="tokens a request may use, prompt + output (>= 2; default: "
+                             f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by the model's "
+                             "context): longer outputs are clipped as in pdlab run")
+    parser.add_argument("--rates", type=rate_list, default=[0.5],
+                        help="arrival rates in req/s, comma-separated")
+    add_slo_args(parser)
+    parser.add_argument("--out", default=None, help="results directory (default: results/bench-<time>)")
+    add_dataclass_args(parser.add_argument_group("workload"), WorkloadSpec, skip=("calibrate",))
+
+
+@dataclass(frozen=True)
+class Benching:
+    """Everything ``pdlab bench`` needs, checked (``check``)."""
+
+    config: BenchConfig
+    spec: WorkloadSpec
+    model: ModelConfig
+    max_len: int
+    slo: SLO
+    out: Path
+
+
+def check(args: argparse.Namespace) -> Benching:
+    """Every ``bench`` option; the server is not contacted and no tokenizer is loaded.
+
+    Raises:
+        ValueError: the first bad option.
+    """
+    config = dataclass_from_args(BenchConfig, args)
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    spec = dataclass_from_args(WorkloadSpec, args)
+    if spec.dataset != "synthetic" and model.model in TINY_NAMES:
+        raise option_error("--dataset", f"{spec.dataset} needs a tokenizer; model {model.model} "
+                                        "has none: use --dataset synthetic")
+    max_len = context_limit(model, args.max_model_len)
+    longest = spec.max_request_len()
+    if spec.dataset == "synthetic" and longest is not None and longest > max_len:
+        raise option_error("--prompt-len", f"--prompt-len and --output-len allow requests of "
+                                           f"{longest} tokens, more than --max-model-len {max_len}")
+    check_out(args.out)
+    out = Path(args.out or f"results/bench-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Benching(config, spec, model, int(max_len), SLO(args.slo_ttft_s, args.slo_tpot_s), out)
+
+
+def run(args: argparse.Namespace, x: Benching) -> int:
+    """Drive the server at every rate and seed, write and print the results."""
+    print(f"pdlab bench: {x.config.label} at {x.config.base_url}, {x.spec.dataset} x "
+          f"{x.spec.num_requests}, rates {args.rates} req/s, seeds {x.spec.seed_list}")
+    summary, verdict = bench(x.config, x.spec, x.model, x.max_len, args.rates, x.slo, x.out)
+    print_outcome(summary, verdict, x.out, "requests.jsonl, summary.csv, report.md, *.png")
+    return 0
 
 
 def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]:
@@ -199,12 +302,12 @@ def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]
             results.append(RunResult(key[0], key[1], records, [], [], durations.get(key), key[2]))
     config = {"merged_from": [str(d) for d in dirs], "configs": configs,
               "placements": sorted(seen), "slo": dataclasses.asdict(slo)}
-    return compare.write_results(out_dir, results, config, slo)
+    return write_results(out_dir, results, config, slo)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments.bench merge --out DIR DIR1 DIR2 ...`` (the make target's last step)."""
-    parser = argparse.ArgumentParser(prog="python -m experiments.bench")
+    """``python -m experiments.commands.bench merge --out DIR DIR1 DIR2 ...`` (the make target's last step)."""
+    parser = argparse.ArgumentParser(prog="python -m experiments.commands.bench")
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = sub.add_parser("merge", help="one comparison report from several results directories")
     cmd.add_argument("dirs", nargs="+", type=Path)
@@ -215,8 +318,6 @@ def main(argv: list[str] | None = None) -> int:
     if not (math.isfinite(args.slo_ttft_s) and args.slo_ttft_s > 0 and
             math.isfinite(args.slo_tpot_s) and args.slo_tpot_s > 0):
         parser.error("--slo-ttft-s and --slo-tpot-s must be > 0")
-    from experiments.report import format_table
-
     summary, verdict = merge(args.dirs, args.out, SLO(args.slo_ttft_s, args.slo_tpot_s))
     print(format_table(summary))
     print()

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.config import check_fields, parse_placement
+from engine.config import check_fields
 
 LOOPBACK = "127.0.0.1"
-LABEL_PATTERN = r"[A-Za-z0-9_.\-]+@[A-Za-z0-9:\-]+"
-
-
 @dataclass(frozen=True)
 class ServeConfig:
     """Where and how ``pdlab serve`` listens.
@@ -41,33 +38,3 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
 
-@dataclass(frozen=True)
-class BenchConfig:
-    """Which server ``pdlab bench`` drives.
-
-    Attributes:
-        base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1/...`` is appended).
-        label: ``NAME@PLACEMENT`` recorded as the placement of every request.
-        served_model: model id to send (default: the first one ``/v1/models`` lists).
-        request_timeout_s: longest wait for one response (seconds).
-    """
-
-    base_url: str = field(default="http://127.0.0.1:8000", metadata={
-        "help": "OpenAI-compatible server to drive", "pattern": r"https?://[^\s/]+(/\S*)?",
-        "hint": "http://host:port"})
-    label: str = field(default="server@colocated:1", metadata={
-        "help": "NAME@PLACEMENT recorded for this server (e.g. vllm@colocated:1)",
-        "pattern": LABEL_PATTERN, "hint": "NAME@PLACEMENT"})
-    served_model: str | None = field(default=None, metadata={
-        "help": "model id to send (default: the first of GET /v1/models)", "pattern": r"[A-Za-z0-9_./:\-]+",
-        "hint": "letters, digits and _./:-"})
-    request_timeout_s: float = field(default=600.0, metadata={
-        "help": "longest wait for one response, seconds", "gt": 0})
-
-    def __post_init__(self) -> None:
-        check_fields(self)
-        try:
-            parse_placement(self.label.rsplit("@", 1)[1])
-        except ValueError as err:
-            raise ValueError(f"label must be NAME@PLACEMENT with a placement such as "
-                             f"colocated:1: {err}") from None

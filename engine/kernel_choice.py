@@ -1,0 +1,213 @@
+"""Kernels chosen by measurement on the machine, cached per machine (issue 30).
+
+Several kernels compute the same thing at different speeds, and which is fastest depends on
+the CPU (AVX2 or AVX-512, cache sizes), the library builds and the problem size: for a
+projection ``[M, in] x [in, out]``, MKL's sgemm, oneDNN's packed inner product and pdlab's own
+AVX2 kernel (``engine/cpu_kernels.c``) each win somewhere, and the crossovers measured on one
+machine (an AVX2-only Zen 3 core) did not hold on another (an AVX-512 Zen 4 core). So the
+backend (``engine/ops.py``) asks a ``KernelSelector`` once per *op and shape class* (e.g.
+``linear 576x960``) which candidate to run for each *row-count bucket*, and the selector
+times the candidates that exist here and keeps the fastest.
+
+- Buckets: rows ``n`` fall in bucket ``ceil(log2 n)`` (1, 2, 3-4, 5-8, ..., 257-512), each
+  measured at its upper edge ``2^i``; beyond the last measured bucket the last one's choice
+  holds (at those sizes every candidate is compute bound and their order no longer moves).
+- Timing: ``measure_min_s``, the minimum over a few rounds in which the candidates run
+  interleaved (one call of each per round), so a burst of load on a shared machine hits all
+  of them alike.
+- Cache: one JSON file per machine, ``$PDLAB_CACHE_DIR/kernels/choices-<key>.json``, keyed by
+  ``machine_key()``: the CPU model and feature flags, torch's version, the torch thread
+  count, the ISA limits in the environment (``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
+  ``PDLAB_CPU_KERNELS_ISA``) and the C kernels' build. A file whose stored key differs (another
+  CPU, a copied home directory) is ignored and rewritten, so a machine measures once and
+  every later process of it reads the file. A choice measured while the machine was loaded
+  by other work sticks with it: delete the file to measure again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+# The environment variables that cap the ISA of the BLAS libraries (oneDNN's and MKL's own
+# names) and of pdlab's C build (engine/cpu_kernels.py): a choice measured under one cap is
+# not valid under another.
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PDLAB_CPU_KERNELS_ISA")
+# CPU flags named in the reports (the ones that decide which SIMD kernels exist).
+_ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
+ROUNDS = 3  # timed rounds per measurement, after one warm-up round
+MIN_SAMPLE_S = 0.002  # shorter calls are repeated within one timed sample
+
+
+def bucket(num_rows: int) -> int:
+    """The row-count bucket of ``num_rows`` >= 1: ``ceil(log2 num_rows)`` (1 -> 0, 2 -> 1,
+    3..4 -> 2, 5..8 -> 3, ...)."""
+    return (num_rows - 1).bit_length()
+
+
+def cpu_info() -> dict[str, str]:
+    """``{"model": ..., "family": ..., "model_id": ..., "flags": ...}`` from /proc/cpuinfo
+    (the first processor), '' where unknown (another OS: ``platform.processor()``)."""
+    info = {"model": "", "family": "", "model_id": "", "flags": ""}
+    names = {"model name": "model", "cpu family": "family", "model": "model_id",
+             "flags": "flags"}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's block only
+                key, _, value = line.partition(":")
+                if key.strip() in names:
+                    info[names[key.strip()]] = value.strip()
+    except OSError:
+        info["model"] = platform.processor()
+    return info
+
+
+def isa_summary(flags: str | None = None) -> str:
+    """The SIMD features of this CPU that decide its kernels, e.g. ``"avx2 fma"`` or
+    ``"avx2 fma avx512f avx512bw avx512_vnni avx512_bf16"`` (from ``cpu_info()["flags"]``)."""
+    present = set((cpu_info()["flags"] if flags is None else flags).split())
+    return " ".join(f for f in _ISA_FLAGS if f in present) or "none of " + "/".join(_ISA_FLAGS)
+
+
+def machine_key(threads: int, kernels_build: str | None) -> dict[str, object]:
+    """What a measured choice depends on besides the problem: the CPU (model, family/model
+    ids, a hash of its flags), torch's version, the torch thread count, the ISA caps set in
+    the environment, and the C kernels' build (its cache directory name, None where none)."""
+    import torch  # only here: the rest of this module is plain Python, testable without it
+
+    cpu = cpu_info()
+    return {"cpu_model": cpu["model"], "cpu_family": cpu["family"], "cpu_model_id": cpu["model_id"],
+            "cpu_flags_sha": hashlib.sha256(cpu["flags"].encode()).hexdigest()[:16],
+            "torch": torch.__version__, "threads": threads,
+            "isa_env": {name: os.environ.get(name, "") for name in ISA_ENV},
+            "kernels_build": kernels_build}
+
+
+def cache_path(key: dict[str, object], root: Path) -> Path:
+    """``root/choices-<16 hex of the key's hash>.json``."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return root / f"choices-{digest}.json"
+
+
+def measure_min_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
+                  min_sample_s: float = MIN_SAMPLE_S) -> dict[str, float]:
+    """Seconds of one call of each of ``runs``: the minimum over ``rounds`` rounds after one
+    warm-up round, the candidates called in turn within each round. A call shorter than
+    ``min_sample_s`` in the warm-up is repeated within each sample until the sample lasts
+    about that long (a lone call of a few microseconds is mostly timer and scheduler noise)."""
+    best = {name: float("inf") for name in runs}
+    loops = {}
+    for name, run in runs.items():  # warm-up: also sizes each sample
+        start = time.perf_counter()
+        run()
+        loops[name] = max(1, min(1000, int(min_sample_s / max(time.perf_counter() - start,
+                                                                1e-7))))
+    for _ in range(rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            for _ in range(loops[name]):
+                run()
+            best[name] = min(best[name], (time.perf_counter() - start) / loops[name])
+    return best
+
+
+class KernelSelector:
+    """Per (op, shape class): the fastest candidate per row-count bucket, measured once per
+    machine and kept in a JSON cache file.
+
+    Args:
+        key: ``machine_key(...)``: a cache file stored under another key is ignored.
+        path: the cache file (``cache_path(key, ...)``); None keeps the choices in memory.
+        timer: ``runs -> seconds per run`` (``measure_min_s``; tests pass fake timings).
+    """
+
+    def __init__(self, key: dict[str, object], path: Path | None,
+                 timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]]
+                 = measure_min_s) -> None:
+        self.key, self.path, self.timer = key, path, timer
+        self.choices: dict[str, dict[str, str]] = {}  # "op/shape" -> {bucket: candidate}
+        self.measured_s = 0.0  # seconds this process spent measuring
+        self._lock = threading.Lock()  # engines in threads of one process share a selector
+        if path is not None and path.exists():
+            try:
+                stored = json.loads(path.read_text())
+            except (OSError, ValueError):
+                stored = {}
+            if stored.get("key") == key:  # another CPU, build or cap: measured again
+                self.choices = stored.get("choices", {})
+
+    def choose(self, op: str, shape: str, buckets: list[int],
+               candidates: dict[str, Callable[[int], Callable[[], object]]]) -> dict[int, str]:
+        """``{bucket: candidate name}`` for ``op`` at ``shape`` (a string naming the shape
+        class, e.g. ``"576x960"``): from the cache, or measured now for the buckets it lacks
+        and written back.
+
+        Args:
+            buckets: the bucket indices to choose for (``bucket(n)`` of the rows measured).
+            candidates: name -> ``make(num_rows)``, which builds that candidate's inputs for
+                ``2^bucket`` rows and returns the call to time. A cached name that is not
+                among ``candidates`` (a kernel missing in this process) is measured again.
+        Raises:
+            ValueError: no candidates.
+        """
+        if not candidates:
+            raise ValueError(f"no candidate kernel for {op} {shape}")
+        entry = f"{op}/{shape}"
+        with self._lock:
+            known = self.choices.setdefault(entry, {})
+            missing = [b for b in buckets if known.get(str(b)) not in candidates]
+            if len(candidates) == 1:  # nothing to measure
+                for b in missing:
+                    known[str(b)] = next(iter(candidates))
+                return {b: known[str(b)] for b in buckets}
+            if missing:
+                start = time.perf_counter()
+                for b in missing:
+                    runs = {name: make(2 ** b) for name, make in candidates.items()}
+                    seconds = self.timer(runs)
+                    known[str(b)] = min(seconds, key=seconds.__getitem__)
+                self.measured_s += time.perf_counter() - start
+                self._save()
+            return {b: known[str(b)] for b in buckets}
+
+    def _save(self) -> None:
+        """Write the cache file (to a temporary file beside it, then renamed, so a process
+        reading it never sees half a file); a failure to write only loses the cache."""
+        if self.path is None:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump({"key": self.key, "choices": self.choices}, f, indent=1, sort_keys=True)
+            os.chmod(tmp, 0o644)  # mkstemp's 0600 would hide it from the machine's other users
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
+
+
+def describe_buckets(choice: dict[int, str]) -> str:
+    """``{0: "pdlab", ..., 8: "pdlab", 9: "mkl"}`` -> ``"1-256 pdlab, 257+ mkl"``: runs of
+    buckets with the same choice as row ranges, the last one open-ended."""
+    items, parts, i = sorted(choice.items()), [], 0
+    while i < len(items):
+        j = i
+        while j + 1 < len(items) and items[j + 1][1] == items[i][1]:
+            j += 1
+        low, name = (1 if i == 0 else 2 ** items[i - 1][0] + 1), items[i][1]
+        if j + 1 == len(items):
+            parts.append(f"{low}+ {name}")
+        else:
+            high = 2 ** items[j][0]
+            parts.append(f"{low} {name}" if low == high else f"{low}-{high} {name}")
+        i = j + 1
+    return ", ".join(parts)

@@ -1,0 +1,528 @@
+"""The kernel backend: every tensor kernel of the forward that has more than one
+implementation, behind one interface, chosen once per runner (``select_ops``).
+
+``engine/runner.py`` plans a step and calls ``ops.<kernel>`` without asking which backend it
+has. Two backends:
+
+- ``TorchOps``, the reference: public torch ops only (``mm`` / ``addmm`` as ``F.linear``
+  runs them, the modules' own forwards, ``F.scaled_dot_product_attention``, ``index_copy_``).
+  It runs on CUDA and for dtypes other than float32 (and on CPU when forced:
+  ``PDLAB_FORCE_KERNELS=backend=torch``).
+- ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``; not where
+  ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains, and, for the projections and decode attention, whichever candidate
+  ``engine/kernel_choice.py`` measured fastest on this machine per shape class and row-count
+  bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``) or
+  pdlab's 6 x 16 AVX2/FMA GEMM; the C paged decode attention or the runner's planned SDPA
+  groups. Prompt chunks after the first run torch's CPU flash kernel twice (prefix, causal
+  diagonal) merged by log-sum-exp.
+
+Two rules live here and nowhere else:
+
+- **One thread.** pdlab's C GEMM and paged attention run on the calling thread only. They
+  are candidates only when torch has one thread when the backend is chosen (the workers'
+  configuration: ``engine.device.bind_device`` pins a worker to its cores before it builds
+  its engine); with more threads the threaded BLAS and SDPA run, since a single-threaded
+  kernel on a multi-core worker leaves the other cores idle. The fused elementwise kernels
+  run either way (they replace chains of tiny ops, not a threaded kernel).
+- **Consecutive blocks read in place.** The block allocator (``engine/kv_cache.py``) hands
+  out first-fit runs of consecutive blocks, so a request's KV is usually one token range of
+  the store. ``TorchOps`` exploits it: decode rows are planned into strided views of the
+  store (``"planned"`` layout, runner ``_plan_decodes``) and a prompt chunk reads its prefix
+  as a slice, gathering only rows with scattered blocks. ``CpuOps``' paged kernel reads each
+  row through its block table at any spacing (``"paged"`` layout), so it needs no such plan.
+
+Every implementation gives ``generate()``'s greedy tokens (tests/integration/
+test_cpu_kernels.py and test_linear_kernels.py run the engine under each forced choice).
+``PDLAB_FORCE_KERNELS`` pins choices instead of measuring, e.g.
+``linear=onednn,decode_attention=planned`` (tests and benchmarks; unknown or unavailable
+names are refused).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from engine import cpu_kernels, kernel_choice
+from engine.model import cache_dir
+
+FORCE_ENV = "PDLAB_FORCE_KERNELS"
+# oneDNN's packed linear in this torch build (private ops: CPU backend only, never the
+# reference).
+ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight serves any M
+# torch's CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]), GQA without a
+# copy (private: CPU backend only).
+CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+# Row-count buckets measured: rows 1 .. 2^LINEAR_MAX_BUCKET (512); more rows use the last
+# bucket's choice. The LM head sees one row per sampled request and is measured up to 64 rows
+# (its 576 x 49152 weight makes each larger measurement cost ~0.1 s per candidate).
+LINEAR_MAX_BUCKET = 9
+LM_HEAD_MAX_BUCKET = 6
+DECODE_MAX_BUCKET = 8  # decode rows 1 .. 256
+# The decode-attention measurement's KV context: about a ShareGPT prompt plus its reply.
+DECODE_PROBE_CONTEXT = 256
+# Weights streamed per timed call of a small-M GEMM: a decode step reads every layer's
+# weights from DRAM once, so each candidate is timed over enough distinct copies of the
+# weight to exceed the last-level cache (32 MiB on the machines measured), not on one copy
+# that stays cached.
+_STREAM_BYTES = 64 * 2**20
+_STREAM_MAX_ROWS = 64  # from this many rows a GEMM is compute bound: one copy is timed
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """As transformers' ``rotate_half`` (Llama RoPE, Su et al. 2021)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on ``x`` ``[N, H, D]`` with ``cos``/``sin`` ``[N, 1, R]``: the first R <= D dims
+    rotate, the rest pass (partial rotary, as transformers' Phi-3 ``apply_rotary_pos_emb``)."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + _rotate_half(x) * sin
+    rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((rot * cos + _rotate_half(rot) * sin, rest), dim=-1)
+
+
+def sdpa(q, k, v, attn_mask=None, scale: float | None = None,
+         softcap: float | None = None) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` (boolean mask, True = attend; ``scale`` None =
+    1/sqrt(D)), plus attention-logit soft-capping ``softcap * tanh(scores / softcap)``, which
+    SDPA lacks, done the eager way as transformers' Gemma 2 ``eager_attention_forward``
+    (scores scaled, capped, masked, softmax in float32)."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
+    scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype) @ v
+
+
+def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
+               b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Softmax attention over keys A then keys B from the two partial results ``(out [B, H,
+    L, D], lse [B, H, L])``: ``(out_a e^lse_a + out_b e^lse_b) / (e^lse_a + e^lse_b)``,
+    computed in float32 (FlashAttention-2 / FlashDecoding's split-KV merge)."""
+    (out_a, lse_a), (out_b, lse_b) = a, b
+    weight_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]  # e^a / (e^a + e^b)
+    merged = out_b.float() + (out_a.float() - out_b.float()) * weight_a
+    return merged.to(out_a.dtype)
+
+
+class _Mm:
+    """``x [N, in] -> x @ W.T + b`` as ``mm`` / ``addmm`` on the transposed weight: what
+    ``F.linear`` runs for a 2-D input, without its three dispatch layers (``linear``, ``t``,
+    ``matmul``) per call. On CPU that is MKL's sgemm."""
+
+    name = "mkl"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight_t, self.bias = weight.t(), bias  # [in, out] view
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+class _OneDnn:
+    """oneDNN's inner product on the weight reordered once into its blocked layout (a copy).
+
+    Raises:
+        RuntimeError: this build's oneDNN cannot pack the weight (the candidate is dropped).
+    """
+
+    name = "onednn"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), _PACK_BATCH_HINT)
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class _PdlabGemm:
+    """pdlab's GEMM (``cpu_kernels.linear``) on the weight packed once into 16-column panels
+    (a copy); single-threaded."""
+
+    name = "pdlab"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernels: cpu_kernels.Kernels) -> None:
+        self.kernels, self.bias, self.out_features = kernels, bias, weight.shape[0]
+        self.panels = kernels.pack_linear(weight.detach().contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear(x, self.panels, self.bias, self.out_features)
+
+
+class _Bucketed:
+    """A projection whose kernel depends on the row count: ``by_bucket[i]`` runs rows in
+    bucket ``i`` (``kernel_choice.bucket``), the last entry also every larger count."""
+
+    def __init__(self, by_bucket: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+        self.by_bucket, self.last = by_bucket, len(by_bucket) - 1
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.by_bucket[min((x.shape[0] - 1).bit_length(), self.last)](x)
+
+
+class TorchOps:
+    """The reference backend: public torch ops only (see the module docstring). Stateless;
+    the runner passes every tensor. ``name`` and ``describe()`` say what runs."""
+
+    name = "torch"
+    cache_key: tuple = ("torch",)  # what prepared (packed) weights depend on
+    # "in x out" -> {bucket: kernel} of the projections built (CpuOps fills it; the
+    # reference runs mm everywhere and leaves it empty)
+    linear_choices: dict = {}
+
+    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
+               lm_head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The kernel for ``x [N, in] -> x @ weight.T + bias`` ``[N, out]`` (``weight`` as
+        ``torch.nn.Linear`` stores it, ``[out, in]``; ``lm_head``: the model's output layer,
+        which only sees sampled rows). Built once per projection; float32 to rounding."""
+        return _Mm(weight, bias)
+
+    def add_norm(self, norm, hidden: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
+        """``hidden += delta`` in place (when given), then ``norm.module(hidden)`` ``[N, H]``
+        (``norm``: the runner's ``_Norm``)."""
+        if delta is not None:
+            hidden.add_(delta)
+        return norm.module(hidden)
+
+    def act_mul(self, act: Callable[[torch.Tensor], torch.Tensor], act_is_silu: bool,
+                gate_up: torch.Tensor) -> torch.Tensor:
+        """``act(gate) * up`` for ``gate_up [N, 2I]`` (gate then up) -> ``[N, I]``."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return act(gate) * up
+
+    def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
+                qk: torch.Tensor | None = None) -> torch.Tensor:
+        """RoPE on ``q [N, H_q, D]`` and ``k [N, H_kv, D]`` with ``cos``/``sin`` ``[N, R]``
+        (R < D: partial rotary), and the rotated k and ``v`` written into ``kv_layer``
+        (``[2, H_kv, NB, B, D]``, one layer of the store) at the flat token positions
+        ``slots [N]`` (``block * B + offset``). ``qk``: the ``[N, H_q + ..., D]`` tensor whose
+        first heads q and then k are views of (one RoPE over both), else None. Returns the
+        rotated q (``q`` itself where it is rotated in place)."""
+        cos, sin = cos[:, None], sin[:, None]  # [N, 1, R]: broadcast over heads
+        heads = q.shape[1]
+        if qk is not None:
+            qk = apply_rope(qk[:, :heads + k.shape[1]], cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+        else:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        kv_flat = kv_layer.view(2, kv_layer.shape[1], -1, kv_layer.shape[-1])  # [2, H, NB*B, D]
+        kv_flat[0].index_copy_(1, slots, k.transpose(0, 1))  # only the new tokens
+        kv_flat[1].index_copy_(1, slots, v.transpose(0, 1))
+        return q
+
+    def prepare_attention(self, num_kv_heads: int, group: int, head_dim: int,
+                          block_size: int, softcap: float | None) -> None:
+        """Called once by the runner with its attention geometry (``H_kv``, ``G = H_q /
+        H_kv``, ``D``, the store's block size ``B``, the logit soft-cap or None), before
+        ``decode_layout``; the reference has nothing to choose."""
+
+    def decode_layout(self, num_rows: int, softcap: float | None) -> str:
+        """How a step's ``num_rows`` decode rows are attended: ``"planned"`` (the runner's
+        SDPA groups over strided views of consecutive blocks, a gather for the rest) or
+        ``"paged"`` (``decode_attention`` over block tables)."""
+        return "planned"
+
+    def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor,
+                         block_tables: torch.Tensor, lens: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+        """Paged attention of one query token per row: ``q [n, H_q, D]`` over row r's first
+        ``lens[r]`` tokens, token t in block ``block_tables[r, t // B]`` of ``kv_layer``
+        (``[2, H_kv, NB, B, D]``); GQA, query head ``h * G + g`` reads KV head ``h``.
+        Reference: the rows' blocks gathered and one SDPA with a key-padding mask -> ``[n,
+        H_q, D]``."""
+        n, hq, d = q.shape
+        _, hkv, _, block, _ = kv_layer.shape
+        length = block_tables.shape[1] * block
+        kv = kv_layer[:, :, block_tables].reshape(2, hkv, n, length, d).transpose(1, 2)
+        mask = (torch.arange(length, device=q.device)[None, :] < lens[:, None])[:, None, None]
+        out = F.scaled_dot_product_attention(q.reshape(n, hkv, hq // hkv, d), kv[0], kv[1],
+                                             attn_mask=mask, scale=scale)
+        return out.reshape(n, hq, d)
+
+    def chunk_attention(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor,
+                        start: int, scale: float | None) -> torch.Tensor:
+        """Causal attention of one prompt chunk over its request's KV: ``q4 [1, H_q, n, D]``
+        at positions ``start .. start+n-1``, ``k4, v4 [1, H_kv, start+n, D]`` (the cached
+        prefix, then the chunk's own) -> ``[1, H_q, n, D]``. A first chunk is one causal
+        SDPA (``is_causal``: the flash kernels skip the masked blocks); a later one one SDPA
+        with a lower-right causal bias (query i sees keys 0 .. start + i)."""
+        if start == 0:
+            return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True,
+                                                  scale=scale)
+        bias = causal_lower_right(q4.shape[2], k4.shape[2])
+        return F.scaled_dot_product_attention(q4, k4, v4, attn_mask=bias, enable_gqa=True,
+                                              scale=scale)
+
+    def describe(self) -> dict[str, object]:
+        """What this backend runs, for worker info and run headers (JSON-able)."""
+        return {"backend": self.name}
+
+    def summary(self) -> str:
+        """``describe()`` as one line."""
+        return f"kernels: {self.name} (reference, public torch ops)"
+
+
+def _parse_force(spec: str) -> dict[str, str]:
+    """``"linear=onednn,decode_attention=paged"`` -> ``{"linear": "onednn", ...}``.
+
+    Raises:
+        ValueError: an entry that is not ``op=name`` for a known op.
+    """
+    out = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        op, sep, name = part.partition("=")
+        if not sep or op not in ("backend", "linear", "decode_attention"):
+            raise ValueError(f"${FORCE_ENV}: {part!r} is not backend=torch|cpu, "
+                             f"linear=<kernel> or decode_attention=<layout>")
+        if op == "backend" and name not in ("torch", "cpu"):
+            raise ValueError(f"${FORCE_ENV}: backend={name} is not torch or cpu")
+        out[op] = name
+    return out
+
+
+class CpuOps(TorchOps):
+    """Float32 on CPU: pdlab's C kernels where they build, and per shape class and row-count
+    bucket the GEMM and decode-attention layout measured fastest here (module docstring).
+
+    Args:
+        kernels: the loaded C library (``cpu_kernels.load()``), or None where it cannot be
+            built: then the GEMM candidates are oneDNN and MKL and the elementwise ops are
+            the reference's.
+        kv_float32: the KV store is float32 (the C kernels that write or read it need it).
+        selector: where choices are measured and cached (``kernel_choice.KernelSelector``).
+        force: ``{"linear": name, "decode_attention": layout}`` pins (``PDLAB_FORCE_KERNELS``).
+    Raises:
+        ValueError: a forced choice that is not a candidate here.
+    """
+
+    name = "cpu"
+
+    def __init__(self, kernels: cpu_kernels.Kernels | None, kv_float32: bool,
+                 selector: kernel_choice.KernelSelector, force: dict[str, str] | None = None,
+                 ) -> None:
+        self.kernels = kernels
+        self.selector, self.force = selector, dict(force or {})
+        self.threads = torch.get_num_threads()
+        # The one-thread rule (module docstring): the single-threaded C GEMM and paged
+        # attention compete only when torch runs on one thread.
+        single = (self.threads == 1 and kernels is not None and kernels.linear_vectorized)
+        self.c_elementwise = kernels if kv_float32 else None
+        self.linear_candidates = ["mkl", *(["onednn"] if ONEDNN else []),
+                                  *(["pdlab"] if single else [])]
+        self.decode_candidates = ["planned", *(["paged"] if single and kv_float32 else [])]
+        for op, allowed in (("linear", self.linear_candidates),
+                            ("decode_attention", self.decode_candidates)):
+            if op in self.force and self.force[op] not in allowed:
+                raise ValueError(f"${FORCE_ENV}: {op}={self.force[op]} is not available here "
+                                 f"(candidates: {', '.join(allowed)})")
+        self.linear_choices: dict[str, dict[int, str]] = {}  # "in x out" -> bucket -> name
+        self.decode_choices: dict[int, str] = {}
+
+    @property
+    def cache_key(self) -> tuple:
+        """What prepared (packed) weights depend on: the kernels each bucket runs."""
+        return (self.name, self.kernels is not None, self.threads,
+                tuple(sorted(self.force.items())))
+
+    # -- projections -------------------------------------------------------------------
+    def _make_linear(self, name: str, weight, bias):
+        if name == "onednn":
+            return _OneDnn(weight, bias)
+        if name == "pdlab":
+            return _PdlabGemm(weight, bias, self.kernels)
+        return _Mm(weight, bias)
+
+    def linear(self, weight, bias, lm_head: bool = False):
+        out_features, in_features = weight.shape
+        shape = f"{in_features}x{out_features}"
+        max_bucket = LM_HEAD_MAX_BUCKET if lm_head else LINEAR_MAX_BUCKET
+        buckets = list(range(max_bucket + 1))
+        if "linear" in self.force:
+            choice = dict.fromkeys(buckets, self.force["linear"])
+        else:
+            choice = self.selector.choose(
+                "linear", shape, buckets,
+                {name: self._linear_probe(name, in_features, out_features, bias is not None)
+                 for name in self.linear_candidates})
+        self.linear_choices[shape + ("/lm_head" if lm_head else "")] = choice
+        built = {}
+        for name in dict.fromkeys(choice.values()):
+            try:
+                built[name] = self._make_linear(name, weight, bias)
+            except RuntimeError:  # oneDNN could not pack this weight: MKL instead
+                built[name] = _Mm(weight, bias)
+        return _Bucketed([built[choice[b]] for b in buckets])
+
+    def _linear_probe(self, name: str, in_features: int, out_features: int, has_bias: bool):
+        """``make(rows)`` for ``KernelSelector.choose``: the candidate built once on several
+        distinct weight copies (timing does not depend on the values), of which a call with
+        fewer than ``_STREAM_MAX_ROWS`` rows runs all, so they stream from DRAM as in a
+        step, and a larger one the first."""
+        built: list = []
+
+        def make(rows: int) -> Callable[[], object]:
+            if not built:
+                copies = max(1, min(32, _STREAM_BYTES // (4 * in_features * out_features)))
+                weight = torch.full((out_features, in_features), in_features ** -0.5)
+                bias = torch.zeros(out_features) if has_bias else None
+                built.extend(self._make_linear(name, weight.clone(), bias)
+                             for _ in range(copies))
+            kernels = built if rows < _STREAM_MAX_ROWS else built[:1]
+            x = torch.full((rows, in_features), 0.5)
+
+            def run() -> None:
+                with torch.inference_mode():
+                    for kernel in kernels:
+                        kernel(x)
+            return run
+        return make
+
+    # -- elementwise (C where built and the module computes the kernel's formula) --------
+    def add_norm(self, norm, hidden, delta):
+        if self.c_elementwise is not None and norm.weight is not None:
+            return self.c_elementwise.add_rms_norm(hidden, delta, norm.weight, norm.eps)
+        return super().add_norm(norm, hidden, delta)
+
+    def act_mul(self, act, act_is_silu, gate_up):
+        if self.c_elementwise is not None and act_is_silu:
+            return self.c_elementwise.silu_mul(gate_up)
+        return super().act_mul(act, act_is_silu, gate_up)
+
+    def rope_kv(self, q, k, v, cos, sin, kv_layer, slots, qk=None):
+        if self.c_elementwise is not None and cos.shape[-1] == q.shape[-1]:  # full rotary
+            self.c_elementwise.rope_kv(q, k, v, cos, sin, kv_layer, slots)
+            return q
+        return super().rope_kv(q, k, v, cos, sin, kv_layer, slots, qk)
+
+    # -- attention ---------------------------------------------------------------------
+    def prepare_attention(self, num_kv_heads, group, head_dim, block_size, softcap):
+        """Measure (or read) the decode layout per row-count bucket for this attention
+        geometry. Soft-capped logits (Gemma 2) have no paged kernel: always planned."""
+        buckets = list(range(DECODE_MAX_BUCKET + 1))
+        candidates = self.decode_candidates if softcap is None else ["planned"]
+        if "decode_attention" in self.force and self.force["decode_attention"] in candidates:
+            self.decode_choices = dict.fromkeys(buckets, self.force["decode_attention"])
+            return
+        shape = f"{num_kv_heads}x{group}x{head_dim}/B{block_size}"
+        self.decode_choices = self.selector.choose(
+            "decode_attention", shape, buckets,
+            {name: self._decode_probe(name, num_kv_heads, group, head_dim, block_size)
+             for name in candidates})
+
+    def _decode_probe(self, name: str, num_kv_heads: int, group: int, head_dim: int,
+                      block_size: int):
+        """``make(rows)``: ``rows`` decode rows of ``DECODE_PROBE_CONTEXT`` tokens each in
+        consecutive blocks, one layer; ``planned``'s best case (one strided view, no mask,
+        no gather) against the paged kernel reading the same blocks by table."""
+        def make(rows: int) -> Callable[[], object]:
+            gen = torch.Generator().manual_seed(rows)
+            per_row = -(-DECODE_PROBE_CONTEXT // block_size)
+            kv_layer = torch.randn(2, num_kv_heads, rows * per_row, block_size, head_dim,
+                                   generator=gen)
+            q = torch.randn(rows, num_kv_heads * group, head_dim, generator=gen)
+            if name == "paged":
+                tables = torch.arange(rows * per_row).view(rows, per_row).contiguous()
+                lens = torch.full((rows,), DECODE_PROBE_CONTEXT, dtype=torch.long)
+                return lambda: self.kernels.decode_attention(q, kv_layer, tables, lens,
+                                                             head_dim ** -0.5)
+            kv = kv_layer.view(2, num_kv_heads, rows, per_row * block_size, head_dim)
+            k, v = (kv[i].transpose(0, 1)[:, :, :DECODE_PROBE_CONTEXT] for i in (0, 1))
+            return lambda: sdpa(q.view(rows, num_kv_heads, group, head_dim), k, v)
+        return make
+
+    def decode_layout(self, num_rows, softcap):
+        choices = self.decode_choices
+        return choices[min(kernel_choice.bucket(num_rows), DECODE_MAX_BUCKET)] if choices \
+            else "planned"
+
+    def decode_attention(self, q, kv_layer, block_tables, lens, scale):
+        return self.kernels.decode_attention(q, kv_layer, block_tables, lens, scale)
+
+    def chunk_attention(self, q4, k4, v4, start, scale):
+        """A later chunk as two CPU flash calls, the prefix (unmasked) and the chunk's own
+        causal diagonal, merged by their log-sum-exp (FlashDecoding's split-KV merge): SDPA
+        with the lower-right bias took the math path on CPU, materialising every score
+        (benchmarks/README.md, issue 14)."""
+        if start == 0 or CPU_FLASH is None:
+            return super().chunk_attention(q4, k4, v4, start, scale)
+        return _merge_lse(CPU_FLASH(q4, k4[:, :, :start], v4[:, :, :start], scale=scale),
+                          CPU_FLASH(q4, k4[:, :, start:], v4[:, :, start:], is_causal=True,
+                                    scale=scale))
+
+    def describe(self):
+        cpu = kernel_choice.cpu_info()
+        return {"backend": self.name, "cpu_model": cpu["model"],
+                "cpu_family_model": f"{cpu['family']}/{cpu['model_id']}",
+                "cpu_isa": kernel_choice.isa_summary(cpu["flags"]),
+                "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                "isa_env": {name: os.environ[name] for name in kernel_choice.ISA_ENV
+                            if os.environ.get(name)},
+                "threads": self.threads,
+                "c_kernels": (None if self.kernels is None else
+                              "avx2-fma" if self.kernels.linear_vectorized else "scalar"),
+                "forced": self.force,
+                "linear": {shape: kernel_choice.describe_buckets(c)
+                           for shape, c in self.linear_choices.items()},
+                "decode_attention": (kernel_choice.describe_buckets(self.decode_choices)
+                                     if self.decode_choices else "planned")}
+
+    def summary(self):
+        d = self.describe()
+        linear = "; ".join(f"{shape} {c}" for shape, c in d["linear"].items())
+        return (f"kernels: cpu backend on {d['cpu_model']} ({d['cpu_isa']}; torch "
+                f"{d['torch_cpu_capability']}{'; caps ' + str(d['isa_env']) if d['isa_env'] else ''}"
+                f"), {d['threads']} thread(s); linear {linear}; decode attention "
+                f"{d['decode_attention']}")
+
+
+_SELECTORS: dict[tuple, kernel_choice.KernelSelector] = {}
+
+
+def selector_for(threads: int, kernels: cpu_kernels.Kernels | None
+                 ) -> kernel_choice.KernelSelector:
+    """The process's selector for this machine, thread count and C build (one per key, so
+    every runner of the process shares its measurements), cached under
+    ``$PDLAB_CACHE_DIR/kernels``."""
+    build = None if kernels is None else kernels.path.parent.name
+    key = kernel_choice.machine_key(threads, build)
+    root = cache_dir() / "kernels"
+    path = kernel_choice.cache_path(key, root)
+    ident = (str(path),)
+    if ident not in _SELECTORS:
+        _SELECTORS[ident] = kernel_choice.KernelSelector(key, path)
+    return _SELECTORS[ident]
+
+
+def select_ops(device: torch.device, weight_dtype: torch.dtype,
+               kv_dtype: torch.dtype) -> TorchOps:
+    """The backend for a runner: ``CpuOps`` for a float32 model on CPU (without the C
+    kernels where ``PDLAB_CPU_KERNELS=0`` or they do not build), else ``TorchOps``
+    (``PDLAB_FORCE_KERNELS=backend=torch`` forces the reference on CPU too). Call it where the runner starts, after the
+    process's torch thread count is set (the one-thread rule, module docstring).
+
+    Raises:
+        ValueError: a malformed or unavailable ``$PDLAB_FORCE_KERNELS``.
+    """
+    force = _parse_force(os.environ.get(FORCE_ENV, ""))
+    if (device.type != "cpu" or weight_dtype != torch.float32
+            or force.pop("backend", "cpu") == "torch"):
+        return TorchOps()
+    kernels = cpu_kernels.load()  # None where switched off (PDLAB_CPU_KERNELS=0) or unbuildable
+    threads = torch.get_num_threads()
+    return CpuOps(kernels, kv_dtype == torch.float32, selector_for(threads, kernels), force)

@@ -1,0 +1,199 @@
+"""``pdlab run`` and ``pdlab compare``: placements x arrival rates on one workload.
+
+An experiment:
+
+1. Build one workload per seed (ShareGPT, HumanEval or synthetic; seeds ``seed``,
+   ``seed + 1``, ... for ``seeds`` repeats) with the model's tokenizer, and check that every
+   request fits the model's context (clipped or refused here, with one message, before
+   anything starts). The same requests and arrival seeds go to every placement.
+2. For each placement: deploy it on the device set once (Ray actors), warm it up with two
+   discarded requests, then for each rate and each seed replay that seed's workload
+   open-loop (arrivals at their Poisson/Gamma times) through the router, collecting request
+   records, worker step records and KV transfer records of that run only.
+3. Derive the metrics (``engine.metrics`` via ``experiments.analysis``: means over seeds with
+   95% bootstrap intervals), print the side-by-side table and write the results directory:
+   requests.jsonl (first line: everything needed to rerun), summary.csv (intervals),
+   summary_seeds.csv (one row per seed), goodput.csv, steps.csv and transfers.csv (every
+   row tagged placement, rate, seed), report.md and the plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, TransferConfig,
+                           add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
+from engine.metrics import SLO
+from engine.model import model_context_len
+from experiments import validate
+from experiments.options import (add_deployment_args, add_engine_args, add_model_args, add_slo_args,
+                                 check_model, check_out, check_placements, engine_config,
+                                 load_profile_for, option_error, placement_list, rate_list,
+                                 transfer_model_for)
+from experiments.placement import worker_layout
+from experiments.replay import RunResult, calibrated_slo, default_placements, run_placement
+from experiments.results import experiment_config, print_outcome, write_results
+from experiments.workload_spec import WorkloadSpec, build_workload, context_len
+
+HELP = "several placements on the same device set (run: one placement)"
+
+
+def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec,
+                   model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
+                   devices: str | None, address: str | None, slo: SLO, out_dir: Path,
+                   policy: str = "least_loaded", local: bool = False,
+                   conditional: ConditionalConfig | None = None,
+                   simulate=None) -> tuple[pd.DataFrame, str]:
+    """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
+    workers in this process (tests; transport ``inprocess``). ``simulate``: a
+    ``planner.latency.DeviceProfile``; the same runs are then simulated too
+    (``pdlab plan``'s simulator), the attainment plot overlays the simulated curve (dashed)
+    and validation.csv holds the per-point errors (``experiments.validate``).
+
+    With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
+    ``calibrated_slo`` (both measured on the first placement, recorded under
+    ``calibration`` in the config row).
+
+    Raises:
+        ValueError: a bad placement, device set or workload option, or a workload that does
+            not fit the model (before anything runs).
+    """
+    device_set = parse_devices(devices)
+    for placement in placements:  # fail fast, before any model loads
+        worker_layout(placement, device_set)
+    max_len = context_len(model, engine)
+    items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
+    results: list[RunResult] = []
+    worker_info: list[dict] = []
+    calibration: dict = {}
+    sweep: list[float] | None = None if spec.calibrate else list(rates)
+    for placement in placements:
+        results += run_placement(placement, sweep, items, spec, model, engine, transfer,
+                                 ",".join(device_set), address, policy, worker_info, local,
+                                 calibration, conditional)
+        sweep = sorted({r.rate for r in results})  # calibrated once, on the first placement
+    if calibration:
+        given, slo = slo, calibrated_slo(slo, calibration["lone_ttft_s"], calibration["lone_tpot_s"])
+        calibration["slo_given"] = dataclasses.asdict(given)
+        if slo != given:
+            print(f"pdlab: a lone request takes TTFT {calibration['lone_ttft_s']:.3g} s, TPOT "
+                  f"{calibration['lone_tpot_s'] or math.nan:.3g} s here: judging by SLO TTFT <= "
+                  f"{slo.ttft_s:.3g} s, TPOT <= {slo.tpot_s:.3g} s instead of {given.ttft_s:g} s, "
+                  f"{given.tpot_s:g} s", file=sys.stderr)
+    config = experiment_config(model, device_set, placements, sweep, calibration, spec, engine,
+                               transfer, slo, policy, conditional, worker_info)
+    if simulate is None:
+        return write_results(out_dir, results, config, slo)
+    return validate.write_with_twin(out_dir, results, config, slo, items, spec, engine,
+                                    transfer.transport, simulate, policy)
+
+
+def add_arguments(parser: argparse.ArgumentParser, single: bool = False) -> None:
+    """Options of ``pdlab compare`` (``single``: of ``pdlab run``, one ``--placement``)."""
+    if single:
+        parser.add_argument("--placement", type=placement_list, default=["disagg:1p1d"],
+                            help="colocated:N, colocated-nochunk:N, disagg:xPyD or "
+                                 "conditional:xPyD (decode workers prefill short prompts) "
+                                 "(default: disagg:1p1d)")
+    else:
+        parser.add_argument("--simulate", default=None, metavar="PROFILE.json",
+                            help="also simulate every run with this device profile (pdlab "
+                                 "profile) and report the simulator's error (validation.csv; "
+                                 "the attainment plot overlays the simulated curve)")
+        parser.add_argument("--placements", type=placement_list, default=None,
+                            help="comma-separated, e.g. colocated:2,colocated-nochunk:2,disagg:1p1d "
+                                 "(colocated-nochunk = chunked prefill off; default: colocated:N "
+                                 "and every disagg:xPyD with x+y=N)")
+    add_deployment_args(parser)
+    add_model_args(parser)
+    parser.add_argument("--rates", type=rate_list, default=[0.5],
+                        help="arrival rates in req/s, comma-separated (a sweep gives goodput)")
+    add_slo_args(parser)
+    parser.add_argument("--out", default=None, help="results directory (default: results/<cmd>-<time>)")
+    add_dataclass_args(parser.add_argument_group("workload"), WorkloadSpec)
+    add_engine_args(parser)
+    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
+    add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
+                       ConditionalConfig)
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """Everything ``run_experiment`` needs, checked (``check``)."""
+
+    placements: list[str]
+    devices: tuple[str, ...]
+    spec: WorkloadSpec
+    model: ModelConfig
+    engine: EngineConfig
+    transfer: TransferConfig
+    slo: SLO
+    out: Path
+    conditional: ConditionalConfig = ConditionalConfig()
+    simulate: object = None  # planner.latency.DeviceProfile for --simulate
+
+
+def check(args: argparse.Namespace) -> Experiment:
+    """Every ``run``/``compare`` option, joined to the device set and the model's config
+    file; nothing is started and no weights are read.
+
+    Raises:
+        ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``).
+    """
+    single = args.command == "run"
+    devices = args.devices or parse_devices(None)
+    placements = args.placement if single else args.placements or default_placements(len(devices))
+    check_placements(placements, devices, args.address, "--placement" if single else "--placements")
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    spec = dataclass_from_args(WorkloadSpec, args)
+    engine = engine_config(args, model)
+    longest = spec.max_request_len()
+    if longest is not None and longest > engine.max_model_len:
+        lengths = ("--prompt-len and --output-len" if spec.dataset == "synthetic"
+                   else "--max-prompt-len and --max-output-len")
+        raise option_error(lengths.split(" and ")[0], (
+            f"{lengths} allow requests of {longest} tokens, more than --max-model-len "
+            f"{engine.max_model_len} (those requests would fail): lower them or raise it"))
+    capacity = engine.kv_capacity_tokens
+    if longest is not None and capacity is not None and capacity < longest:
+        raise option_error("--kv-capacity-tokens", (
+            f"must hold the workload's longest request ({longest} tokens), got {capacity} "
+            "(longer requests would fail)"))
+    transfer = dataclass_from_args(TransferConfig, args)
+    conditional = dataclass_from_args(ConditionalConfig, args)
+    check_out(args.out)
+    simulate = None
+    if getattr(args, "simulate", None):
+        simulate = load_profile_for(args.simulate, model, "--simulate")
+        if any(parse_placement(p)[0] != "colocated" for p in placements):
+            transfer_model_for(simulate, transfer.transport, "--simulate")
+    out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
+    return Experiment(placements, devices, spec, model, engine, transfer,
+                      SLO(args.slo_ttft_s, args.slo_tpot_s), out, conditional, simulate)
+
+
+def run(args: argparse.Namespace, x: Experiment) -> int:
+    """Run the experiment (module docstring), print the table and the verdict."""
+    print(f"pdlab {args.command}: {', '.join(x.placements)} on {','.join(x.devices)}, model "
+          f"{x.model.model}, {x.spec.dataset} x {x.spec.num_requests}, rates "
+          + ("from the calibration below" if x.spec.calibrate else f"{args.rates} req/s")
+          + f", max_model_len {x.engine.max_model_len}")
+    if model_context_len(x.model) is None:
+        print(f"note: the context of model {x.model.model} is known only once it loads; each "
+              "engine caps max_model_len at it (the config row records the value asked for)")
+    summary, verdict = run_experiment(x.placements, args.rates, x.spec, x.model, x.engine,
+                                      x.transfer, ",".join(x.devices), args.address, x.slo,
+                                      x.out, args.policy, conditional=x.conditional,
+                                      simulate=x.simulate)
+    print_outcome(summary, verdict, x.out, "requests.jsonl, summary.csv, steps.csv, "
+                   "transfers.csv, report.md, *.png")
+    return 0

@@ -1,0 +1,90 @@
+"""``pdlab kv-cost``: what moving a prompt's KV costs next to computing it, per transport.
+
+The table and how each row is measured: ``experiments.transfer_cost`` (prefill seconds, the
+prompt's exported KV checked against the byte formula, the memcpy floor, each transport
+whole and layer-wise, the ratios). Outputs: kv_cost.csv and kv_cost.png (transfer and
+prefill seconds vs T, log-log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tqdm import tqdm
+
+from engine.config import TRANSPORTS
+from engine.model import model_context_len
+from experiments import measure, plots
+from experiments.options import int_list, positive_int, transport_list
+from experiments.timing import describe
+from experiments.transfer_cost import DEFAULT_PROMPT_LENS, WHERE, kv_cost_table
+
+HELP = "KV transfer cost vs prefill cost"
+DEFAULT_TRANSPORTS = ("inprocess", "ray")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pdlab kv-cost``."""
+    measure.add_measure_args(parser, "kv-cost")
+    parser.add_argument("--prompt-lens", type=int_list, default=DEFAULT_PROMPT_LENS,
+                        help="prompt lengths T (default: 16,64,128,256,512)")
+    parser.add_argument("--transports", type=transport_list, default=DEFAULT_TRANSPORTS,
+                        help=f"from {','.join(TRANSPORTS)}; torchdist spawns two gloo processes "
+                             "(default: inprocess,ray)")
+    parser.add_argument("--layers-per-chunk", type=positive_int, default=1,
+                        help="layers per layer-wise message (default: 1)")
+    parser.add_argument("--checksum", default=True, action=argparse.BooleanOptionalAction,
+                        help="CRC32 in every transfer, as served (default: on)")
+
+
+def check(args: argparse.Namespace) -> None:
+    """``pdlab kv-cost`` options joined to the device and the model's context (read from its
+    config file: no weights), checked before the model loads.
+
+    Raises:
+        ValueError: ``argument --x: ...`` for the first bad option.
+    """
+    model = measure.check_measure_args(args)
+    limit = model_context_len(model)
+    if limit is not None and not any(p + 2 <= limit for p in args.prompt_lens):
+        raise ValueError(f"argument --prompt-lens: no length fits the context of model "
+                         f"{model.model} ({limit} tokens, 2 of them kept for decoding)")
+
+
+def run(args: argparse.Namespace, _checked: None = None) -> int:
+    """Measure the table, write kv_cost.csv and kv_cost.png, print both tables."""
+    loaded = measure.load_for(args)
+    if loaded is None:
+        return 2
+    limit = loaded.max_context_len
+    prompt_lens = [p for p in args.prompt_lens if p + 2 <= limit]
+    if len(prompt_lens) < len(args.prompt_lens):
+        print(f"note: dropped prompt lengths over the model context ({limit}): "
+              f"{[p for p in args.prompt_lens if p + 2 > limit]}")
+    if not prompt_lens:
+        print("error: --prompt-lens: no length fits the model context", file=sys.stderr)
+        return 2
+    with tqdm(total=len(prompt_lens), desc="kv-cost", unit="T", file=sys.stderr) as bar:
+        df = kv_cost_table(loaded, prompt_lens, args.transports, args.repeats,
+                           args.layers_per_chunk, args.device, args.seed, args.checksum, bar)
+    out = measure.out_dir(args, "kv-cost")
+    header = measure.run_header(loaded, args)
+    df.to_csv(out / "kv_cost.csv", index=False)
+    plots.plot_kv_cost(df, out / "kv_cost.png", f"{header}; {describe(args.repeats)}")
+    spec = loaded.kv_spec
+    print(f"{header}\nestimator: {describe(args.repeats)}")
+    print(f"KV geometry: {spec.num_layers} layers x {spec.num_kv_heads} KV heads x head_dim "
+          f"{spec.head_dim} x {spec.itemsize} B = {spec.bytes_per_token} bytes/token; "
+          f"layer-wise = {args.layers_per_chunk} layer(s) per message; "
+          f"checksum {'on' if args.checksum else 'off'}")
+    for name in args.transports:
+        print(f"  {name}: {WHERE[name]}")
+    floor = df.drop_duplicates("prompt_len")[["prompt_len", "kv_bytes", "prefill_s", "memcpy_s",
+                                               "memcpy_GBps"]]
+    print("\nprefill and memcpy floor:\n" + floor.to_string(index=False))
+    cols = ["prompt_len", "transport", "mode", "num_chunks", "transfer_s", "transfer_median_s",
+            "transfer_GBps", "transfer_over_prefill", "transfer_over_memcpy"]
+    print("\ntransfers:\n" + df[cols].to_string(index=False))
+    print(f"\nwrote {out}/: kv_cost.csv kv_cost.png")
+    return 0

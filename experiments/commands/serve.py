@@ -1,0 +1,97 @@
+"""``pdlab serve``: one placement deployed on the device set, behind the OpenAI-compatible
+HTTP server (``server.app``) until interrupted.
+
+1. Check every option (``check``): one placement that fits the device set, the model's
+   config file, the engine options; ``--local`` runs the workers in this process and needs
+   the in-process transport (a Ray transport cannot cross threads of one process).
+2. Deploy the placement (``experiments.placement.Deployment``), load the model's tokenizer
+   for text in and out, and serve ``/v1/completions``, ``/v1/chat/completions``,
+   ``/v1/models``, ``/health`` and ``/metrics`` over the deployment's router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
+                           TransferConfig, add_dataclass_args, dataclass_from_args, parse_devices)
+from engine.model import load_tokenizer
+from experiments.options import (add_deployment_args, add_engine_args, add_model_args,
+                                 check_model, check_placements, engine_config, option_error,
+                                 placement_list)
+from experiments.placement import Deployment
+from server.app import OpenAIServer, serve_forever, text_of
+from server.config import ServeConfig
+
+HELP = "an OpenAI-compatible HTTP server over one placement"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pdlab serve``."""
+    parser.add_argument("--placement", type=placement_list, default=["disagg:1p1d"],
+                        help="one placement: colocated:N, disagg:xPyD or conditional:xPyD "
+                             "(default: disagg:1p1d)")
+    add_deployment_args(parser)
+    add_model_args(parser)
+    add_dataclass_args(parser.add_argument_group("HTTP server"), ServeConfig)
+    add_engine_args(parser)
+    add_dataclass_args(parser.add_argument_group("KV transfer"), TransferConfig)
+    add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
+                       ConditionalConfig)
+
+
+@dataclass(frozen=True)
+class Serving:
+    """Everything ``pdlab serve`` needs, checked (``check``)."""
+
+    placement: str
+    devices: tuple[str, ...]
+    model: ModelConfig
+    engine: EngineConfig
+    transfer: TransferConfig
+    conditional: ConditionalConfig
+    server: ServeConfig
+
+
+def check(args: argparse.Namespace) -> Serving:
+    """Every ``serve`` option; nothing is started and no weights are read.
+
+    Raises:
+        ValueError: the first bad option.
+    """
+    if len(args.placement) != 1:
+        raise option_error("--placement", f"serve takes one placement, got {len(args.placement)}")
+    placement = args.placement[0]
+    devices = args.devices or parse_devices(None)
+    check_placements([placement], devices, args.address, "--placement")
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    engine = engine_config(args, model)
+    server = dataclass_from_args(ServeConfig, args)
+    transfer = dataclass_from_args(TransferConfig, args)
+    if server.local:
+        if args.address is not None:
+            raise option_error("--local", "runs the workers in this process: drop --address")
+        if transfer.transport not in ("ray", "inprocess"):  # ray: the default, replaced
+            raise option_error("--local", f"needs --transport inprocess, got {transfer.transport}")
+        transfer = dataclasses.replace(transfer, transport="inprocess")
+    elif transfer.transport == "inprocess":
+        raise option_error("--transport", "inprocess needs --local (workers in one process)")
+    return Serving(placement, devices, model, engine, transfer,
+                   dataclass_from_args(ConditionalConfig, args), server)
+
+
+def run(args: argparse.Namespace, x: Serving) -> int:
+    """Start the placement, then serve until interrupted."""
+    text = text_of(load_tokenizer(x.model))
+    name = x.server.served_model_name or x.model.model
+    with Deployment(PlacementConfig(x.placement, ",".join(x.devices), args.address), x.model,
+                    x.engine, x.transfer, local=x.server.local, policy=args.policy,
+                    conditional=x.conditional) as dep:
+        server = OpenAIServer(dep.router, text, name, x.server.max_body_bytes)
+        print(f"pdlab serve: {x.placement} on {','.join(x.devices)}, model {name}, "
+              f"http://{x.server.host}:{x.server.port}/v1 (tokenizer: {text.name})", flush=True)
+        serve_forever(server, x.server.host, x.server.port)
+    return 0

@@ -1,0 +1,291 @@
+"""Command-line option helpers every ``pdlab`` command shares: the parser class with one-line
+errors, argparse types (rates, placements, devices, integer lists, transports), the option
+groups several commands take (model, engine, SLO), and the checks that join options to the
+machine and the model's config file before anything starts (no Ray, no weights).
+
+A bad value exits 2 with one line naming the option and what it allows; a check that needs
+more than one option raises ``option_error`` (``argument --x: ...``), which ``experiments.cli``
+prints the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import math
+import re
+from pathlib import Path
+
+from engine.config import (DTYPES, TRANSPORTS, EngineConfig, PlacementConfig, ModelConfig,
+                           add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
+from engine.model import ModelLoadError, check_model_name, model_context_len
+from experiments.placement import check_devices_exist, worker_layout
+from planner.latency import DeviceProfile, TransferModel
+from router.policy import POLICIES
+
+# The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
+# max_num_seqs is vLLM's 256: the KV budget (--kv-cache-memory-gb), not slots, bounds memory.
+CPU_ENGINE_DEFAULTS = {"max_num_seqs": 256, "max_model_len": 2048, "max_num_batched_tokens": 512}
+MODEL_HELP = ("smollm2-135m, tiny-random-llama (or tiny-random-<family>: llama3, mistral, qwen2, "
+              "qwen3, gemma2, gemma3, phi3), a local HF directory or a hub id")
+
+
+def option_error(option: str, message: str) -> ValueError:
+    """A ValueError that ``experiments.cli`` reports as ``argument <option>: <message>``."""
+    return ValueError(f"argument {option}: {message}")
+
+
+def _type_error(fn):
+    """Turn a parser's ValueError into argparse's own error (``argument --x: <message>``)."""
+    def parse(text: str):
+        try:
+            return fn(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+    parse.__name__ = fn.__name__
+    return parse
+
+
+# ---- argparse types --------------------------------------------------------------------
+def positive_seconds(text: str) -> float:
+    """A number of seconds > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
+def rate_list(text: str) -> list[float]:
+    """Comma-separated arrival rates, each > 0 req/s."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}")
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise argparse.ArgumentTypeError(f"rates must be > 0 req/s, got {text!r}")
+    return values
+
+
+def placement_list(text: str) -> list[str]:
+    """Comma-separated placements (``engine.config.parse_placement``), each once."""
+    items = [p.strip().lower() for p in text.split(",") if p.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError(f"must name at least one placement, got {text!r}")
+    for p in items:
+        _type_error(parse_placement)(p)
+    repeated = sorted({p for p in items if items.count(p) > 1})
+    if repeated:
+        raise argparse.ArgumentTypeError(f"each placement may appear once, {', '.join(repeated)} "
+                                         f"repeats in {text!r}")
+    return items
+
+
+device_set = _type_error(parse_devices)  # cuda:0,cuda:1 or cpu:0,cpu:1 (a core group cpu:0-3)
+
+
+@_type_error
+def existing_device_set(text: str) -> tuple[str, ...]:
+    """A device set whose devices exist on this machine (``placement.check_devices_exist``)."""
+    devices = parse_devices(text)
+    check_devices_exist(devices)
+    return devices
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """Comma-separated positive integers."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(
+            f"must be comma-separated positive integers (e.g. 16,64,256), got {text!r}")
+    return values
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
+def device_arg(text: str) -> str:
+    """One device a measuring command runs on: ``cpu`` or ``cuda:i``."""
+    if re.fullmatch(r"cpu|cuda(:\d+)?", text) is None:
+        raise argparse.ArgumentTypeError(f"must be 'cpu' or 'cuda:i' (e.g. cuda:0), got {text!r}")
+    return text
+
+
+def transport_list(text: str) -> tuple[str, ...]:
+    """Comma-separated distinct transport names (``engine.config.TRANSPORTS``)."""
+    names = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in TRANSPORTS]
+    if not names or bad or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"must be a comma-separated list of distinct transports from {', '.join(TRANSPORTS)}, "
+            f"got {text!r}")
+    return names
+
+
+# ---- option groups ---------------------------------------------------------------------
+def add_slo_args(parser: argparse.ArgumentParser) -> None:
+    """``--slo-ttft-s`` and ``--slo-tpot-s`` (seconds, > 0; defaults 2 and 0.1), the same in
+    every command that judges SLO attainment (run/compare, bench, plan)."""
+    parser.add_argument("--slo-ttft-s", type=positive_seconds, default=2.0,
+                        help="TTFT SLO in seconds (> 0)")
+    parser.add_argument("--slo-tpot-s", type=positive_seconds, default=0.1,
+                        help="TPOT SLO in seconds (> 0)")
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """``--model`` and ``--dtype``."""
+    parser.add_argument("--model", default="smollm2-135m", help=MODEL_HELP)
+    parser.add_argument("--dtype", default="float32", choices=DTYPES)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The ``EngineConfig`` fields (per instance), with the CPU defaults."""
+    engine = parser.add_argument_group("engine (per instance)")
+    add_dataclass_args(engine, EngineConfig, skip=("device",))  # each worker binds its own
+    # max_model_len None: the CPU default, capped by the model's context (see engine_config)
+    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
+    for action in engine._group_actions:
+        if action.dest == "max_model_len":
+            action.help = (f"tokens per request (>= 2, <= the model's context; default: "
+                           f"{CPU_ENGINE_DEFAULTS['max_model_len']}, capped by that context)")
+
+
+def add_deployment_args(parser: argparse.ArgumentParser) -> None:
+    """``--devices``, ``--address`` and ``--policy``: where the workers of ``run``,
+    ``compare`` and ``serve`` go and how the router picks among them."""
+    parser.add_argument("--devices", default=None, type=device_set,
+                        help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
+    parser.add_argument("--address", default=None,
+                        help="join this Ray cluster (auto, host:port or ray://host:port) instead "
+                             "of starting one")
+    parser.add_argument("--policy", default="least_loaded", choices=POLICIES,
+                        help="router policy: prefill by queued prompt tokens, decode by resident "
+                             "KV tokens (least_loaded), or round_robin")
+
+
+# ---- checks ----------------------------------------------------------------------------
+def check_model(model: ModelConfig) -> None:
+    """The model exists (its config file, or a known built-in name); no weights are read."""
+    try:
+        check_model_name(model)
+    except ModelLoadError as err:
+        raise option_error("--model", str(err)) from None
+
+
+def check_out(path: str | None) -> None:
+    """``--out`` may be a new path or a directory, not an existing file."""
+    if path is not None and Path(path).exists() and not Path(path).is_dir():
+        raise option_error("--out", f"must be a directory (or a new path), {path} is a file")
+
+
+def check_placements(placements: list[str], devices: tuple[str, ...], address: str | None,
+                     option: str) -> None:
+    """Each placement fits the device set, whose devices exist here (joining a cluster with
+    ``address``: the deployment checks its resources), and the address is well formed.
+
+    Raises:
+        ValueError: ``argument --devices/<option>/--address: ...``.
+    """
+    if address is None:
+        try:
+            check_devices_exist(devices)
+        except ValueError as err:
+            raise option_error("--devices", str(err)) from None
+    for placement in placements:
+        try:
+            worker_layout(placement, devices)
+        except ValueError as err:
+            raise option_error(option, str(err)) from None
+    try:
+        PlacementConfig(placements[0], ",".join(devices), address)
+    except ValueError as err:
+        raise option_error("--address", str(err)) from None
+
+
+def check_device(device: str) -> None:
+    """A measuring command's ``cuda:i`` device must exist here (``cpu`` always does).
+
+    Raises:
+        ValueError: ``argument --device: ...`` naming what exists.
+    """
+    if device.startswith("cuda"):
+        try:
+            check_devices_exist((device if ":" in device else "cuda:0",))
+        except ValueError as err:
+            raise option_error("--device", f"{err} (use cpu)") from None
+
+
+def context_limit(model: ModelConfig, max_model_len: int | None) -> int:
+    """Tokens one request may use: ``max_model_len`` (unset: the CPU default), which must fit
+    the model's context where its config file says it (unset: capped by that context, so the
+    results record the length the engine really uses).
+
+    Raises:
+        ValueError: ``argument --max-model-len: ...``.
+    """
+    context = model_context_len(model)
+    if max_model_len is None:
+        return int(min(CPU_ENGINE_DEFAULTS["max_model_len"], context or math.inf))
+    if max_model_len < 2:
+        raise option_error("--max-model-len", f"must be >= 2, got {max_model_len}")
+    if context is not None and max_model_len > context:
+        raise option_error("--max-model-len", f"must be <= the context of model {model.model} "
+                                              f"({context} tokens), got {max_model_len}")
+    return max_model_len
+
+
+def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
+    """``EngineConfig`` of the options, ``max_model_len`` from ``context_limit``."""
+    wanted = context_limit(model, args.max_model_len)
+    return dataclass_from_args(EngineConfig, argparse.Namespace(**{**vars(args),
+                                                                   "max_model_len": wanted}))
+
+
+# ---- device profiles (pdlab profile's device_profile.json) -----------------------------
+def find_profile(model: ModelConfig, root: Path = Path("results")) -> Path | None:
+    """The newest ``root/profile-*/device_profile.json`` measured on ``model`` (name and dtype)."""
+    for path in sorted(glob.glob(str(root / "profile-*" / "device_profile.json")), reverse=True):
+        try:
+            prof = DeviceProfile.load(path)
+        except ValueError:
+            continue
+        if (prof.model, prof.dtype) == (model.model, model.dtype):
+            return Path(path)
+    return None
+
+
+def load_profile_for(path: str | Path, model: ModelConfig, option: str) -> DeviceProfile:
+    """The device profile at ``path``, measured on ``model`` (name and dtype).
+
+    Raises:
+        ValueError: ``argument <option>: ...`` when it cannot be read or names another model.
+    """
+    try:
+        profile = DeviceProfile.load(path)
+    except ValueError as err:
+        raise option_error(option, str(err)) from None
+    if (profile.model, profile.dtype) != (model.model, model.dtype):
+        raise option_error(option, f"{path} was measured on {profile.model} "
+                                   f"({profile.dtype}), not {model.model} ({model.dtype})")
+    return profile
+
+
+def transfer_model_for(profile: DeviceProfile, transport: str, option: str) -> TransferModel:
+    """The profile's transfer model of ``transport``; ValueError ``argument <option>: ...``."""
+    try:
+        return profile.transfer(transport)
+    except ValueError as err:
+        raise option_error(option, str(err)) from None

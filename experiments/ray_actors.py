@@ -1,0 +1,257 @@
+"""Ray at the edge: the only module that imports Ray. ``experiments.placement`` imports it
+when a deployment runs its workers as Ray actors; local placements (one process, the
+in-process transport) never load Ray, so they run where Ray is not installed
+(``make gpu-check``).
+
+A Ray deployment (``RayWorkers``):
+
+1. Start a private local Ray instance sized to this machine (``local_cluster_kwargs``), or
+   join ``--address``; check the device set against the cluster.
+2. Reserve one placement-group bundle per worker (its GPU, or the CPU cores of a ``cpu:``
+   device: ``gpu_actor_resources``; ``STRICT_PACK`` for shm, whose KV moves through one
+   node's shared memory) and start each worker as a threaded actor in its bundle.
+3. ``close``: kill the actors, release the placement group, and Ray if it was started here.
+
+``RayCalls`` is how the router calls them (``router.calls.Calls``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import contextlib
+import itertools
+import os
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from engine.config import cpu_cores_of
+from engine.device import PIN_ENV, VISIBLE_ENV
+from engine.errors import describe_error
+from router.calls import ORDERED, WorkerDied
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Ray's exceptions for an actor that died (the set differs between Ray versions)
+ACTOR_DEATH = (RayActorError,) + tuple(
+    getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
+    if hasattr(ray.exceptions, name))
+
+
+class RayCalls:
+    """``router.calls.Calls`` over Ray actor handles.
+
+    A threaded actor (``max_concurrency > 1``) runs calls out of order, even within a
+    concurrency group of size 1 (Ray forces ``allow_out_of_order_execution`` there). So the
+    ``ORDERED`` methods are numbered per actor and sent as ``ordered(seq, method, ...)``:
+    the worker applies them in that order, never holding a thread to wait for an earlier
+    number (``engine.serving.InOrder``), while long polls and reads run beside them on the
+    actor's other threads.
+    """
+
+    accepts_futures = True  # ready() also takes concurrent.futures.Futures (wake-ups)
+
+    def __init__(self) -> None:
+        self._seqs: dict[str, itertools.count] = {}
+
+    def call(self, handle: Any, method: str, *args: Any) -> Any:
+        """Start ``handle.method(*args)``; returns its ``ray.ObjectRef``."""
+        if method in ORDERED:
+            seqs = self._seqs.setdefault(handle._actor_id.hex(), itertools.count())
+            return handle.ordered.remote(next(seqs), method, *args)
+        return getattr(handle, method).remote(*args)
+
+    def ready(self, pending: list, timeout_s: float) -> list:
+        futures = [p for p in pending if isinstance(p, cf.Future)]
+        if futures:  # ray.wait takes ObjectRefs only: wait in 5 ms slices, checking the futures
+            refs = [p for p in pending if not isinstance(p, cf.Future)]
+            end_s = time.monotonic() + timeout_s
+            while True:
+                done = [f for f in futures if f.done()]
+                if refs:
+                    done += self.ready(refs, 0.0 if done else
+                                       max(0.0, min(0.005, end_s - time.monotonic())))
+                elif not done:
+                    cf.wait(futures, timeout=max(0.0, end_s - time.monotonic()),
+                            return_when=cf.FIRST_COMPLETED)
+                    done = [f for f in futures if f.done()]
+                if done or time.monotonic() >= end_s:
+                    return done
+        first, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
+        if not first:
+            return []
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        return ready
+
+    def result(self, pending: Any) -> Any:
+        try:
+            return ray.get(pending, timeout=0)
+        except ACTOR_DEATH as err:  # keep the root cause: Ray's first line only says "died"
+            raise WorkerDied(f"{type(err).__name__}: {describe_error(err)}") from err
+        except RayTaskError as err:  # the method raised: its own error, not Ray's wrapper
+            raise (err.cause if isinstance(err.cause, Exception) else err) from None
+
+
+def physical_gpu(device: str) -> str:
+    """The GPU id that ``cuda:i`` names for this (driver) process: entry i of its
+    ``CUDA_VISIBLE_DEVICES`` where that is set (an index, a UUID or a MIG id), else ``i``."""
+    index = int(device.split(":")[1])
+    visible = os.environ.get(VISIBLE_ENV)
+    if visible is None:
+        return str(index)
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if index >= len(ids):
+        raise ValueError(f"device {device} does not exist: {VISIBLE_ENV}={visible!r} shows "
+                         f"{len(ids)} GPUs")
+    return ids[index]
+
+
+def gpu_resource(device: str) -> str:
+    """The Ray custom resource that stands for GPU ``cuda:i`` on a cluster pdlab starts."""
+    return f"pdlab_cuda_{device.split(':')[1]}"
+
+
+def gpu_actor_resources(device: str, pinned: bool) -> tuple[dict[str, float], dict[str, Any]]:
+    """``(bundle, actor options)`` of a worker on ``device`` under Ray.
+
+    A CPU device: its cores. A CUDA device, ``pinned`` (a cluster pdlab started, so its
+    resources are all pdlab's): one ``gpu_resource`` unit instead of Ray's ``GPU``, and the
+    actor gets ``PDLAB_CUDA_VISIBLE_DEVICES`` = ``physical_gpu(device)``, which
+    ``engine.device.bind_device`` makes its ``CUDA_VISIBLE_DEVICES`` before CUDA starts: so
+    ``cuda:i`` is exactly GPU i. Not pinned (``--address``: a shared cluster whose GPU indices
+    are per node): ``num_gpus=1``, Ray picks the GPU and sets ``CUDA_VISIBLE_DEVICES``; the
+    index is then only a label, and ``info()["gpu"]`` says which GPU it was.
+    """
+    if device.startswith("cpu"):
+        cores = len(cpu_cores_of(device))
+        return {"CPU": cores}, {"num_cpus": cores, "num_gpus": 0}
+    if not pinned:
+        return {"GPU": 1.0, "CPU": 1.0}, {"num_cpus": 1, "num_gpus": 1}
+    resource = gpu_resource(device)
+    env = {**ray_init_kwargs()["runtime_env"]["env_vars"], PIN_ENV: physical_gpu(device)}
+    return ({resource: 1.0, "CPU": 1.0},
+            {"num_cpus": 1, "num_gpus": 0, "resources": {resource: 1.0},
+             "runtime_env": {"env_vars": env}})
+
+
+def local_cluster_kwargs(devices: tuple[str, ...]) -> dict[str, Any]:
+    """``ray.init`` arguments of the private cluster pdlab starts for ``devices``: this
+    machine's cores, no Ray ``GPU`` resource, one ``gpu_resource`` per CUDA device."""
+    return {"address": "local",  # never join a stray cluster
+            "num_cpus": len(os.sched_getaffinity(0)), "num_gpus": 0,
+            "resources": {gpu_resource(d): 1.0 for d in devices if d.startswith("cuda")}}
+
+
+def ray_init_kwargs() -> dict[str, Any]:
+    """How pdlab starts or joins Ray (tests that start Ray themselves use the same)."""
+    return {"address": "local", "include_dashboard": False, "log_to_driver": False,
+            "runtime_env": {"env_vars": {"PYTHONPATH": _pythonpath()}}}
+
+
+def _pythonpath() -> str:
+    """Actors import pdlab from this checkout even when it is not installed."""
+    return os.pathsep.join([str(REPO_ROOT)] + [p for p in sys.path if p])
+
+
+class RayWorkers:
+    """The Ray side of a ``Deployment`` (module docstring): ``start`` the actors, ``kill``
+    one, ``close`` everything. ``handles`` maps worker name -> actor handle.
+
+    Args:
+        devices: the device set (one per worker, in layout order).
+        address: a Ray cluster to join, or None (a private local one is started).
+        transport: the KV transport's name (``shm`` packs every worker on one node).
+    """
+
+    def __init__(self, devices: tuple[str, ...], address: str | None, transport: str) -> None:
+        self.devices, self.address, self.transport = devices, address, transport
+        self.handles: dict[str, Any] = {}
+        self._pg = None
+        self._started_ray = False
+
+    def connect(self) -> dict | None:
+        """Start or join Ray; returns the cluster's resources when joined (only totals can
+        be checked there), None for the cluster started here."""
+        if not ray.is_initialized():
+            init = ray_init_kwargs()
+            if self.address:
+                init["address"] = self.address
+            else:
+                init.update(local_cluster_kwargs(self.devices))
+            ray.init(**init)
+            self._started_ray = True
+        return ray.cluster_resources() if self.address else None
+
+    def node_ip(self) -> str:
+        """This (driver) node's address, where a torchdist rendezvous store is bound."""
+        return ray.util.get_node_ip_address()
+
+    def reserve(self) -> list[dict[str, Any]]:
+        """One placement-group bundle per device; returns each worker's actor options.
+
+        Raises:
+            ValueError: the cluster cannot hold the bundles (within 60 s).
+        """
+        # cuda:i is honoured exactly only on a cluster started here (its resources are ours)
+        pinned = self._started_ray and not self.address
+        resources = [gpu_actor_resources(device, pinned) for device in self.devices]
+        bundles = [bundle for bundle, _ in resources]
+        # shm moves KV through one node's shared memory: every worker must be on that node
+        strategy = "STRICT_PACK" if self.transport == "shm" else "PACK"
+        self._pg = placement_group(bundles, strategy=strategy)
+        try:
+            ray.get(self._pg.ready(), timeout=60)
+        except GetTimeoutError as err:
+            raise ValueError(f"the Ray cluster cannot hold {bundles} "
+                             f"(it has {ray.cluster_resources()})") from err
+        return [options for _, options in resources]
+
+    def start(self, name: str, rank: int, cls: type, options: dict[str, Any],
+              kwargs: dict[str, Any]) -> None:
+        """Start worker ``name`` (class ``cls``) as a threaded actor in bundle ``rank``."""
+        actor_cls = ray.remote(cls).options(
+            name=None, max_concurrency=16, max_restarts=0, **options,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self._pg, placement_group_bundle_index=rank))
+        self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
+
+    def kill(self, name: str) -> None:
+        """Kill one worker (failure tests), never restarted."""
+        ray.kill(self.handles[name], no_restart=True)
+
+    def close(self) -> None:
+        """Kill every actor, release the placement group and Ray if started here; twice is fine."""
+        for handle in self.handles.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.handles = {}
+        if self._pg is not None:
+            remove_placement_group(self._pg)
+            self._pg = None
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+
+
+@contextlib.contextmanager
+def driver_ray(needed: bool = True) -> Iterator[None]:
+    """A private one-CPU Ray instance in this process while the block runs (``needed``), for
+    measurements that put and get through the driver's own object store (``pdlab kv-cost``,
+    ``pdlab profile``'s transfer models); shut down after, unless it was running before."""
+    started = needed and not ray.is_initialized()
+    if started:
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+    try:
+        yield
+    finally:
+        if started:
+            ray.shutdown()

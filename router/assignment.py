@@ -1,0 +1,160 @@
+"""Which workers serve a request and what each is charged: the one owner of the assignment
+rules, driven alike by the online router (``router.router.Router``) and the planner's
+simulator (``planner.simulate.Simulator``), so a plan and a real run pick the same workers
+from the same loads. No I/O, no clock, no torch.
+
+A request's assignment, in three calls:
+
+1. ``assign``: by placement kind. ``colocated``: one colocated worker. ``conditional``:
+   NVIDIA Dynamo's rule (``ConditionalConfig.remote``, on the prompt length and the number
+   of requests in the prefill queue) decides whether its decode worker prefills it
+   (``local``) or a prefill worker does (``remote``). ``disagg``: a prefill worker and a
+   decode worker. Each worker is picked by the policy over its pool's live workers
+   (``router.policy.pick``, one round-robin counter per pool) and charged at once, so a
+   burst spreads out: a prefill worker its prompt tokens; a decode or colocated worker the
+   KV tokens it will reserve, ``prompt + max_tokens`` rounded up to whole KV blocks. A
+   remote request joins the prefill queue.
+2. ``prefilled``: its first token came back from its prefill worker: that charge is
+   released and it leaves the prefill queue.
+3. ``release``: it ended, whichever way: every charge it still holds is released, each
+   exactly once (loads return to exactly 0), and it leaves the prefill queue.
+
+A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
+``requests_needing`` names the requests that still needed it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from engine.config import ConditionalConfig
+from router.policy import pick
+
+ROLES = {"colocated": ("colocated",), "disagg": ("prefill", "decode"),
+         "conditional": ("prefill", "decode")}
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """Where a request runs: ``first`` computes its prompt (a prefill worker, or the worker
+    that also decodes it), ``decode`` produces its other tokens."""
+
+    first: str
+    decode: str
+
+    @property
+    def remote(self) -> bool:
+        """The prompt runs on a prefill worker and its KV moves to the decode worker."""
+        return self.first != self.decode
+
+
+class Assigner:
+    """Pools, loads and charges of one placement (module docstring).
+
+    Args:
+        workers: ``(name, role)`` of every worker, role ``colocated``, ``prefill`` or
+            ``decode``; a pool keeps this order (ties of ``least_loaded`` go to the first).
+        kind: the placement kind (``engine.config.parse_placement``): ``colocated``,
+            ``disagg`` or ``conditional``.
+        policy: ``round_robin`` or ``least_loaded`` (``router.policy.POLICIES``).
+        kv_block_size: tokens per KV block; decode and colocated charges count whole blocks
+            (the blocks the worker reserves; 1 = tokens as they are).
+        conditional: the rule of a ``conditional`` placement (default ``ConditionalConfig()``).
+
+    Raises:
+        ValueError: an unknown kind or policy, or a role the kind needs has no worker.
+    """
+
+    def __init__(self, workers: Sequence[tuple[str, str]], kind: str, policy: str = "least_loaded",
+                 kv_block_size: int = 1, conditional: ConditionalConfig | None = None) -> None:
+        if kind not in ROLES:
+            raise ValueError(f"placement kind must be one of {tuple(ROLES)}, got {kind!r}")
+        pick(policy, ["w"], {}, 0)  # refuses an unknown policy now
+        if kv_block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {kv_block_size}")
+        self.kind, self.policy, self.kv_block_size = kind, policy, kv_block_size
+        self.conditional = (conditional or ConditionalConfig()) if kind == "conditional" else None
+        self.pools = {role: [name for name, r in workers if r == role] for role in ROLES[kind]}
+        for role, names in self.pools.items():
+            if not names:
+                raise ValueError(f"a {kind} placement needs a {role} worker, got none")
+        self.loads = {name: 0 for name, _ in workers}  # tokens (module docstring)
+        self._dead: set[str] = set()
+        self._turns = dict.fromkeys(self.pools, 0)
+        self._charges: dict[str, dict[str, int]] = {}  # request -> worker -> tokens charged
+        self._queued: set[str] = set()  # remote requests not yet prefilled
+
+    def kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """A decode (or colocated) worker's charge: ``prompt + max_tokens`` rounded up to
+        whole KV blocks."""
+        blocks = -(-(num_prompt_tokens + max_tokens) // self.kv_block_size)
+        return blocks * self.kv_block_size
+
+    @property
+    def num_queued_prefills(self) -> int:
+        """Requests assigned to a prefill worker and not yet prefilled (Dynamo's prefill
+        queue, which ``conditional`` placements read)."""
+        return len(self._queued)
+
+    def assign(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Assignment:
+        """Pick the request's workers and charge them (step 1).
+
+        Raises:
+            ValueError: ``request_id`` is already assigned, or a pool it needs has no live
+                worker (``no live worker to route to``); nothing is charged then.
+        """
+        if request_id in self._charges:
+            raise ValueError(f"request_id {request_id} is already assigned")
+        kv_tokens = self.kv_tokens(num_prompt_tokens, max_tokens)
+        if self.kind == "colocated":
+            first = decode = self._pick("colocated")
+        elif self.conditional is not None and not self.conditional.remote(
+                num_prompt_tokens, self.num_queued_prefills):
+            first = decode = self._pick("decode")  # its decode worker prefills it
+        else:
+            first = self._pick("prefill")
+            decode = self._pick("decode")
+        charges = {decode: kv_tokens}
+        if first != decode:
+            charges = {first: num_prompt_tokens, decode: kv_tokens}
+            self._queued.add(request_id)
+        self._charges[request_id] = charges
+        for name, tokens in charges.items():
+            self.loads[name] += tokens
+        return Assignment(first, decode)
+
+    def prefilled(self, request_id: str, worker: str) -> None:
+        """``worker`` (its prefill worker) produced the request's first token: release that
+        charge and take the request out of the prefill queue (step 2; no-op when done)."""
+        self._discharge(request_id, worker)
+        self._queued.discard(request_id)
+
+    def release(self, request_id: str) -> None:
+        """The request ended: release every charge it still holds (step 3; each once)."""
+        for name in list(self._charges.get(request_id, ())):
+            self._discharge(request_id, name)
+        self._charges.pop(request_id, None)
+        self._queued.discard(request_id)
+
+    def mark_dead(self, worker: str) -> None:
+        """Nothing new goes to ``worker``; its charges stay until their requests release."""
+        self._dead.add(worker)
+
+    def is_live(self, worker: str) -> bool:
+        return worker not in self._dead
+
+    def requests_needing(self, worker: str) -> list[str]:
+        """Requests still charged to ``worker`` (they need it), in assignment order."""
+        return [rid for rid, charges in self._charges.items() if worker in charges]
+
+    def _pick(self, role: str) -> str:
+        live = [name for name in self.pools[role] if name not in self._dead]
+        name = pick(self.policy, live, self.loads, self._turns[role])
+        self._turns[role] += 1
+        return name
+
+    def _discharge(self, request_id: str, worker: str) -> None:
+        charges = self._charges.get(request_id)
+        if charges is not None and worker in charges:
+            self.loads[worker] -= charges.pop(worker)

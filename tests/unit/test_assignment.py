@@ -1,0 +1,175 @@
+"""The assignment core (``router.assignment``): its rules on their own, and the online router
+and the planner's simulator driven by one event sequence, giving the same assignments and
+the same loads after every event (before the core, the simulator charged decode loads in
+tokens and the router in whole KV blocks, so under ``least_loaded`` they picked different
+decode workers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine import events as ev
+from engine.config import ConditionalConfig, EngineConfig
+from engine.request import Request, SamplingParams
+from planner.latency import TransferModel
+from planner.simulate import Simulator
+from router.assignment import Assigner
+from router.router import Router, WorkerRef
+
+BLOCK = 16
+SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
+        "dtype": "float32"}
+
+
+# ---- the rules ------------------------------------------------------------------------------
+def test_charges_count_whole_blocks_and_release_to_zero():
+    a = Assigner([("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")],
+                 "disagg", "least_loaded", kv_block_size=BLOCK)
+    assert a.kv_tokens(12, 8) == 32 and a.kv_tokens(16, 16) == 32 and a.kv_tokens(1, 0) == 16
+    first = a.assign("r0", 12, 8)
+    assert (first.first, first.decode, first.remote) == ("prefill-0", "decode-0", True)
+    assert a.loads == {"prefill-0": 12, "decode-0": 32, "decode-1": 0}
+    assert a.num_queued_prefills == 1 and a.requests_needing("prefill-0") == ["r0"]
+    a.prefilled("r0", "prefill-0")
+    a.prefilled("r0", "prefill-0")  # once only
+    assert a.loads == {"prefill-0": 0, "decode-0": 32, "decode-1": 0}
+    assert a.num_queued_prefills == 0 and a.requests_needing("prefill-0") == []
+    a.release("r0")
+    a.release("r0")
+    assert a.loads == dict.fromkeys(a.loads, 0)
+
+
+def test_round_robin_keeps_one_counter_per_pool_and_skips_dead_workers():
+    a = Assigner([("colocated-0", "colocated"), ("colocated-1", "colocated"),
+                  ("colocated-2", "colocated")], "colocated", "round_robin")
+    assert [a.assign(f"r{i}", 4, 4).first for i in range(4)] == \
+        ["colocated-0", "colocated-1", "colocated-2", "colocated-0"]
+    a.mark_dead("colocated-2")
+    assert not a.is_live("colocated-2") and a.is_live("colocated-0")
+    picks = [a.assign(f"s{i}", 4, 4).first for i in range(3)]
+    assert "colocated-2" not in picks
+    a.mark_dead("colocated-0")
+    a.mark_dead("colocated-1")
+    with pytest.raises(ValueError, match="no live worker"):
+        a.assign("t", 4, 4)
+    assert a.requests_needing("colocated-2") == ["r2"]  # charged before it died
+
+
+def test_conditional_prefills_short_prompts_locally_by_dynamos_rule():
+    rule = ConditionalConfig(max_local_prefill_length=8, max_prefill_queue_size=2)
+    a = Assigner([("prefill-0", "prefill"), ("decode-0", "decode")], "conditional",
+                 conditional=rule)
+    assert not a.assign("short", 8, 4).remote  # <= max_local_prefill_length: local
+    assert a.assign("long", 9, 4).remote
+    assert a.num_queued_prefills == 1
+    assert a.assign("long2", 9, 4).remote  # 1 queued, fewer than 2
+    assert not a.assign("long3", 9, 4).remote  # 2 queued: local after all
+    a.prefilled("long", "prefill-0")
+    assert a.num_queued_prefills == 1 and a.assign("long4", 9, 4).remote
+    assert a.loads == {"prefill-0": 18, "decode-0": 12 + 4 * 13}
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match="placement kind"):
+        Assigner([("x", "colocated")], "mixed")
+    with pytest.raises(ValueError, match="policy"):
+        Assigner([("x", "colocated")], "colocated", "random")
+    with pytest.raises(ValueError, match="needs a decode worker"):
+        Assigner([("prefill-0", "prefill")], "disagg")
+    a = Assigner([("x", "colocated")], "colocated")
+    a.assign("r", 1, 1)
+    with pytest.raises(ValueError, match="already assigned"):
+        a.assign("r", 1, 1)
+
+
+# ---- router and simulator, one event sequence -------------------------------------------------
+# (event, request id, prompt tokens, max_tokens); r0 and r1 charge 20 and 17 tokens, one block
+# pair (32) each: counted in tokens r2 goes to decode-1, in blocks to decode-0 (the tie's first).
+EVENTS = [("arrive", "r0", 12, 8), ("arrive", "r1", 9, 8), ("prefilled", "r0"),
+          ("arrive", "r2", 5, 3), ("prefilled", "r1"), ("finish", "r0"), ("prefilled", "r2"),
+          ("finish", "r2"), ("finish", "r1")]
+
+
+class ScriptedWorker:
+    """A worker whose events are put on its outbox by the test (nothing happens by itself)."""
+
+    def __init__(self, name: str) -> None:
+        self.name, self.role = name, name.split("-")[0]
+        self.outbox: list[ev.WorkerEvent] = []
+
+    def info(self) -> dict:
+        return {"kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256,
+                "kv_block_size": BLOCK}
+
+    def submit(self, request, dst_rank=None) -> None:
+        pass
+
+    def admit(self, request, first_token, kv_handles) -> None:
+        pass
+
+    def abort(self, request_id) -> None:
+        pass
+
+    def release(self, handles) -> None:
+        pass
+
+    def wait_events(self, timeout_s: float) -> list[ev.WorkerEvent]:
+        events, self.outbox = self.outbox, []
+        return events
+
+
+class _Done:
+    def __init__(self, value) -> None:
+        self.value = value
+
+
+class InstantCalls:
+    """``Calls`` that run each call at once, in the router's thread."""
+
+    def call(self, worker, method, *args):
+        return _Done(getattr(worker, method)(*args))
+
+    def ready(self, pending, timeout_s):
+        return list(pending)
+
+    def result(self, pending):
+        return pending.value
+
+
+def request(rid: str, prompt: int, max_tokens: int) -> Request:
+    return Request(rid, tuple(range(3, 3 + prompt)), SamplingParams(max_tokens=max_tokens))
+
+
+def test_router_and_simulator_assign_alike_event_by_event():
+    names = ["prefill-0", "decode-0", "decode-1"]
+    workers = {n: ScriptedWorker(n) for n in names}
+    router = Router([WorkerRef(n, w.role, w) for n, w in workers.items()], InstantCalls(),
+                    "disagg:1p2d", "least_loaded", poll_s=0.0)
+    sim = Simulator("disagg:1p2d", EngineConfig(max_num_seqs=8, max_model_len=128,
+                                                max_num_batched_tokens=64, block_size=BLOCK),
+                    lambda *features: 0.01, TransferModel(0.0, 1e9), kv_bytes_per_token=64)
+    sim.run([])  # an empty run leaves the simulator's state ready for its event handlers
+    decode_of, router_loads, sim_loads = {}, [], []
+    for t, (kind, rid, *lengths) in enumerate(EVENTS):
+        if kind == "arrive":
+            router.submit(request(rid, *lengths), sink=lambda event: None)
+            sim._arrive(float(t), request(rid, *lengths))
+        elif kind == "prefilled":
+            workers["prefill-0"].outbox.append(ev.WorkerEvent(
+                ev.PREFILLED, rid, "prefill-0", float(t), token_id=7, index=0, kv_handles=()))
+            sim._hand_over(float(t), sim._flights[rid])
+        else:
+            decode = decode_of[rid]
+            workers[decode].outbox.append(ev.WorkerEvent(
+                ev.TOKEN, rid, decode, float(t), token_id=9, index=1, finish_reason="length"))
+            sim._finish(sim._flights[rid], float(t))
+        router._step(0.0)  # takes the submit or hears the event (its poll answers at once)
+        if kind == "arrive":
+            decode_of[rid] = router._flights[rid].record.decode_worker
+            assert sim._flights[rid].decode == decode_of[rid], (kind, rid)
+        router_loads.append(dict(router.loads))
+        sim_loads.append(dict(sim._assigner.loads))
+        assert router_loads[-1] == sim_loads[-1], (t, kind, rid)
+    assert decode_of == {"r0": "decode-0", "r1": "decode-1", "r2": "decode-0"}
+    assert router_loads[3] == {"prefill-0": 9 + 5, "decode-0": 32 + 16, "decode-1": 32}
+    assert router_loads[-1] == dict.fromkeys(names, 0)
