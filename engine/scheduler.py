@@ -388,6 +388,50 @@ class Scheduler:
         for i in range(state.num_computed_tokens // self.block_size, state.num_cached_blocks):
             cap.uncache(table[i])
 
+    def decode_steps_available(self, requests: list[RequestState], max_steps: int) -> int:
+        """How many of the next ``max_steps`` decode steps of ``requests`` (a pure-decode
+        batch ``schedule`` just returned, scheduled again unchanged, one token each) would
+        get their KV blocks from ``schedule`` without a preemption (the planner's
+        fast-forward stops before the first that would preempt). ``full``: all of them."""
+        if not self.on_demand or max_steps <= 0:
+            return max(max_steps, 0)
+        block_size, free = self.block_size, self.capacity.num_free_blocks
+        # step j computes token k + j of a request; it needs a new block at j = cap - k,
+        # then every block_size steps
+        firsts = [len(s.block_ids) * block_size - s.num_computed_tokens for s in requests]
+
+        def needed(m: int) -> int:
+            return sum(1 + (m - f) // block_size for f in firsts if m >= f)
+
+        if needed(max_steps) <= free:
+            return max_steps
+        lo, hi = 0, max_steps  # needed(lo) <= free < needed(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if needed(mid) <= free else (lo, mid)
+        return lo
+
+    def catch_up_decodes(self, requests: list[RequestState], num_steps: int) -> None:
+        """The KV side of ``num_steps`` decode steps of ``requests`` that ran without
+        ``schedule`` (the planner's fast-forward; at most ``decode_steps_available``), once
+        their counters and tokens advanced: the blocks ``schedule`` would have allocated
+        (in its order: step by step, request by request) and the full blocks it would have
+        registered in the prefix cache."""
+        block_size = self.block_size
+        if self.on_demand and num_steps > 0:
+            due = []  # (step, request index): when each new block was needed
+            for i, state in enumerate(requests):
+                k0 = state.num_computed_tokens - num_steps
+                first = len(state.block_ids) * block_size - k0
+                due.extend((j, i) for j in range(first, num_steps + 1, block_size))
+            for j, i in sorted(due):
+                state = requests[i]
+                state.block_ids.extend(self.capacity.allocate(block_size))
+                state.num_reserved_tokens = state.num_computed_tokens - num_steps + j + 1
+        if self.capacity.enable_caching:
+            for state in requests:
+                self._cache_blocks(state, len(state.token_ids), this_step=False)
+
     def step_failed(self) -> None:
         """The forward of the last ``schedule()``'s batch failed: the blocks it registered
         hold no valid KV, so they leave the prefix cache (call before releasing the
