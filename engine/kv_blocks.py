@@ -291,6 +291,25 @@ class BlockAllocator:
             self._stored.append(digest)
         return True
 
+    def cache_table(self, block_ids: list[int], hashes: list[bytes], start: int,
+                    end: int) -> list[int]:
+        """``cache(block_ids[i], hashes[i])`` for i in ``[start, end)``, in one call (a
+        prompt registers all its blocks at admission); returns the blocks registered."""
+        if not self.enable_caching:
+            return []
+        registered, cached, block_hash = [], self._cached, self.block_hash
+        record = self._stored if self.record_events else None
+        for i in range(start, end):
+            block, digest = block_ids[i], hashes[i]
+            if block_hash[block] is not None or digest in cached:
+                continue
+            block_hash[block] = digest
+            cached[digest] = block
+            registered.append(block)
+            if record is not None:
+                record.append(digest)
+        return registered
+
     def uncache(self, block: int) -> None:
         """Forget ``block``'s hash (its KV is not what the hash says: a step that was to
         compute it failed); an evictable block becomes plainly free."""

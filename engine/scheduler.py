@@ -334,10 +334,10 @@ class Scheduler:
         hashes = state.block_hashes
         if len(hashes) < num_full:
             hashes = self._hashes(state)
-        cap, table = self.capacity, state.block_ids
-        for i in range(state.num_cached_blocks, num_full):
-            if cap.cache(table[i], hashes[i]) and this_step:
-                self._step_cached.append(table[i])
+        registered = self.capacity.cache_table(state.block_ids, hashes, state.num_cached_blocks,
+                                               num_full)
+        if this_step:
+            self._step_cached.extend(registered)
         state.num_cached_blocks = num_full
 
     def _grow(self, state: RequestState, num_tokens: int, batch: ScheduledBatch) -> int:

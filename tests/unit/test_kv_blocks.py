@@ -127,3 +127,13 @@ def test_kv_events_are_recorded_once_asked_for():
     alloc.allocate(4)  # evicts both: block 0 (freed first), then 1
     assert alloc.pop_events() == ([h2], [block_hashes([1, 2], 2)[0], h2])
     assert alloc.pop_events() == ([], []) and alloc.cached_hashes() == set()
+
+
+def test_cache_table_registers_a_range_as_cache_does_one_by_one():
+    alloc = BlockAllocator(num_blocks=6, block_size=2)
+    tokens = [1, 2, 3, 4, 5, 6]
+    hashes = block_hashes(tokens, 2)
+    a, b = alloc.allocate(6), alloc.allocate(6)
+    assert alloc.cache_table(a, hashes, 0, 2) == a[:2]  # block 2 of a: not in the range
+    assert alloc.cache_table(b, hashes, 0, 3) == [b[2]]  # the first two hashes are a's
+    assert [alloc.block_hash[x] for x in a + b] == hashes[:2] + [None, None, None, hashes[2]]
