@@ -44,7 +44,7 @@ class VLLMPeer:
 
     def __init__(self, max_model_len: int, max_num_batched_tokens: int,
                  cores: list[int] | None = None, kv_cache_gib: int = 2,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, block_size: int | None = None) -> None:
         if not available():
             raise RuntimeError(f"{VENV_PYTHON} not found: run `make vllm-venv` first")
         cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
@@ -60,7 +60,8 @@ class VLLMPeer:
         self.proc = subprocess.Popen(
             ["taskset", "-c", ",".join(map(str, cores)), str(VENV_PYTHON), str(WORKER),
              str(model_dir), str(max_model_len), str(max_num_batched_tokens),
-             "1" if enable_prefix_caching else "0"],
+             "1" if enable_prefix_caching else "0"]
+            + ([str(block_size)] if block_size else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
             env=env, cwd=str(REPO_ROOT))
         self.version = self._read()["version"]

@@ -2,8 +2,9 @@
 
 A JSON-lines loop so that a benchmark can alternate pdlab and vLLM runs in one process pair:
 
-1. Start: ``python benchmarks/vllm_worker.py MODEL_DIR MAX_MODEL_LEN BUDGET [CACHING]``;
-   builds one offline ``vllm.LLM`` (fp32, prefix caching off unless CACHING is ``1``,
+1. Start: ``python benchmarks/vllm_worker.py MODEL_DIR MAX_MODEL_LEN BUDGET [CACHING
+   [BLOCK_SIZE]]``; builds one offline ``vllm.LLM`` (fp32, prefix caching off unless CACHING
+   is ``1``, KV blocks of BLOCK_SIZE tokens if given (else vLLM's default),
    chunked prefill at token budget BUDGET, no tokenizer: prompts are token ids), then
    prints ``{"ready": true, "version": ...}``.
 2. Each stdin line ``{"prompts": [[ids]], "max_tokens": n}`` runs one ``LLM.generate`` over
@@ -27,6 +28,7 @@ import time
 def main() -> int:
     model_dir, max_model_len, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     caching = len(sys.argv) > 4 and sys.argv[4] == "1"
+    block = {"block_size": int(sys.argv[5])} if len(sys.argv) > 5 else {}
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything vLLM prints stays off the protocol channel
     # imported after the redirect: what vLLM prints on import must not reach the channel
@@ -36,7 +38,8 @@ def main() -> int:
 
     llm = LLM(model=model_dir, dtype="float32", max_model_len=max_model_len,
               max_num_batched_tokens=budget, enable_chunked_prefill=True,
-              enable_prefix_caching=caching, skip_tokenizer_init=True, max_num_seqs=256, seed=0)
+              enable_prefix_caching=caching, skip_tokenizer_init=True, max_num_seqs=256, seed=0,
+              **block)
 
     def reply(obj: dict) -> None:
         real_stdout.write(json.dumps(obj) + "\n")
