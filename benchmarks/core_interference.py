@@ -41,7 +41,8 @@ def main():
     os.sched_setaffinity(0, {0})
     torch.set_num_threads(1)
     loaded = load_model(ModelConfig("smollm2-135m"))
-    eng = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=2048, max_num_batched_tokens=512))
+    eng = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=2048, max_num_batched_tokens=512,
+                                      enable_prefix_caching=False))
     gen = torch.Generator().manual_seed(0)
     n = 0
 

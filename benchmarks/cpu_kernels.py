@@ -65,7 +65,8 @@ def _engines(loaded, max_num_seqs: int, max_model_len: int) -> dict[str, Engine]
     names = ("fused", "torch", *_AGAINST)
     engines = {name: Engine(loaded, EngineConfig(max_num_seqs=max_num_seqs,
                                                  max_model_len=max_model_len,
-                                                 max_num_batched_tokens=max(2048, max_model_len)))
+                                                 max_num_batched_tokens=max(2048, max_model_len),
+                                                 enable_prefix_caching=False))
                for name in names}
     if getattr(engines["fused"].runner.ops, "kernels", None) is None:
         raise RuntimeError("the CPU kernels did not build here: nothing to compare")

@@ -46,7 +46,8 @@ def compare(loaded: LoadedModel, batch_size: int, context: int, repeats: int) ->
     max_tokens = repeats + 4  # never finishes while being timed
     engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size,
                                          max_model_len=context + max_tokens + 1,
-                                         max_num_batched_tokens=batch_size * context))
+                                         max_num_batched_tokens=batch_size * context,
+                                         enable_prefix_caching=False))
     for i, p in enumerate(prompts):
         engine.add_request(Request(f"d{i}", tuple(p), SamplingParams(max_tokens=max_tokens,
                                                                      ignore_eos=True)))

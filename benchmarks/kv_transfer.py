@@ -487,7 +487,8 @@ def streaming_table(transport_names: list[str], prompt_len: int, repeats: int,
 
     # one engine per mode, as a prefill worker's granularity is fixed when it is built
     config = EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
-                          max_num_batched_tokens=prompt_len)
+                          max_num_batched_tokens=prompt_len,
+                          enable_prefix_caching=False)  # every repeat: the same prompt
     engines = {"whole": Engine(loaded, config),
                "layer": Engine(loaded, config, quiet=True, on_layer_done=put_layers)}
     rows = []

@@ -92,16 +92,18 @@ def load_runs(path: Path) -> tuple[dict, list[replay.RunResult], dict]:
     """A saved results directory as ``(config, runs, items)``: its real runs as
     ``replay.RunResult``s (records, steps and transfers of each) and per seed the
     workload rebuilt from the records (prompt lengths and output lengths; the token ids
-    are not saved and the simulator needs none)."""
+    are not saved: each rebuilt prompt starts with its own token, so the simulator's
+    prefix cache finds no block shared, as on the synthetic workloads validated; a run
+    whose records show prefix hits (``num_cached_prompt_tokens``) is not rescored faithfully)."""
     config, runs, steps = load_results(path)
     transfers = pd.read_csv(path / "transfers.csv")
     measured, items = [], {}
     for (placement, rate, seed), records in sorted(runs.items()):
         position = lambda r: int(r.request_id.rsplit("-", 1)[-1])  # noqa: E731
         records = sorted(records, key=position)
-        items.setdefault(seed, [workloads.WorkloadRequest((0,) * r.num_prompt_tokens,
-                                                          len(r.output_token_ids) or 1, "rescore")
-                                for r in records])
+        items.setdefault(seed, [workloads.WorkloadRequest(
+            (i + 1,) + (0,) * (r.num_prompt_tokens - 1), len(r.output_token_ids) or 1, "rescore")
+            for i, r in enumerate(records)])
         moved = (transfers[transfers["request_id"].isin({r.request_id for r in records})]
                  if "request_id" in transfers else transfers)  # colocated runs move no KV
         measured.append(replay.RunResult(

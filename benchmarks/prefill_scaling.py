@@ -44,7 +44,8 @@ _ids = itertools.count()
 
 def _pdlab(loaded, prompt: list[int], budget: int):
     engine = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=len(prompt) + 1,
-                                         max_num_batched_tokens=budget))
+                                         max_num_batched_tokens=budget,
+                                         enable_prefix_caching=False))
 
     def run() -> tuple[float, int]:
         request = Request(f"ps{next(_ids)}", tuple(prompt), SamplingParams(max_tokens=1))

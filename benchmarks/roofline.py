@@ -116,12 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     # decode: one request prefilled to context - 1 tokens + its first token, then B = 1 steps
     decode_tokens = 2 * repeats + 8
     decoder = Engine(loaded, EngineConfig(max_num_seqs=1, max_num_batched_tokens=args.context,
-                                          max_model_len=args.context + decode_tokens))
+                                          max_model_len=args.context + decode_tokens,
+                                          enable_prefix_caching=False))
     decoder.add_request(Request("decode", prompt(args.context - 1),
                                 SamplingParams(max_tokens=decode_tokens, ignore_eos=True)))
     decoder.step()
     prefiller = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=args.prompt_len + 1,
-                                            max_num_batched_tokens=args.prompt_len))
+                                            max_num_batched_tokens=args.prompt_len,
+                                            enable_prefix_caching=False))
 
     def queue_prompt() -> None:
         prefiller.add_request(Request(f"p{next(_ids)}", prompt(args.prompt_len),

@@ -71,7 +71,8 @@ def server_command(system: str, port: int, cores: list[int], vllm_python: Path =
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     return taskset + [sys.executable, "-m", "experiments.cli", "serve", "--placement", placement,
                       "--devices", devices, "--model", SMOLLM2_NAME, "--port", str(port),
-                      "--max-model-len", str(MAX_MODEL_LEN), "--transport", "shm"], env
+                      "--max-model-len", str(MAX_MODEL_LEN), "--transport", "shm",
+                      "--no-enable-prefix-caching"], env  # off on both sides, as vLLM's
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:

@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     vocab = loaded.model.config.vocab_size
     lengths = torch.randint(8, 65, (args.batch,), generator=gen).tolist()
     engine = Engine(loaded, EngineConfig(max_num_seqs=args.batch, max_model_len=64 + steps + 80,
-                                         max_num_batched_tokens=2048))
+                                         max_num_batched_tokens=2048,
+                                         enable_prefix_caching=False))
     for i, n in enumerate(lengths):
         prompt = tuple(torch.randint(3, vocab, (n,), generator=gen).tolist())
         engine.add_request(Request(f"o{i}", prompt,

@@ -3,7 +3,8 @@
 ``VLLMPeer`` starts ``benchmarks/vllm_worker.py`` with ``.venv-vllm/bin/python`` pinned to
 the benchmark's own cores (the same ``taskset`` cores and thread count as pdlab), and sends
 it one job per call, so a benchmark alternates pdlab and vLLM round by round. vLLM runs
-offline (``vllm.LLM``), fp32, prefix caching **off**, one engine process
+offline (``vllm.LLM``), fp32, prefix caching **off** (``enable_prefix_caching`` turns it on),
+one engine process
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: no second process competing for the pinned core),
 with its default compilation. The model is the SmolLM2 directory pdlab caches
 (``engine.model.cache_dir()/models/smollm2-135m``), so both load the same weights.
@@ -42,7 +43,8 @@ class VLLMPeer:
     """
 
     def __init__(self, max_model_len: int, max_num_batched_tokens: int,
-                 cores: list[int] | None = None, kv_cache_gib: int = 2) -> None:
+                 cores: list[int] | None = None, kv_cache_gib: int = 2,
+                 enable_prefix_caching: bool = False, block_size: int | None = None) -> None:
         if not available():
             raise RuntimeError(f"{VENV_PYTHON} not found: run `make vllm-venv` first")
         cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
@@ -57,16 +59,26 @@ class VLLMPeer:
         model_dir = cache_dir() / "models" / SMOLLM2_NAME
         self.proc = subprocess.Popen(
             ["taskset", "-c", ",".join(map(str, cores)), str(VENV_PYTHON), str(WORKER),
-             str(model_dir), str(max_model_len), str(max_num_batched_tokens)],
+             str(model_dir), str(max_model_len), str(max_num_batched_tokens),
+             "1" if enable_prefix_caching else "0"]
+            + ([str(block_size)] if block_size else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
             env=env, cwd=str(REPO_ROOT))
         self.version = self._read()["version"]
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        seconds, outputs, _ = self.run_cached(prompts, max_tokens)
+        return seconds, outputs
+
+    def run_cached(self, prompts: list[list[int]], max_tokens: int,
+                   reset_prefix_cache: bool = False) -> tuple[float, list[list[int]], list[int]]:
+        """``run``, plus each request's prefix-cache hit in tokens; ``reset_prefix_cache``
+        empties vLLM's prefix cache first (untimed)."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
+                                          "reset_prefix_cache": reset_prefix_cache}) + "\n")
         self.proc.stdin.flush()
         reply = self._read()
-        return reply["seconds"], reply["outputs"]
+        return reply["seconds"], reply["outputs"], reply["num_cached_tokens"]
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()

@@ -2,12 +2,17 @@
 
 A JSON-lines loop so that a benchmark can alternate pdlab and vLLM runs in one process pair:
 
-1. Start: ``python benchmarks/vllm_worker.py MODEL_DIR MAX_MODEL_LEN BUDGET``; builds one
-   offline ``vllm.LLM`` (fp32, prefix caching off, chunked prefill at token budget BUDGET,
-   no tokenizer: prompts are token ids), then prints ``{"ready": true, "version": ...}``.
+1. Start: ``python benchmarks/vllm_worker.py MODEL_DIR MAX_MODEL_LEN BUDGET [CACHING
+   [BLOCK_SIZE]]``; builds one offline ``vllm.LLM`` (fp32, prefix caching off unless CACHING
+   is ``1``, KV blocks of BLOCK_SIZE tokens if given (else vLLM's default),
+   chunked prefill at token budget BUDGET, no tokenizer: prompts are token ids), then
+   prints ``{"ready": true, "version": ...}``.
 2. Each stdin line ``{"prompts": [[ids]], "max_tokens": n}`` runs one ``LLM.generate`` over
-   all prompts (greedy, EOS ignored) and prints ``{"seconds": s, "outputs": [[ids]]}``, where
-   ``s`` is the wall time of that ``generate`` call (``time.perf_counter``).
+   all prompts (greedy, EOS ignored) and prints ``{"seconds": s, "outputs": [[ids]],
+   "num_cached_tokens": [n]}``, where ``s`` is the wall time of that ``generate`` call
+   (``time.perf_counter``) and ``num_cached_tokens`` each request's prefix-cache hit
+   (``RequestOutput.num_cached_tokens``). ``"reset_prefix_cache": true`` in the job empties
+   the prefix cache first (untimed).
 3. An empty line or EOF ends it.
 
 vLLM's own logs go to stderr; stdout carries only these JSON lines.
@@ -22,6 +27,8 @@ import time
 
 def main() -> int:
     model_dir, max_model_len, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    caching = len(sys.argv) > 4 and sys.argv[4] == "1"
+    block = {"block_size": int(sys.argv[5])} if len(sys.argv) > 5 else {}
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything vLLM prints stays off the protocol channel
     # imported after the redirect: what vLLM prints on import must not reach the channel
@@ -31,7 +38,8 @@ def main() -> int:
 
     llm = LLM(model=model_dir, dtype="float32", max_model_len=max_model_len,
               max_num_batched_tokens=budget, enable_chunked_prefill=True,
-              enable_prefix_caching=False, skip_tokenizer_init=True, max_num_seqs=256, seed=0)
+              enable_prefix_caching=caching, skip_tokenizer_init=True, max_num_seqs=256, seed=0,
+              **block)
 
     def reply(obj: dict) -> None:
         real_stdout.write(json.dumps(obj) + "\n")
@@ -42,13 +50,16 @@ def main() -> int:
         if not line.strip():
             break
         job = json.loads(line)
+        if job.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                                 detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
         start = time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        reply({"seconds": seconds, "outputs": [list(r.outputs[0].token_ids) for r in results]})
+        reply({"seconds": seconds, "outputs": [list(r.outputs[0].token_ids) for r in results],
+               "num_cached_tokens": [r.num_cached_tokens or 0 for r in results]})
     return 0
 
 

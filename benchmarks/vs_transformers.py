@@ -55,7 +55,8 @@ class Contenders:
         self.budget = 2048
         max_len = max(len(p) for p in prompts) + output_len
         self.engine_config = EngineConfig(max_num_seqs=len(prompts), max_model_len=max_len + 1,
-                                          max_num_batched_tokens=self.budget)
+                                          max_num_batched_tokens=self.budget,
+                                          enable_prefix_caching=False)
         self.engine: Engine | None = None
         pad = self.model.generation_config.pad_token_id
         self.gen_config = lambda: GenerationConfig(  # noqa: E731  (generate_batch mutates it)

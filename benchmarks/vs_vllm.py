@@ -3,8 +3,8 @@
 Needs ``.venv-vllm`` (``make vllm-venv``); ``make bench-vllm`` runs this. Both engines run on
 the same pinned core(s) (``--threads``, default one core), alternating run by run, each
 figure the minimum over ``--repeats`` rounds after one warm-up round. SmolLM2-135M fp32,
-greedy, EOS ignored, **prefix caching off on both sides** (pdlab has none; vLLM's is turned
-off), token budget 2048 on both (chunked prefill on). vLLM runs offline (``vllm.LLM``, its
+greedy, EOS ignored, **prefix caching off on both sides** (every round runs the same prompts
+again, which a prefix cache would serve), token budget 2048 on both (chunked prefill on). vLLM runs offline (``vllm.LLM``, its
 default compilation) in a subprocess (``benchmarks.vllm_peer``); its time is its
 ``generate`` call's wall time inside that process. pdlab's is ``Engine.generate``'s.
 
@@ -81,7 +81,8 @@ class PdlabSide:
     def __init__(self, loaded, max_model_len: int, max_num_seqs: int) -> None:
         self.engine = Engine(loaded, EngineConfig(max_num_seqs=max_num_seqs,
                                                   max_model_len=max_model_len,
-                                                  max_num_batched_tokens=BUDGET))
+                                                  max_num_batched_tokens=BUDGET,
+                                                  enable_prefix_caching=False))
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
         requests = [Request(f"vv{next(_ids)}", tuple(p),

@@ -6,9 +6,10 @@ A request's life here (DESIGN §3, steps 3-5). Transfer is a scheduler state:
 1. ``admit(request, first_token, kv_handles)`` returns at once. On the loop thread the
    request enters the engine as ``WAITING_FOR_REMOTE_KVS``; this worker holds its handles
    (the KV bytes stay with their producer). Nothing is fetched yet.
-2. The scheduler reserves the request's KV slot (capacity first, FCFS). Only then is the
-   fetch started, on a pool of fetch threads: several transfers are in flight at once and a
-   slow one never delays the others (a transport that must be read in order, NCCL, gets one
+2. The scheduler reserves the request's KV blocks (capacity first, FCFS; prompt + 1 tokens
+   on demand, sharing the prompt blocks this worker caches). Only then is the fetch
+   started, on a pool of fetch threads: several transfers are in flight at once and a slow
+   one never delays the others (a transport that must be read in order, NCCL, gets one
    thread). The transfer deadline counts from the fetch's start.
 3. Each payload's header is checked against this worker's own KVSpec (model, layers, KV
    heads, head dim, dtype), its request id and its token count against the request; a
@@ -23,6 +24,13 @@ A request's life here (DESIGN §3, steps 3-5). Transfer is a scheduler state:
    handles freed and its KV dropped when it returns. An aborted request never decodes; an
    ``error`` event says where it was aborted (ignored by a router that aborted it itself).
 6. Every token leaves as a ``token`` event; the request's KV is freed when it finishes.
+
+Prefix caching and preemption: a request admitted with ``kv_token_start`` > 0 receives only
+the prompt's KV from that token on (its router knew this worker caches the prefix). If the
+prefix was evicted before the reservation, the request recomputes prompt + first token
+here instead: its handles are freed unfetched and ``kv_got`` reports 0 bytes. A running
+request preempted for blocks (on-demand allocation) recomputes prompt + outputs here too,
+with no second transfer.
 
 Under ``conditional:xPyD`` the router also ``submit``s whole requests (short prompts) here:
 they prefill and decode in this engine like a colocated instance's, batched with the rest.
@@ -56,6 +64,7 @@ class _Transfer:
     handles: tuple[KVHandle, ...]
     state: object  # the engine's RequestState: identifies this admission (ids may be reused)
     fetching: bool = False
+    kv_token_start: int = 0  # the KV covers prompt tokens [kv_token_start, T)
 
 
 class DecodeWorker(EngineLoop):
@@ -81,9 +90,12 @@ class DecodeWorker(EngineLoop):
         self._fetcher = ThreadPoolExecutor(max_workers=num_threads,
                                            thread_name_prefix=f"{name}-kv")
 
-    def admit(self, request: Request, first_token: int, kv_handles: tuple[KVHandle, ...]) -> None:
-        """Queue ``request`` for a KV slot; its KV is fetched once the slot is reserved."""
-        self._commands.put(lambda: self._admit(request, first_token, tuple(kv_handles)))
+    def admit(self, request: Request, first_token: int, kv_handles: tuple[KVHandle, ...],
+              kv_token_start: int = 0) -> None:
+        """Queue ``request`` for a KV slot; its KV (prompt tokens from ``kv_token_start``
+        on, the prefix before it cached here) is fetched once the slot is reserved."""
+        self._commands.put(lambda: self._admit(request, first_token, tuple(kv_handles),
+                                               kv_token_start))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self._abort(request_id))
@@ -100,15 +112,17 @@ class DecodeWorker(EngineLoop):
         super().shutdown()
 
     # ---- the loop thread ---------------------------------------------------------------
-    def _admit(self, request: Request, first_token: int, handles: tuple[KVHandle, ...]) -> None:
+    def _admit(self, request: Request, first_token: int, handles: tuple[KVHandle, ...],
+               kv_token_start: int = 0) -> None:
         rid = request.request_id
         try:
-            self.engine.add_remote(request, first_token)
+            self.engine.add_remote(request, first_token, kv_token_start)
         except ValueError as err:
             self._free(handles)
             self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=str(err)))
             return
-        self._transfers[rid] = _Transfer(request, handles, self.engine.states[rid])
+        self._transfers[rid] = _Transfer(request, handles, self.engine.states[rid],
+                                         kv_token_start=kv_token_start)
 
     def _abort(self, request_id: str) -> None:
         transfer = self._transfers.get(request_id)
@@ -124,11 +138,20 @@ class DecodeWorker(EngineLoop):
                                   error=f"aborted on {self.name} {where}"))
 
     def on_step(self, output: StepOutput) -> None:
-        """Every token goes out; then the fetch of every request whose slot this step
+        """Every token goes out; the handles of requests that recompute here instead of
+        receiving their KV are freed; then the fetch of every request whose slot this step
         reserved starts (also after a step that did nothing else)."""
         for out in output.tokens:
             stamps = {DECODE_ADMITTED: out.first_scheduled_s} if out.first_scheduled_s else {}
             self.emit(token_event(self.name, out, **stamps))
+        for rid in output.kv_dropped:
+            transfer = self._transfers.pop(rid, None)
+            if transfer is None:
+                continue
+            self._free(transfer.handles)
+            now = time.time()  # nothing fetched: the router stops holding the handles
+            self.emit(WorkerEvent(KV_GOT, rid, self.name, now, kv_bytes=0, kv_transfer_s=0.0,
+                                  kv_get_s=0.0, stamps={KV_GOT: now}))
         for rid in output.kv_reserved:
             transfer = self._transfers.get(rid)
             if transfer is None or not self.engine.is_waiting_for_kv(rid):
@@ -158,7 +181,8 @@ class DecodeWorker(EngineLoop):
             self.engine.abort(rid, error)
             self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=error))
             return
-        num_bytes = self.engine.kv_spec.kv_bytes(transfer.request.num_prompt_tokens)
+        num_bytes = self.engine.kv_spec.kv_bytes(transfer.request.num_prompt_tokens
+                                                 - transfer.kv_token_start)
         self.emit(WorkerEvent(KV_GOT, rid, self.name, got_s, kv_bytes=num_bytes,
                               kv_transfer_s=got_s - start_s, kv_get_s=got_s - start_s,
                               stamps={KV_GOT: got_s}))
@@ -174,14 +198,17 @@ class DecodeWorker(EngineLoop):
     def _fetch_thread(self, transfer: _Transfer) -> None:
         start_s = time.time()
         try:
-            kv, error = self._fetch(transfer.request, transfer.handles), None
+            kv, error = self._fetch(transfer.request, transfer.handles,
+                                    transfer.kv_token_start), None
         except Exception as err:  # timeout, lost bytes, header mismatch, corruption
             kv, error = None, f"KV transfer failed: {type(err).__name__}: {err}"
         got_s = time.time()
         self._commands.put(lambda: self._arrived(transfer, kv, error, start_s, got_s))
 
-    def _fetch(self, request: Request, handles: tuple[KVHandle, ...]) -> torch.Tensor:
-        """All layer ranges of the request's KV, checked and in layer order: ``[L, 2, H_kv, T, D]``."""
+    def _fetch(self, request: Request, handles: tuple[KVHandle, ...],
+               token_start: int = 0) -> torch.Tensor:
+        """All layer ranges of the request's KV, checked and in layer order:
+        ``[L, 2, H_kv, T - token_start, D]``."""
         spec = self.engine.kv_spec
         deadline_s = time.monotonic() + self.transfer.timeout_s
         parts = []
@@ -191,10 +218,13 @@ class DecodeWorker(EngineLoop):
             if header.request_id != rid:
                 raise ValueError(f"KV header mismatch for request {rid}: request_id expected "
                                  f"{rid!r}, got {header.request_id!r}")
-            num_tokens = header.token_end - header.token_start
-            if num_tokens != request.num_prompt_tokens:
-                raise ValueError(f"KV header mismatch for request {rid}: tokens "
-                                 f"expected {request.num_prompt_tokens}, got {num_tokens}")
+            got = (header.token_start, header.token_end)
+            if got != (token_start, request.num_prompt_tokens):
+                want = request.num_prompt_tokens - token_start
+                raise ValueError(
+                    f"KV header mismatch for request {rid}: tokens expected {want} "
+                    f"[{token_start}, {request.num_prompt_tokens}), got "
+                    f"{got[1] - got[0]} [{got[0]}, {got[1]})")
             parts.append((header.layer_start, kv))
         parts.sort(key=lambda part: part[0])
         layers = [start for start, _ in parts]

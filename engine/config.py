@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("inprocess", "ray", "torchdist", "shm", "nixl")
 GRANULARITIES = ("request", "layer")
+KV_RESERVATIONS = ("on_demand", "full")
 
 
 def _check(cond: bool, message: str) -> None:
@@ -133,6 +134,14 @@ class EngineConfig:
             device's memory this process may use in all; the KV cache gets what is left of
             it after the weights (vLLM's ``gpu_memory_utilization``), in (0, 1].
         device: ``cpu`` or ``cuda[:i]``.
+        enable_prefix_caching: automatic prefix caching (vLLM's, on by default as there):
+            full KV blocks are kept by the hash of their token prefix after their request
+            ends, and a prompt starting with cached blocks skips their prefill
+            (``engine.kv_blocks``).
+        kv_reservation: ``on_demand`` (vLLM v1, the default): a request gets KV blocks as
+            its tokens arrive, and when none is free the newest running request is
+            preempted (its blocks freed, recomputed later); ``full``: a request gets the
+            blocks for prompt + max_tokens at admission and is never preempted.
     """
 
     max_num_seqs: int = field(default=256, metadata={"min": 1})
@@ -149,6 +158,13 @@ class EngineConfig:
                          "memory for weights + KV, in (0, 1]"})
     device: str = field(default="cpu", metadata={"pattern": r"cpu|cuda(:\d+)?",
                                                  "hint": "'cpu' or 'cuda[:i]'"})
+    enable_prefix_caching: bool = field(default=True, metadata={
+        "help": "reuse the KV of full 16-token blocks whose token prefix is cached (vLLM's "
+                "automatic prefix caching)"})
+    kv_reservation: str = field(default="on_demand", metadata={
+        "choices": KV_RESERVATIONS,
+        "help": "on_demand: KV blocks as tokens arrive, preempting the newest request when "
+                "none is free (vLLM v1); full: blocks for prompt + max_tokens at admission"})
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -39,6 +39,7 @@ import torch
 from engine.config import EngineConfig
 from engine.limits import Limits
 from engine.metrics import StepRecord
+from engine.kv_blocks import block_hashes
 from engine.kv_cache import GIB, KVStore, kv_budget_bytes, kv_cache_num_blocks
 from engine.model import LoadedModel
 from engine.request import Request, RequestState, RequestStatus, TokenOutput
@@ -77,6 +78,9 @@ class StepOutput:
         record: the step's ``StepRecord`` (also appended to ``Engine.step_records``), or
             None when no forward ran (nothing to compute: at most reservations) or the
             forward failed (its requests are all in ``failed``).
+        kv_dropped: ids of requests prefilled elsewhere that this step turned into local
+            recomputes instead of reserving for their KV (``Engine.add_remote``'s
+            ``kv_token_start`` past what is cached here): free their handles, unfetched.
     """
 
     tokens: tuple[TokenOutput, ...] = ()
@@ -84,6 +88,7 @@ class StepOutput:
     failed: tuple[FailedRequest, ...] = ()
     kv_reserved: tuple[str, ...] = ()
     record: StepRecord | None = None
+    kv_dropped: tuple[str, ...] = ()
 
     def __iter__(self):
         return iter(self.tokens)
@@ -184,25 +189,39 @@ class Engine:
         self.states[request.request_id] = state
         self.scheduler.add(state)
 
-    def add_remote(self, request: Request, first_token: int) -> None:
+    def add_remote(self, request: Request, first_token: int, kv_token_start: int = 0) -> None:
         """Queue a request prefilled elsewhere, whose prompt KV is still with its producer,
         in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV blocks first (listed in
-        that step's ``StepOutput.kv_reserved``); the caller fetches the KV and hands it to
-        ``finish_remote``; then it decodes from its second token on. Nothing is held until
-        the blocks exist.
+        that step's ``StepOutput.kv_reserved``), sharing the prompt blocks this engine
+        caches; the caller fetches the KV and hands it to ``finish_remote``; then it decodes
+        from its second token on. Nothing is held until the blocks exist.
+
+        ``kv_token_start``: the KV it will receive starts at this prompt token (a router
+        that knows this engine caches the prefix sends only the rest); a multiple of
+        ``block_size`` below the prompt length. If at reservation the cached prefix is
+        shorter (evicted meanwhile), the request recomputes here instead, with no fetch
+        (listed in that step's ``StepOutput.kv_dropped``: free its handles).
 
         Raises:
-            ValueError: invalid request, ``first_token`` outside the vocabulary, or a
-                request that has nothing left to decode (EOS, stop token, max_tokens=1).
+            ValueError: invalid request, ``first_token`` outside the vocabulary, a bad
+                ``kv_token_start``, or a request that has nothing left to decode (EOS, stop
+                token, max_tokens=1).
         """
         self.validate(request)
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"request {request.request_id}: first_token must be in "
                              f"[0, {self.vocab_size}), got {first_token}")
+        block_size = self.config.block_size
+        if not (isinstance(kv_token_start, int) and 0 <= kv_token_start < request.num_prompt_tokens
+                and kv_token_start % block_size == 0):
+            raise ValueError(f"request {request.request_id}: kv_token_start must be a multiple "
+                             f"of {block_size} in [0, {request.num_prompt_tokens}), got "
+                             f"{kv_token_start!r}")
         state = RequestState(request)
         state.token_ids.append(first_token)
         state.num_computed_tokens = request.num_prompt_tokens
         state.first_output_index = 1
+        state.kv_token_start = kv_token_start
         self.scheduler.check_stop(state, first_token)  # EOS / max_tokens=1: nothing to decode
         if state.status.is_finished:
             raise ValueError(f"request {request.request_id}: finished with its first token "
@@ -212,8 +231,11 @@ class Engine:
         self.scheduler.add(state)
 
     def finish_remote(self, request_id: str, kv: torch.Tensor) -> None:
-        """Copy a fetched prompt KV ``[L, 2, H_kv, T, D]`` (T = prompt length, this engine's
-        dtype) into the request's reserved blocks; it joins the next decode step.
+        """Copy a fetched prompt KV ``[L, 2, H_kv, T - s, D]`` (tokens ``[s, T)``, s =
+        ``kv_token_start``, T = prompt length, this engine's dtype) into the request's
+        reserved blocks, past the prompt blocks it shares from this engine's prefix cache
+        (those are not overwritten: other requests may be reading them); it joins the next
+        decode step.
 
         Raises:
             KeyError: the request is not waiting for its KV here (aborted or unknown).
@@ -224,11 +246,15 @@ class Engine:
         if state is None or state.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
                 or state.block_ids is None:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV in this engine")
-        expected = self.kv_spec.kv_shape(state.num_prompt_tokens)
+        start = state.kv_token_start
+        expected = self.kv_spec.kv_shape(state.num_prompt_tokens - start)
         if tuple(kv.shape) != expected or kv.dtype != self.kv_spec.torch_dtype:
             raise ValueError(f"request {request_id}: KV expected shape {expected} "
                              f"dtype {self.kv_spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
-        self.kv_store.write(state.block_ids, kv)
+        first = max(state.num_cached_tokens or 0, start)  # a multiple of block_size
+        if first < state.num_prompt_tokens:
+            self.kv_store.write(state.block_ids[first // self.config.block_size:],
+                                kv[:, :, :, first - start:])
         self.scheduler.kv_arrived(state)
 
     def is_waiting_for_kv(self, request_id: str) -> bool:
@@ -236,10 +262,11 @@ class Engine:
         state = self.states.get(request_id)
         return state is not None and state.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
-    def export_kv(self, request_id: str) -> tuple[torch.Tensor, int]:
-        """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T, D]``, contiguous,
-        T = prompt length, gathered from its blocks: the wire format; first token) and frees
-        its blocks.
+    def export_kv(self, request_id: str, token_start: int = 0) -> tuple[torch.Tensor, int]:
+        """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T - s, D]`` of
+        tokens ``[s, T)``, s = ``token_start`` (a multiple of ``block_size``: the prefix
+        its decode worker caches), contiguous, T = prompt length, gathered from its blocks:
+        the wire format; first token) and frees its blocks (full ones stay cached).
 
         Raises:
             KeyError: the request is not held here in PREFILLED state.
@@ -247,8 +274,15 @@ class Engine:
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")
-        kv = self.kv_store.read(state.block_ids, state.num_prompt_tokens)
+        kv = self._read_prompt(state, slice(None), token_start)
         return kv, self.finish_prefilled(request_id)
+
+    def _read_prompt(self, state: RequestState, layers: slice, token_start: int) -> torch.Tensor:
+        block_size = self.config.block_size
+        if token_start % block_size:
+            raise ValueError(f"token_start must be a multiple of {block_size}, got {token_start}")
+        return self.kv_store.read(state.block_ids[token_start // block_size:],
+                                  state.num_prompt_tokens - token_start, layers)
 
     def finish_prefilled(self, request_id: str) -> int:
         """Free a prefilled request's blocks without copying its KV (its layers were already
@@ -259,11 +293,18 @@ class Engine:
         self.release(request_id, RequestStatus.FINISHED_LENGTH)
         return state.token_ids[-1]
 
-    def read_kv_layers(self, request_id: str, layers: slice) -> torch.Tensor:
-        """Copy of a running prefill's prompt KV for some layers ``[L', 2, H_kv, T, D]``
-        (layer-wise streaming reads each layer range once the runner has written it)."""
-        state = self.states[request_id]
-        return self.kv_store.read(state.block_ids, state.num_prompt_tokens, layers)
+    def read_kv_layers(self, request_id: str, layers: slice, token_start: int = 0) -> torch.Tensor:
+        """Copy of a running prefill's prompt KV for some layers ``[L', 2, H_kv, T - s, D]``,
+        tokens ``[s, T)`` as ``export_kv`` (layer-wise streaming reads each layer range once
+        the runner has written it)."""
+        return self._read_prompt(self.states[request_id], layers, token_start)
+
+    def cached_prefix_tokens(self, token_ids) -> int:
+        """Tokens of the longest prefix of ``token_ids`` whose full blocks this engine's
+        prefix cache holds now (what a prompt would skip, before the last-token rule)."""
+        blocks = self.scheduler.capacity
+        return len(blocks.lookup(block_hashes(list(token_ids), blocks.block_size),
+                                 len(token_ids) // blocks.block_size)) * blocks.block_size
 
     def abort(self, request_id: str, error: str | None = None) -> None:
         """Drop a request wherever it is and free its KV (no-op if unknown)."""
@@ -289,8 +330,9 @@ class Engine:
         """
         batch = self.scheduler.schedule()
         kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
+        kv_dropped = tuple(state.request_id for state in batch.kv_dropped)
         if batch.is_empty:
-            return StepOutput(kv_reserved=kv_reserved)
+            return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
         start_s = time.time()
         num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
         entries = batch.entries()
@@ -313,11 +355,12 @@ class Engine:
                                                [states[j].sampling.logprobs for j in lp_rows])
                 logprobs = {states[j].request_id: v for j, v in by_row.items()}
         except Exception as err:  # a failed forward fails its requests, not the engine
+            self.scheduler.step_failed()  # the blocks it was to fill leave the prefix cache
             failed = tuple(FailedRequest(state.request_id, f"{type(err).__name__}: {err}")
                            for state in batch.requests)
             for state in batch.requests:
                 self.abort(state.request_id, str(err))
-            return StepOutput(failed=failed, kv_reserved=kv_reserved)
+            return StepOutput(failed=failed, kv_reserved=kv_reserved, kv_dropped=kv_dropped)
         failed = []
         for row, error in errors.items():  # a row that cannot be sampled fails alone
             state = states[row]
@@ -332,7 +375,7 @@ class Engine:
         outputs = tuple(self._token_output(state, end_s, logprobs.get(state.request_id))
                         for state in produced)
         return StepOutput(outputs, tuple(o.request_id for o in outputs if o.finished),
-                          tuple(failed), kv_reserved, record)
+                          tuple(failed), kv_reserved, record, kv_dropped)
 
     def _token_output(self, state: RequestState, time_s: float,
                       logprobs: tuple[float, tuple] | None = None) -> TokenOutput:
@@ -345,7 +388,9 @@ class Engine:
                            state.finish_reason,
                            state.first_scheduled_time_s if first_here else None,
                            logprobs[0] if logprobs else None,
-                           logprobs[1] if logprobs else ())
+                           logprobs[1] if logprobs else (),
+                           num_cached_tokens=state.num_cached_tokens if first_here else None,
+                           num_preemptions=state.num_preemptions)
 
     # ---- load snapshots (router policies) -------------------------------------------
     def has_unfinished(self) -> bool:
@@ -372,12 +417,13 @@ class Engine:
         return self.kv_store.num_tokens
 
     def is_empty(self) -> bool:
-        """Nothing queued, running, held or reserved, and every KV block free (lifecycle
-        tests end on this)."""
+        """Nothing queued, running, held or reserved, and every KV block free or cached with
+        no reference (lifecycle tests end on this)."""
         blocks = self.scheduler.capacity
         return (not self.states and not self.scheduler.waiting and not self.scheduler.running
-                and not self.scheduler.receiving and blocks.num_used_seqs == 0
-                and blocks.num_free_blocks == blocks.num_blocks)
+                and not self.scheduler.receiving and self.scheduler.num_used_seqs == 0
+                and blocks.num_free_blocks == blocks.num_blocks
+                and all(n == 0 for n in blocks.ref_cnt))
 
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
         """Convenience: run ``requests`` to completion; returns output token ids per request

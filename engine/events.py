@@ -41,3 +41,12 @@ class WorkerEvent:
     # (token_id, logprob) pairs, most likely first (engine.request.TokenOutput)
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    # the request's first token (token index 0 / prefilled): prompt tokens whose prefill
+    # the prefix cache skipped on this worker (None: not that token)
+    num_cached_prompt_tokens: int | None = None
+    # the last event of a request from this worker (its finishing token, or prefilled):
+    # times this worker preempted it (its KV freed, recomputed later)
+    num_preemptions: int = 0
+    # prefilled: bytes of the prompt's KV not sent because its decode worker caches that
+    # prefix (``kv_token_start`` tokens)
+    kv_bytes_saved: int = 0

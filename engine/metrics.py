@@ -86,6 +86,13 @@ class RequestRecord:
             ranges; None when there was no transfer).
         kv_get_s: seconds the decode worker spent fetching and checking the KV (None if none).
         kv_transfer_s: the transfer's full cost, ``kv_put_s + kv_get_s`` (None if none).
+        num_cached_prompt_tokens: prompt tokens whose prefill the prefix cache skipped on
+            the worker that prefilled it (vLLM's ``num_cached_tokens``; 0: none, or caching
+            off).
+        num_preemptions: times its workers preempted it (KV freed, recomputed later; vLLM
+            v1's ``num_preemptions``), summed over its workers.
+        kv_bytes_saved: bytes of prompt KV not shipped because its decode worker already
+            cached that prefix (0 when colocated or nothing was cached).
         timeline: event name -> ``time.time()`` seconds.
         token_times_s: ``time.time()`` when each output token left the router;
             ``token_times_s[0]`` is the first token.
@@ -106,6 +113,9 @@ class RequestRecord:
     kv_put_s: float | None = None
     kv_get_s: float | None = None
     kv_transfer_s: float | None = None
+    num_cached_prompt_tokens: int = 0
+    num_preemptions: int = 0
+    kv_bytes_saved: int = 0
     timeline: dict[str, float] = field(default_factory=dict)
     token_times_s: list[float] = field(default_factory=list)
     token_worker_times_s: list[float] = field(default_factory=list)

@@ -188,6 +188,10 @@ class Request:
         sampling: sampling parameters.
         arrival_time_s: ``time.time()`` when the request arrived (0.0 when unknown).
 
+    The prefix cache keeps the prompt's block hashes on the request (``_prompt_hashes``,
+    ``engine.kv_blocks.prompt_block_hashes``: not a field to pass, compare or copy; a
+    ``dataclasses.replace`` starts without them).
+
     Raises:
         ValueError: empty prompt or a negative / non-integer token id.
     """
@@ -196,6 +200,7 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time_s: float = 0.0
+    _prompt_hashes: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         ids = tuple(self.prompt_token_ids)
@@ -217,13 +222,24 @@ class RequestState:
 
     ``token_ids`` is prompt + outputs; the KV of ``token_ids[:num_computed_tokens]`` is in
     the KV store, in the blocks ``block_ids`` (its block table, in token order; None while it
-    holds none). A request is decoding once the whole prompt is computed.
+    holds none). A request is decoding once every known token but the last sampled one is
+    computed (a preempted request recomputes its prompt and outputs first).
+
+    Prefix caching and preemption (``engine.scheduler``): ``block_hashes`` are the chained
+    hashes of its full blocks (``engine.kv_blocks``), grown with its tokens;
+    ``num_cached_blocks`` of its table are registered in the cache; ``num_cached_tokens``
+    is how many prompt tokens its first admission found cached (None before it; for a
+    request prefilled elsewhere: the prompt tokens its decode worker already held);
+    ``num_preemptions`` counts its preemptions here; ``num_reserved_tokens`` the tokens its
+    blocks were allocated for; ``kv_token_start`` the first prompt token whose KV a remote
+    request receives (the ones before it must be cached here).
     """
 
     __slots__ = (
         "request", "status", "token_ids", "num_computed_tokens", "block_ids",
         "prefill_only", "error", "first_scheduled_time_s", "first_output_index",
-        "num_prompt_tokens",
+        "num_prompt_tokens", "block_hashes", "num_cached_blocks", "num_cached_tokens",
+        "num_preemptions", "num_reserved_tokens", "kv_token_start",
     )
 
     def __init__(self, request: Request, prefill_only: bool = False) -> None:
@@ -239,6 +255,12 @@ class RequestState:
         # a plain attribute, not a property: the scheduler and the planner's simulator
         # read it several times per request per step (the prompt never changes)
         self.num_prompt_tokens: int = len(self.token_ids)
+        self.block_hashes: list[bytes] = []
+        self.num_cached_blocks = 0
+        self.num_cached_tokens: int | None = None
+        self.num_preemptions = 0
+        self.num_reserved_tokens = 0
+        self.kv_token_start = 0
 
     @property
     def request_id(self) -> str:
@@ -262,7 +284,9 @@ class RequestState:
 
     @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_prompt_tokens
+        """Prompt tokens (or, after a preemption, prompt and output tokens) are left to
+        compute: more than the one token a decode step computes."""
+        return self.num_computed_tokens < max(self.num_prompt_tokens, len(self.token_ids) - 1)
 
     @property
     def max_total_tokens(self) -> int:
@@ -293,6 +317,11 @@ class TokenOutput:
             ``SamplingParams.logprobs`` set), else None.
         top_logprobs: the ``logprobs`` most likely ``(token_id, logprob)`` pairs, most
             likely first (empty when off or 0).
+        num_cached_tokens: on the first token this engine produced for the request only:
+            the prompt tokens its first admission found in this engine's prefix cache (a
+            request prefilled elsewhere: the prompt tokens this engine already held), else
+            None.
+        num_preemptions: times this engine preempted the request so far.
     """
 
     request_id: str
@@ -303,6 +332,8 @@ class TokenOutput:
     first_scheduled_s: float | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
 
     @property
     def finished(self) -> bool:

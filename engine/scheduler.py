@@ -1,133 +1,72 @@
-"""Which tokens of which requests run in the next step (no torch).
+"""Which tokens of which requests run in the next step, and which KV blocks hold them (no
+torch).
 
 A step, as the scheduler sees it:
 
 1. Running decodes go first, one token each (their latency is what interference hurts).
-2. Running prompts that are part-way through (chunked prefill) get the next chunk.
-3. Waiting requests are admitted in arrival order while ``max_num_seqs`` and the KV blocks
-   allow and the token budget lasts. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``,
-   decode worker) only needs blocks: it gets its blocks reserved, moves to ``receiving``
-   and is listed in ``batch.kv_reserved`` so its worker starts fetching the KV into those
-   blocks; it runs no compute this step. When the fetch completes, ``kv_arrived`` makes it
-   RUNNING and it joins the next step as a decode. (vLLM v1's WAITING_FOR_REMOTE_KVS,
-   SGLang's pre-allocation queue: nothing is fetched before there is room for it.)
+2. Running requests with more than one token left get the next chunk: prompts part-way
+   through (chunked prefill), and preempted requests recomputing prompt + outputs.
+3. Unless this step preempted a request (vLLM v1's rule), waiting requests are admitted in
+   arrival order while ``max_num_seqs`` and the KV blocks allow and the token budget lasts.
+   An admitted prompt first looks its full blocks up in the prefix cache
+   (``engine.kv_blocks``): the cached ones are shared, not recomputed, so it starts at
+   ``num_computed_tokens`` = the cached prefix, always leaving its last token to compute
+   (a full hit still runs one token for its logits, as vLLM does). A request prefilled
+   elsewhere (``WAITING_FOR_REMOTE_KVS``, decode worker) only needs blocks: it gets blocks
+   for its prompt + 1 (the first token's KV, computed by its first decode step), sharing
+   the prompt blocks this worker already caches, moves to ``receiving`` and is listed in
+   ``batch.kv_reserved`` so its worker starts fetching the KV into the blocks it lacks; it
+   runs no compute this step. When the fetch completes, ``kv_arrived`` makes it RUNNING
+   and it joins the next step as a decode. (vLLM v1's WAITING_FOR_REMOTE_KVS, SGLang's
+   pre-allocation queue: nothing is fetched before there is room for it.)
 4. ``update`` applies the sampled tokens: counters advance, stop conditions are checked,
-   finished requests give back their blocks.
+   finished requests give back their blocks (full ones stay cached until evicted).
 
-KV blocks are reserved whole at admission (preemption-free): a request gets the blocks for
-``RequestState.max_total_tokens`` (prompt + max_tokens; prompt + 1 for a prefill-only
-request) before its first token is computed, so it never runs out of KV mid-decode and no
-request is ever preempted or recomputed. The price against vLLM's grow-on-demand blocks
-with preemption: blocks for output a request may never produce (it stops early at EOS) are
-held until it ends. A request that needs more blocks than the whole cache is refused by
-``Scheduler.add`` (the engine refuses it earlier, in ``Engine.validate``), so it never
-blocks the queue behind it.
+KV blocks (``EngineConfig.kv_reservation``):
+
+- ``on_demand`` (vLLM v1, the default): a request gets blocks as its tokens are scheduled.
+  When a running request needs a block and none is free, the newest running request is
+  preempted (vLLM v1's FCFS victim, ``running[-1]``): its blocks are freed (full ones stay
+  cached), it goes back to the front of ``waiting`` with ``num_computed_tokens = 0`` and
+  later recomputes prompt + outputs (from whatever of it is still cached), and its
+  ``num_preemptions`` grows. If it was already scheduled this step it is taken out of the
+  batch. Never preempted: a PREFILLED request (prefill worker: its KV awaits export, so it
+  cannot lose it between its last prompt chunk and the put) and a ``receiving`` one (its
+  fetch is in flight). A request whose prompt + max_tokens exceeds the whole cache is
+  refused by ``add``, so a request alone always fits.
+- ``full``: a request gets the blocks for ``RequestState.max_total_tokens`` (prompt +
+  max_tokens; prompt + 1 for a prefill-only request) at admission, minus its cached
+  prefix, and is never preempted: blocks for output it may never produce are held until
+  it ends.
+
+KV ownership: a block's reference count is the number of block tables listing it; every
+held block is freed exactly once, by ``release`` or a preemption. A block is registered in
+the prefix cache when it is allocated for tokens this step computes (vLLM's
+``cache_blocks``), so a later request admitted in the same step may share it (the runner
+writes every new token's K/V of a layer before any attention of that layer reads it); if
+the step fails, ``step_failed`` unregisters those blocks, and a preempted request's blocks
+its unrun step was to compute are unregistered too, so a cached block always holds the KV
+its hash names. A remote reservation shares only blocks computed before this step.
 
 With chunked prefill on, a prompt takes what is left of the budget (Sarathi-Serve); off, a
-prompt runs whole or waits for a step with room for it (no chunking, vLLM v1 style mixing).
+prompt runs whole or waits for a step with room for it (no chunking, vLLM v1 style mixing);
+only a recompute longer than the whole budget is chunked (it could never run otherwise).
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.metrics import DECODE, PREFILL, BatchEntry
+from engine.kv_blocks import BlockAllocator, PrefixCacheStats, block_hashes, prompt_block_hashes
 from engine.request import RequestState, RequestStatus
 
+__all__ = ["BlockAllocator", "ScheduledBatch", "Scheduler"]
 
 _RUNNING, _FINISHED_STOPPED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
-
-
-class BlockAllocator:
-    """Block accounting of a paged KV store (never touches a tensor): a free list of
-    ``num_blocks`` blocks of ``block_size`` tokens, and at most ``max_num_seqs`` requests
-    holding blocks at once (nano-vllm's ``BlockManager``, without prefix caching).
-
-    ``allocate`` hands a request the lowest run of consecutive free blocks long enough
-    (first fit), else (free list fragmented) the lowest free blocks: consecutive blocks
-    are read in place by attention and export (``engine.runner``, ``KVStore.read``), a
-    scattered table is gathered. Requests of equal size admitted one after another get
-    equally spaced runs, which decode attention reads as one strided view.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int) -> None:
-        if num_blocks < 1 or block_size < 1 or max_num_seqs < 1:
-            raise ValueError(f"need num_blocks, block_size, max_num_seqs >= 1, got "
-                             f"{num_blocks}, {block_size}, {max_num_seqs}")
-        self.num_blocks = num_blocks
-        self.block_size = block_size
-        self.max_num_seqs = max_num_seqs
-        self._free = list(range(num_blocks))  # ascending
-        self._reserved: dict[int, tuple[int, int]] = {}  # first block -> (blocks, tokens)
-
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    @property
-    def num_used_seqs(self) -> int:
-        """Requests holding blocks."""
-        return len(self._reserved)
-
-    @property
-    def reserved_tokens(self) -> int:
-        """Tokens the holders asked for (<= ``num_used_blocks * block_size``)."""
-        return sum(tokens for _, tokens in self._reserved.values())
-
-    def blocks_needed(self, num_tokens: int) -> int:
-        """``ceil(num_tokens / block_size)``."""
-        return -(-num_tokens // self.block_size)
-
-    def fits_ever(self, num_tokens: int) -> bool:
-        """True if ``num_tokens`` fit the whole cache (else they can never be admitted)."""
-        return self.blocks_needed(num_tokens) <= self.num_blocks
-
-    def can_allocate(self, num_tokens: int) -> bool:
-        return (len(self._reserved) < self.max_num_seqs
-                and self.blocks_needed(num_tokens) <= len(self._free))
-
-    def allocate(self, num_tokens: int) -> list[int]:
-        """Reserve blocks for ``num_tokens`` (>= 1) tokens; returns their ids in token order.
-        Caller checks ``can_allocate``."""
-        n = self.blocks_needed(num_tokens)
-        if n < 1 or not self.can_allocate(num_tokens):
-            raise ValueError(f"cannot allocate {n} blocks for {num_tokens} tokens: "
-                             f"{len(self._free)} free, {len(self._reserved)} requests held")
-        free = self._free
-        start = next((i for i in range(len(free) - n + 1) if free[i + n - 1] - free[i] == n - 1),
-                     0)  # free is ascending and distinct: a span of n - 1 is a run
-        block_ids = free[start:start + n]
-        del free[start:start + n]
-        self._reserved[block_ids[0]] = (n, num_tokens)
-        return block_ids
-
-    def free(self, block_ids: list[int]) -> None:
-        """Give back a request's blocks (the list ``allocate`` returned).
-
-        Raises:
-            ValueError: ``block_ids`` is not a table this allocator handed out (double free).
-        """
-        held = self._reserved.get(block_ids[0]) if block_ids else None
-        if held is None or held[0] != len(block_ids):
-            raise ValueError(f"blocks {block_ids[:4]}... are not allocated here")
-        del self._reserved[block_ids[0]]
-        free, first, last = self._free, block_ids[0], block_ids[-1]
-        if last - first == len(block_ids) - 1 and block_ids == list(range(first, last + 1)):
-            # one run (the usual table): insert it where it goes, no sort of the whole list;
-            # the same list as extend + sort when no free block lies inside the run
-            i = bisect.bisect_left(free, first)
-            if i == len(free) or free[i] > last:
-                free[i:i] = block_ids
-                return
-        free.extend(block_ids)
-        free.sort()  # lowest first again (timsort: two sorted runs, linear)
+_WAITING, _REMOTE = RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS
 
 
 @dataclass
@@ -135,12 +74,17 @@ class ScheduledBatch:
     """One step's work: ``num_new_tokens[i]`` tokens of ``requests[i]``, starting at its
     ``num_computed_tokens``. ``newly_admitted`` lists requests that got their KV blocks this
     step; ``kv_reserved`` the WAITING_FOR_REMOTE_KVS requests whose blocks were reserved this step
-    (their KV fetch may start now; they are not in ``requests``)."""
+    (their KV fetch may start now; they are not in ``requests``); ``kv_dropped`` remote
+    requests that will recompute locally instead (the prefix their transfer skips is no
+    longer cached here: their worker frees the KV handles); ``preempted`` the requests
+    this step preempted (back in ``waiting``, holding no blocks)."""
 
     requests: list[RequestState] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     newly_admitted: list[RequestState] = field(default_factory=list)
     kv_reserved: list[RequestState] = field(default_factory=list)
+    kv_dropped: list[RequestState] = field(default_factory=list)
+    preempted: list[RequestState] = field(default_factory=list)
 
     def add(self, state: RequestState, num_tokens: int) -> None:
         self.requests.append(state)
@@ -173,14 +117,20 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Waiting and running queues under a token budget and KV blocks.
+    """Waiting and running queues under a token budget and KV blocks (module docstring).
 
     Args:
-        config: budget, ``max_num_seqs``, ``block_size``.
+        config: budget, ``max_num_seqs``, ``block_size``, ``enable_prefix_caching``,
+            ``kv_reservation``.
         eos_token_ids: tokens that stop a request (unless ``ignore_eos``).
         num_kv_blocks: blocks of the KV cache; None = ``config.max_kv_blocks`` (what the
             config alone allows; the engine passes its budget-derived count,
             ``engine.kv_cache.kv_cache_num_blocks``).
+
+    Attributes:
+        capacity: the ``BlockAllocator`` (reference counts, prefix cache).
+        prefix_cache_stats: lookups and hits in tokens (``PrefixCacheStats``).
+        num_preemptions: requests preempted here so far.
     """
 
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
@@ -188,11 +138,21 @@ class Scheduler:
         self.config = config
         self.eos_token_ids = frozenset(eos_token_ids)
         blocks = config.max_kv_blocks if num_kv_blocks is None else num_kv_blocks
-        self.capacity = BlockAllocator(blocks, config.block_size, config.max_num_seqs)
+        self.capacity = BlockAllocator(blocks, config.block_size, config.enable_prefix_caching)
+        self.block_size = config.block_size
+        self.on_demand = config.kv_reservation == "on_demand"
         self.waiting: collections.deque[RequestState] = collections.deque()
         self.running: list[RequestState] = []
         self.receiving: list[RequestState] = []  # blocks reserved, KV fetch in flight
+        self.prefix_cache_stats = PrefixCacheStats()
+        self.num_preemptions = 0
+        # blocks registered in the cache by the current step's schedule(): their KV exists
+        # only once that step has run (``step_failed`` forgets them; remote reservations,
+        # which never write them, do not share them)
+        self._step_cached: list[int] = []
+        self._preempted_now = False
 
+    # ---- queues --------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
         """Queue a request.
 
@@ -211,51 +171,287 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting) or any(s.status == RequestStatus.RUNNING for s in self.running)
 
+    @property
+    def num_used_seqs(self) -> int:
+        """Requests holding KV blocks (running, prefilled, receiving)."""
+        return len(self.running) + len(self.receiving)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """Tokens the holders' blocks were allocated for (<= ``num_used_blocks *
+        block_size`` when nothing is shared)."""
+        return sum(s.num_reserved_tokens for s in self.running) + sum(
+            s.num_reserved_tokens for s in self.receiving)
+
+    # ---- one step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
+        self._step_cached = []
+        self._preempted_now = False
         budget = self.config.max_num_batched_tokens
         # hot path (the planner's simulator calls it per simulated step): the fields read
-        # directly, decodes appended inline (batch.add), prompts set aside in one pass
+        # directly, decodes appended inline (batch.add), longer entries set aside in one pass
         requests, counts, prompts = batch.requests, batch.num_new_tokens, []
-        for state in self.running:
-            if state.status != _RUNNING:
+        block_size, on_demand = self.block_size, self.on_demand
+        caching = self.capacity.enable_caching
+        for state in tuple(self.running):  # a preemption edits the list
+            if state.status != _RUNNING:  # PREFILLED, or preempted earlier in this pass
                 continue
-            if state.num_computed_tokens < state.num_prompt_tokens:  # is_prefilling
-                prompts.append(state)
-            elif budget > 0:  # 1. decodes
-                requests.append(state)
-                counts.append(1)
-                budget -= 1
-        for state in prompts:  # 2. part-way prompts
-            if budget > 0:
-                budget -= self._add_prompt_chunk(batch, state, budget)
-        while self.waiting:  # 3. admission, FCFS
-            state = self.waiting[0]
-            if not self.capacity.can_allocate(state.max_total_tokens):
-                break
-            if state.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-                self.waiting.popleft()  # reserve now, compute once the KV is in its blocks
-                state.block_ids = self.capacity.allocate(state.max_total_tokens)
-                self.receiving.append(state)
-                batch.kv_reserved.append(state)
+            k = state.num_computed_tokens
+            if k < state.num_prompt_tokens or len(state.token_ids) - k > 1:
+                prompts.append(state)  # a prompt part-way (is_prefilling), or a recompute
                 continue
+            if budget <= 0:  # 1. decodes
+                continue
+            if on_demand and k >= len(state.block_ids) * block_size:
+                freed = self._grow(state, k + 1, batch)
+                if freed < 0:
+                    continue
+                budget += freed
+            if caching and (k + 1) % block_size == 0:
+                self._cache_blocks(state, k + 1)
+            requests.append(state)
+            counts.append(1)
+            budget -= 1
+        for state in prompts:  # 2. part-way prompts and recomputes
             if budget <= 0:
                 break
-            needed = 1 if not state.is_prefilling else state.num_prompt_tokens - state.num_computed_tokens
-            if not self.config.enable_chunked_prefill and needed > budget:
-                break
-            self.waiting.popleft()
-            state.block_ids = self.capacity.allocate(state.max_total_tokens)
-            state.status = RequestStatus.RUNNING
-            self.running.append(state)
-            batch.newly_admitted.append(state)
-            budget -= self._add_prompt_chunk(batch, state, budget) if state.is_prefilling else 1
-            if not state.is_prefilling:
-                batch.add(state, 1)
+            if state.status != _RUNNING:  # preempted by a request before it
+                continue
+            k = state.num_computed_tokens
+            n = self._chunk(len(state.token_ids) - k, budget)
+            if n == 0:
+                continue
+            if on_demand and k + n > len(state.block_ids) * block_size:
+                freed = self._grow(state, k + n, batch)
+                if freed < 0:
+                    continue
+                budget += freed
+            if caching:
+                self._cache_blocks(state, k + n)
+            batch.add(state, n)
+            budget -= n
+        if not self._preempted_now:  # 3. admission, FCFS (none after a preemption: vLLM v1)
+            self._admit(batch, budget)
         return batch
 
+    def _chunk(self, remaining: int, budget: int) -> int:
+        """Tokens of an entry with ``remaining`` tokens left this step (0: it waits)."""
+        if remaining <= budget:
+            return remaining
+        if self.config.enable_chunked_prefill or remaining > self.config.max_num_batched_tokens:
+            return budget  # a recompute longer than the whole budget is chunked anyway
+        return 0
+
+    def _admit(self, batch: ScheduledBatch, budget: int) -> None:
+        cap, block_size = self.capacity, self.block_size
+        while self.waiting:
+            state = self.waiting[0]
+            if len(self.running) + len(self.receiving) >= self.config.max_num_seqs:
+                break
+            if state.status == _REMOTE:
+                if not self._reserve_remote(state, batch):
+                    break
+                if state.status == _REMOTE:  # reserved; else it recomputes: admit it below
+                    self.waiting.popleft()
+                    self.receiving.append(state)
+                    batch.kv_reserved.append(state)
+                    continue
+            if budget <= 0:
+                break
+            hit = self._lookup(state)
+            num_hit = len(hit) * block_size
+            n = self._chunk(len(state.token_ids) - num_hit, budget)
+            if n == 0:
+                break
+            target = num_hit + n if self.on_demand else state.max_total_tokens
+            needed = cap.blocks_needed(target) - len(hit) + cap.num_evictable_in(hit)
+            if needed > cap.num_free_blocks:
+                break
+            self.waiting.popleft()
+            cap.touch(hit)
+            state.block_ids = hit + cap.allocate(target - num_hit)
+            state.num_computed_tokens = num_hit
+            state.num_cached_blocks = len(hit)
+            state.num_reserved_tokens = target
+            if cap.enable_caching:
+                self.prefix_cache_stats.record(len(state.token_ids), num_hit,
+                                               state.num_preemptions > 0)
+            if state.num_cached_tokens is None:  # the first admission's hit, for the record
+                state.num_cached_tokens = min(num_hit, state.num_prompt_tokens)
+            state.status = _RUNNING
+            self.running.append(state)
+            batch.newly_admitted.append(state)
+            if cap.enable_caching:
+                self._cache_blocks(state, num_hit + n)
+            batch.add(state, n)
+            budget -= n
+
+    def _reserve_remote(self, state: RequestState, batch: ScheduledBatch) -> bool:
+        """Blocks for a request prefilled elsewhere: prompt + 1 tokens (``full``: prompt +
+        max_tokens), sharing the prompt blocks cached here before this step. False: no room
+        yet. If the KV it will receive starts past the cached prefix (``kv_token_start``:
+        the prefix was evicted since its router looked), it turns into a local request that
+        recomputes prompt + first token (``batch.kv_dropped``) and True is returned."""
+        cap, block_size = self.capacity, self.block_size
+        num_prompt = state.num_prompt_tokens
+        hit = []
+        if cap.enable_caching:
+            hit = cap.lookup(self._hashes(state), num_prompt // block_size,
+                             exclude=set(self._step_cached))
+        num_hit = len(hit) * block_size
+        if num_hit < state.kv_token_start:
+            state.status = _WAITING  # admitted as a local request from here on
+            state.num_computed_tokens = 0
+            state.kv_token_start = 0
+            batch.kv_dropped.append(state)
+            return True
+        target = state.max_total_tokens if not self.on_demand else num_prompt + 1
+        if cap.blocks_needed(target) - len(hit) + cap.num_evictable_in(hit) > cap.num_free_blocks:
+            return False
+        cap.touch(hit)
+        state.block_ids = hit + cap.allocate(target - num_hit)
+        state.num_cached_blocks = len(hit)
+        state.num_cached_tokens = num_hit
+        state.num_reserved_tokens = target
+        if cap.enable_caching:
+            self.prefix_cache_stats.transfer_queries += num_prompt
+            self.prefix_cache_stats.transfer_hits += num_hit
+        return True
+
+    def _lookup(self, state: RequestState) -> list[int]:
+        """Blocks of ``state``'s longest cached prefix, leaving its last token uncached (its
+        logits are needed: vLLM's ``max_cache_hit_length = num_tokens - 1``)."""
+        if not self.capacity.enable_caching:
+            return []
+        return self.capacity.lookup(self._hashes(state),
+                                    (len(state.token_ids) - 1) // self.block_size)
+
+    def _hashes(self, state: RequestState) -> list[bytes]:
+        """``state``'s block hashes over all its full blocks (the prompt's computed once per
+        ``Request``: ``prompt_block_hashes``)."""
+        if not state.block_hashes and state.num_prompt_tokens >= self.block_size:
+            state.block_hashes = list(prompt_block_hashes(state.request, self.block_size))
+        return block_hashes(state.token_ids, self.block_size, state.block_hashes)
+
+    def _cache_blocks(self, state: RequestState, num_tokens: int, this_step: bool = True) -> None:
+        """Register ``state``'s full blocks among its first ``num_tokens`` tokens (their KV is
+        computed, or is computed by this step when ``this_step``)."""
+        num_full = num_tokens // self.block_size
+        if num_full <= state.num_cached_blocks:
+            return
+        hashes = state.block_hashes
+        if len(hashes) < num_full:
+            hashes = self._hashes(state)
+        registered = self.capacity.cache_table(state.block_ids, hashes, state.num_cached_blocks,
+                                               num_full)
+        if this_step:
+            self._step_cached.extend(registered)
+        state.num_cached_blocks = num_full
+
+    def _grow(self, state: RequestState, num_tokens: int, batch: ScheduledBatch) -> int:
+        """Give ``state`` blocks for its first ``num_tokens`` tokens, preempting the newest
+        running requests while none is free. Returns the tokens taken back out of ``batch``
+        (victims this step had already scheduled), or -1 when ``state`` itself was the
+        newest and got preempted."""
+        cap = self.capacity
+        needed = cap.blocks_needed(num_tokens) - len(state.block_ids)
+        freed = 0
+        while cap.num_free_blocks < needed:
+            victim = next(s for s in reversed(self.running) if s.status == _RUNNING)
+            freed += self._preempt(victim, batch)
+            if victim is state:
+                return -1
+        state.block_ids.extend(cap.allocate(num_tokens - len(state.block_ids) * self.block_size))
+        state.num_reserved_tokens = num_tokens
+        return freed
+
+    def _preempt(self, state: RequestState, batch: ScheduledBatch) -> int:
+        """Free a running request's blocks and queue it first to recompute; returns the
+        tokens taken out of ``batch`` if this step had scheduled it."""
+        taken = 0
+        for i, s in enumerate(batch.requests):
+            if s is state:
+                taken = batch.num_new_tokens[i]
+                del batch.requests[i], batch.num_new_tokens[i]
+                break
+        self._uncache_uncomputed(state)
+        self.capacity.free(state.block_ids)
+        state.block_ids = None
+        state.num_computed_tokens = 0
+        state.num_cached_blocks = 0
+        state.num_reserved_tokens = 0
+        state.num_preemptions += 1
+        state.status = _WAITING
+        self.running.remove(state)
+        self.waiting.appendleft(state)
+        self.num_preemptions += 1
+        self._preempted_now = True
+        batch.preempted.append(state)
+        return taken
+
+    def _uncache_uncomputed(self, state: RequestState) -> None:
+        """Unregister the blocks of ``state`` registered for tokens past its computed ones
+        (the step that was to compute them will not)."""
+        table, cap = state.block_ids, self.capacity
+        for i in range(state.num_computed_tokens // self.block_size, state.num_cached_blocks):
+            cap.uncache(table[i])
+
+    def decode_steps_available(self, requests: list[RequestState], max_steps: int) -> int:
+        """How many of the next ``max_steps`` decode steps of ``requests`` (a pure-decode
+        batch ``schedule`` just returned, scheduled again unchanged, one token each) would
+        get their KV blocks from ``schedule`` without a preemption (the planner's
+        fast-forward stops before the first that would preempt). ``full``: all of them."""
+        if not self.on_demand or max_steps <= 0:
+            return max(max_steps, 0)
+        block_size, free = self.block_size, self.capacity.num_free_blocks
+        # step j computes token k + j of a request; it needs a new block at j = cap - k,
+        # then every block_size steps
+        firsts = [len(s.block_ids) * block_size - s.num_computed_tokens for s in requests]
+
+        def needed(m: int) -> int:
+            return sum(1 + (m - f) // block_size for f in firsts if m >= f)
+
+        if needed(max_steps) <= free:
+            return max_steps
+        lo, hi = 0, max_steps  # needed(lo) <= free < needed(hi)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if needed(mid) <= free else (lo, mid)
+        return lo
+
+    def catch_up_decodes(self, requests: list[RequestState], num_steps: int) -> None:
+        """The KV side of ``num_steps`` decode steps of ``requests`` that ran without
+        ``schedule`` (the planner's fast-forward; at most ``decode_steps_available``), once
+        their counters and tokens advanced: the blocks ``schedule`` would have allocated
+        (in its order: step by step, request by request) and the full blocks it would have
+        registered in the prefix cache."""
+        block_size = self.block_size
+        if self.on_demand and num_steps > 0:
+            due = []  # (step, request index): when each new block was needed
+            for i, state in enumerate(requests):
+                k0 = state.num_computed_tokens - num_steps
+                first = len(state.block_ids) * block_size - k0
+                due.extend((j, i) for j in range(first, num_steps + 1, block_size))
+            for j, i in sorted(due):
+                state = requests[i]
+                state.block_ids.extend(self.capacity.allocate(block_size))
+                state.num_reserved_tokens = state.num_computed_tokens - num_steps + j + 1
+        if self.capacity.enable_caching:
+            for state in requests:
+                self._cache_blocks(state, len(state.token_ids), this_step=False)
+
+    def step_failed(self) -> None:
+        """The forward of the last ``schedule()``'s batch failed: the blocks it registered
+        hold no valid KV, so they leave the prefix cache (call before releasing the
+        batch's requests)."""
+        for block in self._step_cached:
+            self.capacity.uncache(block)
+        self._step_cached = []
+
     def kv_arrived(self, state: RequestState) -> None:
-        """A receiving request's KV is in its blocks: it decodes from the next step on.
+        """A receiving request's KV is in its blocks: it decodes from the next step on, and
+        its full prompt blocks join the prefix cache.
 
         Raises:
             ValueError: ``state`` is not receiving (never reserved, or already released).
@@ -265,14 +461,8 @@ class Scheduler:
         self.receiving.remove(state)
         state.status = RequestStatus.RUNNING
         self.running.append(state)
-
-    def _add_prompt_chunk(self, batch: ScheduledBatch, state: RequestState, budget: int) -> int:
-        remaining = state.num_prompt_tokens - state.num_computed_tokens
-        if remaining > budget and not self.config.enable_chunked_prefill:
-            return 0
-        num_tokens = min(remaining, budget)
-        batch.add(state, num_tokens)
-        return num_tokens
+        if self.capacity.enable_caching:
+            self._cache_blocks(state, state.num_prompt_tokens, this_step=False)
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[RequestState]:
         """Advance counters; ``sampled`` maps batch entry index -> token id. Returns the
@@ -302,7 +492,8 @@ class Scheduler:
             self.release(state)
 
     def release(self, state: RequestState) -> None:
-        """Give back a request's blocks and drop it from the queues (idempotent)."""
+        """Give back a request's blocks (full ones stay cached) and drop it from the queues
+        (idempotent)."""
         held = state.block_ids is not None
         if held:
             self.capacity.free(state.block_ids)
@@ -312,7 +503,8 @@ class Scheduler:
         except ValueError:
             pass
         # a state holding blocks has left ``waiting`` (blocks are allocated only as it is
-        # popped): skip the scan of what may be a long queue
+        # popped, and a preemption frees them before requeueing it): skip the scan of what
+        # may be a long queue
         if not held and state in self.waiting:
             self.waiting.remove(state)
         if state in self.receiving:

@@ -144,7 +144,22 @@ class EngineLoop:
                 "kv_capacity_tokens": engine.kv_capacity_tokens,
                 "kv_block_size": engine.config.block_size,
                 "kv_num_blocks": engine.kv_store.num_blocks,
+                "enable_prefix_caching": engine.config.enable_prefix_caching,
+                "kv_reservation": engine.config.kv_reservation,
                 "kernels": engine.runner.ops.describe()}
+
+    def kv_cache_stats(self) -> dict:
+        """The prefix cache's lookups and hits in tokens (``engine.kv_blocks.
+        PrefixCacheStats`` fields), preemptions, and blocks used / cached / in all."""
+        def read() -> dict:
+            scheduler = self.engine.scheduler
+            blocks = scheduler.capacity
+            return {**dataclasses.asdict(scheduler.prefix_cache_stats),
+                    "num_preemptions": scheduler.num_preemptions,
+                    "num_used_blocks": blocks.num_used_blocks,
+                    "num_cached_blocks": blocks.num_cached_blocks,
+                    "num_blocks": blocks.num_blocks}
+        return self.call(read)
 
     def submit(self, request: Request) -> None:
         """Queue a request; an invalid one comes back as an ``error`` event."""
@@ -310,10 +325,13 @@ class EngineLoop:
 
 
 def token_event(worker: str, out: TokenOutput, **stamps: float) -> WorkerEvent:
-    """A ``token`` event; the first token of a request carries its prefill stamps."""
+    """A ``token`` event; the first token of a request carries its prefill stamps and its
+    prefix-cache hit, the last one its preemptions here."""
     if out.first_scheduled_s is not None and out.index == 0:
         stamps = {PREFILL_STARTED: out.first_scheduled_s, PREFILL_FINISHED: out.time_s, **stamps}
     return WorkerEvent(TOKEN, out.request_id, worker, out.time_s, token_id=out.token_id,
                        index=out.index,
                        finish_reason=out.finish_reason.value if out.finish_reason else None,
-                       stamps=stamps, logprob=out.logprob, top_logprobs=out.top_logprobs)
+                       stamps=stamps, logprob=out.logprob, top_logprobs=out.top_logprobs,
+                       num_cached_prompt_tokens=out.num_cached_tokens if out.index == 0 else None,
+                       num_preemptions=out.num_preemptions if out.finished else 0)

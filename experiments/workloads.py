@@ -1,10 +1,25 @@
 """Workloads: which prompts, how many output tokens, and when each request arrives.
 
-1. A source (``sharegpt``, ``humaneval``, ``synthetic``) draws ``num_requests`` seeded
-   ``WorkloadRequest``s: prompt token ids (chat template applied) and the output length to
-   ask for (run them with ``SamplingParams(max_tokens=output_len, ignore_eos=True)``).
+1. A source (``sharegpt``, ``humaneval``, ``synthetic``, ``prefix_repetition``) draws
+   ``num_requests`` seeded ``WorkloadRequest``s: prompt token ids (chat template applied)
+   and the output length to ask for (run them with ``SamplingParams(max_tokens=output_len,
+   ignore_eos=True)``).
 2. ``with_arrivals`` stamps each with an arrival offset (seconds from the start of the run)
    drawn by ``arrival_times`` (vLLM ``benchmarks/benchmark_serving.py`` semantics).
+
+Two sources carry their own timing instead:
+
+- ``mooncake_trace`` replays a Mooncake-format trace (JSON lines with ``timestamp``,
+  ``input_length``, ``output_length``, ``hash_ids``): arrival offsets from the timestamps,
+  and prompts whose blocks with equal hash ids hold equal tokens (so they share prefix KV
+  exactly where the traced requests did). A malformed line is refused naming its line
+  number and field.
+- ``sharegpt_conversations`` draws multi-turn ShareGPT ``Conversation``s: ordered turns,
+  each with its new tokens, output length and think time. Turn k's prompt is turn k-1's
+  prompt + turn k-1's generated answer + turn k's new tokens, and it arrives turn k-1's
+  think time after that answer ended, so a replay releases it only then
+  (``ConversationReplay``); ``with_conversation_arrivals`` spaces the conversations' first
+  turns by Poisson or Gamma arrivals.
 
 Everything is deterministic given the seed.
 """
@@ -14,9 +29,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
@@ -34,12 +51,16 @@ class WorkloadRequest:
         output_len: output tokens to generate (use as ``max_tokens`` with ``ignore_eos``).
         source: where it came from, e.g. ``"sharegpt:QWJhYvA_0"``, ``"humaneval:HumanEval/3"``.
         arrival_s: arrival offset in seconds from the start of the run.
+        conversation_id: the ``Conversation`` it is a turn of (None: a single request).
+        turn: its turn index in that conversation (0 = first).
     """
 
     prompt_token_ids: tuple[int, ...]
     output_len: int
     source: str
     arrival_s: float = 0.0
+    conversation_id: str | None = None
+    turn: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,10 +74,15 @@ def chat_prompt_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
     """``text`` as one user turn through the tokenizer's chat template, generation prompt
     added. Accepts both return shapes of ``apply_chat_template`` (ids, or a dict with
     ``input_ids`` as transformers 5 returns by default)."""
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
-        return_dict=False,
-    )
+    return chat_ids(tokenizer, [{"role": "user", "content": text}])
+
+
+def chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True
+             ) -> tuple[int, ...]:
+    """``messages`` (``{"role", "content"}`` dicts) through the tokenizer's chat template
+    (either return shape of ``apply_chat_template``)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True, return_dict=False)
     if isinstance(ids, Mapping):
         ids = ids["input_ids"]
     return tuple(int(t) for t in ids)
@@ -70,30 +96,46 @@ def num_text_tokens(tokenizer: Any, text: str) -> int:
 # ---- ShareGPT ----
 
 
-@functools.lru_cache(maxsize=1)
-def _sharegpt_pairs() -> tuple[tuple[str, str, str], ...]:
-    """(id, first human turn, first gpt reply) for every conversation that opens with a
-    human turn answered by gpt. Parsed once per process.
-
-    The bundled file may be cut short (the packaged copy ends mid-record), so records are
-    decoded one by one and a truncated tail is dropped.
-    """
+def _sharegpt_records() -> Iterator[dict]:
+    """The bundled ShareGPT file's records, one by one. The file may be cut short (the
+    packaged copy ends mid-record): records are decoded one at a time and a truncated tail
+    is dropped."""
     with open_dataset("r") as f:
         text = f.read()
     decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
-    i, pairs = text.index("[") + 1, []
+    i = text.index("[") + 1
     while True:
         i = sep.match(text, i).end()
         if i >= len(text) or text[i] == "]":
-            break
+            return
         try:
             conv, i = decoder.raw_decode(text, i)
         except json.JSONDecodeError:  # truncated last record
-            break
-        turns = conv.get("conversations", [])
-        if len(turns) >= 2 and turns[0].get("from") == "human" and turns[1].get("from") == "gpt":
-            pairs.append((str(conv.get("id")), turns[0]["value"], turns[1]["value"]))
-    return tuple(pairs)
+            return
+        yield conv
+
+
+@functools.lru_cache(maxsize=1)
+def _sharegpt_dialogues() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
+    """(id, ((human text, gpt reply), ...)) for every conversation that opens with a human
+    turn answered by gpt: its alternating human/gpt pairs up to the first break in the
+    alternation. Parsed once per process."""
+    out = []
+    for conv in _sharegpt_records():
+        turns, pairs = conv.get("conversations", []), []
+        for human, gpt in zip(turns[0::2], turns[1::2]):
+            if human.get("from") != "human" or gpt.get("from") != "gpt":
+                break
+            pairs.append((human["value"], gpt["value"]))
+        if pairs:
+            out.append((str(conv.get("id")), tuple(pairs)))
+    return tuple(out)
+
+
+def _sharegpt_pairs() -> tuple[tuple[str, str, str], ...]:
+    """(id, first human turn, first gpt reply) for every conversation that opens with a
+    human turn answered by gpt."""
+    return tuple((cid, pairs[0][0], pairs[0][1]) for cid, pairs in _sharegpt_dialogues())
 
 
 def sharegpt(tokenizer: Any, num_requests: int, seed: int, min_prompt_len: int = 4,
@@ -181,15 +223,374 @@ def synthetic(num_requests: int, seed: int, prompt_len: int | tuple[int, int] = 
     check_count(num_requests)
     p_lo, p_hi = _length_range("prompt_len", prompt_len)
     o_lo, o_hi = _length_range("output_len", output_len)
-    t_lo, t_hi = token_range if token_range is not None else (0, vocab_size)
-    if not 0 <= t_lo < t_hi:
-        raise ValueError(f"token_range must satisfy 0 <= lo < hi, got {(t_lo, t_hi)!r}")
+    t_lo, t_hi = _token_range(token_range, vocab_size)
     rng = np.random.default_rng(seed)
     out = []
     for i in range(num_requests):
         n_prompt = int(rng.integers(p_lo, p_hi + 1))
         ids = tuple(int(t) for t in rng.integers(t_lo, t_hi, size=n_prompt))
         out.append(WorkloadRequest(ids, int(rng.integers(o_lo, o_hi + 1)), f"synthetic:{i}"))
+    return out
+
+
+def prefix_repetition(num_requests: int, seed: int, num_prefixes: int = 10,
+                      prefix_len: int = 256, suffix_len: int = 256, output_len: int = 128,
+                      vocab_size: int = 49152, token_range: tuple[int, int] | None = None
+                      ) -> list[WorkloadRequest]:
+    """Shared prefixes: ``num_prefixes`` random prompts of ``prefix_len`` tokens (the system
+    prompts), each followed by its own random ``suffix_len``-token suffixes (the questions),
+    in a seeded random order; the shape of vLLM's ``prefix_repetition`` dataset
+    (``vllm/benchmarks/datasets.py`` ``PrefixRepetitionRandomDataset``, same defaults). Token
+    ids uniform over ``token_range`` (default ``[0, vocab_size)``). Departure: vLLM gives
+    every prefix ``num_requests // num_prefixes`` suffixes and drops the remainder; here the
+    first ``num_requests % num_prefixes`` prefixes get one more, so exactly
+    ``num_requests`` come back. ``source`` is ``prefix:<prefix>:<suffix>``.
+
+    Raises:
+        ValueError: ``num_prefixes`` < 1 or > ``num_requests`` (> 0), lengths < 1, or a bad
+            ``token_range``.
+    """
+    check_count(num_requests)
+    if not isinstance(num_prefixes, (int, np.integer)) or num_prefixes < 1 or (
+            num_requests and num_prefixes > num_requests):
+        raise ValueError(f"num_prefixes must be an integer in [1, num_requests={num_requests}], "
+                         f"got {num_prefixes!r}")
+    for name, value in (("prefix_len", prefix_len), ("suffix_len", suffix_len),
+                        ("output_len", output_len)):
+        _length_range(name, value)
+    t_lo, t_hi = _token_range(token_range, vocab_size)
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num_prefixes):
+        prefix = tuple(int(t) for t in rng.integers(t_lo, t_hi, size=prefix_len))
+        for j in range(num_requests // num_prefixes + (i < num_requests % num_prefixes)):
+            suffix = tuple(int(t) for t in rng.integers(t_lo, t_hi, size=suffix_len))
+            out.append(WorkloadRequest(prefix + suffix, output_len, f"prefix:{i}:{j}"))
+    return [out[k] for k in rng.permutation(len(out))]
+
+
+def _token_range(token_range: tuple[int, int] | None, vocab_size: int) -> tuple[int, int]:
+    t_lo, t_hi = token_range if token_range is not None else (0, vocab_size)
+    if not 0 <= t_lo < t_hi:
+        raise ValueError(f"token_range must satisfy 0 <= lo < hi, got {(t_lo, t_hi)!r}")
+    return int(t_lo), int(t_hi)
+
+
+# ---- multi-turn conversations ----
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One turn of a ``Conversation``.
+
+    Attributes:
+        new_token_ids: the tokens this turn adds after the history: for the first turn the
+            whole prompt (chat template applied); for a later one what the chat template
+            puts after the previous answer (its end-of-turn tokens, the new user message,
+            the generation prompt).
+        output_len: output tokens to generate for it (with ``ignore_eos``).
+        think_time_s: seconds between the previous turn's last token and this turn's
+            arrival (0 for the first turn).
+    """
+
+    new_token_ids: tuple[int, ...]
+    output_len: int
+    think_time_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    """Ordered turns of one chat. Turn k's prompt is turn k-1's prompt + the tokens turn
+    k-1 generated + ``turns[k].new_token_ids`` (the history a chat client sends again, token
+    for token, so a prefix cache can hit all of it); turn k arrives
+    ``turns[k].think_time_s`` after turn k-1's answer ended. ``arrival_s``: the first turn's
+    arrival offset (seconds from the start of the run)."""
+
+    conversation_id: str
+    turns: tuple[Turn, ...]
+    source: str
+    arrival_s: float = 0.0
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turns)
+
+    def turn_request(self, k: int, history: Sequence[int] = (), arrival_s: float = 0.0
+                     ) -> WorkloadRequest:
+        """Turn ``k`` as a request: prompt = ``history`` (turn k-1's prompt + its output
+        tokens; empty for k = 0) + its new tokens, arriving at ``arrival_s``.
+
+        Raises:
+            ValueError: ``k`` out of range, or history given for the first turn / missing
+                for a later one.
+        """
+        if not 0 <= k < len(self.turns):
+            raise ValueError(f"conversation {self.conversation_id} has turns 0..{len(self.turns) - 1}, "
+                             f"got {k}")
+        if (k == 0) != (len(history) == 0):
+            raise ValueError(f"conversation {self.conversation_id}: turn {k} needs "
+                             f"{'no' if k == 0 else 'the previous turns'} history")
+        turn = self.turns[k]
+        return WorkloadRequest(tuple(int(t) for t in history) + turn.new_token_ids,
+                               turn.output_len, f"{self.source}:turn{k}", arrival_s,
+                               self.conversation_id, k)
+
+    def num_prompt_tokens(self, k: int) -> int:
+        """Turn k's prompt length when every earlier turn generated its ``output_len``."""
+        return sum(len(t.new_token_ids) for t in self.turns[:k + 1]) + sum(
+            t.output_len for t in self.turns[:k])
+
+
+def sharegpt_conversations(tokenizer: Any, num_conversations: int, seed: int,
+                           min_turns: int = 2, max_turns: int = 8,
+                           max_output_len: int = 1024, max_total_len: int | None = None,
+                           mean_think_time_s: float = 1.0) -> list[Conversation]:
+    """Seeded sample of multi-turn ShareGPT V3 conversations.
+
+    Conversations are visited in a seeded random order. Turn k's message list is the
+    conversation's first k human turns with the gpt replies between them; its new tokens
+    are what the chat template adds after the previous reply (the template rendered up to
+    turn k minus the template up to turn k-1's generation prompt and the reply's own
+    tokens). Output length: the reply's tokens, capped at ``max_output_len``. Think times:
+    exponential with mean ``mean_think_time_s`` (0: none), seeded. A conversation keeps its
+    first ``max_turns`` turns, stops before a turn whose prompt + output (every earlier
+    turn answered with its ``output_len`` tokens) exceeds ``max_total_len``, and before a
+    turn whose reply does not tokenize the same alone as inside the template (then the
+    history's tokens could not be the prompt's); it is dropped if fewer than ``min_turns``
+    turns are left.
+
+    Raises:
+        ValueError: bad counts, or too few conversations pass.
+    """
+    check_count(num_conversations)
+    if not 1 <= min_turns <= max_turns:
+        raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
+    if not (mean_think_time_s >= 0 and math.isfinite(mean_think_time_s)):
+        raise ValueError(f"mean_think_time_s must be a finite number >= 0, got {mean_think_time_s!r}")
+    dialogues = _sharegpt_dialogues()
+    rng = np.random.default_rng(seed)
+    out: list[Conversation] = []
+    for idx in rng.permutation(len(dialogues)):
+        if len(out) == num_conversations:
+            break
+        conv_id, pairs = dialogues[idx]
+        if len(pairs) < min_turns:
+            continue
+        turns = _conversation_turns(tokenizer, pairs[:max_turns], max_output_len, max_total_len)
+        if len(turns) < min_turns:
+            continue
+        think = rng.exponential(mean_think_time_s, size=len(turns)) if mean_think_time_s else (
+            np.zeros(len(turns)))
+        turns = tuple(dataclasses.replace(t, think_time_s=float(think[k]) if k else 0.0)
+                      for k, t in enumerate(turns))
+        out.append(Conversation(conv_id, turns, f"sharegpt:{conv_id}"))
+    if len(out) < num_conversations:
+        raise ValueError(f"only {len(out)} ShareGPT conversations of >= {min_turns} turns pass "
+                         f"the filters, {num_conversations} requested")
+    return out
+
+
+def _conversation_turns(tokenizer: Any, pairs, max_output_len: int,
+                        max_total_len: int | None) -> list[Turn]:
+    """The turns of ``pairs`` ((human, gpt), ...) that pass (``sharegpt_conversations``)."""
+    turns: list[Turn] = []
+    messages: list[dict] = []
+    previous: tuple[int, ...] = ()  # turn k-1's prompt, rendered
+    reply_ids: tuple[int, ...] = ()
+    length = 0  # the prompt length in the replay: every earlier turn answered in full
+    for human, gpt in pairs:
+        messages.append({"role": "user", "content": human})
+        full = chat_ids(tokenizer, messages)
+        if turns:
+            head = len(previous) + len(reply_ids)
+            if full[:len(previous)] != previous or full[len(previous):head] != reply_ids:
+                break  # the reply tokenizes differently in context: no exact history
+            new = full[head:]
+        else:
+            new = full
+        output_len = min(num_text_tokens(tokenizer, gpt), max_output_len)
+        length += len(new)
+        if output_len < 1 or not new or (max_total_len is not None
+                                         and length + output_len > max_total_len):
+            break
+        turns.append(Turn(new, output_len))
+        length += output_len
+        previous = full
+        reply_ids = tuple(tokenizer(gpt, add_special_tokens=False)["input_ids"])
+        messages.append({"role": "assistant", "content": gpt})
+    return turns
+
+
+def with_conversation_arrivals(conversations: Sequence[Conversation], rate: float, seed: int,
+                               process: str = "poisson", burstiness: float = 1.0
+                               ) -> list[Conversation]:
+    """Copies of ``conversations`` whose first turns arrive by ``arrival_times`` (``rate``:
+    conversations per second; the later turns follow their answers, ``ConversationReplay``)."""
+    times = arrival_times(len(conversations), rate, seed, process, burstiness)
+    return [dataclasses.replace(c, arrival_s=float(t)) for c, t in zip(conversations, times)]
+
+
+class ConversationReplay:
+    """Releases each conversation's turns in order (what a workload replay needs):
+
+    1. ``first_turns()``: every conversation's turn 0, arriving at its ``arrival_s``.
+    2. When a turn ends, ``next_turn(item, output_token_ids, finished_s)`` returns the next
+       turn of its conversation: prompt = the ended turn's prompt + ``output_token_ids``
+       (what it really generated) + the next turn's new tokens, arriving at ``finished_s``
+       + its think time; None after the last turn. ``output_token_ids`` None (the turn
+       failed) ends the conversation: its later turns are never sent (``num_dropped``).
+    3. ``done`` once every conversation ended.
+
+    Times are seconds from the start of the run (the replay's clock).
+    """
+
+    def __init__(self, conversations: Sequence[Conversation]) -> None:
+        ids = [c.conversation_id for c in conversations]
+        if len(set(ids)) != len(ids):
+            raise ValueError("conversation ids must be unique")
+        self.conversations = {c.conversation_id: c for c in conversations}
+        self._open = set(ids)
+        self.num_dropped = 0  # turns never sent because an earlier turn failed
+
+    def first_turns(self) -> list[WorkloadRequest]:
+        return sorted((c.turn_request(0, (), c.arrival_s) for c in self.conversations.values()),
+                      key=lambda r: r.arrival_s)
+
+    def next_turn(self, item: WorkloadRequest, output_token_ids: Sequence[int] | None,
+                  finished_s: float) -> WorkloadRequest | None:
+        """Raises ValueError for an item that is not the open turn of a conversation here."""
+        conv = self.conversations.get(item.conversation_id)
+        if conv is None or item.conversation_id not in self._open:
+            raise ValueError(f"{item.source} is not an open turn of a conversation here")
+        k = item.turn + 1
+        if output_token_ids is None or k == conv.num_turns:
+            self._open.discard(conv.conversation_id)
+            if output_token_ids is None:
+                self.num_dropped += conv.num_turns - k
+            return None
+        history = item.prompt_token_ids + tuple(output_token_ids)
+        return conv.turn_request(k, history, finished_s + conv.turns[k].think_time_s)
+
+    @property
+    def done(self) -> bool:
+        return not self._open
+
+
+# ---- Mooncake trace replay ----
+
+MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
+
+
+@dataclass(frozen=True)
+class TraceEntry:
+    """One line of a Mooncake-format trace (Mooncake, FAST'25, ``kvcache-ai/Mooncake``
+    ``mooncake_trace.jsonl``): ``timestamp`` (milliseconds in Mooncake's traces),
+    ``input_length`` / ``output_length`` in tokens, ``hash_ids``: one id per block of the
+    prompt (512 tokens in Mooncake's traces; the last block may be partial); equal ids,
+    equal block content."""
+
+    line: int
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def read_mooncake_trace(path: str | Path, block_tokens: int = 512) -> list[TraceEntry]:
+    """Parse a Mooncake-format trace (one JSON object per line; blank lines skipped).
+
+    Raises:
+        ValueError: a malformed line, naming the file, the line number (from 1) and the
+            field: not a JSON object, a field missing, ``timestamp`` not a finite number
+            >= 0 or earlier than the line before, ``input_length`` / ``output_length`` not
+            an integer >= 1, ``hash_ids`` not a list of integers >= 0, or ``input_length``
+            not fitting its hash ids (``(n - 1) * block_tokens < input_length <= n *
+            block_tokens`` for n ids).
+    """
+    if not isinstance(block_tokens, int) or block_tokens < 1:
+        raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
+    entries: list[TraceEntry] = []
+    with open(path) as f:
+        for number, text in enumerate(f, start=1):
+            if text.strip():
+                entries.append(_trace_entry(f"{path}:{number}", number, text, block_tokens,
+                                            entries[-1].timestamp if entries else None))
+    return entries
+
+
+def _trace_entry(where: str, number: int, text: str, block_tokens: int,
+                 previous_s: float | None) -> TraceEntry:
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{where}: not a JSON object ({err.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: not a JSON object")
+    for name in MOONCAKE_FIELDS:
+        if name not in obj:
+            raise ValueError(f"{where}: field {name!r} is missing")
+
+    def integer(name: str, low: int) -> int:
+        value = obj[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{where}: field {name!r} must be an integer >= {low}, got {value!r}")
+        return value
+
+    ts = obj["timestamp"]
+    if isinstance(ts, bool) or not isinstance(ts, (int, float)) or not math.isfinite(ts) or ts < 0:
+        raise ValueError(f"{where}: field 'timestamp' must be a finite number >= 0, got {ts!r}")
+    if previous_s is not None and ts < previous_s:
+        raise ValueError(f"{where}: field 'timestamp' {ts!r} is earlier than the line before "
+                         f"({previous_s!r}); a trace is in arrival order")
+    input_length, output_length = integer("input_length", 1), integer("output_length", 1)
+    ids = obj["hash_ids"]
+    if not isinstance(ids, list) or not all(
+            isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in ids):
+        raise ValueError(f"{where}: field 'hash_ids' must be a list of integers >= 0, got {ids!r}")
+    n = len(ids)
+    if not (n - 1) * block_tokens < input_length <= n * block_tokens:
+        raise ValueError(f"{where}: field 'input_length' {input_length} does not fit its {n} "
+                         f"hash_ids of {block_tokens} tokens (needs ({(n - 1) * block_tokens}, "
+                         f"{n * block_tokens}]; another block size?)")
+    return TraceEntry(number, float(ts), input_length, output_length, tuple(ids))
+
+
+def mooncake_trace(path: str | Path, seed: int, num_requests: int | None = None,
+                   block_tokens: int = 512, time_scale_s: float = 0.001,
+                   vocab_size: int = 49152, token_range: tuple[int, int] | None = None
+                   ) -> list[WorkloadRequest]:
+    """Requests replaying a Mooncake-format trace (``read_mooncake_trace``): the first
+    ``num_requests`` lines (None: all), arriving at ``(timestamp - first timestamp) *
+    time_scale_s`` seconds (Mooncake's milliseconds by default), output_len =
+    ``output_length``. Each hash id stands for ``block_tokens`` random token ids drawn from
+    ``(seed, hash id)`` (uniform over ``token_range``, default ``[0, vocab_size)``), a
+    partial last block takes the first ones, so prompts whose hash ids agree agree token
+    for token up to there (vLLM's ``TimedTrace`` expands hash ids the same way, with a
+    per-size seed). ``source`` is ``mooncake:<line>``.
+
+    Raises:
+        ValueError: a malformed line (``read_mooncake_trace``) or bad options.
+    """
+    if num_requests is not None:
+        check_count(num_requests)
+    if not (time_scale_s > 0 and math.isfinite(time_scale_s)):
+        raise ValueError(f"time_scale_s must be a finite number > 0, got {time_scale_s!r}")
+    t_lo, t_hi = _token_range(token_range, vocab_size)
+    entries = read_mooncake_trace(path, block_tokens)[:num_requests]
+    blocks: dict[int, tuple[int, ...]] = {}
+
+    def block(hash_id: int) -> tuple[int, ...]:
+        if hash_id not in blocks:
+            rng = np.random.default_rng([seed, hash_id])
+            blocks[hash_id] = tuple(int(t) for t in rng.integers(t_lo, t_hi, size=block_tokens))
+        return blocks[hash_id]
+
+    start_s = entries[0].timestamp if entries else 0.0
+    out = []
+    for e in entries:
+        prompt = tuple(t for h in e.hash_ids for t in block(h))[:e.input_length]
+        out.append(WorkloadRequest(prompt, e.output_length, f"mooncake:{e.line}",
+                                   (e.timestamp - start_s) * time_scale_s))
     return out
 
 

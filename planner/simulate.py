@@ -51,6 +51,15 @@ records equal the step-by-step run's exactly (tests/unit/test_plan_simulate.py),
 per-step batches still equal a real Engine's (tests/integration/test_plan_identity.py).
 Step records are sorted by start time at the end (a skipped-ahead step is recorded when it
 is skipped).
+
+KV blocks on demand and prefix caching are the Scheduler's own (``engine.scheduler``), so the
+simulation preempts, recomputes and skips cached prefixes as the engine does (records carry
+``num_cached_prompt_tokens`` and ``num_preemptions``). A step that preempted is never
+fast-forwarded (the next one may admit), a preempted request's recompute counts as prefill
+work, and the fast-forward stops before a skipped step that would need more blocks than are
+free (``Scheduler.decode_steps_available``); the blocks and cache entries the skipped steps'
+``schedule()`` would have made are made afterwards, in the same order
+(``Scheduler.catch_up_decodes``), so the records still equal the step-by-step run's.
 """
 
 from __future__ import annotations
@@ -377,8 +386,8 @@ class Simulator:
         flights, counts, completing = self._flights, batch.num_new_tokens, []
         for i, state in enumerate(batch.requests):
             k, n = state.num_computed_tokens, counts[i]
-            if k < state.num_prompt_tokens:
-                n_pre += n
+            if k < state.num_prompt_tokens or len(state.token_ids) - k > 1:  # is_prefilling:
+                n_pre += n  # a prompt chunk, or a preempted request recomputing
                 q_pre += n * (k + n)
             else:
                 num_decode += 1
@@ -403,7 +412,7 @@ class Simulator:
         self._record_step(instance, batch, t, duration, n_pre, num_decode)
         end_s = t + duration
         if (self.fast_forward and n_pre == 0 and not batch.kv_reserved
-                and not batch.newly_admitted):
+                and not batch.newly_admitted and not batch.preempted):
             end_s = self._fast_forward(instance, batch, end_s, sum_ctx)
         self._push(end_s, _STEP_END, (instance, batch, dict.fromkeys(completing, FAKE_TOKEN)))
 
@@ -442,6 +451,9 @@ class Simulator:
             left = params.max_tokens - (len(state.token_ids) - state.num_prompt_tokens)
             if left < steps_left:
                 steps_left = left
+        scheduler = instance.scheduler
+        if steps_left != math.inf:  # blocks on demand: never past a step that would preempt
+            steps_left = 1 + scheduler.decode_steps_available(requests, int(steps_left) - 1)
         ends = []  # end of each step completed here: its tokens leave then
         num_decode, step_s, add_end = len(requests), self.step_s, ends.append
         record = self._steps is not None or self._batches is not None
@@ -466,6 +478,8 @@ class Simulator:
                 if not flight.times:
                     flight.record.timeline[PREFILL_FINISHED] = ends[0]
                 flight.times.extend(ends)
+            # the blocks and prefix-cache entries those steps' schedule() would have made
+            scheduler.catch_up_decodes(requests, len(ends))
         return end_s
 
     def _horizon(self, instance: _Instance) -> float:
@@ -507,8 +521,11 @@ class Simulator:
             times = flight.times
             if not times:
                 flight.record.timeline[PREFILL_FINISHED] = t
+                flight.record.num_cached_prompt_tokens = state.num_cached_tokens or 0
             times.append(t)
             status = state.status
+            if status == _PREFILLED or status >= _FINISHED_STOPPED:  # its last token here
+                flight.record.num_preemptions += state.num_preemptions
             if status == _PREFILLED:  # KV out, then the first token
                 instance.scheduler.release(state)
                 put_s = self._transfer_s(flight) * self.transfer.put_share

@@ -3,16 +3,21 @@ prompt's KV to the transport.
 
 A request's life here (DESIGN §3, step 2):
 
-1. ``submit(request, dst_rank)`` queues it (prefill-only); it is batched with other prompts
-   under the token budget, chunked if the engine chunks.
+1. ``submit(request, dst_rank, kv_token_start)`` queues it (prefill-only); it is batched
+   with other prompts under the token budget, chunked if the engine chunks; a prefix this
+   worker caches (``engine.kv_blocks``) is not recomputed.
 2. The step that computes its last prompt token samples the **first token**.
    Layer-wise granularity: during that step each range of ``layers_per_chunk`` layers is
    put into the transport as soon as the runner has written it, while the next layers
    compute. Whole-request granularity: the prompt's KV ``[L, 2, H_kv, T, D]`` is put after
    the step.
-3. The local KV is freed (the transport owns the bytes now) and a ``prefilled`` event
-   carries the first token and the handles. If the first token already ends the request
-   (EOS, stop token, ``max_tokens == 1``) no KV is sent.
+   Only tokens from ``kv_token_start`` on are sent (the decode worker caches the prefix
+   before it; the event says how many bytes that saved).
+3. The local KV is freed (the transport owns the bytes now; full blocks stay in the
+   prefix cache) and a ``prefilled`` event carries the first token and the handles. If
+   the first token already ends the request (EOS, stop token, ``max_tokens == 1``) no KV
+   is sent. Once its last prompt chunk ran, a request is never preempted (PREFILLED), so
+   its KV cannot vanish before the put.
 4. The handles now belong to whoever collected the event (the router, then the decode
    worker). Handles the router cannot pass on come back through ``release`` and are freed
    here. An ``abort`` of a request whose ``prefilled`` event nobody has collected yet frees
@@ -62,6 +67,7 @@ class PrefillWorker(EngineLoop):
                  bind: bool = True, step_delay_s: float = 0.0) -> None:
         self.transfer = transfer_config
         self._dst_rank: dict[str, int | None] = {}
+        self._kv_start: dict[str, int] = {}  # first prompt token to send (the rest is cached there)
         self._layer_handles: dict[str, list[KVHandle]] = {}
         self._put_errors: dict[str, Exception] = {}  # layer-wise puts that failed mid-step
         self._no_room: set[str] = set()  # layer-wise requests that met a full buffer this step
@@ -79,11 +85,22 @@ class PrefillWorker(EngineLoop):
         """Layer-wise granularity: ``_put_layers`` hears of every layer as it is written."""
         return self._put_layers if self.transfer.granularity == "layer" else None
 
-    def submit(self, request: Request, dst_rank: int | None = None) -> None:
+    def submit(self, request: Request, dst_rank: int | None = None,
+               kv_token_start: int = 0) -> None:
         """Queue ``request`` for prefill; ``dst_rank`` is the decode worker's rank (only
-        point-to-point transports use it)."""
+        point-to-point transports use it). ``kv_token_start``: send the prompt's KV from
+        this token on (a multiple of the block size below the prompt length: the prefix
+        its decode worker caches, so only the missing blocks travel)."""
         def add() -> None:
-            self._dst_rank[request.request_id] = dst_rank
+            rid = request.request_id
+            block_size = self.engine.config.block_size
+            if kv_token_start % block_size or not 0 <= kv_token_start < request.num_prompt_tokens:
+                self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=(
+                    f"request {rid}: kv_token_start must be a multiple of {block_size} in "
+                    f"[0, {request.num_prompt_tokens}), got {kv_token_start}")))
+                return
+            self._dst_rank[rid] = dst_rank
+            self._kv_start[rid] = kv_token_start
             self._add(request, prefill_only=True)
         self._commands.put(add)
 
@@ -121,6 +138,7 @@ class PrefillWorker(EngineLoop):
         self.engine.abort(request_id)
         self._deferred.pop(request_id, None)
         self._dst_rank.pop(request_id, None)
+        self._kv_start.pop(request_id, None)
         self._put_errors.pop(request_id, None)
         self._no_room.discard(request_id)
         self._free(self._layer_handles.pop(request_id, []))
@@ -139,7 +157,7 @@ class PrefillWorker(EngineLoop):
                 del self._deferred[rid]
                 continue
             try:
-                if not self.transport.has_room(self.engine.kv_spec.kv_bytes(state.num_prompt_tokens)):
+                if not self.transport.has_room(self._put_bytes(state)):
                     return
             except Exception as err:  # can never fit: this request fails, not the worker
                 del self._deferred[rid]
@@ -153,6 +171,7 @@ class PrefillWorker(EngineLoop):
             rid = out.request_id
             if out.finish_reason is not None:  # ended with its first token: no KV to send
                 self._dst_rank.pop(rid, None)
+                self._kv_start.pop(rid, None)
                 self._put_errors.pop(rid, None)  # a layer put that failed no longer matters
                 self._no_room.discard(rid)
                 self._free(self._layer_handles.pop(rid, []))
@@ -177,16 +196,21 @@ class PrefillWorker(EngineLoop):
         if self._deferred:
             return False
         try:
-            return self.transport.has_room(self.engine.kv_spec.kv_bytes(
-                self.engine.states[rid].num_prompt_tokens))
+            return self.transport.has_room(self._put_bytes(self.engine.states[rid]))
         except Exception:
             return True  # let the put itself fail with the transport's reason
 
+    def _put_bytes(self, state) -> int:
+        """Bytes of ``state``'s KV this worker sends (prompt tokens from its start on)."""
+        start = self._kv_start.get(state.request_id, 0)
+        return self.engine.kv_spec.kv_bytes(state.num_prompt_tokens - start)
+
     def _put_whole(self, out: TokenOutput) -> None:
         rid = out.request_id
+        start = self._kv_start.get(rid, 0)
         try:
-            kv, _ = self.engine.export_kv(rid)
-            handle = self.transport.put(rid, self.engine.kv_spec, kv,
+            kv, _ = self.engine.export_kv(rid, token_start=start)
+            handle = self.transport.put(rid, self.engine.kv_spec, kv, token_start=start,
                                         dst_rank=self._dst_rank.get(rid))
         except Exception as err:  # the transport refused: this request fails, not the worker
             self._fail(rid, err)
@@ -195,6 +219,7 @@ class PrefillWorker(EngineLoop):
 
     def _fail(self, rid: str, err: Exception) -> None:
         self._dst_rank.pop(rid, None)
+        self._kv_start.pop(rid, None)
         self.engine.abort(rid, str(err))
         self.emit(WorkerEvent(ERROR, rid, self.name, time.time(),
                               error=f"KV put failed: {type(err).__name__}: {err}"))
@@ -202,6 +227,7 @@ class PrefillWorker(EngineLoop):
     def _prefilled(self, out: TokenOutput, handles: list[KVHandle]) -> None:
         rid = out.request_id
         self._dst_rank.pop(rid, None)
+        start = self._kv_start.pop(rid, 0)
         if self.transport.name == "inprocess":
             self._sent.extend(handles)
         first = token_event(self.name, out, **{KV_PUT: time.time()})
@@ -210,7 +236,10 @@ class PrefillWorker(EngineLoop):
                               kv_bytes=sum(h.num_bytes for h in handles),
                               kv_put_s=sum(h.put_s for h in handles),
                               stamps=first.stamps, logprob=out.logprob,
-                              top_logprobs=out.top_logprobs))
+                              top_logprobs=out.top_logprobs,
+                              num_cached_prompt_tokens=out.num_cached_tokens,
+                              num_preemptions=out.num_preemptions,
+                              kv_bytes_saved=self.engine.kv_spec.kv_bytes(start)))
 
     def _put_layers(self, layer: int, batch: ScheduledBatch) -> None:
         """After ``layer``: put the finished layer range of every prompt completing now
@@ -226,15 +255,16 @@ class PrefillWorker(EngineLoop):
             rid = state.request_id
             if rid in self._put_errors or rid in self._no_room:
                 continue
-            kv = self.engine.read_kv_layers(rid, slice(start, layer + 1))
+            token_start = self._kv_start.get(rid, 0)
+            kv = self.engine.read_kv_layers(rid, slice(start, layer + 1), token_start)
             try:
                 room = not self._deferred and self.transport.has_room(kv.numel() * kv.element_size())
                 if not room:  # free what it holds of the buffer: nothing half-sent waits
                     self._no_room.add(rid)
                     self._free(self._layer_handles.pop(rid, []))
                     continue
-                handle = self.transport.put(rid, self.engine.kv_spec, kv, layer_start=start,
-                                            dst_rank=self._dst_rank.get(rid))
+                handle = self.transport.put(rid, self.engine.kv_spec, kv, token_start=token_start,
+                                            layer_start=start, dst_rank=self._dst_rank.get(rid))
             except Exception as err:  # fail this request after the step, not the whole batch
                 self._put_errors[rid] = err
                 continue

@@ -531,6 +531,10 @@ class Router:
             record.token_worker_times_s.append(event.time_s)  # the worker produced it then
             if event.kind == ev.PREFILLED:
                 record.kv_put_s = event.kv_put_s
+                record.kv_bytes_saved = event.kv_bytes_saved
+            if event.num_cached_prompt_tokens is not None:
+                record.num_cached_prompt_tokens = event.num_cached_prompt_tokens
+            record.num_preemptions += event.num_preemptions
             record.output_token_ids.append(event.token_id)
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
             self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],

@@ -42,7 +42,9 @@ than 0, ``logit_bias``, tools. ``temperature`` defaults to 1.0 as in OpenAI's AP
 ``pdlab:`` prefix (``pdlab:time_to_first_token_seconds``, ``pdlab:inter_token_latency_seconds``,
 ``pdlab:e2e_request_latency_seconds``, ``pdlab:request_queue_time_seconds``,
 ``pdlab:num_requests_running`` / ``_waiting``, ``pdlab:prompt_tokens_total``,
-``pdlab:generation_tokens_total``, ``pdlab:request_success_total{finished_reason}``), plus
+``pdlab:generation_tokens_total``, ``pdlab:request_success_total{finished_reason}``,
+``pdlab:prefix_cache_queries_total`` / ``pdlab:prefix_cache_hits_total``: prompt tokens of
+answered requests and those of them their prefill found in a prefix cache), plus
 ``pdlab:kv_transfer_bytes`` and ``pdlab:kv_transfer_seconds`` histograms (labels
 ``prefill_worker``, ``decode_worker``) and ``pdlab:worker_info`` / ``pdlab:worker_load_tokens``
 with ``worker`` and ``role`` labels. Latencies come from the router's ``RequestRecord``s with
@@ -218,6 +220,12 @@ class ServeMetrics:
                                          ["model_name"], registry=r).labels(**label)
         self.success = Counter("pdlab:request_success", "answered choices by finish reason",
                                ["model_name", "finished_reason"], registry=r)
+        self.cache_queries = Counter("pdlab:prefix_cache_queries",
+                                     "prompt tokens looked up in a prefix cache (answered requests)",
+                                     ["model_name"], registry=r).labels(**label)
+        self.cache_hits = Counter("pdlab:prefix_cache_hits",
+                                  "prompt tokens whose prefill a prefix cache skipped",
+                                  ["model_name"], registry=r).labels(**label)
         self.kv_bytes = Histogram("pdlab:kv_transfer_bytes", "prompt KV bytes shipped per request",
                                   ["prefill_worker", "decode_worker"], buckets=KV_BYTES_BUCKETS,
                                   registry=r)
@@ -239,6 +247,8 @@ class ServeMetrics:
         """One finished request's latencies and KV transfer (called on the router thread)."""
         if m.failed(record):
             return
+        self.cache_queries.inc(record.num_prompt_tokens)
+        self.cache_hits.inc(record.num_cached_prompt_tokens)
         for histogram, value in ((self.ttft, m.ttft_s(record)), (self.e2e, m.e2e_s(record)),
                                  (self.queue, m.prefill_queue_s(record))):
             if value is not None:

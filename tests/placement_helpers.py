@@ -44,11 +44,16 @@ def boundary_workload(tiny, spacing_s: float = 0.005, start_s: float = 0.0):
     return workload, expected
 
 
-def soak_workload(tiny, num_requests: int = 500, num_prompts: int = 16, max_tokens: int = 4):
+def soak_workload(tiny, num_requests: int = 500, num_prompts: int = 16, max_tokens: int = 4,
+                  prefix_len: int = 0):
     """The soak tests' workload: ``num_requests`` requests ``q000``, ``q001``, ... cycling
     over ``num_prompts`` random prompts of 3-15 tokens, 2 ms apart, EOS ignored; returns
-    (workload, request id -> generate() tokens)."""
+    (workload, request id -> generate() tokens). ``prefix_len`` > 0: each prompt starts
+    with one of two random system prompts of that many tokens (prefix cache hits)."""
     prompts = random_prompts([3 + i % 13 for i in range(num_prompts)], seed=31)
+    if prefix_len:
+        systems = random_prompts([prefix_len] * 2, seed=32)
+        prompts = [systems[i % 2] + p for i, p in enumerate(prompts)]
     references = [reference_generate(tiny.model, p, max_tokens) for p in prompts]
     workload = [(Request(f"q{i:03d}", tuple(prompts[i % num_prompts]),
                          SamplingParams(max_tokens=max_tokens, ignore_eos=True)), 0.002 * i)

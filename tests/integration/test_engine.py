@@ -169,8 +169,12 @@ def decode_step(decode: Engine, fetched: dict, outputs: dict) -> None:
         decode.finish_remote(rid, fetched.pop(rid))
 
 
-def test_remote_request_reserves_before_its_kv_enters(tiny):
-    config = EngineConfig(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=32)
+@pytest.mark.parametrize("reservation,reserved", [("full", 6), ("on_demand", 4)])
+def test_remote_request_reserves_before_its_kv_enters(tiny, reservation, reserved):
+    """Blocks before the fetch: prompt + max_tokens (full) or prompt + 1 (on demand: the
+    first token's KV, computed by its first decode step)."""
+    config = EngineConfig(max_num_seqs=1, max_model_len=64, max_num_batched_tokens=32,
+                          kv_reservation=reservation)
     engine = Engine(tiny, config)
     a, b = (Request(rid, (5, 6, 7), SamplingParams(max_tokens=3)) for rid in "ab")
     engine.add_remote(a, 9)
@@ -178,14 +182,14 @@ def test_remote_request_reserves_before_its_kv_enters(tiny):
     assert engine.is_waiting_for_kv("a") and engine.is_waiting_for_kv("b")
     step = engine.step()
     assert list(step) == [] and list(step.kv_reserved) == ["a"]  # one slot: a only
-    assert engine.scheduler.capacity.reserved_tokens == 6 and engine.step_records == []
+    assert engine.scheduler.reserved_tokens == reserved and engine.step_records == []
     with pytest.raises(KeyError, match="not waiting for remote KV"):
         engine.finish_remote("b", torch.zeros(2, 2, 2, 3, 16))  # b has no slot yet
     wrong = torch.zeros(2, 2, 4, 3, 16)  # 4 KV heads instead of 2
     with pytest.raises(ValueError, match=r"expected shape \(2, 2, 2, 3, 16\)"):
         engine.finish_remote("a", wrong)
     engine.abort("a")  # cancelled while its KV was "in flight": slot free, b reserves next
-    assert engine.scheduler.capacity.reserved_tokens == 0
+    assert engine.scheduler.reserved_tokens == 0
     step = engine.step()
     assert list(step) == [] and list(step.kv_reserved) == ["b"]
     engine.finish_remote("b", torch.zeros(2, 2, 2, 3, 16))
@@ -214,7 +218,11 @@ def test_add_remote_rejects_nothing_to_decode(tiny):
 def test_bf16_matches_bf16_generate(references):
     loaded = load_model(ModelConfig("tiny-random-llama", dtype="bfloat16"))
     prompts, _ = references
-    engine = Engine(loaded, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16))
+    # prefix caching off: it changes which blocks a request gets (cached blocks are kept),
+    # so the attention gathers differently and bf16 near-ties flip (4 of 6 here, not 5);
+    # the caching layouts are checked exactly in fp32 (test_prefix_cache.py)
+    engine = Engine(loaded, EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=16,
+                                         enable_prefix_caching=False))
     outputs = engine.generate(make_requests(prompts[:6], max_tokens=8))
     agree = [outputs[f"r{i}"] == reference_generate(loaded.model, p, 8) for i, p in enumerate(prompts[:6])]
     # bf16 rounding differs between a batched and a single-sequence kernel order; demand

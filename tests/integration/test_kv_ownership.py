@@ -254,16 +254,20 @@ def test_failed_fetch_frees_the_reserved_slot_and_names_the_cause(tiny, shutdown
 
 # ---- a prefill-only request reserves prompt + 1 tokens -----------------------------------
 
-def test_prefill_only_reserves_prompt_plus_one(tiny):
+@pytest.mark.parametrize("reservation,reserved", [("full", 31), ("on_demand", 30)])
+def test_prefill_only_reserves_prompt_plus_one(tiny, reservation, reserved):
+    """Reserved whole: prompt + 1 tokens, never + max_tokens; on demand: the prompt tokens
+    it computes (the first token's KV is computed by its decode worker)."""
     engine = Engine(tiny, EngineConfig(max_num_seqs=4, max_model_len=256,
-                                       max_num_batched_tokens=128, kv_capacity_tokens=256))
+                                       max_num_batched_tokens=128, kv_capacity_tokens=256,
+                                       kv_reservation=reservation))
     prompts = random_prompts([30] * 4, seed=14)
     for i, prompt in enumerate(prompts):
         engine.add_request(Request(f"p{i}", tuple(prompt), SamplingParams(max_tokens=100)),
                            prefill_only=True)
     outputs = engine.step()
     assert [(s.num_requests, s.num_prefill_tokens) for s in engine.step_records] == [(4, 120)]
-    assert engine.scheduler.capacity.reserved_tokens == 4 * 31
+    assert engine.scheduler.reserved_tokens == 4 * reserved
     assert engine.num_used_kv_blocks == 4 * 2  # 31 tokens = 2 blocks of 16 each
     assert [o.token_id for o in outputs] == [reference_generate(tiny.model, p, 1)[0] for p in prompts]
     for i in range(4):

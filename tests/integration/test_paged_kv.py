@@ -178,9 +178,10 @@ def test_fragmented_cache_stays_token_exact_and_frees_every_block(tiny):
     """5 blocks of 16: a (1 block), b (2), c (1), d (1) fill the cache; e (2 blocks) waits.
     a and c end first, leaving blocks 0 and 3 free but no run of two, so e gets the
     scattered table [0, 3] and its prompt chunk and decodes take the gather paths beside
-    b's and d's in-place views. Outputs equal generate(); every block is free at the end."""
+    b's and d's in-place views. Outputs equal generate(); every block is free at the end.
+    (Blocks reserved whole at admission, ``kv_reservation="full"``, so the tables are these.)"""
     engine = Engine(tiny, EngineConfig(max_num_seqs=6, max_model_len=96, max_num_batched_tokens=24,
-                                       kv_capacity_tokens=80))
+                                       kv_capacity_tokens=80, kv_reservation="full"))
     tables = []
     allocate = engine.scheduler.capacity.allocate
     engine.scheduler.capacity.allocate = lambda n: tables.append((n, allocate(n))) or tables[-1][1]

@@ -18,12 +18,16 @@ ENGINE = EngineConfig(max_num_seqs=3, max_model_len=64, max_num_batched_tokens=1
 LENGTHS = [(20, 4), (5, 6), (30, 3), (8, 5), (12, 2), (3, 1)]  # (prompt, max_tokens)
 
 
-def _requests() -> list[Request]:
-    return [Request(f"q{i}", tuple(range(3, 3 + p)), SamplingParams(max_tokens=g, ignore_eos=True))
+def _requests(shared: bool = False) -> list[Request]:
+    """The burst; ``shared``: every prompt starts with the same tokens (prefix cache hits),
+    else each starts with its own token (no block is shared)."""
+    return [Request(f"q{i}", (3 if shared else 3 + i,) + tuple(range(10, 9 + p)),
+                    SamplingParams(max_tokens=g, ignore_eos=True))
             for i, (p, g) in enumerate(LENGTHS)]
 
 
-def _engine_batches(engine: Engine, prefill_only: bool) -> list[list[tuple[str, int]]]:
+def _engine_batches(engine: Engine, prefill_only: bool,
+                    shared: bool = False) -> list[list[tuple[str, int]]]:
     seen = []
     schedule = engine.scheduler.schedule
 
@@ -34,7 +38,7 @@ def _engine_batches(engine: Engine, prefill_only: bool) -> list[list[tuple[str, 
         return batch
 
     engine.scheduler.schedule = spy
-    for request in _requests():
+    for request in _requests(shared):
         engine.add_request(request, prefill_only=prefill_only)
     while engine.has_unfinished():
         for out in engine.step():
@@ -61,6 +65,20 @@ def test_simulated_batches_equal_the_engines(tiny, placement, worker, prefill_on
     simulated = [batch for name, batch in result.batches if name == worker]
     real = _engine_batches(engine, prefill_only)
     assert len(real) >= 5 and any(len(b) > 1 for b in real)  # chunked, batched, queued
+    assert simulated == real
+
+
+@pytest.mark.parametrize("placement,worker,prefill_only", [
+    ("colocated:1", "colocated-0", False), ("disagg:1p1d", "prefill-0", True)])
+def test_simulated_prefix_cache_hits_equal_the_engines(tiny, placement, worker, prefill_only):
+    """Prompts sharing their first blocks: the simulator's Scheduler skips the same cached
+    prefixes as the Engine's (prefix caching is modelled by the same code)."""
+    engine = Engine(tiny, ENGINE)
+    sim = Simulator(placement, ENGINE, lambda *f: 0.01, TransferModel(0.001, 1e9), 64)
+    result = sim.run([(r, 0.0) for r in _requests(shared=True)], collect_batches=True)
+    simulated = [batch for name, batch in result.batches if name == worker]
+    real = _engine_batches(engine, prefill_only, shared=True)
+    assert engine.scheduler.prefix_cache_stats.hits > 0
     assert simulated == real
 
 

@@ -207,6 +207,17 @@ def test_models_health_and_metrics_count_what_was_served(tiny):
         assert values['pdlab:worker_info{role="decode",worker="decode-0"}'] == 1
         assert values[f"pdlab:num_requests_running{model}"] == 0
         assert values['pdlab:request_success_total{finished_reason="length",model_name="tiny"}'] == 3
+        assert values[f"pdlab:prefix_cache_queries_total{model}"] == 26
+        assert values[f"pdlab:prefix_cache_hits_total{model}"] == 0  # no full block in common
+        long = random_prompts([40], seed=6)[0]
+        for _ in range(2):  # the second finds the first's 2 full blocks in the prefill cache
+            httpx.post(f"{url}/v1/completions", timeout=30, json={
+                "prompt": long, "max_tokens": 2, "temperature": 0, "ignore_eos": True})
+        text = httpx.get(f"{url}/metrics").text
+        values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+                  for line in text.splitlines() if line and not line.startswith("#")}
+        assert values[f"pdlab:prefix_cache_queries_total{model}"] == 26 + 2 * 40
+        assert values[f"pdlab:prefix_cache_hits_total{model}"] == 32
 
 
 # ---- bad input --------------------------------------------------------------------------

@@ -5,6 +5,9 @@ greedy outputs of the healthy ones (delayed ones included) equal generate(); at 
 every engine is empty, every slot free, the transport holds nothing and the router's loads
 are all 0. Transports: in-process, shm and nixl (arenas small enough to push back on the
 prefill worker), whole-request and layer-wise. Ray is covered by tests/ray/ (too slow for 500 requests on 2 cores).
+With ``crowded``, every prompt starts with one of two 20-token system prompts (prefix cache
+hits) and each engine has 8 KV blocks (on-demand allocation preempts, and the decode worker
+recomputes what it preempted): the same guarantees hold.
 """
 
 from __future__ import annotations
@@ -55,6 +58,11 @@ def workload(tiny):
     return soak_workload(tiny, NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS)
 
 
+@pytest.fixture(scope="module")
+def crowded_workload(tiny):
+    return soak_workload(tiny, NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS, prefix_len=20)
+
+
 def abort_in_flight(decode: DecodeWorker, targets: set[str], stop: threading.Event) -> list:
     """Abort each target as soon as its KV fetch is in flight (a controller's abort)."""
     aborted = []
@@ -71,11 +79,12 @@ def abort_in_flight(decode: DecodeWorker, targets: set[str], stop: threading.Eve
     return aborted
 
 
-@pytest.mark.parametrize("transport_name,granularity", [
-    ("inprocess", "request"), ("shm", "request"), ("shm", "layer"),
-    pytest.param("nixl", "layer", marks=NEEDS_NIXL)])
-def test_soak_500_requests_with_faults(tiny, workload, transport_name, granularity):
-    items, expected = workload
+@pytest.mark.parametrize("transport_name,granularity,crowded", [
+    ("inprocess", "request", False), ("shm", "request", False), ("shm", "layer", False),
+    ("inprocess", "layer", True), pytest.param("nixl", "layer", False, marks=NEEDS_NIXL)])
+def test_soak_500_requests_with_faults(tiny, request, transport_name, granularity, crowded):
+    items, expected = request.getfixturevalue("crowded_workload" if crowded else "workload")
+    engine = dataclasses.replace(ENGINE, kv_capacity_tokens=128) if crowded else ENGINE
     transfer = dataclasses.replace(TRANSFER, granularity=granularity)
     if transport_name == "shm":  # room for 4 of the longest prompts: some puts must wait
         # (with room for 24, a decode worker as fast as the C kernels make it kept up)
@@ -89,8 +98,8 @@ def test_soak_500_requests_with_faults(tiny, workload, transport_name, granulari
     else:
         inner = InProcessTransport()
     transport = faulty(inner)
-    prefill = PrefillWorker("prefill-0", TINY, ENGINE, transfer, transport=transport, bind=False)
-    decode = DecodeWorker("decode-0", TINY, ENGINE, transfer, transport=transport, bind=False)
+    prefill = PrefillWorker("prefill-0", TINY, engine, transfer, transport=transport, bind=False)
+    decode = DecodeWorker("decode-0", TINY, engine, transfer, transport=transport, bind=False)
     calls = LocalCalls()
     stop = threading.Event()
     aborted: list = []
@@ -111,6 +120,7 @@ def test_soak_500_requests_with_faults(tiny, workload, transport_name, granulari
         statuses = [prefill.status(), decode.status()]
         slots = [w.call(lambda w=w: w.engine.scheduler.capacity.num_used_blocks)
                  for w in (prefill, decode)]
+        cache_stats = [w.kv_cache_stats() for w in (prefill, decode)]
         loads = dict(router.loads)
     finally:
         stop.set()
@@ -141,3 +151,10 @@ def test_soak_500_requests_with_faults(tiny, workload, transport_name, granulari
     if transport_name in ("shm", "nixl"):
         assert prefill.num_deferred_puts > 0  # the small arena really pushed back
     assert loads == {"prefill-0": 0, "decode-0": 0}  # router-side accounting (helper "route")
+    if crowded:  # caching and preemption really happened, and the records say so
+        # (a request whose put failed never reported its hit: <=; hits depend on eviction)
+        assert 0 < sum(r.num_cached_prompt_tokens for r in records) <= cache_stats[0]["hits"]
+        assert all(r.num_cached_prompt_tokens % 16 == 0 and r.num_cached_prompt_tokens
+                   <= (r.num_prompt_tokens - 1) // 16 * 16 for r in records)
+        assert cache_stats[1]["num_preemptions"] > 0
+        assert sum(r.num_preemptions for r in records) > 0

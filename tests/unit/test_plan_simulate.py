@@ -171,6 +171,30 @@ def test_fast_forward_gives_the_records_of_the_step_by_step_run(placement, engin
     assert fast.records[7].output_token_ids == [0] and fast.records[7].finish_reason == "length"
 
 
+@pytest.mark.parametrize("placement", ["colocated:1", "disagg:1p1d"])
+def test_fast_forward_equals_the_step_by_step_run_with_preemptions_and_prefix_hits(placement):
+    """10 KV blocks of 16 for 80 requests of up to 70 tokens sharing their first tokens:
+    blocks come on demand and run out, so running requests are preempted and recomputed,
+    and prompts hit each other's cached blocks. The fast-forward stops before a step that
+    would preempt and makes the blocks and cache entries its skipped steps would have:
+    records, steps and batches equal the step-by-step run's."""
+    engine = EngineConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=32,
+                          kv_capacity_tokens=160)
+    work = _poisson_workload(80, 30.0, seed=5)
+    transfer = TransferModel(latency_s=0.004, bandwidth_bytes_s=2e6)
+    plain, fast = [Simulator(placement, engine, _linear_step_s, transfer, 100,
+                             fast_forward=ff).run(work, collect_steps=True, collect_batches=True)
+                   for ff in (False, True)]
+    assert [r.to_dict() for r in fast.records] == [r.to_dict() for r in plain.records]
+    assert fast.steps == plain.steps and fast.batches == plain.batches
+    assert fast.num_fast_forwarded_steps > 0
+    assert sum(r.num_preemptions for r in plain.records) > 0
+    assert sum(r.num_cached_prompt_tokens for r in plain.records) > 0
+    wanted = {req.request_id: req.sampling.max_tokens for req, _ in work}
+    assert all(len(r.output_token_ids) == wanted[r.request_id] and r.error is None
+               for r in plain.records)
+
+
 def test_fast_forward_stops_before_a_finish_and_at_the_next_arrival():
     # r0: 10-token prompt, 6 tokens; 1 s steps. Prefill 0-1 (token 1); decodes end at 2..6.
     # Alone, steps 1-2 .. 4-5 are completed ahead (tokens 2-5), 5-6 (its last) runs as usual.

@@ -1,0 +1,202 @@
+"""Prefix caching side by side (issue 26): pdlab with it on and off, and vLLM's CPU build
+with it on, on the same shared-prefix and multi-turn workloads, in one run.
+
+Workloads (SmolLM2-135M, fp32, greedy, EOS ignored, token budget 2048, KV blocks of
+``--block-size`` tokens on both sides: 128 by default, vLLM's CPU default, since a hit is
+counted in whole blocks and a 16-token block finds more of a multi-turn history cached):
+
+1. **shared prefixes**: ``workloads.prefix_repetition`` (vLLM's ``prefix_repetition``
+   shape): 4 system prompts of 256 tokens x 8 questions of 64 tokens, 16 output tokens,
+   token ids in [100, 49000) (no special token), seed 0; all 32 in one ``generate``.
+2. **multi-turn**: ``workloads.sharegpt_conversations``: 8 ShareGPT conversations of 3
+   turns (outputs <= 32 tokens, at most 1,536 tokens in all), seed 0. Offline rounds: turn
+   k of every conversation in one ``generate`` once turn k-1 of all of them ended, each
+   side building the history from its own answers (``ConversationReplay``).
+
+Every run starts from a cold cache (a new pdlab ``Engine``; vLLM's
+``reset_prefix_cache``), so a run's hits are its own. Time = the ``generate`` calls' wall
+time (pdlab: ``Engine.generate``; vLLM: inside its process). Hit rate = prompt tokens
+found cached / prompt tokens (vLLM: ``RequestOutput.num_cached_tokens``). Contenders
+alternate run by run on the same pinned core(s); each figure is the minimum over
+``--repeats`` rounds after one warm-up round. Prints per workload: hit rate, seconds, and
+pdlab/vLLM (target: hit rate within 1 point, time <= 1.0), and whether the greedy outputs
+are equal token for token.
+
+    python -m benchmarks.prefix_cache [--quick] [--no-vllm] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import sys
+import time
+
+from benchmarks import add_common_args, print_table, setup_threads, vllm_peer
+from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
+from engine.model import load_model
+from engine.request import Request, SamplingParams
+from experiments import workloads
+
+BUDGET = 2048
+BLOCK_SIZE = 128  # vLLM's CPU backend default
+_ids = itertools.count()
+
+
+def shared_prefix_rounds(quick: bool) -> list[list[workloads.WorkloadRequest]]:
+    n = 16 if quick else 32
+    return [workloads.prefix_repetition(n, seed=0, num_prefixes=4, prefix_len=256,
+                                        suffix_len=64, output_len=16, token_range=(100, 49000))]
+
+
+def conversations(tokenizer, quick: bool) -> list[workloads.Conversation]:
+    return workloads.sharegpt_conversations(tokenizer, 4 if quick else 8, seed=0, min_turns=3,
+                                            max_turns=3, max_output_len=32, max_total_len=1536,
+                                            mean_think_time_s=0.0)
+
+
+class PdlabSide:
+    """``run(prompts, max_tokens) -> (seconds, outputs, cached tokens)`` on one Engine;
+    ``reset()`` builds a new one (cold cache, untimed)."""
+
+    def __init__(self, loaded, max_model_len: int, caching: bool, block_size: int) -> None:
+        self.loaded, self.caching = loaded, caching
+        self.config = EngineConfig(max_num_seqs=64, max_model_len=max_model_len,
+                                   max_num_batched_tokens=BUDGET, enable_prefix_caching=caching,
+                                   block_size=block_size)
+        self.engine: Engine | None = None
+
+    def reset(self) -> None:
+        self.engine = Engine(self.loaded, self.config, quiet=True)
+
+    def run(self, prompts: list[list[int]], max_tokens: list[int]):
+        requests = [Request(f"pc{next(_ids)}", tuple(p), SamplingParams(max_tokens=m, ignore_eos=True))
+                    for p, m in zip(prompts, max_tokens)]
+        outputs = {r.request_id: [] for r in requests}
+        cached = {}
+        for r in requests:
+            self.engine.add_request(r)
+        start = time.perf_counter()
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                outputs[out.request_id].append(out.token_id)
+                if out.index == 0:
+                    cached[out.request_id] = out.num_cached_tokens or 0
+        seconds = time.perf_counter() - start
+        return seconds, [outputs[r.request_id] for r in requests], [cached[r.request_id] for r in requests]
+
+
+class VLLMSide:
+    def __init__(self, peer: vllm_peer.VLLMPeer) -> None:
+        self.peer, self._reset = peer, False
+
+    def reset(self) -> None:
+        self._reset = True  # applied with the next generate, untimed
+
+    def run(self, prompts: list[list[int]], max_tokens: list[int]):
+        # one max_tokens per workload round (the rounds below keep them equal per call)
+        assert len(set(max_tokens)) == 1, "vLLM side: one max_tokens per generate"
+        seconds, outputs, cached = self.peer.run_cached(prompts, max_tokens[0], self._reset)
+        self._reset = False
+        return seconds, outputs, cached
+
+
+def run_shared(side, rounds) -> tuple[float, list, int, int]:
+    side.reset()
+    seconds, outs, hits, queries = 0.0, [], 0, 0
+    for items in rounds:
+        s, o, c = side.run([list(r.prompt_token_ids) for r in items], [r.output_len for r in items])
+        seconds += s
+        outs += o
+        hits += sum(c)
+        queries += sum(r.num_prompt_tokens for r in items)
+    return seconds, outs, hits, queries
+
+
+def run_conversations(side, convs, output_len: int) -> tuple[float, list, int, int]:
+    """Turn by turn; every turn asks for ``output_len`` tokens (one max_tokens per call)."""
+    side.reset()
+    convs = [workloads.Conversation(c.conversation_id,
+                                    tuple(workloads.Turn(t.new_token_ids, output_len)
+                                          for t in c.turns), c.source) for c in convs]
+    replay = workloads.ConversationReplay(convs)
+    items = replay.first_turns()
+    seconds, outs, hits, queries = 0.0, [], 0, 0
+    while items:
+        s, o, c = side.run([list(r.prompt_token_ids) for r in items], [r.output_len for r in items])
+        seconds += s
+        outs += o
+        hits += sum(c)
+        queries += sum(r.num_prompt_tokens for r in items)
+        items = [n for n in (replay.next_turn(r, out, 0.0) for r, out in zip(items, o)) if n]
+    return seconds, outs, hits, queries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cache", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--no-vllm", action="store_true", help="pdlab only")
+    parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                        help="KV block tokens on both sides (default 128, vLLM's CPU default)")
+    args = parser.parse_args(argv)
+    repeats = args.repeats or (1 if args.quick else 3)
+    if not args.no_vllm and not vllm_peer.available():
+        print(f"{vllm_peer.VENV_PYTHON} not found: run `make vllm-venv` (or pass --no-vllm)")
+        return 2
+    print(setup_threads(args.threads))
+    loaded = load_model(ModelConfig("smollm2-135m"))
+    shared = shared_prefix_rounds(args.quick)
+    convs = conversations(loaded.tokenizer, args.quick)
+    turn_len = 32
+    longest = max(max(r.num_prompt_tokens + r.output_len for r in shared[0]),
+                  max(c.num_prompt_tokens(c.num_turns - 1) + turn_len for c in convs))
+    max_model_len = longest + 1
+    sides = {"pdlab": PdlabSide(loaded, max_model_len, True, args.block_size),
+             "pdlab (no cache)": PdlabSide(loaded, max_model_len, False, args.block_size)}
+    peer = None
+    if not args.no_vllm:
+        cores = sorted(os.sched_getaffinity(0))
+        peer = vllm_peer.VLLMPeer(max_model_len, BUDGET, cores, enable_prefix_caching=True,
+                                  block_size=args.block_size)
+        sides["vLLM"] = VLLMSide(peer)
+        print(f"vLLM {peer.version} (CPU build, prefix caching on) beside pdlab, cores {cores}")
+    jobs = {"shared prefixes": lambda side: run_shared(side, shared),
+            "multi-turn": lambda side: run_conversations(side, convs, turn_len)}
+    best = {(j, s): float("inf") for j in jobs for s in sides}
+    result = {}
+    try:
+        for round_idx in range(repeats + 1):  # round 0: warm-up, discarded
+            for job, fn in jobs.items():
+                for name, side in sides.items():
+                    seconds, outs, hits, queries = fn(side)
+                    result[(job, name)] = (outs, hits, queries)
+                    if round_idx:
+                        best[(job, name)] = min(best[(job, name)], seconds)
+    finally:
+        if peer is not None:
+            peer.close()
+    rows = []
+    for job in jobs:
+        for name in sides:
+            outs, hits, queries = result[(job, name)]
+            ratio = ""
+            if name != "vLLM" and "vLLM" in sides:
+                ratio = f"{best[(job, name)] / best[(job, 'vLLM')]:.2f}"
+            rows.append([job, name, f"{100 * hits / queries:.1f}%", f"{queries - hits}",
+                         best[(job, name)], ratio])
+    print(f"SmolLM2-135M fp32 CPU, KV blocks of {args.block_size} tokens; seconds: min of "
+          f"{repeats} alternating rounds after a warm-up")
+    print_table(["workload", "engine", "hit rate", "prefill tokens", "seconds", "/vLLM"], rows)
+    for job in jobs:
+        ref = result[(job, "pdlab (no cache)")][0]
+        same = {n: sum(a == b for a, b in zip(result[(job, n)][0], ref)) for n in sides}
+        print(f"{job}: outputs equal to pdlab without caching, token for token: "
+              + ", ".join(f"{n} {k}/{len(ref)}" for n, k in same.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

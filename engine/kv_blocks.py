@@ -1,0 +1,357 @@
+"""KV block accounting with automatic prefix caching (no torch, never touches a tensor).
+
+The scheme is vLLM v1's automatic prefix caching (``vllm/v1/core/kv_cache_utils.py``
+``hash_block_tokens``, ``block_pool.py`` ``BlockPool``, ``kv_cache_manager.py``
+``get_computed_blocks``):
+
+1. A **full** block of ``block_size`` tokens is named by a hash chained through its parent
+   block's: ``h_0 = H(NONE_HASH, tokens[0:B])``, ``h_i = H(h_{i-1}, tokens[iB:(i+1)B])``,
+   ``H`` = SHA-256 (vLLM's default ``prefix_caching_hash_algo``). Equal hashes mean equal
+   token prefixes up to the block's end, so the KV is equal too. A partial block has no
+   hash and is never shared. The hashes depend on the tokens alone (no process salt), so
+   a router can compute them from a prompt and compare them with a worker's
+   (``block_hashes``, ``BlockAllocator.pop_events``).
+2. Every block has a reference count: the block tables (requests) that list it. A request
+   whose prompt starts with cached blocks ``touch``es them (+1) instead of recomputing.
+3. ``free`` drops one reference per block. A block at zero references that has a hash
+   stays cached (evictable); one without a hash is simply free.
+4. ``allocate`` hands out blocks with no hash first (the lowest run of consecutive free
+   blocks, else the lowest ones: consecutive blocks are read in place by attention and
+   export), and only when none is left evicts cached blocks, least recently freed first.
+   A request's blocks are freed tail first (vLLM's order), so its last blocks, the least
+   likely to be shared, are evicted before its first ones.
+
+Departure from vLLM's ``FreeKVCacheBlockQueue``: vLLM keeps free blocks with and without a
+hash in one LRU queue, so it can hand out a cached block while an uncached one is free;
+here a cached block is evicted only when no uncached block is left (it keeps at least
+vLLM's hits at the same budget, and keeps the lowest-first layout of the cache without
+caching).
+
+Only one block per hash is registered (the first); a block computed twice (two requests
+missed at once) stays unregistered in the second table, as vLLM keeps block tables
+append-only instead of deduplicating.
+"""
+
+from __future__ import annotations
+
+import array
+import bisect
+import collections
+import hashlib
+import struct
+import sys
+from dataclasses import dataclass
+
+# How many start positions ``allocate`` tries for a run of consecutive free blocks before it
+# takes the lowest free blocks, scattered.
+RUN_SEARCH_LIMIT = 64
+
+# The parent hash of a prompt's first block (vLLM's NONE_HASH, from a fixed seed so every
+# process agrees: vLLM's DEFAULT_NONE_HASH_SEED for sha256).
+NONE_HASH = hashlib.sha256(b"pdlab-prefix-cache").digest()
+
+
+def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
+    """SHA-256 of the parent block's hash and this block's token ids (int64 little
+    endian): 32 bytes. ``parent_hash`` None = first block (``NONE_HASH``)."""
+    tokens = tuple(token_ids)
+    data = (NONE_HASH if parent_hash is None else parent_hash) + struct.pack(
+        f"<{len(tokens)}q", *tokens)
+    return hashlib.sha256(data).digest()
+
+
+def block_hashes(token_ids, block_size: int, hashes: list[bytes] | None = None) -> list[bytes]:
+    """The chained hashes of every full block of ``token_ids`` (``len // block_size`` of
+    them), each equal to ``hash_block_tokens(previous, block)``. ``hashes``: the hashes
+    already computed for a prefix of the same tokens; the list is extended in place and
+    returned (a request's list grows with its tokens)."""
+    hashes = [] if hashes is None else hashes
+    first, last = len(hashes), len(token_ids) // block_size
+    if first >= last:
+        return hashes
+    # one packing for all the new blocks (the hot part of admission: the planner's
+    # simulator admits thousands of prompts per run)
+    packed = array.array("q", token_ids[first * block_size:last * block_size])
+    if sys.byteorder != "little":
+        packed.byteswap()
+    data, step, sha = packed.tobytes(), 8 * block_size, hashlib.sha256
+    parent = hashes[-1] if hashes else NONE_HASH
+    for offset in range(0, len(data), step):
+        parent = sha(parent + data[offset:offset + step]).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def prompt_block_hashes(request, block_size: int) -> tuple[bytes, ...]:
+    """``block_hashes`` of ``request.prompt_token_ids`` (an ``engine.request.Request``),
+    computed once per request and block size and kept on the request (every RequestState
+    made of it shares them: a preempted request admitted again, the same workload
+    simulated at several rates)."""
+    by_size = request._prompt_hashes
+    if by_size is None:
+        by_size = {}
+        object.__setattr__(request, "_prompt_hashes", by_size)  # frozen: a cache, not a field
+    hashes = by_size.get(block_size)
+    if hashes is None:
+        hashes = by_size[block_size] = tuple(block_hashes(request.prompt_token_ids, block_size))
+    return hashes
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix cache lookups in tokens (vLLM's ``PrefixCacheStats``: ``queries`` = tokens of
+    new requests looked up at admission, ``hits`` = those found cached; lookups of
+    previously preempted requests are counted apart, as vLLM does). ``transfer_*``: a
+    decode worker's lookups of prompts prefilled elsewhere (their hits are KV it need not
+    receive or store again, not prefill skipped)."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+    transfer_queries: int = 0
+    transfer_hits: int = 0
+
+    def record(self, num_tokens: int, num_hits: int, preempted: bool) -> None:
+        if preempted:
+            self.preempted_requests += 1
+            self.preempted_queries += num_tokens
+            self.preempted_hits += num_hits
+        else:
+            self.requests += 1
+            self.queries += num_tokens
+            self.hits += num_hits
+
+    @property
+    def hit_rate(self) -> float:
+        """``hits / queries`` (0.0 before any query)."""
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class BlockAllocator:
+    """The blocks of one paged KV store: reference counts, the hash table of cached full
+    blocks, the free and evictable lists (module docstring).
+
+    Args:
+        num_blocks: blocks in the store (>= 1).
+        block_size: tokens per block (>= 1).
+        enable_caching: register full blocks by hash and keep them after their last
+            reference is dropped (off: every freed block is simply free).
+
+    Raises:
+        ValueError: ``num_blocks`` or ``block_size`` < 1.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks, block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self._free = list(range(num_blocks))  # uncached, ascending
+        # cached blocks at zero references, least recently freed first (the eviction order)
+        self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._cached: dict[bytes, int] = {}  # hash -> block
+        # KV events since pop_events, kept only once someone asked (record_events): a worker
+        # nobody mirrors must not grow a list forever
+        self.record_events = False
+        self._stored: list[bytes] = []
+        self._removed: list[bytes] = []
+
+    # ---- counts --------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no request holds: free ones plus cached ones at zero references."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks at least one request holds."""
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks registered by hash (held or evictable)."""
+        return len(self._cached)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """``ceil(num_tokens / block_size)``."""
+        return -(-num_tokens // self.block_size)
+
+    def fits_ever(self, num_tokens: int) -> bool:
+        """True if ``num_tokens`` fit the whole cache (else they can never be admitted)."""
+        return self.blocks_needed(num_tokens) <= self.num_blocks
+
+    # ---- allocation ----------------------------------------------------------------
+    def allocate(self, num_tokens: int) -> list[int]:
+        """``blocks_needed(num_tokens)`` (>= 1) new blocks at one reference each, in table
+        order: uncached blocks first (the lowest run long enough among the first
+        ``RUN_SEARCH_LIMIT`` starts, else the lowest), then
+        cached free ones, evicted least recently freed first.
+
+        Raises:
+            ValueError: fewer free blocks than needed, or ``num_tokens`` < 1.
+        """
+        n = self.blocks_needed(num_tokens)
+        if n < 1 or n > self.num_free_blocks:
+            raise ValueError(f"cannot allocate {n} blocks for {num_tokens} tokens: "
+                             f"{self.num_free_blocks} free")
+        free = self._free
+        if n == 1 and free:  # on-demand growth, the common case: the lowest free block
+            block = free.pop(0)
+            self.ref_cnt[block] = 1
+            return [block]
+        if len(free) >= n:
+            # ascending and distinct: a span of n - 1 is a run. Only the first
+            # RUN_SEARCH_LIMIT starts are tried: kept cached blocks fragment the free list,
+            # and a scan of all of it per admission was the planner simulator's hot spot
+            start = next((i for i in range(min(len(free) - n + 1, RUN_SEARCH_LIMIT))
+                          if free[i + n - 1] - free[i] == n - 1), 0)
+            block_ids = free[start:start + n]
+            del free[start:start + n]
+        else:
+            block_ids = free[:]
+            free.clear()
+            while len(block_ids) < n:
+                block, _ = self._evictable.popitem(last=False)
+                self._evict(block)
+                block_ids.append(block)
+        ref = self.ref_cnt
+        for block in block_ids:
+            ref[block] = 1
+        return block_ids
+
+    def _evict(self, block: int) -> None:
+        digest = self.block_hash[block]
+        self.block_hash[block] = None
+        if self._cached.get(digest) == block:
+            del self._cached[digest]
+            if self.record_events:
+                self._removed.append(digest)
+
+    def touch(self, block_ids: list[int]) -> None:
+        """One more reference to each of ``block_ids`` (cached blocks a request shares);
+        an evictable one is taken off the eviction list."""
+        ref, evictable = self.ref_cnt, self._evictable
+        for block in block_ids:
+            if ref[block] == 0:
+                del evictable[block]  # KeyError: a free uncached block has nothing to share
+            ref[block] += 1
+
+    def free(self, block_ids: list[int]) -> None:
+        """Drop one reference to each of ``block_ids`` (a request's table, in token order),
+        tail first; blocks left at zero become evictable (cached) or free.
+
+        Raises:
+            ValueError: a block has no reference to drop (double free); nothing changes.
+        """
+        ref, hashed = self.ref_cnt, self.block_hash
+        if min((ref[b] for b in block_ids), default=1) < 1:
+            bad = [b for b in block_ids if ref[b] < 1]
+            raise ValueError(f"blocks {bad[:4]} are not allocated here")
+        uncached = []
+        for block in reversed(block_ids):
+            ref[block] -= 1
+            if ref[block]:
+                continue
+            if hashed[block] is not None:
+                self._evictable[block] = None
+            else:
+                uncached.append(block)
+        if uncached:
+            uncached.reverse()
+            self._give_back(uncached)
+
+    def _give_back(self, block_ids: list[int]) -> None:
+        """Insert uncached blocks into the ascending free list."""
+        free, first, last = self._free, block_ids[0], block_ids[-1]
+        if last - first == len(block_ids) - 1 and block_ids == list(range(first, last + 1)):
+            # one run (the usual table): insert it where it goes, no sort of the whole list
+            i = bisect.bisect_left(free, first)
+            if i == len(free) or free[i] > last:
+                free[i:i] = block_ids
+                return
+        free.extend(block_ids)
+        free.sort()  # timsort: two sorted runs, linear
+
+    # ---- the prefix cache ----------------------------------------------------------
+    def cache(self, block: int, digest: bytes) -> bool:
+        """Register a full ``block`` (held) under ``digest``; False (nothing changes) when
+        caching is off, the block already has a hash, or another block holds ``digest``."""
+        if (not self.enable_caching or self.block_hash[block] is not None
+                or digest in self._cached):
+            return False
+        self.block_hash[block] = digest
+        self._cached[digest] = block
+        if self.record_events:
+            self._stored.append(digest)
+        return True
+
+    def cache_table(self, block_ids: list[int], hashes: list[bytes], start: int,
+                    end: int) -> list[int]:
+        """``cache(block_ids[i], hashes[i])`` for i in ``[start, end)``, in one call (a
+        prompt registers all its blocks at admission); returns the blocks registered."""
+        if not self.enable_caching:
+            return []
+        registered, cached, block_hash = [], self._cached, self.block_hash
+        record = self._stored if self.record_events else None
+        for i in range(start, end):
+            block, digest = block_ids[i], hashes[i]
+            if block_hash[block] is not None or digest in cached:
+                continue
+            block_hash[block] = digest
+            cached[digest] = block
+            registered.append(block)
+            if record is not None:
+                record.append(digest)
+        return registered
+
+    def uncache(self, block: int) -> None:
+        """Forget ``block``'s hash (its KV is not what the hash says: a step that was to
+        compute it failed); an evictable block becomes plainly free."""
+        if self.block_hash[block] is None:
+            return
+        self._evict(block)
+        if self.ref_cnt[block] == 0 and block in self._evictable:
+            del self._evictable[block]
+            self._give_back([block])
+
+    def lookup(self, hashes: list[bytes], max_blocks: int,
+               exclude: set[int] | frozenset[int] = frozenset()) -> list[int]:
+        """The blocks of the longest cached prefix of ``hashes`` (at most ``max_blocks``),
+        stopping at the first block in ``exclude``; references unchanged."""
+        cached, found = self._cached, []
+        for digest in hashes[:max_blocks]:
+            block = cached.get(digest)
+            if block is None or block in exclude:
+                break
+            found.append(block)
+        return found
+
+    def num_evictable_in(self, block_ids: list[int]) -> int:
+        """How many of ``block_ids`` are at zero references (touching them uses up that
+        many free blocks)."""
+        ref = self.ref_cnt
+        return sum(1 for b in block_ids if ref[b] == 0)
+
+    def holds(self, digest: bytes) -> bool:
+        """True if a block with this hash is cached here (held or evictable)."""
+        return digest in self._cached
+
+    def cached_hashes(self) -> set[bytes]:
+        """Every hash cached here now (what a cache-aware router matches prompts against)."""
+        return set(self._cached)
+
+    def pop_events(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes registered, hashes evicted) since the last call, in order: the KV
+        events a router can mirror a worker's cache with (vLLM's ``BlockStored`` /
+        ``BlockRemoved``). A hash may appear in both lists (stored, then evicted). The first
+        call turns recording on (before it, nothing is kept)."""
+        self.record_events = True
+        events = (self._stored, self._removed)
+        self._stored, self._removed = [], []
+        return events
