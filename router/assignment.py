@@ -20,7 +20,9 @@ A request's assignment, in three calls:
    exactly once (loads return to exactly 0), and it leaves the prefill queue.
 
 A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
-``requests_needing`` names the requests that still needed it.
+``requests_needing`` names the requests that still needed it. A restarted one rejoins it
+(``mark_live``). A pool with no live worker makes ``assign`` raise ``NoLiveWorker`` naming
+the role, so the router can hold the request until the pool has a worker again.
 """
 
 from __future__ import annotations
@@ -33,6 +35,14 @@ from router.policy import pick
 
 ROLES = {"colocated": ("colocated",), "disagg": ("prefill", "decode"),
          "conditional": ("prefill", "decode")}
+
+
+class NoLiveWorker(ValueError):
+    """``assign`` found no live worker in the pool of ``role`` (nothing was charged)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no live worker to route to (no live {role} worker)")
+        self.role = role
 
 
 @dataclass(frozen=True)
@@ -101,8 +111,8 @@ class Assigner:
         """Pick the request's workers and charge them (step 1).
 
         Raises:
-            ValueError: ``request_id`` is already assigned, or a pool it needs has no live
-                worker (``no live worker to route to``); nothing is charged then.
+            NoLiveWorker: a pool it needs has no live worker; nothing is charged then.
+            ValueError: ``request_id`` is already assigned.
         """
         if request_id in self._charges:
             raise ValueError(f"request_id {request_id} is already assigned")
@@ -141,6 +151,10 @@ class Assigner:
         """Nothing new goes to ``worker``; its charges stay until their requests release."""
         self._dead.add(worker)
 
+    def mark_live(self, worker: str) -> None:
+        """``worker`` (restarted) is back in its pool: new requests may go to it again."""
+        self._dead.discard(worker)
+
     def is_live(self, worker: str) -> bool:
         return worker not in self._dead
 
@@ -150,6 +164,8 @@ class Assigner:
 
     def _pick(self, role: str) -> str:
         live = [name for name in self.pools[role] if name not in self._dead]
+        if not live:
+            raise NoLiveWorker(role)
         name = pick(self.policy, live, self.loads, self._turns[role])
         self._turns[role] += 1
         return name
