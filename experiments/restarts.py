@@ -98,7 +98,7 @@ class Restarts:
                 handle = self.spawn(name)
                 info = self.ready(name, handle, self._closing.is_set)
             except Exception as err:  # counts against the budget; tried again after a pause
-                self.errors[name] = describe_error(err)
+                self.errors[name] = f"{type(err).__name__}: {describe_error(err)}"
                 if handle is not None:
                     self._stop(handle)
                 self._closing.wait(self.backoff_s)

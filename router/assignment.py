@@ -20,7 +20,8 @@ A request's assignment, in three calls:
    exactly once (loads return to exactly 0), and it leaves the prefill queue.
 
 A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
-``requests_needing`` names the requests that still needed it. A restarted one rejoins it
+``requests_needing`` names the requests that still needed it; a remote request that had not
+reached its dead decode worker yet can be given another (``reassign_decode``). A restarted one rejoins it
 (``mark_live``). A pool with no live worker makes ``assign`` raise ``NoLiveWorker`` naming
 the role, so the router can hold the request until the pool has a worker again.
 """
@@ -146,6 +147,21 @@ class Assigner:
             self._discharge(request_id, name)
         self._charges.pop(request_id, None)
         self._queued.discard(request_id)
+
+    def reassign_decode(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> str:
+        """Move a remote request's decode charge to a live decode worker, picked by the
+        policy (its own died before the request reached it); returns the new one.
+
+        Raises:
+            NoLiveWorker: no decode worker is live (the old charge is released either way).
+        """
+        charges = self._charges[request_id]
+        for name in [n for n in charges if n in self.pools["decode"]]:
+            self._discharge(request_id, name)
+        decode = self._pick("decode")
+        charges[decode] = self.kv_tokens(num_prompt_tokens, max_tokens)
+        self.loads[decode] += charges[decode]
+        return decode
 
     def mark_dead(self, worker: str) -> None:
         """Nothing new goes to ``worker``; its charges stay until their requests release."""

@@ -31,9 +31,13 @@ info)`` once its engine answers: it takes the dead worker's place (its name, rol
 is routed to again, and every call still pending on the dead incarnation is ignored when it
 returns (``WorkerRef.incarnation``), so no late news of the dead one reaches the new one.
 ``worker_lost(name, reason)`` says no restart will come after all (the budget ran out).
+A remote request whose decode worker dies before the request started decoding there (still
+prefilling, or its KV handed over but not yet fetched: the router still holds the handles)
+moves to another live decode worker; one decoding there fails at once, naming the worker.
 While a pool a request needs has no live worker, the request waits for one up to its
-deadline if a worker of that pool is restarting, and fails at once otherwise; either way its
-``finish`` event says ``unavailable`` (a front end answers 503).
+deadline if a worker of that pool is restarting (a prefilled one with its KV handles held by
+the router), and fails at once otherwise, its ``finish`` event saying ``unavailable`` (a
+front end answers 503).
 
 Two front ends drive one router (DESIGN §3's loop, here in ``_step``):
 
@@ -599,7 +603,10 @@ class Router:
         except Exception as err:
             if isinstance(err, WorkerDied) or call.method == "wait_events":
                 self._worker_died(call.worker, err)  # gone, or its engine loop died
-            elif call.request_id in self._flights:  # a call that raised: only its request fails
+            elif call.request_id in self._flights and not (
+                    call.method == "admit"  # to a decode worker the request has since left
+                    and self._flights[call.request_id].record.decode_worker != call.worker):
+                # a call that raised: only its request fails
                 error = f"{call.worker}.{call.method}: {describe_error(err)}"
                 self._finish(self._flights[call.request_id], error=error,
                              kv_back=call.method == "admit")  # a refused admit took no KV
@@ -614,6 +621,8 @@ class Router:
             self._release_kv(event.worker, event.kv_handles)
             return
         record = flight.record
+        if event.worker not in (record.prefill_worker, record.decode_worker):
+            return  # from the decode worker it left when that one died: moot
         record.timeline.update(event.stamps)
         flight.deadline_s = time.time() + self.deadline_s  # its own news refreshes its deadline
         if event.kind == ev.ERROR:
@@ -645,12 +654,32 @@ class Router:
         record = flight.record
         record.kv_bytes = event.kv_bytes
         self.assigner.prefilled(flight.request.request_id, flight.worker)
-        decode = record.decode_worker  # alive: requests that need a dead worker end at once
-        self._wait_on(flight, decode, TRANSFER)
         flight.kv_owner, flight.kv_handles = event.worker, event.kv_handles
         flight.kv_owner_incarnation = self.workers[event.worker].incarnation
-        self._send(decode, "admit", flight.request.request_id, flight.request, event.token_id,
-                   event.kv_handles)
+        self._admit(flight)
+
+    def _admit(self, flight: _Flight) -> None:
+        """Hand a prefilled request's KV handles to its decode worker; if that one died
+        meanwhile, to another live one, else hold them while the decode pool restarts
+        (parked, the handles in the router's hands) or give them back and fail."""
+        request, record = flight.request, flight.record
+        decode = record.decode_worker
+        if not self.workers[decode].alive:
+            try:
+                decode = self.assigner.reassign_decode(
+                    request.request_id, request.num_prompt_tokens, request.sampling.max_tokens)
+            except NoLiveWorker:
+                if self._restarting("decode"):
+                    self._parked[request.request_id] = "decode"
+                    self._wait_on(flight, "the decode pool", POOL)
+                else:
+                    self._finish(flight, error=self._no_worker("decode"), kv_back=True,
+                                 unavailable=True)
+                return
+            record.decode_worker = decode
+        self._wait_on(flight, decode, TRANSFER)
+        self._send(decode, "admit", request.request_id, request, record.output_token_ids[0],
+                   flight.kv_handles)
 
     def _refusal(self, request: Request, arrived_s: float, error: str) -> StreamEvent:
         """The one ``finish`` event of a request that is not (or no longer) served."""
@@ -686,8 +715,8 @@ class Router:
         (``admit`` failed, or the decode worker died), so it goes back to its producer;
         ``unavailable``: it failed for want of a live worker (``StreamEvent.unavailable``)."""
         record = flight.record
-        self._parked.pop(record.request_id, None)
-        if kv_back:
+        holding = self._parked.pop(record.request_id, None) is not None and bool(flight.kv_handles)
+        if kv_back or holding:  # held while parked: nobody else will free them
             self._release_kv(flight.kv_owner, flight.kv_handles, flight.kv_owner_incarnation)
         now = time.time()
         record.timeline[FINISHED] = now
@@ -718,9 +747,18 @@ class Router:
         self.assigner.mark_dead(name)
         for rid in self.assigner.requests_needing(name):
             flight = self._flights.get(rid)
-            if flight is not None:
-                self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
-                             kv_back=flight.worker == name)
+            if flight is None:
+                continue
+            if self._movable(flight, name):
+                self._move_decode(flight)
+                continue
+            self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
+                         kv_back=flight.worker == name)
+        for rid in list(self._parked):  # held KV that this worker put went with it
+            flight = self._flights[rid]
+            if flight.kv_handles and flight.kv_owner == name:
+                self._finish(flight, error=f"{worker.role} worker {name} died holding the KV "
+                                           f"of the request: {err}")
         if self.on_worker_died is not None:
             try:
                 why_not = self.on_worker_died(name, worker.cause)
@@ -730,6 +768,32 @@ class Router:
             if why_not is not None:
                 worker.cause += f"; not restarted: {why_not}"
         self._fail_unservable()
+
+    def _movable(self, flight: _Flight, dead: str) -> bool:
+        """``dead`` is the decode worker of a remote request that has not started decoding
+        there: still prefilling elsewhere, or its KV handed over but not yet fetched (the
+        router still holds the handles and their producer lives). Another decode worker can
+        take it."""
+        record = flight.record
+        if record.prefill_path != "remote" or record.decode_worker != dead:
+            return False
+        if flight.stage == PREFILL:
+            return flight.worker != dead
+        owner = self.workers.get(flight.kv_owner or "")
+        return (flight.stage == TRANSFER and bool(flight.kv_handles) and owner is not None
+                and owner.alive and owner.incarnation == flight.kv_owner_incarnation)
+
+    def _move_decode(self, flight: _Flight) -> None:
+        """Give a ``_movable`` request another decode worker (module docstring, restarts)."""
+        if flight.stage == TRANSFER:
+            self._admit(flight)  # to a live one, or held while the pool restarts
+            return
+        request = flight.request
+        try:
+            flight.record.decode_worker = self.assigner.reassign_decode(
+                request.request_id, request.num_prompt_tokens, request.sampling.max_tokens)
+        except NoLiveWorker:
+            pass  # decided at its hand-over (``_admit``): wait for the pool, or fail
 
     def _rejoin(self, name: str, handle: Any, info: dict) -> None:
         worker = self.workers[name]
@@ -748,8 +812,13 @@ class Router:
         self.assigner.mark_live(name)
         for rid in list(self._parked):  # in arrival order; one may park again (another pool)
             del self._parked[rid]
-            if rid in self._flights:
-                self._assign(self._flights[rid])
+            flight = self._flights.get(rid)
+            if flight is None:
+                continue
+            if flight.kv_handles:  # prefilled, waiting for a decode worker
+                self._admit(flight)
+            else:
+                self._assign(flight)
 
     def _lost(self, name: str, reason: str) -> None:
         worker = self.workers[name]
@@ -770,6 +839,7 @@ class Router:
             if not self._restarting(role) and not any(
                     w.alive for w in self.workers.values() if w.role == role):
                 self._finish(self._flights[rid], error=self._no_worker(role), unavailable=True)
+                # (held KV handles go back to their producer in _finish)
 
     def _check_deadlines(self) -> None:
         now = time.time()
