@@ -277,8 +277,12 @@ def error_response(err: BadRequest) -> JSONResponse:
 
 
 def _validation_error(err: ValidationError) -> BadRequest:
-    """The first pydantic error as a BadRequest naming the field (``messages.0.role``)."""
-    first = err.errors()[0]
+    """The first pydantic error as a BadRequest naming the field (``messages.0.role``). Of
+    the errors of one field (a union's branches each add one) the deepest is the telling
+    one: a content part without ``text`` is "Field required", not "not a string"."""
+    errors = err.errors()
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+                key=lambda e: len(e["loc"]))
     loc = [str(p) for p in first["loc"]]
     path = [p for p in loc if p.isdigit() or p.isidentifier()]  # drop union branch names
     param = ".".join(path[:3]) if path and path[0] == "messages" else (path[0] if path else None)
