@@ -464,10 +464,12 @@ class OpenAIServer:
 
     # ---- endpoints --------------------------------------------------------------------
     async def models(self) -> dict:
-        """``GET /v1/models``: the one served model, with its context length (tokens)."""
+        """``GET /v1/models``: the one served model, with its context length (tokens) and,
+        as vLLM, ``root`` (vLLM's client reads ``data[0]["root"]`` when given no model) and
+        ``parent``."""
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdlab",
-            "max_model_len": self.router.max_model_len}]}
+            "root": self.model_name, "parent": None, "max_model_len": self.router.max_model_len}]}
 
     async def health(self) -> Response:
         """``GET /health``: each worker's ``state`` (``live``, ``restarting``, ``dead``),
