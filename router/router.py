@@ -737,14 +737,22 @@ class Router:
 
     # ---- failures ---------------------------------------------------------------------
     def _worker_died(self, name: str, err: Exception) -> None:
-        """Mark ``name`` dead; every request that still needs it ends, naming the cause;
-        the owner is asked for a replacement (``on_worker_died``)."""
+        """Mark ``name`` dead and ask its owner for a replacement (``on_worker_died``), then
+        end every request that still needs it, naming the cause (or move it: ``_movable``)."""
         worker = self.workers[name]
         if not worker.alive:
             return
         worker.alive = False
         worker.cause = f"died: {describe_error(err)}"
         self.assigner.mark_dead(name)
+        if self.on_worker_died is not None:  # first: a moved request may wait for it
+            try:
+                why_not = self.on_worker_died(name, worker.cause)
+            except Exception as hook_err:  # no restart then; the router goes on
+                why_not = f"its restart could not start: {describe_error(hook_err)}"
+            worker.restarting = why_not is None
+            if why_not is not None:
+                worker.cause += f"; not restarted: {why_not}"
         for rid in self.assigner.requests_needing(name):
             flight = self._flights.get(rid)
             if flight is None:
@@ -759,14 +767,6 @@ class Router:
             if flight.kv_handles and flight.kv_owner == name:
                 self._finish(flight, error=f"{worker.role} worker {name} died holding the KV "
                                            f"of the request: {err}")
-        if self.on_worker_died is not None:
-            try:
-                why_not = self.on_worker_died(name, worker.cause)
-            except Exception as hook_err:  # no restart then; the router goes on
-                why_not = f"its restart could not start: {describe_error(hook_err)}"
-            worker.restarting = why_not is None
-            if why_not is not None:
-                worker.cause += f"; not restarted: {why_not}"
         self._fail_unservable()
 
     def _movable(self, flight: _Flight, dead: str) -> bool:
