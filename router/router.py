@@ -830,7 +830,8 @@ class Router:
         return any(w.restarting for w in self.workers.values() if w.role == role)
 
     def _no_worker(self, role: str) -> str:
-        why = "; ".join(f"{w.name} {w.cause}" for w in self.workers.values() if w.role == role)
+        why = "; ".join(f"{w.role} worker {w.name} {w.cause}" for w in self.workers.values()
+                        if w.role == role)
         return f"no live {role} worker: {why}"
 
     def _fail_unservable(self) -> None:
