@@ -21,9 +21,10 @@ A request's assignment, in three calls:
 
 A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
 ``requests_needing`` names the requests that still needed it; a remote request that had not
-reached its dead decode worker yet can be given another (``reassign_decode``). A restarted one rejoins it
-(``mark_live``). A pool with no live worker makes ``assign`` raise ``NoLiveWorker`` naming
-the role, so the router can hold the request until the pool has a worker again.
+reached its dead decode worker yet can be given another (``reassign_decode``). A restarted
+worker rejoins its pool (``mark_live``). A pool with no live worker makes ``assign`` raise
+``NoLiveWorker`` naming the role, so the router can hold the request until the pool has a
+worker again.
 """
 
 from __future__ import annotations

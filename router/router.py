@@ -25,9 +25,10 @@ is dead: every request that still needs it ends with an error naming it and the 
 nothing new is routed to it.
 
 Restarts (issue 28): the router does not start workers, its owner does. When a worker dies
-the router asks ``on_worker_died(name, cause)``, which answers None when a restart is coming,
-else why not (the deployment's restart budget spent, say). The replacement joins through ``rejoin(name, handle,
-info)`` once its engine answers: it takes the dead worker's place (its name, role and rank),
+the router asks ``on_worker_died(name, cause)``, which answers None when a restart is
+coming, else why not (the deployment's restart budget spent, say). The replacement joins
+through ``rejoin(name, handle, info)`` once its engine answers: it takes the dead worker's
+place (its name, role and rank),
 is routed to again, and every call still pending on the dead incarnation is ignored when it
 returns (``WorkerRef.incarnation``), so no late news of the dead one reaches the new one.
 ``worker_lost(name, reason)`` says no restart will come after all (the budget ran out).

@@ -205,7 +205,7 @@ class _Sampling(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    best_of: Annotated[int, Field(ge=1)] | None = None  # only 1 or n (no ranking)
+    best_of: Annotated[int, Field(ge=1)] | None = None  # only n (no ranking of choices)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
@@ -546,11 +546,13 @@ class OpenAIServer:
             raise BadRequest(f"model {body.model!r} does not exist; this server serves "
                              f"{self.model_name!r}", "model", 404, "not_found_error")
         if body.best_of is not None and body.best_of != body.n:
-            raise BadRequest(f"best_of ({body.best_of}) must be >= n ({body.n})" if body.best_of < body.n
-                             else f"best_of > n is not supported by pdlab serve (it returns "
-                                  f"every choice it generates: best_of = n)", "best_of")
+            raise BadRequest(f"best_of ({body.best_of}) must be >= n ({body.n})"
+                             if body.best_of < body.n else
+                             "best_of > n is not supported by pdlab serve (it returns every "
+                             "choice it generates: best_of = n)", "best_of")
         prompt_param = "messages" if chat else "prompt"
-        max_param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        max_param = ("max_completion_tokens" if getattr(body, "max_completion_tokens", None)
+                     else "max_tokens")
         if chat:
             if body.top_logprobs is not None and not body.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")

@@ -82,7 +82,8 @@ class TextStream:
 
     ``add(token_id)`` returns ``(delta, stopped)``: the new text that can be shown now, and
     whether a stop string has appeared (then ``delta`` ends right before it, or after it with
-    ``include_stop_str``, and the request is over: the caller aborts it). ``finish()`` returns the held-back rest at the end.
+    ``include_stop_str``, and the request is over: the caller aborts it). ``finish()``
+    returns the held-back rest at the end.
     ``num_tokens`` counts the tokens added up to and including the one that completed the
     stop string (the completion's token count in ``usage``).
     """

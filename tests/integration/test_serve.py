@@ -480,7 +480,8 @@ def test_vllm_sampling_fields_reach_the_sampler(server, client, tiny):
                                       extra_body={k: v for k, v in fields.items()
                                                   if "presence" not in k and "frequency" not in k})
     assert reply.choices[0].text == BYTES.decode(want) and reply.usage.completion_tokens == 12
-    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5, **fields | {"min_tokens": 2})
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5,
+                            **fields | {"min_tokens": 2})
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 5,
             **fields, "min_tokens": 2}
     reply = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=30)

@@ -157,8 +157,9 @@ def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny
         records = dep.run(items)
         timer.join()
         statuses = dep.statuses()
-        blocks = [dep.handles[n].call(lambda n=n: dep.handles[n].engine.scheduler.capacity.num_used_blocks)
-                  for n in ("prefill-0", "decode-0")]
+        blocks = [dep.handles[n].call(
+            lambda n=n: dep.handles[n].engine.scheduler.capacity.num_used_blocks)
+            for n in ("prefill-0", "decode-0")]
         worker = dep.router.workers["decode-0"]
         loads, held = dict(dep.router.loads), dep.transport.num_held()
     assert (worker.state, worker.restarts) == ("live", 1)
