@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline gpu-check
+.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -63,6 +63,16 @@ BASELINE_ARGS ?= --num-requests 8 --rates 0.5 --max-output-len 32
 
 vllm-baseline: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m benchmarks.serve_baseline $(BASELINE_ARGS)
+
+# vLLM's own benchmark client (vllm bench serve: 40 random requests, 64 in / 16 out, 4 req/s)
+# against pdlab serve on disagg:1p1d with SmolLM2; prints its summary, fails unless 0 failed.
+vllm-client: $(STAMP) $(VLLM_STAMP)
+	$(PY) -m benchmarks.vllm_client
+
+# pdlab serve healing a killed worker: streams' end and a new request's wait on disagg:1p1d,
+# failures after the kill on disagg:1p2d under 4 req/s (SmolLM2, Ray actors).
+self-healing: $(STAMP)
+	$(PY) -m benchmarks.self_healing
 
 # The prepared check for a GPU box (tests/gpu/check.py): the GPU tests, greedy equality of
 # every family in fp32 and bf16, the KV cache under --gpu-memory-utilization, colocated:1 vs

@@ -171,11 +171,20 @@ def add_transfer_args(parser: argparse.ArgumentParser, conditional: bool = True)
     if conditional:
         add_dataclass_args(parser.add_argument_group("conditional:xPyD (NVIDIA Dynamo's rule)"),
                            ConditionalConfig)
+DEFAULT_RESTARTS = 3  # --max-worker-restarts
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def add_deployment_args(parser: argparse.ArgumentParser) -> None:
-    """``--devices``, ``--address`` and ``--policy``: where the workers of ``run``,
-    ``compare`` and ``serve`` go and how the router picks among them."""
+    """``--devices``, ``--address``, ``--policy`` and ``--max-worker-restarts``: where the
+    workers of ``run``, ``compare`` and ``serve`` go, how the router picks among them, and
+    how often a worker that dies is started again (``experiments.restarts``)."""
     parser.add_argument("--devices", default=None, type=device_set,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
     parser.add_argument("--address", default=None,
@@ -184,6 +193,10 @@ def add_deployment_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES,
                         help="router policy: prefill by queued prompt tokens, decode by resident "
                              "KV tokens (least_loaded), or round_robin")
+    parser.add_argument("--max-worker-restarts", type=non_negative_int, default=DEFAULT_RESTARTS,
+                        metavar="N",
+                        help="restart a worker that dies up to N times; it rejoins its pool "
+                             f"once its engine is ready (default {DEFAULT_RESTARTS}; 0: never)")
 
 
 # ---- checks ----------------------------------------------------------------------------

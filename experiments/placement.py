@@ -22,6 +22,12 @@ Setting up a deployment:
    short probe from a prefill worker on another node (NIXL READ, or TCP without NIXL).
    ``link_peaks`` keeps them (decode worker name -> ``LinkPeak``).
 
+Self-healing (issue 28): a worker that dies is started again, as it was started the first
+time (a local object, or a Ray actor in its own bundle), under a budget of
+``max_worker_restarts`` attempts per worker (``experiments.restarts``); it rejoins its pool
+once its engine answers ``info``. ``torchdist`` cannot restart a worker (its process group
+cannot take a new member), so there a death is final.
+
 ``close()`` stops the workers and releases the placement group (and Ray, if it was started
 here).
 """
@@ -30,6 +36,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 from decode_worker import DecodeWorker
@@ -38,6 +45,7 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Placeme
                            placement_engine_overrides)
 from engine import device as engine_device  # .CUDA: the seam tests fake
 from engine.model import check_model_name
+from experiments.restarts import Restarts
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
@@ -115,6 +123,9 @@ class Deployment:
         worker_devices: local mode only: each worker's device, in layout order, instead of
             one device of the set each; devices may repeat (e.g. both workers of
             ``disagg:1p1d`` on ``cuda:0``, which only one process can share).
+        max_worker_restarts: attempts to restart each worker that dies (0: a dead worker
+            stays dead); ``restarts`` counts them.
+        startup_timeout_s: how long a (re)started worker may take to answer ``info``.
 
     Devices: in local mode a ``cuda:i`` worker runs on GPU i of this process as the torch
     device ``cuda:i`` (``engine.device``: several workers, several GPUs, one process). Under
@@ -132,7 +143,8 @@ class Deployment:
                  local: bool = False, faults: dict[str, dict | list[dict]] | None = None,
                  policy: str = "least_loaded", deadline_s: float | None = None,
                  conditional: ConditionalConfig | None = None,
-                 worker_devices: tuple[str, ...] | None = None) -> None:
+                 worker_devices: tuple[str, ...] | None = None,
+                 max_worker_restarts: int = 0, startup_timeout_s: float = 300.0) -> None:
         self.placement = placement
         self.model = model
         self.engine = placement_engine_overrides(placement.placement, engine or EngineConfig())
@@ -156,9 +168,16 @@ class Deployment:
         check_model_name(model)
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self._ray = None  # experiments.ray_actors.RayWorkers of a Ray deployment
+        self.transport = None  # local: the in-process transport every worker shares
         self.handles: dict[str, Any] = {}
         self.calls: Any = LocalCalls()
         self.link_peaks: dict[str, LinkPeak] = {}
+        self.startup_timeout_s = startup_timeout_s
+        self._specs: dict[str, tuple[int, type, dict, dict | None]] = {}  # name -> how to start it
+        self.restarts = Restarts(
+            max_worker_restarts, self._spawn, self._ready, self._stop_worker,
+            disabled=("torchdist's process group cannot take a new member"
+                      if self.transfer.transport == "torchdist" else None))
         try:  # a worker that fails to start must not leave the others (or Ray) behind
             if local:
                 check_devices_exist(self.devices)
@@ -169,7 +188,9 @@ class Deployment:
                             for rank, (name, role, _) in enumerate(self.layout)]
             self.router = Router(self.workers, self.calls, placement.placement, policy,
                                  deadline_s or self.transfer.timeout_s + 5.0,
-                                 conditional=conditional)
+                                 startup_timeout_s=startup_timeout_s, conditional=conditional,
+                                 on_worker_died=self.restarts.on_died)
+            self.restarts.router = self.router
             self.link_peaks = self._measure_link_peaks()
         except BaseException:
             self.close()
@@ -197,7 +218,9 @@ class Deployment:
             cls, kwargs = self._worker_args(name, role, device, faults, rank, None)
             if cls is not EngineLoop:  # P and D share one in-process transport
                 kwargs["transport"] = with_faults(shared, kwargs.pop("faults"))
+            self._specs[name] = (rank, cls, kwargs, None)
             self.handles[name] = cls(**kwargs, bind=False)
+        self.transport = shared  # tests read what it holds
 
     def _start_ray(self, faults: dict) -> None:
         # Ray only here: a local placement runs where Ray is not installed (make gpu-check)
@@ -215,6 +238,7 @@ class Deployment:
                                                             self.transfer.timeout_s)
         for rank, (name, role, device) in enumerate(self.layout):
             cls, kwargs = self._worker_args(name, role, device, faults, rank, init_method)
+            self._specs[name] = (rank, cls, kwargs, options[rank])
             self._ray.start(name, rank, cls, options[rank], kwargs)
         self.handles = self._ray.handles
 
@@ -239,6 +263,37 @@ class Deployment:
             self.handles[decode[0]].transport.peak_gbps = peak.gbps
             return dict.fromkeys(decode, peak)
         return self._ray.link_peaks(decode, prefill)
+    # ---- restarts (experiments.restarts calls these on its threads) ---------------------
+    def _spawn(self, name: str) -> Any:
+        """Start worker ``name`` again as it was started (the dead one is stopped first)."""
+        rank, cls, kwargs, options = self._specs[name]
+        if self._ray is not None:
+            return self._ray.restart(name, rank, cls, options, kwargs)
+        self._stop_worker(self.handles[name])  # an engine loop that died is still an object
+        self.handles[name] = cls(**kwargs, bind=False)
+        return self.handles[name]
+
+    def _ready(self, name: str, handle: Any, should_stop) -> dict:
+        """The new worker's ``info()`` once it answers (``startup_timeout_s``, in slices so
+        that ``close`` never waits for it)."""
+        pending = self.calls.call(handle, "info")
+        end_s = time.monotonic() + self.startup_timeout_s
+        while not self.calls.ready([pending], 0.2):
+            if should_stop():
+                raise RuntimeError(f"{name}: the deployment closed while it started")
+            if time.monotonic() > end_s:
+                raise TimeoutError(f"{name} did not answer info within "
+                                   f"{self.startup_timeout_s} s of its restart")
+        return self.calls.result(pending)
+
+    def _stop_worker(self, handle: Any) -> None:
+        if self._ray is not None:
+            self._ray.stop(handle)
+            return
+        try:
+            handle.shutdown()
+        except Exception:  # already dead
+            pass
 
     # ---- use ----------------------------------------------------------------------------
     def run(self, workload, on_finish=None):
@@ -274,6 +329,7 @@ class Deployment:
 
     def close(self) -> None:
         """Stop every worker, release the placement group (and Ray if started here); twice is fine."""
+        self.restarts.close()  # no replacement starts after this
         if self._ray is not None:
             self._ray.close()
         else:

@@ -248,8 +248,24 @@ class RayWorkers:
         return peaks
 
     def kill(self, name: str) -> None:
-        """Kill one worker (failure tests), never restarted."""
+        """Kill one worker (failure tests); Ray never restarts it (pdlab's ``Restarts`` may)."""
         ray.kill(self.handles[name], no_restart=True)
+
+    def restart(self, name: str, rank: int, cls: type, options: dict[str, Any],
+                kwargs: dict[str, Any]) -> Any:
+        """Start worker ``name`` again in its bundle (the dead actor is killed first, so its
+        bundle's resources come back); returns the new handle."""
+        self.stop(self.handles[name])
+        self.start(name, rank, cls, options, kwargs)
+        return self.handles[name]
+
+    @staticmethod
+    def stop(handle: Any) -> None:
+        """Kill one actor, best effort (it may be dead already)."""
+        try:
+            ray.kill(handle, no_restart=True)
+        except Exception:  # already gone
+            pass
 
     def close(self) -> None:
         """Kill every actor, release the placement group and Ray if started here; twice is fine."""

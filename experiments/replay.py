@@ -103,7 +103,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   devices: str | None, address: str | None,
                   policy: str = "least_loaded", worker_info: list | None = None,
                   local: bool = False, calibration: dict | None = None,
-                  conditional: ConditionalConfig | None = None) -> list[RunResult]:
+                  conditional: ConditionalConfig | None = None,
+                  max_worker_restarts: int = 0) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
     ``items`` is seed -> workload (or one workload for every seed). The deployment is
@@ -114,6 +115,7 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     the results; ``calibration`` (a dict) receives ``capacity_req_s``, ``rates`` and the
     lone-request ``lone_ttft_s`` / ``lone_tpot_s`` (two requests, each served alone).
     ``conditional``: the thresholds of a ``conditional:xPyD`` placement.
+    ``max_worker_restarts``: a worker that dies is started again up to this many times.
 
     Raises:
         ValueError: a request does not fit the deployed workers' context.
@@ -121,7 +123,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     by_seed = items if isinstance(items, dict) else {s: items for s in spec.seed_list}
     results = []
     with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer,
-                    policy=policy, local=local, conditional=conditional) as dep:
+                    policy=policy, local=local, conditional=conditional,
+                    max_worker_restarts=max_worker_restarts) as dep:
         longest = max(it.num_prompt_tokens + it.output_len for its in by_seed.values() for it in its)
         if longest > dep.router.max_model_len:
             raise ValueError(f"a request of {longest} tokens (prompt + output) does not fit the "

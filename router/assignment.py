@@ -20,7 +20,11 @@ A request's assignment, in three calls:
    exactly once (loads return to exactly 0), and it leaves the prefill queue.
 
 A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
-``requests_needing`` names the requests that still needed it.
+``requests_needing`` names the requests that still needed it; a remote request that had not
+reached its dead decode worker yet can be given another (``reassign_decode``). A restarted
+worker rejoins its pool (``mark_live``). A pool with no live worker makes ``assign`` raise
+``NoLiveWorker`` naming the role, so the router can hold the request until the pool has a
+worker again.
 """
 
 from __future__ import annotations
@@ -33,6 +37,14 @@ from router.policy import pick
 
 ROLES = {"colocated": ("colocated",), "disagg": ("prefill", "decode"),
          "conditional": ("prefill", "decode")}
+
+
+class NoLiveWorker(ValueError):
+    """``assign`` found no live worker in the pool of ``role`` (nothing was charged)."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(f"no live worker to route to (no live {role} worker)")
+        self.role = role
 
 
 @dataclass(frozen=True)
@@ -101,8 +113,8 @@ class Assigner:
         """Pick the request's workers and charge them (step 1).
 
         Raises:
-            ValueError: ``request_id`` is already assigned, or a pool it needs has no live
-                worker (``no live worker to route to``); nothing is charged then.
+            NoLiveWorker: a pool it needs has no live worker; nothing is charged then.
+            ValueError: ``request_id`` is already assigned.
         """
         if request_id in self._charges:
             raise ValueError(f"request_id {request_id} is already assigned")
@@ -137,9 +149,28 @@ class Assigner:
         self._charges.pop(request_id, None)
         self._queued.discard(request_id)
 
+    def reassign_decode(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> str:
+        """Move a remote request's decode charge to a live decode worker, picked by the
+        policy (its own died before the request reached it); returns the new one.
+
+        Raises:
+            NoLiveWorker: no decode worker is live (the old charge is released either way).
+        """
+        charges = self._charges[request_id]
+        for name in [n for n in charges if n in self.pools["decode"]]:
+            self._discharge(request_id, name)
+        decode = self._pick("decode")
+        charges[decode] = self.kv_tokens(num_prompt_tokens, max_tokens)
+        self.loads[decode] += charges[decode]
+        return decode
+
     def mark_dead(self, worker: str) -> None:
         """Nothing new goes to ``worker``; its charges stay until their requests release."""
         self._dead.add(worker)
+
+    def mark_live(self, worker: str) -> None:
+        """``worker`` (restarted) is back in its pool: new requests may go to it again."""
+        self._dead.discard(worker)
 
     def is_live(self, worker: str) -> bool:
         return worker not in self._dead
@@ -150,6 +181,8 @@ class Assigner:
 
     def _pick(self, role: str) -> str:
         live = [name for name in self.pools[role] if name not in self._dead]
+        if not live:
+            raise NoLiveWorker(role)
         name = pick(self.policy, live, self.loads, self._turns[role])
         self._turns[role] += 1
         return name

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 
 ORDERED = ("submit", "admit", "abort", "release")
+KILLED = "_killed_by_local_calls"  # attribute LocalCalls.kill sets on a worker object
 
 
 class WorkerDied(RuntimeError):
@@ -45,10 +46,9 @@ class LocalCalls:
 
     def __init__(self, max_threads: int = 32) -> None:
         self._pool = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="call")
-        self.dead: set[int] = set()  # ids of workers tests have "killed"
 
     def call(self, worker: Any, method: str, *args: Any) -> cf.Future:
-        if id(worker) in self.dead:
+        if getattr(worker, KILLED, False):
             future: cf.Future = cf.Future()
             future.set_exception(WorkerDied(f"worker {getattr(worker, 'name', worker)} is dead"))
             return future
@@ -70,7 +70,7 @@ class LocalCalls:
 
     def kill(self, worker: Any) -> None:
         """Simulate a worker death: its calls now raise WorkerDied and its loop stops."""
-        self.dead.add(id(worker))
+        setattr(worker, KILLED, True)  # on the object: a replacement is a new object
         worker.shutdown()
 
     def shutdown(self) -> None:

@@ -24,6 +24,22 @@ worker whose call raises ``WorkerDied``, or whose long poll raises (its engine l
 is dead: every request that still needs it ends with an error naming it and the cause, and
 nothing new is routed to it.
 
+Restarts (issue 28): the router does not start workers, its owner does. When a worker dies
+the router asks ``on_worker_died(name, cause)``, which answers None when a restart is
+coming, else why not (the deployment's restart budget spent, say). The replacement joins
+through ``rejoin(name, handle, info)`` once its engine answers: it takes the dead worker's
+place (its name, role and rank),
+is routed to again, and every call still pending on the dead incarnation is ignored when it
+returns (``WorkerRef.incarnation``), so no late news of the dead one reaches the new one.
+``worker_lost(name, reason)`` says no restart will come after all (the budget ran out).
+A remote request whose decode worker dies before the request started decoding there (still
+prefilling, or its KV handed over but not yet fetched: the router still holds the handles)
+moves to another live decode worker; one decoding there fails at once, naming the worker.
+While a pool a request needs has no live worker, the request waits for one up to its
+deadline if a worker of that pool is restarting (a prefilled one with its KV handles held by
+the router), and fails at once otherwise, its ``finish`` event saying ``unavailable`` (a
+front end answers 503).
+
 Two front ends drive one router (DESIGN §3's loop, here in ``_step``):
 
 - **online** (``pdlab serve``): ``start()`` runs the loop on its own thread; any thread calls
@@ -66,22 +82,36 @@ from engine.errors import describe_error
 from engine.limits import Limits
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
-from router.assignment import Assigner
+from router.assignment import Assigner, NoLiveWorker
 from router.calls import Calls, WorkerDied
 
-# What a request waits for on its current worker (named in deadline errors).
-PREFILL, TRANSFER, DECODE = "prefill", "KV transfer", "decode"
+# What a request waits for on its current worker (named in deadline errors); POOL: a
+# live worker in a pool that has none (its workers restart).
+PREFILL, TRANSFER, DECODE, POOL = "prefill", "KV transfer", "decode", "a live worker"
 
 
 @dataclass
 class WorkerRef:
-    """A worker as the router sees it: a name, a role, and whatever ``Calls`` calls."""
+    """A worker as the router sees it: a name, a role, and whatever ``Calls`` calls.
+
+    ``alive``: routed to; else ``restarting`` (a replacement is being started) or dead for
+    good, ``cause`` saying why. ``incarnation`` counts its replacements (0: the first),
+    ``restarts`` those that joined."""
 
     name: str
     role: str  # "prefill", "decode" or "colocated"
     handle: Any
     rank: int | None = None  # torch.distributed rank, for point-to-point transports
     alive: bool = True
+    restarting: bool = False
+    cause: str | None = None
+    incarnation: int = 0
+    restarts: int = 0
+
+    @property
+    def state(self) -> str:
+        """``live``, ``restarting`` or ``dead`` (for good)."""
+        return "live" if self.alive else "restarting" if self.restarting else "dead"
 
 
 @dataclass
@@ -95,6 +125,7 @@ class _Flight:
     deadline_s: float = float("inf")  # time.time() by which its next event is due
     # KV in transit: handles put by kv_owner, handed to the decode worker, not yet fetched
     kv_owner: str | None = None
+    kv_owner_incarnation: int = 0
     kv_handles: tuple[Any, ...] = ()
 
 
@@ -119,6 +150,8 @@ class StreamEvent:
         logprob, top_logprobs: the token's raw logprob and its top ``(token_id, logprob)``
             pairs (``token`` events of requests with ``SamplingParams.logprobs``; the first
             token's come with the prefill worker's ``prefilled`` event), else None / ().
+        unavailable: (``finish`` with an error) the request never reached a worker: a pool
+            it needs had no live worker (module docstring, restarts).
     """
 
     request_id: str
@@ -131,6 +164,7 @@ class StreamEvent:
     record: RequestRecord | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    unavailable: bool = False
 
 
 class TokenStream:
@@ -168,6 +202,7 @@ class _Call:
     method: str
     worker: str
     request_id: str | None = None
+    incarnation: int = 0  # of the worker called: a reply from a replaced one is ignored
 
 
 
@@ -195,6 +230,9 @@ class Router:
             still be loading its model).
         conditional: the local/remote prefill rule of a ``conditional:xPyD`` placement
             (default ``ConditionalConfig()``); ignored by other placements.
+        on_worker_died: called on the loop thread as ``on_worker_died(name, cause)`` when a
+            worker dies (it must not block); returns None when a replacement is on its way
+            (``rejoin`` brings it), else why not. None: a dead worker stays dead.
 
     Raises:
         ValueError: no workers for a role, or prefill and decode KV geometries differ.
@@ -204,7 +242,8 @@ class Router:
     def __init__(self, workers: list[WorkerRef], calls: Calls, placement: str,
                  policy: str = "least_loaded", deadline_s: float = 60.0,
                  poll_s: float = 0.05, startup_timeout_s: float = 300.0,
-                 conditional: ConditionalConfig | None = None) -> None:
+                 conditional: ConditionalConfig | None = None,
+                 on_worker_died: Callable[[str, str], str | None] | None = None) -> None:
         self.workers = {w.name: w for w in workers}
         self.calls = calls
         self.placement = placement
@@ -220,6 +259,8 @@ class Router:
         specs = {tuple(sorted(i["kv_spec"].items())) for i in infos}
         if len(specs) != 1:
             raise ValueError(f"workers disagree on the KV geometry: {infos}")
+        self._kv_spec = specs.pop()  # a restarted worker must have it too
+        self.on_worker_died = on_worker_died
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = min(i["vocab_size"] for i in infos)
         # decode load counts whole KV blocks (issue 17): a request holds ceil(tokens / B) blocks
@@ -239,6 +280,7 @@ class Router:
         self.assigner = Assigner([(w.name, w.role) for w in workers], kind, policy,
                                  self.kv_block_size, conditional)
         self._flights: dict[str, _Flight] = {}
+        self._parked: dict[str, str] = {}  # request -> the role of the empty pool it waits for
         self._pending: dict[Any, _Call] = {}
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit"|"abort", ...)
@@ -316,6 +358,20 @@ class Router:
         self._inbox.put(("abort", request_id))
         self._wake_up()
 
+    def rejoin(self, name: str, handle: Any, info: dict) -> None:
+        """A replacement of dead worker ``name`` is ready (any thread): ``handle`` is called
+        from now on and ``info`` is its ``info()`` answer. It must have the placement's KV
+        geometry and at least the context and vocabulary the router checks requests
+        against, else it is refused (the worker stays dead, ``cause`` says why)."""
+        self._inbox.put(("rejoin", name, handle, info))
+        self._wake_up()
+
+    def worker_lost(self, name: str, reason: str) -> None:
+        """No replacement of dead worker ``name`` will come (any thread): requests waiting
+        for its pool fail at once if nothing else can serve them."""
+        self._inbox.put(("lost", name, reason))
+        self._wake_up()
+
     def start(self) -> None:
         """Run the loop on a background thread (the online front end).
 
@@ -361,6 +417,7 @@ class Router:
             except Exception as err:
                 self.loop_errors += 1
                 self._flights.pop(flight.request.request_id, None)
+                self._parked.pop(flight.request.request_id, None)
                 self.assigner.release(flight.request.request_id)  # loads still return to 0
                 self._emit(self._refusal(flight.request, flight.record.timeline.get(ARRIVED, 0.0),
                                          f"{error}; ending it failed too: {describe_error(err)}"))
@@ -395,7 +452,7 @@ class Router:
                     on_finish(event.record)
 
         start_s = time.time()
-        self._flights, self._pending, self._sinks = {}, {}, {}
+        self._flights, self._pending, self._sinks, self._parked = {}, {}, {}, {}
         next_index = 0
         while next_index < len(arrivals) or self._flights:
             while next_index < len(arrivals) and start_s + arrivals[next_index][1] <= time.time():
@@ -426,7 +483,7 @@ class Router:
             with self._wake_lock:
                 self._wake = cf.Future()
         self._check_deadlines()
-        self.num_waiting = sum(1 for f in self._flights.values() if f.stage == PREFILL)
+        self.num_waiting = sum(1 for f in self._flights.values() if f.stage in (PREFILL, POOL))
         self.num_running = len(self._flights) - self.num_waiting
 
     def _wake_up(self) -> None:
@@ -444,6 +501,12 @@ class Router:
                 flight = self._flights.get(command[1])
                 if flight is not None:
                     self._finish(flight, finish_reason="abort")
+                continue
+            if command[0] == "rejoin":
+                self._rejoin(*command[1:])
+                continue
+            if command[0] == "lost":
+                self._lost(*command[1:])
                 continue
             _, request, arrived_s, sink = command
             if request.request_id in self._flights:  # refused; the one in flight goes on
@@ -466,8 +529,26 @@ class Router:
         self._flights[request.request_id] = flight
         try:
             self.validate(request)
+        except ValueError as err:
+            self._finish(flight, error=str(err))
+            return
+        self._assign(flight)
+
+    def _assign(self, flight: _Flight) -> None:
+        """Give ``flight`` its workers and send it to the first; a pool without a live
+        worker parks it (a worker of that pool restarting) or fails it (none)."""
+        request, record = flight.request, flight.record
+        try:
             assignment = self.assigner.assign(request.request_id, request.num_prompt_tokens,
                                               request.sampling.max_tokens)
+        except NoLiveWorker as err:
+            if self._restarting(err.role):
+                if request.request_id not in self._parked:
+                    self._parked[request.request_id] = err.role
+                    self._wait_on(flight, f"the {err.role} pool", POOL)
+                return
+            self._finish(flight, error=self._no_worker(err.role), unavailable=True)
+            return
         except ValueError as err:
             self._finish(flight, error=str(err))
             return
@@ -484,24 +565,31 @@ class Router:
         flight.deadline_s = time.time() + self.deadline_s
 
     def _send(self, worker: str, method: str, request_id: str | None, *args: Any) -> None:
-        pending = self.calls.call(self.workers[worker].handle, method, *args)
-        self._pending[pending] = _Call(method, worker, request_id)
+        ref = self.workers[worker]
+        pending = self.calls.call(ref.handle, method, *args)
+        self._pending[pending] = _Call(method, worker, request_id, ref.incarnation)
 
     # ---- events -----------------------------------------------------------------------
     def _poll_workers(self) -> None:
-        polling = {c.worker for c in self._pending.values() if c.method == "wait_events"}
+        polling = {(c.worker, c.incarnation) for c in self._pending.values()
+                   if c.method == "wait_events"}
         for name, worker in self.workers.items():
-            if worker.alive and name not in polling:
+            if worker.alive and (name, worker.incarnation) not in polling:
                 self._send(name, "wait_events", None, self.poll_s)
 
     def _complete(self, pending: Any) -> None:
         call = self._pending.pop(pending)
+        if call.incarnation != self.workers[call.worker].incarnation:
+            return  # a call to a replaced (dead) incarnation: its news concerns nobody now
         try:
             result = self.calls.result(pending)
         except Exception as err:
             if isinstance(err, WorkerDied) or call.method == "wait_events":
                 self._worker_died(call.worker, err)  # gone, or its engine loop died
-            elif call.request_id in self._flights:  # a call that raised: only its request fails
+            elif call.request_id in self._flights and not (
+                    call.method == "admit"  # to a decode worker the request has since left
+                    and self._flights[call.request_id].record.decode_worker != call.worker):
+                # a call that raised: only its request fails
                 error = f"{call.worker}.{call.method}: {describe_error(err)}"
                 self._finish(self._flights[call.request_id], error=error,
                              kv_back=call.method == "admit")  # a refused admit took no KV
@@ -516,6 +604,8 @@ class Router:
             self._release_kv(event.worker, event.kv_handles)
             return
         record = flight.record
+        if event.worker not in (record.prefill_worker, record.decode_worker):
+            return  # from the decode worker it left when that one died: moot
         record.timeline.update(event.stamps)
         flight.deadline_s = time.time() + self.deadline_s  # its own news refreshes its deadline
         if event.kind == ev.ERROR:
@@ -551,11 +641,32 @@ class Router:
         record = flight.record
         record.kv_bytes = event.kv_bytes
         self.assigner.prefilled(flight.request.request_id, flight.worker)
-        decode = record.decode_worker  # alive: requests that need a dead worker end at once
-        self._wait_on(flight, decode, TRANSFER)
         flight.kv_owner, flight.kv_handles = event.worker, event.kv_handles
-        self._send(decode, "admit", flight.request.request_id, flight.request, event.token_id,
-                   event.kv_handles)
+        flight.kv_owner_incarnation = self.workers[event.worker].incarnation
+        self._admit(flight)
+
+    def _admit(self, flight: _Flight) -> None:
+        """Hand a prefilled request's KV handles to its decode worker; if that one died
+        meanwhile, to another live one, else hold them while the decode pool restarts
+        (parked, the handles in the router's hands) or give them back and fail."""
+        request, record = flight.request, flight.record
+        decode = record.decode_worker
+        if not self.workers[decode].alive:
+            try:
+                decode = self.assigner.reassign_decode(
+                    request.request_id, request.num_prompt_tokens, request.sampling.max_tokens)
+            except NoLiveWorker:
+                if self._restarting("decode"):
+                    self._parked[request.request_id] = "decode"
+                    self._wait_on(flight, "the decode pool", POOL)
+                else:
+                    self._finish(flight, error=self._no_worker("decode"), kv_back=True,
+                                 unavailable=True)
+                return
+            record.decode_worker = decode
+        self._wait_on(flight, decode, TRANSFER)
+        self._send(decode, "admit", request.request_id, request, record.output_token_ids[0],
+                   flight.kv_handles)
 
     def _refusal(self, request: Request, arrived_s: float, error: str) -> StreamEvent:
         """The one ``finish`` event of a request that is not (or no longer) served."""
@@ -576,18 +687,24 @@ class Router:
         except Exception:  # a front end gone (its event loop closed): it hears no more,
             self._sinks.pop(event.request_id, None)  # and the loop never dies of it
 
-    def _release_kv(self, owner: str | None, handles: tuple[Any, ...]) -> None:
-        """Give KV handles the router cannot pass on back to their producer to free."""
-        if handles and owner is not None and self.workers[owner].alive:
+    def _release_kv(self, owner: str | None, handles: tuple[Any, ...],
+                    incarnation: int | None = None) -> None:
+        """Give KV handles the router cannot pass on back to their producer to free (the
+        incarnation that put them: a dead one's KV went with it)."""
+        if handles and owner is not None and self.workers[owner].alive and (
+                incarnation is None or incarnation == self.workers[owner].incarnation):
             self._send(owner, "release", None, tuple(handles))
 
     def _finish(self, flight: _Flight, finish_reason: str | None = None,
-                error: str | None = None, kv_back: bool = False) -> None:
+                error: str | None = None, kv_back: bool = False,
+                unavailable: bool = False) -> None:
         """End ``flight``; ``kv_back``: its KV in transit never reached a live decode worker
-        (``admit`` failed, or the decode worker died), so it goes back to its producer."""
+        (``admit`` failed, or the decode worker died), so it goes back to its producer;
+        ``unavailable``: it failed for want of a live worker (``StreamEvent.unavailable``)."""
         record = flight.record
-        if kv_back:
-            self._release_kv(flight.kv_owner, flight.kv_handles)
+        holding = self._parked.pop(record.request_id, None) is not None and bool(flight.kv_handles)
+        if kv_back or holding:  # held while parked: nobody else will free them
+            self._release_kv(flight.kv_owner, flight.kv_handles, flight.kv_owner_incarnation)
         now = time.time()
         record.timeline[FINISHED] = now
         if error is not None:
@@ -602,27 +719,126 @@ class Router:
         self.assigner.release(record.request_id)
         del self._flights[record.request_id]
         self._emit(StreamEvent(record.request_id, FINISH, now, finish_reason=record.finish_reason,
-                               error=record.error, record=record))
+                               error=record.error, record=record, unavailable=unavailable))
         self._sinks.pop(record.request_id, None)
 
     # ---- failures ---------------------------------------------------------------------
     def _worker_died(self, name: str, err: Exception) -> None:
-        """Mark ``name`` dead; every request that still needs it ends, naming the cause."""
+        """Mark ``name`` dead and ask its owner for a replacement (``on_worker_died``), then
+        end every request that still needs it, naming the cause (or move it: ``_movable``)."""
         worker = self.workers[name]
         if not worker.alive:
             return
         worker.alive = False
+        worker.cause = f"died: {describe_error(err)}"
         self.assigner.mark_dead(name)
+        if self.on_worker_died is not None:  # first: a moved request may wait for it
+            try:
+                why_not = self.on_worker_died(name, worker.cause)
+            except Exception as hook_err:  # no restart then; the router goes on
+                why_not = f"its restart could not start: {describe_error(hook_err)}"
+            worker.restarting = why_not is None
+            if why_not is not None:
+                worker.cause += f"; not restarted: {why_not}"
         for rid in self.assigner.requests_needing(name):
             flight = self._flights.get(rid)
-            if flight is not None:
-                self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
-                             kv_back=flight.worker == name)
+            if flight is None:
+                continue
+            if self._movable(flight, name):
+                self._move_decode(flight)
+                continue
+            self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
+                         kv_back=flight.worker == name)
+        for rid in list(self._parked):  # held KV that this worker put went with it
+            flight = self._flights[rid]
+            if flight.kv_handles and flight.kv_owner == name:
+                self._finish(flight, error=f"{worker.role} worker {name} died holding the KV "
+                                           f"of the request: {err}")
+        self._fail_unservable()
+
+    def _movable(self, flight: _Flight, dead: str) -> bool:
+        """``dead`` is the decode worker of a remote request that has not started decoding
+        there: still prefilling elsewhere, or its KV handed over but not yet fetched (the
+        router still holds the handles and their producer lives). Another decode worker can
+        take it."""
+        record = flight.record
+        if record.prefill_path != "remote" or record.decode_worker != dead:
+            return False
+        if flight.stage == PREFILL:
+            return flight.worker != dead
+        owner = self.workers.get(flight.kv_owner or "")
+        return (flight.stage == TRANSFER and bool(flight.kv_handles) and owner is not None
+                and owner.alive and owner.incarnation == flight.kv_owner_incarnation)
+
+    def _move_decode(self, flight: _Flight) -> None:
+        """Give a ``_movable`` request another decode worker (module docstring, restarts)."""
+        if flight.stage == TRANSFER:
+            self._admit(flight)  # to a live one, or held while the pool restarts
+            return
+        request = flight.request
+        try:
+            flight.record.decode_worker = self.assigner.reassign_decode(
+                request.request_id, request.num_prompt_tokens, request.sampling.max_tokens)
+        except NoLiveWorker:
+            pass  # decided at its hand-over (``_admit``): wait for the pool, or fail
+
+    def _rejoin(self, name: str, handle: Any, info: dict) -> None:
+        worker = self.workers[name]
+        if worker.alive:  # a replacement of a live worker: nothing to replace
+            return
+        spec = tuple(sorted(info["kv_spec"].items()))
+        problem = ("a different KV geometry" if spec != self._kv_spec else
+                   "a shorter context" if info["max_model_len"] < self.max_model_len else
+                   "a smaller vocabulary" if info["vocab_size"] < self.vocab_size else None)
+        if problem is not None:
+            self._lost(name, f"its replacement has {problem} than the placement: {info}")
+            return
+        worker.handle, worker.alive, worker.restarting, worker.cause = handle, True, False, None
+        worker.incarnation += 1
+        worker.restarts += 1
+        self.assigner.mark_live(name)
+        for rid in list(self._parked):  # in arrival order; one may park again (another pool)
+            del self._parked[rid]
+            flight = self._flights.get(rid)
+            if flight is None:
+                continue
+            if flight.kv_handles:  # prefilled, waiting for a decode worker
+                self._admit(flight)
+            else:
+                self._assign(flight)
+
+    def _lost(self, name: str, reason: str) -> None:
+        worker = self.workers[name]
+        if not worker.alive:
+            worker.restarting, worker.cause = False, reason
+            self._fail_unservable()
+
+    def _restarting(self, role: str) -> bool:
+        return any(w.restarting for w in self.workers.values() if w.role == role)
+
+    def _no_worker(self, role: str) -> str:
+        why = "; ".join(f"{w.role} worker {w.name} {w.cause}" for w in self.workers.values()
+                        if w.role == role)
+        return f"no live {role} worker: {why}"
+
+    def _fail_unservable(self) -> None:
+        """Parked requests whose pool has no worker alive or restarting fail now."""
+        for rid, role in list(self._parked.items()):
+            if not self._restarting(role) and not any(
+                    w.alive for w in self.workers.values() if w.role == role):
+                self._finish(self._flights[rid], error=self._no_worker(role), unavailable=True)
+                # (held KV handles go back to their producer in _finish)
 
     def _check_deadlines(self) -> None:
         now = time.time()
         for flight in list(self._flights.values()):
-            if now > flight.deadline_s:
+            if now > flight.deadline_s and flight.stage == POOL:
+                restarting = [w.name for w in self.workers.values()
+                              if w.restarting and flight.worker == f"the {w.role} pool"]
+                self._finish(flight, unavailable=True, error=(
+                    f"no live worker in {flight.worker} within {self.deadline_s} s "
+                    f"({', '.join(restarting) or 'none'} restarting)"))
+            elif now > flight.deadline_s:
                 self._finish(flight, error=f"deadline: no news of the request for "
                                            f"{self.deadline_s} s while waiting for "
                                            f"{flight.stage} on {flight.worker}")

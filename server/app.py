@@ -35,8 +35,17 @@ first included (in disaggregated placements it comes from the prefill worker). V
 logprobs: ``log_softmax`` of the model's logits before temperature / top-k / top-p (vLLM's
 default). ``top_logprobs`` without ``logprobs: true`` is refused (400).
 
-Not supported (400 naming the field): ``echo``, ``suffix``, ``best_of`` > n, penalties other
-than 0, ``logit_bias``, tools. ``temperature`` defaults to 1.0 as in OpenAI's API.
+Request fields: ``_Sampling``, ``CompletionBody`` and ``ChatBody`` list them (OpenAI's and
+vLLM's extensions: every field the benchmark clients of tests/data/clients send); ``null`` for
+any optional field means its default. Not supported (400 naming the field): ``echo``,
+``suffix``, ``best_of`` other than ``n``, ``logit_bias``, tools, and any field not listed.
+``temperature`` defaults to 1.0 as in OpenAI's API.
+
+Errors: every refusal is OpenAI's error object ``{"error": {"message", "type", "param",
+"code"}}`` with status 400 (404 an unknown model, 413 a body over the cap) and the connection
+kept; a request that found no live worker for it (its pool's workers restarting, or dead
+for good) is a 503, with ``Retry-After`` while a restart is under way; a failed generation a
+500; anything unexpected a JSON 500 with ``Connection: close``.
 
 ``/metrics`` (Prometheus text format, ``prometheus_client``): vLLM's metric names with the
 ``pdlab:`` prefix (``pdlab:time_to_first_token_seconds``, ``pdlab:inter_token_latency_seconds``,
@@ -70,10 +79,12 @@ from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 
 from engine import metrics as m
-from engine.limits import LimitError
+from engine.errors import describe_error
 from engine.metrics import RequestRecord
 from engine.request import MAX_LOGPROBS, Request, SamplingParams
 from server.config import LOOPBACK
@@ -83,55 +94,173 @@ from router.router import FINISH, Router, StreamEvent
 _LOG = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
-MAX_N = 16
+MAX_N = 16  # choices per prompt
+MAX_PROMPTS = 16  # prompts in one completions request
+RETRY_AFTER_S = 2  # 503's Retry-After while a worker restarts (seconds)
 
 
-# ---- request bodies (OpenAI's schema, unknown fields refused) -----------------------------
+# ---- request bodies (OpenAI's schema plus vLLM's extensions, unknown fields refused) -------
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """``null`` for any field means "not given" (clients send ``stop: null``,
+        ``logprobs: null``): the field keeps its default. A required field sent as null is
+        then missing, and refused as such."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+
+
+def _check_stop(value: Any) -> list[str]:
+    """``stop``: a string or a list of at most ``MAX_STOP_STRINGS`` non-empty strings."""
+    if isinstance(value, str):
+        return [value] if value else []
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(value) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(value)}")
+    if not all(value):
+        raise ValueError("stop strings must not be empty")
+    return list(value)
+
+
+def _token_ids(value: list, what: str) -> list[int]:
+    """A list of token ids (integers >= 0; booleans are not integers here)."""
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise ValueError(f"{what} must be integers")
+    bad = [t for t in value if t < 0]
+    if bad:
+        raise ValueError(f"{what} must be >= 0, got {bad[0]}")
+    return value
+
+
+def _check_prompt(value: Any) -> list[str | list[int]]:
+    """``prompt`` as a list of prompts: a string, a list of strings (one choice set each,
+    genai-perf sends one), a list of token ids, or a list of lists of token ids; at most
+    ``MAX_PROMPTS`` prompts, none an empty list."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list):
+        raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                         "or a list of lists of token ids")
+    if not value:
+        raise ValueError("prompt must not be empty (an empty list)")
+    if all(isinstance(v, str) for v in value):
+        prompts = list(value)
+    elif all(isinstance(v, list) for v in value):
+        prompts = [_token_ids(v, "prompt token ids") for v in value]
+        if not all(prompts):
+            raise ValueError("prompt must not be empty (an empty list of token ids)")
+    else:
+        return [_token_ids(value, "prompt token ids")]
+    if len(prompts) > MAX_PROMPTS:
+        raise ValueError(f"prompt takes at most {MAX_PROMPTS} prompts in one request, got "
+                         f"{len(prompts)}")
+    return prompts
 
 
 class _Sampling(_Body):
+    """The request fields both endpoints take; ``null`` for any of them means "not given".
+
+    OpenAI's: ``model`` (the served name, else 404), ``max_tokens`` (default: 16 for
+    completions, what the context and the KV cache leave for chat), ``temperature`` (1.0;
+    below 1e-5 greedy), ``top_p``, ``seed`` (choice ``i`` uses ``seed + i``), ``stop`` (a
+    string or up to ``MAX_STOP_STRINGS`` strings), ``n`` (up to ``MAX_N``), ``best_of``
+    (only equal to ``n``: every choice generated is returned), ``presence_penalty`` and
+    ``frequency_penalty`` ([-2, 2]), ``stream``, ``stream_options`` (``include_usage``;
+    vLLM's ``continuous_usage_stats``: the usage so far in every chunk), ``user`` (ignored),
+    ``logit_bias`` (only empty).
+
+    vLLM's extensions (``vllm.entrypoints.openai.protocol``): ``top_k`` (0 or -1: off),
+    ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+    ``skip_special_tokens`` (default true), ``include_stop_str_in_output`` (default false).
+    The sampling fields mean what ``engine.request.SamplingParams`` says.
+
+    Sent by the clients of tests/data/clients (README there): vLLM ``bench serve``, SGLang
+    ``bench_serving``, genai-perf, AIPerf, GuideLLM, llmperf. Any other field is refused
+    (400 naming it); ``DEFAULT_ONLY`` fields are refused unless at their default.
+    """
+
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = 0  # 0 or -1 (vLLM): off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
     seed: Annotated[int, Field(ge=0, lt=1 << 62)] | None = None
-    stop: str | Annotated[list[Annotated[str, Field(min_length=1)]],
-                          Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop: Annotated[list[str], BeforeValidator(_check_stop)] = []
     stop_token_ids: list[Annotated[int, Field(ge=0)]] = []
     ignore_eos: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    best_of: Annotated[int, Field(ge=1)] | None = None  # only n (no ranking of choices)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] = 0.0
+    # accepted at their defaults only (anything else: "not supported", naming the field)
+    logit_bias: Annotated[dict[str, float], Field(max_length=0)] = {}
 
 
 class CompletionBody(_Sampling):
-    prompt: str | Annotated[list[int], Field(min_length=1)]
+    """``/v1/completions``: ``prompt`` (a string, a list of strings, a list of token ids or
+    a list of lists of token ids: ``_check_prompt``), ``logprobs`` (0..20 alternatives per
+    token), ``echo`` (only false), ``suffix`` (only empty), and every ``_Sampling`` field."""
+
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_check_prompt)]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # top-N per token
     echo: Literal[False] = False
+    suffix: Literal[""] = ""
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant", "developer"]
-    content: str
+    content: str | list[TextPart]  # a list of text parts: vLLM's and GuideLLM's chat
     name: str | None = None
+
+    @property
+    def text(self) -> str:
+        """The content as one string: text parts joined by newlines (vLLM's rule)."""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
 
 
 class ChatBody(_Sampling):
+    """``/v1/chat/completions``: ``messages`` (roles system, developer, user, assistant;
+    content a string or a list of ``{"type": "text", "text"}`` parts), ``max_completion_tokens``
+    (OpenAI's new name of ``max_tokens``; not both), ``logprobs`` (bool) with
+    ``top_logprobs`` (0..20), ``tools`` (only empty), ``tool_choice`` (only ``none``), and
+    every ``_Sampling`` field."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None  # needs logprobs
+    tools: Annotated[list, Field(max_length=0)] = []
+    tool_choice: Literal["none"] = "none"
+
+
+# fields pdlab serve takes only at their default value (a 400 names them otherwise)
+DEFAULT_ONLY = ("echo", "suffix", "logit_bias", "tools", "tool_choice")
 
 
 class BadRequest(Exception):
@@ -150,15 +279,21 @@ def error_response(err: BadRequest) -> JSONResponse:
 
 
 def _validation_error(err: ValidationError) -> BadRequest:
-    """The first pydantic error as a BadRequest naming the field (``messages.0.role``)."""
-    first = err.errors()[0]
+    """The first pydantic error as a BadRequest naming the field (``messages.0.role``). Of
+    the errors of one field (a union's branches each add one) the deepest is the telling
+    one: a content part without ``text`` is "Field required", not "not a string"."""
+    errors = err.errors()
+    first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
+                key=lambda e: len(e["loc"]))
     loc = [str(p) for p in first["loc"]]
     path = [p for p in loc if p.isdigit() or p.isidentifier()]  # drop union branch names
     param = ".".join(path[:3]) if path and path[0] == "messages" else (path[0] if path else None)
     if first["type"] == "extra_forbidden":
         return BadRequest(f"unknown field {param!r}", param)
-    if param in ("echo", "presence_penalty", "frequency_penalty"):
+    if param in DEFAULT_ONLY:
         return BadRequest(f"{param} is not supported by pdlab serve (only its default)", param)
+    if first["type"] == "value_error":  # our own checks: the message names field and limit
+        return BadRequest(str(first["ctx"]["error"]), param)
     return BadRequest(f"{param}: {first['msg']}", param)
 
 
@@ -242,6 +377,7 @@ class ServeMetrics:
         for name, worker in router.workers.items():
             info.labels(name, worker.role).set_function(lambda w=worker: float(w.alive))
             load.labels(name, worker.role).set_function(lambda n=name: router.loads.get(n, 0))
+        r.register(_Restarts(router))
 
     def observe(self, record: RequestRecord) -> None:
         """One finished request's latencies and KV transfer (called on the router thread)."""
@@ -262,6 +398,21 @@ class ServeMetrics:
                 self.kv_seconds.labels(*labels).observe(m.kv_transfer_s(record))
 
 
+class _Restarts(Collector):
+    """``pdlab:worker_restarts_total{worker, role}``: replacements that rejoined their pool."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self):
+        family = CounterMetricFamily("pdlab:worker_restarts",
+                                     "restarted workers that rejoined their pool",
+                                     labels=["worker", "role"])
+        for name, worker in self.router.workers.items():
+            family.add_metric([name, worker.role], worker.restarts)
+        yield family
+
+
 # ---- the server ---------------------------------------------------------------------------
 
 @dataclass
@@ -271,6 +422,7 @@ class _Choice:
     text: TextStream
     finish_reason: str | None = None
     error: str | None = None
+    unavailable: bool = False  # it failed because no live worker was there for it
     finished: bool = False  # the router's finish event came
     pieces: list[str] = field(default_factory=list)
     # logprobs: one (token_id, logprob, ((token_id, logprob), ...)) per completion token
@@ -322,79 +474,95 @@ class OpenAIServer:
 
     # ---- endpoints --------------------------------------------------------------------
     async def models(self) -> dict:
-        """``GET /v1/models``: the one served model, with its context length (tokens)."""
+        """``GET /v1/models``: the one served model, with its context length (tokens) and,
+        as vLLM, ``root`` (vLLM's client reads ``data[0]["root"]`` when given no model) and
+        ``parent``."""
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdlab",
-            "max_model_len": self.router.max_model_len}]}
+            "root": self.model_name, "parent": None, "max_model_len": self.router.max_model_len}]}
 
     async def health(self) -> Response:
-        """``GET /health``: 200 while every worker is alive, else 503 naming the dead ones."""
-        dead = [w.name for w in self.router.workers.values() if not w.alive]
-        if dead:
-            return JSONResponse({"status": "unhealthy", "dead_workers": dead}, status_code=503)
-        return JSONResponse({"status": "ok"})
+        """``GET /health``: each worker's ``state`` (``live``, ``restarting``, ``dead``),
+        ``restarts`` and the ``cause`` of a worker not live; ``status`` ``ok`` (all live, 200),
+        ``degraded`` (some not live, every pool still has a live worker: 200) or
+        ``unhealthy`` (a pool without a live worker: 503); ``dead_workers`` lists those not
+        live."""
+        workers = list(self.router.workers.values())
+        states = {w.name: {"role": w.role, "state": w.state, "restarts": w.restarts,
+                           **({"cause": w.cause} if w.cause else {})} for w in workers}
+        down = [w.name for w in workers if not w.alive]
+        pools = {w.role for w in workers}
+        served = all(any(w.alive for w in workers if w.role == role) for role in pools)
+        status = "ok" if not down else "degraded" if served else "unhealthy"
+        return JSONResponse({"status": status, "workers": states, "dead_workers": down},
+                            status_code=200 if served else 503)
 
     async def prometheus(self) -> Response:
         """``GET /metrics``: Prometheus text format (module docstring lists the families)."""
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def completions(self, request: HTTPRequest) -> Response:
-        """``POST /v1/completions``: prompt a string (tokenized) or a list of token ids."""
-        try:
-            body = CompletionBody.model_validate(await read_json(request, self.max_body_bytes))
-            if isinstance(body.prompt, str):
-                prompt = self.text.encode(body.prompt)
-            else:
-                prompt = list(body.prompt)
-            return await self._serve(request, body, prompt, chat=False)
-        except ValidationError as err:
-            return error_response(_validation_error(err))
-        except BadRequest as err:
-            return error_response(err)
+        """``POST /v1/completions``: ``prompt`` a string (tokenized), a list of token ids, or
+        a list of either (several prompts, ``n`` choices each)."""
+        return await self._endpoint(request, chat=False)
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
         """``POST /v1/chat/completions``: the messages through the model's chat template."""
+        return await self._endpoint(request, chat=True)
+
+    async def _endpoint(self, request: HTTPRequest, chat: bool) -> Response:
+        """Parse, check and serve one request: every refusal is OpenAI's error object (400
+        naming the field, 404 model, 413 body), anything unexpected a JSON 500 that closes
+        the connection (the client's next request opens a fresh one)."""
         try:
-            body = ChatBody.model_validate(await read_json(request, self.max_body_bytes))
-            if body.max_tokens is not None and body.max_completion_tokens is not None:
-                raise BadRequest("give max_tokens or max_completion_tokens, not both",
-                                 "max_completion_tokens")
-            messages = [{"role": msg.role, "content": msg.content} for msg in body.messages]
-            try:
-                prompt = self.text.encode_chat(messages)
-            except Exception as err:  # a template that refuses these roles or this order
-                raise BadRequest(f"the chat template refused the messages: {err}",
-                                 "messages") from None
-            return await self._serve(request, body, prompt, chat=True)
+            data = await read_json(request, self.max_body_bytes)
+            if chat:
+                body: _Sampling = ChatBody.model_validate(data)
+                prompts = [self._chat_prompt(body)]
+            else:
+                body = CompletionBody.model_validate(data)
+                prompts = [self.text.encode(p) if isinstance(p, str) else list(p)
+                           for p in body.prompt]
+            return await self._serve(request, body, prompts, chat)
         except ValidationError as err:
             return error_response(_validation_error(err))
         except BadRequest as err:
             return error_response(err)
+        except Exception as err:  # a bug: answer in JSON, log it, start the connection afresh
+            _LOG.exception("%s %s failed", request.method, request.url.path)
+            reply = error_response(BadRequest(f"internal server error: {describe_error(err)}",
+                                              None, 500, "internal_error"))
+            reply.headers["connection"] = "close"
+            return reply
+
+    def _chat_prompt(self, body: ChatBody) -> list[int]:
+        if body.max_tokens is not None and body.max_completion_tokens is not None:
+            raise BadRequest("give max_tokens or max_completion_tokens, not both",
+                             "max_completion_tokens")
+        messages = [{"role": msg.role, "content": msg.text} for msg in body.messages]
+        try:
+            return self.text.encode_chat(messages)
+        except Exception as err:  # a template that refuses these roles or this order
+            raise BadRequest(f"the chat template refused the messages: {err}",
+                             "messages") from None
 
     # ---- one request --------------------------------------------------------------------
-    def _requests(self, body: _Sampling, prompt: list[int], chat: bool,
+    def _requests(self, body: _Sampling, prompts: list[list[int]], chat: bool,
                   base_id: str) -> list[Request]:
-        """The router requests of ``body`` (one per choice), checked like the router does."""
+        """The router requests of ``body``: ``n`` per prompt, choice ``p * n + i`` for choice
+        ``i`` of prompt ``p`` (vLLM's numbering), each checked as the router checks it, so a
+        bad one is a 400 naming its field before anything is queued."""
         if body.model is not None and body.model != self.model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this server serves "
                              f"{self.model_name!r}", "model", 404, "not_found_error")
-        if not prompt:
-            raise BadRequest("prompt must not be empty (no tokens)", "messages" if chat else "prompt")
-        context, prompt_param = self.router.max_model_len, "messages" if chat else "prompt"
-        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        param = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
-        if max_tokens is None:  # OpenAI: 16 for completions; chat: what the context leaves
-            room = min([context] + [tokens for role, tokens in self.router.kv_capacity_tokens.items()
-                                    if role != "prefill"])  # ... and the KV cache holds
-            max_tokens = max(1, room - len(prompt)) if chat else max(1, min(16, context - len(prompt)))
-        try:  # the limits every worker of the placement must meet (engine.limits)
-            self.router.validate(Request("check", tuple(prompt), SamplingParams(
-                max_tokens=max_tokens, stop_token_ids=tuple(body.stop_token_ids))))
-        except LimitError as err:
-            where = {"prompt": prompt_param, "max_tokens": param}.get(err.field, err.field)
-            raise BadRequest(str(err), where) from None
-        except ValueError as err:  # Request / SamplingParams refused a field (it is named)
-            raise BadRequest(str(err), str(err).split(" ", 1)[0]) from None
+        if body.best_of is not None and body.best_of != body.n:
+            raise BadRequest(f"best_of ({body.best_of}) must be >= n ({body.n})"
+                             if body.best_of < body.n else
+                             "best_of > n is not supported by pdlab serve (it returns every "
+                             "choice it generates: best_of = n)", "best_of")
+        prompt_param = "messages" if chat else "prompt"
+        max_param = ("max_completion_tokens" if getattr(body, "max_completion_tokens", None)
+                     else "max_tokens")
         if chat:
             if body.top_logprobs is not None and not body.logprobs:
                 raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
@@ -402,25 +570,48 @@ class OpenAIServer:
         else:
             logprobs = body.logprobs
         requests = []
-        for i in range(body.n):
-            try:
-                sampling = SamplingParams(
-                    max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                    top_k=max(0, body.top_k),
-                    seed=None if body.seed is None else body.seed + i,
-                    stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
-                    logprobs=logprobs)
-            except ValueError as err:
-                raise BadRequest(str(err), str(err).split(" ", 1)[0]) from None
-            requests.append(Request(f"{base_id}-{i}", tuple(prompt), sampling))
+        for p, prompt in enumerate(prompts):
+            max_tokens = self._max_tokens(body, prompt, chat, prompt_param, max_param)
+            for i in range(body.n):
+                try:
+                    sampling = SamplingParams(
+                        max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                        top_k=body.top_k, min_p=body.min_p,
+                        seed=None if body.seed is None else body.seed + i,
+                        stop_token_ids=tuple(body.stop_token_ids), ignore_eos=body.ignore_eos,
+                        logprobs=logprobs, min_tokens=body.min_tokens,
+                        repetition_penalty=body.repetition_penalty,
+                        presence_penalty=body.presence_penalty,
+                        frequency_penalty=body.frequency_penalty)
+                    request = Request(f"{base_id}-{p * body.n + i}", tuple(prompt), sampling)
+                    self.router.validate(request)
+                except ValueError as err:
+                    raise _refusal(err, prompt_param, max_param) from None
+                requests.append(request)
         return requests
 
-    async def _serve(self, http: HTTPRequest, body: _Sampling, prompt: list[int],
+    def _max_tokens(self, body: _Sampling, prompt: list[int], chat: bool, prompt_param: str,
+                    max_param: str) -> int:
+        """The request's ``max_tokens`` (OpenAI's default when not given: 16 for
+        completions, what the context and the KV cache leave for chat). The limits are checked
+        once, by ``Router.validate`` (``engine.limits``), in ``_requests``."""
+        if not prompt:
+            raise BadRequest("prompt must not be empty (no tokens)", prompt_param)
+        max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        if max_tokens is None:
+            context = self.router.max_model_len
+            room = min([context] + [tokens for role, tokens in self.router.kv_capacity_tokens.items()
+                                    if role != "prefill"])  # ... and the KV cache holds
+            max_tokens = max(1, room - len(prompt)) if chat else max(1, min(16, context - len(prompt)))
+        return max_tokens
+
+    async def _serve(self, http: HTTPRequest, body: _Sampling, prompts: list[list[int]],
                      chat: bool) -> Response:
         base_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        requests = self._requests(body, prompt, chat, base_id)
-        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        choices = {r.request_id: _Choice(i, r.request_id, TextStream(self.text, stop))
+        requests = self._requests(body, prompts, chat, base_id)
+        choices = {r.request_id: _Choice(i, r.request_id, TextStream(
+                       self.text, body.stop, body.skip_special_tokens,
+                       body.include_stop_str_in_output))
                    for i, r in enumerate(requests)}
         events: asyncio.Queue[StreamEvent] = asyncio.Queue()
         loop = asyncio.get_running_loop()
@@ -435,10 +626,34 @@ class OpenAIServer:
 
         for request in requests:
             self.router.submit(request, sink)
-        call = _Call(self, base_id, chat, body, len(prompt), choices, events)
-        if body.stream:
-            return _ClosingStream(call.sse(http), media_type="text/event-stream")
-        return await call.whole(http)
+        call = _Call(self, base_id, chat, body, sum(map(len, prompts)), choices, events)
+        if not body.stream:
+            return await call.whole(http)
+        refused = await call.refused_before_any_token(http)
+        if refused is not None:
+            return refused
+        return _ClosingStream(call.sse(http), media_type="text/event-stream")
+
+    def unavailable(self, error: str) -> JSONResponse:
+        """503 for a request that found no live worker for it (a pool empty while its
+        workers restart, or for good); ``Retry-After`` while a restart is under way."""
+        reply = error_response(BadRequest(f"service unavailable: {error}", None, 503,
+                                          "service_unavailable"))
+        if any(w.restarting for w in self.router.workers.values()):
+            reply.headers["retry-after"] = str(RETRY_AFTER_S)
+        return reply
+
+
+def _refusal(err: ValueError, prompt_param: str, max_param: str) -> BadRequest:
+    """A ValueError of ``SamplingParams``, ``Request`` or ``Router.validate`` as a 400: the
+    field from the error's ``field`` (``engine.limits.LimitError``) or its first word."""
+    message = str(err)
+    field = getattr(err, "field", None)
+    if field is None:
+        first = message.split(" ", 1)[0].rstrip(":")
+        field = "prompt" if first in ("request", "prompt_token_ids") else first
+    param = {"prompt": prompt_param, "max_tokens": max_param}.get(field, field)
+    return BadRequest(message, param)
 
 
 class _ClosingStream(StreamingResponse):
@@ -466,6 +681,7 @@ class _Call:
         self.object = "chat.completion" if chat else "text_completion"
         self._getter: asyncio.Future | None = None
         self._watcher: asyncio.Future | None = None
+        self._peeked: StreamEvent | None = None  # taken by refused_before_any_token, not yet used
 
     @property
     def answered(self) -> bool:
@@ -479,6 +695,7 @@ class _Call:
             if choice.finish_reason is None:  # ended by the router, not by its last token
                 choice.finish_reason = event.finish_reason
                 choice.error = event.error
+                choice.unavailable = event.unavailable
                 return choice, choice.text.finish()
             return None
         if choice.finish_reason is not None:  # tokens relayed after a stop string matched
@@ -509,14 +726,38 @@ class _Call:
         for c in self.choices.values():
             metrics.success.labels(self.server.model_name, c.finish_reason).inc()
 
-    def _error(self) -> str | None:
-        errors = [c.error for c in self.choices.values() if c.finish_reason == "error"]
-        return errors[0] if errors else None
+    def _failed(self) -> _Choice | None:
+        failed = [c for c in self.choices.values() if c.finish_reason == "error"]
+        return min(failed, key=lambda c: c.index) if failed else None
+
+    def _error_response(self, choice: _Choice) -> JSONResponse:
+        if choice.unavailable:
+            return self.server.unavailable(choice.error)
+        return error_response(BadRequest(f"generation failed: {choice.error}", None, 500,
+                                         "internal_error"))
+
+    async def refused_before_any_token(self, http: HTTPRequest) -> Response | None:
+        """Streaming: wait for the first event, so a request refused before its first token
+        (no live worker: 503; failed: 500) gets an HTTP error status instead of a stream
+        with an error event. None: stream it (the event is kept for ``sse``)."""
+        event = await self._next_event(http)
+        if event is None:  # the client is gone
+            self._abort_unanswered()
+            return Response(status_code=499)
+        if event.kind == FINISH and event.finish_reason == "error":
+            self._fold(event)
+            self._abort_unanswered()
+            return self._error_response(self.choices[event.request_id])
+        self._peeked = event
+        return None
 
     async def _next_event(self, http: HTTPRequest) -> StreamEvent | None:
         """The next router event, or None once the client has disconnected (a watcher
         task waits for ASGI's ``http.disconnect``). The pending ``get`` is never cancelled
         while an event may be handed to it, so no event is lost."""
+        if self._peeked is not None:
+            event, self._peeked = self._peeked, None
+            return event
         if self._watcher is None:
             self._watcher = asyncio.ensure_future(self._watch(http))
         if self._getter is None:
@@ -556,10 +797,9 @@ class _Call:
                     news[0].pieces.append(news[1])
         finally:
             self._abort_unanswered()
-        error = self._error()
-        if error is not None:
-            return error_response(BadRequest(f"generation failed: {error}", None, 500,
-                                             "internal_error"))
+        failed = self._failed()
+        if failed is not None:
+            return self._error_response(failed)
         self._count()
         out = []
         for c in sorted(self.choices.values(), key=lambda c: c.index):
@@ -576,7 +816,8 @@ class _Call:
                              "usage": self.usage()})
 
     def _chunk(self, choice: _Choice | None, delta: str, first: bool) -> str:
-        include_usage = bool(self.body.stream_options and self.body.stream_options.include_usage)
+        options = self.body.stream_options
+        include_usage = bool(options and options.include_usage)
         chunk: dict[str, Any] = {"id": self.id, "created": self.created,
                                  "model": self.server.model_name,
                                  "object": "chat.completion.chunk" if self.chat else "text_completion"}
@@ -596,8 +837,8 @@ class _Call:
                 body = {"index": choice.index, "text": delta, "logprobs": logprobs}
             body["finish_reason"] = choice.finish_reason
             chunk["choices"] = [body]
-            if include_usage:
-                chunk["usage"] = None
+            if include_usage:  # vLLM's continuous_usage_stats: the usage so far in every chunk
+                chunk["usage"] = self.usage() if options.continuous_usage_stats else None
         return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
     def _token_text(self, token_id: int) -> str:

@@ -13,7 +13,9 @@ with stop strings (no torch, no model).
   emits what is new, holding back an incomplete UTF-8 character (decoded as U+FFFD) and
   the last ``len(longest stop) - 1`` characters (they may start a stop string that the next
   token completes). A stop string is matched in the text across token boundaries; the text
-  ends before it (OpenAI: "the returned text will not contain the stop sequence").
+  ends before it (OpenAI: "the returned text will not contain the stop sequence"), or right
+  after it with vLLM's ``include_stop_str_in_output``. Special tokens (EOS, chat markers) are
+  left out of the text unless ``skip_special_tokens=False`` (vLLM's option, default on).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ class ByteText:
                        for m in messages)
         return self.encode(text + "<|assistant|>\n")
 
-    def decode(self, token_ids: Sequence[int]) -> str:
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The bytes as UTF-8 (invalid bytes as U+FFFD); there are no special tokens, so
+        ``skip_special_tokens`` changes nothing."""
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
@@ -59,8 +63,10 @@ class HFText:
             ids = ids["input_ids"]
         return [int(t) for t in ids]
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True,
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """The text of ``token_ids``; special tokens left out unless ``skip_special_tokens``
+        is False (vLLM's default: left out)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
 
@@ -70,17 +76,24 @@ class TextStream:
     Args:
         text: a ``ByteText`` or ``HFText``.
         stop: stop strings (non-empty).
+        skip_special_tokens: leave special tokens out of the text (vLLM's default).
+        include_stop_str: the text ends right after the stop string instead of before it
+            (vLLM's ``include_stop_str_in_output``).
 
     ``add(token_id)`` returns ``(delta, stopped)``: the new text that can be shown now, and
-    whether a stop string has appeared (then ``delta`` ends right before it and the request
-    is over: the caller aborts it). ``finish()`` returns the held-back rest at the end.
+    whether a stop string has appeared (then ``delta`` ends right before it, or after it with
+    ``include_stop_str``, and the request is over: the caller aborts it). ``finish()``
+    returns the held-back rest at the end.
     ``num_tokens`` counts the tokens added up to and including the one that completed the
     stop string (the completion's token count in ``usage``).
     """
 
-    def __init__(self, text: ByteText | HFText, stop: Sequence[str] = ()) -> None:
+    def __init__(self, text: ByteText | HFText, stop: Sequence[str] = (),
+                 skip_special_tokens: bool = True, include_stop_str: bool = False) -> None:
         self.text = text
         self.stop = [s for s in stop if s]
+        self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str
         self._hold = max((len(s) for s in self.stop), default=1) - 1
         self._ids: list[int] = []
         # Incremental decoding: the text of ids[:_read] is _stable; ids[_prefix:_read] are
@@ -104,10 +117,12 @@ class TextStream:
         if self.stop:
             # a stop string can only be new if it ends in the text not yet matched against
             start = max(0, self._emitted - self._hold)
-            hits = [i for i in (decoded.find(s, start) for s in self.stop) if i >= 0]
+            hits = [(i, len(s)) for i, s in ((decoded.find(s, start), s) for s in self.stop)
+                    if i >= 0]
             if hits:
                 self.stopped = True
-                self.full_text = decoded[:min(hits)]
+                at, length = min(hits)  # the earliest; of two there, the shorter
+                self.full_text = decoded[:at + length if self.include_stop_str else at]
                 return self._take(len(self.full_text)), True
         self.full_text = decoded
         end = len(decoded) - self._hold
@@ -119,14 +134,19 @@ class TextStream:
         """The decoded output so far (equal to ``text.decode(all ids)``), decoding only the
         window ``ids[_prefix:]``; the window moves on once its text is complete (not ending
         in an incomplete UTF-8 character, U+FFFD)."""
-        prefix_text = self.text.decode(self._ids[self._prefix:self._read])
-        window_text = self.text.decode(self._ids[self._prefix:])
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        window_text = self._decode(self._ids[self._prefix:])
         tail = window_text[len(prefix_text):]
         if len(window_text) > len(prefix_text) and not window_text.endswith("\ufffd"):
             self._stable += tail
             self._prefix, self._read = self._read, len(self._ids)
             return self._stable
         return self._stable + tail
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.skip_special_tokens:  # the default: any text with decode(ids) will do
+            return self.text.decode(ids)
+        return self.text.decode(ids, skip_special_tokens=False)
 
     def finish(self) -> str:
         """The text still held back (call once, when the request has ended)."""

@@ -52,12 +52,13 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                    devices: str | None, address: str | None, slo: SLO, out_dir: Path,
                    policy: str = "least_loaded", local: bool = False,
                    conditional: ConditionalConfig | None = None,
-                   simulate=None) -> tuple[pd.DataFrame, str]:
+                   simulate=None, max_worker_restarts: int = 0) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
     workers in this process (tests; transport ``inprocess``). ``simulate``: a
     ``planner.latency.DeviceProfile``; the same runs are then simulated too
     (``pdlab plan``'s simulator), the attainment plot overlays the simulated curve (dashed)
     and validation.csv holds the per-point errors (``experiments.validate``).
+    ``max_worker_restarts``: a worker that dies is started again up to this many times.
 
     With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
     ``calibrated_slo`` (both measured on the first placement, recorded under
@@ -79,7 +80,7 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     for placement in placements:
         results += run_placement(placement, sweep, items, spec, model, engine, transfer,
                                  ",".join(device_set), address, policy, worker_info, local,
-                                 calibration, conditional)
+                                 calibration, conditional, max_worker_restarts)
         sweep = sorted({r.rate for r in results})  # calibrated once, on the first placement
     if calibration:
         given, slo = slo, calibrated_slo(slo, calibration["lone_ttft_s"], calibration["lone_tpot_s"])
@@ -192,7 +193,8 @@ def run(args: argparse.Namespace, x: Experiment) -> int:
     summary, verdict = run_experiment(x.placements, args.rates, x.spec, x.model, x.engine,
                                       x.transfer, ",".join(x.devices), args.address, x.slo,
                                       x.out, args.policy, conditional=x.conditional,
-                                      simulate=x.simulate)
+                                      simulate=x.simulate,
+                                      max_worker_restarts=args.max_worker_restarts)
     print_outcome(summary, verdict, x.out, "requests.jsonl, summary.csv, steps.csv, "
                    "transfers.csv, report.md, *.png")
     return 0

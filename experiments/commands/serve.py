@@ -4,9 +4,10 @@ HTTP server (``server.app``) until interrupted.
 1. Check every option (``check``): one placement that fits the device set, the model's
    config file, the engine options; ``--local`` runs the workers in this process and needs
    the in-process transport (a Ray transport cannot cross threads of one process).
-2. Deploy the placement (``experiments.placement.Deployment``), load the model's tokenizer
-   for text in and out, and serve ``/v1/completions``, ``/v1/chat/completions``,
-   ``/v1/models``, ``/health`` and ``/metrics`` over the deployment's router.
+2. Deploy the placement (``experiments.placement.Deployment``, restarting a worker that dies
+   up to ``--max-worker-restarts`` times), load the model's tokenizer for text in and out,
+   and serve ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and
+   ``/metrics`` over the deployment's router.
 """
 
 from __future__ import annotations
@@ -81,15 +82,27 @@ def check(args: argparse.Namespace) -> Serving:
                    dataclass_from_args(ConditionalConfig, args), server)
 
 
-def run(args: argparse.Namespace, x: Serving) -> int:
-    """Start the placement, then serve until interrupted."""
+def build(args: argparse.Namespace, x: Serving) -> tuple[Deployment, OpenAIServer]:
+    """The deployment and its HTTP app, not serving yet (``run`` serves them; tests serve
+    them on a ``ServerThread``). The caller closes the deployment."""
     text = text_of(load_tokenizer(x.model))
     name = x.server.served_model_name or x.model.model
-    with Deployment(PlacementConfig(x.placement, ",".join(x.devices), args.address), x.model,
-                    x.engine, x.transfer, local=x.server.local, policy=args.policy,
-                    conditional=x.conditional) as dep:
-        server = OpenAIServer(dep.router, text, name, x.server.max_body_bytes)
-        print(f"pdlab serve: {x.placement} on {','.join(x.devices)}, model {name}, "
-              f"http://{x.server.host}:{x.server.port}/v1 (tokenizer: {text.name})", flush=True)
+    dep = Deployment(PlacementConfig(x.placement, ",".join(x.devices), args.address), x.model,
+                     x.engine, x.transfer, local=x.server.local, policy=args.policy,
+                     conditional=x.conditional, max_worker_restarts=args.max_worker_restarts)
+    try:
+        return dep, OpenAIServer(dep.router, text, name, x.server.max_body_bytes)
+    except BaseException:
+        dep.close()
+        raise
+
+
+def run(args: argparse.Namespace, x: Serving) -> int:
+    """Start the placement, then serve until interrupted."""
+    dep, server = build(args, x)
+    with dep:
+        print(f"pdlab serve: {x.placement} on {','.join(x.devices)}, model {server.model_name}, "
+              f"http://{x.server.host}:{x.server.port}/v1 (tokenizer: {server.text.name}; a "
+              f"worker that dies restarts up to {args.max_worker_restarts} times)", flush=True)
         serve_forever(server, x.server.host, x.server.port)
     return 0

@@ -460,3 +460,202 @@ def test_200_concurrent_streaming_clients_get_exact_tokens_and_usage(tiny):
             assert text == expected[i % 16], i
             assert (prompt_tokens, completion_tokens) == (len(prompts[i % 16]), 4), i
         wait_clean(dep, timeout_s=5.0)
+
+
+# ---- vLLM's fields, served (issue 28) --------------------------------------------------------
+
+def _engine_tokens(tiny, prompt: list[int], sampling) -> list[int]:
+    """The tokens of one request on a bare engine (the oracle of the HTTP fields)."""
+    from engine.engine import Engine
+    from engine.request import Request
+    engine = Engine(tiny, EngineConfig(max_model_len=128), quiet=True)
+    engine.add_request(Request("x", tuple(prompt), sampling))
+    outs = []
+    while engine.has_unfinished():
+        outs.extend(engine.step())
+    return [o.token_id for o in outs]
+
+
+def test_vllm_sampling_fields_reach_the_sampler(server, client, tiny):
+    """repetition / presence / frequency penalties, min_p, top_k -1, min_tokens and a seed
+    through the OpenAI client's extra_body give a bare engine's tokens for the same
+    SamplingParams (and differ from plain greedy, so the fields were not dropped)."""
+    from engine.request import SamplingParams
+    prompt = random_prompts([6], seed=21)[0]
+    fields = {"repetition_penalty": 1.8, "presence_penalty": 1.5, "frequency_penalty": 1.0,
+              "min_p": 0.05, "top_k": -1, "min_tokens": 12}
+    want = _engine_tokens(tiny, prompt, SamplingParams(max_tokens=12, temperature=0.0, **fields))
+    assert want != greedy(tiny, prompt, 12)
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      presence_penalty=1.5, frequency_penalty=1.0,
+                                      extra_body={k: v for k, v in fields.items()
+                                                  if "presence" not in k and "frequency" not in k})
+    assert reply.choices[0].text == BYTES.decode(want) and reply.usage.completion_tokens == 12
+    seeded = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.9, seed=5,
+                            **fields | {"min_tokens": 2})
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0.9, "top_p": 0.9, "seed": 5,
+            **fields, "min_tokens": 2}
+    reply = httpx.post(f"{server[0]}/v1/completions", json=body, timeout=30)
+    assert reply.json()["choices"][0]["text"] == BYTES.decode(_engine_tokens(tiny, prompt, seeded))
+
+
+def test_null_fields_content_parts_and_prompt_lists(server, client, tiny):
+    """null for every optional field is its default; chat content as text parts is the
+    text joined by newlines; a prompt list of strings (genai-perf) or of token lists gives
+    one choice set per prompt, numbered prompt * n + i, usage summing the prompts."""
+    url, dep = server
+    prompt = random_prompts([5], seed=8)[0]
+    nulls = {k: None for k in ("model", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                               "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
+                               "presence_penalty", "frequency_penalty", "skip_special_tokens",
+                               "include_stop_str_in_output", "n", "best_of", "stream",
+                               "stream_options", "user", "logit_bias", "logprobs", "echo",
+                               "suffix")}
+    reply = httpx.post(f"{url}/v1/completions", timeout=30,
+                       json={"prompt": prompt, "max_tokens": 5, **nulls, "temperature": 0})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["text"] == BYTES.decode(greedy(tiny, prompt, 5))
+    parts = [{"type": "text", "text": "be"}, {"type": "text", "text": "brief"}]
+    joined = BYTES.encode_chat([{"role": "user", "content": "be\nbrief"}])
+    reply = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+        "messages": [{"role": "user", "content": parts, "name": None}], "max_completion_tokens": 4,
+        "temperature": 0, "logprobs": None, "top_logprobs": None, "tools": None, "best_of": 1})
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["message"]["content"] == BYTES.decode(greedy(tiny, joined, 4))
+    assert reply.json()["usage"]["prompt_tokens"] == len(joined)
+    other = random_prompts([3], seed=9)[0]
+    reply = client.completions.create(model="tiny", prompt=[prompt, other], max_tokens=4,
+                                      temperature=0, n=2)
+    texts = [BYTES.decode(greedy(tiny, p, 4)) for p in (prompt, other)]
+    assert [(c.index, c.text) for c in reply.choices] == [
+        (0, texts[0]), (1, texts[0]), (2, texts[1]), (3, texts[1])]
+    assert reply.usage.prompt_tokens == 8
+    reply = client.completions.create(model="tiny", prompt=["hi", "yo"], max_tokens=3,
+                                      temperature=0)
+    assert [c.text for c in reply.choices] == [BYTES.decode(greedy(tiny, BYTES.encode(t), 3))
+                                               for t in ("hi", "yo")]
+
+
+def test_include_stop_str_in_output_and_continuous_usage(server, client, tiny):
+    """include_stop_str_in_output: the text ends right after the stop string; GuideLLM's
+    stream_options.continuous_usage_stats: every chunk carries the usage so far."""
+    url, dep = server
+    prompt, out, stop = _stop_case(tiny)
+    k = next(k for k in range(1, len(out) + 1) if stop in BYTES.decode(out[:k]))
+    text = BYTES.decode(out[:k])
+    reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      stop=stop, extra_body={"include_stop_str_in_output": True})
+    assert reply.choices[0].text == text[:text.find(stop) + len(stop)]
+    assert reply.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True}))
+    tokens = [c for c in chunks if c.choices]
+    assert [c.usage.completion_tokens for c in tokens] == [1, 2, 3, 4, 5]
+    assert all(c.usage.prompt_tokens == len(prompt) for c in tokens)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    wait_clean(dep, 5.0)
+
+
+# ---- bad input on one keep-alive connection (issue 28) --------------------------------------
+
+KEEPALIVE_BAD = [  # (endpoint, body, param, words of the message)
+    ("completions", {"prompt": [5, -1, 7]}, "prompt", "prompt token ids must be >= 0, got -1"),
+    ("completions", {"prompt": [5, 999]}, "prompt", "[0, 256), got [999]"),
+    ("completions", {"prompt": []}, "prompt", "must not be empty"),
+    ("completions", {"prompt": [[5], []]}, "prompt", "must not be empty"),
+    ("completions", {"prompt": [True, 5]}, "prompt", "must be integers"),
+    ("completions", {"prompt": [5] * 200_000}, "prompt", "exceeds the context length 128"),
+    ("completions", {"prompt": ["a"] * 17}, "prompt", "at most 16 prompts"),
+    ("completions", {"prompt": [5], "stop": ["x"] * 1000}, "stop", "at most 16 strings, got 1000"),
+    ("completions", {"prompt": [5], "stop": [""]}, "stop", "must not be empty"),
+    ("completions", {"prompt": [5], "stop_token_ids": [-3]}, "stop_token_ids",
+     "greater than or equal to 0"),
+    ("completions", {"prompt": [5], "stop_token_ids": [5] * 100 + [300]}, "stop_token_ids",
+     "[0, 256)"),
+    ("completions", {"prompt": [5], "max_tokens": 4, "min_tokens": 50}, "min_tokens",
+     "max_tokens=4"),
+    ("completions", {"prompt": [5], "repetition_penalty": 0}, "repetition_penalty",
+     "greater than 0"),
+    ("completions", {"prompt": [5], "presence_penalty": 3}, "presence_penalty",
+     "less than or equal to 2"),
+    ("completions", {"prompt": [5], "min_p": 1.5}, "min_p", "less than or equal to 1"),
+    ("completions", {"prompt": [5], "top_k": -2}, "top_k", "greater than or equal to -1"),
+    ("completions", {"prompt": [5], "best_of": 3}, "best_of", "not supported"),
+    ("completions", {"prompt": [5], "n": 2, "best_of": 1}, "best_of", ">= n"),
+    ("completions", {"prompt": [5], "logit_bias": {"5": 1.0}}, "logit_bias", "not supported"),
+    ("completions", {"prompt": [5], "echo": True}, "echo", "not supported"),
+    ("completions", {"prompt": [5], "seed": -1}, "seed", "greater than or equal to 0"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages.0.content", "Field required"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages.0.content", "messages"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x" * 300}]}, "messages",
+     "context"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                          "tools": [{"type": "function"}]}, "tools", "not supported"),
+    ("chat/completions", {"messages": None}, "messages", "messages"),
+]
+
+
+def _post(conn, endpoint: str, body: dict) -> tuple[int, dict, dict]:
+    conn.request("POST", f"/v1/{endpoint}", body=json.dumps(body),
+                 headers={"content-type": "application/json"})
+    reply = conn.getresponse()
+    return reply.status, {k.lower(): v for k, v in reply.getheaders()}, json.loads(reply.read())
+
+
+def test_bad_inputs_on_one_keep_alive_connection_are_400s_and_it_serves_on(server, tiny):
+    """Every bad input is a 400 naming its field and limit, on one TCP connection that stays
+    open; the next request on that same connection gets the exact greedy output."""
+    import http.client
+    import urllib.parse
+
+    url, dep = server
+    conn = http.client.HTTPConnection(urllib.parse.urlsplit(url).netloc, timeout=30)
+    try:
+        conn.connect()
+        sock = conn.sock
+        for endpoint, body, param, words in KEEPALIVE_BAD:
+            status, headers, reply = _post(conn, endpoint, body)
+            assert status == 400, (body if len(json.dumps(body)) < 200 else param, reply)
+            error = reply["error"]
+            assert error["param"] == param and words in error["message"], error
+            assert error["code"] == 400 and error["type"] == "invalid_request_error"
+            assert headers.get("connection") != "close" and conn.sock is sock
+        prompt = random_prompts([9], seed=11)[0]
+        status, _, reply = _post(conn, "completions",
+                                 {"prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert status == 200 and conn.sock is sock
+        assert reply["choices"][0]["text"] == BYTES.decode(greedy(tiny, prompt, 6))
+    finally:
+        conn.close()
+    assert_clean(dep)
+
+
+def test_an_unexpected_error_is_a_json_500_that_closes_the_connection(tiny, monkeypatch):
+    """A bug in the request path (here the tokenizer raising) is OpenAI's error object with
+    status 500 and ``Connection: close``; the server serves the next connection exactly."""
+    import http.client
+    import urllib.parse
+
+    with Deployment(PlacementConfig("colocated:1", "cpu:0"), TINY, ENGINE,
+                    TransferConfig(transport="inprocess", timeout_s=5.0), local=True) as dep:
+        text = ByteText()
+        openai_server = OpenAIServer(dep.router, text, "tiny")
+        server = ServerThread(openai_server.app).start()
+        try:
+            monkeypatch.setattr(text, "encode", lambda s: (_ for _ in ()).throw(
+                RuntimeError("tokenizer bug")))
+            conn = http.client.HTTPConnection(urllib.parse.urlsplit(server.url).netloc, timeout=30)
+            status, headers, reply = _post(conn, "completions", {"prompt": "hello"})
+            assert status == 500 and headers["connection"] == "close"
+            assert reply["error"]["type"] == "internal_error"
+            assert "RuntimeError" in reply["error"]["message"] or "tokenizer bug" in \
+                reply["error"]["message"]
+            conn.close()
+            monkeypatch.undo()
+            assert_next_request_exact(server.url, tiny)
+        finally:
+            server.stop()

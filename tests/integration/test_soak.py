@@ -158,3 +158,53 @@ def test_soak_500_requests_with_faults(tiny, request, transport_name, granularit
                    <= (r.num_prompt_tokens - 1) // 16 * 16 for r in records)
         assert cache_stats[1]["num_preemptions"] > 0
         assert sum(r.num_preemptions for r in records) > 0
+
+
+def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny, workload):
+    """The soak through a local ``Deployment`` with the same put failures, corruptions and
+    delays, and decode-0 killed at 0.5 s (its restart budget 1). Every request ends; the
+    faulted ones fail with their cause, the ones decoding on decode-0 at the kill fail
+    naming it, every other one (those that waited for the replacement included) gives
+    generate()'s tokens; decode-0 rejoined; at the end every engine is empty with every
+    block free, the transport holds nothing and the loads are 0."""
+    from engine.config import PlacementConfig
+    from experiments.placement import Deployment
+
+    items, expected = workload
+    faults = {"prefill-0": [{"fail": True, "only_request_ids": [rid(i) for i in FAILED]},
+                            {"corrupt": True, "only_request_ids": [rid(i) for i in CORRUPTED]}],
+              "decode-0": {"delay_s": 0.2, "only_request_ids": [rid(i) for i in DELAYED]}}
+    with Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE, TRANSFER,
+                    local=True, faults=faults, deadline_s=20.0, max_worker_restarts=1) as dep:
+        kills: list[float] = []
+        timer = threading.Timer(0.5, lambda: (kills.append(time.time()), dep.kill("decode-0")))
+        timer.start()
+        records = dep.run(items)
+        timer.join()
+        statuses = dep.statuses()
+        blocks = [dep.handles[n].call(
+            lambda n=n: dep.handles[n].engine.scheduler.capacity.num_used_blocks)
+            for n in ("prefill-0", "decode-0")]
+        worker = dep.router.workers["decode-0"]
+        loads, held = dict(dep.router.loads), dep.transport.num_held()
+    assert (worker.state, worker.restarts) == ("live", 1)
+    by_id = {r.request_id: r for r in records}
+    assert len(by_id) == NUM_REQUESTS
+    killed = []
+    for i in range(NUM_REQUESTS):
+        record = by_id[rid(i)]
+        cause = ("injected put failure" if i in FAILED else
+                 "KVChecksumError" if i in CORRUPTED else None)
+        if cause is not None:
+            assert record.error and cause in record.error, (i, record.error)
+        elif record.error is not None:
+            assert "decode worker decode-0 died" in record.error, (i, record.error)
+            assert record.timeline["arrived"] < kills[0]
+            killed.append(i)
+        else:  # healthy, delayed and waited-for-the-replacement included: exact
+            assert record.output_token_ids == expected[rid(i)], i
+    assert 0 < len(killed) <= ENGINE.max_num_seqs  # only what decode-0 held at the kill
+    for status in statuses:
+        assert status["engine_empty"] and status["transport_held"] == 0, status
+    assert blocks == [0, 0] and held == 0
+    assert loads == {"prefill-0": 0, "decode-0": 0}

@@ -54,3 +54,61 @@ def test_soak_500_requests_through_ray_with_faults(tiny):
             assert record.output_token_ids == expected[rid(i)], i
     assert (len(FAILED) + len(CORRUPTED) + len(DELAYED)) / NUM_REQUESTS == 0.05
     assert loads == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_soak_500_requests_through_ray_with_faults_and_the_prefill_actor_killed(tiny):
+    """The same soak, prefill-0's actor killed 0.5 s in and restarted (budget 1): every
+    request ends; the faulted ones fail with their cause; the ones prefill-0 held when the
+    router learnt of its death fail naming it (prefilling there, or their KV, owned by the
+    dead actor, lost on the way); every other one, those that waited for the new actor
+    included, gives
+    generate()'s tokens; at the end both engines are empty, both transports hold nothing,
+    the loads are 0 and prefill-0 is live again."""
+    import dataclasses
+    import threading
+    import time
+
+    items, expected = soak_workload(tiny, NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS)
+    faults = {"prefill-0": [{"fail": True, "only_request_ids": [rid(i) for i in FAILED]},
+                            {"corrupt": True, "only_request_ids": [rid(i) for i in CORRUPTED]}],
+              "decode-0": {"delay_s": 0.2, "only_request_ids": [rid(i) for i in DELAYED]}}
+    with local_ray(), Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
+                                 TransferConfig(transport="ray", timeout_s=3.0), faults=faults,
+                                 deadline_s=120.0, max_worker_restarts=1) as deployment:
+        kills: list[float] = []
+        timer = threading.Timer(0.5, lambda: (kills.append(time.time()),
+                                              deployment.kill("prefill-0")))
+        timer.start()
+        records = deployment.run(items)
+        timer.join()
+        # one more request: it waits for prefill-0 if the run ended before it was back
+        after = deployment.run([(dataclasses.replace(items[0][0], request_id="after"), 0.0)])
+        assert after[0].error is None and after[0].output_token_ids == expected[rid(0)]
+        worker = deployment.router.workers["prefill-0"]
+        assert_clean(deployment)
+        loads = dict(deployment.router.loads)
+    assert (worker.state, worker.restarts) == ("live", 1)
+    by_id = {r.request_id: r for r in records}
+    assert len(by_id) == NUM_REQUESTS
+    lost = []
+    # the router knew of the death when it failed the first request naming it; requests
+    # that arrived between the kill and then went to prefill-0 too
+    known_s = min(r.timeline["finished"] for r in records
+                  if r.error and "prefill worker prefill-0 died" in r.error)
+    assert known_s >= kills[0]
+    for i in range(NUM_REQUESTS):
+        record = by_id[rid(i)]
+        cause = ("injected put failure" if i in FAILED else
+                 "KVChecksumError" if i in CORRUPTED else None)
+        if cause is not None and record.error and cause in record.error:
+            continue
+        if record.error is not None:  # what prefill-0 held when it was killed
+            assert record.timeline["arrived"] < known_s, (i, record.error)
+            assert ("prefill worker prefill-0 died" in record.error
+                    or "KV transfer failed" in record.error), (i, record.error)
+            lost.append(i)
+        else:
+            assert cause is None, (i, "a faulted request succeeded")
+            assert record.output_token_ids == expected[rid(i)], i
+    assert lost and len(lost) < NUM_REQUESTS / 2
+    assert loads == {"prefill-0": 0, "decode-0": 0}

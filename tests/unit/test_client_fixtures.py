@@ -1,6 +1,6 @@
 """The recorded client bodies (tests/data/clients, issue 28) are what they say they are: each
 names its source and endpoint, and its streaming mode and prompt field match its file name.
-(The replay against a running ``pdlab serve`` is in tests/integration/test_serve.py.)"""
+(The replay against a running ``pdlab serve`` is tests/integration/test_client_replay.py.)"""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ decode worker frees the handles on ``admit`` (it "fetched" them) and then report
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 
@@ -20,6 +21,7 @@ from engine.metrics import ARRIVED, FINISHED
 from engine.request import Request, SamplingParams
 from router.calls import WorkerDied
 from router.router import Router, WorkerRef
+from router.router import _Call as RouterCall
 
 SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
         "dtype": "float32"}
@@ -217,7 +219,10 @@ def test_decode_load_counts_whole_kv_blocks(monkeypatch):
     assert_drained(router, workers, transport)
 
 
-def test_decode_death_at_hand_over_frees_kv_and_loads_return_to_zero():
+def test_decode_death_at_hand_over_moves_its_requests_to_the_live_decode_worker():
+    """decode-1 refuses every admit as dead (issue 28: the requests had not reached it, so
+    the survivor takes them): all 6 decode on decode-0 with their own KV handles, none is
+    released, none fails, loads return to 0."""
     router, workers, transport = build("disagg:1p2d")
     decode = workers["decode-1"]
 
@@ -227,15 +232,71 @@ def test_decode_death_at_hand_over_frees_kv_and_loads_return_to_zero():
 
     decode.admit = admit_on_dead_worker
     records = router.run(requests(6))
-    by_worker = {name: [r for r in records if r.decode_worker == name]
-                 for name in ("decode-0", "decode-1")}
-    assert len(by_worker["decode-1"]) == 3
-    assert all("decode worker decode-1 died: actor decode-1 is gone" in r.error
-               for r in by_worker["decode-1"])
-    assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in by_worker["decode-0"])
-    # the handle of the request at hand-over went back to its producer, which freed it
-    assert "kv-r1" in workers["prefill-0"].released
+    assert not router.workers["decode-1"].alive
+    assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in records)
+    assert {r.decode_worker for r in records} == {"decode-0"}
+    assert workers["prefill-0"].released == []
     assert_drained(router, workers, transport)
+
+
+def test_decode_death_at_hand_over_with_no_decode_worker_left_frees_the_kv():
+    """disagg:1p1d, no restart coming: the requests fail at once naming the empty pool, and
+    the KV handles the router held go back to their producer, which frees them."""
+    router, workers, transport = build("disagg:1p1d")
+    decode = workers["decode-0"]
+
+    def admit_on_dead_worker(*args):
+        decode.dead_error = WorkerDied("actor decode-0 is gone")
+        raise decode.dead_error
+
+    decode.admit = admit_on_dead_worker
+    records = router.run(requests(4))
+    assert all("no live decode worker: decode worker decode-0 died" in r.error
+               for r in records), records[0].error
+    assert sorted(workers["prefill-0"].released) == [f"kv-r{i}" for i in range(4)]
+    assert_drained(router, workers, transport)
+
+
+def test_a_replacement_rejoins_waiting_requests_go_to_it_and_the_dead_one_is_ignored():
+    """decode-0 dies (its restart is coming: the hook answers None); requests that arrive
+    meanwhile wait, prefilled, their KV handles held; ``rejoin`` with a new worker sends
+    them there; a late reply of the dead incarnation changes nothing."""
+    router, workers, transport = build("disagg:1p1d")
+    died = []
+    router.on_worker_died = lambda name, cause: died.append((name, cause))  # returns None
+    dead = workers["decode-0"]
+    dead.dead_error = WorkerDied("actor decode-0 is gone")
+    replacement = FakeWorker("decode-0", transport)
+    replacement.router = router
+    timer = threading.Timer(0.2, router.rejoin, ["decode-0", replacement, replacement.info()])
+    timer.start()
+    records = router.run(requests(3))
+    timer.join()
+    assert died == [("decode-0", "died: actor decode-0 is gone")]
+    assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in records)
+    assert replacement.submitted == ["r0", "r1", "r2"] and dead.submitted == []
+    ref = router.workers["decode-0"]
+    assert (ref.handle, ref.state, ref.incarnation, ref.restarts) == (replacement, "live", 1, 1)
+    assert all(r.timeline[FINISHED] - r.timeline[ARRIVED] >= 0.2 for r in records)
+    # a reply from the dead incarnation (a WorkerDied of a call sent before) is ignored
+    late = _Done(error=WorkerDied("late"))
+    router._pending[late] = RouterCall("wait_events", "decode-0", None, incarnation=0)
+    router._complete(late)
+    assert ref.alive
+    assert_drained(router, workers | {"decode-0": replacement}, transport)
+
+
+def test_a_replacement_with_another_kv_geometry_is_refused():
+    router, workers, transport = build("disagg:1p1d")
+    router.on_worker_died = lambda name, cause: None
+    workers["decode-0"].dead_error = WorkerDied("gone")
+    other = FakeWorker("decode-0", transport)
+    info = {**other.info(), "kv_spec": {**SPEC, "num_kv_heads": 4}}
+    threading.Timer(0.1, router.rejoin, ["decode-0", other, info]).start()
+    records = router.run(requests(1, spacing_s=0.0) + [
+        (Request("late", (3, 4), SamplingParams(max_tokens=2)), 0.3)])
+    assert "different KV geometry" in records[-1].error
+    assert router.workers["decode-0"].state == "dead"
 
 
 @pytest.mark.parametrize("lost_in,where", [

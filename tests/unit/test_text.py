@@ -91,3 +91,23 @@ def test_incremental_decoding_of_bytes_with_split_and_invalid_characters():
     data = list("aé€b".encode()) + [0xFF, 0xC3] + list("ok€".encode())
     deltas, _ = run(TextStream(ByteText()), data)
     assert "".join(deltas) == ByteText().decode(data)
+
+
+def test_include_stop_str_ends_the_text_right_after_the_stop_string():
+    stream = TextStream(WordText(["Hel", "lo wo", "rld", "!"]), stop=["o w"], include_stop_str=True)
+    deltas, stopped = run(stream, [0, 1, 2, 3])
+    assert stopped and "".join(deltas) == "Hello w" and stream.num_tokens == 2
+
+
+def test_special_tokens_are_skipped_unless_asked_for():
+    """SmolLM2's tokenizer (cached, no download): EOS ``<|im_end|>`` (id 2) is left out of
+    the text by default and kept with ``skip_special_tokens=False`` (vLLM's option)."""
+    from engine.config import ModelConfig
+    from engine.model import load_tokenizer
+    from server.text import HFText
+
+    text = HFText(load_tokenizer(ModelConfig("smollm2-135m")))
+    ids = text.encode("hello world") + [2]
+    for skip, want in ((True, "hello world"), (False, "hello world<|im_end|>")):
+        deltas, _ = run(TextStream(text, skip_special_tokens=skip), ids)
+        assert "".join(deltas) == want

@@ -1,0 +1,124 @@
+"""Restarting dead workers under a budget (issue 28): the deployment's half of self-healing
+(the router's half is ``router.router``: it fails a dead worker's requests, holds new ones
+while the pool is empty, and routes to the replacement once it rejoins).
+
+A worker's restart:
+
+1. The router finds it dead and asks ``Restarts.on_died(name, cause)`` on its loop thread.
+   With attempts left in the worker's budget (``max_restarts`` per worker, counted over the
+   deployment's life) it answers None at once and a thread of this worker starts the
+   replacement; otherwise it answers why not, and the worker stays dead.
+2. On that thread: ``spawn(name)`` builds the worker again (same name, role, rank, device
+   and options; the deployment knows how: a local object or a Ray actor in its bundle), then
+   ``ready(name, handle, should_stop)`` waits for its first ``info()`` (the engine loaded
+   and answering, bounded by ``startup_timeout_s``), then ``router.rejoin``.
+3. A failed attempt (the constructor raised, or no answer in time) stops what it started
+   (``stop(handle)``), counts against the budget and is tried again after ``backoff_s``.
+   When the budget is spent the router hears ``worker_lost`` with the last error: no more
+   attempts, no loop. A worker that dies again after rejoining draws on the same budget.
+
+``close()`` ends the threads (an attempt in progress is abandoned and its worker stopped).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from engine.errors import describe_error
+
+
+class Restarts:
+    """The restart budget of one deployment's workers (module docstring).
+
+    Args:
+        max_restarts: attempts per worker (0: never restart).
+        spawn: ``spawn(name) -> handle`` builds a replacement of worker ``name``.
+        ready: ``ready(name, handle, should_stop) -> info`` waits for its ``info()``,
+            raising when it fails to start; ``should_stop()`` turns true on ``close``.
+        stop: ``stop(handle)`` stops a replacement that failed to start (best effort).
+        disabled: why this deployment cannot restart workers (e.g. its transport's group
+            cannot take a new member), or None; then every death is final, with this reason.
+        backoff_s: seconds between two attempts of one worker.
+    """
+
+    def __init__(self, max_restarts: int, spawn: Callable[[str], Any],
+                 ready: Callable[[str, Any, Callable[[], bool]], dict],
+                 stop: Callable[[Any], None], disabled: str | None = None,
+                 backoff_s: float = 1.0) -> None:
+        if max_restarts < 0:
+            raise ValueError(f"max_restarts must be >= 0, got {max_restarts}")
+        self.max_restarts = max_restarts
+        self.spawn, self.ready, self.stop = spawn, ready, stop
+        self.disabled = disabled
+        self.backoff_s = backoff_s
+        self.router: Any = None  # set once the router exists (it calls on_died)
+        self.attempts: dict[str, int] = {}  # worker -> attempts made
+        self.errors: dict[str, str] = {}  # worker -> why its last attempt failed
+        self._threads: dict[str, threading.Thread] = {}
+        self._closing = threading.Event()
+        self._lock = threading.Lock()
+
+    def on_died(self, name: str, cause: str) -> str | None:
+        """Worker ``name`` died (``cause``): None when a replacement is on its way, else why
+        it will not be restarted (``why_not``). Never blocks (the router's loop calls it)."""
+        with self._lock:
+            if self.disabled is not None or self._closing.is_set() or self.router is None:
+                return self.why_not(name)
+            if self.attempts.get(name, 0) >= self.max_restarts:
+                return self.why_not(name)
+            thread = self._threads.get(name)
+            if thread is not None and thread.is_alive():
+                return None  # a replacement is already being started
+            thread = threading.Thread(target=self._restart, args=(name,),
+                                      name=f"restart-{name}", daemon=True)
+            self._threads[name] = thread
+        thread.start()
+        return None
+
+    def why_not(self, name: str) -> str:
+        """Why worker ``name`` will not be restarted (for error messages)."""
+        if self.disabled is not None:
+            return f"restarts are off: {self.disabled}"
+        if self._closing.is_set() or self.router is None:
+            return "the deployment is closing"
+        last = f"; last attempt: {self.errors[name]}" if name in self.errors else ""
+        return (f"its restart budget of {self.max_restarts} "
+                f"(--max-worker-restarts) is spent{last}")
+
+    def _restart(self, name: str) -> None:
+        while not self._closing.is_set():
+            with self._lock:
+                if self.attempts.get(name, 0) >= self.max_restarts:
+                    break
+                self.attempts[name] = self.attempts.get(name, 0) + 1
+            handle = None
+            try:
+                handle = self.spawn(name)
+                info = self.ready(name, handle, self._closing.is_set)
+            except Exception as err:  # counts against the budget; tried again after a pause
+                self.errors[name] = f"{type(err).__name__}: {describe_error(err)}"
+                if handle is not None:
+                    self._stop(handle)
+                self._closing.wait(self.backoff_s)
+                continue
+            if self._closing.is_set():
+                self._stop(handle)
+                return
+            self.router.rejoin(name, handle, info)
+            return
+        if not self._closing.is_set():
+            self.router.worker_lost(name, f"died; not restarted: {self.why_not(name)}")
+
+    def _stop(self, handle: Any) -> None:
+        try:
+            self.stop(handle)
+        except Exception:  # it is being abandoned either way
+            pass
+
+    def close(self, timeout_s: float = 15.0) -> None:
+        """Stop restarting; wait (bounded) for the threads, which stop what they started."""
+        self._closing.set()
+        for thread in list(self._threads.values()):
+            thread.join(timeout_s)
