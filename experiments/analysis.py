@@ -11,6 +11,8 @@ its own workload and arrival times). From the routers' ``RequestRecord``s this m
   means of ``EXTRA_COLUMNS``.
 - ``goodput_table``: DistServe goodput per device for each placement, with its interval.
 - ``latency_breakdown``: per placement, the mean seconds a request spends in each stage.
+- ``transfer_efficiency``: per placement, its KV transfers against the link peak measured
+  when it started (issue 29).
 - ``verdict``: which placement wins where the intervals separate, and why, in numbers.
 - ``requests_frame``: one row per request with its metrics, for plots.
 
@@ -376,6 +378,57 @@ def latency_breakdown(records: Sequence[RequestRecord] | Mapping[str, Sequence[R
 
 
 # ---- rate sweep ---------------------------------------------------------------------------
+
+
+TRANSFER_EFFICIENCY_COLUMNS = ["placement", "transport", "num_transfers", "kv_bytes_total",
+                               "achieved_gbps_p50", "peak_gbps", "efficiency_p50",
+                               "exposed_share"]
+
+
+def transfer_efficiency(transfers: pd.DataFrame) -> pd.DataFrame:
+    """Per placement, its KV transfers against their link (``transfers.csv``'s rows: one
+    ``kv_transfer.transport.TransferRecord`` per chunk, all rates and seeds).
+
+    Columns (``TRANSFER_EFFICIENCY_COLUMNS``): ``num_transfers`` (chunks), ``kv_bytes_total``
+    (bytes), ``achieved_gbps_p50`` (median over chunks of bytes / (put + get seconds) / 1e9),
+    ``peak_gbps`` (the link peak the deployment measured at start; NaN when none was
+    measured), ``efficiency_p50`` (median of achieved / peak), ``exposed_share`` (exposed
+    seconds over put + get seconds, summed over chunks: the part of the transfer time the
+    request waited for after its KV was ready; 1.0 for whole-request transfers; NaN where
+    no chunk has it). A placement without transfers (colocated) has no row.
+    """
+    if transfers.empty or "num_bytes" not in transfers.columns:
+        return pd.DataFrame(columns=TRANSFER_EFFICIENCY_COLUMNS)
+    rows = []
+    for placement, t in transfers.groupby("placement", sort=False):
+        seconds = t["put_s"].astype(float) + t["get_s"].astype(float)
+        exposed = (t["exposed_s"].astype(float) if "exposed_s" in t
+                   else pd.Series(math.nan, index=t.index))
+        known = exposed.notna()
+        rows.append({
+            "placement": placement, "transport": ",".join(dict.fromkeys(t["transport"])),
+            "num_transfers": len(t), "kv_bytes_total": int(t["num_bytes"].sum()),
+            "achieved_gbps_p50": float(t["achieved_gbps"].astype(float).median()),
+            "peak_gbps": float(t["peak_gbps"].astype(float).median()),
+            "efficiency_p50": float(t["efficiency"].astype(float).median()),
+            "exposed_share": (float(exposed[known].sum() / seconds[known].sum())
+                              if known.any() and seconds[known].sum() > 0 else math.nan)})
+    return pd.DataFrame(rows, columns=TRANSFER_EFFICIENCY_COLUMNS)
+
+
+def transfer_efficiency_text(table: pd.DataFrame) -> str:
+    """One verdict line for ``transfer_efficiency``'s table ("" without rows)."""
+    if table.empty:
+        return ""
+    parts = []
+    for _, r in table.iterrows():
+        peak = ("no link peak measured" if math.isnan(r["peak_gbps"]) else
+                f"{100 * r['efficiency_p50']:.0f}% of a {r['peak_gbps']:.3g} GB/s link peak")
+        exposed = ("" if math.isnan(r["exposed_share"]) else
+                   f", {100 * r['exposed_share']:.0f}% of its time exposed")
+        parts.append(f"{r['placement']} ({r['transport']}) {r['achieved_gbps_p50']:.3g} GB/s "
+                     f"p50, {peak}{exposed}")
+    return "KV transfer efficiency (median over chunks): " + "; ".join(parts) + "."
 
 
 def attainment_curve(summary_df: pd.DataFrame) -> pd.DataFrame:

@@ -304,18 +304,25 @@ def plot_profile(result, path: Path, title: str) -> Path:
 
 
 def plot_kv_cost(df: pd.DataFrame, path: Path, title: str) -> Path:
-    """``pdlab kv-cost``: transfer seconds per transport and mode, prefill and the memcpy
-    floor, against the prompt length (log-log); ``df`` is ``transfer_cost.kv_cost_table``'s."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    """``pdlab kv-cost``: left, transfer seconds per transport and mode, prefill and the
+    memcpy floor, against the prompt length (log-log); right, each transfer's efficiency
+    (GB/s over the link peak); ``df`` is ``transfer_cost.kv_cost_table``'s."""
+    fig, (ax, eff) = plt.subplots(1, 2, figsize=(12, 4.5))
     first = df.drop_duplicates("prompt_len")
     ax.plot(first["prompt_len"], first["prefill_s"], "k-o", label="prefill")
     ax.plot(first["prompt_len"], first["memcpy_s"], "k:", label="memcpy (floor)")
     for (transport, mode), group in df.groupby(["transport", "mode"], sort=False):
         ax.plot(group["prompt_len"], group["transfer_s"], "--" if mode == "layer" else "-",
                 marker=".", label=f"{transport} ({mode})")
+        eff.plot(group["prompt_len"], group["efficiency"], "--" if mode == "layer" else "-",
+                 marker=".", label=f"{transport} ({mode})")
     ax.set(xscale="log", yscale="log", xlabel="prompt length T (tokens)", ylabel="seconds",
            title="KV transfer vs prefill")
     ax.legend(fontsize=8)
+    eff.axhline(1.0, color="k", ls=":", lw=0.8)
+    eff.set(xscale="log", xlabel="prompt length T (tokens)", ylim=(0, None),
+            ylabel="transfer GB/s / link peak",
+            title=f"efficiency (link peak {df['peak_GBps'].iloc[0]:.3g} GB/s, memcpy)")
     fig.suptitle(title, fontsize=8)
     return _save(fig, path)
 

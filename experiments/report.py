@@ -122,13 +122,15 @@ def write_report(out_dir: str | Path, summary_df: pd.DataFrame, slo: SLO, verdic
                  plot_paths: Sequence[str | Path] | Mapping[str, str | Path],
                  config: Mapping[str, Any],
                  goodput: pd.DataFrame | Mapping[str, float] | None = None,
-                 title: str = "pdlab placement comparison") -> Path:
+                 title: str = "pdlab placement comparison",
+                 transfer_efficiency: pd.DataFrame | None = None) -> Path:
     """Write ``out_dir/report.md`` and return its path.
 
     Sections: title; run config (``CONFIG_KEYS`` first, missing ones shown as "(not given)",
     then any other keys); SLOs; definitions (clocks, put in TTFT, intervals, goodput); the
     summary table (markdown, intervals as ``mean [lo, hi]``); optional goodput per device
-    (``analysis.goodput_table`` or a mapping placement -> value); the verdict; the plots as
+    (``analysis.goodput_table`` or a mapping placement -> value); optional KV transfer
+    efficiency per placement (``analysis.transfer_efficiency``); the verdict; the plots as
     relative image links (``plot_paths``: a list, or a mapping caption -> path).
     """
     out_dir = Path(out_dir)
@@ -155,6 +157,13 @@ def write_report(out_dir: str | Path, summary_df: pd.DataFrame, slo: SLO, verdic
                   f"{100 * ATTAINMENT_TARGET:.0f}% SLO attainment there and at every lower swept "
                   "rate, divided by the placement's devices; mean over seeds (one sweep per "
                   "seed) with a 95% bootstrap interval.", "", markdown_table(table), ""]
+    if transfer_efficiency is not None and len(transfer_efficiency):
+        lines += ["## KV transfer efficiency", "",
+                  "Each transfer (one chunk) against the link peak its deployment measured at "
+                  "start (`kv_transfer.link`: a memcpy within a node, a probe between nodes); "
+                  "medians over chunks, all rates and seeds; `exposed_share` = exposed / "
+                  "(put + get) seconds (layer-wise streaming hides the rest behind prefill).",
+                  "", markdown_table(transfer_efficiency), ""]
     lines += ["## Verdict", "", verdict_text.strip() or "(none)", "", "## Plots", ""]
     items = (list(plot_paths.items()) if isinstance(plot_paths, Mapping)
              else [(Path(p).stem.replace("_", " "), p) for p in plot_paths])

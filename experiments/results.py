@@ -4,7 +4,7 @@
 config row, everything needed to rerun; then one row per request with its full timeline),
 summary.csv (means over seeds with 95% bootstrap intervals), summary_seeds.csv (one row per
 seed), goodput.csv, steps.csv and transfers.csv (every row tagged placement, rate, seed),
-hindsight.csv for conditional placements, report.md and the plots. ``environment`` is the
+transfer_efficiency.csv (``analysis.transfer_efficiency``), hindsight.csv for conditional placements, report.md and the plots. ``environment`` is the
 provenance part of the config row (command line, git commit, package versions, CPU, GPUs).
 """
 
@@ -98,7 +98,10 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
                 f.write(json.dumps({"type": "request", "rate": r.rate, "seed": r.seed,
                                     **record.to_dict()}) + "\n")
     _tagged(results, "steps").to_csv(out_dir / "steps.csv", index=False)
-    _tagged(results, "transfers").to_csv(out_dir / "transfers.csv", index=False)
+    transfers = _tagged(results, "transfers")
+    transfers.to_csv(out_dir / "transfers.csv", index=False)
+    efficiency = analysis.transfer_efficiency(transfers)
+    efficiency.to_csv(out_dir / "transfer_efficiency.csv", index=False)
     runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in results]
     summary = analysis.summary_table(runs, slo)
     summary.to_csv(out_dir / "summary.csv", index=False)
@@ -130,7 +133,10 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
     }
     verdict_text = analysis.verdict(summary, slo, goodput=goodput)
     verdict_text += _write_hindsight(out_dir, results, slo)
-    report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput)
+    if not efficiency.empty:
+        verdict_text += "\n" + analysis.transfer_efficiency_text(efficiency)
+    report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput,
+                        transfer_efficiency=efficiency)
     return summary, verdict_text
 
 

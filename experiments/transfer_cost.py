@@ -18,6 +18,9 @@ For each prompt length T:
    - ``torchdist``: gloo between two spawned processes on this host; the sender's put_s plus
      the receiver's get_s (measured in each process; the handle crosses a queue, untimed).
 5. Ratios: transfer / prefill and transfer / memcpy.
+6. Efficiency (issue 29): transfer GB/s over the link peak a one-node deployment measures
+   when it starts (``kv_transfer.link.memcpy_peak``: one 32 MiB copy; the same peak every
+   run's ``TransferRecord.efficiency`` uses), so this table and a run's records compare.
 
 Every time is ``experiments.timing``'s estimator: min of N runs after 1 warm-up, median shown.
 """
@@ -39,6 +42,7 @@ from experiments import measure
 from experiments.ray_actors import driver_ray
 from experiments.timing import Timing, device_sync, measure as time_runs, summarize
 from kv_transfer.factory import make_transport
+from kv_transfer.link import memcpy_peak
 from kv_transfer.torchdist import TorchDistributedTransport, open_rendezvous
 
 DEFAULT_PROMPT_LENS = (16, 64, 128, 256, 512)
@@ -49,6 +53,7 @@ WHERE = {
     "ray": "put+get in the driver (local object store, no actor)",
     "torchdist": "gloo, 2 processes: sender put_s + receiver get_s",
     "shm": "put+get in one process through its shared-memory arena (zero-copy get)",
+    "nixl": "put+get in one process: a NIXL READ of its own registered arena (UCX)",
 }
 
 
@@ -176,7 +181,7 @@ def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROM
         One row per (prompt length, transport, mode): ``prompt_len, kv_bytes, prefill_s,
         memcpy_s, memcpy_GBps, transport, mode`` (whole | layer), ``num_chunks, transfer_s``
         (min), ``transfer_median_s, transfer_GBps, transfer_over_prefill,
-        transfer_over_memcpy, where``.
+        transfer_over_memcpy, peak_GBps, efficiency, where``.
     """
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
@@ -185,6 +190,7 @@ def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROM
     modes = {"whole": layer_chunks(spec.num_layers, spec.num_layers),
              "layer": layer_chunks(spec.num_layers, layers_per_chunk)}
     prefill = measure.profile_prefill(loaded, prompt_lens, repeats, device, seed)
+    peak_gbps = memcpy_peak(device=device).gbps
     with driver_ray("ray" in transports):  # ray: put and get through this process's store
         live = {name: make_transport(TransferConfig(transport=name, checksum=checksum))
                 for name in transports if name != "torchdist"}
@@ -198,6 +204,8 @@ def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROM
                 rows.append(_row(base, "torchdist", mode, chunks, next(timings)))
     order = {name: i for i, name in enumerate(transports)}
     df = pd.DataFrame(rows)
+    df["peak_GBps"] = peak_gbps
+    df["efficiency"] = df["transfer_GBps"] / peak_gbps
     return df.sort_values(["prompt_len", "transport", "mode"],
                           key=lambda c: c.map(order) if c.name == "transport" else c,
                           ignore_index=True)

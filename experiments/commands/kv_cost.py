@@ -86,5 +86,10 @@ def run(args: argparse.Namespace, _checked: None = None) -> int:
     cols = ["prompt_len", "transport", "mode", "num_chunks", "transfer_s", "transfer_median_s",
             "transfer_GBps", "transfer_over_prefill", "transfer_over_memcpy"]
     print("\ntransfers:\n" + df[cols].to_string(index=False))
+    share = df.pivot_table(index="transport", columns="mode", values="efficiency",
+                           aggfunc="median", sort=False)
+    print(f"\nefficiency = transfer GB/s / link peak {df['peak_GBps'].iloc[0]:.3g} GB/s (one "
+          "32 MiB memcpy, as a one-node run measures it), median over prompt lengths:\n"
+          + share.to_string(float_format=lambda v: f"{v:.3f}"))
     print(f"\nwrote {out}/: kv_cost.csv kv_cost.png")
     return 0

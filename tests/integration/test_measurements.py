@@ -173,6 +173,13 @@ def test_tiny_compare_two_seeds_two_rates(tmp_path):
     transfers = pd.read_csv(tmp_path / "transfers.csv")
     assert set(transfers["placement"]) == {"disagg:1p1d"}
     assert transfers.groupby(["rate", "seed"]).size().tolist() == [4, 4, 4, 4]
+    efficiency = pd.read_csv(tmp_path / "transfer_efficiency.csv")  # issue 29: the report's table
+    assert efficiency["placement"].tolist() == ["disagg:1p1d"]
+    assert efficiency["num_transfers"].tolist() == [16]
+    assert efficiency["kv_bytes_total"].tolist() == [transfers["num_bytes"].sum()]
+    assert 0 < efficiency["efficiency_p50"].iloc[0] == transfers["efficiency"].median()
+    assert "KV transfer efficiency" in verdict
+    assert "## KV transfer efficiency" in (tmp_path / "report.md").read_text()
     assert (pd.read_csv(tmp_path / "goodput.csv")["goodput_per_device_req_s"] > 0).all()
     rows = [json.loads(line) for line in open(tmp_path / "requests.jsonl")]
     config = rows[0]

@@ -304,3 +304,32 @@ def test_requests_frame_per_request_metrics():
     assert c1["num_output_tokens"] == 5
     assert df["meets_slo"].tolist() == [True, False, True]
     assert math.isnan(c1["kv_transfer_s"])
+
+
+def test_transfer_efficiency_against_hand_computed_values():
+    """Three chunks of disagg:1p1d (two of one layer-wise request, one whole) and one
+    chunk of disagg:1p2d without a measured peak; colocated has no transfers, no row."""
+    rows = [  # placement, transport, bytes, put_s, get_s, achieved, peak, efficiency, exposed
+        (DIS, "shm", 1_000_000, 0.001, 0.001, 0.5, 10.0, 0.05, 0.0005),
+        (DIS, "shm", 3_000_000, 0.002, 0.001, 1.0, 10.0, 0.10, 0.003),
+        (DIS, "shm", 2_000_000, 0.001, 0.000, 2.0, 10.0, 0.20, float("nan")),
+        ("disagg:1p2d", "ray", 4_000_000, 0.002, 0.002, 1.0, float("nan"), float("nan"),
+         float("nan")),
+    ]
+    cols = ["placement", "transport", "num_bytes", "put_s", "get_s", "achieved_gbps",
+            "peak_gbps", "efficiency", "exposed_s"]
+    table = a.transfer_efficiency(pd.DataFrame(rows, columns=cols))
+    assert list(table.columns) == a.TRANSFER_EFFICIENCY_COLUMNS
+    dis, other = table.iloc[0], table.iloc[1]
+    assert (dis["placement"], dis["transport"], dis["num_transfers"]) == (DIS, "shm", 3)
+    assert dis["kv_bytes_total"] == 6_000_000
+    assert dis["achieved_gbps_p50"] == 1.0 and dis["peak_gbps"] == 10.0
+    assert dis["efficiency_p50"] == pytest.approx(0.10)
+    # exposed over put + get of the chunks that have it: (0.0005 + 0.003) / (0.002 + 0.003)
+    assert dis["exposed_share"] == pytest.approx(0.7)
+    assert math.isnan(other["peak_gbps"]) and math.isnan(other["exposed_share"])
+    text = a.transfer_efficiency_text(table)
+    assert f"{DIS} (shm) 1 GB/s p50, 10% of a 10 GB/s link peak, 70% of its time exposed" in text
+    assert "disagg:1p2d (ray) 1 GB/s p50, no link peak measured" in text
+    assert a.transfer_efficiency(pd.DataFrame(columns=["placement", "rate", "seed"])).empty
+    assert a.transfer_efficiency_text(a.transfer_efficiency(pd.DataFrame())) == ""
