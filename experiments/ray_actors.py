@@ -186,7 +186,11 @@ class RayWorkers:
                 init["address"] = self.address
             else:
                 init.update(local_cluster_kwargs(self.devices))
-            ray.init(**init)
+            try:
+                ray.init(**init)
+            except Exception as err:  # e.g. its GCS did not come up on a busy host: one line
+                where = f"joining {self.address}" if self.address else "a local cluster"
+                raise RuntimeError(f"Ray did not start ({where}): {describe_error(err)}") from err
             self._started_ray = True
         return ray.cluster_resources() if self.address else None
 

@@ -99,3 +99,23 @@ def test_unpinned_gpu_actor_takes_any_gpu_ray_gives():
         {"GPU": 1.0, "CPU": 1.0}, {"num_cpus": 1, "num_gpus": 1})
     assert ray_actors.gpu_actor_resources("cpu:0-2", pinned=True) == (
         {"CPU": 3}, {"num_cpus": 3, "num_gpus": 0})
+
+
+def test_a_ray_that_does_not_start_is_one_runtime_error_naming_the_cause(monkeypatch):
+    """ray.init failing (a GCS that did not come up on a busy host) reaches the CLI as one
+    RuntimeError line with the root cause, not a traceback; Ray is not marked started."""
+    import ray
+
+    def fail(**kwargs):
+        raise ConnectionError("GCS did not answer within 30 s")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", fail)
+    workers = ray_actors.RayWorkers(("cpu:0", "cpu:1"), None, "ray")
+    with pytest.raises(RuntimeError, match=r"^Ray did not start \(a local cluster\): GCS did not "
+                                           r"answer within 30 s$"):
+        workers.connect()
+    assert not workers._started_ray
+    joining = ray_actors.RayWorkers(("cpu:0",), "10.0.0.1:6379", "ray")
+    with pytest.raises(RuntimeError, match=r"joining 10.0.0.1:6379"):
+        joining.connect()
