@@ -401,16 +401,19 @@ def transfer_efficiency(transfers: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame(columns=TRANSFER_EFFICIENCY_COLUMNS)
     rows = []
     for placement, t in transfers.groupby("placement", sort=False):
+        def column(name: str) -> pd.Series:  # simulated transfers carry no peak or exposure
+            return t[name].astype(float) if name in t else pd.Series(math.nan, index=t.index)
+
         seconds = t["put_s"].astype(float) + t["get_s"].astype(float)
-        exposed = (t["exposed_s"].astype(float) if "exposed_s" in t
-                   else pd.Series(math.nan, index=t.index))
+        achieved = column("achieved_gbps").fillna(t["num_bytes"] / seconds / 1e9)
+        exposed = column("exposed_s")
         known = exposed.notna()
         rows.append({
             "placement": placement, "transport": ",".join(dict.fromkeys(t["transport"])),
             "num_transfers": len(t), "kv_bytes_total": int(t["num_bytes"].sum()),
-            "achieved_gbps_p50": float(t["achieved_gbps"].astype(float).median()),
-            "peak_gbps": float(t["peak_gbps"].astype(float).median()),
-            "efficiency_p50": float(t["efficiency"].astype(float).median()),
+            "achieved_gbps_p50": float(achieved.median()),
+            "peak_gbps": float(column("peak_gbps").median()),
+            "efficiency_p50": float(column("efficiency").median()),
             "exposed_share": (float(exposed[known].sum() / seconds[known].sum())
                               if known.any() and seconds[known].sum() > 0 else math.nan)})
     return pd.DataFrame(rows, columns=TRANSFER_EFFICIENCY_COLUMNS)

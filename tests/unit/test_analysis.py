@@ -331,5 +331,9 @@ def test_transfer_efficiency_against_hand_computed_values():
     text = a.transfer_efficiency_text(table)
     assert f"{DIS} (shm) 1 GB/s p50, 10% of a 10 GB/s link peak, 70% of its time exposed" in text
     assert "disagg:1p2d (ray) 1 GB/s p50, no link peak measured" in text
+    simulated = a.transfer_efficiency(pd.DataFrame(  # the planner's rows: bytes and seconds
+        [(DIS, "ray", 2_000_000, 0.001, 0.003)], columns=cols[:5]))
+    assert simulated["achieved_gbps_p50"].tolist() == [pytest.approx(0.5)]
+    assert simulated[["peak_gbps", "efficiency_p50", "exposed_share"]].isna().all(axis=None)
     assert a.transfer_efficiency(pd.DataFrame(columns=["placement", "rate", "seed"])).empty
     assert a.transfer_efficiency_text(a.transfer_efficiency(pd.DataFrame())) == ""
