@@ -387,7 +387,8 @@ TRANSFER_EFFICIENCY_COLUMNS = ["placement", "transport", "num_transfers", "kv_by
 
 def transfer_efficiency(transfers: pd.DataFrame) -> pd.DataFrame:
     """Per placement, its KV transfers against their link (``transfers.csv``'s rows: one
-    ``kv_transfer.transport.TransferRecord`` per chunk, all rates and seeds).
+    ``kv_transfer.transport.TransferRecord`` per chunk, all rates and seeds; the simulator's
+    rows carry only bytes and seconds, so their peak, efficiency and exposure are NaN).
 
     Columns (``TRANSFER_EFFICIENCY_COLUMNS``): ``num_transfers`` (chunks), ``kv_bytes_total``
     (bytes), ``achieved_gbps_p50`` (median over chunks of bytes / (put + get seconds) / 1e9),
