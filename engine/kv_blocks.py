@@ -338,6 +338,18 @@ class BlockAllocator:
         ref = self.ref_cnt
         return sum(1 for b in block_ids if ref[b] == 0)
 
+    def reset_cache(self) -> int:
+        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``): they
+        become plainly free, so the next lookups miss. Blocks held keep their hashes.
+        Returns how many were forgotten."""
+        evictable = list(self._evictable)
+        for block in evictable:
+            self._evict(block)
+        self._evictable.clear()
+        if evictable:
+            self._give_back(sorted(evictable))
+        return len(evictable)
+
     def holds(self, digest: bytes) -> bool:
         """True if a block with this hash is cached here (held or evictable)."""
         return digest in self._cached

@@ -161,6 +161,11 @@ class EngineLoop:
                     "num_blocks": blocks.num_blocks}
         return self.call(read)
 
+    def reset_prefix_cache(self) -> int:
+        """Forget the prefix cache's unheld blocks (``BlockAllocator.reset_cache``), on the
+        loop thread, so the next run starts cold; returns how many."""
+        return self.call(self.engine.scheduler.capacity.reset_cache)
+
     def submit(self, request: Request) -> None:
         """Queue a request; an invalid one comes back as an ``error`` event."""
         self._commands.put(lambda: self._add(request))

@@ -300,6 +300,14 @@ class Deployment:
         """``Router.run`` on this deployment."""
         return self.router.run(workload, on_finish)
 
+    def reset_prefix_cache(self) -> int:
+        """Start the next run cold: every live worker forgets its unheld cached blocks
+        (``reset_prefix_cache``) and the router its prefix index; returns the blocks
+        forgotten. Called between runs, so one run (or placement) never inherits another's
+        hits."""
+        self.router.assigner.reset_prefixes()
+        return sum(self.gather("reset_prefix_cache"))
+
     def gather(self, method: str) -> list:
         """Call ``method`` on every live worker and collect the results (bounded wait)."""
         results = []

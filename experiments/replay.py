@@ -136,6 +136,7 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
         if rates is None:
             seed, its = next(iter(by_seed.items()))
             lone_ttft_s, lone_tpot_s = _lone_latency(dep, its, spec, placement)
+            dep.reset_prefix_cache()
             start_s = time.time()
             burst = dep.run(router_workload(its, math.inf, spec, tag=f"{placement}-calibration"))
             capacity = sum(not r.error for r in burst) / (time.time() - start_s)
@@ -150,7 +151,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
             for seed, its in by_seed.items():
                 workload = router_workload(its, rate, spec, tag=f"{placement}@{rate:g}/s{seed}",
                                            seed=seed)
-                bar = tqdm(total=len(workload), desc=f"{placement} @ {rate:g} req/s seed {seed}",
+                dep.reset_prefix_cache()  # each run starts cold (no hits inherited)
+                bar = tqdm(total=len(its), desc=f"{placement} @ {rate:g} req/s seed {seed}",
                            unit="req")
                 start_s = time.time()
                 records = dep.run(workload, on_finish=lambda _record: bar.update())

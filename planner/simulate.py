@@ -64,6 +64,7 @@ free (``Scheduler.decode_steps_available``); the blocks and cache entries the sk
 
 from __future__ import annotations
 
+import bisect
 import gc
 import heapq
 import itertools
@@ -78,6 +79,7 @@ from engine.limits import LimitError, Limits
 from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord,
                             StepRecord)
+from engine.kv_blocks import prompt_block_hashes
 from engine.request import Request, RequestState, RequestStatus
 from engine.scheduler import ScheduledBatch, Scheduler
 from planner.latency import TransferModel
@@ -237,8 +239,14 @@ class Simulator:
             collect_batches: bool = False) -> SimResult:
         """Serve ``workload`` (requests with arrival offsets in seconds) to the end.
 
+        A closed-loop workload (one with ``follow(record, end_s, output_token_ids)``, as
+        ``Router.run`` takes: ``experiments.workload_spec.ClosedLoop``) is told of every
+        request that finished and returns the requests that follow it (the next turn of a
+        conversation, arriving a think time later: ``engine.arrivals.Chains``). Such a run
+        goes step by step (no fast-forward: an arrival may appear inside any span).
+
         Returns:
-            ``SimResult`` with one record per request in arrival order.
+            ``SimResult`` with one record per request (the followers too) in arrival order.
 
         Raises:
             ValueError: two requests share a request_id.
@@ -256,6 +264,10 @@ class Simulator:
                            for name, role in worker_names(self.placement)}
         self._assigner = Assigner(worker_names(self.placement), self.kind, self.policy,
                                   self.engine.block_size, self.conditional)
+        # the router's prefix index sees the prompts' block hashes (as Router._assign sends)
+        self._hash_prompts = self._assigner.uses_prefixes and engine.enable_prefix_caching
+        self._follow = getattr(workload, "follow", None)
+        self._fast_forward = self.fast_forward and self._follow is None
         self._flights: dict[str, _Flight] = {}
         self._heap: list = []
         self._seq = itertools.count()
@@ -263,7 +275,7 @@ class Simulator:
         self._batches: list | None = [] if collect_batches else None
         self._transfers: list[dict] = []
         self._num_fast_forwarded = 0
-        arrivals = sorted(workload, key=lambda item: item[1])  # stable: ties keep workload order
+        arrivals = self._arrivals = sorted(workload, key=lambda item: item[1])  # stable
         # Arrivals wait in a sorted list beside the heap (which then holds only the few
         # events in flight, so the fast-forward horizon scans it cheaply). An arrival runs
         # before any heap event at its time, as it did when arrivals were pushed first.
@@ -318,8 +330,9 @@ class Simulator:
             record.error, record.finish_reason = error, "error"
             record.timeline[FINISHED] = t
             return
-        assignment = self._assigner.assign(request.request_id, request.num_prompt_tokens,
-                                           request.sampling.max_tokens)
+        assignment = self._assigner.assign(
+            request.request_id, request.num_prompt_tokens, request.sampling.max_tokens,
+            prompt_block_hashes(request, self.engine.block_size) if self._hash_prompts else ())
         first, decode = flight.first, flight.decode = assignment.first, assignment.decode
         flight.remote = assignment.remote
         record.prefill_worker, record.decode_worker = first, decode
@@ -344,6 +357,12 @@ class Simulator:
         flight.record.timeline[FINISHED] = t
         flight.record.finish_reason = "length"
         self._assigner.release(flight.request.request_id)
+        if self._follow is not None:  # a closed loop: the next turn joins the arrivals
+            for request, offset in self._follow(flight.record, t,
+                                                [FAKE_TOKEN] * len(flight.times)):
+                i = bisect.bisect_right(self._arrival_s, float(offset), lo=self._next_arrival)
+                self._arrival_s.insert(i, float(offset))
+                self._arrivals.insert(i, (request, offset))
 
     def _hand_over(self, t: float, flight: _Flight) -> None:
         """The prefilled event reached the router: discharge prefill, admit on decode."""
@@ -411,7 +430,7 @@ class Simulator:
         instance.busy = True
         self._record_step(instance, batch, t, duration, n_pre, num_decode)
         end_s = t + duration
-        if (self.fast_forward and n_pre == 0 and not batch.kv_reserved
+        if (self._fast_forward and n_pre == 0 and not batch.kv_reserved
                 and not batch.newly_admitted and not batch.preempted):
             end_s = self._fast_forward(instance, batch, end_s, sum_ctx)
         self._push(end_s, _STEP_END, (instance, batch, dict.fromkeys(completing, FAKE_TOKEN)))

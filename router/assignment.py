@@ -19,6 +19,15 @@ A request's assignment, in three calls:
 3. ``release``: it ended, whichever way: every charge it still holds is released, each
    exactly once (loads return to exactly 0), and it leaves the prefill queue.
 
+Prefixes (``router.prefix_index.PrefixIndex``, the Assigner's own): ``assign`` may be given
+the prompt's block hashes (``engine.kv_blocks.prompt_block_hashes``); the workers picked are
+credited with them. The ``cache_aware`` policy picks by the longest match in every pool
+(``router.policy.cache_aware``), and a ``conditional`` placement decides on the prompt
+length **minus its prefix hit** on the decode worker the policy would pick (Dynamo's rule as
+written: ``prefill_length - prefix_hit_length > max_local_prefill_length``). Without hashes
+(caching off) every match is 0 and both behave as before. Neither changes the order in which
+workers are picked and charged.
+
 A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
 ``requests_needing`` names the requests that still needed it; a remote request that had not
 reached its dead decode worker yet can be given another (``reassign_decode``). A restarted
@@ -34,6 +43,7 @@ from dataclasses import dataclass
 
 from engine.config import ConditionalConfig
 from router.policy import pick
+from router.prefix_index import PrefixIndex
 
 ROLES = {"colocated": ("colocated",), "disagg": ("prefill", "decode"),
          "conditional": ("prefill", "decode")}
@@ -69,7 +79,8 @@ class Assigner:
             ``decode``; a pool keeps this order (ties of ``least_loaded`` go to the first).
         kind: the placement kind (``engine.config.parse_placement``): ``colocated``,
             ``disagg`` or ``conditional``.
-        policy: ``round_robin`` or ``least_loaded`` (``router.policy.POLICIES``).
+        policy: ``round_robin``, ``least_loaded`` or ``cache_aware``
+            (``router.policy.POLICIES``).
         kv_block_size: tokens per KV block; decode and colocated charges count whole blocks
             (the blocks the worker reserves; 1 = tokens as they are).
         conditional: the rule of a ``conditional`` placement (default ``ConditionalConfig()``).
@@ -96,6 +107,23 @@ class Assigner:
         self._turns = dict.fromkeys(self.pools, 0)
         self._charges: dict[str, dict[str, int]] = {}  # request -> worker -> tokens charged
         self._queued: set[str] = set()  # remote requests not yet prefilled
+        self.prefixes = PrefixIndex(self.loads)  # what each worker was sent (module docstring)
+        self._hashes: dict[str, tuple[bytes, ...]] = {}  # request -> its prompt's block hashes
+        self._counts = {name: 0 for name in self.loads}  # requests charged to each worker
+
+    @property
+    def uses_prefixes(self) -> bool:
+        """The assignment reads prompt block hashes (``cache_aware``, or a ``conditional``
+        placement's rule): worth computing them for ``assign``."""
+        return self.policy == "cache_aware" or self.kind == "conditional"
+
+    def prefix_hit_tokens(self, worker: str, block_hashes: Sequence[bytes]) -> int:
+        """Prompt tokens ``worker`` is credited with caching: matched blocks x block size."""
+        return self.prefixes.match(worker, block_hashes) * self.kv_block_size
+
+    def reset_prefixes(self) -> None:
+        """Forget every worker's prefixes (their caches were reset between runs)."""
+        self.prefixes.reset()
 
     def kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """A decode (or colocated) worker's charge: ``prompt + max_tokens`` rounded up to
@@ -109,8 +137,10 @@ class Assigner:
         queue, which ``conditional`` placements read)."""
         return len(self._queued)
 
-    def assign(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> Assignment:
-        """Pick the request's workers and charge them (step 1).
+    def assign(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
+               block_hashes: Sequence[bytes] = ()) -> Assignment:
+        """Pick the request's workers and charge them (step 1). ``block_hashes``: the
+        prompt's chained block hashes (module docstring; empty: no prefix is known).
 
         Raises:
             NoLiveWorker: a pool it needs has no live worker; nothing is charged then.
@@ -119,14 +149,15 @@ class Assigner:
         if request_id in self._charges:
             raise ValueError(f"request_id {request_id} is already assigned")
         kv_tokens = self.kv_tokens(num_prompt_tokens, max_tokens)
+        hashes = tuple(block_hashes)
         if self.kind == "colocated":
-            first = decode = self._pick("colocated")
+            first = decode = self._pick("colocated", hashes)
         elif self.conditional is not None and not self.conditional.remote(
-                num_prompt_tokens, self.num_queued_prefills):
-            first = decode = self._pick("decode")  # its decode worker prefills it
+                num_prompt_tokens - self._decode_hit_tokens(hashes), self.num_queued_prefills):
+            first = decode = self._pick("decode", hashes)  # its decode worker prefills it
         else:
-            first = self._pick("prefill")
-            decode = self._pick("decode")
+            first = self._pick("prefill", hashes)
+            decode = self._pick("decode", hashes)
         charges = {decode: kv_tokens}
         if first != decode:
             charges = {first: num_prompt_tokens, decode: kv_tokens}
@@ -134,7 +165,21 @@ class Assigner:
         self._charges[request_id] = charges
         for name, tokens in charges.items():
             self.loads[name] += tokens
+            self._counts[name] += 1
+            self.prefixes.insert(name, hashes)
+        if hashes:
+            self._hashes[request_id] = hashes
         return Assignment(first, decode)
+
+    def _decode_hit_tokens(self, hashes: tuple[bytes, ...]) -> int:
+        """The prefix hit on the decode worker the policy would pick now (nothing picked,
+        nothing charged; 0 with no live decode worker: ``assign`` raises as before)."""
+        if not hashes:
+            return 0
+        live = self._live("decode")
+        if not live:
+            return 0
+        return self.prefix_hit_tokens(self._choose("decode", live, hashes), hashes)
 
     def prefilled(self, request_id: str, worker: str) -> None:
         """``worker`` (its prefill worker) produced the request's first token: release that
@@ -148,6 +193,7 @@ class Assigner:
             self._discharge(request_id, name)
         self._charges.pop(request_id, None)
         self._queued.discard(request_id)
+        self._hashes.pop(request_id, None)
 
     def reassign_decode(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> str:
         """Move a remote request's decode charge to a live decode worker, picked by the
@@ -159,14 +205,19 @@ class Assigner:
         charges = self._charges[request_id]
         for name in [n for n in charges if n in self.pools["decode"]]:
             self._discharge(request_id, name)
-        decode = self._pick("decode")
+        hashes = self._hashes.get(request_id, ())
+        decode = self._pick("decode", hashes)
         charges[decode] = self.kv_tokens(num_prompt_tokens, max_tokens)
         self.loads[decode] += charges[decode]
+        self._counts[decode] += 1
+        self.prefixes.insert(decode, hashes)
         return decode
 
     def mark_dead(self, worker: str) -> None:
-        """Nothing new goes to ``worker``; its charges stay until their requests release."""
+        """Nothing new goes to ``worker``; its charges stay until their requests release.
+        Its prefixes are forgotten (a replacement starts with an empty cache)."""
         self._dead.add(worker)
+        self.prefixes.forget(worker)
 
     def mark_live(self, worker: str) -> None:
         """``worker`` (restarted) is back in its pool: new requests may go to it again."""
@@ -179,11 +230,21 @@ class Assigner:
         """Requests still charged to ``worker`` (they need it), in assignment order."""
         return [rid for rid, charges in self._charges.items() if worker in charges]
 
-    def _pick(self, role: str) -> str:
-        live = [name for name in self.pools[role] if name not in self._dead]
+    def _live(self, role: str) -> list[str]:
+        return [name for name in self.pools[role] if name not in self._dead]
+
+    def _choose(self, role: str, live: list[str], hashes: tuple[bytes, ...]) -> str:
+        """The policy's choice among ``live`` (state unchanged)."""
+        if self.policy != "cache_aware":
+            return pick(self.policy, live, self.loads, self._turns[role])
+        matches = {name: self.prefixes.match(name, hashes) for name in live} if hashes else {}
+        return pick(self.policy, live, self.loads, self._turns[role], matches, self._counts)
+
+    def _pick(self, role: str, hashes: tuple[bytes, ...] = ()) -> str:
+        live = self._live(role)
         if not live:
             raise NoLiveWorker(role)
-        name = pick(self.policy, live, self.loads, self._turns[role])
+        name = self._choose(role, live, hashes)
         self._turns[role] += 1
         return name
 
@@ -191,3 +252,4 @@ class Assigner:
         charges = self._charges.get(request_id)
         if charges is not None and worker in charges:
             self.loads[worker] -= charges.pop(worker)
+            self._counts[worker] -= 1

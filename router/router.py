@@ -67,6 +67,7 @@ worker in the order sent: ``Calls`` guarantees it (``router.calls.ORDERED``).
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures as cf
 import dataclasses
 import queue
@@ -79,6 +80,7 @@ from typing import Any
 from engine import events as ev
 from engine.config import ConditionalConfig, parse_placement
 from engine.errors import describe_error
+from engine.kv_blocks import prompt_block_hashes
 from engine.limits import Limits
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
@@ -279,6 +281,10 @@ class Router:
                                    for role, limits in self.limits.items() if limits.kv_blocks}
         self.assigner = Assigner([(w.name, w.role) for w in workers], kind, policy,
                                  self.kv_block_size, conditional)
+        # prompts' block hashes feed the assigner's prefix index when it reads them and the
+        # workers cache prefixes (with caching off every prefix match stays 0)
+        self._hash_prompts = self.assigner.uses_prefixes and all(
+            i.get("enable_prefix_caching", False) for i in infos)
         self._flights: dict[str, _Flight] = {}
         self._parked: dict[str, str] = {}  # request -> the role of the empty pool it waits for
         self._pending: dict[Any, _Call] = {}
@@ -428,8 +434,13 @@ class Router:
         """Serve ``workload`` (requests with arrival offsets in seconds from now) to the end:
         the replay front end, driving the loop in this thread.
 
+        A closed-loop workload (one with ``follow(record, end_s)``, e.g.
+        ``experiments.workload_spec.ClosedLoop``) is told of every request that ended (its
+        record, seconds since the start) and returns the requests that follow it (with
+        their offsets, not earlier than now): the next turn of a conversation.
+
         Returns:
-            One RequestRecord per request, in arrival order.
+            One RequestRecord per request (the followers too), in arrival order.
 
         Raises:
             ValueError: two requests share a request_id.
@@ -444,12 +455,16 @@ class Router:
             raise ValueError("request_id must be unique within a workload")
         arrivals = sorted(workload, key=lambda item: item[1])
         done: dict[str, RequestRecord] = {}
+        follow = getattr(workload, "follow", None)
 
         def collect(event: StreamEvent) -> None:
             if event.kind == FINISH:
                 done[event.request_id] = event.record
                 if on_finish is not None:
                     on_finish(event.record)
+                if follow is not None:
+                    for item in follow(event.record, time.time() - start_s):
+                        bisect.insort(arrivals, item, lo=next_index, key=lambda it: it[1])
 
         start_s = time.time()
         self._flights, self._pending, self._sinks, self._parked = {}, {}, {}, {}
@@ -538,9 +553,11 @@ class Router:
         """Give ``flight`` its workers and send it to the first; a pool without a live
         worker parks it (a worker of that pool restarting) or fails it (none)."""
         request, record = flight.request, flight.record
+        hashes = (prompt_block_hashes(request, self.kv_block_size) if self._hash_prompts
+                  else ())
         try:
             assignment = self.assigner.assign(request.request_id, request.num_prompt_tokens,
-                                              request.sampling.max_tokens)
+                                              request.sampling.max_tokens, hashes)
         except NoLiveWorker as err:
             if self._restarting(err.role):
                 if request.request_id not in self._parked:
