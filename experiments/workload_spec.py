@@ -17,6 +17,7 @@ previous answer ended: a closed loop, ``MultiTurn`` / ``ClosedLoop``).
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ DATASETS = ("sharegpt", "humaneval", "synthetic", "prefix_repetition", "multitur
 
 
 LENGTHS = r"\d+(-\d+)?"  # synthetic lengths: N or lo-hi tokens
+PATH = r"[\w./~+-][\w./~+ -]*"  # a file path (no shell metacharacters)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class WorkloadSpec:
         "min": 0})
     trace: str | None = field(default=None, metadata={
         "help": "mooncake: the trace file (JSON lines: timestamp, input_length, "
-                "output_length, hash_ids)"})
+                "output_length, hash_ids)", "pattern": PATH, "hint": "a file path"})
     trace_block_tokens: int = field(default=512, metadata={
         "help": "mooncake: tokens per hash id", "min": 1})
     trace_time_scale_s: float = field(default=0.001, metadata={
@@ -108,6 +110,13 @@ class WorkloadSpec:
         if (self.dataset == "mooncake") != (self.trace is not None):
             raise ValueError("trace must be given with --dataset mooncake (and only then), "
                              f"got dataset {self.dataset!r}, trace {self.trace!r}")
+        if self.trace is not None:  # read it now: a bad line is refused before anything starts
+            if not os.path.isfile(self.trace):
+                raise ValueError(f"trace must be an existing file, got {self.trace!r}")
+            try:
+                workloads.read_mooncake_trace(self.trace, self.trace_block_tokens)
+            except ValueError as err:
+                raise ValueError(f"trace {err}") from None
         if self.dataset == "prefix_repetition" and self.num_prefixes > self.num_requests:
             raise ValueError(f"num_prefixes must be <= num_requests ({self.num_requests}), "
                              f"got {self.num_prefixes}")
@@ -197,7 +206,7 @@ def build_workload(spec: WorkloadSpec, model: ModelConfig, seed: int | None = No
         items = workloads.mooncake_trace(spec.trace, seed, spec.num_requests,
                                          spec.trace_block_tokens, spec.trace_time_scale_s,
                                          vocab_size=vocab, token_range=(3, vocab))
-        return fit_workload(items, max_len, model.model) if max_len else items
+        return Timed(fit_workload(items, max_len, model.model) if max_len else items)
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
         raise ValueError(f"model {model.model} has no tokenizer: use --dataset synthetic")
@@ -262,7 +271,9 @@ def requests_of(items: Sequence[workloads.WorkloadRequest], tag: str) -> list[Re
     the closed-loop replay the simulator runs)."""
     if isinstance(items, MultiTurn):
         return MultiTurnRequests(items, tag)
-    return [_request(f"{tag}-{i}", it) for i, it in enumerate(items)]
+    requests = [_request(f"{tag}-{i}", it) for i, it in enumerate(items)]
+    return TimedRequests(requests, [it.arrival_s for it in items]) if isinstance(
+        items, Timed) else requests
 
 
 def _request(request_id: str, item: workloads.WorkloadRequest) -> Request:
@@ -279,10 +290,27 @@ def router_workload(items: list[workloads.WorkloadRequest], rate: float, spec: W
     seed = spec.seed if seed is None else seed
     if isinstance(items, MultiTurn):
         return MultiTurnRequests(items, tag).open(rate, seed, spec.arrival, spec.burstiness)
-    if spec.dataset == "mooncake":
-        return [(r, it.arrival_s) for r, it in zip(requests_of(items, tag), items)]
+    if isinstance(items, Timed):
+        return requests_of(items, tag).open(rate, seed)
     offsets = arrival_times(len(items), rate, seed, spec.arrival, spec.burstiness)
     return list(zip(requests_of(items, tag), (float(t) for t in offsets)))
+
+
+class Timed(list):
+    """Workload requests that carry their own arrival offsets (a trace): no rate applies."""
+
+
+class TimedRequests(list):
+    """The ``Request``s of a ``Timed`` workload; ``open`` pairs them with their offsets
+    (whatever the rate: the trace's timing)."""
+
+    def __init__(self, requests: Sequence[Request], offsets_s: Sequence[float]) -> None:
+        super().__init__(requests)
+        self.offsets_s = [float(t) for t in offsets_s]
+
+    def open(self, rate: float, seed: int, process: str = "poisson",
+             burstiness: float = 1.0) -> list[tuple[Request, float]]:
+        return list(zip(self, self.offsets_s))
 
 
 class MultiTurn(list):

@@ -108,7 +108,11 @@ def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, n
 def arrivals(requests: Sequence[Request], rate: float, seed: int, process: str = "poisson",
              burstiness: float = 1.0) -> list[tuple[Request, float]]:
     """``(request, arrival offset s)`` at ``rate`` req/s: the offsets a real run's
-    ``workload_spec.router_workload`` gives the same seed (``engine.arrivals``)."""
+    ``workload_spec.router_workload`` gives the same seed (``engine.arrivals``). Requests
+    that time themselves (an ``open(rate, seed, process, burstiness)`` method: a trace's
+    timestamps, or a multi-turn workload's closed loop) are opened as the real run does."""
+    if hasattr(requests, "open"):
+        return requests.open(rate, seed, process, burstiness)
     times = arrival_times(len(requests), rate, seed, process, burstiness)
     return list(zip(requests, (float(t) for t in times)))
 

@@ -173,3 +173,100 @@ def test_router_and_simulator_assign_alike_event_by_event():
     assert decode_of == {"r0": "decode-0", "r1": "decode-1", "r2": "decode-0"}
     assert router_loads[3] == {"prefill-0": 9 + 5, "decode-0": 32 + 16, "decode-1": 32}
     assert router_loads[-1] == dict.fromkeys(names, 0)
+
+
+# ---- cache_aware and the prefix index (issue 26) ----------------------------------------------
+from engine.kv_blocks import block_hashes  # noqa: E402
+from router.policy import cache_aware, imbalanced, pick  # noqa: E402
+from router.prefix_index import PrefixIndex  # noqa: E402
+
+
+def test_imbalance_needs_both_sglang_thresholds():
+    # defaults abs 32, rel 1.0001 (SGLang's): 40 vs 7 differs by 33 > 32 and 40 > 7.0007
+    assert imbalanced([40, 7])
+    assert not imbalanced([39, 7])  # differs by 32: not > 32
+    # relative threshold alone: 33 vs 0 passes both (33 > 0 * 1.0001)
+    assert imbalanced([33, 0])
+    # hand-set thresholds: abs 2, rel 1.5: 10 vs 7 differs by 3 > 2 but 10 < 10.5
+    assert not imbalanced([10, 7], abs_threshold=2, rel_threshold=1.5)
+    assert imbalanced([11, 7], abs_threshold=2, rel_threshold=1.5)  # 11 > 10.5
+    assert not imbalanced([])
+
+
+def test_cache_aware_takes_the_longest_match_until_the_pool_is_imbalanced():
+    workers = ["w0", "w1", "w2"]
+    loads = {"w0": 500, "w1": 100, "w2": 300}  # tokens
+    matches = {"w0": 3, "w1": 0, "w2": 1}  # cached blocks
+    balanced = {"w0": 10, "w1": 0, "w2": 5}  # requests: 10 - 0 <= 32
+    assert cache_aware(workers, loads, matches, balanced) == "w0"  # best match, however loaded
+    crowded = {"w0": 40, "w1": 0, "w2": 5}  # 40 - 0 > 32 and 40 > 0
+    assert cache_aware(workers, loads, matches, crowded) == "w1"  # least loaded (tokens)
+    # ties on the match (and no match anywhere) go to the least loaded of the tied
+    assert cache_aware(workers, loads, {"w0": 2, "w2": 2}, balanced) == "w2"
+    assert cache_aware(workers, loads, {}, balanced) == "w1"
+    assert pick("cache_aware", workers, loads, 0, matches, balanced) == "w0"
+    with pytest.raises(ValueError, match="no live worker"):
+        cache_aware([], loads, matches, balanced)
+
+
+def test_prefix_index_matches_leading_blocks_and_forgets_lru_first():
+    a, b = list(range(48)), list(range(32)) + [99] * 16  # share 2 blocks of 16
+    ha, hb = block_hashes(a, 16), block_hashes(b, 16)
+    index = PrefixIndex(["w0", "w1"], capacity_blocks=4)
+    index.insert("w0", ha)
+    assert index.match("w0", ha) == 3 and index.match("w0", hb) == 2 and index.match("w1", ha) == 0
+    index.insert("w0", hb[2:])  # a 4th block: at capacity
+    index.insert("w0", block_hashes([7] * 16, 16))  # a 5th: the least recent (ha[0]) goes
+    assert index.num_blocks("w0") == 4 and index.match("w0", ha) == 0
+    index.forget("w0")
+    assert index.match("w0", hb) == 0
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        PrefixIndex(["w0"], capacity_blocks=0)
+
+
+def test_cache_aware_assigner_sends_a_shared_prefix_back_to_its_worker():
+    a = Assigner([("colocated-0", "colocated"), ("colocated-1", "colocated")], "colocated",
+                 "cache_aware", kv_block_size=BLOCK)
+    conv = block_hashes(list(range(40)), BLOCK)  # 2 full blocks
+    other = block_hashes(list(range(100, 140)), BLOCK)
+    assert a.assign("t0", 40, 8, conv).first == "colocated-0"  # no match: least loaded, first
+    assert a.assign("u0", 40, 8, other).first == "colocated-1"  # no match: least loaded
+    a.release("t0")
+    a.release("u0")
+    a.assign("u1", 40, 8, other)  # colocated-1 now carries load; the match still wins
+    assert a.loads == {"colocated-0": 0, "colocated-1": 48}
+    # t1 starts with conv's 2 blocks, credited to colocated-0 (t0 went there), 0 elsewhere
+    assert a.assign("t1", 60, 8, block_hashes(list(range(40)) + [5] * 20, BLOCK)).first == \
+        "colocated-0"
+    a.release("t1")
+    assert a.loads == {"colocated-0": 0, "colocated-1": 48}
+    a.assign("u2", 40, 8, other)  # colocated-1 carries 96 tokens now, colocated-0 none
+    assert a.assign("t2", 40, 8, conv).first == "colocated-0"  # conv's 2 blocks live there
+    assert a.assign("u3", 40, 8, other).first == "colocated-1"  # the match beats the load
+    assert a.prefix_hit_tokens("colocated-0", conv) == 32
+    a.mark_dead("colocated-0")  # its cache died with it
+    assert a.prefix_hit_tokens("colocated-0", conv) == 0
+    for rid in ("u1", "u2", "u3", "t2"):
+        a.release(rid)
+    assert a.loads == dict.fromkeys(a.loads, 0)
+
+
+def test_conditional_decides_on_the_prompt_minus_its_prefix_hit():
+    rule = ConditionalConfig(max_local_prefill_length=20, max_prefill_queue_size=4)
+    for policy in ("least_loaded", "round_robin", "cache_aware"):
+        a = Assigner([("prefill-0", "prefill"), ("decode-0", "decode")], "conditional", policy,
+                     kv_block_size=BLOCK, conditional=rule)
+        prompt = list(range(48))  # 48 tokens > 20: remote
+        first = a.assign("t0", 48, 4, block_hashes(prompt, BLOCK))
+        assert first.remote and (first.first, first.decode) == ("prefill-0", "decode-0")
+        a.release("t0")
+        # the next turn: 48 + 4 answered + 8 new = 60 tokens, 3 of its blocks (48 tokens)
+        # credited to decode-0: 60 - 48 = 12 <= 20, so decode-0 prefills it itself
+        turn = prompt + [1, 2, 3, 4] + list(range(200, 208))
+        second = a.assign("t1", 60, 4, block_hashes(turn, BLOCK))
+        assert not second.remote and second.decode == "decode-0", policy
+        a.release("t1")
+        # the same prompt without hashes (caching off): 60 > 20, remote as before
+        assert a.assign("t2", 60, 4).remote
+        a.release("t2")
+        assert a.loads == dict.fromkeys(a.loads, 0)

@@ -370,3 +370,29 @@ def test_sharegpt_conversation_history_is_the_template_token_for_token(real_toke
             messages.append({"role": "assistant", "content": pairs[k][1]})
             item = replay.next_turn(item, reply, 0.0)
         assert item is None and replay.done
+
+
+# ---- the turn-chaining rule (engine.arrivals.Chains) ----
+
+
+def test_chains_release_each_link_a_think_time_after_the_previous_ended():
+    from engine.arrivals import Chains
+    chains = Chains([2.0, 0.5, 1.0], [[0.0, 1.5, 0.25], [0.0, 3.0], [0.0]])
+    assert chains.first() == [(1, 0.5), (2, 1.0), (0, 2.0)]
+    assert chains.ended(0, 0, end_s=4.0, ok=True) == 5.5  # 4.0 + 1.5
+    assert chains.ended(0, 1, end_s=6.0, ok=True) == 6.25  # 6.0 + 0.25
+    assert chains.ended(0, 2, end_s=7.0, ok=True) is None  # its last link
+    assert chains.ended(2, 0, end_s=1.5, ok=True) is None  # a one-link chain
+    assert not chains.done
+    with pytest.raises(ValueError, match="not the one in flight"):
+        chains.ended(1, 1, 2.0, True)  # link 0 has not ended yet
+    assert chains.ended(1, 0, end_s=2.0, ok=False) is None  # failed: link 1 never arrives
+    assert chains.num_dropped == 1 and chains.done
+    with pytest.raises(ValueError, match="not the one in flight"):
+        chains.ended(1, 0, 2.0, True)  # a closed chain
+    for starts, thinks, words in (([0.0], [[0.0], [0.0]], "1 start times for 2"),
+                                  ([0.0], [[]], "no link"),
+                                  ([0.0], [[0.0, -1.0]], "finite and >= 0"),
+                                  ([float("nan")], [[0.0]], "finite and >= 0")):
+        with pytest.raises(ValueError, match=words):
+            Chains(starts, thinks)
