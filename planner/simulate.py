@@ -267,7 +267,7 @@ class Simulator:
         # the router's prefix index sees the prompts' block hashes (as Router._assign sends)
         self._hash_prompts = self._assigner.uses_prefixes and engine.enable_prefix_caching
         self._follow = getattr(workload, "follow", None)
-        self._fast_forward = self.fast_forward and self._follow is None
+        self._skip_ahead = self.fast_forward and self._follow is None
         self._flights: dict[str, _Flight] = {}
         self._heap: list = []
         self._seq = itertools.count()
@@ -430,7 +430,7 @@ class Simulator:
         instance.busy = True
         self._record_step(instance, batch, t, duration, n_pre, num_decode)
         end_s = t + duration
-        if (self._fast_forward and n_pre == 0 and not batch.kv_reserved
+        if (self._skip_ahead and n_pre == 0 and not batch.kv_reserved
                 and not batch.newly_admitted and not batch.preempted):
             end_s = self._fast_forward(instance, batch, end_s, sum_ctx)
         self._push(end_s, _STEP_END, (instance, batch, dict.fromkeys(completing, FAKE_TOKEN)))

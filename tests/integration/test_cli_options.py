@@ -128,6 +128,16 @@ COMMON_ROWS = [  # profile and kv-cost
     ("--out", ["--out", "FILE"], ("is a file",)),
     ("--prompt-lens", ["--prompt-lens", "0,4"], ("positive integers",)),
 ]
+WORKLOAD_ROWS = [  # run, compare and plan share WorkloadSpec (bench too)
+    ("--trace", ["--dataset", "mooncake"], ("argument --trace", "must be given with --dataset mooncake")),
+    ("--trace", ["--trace", "FILE"], ("must be given with --dataset mooncake", "'synthetic'")),
+    ("--trace", ["--dataset", "mooncake", "--trace", "FILE"],
+     ("argument --trace", "a-file:1: not a JSON object")),
+    ("--trace", ["--dataset", "mooncake", "--trace", "/nonexistent.jsonl"],
+     ("must be an existing file",)),
+    ("--num-prefixes", ["--dataset", "prefix_repetition", "--num-requests", "2", "--num-prefixes",
+                        "3"], ("<= num_requests (2)",)),
+]
 PLAN_ROWS = [
     ("--model", ["--model", "no-such-model"], ("unknown model",)),
     ("--dtype", ["--dtype", "float64"], ("float32", "bfloat16")),
@@ -221,7 +231,8 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            ("interference", "--chunk-budgets", ["--chunk-budgets", "2"],
             ("> the largest batch size (2)",))]
         + [("plan", *row) for row in _derived_rows("plan")]
-        + [("plan", *r) for r in PLAN_ROWS])
+        + [("plan", *r) for r in PLAN_ROWS]
+        + [(cmd, *r) for cmd in ("run", "compare", "plan") for r in WORKLOAD_ROWS])
 
 
 @pytest.fixture
