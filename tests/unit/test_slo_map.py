@@ -211,3 +211,16 @@ def test_top1_and_regret_on_a_hand_made_table():
     assert "top-1 agreement 67% of 3" in decision.summary_line(s)
     with pytest.raises(ValueError):
         decision.figures(table.iloc[0:0])
+
+
+def test_plan_validation_summary_carries_the_decision_figures():
+    from experiments import validate
+    errors = pd.DataFrame({"attainment_err_points": [2.0, -4.0], **{
+        f"{c.removesuffix('_s')}_rel_err": [0.1, -0.1] for c in validate.LATENCIES}})
+    # simulated ranks A > B > C; measured B (2.0) > A (1.5) > C (0.5): regret (2 - 1.5) / 2
+    s = validate.validation_summary(errors, {"A": 1.5, "B": 2.0, "C": 0.5},
+                                    {"A": 3.0, "B": 2.0, "C": 1.0})
+    assert not s["first_agrees"] and s["regret"] == pytest.approx(0.25)
+    assert s["kendall_tau"] == pytest.approx(1 / 3)  # (A,B) discordant, (A,C), (B,C) concordant
+    text = validate.summary_text(s)
+    assert "regret 25.0% of the measured best goodput, Kendall tau over placements 0.33" in text
