@@ -47,6 +47,8 @@ COMMANDS = {
     "interference": Command("interference", "decode stall caused by a prefill, per mode"),
     "plan": Command("plan", "rank placements of N devices on the simulator (--validate: and "
                             "check it against real runs)"),
+    "map": Command("map", "where disaggregation wins over SLO targets and prompt:output "
+                          "ratios (--validate K: checked for real)"),
 }
 
 

@@ -21,7 +21,7 @@ from engine.config import (DTYPES, TRANSPORTS, ConditionalConfig, EngineConfig, 
                            dataclass_from_args, parse_devices, parse_placement)
 from engine.model import ModelLoadError, check_model_name, model_context_len
 from experiments.placement import check_devices_exist, worker_layout
-from planner.latency import DeviceProfile, TransferModel
+from planner.latency import LINKS, DeviceProfile, TransferModel, link_transfer
 from router.policy import POLICIES
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
@@ -312,3 +312,32 @@ def transfer_model_for(profile: DeviceProfile, transport: str, option: str) -> T
         return profile.transfer(transport)
     except ValueError as err:
         raise option_error(option, str(err)) from None
+
+
+def what_if_transfer(profile: DeviceProfile, transport: str, latency_s: float | None,
+                     bandwidth_gbps: float | None, needed: bool,
+                     link: str | None = None) -> TransferModel | None:
+    """The KV transfer model the planner uses (``pdlab plan``, ``pdlab map``): the profile's
+    model of ``transport``, or with ``link`` (``planner.latency.LINKS``) the profile's model
+    of that link where it has one (a silicon-database profile does), else the link's
+    nominal one; ``latency_s`` (s) and ``bandwidth_gbps`` (GB/s), when given, replace its
+    fixed cost and rate ("what if"). None when nothing gives one and ``needed`` is False.
+
+    Raises:
+        ValueError: ``argument --transport: ...`` when a placement needs a model the profile
+            lacks; ``argument --link: ...`` for an unknown link.
+    """
+    if link is not None:
+        if link not in LINKS:
+            raise option_error("--link", f"unknown link {link!r}: use one of {', '.join(LINKS)}")
+        base = profile.transfers.get(link) or link_transfer(link)
+    else:
+        base = profile.transfers.get(transport)
+    if latency_s is None and bandwidth_gbps is None:
+        if base is None and needed:
+            transfer_model_for(profile, transport, "--transport")
+        return base
+    base = base or TransferModel(0.0, math.inf)
+    latency = base.latency_s if latency_s is None else latency_s
+    bandwidth = base.bandwidth_bytes_s if bandwidth_gbps is None else bandwidth_gbps * 1e9
+    return TransferModel(latency, bandwidth, base.put_share)

@@ -379,3 +379,60 @@ def plot_best(curve_df: pd.DataFrame, ranked: pd.DataFrame, path: str | Path, to
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+_FAMILY_COLOURS = {"colocated": "C0", "colocated chunked": "C2", "disagg": "C3",
+                   "conditional": "C4"}
+
+
+def _short(label: str) -> str:
+    """A placement label short enough for a map cell: ``disagg:1p3d`` -> ``1p3d``,
+    ``conditional:1p1d`` -> ``c1p1d``, ``colocated:4 (budget 256)`` -> ``co b256``,
+    ``colocated-nochunk:4`` -> ``co-nc``."""
+    if label.startswith("disagg:"):
+        return label.split(":", 1)[1]
+    if label.startswith("conditional:"):
+        return "c" + label.split(":", 1)[1]
+    if label.startswith("colocated-nochunk"):
+        return "co-nc"
+    return "co" + (" b" + label.split("budget ")[1].rstrip(")") if "budget" in label else "")
+
+
+def plot_slo_map(cells: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence[float],
+                 path: str | Path, title: str, checked: pd.DataFrame | None = None) -> Path:
+    """One ratio's map (``planner.slo_map.cells``): TTFT SLO across, TPOT SLO up, one square
+    per cell coloured by the winner's family, shaded by its margin over the runner-up (pale
+    = small), hatched where there is no clear winner, grey where nothing meets the SLO; the
+    winner's short label in each cell. ``checked`` (rows with ``ttft_index``,
+    ``tpot_index``, ``top1_agrees``): cells run for real, outlined black with "ok" (the
+    measured winner is the mapped one) or "x"."""
+    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(ttft_grid), 1.2 + 0.6 * len(tpot_grid)))
+    for row in cells.itertuples():
+        x, y = row.ttft_index, row.tpot_index
+        if row.verdict == "none":
+            colour, alpha, hatch, text = "lightgray", 1.0, None, "-"
+        else:
+            colour = _FAMILY_COLOURS.get(row.winner_family, "C7")
+            alpha = 0.25 + 0.75 * min(max(float(row.margin), 0.0), 1.0)
+            hatch = None if row.clear else "///"
+            text = _short(row.winner) + ("" if row.clear else "?")
+        ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=colour, alpha=alpha,
+                                   hatch=hatch, edgecolor="white", linewidth=0.5))
+        ax.text(x, y, text, ha="center", va="center", fontsize=7)
+    for row in (checked.itertuples() if checked is not None else ()):
+        ax.add_patch(plt.Rectangle((row.ttft_index - 0.45, row.tpot_index - 0.45), 0.9, 0.9,
+                                   fill=False, edgecolor="black", linewidth=2))
+        ax.text(row.ttft_index + 0.4, row.tpot_index + 0.4, "ok" if row.top1_agrees else "x",
+                ha="right", va="top", fontsize=7, fontweight="bold")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _FAMILY_COLOURS.values()]
+    handles += [plt.Rectangle((0, 0), 1, 1, facecolor="white", hatch="///", edgecolor="gray"),
+                plt.Rectangle((0, 0), 1, 1, color="lightgray")]
+    ax.legend(handles, [*_FAMILY_COLOURS, "no clear winner", "nothing meets the SLO"],
+              fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.set(xlim=(-0.5, len(ttft_grid) - 0.5), ylim=(-0.5, len(tpot_grid) - 0.5),
+           xticks=range(len(ttft_grid)), xticklabels=[f"{v:g}" for v in ttft_grid],
+           yticks=range(len(tpot_grid)), yticklabels=[f"{v:g}" for v in tpot_grid],
+           xlabel="TTFT SLO (s)", ylabel="TPOT SLO (s)")
+    ax.set_title(title + "\n(shade = margin over the runner-up; ? / hatched = no clear winner)",
+                 fontsize=8)
+    return _save(fig, path, bbox_inches="tight")

@@ -68,7 +68,7 @@ from experiments import analysis
 from experiments.replay import RunResult, run_placement
 from experiments.results import write_results
 from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
-from planner import band, diagnose, drift, search
+from planner import band, decision, diagnose, drift, search
 from planner.latency import DeviceProfile, TransferModel, step_correction
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
@@ -239,6 +239,9 @@ def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
     out["first_agrees"] = bool(measured_goodput) and (
         measured_goodput.get(out["simulated_first"]) == max(measured_goodput.values()))
     out["measured_goodput"], out["simulated_goodput"] = measured_goodput, simulated_goodput
+    if measured_goodput and any(p in measured_goodput for p in simulated_goodput):
+        d = decision.decide(simulated_goodput, measured_goodput)  # rank agreement and regret
+        out["kendall_tau"], out["regret"] = d["kendall_tau"], d["regret"]
     return out
 
 
@@ -304,9 +307,16 @@ def _summary_line(s: dict, other: str = "simulated") -> str:
                 f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative difference| "
                 f"{lat}; first by goodput per device: first run {measured}, {other} "
                 f"{_firsts(s.get('simulated_goodput'), s['simulated_first'])} ({agree})")
+    ranks = ""
+    if "kendall_tau" in s:  # planner.decision's figures, beside the point errors
+        tau = s["kendall_tau"]
+        ranks = (f"; decision: top-1 {agree}, regret {100 * s['regret']:.1f}% of the measured "
+                 f"best goodput, Kendall tau over placements "
+                 + (f"{tau:.2f}" if math.isfinite(tau) else "undefined (ties or one placement)"))
     return (f"validation over {s['num_points']} points: SLO attainment mean abs error "
             f"{s['attainment_mae_points']:.1f} points{flips}; mean |relative error| {lat}; first "
-            f"by goodput per device: measured {measured}, simulated {s['simulated_first']} ({agree})")
+            f"by goodput per device: measured {measured}, simulated {s['simulated_first']} "
+            f"({agree}){ranks}")
 
 
 def _goodput(summary: pd.DataFrame) -> dict[str, float]:

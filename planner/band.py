@@ -94,6 +94,13 @@ def curve_band(curve: pd.DataFrame, band: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+def separates(first_slow: float, second_fast: float) -> bool:
+    """Step 3's rule: the first is a clear winner only if its goodput with slow steps
+    exceeds the second's with fast steps (req/s per device; with no band, spread 0, both
+    are the nominal goodputs, so a tie is no clear winner)."""
+    return first_slow > second_fast
+
+
 def verdict(ranked: pd.DataFrame, spread: float) -> str:
     """Step 3 in one sentence, from ``with_band``'s table (best first)."""
     banded = ranked.dropna(subset=["goodput_slow", "goodput_fast"])
@@ -106,7 +113,7 @@ def verdict(ranked: pd.DataFrame, spread: float) -> str:
         return (f"{row.candidate} {row.goodput_per_device_req_s:.3g} req/s/device "
                 f"[{row.goodput_slow:.3g} slow, {row.goodput_fast:.3g} fast]")
 
-    if first.goodput_slow > second.goodput_fast:
+    if separates(first.goodput_slow, second.goodput_fast):
         return (f"speed band ±{pct}: {span(first)} stays first even with its steps {pct} "
                 f"slower and the next one's {pct} faster ({span(second)})")
     return (f"speed band ±{pct}: no clear winner: {span(first)} and {span(second)} overlap "

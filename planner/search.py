@@ -148,6 +148,24 @@ RUN_COLUMNS = ["candidate", "placement", "chunk_budget", "num_devices", "rate", 
                "tpot_p50_s", "tpot_p99_s", "sim_s"]
 
 
+LATENCY_COLUMNS = ["ttft_s_all", "tpot_s_all"]
+
+
+def request_latencies(records: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's TTFT and TPOT (s), shape (len(records),) each, coded so that
+    ``ttft <= T and tpot <= P`` is ``engine.metrics.meets_slo`` at SLO (T, P): a failed
+    request has TTFT +inf, a request without a TPOT (one output token) has TPOT 0."""
+    ttft = np.full(len(records), math.inf)
+    tpot = np.zeros(len(records))
+    for i, r in enumerate(records):
+        if m.failed(r):
+            continue
+        t, p = m.ttft_s(r), m.tpot_s(r)
+        ttft[i] = math.inf if t is None else t
+        tpot[i] = 0.0 if p is None else p
+    return ttft, tpot
+
+
 def run_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
     """SLO attainment (DistServe's, over all requests) and TTFT/TPOT p50/p99 over completed
     requests (``engine.metrics``; numpy linear percentiles as ``summarize``)."""
@@ -168,10 +186,13 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
           requests_by_seed: dict[int, list[Request]], engine: EngineConfig,
           profile: DeviceProfile, transfer: TransferModel | None, slo: SLO,
           process: str = "poisson", burstiness: float = 1.0, policy: str = "least_loaded",
-          progress: Callable[[], None] | None = None, jobs: int = 1) -> pd.DataFrame:
+          progress: Callable[[], None] | None = None, jobs: int = 1,
+          latencies: bool = False) -> pd.DataFrame:
     """Step 3: one row per (candidate, rate, seed) (``RUN_COLUMNS``; ``sim_s`` = wall seconds
     the simulation took), in that order. ``rates`` is one ladder for every candidate, or
-    one per candidate label.
+    one per candidate label. ``latencies``: each row also holds ``LATENCY_COLUMNS``, every
+    request's TTFT and TPOT (``request_latencies``), so other SLOs can be scored from the
+    same runs without simulating again (``planner.slo_map``).
 
     ``jobs`` > 1 spreads the runs over that many processes (spawned, so no thread state of
     this process is forked; each receives the requests once); the rows are the same as one
@@ -182,7 +203,8 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
 
     tasks = [(cand, float(rate), seed) for cand in cands for rate in ladder(cand)
              for seed in requests_by_seed]
-    fixed = (engine, profile, transfer, slo, process, burstiness, policy)
+    fixed = (engine, profile, transfer, slo, process, burstiness, policy, latencies)
+    columns = RUN_COLUMNS + (LATENCY_COLUMNS if latencies else [])
     if jobs <= 1 or len(tasks) <= 1:
         _init_worker(requests_by_seed, fixed)
         rows = []
@@ -190,7 +212,7 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
             rows.append(_run_task(task))
             if progress is not None:
                 progress()
-        return pd.DataFrame(rows, columns=RUN_COLUMNS)
+        return pd.DataFrame(rows, columns=columns)
     rows = [None] * len(tasks)
     with concurrent.futures.ProcessPoolExecutor(
             max_workers=min(jobs, len(tasks)), mp_context=multiprocessing.get_context("spawn"),
@@ -201,7 +223,7 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
             rows[futures[future]] = future.result()
             if progress is not None:
                 progress()
-    return pd.DataFrame(rows, columns=RUN_COLUMNS)
+    return pd.DataFrame(rows, columns=columns)
 
 
 _WORKER: dict = {}  # what every run of a sweep shares, set once per (worker) process
@@ -236,14 +258,17 @@ def _init_worker(requests_by_seed: dict[int, list[Request]], fixed: tuple) -> No
 
 def _run_task(task: tuple[Candidate, float, int]) -> dict:
     cand, rate, seed = task
-    engine, profile, transfer, slo, process, burstiness, policy = _WORKER["fixed"]
+    engine, profile, transfer, slo, process, burstiness, policy, latencies = _WORKER["fixed"]
     sim = simulator(cand, engine, profile, transfer, policy)
     start = time.perf_counter()
     result = sim.run(arrivals(_WORKER["requests"][seed], rate, seed, process, burstiness))
     sim_s = time.perf_counter() - start
-    return {"candidate": cand.label, "placement": cand.placement,
-            "chunk_budget": cand.chunk_budget, "num_devices": cand.num_devices,
-            "rate": rate, "seed": seed, **run_metrics(result.records, slo), "sim_s": sim_s}
+    row = {"candidate": cand.label, "placement": cand.placement,
+           "chunk_budget": cand.chunk_budget, "num_devices": cand.num_devices,
+           "rate": rate, "seed": seed, **run_metrics(result.records, slo), "sim_s": sim_s}
+    if latencies:
+        row["ttft_s_all"], row["tpot_s_all"] = request_latencies(result.records)
+    return row
 
 
 def refine_rates(runs: pd.DataFrame, num_points: int = 3,

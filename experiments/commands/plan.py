@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 import time
@@ -37,7 +36,7 @@ from experiments import plots, validate
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, add_transfer_args,
                                  check_model,
                                  check_out, engine_config, find_profile, load_profile_for,
-                                 option_error, rate_list, transfer_model_for)
+                                 option_error, rate_list, what_if_transfer)
 from experiments.placement import worker_layout
 from experiments.report import markdown_table
 from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
@@ -169,16 +168,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _transfer_model(plan: PlanConfig, profile: DeviceProfile, transport: str,
                     needed: bool) -> TransferModel | None:
-    base = profile.transfers.get(transport)
-    if plan.transfer_latency_s is None and plan.transfer_bandwidth_gbps is None:
-        if base is None and needed:
-            transfer_model_for(profile, transport, "--transport")
-        return base
-    base = base or TransferModel(0.0, math.inf)
-    latency = base.latency_s if plan.transfer_latency_s is None else plan.transfer_latency_s
-    bandwidth = (base.bandwidth_bytes_s if plan.transfer_bandwidth_gbps is None
-                 else plan.transfer_bandwidth_gbps * 1e9)
-    return TransferModel(latency, bandwidth, base.put_share)
+    return what_if_transfer(profile, transport, plan.transfer_latency_s,
+                            plan.transfer_bandwidth_gbps, needed)
 
 
 def check(args: argparse.Namespace) -> PlanJob:

@@ -1,0 +1,344 @@
+"""The ``pdlab map`` command: where disaggregation wins, over a grid of (TTFT SLO, TPOT SLO)
+cells and prompt:output ratios, from the planner's simulator (``planner.slo_map``); with
+``--validate K`` also checked against real runs on this machine (``experiments.map_validate``).
+
+1. Check every option before anything starts (``check``): the SLO ranges (``MIN:MAX:STEPS``,
+   MIN > 0, MIN <= MAX, STEPS >= 1), the ratios, the device profile (this machine's measured
+   one, or a GPU's from ``pdlab profile --from-silicon-db``), the transfer model (the
+   profile's for ``--transport``, or ``--link``, and the what-if latency/bandwidth), that
+   every ratio's requests fit ``--max-model-len``, and for ``--validate`` that the map's
+   devices exist here.
+2. Per ratio: the synthetic workload (``slo_map.ratio_lengths`` at ``--request-tokens``),
+   the automatic rate ladder (``search.auto_rates``) unless ``--rates``, one simulated sweep
+   re-scored at every cell, and the band runs of the contenders (``slo_map.map_ratio``).
+3. Outputs in the results directory: map.csv (every cell of every ratio), map_runs.csv
+   (every simulated run at the loosest cell's SLO), map_io<ratio>.png (the heatmap of each
+   ratio), regions.txt and map.md; printed: the regions and the time taken.
+4. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real (every candidate, at
+   ``--validate-rates`` or the map's ladder, ``--validate-requests`` per seed, again
+   ``--validate-reruns`` times); map_validation.csv, map_validation_runs.csv (every real
+   request's TTFT and TPOT), the checked cells outlined on the heatmaps, and the summary:
+   top-1 agreement, regret, Kendall tau and every disagreement with its noise verdict.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+from tqdm import tqdm
+
+from engine.config import (EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
+                           check_fields, dataclass_from_args, parse_devices)
+from experiments import map_validate, plots
+from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_transfer_args,
+                                 check_model, check_out, engine_config, find_profile,
+                                 load_profile_for, option_error, rate_list, what_if_transfer)
+from experiments.placement import worker_layout
+from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
+from planner import search, slo_map
+from planner.latency import LINKS, DeviceProfile, TransferModel
+from router.policy import POLICIES
+
+HELP = "where disaggregation wins over SLO targets and prompt:output ratios (--validate K: checked for real)"
+
+# The WorkloadSpec fields the map sets itself (one synthetic workload per ratio).
+_SPEC_SKIP = ("dataset", "min_prompt_len", "max_prompt_len", "max_output_len", "calibrate",
+              "prompt_len", "output_len")
+
+
+@dataclass(frozen=True)
+class MapConfig:
+    """What ``pdlab map`` draws.
+
+    Attributes:
+        devices: devices N to place on (simulated; may exceed this machine without --validate).
+        device_profile: device profile JSON; unset: the newest results/profile-*/ of the model.
+        ttft_slo, tpot_slo: ``MIN:MAX:STEPS`` seconds, geometric (``slo_map.parse_range``).
+        io_ratio: prompt:output token ratios, comma-separated (0.25 = 1 prompt per 4 output).
+        request_tokens: mean prompt + output tokens per request at every ratio.
+        num_rates: rates in the automatic ladder of each ratio.
+        chunk_budgets: extra chunk budgets for colocated:N.
+        conditional: include conditional:xPyD (Dynamo's rule) beside disagg:xPyD.
+        link: the KV link (``planner.latency.LINKS``: nvlink, pcie, ib400, tcp25) instead of
+            the profile's --transport model.
+        transfer_latency_s, transfer_bandwidth_gbps: what if a KV transfer cost this (s,
+            GB/s), replacing the link's or transport's figure.
+        speed_spread: the band of "no clear winner" (``planner.band``); 0 = ties only.
+        validate: check this many cells for real (0: none).
+        validate_requests: requests per seed in each real run.
+        validate_reruns: every real run again this many times (the machine's own noise).
+        validate_rates: real runs' rates (req/s, comma-separated); "" = the map's ladder.
+        local: the real runs' workers in this process (needs --transport inprocess).
+        jobs: simulation processes; 0 = one per CPU this process may use.
+    """
+
+    devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
+    device_profile: str | None = field(default=None, metadata={
+        "pattern": r".*\S.*\.json", "hint": "a path ending in .json",
+        "help": "device profile from `pdlab profile` (unset: the newest of this model)"})
+    ttft_slo: str = field(default="0.1:4:8", metadata={"help": "TTFT SLOs MIN:MAX:STEPS (s)"})
+    tpot_slo: str = field(default="0.01:0.2:8", metadata={"help": "TPOT SLOs MIN:MAX:STEPS (s)"})
+    io_ratio: str = field(default="0.25,1,4", metadata={
+        "help": "prompt:output token ratios, comma-separated"})
+    request_tokens: int = field(default=256, metadata={
+        "min": 2, "help": "mean prompt + output tokens per request"})
+    num_rates: int = field(default=10, metadata={"min": 2, "help": "rates per ratio's ladder"})
+    chunk_budgets: str = field(default="", metadata={
+        "pattern": r"(\d+(,\d+)*)?", "hint": "N,N,...", "help": "extra chunk budgets for colocated:N"})
+    conditional: bool = field(default=True, metadata={"help": "include conditional:xPyD"})
+    link: str | None = field(default=None, metadata={
+        "choices": tuple(LINKS), "help": "KV link model instead of the profile's --transport"})
+    transfer_latency_s: float | None = field(default=None, metadata={
+        "min": 0, "help": "what if: fixed seconds per KV transfer"})
+    transfer_bandwidth_gbps: float | None = field(default=None, metadata={
+        "gt": 0, "help": "what if: KV transfer GB/s"})
+    speed_spread: float = field(default=0.15, metadata={
+        "min": 0, "help": "no clear winner where the winner with steps 1+S slower does not "
+                          "beat the runner-up with steps 1-S faster; < 1"})
+    validate: int = field(default=0, metadata={"min": 0, "help": "cells checked for real"})
+    validate_requests: int = field(default=20, metadata={"min": 1, "help": "requests per seed "
+                                                                           "per real run"})
+    validate_reruns: int = field(default=0, metadata={"min": 0, "help": "real reruns of every "
+                                                                        "validation run"})
+    validate_rates: str = field(default="", metadata={
+        "help": "real runs' rates req/s, comma-separated (default: the map's ladder)"})
+    local: bool = field(default=False, metadata={
+        "help": "real runs' workers in this process (needs --transport inprocess)"})
+    jobs: int = field(default=0, metadata={"min": 0, "help": "simulation processes (0: one per CPU)"})
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.speed_spread >= 1:
+            raise ValueError(f"speed_spread must be >= 0 and < 1, got {self.speed_spread}")
+
+
+@dataclass(frozen=True)
+class MapJob:
+    """Everything ``run`` needs, checked."""
+
+    cfg: MapConfig
+    ttft_grid: tuple[float, ...]
+    tpot_grid: tuple[float, ...]
+    ratios: tuple[float, ...]
+    specs: dict  # ratio -> WorkloadSpec
+    profile: DeviceProfile
+    profile_path: Path
+    transfer_model: TransferModel | None
+    candidates: list
+    rates: list[float] | None
+    validate_rates: list[float] | None
+    model: ModelConfig
+    engine: EngineConfig
+    transfer: TransferConfig
+    policy: str
+    out: Path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pdlab map``."""
+    add_dataclass_args(parser.add_argument_group("map"), MapConfig)
+    add_model_args(parser)
+    parser.add_argument("--rates", type=rate_list, default=None,
+                        help="total arrival rates req/s for every ratio (default: --num-rates "
+                             "around each ratio's capacity estimate)")
+    parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="router policy")
+    parser.add_argument("--out", default=None, help="results directory (default: results/map-<time>)")
+    workload = parser.add_argument_group("workload (synthetic, one per --io-ratio)")
+    add_dataclass_args(workload, WorkloadSpec, skip=_SPEC_SKIP)
+    workload.set_defaults(num_requests=300, seeds=1)
+    engine = parser.add_argument_group("engine (per instance)")
+    add_dataclass_args(engine, EngineConfig, skip=("device",))
+    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
+    add_transfer_args(parser, conditional=False)
+
+
+def _parsed(option: str, fn, text: str):
+    try:
+        return fn(text)
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        raise option_error(option, str(err)) from None
+
+
+def check(args: argparse.Namespace) -> MapJob:
+    """Step 1 of the module docstring; nothing runs and no weights are read.
+
+    Raises:
+        ValueError: the first bad option (``argument --x: ...``).
+    """
+    cfg = dataclass_from_args(MapConfig, args)
+    ttft = _parsed("--ttft-slo", lambda t: slo_map.parse_range(t, "TTFT SLO"), cfg.ttft_slo)
+    tpot = _parsed("--tpot-slo", lambda t: slo_map.parse_range(t, "TPOT SLO"), cfg.tpot_slo)
+    ratios = _parsed("--io-ratio", slo_map.parse_ratios, cfg.io_ratio)
+    val_rates = _parsed("--validate-rates", rate_list, cfg.validate_rates) if cfg.validate_rates else None
+    model = ModelConfig(args.model, args.dtype)
+    check_model(model)
+    engine = engine_config(args, model)
+    base = dataclass_from_args(WorkloadSpec, args)
+    specs = {}
+    for r in ratios:
+        prompt, output = slo_map.ratio_lengths(r, cfg.request_tokens)
+        specs[r] = dataclasses.replace(base, dataset="synthetic", prompt_len=prompt, output_len=output)
+        if specs[r].max_request_len() > engine.max_model_len:
+            raise option_error("--request-tokens", f"io ratio {r:g} draws requests of up to "
+                                                   f"{specs[r].max_request_len()} tokens, more "
+                                                   f"than --max-model-len {engine.max_model_len}")
+    budgets = [int(b) for b in cfg.chunk_budgets.split(",") if b]
+    for b in budgets:
+        if b < engine.max_num_seqs:
+            raise option_error("--chunk-budgets", f"each budget must be >= --max-num-seqs "
+                                                  f"({engine.max_num_seqs}), got {b}")
+    transfer = dataclass_from_args(TransferConfig, args)
+    if transfer.granularity != "request":
+        raise option_error("--granularity", "the simulator models whole-request KV transfers only")
+    path = Path(cfg.device_profile) if cfg.device_profile else find_profile(model)
+    if path is None:
+        raise option_error("--device-profile", f"no device profile of model {model.model} "
+                                               f"({model.dtype}) under results/: run `pdlab "
+                                               "profile` or pass --device-profile FILE")
+    profile = load_profile_for(path, model, "--device-profile")
+    cands = slo_map.map_candidates(cfg.devices, budgets, cfg.conditional)
+    transfer_model = what_if_transfer(profile, transfer.transport, cfg.transfer_latency_s,
+                                      cfg.transfer_bandwidth_gbps, cfg.devices >= 2, cfg.link)
+    if cfg.validate:
+        _check_validation(cfg, cands, profile, transfer)
+    check_out(args.out)
+    out = Path(args.out or f"results/map-{time.strftime('%Y%m%d-%H%M%S')}")
+    return MapJob(cfg, ttft, tpot, ratios, specs, profile, path, transfer_model, cands,
+                  args.rates, val_rates, model, engine, transfer, args.policy, out)
+
+
+def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile,
+                      transfer: TransferConfig) -> None:
+    """``--validate``: every candidate runs here, on devices of the profile's kind."""
+    devices = parse_devices(None)
+    kind = "cuda" if devices[0].startswith("cuda") else "cpu"
+    if profile.device_kind != kind:
+        raise option_error("--validate", f"the profile describes {profile.device_kind} devices "
+                                         f"({profile.device_name}) but this machine's are {kind}: "
+                                         "real runs could not check it")
+    for cand in cands:
+        try:
+            worker_layout(cand.placement, devices)
+        except ValueError as err:
+            raise option_error("--validate", f"runs every placement of --devices {cfg.devices} "
+                                             f"for real: {err}") from None
+    if cfg.local and transfer.transport != "inprocess":
+        raise option_error("--local", f"needs --transport inprocess, got {transfer.transport}")
+    if not cfg.local and transfer.transport == "inprocess":
+        raise option_error("--transport", "inprocess needs --local (workers in one process)")
+
+
+def run(args: argparse.Namespace, job: MapJob) -> int:
+    """Steps 2-4 of the module docstring; returns 0."""
+    x = job
+    cfg = x.cfg
+    jobs = cfg.jobs or len(os.sched_getaffinity(0))
+    max_len = context_len(x.model, x.engine)
+    print(f"pdlab map: {len(x.candidates)} placements of {cfg.devices} devices x "
+          f"{len(x.ttft_grid)} TTFT x {len(x.tpot_grid)} TPOT SLOs x {len(x.ratios)} io ratios; "
+          f"profile {x.profile_path} ({x.profile.model}, {x.profile.device_kind} "
+          f"{x.profile.device_name})")
+    if x.transfer_model is not None:
+        print(f"  KV transfer: {x.transfer_model.latency_s:.3g} s + bytes / "
+              f"{x.transfer_model.bandwidth_bytes_s / 1e9:.4g} GB/s"
+              + (f" (link {cfg.link})" if cfg.link else f" ({x.transfer.transport})"))
+    x.out.mkdir(parents=True, exist_ok=True)
+    families = {c.label: slo_map.family_of(c.placement) for c in x.candidates}
+    tables, all_runs, predicted, workloads, ladders, region_text = [], [], {}, {}, {}, []
+    start = time.perf_counter()
+    for ratio in x.ratios:
+        spec = x.specs[ratio]
+        items = {s: build_workload(spec, x.model, s, max_len) for s in spec.seed_list}
+        workloads[ratio] = items
+        requests = {s: requests_of(its, f"s{s}") for s, its in items.items()}
+        flat = [it for its in items.values() for it in its]
+        rates = x.rates or search.auto_rates(
+            x.profile, sum(it.num_prompt_tokens for it in flat) / len(flat),
+            sum(it.output_len for it in flat) / len(flat), cfg.devices, cfg.num_rates,
+            x.engine.max_num_seqs)
+        ladders[ratio] = rates
+        with tqdm(total=len(x.candidates) * len(rates) * len(requests), unit="run",
+                  desc=f"io {ratio:g} (prompt {spec.prompt_len}, output {spec.output_len})",
+                  file=sys.stderr) as bar:
+            def tick() -> None:
+                if bar.n >= bar.total:  # the band runs come after the sweep
+                    bar.total += 1
+                bar.update()
+            table, runs, goodput = slo_map.map_ratio(
+                x.candidates, rates, requests, x.engine, x.profile, x.transfer_model,
+                x.ttft_grid, x.tpot_grid, ratio, cfg.speed_spread, spec.arrival,
+                spec.burstiness, x.policy, tick, jobs)
+        tables.append(table)
+        all_runs.append(runs.assign(io_ratio=ratio))
+        predicted[ratio] = goodput
+        region_text += [f"io ratio {ratio:g} (prompt {spec.prompt_len}, output {spec.output_len} "
+                        f"tokens; rates {rates} req/s):"]
+        region_text += ["  " + line for line in slo_map.regions(table, x.ttft_grid, x.tpot_grid)]
+    wall_s = time.perf_counter() - start
+    cells = pd.concat(tables, ignore_index=True)
+    cells.to_csv(x.out / "map.csv", index=False)
+    pd.concat(all_runs, ignore_index=True).to_csv(x.out / "map_runs.csv", index=False)
+    header = (f"pdlab map: {x.model.model} on {cfg.devices} x {x.profile.device_kind} "
+              f"{x.profile.device_name}; speed band +/-{cfg.speed_spread:g}; "
+              f"{len(cells)} cells in {wall_s:.1f} s over {jobs} process(es)")
+    print("\n" + header + "\n" + "\n".join(region_text))
+    checked = pd.DataFrame(columns=map_validate.CHECK_COLUMNS)
+    summary: list[str] = []
+    if cfg.validate:
+        checked, summary = _validate(x, cells, predicted, workloads, ladders, families)
+    for ratio, table in zip(x.ratios, tables):
+        plots.plot_slo_map(table, x.ttft_grid, x.tpot_grid, x.out / f"map_io{ratio:g}.png",
+                           f"{x.model.model}, {cfg.devices} x {x.profile.device_name}, io ratio "
+                           f"{ratio:g}", checked[checked["io_ratio"] == ratio])
+    (x.out / "regions.txt").write_text("\n".join([header, *region_text, *summary]) + "\n")
+    md = [f"# {header}", "", "```", *region_text, "```", "",
+          *[f"![io {r:g}](map_io{r:g}.png)" for r in x.ratios], ""]
+    if summary:
+        md += ["## Checked against real runs", "", "```", *summary, "```", ""]
+    (x.out / "map.md").write_text("\n".join(md))
+    print(f"\nResults: {x.out}/ (map.csv, map_runs.csv, regions.txt, map.md, "
+          + ", ".join(f"map_io{r:g}.png" for r in x.ratios)
+          + (", map_validation.csv, map_validation_runs.csv" if cfg.validate else "") + ")")
+    return 0
+
+
+def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, ladders: dict,
+              families: dict) -> tuple[pd.DataFrame, list[str]]:
+    """Step 4: the picked cells run for real and scored; writes map_validation*.csv."""
+    cfg = x.cfg
+    picked = slo_map.pick_cells(cells, cfg.validate)
+    devices = ",".join(parse_devices(None))
+    checked, kept = [], []
+    ratios = list(dict.fromkeys(picked["io_ratio"]))
+    total = len(ratios) * (1 + cfg.validate_reruns) * len(x.candidates)
+    print(f"\nvalidating {len(picked)} cell(s) for real on {devices}: {len(x.candidates)} "
+          f"placements x {1 + cfg.validate_reruns} pass(es) per io ratio {ratios}")
+    with tqdm(total=total, desc="real runs", unit="placement", file=sys.stderr) as bar:
+        for ratio in ratios:
+            spec = dataclasses.replace(x.specs[ratio], num_requests=min(cfg.validate_requests,
+                                                                        x.specs[ratio].num_requests))
+            items = {s: its[:spec.num_requests] for s, its in workloads[ratio].items()}
+            runs = map_validate.real_runs(x.candidates, x.validate_rates or ladders[ratio], items,
+                                          spec, x.model, x.engine, x.transfer, devices, x.policy,
+                                          cfg.local, cfg.validate_reruns, bar.update)
+            checked.append(map_validate.check_cells(picked[picked["io_ratio"] == ratio],
+                                                    predicted[ratio], runs, x.ttft_grid,
+                                                    x.tpot_grid, families))
+            long = runs.explode(search.LATENCY_COLUMNS).rename(
+                columns={"ttft_s_all": "ttft_s", "tpot_s_all": "tpot_s"})
+            kept.append(long.assign(io_ratio=ratio))
+    table = pd.concat(checked, ignore_index=True)
+    table.to_csv(x.out / "map_validation.csv", index=False)
+    pd.concat(kept, ignore_index=True).to_csv(x.out / "map_validation_runs.csv", index=False)
+    summary = map_validate.summary_lines(table, cfg.validate_reruns)
+    print("\n" + table[["io_ratio", "ttft_slo_s", "tpot_slo_s", "map_verdict", "mapped",
+                        "measured_first", "regret"]].to_string(index=False) + "\n")
+    print("\n".join(summary))
+    return table, summary

@@ -1,0 +1,135 @@
+"""``pdlab map --validate K``: the map's own check against real runs.
+
+1. The cells to check come from ``planner.slo_map.pick_cells`` (corners and cells beside a
+   boundary). Per ratio that has one, every candidate of the map runs for real
+   (``experiments.replay.run_placement``, the path ``pdlab plan --validate`` uses) at the
+   validation rates on the ratio's workload (fewer requests than the map simulated), and
+   again ``num_reruns`` times after the first pass over all candidates.
+2. A real run does not depend on the SLO either, so every checked cell of a ratio is
+   scored from the same real requests, as the map scores its simulated ones
+   (``search.request_latencies``, ``slo_map.goodput_grid``): per pass the measured goodput
+   per device of every candidate at the cell's SLO; the measured goodput is the mean over
+   passes.
+3. Per cell, ``planner.decision.decide`` of the map's goodputs against the measured ones:
+   the mapped winner against the measured first, regret, Kendall tau, and whether the
+   families agree. A disagreement lies inside the machine's rerun noise when, in at least
+   one pass, the mapped winner was measured first (tied included): the machine itself
+   cannot tell the two apart (None without reruns: nothing to judge it by).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from engine.config import ConditionalConfig, EngineConfig, ModelConfig, TransferConfig
+from experiments.replay import run_placement
+from experiments.workload_spec import WorkloadSpec
+from planner import decision, search, slo_map
+
+CHECK_COLUMNS = ["io_ratio", "ttft_slo_s", "tpot_slo_s", "ttft_index", "tpot_index",
+                 "map_verdict", "mapped", "measured_first", "top1_agrees", "family_agrees",
+                 "regret", "kendall_tau", "inside_rerun_noise", "measured_goodput",
+                 "predicted_goodput"]
+
+
+def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: dict,
+              spec: WorkloadSpec, model: ModelConfig, engine: EngineConfig,
+              transfer: TransferConfig, devices: str, policy: str = "least_loaded",
+              local: bool = False, num_reruns: int = 0,
+              progress: Callable[[], None] | None = None) -> pd.DataFrame:
+    """Step 1 for one ratio: one row per (pass, candidate, rate, seed) with ``pass`` (0 =
+    the first), ``candidate``, ``placement``, ``num_devices``, ``rate``, ``seed`` and
+    ``search.LATENCY_COLUMNS`` (every real request's TTFT and TPOT, s). ``progress`` is
+    called after each candidate's runs.
+
+    Raises:
+        ValueError: a placement that does not fit ``devices``, a workload that does not fit.
+    """
+    rows = []
+    for k in range(1 + num_reruns):
+        for cand in cands:
+            for r in run_placement(cand.placement, list(rates), items, spec, model,
+                                   cand.engine(engine), transfer, devices, None, policy,
+                                   local=local, conditional=ConditionalConfig()):
+                ttft, tpot = search.request_latencies(r.records)
+                rows.append({"pass": k, "candidate": cand.label, "placement": cand.placement,
+                             "num_devices": cand.num_devices, "rate": r.rate, "seed": r.seed,
+                             "ttft_s_all": ttft, "tpot_s_all": tpot})
+            if progress is not None:
+                progress()
+    return pd.DataFrame(rows)
+
+
+def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs: pd.DataFrame,
+                ttft_grid: Sequence[float], tpot_grid: Sequence[float],
+                families: Mapping[str, str]) -> pd.DataFrame:
+    """Steps 2-3 for one ratio's checked cells (``picked``: rows of ``slo_map.cells``).
+
+    Args:
+        predicted: the map's goodput grids per candidate label (``slo_map.map_ratio``).
+        runs: ``real_runs``' rows.
+        families: candidate label -> family.
+
+    Returns:
+        One row per checked cell (``CHECK_COLUMNS``; ``measured_goodput`` and
+        ``predicted_goodput`` are "label=value; ..." texts).
+    """
+    passes = [slo_map.goodput_grid(g, ttft_grid, tpot_grid)
+              for _, g in runs.groupby("pass", sort=True)]
+    labels = [x for x in predicted if x in passes[0]]
+    rows = []
+    for cell in picked.itertuples():
+        i, j = cell.ttft_index, cell.tpot_index
+        pred = {x: float(predicted[x][i, j]) for x in labels}
+        per_pass = [{x: float(p[x][i, j]) for x in labels} for p in passes]
+        meas = {x: float(np.mean([p[x] for p in per_pass])) for x in labels}
+        d = decision.decide(pred, meas)
+        firsts = d["measured_first"].split(" = ")
+        noise = None
+        if not d["top1_agrees"] and len(per_pass) > 1:
+            noise = any(p[d["predicted_first"]] >= max(p.values()) for p in per_pass)
+        rows.append({"io_ratio": cell.io_ratio, "ttft_slo_s": cell.ttft_slo_s,
+                     "tpot_slo_s": cell.tpot_slo_s, "ttft_index": i, "tpot_index": j,
+                     "map_verdict": cell.verdict, "mapped": d["predicted_first"],
+                     "measured_first": d["measured_first"], "top1_agrees": d["top1_agrees"],
+                     "family_agrees": families[d["predicted_first"]] in {families[f] for f in firsts},
+                     "regret": d["regret"], "kendall_tau": d["kendall_tau"],
+                     "inside_rerun_noise": noise,
+                     "measured_goodput": "; ".join(f"{x}={v:.3g}" for x, v in meas.items()),
+                     "predicted_goodput": "; ".join(f"{x}={v:.3g}" for x, v in pred.items())})
+    return pd.DataFrame(rows, columns=CHECK_COLUMNS)
+
+
+def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
+    """``checked`` (``check_cells`` rows) as ``decision.figures``' input table: one row per
+    (cell, placement) with its predicted and measured goodput."""
+    rows = []
+    for r in checked.itertuples():
+        cell = f"{r.io_ratio:g} @ TTFT {r.ttft_slo_s:g} s, TPOT {r.tpot_slo_s:g} s"
+        meas = dict(kv.split("=") for kv in r.measured_goodput.split("; "))
+        for kv in r.predicted_goodput.split("; "):
+            label, value = kv.split("=")
+            rows.append({"cell": cell, "placement": label, "predicted": float(value),
+                         "measured": float(meas[label])})
+    return pd.DataFrame(rows, columns=["cell", "placement", "predicted", "measured"])
+
+
+def summary_lines(checked: pd.DataFrame, num_reruns: int) -> list[str]:
+    """The validation summary: the decision figures (``decision.summary_line``) over the
+    checked cells and one line per disagreement, with whether it lies inside the rerun
+    noise."""
+    per_cell, s = decision.figures(decision_table(checked))
+    lines = [f"validated {len(checked)} cell(s) for real: " + decision.summary_line(s)
+             + f"; family agreement {100 * checked['family_agrees'].mean():.0f}%"]
+    for r in checked[~checked["top1_agrees"]].itertuples():
+        noise = ("no reruns to judge it by (--validate-reruns)" if r.inside_rerun_noise is None
+                 else "inside the rerun noise (a pass measured the mapped one first)"
+                 if r.inside_rerun_noise else
+                 f"outside the rerun noise (no pass of {1 + num_reruns} measured it first)")
+        lines.append(f"  disagreement at io {r.io_ratio:g}, TTFT {r.ttft_slo_s:g} s, TPOT "
+                     f"{r.tpot_slo_s:g} s: mapped {r.mapped} ({r.map_verdict}), measured "
+                     f"{r.measured_first}, regret {100 * r.regret:.1f}%: {noise}")
+    return lines

@@ -1,0 +1,110 @@
+"""Decision-grade figures of a planner against real runs (no torch): not "how far off is each
+point" (``experiments.validate``'s errors) but "would following the planner have chosen
+well".
+
+Per decision (one SLO, one workload: a ``pdlab map`` cell or a ``pdlab plan --validate``
+run), with the predicted and the measured goodput per device of each placement:
+
+- **top-1 agreement**: the planner's first (highest predicted; ties: the first listed) is
+  a measured first (a measured tie at the top accepts any of them);
+- **regret**: the goodput lost by following the planner instead of the measured best, as
+  a fraction of the measured best: (best - measured[planner's first]) / best (0 when the
+  measured best is 0: nothing to lose);
+- **Kendall tau** (tau-b, ties counted as Kendall's tau-b does) between the predicted and
+  the measured goodputs over the placements: 1 = the same order, -1 = reversed; NaN with
+  fewer than two placements or when either side ties all of them.
+
+``figures`` summarizes a table of many decisions: the share of top-1 agreements, mean and
+worst regret, mean tau.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+DECISION_COLUMNS = ["cell", "predicted_first", "measured_first", "top1_agrees", "regret",
+                    "kendall_tau", "num_placements"]
+
+
+def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
+    """Kendall's tau-b of two equally long sequences (Kendall 1945; what
+    ``scipy.stats.kendalltau`` computes by default): (concordant - discordant) /
+    sqrt((n0 - ties in x) (n0 - ties in y)) over the n0 = n (n - 1) / 2 pairs.
+
+    Raises:
+        ValueError: the lengths differ.
+    """
+    if len(x) != len(y):
+        raise ValueError(f"kendall_tau needs equal lengths, got {len(x)} and {len(y)}")
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    i, j = np.triu_indices(len(a), k=1)
+    dx, dy = np.sign(a[i] - a[j]), np.sign(b[i] - b[j])
+    n0 = len(i)
+    tx, ty = int(np.sum(dx == 0)), int(np.sum(dy == 0))
+    denom = math.sqrt((n0 - tx) * (n0 - ty))
+    return float(np.sum(dx * dy) / denom) if denom > 0 else math.nan
+
+
+def decide(predicted: Mapping[str, float], measured: Mapping[str, float]) -> dict:
+    """One decision's figures (module docstring) over the placements both sides have, in
+    ``predicted``'s order: ``predicted_first``, ``measured_first`` (all tied firsts joined by
+    " = "), ``top1_agrees``, ``regret``, ``kendall_tau``, ``num_placements``.
+
+    Raises:
+        ValueError: the two share no placement.
+    """
+    common = [p for p in predicted if p in measured]
+    if not common:
+        raise ValueError("the predicted and measured goodputs share no placement")
+    first = max(common, key=lambda p: predicted[p])  # the first listed of a tie
+    best = max(measured[p] for p in common)
+    firsts = [p for p in common if measured[p] == best]
+    regret = (best - measured[first]) / best if best > 0 else 0.0
+    return {"predicted_first": first, "measured_first": " = ".join(firsts),
+            "top1_agrees": first in firsts, "regret": float(regret),
+            "kendall_tau": kendall_tau([predicted[p] for p in common],
+                                       [measured[p] for p in common]),
+            "num_placements": len(common)}
+
+
+def figures(table: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
+    """Many decisions at once.
+
+    Args:
+        table: one row per (cell, placement) with ``cell`` (any label of the decision),
+            ``placement``, ``predicted`` and ``measured`` (goodput per device, req/s).
+
+    Returns:
+        (one row per cell, ``DECISION_COLUMNS``, in first-seen order; summary dict:
+        ``num_cells``, ``top1_agreement`` (share of cells), ``regret_mean``, ``regret_max``,
+        ``kendall_tau_mean`` (over the cells where tau is defined; NaN if none)).
+
+    Raises:
+        ValueError: an empty table.
+    """
+    if table.empty:
+        raise ValueError("no decisions to score")
+    rows = []
+    for cell, g in table.groupby("cell", sort=False):
+        rows.append({"cell": cell, **decide(dict(zip(g["placement"], g["predicted"])),
+                                            dict(zip(g["placement"], g["measured"])))})
+    per_cell = pd.DataFrame(rows, columns=DECISION_COLUMNS)
+    taus = per_cell["kendall_tau"].dropna()
+    return per_cell, {"num_cells": len(per_cell),
+                      "top1_agreement": float(per_cell["top1_agrees"].mean()),
+                      "regret_mean": float(per_cell["regret"].mean()),
+                      "regret_max": float(per_cell["regret"].max()),
+                      "kendall_tau_mean": float(taus.mean()) if len(taus) else math.nan}
+
+
+def summary_line(s: Mapping) -> str:
+    """``figures``' summary as one sentence."""
+    tau = s["kendall_tau_mean"]
+    return (f"top-1 agreement {100 * s['top1_agreement']:.0f}% of {s['num_cells']} "
+            f"decision(s); regret mean {100 * s['regret_mean']:.1f}%, worst "
+            f"{100 * s['regret_max']:.1f}% of the measured best goodput; Kendall tau "
+            + (f"{tau:.2f}" if math.isfinite(tau) else "undefined (ties)"))

@@ -1,0 +1,372 @@
+"""Where disaggregation wins: the planner's answer over a grid of SLO targets and
+prompt:output ratios, with how sure it is (no torch).
+
+The question "is disaggregation faster for my workload?" depends on the regime (TaiChi,
+2026: aggregation wins at tight TTFT, disaggregation at tight TPOT, neither at balanced
+SLOs). ``pdlab map`` draws the regimes. Per prompt:output ratio:
+
+1. Candidates (``map_candidates``): ``search.candidates`` (colocated:N chunked at each
+   budget, colocated-nochunk:N, every disagg:xPyD) plus ``conditional:xPyD`` for every
+   disagg one. Each belongs to one family (``FAMILIES``, ``family_of``).
+2. One ``search.sweep`` per ratio with every request's TTFT and TPOT kept
+   (``latencies=True``): each (candidate, rate, seed) is simulated ONCE. The SLO does not
+   change what the simulated engine does, so the attainment of every (TTFT SLO, TPOT SLO)
+   cell is re-scored from the same requests (``attainment``: one matrix product per run)
+   and the goodput per device of every cell read from it (``goodput_grid``: DistServe's,
+   ``engine.metrics.goodput_rate`` on the mean-over-seeds curve). That is what makes an
+   8 x 8 x 3 map cost 3 sweeps, not 192.
+3. Per cell (``cells``): the best candidate of each family; the family whose best has the
+   most goodput wins; the runner-up is the best of another family; margin =
+   (winner - runner-up) / winner. "No clear winner" exactly where ``planner.band``'s rule
+   does not separate them (``band.separates``: the winner's goodput with every step
+   1 + S slower against the runner-up's with every step 1 - S faster; ``band_goodput``
+   simulates only the candidates that are winner or runner-up somewhere, at both ends, once
+   per ratio). With S = 0 a tie is no clear winner. A cell where nothing reaches 90%
+   attainment even at the lowest rate has no winner ("none").
+4. ``regions``: the text of where each family wins ("disagg wins when TPOT <= X and
+   TTFT >= Y"), from the bounding box of its clear cells.
+5. ``pick_cells``: which cells ``pdlab map --validate K`` checks for real (the corners and
+   cells beside a boundary, round-robin over the ratios).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+
+import numpy as np
+import pandas as pd
+
+from engine import metrics as m
+from engine.config import EngineConfig
+from engine.metrics import SLO
+from engine.request import Request
+from planner import band, search
+from planner.latency import DeviceProfile, TransferModel
+
+FAMILIES = ("colocated", "colocated chunked", "disagg", "conditional")
+NONE = "none"  # no placement meets the SLO in the swept rates
+NO_CLEAR = "no clear winner"
+CELL_COLUMNS = ["io_ratio", "ttft_slo_s", "tpot_slo_s", "ttft_index", "tpot_index", "verdict",
+                "winner_family", "winner", "goodput_per_device_req_s", "runner_up_family",
+                "runner_up", "runner_up_goodput_per_device_req_s", "margin", "clear",
+                "winner_goodput_slow", "runner_up_goodput_fast"]
+
+
+def family_of(placement: str) -> str:
+    """The family of a placement string: ``colocated-nochunk:N`` -> colocated,
+    ``colocated:N`` (chunked prefill, any budget) -> colocated chunked, ``disagg:xPyD`` ->
+    disagg, ``conditional:xPyD`` -> conditional.
+
+    Raises:
+        ValueError: another placement string.
+    """
+    kind = placement.split(":", 1)[0]
+    names = {"colocated-nochunk": "colocated", "colocated": "colocated chunked",
+             "disagg": "disagg", "conditional": "conditional"}
+    if kind not in names:
+        raise ValueError(f"no family for placement {placement!r}")
+    return names[kind]
+
+
+def map_candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
+                   conditional: bool = True) -> list[search.Candidate]:
+    """Step 1: ``search.candidates`` plus, with ``conditional``, ``conditional:xPyD`` for each
+    ``disagg:xPyD`` (same workers; Dynamo's rule prefills short prompts on the decode side).
+
+    Raises:
+        ValueError: ``num_devices < 1``.
+    """
+    cands = search.candidates(num_devices, chunk_budgets)
+    if conditional:
+        cands += [search.Candidate(c.placement.replace("disagg:", "conditional:"))
+                  for c in cands if c.placement.startswith("disagg:")]
+    return cands
+
+
+def parse_range(text: str, name: str = "range") -> tuple[float, ...]:
+    """``MIN:MAX:STEPS`` -> STEPS values from MIN to MAX (seconds), geometrically spaced
+    (SLO targets span decades), MIN and MAX included, 4 significant digits. ``STEPS`` = 1
+    needs MIN = MAX.
+
+    Raises:
+        ValueError: not three fields, MIN <= 0 (a negative or zero SLO), MIN > MAX, STEPS
+            not an integer >= 1, or STEPS 1 with MIN != MAX; the message starts with ``name``.
+    """
+    parts = text.split(":")
+    try:
+        lo, hi, steps = float(parts[0]), float(parts[1]), int(parts[2])
+        if len(parts) != 3:
+            raise ValueError
+    except (ValueError, IndexError):
+        raise ValueError(f"{name} must be MIN:MAX:STEPS (e.g. 0.1:4:8), got {text!r}") from None
+    if not (math.isfinite(lo) and math.isfinite(hi)) or lo <= 0:
+        raise ValueError(f"{name}: MIN must be a number of seconds > 0, got {text!r}")
+    if lo > hi:
+        raise ValueError(f"{name}: MIN must be <= MAX, got {text!r}")
+    if steps < 1:
+        raise ValueError(f"{name}: STEPS must be >= 1, got {text!r}")
+    if steps == 1 and lo != hi:
+        raise ValueError(f"{name}: one step needs MIN = MAX, got {text!r}")
+    return tuple(float(f"{v:.4g}") for v in np.geomspace(lo, hi, steps))
+
+
+def parse_ratios(text: str) -> tuple[float, ...]:
+    """Comma-separated prompt:output token ratios (each > 0, each once), e.g. ``0.25,1,4``.
+
+    Raises:
+        ValueError: an empty list, a value that is not a number > 0, or a repeat.
+    """
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or any(not (math.isfinite(v) and v > 0) for v in values):
+        raise ValueError(f"io ratios must be comma-separated numbers > 0, got {text!r}")
+    if len(set(values)) != len(values):
+        raise ValueError(f"each io ratio may appear once, got {text!r}")
+    return values
+
+
+def ratio_lengths(ratio: float, request_tokens: int) -> tuple[str, str]:
+    """Synthetic lengths for prompt:output ``ratio`` at ``request_tokens`` (prompt + output
+    on average): mean prompt p = round(request_tokens x ratio / (1 + ratio)), mean output
+    o = request_tokens - p (each >= 1), each drawn uniform in [0.5 x, 1.5 x] of its mean
+    (``WorkloadSpec`` ``lo-hi`` strings).
+
+    Raises:
+        ValueError: ``request_tokens < 2``.
+    """
+    if request_tokens < 2:
+        raise ValueError(f"request_tokens must be >= 2, got {request_tokens}")
+    p = min(max(1, round(request_tokens * ratio / (1 + ratio))), request_tokens - 1)
+    o = request_tokens - p
+
+    def span(mean: int) -> str:
+        lo, hi = max(1, round(0.5 * mean)), max(1, round(1.5 * mean))
+        return f"{lo}-{hi}"
+
+    return span(p), span(o)
+
+
+def attainment(ttft: np.ndarray, tpot: np.ndarray, ttft_grid: Sequence[float],
+               tpot_grid: Sequence[float]) -> np.ndarray:
+    """SLO attainment of one run at every cell, shape (len(ttft_grid), len(tpot_grid)):
+    the share of requests with TTFT <= T and TPOT <= P (``search.request_latencies``' coding,
+    so this is ``engine.metrics.slo_attainment``). NaN for a run without requests."""
+    n = len(ttft)
+    if n == 0:
+        return np.full((len(ttft_grid), len(tpot_grid)), math.nan)
+    ok_t = (np.asarray(ttft)[:, None] <= np.asarray(ttft_grid)[None, :]).astype(float)
+    ok_p = (np.asarray(tpot)[:, None] <= np.asarray(tpot_grid)[None, :]).astype(float)
+    return ok_t.T @ ok_p / n
+
+
+def goodput_grid(runs: pd.DataFrame, ttft_grid: Sequence[float],
+                 tpot_grid: Sequence[float]) -> dict[str, np.ndarray]:
+    """Step 2: candidate label -> goodput per device (req/s) at every cell, shape
+    (len(ttft_grid), len(tpot_grid)): per (candidate, rate) the mean over seeds of
+    ``attainment``, then ``engine.metrics.goodput_rate`` per cell (as ``search.rank`` reads
+    one SLO). ``runs``: ``search.sweep(..., latencies=True)`` rows."""
+    out = {}
+    shape = (len(ttft_grid), len(tpot_grid))
+    for label, g in runs.groupby("candidate", sort=False):
+        n_dev = int(g["num_devices"].iloc[0])
+        rates, curves = [], []
+        for rate, at in g.groupby("rate", sort=True):
+            rates.append(float(rate))
+            curves.append(np.mean([attainment(t, p, ttft_grid, tpot_grid)
+                                   for t, p in zip(at["ttft_s_all"], at["tpot_s_all"])], axis=0))
+        stack = np.stack(curves)  # (rates, T, P)
+        goodput = np.zeros(shape)
+        for i in range(shape[0]):
+            for j in range(shape[1]):
+                goodput[i, j] = m.goodput_rate(rates, list(stack[:, i, j]), n_dev)
+        out[label] = goodput
+    return out
+
+
+def _best_per_family(goodput: Mapping[str, float], family: Mapping[str, str]) -> list[tuple[str, str, float]]:
+    """(family, candidate, goodput) of each family's best candidate (ties: the first
+    listed), best family first (ties: the families' first candidate order)."""
+    best: dict[str, tuple[str, float]] = {}
+    for label, g in goodput.items():
+        f = family[label]
+        if f not in best or g > best[f][1]:
+            best[f] = (label, g)
+    ranked = sorted(best.items(), key=lambda kv: -kv[1][1])  # stable
+    return [(f, label, g) for f, (label, g) in ranked]
+
+
+def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
+          ttft_grid: Sequence[float], tpot_grid: Sequence[float], io_ratio: float,
+          slow: Mapping[str, np.ndarray] | None = None,
+          fast: Mapping[str, np.ndarray] | None = None) -> pd.DataFrame:
+    """Step 3: one row per cell (``CELL_COLUMNS``), TTFT index major.
+
+    Args:
+        goodput: candidate label -> goodput per device per cell (``goodput_grid``), in the
+            candidates' order (it breaks ties).
+        families: candidate label -> family (``family_of`` of its placement).
+        slow, fast: the same at the band's ends for the candidates that were banded (None:
+            no band, both ends are the nominal goodput). A winner or runner-up missing there
+            is judged by its nominal goodput.
+
+    ``verdict``: the winner's label when clear, ``NO_CLEAR`` when the band does not
+    separate it from the runner-up, ``NONE`` when no candidate has goodput > 0 (then the
+    winner columns are empty and margin NaN). Margin: (winner - runner-up) / winner, 1.0
+    without a runner-up family.
+    """
+    slow, fast = slow or {}, fast or {}
+    rows = []
+    for i, ttft in enumerate(ttft_grid):
+        for j, tpot in enumerate(tpot_grid):
+            ranked = _best_per_family({k: float(v[i, j]) for k, v in goodput.items()}, families)
+            row = {"io_ratio": io_ratio, "ttft_slo_s": ttft, "tpot_slo_s": tpot,
+                   "ttft_index": i, "tpot_index": j}
+            if not ranked or ranked[0][2] <= 0:
+                rows.append({**row, "verdict": NONE, "winner_family": NONE, "winner": "",
+                             "goodput_per_device_req_s": 0.0, "runner_up_family": "",
+                             "runner_up": "", "runner_up_goodput_per_device_req_s": 0.0,
+                             "margin": math.nan, "clear": False, "winner_goodput_slow": 0.0,
+                             "runner_up_goodput_fast": 0.0})
+                continue
+            wf, w, wg = ranked[0]
+            rf, r, rg = ranked[1] if len(ranked) > 1 else ("", "", 0.0)
+            w_slow = float(slow[w][i, j]) if w in slow else wg
+            r_fast = float(fast[r][i, j]) if r in fast else rg
+            clear = band.separates(w_slow, r_fast)
+            rows.append({**row, "verdict": w if clear else NO_CLEAR, "winner_family": wf,
+                         "winner": w, "goodput_per_device_req_s": wg, "runner_up_family": rf,
+                         "runner_up": r, "runner_up_goodput_per_device_req_s": rg,
+                         "margin": (wg - rg) / wg, "clear": bool(clear),
+                         "winner_goodput_slow": w_slow, "runner_up_goodput_fast": r_fast})
+    return pd.DataFrame(rows, columns=CELL_COLUMNS)
+
+
+def contenders(table: pd.DataFrame) -> list[str]:
+    """The candidate labels that are winner or runner-up in some cell of ``table``
+    (``cells``), in first-seen order: the ones step 3 bands."""
+    labels = list(table["winner"]) + list(table["runner_up"])
+    return [x for x in dict.fromkeys(labels) if x]
+
+
+def map_ratio(cands: Sequence[search.Candidate], rates: Sequence[float],
+              requests_by_seed: dict[int, list[Request]], engine: EngineConfig,
+              profile: DeviceProfile, transfer: TransferModel | None,
+              ttft_grid: Sequence[float], tpot_grid: Sequence[float], io_ratio: float,
+              spread: float = 0.0, process: str = "poisson", burstiness: float = 1.0,
+              policy: str = "least_loaded", progress: Callable[[], None] | None = None,
+              jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray]]:
+    """Steps 2-3 for one ratio's workload (``requests_by_seed``).
+
+    Returns:
+        (``cells`` table, the sweep's rows without the per-request columns (``RUN_COLUMNS``
+        at the loosest cell's SLO, with a ``speed`` column: nominal/slow/fast), and the
+        nominal goodput grids per candidate label).
+
+    Raises:
+        ValueError: a bad ``spread`` (``band.scales``).
+    """
+    scales = band.scales(spread) if spread > 0 else {}
+    loosest = SLO(max(ttft_grid), max(tpot_grid))
+    runs = search.sweep(cands, list(rates), requests_by_seed, engine, profile, transfer, loosest,
+                        process, burstiness, policy, progress, jobs, latencies=True)
+    families = {c.label: family_of(c.placement) for c in cands}
+    goodput = goodput_grid(runs, ttft_grid, tpot_grid)
+    table = cells(goodput, families, ttft_grid, tpot_grid, io_ratio)
+    kept = [runs.drop(columns=search.LATENCY_COLUMNS).assign(speed="nominal")]
+    if scales:
+        banded = [c for c in cands if c.label in set(contenders(table))]
+        ends = {}
+        for speed, scale in scales.items():
+            rows = search.sweep(banded, list(rates), requests_by_seed, engine,
+                                profile.scaled(scale), transfer, loosest, process, burstiness,
+                                policy, progress, jobs, latencies=True)
+            ends[speed] = goodput_grid(rows, ttft_grid, tpot_grid)
+            kept.append(rows.drop(columns=search.LATENCY_COLUMNS).assign(speed=speed))
+        table = cells(goodput, families, ttft_grid, tpot_grid, io_ratio, ends["slow"], ends["fast"])
+    return table, pd.concat(kept, ignore_index=True), goodput
+
+
+def _condition(name: str, grid: Sequence[float], lo: int, hi: int) -> list[str]:
+    """The bounds of index span [lo, hi] of ``grid`` that are not the grid's own edges."""
+    if lo == 0 and hi == len(grid) - 1:
+        return []
+    if lo == hi:
+        return [f"{name} = {grid[lo]:g} s"]
+    out = []
+    if lo > 0:
+        out.append(f"{name} >= {grid[lo]:g} s")
+    if hi < len(grid) - 1:
+        out.append(f"{name} <= {grid[hi]:g} s")
+    return out
+
+
+def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence[float]) -> list[str]:
+    """Step 4: one line per family that wins some cell clearly, then one for the cells
+    without a clear winner and one for the cells nobody meets, for one ratio's ``cells``.
+
+    Each line is the bounding box of those cells: "<family> (<placements>) wins when TPOT
+    <= X s and TTFT >= Y s" when every cell of the box is its clear win, else "... wins in
+    n of the m cells where ..."; a bound at the grid's own edge is left out ("everywhere"
+    when none is left)."""
+    lines = []
+    clear = table[table["clear"]]
+    groups = [(f, clear[clear["winner_family"] == f]) for f in FAMILIES]
+    groups += [(NO_CLEAR, table[table["verdict"] == NO_CLEAR]),
+               (NONE, table[table["verdict"] == NONE])]
+    for name, part in groups:
+        if part.empty:
+            continue
+        ti, pi = part["ttft_index"], part["tpot_index"]
+        cond = (_condition("TPOT", tpot_grid, int(pi.min()), int(pi.max()))
+                + _condition("TTFT", ttft_grid, int(ti.min()), int(ti.max())))
+        box = (int(ti.max()) - int(ti.min()) + 1) * (int(pi.max()) - int(pi.min()) + 1)
+        where = " and ".join(cond)
+        if name in FAMILIES:
+            subject = f"{name} ({', '.join(dict.fromkeys(part['winner']))}) wins"
+        elif name == NO_CLEAR:
+            subject = "no clear winner (the speed bands overlap)"
+        else:
+            subject = "nothing meets the SLO at the lowest swept rate"
+        if len(part) == box:
+            lines.append(f"{subject} " + (f"when {where}" if where else "everywhere on the map"))
+        else:
+            lines.append(f"{subject} in {len(part)} of the {box} cells "
+                         + (f"where {where}" if where else "of the map"))
+    return lines
+
+
+def pick_cells(table: pd.DataFrame, k: int) -> pd.DataFrame:
+    """Step 5: ``k`` rows of ``table`` (``cells`` of every ratio, with ``io_ratio``) to check
+    for real. Per ratio its cells in the order: corner, cell beside a boundary, corner, ...
+    (corners (min, min), (max, max), (min, max), (max, min) in (TTFT, TPOT); boundary cells,
+    those whose right or upper neighbour has another verdict, smallest margin first); then
+    round-robin over the ratios, each cell once. Fewer than ``k`` when the map is smaller.
+
+    Raises:
+        ValueError: ``k < 1``.
+    """
+    if k < 1:
+        raise ValueError(f"the number of cells to check must be >= 1, got {k}")
+    orders = []
+    for _, part in table.groupby("io_ratio", sort=False):
+        key = {(r.ttft_index, r.tpot_index): idx for idx, r in zip(part.index, part.itertuples())}
+        verdict = {k_: table.at[idx, "verdict"] for k_, idx in key.items()}
+        ti, pi = max(i for i, _ in key), max(j for _, j in key)
+        corners = [key[c] for c in dict.fromkeys([(0, 0), (ti, pi), (0, pi), (ti, 0)])]
+        beside = [idx for (i, j), idx in key.items()
+                  if verdict.get((i + 1, j), verdict[(i, j)]) != verdict[(i, j)]
+                  or verdict.get((i, j + 1), verdict[(i, j)]) != verdict[(i, j)]]
+        beside.sort(key=lambda idx: (np.nan_to_num(table.at[idx, "margin"], nan=2.0)))
+        mixed = []
+        for n in range(max(len(corners), len(beside))):
+            mixed += corners[n:n + 1] + beside[n:n + 1]
+        orders.append(list(dict.fromkeys(mixed + list(part.index))))
+    picked: list = []
+    for n in range(max(map(len, orders), default=0)):
+        for order in orders:
+            if n < len(order) and order[n] not in picked and len(picked) < k:
+                picked.append(order[n])
+    return table.loc[picked]

@@ -1,0 +1,75 @@
+"""``pdlab map`` end to end on the tiny model: a 2 x 2 map of 2 devices, with 2 cells checked
+for real (workers in this process) and one rerun; every output is written, the map's cells
+are the planner's, and the checked cells' figures are decision.figures' own. Bad ranges are
+refused before anything runs."""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from experiments.cli import main
+from planner import slo_map
+
+PROFILE = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
+BASE = ["map", "--model", "tiny-random-llama", "--device-profile", str(PROFILE),
+        "--io-ratio", "1", "--request-tokens", "16", "--max-model-len", "64",
+        "--max-num-seqs", "4", "--max-num-batched-tokens", "64", "--transport", "inprocess",
+        "--num-rates", "3", "--num-requests", "30", "--jobs", "1"]
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores")
+def test_map_2x2_with_validate_2(tmp_path, capsys):
+    out = tmp_path / "map"
+    code = main(BASE + ["--devices", "2", "--ttft-slo", "0.05:1:2", "--tpot-slo", "0.003:0.05:2",
+                        "--local", "--validate", "2", "--validate-requests", "6",
+                        "--validate-rates", "20,200", "--validate-reruns", "1", "--out", str(out)])
+    assert code == 0
+    cells = pd.read_csv(out / "map.csv")
+    assert list(cells.columns) == slo_map.CELL_COLUMNS
+    assert len(cells) == 4
+    assert sorted(cells["ttft_slo_s"].unique()) == [0.05, 1.0]
+    assert sorted(cells["tpot_slo_s"].unique()) == [0.003, 0.05]
+    # every cell names a verdict the planner gives, and margins come with winners
+    assert set(cells["verdict"]) <= {slo_map.NONE, slo_map.NO_CLEAR, "colocated:2",
+                                     "colocated-nochunk:2", "disagg:1p1d", "conditional:1p1d"}
+    won = cells[cells["verdict"] != slo_map.NONE]
+    assert (won["margin"].between(0, 1)).all()
+    assert ((won["goodput_per_device_req_s"] - won["runner_up_goodput_per_device_req_s"])
+            / won["goodput_per_device_req_s"] - won["margin"]).abs().max() < 1e-12
+    checked = pd.read_csv(out / "map_validation.csv")
+    assert len(checked) == 2
+    # the corner (min, min) is checked first, then the next cell of pick_cells' order
+    assert (checked.iloc[0]["ttft_slo_s"], checked.iloc[0]["tpot_slo_s"]) == (0.05, 0.003)
+    assert checked["regret"].between(0, 1).all()
+    runs = pd.read_csv(out / "map_validation_runs.csv")
+    # 4 placements x 2 rates x 6 requests x 2 passes (first run and one rerun)
+    assert len(runs) == 4 * 2 * 6 * 2 and set(runs["pass"]) == {0, 1}
+    assert (out / "map_io1.png").stat().st_size > 0
+    regions = (out / "regions.txt").read_text()
+    assert "io ratio 1" in regions and "top-1 agreement" in regions
+    printed = capsys.readouterr().out
+    agree = checked["top1_agrees"].mean()
+    assert f"top-1 agreement {100 * agree:.0f}% of 2 decision(s)" in printed
+    assert math.isclose(checked["regret"].mean() * 100,
+                        float(printed.split("regret mean ")[1].split("%")[0]), abs_tol=0.05)
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("--ttft-slo", "4:0.1:8", "MIN must be <= MAX"),
+    ("--tpot-slo", "0.01:0.2:0", "STEPS must be >= 1"),
+    ("--ttft-slo", "-1:2:3", "> 0"),
+    ("--io-ratio", "1,0", "io ratios"),
+])
+def test_bad_ranges_are_refused_before_anything_runs(tmp_path, capsys, option, value, words):
+    out = tmp_path / "never"
+    with pytest.raises(SystemExit) as err:
+        main(BASE + ["--devices", "2", f"{option}={value}", "--out", str(out)])
+    assert err.value.code == 2
+    message = capsys.readouterr().err
+    assert f"argument {option}:" in message and words in message
+    assert not out.exists()
