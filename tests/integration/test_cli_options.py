@@ -32,6 +32,7 @@ from experiments.commands.bench import BenchConfig
 from server.config import ServeConfig
 from experiments.commands.interference import InterferenceConfig
 from experiments.commands.plan import PlanConfig
+from experiments.commands.map import MapConfig, _SPEC_SKIP as MAP_SPEC_SKIP
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_PROFILE = str(ROOT / "tests" / "data" / "tiny_device_profile.json")
@@ -49,16 +50,22 @@ BASE = {"run": TINY_RUN + ["--placement", "colocated:1"],
         "bench": ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
                   "--output-len", "3-8"],
         "plan": ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
-                 "--output-len", "3-8", "--profile", TINY_PROFILE, "--transport", "inprocess"]}
+                 "--output-len", "3-8", "--profile", TINY_PROFILE, "--transport", "inprocess"],
+        "map": ["--model", "tiny-random-llama", "--device-profile", TINY_PROFILE, "--transport",
+                "inprocess", "--ttft-slo", "0.1:1:2", "--tpot-slo", "0.01:0.1:2", "--io-ratio", "1",
+                "--request-tokens", "32"]}
 DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
            "compare": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig),
            "interference": (InterferenceConfig,),
            "serve": (ServeConfig, EngineConfig, TransferConfig, ConditionalConfig),
            "bench": (BenchConfig, WorkloadSpec),
-           "plan": (PlanConfig, WorkloadSpec, EngineConfig, TransferConfig)}
+           "plan": (PlanConfig, WorkloadSpec, EngineConfig, TransferConfig),
+           "map": (MapConfig, WorkloadSpec, EngineConfig, TransferConfig)}
 # dataclass fields the CLI leaves out (each worker binds its own device)
 SKIPPED = {(EngineConfig, "device")}
-SKIPPED_BY_COMMAND = {"bench": {(WorkloadSpec, "calibrate")}}  # bench has no calibration
+SKIPPED_BY_COMMAND = {"bench": {(WorkloadSpec, "calibrate")},  # bench has no calibration
+                      # map draws one synthetic workload per --io-ratio itself
+                      "map": {(WorkloadSpec, name) for name in MAP_SPEC_SKIP}}
 
 
 def _derived_rows(command: str) -> list[tuple[str, list[str], tuple[str, ...]]]:
@@ -160,6 +167,21 @@ PLAN_ROWS = [
     ("--transport", ["--validate", "--transport", "inprocess"], ("one process per worker",
                                                                  "use 'ray'")),
 ]
+MAP_ROWS = [
+    ("--ttft-slo", ["--ttft-slo", "2:1:4"], ("MIN must be <= MAX",)),
+    ("--ttft-slo", ["--ttft-slo=-1:1:4"], ("> 0",)),
+    ("--tpot-slo", ["--tpot-slo", "0.01:0.1:0"], ("STEPS must be >= 1",)),
+    ("--io-ratio", ["--io-ratio", "0"], ("ratio",)),
+    ("--validate-rates", ["--validate", "1", "--validate-rates", "-1"], ("> 0",)),
+    ("--rates", ["--rates", "0"], ("> 0",)),
+    ("--policy", ["--policy", "random"], ("least_loaded",)),
+    ("--out", ["--out", "FILE"], ("is a file",)),
+    ("--model", ["--model", "no-such-model"], ("unknown model",)),
+    ("--dtype", ["--dtype", "float64"], ("float32",)),
+    ("--transport", ["--transport", "ray"], ("no transfer model for transport 'ray'",)),
+    ("--granularity", ["--granularity", "layer"], ("whole-request KV transfers only",)),
+    ("--request-tokens", ["--request-tokens", "1000"], ("--max-model-len",)),
+]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]
         + [("compare", "--placements", ["--placements", "disagg:1p1d,disagg:1p1d"],
@@ -232,7 +254,9 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
             ("> the largest batch size (2)",))]
         + [("plan", *row) for row in _derived_rows("plan")]
         + [("plan", *r) for r in PLAN_ROWS]
-        + [(cmd, *r) for cmd in ("run", "compare", "plan") for r in WORKLOAD_ROWS])
+        + [(cmd, *r) for cmd in ("run", "compare", "plan") for r in WORKLOAD_ROWS]
+        + [("map", *row) for row in _derived_rows("map")]
+        + [("map", *r) for r in MAP_ROWS])
 
 
 @pytest.fixture
