@@ -76,6 +76,9 @@ class FakeDeployment:
     def gather(self, method):
         return [{"name": "w0", "role": "colocated", "device": "cpu:0", "torch_num_threads": 1}]
 
+    def reset_prefix_cache(self):
+        self.resets = getattr(self, "resets", 0) + 1
+
     def run(self, workload, on_finish=None):
         records = []
         for request, offset in workload:
