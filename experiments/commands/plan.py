@@ -272,7 +272,8 @@ def _console(ranked: pd.DataFrame) -> str:
             "goodput_per_device_req_s": "goodput/device (req/s)",
             "goodput_seed_min": "seed min", "goodput_seed_max": "seed max",
             **({"goodput_slow": "slow", "goodput_fast": "fast"} if "goodput_slow" in ranked else {}),
-            "ttft_p50_s": "TTFT p50 (s)", "tpot_p99_s": "TPOT p99 (s)"}
+            "ttft_p50_s": "TTFT p50 (s)", "tpot_p99_s": "TPOT p99 (s)",
+            "prefix_hit_rate": "prefix hits"}
     return ranked[list(cols)].rename(columns=cols).to_string(index=False, float_format="{:.4g}".format)
 
 
