@@ -358,6 +358,11 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
         goodput_req_s: vLLM's goodput, SLO-meeting requests / s (NaN without ``slo``);
         kv_bytes_total: KV bytes shipped, all requests; kv_gb_s: kv_bytes_total over the
             summed put + get seconds (NaN without transfers).
+        prefill_tokens_skipped: prompt tokens whose prefill the prefix cache skipped, all
+            requests (the sum of ``num_cached_prompt_tokens``); prefix_hit_rate: that over
+            all prompt tokens (vLLM's prefix-cache hit rate: hits / queries in tokens; NaN
+            with no prompt tokens); kv_bytes_saved_total: KV bytes not shipped because the
+            decode worker held the prefix; num_preemptions_total: preemptions, all requests.
     """
     done = [r for r in records if not failed(r)]
     out: dict[str, float] = {"num_requests": len(records), "num_failed": len(records) - len(done)}
@@ -382,7 +387,25 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
     moved = [(r.kv_bytes, kv_transfer_s(r)) for r in records if kv_transfer_s(r) is not None]
     seconds = sum(s for _, s in moved)
     out["kv_gb_s"] = sum(b for b, _ in moved) / seconds / 1e9 if seconds > 0 else math.nan
+    out["prefill_tokens_skipped"] = prefill_tokens_skipped(records)
+    out["prefix_hit_rate"] = prefix_hit_rate(records)
+    out["kv_bytes_saved_total"] = sum(r.kv_bytes_saved for r in records)
+    out["num_preemptions_total"] = sum(r.num_preemptions for r in records)
     return out
+
+
+def prefill_tokens_skipped(records: Sequence[RequestRecord]) -> int:
+    """Prompt tokens whose prefill the prefix cache skipped, summed over ``records`` (their
+    ``num_cached_prompt_tokens``; failed requests included: their prefill was skipped too)."""
+    return sum(r.num_cached_prompt_tokens for r in records)
+
+
+def prefix_hit_rate(records: Sequence[RequestRecord]) -> float:
+    """``prefill_tokens_skipped`` / prompt tokens over ``records``: vLLM's prefix-cache hit
+    rate (hit tokens / queried tokens, ``vllm:prefix_cache_hits`` / ``queries``). NaN with
+    no prompt tokens."""
+    prompt_tokens = sum(r.num_prompt_tokens for r in records)
+    return prefill_tokens_skipped(records) / prompt_tokens if prompt_tokens else math.nan
 
 
 ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold (DESIGN §6)

@@ -49,6 +49,7 @@ SEED_COLUMNS = [
     "tpot_router_p99_s", "itl_router_p99_s", "dispatch_lag_p99_s", "kv_put_p50_s",
     "kv_get_p50_s", "kv_transfer_p50_s", "kv_gb_s", "prefill_p50_s", "first_decode_gap_p50_s",
     "prefill_queue_p50_s", "ttft_mean_s", "tpot_mean_s", "duration_s", "kv_bytes_total",
+    "prefix_hit_rate", "prefill_tokens_skipped", "kv_bytes_saved_total", "num_preemptions_total",
 ]
 # Metrics reported as mean over seeds with a 95% bootstrap interval (<m>, <m>_ci_lo, <m>_ci_hi).
 CI_METRICS = [
@@ -60,6 +61,7 @@ EXTRA_COLUMNS = [
     "e2e_p50_s", "e2e_p99_s", "tpot_router_p99_s", "itl_router_p99_s", "dispatch_lag_p99_s",
     "kv_put_p50_s", "kv_get_p50_s", "kv_transfer_p50_s", "kv_gb_s", "prefill_p50_s",
     "first_decode_gap_p50_s", "prefill_queue_p50_s", "duration_s", "kv_bytes_total",
+    "prefix_hit_rate", "prefill_tokens_skipped", "kv_bytes_saved_total", "num_preemptions_total",
 ]
 HIGHER_IS_BETTER = {"slo_attainment", "throughput_req_s", "output_tok_s", "goodput_req_s"}
 SUMMARY_COLUMNS = (["placement", "rate", "num_seeds", "num_requests", "num_failed"]
@@ -118,7 +120,8 @@ def summary_row(placement: str, rate: float, records: Sequence[RequestRecord], s
     row: dict = {"placement": placement, "rate": float(rate), "seed": int(seed)}
     for col in SEED_COLUMNS[3:]:
         row[col] = s[col]
-    for col in ("num_requests", "num_failed", "kv_bytes_total"):
+    for col in ("num_requests", "num_failed", "kv_bytes_total", "prefill_tokens_skipped",
+                "kv_bytes_saved_total", "num_preemptions_total"):
         row[col] = int(row[col])
     return row
 

@@ -33,6 +33,11 @@ DEFINITIONS = [
     "`kv_transfer_p50_s`); `kv_gb_s` = bytes / (put + get seconds).",
     "Each cell with an interval is the mean over seeds and a 95% hierarchical bootstrap "
     "interval (seeds and, inside each, requests resampled; 1000 replicates).",
+    "`prefix_hit_rate` = prompt tokens found in the prefix cache / prompt tokens, over every "
+    "request (vLLM's hit rate in tokens); `prefill_tokens_skipped` = those cached tokens (the "
+    "prefill the cache saved, on the worker that prefilled each request); "
+    "`kv_bytes_saved_total` = KV not shipped because the decode worker already held the "
+    "prefix. Seed means.",
     "Goodput per device (DistServe): the highest swept rate whose attainment is >= "
     f"{100 * ATTAINMENT_TARGET:.0f}% and at which every lower swept rate also met it, over "
     "the placement's devices.",
@@ -53,7 +58,7 @@ def format_value(column: str, value: Any) -> str:
             return str(value)
         if math.isnan(v):
             return "NaN"
-        if column == "slo_attainment":
+        if column in ("slo_attainment", "prefix_hit_rate"):
             return f"{100 * v:.1f}%"
         if column in _INT_COLUMNS or (column not in ("rate",) and v.is_integer()
                                       and not column.endswith("_s")):

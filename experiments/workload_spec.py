@@ -209,7 +209,8 @@ def build_workload(spec: WorkloadSpec, model: ModelConfig, seed: int | None = No
         return Timed(fit_workload(items, max_len, model.model) if max_len else items)
     tokenizer = load_tokenizer(model)
     if tokenizer is None:
-        raise ValueError(f"model {model.model} has no tokenizer: use --dataset synthetic")
+        raise ValueError(f"model {model.model} has no tokenizer: use --dataset synthetic, "
+                         "prefix_repetition or mooncake (random token ids)")
     if spec.dataset == "multiturn":
         return MultiTurn(workloads.sharegpt_conversations(
             tokenizer, spec.num_requests, seed, min_turns=2, max_turns=spec.max_turns,
@@ -298,6 +299,22 @@ def router_workload(items: list[workloads.WorkloadRequest], rate: float, spec: W
 
 class Timed(list):
     """Workload requests that carry their own arrival offsets (a trace): no rate applies."""
+
+
+def trace_rate(items: Sequence[workloads.WorkloadRequest]) -> float:
+    """The mean arrival rate of a trace's requests (req/s): ``(n - 1)`` gaps over the span
+    from the first arrival to the last (``arrival_s``); ``n`` when every request arrives at
+    once (or there is one). What ``pdlab plan`` labels a trace's single run with, since
+    ``--rates`` do not apply to it.
+
+    Raises:
+        ValueError: no requests.
+    """
+    if not items:
+        raise ValueError("a trace needs at least one request")
+    times = [it.arrival_s for it in items]
+    span = max(times) - min(times)
+    return (len(times) - 1) / span if span > 0 else float(len(times))
 
 
 class TimedRequests(list):

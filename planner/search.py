@@ -145,7 +145,7 @@ def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile
 
 RUN_COLUMNS = ["candidate", "placement", "chunk_budget", "num_devices", "rate", "seed",
                "num_requests", "num_failed", "slo_attainment", "ttft_p50_s", "ttft_p99_s",
-               "tpot_p50_s", "tpot_p99_s", "sim_s"]
+               "tpot_p50_s", "tpot_p99_s", "prefix_hit_rate", "sim_s"]
 
 
 LATENCY_COLUMNS = ["ttft_s_all", "tpot_s_all"]
@@ -167,8 +167,9 @@ def request_latencies(records: Sequence[RequestRecord]) -> tuple[np.ndarray, np.
 
 
 def run_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
-    """SLO attainment (DistServe's, over all requests) and TTFT/TPOT p50/p99 over completed
-    requests (``engine.metrics``; numpy linear percentiles as ``summarize``)."""
+    """SLO attainment (DistServe's, over all requests), TTFT/TPOT p50/p99 over completed
+    requests (``engine.metrics``; numpy linear percentiles as ``summarize``) and the prefix
+    cache's hit rate (``engine.metrics.prefix_hit_rate``)."""
     done = [r for r in records if not m.failed(r)]
     ttft = np.array([m.ttft_s(r) for r in done], dtype=float)
     tpot = np.array([v for v in map(m.tpot_s, done) if v is not None], dtype=float)
@@ -179,7 +180,8 @@ def run_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
     return {"num_requests": len(records), "num_failed": len(records) - len(done),
             "slo_attainment": m.slo_attainment(records, slo),
             "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
-            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99)}
+            "tpot_p50_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
+            "prefix_hit_rate": m.prefix_hit_rate(records)}
 
 
 def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequence[float]],
@@ -295,7 +297,7 @@ def refine_rates(runs: pd.DataFrame, num_points: int = 3,
 RANK_COLUMNS = ["rank", "candidate", "placement", "chunk_budget", "num_devices",
                 "goodput_per_device_req_s", "goodput_seed_min", "goodput_seed_max",
                 "goodput_rate", "at_sweep_top", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
-                "tpot_p99_s"]
+                "tpot_p99_s", "prefix_hit_rate"]
 
 
 def rank(runs: pd.DataFrame) -> pd.DataFrame:
@@ -304,7 +306,8 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
     ``goodput_per_device_req_s`` reads the mean-over-seeds attainment curve
     (``engine.metrics.goodput_rate``: the highest swept rate with >= 90% attainment there and
     at every lower rate, over the candidate's devices); ``goodput_seed_min/max`` is the
-    spread of the same figure per seed; the latencies are the seed means at ``goodput_rate``
+    spread of the same figure per seed; the latencies (and the prefix cache's hit rate) are
+    the seed means at ``goodput_rate`` (NaN for a column ``runs`` lacks)
     (the lowest rate when even it misses). ``at_sweep_top``: the candidate still met the
     target at its highest swept rate, so its goodput is only a lower bound (sweep higher).
     Ties keep the candidates' order.
@@ -323,8 +326,9 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
                      "goodput_per_device_req_s": goodput, "goodput_seed_min": min(per_seed),
                      "goodput_seed_max": max(per_seed), "goodput_rate": at_rate,
                      "at_sweep_top": bool(goodput > 0 and np.isclose(at_rate, g["rate"].max())),
-                     **{c: float(at[c].mean()) for c in ("ttft_p50_s", "ttft_p99_s",
-                                                         "tpot_p50_s", "tpot_p99_s")}})
+                     **{c: float(at[c].mean()) if c in at else math.nan
+                        for c in ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
+                                  "prefix_hit_rate")}})
     df = pd.DataFrame(rows)
     df = df.sort_values("goodput_per_device_req_s", ascending=False, kind="stable")
     df.insert(0, "rank", range(1, len(df) + 1))

@@ -39,7 +39,8 @@ from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_ar
                                  option_error, rate_list, what_if_transfer)
 from experiments.placement import worker_layout
 from experiments.report import markdown_table
-from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
+from experiments.workload_spec import (Timed, WorkloadSpec, build_workload, context_len,
+                                       requests_of, trace_rate)
 from planner import band, search, simulate
 from planner.latency import DeviceProfile, TransferModel, summary_lines
 from router.policy import POLICIES
@@ -195,6 +196,9 @@ def check(args: argparse.Namespace) -> PlanJob:
     if spec.calibrate:
         raise option_error("--calibrate", "pdlab plan sweeps its own rates (--rates or "
                                               "--num-rates); calibration is for real runs")
+    if spec.dataset == "mooncake" and args.rates is not None:
+        raise option_error("--rates", "a mooncake trace is replayed at its own timestamps "
+                                      "(scaled by --trace-time-scale-s): --rates do not apply")
     transfer = dataclass_from_args(TransferConfig, args)
     if plan.validate and transfer.transport == "inprocess":  # Deployment would refuse it, later
         raise option_error("--transport", "--validate runs the placements for real, one "
@@ -272,7 +276,8 @@ def _console(ranked: pd.DataFrame) -> str:
             "goodput_per_device_req_s": "goodput/device (req/s)",
             "goodput_seed_min": "seed min", "goodput_seed_max": "seed max",
             **({"goodput_slow": "slow", "goodput_fast": "fast"} if "goodput_slow" in ranked else {}),
-            "ttft_p50_s": "TTFT p50 (s)", "tpot_p99_s": "TPOT p99 (s)"}
+            "ttft_p50_s": "TTFT p50 (s)", "tpot_p99_s": "TPOT p99 (s)",
+            "prefix_hit_rate": "prefix hits"}
     return ranked[list(cols)].rename(columns=cols).to_string(index=False, float_format="{:.4g}".format)
 
 
@@ -283,12 +288,19 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
     items = {seed: build_workload(x.spec, x.model, seed, max_len) for seed in x.spec.seed_list}
     requests = {seed: requests_of(its, f"s{seed}") for seed, its in items.items()}
     all_items = [it for its in items.values() for it in its]
-    rates = x.rates or search.auto_rates(
-        x.profile, sum(it.num_prompt_tokens for it in all_items) / len(all_items),
-        sum(it.output_len for it in all_items) / len(all_items), x.plan.devices, x.plan.num_rates,
-        x.engine.max_num_seqs)
+    timed = isinstance(items[x.spec.seed], Timed)
+    if timed:  # one run per placement and seed, at the trace's own times (labelled by its rate)
+        rates = [float(f"{min(trace_rate(its) for its in items.values()):.4g}")]
+        print(f"pdlab plan: the mooncake trace is replayed at its own timestamps (mean "
+              f"{rates[0]:g} req/s): one run per placement and seed, labelled with that rate; "
+              f"goodput/device is that rate over the devices where >= 90% met the SLO, else 0")
+    else:
+        rates = x.rates or search.auto_rates(
+            x.profile, sum(it.num_prompt_tokens for it in all_items) / len(all_items),
+            sum(it.output_len for it in all_items) / len(all_items), x.plan.devices,
+            x.plan.num_rates, x.engine.max_num_seqs)
     print(f"pdlab plan: {len(x.candidates)} placements of {x.plan.devices} devices x {len(rates)} "
-          f"rates {rates} req/s x {len(requests)} seeds x {x.spec.num_requests} requests; "
+          f"rates {rates} req/s x {len(requests)} seeds x {len(all_items) // len(items)} requests; "
           f"profile {x.profile_path} ({x.profile.model}, {x.profile.device_kind} "
           f"{x.profile.device_name}, {x.profile.num_threads} threads)")
     for line in summary_lines(x.profile):
@@ -306,7 +318,7 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
         runs = search.sweep(x.candidates, rates, requests, x.engine, x.profile, x.transfer_model,
                             x.slo, x.spec.arrival, x.spec.burstiness, x.policy, bar.update,
                             x.plan.num_jobs)
-        if not x.rates:  # automatic ladder: read each goodput finer inside its bracket
+        if not x.rates and not timed:  # automatic ladder: read each goodput finer inside its bracket
             extra = search.refine_rates(runs)
             by_label = {c.label: c for c in x.candidates}
             bar.total += sum(len(r) for r in extra.values()) * len(requests)
@@ -344,13 +356,16 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
     print(_console(ranked))
     if band_text:
         print("\n" + band_text)
-    ceiling = ranked.loc[ranked["at_sweep_top"], "candidate"].tolist()
+    ceiling = [] if timed else ranked.loc[ranked["at_sweep_top"], "candidate"].tolist()
     warning = (f"Warning: {', '.join(ceiling)} still met the SLO target at the highest swept "
                "rate, so their goodput is a lower bound set by the sweep, not a capacity: "
                "rerun with higher --rates." if ceiling else "")
     if warning:
         print("\n" + warning)
-    text = [f"# pdlab plan: {x.model.model} on {x.plan.devices} devices", "",
+    timing = ([f"The mooncake trace is replayed at its own timestamps (mean {rates[0]:g} "
+               "req/s): one run per placement and seed; goodput/device is that rate over the "
+               "devices where >= 90% met the SLO, else 0.", ""] if timed else [])
+    text = [f"# pdlab plan: {x.model.model} on {x.plan.devices} devices", "", *timing,
             f"SLO TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s; rates {rates} req/s; "
             f"{x.spec.num_requests} requests x seeds {x.spec.seed_list}; profile "
             f"`{x.profile_path}`; simulated (pdlab's Scheduler and router policy, fitted step "

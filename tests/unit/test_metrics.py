@@ -230,3 +230,22 @@ def test_metrics_module_imports_no_torch():
     names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert "torch" not in names and "transformers" not in names
+
+
+def test_prefix_hits_and_prefill_skipped_are_summed_over_every_request():
+    """Prompts of 40, 56 and 72 tokens with 0, 32 and 48 cached (a 3-turn conversation in
+    16-token blocks): 80 of 168 prompt tokens skipped; a failed request's cached tokens
+    count too (its prefill was skipped all the same)."""
+    turns = [rec(f"t{k}") for k in range(3)]
+    for r, n, hit in zip(turns, (40, 56, 72), (0, 32, 48)):
+        r.num_prompt_tokens, r.num_cached_prompt_tokens = n, hit
+    turns[2].kv_bytes_saved, turns[1].num_preemptions = 4096, 2
+    s = m.summarize(turns)
+    assert s["prefill_tokens_skipped"] == 80
+    assert s["prefix_hit_rate"] == pytest.approx(80 / 168)
+    assert s["kv_bytes_saved_total"] == 4096 and s["num_preemptions_total"] == 2
+    failed = rec("f", tokens=())
+    failed.error, failed.num_prompt_tokens, failed.num_cached_prompt_tokens = "boom", 32, 16
+    s = m.summarize(turns + [failed])
+    assert s["prefill_tokens_skipped"] == 96 and s["prefix_hit_rate"] == pytest.approx(96 / 200)
+    assert math.isnan(m.summarize([])["prefix_hit_rate"])
