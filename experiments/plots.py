@@ -403,7 +403,8 @@ def plot_slo_map(cells: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Seq
     """One ratio's map (``planner.slo_map.cells``): TTFT SLO across, TPOT SLO up, one square
     per cell coloured by the winner's family, shaded by its margin over the runner-up (pale
     = small), hatched where there is no clear winner, grey where nothing meets the SLO; the
-    winner's short label in each cell. ``checked`` (rows with ``ttft_index``,
+    winner's short label in each cell, "+" after it where the winner met the SLO at the top
+    swept rate (``at_sweep_top``: its goodput is a lower bound). ``checked`` (rows with ``ttft_index``,
     ``tpot_index``, ``top1_agrees``): cells run for real, outlined black with "ok" (the
     measured winner is the mapped one) or "x"."""
     fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(ttft_grid), 1.2 + 0.6 * len(tpot_grid)))
@@ -415,7 +416,8 @@ def plot_slo_map(cells: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Seq
             colour = _FAMILY_COLOURS.get(row.winner_family, "C7")
             alpha = 0.25 + 0.75 * min(max(float(row.margin), 0.0), 1.0)
             hatch = None if row.clear else "///"
-            text = _short(row.winner) + ("" if row.clear else "?")
+            text = (_short(row.winner) + ("" if row.clear else "?")
+                    + ("+" if getattr(row, "at_sweep_top", False) else ""))
         ax.add_patch(plt.Rectangle((x - 0.5, y - 0.5), 1, 1, facecolor=colour, alpha=alpha,
                                    hatch=hatch, edgecolor="white", linewidth=0.5))
         ax.text(x, y, text, ha="center", va="center", fontsize=7)
@@ -433,6 +435,6 @@ def plot_slo_map(cells: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Seq
            xticks=range(len(ttft_grid)), xticklabels=[f"{v:g}" for v in ttft_grid],
            yticks=range(len(tpot_grid)), yticklabels=[f"{v:g}" for v in tpot_grid],
            xlabel="TTFT SLO (s)", ylabel="TPOT SLO (s)")
-    ax.set_title(title + "\n(shade = margin over the runner-up; ? / hatched = no clear winner)",
-                 fontsize=8)
+    ax.set_title(title + "\n(shade = margin over the runner-up; ? / hatched = no clear winner;"
+                 " + = met the top swept rate)", fontsize=8)
     return _save(fig, path, bbox_inches="tight")

@@ -22,7 +22,11 @@ SLOs). ``pdlab map`` draws the regimes. Per prompt:output ratio:
    1 + S slower against the runner-up's with every step 1 - S faster; ``band_goodput``
    simulates only the candidates that are winner or runner-up somewhere, at both ends, once
    per ratio). With S = 0 a tie is no clear winner. A cell where nothing reaches 90%
-   attainment even at the lowest rate has no winner ("none").
+   attainment even at the lowest rate has no winner ("none"). colocated:N and
+   colocated-nochunk:N tied where every prompt fits the chunk budget are one answer, not
+   rivals (``same_schedule``: the runner-up is then the next family's best). A winner that
+   still met the SLO at the top swept rate is flagged (``at_sweep_top``): its goodput is a
+   lower bound.
 4. ``regions``: the text of where each family wins ("disagg wins when TPOT <= X and
    TTFT >= Y"), from the bounding box of its clear cells.
 5. ``pick_cells``: which cells ``pdlab map --validate K`` checks for real (the corners and
@@ -47,10 +51,12 @@ from planner.latency import DeviceProfile, TransferModel
 FAMILIES = ("colocated", "colocated chunked", "disagg", "conditional")
 NONE = "none"  # no placement meets the SLO in the swept rates
 NO_CLEAR = "no clear winner"
+TOP = "at the sweep's top"  # regions' line for the cells whose winner met the top swept rate
 CELL_COLUMNS = ["io_ratio", "ttft_slo_s", "tpot_slo_s", "ttft_index", "tpot_index", "verdict",
                 "winner_family", "winner", "goodput_per_device_req_s", "runner_up_family",
                 "runner_up", "runner_up_goodput_per_device_req_s", "margin", "clear",
-                "winner_goodput_slow", "runner_up_goodput_fast"]
+                "winner_goodput_slow", "runner_up_goodput_fast", "at_sweep_top",
+                "same_schedule_as"]
 
 
 def family_of(placement: str) -> str:
@@ -201,7 +207,9 @@ def _best_per_family(goodput: Mapping[str, float], family: Mapping[str, str]) ->
 def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
           ttft_grid: Sequence[float], tpot_grid: Sequence[float], io_ratio: float,
           slow: Mapping[str, np.ndarray] | None = None,
-          fast: Mapping[str, np.ndarray] | None = None) -> pd.DataFrame:
+          fast: Mapping[str, np.ndarray] | None = None,
+          top: Mapping[str, float] | None = None,
+          twins: Mapping[str, str] | None = None) -> pd.DataFrame:
     """Step 3: one row per cell (``CELL_COLUMNS``), TTFT index major.
 
     Args:
@@ -211,13 +219,22 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
         slow, fast: the same at the band's ends for the candidates that were banded (None:
             no band, both ends are the nominal goodput). A winner or runner-up missing there
             is judged by its nominal goodput.
+        top: candidate label -> the goodput per device it would have at the top of the
+            swept rates (top rate / its devices). A winner at it has ``at_sweep_top``: it
+            still met the SLO at the fastest rate swept, so its goodput is a lower bound
+            (``search.rank``'s ``at_sweep_top``, per cell). None: never flagged.
+        twins: candidate label -> the label of a candidate that runs the same schedule on
+            this workload (``same_schedule``: colocated:N and colocated-nochunk:N when every
+            prompt fits the chunk budget). When the winner's twin is the runner-up family's
+            best at the same goodput, it is no rival: ``same_schedule_as`` names it and the
+            runner-up is the next family's best.
 
     ``verdict``: the winner's label when clear, ``NO_CLEAR`` when the band does not
     separate it from the runner-up, ``NONE`` when no candidate has goodput > 0 (then the
     winner columns are empty and margin NaN). Margin: (winner - runner-up) / winner, 1.0
     without a runner-up family.
     """
-    slow, fast = slow or {}, fast or {}
+    slow, fast, top, twins = slow or {}, fast or {}, top or {}, twins or {}
     rows = []
     for i, ttft in enumerate(ttft_grid):
         for j, tpot in enumerate(tpot_grid):
@@ -229,9 +246,13 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
                              "goodput_per_device_req_s": 0.0, "runner_up_family": "",
                              "runner_up": "", "runner_up_goodput_per_device_req_s": 0.0,
                              "margin": math.nan, "clear": False, "winner_goodput_slow": 0.0,
-                             "runner_up_goodput_fast": 0.0})
+                             "runner_up_goodput_fast": 0.0, "at_sweep_top": False,
+                             "same_schedule_as": ""})
                 continue
             wf, w, wg = ranked[0]
+            same = ""
+            if len(ranked) > 1 and twins.get(w) == ranked[1][1] and ranked[1][2] == wg:
+                same = ranked.pop(1)[1]  # one schedule under two names: not a rival
             rf, r, rg = ranked[1] if len(ranked) > 1 else ("", "", 0.0)
             w_slow = float(slow[w][i, j]) if w in slow else wg
             r_fast = float(fast[r][i, j]) if r in fast else rg
@@ -240,8 +261,30 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
                          "winner": w, "goodput_per_device_req_s": wg, "runner_up_family": rf,
                          "runner_up": r, "runner_up_goodput_per_device_req_s": rg,
                          "margin": (wg - rg) / wg, "clear": bool(clear),
-                         "winner_goodput_slow": w_slow, "runner_up_goodput_fast": r_fast})
+                         "winner_goodput_slow": w_slow, "runner_up_goodput_fast": r_fast,
+                         "at_sweep_top": bool(w in top and np.isclose(wg, top[w])),
+                         "same_schedule_as": same})
     return pd.DataFrame(rows, columns=CELL_COLUMNS)
+
+
+def same_schedule(cands: Sequence[search.Candidate], engine: EngineConfig,
+                  max_prompt_tokens: int) -> dict[str, str]:
+    """The ``twins`` of ``cells``: ``colocated:N`` (chunked, at the engine's own budget) and
+    ``colocated-nochunk:N`` map to each other when the longest prompt (tokens) fits the
+    chunk budget (``engine.max_num_batched_tokens``). Then no prompt needs splitting: the
+    chunked scheduler splits one only where it shares a step past the budget, where the
+    unchunked one makes it wait a step (``engine.scheduler``), so the two run nearly the
+    same schedule, and where they reach the same goodput the tie is one answer under two
+    names, not two rivals "with no clear winner". Candidates with their own
+    ``chunk_budget`` are left out."""
+    if max_prompt_tokens > engine.max_num_batched_tokens:
+        return {}
+    by_kind = {c.placement.split(":")[0]: c for c in cands if c.chunk_budget is None
+               and c.placement.split(":")[0] in ("colocated", "colocated-nochunk")}
+    if len(by_kind) < 2:
+        return {}
+    a, b = by_kind["colocated"].label, by_kind["colocated-nochunk"].label
+    return {a: b, b: a}
 
 
 def contenders(table: pd.DataFrame) -> list[str]:
@@ -274,7 +317,11 @@ def map_ratio(cands: Sequence[search.Candidate], rates: Sequence[float],
                         process, burstiness, policy, progress, jobs, latencies=True)
     families = {c.label: family_of(c.placement) for c in cands}
     goodput = goodput_grid(runs, ttft_grid, tpot_grid)
-    table = cells(goodput, families, ttft_grid, tpot_grid, io_ratio)
+    top = {c.label: max(rates) / c.num_devices for c in cands}
+    longest = max((len(r.prompt_token_ids) for reqs in requests_by_seed.values() for r in reqs),
+                  default=0)
+    twins = same_schedule(cands, engine, longest)
+    table = cells(goodput, families, ttft_grid, tpot_grid, io_ratio, top=top, twins=twins)
     kept = [runs.drop(columns=search.LATENCY_COLUMNS).assign(speed="nominal")]
     if scales:
         banded = [c for c in cands if c.label in set(contenders(table))]
@@ -285,7 +332,8 @@ def map_ratio(cands: Sequence[search.Candidate], rates: Sequence[float],
                                 policy, progress, jobs, latencies=True)
             ends[speed] = goodput_grid(rows, ttft_grid, tpot_grid)
             kept.append(rows.drop(columns=search.LATENCY_COLUMNS).assign(speed=speed))
-        table = cells(goodput, families, ttft_grid, tpot_grid, io_ratio, ends["slow"], ends["fast"])
+        table = cells(goodput, families, ttft_grid, tpot_grid, io_ratio, ends["slow"], ends["fast"],
+                      top, twins)
     return table, pd.concat(kept, ignore_index=True), goodput
 
 
@@ -304,8 +352,10 @@ def _condition(name: str, grid: Sequence[float], lo: int, hi: int) -> list[str]:
 
 
 def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence[float]) -> list[str]:
-    """Step 4: one line per family that wins some cell clearly, then one for the cells
-    without a clear winner and one for the cells nobody meets, for one ratio's ``cells``.
+    """Step 4: one line per family that wins some cell clearly (naming its same-schedule
+    twin where it tied with one), then one for the cells without a clear winner, one for
+    the cells whose winner met the top swept rate (``at_sweep_top``) and one for the cells
+    nobody meets, for one ratio's ``cells``.
 
     Each line is the bounding box of those cells: "<family> (<placements>) wins when TPOT
     <= X s and TTFT >= Y s" when every cell of the box is its clear win, else "... wins in
@@ -315,6 +365,7 @@ def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence
     clear = table[table["clear"]]
     groups = [(f, clear[clear["winner_family"] == f]) for f in FAMILIES]
     groups += [(NO_CLEAR, table[table["verdict"] == NO_CLEAR]),
+               (TOP, table[table["at_sweep_top"]]),
                (NONE, table[table["verdict"] == NONE])]
     for name, part in groups:
         if part.empty:
@@ -326,8 +377,15 @@ def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence
         where = " and ".join(cond)
         if name in FAMILIES:
             subject = f"{name} ({', '.join(dict.fromkeys(part['winner']))}) wins"
+            twins = [x for x in dict.fromkeys(part["same_schedule_as"]) if x]
+            if twins:
+                subject += (f" (tied with {', '.join(twins)} in {int((part['same_schedule_as'] != '').sum())}"
+                            " cells: every prompt fits the chunk budget, one schedule)")
         elif name == NO_CLEAR:
             subject = "no clear winner (the speed bands overlap)"
+        elif name == TOP:
+            subject = ("the winner met the SLO at the top swept rate (goodput a lower bound: "
+                       "sweep higher --rates)")
         else:
             subject = "nothing meets the SLO at the lowest swept rate"
         if len(part) == box:

@@ -130,6 +130,49 @@ def test_no_clear_winner_exactly_where_the_bands_overlap():
     assert plain["clear"].tolist() == [True, True, True, False]
 
 
+def test_same_schedule_twins_tied_are_one_answer():
+    from planner import search
+    from engine.config import EngineConfig
+    cands = slo_map.map_candidates(2)
+    engine = EngineConfig(max_num_batched_tokens=512)
+    twins = slo_map.same_schedule(cands, engine, 512)
+    assert twins == {"colocated:2": "colocated-nochunk:2", "colocated-nochunk:2": "colocated:2"}
+    assert slo_map.same_schedule(cands, engine, 513) == {}  # a prompt past the budget splits
+    assert slo_map.same_schedule([search.Candidate("colocated:2")], engine, 10) == {}
+    goodput = {"colocated:2": _grid([1.0, 1.0, 1.0]), "colocated-nochunk:2": _grid([1.0, 0.9, 0.0]),
+               "disagg:1p1d": _grid([0.5, 0.5, 0.0])}
+    t = slo_map.cells(goodput, FAMS, [1.0], [0.1, 0.2, 0.3], 1.0, twins=twins)
+    a, b, c = t.to_dict("records")
+    # cell 0: the exact tie is one schedule: the runner-up is disagg, and the cell is clear
+    assert (a["winner"], a["same_schedule_as"], a["runner_up"], a["clear"]) == \
+        ("colocated:2", "colocated-nochunk:2", "disagg:1p1d", True)
+    assert a["margin"] == pytest.approx(0.5)
+    # cell 1: not tied, the twin is an ordinary runner-up
+    assert (b["same_schedule_as"], b["runner_up"], b["margin"]) == ("", "colocated-nochunk:2",
+                                                                     pytest.approx(0.1))
+    # cell 2: the twin met nothing (0 < 1): no tie, it is the runner-up (first of the 0s)
+    assert (c["same_schedule_as"], c["runner_up"], c["margin"]) == ("", "colocated-nochunk:2", 1.0)
+    # without twins the tie at cell 0 stays "no clear winner"
+    plain = slo_map.cells(goodput, FAMS, [1.0], [0.1, 0.2, 0.3], 1.0)
+    assert plain.loc[0, "verdict"] == slo_map.NO_CLEAR
+    lines = slo_map.regions(t, [1.0], [0.1, 0.2, 0.3])
+    assert lines[0] == ("colocated chunked (colocated:2) wins (tied with colocated-nochunk:2 in 1 "
+                        "cells: every prompt fits the chunk budget, one schedule) everywhere on the map")
+
+
+def test_winner_at_the_sweep_top_is_flagged():
+    # top rate 4 req/s: 2 req/s per device on 2 devices
+    goodput = {"colocated:2": _grid([2.0, 1.0]), "disagg:1p1d": _grid([1.0, 1.5])}
+    fams = {"colocated:2": "colocated chunked", "disagg:1p1d": "disagg"}
+    top = {"colocated:2": 2.0, "disagg:1p1d": 2.0}
+    t = slo_map.cells(goodput, fams, [1.0], [0.1, 0.2], 1.0, top=top)
+    assert t["at_sweep_top"].tolist() == [True, False]
+    assert slo_map.regions(t, [1.0], [0.1, 0.2])[2] == (
+        "the winner met the SLO at the top swept rate (goodput a lower bound: sweep higher "
+        "--rates) when TPOT = 0.1 s")
+    assert not slo_map.cells(goodput, fams, [1.0], [0.1, 0.2], 1.0)["at_sweep_top"].any()
+
+
 # ---- region text ------------------------------------------------------------------------------
 def _square_map(verdicts: list[list[str]]) -> pd.DataFrame:
     """cells of a hand-made map: verdicts[i][j] at TTFT index i, TPOT index j."""
@@ -143,7 +186,8 @@ def _square_map(verdicts: list[list[str]]) -> pd.DataFrame:
                                      "-": slo_map.NONE}[v],
                          "winner_family": fam.get(v, slo_map.NONE if v == "-" else "disagg"),
                          "winner": {"C": "colocated:4", "D": "disagg:1p3d", "?": "disagg:1p3d",
-                                    "-": ""}[v], "runner_up": "", "margin": 0.5})
+                                    "-": ""}[v], "runner_up": "", "margin": 0.5,
+                         "at_sweep_top": False, "same_schedule_as": ""})
     return pd.DataFrame(rows)
 
 
