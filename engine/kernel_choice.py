@@ -12,14 +12,19 @@ times the candidates that exist here and keeps the fastest.
 - Buckets: rows ``n`` fall in bucket ``ceil(log2 n)`` (1, 2, 3-4, 5-8, ..., 257-512), each
   measured at its upper edge ``2^i``; beyond the last measured bucket the last one's choice
   holds (at those sizes every candidate is compute bound and their order no longer moves).
-- Timing: ``measure_min_s``, the minimum over a few rounds in which the candidates run
-  interleaved (one call of each per round), so a burst of load on a shared machine hits all
-  of them alike.
+- Timing: ``measure_median_s``, the median over ``ROUNDS`` (7) rounds in which the
+  candidates run interleaved (one sample of each per round, the order rotated round by round),
+  each sample lasting at least ``MIN_SAMPLE_S`` (5 ms; short calls are repeated within it). So
+  a burst of load on a shared machine hits every candidate alike, and one lucky or unlucky
+  sample moves nothing. The first version (the minimum of 3 rounds of 2 ms samples) kept
+  oneDNN at 16 rows on a Zen 4 core where pdlab's kernel was 22% faster in roofline's
+  interleaved table (benchmarks/README.md, issue 30): too few, too short samples.
 - Cache: one JSON file per machine, ``$PDLAB_CACHE_DIR/kernels/choices-<key>.json``, keyed by
   ``machine_key()``: the CPU model and feature flags, torch's version, the torch thread
   count, the ISA limits in the environment (``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
-  ``PDLAB_CPU_KERNELS_ISA``) and the C kernels' build. A file whose stored key differs (another
-  CPU, a copied home directory) is ignored and rewritten, so a machine measures once and
+  ``PDLAB_CPU_KERNELS_ISA``), the C kernels' build and the timing method (``TIMER``). A
+  file whose stored key differs (another CPU, a copied home directory, an older timing
+  method) is ignored and rewritten, so a machine measures once and
   every later process of it reads the file. A choice measured while the machine was loaded
   by other work sticks with it: delete the file to measure again.
 """
@@ -30,6 +35,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import tempfile
 import threading
 import time
@@ -42,8 +48,11 @@ from pathlib import Path
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PDLAB_CPU_KERNELS_ISA")
 # CPU flags named in the reports (the ones that decide which SIMD kernels exist).
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
-ROUNDS = 3  # timed rounds per measurement, after one warm-up round
-MIN_SAMPLE_S = 0.002  # shorter calls are repeated within one timed sample
+ROUNDS = 7  # timed rounds per measurement, after one warm-up round (odd: a true median)
+MIN_SAMPLE_S = 0.005  # shorter calls are repeated within one timed sample
+# The timing method, part of the cache key: choices measured by an older method (issue 30's
+# first, 3 rounds of 2 ms, minimum) are measured again.
+TIMER = f"median-of-{ROUNDS}x{MIN_SAMPLE_S * 1e3:g}ms-rotated"
 
 
 def bucket(num_rows: int) -> int:
@@ -81,7 +90,8 @@ def isa_summary(flags: str | None = None) -> str:
 def machine_key(threads: int, kernels_build: str | None) -> dict[str, object]:
     """What a measured choice depends on besides the problem: the CPU (model, family/model
     ids, a hash of its flags), torch's version, the torch thread count, the ISA caps set in
-    the environment, and the C kernels' build (its cache directory name, None where none)."""
+    the environment, the C kernels' build (its cache directory name, None where none) and the
+    timing method (``TIMER``)."""
     import torch  # only here: the rest of this module is plain Python, testable without it
 
     cpu = cpu_info()
@@ -89,7 +99,7 @@ def machine_key(threads: int, kernels_build: str | None) -> dict[str, object]:
             "cpu_flags_sha": hashlib.sha256(cpu["flags"].encode()).hexdigest()[:16],
             "torch": torch.__version__, "threads": threads,
             "isa_env": {name: os.environ.get(name, "") for name in ISA_ENV},
-            "kernels_build": kernels_build}
+            "kernels_build": kernels_build, "timer": TIMER}
 
 
 def cache_path(key: dict[str, object], root: Path) -> Path:
@@ -98,26 +108,37 @@ def cache_path(key: dict[str, object], root: Path) -> Path:
     return root / f"choices-{digest}.json"
 
 
-def measure_min_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
-                  min_sample_s: float = MIN_SAMPLE_S) -> dict[str, float]:
-    """Seconds of one call of each of ``runs``: the minimum over ``rounds`` rounds after one
-    warm-up round, the candidates called in turn within each round. A call shorter than
-    ``min_sample_s`` in the warm-up is repeated within each sample until the sample lasts
-    about that long (a lone call of a few microseconds is mostly timer and scheduler noise)."""
-    best = {name: float("inf") for name in runs}
+def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
+                     min_sample_s: float = MIN_SAMPLE_S) -> dict[str, float]:
+    """Seconds of one call of each of ``runs``: the median over ``rounds`` timed rounds after
+    one warm-up round. Each round takes one sample of every candidate, starting with the
+    next one in turn (round i starts at candidate ``i mod len(runs)``), so no candidate
+    always follows the same one (whose cache footprint or frequency it would inherit). A
+    call shorter than ``min_sample_s`` in the warm-up is repeated within each sample until
+    the sample lasts about that long (a lone call of a few microseconds is mostly timer and
+    scheduler noise).
+
+    Raises:
+        ValueError: ``rounds`` < 1.
+    """
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(runs)
+    samples: dict[str, list[float]] = {name: [] for name in names}
     loops = {}
-    for name, run in runs.items():  # warm-up: also sizes each sample
+    for name in names:  # warm-up: also sizes each sample
         start = time.perf_counter()
-        run()
+        runs[name]()
         loops[name] = max(1, min(1000, int(min_sample_s / max(time.perf_counter() - start,
                                                                 1e-7))))
-    for _ in range(rounds):
-        for name, run in runs.items():
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            run, count = runs[name], loops[name]
             start = time.perf_counter()
-            for _ in range(loops[name]):
+            for _ in range(count):
                 run()
-            best[name] = min(best[name], (time.perf_counter() - start) / loops[name])
-    return best
+            samples[name].append((time.perf_counter() - start) / count)
+    return {name: statistics.median(values) for name, values in samples.items()}
 
 
 class KernelSelector:
@@ -127,12 +148,12 @@ class KernelSelector:
     Args:
         key: ``machine_key(...)``: a cache file stored under another key is ignored.
         path: the cache file (``cache_path(key, ...)``); None keeps the choices in memory.
-        timer: ``runs -> seconds per run`` (``measure_min_s``; tests pass fake timings).
+        timer: ``runs -> seconds per run`` (``measure_median_s``; tests pass fake timings).
     """
 
     def __init__(self, key: dict[str, object], path: Path | None,
                  timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]]
-                 = measure_min_s) -> None:
+                 = measure_median_s) -> None:
         self.key, self.path, self.timer = key, path, timer
         self.choices: dict[str, dict[str, str]] = {}  # "op/shape" -> {bucket: candidate}
         self.measured_s = 0.0  # seconds this process spent measuring

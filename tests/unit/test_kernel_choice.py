@@ -5,6 +5,7 @@ without measuring, and measures again for another CPU or a candidate it no longe
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -102,20 +103,65 @@ def test_a_corrupt_cache_file_is_measured_again(tmp_path):
     assert timer.calls == [0] and json.loads(path.read_text())["key"] == ZEN3
 
 
-def test_measure_min_s_times_every_run_and_cache_path_depends_on_the_key(tmp_path):
-    calls = {"a": 0, "b": 0}
+def test_measure_median_s_takes_each_candidates_median_in_rotated_rounds(monkeypatch):
+    """On a fake clock: each call advances it by its scripted seconds. The candidates run
+    one warm-up each, then 3 rounds starting at a, b, c in turn; each gets the median of its
+    3 samples, so a's one fast sample (0.5, a lucky moment) and c's one slow sample (9, a
+    burst of load) move nothing, where the minimum would have made a the fastest."""
+    now = [0.0]
+    monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: now[0])
+    script = {"a": [1.0, 2.0, 0.5, 2.0], "b": [1.0, 1.5, 1.5, 1.5], "c": [1.0, 1.0, 9.0, 1.0]}
+    order = []
 
-    def count(name):
-        def run():
-            calls[name] += 1
-        return run
-    seconds = kernel_choice.measure_min_s({"a": count("a"), "b": count("b")}, rounds=2,
-                                          min_sample_s=0.0)
-    assert set(seconds) == {"a", "b"} and all(s >= 0 for s in seconds.values())
-    assert calls == {"a": 3, "b": 3}  # one warm-up + two timed rounds, one call each
+    def run(name):
+        def call():
+            order.append(name)
+            now[0] += script[name][sum(1 for n in order if n == name) - 1]
+        return call
+    seconds = kernel_choice.measure_median_s({name: run(name) for name in "abc"}, rounds=3,
+                                             min_sample_s=0.0)
+    assert seconds == {"a": 2.0, "b": 1.5, "c": 1.0}
+    assert "".join(order) == "abc" + "abc" + "bca" + "cab"  # warm-up, then rotated rounds
+    with pytest.raises(ValueError, match="rounds must be >= 1, got 0"):
+        kernel_choice.measure_median_s({"a": run("a")}, rounds=0)
+
+
+def test_short_calls_are_repeated_within_a_sample(monkeypatch):
+    """A 1 ms call with 5 ms samples: 5 calls per sample, and the per-call time reported."""
+    now, calls = [0.0], [0]
+
+    def call():
+        calls[0] += 1
+        now[0] += 0.001
+    monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: now[0])
+    seconds = kernel_choice.measure_median_s({"x": call}, rounds=3, min_sample_s=0.005)
+    assert calls[0] == 1 + 3 * 5 and seconds["x"] == pytest.approx(0.001)
+
+
+def test_cache_path_depends_on_the_key(tmp_path):
     assert kernel_choice.cache_path(ZEN3, tmp_path) != kernel_choice.cache_path(ZEN4, tmp_path)
     assert kernel_choice.cache_path(ZEN3, tmp_path) == kernel_choice.cache_path(dict(ZEN3),
                                                                                 tmp_path)
+
+
+def test_machine_key_changes_with_the_cpu_and_the_timing_method(monkeypatch):
+    """The real key: a Zen 4 and a Zen 5 core both call themselves "AMD EPYC", but their
+    family/model ids and flags differ, so each has its own cache file; the timing method is
+    in the key, so choices measured by an older method are measured again."""
+    zen4 = {"model": "AMD EPYC", "family": "25", "model_id": "17", "flags": "avx2 avx512f"}
+    zen5 = {"model": "AMD EPYC", "family": "26", "model_id": "2",
+            "flags": "avx2 avx512f avx512_vp2intersect"}
+    monkeypatch.setattr(kernel_choice, "cpu_info", lambda: zen4)
+    key4 = kernel_choice.machine_key(1, "build")
+    monkeypatch.setattr(kernel_choice, "cpu_info", lambda: zen5)
+    key5 = kernel_choice.machine_key(1, "build")
+    assert (key4["cpu_family"], key4["cpu_model_id"]) == ("25", "17")
+    assert (key5["cpu_family"], key5["cpu_model_id"]) == ("26", "2")
+    assert key4["cpu_flags_sha"] != key5["cpu_flags_sha"]
+    assert key5["timer"] == kernel_choice.TIMER == "median-of-7x5ms-rotated"
+    assert kernel_choice.cache_path(key4, Path("/x")) != kernel_choice.cache_path(key5, Path("/x"))
+    monkeypatch.setattr(kernel_choice, "TIMER", "min-of-3x2ms")
+    assert kernel_choice.machine_key(1, "build") != key5
 
 
 def test_describe_buckets_names_row_ranges():
