@@ -192,7 +192,7 @@ def run(args: argparse.Namespace, x: Experiment) -> int:
     """Run the experiment (module docstring), print the table and the verdict."""
     print(f"pdlab {args.command}: {', '.join(x.placements)} on {','.join(x.devices)}, model "
           f"{x.model.model}, {x.spec.dataset} x {x.spec.num_requests}, rates "
-          + ("from the calibration below" if x.spec.calibrate else f"{args.rates} req/s")
+          + ("from the calibration below" if x.spec.calibrate else f"{args.rates} {x.spec.rate_unit}")
           + f", max_model_len {x.engine.max_model_len}")
     if model_context_len(x.model) is None:
         print(f"note: the context of model {x.model.model} is known only once it loads; each "
