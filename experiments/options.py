@@ -193,9 +193,9 @@ def add_deployment_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES,
                         help="router policy: prefill by queued prompt tokens, decode by resident "
                              "KV tokens (least_loaded); round_robin; or cache_aware (SGLang's: "
-                             "the colocated or decode worker with the longest cached prefix, "
-                             "least_loaded once requests per worker differ by > 32 and by "
-                             "> 1.0001x)")
+                             "in each pool the worker already sent the longest prefix of the "
+                             "prompt, least_loaded once requests per worker differ by > 32 "
+                             "and by > 1.0001x)")
     parser.add_argument("--max-worker-restarts", type=non_negative_int, default=DEFAULT_RESTARTS,
                         metavar="N",
                         help="restart a worker that dies up to N times; it rejoins its pool "

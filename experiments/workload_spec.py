@@ -140,6 +140,12 @@ class WorkloadSpec:
         return None
 
     @property
+    def rate_unit(self) -> str:
+        """What ``--rates`` count: ``conversations/s`` for ``multiturn`` (its later turns
+        follow their answers), else ``req/s``."""
+        return "conversations/s" if self.dataset == "multiturn" else "req/s"
+
+    @property
     def seed_list(self) -> list[int]:
         return [self.seed + i for i in range(self.seeds)]
 

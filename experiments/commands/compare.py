@@ -42,7 +42,7 @@ from experiments.options import (add_deployment_args, add_engine_args, add_model
 from experiments.placement import worker_layout
 from experiments.replay import RunResult, calibrated_slo, default_placements, run_placement
 from experiments.results import experiment_config, print_outcome, write_results
-from experiments.workload_spec import WorkloadSpec, build_workload, context_len
+from experiments.workload_spec import Timed, WorkloadSpec, build_workload, context_len, trace_rate
 
 HELP = "several placements on the same device set (run: one placement)"
 
@@ -62,7 +62,9 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
 
     With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
     ``calibrated_slo`` (both measured on the first placement, recorded under
-    ``calibration`` in the config row).
+    ``calibration`` in the config row). A ``mooncake`` trace runs once per placement and
+    seed at its own timestamps, labelled with its mean rate (``workload_spec.trace_rate``),
+    whatever ``rates`` and ``spec.calibrate`` say.
 
     Raises:
         ValueError: a bad placement, device set or workload option, or a workload that does
@@ -77,6 +79,11 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     worker_info: list[dict] = []
     calibration: dict = {}
     sweep: list[float] | None = None if spec.calibrate else list(rates)
+    if isinstance(items[spec.seed], Timed):  # a trace keeps its own times: one run per seed,
+        # labelled with its mean rate (``--rates`` and calibration do not apply)
+        sweep = [float(f"{min(trace_rate(its) for its in items.values()):.4g}")]
+        print(f"pdlab: the mooncake trace is replayed at its own timestamps (mean {sweep[0]:g} "
+              "req/s): one run per placement and seed, labelled with that rate", file=sys.stderr)
     for placement in placements:
         results += run_placement(placement, sweep, items, spec, model, engine, transfer,
                                  ",".join(device_set), address, policy, worker_info, local,
@@ -185,7 +192,7 @@ def run(args: argparse.Namespace, x: Experiment) -> int:
     """Run the experiment (module docstring), print the table and the verdict."""
     print(f"pdlab {args.command}: {', '.join(x.placements)} on {','.join(x.devices)}, model "
           f"{x.model.model}, {x.spec.dataset} x {x.spec.num_requests}, rates "
-          + ("from the calibration below" if x.spec.calibrate else f"{args.rates} req/s")
+          + ("from the calibration below" if x.spec.calibrate else f"{args.rates} {x.spec.rate_unit}")
           + f", max_model_len {x.engine.max_model_len}")
     if model_context_len(x.model) is None:
         print(f"note: the context of model {x.model.model} is known only once it loads; each "

@@ -300,7 +300,7 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
             sum(it.output_len for it in all_items) / len(all_items), x.plan.devices,
             x.plan.num_rates, x.engine.max_num_seqs)
     print(f"pdlab plan: {len(x.candidates)} placements of {x.plan.devices} devices x {len(rates)} "
-          f"rates {rates} req/s x {len(requests)} seeds x {len(all_items) // len(items)} requests; "
+          f"rates {rates} {x.spec.rate_unit} x {len(requests)} seeds x {len(all_items) // len(items)} requests; "
           f"profile {x.profile_path} ({x.profile.model}, {x.profile.device_kind} "
           f"{x.profile.device_name}, {x.profile.num_threads} threads)")
     for line in summary_lines(x.profile):
@@ -366,7 +366,7 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
                "req/s): one run per placement and seed; goodput/device is that rate over the "
                "devices where >= 90% met the SLO, else 0.", ""] if timed else [])
     text = [f"# pdlab plan: {x.model.model} on {x.plan.devices} devices", "", *timing,
-            f"SLO TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s; rates {rates} req/s; "
+            f"SLO TTFT <= {x.slo.ttft_s:g} s, TPOT <= {x.slo.tpot_s:g} s; rates {rates} {x.spec.rate_unit}; "
             f"{x.spec.num_requests} requests x seeds {x.spec.seed_list}; profile "
             f"`{x.profile_path}`; simulated (pdlab's Scheduler and router policy, fitted step "
             "and transfer times).", "", "Goodput per device: DistServe's definition (highest "

@@ -150,6 +150,25 @@ def test_calibrated_slo_is_never_tighter_than_a_lone_request_allows():
     assert replay.calibrated_slo(given, 0.1, None) == given
 
 
+def test_compare_replays_a_mooncake_trace_once_at_its_own_times(tmp_path):
+    """tests/data/mooncake_example.jsonl (16 tokens per hash id = one KV block) through a real
+    colocated:1: one run whatever the rates, labelled with the trace's mean rate (11 gaps
+    over 1.637 s = 6.72 req/s), and the engine's own prefix hits are the hand-counted ones
+    of tests/integration/test_plan_workloads.py: 240 of 529 prompt tokens (each line's
+    hits need only lines >= 120 ms earlier to have ended)."""
+    from pathlib import Path
+
+    trace = str(Path(__file__).resolve().parents[1] / "data" / "mooncake_example.jsonl")
+    spec = WorkloadSpec(dataset="mooncake", trace=trace, trace_block_tokens=16, seeds=1)
+    engine = EngineConfig(max_num_seqs=8, max_model_len=128, max_num_batched_tokens=128)
+    summary, _ = compare.run_experiment(["colocated:1"], [0.5, 2.0], spec, TINY, engine,
+                                        INPROCESS, "cpu:0", None, SLO(10.0, 10.0), tmp_path,
+                                        local=True)
+    assert summary["rate"].tolist() == [6.72] and summary["num_requests"].tolist() == [12]
+    assert summary["prefill_tokens_skipped"].tolist() == [240]
+    assert summary["prefix_hit_rate"].tolist() == pytest.approx([240 / 529])
+
+
 def test_tiny_compare_two_seeds_two_rates(tmp_path):
     # colocated:1 and colocated-nochunk:1 do identical work here: every prompt (<= 20 tokens)
     # fits the token budget, so chunking never splits one. Duplicate labels are refused by

@@ -84,6 +84,7 @@ def test_multiturn_plans_every_turn_and_needs_a_tokenizer(tmp_path, capsys):
     runs = _plan(tmp_path, *workload, model="smollm2-135m", profile=path)
     assert (runs["num_requests"] == turns).all() and (runs["num_failed"] == 0).all()
     assert (runs["prefix_hit_rate"] > 0.3).all() and (runs["prefix_hit_rate"] < 1).all()
+    assert f"rates [0.2] conversations/s x 1 seeds x {turns} requests" in capsys.readouterr().out
     off = _plan(tmp_path, *workload, "--no-enable-prefix-caching", model="smollm2-135m",
                 profile=path, name="off")
     assert (off["prefix_hit_rate"] == 0).all()
