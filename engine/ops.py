@@ -11,8 +11,9 @@ has. Two backends:
 - ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``; not where
   ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains, and, for the projections and decode attention, whichever candidate
   ``engine/kernel_choice.py`` measured fastest on this machine per shape class and row-count
-  bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``) or
-  pdlab's 6 x 16 AVX2/FMA GEMM; the C paged decode attention or the runner's planned SDPA
+  bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``),
+  pdlab's 6 x 16 AVX2/FMA GEMM (``pdlab``) or, where the CPU has avx512f, its 12 x 32
+  AVX-512 GEMM (``pdlab512``); the C paged decode attention or the runner's planned SDPA
   groups. Prompt chunks after the first run torch's CPU flash kernel twice (prefix, causal
   diagonal) merged by log-sum-exp.
 
@@ -162,6 +163,22 @@ class _PdlabGemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.panels, self.bias, self.out_features)
+
+
+class _PdlabGemm512(_PdlabGemm):
+    """pdlab's AVX-512 GEMM (``cpu_kernels.linear512``, 12 x 32 zmm blocks) on the weight
+    packed once into 32-column panels (a copy); single-threaded; only where the CPU has
+    avx512f (``Kernels.linear_avx512``). Equal to ``_PdlabGemm`` bit for bit."""
+
+    name = "pdlab512"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernels: cpu_kernels.Kernels) -> None:
+        self.kernels, self.bias, self.out_features = kernels, bias, weight.shape[0]
+        self.panels = kernels.pack_linear512(weight.detach().contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear512(x, self.panels, self.bias, self.out_features)
 
 
 class _Bucketed:
@@ -324,7 +341,8 @@ class CpuOps(TorchOps):
         single = (self.threads == 1 and kernels is not None and kernels.linear_vectorized)
         self.c_elementwise = kernels if kv_float32 else None
         self.linear_candidates = ["mkl", *(["onednn"] if ONEDNN else []),
-                                  *(["pdlab"] if single else [])]
+                                  *(["pdlab"] if single else []),
+                                  *(["pdlab512"] if single and kernels.linear_avx512 else [])]
         self.decode_candidates = ["planned", *(["paged"] if single and kv_float32 else [])]
         for op, allowed in (("linear", self.linear_candidates),
                             ("decode_attention", self.decode_candidates)):
@@ -346,6 +364,8 @@ class CpuOps(TorchOps):
             return _OneDnn(weight, bias)
         if name == "pdlab":
             return _PdlabGemm(weight, bias, self.kernels)
+        if name == "pdlab512":
+            return _PdlabGemm512(weight, bias, self.kernels)
         return _Mm(weight, bias)
 
     def linear(self, weight, bias, lm_head: bool = False):
@@ -475,7 +495,8 @@ class CpuOps(TorchOps):
                             if os.environ.get(name)},
                 "threads": self.threads,
                 "c_kernels": (None if self.kernels is None else
-                              "avx2-fma" if self.kernels.linear_vectorized else "scalar"),
+                              "scalar" if not self.kernels.linear_vectorized else
+                              "avx2-fma+avx512f" if self.kernels.linear_avx512 else "avx2-fma"),
                 "forced": self.force,
                 "linear": {shape: kernel_choice.describe_buckets(c)
                            for shape, c in self.linear_choices.items()},

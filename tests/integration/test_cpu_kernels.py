@@ -31,6 +31,9 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
 needs_vector_kernels = pytest.mark.skipif(
     cpu_kernels.load() is None or not cpu_kernels.load().linear_vectorized,
     reason="the kernels are not built for AVX2/FMA here")
+# pdlab's AVX-512 GEMM runs only where the CPU has avx512f (and the build keeps it).
+HAS_AVX512 = cpu_kernels.load() is not None and cpu_kernels.load().linear_avx512
+needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no avx512f")
 
 
 def _randn(*shape, seed=0):
@@ -117,17 +120,44 @@ def test_wrappers_refuse_what_they_cannot_read(kernels):
 
 @needs_kernels
 @pytest.mark.parametrize("rows,n,k", [(1, 960, 576), (2, 16, 5), (3, 32, 7), (7, 48, 9),
-                                      (8, 17, 8), (16, 48, 33), (257, 40, 24)])
+                                      (8, 17, 8), (16, 48, 33), (257, 40, 24), (12, 33, 10),
+                                      (13, 64, 6), (25, 31, 12), (100, 50, 20)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear(kernels, rows, n, k, bias):
-    """Every block size 1..6 (7 = 4 + 3, 8 = 4 + 4, 16 = 6 + 5 + 5, 257 = 42 x 6 + 5), a
-    partial last panel (n % 16), rows of a wider tensor."""
+@pytest.mark.parametrize("avx512", [False, True])
+def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
+    """Both GEMMs. AVX2 (6 x 16): every block size 1..6 (7 = 4 + 3, 8 = 4 + 4, 16 = 6 + 5 +
+    5, 257 = 42 x 6 + 5), a partial last panel (n % 16). AVX-512 (12 x 32): blocks 1..12
+    (13 = 7 + 6, 16 = 8 + 8, 25 = 9 + 8 + 8, 100 = 9 x 11 + ..., 257 = 22 blocks of 11-12),
+    partial last panels of 1-31 columns (masked stores: n = 17, 31, 33, 40, 50), and equal
+    to the AVX2 kernel bit for bit (the same FMAs in the same order). Rows of a wider tensor."""
+    if avx512 and not kernels.linear_avx512:
+        pytest.skip("this CPU has no avx512f")
     w, b = _randn(n, k, seed=1) * k ** -0.5, (_randn(n, seed=2) if bias else None)  # out ~1
     x = _randn(rows, k + 3, seed=3)[:, 2:2 + k]  # rows k + 3 apart, each contiguous
-    panels = kernels.pack_linear(w)
-    assert panels.shape == (-(-n // 16), k, 16)
-    torch.testing.assert_close(kernels.linear(x, panels, b, n), F.linear(x, w, b),
-                               rtol=1e-5, atol=1e-5)
+    if avx512:
+        panels = kernels.pack_linear512(w)
+        assert panels.shape == (-(-n // 32), k, 32)
+        got = kernels.linear512(x, panels, b, n)
+        if kernels.linear_vectorized:
+            assert torch.equal(got, kernels.linear(x, kernels.pack_linear(w), b, n))
+    else:
+        panels = kernels.pack_linear(w)
+        assert panels.shape == (-(-n // 16), k, 16)
+        got = kernels.linear(x, panels, b, n)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_avx512_gemm_is_left_out_under_the_avx2_cap(monkeypatch, tmp_path):
+    """``PDLAB_CPU_KERNELS_ISA=avx2`` builds without the AVX-512 GEMM: the library says so
+    (so the backend never offers ``pdlab512``) and ``linear512`` refuses to run."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path))
+    capped = cpu_kernels.Kernels(cpu_kernels.build())
+    assert not capped.linear_avx512
+    w = torch.ones(32, 8)
+    with pytest.raises(ValueError, match="linear512 needs a CPU with avx512f"):
+        capped.linear512(torch.ones(2, 8), capped.pack_linear512(w), None, 32)
 
 
 @needs_kernels
@@ -204,6 +234,14 @@ def test_gemm_and_attention_wrappers_refuse_what_they_cannot_read(kernels):
                                      torch.tensor([bad_len]), 1.0)
     with pytest.raises(ValueError, match="bias must be"):
         kernels.linear(torch.ones(2, 8), panels, torch.ones(8), 16)
+    if kernels.linear_avx512:
+        wide = kernels.pack_linear512(torch.ones(32, 8))
+        with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+            kernels.linear512(torch.ones(2, 9), wide, None, 32)
+        with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+            kernels.linear512(torch.ones(2, 8), panels, None, 16)  # 16-column panels
+        with pytest.raises(ValueError, match="bias must be"):
+            kernels.linear512(torch.ones(2, 8), wide, torch.ones(8), 32)
 
 
 @needs_vector_kernels
@@ -214,7 +252,8 @@ def test_c_gemm_and_paged_attention_compete_only_with_one_torch_thread(tiny, mon
     monkeypatch.setenv(ops.FORCE_ENV, "linear=pdlab,decode_attention=paged")
     runner = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
     qkv = runner.layers[0].qkv
-    assert runner.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else []), "pdlab"]
+    assert runner.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else []), "pdlab",
+                                            *(["pdlab512"] if HAS_AVX512 else [])]
     assert runner.ops.decode_candidates == ["planned", "paged"]
     assert {type(k).__name__ for k in qkv.fused.by_bucket} == {"_PdlabGemm"}
     assert runner.ops.decode_layout(16, None) == "paged"
@@ -226,7 +265,7 @@ def test_c_gemm_and_paged_attention_compete_only_with_one_torch_thread(tiny, mon
         ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
     monkeypatch.setenv(ops.FORCE_ENV, "linear=mkl")
     threaded = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
-    assert "pdlab" not in threaded.ops.linear_candidates
+    assert threaded.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else [])]
     assert threaded.ops.decode_candidates == ["planned"]
     assert threaded.ops.decode_layout(16, None) == "planned"
     with torch.inference_mode():
@@ -254,7 +293,7 @@ def _greedy(loaded, prompts, max_tokens=6, budget=96):
 # and each decode layout, and the reference backend.
 FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention=paged",
           "linear=pdlab,decode_attention=paged", "linear=pdlab,decode_attention=planned",
-          "backend=torch"]
+          "linear=pdlab512,decode_attention=paged", "backend=torch"]
 
 
 @needs_vector_kernels
@@ -262,6 +301,8 @@ FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention
 def test_engine_under_every_kernel_choice_matches_generate(tiny, monkeypatch, force):
     if "onednn" in force and not ops.ONEDNN:
         pytest.skip("this torch has no oneDNN linear")
+    if "pdlab512" in force and not HAS_AVX512:
+        pytest.skip("this CPU has no avx512f")
     monkeypatch.setenv(ops.FORCE_ENV, force)
     prompts = random_prompts([1, 9, 40], seed=21)
     engine, got = _greedy(tiny, prompts, budget=16)  # chunked, mixed prefill + decode steps
