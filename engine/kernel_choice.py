@@ -3,7 +3,7 @@
 Several kernels compute the same thing at different speeds, and which is fastest depends on
 the CPU (AVX2 or AVX-512, cache sizes), the library builds and the problem size: for a
 projection ``[M, in] x [in, out]``, MKL's sgemm, oneDNN's packed inner product and pdlab's own
-AVX2 kernel (``engine/cpu_kernels.c``) each win somewhere, and the crossovers measured on one
+AVX2 and AVX-512 kernels (``engine/cpu_kernels.c``) each win somewhere, and the crossovers measured on one
 machine (an AVX2-only Zen 3 core) did not hold on another (an AVX-512 Zen 4 core). So the
 backend (``engine/ops.py``) asks a ``KernelSelector`` once per *op and shape class* (e.g.
 ``linear 576x960``) which candidate to run for each *row-count bucket*, and the selector
