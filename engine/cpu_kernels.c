@@ -522,3 +522,79 @@ int pd_paged_decode_attention(const float *q, int64_t q_row_stride, const float 
     }
     return 0;
 }
+
+/* Causal attention of one prompt chunk with the AVX-512 GEMM blocks (pd_causal_attention512):
+ * n queries at positions start .. start + n - 1 over ctx = start + n keys of their request;
+ * query i sees keys 0 .. start + i:
+ *   out[i, h*G + g, :] = softmax(scale * q_i K^T over keys <= start + i) V,
+ *   q_i = q[i, h*G + g, :],  K, V = k / v + h * kv_head_stride  ([ctx, dim], rows dim apart)
+ * q: rows q_row_stride apart, heads dim apart; out [n, kv_heads * group, dim] contiguous.
+ * Per KV head, K is packed once into 32-key panels (kpack: [ceil(ctx/32)][dim][32]) and V
+ * into 32-dim panels (vpack: [ceil(dim/32)][ctx][32]); then per query head and block of at
+ * most 12 query rows: the scores of the keys the block's last row sees (12 x 32 blocks,
+ * one FMA per term, the sum over dim in order), the exact softmax of each row over its own
+ * keys (pd_softmax; the keys past a row's end set to 0), and P V over the block's keys (12 x
+ * 32 blocks again). So the work follows the causal FLOPs, and a block's scores (12 x ctx)
+ * stay in L1/L2. scores: a workspace of 12 * ceil(ctx/32) * 32 floats. Agrees with torch's
+ * SDPA to float32 rounding (another summation order). Returns 0, or -1 with nothing written
+ * where this CPU/build has no AVX-512. */
+#if !defined(PD_NO_AVX512) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+int pd_causal_attention512(const float *q, int64_t q_row_stride, const float *k,
+                           const float *v, int64_t kv_head_stride, int64_t n, int64_t start,
+                           int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                           float *restrict kpack, float *restrict vpack,
+                           float *restrict scores, float *restrict out) {
+    if (!pd_linear512_available()) return -1;
+    static const float zeros[PD_PANEL512] = {0};
+    const int64_t ctx = start + n, key_panels = (ctx + PD_PANEL512 - 1) / PD_PANEL512;
+    const int64_t dim_panels = (dim + PD_PANEL512 - 1) / PD_PANEL512;
+    const int64_t ld = key_panels * PD_PANEL512, hq = kv_heads * group;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        pd_pack_linear_width(k + h * kv_head_stride, kpack, ctx, dim, PD_PANEL512);
+        const float *vh = v + h * kv_head_stride;  /* vpack[p][t][c] = V[t][32p + c] */
+        for (int64_t p = 0; p < dim_panels; p++)
+            for (int64_t t = 0; t < ctx; t++)
+                for (int64_t c = 0; c < PD_PANEL512; c++)
+                    vpack[(p * ctx + t) * PD_PANEL512 + c] =
+                        32 * p + c < dim ? vh[t * dim + 32 * p + c] : 0.0f;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t head = h * group + g;
+            const int64_t num_blocks = (n + PD_MAX_ROWS512 - 1) / PD_MAX_ROWS512;
+            for (int64_t block = 0, i = 0; block < num_blocks; block++) {
+                int64_t left = num_blocks - block, mr = (n - i + left - 1) / left;
+                int64_t keys = start + i + mr;  /* the block's last row sees keys < this */
+                for (int64_t p = 0; p * PD_PANEL512 < keys; p++)
+                    PD_BLOCKS512[mr](q + i * q_row_stride + head * dim, q_row_stride,
+                                     kpack + p * dim * PD_PANEL512, dim, zeros,
+                                     scores + p * PD_PANEL512, ld, PD_PANEL512, NULL);
+                for (int64_t r = 0; r < mr; r++) {
+                    float *s = scores + r * ld;
+                    int64_t len = start + i + r + 1;
+                    for (int64_t t = 0; t < len; t++) s[t] *= scale;
+                    pd_softmax(s, len);
+                    for (int64_t t = len; t < keys; t++) s[t] = 0.0f;
+                }
+                for (int64_t p = 0; p < dim_panels; p++) {
+                    int64_t cols = dim - p * PD_PANEL512 < PD_PANEL512 ? dim - p * PD_PANEL512
+                                                                      : PD_PANEL512;
+                    PD_BLOCKS512[mr](scores, ld, vpack + p * ctx * PD_PANEL512, keys, zeros,
+                                     out + i * hq * dim + head * dim + p * PD_PANEL512,
+                                     hq * dim, cols, NULL);
+                }
+                i += mr;
+            }
+        }
+    }
+    return 0;
+}
+#else
+int pd_causal_attention512(const float *q, int64_t q_row_stride, const float *k,
+                           const float *v, int64_t kv_head_stride, int64_t n, int64_t start,
+                           int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                           float *kpack, float *vpack, float *scores, float *out) {
+    (void)q; (void)q_row_stride; (void)k; (void)v; (void)kv_head_stride; (void)n; (void)start;
+    (void)kv_heads; (void)group; (void)dim; (void)scale; (void)kpack; (void)vpack;
+    (void)scores; (void)out;
+    return -1;
+}
+#endif

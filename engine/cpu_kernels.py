@@ -73,6 +73,8 @@ _SIGNATURES = {
     "pd_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr],
     "pd_pack_linear_width": [_ptr, _ptr, _i64, _i64, _i64],
     "pd_linear512": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr],
+    "pd_causal_attention512": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                               _f32, _ptr, _ptr, _ptr, _ptr],
     "pd_paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
                                   _i64, _i64, _i64, _i64, _f32, _ptr, _ptr],
 }
@@ -149,6 +151,7 @@ class Kernels:
         lib.pd_linear_vectorized.restype = ctypes.c_int
         lib.pd_paged_decode_attention.restype = ctypes.c_int
         lib.pd_linear512.restype = ctypes.c_int
+        lib.pd_causal_attention512.restype = ctypes.c_int
         lib.pd_linear512_available.restype = ctypes.c_int
         self._norm, self._rope_kv, self._silu_mul = (lib.pd_add_rms_norm, lib.pd_rope_kv,
                                                      lib.pd_silu_mul)
@@ -161,6 +164,7 @@ class Kernels:
         # True only where this CPU has avx512f (cpuid) and the build kept the AVX-512 GEMM
         # (not under PDLAB_CPU_KERNELS_ISA=avx2): ``linear512`` is refused otherwise.
         self.linear_avx512 = bool(lib.pd_linear512_available())
+        self._causal512 = lib.pd_causal_attention512
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -297,6 +301,49 @@ class Kernels:
         if self._linear512(x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), out_features,
                            None if bias is None else bias.data_ptr(), out.data_ptr()):
             raise ValueError("linear512: this CPU has no avx512f")
+        return out
+
+    def causal_attention512(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            start: int, scale: float) -> torch.Tensor:
+        """Causal attention of one prompt chunk with the AVX-512 GEMM blocks: query ``i``
+        (position ``start + i``) attends to keys ``0 .. start + i`` (GQA: query head
+        ``h * G + g`` reads KV head ``h``), ``softmax(scale * q K^T) V``, as SDPA with a
+        lower-right causal mask, to float32 rounding.
+
+        Args:
+            q: ``[n, H_q, D]`` float32 CPU, rows of any stride, heads contiguous.
+            k, v: ``[H_kv, start + n, D]``, heads of any stride, each head's rows contiguous
+                (a slice of the KV store), the same strides.
+            start: the cached prefix's length (0: a first chunk).
+            scale: the logit scale.
+        Returns:
+            a new ``[n, H_q, D]`` tensor.
+        Raises:
+            ValueError: another layout or sizes that do not match, or no AVX-512 here.
+        """
+        if not self.linear_avx512:
+            raise ValueError("causal_attention512 needs a CPU with avx512f and a build that "
+                             f"keeps it (not ${ISA_ENV}=avx2)")
+        n, hq, d = q.shape
+        hkv, ctx, kd = k.shape
+        if (q.dtype != torch.float32 or q.device.type != "cpu" or q.stride()[1:] != (d, 1)
+                or k.dtype != torch.float32 or v.dtype != torch.float32
+                or k.device.type != "cpu" or v.device.type != "cpu"
+                or k.shape != v.shape or k.stride() != v.stride() or k.stride()[1:] != (d, 1)
+                or kd != d or hq % hkv or ctx != start + n or start < 0):
+            raise ValueError(f"causal_attention512 needs float32 CPU q [n, H_q, D] and k/v "
+                             f"[H_kv, start + n, D] with contiguous rows, got q "
+                             f"{tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                             f"start {start}")
+        panels = -(-ctx // PANEL512)
+        kpack = q.new_empty(panels * d * PANEL512)
+        vpack = q.new_empty(-(-d // PANEL512) * ctx * PANEL512)
+        scores = q.new_empty(12 * panels * PANEL512)
+        out = q.new_empty(n, hq, d)
+        if self._causal512(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+                           n, start, hkv, hq // hkv, d, scale, kpack.data_ptr(),
+                           vpack.data_ptr(), scores.data_ptr(), out.data_ptr()):
+            raise ValueError("causal_attention512: this CPU has no avx512f")
         return out
 
 

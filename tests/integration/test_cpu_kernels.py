@@ -149,8 +149,8 @@ def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
 
 @needs_kernels
 def test_avx512_gemm_is_left_out_under_the_avx2_cap(monkeypatch, tmp_path):
-    """``PDLAB_CPU_KERNELS_ISA=avx2`` builds without the AVX-512 GEMM: the library says so
-    (so the backend never offers ``pdlab512``) and ``linear512`` refuses to run."""
+    """``PDLAB_CPU_KERNELS_ISA=avx2`` builds without the AVX-512 kernels: the library says
+    so (so the backend never offers ``pdlab512``) and they refuse to run."""
     monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
     monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path))
     capped = cpu_kernels.Kernels(cpu_kernels.build())
@@ -158,6 +158,9 @@ def test_avx512_gemm_is_left_out_under_the_avx2_cap(monkeypatch, tmp_path):
     w = torch.ones(32, 8)
     with pytest.raises(ValueError, match="linear512 needs a CPU with avx512f"):
         capped.linear512(torch.ones(2, 8), capped.pack_linear512(w), None, 32)
+    q, kv = torch.ones(2, 2, 8), torch.ones(2, 1, 2, 8)
+    with pytest.raises(ValueError, match="causal_attention512 needs a CPU with avx512f"):
+        capped.causal_attention512(q, kv[0], kv[1], 0, 1.0)
 
 
 @needs_kernels
@@ -213,6 +216,30 @@ def test_decode_attention_equals_sdpa_over_gathered_blocks(kernels, n, kv_heads,
     ref = _paged_reference(q, store.nan_to_num(), tables, lens, d ** -0.5)
     got = kernels.decode_attention(q, store, tables, lens, d ** -0.5)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_avx512
+@pytest.mark.parametrize("n,start,kv_heads,group,d", [(256, 0, 3, 3, 64), (1, 0, 1, 1, 8),
+                                                      (13, 5, 2, 2, 40), (37, 0, 1, 4, 80),
+                                                      (100, 33, 3, 3, 64), (12, 20, 1, 2, 32)])
+def test_causal_attention512_equals_sdpa_with_a_lower_right_mask(kernels, n, start, kv_heads,
+                                                                 group, d):
+    """pdlab's AVX-512 chunk attention: q rows of the fused QKV output, K/V a slice of the
+    store (heads apart, rows contiguous); row blocks of 1-12 (13 = 7 + 6, 37 = 4 x 9 + 1 ...),
+    key panels cut by the causal diagonal and by the context's end, head dims 8-80 (partial
+    32-dim panels: masked stores), a cached prefix (start > 0)."""
+    qkv = _randn(n, kv_heads * group * d + 7, seed=n)
+    q = qkv[:, :kv_heads * group * d].view(n, kv_heads * group, d)
+    store = _randn(2, kv_heads, start + n + 4, d, seed=start)
+    k, v = store[0, :, :start + n], store[1, :, :start + n]
+    mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 0),
+                                         v.repeat_interleave(group, 0), attn_mask=mask,
+                                         scale=d ** -0.5).transpose(0, 1)
+    torch.testing.assert_close(kernels.causal_attention512(q, k, v, start, d ** -0.5), ref,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"k/v \[H_kv, start \+ n, D\]"):
+        kernels.causal_attention512(q, k, v, start + 1, d ** -0.5)
 
 
 @needs_kernels
@@ -293,7 +320,8 @@ def _greedy(loaded, prompts, max_tokens=6, budget=96):
 # and each decode layout, and the reference backend.
 FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention=paged",
           "linear=pdlab,decode_attention=paged", "linear=pdlab,decode_attention=planned",
-          "linear=pdlab512,decode_attention=paged", "backend=torch"]
+          "linear=pdlab512,decode_attention=paged,chunk_attention=pdlab512",
+          "linear=onednn,decode_attention=planned,chunk_attention=pdlab512", "backend=torch"]
 
 
 @needs_vector_kernels
@@ -301,7 +329,7 @@ FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention
 def test_engine_under_every_kernel_choice_matches_generate(tiny, monkeypatch, force):
     if "onednn" in force and not ops.ONEDNN:
         pytest.skip("this torch has no oneDNN linear")
-    if "pdlab512" in force and not HAS_AVX512:
+    if "pdlab512" in force and not HAS_AVX512:  # noqa: SIM102
         pytest.skip("this CPU has no avx512f")
     monkeypatch.setenv(ops.FORCE_ENV, force)
     prompts = random_prompts([1, 9, 40], seed=21)
@@ -309,9 +337,11 @@ def test_engine_under_every_kernel_choice_matches_generate(tiny, monkeypatch, fo
     backend = engine.runner.ops
     assert backend.name == ("torch" if force == "backend=torch" else "cpu")
     if backend.name == "cpu":  # the forced kernels really ran
-        linear, layout = (part.split("=")[1] for part in force.split(","))
-        assert {k.name for k in engine.runner.layers[0].qkv.fused.by_bucket} == {linear}
-        assert backend.decode_layout(3, None) == layout
+        forced = dict(part.split("=") for part in force.split(","))
+        assert {k.name for k in engine.runner.layers[0].qkv.fused.by_bucket} == {forced["linear"]}
+        assert backend.decode_layout(3, None) == forced["decode_attention"]
+        if "chunk_attention" in forced:
+            assert set(backend.chunk_choices.values()) == {forced["chunk_attention"]}
         assert backend.c_elementwise is not None
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 
