@@ -19,6 +19,9 @@ calling thread:
   blocks of zmm FMAs, BLIS's Skylake-X sgemm blocking), compiled by a target attribute so the
   library builds on an AVX2-only CPU too, and run only where the CPU has avx512f
   (``linear_avx512``); its results equal ``linear``'s bit for bit (same sums, same order);
+- ``causal_attention512``: a prompt chunk's causal attention on the same AVX-512 blocks
+  (2-2.5x torch's CPU flash kernel at 64-1024 tokens on a Zen 5 core, SmolLM2's heads;
+  benchmarks/README.md, issue 30);
 - ``decode_attention``: paged attention of one query token per request over its cached K/V
   (GQA), read in place through the block tables, in place of SDPAs whose CPU flash kernel is
   built for long query blocks and which need each group's K/V as one strided view or a copy.

@@ -14,8 +14,9 @@ has. Two backends:
   bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``),
   pdlab's 6 x 16 AVX2/FMA GEMM (``pdlab``) or, where the CPU has avx512f, its 12 x 32
   AVX-512 GEMM (``pdlab512``); the C paged decode attention or the runner's planned SDPA
-  groups. Prompt chunks after the first run torch's CPU flash kernel twice (prefix, causal
-  diagonal) merged by log-sum-exp.
+  groups; and per chunk-length bucket the prompt-chunk attention: torch's CPU flash kernel
+  (chunks after the first: twice, prefix and causal diagonal, merged by log-sum-exp) or,
+  where the CPU has avx512f, pdlab's causal kernel on the AVX-512 GEMM blocks (``pdlab512``).
 
 Two rules live here and nowhere else:
 
