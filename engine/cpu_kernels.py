@@ -20,8 +20,8 @@ calling thread:
   library builds on an AVX2-only CPU too, and run only where the CPU has avx512f
   (``linear_avx512``); its results equal ``linear``'s bit for bit (same sums, same order);
 - ``causal_attention512``: a prompt chunk's causal attention on the same AVX-512 blocks
-  (2-2.5x torch's CPU flash kernel at 64-1024 tokens on a Zen 5 core, SmolLM2's heads;
-  benchmarks/README.md, issue 30);
+  (0.4-0.6x torch's CPU flash kernel's time at 64-2048 tokens on a Zen 5 core, SmolLM2's
+  heads: ``python -m benchmarks.chunk_attention``, benchmarks/README.md, issue 30);
 - ``decode_attention``: paged attention of one query token per request over its cached K/V
   (GQA), read in place through the block tables, in place of SDPAs whose CPU flash kernel is
   built for long query blocks and which need each group's K/V as one strided view or a copy.
