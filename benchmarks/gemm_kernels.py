@@ -15,9 +15,9 @@ interleaved round by round:
   panels (the 12 x 32 AVX-512 kernel).
 
 Prints each sweep's time, GFLOP/s, and the ratios pdlab / best of torch's two, pdlab512 /
-best of torch's two and MKL / oneDNN (< 1: the first is faster). The engine takes no crossover from this table: it
-measures the candidates per shape class on the machine it runs on (``engine.kernel_choice``);
-this sweep shows the same comparison over a whole forward. Timing does not depend on the
+best of torch's two and MKL / oneDNN (< 1: the first is faster). The engine takes no
+crossover from this table: it measures the candidates per shape class on the machine it runs
+on (``engine.kernel_choice``); this sweep shows the same comparison over a whole forward. Timing does not depend on the
 weights' values.
 """
 
