@@ -10,12 +10,14 @@ interleaved round by round:
 - **mkl**: MKL's sgemm (``torch.mm`` on the weight as stored: what ``F.linear`` runs);
 - **onednn**: oneDNN's ``_linear_pointwise`` on the weight reordered once (M hint 16);
 - **pdlab**: ``engine.cpu_kernels.linear`` on the weight packed once into 16-column panels
-  (the 6 x 16 AVX2/FMA kernel in ``engine/cpu_kernels.c``).
+  (the 6 x 16 AVX2/FMA kernel in ``engine/cpu_kernels.c``);
+- **pdlab512** (where the CPU has avx512f): ``engine.cpu_kernels.linear512`` on 32-column
+  panels (the 12 x 32 AVX-512 kernel).
 
-Prints each sweep's time, GFLOP/s, and the ratios pdlab / best of torch's two and MKL /
-oneDNN (< 1: the first is faster). The engine takes no crossover from this table: it
-measures the candidates per shape class on the machine it runs on (``engine.kernel_choice``);
-this sweep shows the same comparison over a whole forward. Timing does not depend on the
+Prints each sweep's time, GFLOP/s, and the ratios pdlab / best of torch's two, pdlab512 /
+best of torch's two and MKL / oneDNN (< 1: the first is faster). The engine takes no
+crossover from this table: it measures the candidates per shape class on the machine it runs
+on (``engine.kernel_choice``); this sweep shows the same comparison over a whole forward. Timing does not depend on the
 weights' values.
 """
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     weights = [torch.randn(n, k, generator=gen) * 0.05 for k, n in shapes]
     onednn = [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
     panels = [kernels.pack_linear(w) for w in weights]
+    avx512 = kernels.linear_avx512
+    panels512 = [kernels.pack_linear512(w) for w in weights] if avx512 else []
     table = []
     for rows in rows_list:
         count = len(shapes) if rows <= LM_HEAD_MAX_ROWS else len(shapes) - 1
@@ -70,6 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             "pdlab": lambda: [kernels.linear(inputs[k], p, None, n)
                               for (k, n), _, _, p in sweep],
         }
+        if avx512:
+            contenders["pdlab512"] = lambda: [kernels.linear512(inputs[k], p, None, n)
+                                              for (k, n), p in zip(shapes[:count], panels512)]
         with torch.inference_mode():
             t = {name: timing.min_s for name, timing in
                  measure_interleaved(contenders, repeats).items()}
@@ -78,11 +85,15 @@ def main(argv: list[str] | None = None) -> int:
                       *(f"{t[name] * 1e3:.1f}" for name in contenders),
                       f"{flops / t['pdlab'] / 1e9:.1f}",
                       f"{t['pdlab'] / min(t['mkl'], t['onednn']):.2f}",
+                      *([f"{flops / t['pdlab512'] / 1e9:.1f}",
+                         f"{t['pdlab512'] / min(t['mkl'], t['onednn']):.2f}"] if avx512 else []),
                       f"{t['mkl'] / t['onednn']:.2f}"])
     print(f"one forward's matmuls (30 layers, distinct weights), SmolLM2-135M shapes fp32; "
           + estimator_line(repeats))
-    print_table(["M", "LM head", "mkl ms", "onednn ms", "pdlab ms", "pdlab GFLOP/s",
-                 "pdlab / best torch", "mkl / onednn"], table)
+    print_table(["M", "LM head", "mkl ms", "onednn ms", "pdlab ms",
+                 *(["pdlab512 ms"] if avx512 else []), "pdlab GFLOP/s", "pdlab / best torch",
+                 *(["pdlab512 GFLOP/s", "pdlab512 / best torch"] if avx512 else []),
+                 "mkl / onednn"], table)
     return 0
 
 

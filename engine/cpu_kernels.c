@@ -270,6 +270,118 @@ void pd_linear(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
     }
 }
 
+/* The same linear layer with AVX-512 (pd_linear512), for CPUs that have avx512f: W packed
+ * (pd_pack_linear_width with PD_PANEL512 = 32) into panels of 32 output columns, [ceil(n /
+ * 32)][k][32], multiplied by blocks of at most 12 rows (balanced, as above) held in 12 x 2
+ * zmm accumulators (24 of the 32 registers, plus the two weight vectors): the register
+ * blocking of BLIS's Skylake-X sgemm (32 x 12) with the roles of the operands as in the
+ * AVX2 kernel (weights loaded, x broadcast; the broadcast folds into the FMA's memory
+ * operand). Each output is again bias + sum over k in order with one FMA per term, so its
+ * results equal pd_linear's bit for bit. The functions are compiled for avx512f by a target
+ * attribute, not by the build's -march, so the library still builds for an AVX2-only CPU;
+ * pd_linear512_available() says whether this CPU runs them (cpuid), and is 0 where the
+ * build leaves them out (PD_NO_AVX512: PDLAB_CPU_KERNELS_ISA=avx2, or not x86-64 GCC/clang). */
+#define PD_PANEL512 32
+#define PD_MAX_ROWS512 12
+
+void pd_pack_linear_width(const float *restrict w, float *restrict panels, int64_t n,
+                          int64_t k, int64_t width) {
+    for (int64_t j = 0; j < (n + width - 1) / width; j++)
+        for (int64_t kk = 0; kk < k; kk++)
+            for (int64_t c = 0; c < width; c++) {
+                int64_t col = j * width + c;
+                panels[(j * k + kk) * width + c] = col < n ? w[col * k + kk] : 0.0f;
+            }
+}
+
+#if !defined(PD_NO_AVX512) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define PD_AVX512 __attribute__((target("avx512f")))
+int pd_linear512_available(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+#define PD_UNROLL12 _Pragma("GCC unroll 12")
+#define PD_BLOCK512(MR)                                                                     \
+PD_AVX512 static void pd_block512_##MR(const float *restrict x, int64_t ldx,               \
+                                       const float *restrict p, int64_t k,                  \
+                                       const float *restrict bias, float *restrict y,       \
+                                       int64_t ldy, int64_t cols, const float *prefetch) {  \
+    __m512 lo[MR], hi[MR];                                                                  \
+    PD_UNROLL12 for (int r = 0; r < MR; r++) {                                              \
+        lo[r] = _mm512_loadu_ps(bias);                                                      \
+        hi[r] = _mm512_loadu_ps(bias + 16);                                                 \
+    }                                                                                       \
+    for (int64_t kk = 0; kk < k; kk++) {                                                    \
+        if (prefetch) {                                                                     \
+            _mm_prefetch((const char *)(prefetch + kk * PD_PANEL512), _MM_HINT_T0);         \
+            _mm_prefetch((const char *)(prefetch + kk * PD_PANEL512 + 16), _MM_HINT_T0);    \
+        }                                                                                   \
+        const float *row = p + kk * PD_PANEL512;                                            \
+        __m512 w0 = _mm512_loadu_ps(row), w1 = _mm512_loadu_ps(row + 16);                   \
+        PD_UNROLL12 for (int r = 0; r < MR; r++) {                                          \
+            __m512 b = _mm512_set1_ps(x[r * ldx + kk]);                                     \
+            lo[r] = _mm512_fmadd_ps(b, w0, lo[r]);                                          \
+            hi[r] = _mm512_fmadd_ps(b, w1, hi[r]);                                          \
+        }                                                                                   \
+    }                                                                                       \
+    if (cols == PD_PANEL512) {                                                              \
+        PD_UNROLL12 for (int r = 0; r < MR; r++) {                                          \
+            _mm512_storeu_ps(y + r * ldy, lo[r]);                                           \
+            _mm512_storeu_ps(y + r * ldy + 16, hi[r]);                                      \
+        }                                                                                   \
+    } else { /* a partial last panel: masked stores of its first cols columns */            \
+        __mmask16 m0 = (__mmask16)(cols >= 16 ? 0xFFFF : (1u << cols) - 1);                 \
+        __mmask16 m1 = (__mmask16)(cols <= 16 ? 0 : (1u << (cols - 16)) - 1);              \
+        PD_UNROLL12 for (int r = 0; r < MR; r++) {                                          \
+            _mm512_mask_storeu_ps(y + r * ldy, m0, lo[r]);                                  \
+            _mm512_mask_storeu_ps(y + r * ldy + 16, m1, hi[r]);                             \
+        }                                                                                   \
+    }                                                                                       \
+}
+PD_BLOCK512(1) PD_BLOCK512(2) PD_BLOCK512(3) PD_BLOCK512(4) PD_BLOCK512(5) PD_BLOCK512(6)
+PD_BLOCK512(7) PD_BLOCK512(8) PD_BLOCK512(9) PD_BLOCK512(10) PD_BLOCK512(11) PD_BLOCK512(12)
+typedef void (*pd_block512_fn)(const float *, int64_t, const float *, int64_t, const float *,
+                               float *, int64_t, int64_t, const float *);
+static const pd_block512_fn PD_BLOCKS512[PD_MAX_ROWS512 + 1] = {
+    0, pd_block512_1, pd_block512_2, pd_block512_3, pd_block512_4, pd_block512_5,
+    pd_block512_6, pd_block512_7, pd_block512_8, pd_block512_9, pd_block512_10,
+    pd_block512_11, pd_block512_12};
+
+/* x: [m, k] rows ldx apart; panels: pd_pack_linear_width(W, ., n, k, 32); y: [m, n]
+ * contiguous; bias: [n] or NULL. Returns 0, or -1 with nothing written where this CPU or
+ * build has no AVX-512 (the caller checks pd_linear512_available() first). */
+int pd_linear512(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
+                 const float *restrict panels, int64_t n, const float *restrict bias,
+                 float *restrict y) {
+    if (!pd_linear512_available()) return -1;
+    int64_t num_panels = (n + PD_PANEL512 - 1) / PD_PANEL512;
+    int64_t num_blocks = (m + PD_MAX_ROWS512 - 1) / PD_MAX_ROWS512;
+    for (int64_t j = 0; j < num_panels; j++) {
+        int64_t cols = n - j * PD_PANEL512 < PD_PANEL512 ? n - j * PD_PANEL512 : PD_PANEL512;
+        const float *panel = panels + j * k * PD_PANEL512;
+        const float *next = j + 1 < num_panels ? panel + k * PD_PANEL512 : NULL;
+        float panel_bias[PD_PANEL512] = {0};
+        if (bias) memcpy(panel_bias, bias + j * PD_PANEL512, cols * sizeof(float));
+        for (int64_t block = 0, i = 0; block < num_blocks; block++) {
+            int64_t left = num_blocks - block, mr = (m - i + left - 1) / left;  /* balanced */
+            PD_BLOCKS512[mr](x + i * ldx, ldx, panel, k, panel_bias,
+                             y + i * n + j * PD_PANEL512, n, cols, block == 0 ? next : NULL);
+            i += mr;
+        }
+    }
+    return 0;
+}
+#else
+int pd_linear512_available(void) { return 0; }
+int pd_linear512(const float *restrict x, int64_t ldx, int64_t m, int64_t k,
+                 const float *restrict panels, int64_t n, const float *restrict bias,
+                 float *restrict y) {
+    (void)x; (void)ldx; (void)m; (void)k; (void)panels; (void)n; (void)bias; (void)y;
+    return -1;
+}
+#endif
+
 /* Paged decode attention (vLLM's paged attention, for one query token per request): for
  * KV head h the `group` query heads (GQA) of request r attend over its first lens[r] cached
  * tokens, read in place from the paged store through its block table:
@@ -410,3 +522,79 @@ int pd_paged_decode_attention(const float *q, int64_t q_row_stride, const float 
     }
     return 0;
 }
+
+/* Causal attention of one prompt chunk with the AVX-512 GEMM blocks (pd_causal_attention512):
+ * n queries at positions start .. start + n - 1 over ctx = start + n keys of their request;
+ * query i sees keys 0 .. start + i:
+ *   out[i, h*G + g, :] = softmax(scale * q_i K^T over keys <= start + i) V,
+ *   q_i = q[i, h*G + g, :],  K, V = k / v + h * kv_head_stride  ([ctx, dim], rows dim apart)
+ * q: rows q_row_stride apart, heads dim apart; out [n, kv_heads * group, dim] contiguous.
+ * Per KV head, K is packed once into 32-key panels (kpack: [ceil(ctx/32)][dim][32]) and V
+ * into 32-dim panels (vpack: [ceil(dim/32)][ctx][32]); then per query head and block of at
+ * most 12 query rows: the scores of the keys the block's last row sees (12 x 32 blocks,
+ * one FMA per term, the sum over dim in order), the exact softmax of each row over its own
+ * keys (pd_softmax; the keys past a row's end set to 0), and P V over the block's keys (12 x
+ * 32 blocks again). So the work follows the causal FLOPs, and a block's scores (12 x ctx)
+ * stay in L1/L2. scores: a workspace of 12 * ceil(ctx/32) * 32 floats. Agrees with torch's
+ * SDPA to float32 rounding (another summation order). Returns 0, or -1 with nothing written
+ * where this CPU/build has no AVX-512. */
+#if !defined(PD_NO_AVX512) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+int pd_causal_attention512(const float *q, int64_t q_row_stride, const float *k,
+                           const float *v, int64_t kv_head_stride, int64_t n, int64_t start,
+                           int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                           float *restrict kpack, float *restrict vpack,
+                           float *restrict scores, float *restrict out) {
+    if (!pd_linear512_available()) return -1;
+    static const float zeros[PD_PANEL512] = {0};
+    const int64_t ctx = start + n, key_panels = (ctx + PD_PANEL512 - 1) / PD_PANEL512;
+    const int64_t dim_panels = (dim + PD_PANEL512 - 1) / PD_PANEL512;
+    const int64_t ld = key_panels * PD_PANEL512, hq = kv_heads * group;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        pd_pack_linear_width(k + h * kv_head_stride, kpack, ctx, dim, PD_PANEL512);
+        const float *vh = v + h * kv_head_stride;  /* vpack[p][t][c] = V[t][32p + c] */
+        for (int64_t p = 0; p < dim_panels; p++)
+            for (int64_t t = 0; t < ctx; t++)
+                for (int64_t c = 0; c < PD_PANEL512; c++)
+                    vpack[(p * ctx + t) * PD_PANEL512 + c] =
+                        32 * p + c < dim ? vh[t * dim + 32 * p + c] : 0.0f;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t head = h * group + g;
+            const int64_t num_blocks = (n + PD_MAX_ROWS512 - 1) / PD_MAX_ROWS512;
+            for (int64_t block = 0, i = 0; block < num_blocks; block++) {
+                int64_t left = num_blocks - block, mr = (n - i + left - 1) / left;
+                int64_t keys = start + i + mr;  /* the block's last row sees keys < this */
+                for (int64_t p = 0; p * PD_PANEL512 < keys; p++)
+                    PD_BLOCKS512[mr](q + i * q_row_stride + head * dim, q_row_stride,
+                                     kpack + p * dim * PD_PANEL512, dim, zeros,
+                                     scores + p * PD_PANEL512, ld, PD_PANEL512, NULL);
+                for (int64_t r = 0; r < mr; r++) {
+                    float *s = scores + r * ld;
+                    int64_t len = start + i + r + 1;
+                    for (int64_t t = 0; t < len; t++) s[t] *= scale;
+                    pd_softmax(s, len);
+                    for (int64_t t = len; t < keys; t++) s[t] = 0.0f;
+                }
+                for (int64_t p = 0; p < dim_panels; p++) {
+                    int64_t cols = dim - p * PD_PANEL512 < PD_PANEL512 ? dim - p * PD_PANEL512
+                                                                      : PD_PANEL512;
+                    PD_BLOCKS512[mr](scores, ld, vpack + p * ctx * PD_PANEL512, keys, zeros,
+                                     out + i * hq * dim + head * dim + p * PD_PANEL512,
+                                     hq * dim, cols, NULL);
+                }
+                i += mr;
+            }
+        }
+    }
+    return 0;
+}
+#else
+int pd_causal_attention512(const float *q, int64_t q_row_stride, const float *k,
+                           const float *v, int64_t kv_head_stride, int64_t n, int64_t start,
+                           int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                           float *kpack, float *vpack, float *scores, float *out) {
+    (void)q; (void)q_row_stride; (void)k; (void)v; (void)kv_head_stride; (void)n; (void)start;
+    (void)kv_heads; (void)group; (void)dim; (void)scale; (void)kpack; (void)vpack;
+    (void)scores; (void)out;
+    return -1;
+}
+#endif

@@ -15,6 +15,13 @@ calling thread:
   sgemm, which over a whole forward's matmuls took 0.63-0.94x the better of torch's two
   kernels (oneDNN's packed inner product, MKL's sgemm) from 1 to 256 rows here
   (benchmarks/README.md, "A GEMM kernel for decode rows");
+- ``pack_linear512`` / ``linear512``: the same linear layer with AVX-512 (12 x 32 register
+  blocks of zmm FMAs, BLIS's Skylake-X sgemm blocking), compiled by a target attribute so the
+  library builds on an AVX2-only CPU too, and run only where the CPU has avx512f
+  (``linear_avx512``); its results equal ``linear``'s bit for bit (same sums, same order);
+- ``causal_attention512``: a prompt chunk's causal attention on the same AVX-512 blocks
+  (0.4-0.6x torch's CPU flash kernel's time at 64-2048 tokens on a Zen 5 core, SmolLM2's
+  heads: ``python -m benchmarks.chunk_attention``, benchmarks/README.md, issue 30);
 - ``decode_attention``: paged attention of one query token per request over its cached K/V
   (GQA), read in place through the block tables, in place of SDPAs whose CPU flash kernel is
   built for long query blocks and which need each group's K/V as one strided view or a copy.
@@ -26,8 +33,8 @@ The build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math
 ``cc``) into ``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash
 covering the source, the command and the machine, so a machine compiles it once (well under a
 second here); later processes load the cached library. ``PDLAB_CPU_KERNELS_ISA=avx2`` adds
-``-mno-avx512f`` (an AVX-512 machine standing in for an AVX2-only one, as
-``ONEDNN_MAX_CPU_ISA=AVX2`` does for oneDNN). ``load()`` returns None, and the CPU backend
+``-mno-avx512f -DPD_NO_AVX512`` (no AVX-512 at all, also not ``linear512``: an AVX-512
+machine standing in for an AVX2-only one, as ``ONEDNN_MAX_CPU_ISA=AVX2`` does for oneDNN). ``load()`` returns None, and the CPU backend
 (``engine/ops.py``) runs torch's kernels instead, when the kernels are disabled
 (``PDLAB_CPU_KERNELS=0``), no compiler is found, or the build or load fails (one warning says
 why). The wrappers refuse
@@ -54,7 +61,8 @@ from engine.model import cache_dir  # transformers is imported there only lazily
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "PDLAB_CPU_KERNELS"  # "0": never build or use the kernels
 ISA_ENV = "PDLAB_CPU_KERNELS_ISA"  # "avx2": no AVX-512 in the build; unset/"native": -march only
-_ISA_CAPS = {"": (), "native": (), "avx2": ("-mno-avx512f",)}
+# avx2: no AVX-512 from -march, and the target-attribute AVX-512 GEMM left out of the build
+_ISA_CAPS = {"": (), "native": (), "avx2": ("-mno-avx512f", "-DPD_NO_AVX512")}
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
           "-shared", "-fPIC")
 _LIBRARY = "libpdlab_kernels.so"
@@ -66,10 +74,15 @@ _SIGNATURES = {
     "pd_silu_mul": [_ptr, _ptr, _i64, _i64],
     "pd_pack_linear": [_ptr, _ptr, _i64, _i64],
     "pd_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr],
+    "pd_pack_linear_width": [_ptr, _ptr, _i64, _i64, _i64],
+    "pd_linear512": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr],
+    "pd_causal_attention512": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                               _f32, _ptr, _ptr, _ptr, _ptr],
     "pd_paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
                                   _i64, _i64, _i64, _i64, _f32, _ptr, _ptr],
 }
 PANEL = 16  # output columns per packed weight panel (PD_PANEL in cpu_kernels.c)
+PANEL512 = 32  # the same for the AVX-512 kernel (PD_PANEL512)
 
 
 def enabled() -> bool:
@@ -140,6 +153,9 @@ class Kernels:
             getattr(lib, name).restype = None
         lib.pd_linear_vectorized.restype = ctypes.c_int
         lib.pd_paged_decode_attention.restype = ctypes.c_int
+        lib.pd_linear512.restype = ctypes.c_int
+        lib.pd_causal_attention512.restype = ctypes.c_int
+        lib.pd_linear512_available.restype = ctypes.c_int
         self._norm, self._rope_kv, self._silu_mul = (lib.pd_add_rms_norm, lib.pd_rope_kv,
                                                      lib.pd_silu_mul)
         self._pack_linear, self._linear = lib.pd_pack_linear, lib.pd_linear
@@ -147,6 +163,11 @@ class Kernels:
         # False where the compiler did not target AVX2 + FMA: ``linear`` is then plain scalar
         # C (correct, slow) and the runner keeps torch's kernels.
         self.linear_vectorized = bool(lib.pd_linear_vectorized())
+        self._pack_width, self._linear512 = lib.pd_pack_linear_width, lib.pd_linear512
+        # True only where this CPU has avx512f (cpuid) and the build kept the AVX-512 GEMM
+        # (not under PDLAB_CPU_KERNELS_ISA=avx2): ``linear512`` is refused otherwise.
+        self.linear_avx512 = bool(lib.pd_linear512_available())
+        self._causal512 = lib.pd_causal_attention512
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -245,6 +266,87 @@ class Kernels:
         out = x.new_empty(m, out_features)
         self._linear(x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), out_features,
                      None if bias is None else bias.data_ptr(), out.data_ptr())
+        return out
+
+    def pack_linear512(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight [n, k]`` -> its panels for ``linear512``: a new ``[ceil(n / 32), k, 32]``
+        tensor (``PANEL512`` output columns each, zero padded).
+
+        Raises:
+            ValueError: another dtype/device, or not contiguous.
+        """
+        _check(weight)
+        n, k = weight.shape
+        panels = weight.new_empty(-(-n // PANEL512), k, PANEL512)
+        self._pack_width(weight.data_ptr(), panels.data_ptr(), n, k, PANEL512)
+        return panels
+
+    def linear512(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+        """``linear`` with the AVX-512 kernel (12 x 32 register blocks) on ``pack_linear512``
+        panels: the same sums in the same order, so equal to ``linear`` bit for bit.
+
+        Raises:
+            ValueError: as ``linear``; or this CPU/build has no AVX-512 (``linear_avx512``).
+        """
+        if not self.linear_avx512:
+            raise ValueError("linear512 needs a CPU with avx512f and a build that keeps it "
+                             f"(not ${ISA_ENV}=avx2)")
+        m, k = x.shape
+        if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
+                or panels.shape[1:] != (k, PANEL512) or panels.shape[0] * PANEL512 < out_features):
+            raise ValueError(f"linear512 needs float32 CPU rows of {panels.shape[1]} features "
+                             f"matching the panels, got {tuple(x.shape)} {x.dtype}")
+        _check(panels, *(() if bias is None else (bias,)))
+        if bias is not None and bias.shape != (out_features,):
+            raise ValueError(f"linear512's bias must be [{out_features}], got {tuple(bias.shape)}")
+        out = x.new_empty(m, out_features)
+        if self._linear512(x.data_ptr(), x.stride(0), m, k, panels.data_ptr(), out_features,
+                           None if bias is None else bias.data_ptr(), out.data_ptr()):
+            raise ValueError("linear512: this CPU has no avx512f")
+        return out
+
+    def causal_attention512(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            start: int, scale: float) -> torch.Tensor:
+        """Causal attention of one prompt chunk with the AVX-512 GEMM blocks: query ``i``
+        (position ``start + i``) attends to keys ``0 .. start + i`` (GQA: query head
+        ``h * G + g`` reads KV head ``h``), ``softmax(scale * q K^T) V``, as SDPA with a
+        lower-right causal mask, to float32 rounding.
+
+        Args:
+            q: ``[n, H_q, D]`` float32 CPU, rows of any stride, heads contiguous.
+            k, v: ``[H_kv, start + n, D]``, heads of any stride, each head's rows contiguous
+                (a slice of the KV store), the same strides.
+            start: the cached prefix's length (0: a first chunk).
+            scale: the logit scale.
+        Returns:
+            a new ``[n, H_q, D]`` tensor.
+        Raises:
+            ValueError: another layout or sizes that do not match, or no AVX-512 here.
+        """
+        if not self.linear_avx512:
+            raise ValueError("causal_attention512 needs a CPU with avx512f and a build that "
+                             f"keeps it (not ${ISA_ENV}=avx2)")
+        n, hq, d = q.shape
+        hkv, ctx, kd = k.shape
+        if (q.dtype != torch.float32 or q.device.type != "cpu" or q.stride()[1:] != (d, 1)
+                or k.dtype != torch.float32 or v.dtype != torch.float32
+                or k.device.type != "cpu" or v.device.type != "cpu"
+                or k.shape != v.shape or k.stride() != v.stride() or k.stride()[1:] != (d, 1)
+                or kd != d or hq % hkv or ctx != start + n or start < 0):
+            raise ValueError(f"causal_attention512 needs float32 CPU q [n, H_q, D] and k/v "
+                             f"[H_kv, start + n, D] with contiguous rows, got q "
+                             f"{tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
+                             f"start {start}")
+        panels = -(-ctx // PANEL512)
+        kpack = q.new_empty(panels * d * PANEL512)
+        vpack = q.new_empty(-(-d // PANEL512) * ctx * PANEL512)
+        scores = q.new_empty(12 * panels * PANEL512)
+        out = q.new_empty(n, hq, d)
+        if self._causal512(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
+                           n, start, hkv, hq // hkv, d, scale, kpack.data_ptr(),
+                           vpack.data_ptr(), scores.data_ptr(), out.data_ptr()):
+            raise ValueError("causal_attention512: this CPU has no avx512f")
         return out
 
 

@@ -3,7 +3,7 @@
 Several kernels compute the same thing at different speeds, and which is fastest depends on
 the CPU (AVX2 or AVX-512, cache sizes), the library builds and the problem size: for a
 projection ``[M, in] x [in, out]``, MKL's sgemm, oneDNN's packed inner product and pdlab's own
-AVX2 kernel (``engine/cpu_kernels.c``) each win somewhere, and the crossovers measured on one
+AVX2 and AVX-512 kernels (``engine/cpu_kernels.c``) each win somewhere, and the crossovers measured on one
 machine (an AVX2-only Zen 3 core) did not hold on another (an AVX-512 Zen 4 core). So the
 backend (``engine/ops.py``) asks a ``KernelSelector`` once per *op and shape class* (e.g.
 ``linear 576x960``) which candidate to run for each *row-count bucket*, and the selector
@@ -12,11 +12,13 @@ times the candidates that exist here and keeps the fastest.
 - Buckets: rows ``n`` fall in bucket ``ceil(log2 n)`` (1, 2, 3-4, 5-8, ..., 257-512), each
   measured at its upper edge ``2^i``; beyond the last measured bucket the last one's choice
   holds (at those sizes every candidate is compute bound and their order no longer moves).
-- Timing: ``measure_median_s``, the median over ``ROUNDS`` (7) rounds in which the
+- Timing: ``measure_median_s``, the median over up to ``ROUNDS`` (7) rounds in which the
   candidates run interleaved (one sample of each per round, the order rotated round by round),
   each sample lasting at least ``MIN_SAMPLE_S`` (5 ms; short calls are repeated within it). So
   a burst of load on a shared machine hits every candidate alike, and one lucky or unlucky
-  sample moves nothing. The first version (the minimum of 3 rounds of 2 ms samples) kept
+  sample moves nothing. After 3 rounds a candidate 1.3x slower than the best leaves the race,
+  which keeps the first use of a model (SmolLM2: 5 projection shapes x 7-10 buckets x 4
+  candidates, plus decode attention) to seconds. The first version (the minimum of 3 rounds of 2 ms samples) kept
   oneDNN at 16 rows on a Zen 4 core where pdlab's kernel was 22% faster in roofline's
   interleaved table (benchmarks/README.md, issue 30): too few, too short samples.
 - Cache: one JSON file per machine, ``$PDLAB_CACHE_DIR/kernels/choices-<key>.json``, keyed by
@@ -50,9 +52,14 @@ ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PDLAB_CPU_KERNELS_I
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
 ROUNDS = 7  # timed rounds per measurement, after one warm-up round (odd: a true median)
 MIN_SAMPLE_S = 0.005  # shorter calls are repeated within one timed sample
+# After this many rounds, candidates slower than the best by more than PRUNE_RATIO (median
+# against median) stop being timed: they are out of contention (MKL at 2-2.4x oneDNN here).
+PRUNE_AFTER = 3
+PRUNE_RATIO = 1.3
 # The timing method, part of the cache key: choices measured by an older method (issue 30's
 # first, 3 rounds of 2 ms, minimum) are measured again.
-TIMER = f"median-of-{ROUNDS}x{MIN_SAMPLE_S * 1e3:g}ms-rotated"
+TIMER = (f"median-of-{ROUNDS}x{MIN_SAMPLE_S * 1e3:g}ms-rotated"
+         f"-pruned-{PRUNE_AFTER}x{PRUNE_RATIO:g}")
 
 
 def bucket(num_rows: int) -> int:
@@ -109,14 +116,20 @@ def cache_path(key: dict[str, object], root: Path) -> Path:
 
 
 def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
-                     min_sample_s: float = MIN_SAMPLE_S) -> dict[str, float]:
-    """Seconds of one call of each of ``runs``: the median over ``rounds`` timed rounds after
-    one warm-up round. Each round takes one sample of every candidate, starting with the
-    next one in turn (round i starts at candidate ``i mod len(runs)``), so no candidate
-    always follows the same one (whose cache footprint or frequency it would inherit). A
-    call shorter than ``min_sample_s`` in the warm-up is repeated within each sample until
-    the sample lasts about that long (a lone call of a few microseconds is mostly timer and
-    scheduler noise).
+                     min_sample_s: float = MIN_SAMPLE_S, prune_after: int = PRUNE_AFTER,
+                     prune_ratio: float = PRUNE_RATIO) -> dict[str, float]:
+    """Seconds of one call of each of ``runs``: the median of its timed samples, after one
+    warm-up call each.
+
+    Up to ``rounds`` rounds each take one sample of every candidate still in the race,
+    starting with the next one in turn (round i starts at candidate ``i mod n``), so no
+    candidate always follows the same one (whose cache footprint or clock it would
+    inherit). After ``prune_after`` rounds, a candidate whose median exceeds the best median
+    by more than ``prune_ratio`` leaves the race (its median so far is returned): it is out
+    of contention, and timing it further would only spend the first use's seconds; the
+    measurement ends when one candidate is left. A call shorter than ``min_sample_s`` in the
+    warm-up is repeated within each sample until the sample lasts about that long (a lone
+    call of a few microseconds is mostly timer and scheduler noise).
 
     Raises:
         ValueError: ``rounds`` < 1.
@@ -131,13 +144,20 @@ def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS
         runs[name]()
         loops[name] = max(1, min(1000, int(min_sample_s / max(time.perf_counter() - start,
                                                                 1e-7))))
+    racing = list(names)
     for i in range(rounds):
-        for name in names[i % len(names):] + names[:i % len(names)]:
+        for name in racing[i % len(racing):] + racing[:i % len(racing)]:
             run, count = runs[name], loops[name]
             start = time.perf_counter()
             for _ in range(count):
                 run()
             samples[name].append((time.perf_counter() - start) / count)
+        if i + 1 >= prune_after:
+            best = min(statistics.median(samples[name]) for name in racing)
+            racing = [name for name in racing
+                      if statistics.median(samples[name]) <= prune_ratio * best]
+            if len(racing) == 1:
+                break
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -11,10 +11,12 @@ has. Two backends:
 - ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``; not where
   ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains, and, for the projections and decode attention, whichever candidate
   ``engine/kernel_choice.py`` measured fastest on this machine per shape class and row-count
-  bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``) or
-  pdlab's 6 x 16 AVX2/FMA GEMM; the C paged decode attention or the runner's planned SDPA
-  groups. Prompt chunks after the first run torch's CPU flash kernel twice (prefix, causal
-  diagonal) merged by log-sum-exp.
+  bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``),
+  pdlab's 6 x 16 AVX2/FMA GEMM (``pdlab``) or, where the CPU has avx512f, its 12 x 32
+  AVX-512 GEMM (``pdlab512``); the C paged decode attention or the runner's planned SDPA
+  groups; and per chunk-length bucket the prompt-chunk attention: torch's CPU flash kernel
+  (chunks after the first: twice, prefix and causal diagonal, merged by log-sum-exp) or,
+  where the CPU has avx512f, pdlab's causal kernel on the AVX-512 GEMM blocks (``pdlab512``).
 
 Two rules live here and nowhere else:
 
@@ -64,6 +66,9 @@ CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu
 LINEAR_MAX_BUCKET = 9
 LM_HEAD_MAX_BUCKET = 6
 DECODE_MAX_BUCKET = 8  # decode rows 1 .. 256
+# Prompt-chunk lengths measured for the chunk attention: 1 .. 1024 tokens (longer chunks use
+# the 1024 choice; a 1024-token probe already costs ~20 ms per flash call).
+CHUNK_MAX_BUCKET = 10
 # The decode-attention measurement's KV context: about a ShareGPT prompt plus its reply.
 DECODE_PROBE_CONTEXT = 256
 # Weights streamed per timed call of a small-M GEMM: a decode step reads every layer's
@@ -162,6 +167,22 @@ class _PdlabGemm:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.kernels.linear(x, self.panels, self.bias, self.out_features)
+
+
+class _PdlabGemm512(_PdlabGemm):
+    """pdlab's AVX-512 GEMM (``cpu_kernels.linear512``, 12 x 32 zmm blocks) on the weight
+    packed once into 32-column panels (a copy); single-threaded; only where the CPU has
+    avx512f (``Kernels.linear_avx512``). Equal to ``_PdlabGemm`` bit for bit."""
+
+    name = "pdlab512"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 kernels: cpu_kernels.Kernels) -> None:
+        self.kernels, self.bias, self.out_features = kernels, bias, weight.shape[0]
+        self.panels = kernels.pack_linear512(weight.detach().contiguous())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.linear512(x, self.panels, self.bias, self.out_features)
 
 
 class _Bucketed:
@@ -287,9 +308,10 @@ def _parse_force(spec: str) -> dict[str, str]:
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         op, sep, name = part.partition("=")
-        if not sep or op not in ("backend", "linear", "decode_attention"):
+        if not sep or op not in ("backend", "linear", "decode_attention", "chunk_attention"):
             raise ValueError(f"${FORCE_ENV}: {part!r} is not backend=torch|cpu, "
-                             f"linear=<kernel> or decode_attention=<layout>")
+                             f"linear=<kernel>, decode_attention=<layout> or "
+                             f"chunk_attention=<kernel>")
         if op == "backend" and name not in ("torch", "cpu"):
             raise ValueError(f"${FORCE_ENV}: backend={name} is not torch or cpu")
         out[op] = name
@@ -324,15 +346,22 @@ class CpuOps(TorchOps):
         single = (self.threads == 1 and kernels is not None and kernels.linear_vectorized)
         self.c_elementwise = kernels if kv_float32 else None
         self.linear_candidates = ["mkl", *(["onednn"] if ONEDNN else []),
-                                  *(["pdlab"] if single else [])]
+                                  *(["pdlab"] if single else []),
+                                  *(["pdlab512"] if single and kernels.linear_avx512 else [])]
         self.decode_candidates = ["planned", *(["paged"] if single and kv_float32 else [])]
+        # a prompt chunk's causal attention: torch's CPU flash kernel(s), or pdlab's AVX-512
+        # kernel (GEMM blocks over the causal triangle, engine/cpu_kernels.c)
+        self.chunk_candidates = ["flash", *(["pdlab512"] if single and kernels.linear_avx512
+                                            else [])]
         for op, allowed in (("linear", self.linear_candidates),
-                            ("decode_attention", self.decode_candidates)):
+                            ("decode_attention", self.decode_candidates),
+                            ("chunk_attention", self.chunk_candidates)):
             if op in self.force and self.force[op] not in allowed:
                 raise ValueError(f"${FORCE_ENV}: {op}={self.force[op]} is not available here "
                                  f"(candidates: {', '.join(allowed)})")
         self.linear_choices: dict[str, dict[int, str]] = {}  # "in x out" -> bucket -> name
         self.decode_choices: dict[int, str] = {}
+        self.chunk_choices: dict[int, str] = {}  # chunk-length bucket -> kernel
 
     @property
     def cache_key(self) -> tuple:
@@ -346,6 +375,8 @@ class CpuOps(TorchOps):
             return _OneDnn(weight, bias)
         if name == "pdlab":
             return _PdlabGemm(weight, bias, self.kernels)
+        if name == "pdlab512":
+            return _PdlabGemm512(weight, bias, self.kernels)
         return _Mm(weight, bias)
 
     def linear(self, weight, bias, lm_head: bool = False):
@@ -412,8 +443,10 @@ class CpuOps(TorchOps):
 
     # -- attention ---------------------------------------------------------------------
     def prepare_attention(self, num_kv_heads, group, head_dim, block_size, softcap):
-        """Measure (or read) the decode layout per row-count bucket for this attention
-        geometry. Soft-capped logits (Gemma 2) have no paged kernel: always planned."""
+        """Measure (or read) the decode layout per row-count bucket and the chunk-attention
+        kernel per chunk-length bucket for this attention geometry. Soft-capped logits (Gemma
+        2) have neither a paged nor a pdlab chunk kernel: always planned / the eager form."""
+        self._prepare_chunk_attention(num_kv_heads, group, head_dim, softcap)
         buckets = list(range(DECODE_MAX_BUCKET + 1))
         candidates = self.decode_candidates if softcap is None else ["planned"]
         if "decode_attention" in self.force and self.force["decode_attention"] in candidates:
@@ -424,6 +457,27 @@ class CpuOps(TorchOps):
             "decode_attention", shape, buckets,
             {name: self._decode_probe(name, num_kv_heads, group, head_dim, block_size)
              for name in candidates})
+
+    def _prepare_chunk_attention(self, num_kv_heads, group, head_dim, softcap) -> None:
+        buckets = list(range(CHUNK_MAX_BUCKET + 1))
+        if softcap is not None or CPU_FLASH is None or len(self.chunk_candidates) == 1:
+            self.chunk_choices = dict.fromkeys(buckets, "flash")
+            return
+        if "chunk_attention" in self.force:
+            self.chunk_choices = dict.fromkeys(buckets, self.force["chunk_attention"])
+            return
+
+        def probe(name: str):
+            def make(n: int) -> Callable[[], object]:  # a first chunk of n tokens, one layer
+                gen = torch.Generator().manual_seed(n)
+                q = torch.randn(n, num_kv_heads * group, head_dim, generator=gen)
+                k, v = torch.randn(2, num_kv_heads, n, head_dim, generator=gen)
+                q4, k4, v4 = q.transpose(0, 1)[None], k[None], v[None]
+                return lambda: self._chunk_kernel(name, q4, k4, v4, 0, head_dim ** -0.5)
+            return make
+        self.chunk_choices = self.selector.choose(
+            "chunk_attention", f"{num_kv_heads}x{group}x{head_dim}", buckets,
+            {name: probe(name) for name in self.chunk_candidates})
 
     def _decode_probe(self, name: str, num_kv_heads: int, group: int, head_dim: int,
                       block_size: int):
@@ -455,10 +509,23 @@ class CpuOps(TorchOps):
         return self.kernels.decode_attention(q, kv_layer, block_tables, lens, scale)
 
     def chunk_attention(self, q4, k4, v4, start, scale):
-        """A later chunk as two CPU flash calls, the prefix (unmasked) and the chunk's own
-        causal diagonal, merged by their log-sum-exp (FlashDecoding's split-KV merge): SDPA
-        with the lower-right bias took the math path on CPU, materialising every score
-        (benchmarks/README.md, issue 14)."""
+        """The kernel measured fastest for this chunk length (``chunk_choices``): pdlab's
+        AVX-512 causal kernel, or torch's CPU flash kernel, where a later chunk is two flash
+        calls, the prefix (unmasked) and the chunk's own causal diagonal, merged by their
+        log-sum-exp (FlashDecoding's split-KV merge): SDPA with the lower-right bias took the
+        math path on CPU, materialising every score (benchmarks/README.md, issue 14)."""
+        n = q4.shape[2]
+        name = (self.chunk_choices.get(min(kernel_choice.bucket(n), CHUNK_MAX_BUCKET), "flash")
+                if self.chunk_choices else "flash")
+        return self._chunk_kernel(name, q4, k4, v4, start, scale)
+
+    def _chunk_kernel(self, name, q4, k4, v4, start, scale):
+        d = q4.shape[-1]
+        if (name == "pdlab512" and k4.stride()[2:] == (d, 1) and q4.stride(3) == 1
+                and k4.stride() == v4.stride()):
+            out = self.kernels.causal_attention512(q4[0].transpose(0, 1), k4[0], v4[0], start,
+                                                   d ** -0.5 if scale is None else scale)
+            return out.transpose(0, 1)[None]
         if start == 0 or CPU_FLASH is None:
             return super().chunk_attention(q4, k4, v4, start, scale)
         return _merge_lse(CPU_FLASH(q4, k4[:, :, :start], v4[:, :, :start], scale=scale),
@@ -475,12 +542,15 @@ class CpuOps(TorchOps):
                             if os.environ.get(name)},
                 "threads": self.threads,
                 "c_kernels": (None if self.kernels is None else
-                              "avx2-fma" if self.kernels.linear_vectorized else "scalar"),
+                              "scalar" if not self.kernels.linear_vectorized else
+                              "avx2-fma+avx512f" if self.kernels.linear_avx512 else "avx2-fma"),
                 "forced": self.force,
                 "linear": {shape: kernel_choice.describe_buckets(c)
                            for shape, c in self.linear_choices.items()},
                 "decode_attention": (kernel_choice.describe_buckets(self.decode_choices)
-                                     if self.decode_choices else "planned")}
+                                     if self.decode_choices else "planned"),
+                "chunk_attention": (kernel_choice.describe_buckets(self.chunk_choices)
+                                    if self.chunk_choices else "flash")}
 
     def summary(self):
         d = self.describe()
@@ -488,7 +558,7 @@ class CpuOps(TorchOps):
         return (f"kernels: cpu backend on {d['cpu_model']} ({d['cpu_isa']}; torch "
                 f"{d['torch_cpu_capability']}{'; caps ' + str(d['isa_env']) if d['isa_env'] else ''}"
                 f"), {d['threads']} thread(s); linear {linear}; decode attention "
-                f"{d['decode_attention']}")
+                f"{d['decode_attention']}; chunk attention {d['chunk_attention']}")
 
 
 _SELECTORS: dict[tuple, kernel_choice.KernelSelector] = {}

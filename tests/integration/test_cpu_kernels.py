@@ -31,6 +31,9 @@ needs_kernels = pytest.mark.skipif(cpu_kernels.load() is None,
 needs_vector_kernels = pytest.mark.skipif(
     cpu_kernels.load() is None or not cpu_kernels.load().linear_vectorized,
     reason="the kernels are not built for AVX2/FMA here")
+# pdlab's AVX-512 GEMM runs only where the CPU has avx512f (and the build keeps it).
+HAS_AVX512 = cpu_kernels.load() is not None and cpu_kernels.load().linear_avx512
+needs_avx512 = pytest.mark.skipif(not HAS_AVX512, reason="this CPU has no avx512f")
 
 
 def _randn(*shape, seed=0):
@@ -117,17 +120,47 @@ def test_wrappers_refuse_what_they_cannot_read(kernels):
 
 @needs_kernels
 @pytest.mark.parametrize("rows,n,k", [(1, 960, 576), (2, 16, 5), (3, 32, 7), (7, 48, 9),
-                                      (8, 17, 8), (16, 48, 33), (257, 40, 24)])
+                                      (8, 17, 8), (16, 48, 33), (257, 40, 24), (12, 33, 10),
+                                      (13, 64, 6), (25, 31, 12), (100, 50, 20)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear(kernels, rows, n, k, bias):
-    """Every block size 1..6 (7 = 4 + 3, 8 = 4 + 4, 16 = 6 + 5 + 5, 257 = 42 x 6 + 5), a
-    partial last panel (n % 16), rows of a wider tensor."""
+@pytest.mark.parametrize("avx512", [False, True])
+def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
+    """Both GEMMs. AVX2 (6 x 16): every block size 1..6 (7 = 4 + 3, 8 = 4 + 4, 16 = 6 + 5 +
+    5, 257 = 42 x 6 + 5), a partial last panel (n % 16). AVX-512 (12 x 32): blocks 1..12
+    (13 = 7 + 6, 16 = 8 + 8, 25 = 9 + 8 + 8, 100 = 9 x 11 + ..., 257 = 22 blocks of 11-12),
+    partial last panels of 1-31 columns (masked stores: n = 17, 31, 33, 40, 50), and equal
+    to the AVX2 kernel bit for bit (the same FMAs in the same order). Rows of a wider tensor."""
+    if avx512 and not kernels.linear_avx512:
+        pytest.skip("this CPU has no avx512f")
     w, b = _randn(n, k, seed=1) * k ** -0.5, (_randn(n, seed=2) if bias else None)  # out ~1
     x = _randn(rows, k + 3, seed=3)[:, 2:2 + k]  # rows k + 3 apart, each contiguous
-    panels = kernels.pack_linear(w)
-    assert panels.shape == (-(-n // 16), k, 16)
-    torch.testing.assert_close(kernels.linear(x, panels, b, n), F.linear(x, w, b),
-                               rtol=1e-5, atol=1e-5)
+    if avx512:
+        panels = kernels.pack_linear512(w)
+        assert panels.shape == (-(-n // 32), k, 32)
+        got = kernels.linear512(x, panels, b, n)
+        if kernels.linear_vectorized:
+            assert torch.equal(got, kernels.linear(x, kernels.pack_linear(w), b, n))
+    else:
+        panels = kernels.pack_linear(w)
+        assert panels.shape == (-(-n // 16), k, 16)
+        got = kernels.linear(x, panels, b, n)
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_kernels
+def test_avx512_gemm_is_left_out_under_the_avx2_cap(monkeypatch, tmp_path):
+    """``PDLAB_CPU_KERNELS_ISA=avx2`` builds without the AVX-512 kernels: the library says
+    so (so the backend never offers ``pdlab512``) and they refuse to run."""
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
+    monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path))
+    capped = cpu_kernels.Kernels(cpu_kernels.build())
+    assert not capped.linear_avx512
+    w = torch.ones(32, 8)
+    with pytest.raises(ValueError, match="linear512 needs a CPU with avx512f"):
+        capped.linear512(torch.ones(2, 8), capped.pack_linear512(w), None, 32)
+    q, kv = torch.ones(2, 2, 8), torch.ones(2, 1, 2, 8)
+    with pytest.raises(ValueError, match="causal_attention512 needs a CPU with avx512f"):
+        capped.causal_attention512(q, kv[0], kv[1], 0, 1.0)
 
 
 @needs_kernels
@@ -185,6 +218,30 @@ def test_decode_attention_equals_sdpa_over_gathered_blocks(kernels, n, kv_heads,
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
+@needs_avx512
+@pytest.mark.parametrize("n,start,kv_heads,group,d", [(256, 0, 3, 3, 64), (1, 0, 1, 1, 8),
+                                                      (13, 5, 2, 2, 40), (37, 0, 1, 4, 80),
+                                                      (100, 33, 3, 3, 64), (12, 20, 1, 2, 32)])
+def test_causal_attention512_equals_sdpa_with_a_lower_right_mask(kernels, n, start, kv_heads,
+                                                                 group, d):
+    """pdlab's AVX-512 chunk attention: q rows of the fused QKV output, K/V a slice of the
+    store (heads apart, rows contiguous); row blocks of 1-12 (13 = 7 + 6, 37 = 4 x 9 + 1 ...),
+    key panels cut by the causal diagonal and by the context's end, head dims 8-80 (partial
+    32-dim panels: masked stores), a cached prefix (start > 0)."""
+    qkv = _randn(n, kv_heads * group * d + 7, seed=n)
+    q = qkv[:, :kv_heads * group * d].view(n, kv_heads * group, d)
+    store = _randn(2, kv_heads, start + n + 4, d, seed=start)
+    k, v = store[0, :, :start + n], store[1, :, :start + n]
+    mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 0),
+                                         v.repeat_interleave(group, 0), attn_mask=mask,
+                                         scale=d ** -0.5).transpose(0, 1)
+    torch.testing.assert_close(kernels.causal_attention512(q, k, v, start, d ** -0.5), ref,
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"k/v \[H_kv, start \+ n, D\]"):
+        kernels.causal_attention512(q, k, v, start + 1, d ** -0.5)
+
+
 @needs_kernels
 def test_gemm_and_attention_wrappers_refuse_what_they_cannot_read(kernels):
     panels = kernels.pack_linear(torch.ones(16, 8))
@@ -204,6 +261,14 @@ def test_gemm_and_attention_wrappers_refuse_what_they_cannot_read(kernels):
                                      torch.tensor([bad_len]), 1.0)
     with pytest.raises(ValueError, match="bias must be"):
         kernels.linear(torch.ones(2, 8), panels, torch.ones(8), 16)
+    if kernels.linear_avx512:
+        wide = kernels.pack_linear512(torch.ones(32, 8))
+        with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+            kernels.linear512(torch.ones(2, 9), wide, None, 32)
+        with pytest.raises(ValueError, match="float32 CPU rows of 8"):
+            kernels.linear512(torch.ones(2, 8), panels, None, 16)  # 16-column panels
+        with pytest.raises(ValueError, match="bias must be"):
+            kernels.linear512(torch.ones(2, 8), wide, torch.ones(8), 32)
 
 
 @needs_vector_kernels
@@ -214,7 +279,8 @@ def test_c_gemm_and_paged_attention_compete_only_with_one_torch_thread(tiny, mon
     monkeypatch.setenv(ops.FORCE_ENV, "linear=pdlab,decode_attention=paged")
     runner = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
     qkv = runner.layers[0].qkv
-    assert runner.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else []), "pdlab"]
+    assert runner.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else []), "pdlab",
+                                            *(["pdlab512"] if HAS_AVX512 else [])]
     assert runner.ops.decode_candidates == ["planned", "paged"]
     assert {type(k).__name__ for k in qkv.fused.by_bucket} == {"_PdlabGemm"}
     assert runner.ops.decode_layout(16, None) == "paged"
@@ -226,7 +292,7 @@ def test_c_gemm_and_paged_attention_compete_only_with_one_torch_thread(tiny, mon
         ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
     monkeypatch.setenv(ops.FORCE_ENV, "linear=mkl")
     threaded = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
-    assert "pdlab" not in threaded.ops.linear_candidates
+    assert threaded.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else [])]
     assert threaded.ops.decode_candidates == ["planned"]
     assert threaded.ops.decode_layout(16, None) == "planned"
     with torch.inference_mode():
@@ -254,7 +320,8 @@ def _greedy(loaded, prompts, max_tokens=6, budget=96):
 # and each decode layout, and the reference backend.
 FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention=paged",
           "linear=pdlab,decode_attention=paged", "linear=pdlab,decode_attention=planned",
-          "backend=torch"]
+          "linear=pdlab512,decode_attention=paged,chunk_attention=pdlab512",
+          "linear=onednn,decode_attention=planned,chunk_attention=pdlab512", "backend=torch"]
 
 
 @needs_vector_kernels
@@ -262,15 +329,19 @@ FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention
 def test_engine_under_every_kernel_choice_matches_generate(tiny, monkeypatch, force):
     if "onednn" in force and not ops.ONEDNN:
         pytest.skip("this torch has no oneDNN linear")
+    if "pdlab512" in force and not HAS_AVX512:  # noqa: SIM102
+        pytest.skip("this CPU has no avx512f")
     monkeypatch.setenv(ops.FORCE_ENV, force)
     prompts = random_prompts([1, 9, 40], seed=21)
     engine, got = _greedy(tiny, prompts, budget=16)  # chunked, mixed prefill + decode steps
     backend = engine.runner.ops
     assert backend.name == ("torch" if force == "backend=torch" else "cpu")
     if backend.name == "cpu":  # the forced kernels really ran
-        linear, layout = (part.split("=")[1] for part in force.split(","))
-        assert {k.name for k in engine.runner.layers[0].qkv.fused.by_bucket} == {linear}
-        assert backend.decode_layout(3, None) == layout
+        forced = dict(part.split("=") for part in force.split(","))
+        assert {k.name for k in engine.runner.layers[0].qkv.fused.by_bucket} == {forced["linear"]}
+        assert backend.decode_layout(3, None) == forced["decode_attention"]
+        if "chunk_attention" in forced:
+            assert set(backend.chunk_choices.values()) == {forced["chunk_attention"]}
         assert backend.c_elementwise is not None
     assert got == [reference_generate(tiny.model, p, 6) for p in prompts]
 

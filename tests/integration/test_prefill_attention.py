@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from conftest import random_prompts, reference_generate
 from placement_helpers import assert_clean, assert_outputs
 
-from engine import ops
+from engine import cpu_kernels, ops
 from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.engine import Engine
@@ -44,13 +44,20 @@ def _reference_attention(q, k, v, start):
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("flash", [True, False], ids=["cpu-flash-lse", "lower-right-bias"])
+@pytest.mark.parametrize("kernel", ["flash", "pdlab512", "reference"],
+                         ids=["cpu-flash-lse", "pdlab512", "lower-right-bias"])
 @pytest.mark.parametrize("start,n", [(0, 2), (0, 37), (1, 2), (5, 16), (16, 16), (200, 33)])
-def test_chunk_attention_equals_masked_attention(tiny, monkeypatch, flash, start, n):
+def test_chunk_attention_equals_masked_attention(tiny, monkeypatch, kernel, start, n):
     kv_store = Engine(tiny, EngineConfig(max_num_seqs=1, max_model_len=8)).kv_store
+    if kernel != "reference":  # the CPU backend: flash calls merged by log-sum-exp, or pdlab's
+        kernels = cpu_kernels.load()
+        if kernel == "pdlab512" and (kernels is None or not kernels.linear_avx512):
+            pytest.skip("this CPU has no avx512f")
+        monkeypatch.setenv(ops.FORCE_ENV, f"chunk_attention={kernel}")
     runner = runner_mod.ModelRunner(tiny.model, kv_store)
-    if flash:  # the CPU backend's two flash calls merged by log-sum-exp
+    if kernel != "reference":
         assert isinstance(runner.ops, ops.CpuOps) and ops.CPU_FLASH is not None
+        assert set(runner.ops.chunk_choices.values()) == {kernel}
     else:  # the reference backend (public SDPA; CUDA runs it)
         runner.ops = ops.TorchOps()
     gen = torch.Generator().manual_seed(start * 100 + n)

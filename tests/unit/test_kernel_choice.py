@@ -126,6 +126,29 @@ def test_measure_median_s_takes_each_candidates_median_in_rotated_rounds(monkeyp
         kernel_choice.measure_median_s({"a": run("a")}, rounds=0)
 
 
+def test_candidates_far_behind_leave_the_race_after_three_rounds(monkeypatch):
+    """a 1.0 s and b 1.25 s per call stay within 1.3x of each other and run all 5 rounds; c
+    at 1.5 s (> 1.3 x 1.0) is dropped after round 3. Alone in the race, a stops at once."""
+    now = [0.0]
+    monkeypatch.setattr(kernel_choice.time, "perf_counter", lambda: now[0])
+    cost, order = {"a": 1.0, "b": 1.25, "c": 1.5}, []
+
+    def run(name):
+        def call():
+            order.append(name)
+            now[0] += cost[name]
+        return call
+    seconds = kernel_choice.measure_median_s({name: run(name) for name in "abc"}, rounds=5,
+                                             min_sample_s=0.0)
+    assert seconds == pytest.approx({"a": 1.0, "b": 1.25, "c": 1.5})
+    assert "".join(order) == "abc" + "abc" + "bca" + "cab" + "ba" + "ab"
+    order.clear()
+    cost["b"] = 2.0
+    kernel_choice.measure_median_s({name: run(name) for name in "ab"}, rounds=5,
+                                   min_sample_s=0.0)
+    assert "".join(order) == "ab" + "ab" + "ba" + "ab"  # warm-up, 3 rounds; then a is alone
+
+
 def test_short_calls_are_repeated_within_a_sample(monkeypatch):
     """A 1 ms call with 5 ms samples: 5 calls per sample, and the per-call time reported."""
     now, calls = [0.0], [0]
@@ -158,7 +181,7 @@ def test_machine_key_changes_with_the_cpu_and_the_timing_method(monkeypatch):
     assert (key4["cpu_family"], key4["cpu_model_id"]) == ("25", "17")
     assert (key5["cpu_family"], key5["cpu_model_id"]) == ("26", "2")
     assert key4["cpu_flags_sha"] != key5["cpu_flags_sha"]
-    assert key5["timer"] == kernel_choice.TIMER == "median-of-7x5ms-rotated"
+    assert key5["timer"] == kernel_choice.TIMER == "median-of-7x5ms-rotated-pruned-3x1.3"
     assert kernel_choice.cache_path(key4, Path("/x")) != kernel_choice.cache_path(key5, Path("/x"))
     monkeypatch.setattr(kernel_choice, "TIMER", "min-of-3x2ms")
     assert kernel_choice.machine_key(1, "build") != key5
