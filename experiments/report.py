@@ -177,3 +177,22 @@ def write_report(out_dir: str | Path, summary_df: pd.DataFrame, slo: SLO, verdic
         lines += [f"### {caption}", "", f"![{caption}]({rel})", ""]
     path.write_text("\n".join(lines))
     return path
+
+
+def append_section(out_dir: str | Path, title: str, lines: Sequence[str],
+                   image: str | Path | None = None) -> Path:
+    """Append a section to ``out_dir/report.md`` (written by ``write_report``): ``## title``,
+    ``lines`` as a code block (they are aligned text), and ``image`` as a relative image
+    link when given. Returns the report's path.
+
+    Raises:
+        FileNotFoundError: no report.md there yet.
+    """
+    path = Path(out_dir) / "report.md"
+    text = path.read_text()
+    extra = ["", f"## {title}", "", "```", *lines, "```", ""]
+    if image is not None:
+        rel = Path(os.path.relpath(Path(image).resolve(), Path(out_dir).resolve())).as_posix()
+        extra += [f"![{title}]({rel})", ""]
+    path.write_text(text.rstrip("\n") + "\n" + "\n".join(extra))
+    return path

@@ -33,7 +33,7 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Transfe
                            add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
 from engine.metrics import SLO
 from engine.model import model_context_len
-from experiments import validate
+from experiments import report, validate, workload_map
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args, add_slo_args,
                                  add_transfer_args, check_model, check_out, check_placements,
                                  engine_config,
@@ -59,6 +59,8 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     (``pdlab plan``'s simulator), the attainment plot overlays the simulated curve (dashed)
     and validation.csv holds the per-point errors (``experiments.validate``).
     ``max_worker_restarts``: a worker that dies is started again up to this many times.
+    Last, the planner's small SLO map of this workload (``experiments.workload_map``: a
+    few seconds) goes into report.md, map.csv, map.png and the verdict's last lines.
 
     With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
     ``calibrated_slo`` (both measured on the first placement, recorded under
@@ -100,9 +102,15 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
     config = experiment_config(model, device_set, placements, sweep, calibration, spec, engine,
                                transfer, slo, policy, conditional, worker_info)
     if simulate is None:
-        return write_results(out_dir, results, config, slo)
-    return validate.write_with_twin(out_dir, results, config, slo, items, spec, engine,
-                                    transfer.transport, simulate, policy)
+        summary, verdict = write_results(out_dir, results, config, slo)
+    else:
+        summary, verdict = validate.write_with_twin(out_dir, results, config, slo, items, spec,
+                                                    engine, transfer.transport, simulate, policy)
+    lines, png = workload_map.report_map(out_dir, results, items, spec, model, engine,
+                                         transfer.transport, len(device_set), slo, summary,
+                                         policy, simulate)
+    report.append_section(out_dir, workload_map.TITLE, lines, png)
+    return summary, verdict + "\n" + "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser, single: bool = False) -> None:

@@ -1,0 +1,155 @@
+"""The small SLO map that a ``pdlab run`` / ``pdlab compare`` report carries for its own
+workload (issue 27): around the run's own SLO, where the planner says each placement
+family wins on the run's devices. The map itself is ``planner.slo_map``'s (its one owner;
+``pdlab map`` draws the big one); this module only feeds it the run.
+
+1. The profile (``profile_for``): the run's ``--simulate`` profile, else the newest
+   ``results/profile-*/`` of the model (``options.find_profile``: what ``pdlab profile``
+   measured here), else the one pdlab ships for the model (``SHIPPED``: SmolLM2-135M fp32,
+   measured by ``pdlab profile --transports inprocess,ray --repeats 3`` on one core of an
+   AMD EPYC Zen 5, shared and loaded). None: no map, and the report says why.
+2. Its step times scaled by this run's own steps (``validate.step_factors``: the median of
+   measured ÷ modelled over every real step of every placement), so a profile measured on
+   another machine, or another hour of this one, speaks for this run.
+3. The run's own requests (every seed), the candidates of ``slo_map.map_candidates`` on the
+   run's devices, an automatic ladder of ``NUM_RATES`` rates (``search.auto_rates``), a
+   ``STEPS`` x ``STEPS`` grid of SLOs from 1/4 x to 4 x the run's TTFT and TPOT SLOs (the
+   run's SLO at the centre: ``slo_map.parse_range``), the speed band +/- ``SPREAD``
+   (``slo_map.map_ratio``).
+4. ``map.csv`` and ``map.png`` in the results directory, and the report's lines: the
+   regions, and the centre cell (the run's SLO) beside what the run measured there.
+
+A few seconds: 4 placements of 2 devices x 12 rates x the run's seeds of 8 requests.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from engine.config import EngineConfig, ModelConfig, PlacementConfig
+from engine.metrics import SLO
+from experiments import analysis, plots, validate
+from experiments.options import find_profile, what_if_transfer
+from experiments.replay import RunResult
+from experiments.workload_spec import WorkloadSpec, requests_of
+from planner import search, slo_map
+from planner.latency import DeviceProfile
+
+# (model, dtype) -> the profile pdlab ships for it (package data, planner/profiles/).
+SHIPPED = {("smollm2-135m", "float32"):
+           Path(__file__).resolve().parent.parent / "planner" / "profiles" / "smollm2-135m-float32-cpu.json"}
+NUM_RATES = 12
+STEPS = 5  # 1/4, 1/2, 1, 2, 4 x the run's SLO
+SPREAD = 0.15  # pdlab map's default speed band
+TITLE = "Where does disaggregation win? (the planner's map of this workload)"
+
+
+def profile_for(model: ModelConfig, simulate: DeviceProfile | None = None,
+                root: Path = Path("results")) -> tuple[DeviceProfile | None, str]:
+    """Step 1: (profile, where it came from), or (None, why there is none). A measured
+    profile under ``root`` that cannot be read is skipped (``find_profile``)."""
+    if simulate is not None:
+        return simulate, "the --simulate profile"
+    path = find_profile(model, root)
+    if path is not None:
+        return DeviceProfile.load(path), str(path)
+    shipped = SHIPPED.get((model.model, model.dtype))
+    if shipped is not None and shipped.exists():
+        profile = DeviceProfile.load(shipped)
+        return profile, f"the one pdlab ships ({shipped.name}, {profile.device_name})"
+    return None, (f"no device profile of {model.model} ({model.dtype}): run `pdlab profile` "
+                  "to get this map")
+
+
+def slo_grids(slo: SLO, steps: int = STEPS) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """Step 3's SLO grid: ``steps`` TTFT and TPOT targets (s) from 1/4 x to 4 x ``slo``'s,
+    geometric, 4 significant digits (``slo_map.parse_range``); with an odd ``steps`` the
+    middle ones are ``slo``'s own (to 4 digits)."""
+    def grid(v: float) -> tuple[float, ...]:
+        return slo_map.parse_range(f"{v / 4!r}:{v * 4!r}:{steps}")
+    return grid(slo.ttft_s), grid(slo.tpot_s)
+
+
+def measured_goodput(summary: pd.DataFrame) -> dict[str, float]:
+    """placement -> the run's measured goodput per device (req/s) at its SLO, from its
+    summary table (``analysis.goodput_per_device`` on its attainment curve)."""
+    devices = {p: PlacementConfig(p).num_devices_needed for p in dict.fromkeys(summary["placement"])}
+    return analysis.goodput_per_device(analysis.attainment_curve(summary), devices)
+
+
+def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
+               model: ModelConfig, engine: EngineConfig, transport: str, num_devices: int,
+               slo: SLO, summary: pd.DataFrame, policy: str = "least_loaded",
+               simulate: DeviceProfile | None = None) -> tuple[list[str], Path | None]:
+    """Steps 1-4 (module docstring) for one finished run.
+
+    Args:
+        results: the run's real runs (their steps scale the profile).
+        items: seed -> the run's workload (``build_workload``).
+        num_devices: the run's devices (the map places on all of them).
+        slo: the SLO the run was judged by (the calibrated one under ``--calibrate``).
+        summary: the run's summary table (its measured goodput at ``slo``).
+
+    Returns:
+        (the report's lines, the heatmap's path or None when there is no map). No map (one
+        line saying why): fewer than 2 devices, a trace or multi-turn workload (its timing
+        is not a rate), or no profile. Never raises for those; a profile that cannot model
+        the run's transport is said in the line too.
+    """
+    if num_devices < 2:
+        return [f"No map: {num_devices} device (placements need 2 to differ)."], None
+    requests = {s: requests_of(its, f"s{s}") for s, its in items.items()}
+    if any(type(r) is not list for r in requests.values()):
+        return ["No map: a trace or multi-turn workload sets its own timing, not a rate."], None
+    profile, source = profile_for(model, simulate)
+    if profile is None:
+        return [f"No map: {source}."], None
+    start = time.perf_counter()
+    factor = validate.step_factors(results, profile)[2]
+    scaled = profile.scaled(factor) if math.isfinite(factor) and factor > 0 else profile
+    try:
+        transfer = what_if_transfer(scaled, transport, None, None, True)
+    except ValueError as err:
+        return [f"No map: {err}"], None
+    cands = slo_map.map_candidates(num_devices)
+    flat = [it for its in items.values() for it in its]
+    mean_p = sum(it.num_prompt_tokens for it in flat) / len(flat)
+    mean_o = sum(it.output_len for it in flat) / len(flat)
+    rates = search.auto_rates(scaled, mean_p, mean_o, num_devices, NUM_RATES, engine.max_num_seqs)
+    ttft, tpot = slo_grids(slo)
+    ratio = mean_p / mean_o
+    table, _, _ = slo_map.map_ratio(cands, rates, requests, engine, scaled, transfer, ttft, tpot,
+                                    ratio, SPREAD, spec.arrival, spec.burstiness, policy, jobs=1)
+    wall_s = time.perf_counter() - start
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out_dir / "map.csv", index=False)
+    png = plots.plot_slo_map(table, ttft, tpot, out_dir / "map.png",
+                             f"{model.model}, {num_devices} devices, this run's workload "
+                             f"(prompt:output {ratio:.3g})")
+    centre = table[(table["ttft_index"] == STEPS // 2) & (table["tpot_index"] == STEPS // 2)].iloc[0]
+    measured = measured_goodput(summary)
+    best = max(measured.values(), default=0.0)
+    firsts = [p for p, g in measured.items() if g == best]
+    lines = [f"The planner's map of this workload on {num_devices} devices ({len(table)} cells "
+             f"in {wall_s:.1f} s; profile: {source}, its steps x {factor:.3g} to match this "
+             f"run's own; {len(cands)} placements x rates {rates} req/s, "
+             f"speed band +/-{SPREAD:g}):"]
+    lines += ["  " + line for line in slo_map.regions(table, ttft, tpot)]
+    pick = (centre["verdict"] if centre["verdict"] in (slo_map.NO_CLEAR, slo_map.NONE)
+            else f"{centre['winner']} ({centre['goodput_per_device_req_s']:.3g} req/s per device, "
+                 f"{100 * centre['margin']:.0f}% over {centre['runner_up'] or 'nothing'})")
+    if centre["verdict"] == slo_map.NO_CLEAR:
+        pick += (f" ({centre['winner']} {centre['goodput_per_device_req_s']:.3g} vs "
+                 f"{centre['runner_up']} {centre['runner_up_goodput_per_device_req_s']:.3g} req/s "
+                 "per device)")
+    lines.append(f"  At this run's SLO (TTFT <= {slo.ttft_s:.3g} s, TPOT <= {slo.tpot_s:.3g} s) "
+                 f"the map says {pick}; this run measured "
+                 + (" = ".join(firsts) + f" first ({best:.3g} req/s per device over its "
+                    f"{summary['rate'].nunique()} rates)" if best > 0 else "no goodput at its rates")
+                 + ".")
+    return lines, png
