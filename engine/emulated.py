@@ -156,7 +156,7 @@ class _EmulatedOps:
         self.emulation = emulation
 
     def describe(self) -> dict:
-        return {"backend": "emulated", **self.emulation.describe()}
+        return {"backend": "emulated", "emulation": self.emulation.describe()}
 
 
 class EmulatedRunner:

@@ -140,3 +140,68 @@ def test_bad_input_is_refused():
 def emulated_engine_with(profile: DeviceProfile) -> Engine:
     return Engine(load_geometry(ModelConfig(LLAMA, "bfloat16")), ENGINE, quiet=True,
                   emulation=Emulation(profile, 1 / 256, FakeClock()))
+
+
+# ---- through the real placements (workers in this process, in-process transport) ---------
+PROFILE = "tests/data/llama-3.1-8b_h100_sxm_vllm_profile.json"  # pdlab profile --from-silicon-db
+FAST = EngineConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
+                    device_profile=PROFILE, emu_kv_scale=1 / 256)
+
+
+def deploy(placement: str, devices: str = "emu:0-1", engine: EngineConfig = FAST):
+    from engine.config import PlacementConfig, TransferConfig
+    from experiments.placement import Deployment
+
+    return Deployment(PlacementConfig(placement, devices), ModelConfig(LLAMA), engine,
+                      TransferConfig(transport="inprocess", timeout_s=10.0), local=True)
+
+
+def workload():
+    return [(Request(f"w{i}", tuple(range(100 + i, 100 + i + n)), SamplingParams(max_tokens=k)),
+             0.002 * i) for i, (n, k) in enumerate([(30, 6), (90, 4), (12, 9), (60, 5)])]
+
+
+def test_tokens_identical_across_placements_and_reruns():
+    outputs = {}
+    for run, placement in enumerate(["colocated:2", "disagg:1p1d", "colocated:2"]):
+        with deploy(placement) as deployment:
+            records = deployment.run(workload())
+            steps = deployment.step_records()
+            infos = deployment.gather("info")
+            transfers = deployment.transfer_records()
+        outputs[run] = {r.request_id: r.output_token_ids for r in records}
+        assert all(r.error is None for r in records)
+        assert [len(outputs[run][f"w{i}"]) for i in range(4)] == [6, 4, 9, 5]
+        assert all(s["lateness"] >= 1.0 for s in steps)  # a hold never ends early
+        assert {i["kernels"]["backend"] for i in infos} == {"emulated"}
+        assert {i["kv_spec"]["head_dim"] for i in infos} == {4}  # 8 x 128 / 256
+        if placement.startswith("disagg"):  # the scaled KV went through the transport
+            assert {r.kv_bytes for r in records} == {
+                2 * 32 * 4 * 2 * r.num_prompt_tokens for r in records}
+            assert len(transfers) == 4
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("devices,engine,words", [
+    ("emu:0-1", EngineConfig(), "emulated devices (emu:0,emu:1) need a device profile"),
+    ("cpu:0", FAST, "only emulated devices"),
+    ("emu:0-1", EngineConfig(device_profile="tests/data/tiny_device_profile.json"),
+     "has no model engine/configs/llama-3.1-8b: it profiles tiny-random-llama"),
+    ("emu:0-1", EngineConfig(device_profile="/nonexistent.json"), "cannot read device profile"),
+])
+def test_deployment_refuses_bad_emulation(devices, engine, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        deploy("colocated:1", devices, engine)
+
+
+def test_parse_emulated_devices():
+    from engine.config import parse_devices
+
+    assert parse_devices("emu:0-3") == ("emu:0", "emu:1", "emu:2", "emu:3")
+    assert parse_devices("emu:0,emu:5") == ("emu:0", "emu:5")
+    with pytest.raises(ValueError, match="low-high"):
+        parse_devices("emu:3-1")
+    with pytest.raises(ValueError, match="must not mix"):
+        parse_devices("emu:0,cpu:1")
+    with pytest.raises(ValueError, match="must not repeat"):
+        parse_devices("emu:0-1,emu:1")
