@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, ModelConfig
+from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
 from engine.emulated import Emulation, emulated_token, lateness_warning, prompt_hash
 from engine.engine import Engine
 from engine.model import ModelLoadError, load_geometry
 from engine.request import Request, SamplingParams
 from planner.latency import DeviceProfile, Fit
+from experiments.placement import Deployment
 from planner.simulate import Simulator
 
 LLAMA = "engine/configs/llama-3.1-8b"
@@ -149,9 +150,6 @@ FAST = EngineConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=25
 
 
 def deploy(placement: str, devices: str = "emu:0-1", engine: EngineConfig = FAST):
-    from engine.config import PlacementConfig, TransferConfig
-    from experiments.placement import Deployment
-
     return Deployment(PlacementConfig(placement, devices), ModelConfig(LLAMA), engine,
                       TransferConfig(transport="inprocess", timeout_s=10.0), local=True)
 
@@ -195,8 +193,6 @@ def test_deployment_refuses_bad_emulation(devices, engine, words):
 
 
 def test_parse_emulated_devices():
-    from engine.config import parse_devices
-
     assert parse_devices("emu:0-3") == ("emu:0", "emu:1", "emu:2", "emu:3")
     assert parse_devices("emu:0,emu:5") == ("emu:0", "emu:5")
     with pytest.raises(ValueError, match="low-high"):
