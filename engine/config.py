@@ -162,6 +162,7 @@ class EngineConfig:
         "help": "reuse the KV of full 16-token blocks whose token prefix is cached (vLLM's "
                 "automatic prefix caching)"})
     device_profile: str | None = field(default=None, metadata={
+        "pattern": r"[^!]*\.json", "hint": "a .json file (pdlab profile's device_profile.json)",
         "help": "emulated devices (--devices emu:0-7) only: the device_profile.json whose "
                 "fitted step models time every step (pdlab profile, e.g. --from-silicon-db)"})
     emu_kv_scale: float = field(default=1.0, metadata={
