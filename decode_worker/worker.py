@@ -49,6 +49,7 @@ from engine.engine import StepOutput
 from engine.events import ERROR, KV_GOT, WorkerEvent
 from engine.metrics import DECODE_ADMITTED
 from engine.request import Request
+from engine.emulated import Emulation
 from engine.serving import EngineLoop, token_event
 from kv_transfer.factory import make_transport
 from kv_transfer.transport import KVHandle, Transport
@@ -77,10 +78,12 @@ class DecodeWorker(EngineLoop):
                  transport: Transport | None = None, faults: dict | list[dict] | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  init_method: str | None = None, inside_ray: bool = False,
-                 bind: bool = True, step_delay_s: float = 0.0) -> None:
+                 bind: bool = True, step_delay_s: float = 0.0,
+                 emulation: Emulation | None = None) -> None:
         self.transfer = transfer_config
         self._transfers: dict[str, _Transfer] = {}  # loop thread only
-        super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s)
+        super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s,
+                         emulation)
         # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, self.engine.config.device)

@@ -161,6 +161,14 @@ class EngineConfig:
     enable_prefix_caching: bool = field(default=True, metadata={
         "help": "reuse the KV of full 16-token blocks whose token prefix is cached (vLLM's "
                 "automatic prefix caching)"})
+    device_profile: str | None = field(default=None, metadata={
+        "pattern": r"[^!]*\.json", "hint": "a .json file (pdlab profile's device_profile.json)",
+        "help": "emulated devices (--devices emu:0-7) only: the device_profile.json whose "
+                "fitted step models time every step (pdlab profile, e.g. --from-silicon-db)"})
+    emu_kv_scale: float = field(default=1.0, metadata={
+        "gt": 0, "help": "emulated devices only: fraction of the emulated model's KV bytes "
+                         "per token actually held and moved, in (0, 1] (e.g. 0.00390625 = "
+                         "1/256 when this host cannot hold the GPU's cache)"})
     kv_reservation: str = field(default="on_demand", metadata={
         "choices": KV_RESERVATIONS,
         "help": "on_demand: KV blocks as tokens arrive, preempting the newest request when "
@@ -175,6 +183,7 @@ class EngineConfig:
         )
         _check(self.gpu_memory_utilization <= 1,
                f"gpu_memory_utilization must be <= 1, got {self.gpu_memory_utilization}")
+        _check(self.emu_kv_scale <= 1, f"emu_kv_scale must be <= 1, got {self.emu_kv_scale}")
 
     @property
     def total_kv_capacity_tokens(self) -> int:
@@ -364,25 +373,44 @@ def default_devices() -> tuple[str, ...]:
 
 
 def parse_devices(devices: str | None) -> tuple[str, ...]:
-    """Parse ``cuda:0,cuda:1`` or ``cpu:0,cpu:1`` (a CPU device may be a core group ``cpu:0-3``).
+    """Parse ``cuda:0,cuda:1`` or ``cpu:0,cpu:1`` (a CPU device may be a core group ``cpu:0-3``)
+    or ``emu:0-7`` (emulated devices, ``engine.emulated``: a range is that many devices).
 
     Raises:
-        ValueError: empty list, unknown device kind, repeated device, or CPU and CUDA mixed.
+        ValueError: empty list, unknown device kind, repeated device, or kinds mixed.
     """
     if not devices:
         return default_devices()
     items = tuple(d.strip() for d in devices.split(",") if d.strip())
     _check(len(items) > 0, "devices must name at least one device")
     for d in items:
-        _check(re.fullmatch(r"cuda:\d+|cpu:\d+(-\d+)?", d) is not None,
-               f"device must look like 'cuda:0' or 'cpu:0' or 'cpu:0-3', got {d!r}")
+        _check(re.fullmatch(r"cuda:\d+|cpu:\d+(-\d+)?|emu:\d+(-\d+)?", d) is not None,
+               f"device must look like 'cuda:0' or 'cpu:0' or 'cpu:0-3' or 'emu:0-7', got {d!r}")
+    items = tuple(e for d in items for e in _expand_emulated(d))
     for d in items:
         cores = d.split(":")[1].partition("-")
         _check(not cores[2] or int(cores[2]) >= int(cores[0]),
                f"a core group must run low-high (e.g. cpu:0-3), got {d!r}")
     _check(len(set(items)) == len(items), f"devices must not repeat, got {devices!r}")
-    _check(len({d.split(":")[0] for d in items}) == 1, f"devices must not mix cpu and cuda: {devices!r}")
+    _check(len({d.split(":")[0] for d in items}) == 1,
+           f"devices must not mix cpu and cuda, nor emu with either: {devices!r}")
     return items
+
+
+def _expand_emulated(device: str) -> tuple[str, ...]:
+    """``emu:0-3`` -> ``emu:0 .. emu:3`` (a range of emulated devices, one worker each,
+    unlike a CPU core group); other devices as they are."""
+    if not device.startswith("emu:"):
+        return (device,)
+    lo, _, hi = device[4:].partition("-")
+    _check(not hi or int(hi) >= int(lo), f"an emulated range must run low-high (e.g. emu:0-7), "
+                                         f"got {device!r}")
+    return tuple(f"emu:{i}" for i in range(int(lo), int(hi or lo) + 1))
+
+
+def is_emulated(devices: tuple[str, ...]) -> bool:
+    """True for a device set of emulated devices (``emu:i``, ``engine.emulated``)."""
+    return bool(devices) and devices[0].startswith("emu:")
 
 
 def cpu_cores_of(device: str) -> list[int]:

@@ -75,7 +75,8 @@ def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
     """Bind this worker to ``device``; return the torch device its engine should use.
 
     Args:
-        device: ``cpu:i``, ``cpu:a-b`` or ``cuda:i`` (index in this process's numbering).
+        device: ``cpu:i``, ``cpu:a-b``, ``cuda:i`` (index in this process's numbering) or
+            ``emu:i`` (an emulated device: nothing is bound, the engine's tensors are on the CPU).
         inside_ray: the process is a Ray actor that sees only its own GPU (``cuda:0``).
         pin: change process-wide state (CPU affinity and threads, the current GPU); False
             where several workers share the process (local mode; see the module docstring).
@@ -88,6 +89,8 @@ def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
             a pinned GPU asked for after CUDA started here with another view.
     """
     kind = device.split(":")[0]
+    if kind == "emu":  # an emulated device (engine.emulated) computes nothing: no pinning
+        return "cpu"
     if kind == "cpu":
         cores = cpu_cores_of(device)
         allowed = os.sched_getaffinity(0)

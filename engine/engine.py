@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, kv_num_blocks_for
+from engine.emulated import EmulatedRunner, Emulation
 from engine.limits import Limits
 from engine.metrics import StepRecord
 from engine.kv_blocks import block_hashes
@@ -124,23 +125,38 @@ class Engine:
             life as the owner's ``TransferConfig.granularity`` is; ``step()`` keeps one
             signature for every caller (serving loop, profiler, benchmarks); and it runs
             inside the forward, so it cannot be part of the step's returned output.
+        emulation: run on an emulated device (``engine.emulated``): ``loaded`` is a
+            geometry (``engine.model.load_geometry``), the runner an ``EmulatedRunner``,
+            the KV cache the emulated GPU's block count in ``emulation.scaled_spec``
+            tensors, stamps from ``emulation.clock``.
 
     Raises:
-        ValueError: the KV budget holds no block (a request too large for the cache is
+        ValueError: a profile of another geometry (emulation); the KV budget holds no block (a request too large for the cache is
             refused later, in ``validate``).
     """
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  quiet: bool = False,
-                 on_layer_done: Callable[[int, ScheduledBatch], None] | None = None) -> None:
+                 on_layer_done: Callable[[int, ScheduledBatch], None] | None = None,
+                 emulation: Emulation | None = None) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded
         self.kv_spec = loaded.kv_spec
         self.max_model_len = min(self.config.max_model_len, loaded.max_context_len)
-        self.vocab_size = loaded.model.config.vocab_size
-        budget_bytes = kv_budget_bytes(self.config, self.config.device)
-        num_blocks = kv_cache_num_blocks(self.config, self.kv_spec, self.config.device,
-                                         budget_bytes, self.max_model_len)
+        self.vocab_size = loaded.vocab_size
+        self.emulation = emulation
+        if emulation is None:
+            budget_bytes = kv_budget_bytes(self.config, self.config.device)
+            num_blocks = kv_cache_num_blocks(self.config, self.kv_spec, self.config.device,
+                                             budget_bytes, self.max_model_len)
+            self._clock = time.time
+        else:  # the emulated GPU's blocks (true geometry), held in scaled tensors
+            emulation.check(loaded.kv_spec, loaded.name)
+            budget_bytes = emulation.kv_budget_bytes(self.config)
+            num_blocks = kv_num_blocks_for(self.config, loaded.kv_spec.bytes_per_token,
+                                           budget_bytes, self.max_model_len)
+            self.kv_spec = emulation.scaled_spec(loaded.kv_spec)
+            self._clock = emulation.clock.time
         block_bytes = self.config.block_size * self.kv_spec.bytes_per_token
         if num_blocks < 1:
             raise ValueError(
@@ -159,7 +175,10 @@ class Engine:
                   f"{self.kv_store.num_bytes / GIB:.3g} GiB (budget "
                   f"{budget_bytes / GIB:.3g} GiB, block {self.config.block_size} tokens)",
                   file=sys.stderr)
-        self.runner = ModelRunner(loaded.model, self.kv_store, self.config.device)
+        self.runner = (ModelRunner(loaded.model, self.kv_store, self.config.device)
+                       if emulation is None else
+                       EmulatedRunner(self.kv_store, emulation, self.vocab_size,
+                                      loaded.eos_token_ids))
         self.sampler = Sampler(loaded.eos_token_ids)  # min_tokens masks EOS too
         self.states: dict[str, RequestState] = {}
         self.step_records: list[StepRecord] = []
@@ -317,6 +336,8 @@ class Engine:
         state.status, state.error = status, error
         self.scheduler.release(state)
         self.sampler.forget(request_id)
+        if self.emulation is not None:
+            self.runner.forget(request_id)
 
     # ---- stepping --------------------------------------------------------------------
     def step(self) -> StepOutput:
@@ -333,7 +354,7 @@ class Engine:
         kv_dropped = tuple(state.request_id for state in batch.kv_dropped)
         if batch.is_empty:
             return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
-        start_s = time.time()
+        start_s = self._clock()
         num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
         entries = batch.entries()
         for state in batch.requests:
@@ -345,11 +366,15 @@ class Engine:
                 batch, listener and (lambda layer: listener(layer, batch)))
             sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
             states = [batch.requests[i] for i in sample_rows]
-            tokens, errors = self.sampler.sample_rows(
-                logits, [s.request_id for s in states], [s.sampling for s in states],
-                [s.num_output_tokens for s in states], _histories(states))
-            lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
             logprobs = {}
+            lp_rows = []
+            if self.emulation is not None:  # no logits: the emulated tokens
+                tokens, errors = self.runner.sample(states), {}
+            else:
+                tokens, errors = self.sampler.sample_rows(
+                    logits, [s.request_id for s in states], [s.sampling for s in states],
+                    [s.num_output_tokens for s in states], _histories(states))
+                lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
             if lp_rows:  # only rows that asked pay for a log_softmax
                 by_row = self.sampler.logprobs(logits, lp_rows, tokens,
                                                [states[j].sampling.logprobs for j in lp_rows])
@@ -368,9 +393,10 @@ class Engine:
             self.abort(state.request_id, error)
         sampled = {i: t for i, t in zip(sample_rows, tokens) if t is not None}
         produced = self.scheduler.update(batch, sampled)
-        end_s = time.time()
+        end_s = self._clock()
         record = StepRecord(start_s, end_s - start_s, len(entries), num_prefill_tokens,
-                            batch.num_tokens - num_prefill_tokens, entries)
+                            batch.num_tokens - num_prefill_tokens, entries,
+                            None if self.emulation is None else self.runner.last_lateness)
         self.step_records.append(record)
         outputs = tuple(self._token_output(state, end_s, logprobs.get(state.request_id))
                         for state in produced)
@@ -384,6 +410,8 @@ class Engine:
         if state.status.is_finished:
             self.states.pop(state.request_id, None)
             self.sampler.forget(state.request_id)
+            if self.emulation is not None:
+                self.runner.forget(state.request_id)
         return TokenOutput(state.request_id, state.token_ids[-1], index, time_s,
                            state.finish_reason,
                            state.first_scheduled_time_s if first_here else None,

@@ -480,6 +480,8 @@ class StepRecord:
         num_prefill_tokens, num_decode_tokens: prompt and decode tokens it computed.
         batch: its entries in the scheduler's order (decodes first, then prompt chunks;
             ``engine.scheduler.Scheduler.schedule``); empty on records built by hand.
+        lateness: an emulated device's step (``engine.emulated``): its held time ÷ the
+            modelled time (1.0 = on time); None on a real device (and then not in the row).
     """
 
     start_s: float
@@ -488,6 +490,7 @@ class StepRecord:
     num_prefill_tokens: int
     num_decode_tokens: int
     batch: tuple[BatchEntry, ...] = ()
+    lateness: float | None = None
 
     def to_row(self) -> dict:
         """The record as one flat row (a steps.csv row, a Ray-shipped dict): the scalar
@@ -499,7 +502,8 @@ class StepRecord:
                 "num_requests": self.num_requests,
                 "num_prefill_tokens": self.num_prefill_tokens,
                 "num_decode_tokens": self.num_decode_tokens,
-                "batch": json.dumps(self.batch, separators=(",", ":"))}
+                "batch": json.dumps(self.batch, separators=(",", ":")),
+                **({} if self.lateness is None else {"lateness": self.lateness})}
 
 
 def parse_batch(text: str) -> tuple[BatchEntry, ...]:

@@ -94,6 +94,14 @@ class LoadedModel:
     name: str
     load_s: float
     context_limit: str = "max_position_embeddings"
+    geometry_vocab_size: int | None = None  # a geometry without weights (load_geometry)
+
+    @property
+    def vocab_size(self) -> int:
+        """Tokens of the vocabulary (the model's config; a geometry's own count)."""
+        if self.geometry_vocab_size is not None:
+            return self.geometry_vocab_size
+        return self.model.config.vocab_size
 
     def encode_chat(self, text: str) -> list[int]:
         """Token ids of one user turn through the model's chat template (generation prompt
@@ -297,18 +305,43 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     hf = model.config
     max_context_len, context_limit = check_supported(hf, config.model)
     model = model.to(device=device, dtype=dtype).eval()
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    spec = KVSpec(
-        model_fingerprint=_fingerprint(config.model, hf),
-        num_layers=hf.num_hidden_layers,
-        num_kv_heads=hf.num_key_value_heads,
-        head_dim=head_dim,
-        dtype=config.dtype,
-    )
     eos = model.generation_config.eos_token_id if model.generation_config else hf.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-    return LoadedModel(model, tokenizer, spec, eos_ids, max_context_len,
-                       config.model, time.perf_counter() - start_s, context_limit)
+    return LoadedModel(model, tokenizer, _kv_spec(config.model, hf, config.dtype), _eos_ids(eos),
+                       max_context_len, config.model, time.perf_counter() - start_s,
+                       context_limit)
+
+
+def _kv_spec(name: str, hf, dtype: str) -> KVSpec:
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return KVSpec(model_fingerprint=_fingerprint(name, hf), num_layers=hf.num_hidden_layers,
+                  num_kv_heads=hf.num_key_value_heads, head_dim=head_dim, dtype=dtype)
+
+
+def _eos_ids(eos) -> tuple[int, ...]:
+    return tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+
+def load_geometry(config: ModelConfig) -> LoadedModel:
+    """The emulated model of ``config.model`` (a directory with a ``config.json``, e.g.
+    ``engine/configs/llama-3.1-8b``; no weights are read): a ``LoadedModel`` without a
+    module or tokenizer, with its KV geometry in ``config.dtype``, EOS ids, context and
+    vocabulary (``engine.emulated``).
+
+    Raises:
+        ModelLoadError: not a directory with a config.json.
+        UnsupportedModelError: a config the runner would refuse.
+    """
+    start_s = time.perf_counter()
+    path = Path(config.model).expanduser()
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"emulated model {config.model!r} is not a directory with a "
+                             "config.json (e.g. engine/configs/llama-3.1-8b)")
+    hf = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    max_context_len, context_limit = check_supported(hf, config.model)
+    return LoadedModel(None, None, _kv_spec(config.model, hf, config.dtype),
+                       _eos_ids(hf.eos_token_id), max_context_len, config.model,
+                       time.perf_counter() - start_s, context_limit,
+                       geometry_vocab_size=int(hf.vocab_size))
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -63,10 +63,28 @@ from engine.metrics import DECODE, PREFILL, BatchEntry
 from engine.kv_blocks import BlockAllocator, PrefixCacheStats, block_hashes, prompt_block_hashes
 from engine.request import RequestState, RequestStatus
 
-__all__ = ["BlockAllocator", "ScheduledBatch", "Scheduler"]
+__all__ = ["BlockAllocator", "ScheduledBatch", "Scheduler", "StepFeatures"]
 
 _RUNNING, _FINISHED_STOPPED = RequestStatus.RUNNING, RequestStatus.FINISHED_STOPPED
 _WAITING, _REMOTE = RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS
+
+
+@dataclass(frozen=True)
+class StepFeatures:
+    """What a step's duration depends on (the planner's step models read these:
+    ``planner.latency``; ``ScheduledBatch.step_features`` is the one place they are counted).
+
+    Attributes:
+        prefill_tokens: Σn, new prompt tokens in the step (all prefill entries).
+        prefill_attention: Σn(k+n), query-key pairs of the prompt entries (tokens).
+        batch_size: B, decode entries (one token each).
+        sum_context: Σctx, KV tokens the decode entries attend to (their KV plus the new one).
+    """
+
+    prefill_tokens: int = 0
+    prefill_attention: int = 0
+    batch_size: int = 0
+    sum_context: int = 0
 
 
 @dataclass
@@ -109,6 +127,23 @@ class ScheduledBatch:
         return tuple(BatchEntry(s.request_id, n, PREFILL if s.is_prefilling else DECODE,
                                 s.num_computed_tokens + steps_ahead)
                      for s, n in zip(self.requests, self.num_new_tokens))
+
+    def step_features(self) -> StepFeatures:
+        """The batch's ``StepFeatures``, read before ``update`` advances the counters: an
+        entry of n tokens at k computed is a prefill entry (``is_prefilling``: a prompt
+        chunk or a recompute) adding n to Σn and n(k+n) to the attention pairs, else a
+        decode adding 1 to B and k + 1 to Σctx. The simulator and the emulated runner
+        (``engine.emulated``) both time a step from these."""
+        n_pre = q_pre = num_decode = sum_ctx = 0
+        for state, n in zip(self.requests, self.num_new_tokens):
+            k = state.num_computed_tokens
+            if k < state.num_prompt_tokens or len(state.token_ids) - k > 1:  # is_prefilling
+                n_pre += n
+                q_pre += n * (k + n)
+            else:
+                num_decode += 1
+                sum_ctx += k + 1
+        return StepFeatures(n_pre, q_pre, num_decode, sum_ctx)
 
     def completes(self, i: int) -> bool:
         """True when entry i computes the request's last known token, so a token is sampled."""

@@ -34,7 +34,8 @@ from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine, StepOutput
 from engine.events import ERROR, TOKEN, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
-from engine.model import load_model
+from engine.emulated import Emulation
+from engine.model import load_geometry, load_model
 from engine.request import Request, TokenOutput
 from engine.scheduler import ScheduledBatch
 
@@ -101,20 +102,27 @@ class EngineLoop:
         bind: pin the process to ``device`` (off when several workers share one process:
             a CUDA worker still runs on its own GPU, ``engine.device.bind_device``).
         step_delay_s: sleep this long after every step: a straggler, for failure tests.
+        emulation: an emulated device (``engine.emulated``; device ``emu:i``): the model
+            is ``model_config.model``'s geometry in the profile's dtype, no weights.
     """
 
     role = "colocated"
 
     def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
                  device: str = "cpu:0", inside_ray: bool = False, bind: bool = True,
-                 step_delay_s: float = 0.0) -> None:
+                 step_delay_s: float = 0.0, emulation: Emulation | None = None) -> None:
         self.name = name
         self.step_delay_s = step_delay_s
         self.device = device
         self.torch_device = bind_device(device, inside_ray, pin=bind)
         engine_config = dataclasses.replace(engine_config, device=self.torch_device)
-        self.engine = Engine(load_model(model_config, self.torch_device), engine_config,
-                             on_layer_done=self.layer_listener())
+        if emulation is None:
+            loaded = load_model(model_config, self.torch_device)
+        else:  # the emulated GPU's KV dtype is the profile's
+            loaded = load_geometry(dataclasses.replace(model_config,
+                                                       dtype=emulation.device.dtype))
+        self.engine = Engine(loaded, engine_config, on_layer_done=self.layer_listener(),
+                             emulation=emulation)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent] = []
         self._events_ready = threading.Condition()

@@ -44,7 +44,9 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Placeme
                            TransferConfig, cpu_cores_of, parse_devices, parse_placement,
                            placement_engine_overrides)
 from engine import device as engine_device  # .CUDA: the seam tests fake
-from engine.model import check_model_name
+from engine.config import is_emulated
+from engine.emulated import Emulation
+from engine.model import ModelLoadError, check_model_name, load_geometry
 from experiments.restarts import Restarts
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
@@ -55,6 +57,7 @@ from kv_transfer.torchdist import open_rendezvous
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
+from planner.latency import DeviceProfile
 
 
 
@@ -104,6 +107,56 @@ def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None
         if device.startswith("cpu") and not set(cpu_cores_of(device)) <= cores:
             raise ValueError(f"device {device} does not exist: this machine offers cores "
                              f"{sorted(cores)}")
+
+
+def _same_model(a: str, b: str) -> bool:
+    """Two model names, directories compared by their resolved paths."""
+    try:
+        return a == b or os.path.realpath(os.path.expanduser(a)) == os.path.realpath(
+            os.path.expanduser(b))
+    except (OSError, ValueError):
+        return False
+
+
+def emulation_for(devices: tuple[str, ...], model: ModelConfig,
+                  engine: EngineConfig) -> Emulation | None:
+    """The ``Emulation`` of an emulated device set (``emu:i``, ``engine.emulated``), or None
+    for real devices.
+
+    The emulated model is ``model.model``, a directory with a ``config.json``
+    (``engine/configs/llama-3.1-8b``); it runs in the profile's dtype.
+
+    Raises:
+        ValueError: ``--device-profile`` without emulated devices or emulated devices
+            without it, an unreadable profile, a profile of another model, or a model that
+            is not a config directory (each message names the option).
+    """
+    if not is_emulated(devices):
+        if engine.device_profile is not None:
+            raise ValueError(f"argument --device-profile: only emulated devices (--devices "
+                             f"emu:0-7) run from a device profile; got devices {','.join(devices)}")
+        return None
+    if engine.device_profile is None:
+        raise ValueError(f"argument --device-profile: emulated devices ({','.join(devices)}) "
+                         "need a device profile (pdlab profile, e.g. --from-silicon-db "
+                         "h100_sxm --backend vllm --model engine/configs/llama-3.1-8b)")
+    try:
+        profile = DeviceProfile.load(engine.device_profile)
+    except ValueError as err:
+        raise ValueError(f"argument --device-profile: {err}") from None
+    if not _same_model(profile.model, model.model):
+        raise ValueError(f"argument --device-profile: {engine.device_profile} has no model "
+                         f"{model.model}: it profiles {profile.model}")
+    try:
+        geometry = load_geometry(ModelConfig(model.model, profile.dtype)).kv_spec
+    except ModelLoadError as err:
+        raise ValueError(f"argument --model: {err}") from None
+    emulation = Emulation(profile, engine.emu_kv_scale)
+    try:
+        emulation.check(geometry, model.model)
+    except ValueError as err:
+        raise ValueError(f"argument --device-profile: {err}") from None
+    return emulation
 
 
 class Deployment:
@@ -165,7 +218,9 @@ class Deployment:
                              "'shm', 'nixl' or 'torchdist' across processes")
         if self.transfer.transport == "nixl" and not nixl_available():
             raise ValueError(MISSING)  # here, not in each worker's start-up
-        check_model_name(model)
+        self.emulation = emulation_for(self.devices, model, self.engine)
+        if self.emulation is None:
+            check_model_name(model)
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self._ray = None  # experiments.ray_actors.RayWorkers of a Ray deployment
         self.transport = None  # local: the in-process transport every worker shares
@@ -205,7 +260,7 @@ class Deployment:
         step_delay_s = sum(f.pop("step_delay_s", 0.0) for f in layers)
         worker_faults = [f for f in layers if f]
         common = {"name": name, "model_config": self.model, "engine_config": self.engine,
-                  "device": device, "step_delay_s": step_delay_s}
+                  "device": device, "step_delay_s": step_delay_s, "emulation": self.emulation}
         if role == "colocated":
             return EngineLoop, common
         cls = PrefillWorker if role == "prefill" else DecodeWorker

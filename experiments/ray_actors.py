@@ -119,6 +119,9 @@ def gpu_resource(device: str) -> str:
     return f"pdlab_cuda_{device.split(':')[1]}"
 
 
+EMULATED_CPUS = 0.1  # Ray CPUs of an emulated worker (engine.emulated: it mostly waits)
+
+
 def gpu_actor_resources(device: str, pinned: bool) -> tuple[dict[str, float], dict[str, Any]]:
     """``(bundle, actor options)`` of a worker on ``device`` under Ray.
 
@@ -130,6 +133,8 @@ def gpu_actor_resources(device: str, pinned: bool) -> tuple[dict[str, float], di
     are per node): ``num_gpus=1``, Ray picks the GPU and sets ``CUDA_VISIBLE_DEVICES``; the
     index is then only a label, and ``info()["gpu"]`` says which GPU it was.
     """
+    if device.startswith("emu"):  # an emulated device computes nothing: 8 fit on 2 cores
+        return {"CPU": EMULATED_CPUS}, {"num_cpus": EMULATED_CPUS, "num_gpus": 0}
     if device.startswith("cpu"):
         cores = len(cpu_cores_of(device))
         return {"CPU": cores}, {"num_cpus": cores, "num_gpus": 0}

@@ -24,10 +24,12 @@ import pandas as pd
 import torch
 
 from engine.config import ConditionalConfig, ModelConfig, PlacementConfig
+from engine.emulated import Emulation, lateness_warning
 from engine.metrics import SLO
 from experiments import analysis, hindsight, plots, report
 from experiments.report import format_table
 from experiments.replay import RunResult
+from planner.latency import DeviceProfile
 
 
 def cpu_model() -> str | None:
@@ -97,7 +99,12 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
             for record in r.records:
                 f.write(json.dumps({"type": "request", "rate": r.rate, "seed": r.seed,
                                     **record.to_dict()}) + "\n")
-    _tagged(results, "steps").to_csv(out_dir / "steps.csv", index=False)
+    steps = _tagged(results, "steps")
+    steps.to_csv(out_dir / "steps.csv", index=False)
+    if config.get("emulated") and "lateness" in steps:
+        warning = lateness_warning(steps.to_dict("records"), platform.node())
+        if warning:
+            print(warning, file=sys.stderr)
     transfers = _tagged(results, "transfers")
     transfers.to_csv(out_dir / "transfers.csv", index=False)
     efficiency = analysis.transfer_efficiency(transfers)
@@ -135,8 +142,9 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
     verdict_text += _write_hindsight(out_dir, results, slo)
     if not efficiency.empty:
         verdict_text += "\n" + analysis.transfer_efficiency_text(efficiency)
+    title = "pdlab placement comparison" + (" (emulated devices)" if config.get("emulated") else "")
     report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput,
-                        transfer_efficiency=efficiency)
+                        transfer_efficiency=efficiency, title=title)
     return summary, verdict_text
 
 
@@ -167,13 +175,27 @@ def print_outcome(summary, verdict: str, out: Path, files: str) -> None:
     print(f"\nResults: {out}/ ({files})")
 
 
+def emulation_row(engine) -> dict:
+    """``{"emulated": True, "emulation": {...}}`` for a run on emulated devices
+    (``engine.emulated``: the profile file, its source, system and backend, its model and
+    device, the KV scale), else ``{}``; results on emulated devices say so in their config
+    row and report title, so no one mistakes them for a GPU measurement."""
+    if getattr(engine, "device_profile", None) is None:
+        return {}
+
+    emulation = Emulation(DeviceProfile.load(engine.device_profile), engine.emu_kv_scale)
+    return {"emulated": True, "emulation": {"device_profile": engine.device_profile,
+                                            **emulation.describe()}}
+
+
 def experiment_config(model: ModelConfig, devices: tuple[str, ...], placements: list[str],
                       rates: list[float], calibration: dict, spec, engine, transfer, slo: SLO,
                       policy: str, conditional, worker_info: list[dict]) -> dict:
     """The config row of a ``run``/``compare`` results directory: ``environment`` and every
     option that shaped the runs (the calibration, when there was one, and each worker's
     device and torch threads)."""
-    return {**environment(model, devices), "placements": placements, "rates": rates,
+    return {**environment(model, devices), **emulation_row(engine),
+            "placements": placements, "rates": rates,
             **({"calibration": calibration} if calibration else {}),
             "workload": spec.options(), "seeds": spec.seed_list,
             "engine": dataclasses.asdict(engine), "transfer": dataclasses.asdict(transfer),

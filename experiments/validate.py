@@ -530,6 +530,33 @@ def band_summary(errors: pd.DataFrame, summary: dict, spread: float,
             "measured_firsts": firsts, "first_within_band": bool(within)}
 
 
+ADDED_METRICS = ("ttft_p50_s", "tpot_p50_s")
+
+
+def added_latency(measured: pd.DataFrame, modelled: pd.DataFrame) -> pd.DataFrame:
+    """pdlab's added latency on emulated devices, per placement and rate: measured minus
+    modelled (the simulated twin of the same requests) for TTFT p50 and TPOT p50, in
+    seconds (``added_<metric>``) and in % of the modelled value (``added_<metric>_pct``).
+    On emulated devices every step takes its modelled time, so what remains is the router,
+    the calls, the hand-over and the transports (and a late host: steps.csv's lateness).
+
+    Args:
+        measured, modelled: ``analysis.summary_table`` frames (``placement``, ``rate`` and
+            the metric columns).
+    """
+    keys = ["placement", "rate"]
+    both = measured[keys + list(ADDED_METRICS)].merge(
+        modelled[keys + list(ADDED_METRICS)], on=keys, suffixes=("_measured", "_modelled"))
+    out = both[keys].copy()
+    for m in ADDED_METRICS:
+        name = m.removesuffix("_s")
+        out[f"{name}_measured_s"] = both[f"{m}_measured"]
+        out[f"{name}_modelled_s"] = both[f"{m}_modelled"]
+        out[f"added_{name}_s"] = both[f"{m}_measured"] - both[f"{m}_modelled"]
+        out[f"added_{name}_pct"] = 100 * out[f"added_{name}_s"] / both[f"{m}_modelled"]
+    return out
+
+
 def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, slo: SLO,
                     items: dict, spec: WorkloadSpec, engine: EngineConfig, transport: str,
                     profile: DeviceProfile, policy: str) -> tuple[pd.DataFrame, str]:
@@ -547,6 +574,8 @@ def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, s
     errors = with_outcomes(error_table(summary, simulated), results, twins, slo,
                            lambda key: factors.get(key, math.nan))
     errors.to_csv(out_dir / "validation.csv", index=False)
+    if config.get("emulated"):  # the twin is the device itself: the gap is pdlab's own
+        added_latency(summary, simulated).to_csv(out_dir / "added_latency.csv", index=False)
     check = validation_summary(errors, _goodput(summary), _goodput(simulated))
     check.update(step_correction=factor, step_correction_by_worker=by_worker)
     return summary, (verdict_text + "\nSimulated twin (pdlab plan's simulator): "

@@ -40,27 +40,11 @@ from pathlib import Path
 import numpy as np
 
 from engine.config import EngineConfig, kv_budget_bytes_for
+from engine.scheduler import StepFeatures  # noqa: F401 - counted by ScheduledBatch.step_features
 
 PROFILE_VERSION = 1
 PREFILL_FEATURES = ("1", "prefill_tokens", "prefill_attention")
 DECODE_FEATURES = ("1", "batch_size", "sum_context")
-
-
-@dataclass(frozen=True)
-class StepFeatures:
-    """What a step's duration depends on.
-
-    Attributes:
-        prefill_tokens: Σn, new prompt tokens in the step (all prefill entries).
-        prefill_attention: Σn(k+n), query-key pairs of the prompt entries (tokens).
-        batch_size: B, decode entries (one token each).
-        sum_context: Σctx, KV tokens the decode entries attend to (their KV plus the new one).
-    """
-
-    prefill_tokens: int = 0
-    prefill_attention: int = 0
-    batch_size: int = 0
-    sum_context: int = 0
 
 
 @dataclass(frozen=True)

@@ -401,17 +401,12 @@ class Simulator:
         if not scheduler.has_work():
             return
         batch = scheduler.schedule()
-        n_pre = q_pre = num_decode = sum_ctx = 0
+        features = batch.step_features()  # the emulated runner times its steps from these too
+        n_pre, q_pre = features.prefill_tokens, features.prefill_attention
+        num_decode, sum_ctx = features.batch_size, features.sum_context
         flights, counts, completing = self._flights, batch.num_new_tokens, []
         for i, state in enumerate(batch.requests):
-            k, n = state.num_computed_tokens, counts[i]
-            if k < state.num_prompt_tokens or len(state.token_ids) - k > 1:  # is_prefilling:
-                n_pre += n  # a prompt chunk, or a preempted request recomputing
-                q_pre += n * (k + n)
-            else:
-                num_decode += 1
-                sum_ctx += k + 1
-            if k + n == len(state.token_ids):  # batch.completes(i): a token is sampled
+            if state.num_computed_tokens + counts[i] == len(state.token_ids):  # batch.completes(i): a token is sampled
                 completing.append(i)  # (counters stay put until the step's end)
             if state.first_scheduled_time_s is None:
                 state.first_scheduled_time_s = t

@@ -47,6 +47,7 @@ from engine.events import ERROR, PREFILLED, WorkerEvent
 from engine.metrics import KV_PUT
 from engine.request import Request, TokenOutput
 from engine.scheduler import ScheduledBatch
+from engine.emulated import Emulation
 from engine.serving import EngineLoop, token_event
 from kv_transfer.factory import make_transport
 from kv_transfer.transport import KVHandle, Transport
@@ -64,7 +65,8 @@ class PrefillWorker(EngineLoop):
                  transport: Transport | None = None, faults: dict | list[dict] | None = None,
                  rank: int | None = None, world_size: int | None = None,
                  init_method: str | None = None, inside_ray: bool = False,
-                 bind: bool = True, step_delay_s: float = 0.0) -> None:
+                 bind: bool = True, step_delay_s: float = 0.0,
+                 emulation: Emulation | None = None) -> None:
         self.transfer = transfer_config
         self._dst_rank: dict[str, int | None] = {}
         self._kv_start: dict[str, int] = {}  # first prompt token to send (the rest is cached there)
@@ -76,7 +78,8 @@ class PrefillWorker(EngineLoop):
         # In-process KV outlives a "dead" worker object, so it is dropped on shutdown (as a
         # dead Ray owner's objects are). Never kept for Ray: a held ObjectRef pins the object.
         self._sent: list[KVHandle] = []
-        super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s)
+        super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s,
+                         emulation)
         # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, self.engine.config.device)

@@ -39,7 +39,8 @@ from experiments.options import (add_deployment_args, add_engine_args, add_model
                                  engine_config,
                                  load_profile_for, option_error, placement_list, rate_list,
                                  transfer_model_for)
-from experiments.placement import worker_layout
+from experiments.placement import emulation_for, worker_layout
+from planner.latency import DeviceProfile
 from experiments.replay import RunResult, calibrated_slo, default_placements, run_placement
 from experiments.results import experiment_config, print_outcome, write_results
 from experiments.workload_spec import Timed, WorkloadSpec, build_workload, context_len, trace_rate
@@ -101,6 +102,8 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                   f"{given.tpot_s:g} s", file=sys.stderr)
     config = experiment_config(model, device_set, placements, sweep, calibration, spec, engine,
                                transfer, slo, policy, conditional, worker_info)
+    if simulate is None and engine.device_profile is not None:  # emulated devices: the
+        simulate = DeviceProfile.load(engine.device_profile)    # twin gives added_latency.csv
     if simulate is None:
         summary, verdict = write_results(out_dir, results, config, slo)
     else:
@@ -171,6 +174,9 @@ def check(args: argparse.Namespace) -> Experiment:
     check_model(model)
     spec = dataclass_from_args(WorkloadSpec, args)
     engine = engine_config(args, model)
+    emulation = emulation_for(devices, model, engine)  # ValueError names the option
+    if emulation is not None:  # the emulated GPU keeps the profile's KV dtype
+        model = ModelConfig(args.model, emulation.device.dtype)
     longest = spec.max_request_len()
     if longest is not None and longest > engine.max_model_len:
         lengths = ("--prompt-len and --output-len" if spec.dataset == "synthetic"

@@ -154,7 +154,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(workload, WorkloadSpec, skip=_SPEC_SKIP)
     workload.set_defaults(num_requests=300, seeds=1)
     engine = parser.add_argument_group("engine (per instance)")
-    add_dataclass_args(engine, EngineConfig, skip=("device",))
+    add_dataclass_args(engine, EngineConfig, skip=("device", "device_profile", "emu_kv_scale"))
     engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
     add_transfer_args(parser, conditional=False)
 
@@ -179,7 +179,8 @@ def check(args: argparse.Namespace) -> MapJob:
     val_rates = _parsed("--validate-rates", rate_list, cfg.validate_rates) if cfg.validate_rates else None
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
-    engine = engine_config(args, model)
+    # --device-profile is map's own (its simulator's profile), not EngineConfig's emulation
+    engine = dataclasses.replace(engine_config(args, model), device_profile=None)
     base = dataclass_from_args(WorkloadSpec, args)
     specs = {}
     for r in ratios:

@@ -33,6 +33,7 @@ from engine.config import (GIB, EngineConfig, ModelConfig, TransferConfig, add_d
                            check_fields, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
 from experiments import plots, validate
+from experiments.placement import emulation_for
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, add_transfer_args,
                                  check_model,
                                  check_out, engine_config, find_profile, load_profile_for,
@@ -207,7 +208,10 @@ def check(args: argparse.Namespace) -> PlanJob:
     if transfer.granularity != "request":
         raise option_error("--granularity", "the simulator models whole-request KV "
                                                 "transfers only (granularity 'request')")
-    path = Path(plan.profile) if plan.profile else find_profile(model)
+    if engine.device_profile is not None:  # --validate on emulated devices (emu:0..N-1)
+        emulation_for(emulated_devices(plan.devices), model, engine)  # ValueError names it
+    path = (Path(plan.profile) if plan.profile else
+            Path(engine.device_profile) if engine.device_profile else find_profile(model))
     if path is None:
         raise option_error("--profile", f"no device profile of model {model.model} "
                                             f"({model.dtype}) under results/: run `pdlab profile "
@@ -385,8 +389,14 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
     return 0
 
 
+def emulated_devices(n: int) -> tuple[str, ...]:
+    """``emu:0`` .. ``emu:n-1``: the devices ``--validate`` runs on with --device-profile."""
+    return parse_devices(f"emu:0-{n - 1}")
+
+
 def _validate(x: PlanJob, rates: list[float]) -> list[str]:
-    devices = parse_devices(None)
+    devices = (emulated_devices(x.plan.devices) if x.engine.device_profile is not None
+               else parse_devices(None))
     ranked = pd.read_csv(x.out / "plan.csv")
     by_label = {c.label: c for c in x.candidates}
     chosen = []

@@ -22,7 +22,7 @@ from engine.model import load_tokenizer
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args,
                                  add_transfer_args, check_model, check_placements, engine_config, option_error,
                                  placement_list)
-from experiments.placement import Deployment
+from experiments.placement import Deployment, emulation_for
 from server.app import OpenAIServer, serve_forever, text_of
 from server.config import ServeConfig
 
@@ -68,6 +68,9 @@ def check(args: argparse.Namespace) -> Serving:
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     engine = engine_config(args, model)
+    emulation = emulation_for(devices, model, engine)  # ValueError names the option
+    if emulation is not None:  # the emulated GPU keeps the profile's KV dtype
+        model = ModelConfig(args.model, emulation.device.dtype)
     server = dataclass_from_args(ServeConfig, args)
     transfer = dataclass_from_args(TransferConfig, args)
     if server.local:

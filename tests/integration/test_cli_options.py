@@ -36,6 +36,19 @@ from experiments.commands.map import MapConfig, _SPEC_SKIP as MAP_SPEC_SKIP
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY_PROFILE = str(ROOT / "tests" / "data" / "tiny_device_profile.json")
+LLAMA_PROFILE = str(ROOT / "tests" / "data" / "llama-3.1-8b_h100_sxm_vllm_profile.json")
+EMULATION_ROWS = [  # run, compare and serve: emulated devices (engine/emulated.py)
+    ("--device-profile", ["--device-profile", TINY_PROFILE], ("only emulated devices",)),
+    ("--device-profile", ["--devices", "emu:0"], ("emulated devices (emu:0) need a device profile",)),
+    ("--device-profile", ["--devices", "emu:0", "--device-profile", "/nonexistent/p.json"],
+     ("cannot read device profile",)),
+    ("--device-profile", ["--devices", "emu:0", "--device-profile", LLAMA_PROFILE],
+     ("has no model tiny-random-llama", "it profiles engine/configs/llama-3.1-8b")),
+    ("--model", ["--devices", "emu:0", "--device-profile", TINY_PROFILE],
+     ("emulated model 'tiny-random-llama' is not a directory with a config.json",)),
+    ("--emu-kv-scale", ["--emu-kv-scale", "2"], ("<= 1",)),
+    ("--devices", ["--devices", "emu:3-1"], ("low-high",)),
+]
 NUM_CORES = len(os.sched_getaffinity(0))
 TINY_RUN = ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
             "--output-len", "3-8", "--devices", "cpu:0"]
@@ -65,7 +78,8 @@ DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig
 SKIPPED = {(EngineConfig, "device")}
 SKIPPED_BY_COMMAND = {"bench": {(WorkloadSpec, "calibrate")},  # bench has no calibration
                       # map draws one synthetic workload per --io-ratio itself
-                      "map": {(WorkloadSpec, name) for name in MAP_SPEC_SKIP}}
+                      "map": {(WorkloadSpec, name) for name in MAP_SPEC_SKIP}
+                      | {(EngineConfig, "device_profile"), (EngineConfig, "emu_kv_scale")}}
 
 
 def _derived_rows(command: str) -> list[tuple[str, list[str], tuple[str, ...]]]:
@@ -186,6 +200,7 @@ MAP_ROWS = [
     ("--request-tokens", ["--request-tokens", "1000"], ("--max-model-len",)),
 ]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
+        + [(cmd, *r) for cmd in ("run", "compare", "serve") for r in EMULATION_ROWS]
         + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]
         + [("compare", "--placements", ["--placements", "disagg:1p1d,disagg:1p1d"],
             ("each placement may appear once", "disagg:1p1d"))]

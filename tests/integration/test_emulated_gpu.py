@@ -1,0 +1,60 @@
+"""A GPU box rehearsed on this machine (issue 25): ``disagg:2p2d`` on ``emu:0-3`` with the
+Llama-3.1-8B H100 SXM vLLM profile (``pdlab profile --from-silicon-db h100_sxm --backend
+vllm --model engine/configs/llama-3.1-8b``, shipped as tests/data/...json so the test runs
+without the optional aiconfigurator extra), KV scaled to 1/256: the run completes with the
+emulated model's output lengths, and its added latency and validation table are computed.
+(The added-latency targets are benchmarks/control_plane.py's, not this test's.)"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from engine.config import EngineConfig, ModelConfig, TransferConfig
+from engine.metrics import SLO
+from experiments.commands.compare import run_experiment
+from experiments.workload_spec import WorkloadSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+PROFILE = str(ROOT / "tests" / "data" / "llama-3.1-8b_h100_sxm_vllm_profile.json")
+LLAMA = ModelConfig("engine/configs/llama-3.1-8b", "bfloat16")
+
+
+def test_disagg_2p2d_on_four_emulated_h100s(tmp_path):
+    spec = WorkloadSpec(dataset="synthetic", num_requests=24, seeds=1, prompt_len="64-400",
+                        output_len="8-40")
+    engine = EngineConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512,
+                          device_profile=PROFILE, emu_kv_scale=1 / 256)
+    summary, verdict = run_experiment(["disagg:2p2d"], [20.0, 40.0], spec, LLAMA, engine,
+                                      TransferConfig(transport="inprocess"), "emu:0-3", None,
+                                      SLO(ttft_s=0.5, tpot_s=0.05), tmp_path, local=True)
+    assert list(summary["num_failed"]) == [0, 0]
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    config = json.loads(lines[0])
+    assert config["emulated"] is True
+    assert config["emulation"]["system"] == "h100_sxm" and config["emulation"]["backend"] == "vllm"
+    assert config["emulation"]["kv_scale"] == 1 / 256
+    assert (tmp_path / "report.md").read_text().startswith(
+        "# pdlab placement comparison (emulated devices)")
+    requests = [json.loads(line) for line in lines[1:] if json.loads(line)["type"] == "request"]
+    # every request ran to its reference length (emulated tokens are never EOS) and its
+    # prompt's KV crossed the transport at 1/256 of Llama-3.1-8B's 131072 bytes per token
+    assert all(r["finish_reason"] == "length" and 8 <= len(r["output_token_ids"]) <= 40
+               for r in requests)
+    assert all(r["kv_bytes"] == 512 * r["num_prompt_tokens"] for r in requests)
+    added = pd.read_csv(tmp_path / "added_latency.csv")
+    assert list(added["rate"]) == [20.0, 40.0]
+    for metric in ("ttft_p50", "tpot_p50"):
+        assert (added[f"added_{metric}_s"] == added[f"{metric}_measured_s"]
+                - added[f"{metric}_modelled_s"]).all()
+        assert all(math.isfinite(v) for v in added[f"added_{metric}_pct"])
+    # a modelled TPOT of an H100 decode step: 6-9 ms (the profile's decode model)
+    assert added["tpot_p50_modelled_s"].between(0.006, 0.009).all()
+    validation = pd.read_csv(tmp_path / "validation.csv")
+    assert len(validation) == 2 and validation["measured_attainment"].notna().all()
+    steps = pd.read_csv(tmp_path / "steps.csv")
+    assert (steps["lateness"] >= 1.0).all()
+    assert "Simulated twin" in verdict

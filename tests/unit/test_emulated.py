@@ -1,0 +1,203 @@
+"""The emulated device (engine/emulated.py): a constant-time profile on a fake clock gives
+the simulator's steps exactly; tokens are a function of the request; lateness is measured
+and warned about; bad input is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
+from engine.emulated import Emulation, emulated_token, lateness_warning, prompt_hash
+from engine.engine import Engine
+from engine.model import ModelLoadError, load_geometry
+from engine.request import Request, SamplingParams
+from planner.latency import DeviceProfile, Fit
+from experiments.placement import Deployment
+from planner.simulate import Simulator
+
+LLAMA = "engine/configs/llama-3.1-8b"
+LLAMA_BYTES = 2 * 32 * 8 * 128 * 2  # 2 (K, V) x layers x KV heads x head dim x bf16 bytes
+STEP_S = 2.0 ** -6  # a power of two: every sum of steps is exact in floating point
+ENGINE = EngineConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64)
+
+
+def constant_profile(step_s: float = STEP_S, kv_bytes: int = LLAMA_BYTES) -> DeviceProfile:
+    """Every step takes ``step_s``: intercepts only (the mixed fit adds the slopes, 0 here)."""
+    fit = Fit(("1", "a", "b"), (step_s, 0.0, 0.0), 1.0, 0.0, 0.0, 1)
+    mixed = Fit(("1", "slopes"), (step_s, 1.0), 1.0, 0.0, 0.0, 1)
+    return DeviceProfile(LLAMA, "bfloat16", "cpu", "constant", 0, kv_bytes, fit, fit, mixed)
+
+
+class FakeClock:
+    """Time moves only when a step holds; ``lag`` is added to every hold (a busy host)."""
+
+    def __init__(self, lag: float = 0.0) -> None:
+        self.t, self.lag = 0.0, lag
+
+    def time(self) -> float:
+        return self.t
+
+    def perf(self) -> float:
+        return self.t
+
+    def wait_until(self, deadline: float) -> None:
+        self.t = max(self.t, deadline) + self.lag
+
+
+def requests() -> list[Request]:
+    # 3 prompts of 40, 70 and 20 tokens (70 > the 64-token budget: chunked), 5/3/9 out
+    return [Request(f"r{i}", tuple(range(10 + i, 10 + i + n)), SamplingParams(max_tokens=k))
+            for i, (n, k) in enumerate([(40, 5), (70, 3), (20, 9)])]
+
+
+def emulated_engine(clock: FakeClock, kv_scale: float = 1 / 256) -> Engine:
+    loaded = load_geometry(ModelConfig(LLAMA, "bfloat16"))
+    return Engine(loaded, ENGINE, quiet=True,
+                  emulation=Emulation(constant_profile(), kv_scale, clock))
+
+
+def test_geometry_of_llama_and_scaled_kv():
+    loaded = load_geometry(ModelConfig(LLAMA, "bfloat16"))
+    spec = loaded.kv_spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, loaded.vocab_size) == (32, 8, 128, 128256)
+    assert spec.bytes_per_token == LLAMA_BYTES == 131072 and loaded.eos_token_ids == (128001,)
+    engine = emulated_engine(FakeClock())
+    # 8 x 128 = 1024 elements per layer and K/V, / 256 -> 4: one head of 4
+    assert (engine.kv_spec.num_kv_heads, engine.kv_spec.head_dim) == (1, 4)
+    assert engine.kv_spec.bytes_per_token == LLAMA_BYTES // 256
+    # blocks of the true geometry: 4 GiB CPU budget / (16 x 131072) = 2048, capped by
+    # max_num_seqs x max_model_len / 16 = 4 x 16 = 64
+    assert engine.kv_store.num_blocks == 64
+
+
+def test_constant_profile_on_fake_clock_equals_the_simulator_exactly():
+    clock = FakeClock()
+    engine = emulated_engine(clock)
+    outputs = engine.generate(requests())
+    real = [r.to_row() for r in engine.step_records]
+    assert {row.pop("lateness") for row in real} == {1.0}
+    sim = Simulator("colocated:1", ENGINE, constant_profile().step_time(),
+                    kv_bytes_per_token=LLAMA_BYTES,
+                    kv_budget_bytes=constant_profile().kv_budget_bytes(ENGINE)).run(
+        [(r, 0.0) for r in requests()], collect_steps=True)
+    simulated = [{k: v for k, v in row.items() if k != "worker"} for row in sim.steps]
+    assert real == simulated
+    assert [len(outputs[f"r{i}"]) for i in range(3)] == [5, 3, 9]  # max_tokens, never EOS
+    # steps back to back from 0, each exactly STEP_S
+    assert [row["start_s"] for row in real] == [i * STEP_S for i in range(len(real))]
+    assert {row["duration_s"] for row in real} == {STEP_S}
+    assert clock.t == len(real) * STEP_S
+
+
+def test_tokens_are_a_function_of_prompt_and_position():
+    a = emulated_engine(FakeClock()).generate(requests())
+    b = emulated_engine(FakeClock(lag=1e-3)).generate(requests()[::-1])  # other order, late
+    assert a == b
+    r = requests()[2]
+    digest = prompt_hash(r.prompt_token_ids)
+    assert a["r2"] == [emulated_token(digest, i, 128256, {128001}) for i in range(9)]
+    # a token never lands on EOS or a stop id: it steps forward past them
+    token = emulated_token(digest, 0, 128256)
+    assert emulated_token(digest, 0, 128256, {token, token + 1}) == token + 2
+    assert emulated_token(7, 3, 2, {0}) == 1
+
+
+def test_stop_ids_and_max_tokens_are_honoured():
+    prompt = tuple(range(5, 25))
+    free = emulated_engine(FakeClock()).generate(
+        [Request("s", prompt, SamplingParams(max_tokens=6))])["s"]
+    stop = Request("s", prompt, SamplingParams(max_tokens=6, stop_token_ids=(free[2],)))
+    got = emulated_engine(FakeClock()).generate([stop])["s"]
+    # the stop id is never produced (stepped past), so the request still runs to max_tokens
+    assert len(free) == len(got) == 6 and got[2] == free[2] + 1
+    assert got[:2] + got[3:] == free[:2] + free[3:]
+
+
+def test_lateness_is_measured_and_warned():
+    engine = emulated_engine(FakeClock(lag=STEP_S / 8))  # every hold 1/8 late
+    engine.generate(requests())
+    rows = [r.to_row() for r in engine.step_records]
+    assert {row["lateness"] for row in rows} == {1.125}
+    warning = lateness_warning(rows, "box-7")
+    assert "1.125" in warning and "box-7" in warning
+    on_time = [r.to_row() for r in emulated_engine(FakeClock()).step_records]
+    assert lateness_warning(on_time, "box-7") is None
+    assert lateness_warning([{"lateness": 1.02}] * 100, "h") is None  # the bound itself is fine
+    assert lateness_warning([{"lateness": 1.0}] * 98 + [{"lateness": 1.5}] * 2, "h") is not None
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="emu_kv_scale must be in"):
+        Emulation(constant_profile(), 0.0)
+    with pytest.raises(ValueError, match="emu_kv_scale must be in"):
+        Emulation(constant_profile(), 2.0)
+    with pytest.raises(ModelLoadError, match="not a directory with a config.json"):
+        load_geometry(ModelConfig("engine/configs/no-such-model", "bfloat16"))
+    with pytest.raises(ValueError, match="has 512 KV bytes per token, model .* 131072: "
+                                         "the profile is not this model's"):
+        emulated_engine_with(constant_profile(kv_bytes=512))
+
+
+def emulated_engine_with(profile: DeviceProfile) -> Engine:
+    return Engine(load_geometry(ModelConfig(LLAMA, "bfloat16")), ENGINE, quiet=True,
+                  emulation=Emulation(profile, 1 / 256, FakeClock()))
+
+
+# ---- through the real placements (workers in this process, in-process transport) ---------
+PROFILE = "tests/data/llama-3.1-8b_h100_sxm_vllm_profile.json"  # pdlab profile --from-silicon-db
+FAST = EngineConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=256,
+                    device_profile=PROFILE, emu_kv_scale=1 / 256)
+
+
+def deploy(placement: str, devices: str = "emu:0-1", engine: EngineConfig = FAST):
+    return Deployment(PlacementConfig(placement, devices), ModelConfig(LLAMA), engine,
+                      TransferConfig(transport="inprocess", timeout_s=10.0), local=True)
+
+
+def workload():
+    return [(Request(f"w{i}", tuple(range(100 + i, 100 + i + n)), SamplingParams(max_tokens=k)),
+             0.002 * i) for i, (n, k) in enumerate([(30, 6), (90, 4), (12, 9), (60, 5)])]
+
+
+def test_tokens_identical_across_placements_and_reruns():
+    outputs = {}
+    for run, placement in enumerate(["colocated:2", "disagg:1p1d", "colocated:2"]):
+        with deploy(placement) as deployment:
+            records = deployment.run(workload())
+            steps = deployment.step_records()
+            infos = deployment.gather("info")
+            transfers = deployment.transfer_records()
+        outputs[run] = {r.request_id: r.output_token_ids for r in records}
+        assert all(r.error is None for r in records)
+        assert [len(outputs[run][f"w{i}"]) for i in range(4)] == [6, 4, 9, 5]
+        assert all(s["lateness"] >= 1.0 for s in steps)  # a hold never ends early
+        assert {i["kernels"]["backend"] for i in infos} == {"emulated"}
+        assert {i["kv_spec"]["head_dim"] for i in infos} == {4}  # 8 x 128 / 256
+        if placement.startswith("disagg"):  # the scaled KV went through the transport
+            assert {r.kv_bytes for r in records} == {
+                2 * 32 * 4 * 2 * r.num_prompt_tokens for r in records}
+            assert len(transfers) == 4
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("devices,engine,words", [
+    ("emu:0-1", EngineConfig(), "emulated devices (emu:0,emu:1) need a device profile"),
+    ("cpu:0", FAST, "only emulated devices"),
+    ("emu:0-1", EngineConfig(device_profile="tests/data/tiny_device_profile.json"),
+     "has no model engine/configs/llama-3.1-8b: it profiles tiny-random-llama"),
+    ("emu:0-1", EngineConfig(device_profile="/nonexistent.json"), "cannot read device profile"),
+])
+def test_deployment_refuses_bad_emulation(devices, engine, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        deploy("colocated:1", devices, engine)
+
+
+def test_parse_emulated_devices():
+    assert parse_devices("emu:0-3") == ("emu:0", "emu:1", "emu:2", "emu:3")
+    assert parse_devices("emu:0,emu:5") == ("emu:0", "emu:5")
+    with pytest.raises(ValueError, match="low-high"):
+        parse_devices("emu:3-1")
+    with pytest.raises(ValueError, match="must not mix"):
+        parse_devices("emu:0,cpu:1")
+    with pytest.raises(ValueError, match="must not repeat"):
+        parse_devices("emu:0-1,emu:1")
