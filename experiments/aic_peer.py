@@ -16,8 +16,9 @@ question per cell with its simulator and a transfer model.
    map has no clear winner: nothing to agree with).
 
 ``python -m experiments.aic_peer --map-dir results/map-x --system h100_sxm --model
-engine/configs/llama-3.1-8b --devices 4 --cells 2`` checks the map's corner cells (the
-first ``--cells`` of ``slo_map.pick_cells``) and writes aic_peer.csv there. Not run: the
+engine/configs/llama-3.1-8b --devices 4 --cells 2`` checks ``--cells`` of the map's cells
+(``slo_map.pick_cells`` over the cells with a clear winner, or over all where none has one)
+and writes aic_peer.csv there. Not run: the
 "transfer set to zero" rerun of a disagreement (the issue's explanation step).
 """
 
@@ -131,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not available():
         p.error("aiconfigurator is not installed: pip install 'pdlab[silicon]'")
     cells = pd.read_csv(Path(args.map_dir) / "map.csv")
-    picked = slo_map.pick_cells(cells, args.cells)
+    clear = cells[cells["clear"].astype(bool)]  # a cell without a clear winner judges nothing
+    picked = slo_map.pick_cells(clear if len(clear) else cells, args.cells)
     verdicts = []
     for cell in picked.to_dict("records"):
         isl, osl = mean_lengths(cell["io_ratio"], args.request_tokens)
