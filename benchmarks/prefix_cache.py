@@ -23,6 +23,18 @@ pdlab/vLLM (target: hit rate within 1 point, time <= 1.0), and whether the greed
 are equal token for token.
 
     python -m benchmarks.prefix_cache [--quick] [--no-vllm] [--threads 1]
+
+``--admission KV_TOKENS`` runs the equal-KV-budget admission check instead (issue 26):
+both engines get KV_TOKENS tokens of KV cache in ``--block-size`` blocks (pdlab:
+``EngineConfig.kv_capacity_tokens``, on-demand allocation; vLLM: ``num_gpu_blocks_override``
+= KV_TOKENS / block size + 1, since vLLM holds one block back as its null block), prefix
+caching off on both (so only allocation differs), and all of ``ADMISSION_REQUESTS`` ShareGPT
+first turns (``workloads.sharegpt``, seed 0, prompts <= 512 tokens, outputs <= 128) at
+once. Prints each side's peak running requests (the most in its scheduler's running list
+after any step), preemptions and usable KV tokens (target: pdlab's peak >= vLLM's), and
+pdlab with ``--kv-reservation full`` (prompt + max_tokens reserved at admission) beside them.
+
+    python -m benchmarks.prefix_cache --admission 2048 --block-size 16
 """
 
 from __future__ import annotations
@@ -134,6 +146,70 @@ def run_conversations(side, convs, output_len: int) -> tuple[float, list, int, i
     return seconds, outs, hits, queries
 
 
+ADMISSION_REQUESTS = 32
+
+
+def admission_requests(tokenizer) -> list[workloads.WorkloadRequest]:
+    return workloads.sharegpt(tokenizer, ADMISSION_REQUESTS, seed=0, max_prompt_len=512,
+                              max_output_len=128)
+
+
+def pdlab_admission(loaded, requests, kv_tokens: int, block_size: int,
+                    max_model_len: int, kv_reservation: str = "on_demand") -> dict:
+    """pdlab's side of the admission check: one Engine with ``kv_tokens`` of KV
+    (``kv_capacity_tokens``, blocks allocated per ``kv_reservation``, caching off), every
+    request added at once,
+    stepped to the end. Returns ``{"peak_running", "num_preemptions", "kv_blocks", "steps",
+    "seconds"}`` as ``vllm_peer.VLLMPeer.admission`` does (peak: most requests in the
+    scheduler's running list after a step)."""
+    config = EngineConfig(max_num_seqs=256, max_model_len=max_model_len,
+                          max_num_batched_tokens=BUDGET, enable_prefix_caching=False,
+                          block_size=block_size, kv_capacity_tokens=kv_tokens,
+                          kv_reservation=kv_reservation)
+    engine = Engine(loaded, config, quiet=True)
+    for r in requests:
+        engine.add_request(Request(f"adm{next(_ids)}", tuple(r.prompt_token_ids),
+                                   SamplingParams(max_tokens=r.output_len, ignore_eos=True)))
+    peak, steps = 0, 0
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        peak = max(peak, len(engine.scheduler.running))
+    return {"peak_running": peak, "num_preemptions": engine.scheduler.num_preemptions,
+            "kv_blocks": engine.scheduler.capacity.num_blocks, "steps": steps,
+            "seconds": time.perf_counter() - start}
+
+
+def run_admission(loaded, kv_tokens: int, block_size: int, with_vllm: bool) -> int:
+    """``--admission``: both sides at one KV budget; prints the table, returns the exit code."""
+    if kv_tokens % block_size:
+        raise ValueError(f"--admission {kv_tokens}: must be a multiple of --block-size {block_size}")
+    requests = admission_requests(loaded.tokenizer)
+    max_model_len = max(r.num_prompt_tokens + r.output_len for r in requests) + 1
+    if max_model_len > kv_tokens:
+        raise ValueError(f"--admission {kv_tokens}: below the longest request ({max_model_len - 1} tokens)")
+    results = {"pdlab (on-demand)": pdlab_admission(loaded, requests, kv_tokens, block_size,
+                                                    max_model_len),
+               "pdlab (--kv-reservation full)": pdlab_admission(
+                   loaded, requests, kv_tokens, block_size, max_model_len, "full")}
+    if with_vllm:
+        cores = sorted(os.sched_getaffinity(0))
+        with vllm_peer.VLLMPeer(max_model_len, BUDGET, cores, block_size=block_size,
+                                num_kv_blocks=kv_tokens // block_size + 1) as peer:
+            print(f"vLLM {peer.version} (CPU build, prefix caching off) beside pdlab, cores {cores}")
+            results["vLLM"] = peer.admission([list(r.prompt_token_ids) for r in requests],
+                                             [r.output_len for r in requests])
+    print(f"SmolLM2-135M fp32 CPU; {len(requests)} ShareGPT requests at once "
+          f"({sum(r.num_prompt_tokens for r in requests)} prompt, "
+          f"{sum(r.output_len for r in requests)} output tokens); KV budget {kv_tokens} tokens "
+          f"in blocks of {block_size}; prefix caching off")
+    print_table(["engine", "KV tokens", "peak running", "preemptions", "steps", "seconds"],
+                [[n, r["kv_blocks"] * block_size, r["peak_running"], r["num_preemptions"],
+                  r["steps"], r["seconds"]] for n, r in results.items()])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.prefix_cache", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -141,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-vllm", action="store_true", help="pdlab only")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE,
                         help="KV block tokens on both sides (default 128, vLLM's CPU default)")
+    parser.add_argument("--admission", type=int, default=None, metavar="KV_TOKENS",
+                        help="run the equal-KV-budget admission check at KV_TOKENS instead")
     args = parser.parse_args(argv)
     repeats = args.repeats or (1 if args.quick else 3)
     if not args.no_vllm and not vllm_peer.available():
@@ -148,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(setup_threads(args.threads))
     loaded = load_model(ModelConfig("smollm2-135m"))
+    if args.admission is not None:
+        return run_admission(loaded, args.admission, args.block_size, not args.no_vllm)
     shared = shared_prefix_rounds(args.quick)
     convs = conversations(loaded.tokenizer, args.quick)
     turn_len = 32

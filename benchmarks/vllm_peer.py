@@ -35,7 +35,10 @@ def available() -> bool:
 class VLLMPeer:
     """One vLLM ``LLM`` in a subprocess. ``run(prompts, max_tokens) -> (seconds, outputs)``:
     ``seconds`` is vLLM's ``generate`` wall time, measured inside the subprocess (no IPC);
-    ``outputs`` the greedy token ids per prompt (EOS ignored).
+    ``outputs`` the greedy token ids per prompt (EOS ignored). ``num_kv_blocks`` (with
+    ``block_size``) fixes vLLM's KV cache at that many blocks (``num_gpu_blocks_override``;
+    one is vLLM's null block, so ``num_kv_blocks - 1`` are usable) instead of
+    ``kv_cache_gib``.
 
     Raises:
         RuntimeError: the virtualenv is missing, or the worker died / answered no JSON
@@ -44,7 +47,8 @@ class VLLMPeer:
 
     def __init__(self, max_model_len: int, max_num_batched_tokens: int,
                  cores: list[int] | None = None, kv_cache_gib: int = 2,
-                 enable_prefix_caching: bool = False, block_size: int | None = None) -> None:
+                 enable_prefix_caching: bool = False, block_size: int | None = None,
+                 num_kv_blocks: int | None = None) -> None:
         if not available():
             raise RuntimeError(f"{VENV_PYTHON} not found: run `make vllm-venv` first")
         cores = sorted(cores if cores is not None else os.sched_getaffinity(0))
@@ -61,7 +65,8 @@ class VLLMPeer:
             ["taskset", "-c", ",".join(map(str, cores)), str(VENV_PYTHON), str(WORKER),
              str(model_dir), str(max_model_len), str(max_num_batched_tokens),
              "1" if enable_prefix_caching else "0"]
-            + ([str(block_size)] if block_size else []),
+            + ([str(block_size)] if block_size else [])
+            + ([str(num_kv_blocks)] if block_size and num_kv_blocks else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr, text=True,
             env=env, cwd=str(REPO_ROOT))
         self.version = self._read()["version"]
@@ -79,6 +84,16 @@ class VLLMPeer:
         self.proc.stdin.flush()
         reply = self._read()
         return reply["seconds"], reply["outputs"], reply["num_cached_tokens"]
+
+    def admission(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+        """All ``prompts`` at once (``max_tokens`` each, greedy, EOS ignored), vLLM's engine
+        stepped by hand; returns ``{"peak_running", "num_preemptions", "kv_blocks", "steps",
+        "seconds"}`` (``vllm_worker.admission``: peak = most requests in vLLM's scheduler
+        ``running`` list after a step; kv_blocks = usable blocks, null block excluded)."""
+        self.proc.stdin.write(json.dumps({"admission": True, "prompts": prompts,
+                                          "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()

@@ -3,8 +3,10 @@
 A JSON-lines loop so that a benchmark can alternate pdlab and vLLM runs in one process pair:
 
 1. Start: ``python benchmarks/vllm_worker.py MODEL_DIR MAX_MODEL_LEN BUDGET [CACHING
-   [BLOCK_SIZE]]``; builds one offline ``vllm.LLM`` (fp32, prefix caching off unless CACHING
-   is ``1``, KV blocks of BLOCK_SIZE tokens if given (else vLLM's default),
+   [BLOCK_SIZE [NUM_BLOCKS]]]``; builds one offline ``vllm.LLM`` (fp32, prefix caching off
+   unless CACHING is ``1``, KV blocks of BLOCK_SIZE tokens if given (else vLLM's default),
+   NUM_BLOCKS KV blocks if given (``num_gpu_blocks_override``; vLLM holds one back as its
+   null block, so NUM_BLOCKS - 1 are usable), else what ``VLLM_CPU_KVCACHE_SPACE`` holds,
    chunked prefill at token budget BUDGET, no tokenizer: prompts are token ids), then
    prints ``{"ready": true, "version": ...}``.
 2. Each stdin line ``{"prompts": [[ids]], "max_tokens": n}`` runs one ``LLM.generate`` over
@@ -13,7 +15,14 @@ A JSON-lines loop so that a benchmark can alternate pdlab and vLLM runs in one p
    (``time.perf_counter``) and ``num_cached_tokens`` each request's prefix-cache hit
    (``RequestOutput.num_cached_tokens``). ``"reset_prefix_cache": true`` in the job empties
    the prefix cache first (untimed).
-3. An empty line or EOF ends it.
+3. A line ``{"admission": true, "prompts": [[ids]], "max_tokens": [n per prompt]}`` adds
+   every prompt at once and steps ``llm.llm_engine`` by hand, reading the scheduler after
+   each step; it prints ``{"peak_running": n, "num_preemptions": n, "kv_blocks": n,
+   "steps": n, "seconds": s}``: the most requests in the scheduler's ``running`` list after
+   any step (prefilling or decoding), preemptions summed over requests (each request's
+   ``num_preemptions``, sampled every step), and the usable KV blocks (the block pool's
+   free blocks before the first request).
+4. An empty line or EOF ends it.
 
 vLLM's own logs go to stderr; stdout carries only these JSON lines.
 """
@@ -29,6 +38,8 @@ def main() -> int:
     model_dir, max_model_len, budget = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     caching = len(sys.argv) > 4 and sys.argv[4] == "1"
     block = {"block_size": int(sys.argv[5])} if len(sys.argv) > 5 else {}
+    if len(sys.argv) > 6:
+        block["num_gpu_blocks_override"] = int(sys.argv[6])
     real_stdout = sys.stdout
     sys.stdout = sys.stderr  # anything vLLM prints stays off the protocol channel
     # imported after the redirect: what vLLM prints on import must not reach the channel
@@ -50,6 +61,9 @@ def main() -> int:
         if not line.strip():
             break
         job = json.loads(line)
+        if job.get("admission"):
+            reply(admission(llm, job["prompts"], job["max_tokens"]))
+            continue
         if job.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
@@ -61,6 +75,32 @@ def main() -> int:
         reply({"seconds": seconds, "outputs": [list(r.outputs[0].token_ids) for r in results],
                "num_cached_tokens": [r.num_cached_tokens or 0 for r in results]})
     return 0
+
+
+def admission(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict:
+    """Every prompt added at once, greedy, EOS ignored; the engine stepped by hand so the
+    scheduler (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) can be read after
+    each step."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    kv_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(f"adm{i}", TokensPrompt(prompt_token_ids=p),
+                           SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True,
+                                          detokenize=False))
+    peak, steps, preempted = 0, 0, {}
+    start = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        peak = max(peak, len(scheduler.running))
+        for rid, req in scheduler.requests.items():
+            preempted[rid] = req.num_preemptions
+    return {"peak_running": peak, "num_preemptions": sum(preempted.values()),
+            "kv_blocks": kv_blocks, "steps": steps, "seconds": time.perf_counter() - start}
 
 
 if __name__ == "__main__":
