@@ -17,7 +17,7 @@ question per cell with its simulator and a transfer model.
 
 ``python -m experiments.aic_peer --map-dir results/map-x --system h100_sxm --model
 engine/configs/llama-3.1-8b --devices 4 --cells 2`` checks ``--cells`` of the map's cells
-(``slo_map.pick_cells`` over the cells with a clear winner, or over all where none has one)
+(in ``slo_map.pick_cells``' order, the cells with a clear winner first)
 and writes aic_peer.csv there. Not run: the
 "transfer set to zero" rerun of a disagreement (the issue's explanation step).
 """
@@ -132,8 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not available():
         p.error("aiconfigurator is not installed: pip install 'pdlab[silicon]'")
     cells = pd.read_csv(Path(args.map_dir) / "map.csv")
-    clear = cells[cells["clear"].astype(bool)]  # a cell without a clear winner judges nothing
-    picked = slo_map.pick_cells(clear if len(clear) else cells, args.cells)
+    order = slo_map.pick_cells(cells, len(cells))  # pick_cells' order over the whole grid
+    clear = order["clear"].astype(bool)  # a cell without a clear winner judges nothing
+    picked = pd.concat([order[clear], order[~clear]]).head(args.cells)
     verdicts = []
     for cell in picked.to_dict("records"):
         isl, osl = mean_lengths(cell["io_ratio"], args.request_tokens)
