@@ -81,8 +81,8 @@ def admission(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict:
     """Every prompt added at once, greedy, EOS ignored; the engine stepped by hand so the
     scheduler (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) can be read after
     each step."""
-    from vllm import SamplingParams  # main imported vllm after its stdout redirect: loaded
-    from vllm.inputs import TokensPrompt  # already, so these only bind names
+    from vllm import SamplingParams  # vLLM exists only in .venv-vllm, where main() runs this
+    from vllm.inputs import TokensPrompt  # (same reason)
 
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
