@@ -363,6 +363,14 @@ def load_tokenizer(config: ModelConfig):
         if not (target / "model.safetensors").exists():
             _convert_gguf(target)
         return AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    path = Path(config.model).expanduser()
+    if path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        # a geometry without weights (engine/configs/, emulated devices): its tokenizer
+        # files if it has them, else None (prompts as token ids)
+        try:
+            return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except (OSError, ValueError):
+            return None
     return _load_hf(config.model)[1]
 
 
