@@ -11,11 +11,15 @@ import json
 import math
 from pathlib import Path
 
+import httpx
 import pandas as pd
 
 from engine.config import EngineConfig, ModelConfig, TransferConfig
 from engine.metrics import SLO
+from experiments import cli
+from experiments.commands import serve
 from experiments.commands.compare import run_experiment
+from server.app import ServerThread
 from experiments.workload_spec import WorkloadSpec
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,3 +62,27 @@ def test_disagg_2p2d_on_four_emulated_h100s(tmp_path):
     steps = pd.read_csv(tmp_path / "steps.csv")
     assert (steps["lateness"] >= 1.0).all()
     assert "Simulated twin" in verdict
+
+
+def test_serve_on_emulated_devices_streams_the_emulated_tokens():
+    """``pdlab serve`` on ``emu:0-1`` (disagg:1p1d, in-process): a completion of 7 tokens of
+    prompt ids comes back whole, and a second one of the same prompt gets the same tokens."""
+    args = cli.build_parser().parse_args(
+        ["serve", "--model", "engine/configs/llama-3.1-8b", "--devices", "emu:0-1",
+         "--placement", "disagg:1p1d", "--local", "--device-profile", PROFILE,
+         "--emu-kv-scale", "0.00390625", "--max-model-len", "512"])
+    dep, app = serve.build(args, serve.check(args))
+    try:
+        thread = ServerThread(app.app).start()
+        try:
+            body = {"model": "engine/configs/llama-3.1-8b", "prompt": list(range(100, 140)),
+                    "max_tokens": 7}
+            replies = [httpx.post(f"{thread.url}/v1/completions", json=body, timeout=60).json()
+                       for _ in range(2)]
+        finally:
+            thread.stop()
+    finally:
+        dep.close()
+    assert [r["usage"]["completion_tokens"] for r in replies] == [7, 7]
+    assert [r["choices"][0]["finish_reason"] for r in replies] == ["length", "length"]
+    assert replies[0]["choices"][0]["text"] == replies[1]["choices"][0]["text"]

@@ -10,7 +10,8 @@ from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferCo
 from engine.emulated import Emulation, emulated_token, lateness_warning, prompt_hash
 from engine.engine import Engine
 from engine.model import ModelLoadError, load_geometry
-from engine.request import Request, SamplingParams
+from engine.request import Request, RequestState, SamplingParams
+from engine.scheduler import ScheduledBatch, StepFeatures
 from planner.latency import DeviceProfile, Fit
 from experiments.placement import Deployment
 from planner.simulate import Simulator
@@ -201,3 +202,35 @@ def test_parse_emulated_devices():
         parse_devices("emu:0,cpu:1")
     with pytest.raises(ValueError, match="must not repeat"):
         parse_devices("emu:0-1,emu:1")
+
+
+def test_step_features_hand_computed():
+    fresh = RequestState(Request("a", tuple(range(3, 43)), SamplingParams(max_tokens=4)))
+    chunk = RequestState(Request("b", tuple(range(3, 43)), SamplingParams(max_tokens=4)))
+    chunk.num_computed_tokens = 24
+    decode = RequestState(Request("c", tuple(range(3, 13)), SamplingParams(max_tokens=9)))
+    decode.token_ids += [5, 6, 7]  # 10 prompt + 3 outputs, 12 computed: the 13th decodes
+    decode.num_computed_tokens = 12
+    batch = ScheduledBatch()
+    for state, n in ((decode, 1), (fresh, 24), (chunk, 16)):
+        batch.add(state, n)
+    # prefill: 24 + 16 tokens, pairs 24 * (0 + 24) + 16 * (24 + 16); decode: B = 1, ctx 12 + 1
+    assert batch.step_features() == StepFeatures(40, 576 + 640, 1, 13)
+
+
+def test_silicon_profile_on_fake_clock_keeps_the_simulators_times():
+    """The H100 profile (not constant): every step starts when the simulator's does and
+    lasts its modelled time (to rounding: the engine records end - start)."""
+    profile = DeviceProfile.load(PROFILE)
+    clock = FakeClock()
+    engine = Engine(load_geometry(ModelConfig(LLAMA, "bfloat16")), ENGINE, quiet=True,
+                    emulation=Emulation(profile, 1 / 256, clock))
+    engine.generate(requests())
+    real = [r.to_row() for r in engine.step_records]
+    sim = Simulator("colocated:1", ENGINE, profile.step_time(), kv_bytes_per_token=LLAMA_BYTES,
+                    kv_budget_bytes=profile.kv_budget_bytes(ENGINE)).run(
+        [(r, 0.0) for r in requests()], collect_steps=True).steps
+    assert [(r["start_s"], r["batch"]) for r in real] == [(s["start_s"], s["batch"]) for s in sim]
+    assert [r["duration_s"] for r in real] == pytest.approx([s["duration_s"] for s in sim],
+                                                            rel=1e-12)
+    assert sim[0]["duration_s"] > 0.0055  # an H100 prefill step: ~6 ms, not the constant
