@@ -42,9 +42,8 @@ from typing import Any
 from decode_worker import DecodeWorker
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
                            TransferConfig, cpu_cores_of, parse_devices, parse_placement,
-                           placement_engine_overrides)
+                           is_emulated, placement_engine_overrides)
 from engine import device as engine_device  # .CUDA: the seam tests fake
-from engine.config import is_emulated
 from engine.emulated import Emulation
 from engine.model import ModelLoadError, check_model_name, load_geometry
 from experiments.restarts import Restarts
