@@ -68,6 +68,13 @@ def bucket(num_rows: int) -> int:
     return (num_rows - 1).bit_length()
 
 
+def choice_for(choices: dict[int, str], num_rows: int, max_bucket: int, default: str) -> str:
+    """The kernel chosen for ``num_rows`` rows: ``choices`` (bucket -> kernel, buckets
+    ``0 .. max_bucket`` measured) at ``bucket(num_rows)``, the last measured bucket's choice
+    beyond it (the rule in the module docstring); ``default`` when nothing was measured."""
+    return choices[min(bucket(num_rows), max_bucket)] if choices else default
+
+
 def cpu_info() -> dict[str, str]:
     """``{"model": ..., "family": ..., "model_id": ..., "flags": ...}`` from /proc/cpuinfo
     (the first processor), '' where unknown (another OS: ``platform.processor()``)."""

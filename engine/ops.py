@@ -501,9 +501,8 @@ class CpuOps(TorchOps):
         return make
 
     def decode_layout(self, num_rows, softcap):
-        choices = self.decode_choices
-        return choices[min(kernel_choice.bucket(num_rows), DECODE_MAX_BUCKET)] if choices \
-            else "planned"
+        return kernel_choice.choice_for(self.decode_choices, num_rows, DECODE_MAX_BUCKET,
+                                        "planned")
 
     def decode_attention(self, q, kv_layer, block_tables, lens, scale):
         return self.kernels.decode_attention(q, kv_layer, block_tables, lens, scale)
@@ -514,9 +513,8 @@ class CpuOps(TorchOps):
         calls, the prefix (unmasked) and the chunk's own causal diagonal, merged by their
         log-sum-exp (FlashDecoding's split-KV merge): SDPA with the lower-right bias took the
         math path on CPU, materialising every score (benchmarks/README.md, issue 14)."""
-        n = q4.shape[2]
-        name = (self.chunk_choices.get(min(kernel_choice.bucket(n), CHUNK_MAX_BUCKET), "flash")
-                if self.chunk_choices else "flash")
+        name = kernel_choice.choice_for(self.chunk_choices, q4.shape[2], CHUNK_MAX_BUCKET,
+                                        "flash")
         return self._chunk_kernel(name, q4, k4, v4, start, scale)
 
     def _chunk_kernel(self, name, q4, k4, v4, start, scale):

@@ -45,6 +45,13 @@ def test_buckets_are_ceil_log2():
         0, 1, 2, 2, 3, 3, 4, 8, 9, 9]
 
 
+def test_choice_for_reads_the_bucket_and_holds_the_last_one_beyond():
+    choices = {0: "pdlab", 1: "pdlab512", 2: "onednn"}
+    assert [kernel_choice.choice_for(choices, n, 2, "mkl") for n in (1, 2, 3, 4, 5, 4096)] == [
+        "pdlab", "pdlab512", "onednn", "onednn", "onednn", "onednn"]
+    assert kernel_choice.choice_for({}, 7, 2, "flash") == "flash"  # nothing measured
+
+
 def test_picks_the_fastest_then_reads_the_cache_without_measuring(tmp_path):
     path = tmp_path / "choices.json"
     timer = FakeTimer()
