@@ -50,7 +50,7 @@ from engine.events import ERROR, KV_GOT, WorkerEvent
 from engine.metrics import DECODE_ADMITTED
 from engine.request import Request
 from engine.emulated import Emulation
-from engine.serving import EngineLoop, token_event
+from engine.serving import EngineLoop
 from kv_transfer.factory import make_transport
 from kv_transfer.transport import KVHandle, Transport
 
@@ -144,9 +144,7 @@ class DecodeWorker(EngineLoop):
         """Every token goes out; the handles of requests that recompute here instead of
         receiving their KV are freed; then the fetch of every request whose slot this step
         reserved starts (also after a step that did nothing else)."""
-        for out in output.tokens:
-            stamps = {DECODE_ADMITTED: out.first_scheduled_s} if out.first_scheduled_s else {}
-            self.emit(token_event(self.name, out, **stamps))
+        self.emit_tokens(output.tokens, first_scheduled_as=DECODE_ADMITTED)
         for rid in output.kv_dropped:
             transfer = self._transfers.pop(rid, None)
             if transfer is None:

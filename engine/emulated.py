@@ -128,20 +128,26 @@ class Emulation:
                 "backend": source.get("backend"), "kv_scale": self.kv_scale}
 
 
+_MASK64 = (1 << 64) - 1
+
+
 def emulated_token(prompt_digest: int, position: int, vocab_size: int,
                    banned: frozenset[int] | set[int] = frozenset()) -> int:
     """Output token ``position`` of a request whose prompt hashes to ``prompt_digest``
-    (``prompt_hash``): ``blake2b(digest, position) mod vocab_size``, stepped forward past
-    ``banned`` (EOS and stop ids), so no request ends before its ``max_tokens``.
+    (``prompt_hash``): splitmix64's finaliser of ``digest ^ position * golden ratio``, mod
+    ``vocab_size``, stepped forward past ``banned`` (EOS and stop ids), so no request ends
+    before its ``max_tokens``. (Integer arithmetic, not a blake2b per token: the emulated
+    runner calls it for every token of every step, at GPU token rates.)
 
     Raises:
         ValueError: every token of the vocabulary is banned.
     """
     if len(banned) >= vocab_size:
         raise ValueError(f"all {vocab_size} tokens are EOS or stop ids")
-    h = hashlib.blake2b(prompt_digest.to_bytes(8, "little") + position.to_bytes(8, "little"),
-                        digest_size=8).digest()
-    token = int.from_bytes(h, "little") % vocab_size
+    x = (prompt_digest ^ (position * 0x9E3779B97F4A7C15)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    token = (x ^ (x >> 31)) % vocab_size
     while token in banned:
         token = (token + 1) % vocab_size
     return token
@@ -189,7 +195,7 @@ class EmulatedRunner:
         self.ops = _EmulatedOps(emulation)
         self.last_modelled_s = 0.0
         self.last_lateness = 1.0
-        self._digests: dict[str, int] = {}
+        self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
         """The device's seconds for ``batch`` (counters not yet advanced)."""
@@ -216,14 +222,16 @@ class EmulatedRunner:
     def sample(self, states: list[RequestState]) -> list[int]:
         """The tokens of ``states`` (the step's sampled rows): ``emulated_token`` at each
         request's next output position."""
-        out = []
+        out, digests, vocab = [], self._digests, self.vocab_size
         for state in states:
-            rid = state.request_id
-            digest = self._digests.get(rid)
-            if digest is None:
-                digest = self._digests[rid] = prompt_hash(state.request.prompt_token_ids)
-            banned = self.eos | set(state.sampling.stop_token_ids)
-            out.append(emulated_token(digest, state.num_output_tokens, self.vocab_size, banned))
+            request = state.request
+            known = digests.get(request.request_id)
+            if known is None:  # once per request: its prompt's digest and banned tokens
+                known = digests[request.request_id] = (
+                    prompt_hash(request.prompt_token_ids),
+                    self.eos | frozenset(request.sampling.stop_token_ids))
+            out.append(emulated_token(known[0], len(state.token_ids) - state.num_prompt_tokens,
+                                      vocab, known[1]))
         return out
 
     def forget(self, request_id: str) -> None:

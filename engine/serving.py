@@ -32,7 +32,7 @@ import torch
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine, StepOutput
-from engine.events import ERROR, TOKEN, WorkerEvent
+from engine.events import ERROR, TOKEN, TokenBatch, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.emulated import Emulation
 from engine.model import load_geometry, load_model
@@ -124,7 +124,7 @@ class EngineLoop:
         self.engine = Engine(loaded, engine_config, on_layer_done=self.layer_listener(),
                              emulation=emulation)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
-        self._events: list[WorkerEvent] = []
+        self._events: list[WorkerEvent | TokenBatch] = []
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
@@ -192,7 +192,7 @@ class EngineLoop:
         self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(),
                               error=f"{getattr(fn, '__name__', fn)} failed: {type(err).__name__}: {err}"))
 
-    def wait_events(self, timeout_s: float) -> list[WorkerEvent]:
+    def wait_events(self, timeout_s: float) -> list[WorkerEvent | TokenBatch]:
         """Events since the last call; waits up to ``timeout_s`` seconds for the first one.
 
         Raises:
@@ -213,8 +213,10 @@ class EngineLoop:
     def _take_events(self, request_id: str) -> list[WorkerEvent]:
         """Remove the not yet collected events of ``request_id`` (an abort makes them moot)."""
         with self._events_ready:
-            taken = [e for e in self._events if e.request_id == request_id]
-            self._events = [e for e in self._events if e.request_id != request_id]
+            taken = [e for e in self._events  # (a TokenBatch has no request_id)
+                     if getattr(e, "request_id", None) == request_id]
+            self._events = [e for e in self._events
+                            if getattr(e, "request_id", None) != request_id]
         return taken
 
     def status(self) -> dict:
@@ -312,10 +314,33 @@ class EngineLoop:
             self.emit(WorkerEvent(ERROR, request.request_id, self.name, time.time(),
                                   error=str(err)))
 
-    def emit(self, event: WorkerEvent) -> None:
+    def emit(self, event: WorkerEvent | TokenBatch) -> None:
         with self._events_ready:
             self._events.append(event)
             self._events_ready.notify_all()
+
+    def emit_tokens(self, outputs, first_scheduled_as: str | None = None) -> None:
+        """A step's tokens: the plain ones (``is_plain``) as one ``TokenBatch``, each other
+        one as its own ``token_event`` (stamped ``first_scheduled_as`` = its
+        ``first_scheduled_s`` where it has one), all under one lock and one wake-up of the
+        long poll."""
+        events, plain = [], []
+        for out in outputs:
+            if is_plain(out):
+                plain.append(out)
+                continue
+            stamps = ({first_scheduled_as: out.first_scheduled_s}
+                      if first_scheduled_as and out.first_scheduled_s else {})
+            events.append(token_event(self.name, out, **stamps))
+        if plain:
+            events.append(TokenBatch(self.name, plain[0].time_s,
+                                     tuple(o.request_id for o in plain),
+                                     tuple(o.token_id for o in plain),
+                                     tuple(o.index for o in plain)))
+        if events:
+            with self._events_ready:
+                self._events.extend(events)
+                self._events_ready.notify_all()
 
     def on_tick(self) -> None:
         """Once per loop iteration, on the loop thread: subclasses retry deferred KV puts
@@ -333,8 +358,15 @@ class EngineLoop:
     def on_step(self, output: StepOutput) -> None:
         """After every step, on the loop thread, with what it did (its failed requests are
         already reported). Colocated: every token goes straight out."""
-        for out in output.tokens:
-            self.emit(token_event(self.name, out))
+        self.emit_tokens(output.tokens)
+
+
+def is_plain(out: TokenOutput) -> bool:
+    """A token that says nothing but itself (``TokenBatch``): not a request's first token
+    here (stamps, prefix-cache hit) nor its last (finish reason, preemptions), no
+    logprobs."""
+    return (out.index > 0 and out.first_scheduled_s is None and out.finish_reason is None
+            and out.logprob is None and not out.top_logprobs and out.num_cached_tokens is None)
 
 
 def token_event(worker: str, out: TokenOutput, **stamps: float) -> WorkerEvent:

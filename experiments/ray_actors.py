@@ -39,6 +39,10 @@ from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, pr
 from router.calls import ORDERED, WorkerDied
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# the online router's wait on Ray calls is cut in slices this long to see a wake-up (a new
+# submit or abort, a concurrent.futures.Future): a submit waits half of it on average
+# before dispatch (5 ms slices could add up to 5 ms to a TTFT through `pdlab serve`)
+WAKE_SLICE_S = 0.001
 PEAK_TIMEOUT_S = 60.0  # one link-peak measurement (a 32 MiB copy or probe, 4 runs)
 # Ray's exceptions for an actor that died (the set differs between Ray versions)
 ACTOR_DEATH = (RayActorError,) + tuple(
@@ -71,14 +75,14 @@ class RayCalls:
 
     def ready(self, pending: list, timeout_s: float) -> list:
         futures = [p for p in pending if isinstance(p, cf.Future)]
-        if futures:  # ray.wait takes ObjectRefs only: wait in 5 ms slices, checking the futures
+        if futures:  # ray.wait takes ObjectRefs only: wait in slices, checking the futures
             refs = [p for p in pending if not isinstance(p, cf.Future)]
             end_s = time.monotonic() + timeout_s
             while True:
                 done = [f for f in futures if f.done()]
                 if refs:
                     done += self.ready(refs, 0.0 if done else
-                                       max(0.0, min(0.005, end_s - time.monotonic())))
+                                       max(0.0, min(WAKE_SLICE_S, end_s - time.monotonic())))
                 elif not done:
                     cf.wait(futures, timeout=max(0.0, end_s - time.monotonic()),
                             return_when=cf.FIRST_COMPLETED)

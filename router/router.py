@@ -289,6 +289,7 @@ class Router:
         self._parked: dict[str, str] = {}  # request -> the role of the empty pool it waits for
         self._pending: dict[Any, _Call] = {}
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
+        self._quiet: set[str] = set()  # requests whose sinks hear no token events
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit"|"abort", ...)
         self._wake_lock = threading.Lock()
         self._wake: cf.Future = cf.Future()  # set to end the loop's wait early (online)
@@ -334,11 +335,13 @@ class Router:
                          prefill_only=role == "prefill")
 
     def submit(self, request: Request, sink: Callable[[StreamEvent], None] | None = None,
-               arrived_s: float | None = None) -> TokenStream | None:
+               arrived_s: float | None = None, tokens: bool = True) -> TokenStream | None:
         """Queue ``request`` (any thread); its events go to ``sink`` (called on the loop
         thread, must not block), or to the returned ``TokenStream`` when ``sink`` is None.
 
-        ``arrived_s``: its arrival (``time.time()``; default now). A request that cannot be
+        ``arrived_s``: its arrival (``time.time()``; default now). ``tokens=False``: the
+        sink hears only the ``finish`` event (a replay reads the finished records; a
+        ``StreamEvent`` per token is work at GPU token rates). A request that cannot be
         served (invalid, its id already in flight, no live worker) still gets one
         ``finish`` event, with reason ``error`` and the reason why.
         """
@@ -350,7 +353,7 @@ class Router:
         with self._closed_lock:
             closed = self._closed
             if not closed:
-                self._inbox.put(("submit", request, arrived_s, sink))
+                self._inbox.put(("submit", request, arrived_s, sink, tokens))
         if closed:  # nobody drives the loop any more: answer now, on the caller's thread
             _safe_call(sink, self._refusal(request, arrived_s, "the router is stopped"))
         else:
@@ -428,6 +431,7 @@ class Router:
                 self._emit(self._refusal(flight.request, flight.record.timeline.get(ARRIVED, 0.0),
                                          f"{error}; ending it failed too: {describe_error(err)}"))
                 self._sinks.pop(flight.request.request_id, None)
+                self._quiet.discard(flight.request.request_id)
 
     def run(self, workload: list[tuple[Request, float]],
             on_finish: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
@@ -468,11 +472,13 @@ class Router:
 
         start_s = time.time()
         self._flights, self._pending, self._sinks, self._parked = {}, {}, {}, {}
+        self._quiet = set()
         next_index = 0
         while next_index < len(arrivals) or self._flights:
             while next_index < len(arrivals) and start_s + arrivals[next_index][1] <= time.time():
                 # arrived = the scheduled time, however late we got here (no coordinated omission)
-                self.submit(arrivals[next_index][0], collect, start_s + arrivals[next_index][1])
+                self.submit(arrivals[next_index][0], collect, start_s + arrivals[next_index][1],
+                            tokens=False)
                 next_index += 1
             wait_s = self.poll_s
             if next_index < len(arrivals):
@@ -523,12 +529,14 @@ class Router:
             if command[0] == "lost":
                 self._lost(*command[1:])
                 continue
-            _, request, arrived_s, sink = command
+            _, request, arrived_s, sink, tokens = command
             if request.request_id in self._flights:  # refused; the one in flight goes on
                 _safe_call(sink, self._refusal(
                     request, arrived_s, f"request_id {request.request_id} is already in flight"))
                 continue
             self._sinks[request.request_id] = sink
+            if not tokens:
+                self._quiet.add(request.request_id)
             self._dispatch(request, arrived_s)
 
     # ---- dispatch ---------------------------------------------------------------------
@@ -613,7 +621,33 @@ class Router:
             return
         if call.method == "wait_events":
             for event in result:
-                self._on_event(event)
+                if event.kind == ev.TOKENS:
+                    self._on_tokens(event)
+                else:
+                    self._on_event(event)
+
+    def _on_tokens(self, batch: ev.TokenBatch) -> None:
+        """A step's plain tokens (``engine.events.TokenBatch``): ``_on_event``'s token path
+        without what a plain token never carries (stamps, KV, finish, first-token fields)."""
+        now = time.time()  # they leave the router now
+        deadline_s = now + self.deadline_s
+        worker, worker_s, quiet = batch.worker, batch.time_s, self._quiet
+        for rid, token_id in zip(batch.request_ids, batch.token_ids):
+            flight = self._flights.get(rid)
+            if flight is None:
+                continue  # late news of a request already ended (a plain token holds no KV)
+            record = flight.record
+            if worker != record.decode_worker and worker != record.prefill_worker:
+                continue  # from the decode worker it left when that one died: moot
+            flight.deadline_s = deadline_s
+            record.token_times_s.append(now)
+            record.token_worker_times_s.append(worker_s)
+            record.output_token_ids.append(token_id)
+            if flight.stage == PREFILL:
+                flight.stage = DECODE
+            if rid not in quiet:
+                self._emit(StreamEvent(rid, TOKEN, now, token_id=token_id,
+                                       index=len(record.output_token_ids) - 1))
 
     def _on_event(self, event: ev.WorkerEvent) -> None:
         flight = self._flights.get(event.request_id)
@@ -644,10 +678,12 @@ class Router:
             record.num_preemptions += event.num_preemptions
             record.output_token_ids.append(event.token_id)
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
-            self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
-                                   token_id=event.token_id, index=len(record.output_token_ids) - 1,
-                                   finish_reason=event.finish_reason, logprob=event.logprob,
-                                   top_logprobs=event.top_logprobs))
+            if record.request_id not in self._quiet:
+                self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
+                                       token_id=event.token_id,
+                                       index=len(record.output_token_ids) - 1,
+                                       finish_reason=event.finish_reason, logprob=event.logprob,
+                                       top_logprobs=event.top_logprobs))
             if event.finish_reason is not None:
                 self._finish(flight, finish_reason=event.finish_reason)
             elif event.kind == ev.PREFILLED:
@@ -703,6 +739,7 @@ class Router:
             sink(event)
         except Exception:  # a front end gone (its event loop closed): it hears no more,
             self._sinks.pop(event.request_id, None)  # and the loop never dies of it
+            self._quiet.discard(event.request_id)
 
     def _release_kv(self, owner: str | None, handles: tuple[Any, ...],
                     incarnation: int | None = None) -> None:
@@ -738,6 +775,7 @@ class Router:
         self._emit(StreamEvent(record.request_id, FINISH, now, finish_reason=record.finish_reason,
                                error=record.error, record=record, unavailable=unavailable))
         self._sinks.pop(record.request_id, None)
+        self._quiet.discard(record.request_id)
 
     # ---- failures ---------------------------------------------------------------------
     def _worker_died(self, name: str, err: Exception) -> None:

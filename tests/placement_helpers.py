@@ -10,6 +10,7 @@ from pathlib import Path
 from conftest import random_prompts, reference_generate
 
 from engine.config import EngineConfig
+from engine.events import expand
 from engine.request import Request, SamplingParams
 
 ENGINE = EngineConfig(max_num_seqs=6, max_model_len=128, max_num_batched_tokens=24)
@@ -62,14 +63,15 @@ def soak_workload(tiny, num_requests: int = 500, num_prompts: int = 16, max_toke
 
 
 def collect_events(worker, done, timeout_s: float = 20.0, poll_s: float = 0.2) -> list:
-    """``worker``'s events (long polls of ``poll_s``) until ``done(events)``; fails at the
+    """``worker``'s events (long polls of ``poll_s``; a step's ``TokenBatch`` as its
+    ``token`` events) until ``done(events)``; fails at the
     deadline naming the worker and what it got."""
     events: list = []
     deadline_s = time.monotonic() + timeout_s
     while not done(events):
         left_s = deadline_s - time.monotonic()
         assert left_s > 0, f"{worker.name}: timed out, got {events}"
-        events += worker.wait_events(min(left_s, poll_s))
+        events += expand(worker.wait_events(min(left_s, poll_s)))  # one event per token
     return events
 
 

@@ -429,3 +429,56 @@ def test_request_larger_than_a_roles_kv_cache_is_refused_before_any_prefill(monk
     with pytest.raises(ValueError, match="needs 64 KV tokens, more than a decode"):
         router.validate(Request("p", tuple(range(63)), SamplingParams(max_tokens=1)))
     assert_drained(router, workers, transport)
+
+
+def batched_wait_events(worker: FakeWorker, timeout_s: float) -> list:
+    """``FakeWorker.wait_events`` as a real worker sends them: each run of plain tokens
+    (not a request's first or last) as one ``TokenBatch``, in its place."""
+    out, run = [], []
+    for event in _one_per_token(worker, timeout_s) + [None]:
+        if event is not None and event.kind == ev.TOKEN and event.index > 0 and \
+                event.finish_reason is None:
+            run.append(event)
+            continue
+        if run:
+            out.append(ev.TokenBatch(worker.name, run[0].time_s,
+                                     tuple(e.request_id for e in run),
+                                     tuple(e.token_id for e in run), tuple(e.index for e in run)))
+            run = []
+        if event is not None:
+            out.append(event)
+    return out
+
+
+_one_per_token = FakeWorker.wait_events
+
+
+@pytest.mark.parametrize("placement, first", [("colocated:2", 10), ("disagg:1p1d", 7)])
+def test_token_batches_give_the_same_records_and_streams(placement, first, monkeypatch):
+    """A step's plain tokens as one ``TokenBatch`` (engine.events): the same records as one
+    event per token, the same tokens and indices streamed online, and a replay's sinks
+    (``submit(tokens=False)``) hear only the finish."""
+    expected = [first, 11, 12, 13, 14]
+    router, workers, transport = build(placement)
+    assert [r.output_token_ids for r in router.run(requests(4, max_tokens=5))] == [expected] * 4
+    monkeypatch.setattr(FakeWorker, "wait_events", batched_wait_events)
+    router, workers, transport = build(placement)
+    records = router.run(requests(4, max_tokens=5))
+    assert [r.output_token_ids for r in records] == [expected] * 4
+    assert all(len(r.token_times_s) == len(r.token_worker_times_s) == 5 for r in records)
+    assert_drained(router, workers, transport)
+    heard: list = []
+    router.start()
+    try:
+        streams = [router.submit(Request(f"s{i}", (3, 4, 5), SamplingParams(max_tokens=5)))
+                   for i in range(3)]
+        router.submit(Request("quiet", (3, 4, 5), SamplingParams(max_tokens=5)), heard.append,
+                      tokens=False)
+        events = [list(stream) for stream in streams]
+    finally:
+        router.stop()
+    for got in events:
+        assert [(e.kind, e.token_id, e.index) for e in got] == [
+            ("token", t, i) for i, t in enumerate(expected)] + [("finish", None, None)]
+        assert got[-1].record.output_token_ids == expected
+    assert [e.kind for e in heard] == ["finish"] and heard[0].record.output_token_ids == expected
