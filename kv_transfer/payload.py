@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 import msgpack
 import numpy as np
@@ -91,6 +91,9 @@ class KVHeader:
         return math.prod(self.shape) * DTYPE_ITEMSIZE[self.dtype]
 
 
+_HEADER_FIELDS = tuple(f.name for f in fields(KVHeader))
+
+
 def checksum_of(kv_u8: torch.Tensor, kind: str = DEFAULT_CHECKSUM_KIND, value: int = 0) -> int:
     """``kind`` checksum of a flat uint8 tensor, continuing from ``value`` (so it can be
     computed chunk by chunk); copied to host first if it lives on an accelerator.
@@ -115,8 +118,10 @@ def tensor_bytes(kv: torch.Tensor) -> torch.Tensor:
 
 
 def encode_header(header: KVHeader) -> bytes:
-    """msgpack bytes of ``header`` (frame 0)."""
-    return msgpack.packb(asdict(header), use_bin_type=True)
+    """msgpack bytes of ``header`` (frame 0): its fields by name. (Not ``dataclasses.asdict``,
+    whose recursive deep copy was ~60% of a whole shm put of 150 KB, AMD EPYC Zen 4.)"""
+    return msgpack.packb({name: getattr(header, name) for name in _HEADER_FIELDS},
+                         use_bin_type=True)
 
 
 def decode_header(frame: Frame) -> KVHeader:
@@ -128,8 +133,8 @@ def decode_header(frame: Frame) -> KVHeader:
         raise KVSpecMismatch("?", "wire_version", WIRE_VERSION, f"unreadable header ({e})") from e
     if version != WIRE_VERSION:
         raise KVSpecMismatch(d.get("request_id", "?"), "wire_version", WIRE_VERSION, version)
-    names = {f.name for f in fields(KVHeader)}
-    return KVHeader(**{k: (tuple(v) if k == "shape" else v) for k, v in d.items() if k in names})
+    return KVHeader(**{k: (tuple(v) if k == "shape" else v) for k, v in d.items()
+                       if k in _HEADER_FIELDS})
 
 
 def check_header(header: KVHeader, expected: KVSpec) -> None:
