@@ -152,12 +152,13 @@ class _Flight:
     ``token_times_s`` and ``output_token_ids`` from them (per token, one append, not three)."""
 
     __slots__ = ("request", "record", "first", "decode", "remote", "put_s", "times",
-                 "first_out_s")
+                 "first_out_s", "kv_token_start")
 
     def __init__(self, request: Request, record: RequestRecord) -> None:
         self.request, self.record = request, record
         self.first = self.decode = None
         self.remote = False
+        self.kv_token_start = 0  # the KV sent starts here (Assignment.kv_token_start)
         self.put_s = 0.0
         self.times = record.token_worker_times_s
         self.first_out_s: float | None = None
@@ -335,6 +336,7 @@ class Simulator:
             prompt_block_hashes(request, self.engine.block_size) if self._hash_prompts else ())
         first, decode = flight.first, flight.decode = assignment.first, assignment.decode
         flight.remote = assignment.remote
+        flight.kv_token_start = assignment.kv_token_start
         record.prefill_worker, record.decode_worker = first, decode
         record.prefill_path = "remote" if flight.remote else "local"
         record.timeline[PREFILL_QUEUED] = t
@@ -373,6 +375,7 @@ class Simulator:
         state.num_computed_tokens = request.num_prompt_tokens
         state.first_output_index = 1
         state.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        state.kv_token_start = flight.kv_token_start
         instance = self._instances[flight.decode]
         instance.scheduler.add(state)
         self._wake(instance, t)
@@ -523,7 +526,11 @@ class Simulator:
         return horizon_s
 
     def _transfer_s(self, flight: _Flight) -> float:
-        return self.transfer.seconds(self.kv_bytes_per_token * flight.request.num_prompt_tokens)
+        """The whole transfer's seconds: the KV of prompt tokens from ``kv_token_start`` on."""
+        return self.transfer.seconds(self._kv_bytes(flight))
+
+    def _kv_bytes(self, flight: _Flight) -> int:
+        return self.kv_bytes_per_token * (flight.request.num_prompt_tokens - flight.kv_token_start)
 
     def _step_end(self, t: float, payload: tuple[_Instance, ScheduledBatch, dict[int, int]]) -> None:
         instance, batch, sampled = payload
@@ -548,7 +555,8 @@ class Simulator:
                 flight.first_out_s = busy_until
                 record = flight.record
                 record.timeline[KV_PUT] = busy_until
-                record.kv_bytes = self.kv_bytes_per_token * state.num_prompt_tokens
+                record.kv_bytes = self._kv_bytes(flight)
+                record.kv_bytes_saved = self.kv_bytes_per_token * flight.kv_token_start
                 record.kv_put_s = put_s
                 self._push(busy_until, _HANDOVER, flight)
                 continue
@@ -572,4 +580,5 @@ class Simulator:
                                 "num_bytes": record.kv_bytes, "put_s": flight.put_s,
                                 "get_s": get_s, "transport": self.transport})
         instance.scheduler.kv_arrived(state)
+        self._assigner.kv_landed(state.request.request_id, instance.name)  # the router hears kv_got
         self._wake(instance, t)

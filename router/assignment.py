@@ -28,6 +28,12 @@ written: ``prefill_length - prefix_hit_length > max_local_prefill_length``). Wit
 (caching off) every match is 0 and both behave as before. Neither changes the order in which
 workers are picked and charged.
 
+The KV a remote request's decode worker is sent (``Assignment.kv_token_start``) skips the
+prefix that worker holds for sure: a second index, ``landed``, credits a decode worker with
+a prompt's blocks only once that prompt's KV reached it (``kv_landed``, on ``kv_got``).
+Crediting at assignment, as routing does, would skip blocks still in flight to it (a burst
+sharing a system prompt), which the worker would then recompute.
+
 A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
 ``requests_needing`` names the requests that still needed it; a remote request that had not
 reached its dead decode worker yet can be given another (``reassign_decode``). A restarted
@@ -60,10 +66,13 @@ class NoLiveWorker(ValueError):
 @dataclass(frozen=True)
 class Assignment:
     """Where a request runs: ``first`` computes its prompt (a prefill worker, or the worker
-    that also decodes it), ``decode`` produces its other tokens."""
+    that also decodes it), ``decode`` produces its other tokens. ``kv_token_start`` (remote
+    only): the prompt tokens its decode worker holds for sure, in whole blocks
+    (``Assigner.kv_token_start``): only the KV of the tokens from there on is sent."""
 
     first: str
     decode: str
+    kv_token_start: int = 0
 
     @property
     def remote(self) -> bool:
@@ -108,6 +117,7 @@ class Assigner:
         self._charges: dict[str, dict[str, int]] = {}  # request -> worker -> tokens charged
         self._queued: set[str] = set()  # remote requests not yet prefilled
         self.prefixes = PrefixIndex(self.loads)  # what each worker was sent (module docstring)
+        self.landed = PrefixIndex(self.loads)  # prompts whose KV reached a decode worker
         self._hashes: dict[str, tuple[bytes, ...]] = {}  # request -> its prompt's block hashes
         self._counts = {name: 0 for name in self.loads}  # requests charged to each worker
 
@@ -124,6 +134,12 @@ class Assigner:
     def reset_prefixes(self) -> None:
         """Forget every worker's prefixes (their caches were reset between runs)."""
         self.prefixes.reset()
+        self.landed.reset()
+
+    def kv_landed(self, request_id: str, worker: str) -> None:
+        """A remote request's prompt KV reached its decode worker ``worker`` (``kv_got``):
+        the worker caches its prompt's full blocks now (``Scheduler.kv_arrived``)."""
+        self.landed.insert(worker, self._hashes.get(request_id, ()))
 
     def kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """A decode (or colocated) worker's charge: ``prompt + max_tokens`` rounded up to
@@ -158,6 +174,8 @@ class Assigner:
         else:
             first = self._pick("prefill", hashes)
             decode = self._pick("decode", hashes)
+        kv_start = (self.kv_token_start(decode, hashes, num_prompt_tokens)
+                    if first != decode else 0)  # before this prompt is credited to decode
         charges = {decode: kv_tokens}
         if first != decode:
             charges = {first: num_prompt_tokens, decode: kv_tokens}
@@ -169,7 +187,20 @@ class Assigner:
             self.prefixes.insert(name, hashes)
         if hashes:
             self._hashes[request_id] = hashes
-        return Assignment(first, decode)
+        return Assignment(first, decode, kv_start)
+
+    def kv_token_start(self, decode: str, block_hashes: Sequence[bytes],
+                       num_prompt_tokens: int) -> int:
+        """The first prompt token whose KV a remote request's decode worker ``decode``
+        needs sent: the prefix of the prompts whose KV reached it (``kv_landed``; whole
+        blocks), at most the
+        whole blocks before the prompt's last token (the KV sent is never empty, as
+        ``Engine.add_remote`` requires). If the prefix was evicted meanwhile, the decode
+        worker recomputes the prompt instead (``engine.scheduler``)."""
+        if not block_hashes:
+            return 0
+        whole = (num_prompt_tokens - 1) // self.kv_block_size * self.kv_block_size
+        return min(self.landed.match(decode, block_hashes) * self.kv_block_size, whole)
 
     def _decode_hit_tokens(self, hashes: tuple[bytes, ...]) -> int:
         """The prefix hit on the decode worker the policy would pick now (nothing picked,
@@ -218,6 +249,7 @@ class Assigner:
         Its prefixes are forgotten (a replacement starts with an empty cache)."""
         self._dead.add(worker)
         self.prefixes.forget(worker)
+        self.landed.forget(worker)
 
     def mark_live(self, worker: str) -> None:
         """``worker`` (restarted) is back in its pool: new requests may go to it again."""

@@ -129,6 +129,7 @@ class _Flight:
     kv_owner: str | None = None
     kv_owner_incarnation: int = 0
     kv_handles: tuple[Any, ...] = ()
+    kv_token_start: int = 0  # the KV sent starts here (its decode worker caches the prefix)
 
 
 TOKEN, FINISH = "token", "finish"  # StreamEvent kinds
@@ -581,7 +582,9 @@ class Router:
         record.prefill_worker, record.decode_worker = first, decode
         record.prefill_path = "remote" if assignment.remote else "local"
         self._wait_on(flight, first, PREFILL)
-        args = (request,) if first == decode else (request, self.workers[decode].rank)
+        flight.kv_token_start = assignment.kv_token_start
+        args = ((request,) if first == decode else
+                (request, self.workers[decode].rank, assignment.kv_token_start))
         self._send(first, "submit", request.request_id, *args)
         record.timeline[PREFILL_QUEUED] = time.time()
 
@@ -662,6 +665,8 @@ class Router:
         if event.kind == ev.ERROR:
             self._finish(flight, error=f"{event.worker}: {event.error}")
         elif event.kind == ev.KV_GOT:
+            if event.kv_bytes:  # its prompt's blocks are cached there now (0: it recomputes)
+                self.assigner.kv_landed(record.request_id, event.worker)
             record.kv_get_s = event.kv_get_s
             record.kv_transfer_s = event.kv_transfer_s
             flight.stage, flight.kv_handles = DECODE, ()  # fetched: the decode worker freed them
@@ -719,7 +724,7 @@ class Router:
             record.decode_worker = decode
         self._wait_on(flight, decode, TRANSFER)
         self._send(decode, "admit", request.request_id, request, record.output_token_ids[0],
-                   flight.kv_handles)
+                   flight.kv_handles, flight.kv_token_start)
 
     def _refusal(self, request: Request, arrived_s: float, error: str) -> StreamEvent:
         """The one ``finish`` event of a request that is not (or no longer) served."""

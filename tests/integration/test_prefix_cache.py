@@ -128,7 +128,8 @@ def test_colocated_placement_records_the_hits(tiny, case):
 
 
 @contextlib.contextmanager
-def disagg(transport: str, granularity: str, engine: EngineConfig = ENGINE):
+def disagg(transport: str, granularity: str, engine: EngineConfig = ENGINE,
+           policy: str = "least_loaded"):
     """A prefill and a decode worker as plain objects over ``transport`` and a router."""
     transfer = TransferConfig(transport=transport, granularity=granularity, layers_per_chunk=1,
                               timeout_s=5.0)
@@ -141,7 +142,7 @@ def disagg(transport: str, granularity: str, engine: EngineConfig = ENGINE):
             workers.append(cls(f"{role}-0", TINY, engine, transfer, transport=own, bind=False))
         calls = LocalCalls()
         router = Router([WorkerRef(w.name, w.role, w, rank) for rank, w in enumerate(workers)],
-                        calls, "disagg:1p1d", deadline_s=30.0)
+                        calls, "disagg:1p1d", policy, deadline_s=30.0)
         yield router, workers
     finally:
         for worker in workers:
@@ -174,6 +175,27 @@ def test_disagg_with_caching_equals_generate(tiny, case, transport, granularity)
     assert after["transfer_hits"] - before["transfer_hits"] == hits > 0
     assert after["transfer_queries"] - before["transfer_queries"] == sum(
         r.num_prompt_tokens for r, _ in case.rounds[1])
+
+
+@pytest.mark.parametrize("transport,granularity", [("inprocess", "layer"), ("shm", "request")])
+def test_cache_aware_router_sends_only_the_blocks_decode_lacks(tiny, case, transport,
+                                                                granularity):
+    """Under ``cache_aware`` a second turn's decode worker already holds its first prompt's
+    KV (it landed there in round 1): only the rest of the prompt travels, the record says
+    how many bytes that saved, and the outputs still equal generate()."""
+    with disagg(transport, granularity, policy="cache_aware") as (router, workers):
+        records = router.run(case.rounds[0])
+        records += router.run(case.rounds[1])
+        assert_all_freed(router, workers)
+    assert_outputs(records, case.expected)
+    by_id = {r.request_id: r for r in records}
+    for rid in ("c0t1", "c1t1"):  # the first turn's full prompt blocks stayed on decode-0
+        r = by_id[rid]
+        assert r.kv_bytes_saved == KV_BYTES_PER_TOKEN * case.hits_prefill[rid] > 0
+        assert r.kv_bytes == KV_BYTES_PER_TOKEN * (r.num_prompt_tokens - case.hits_prefill[rid])
+    for r in case.rounds[0]:  # a shared system prompt: skipped only once its KV had landed
+        saved = by_id[r[0].request_id].kv_bytes_saved
+        assert saved in (0, 32 * KV_BYTES_PER_TOKEN), (r[0].request_id, saved)
 
 
 # ---- preemption: recompute equals generate() ------------------------------------------------

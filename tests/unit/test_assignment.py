@@ -101,10 +101,10 @@ class ScriptedWorker:
         return {"kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256,
                 "kv_block_size": BLOCK}
 
-    def submit(self, request, dst_rank=None) -> None:
+    def submit(self, request, dst_rank=None, kv_token_start=0) -> None:
         pass
 
-    def admit(self, request, first_token, kv_handles) -> None:
+    def admit(self, request, first_token, kv_handles, kv_token_start=0) -> None:
         pass
 
     def abort(self, request_id) -> None:
@@ -249,6 +249,29 @@ def test_cache_aware_assigner_sends_a_shared_prefix_back_to_its_worker():
     for rid in ("u1", "u2", "u3", "t2"):
         a.release(rid)
     assert a.loads == dict.fromkeys(a.loads, 0)
+
+
+def test_kv_token_start_skips_only_prefixes_whose_kv_landed():
+    """A decode worker is sent a prompt's KV from the prefix it holds for sure: the blocks
+    of prompts whose KV reached it (``kv_landed``), not those merely routed there (still in
+    flight: a burst on one system prompt), whole blocks before the prompt's last token."""
+    a = Assigner([("prefill-0", "prefill"), ("decode-0", "decode"), ("decode-1", "decode")],
+                 "disagg", "cache_aware", kv_block_size=BLOCK)
+    system = list(range(40))  # 2 full blocks
+    first = a.assign("t0", 40, 8, block_hashes(system, BLOCK))
+    assert first.kv_token_start == 0
+    burst = a.assign("t1", 45, 8, block_hashes(system + [7] * 5, BLOCK))
+    assert burst.decode == first.decode and burst.kv_token_start == 0  # t0's KV in flight
+    a.kv_landed("t0", first.decode)
+    later = a.assign("t2", 50, 8, block_hashes(system + [9] * 10, BLOCK))
+    assert later.decode == first.decode and later.kv_token_start == 32
+    whole = a.assign("t3", 32, 8, block_hashes(system[:32], BLOCK))  # its prompt is 2 blocks
+    assert whole.kv_token_start == 16  # the last token's block always travels
+    assert a.kv_token_start("decode-1", block_hashes(system, BLOCK), 40) == 0  # not there
+    a.mark_dead(first.decode)  # its cache died with it
+    assert a.kv_token_start(first.decode, block_hashes(system, BLOCK), 40) == 0
+    colocated = Assigner([("colocated-0", "colocated")], "colocated", "cache_aware", BLOCK)
+    assert colocated.assign("c0", 40, 8, block_hashes(system, BLOCK)).kv_token_start == 0
 
 
 def test_conditional_decides_on_the_prompt_minus_its_prefix_hit():

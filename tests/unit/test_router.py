@@ -86,7 +86,7 @@ class FakeWorker:
         if self.router is not None:
             self.min_load = min(self.min_load, *self.router.loads.values())
 
-    def submit(self, request: Request, dst_rank=None) -> None:
+    def submit(self, request: Request, dst_rank=None, kv_token_start: int = 0) -> None:
         self._watch()
         rid = request.request_id
         self.submitted.append(rid)
@@ -103,7 +103,7 @@ class FakeWorker:
         self._emit(due_s, ev.PREFILLED, rid, token_id=7, index=0, kv_handles=(handle,),
                    kv_bytes=100)
 
-    def admit(self, request: Request, first_token: int, kv_handles) -> None:
+    def admit(self, request: Request, first_token: int, kv_handles, kv_token_start: int = 0) -> None:
         self._watch()
         rid = request.request_id
         self.submitted.append(rid)
