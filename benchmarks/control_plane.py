@@ -19,8 +19,12 @@
 
 Figures on a shared 2-core VM are the host's as much as pdlab's: say which CPU and load.
 
+Writes ``control_plane.csv`` (the printed table) and ``control_plane.png`` (added TTFT and
+TPOT p50 in % of modelled, and output tokens/s, against the rate, one line per placement)
+under ``--out`` (default ``results/control-plane-<time>``).
+
 Usage: ``python -m benchmarks.control_plane [--rates 20,60,150] [--num-requests 300]
-[--placements colocated:8,disagg:4p4d,disagg:2p6d] [--profile FILE]``.
+[--placements colocated:8,disagg:4p4d,disagg:2p6d] [--profile FILE] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,13 @@ import argparse
 import cProfile
 import io
 import pstats
+import time
 from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 
 import pandas as pd
 
@@ -69,6 +79,27 @@ def top_of(profile: cProfile.Profile, n: int = 12) -> str:
     return out.getvalue()
 
 
+def plot(table: pd.DataFrame, path: Path) -> Path:
+    """Three panels against the rate, a line per placement: added TTFT p50 and added TPOT p50
+    (% of modelled) and output tokens/s through the router."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    panels = [("added_ttft_p50_pct", "added TTFT p50 (% of modelled)"),
+              ("added_tpot_p50_pct", "added TPOT p50 (% of modelled)"),
+              ("output_tok_s", "output tokens/s")]
+    for ax, (column, label) in zip(axes, panels):
+        for placement, rows in table.groupby("placement", sort=False):
+            ax.plot(rows["rate"], rows[column], marker="o", label=placement)
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    axes[0].legend()
+    fig.suptitle("pdlab on emulated devices: measured - modelled (benchmarks.control_plane)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rates", default="20,60,150")
@@ -77,7 +108,10 @@ def main() -> None:
     parser.add_argument("--profile", default=str(PROFILE))
     parser.add_argument("--transport", default="shm")
     parser.add_argument("--cprofile", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--out", default=None, help="results directory")
     args = parser.parse_args()
+    out = Path(args.out or f"results/control-plane-{time.strftime('%Y%m%d-%H%M%S')}")
+    out.mkdir(parents=True, exist_ok=True)
     rates = [float(r) for r in args.rates.split(",")]
     profile = DeviceProfile.load(args.profile)
     engine = EngineConfig(max_num_seqs=128, max_model_len=2048, max_num_batched_tokens=2048,
@@ -119,6 +153,8 @@ def main() -> None:
             "tpot_p50_measured_s", "tpot_p50_modelled_s", "added_tpot_p50_pct", "output_tok_s",
             "lateness_p99", "failed"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
+    table[cols].to_csv(out / "control_plane.csv", index=False)
+    print(f"\nWrote {out / 'control_plane.csv'} and {plot(table, out / 'control_plane.png')}")
     for placement, prof in profiles.items():
         print(f"\ncProfile of the router loop, {placement} at {max(rates):g} req/s (top by own time):")
         print(top_of(prof))
