@@ -63,7 +63,7 @@ import pandas as pd
 from engine import metrics
 from engine.arrivals import arrival_times
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
-from engine.metrics import SLO
+from engine.metrics import SLO, RequestRecord
 from experiments import analysis
 from experiments.replay import RunResult, run_placement
 from experiments.results import write_results
@@ -449,6 +449,10 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
     summary["step_correction"] = factor
     summary["step_correction_by_worker"] = by_worker
     summary["step_factor_by_run"] = {f"{p}@{rate:g}/s{seed}": f for (p, rate, seed), f in factors.items()}
+    if engine.device_profile is not None:  # emulated: the twin is the device, the gap pdlab's
+        stages = stage_latency(measured, simulated)
+        stages.to_csv(out_dir / "added_latency_stages.csv", index=False)
+        summary["added_stages"] = largest_stage_text(stages)
     if math.isfinite(factor):
         twins = simulate(own_factor)
         corrected = summarize(twins)
@@ -557,6 +561,78 @@ def added_latency(measured: pd.DataFrame, modelled: pd.DataFrame) -> pd.DataFram
     return out
 
 
+# A request's stages, as ``engine.metrics`` stamps them: (name, from stamp, to stamp); the
+# first token's trip to the router and the decode gaps come from the token times.
+STAGES = (("arrival to prefill start", metrics.ARRIVED, metrics.PREFILL_STARTED),
+          ("prefill", metrics.PREFILL_STARTED, metrics.PREFILL_FINISHED),
+          ("KV put", metrics.PREFILL_FINISHED, metrics.KV_PUT),
+          ("hand-over to KV fetched", metrics.KV_PUT, metrics.KV_GOT),
+          ("KV fetched to first decode", metrics.KV_GOT, metrics.DECODE_ADMITTED))
+
+
+def _stage_medians(records: Sequence[RequestRecord]) -> dict[str, float]:
+    """Median seconds of each stage over ``records`` (NaN where no record has both
+    stamps), plus ``first token to router`` (its arrival at the router after the prefill
+    worker sampled it), ``first decode gap`` and ``later decode gaps`` (ITL)."""
+    out = {}
+    for name, a, b in STAGES:
+        v = [r.timeline[b] - r.timeline[a] for r in records if a in r.timeline and b in r.timeline]
+        out[name] = float(np.median(v)) if v else math.nan
+    first = [r.token_times_s[0] - r.timeline[metrics.PREFILL_FINISHED] for r in records
+             if r.token_times_s and metrics.PREFILL_FINISHED in r.timeline]
+    gaps = [np.diff(r.token_times_s) for r in records if len(r.token_times_s) > 2]
+    out["first token to router"] = float(np.median(first)) if first else math.nan
+    out["first decode gap"] = float(np.median([g[0] for g in gaps])) if gaps else math.nan
+    out["later decode gaps"] = (float(np.median(np.concatenate([g[1:] for g in gaps])))
+                                if gaps else math.nan)
+    return out
+
+
+def stage_latency(measured: Sequence[RunResult], modelled: Sequence[RunResult]) -> pd.DataFrame:
+    """Where pdlab's added latency goes, per placement, rate and stage: the median
+    seconds of each stage (``STAGES`` and ``_stage_medians``) in the real runs and in
+    their simulated twins (pooled over seeds), and the difference. On emulated devices
+    the twin is the device itself, so the difference is pdlab's own overhead per stage
+    (router dispatch and Ray calls in "arrival to prefill start", the hand-over's trips
+    in "hand-over to KV fetched", the engine loop in the decode gaps).
+
+    Returns:
+        Rows ``placement, rate, stage, measured_s, modelled_s, added_s`` (seconds).
+    """
+    def pooled(results) -> dict:
+        by_point: dict[tuple, list] = {}
+        for r in results:
+            by_point.setdefault((r.placement, r.rate), []).extend(r.records)
+        return by_point
+    real, twin = pooled(measured), pooled(modelled)
+    rows = []
+    for key, records in real.items():
+        got, want = _stage_medians(records), _stage_medians(twin.get(key, []))
+        for stage, value in got.items():
+            rows.append({"placement": key[0], "rate": key[1], "stage": stage,
+                         "measured_s": value, "modelled_s": want[stage],
+                         "added_s": value - want[stage]})
+    return pd.DataFrame(rows, columns=["placement", "rate", "stage", "measured_s",
+                                       "modelled_s", "added_s"])
+
+
+def largest_stage_text(stages: pd.DataFrame) -> str:
+    """One line per placement: the stage that adds the most at the median over its rates
+    (``stage_latency``'s ``added_s``), in ms. Empty when nothing was measured."""
+    lines = []
+    for placement, rows in stages.dropna(subset=["added_s"]).groupby("placement", sort=False):
+        per_stage = rows.groupby("stage", sort=False)["added_s"].median()
+        per_stage = per_stage[[s for s in per_stage.index if s != "later decode gaps"]]
+        if per_stage.empty:
+            continue
+        worst = per_stage.idxmax()
+        itl = rows.loc[rows["stage"] == "later decode gaps", "added_s"].median()
+        lines.append(f"{placement}: pdlab's largest added stage is {worst} "
+                     f"({1e3 * per_stage[worst]:+.2f} ms, median over rates); each later "
+                     f"decode step {1e3 * itl:+.2f} ms")
+    return "\n".join(lines)
+
+
 def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, slo: SLO,
                     items: dict, spec: WorkloadSpec, engine: EngineConfig, transport: str,
                     profile: DeviceProfile, policy: str) -> tuple[pd.DataFrame, str]:
@@ -574,9 +650,13 @@ def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, s
     errors = with_outcomes(error_table(summary, simulated), results, twins, slo,
                            lambda key: factors.get(key, math.nan))
     errors.to_csv(out_dir / "validation.csv", index=False)
+    stages_text = ""
     if config.get("emulated"):  # the twin is the device itself: the gap is pdlab's own
         added_latency(summary, simulated).to_csv(out_dir / "added_latency.csv", index=False)
+        stages = stage_latency(results, twins)
+        stages.to_csv(out_dir / "added_latency_stages.csv", index=False)
+        stages_text = largest_stage_text(stages)
     check = validation_summary(errors, _goodput(summary), _goodput(simulated))
     check.update(step_correction=factor, step_correction_by_worker=by_worker)
     return summary, (verdict_text + "\nSimulated twin (pdlab plan's simulator): "
-                     + summary_text(check))
+                     + summary_text(check) + (f"\n{stages_text}" if stages_text else ""))

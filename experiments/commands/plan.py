@@ -423,6 +423,9 @@ def _validate(x: PlanJob, rates: list[float]) -> list[str]:
                                         speed_spread=x.plan.speed_spread,
                                         num_reruns=x.plan.validate_reruns)
     text = validate.summary_text(summary)
+    if summary.get("added_stages"):  # emulated devices: where pdlab's own overhead goes
+        text += ("\npdlab's own overhead by stage (added_latency_stages.csv; measured - "
+                 "modelled medians):\n" + summary["added_stages"])
     print("\n" + errors.to_string(index=False, float_format="{:.3g}".format) + "\n\n" + text)
     return ["## Validation against real runs", "", text, "", markdown_table(errors), "",
             "![measured vs simulated](measured/slo_attainment.png)", ""]

@@ -62,6 +62,11 @@ def test_disagg_2p2d_on_four_emulated_h100s(tmp_path):
     steps = pd.read_csv(tmp_path / "steps.csv")
     assert (steps["lateness"] >= 1.0).all()
     assert "Simulated twin" in verdict
+    stages = pd.read_csv(tmp_path / "added_latency_stages.csv")  # where the added latency goes
+    assert set(stages["stage"]) >= {"arrival to prefill start", "hand-over to KV fetched",
+                                    "later decode gaps"}
+    assert (stages["added_s"] == stages["measured_s"] - stages["modelled_s"]).all()
+    assert "disagg:2p2d: pdlab's largest added stage is" in verdict
 
 
 def test_serve_on_emulated_devices_streams_the_emulated_tokens():
@@ -86,3 +91,24 @@ def test_serve_on_emulated_devices_streams_the_emulated_tokens():
     assert [r["usage"]["completion_tokens"] for r in replies] == [7, 7]
     assert [r["choices"][0]["finish_reason"] for r in replies] == ["length", "length"]
     assert replies[0]["choices"][0]["text"] == replies[1]["choices"][0]["text"]
+
+
+def test_plan_validation_on_emulated_devices_names_the_added_stages(tmp_path):
+    """``pdlab plan --validate`` with --device-profile (``validate.validate`` on emu
+    devices): added_latency_stages.csv is written and the summary names the largest stage."""
+    from experiments import validate
+    from planner import search
+    from planner.latency import DeviceProfile
+
+    profile = DeviceProfile.load(PROFILE)
+    engine = EngineConfig(max_num_seqs=16, max_model_len=512, max_num_batched_tokens=512,
+                          device_profile=PROFILE, emu_kv_scale=1 / 256)
+    spec = WorkloadSpec(dataset="synthetic", num_requests=12, seeds=1, prompt_len="64-300",
+                        output_len="8-24")
+    _, summary = validate.validate(
+        [search.Candidate("colocated:1")], [20.0], spec, LLAMA, engine,
+        TransferConfig(transport="inprocess"), profile, profile.transfer("inprocess"),
+        SLO(ttft_s=0.5, tpot_s=0.05), tmp_path, devices="emu:0", local=True)
+    stages = pd.read_csv(tmp_path / "added_latency_stages.csv")
+    assert set(stages["placement"]) == {"colocated:1"} and len(stages) == 8
+    assert summary["added_stages"].startswith("colocated:1: pdlab's largest added stage is ")
