@@ -7,7 +7,7 @@ system on its silicon database and picks the mode with the most tokens/s per GPU
 TTFT and TPOT. It has no KV-transfer term (issue 27). pdlab's map answers the same
 question per cell with its simulator and a transfer model.
 
-1. ``aic_verdict``: one ``cli_default`` call (about 50-75 s on the 2-core shared Zen 4) for
+1. ``aic_verdict``: one ``cli_default`` call (17-75 s on the 2-core shared Zen 4) for
    a cell's SLO and a request of ``isl`` prompt / ``osl`` output tokens; ``verdict_of`` reads
    its result (``"agg"`` or ``"disagg"``, both modes' tokens/s per GPU and rank-1
    configuration, ``config_of``).
