@@ -133,8 +133,9 @@ def measure_device_arg(text: str) -> str:
     try:
         return device_arg(text)
     except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"must be 'cpu' or 'cuda:i' (e.g. cuda:0), or 'emu:i' "
-                                         f"(an emulated device, e.g. emu:0), got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"must be 'cpu' or 'cuda:i' (e.g. cuda:0), or 'emu:i' (an emulated device, e.g. "
+            f"emu:0), got {text!r}") from None
 
 
 def transport_list(text: str) -> tuple[str, ...]:

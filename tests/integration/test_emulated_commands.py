@@ -50,7 +50,8 @@ def test_kv_cost_on_an_emulated_h100_at_one_256th_of_the_kv(tmp_path, capsys):
         assert list(rows["modelled_transfer_s"]) == pytest.approx(
             [1e-5 + BYTES_PER_TOKEN * t / 450e9] * 2, rel=1e-9)
     assert set(zip(df["mode"], df["num_chunks"])) == {("layer", 32), ("whole", 1)}
-    assert list(df["transfer_over_prefill"]) == pytest.approx(list(df["transfer_s"] / df["prefill_s"]))
+    assert list(df["transfer_over_prefill"]) == pytest.approx(
+        list(df["transfer_s"] / df["prefill_s"]))
     assert (tmp_path / "kv_cost.png").stat().st_size > 0
 
 
