@@ -3,6 +3,11 @@ benchmarks): engine steps set up untimed and run once per timed run (a prefill o
 a decode step of B requests at context C, a mixed step), the model loaded for measuring
 (``--threads``, ``--device``), where the results go and the header naming what was measured.
 
+``kv-cost`` also runs on one emulated device (``--device emu:i --device-profile FILE``,
+``engine.emulated``): the model is a geometry (``engine.model.load_geometry``), and a
+prefill's seconds are the ones the emulated runner holds that step for
+(``modelled_prefill``: ``EmulatedRunner.modelled_s``, the profile's fit), not a timing.
+
 Every time is ``experiments.timing``'s estimator (min of N runs after ``WARMUP`` warm-ups,
 median shown).
 """
@@ -20,10 +25,13 @@ import pandas as pd
 import torch
 
 from engine.config import DTYPES, EngineConfig, ModelConfig
+from engine.emulated import Emulation
 from engine.engine import Engine
-from engine.model import LoadedModel, ModelLoadError, load_model
+from engine.model import LoadedModel, ModelLoadError, load_geometry, load_model
 from engine.request import Request, SamplingParams
-from experiments.options import check_device, check_model, check_out, device_arg, positive_int
+from experiments.options import (check_device, check_model, check_out, device_arg,
+                                 measure_device_arg, option_error, positive_int)
+from experiments.placement import emulation_for
 from experiments.timing import Timing, device_sync, measure
 
 WARMUP = 1
@@ -44,7 +52,7 @@ def random_request(gen: torch.Generator, loaded: LoadedModel, prompt_len: int,
     """A request of a ``prompt_len``-token random prompt that produces exactly ``max_tokens``
     tokens (``ignore_eos``), with a fresh id."""
     return Request(f"profile-{next(_request_ids)}",
-                   random_prompt(gen, loaded.model.config.vocab_size, prompt_len),
+                   random_prompt(gen, loaded.vocab_size, prompt_len),
                    SamplingParams(max_tokens=max_tokens, ignore_eos=True))
 
 
@@ -54,11 +62,14 @@ def tick(progress) -> None:
         progress.update(1)
 
 
-def prefill_engine(loaded: LoadedModel, max_prompt_len: int, device: str = "cpu") -> Engine:
-    """A one-slot engine whose token budget runs a prompt of ``max_prompt_len`` whole."""
+def prefill_engine(loaded: LoadedModel, max_prompt_len: int, device: str = "cpu",
+                   emulation: Emulation | None = None) -> Engine:
+    """A one-slot engine whose token budget runs a prompt of ``max_prompt_len`` whole (on
+    ``emulation``'s device when given: ``loaded`` is then a geometry)."""
     budget = max(max_prompt_len, 1)
     return Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=max(max_prompt_len + 1, 2),
-                                       max_num_batched_tokens=budget, device=device))
+                                       max_num_batched_tokens=budget, device=device),
+                  quiet=emulation is not None, emulation=emulation)
 
 
 def prefill_point(engine: Engine, prompt_len: int, seed: int = 0) -> tuple[Callable, Callable]:
@@ -99,6 +110,28 @@ def profile_prefill(loaded: LoadedModel, prompt_lens: Sequence[int], repeats: in
     rows = []
     for p in prompt_lens:
         rows.append(prefill_row(time_prefill(engine, p, repeats, seed + p), p))
+        tick(progress)
+    return pd.DataFrame(rows)
+
+
+def modelled_prefill(loaded: LoadedModel, emulation: Emulation, prompt_lens: Sequence[int],
+                     seed: int = 0, progress=None) -> pd.DataFrame:
+    """Prefill seconds per prompt length on an emulated device: the single step that
+    prefills T tokens whole runs once on an emulated engine (``prefill_point``), and its
+    seconds are the ones the runner held it for (``EmulatedRunner.last_modelled_s``: the
+    device profile's prefill fit at that step's ``StepFeatures``). Nothing is timed.
+
+    Returns:
+        ``profile_prefill``'s columns (``prefill_median_s`` = ``prefill_s``, ``num_runs`` 1).
+    """
+    engine = prefill_engine(loaded, max(prompt_lens), "cpu", emulation)
+    rows = []
+    for p in prompt_lens:
+        setup, run = prefill_point(engine, p, seed + p)
+        setup()
+        run()
+        s = engine.runner.last_modelled_s
+        rows.append(prefill_row(Timing(s, s, 1, (s,)), p))
         tick(progress)
     return pd.DataFrame(rows)
 
@@ -191,15 +224,27 @@ def mixed_row(t: Timing, prompt_len: int, batch_size: int, context_len: int) -> 
             "step_s": t.min_s, "step_median_s": t.median_s, "num_runs": t.num_runs}
 
 
-def add_measure_args(parser: argparse.ArgumentParser, default_out: str) -> None:
+def add_measure_args(parser: argparse.ArgumentParser, default_out: str,
+                     emulated: bool = False) -> None:
     """Options of the commands that measure one model on one device (``profile``,
-    ``kv-cost``, ``interference``)."""
+    ``kv-cost``, ``interference``); ``emulated``: ``--device`` may also be ``emu:i``, with
+    ``--device-profile`` and ``--emu-kv-scale`` (``kv-cost``)."""
     parser.add_argument("--model", default="smollm2-135m",
                         help="smollm2-135m, tiny-random-llama, or a local HF model directory "
                              "(default: smollm2-135m)")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="(default: float32)")
-    parser.add_argument("--device", default="cpu", type=device_arg,
-                        help="cpu or cuda:i (default: cpu)")
+    if emulated:
+        parser.add_argument("--device", default="cpu", type=measure_device_arg,
+                            help="cpu, cuda:i, or emu:i: an emulated device timed by "
+                                 "--device-profile (default: cpu)")
+        fields = EngineConfig.__dataclass_fields__
+        parser.add_argument("--device-profile", default=None,
+                            help=fields["device_profile"].metadata["help"])
+        parser.add_argument("--emu-kv-scale", default=1.0, type=float,
+                            help=fields["emu_kv_scale"].metadata["help"] + " (default: 1)")
+    else:
+        parser.add_argument("--device", default="cpu", type=device_arg,
+                            help="cpu or cuda:i (default: cpu)")
     parser.add_argument("--repeats", default=5, type=positive_int,
                         help="timed runs per point after 1 warm-up; the estimator is their "
                              "minimum (default: 5)")
@@ -217,11 +262,18 @@ def out_dir(args: argparse.Namespace, name: str) -> Path:
     return path
 
 
-def load_for(args: argparse.Namespace) -> LoadedModel | None:
-    """Apply ``--threads`` and load the model of ``args``; prints the error and returns None
-    when it cannot."""
+def load_for(args: argparse.Namespace, emulation: Emulation | None = None) -> LoadedModel | None:
+    """Apply ``--threads`` and load the model of ``args`` (on an emulated device, its
+    geometry in the profile's dtype: no weights); prints the error and returns None when it
+    cannot."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
+    if emulation is not None:
+        try:
+            return load_geometry(ModelConfig(args.model, emulation.device.dtype))
+        except (ModelLoadError, ValueError) as err:
+            print(f"error: --model {args.model}: {err}", file=sys.stderr)
+            return None
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"error: --device {args.device}: CUDA is not available here (use cpu)", file=sys.stderr)
         return None
@@ -232,11 +284,16 @@ def load_for(args: argparse.Namespace) -> LoadedModel | None:
         return None
 
 
-def run_header(loaded: LoadedModel, args: argparse.Namespace) -> str:
+def run_header(loaded: LoadedModel, args: argparse.Namespace,
+               emulation: Emulation | None = None) -> str:
     threads = torch.get_num_threads()
     devices = getattr(args, "devices", None)  # interference and kv-cost have no --devices
     where = (f"devices {','.join(devices)} at once (one process each, one thread per core)"
              if devices else f"device {args.device}")
+    if emulation is not None:
+        e = emulation.describe()
+        where += (f" (emulated: {e['device_name']} from {args.device_profile}, source "
+                  f"{e['source']}, KV scale {e['kv_scale']:g}; KV on this host's CPU)")
     return (f"model {loaded.name} ({args.dtype}), {where}, torch {torch.__version__}, "
             f"{threads} intra-op threads")
 
@@ -253,3 +310,21 @@ def check_measure_args(args: argparse.Namespace) -> ModelConfig:
     check_out(args.out)
     check_device(args.device)
     return model
+
+
+def emulation_of(args: argparse.Namespace) -> Emulation | None:
+    """The ``Emulation`` of ``--device emu:i`` (None for a real device), by the rules of
+    every emulated command (``experiments.placement.emulation_for``: a profile is needed,
+    and only there; it must be the model's); on an emulated device ``--dtype`` must be the
+    profile's (the KV's dtype is the profile's).
+
+    Raises:
+        ValueError: ``argument --x: ...``.
+    """
+    engine = EngineConfig(device_profile=args.device_profile, emu_kv_scale=args.emu_kv_scale)
+    emulation = emulation_for((args.device,), ModelConfig(args.model, args.dtype), engine)
+    if emulation is not None and emulation.device.dtype != args.dtype:
+        raise option_error("--dtype", f"the device profile {args.device_profile} is "
+                                      f"{emulation.device.dtype}, not {args.dtype}: pass "
+                                      f"--dtype {emulation.device.dtype}")
+    return emulation

@@ -125,6 +125,19 @@ def device_arg(text: str) -> str:
     return text
 
 
+def measure_device_arg(text: str) -> str:
+    """The device ``pdlab kv-cost`` measures on: ``cpu``, ``cuda:i`` or one emulated device
+    ``emu:i`` (``engine.emulated``; it needs ``--device-profile``)."""
+    if re.fullmatch(r"emu:\d+", text) is not None:
+        return text
+    try:
+        return device_arg(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'cpu' or 'cuda:i' (e.g. cuda:0), or 'emu:i' (an emulated device, e.g. "
+            f"emu:0), got {text!r}") from None
+
+
 def transport_list(text: str) -> tuple[str, ...]:
     """Comma-separated distinct transport names (``engine.config.TRANSPORTS``)."""
     names = tuple(t.strip() for t in text.split(",") if t.strip())

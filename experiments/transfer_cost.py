@@ -23,10 +23,23 @@ For each prompt length T:
    run's ``TransferRecord.efficiency`` uses), so this table and a run's records compare.
 
 Every time is ``experiments.timing``'s estimator: min of N runs after 1 warm-up, median shown.
+
+On an emulated device (``emulation``, ``engine.emulated``) the table compares this host's
+transports with the emulated GPU's prefill:
+
+- prefill seconds are the device profile's, the ones the emulated runner holds the prefill
+  step for (``measure.modelled_prefill``);
+- the KV is the emulated model's geometry, exported from an emulated engine, scaled by
+  ``kv_scale`` < 1 (``Emulation.scaled_spec``), and checked against the byte formula of
+  that scaled geometry; ``true_kv_bytes`` keeps the unscaled bytes;
+- it moves for real through this host's transports (CPU tensors);
+- ``modelled_transfer_s``: the profile's transfer model of that transport (its link, e.g.
+  NVLink) at ``true_kv_bytes``, NaN where the profile has none; ``emulated`` is True.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 
@@ -35,6 +48,7 @@ import torch
 import torch.multiprocessing as mp
 
 from engine.config import TRANSPORTS, EngineConfig, TransferConfig
+from engine.emulated import Emulation
 from engine.engine import Engine
 from engine.kv_cache import KVSpec
 from engine.model import LoadedModel
@@ -63,22 +77,24 @@ def layer_chunks(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]
 
 
 def export_prompt_kv(loaded: LoadedModel, prompt_len: int, device: str = "cpu",
-                     seed: int = 0) -> torch.Tensor:
+                     seed: int = 0, emulation: Emulation | None = None) -> torch.Tensor:
     """Prefill a random ``prompt_len``-token prompt (prefill only) and export its KV
-    ``[L, 2, H_kv, T, D]``, checking its bytes against the KV formula.
+    ``[L, 2, H_kv, T, D]``, checking its bytes against the KV formula of the engine's
+    ``kv_spec`` (on ``emulation``'s device: the scaled geometry the store holds).
 
     Raises:
         RuntimeError: the exported bytes differ from ``kv_spec.kv_bytes(T)`` or the formula.
     """
     engine = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
-                                         max_num_batched_tokens=max(prompt_len, 1), device=device))
+                                         max_num_batched_tokens=max(prompt_len, 1), device=device),
+                    quiet=emulation is not None, emulation=emulation)
     gen = torch.Generator().manual_seed(seed)
     request = measure.random_request(gen, loaded, prompt_len, max_tokens=2)
     engine.add_request(request, prefill_only=True)
     while engine.has_unfinished():
         engine.step()
     kv, _ = engine.export_kv(request.request_id)
-    spec = loaded.kv_spec
+    spec = engine.kv_spec
     got = kv.numel() * kv.element_size()
     formula = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * prompt_len * spec.itemsize
     if not got == spec.kv_bytes(prompt_len) == formula:
@@ -174,28 +190,35 @@ def time_torchdist(spec: KVSpec, jobs: list[tuple[int, list[tuple[int, int]]]], 
 def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
                   transports: Sequence[str] = ("inprocess",), repeats: int = 5,
                   layers_per_chunk: int = 1, device: str = "cpu", seed: int = 0,
-                  checksum: bool = True, progress=None) -> pd.DataFrame:
-    """Measure the module docstring's table.
+                  checksum: bool = True, progress=None,
+                  emulation: Emulation | None = None) -> pd.DataFrame:
+    """Measure the module docstring's table (on ``emulation``'s device when given; then
+    ``device`` must be ``cpu``, where its KV lives).
 
     Returns:
         One row per (prompt length, transport, mode): ``prompt_len, kv_bytes, prefill_s,
         memcpy_s, memcpy_GBps, transport, mode`` (whole | layer), ``num_chunks, transfer_s``
         (min), ``transfer_median_s, transfer_GBps, transfer_over_prefill,
-        transfer_over_memcpy, peak_GBps, efficiency, where``.
+        transfer_over_memcpy, peak_GBps, efficiency, where, emulated``; emulated also
+        ``kv_scale, true_kv_bytes, modelled_transfer_s``.
     """
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
         raise ValueError(f"transports must be among {TRANSPORTS}, got {unknown}")
-    spec = loaded.kv_spec
+    if emulation is not None and device != "cpu":
+        raise ValueError(f"an emulated device's KV lives on cpu, not {device}")
+    spec = loaded.kv_spec if emulation is None else emulation.scaled_spec(loaded.kv_spec)
     modes = {"whole": layer_chunks(spec.num_layers, spec.num_layers),
              "layer": layer_chunks(spec.num_layers, layers_per_chunk)}
-    prefill = measure.profile_prefill(loaded, prompt_lens, repeats, device, seed)
+    prefill = (measure.profile_prefill(loaded, prompt_lens, repeats, device, seed)
+               if emulation is None else
+               measure.modelled_prefill(loaded, emulation, prompt_lens, seed))
     peak_gbps = memcpy_peak(device=device).gbps
     with driver_ray("ray" in transports):  # ray: put and get through this process's store
         live = {name: make_transport(TransferConfig(transport=name, checksum=checksum))
                 for name in transports if name != "torchdist"}
         base_rows, rows = _in_process_rows(loaded, prefill, live, modes, repeats, device, seed,
-                                           progress)
+                                           progress, emulation)
     if "torchdist" in transports:
         jobs = [(b["prompt_len"], chunks) for b in base_rows for chunks in modes.values()]
         timings = iter(time_torchdist(spec, jobs, repeats, checksum))
@@ -206,17 +229,31 @@ def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROM
     df = pd.DataFrame(rows)
     df["peak_GBps"] = peak_gbps
     df["efficiency"] = df["transfer_GBps"] / peak_gbps
+    df["emulated"] = emulation is not None
+    if emulation is not None:
+        df["kv_scale"] = emulation.kv_scale
+        df["true_kv_bytes"] = df["prompt_len"].map(loaded.kv_spec.kv_bytes)
+        df["modelled_transfer_s"] = [_modelled_transfer_s(emulation, t, b) for t, b in
+                                     zip(df["transport"], df["true_kv_bytes"])]
     return df.sort_values(["prompt_len", "transport", "mode"],
                           key=lambda c: c.map(order) if c.name == "transport" else c,
                           ignore_index=True)
 
 
-def _in_process_rows(loaded, prefill, live, modes, repeats, device, seed, progress):
+def _modelled_transfer_s(emulation: Emulation, transport: str, num_bytes: int) -> float:
+    """The device profile's transfer seconds of ``num_bytes`` over ``transport`` (NaN where
+    the profile has no model for it)."""
+    model = emulation.device.transfers.get(transport)
+    return math.nan if model is None else model.seconds(int(num_bytes))
+
+
+def _in_process_rows(loaded, prefill, live, modes, repeats, device, seed, progress,
+                     emulation=None):
     """The memcpy floor and the in-process transports' rows, per prompt length."""
-    spec = loaded.kv_spec
+    spec = loaded.kv_spec if emulation is None else emulation.scaled_spec(loaded.kv_spec)
     base_rows, rows = [], []
     for p, prefill_s in zip(prefill["prompt_len"], prefill["prefill_s"]):
-        kv = export_prompt_kv(loaded, int(p), device, seed + int(p))
+        kv = export_prompt_kv(loaded, int(p), device, seed + int(p), emulation)
         memcpy = time_memcpy(kv, repeats)
         nbytes = kv.numel() * kv.element_size()
         base = {"prompt_len": int(p), "kv_bytes": nbytes, "prefill_s": float(prefill_s),

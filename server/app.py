@@ -439,11 +439,15 @@ class OpenAIServer:
         text: ``HFText`` or ``ByteText`` of the served model.
         model_name: the id clients send and ``/v1/models`` lists.
         max_body_bytes: request body cap (413 beyond).
+        emulation: ``experiments.results.emulation_row`` of a deployment on emulated
+            devices (``{"emulated": True, "emulation": {...}}``), listed in ``/v1/models``
+            so a client (``pdlab bench``) can say its results are emulated; ``{}`` otherwise.
     """
 
     def __init__(self, router: Router, text: ByteText | HFText, model_name: str,
-                 max_body_bytes: int = 1 << 20) -> None:
+                 max_body_bytes: int = 1 << 20, emulation: dict | None = None) -> None:
         self.router = router
+        self.emulation = dict(emulation or {})
         self.text = text
         self.model_name = model_name
         self.max_body_bytes = max_body_bytes
@@ -476,10 +480,11 @@ class OpenAIServer:
     async def models(self) -> dict:
         """``GET /v1/models``: the one served model, with its context length (tokens) and,
         as vLLM, ``root`` (vLLM's client reads ``data[0]["root"]`` when given no model) and
-        ``parent``."""
+        ``parent``; on emulated devices also ``emulated`` and ``emulation``."""
         return {"object": "list", "data": [{
             "id": self.model_name, "object": "model", "created": self.created, "owned_by": "pdlab",
-            "root": self.model_name, "parent": None, "max_model_len": self.router.max_model_len}]}
+            "root": self.model_name, "parent": None, "max_model_len": self.router.max_model_len,
+            **self.emulation}]}
 
     async def health(self) -> Response:
         """``GET /health``: each worker's ``state`` (``live``, ``restarting``, ``dead``),

@@ -5,7 +5,9 @@ A run:
 1. Build each seed's workload exactly as ``pdlab run`` does (``compare.build_workload``:
    the same datasets, prompts as token ids through the model's tokenizer and chat template,
    output lengths, and ``workloads.with_arrivals``: the same Poisson/Gamma arrival times).
-2. Ask the server which model it serves (``GET /v1/models``, unless ``--served-model``),
+2. Ask the server which model it serves (``GET /v1/models``: its first model, or the one
+   named by ``--served-model``; a pdlab server on emulated devices says so there, and the
+   config row and report then say ``emulated`` too),
    send two discarded warm-up requests, then for each rate and seed send every request at
    its scheduled time (open loop, ``asyncio``): ``POST /v1/completions`` with the prompt as
    token ids (so both servers see the same tokens, whatever their tokenizer does to text),
@@ -97,18 +99,26 @@ class BenchConfig:
 MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
 
 
-def served_model(base_url: str, timeout_s: float = 30.0) -> str:
-    """The first model id of ``GET /v1/models``.
+def served_model(base_url: str, name: str | None = None,
+                 timeout_s: float = 30.0) -> tuple[str, dict]:
+    """The model to send and the server's emulation block: ``GET /v1/models``'s first
+    model (or ``name``), and its ``emulated`` / ``emulation`` keys (a pdlab server on
+    emulated devices, ``server.app.OpenAIServer.models``; ``{}`` otherwise). With ``name``
+    given, a server that does not answer or does not list it still gets ``name``.
 
     Raises:
-        RuntimeError: the server did not answer or lists no model.
+        RuntimeError: no ``name`` and the server did not answer or lists no model.
     """
     try:
         reply = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s)
         reply.raise_for_status()
-        return reply.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as err:
+        cards = reply.json()["data"]
+        card = cards[0] if name is None else next(c for c in cards if c["id"] == name)
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError, StopIteration) as err:
+        if name is not None:
+            return name, {}
         raise RuntimeError(f"{base_url}/v1/models: {type(err).__name__}: {err}") from None
+    return card["id"], {k: card[k] for k in ("emulated", "emulation") if k in card}
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, request_id: str, label: str,
@@ -178,7 +188,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
         ValueError: a workload that does not fit ``max_len``. RuntimeError: no server.
     """
     items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
-    name = config.served_model or served_model(config.base_url)
+    name, emulation = served_model(config.base_url, config.served_model)
     label = config.label
     first = next(iter(items.values()))
     warm, _ = asyncio.run(_replay(config.base_url, name, label, f"{label}-warmup",
@@ -199,7 +209,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
         print(f"pdlab bench: {len(MISCOUNTED)} response(s) streamed fewer chunks than tokens: "
               "their ITL/TPOT are per chunk", file=sys.stderr)
     env = environment(model, ())
-    run_config = {**env, "bench": dataclasses.asdict(config), "served_model": name,
+    run_config = {**env, **emulation, "bench": dataclasses.asdict(config), "served_model": name,
                   "placements": [label], "rates": list(rates), "workload": spec.options(),
                   "seeds": spec.seed_list, "max_model_len": max_len,
                   "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/commands/bench.py)",

@@ -23,6 +23,7 @@ from experiments.options import (add_deployment_args, add_engine_args, add_model
                                  add_transfer_args, check_model, check_placements, engine_config, option_error,
                                  placement_list)
 from experiments.placement import Deployment, emulation_for
+from experiments.results import emulation_row
 from server.app import OpenAIServer, serve_forever, text_of
 from server.config import ServeConfig
 
@@ -94,7 +95,8 @@ def build(args: argparse.Namespace, x: Serving) -> tuple[Deployment, OpenAIServe
                      x.engine, x.transfer, local=x.server.local, policy=args.policy,
                      conditional=x.conditional, max_worker_restarts=args.max_worker_restarts)
     try:
-        return dep, OpenAIServer(dep.router, text, name, x.server.max_body_bytes)
+        return dep, OpenAIServer(dep.router, text, name, x.server.max_body_bytes,
+                                 emulation_row(x.engine))
     except BaseException:
         dep.close()
         raise

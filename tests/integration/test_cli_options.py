@@ -49,6 +49,24 @@ EMULATION_ROWS = [  # run, compare and serve: emulated devices (engine/emulated.
     ("--emu-kv-scale", ["--emu-kv-scale", "2"], ("<= 1",)),
     ("--devices", ["--devices", "emu:3-1"], ("low-high",)),
 ]
+KV_COST_EMULATION_ROWS = [  # kv-cost on one emulated device: the same owners' refusals
+    ("--device-profile", ["--device-profile", LLAMA_PROFILE], ("only emulated devices",)),
+    ("--device-profile", ["--device", "emu:0"], ("emulated devices (emu:0) need a device profile",)),
+    ("--device-profile", ["--device", "emu:0", "--device-profile", "/nonexistent/p.json"],
+     ("cannot read device profile",)),
+    ("--device-profile", ["--device", "emu:0", "--device-profile", "p.txt"], (".json file",)),
+    ("--device-profile", ["--device", "emu:0", "--device-profile", LLAMA_PROFILE],
+     ("has no model tiny-random-llama", "it profiles engine/configs/llama-3.1-8b")),
+    ("--model", ["--device", "emu:0", "--device-profile", TINY_PROFILE],
+     ("emulated model 'tiny-random-llama' is not a directory with a config.json",)),
+    ("--dtype", ["--device", "emu:0", "--device-profile", LLAMA_PROFILE, "--model",
+                 "engine/configs/llama-3.1-8b"], ("is bfloat16, not float32", "--dtype bfloat16")),
+    ("--emu-kv-scale", ["--emu-kv-scale", "2"], ("<= 1",)),
+    ("--emu-kv-scale", ["--device", "emu:0", "--device-profile", LLAMA_PROFILE, "--model",
+                        "engine/configs/llama-3.1-8b", "--dtype", "bfloat16", "--emu-kv-scale",
+                        "0"], ("> 0",)),
+    ("--device", ["--device", "emu:0-1"], ("'emu:i'",)),
+]
 NUM_CORES = len(os.sched_getaffinity(0))
 TINY_RUN = ["--model", "tiny-random-llama", "--dataset", "synthetic", "--prompt-len", "4-30",
             "--output-len", "3-8", "--devices", "cpu:0"]
@@ -213,6 +231,7 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
             ("measured on tiny-random-llama (float32), not tiny-random-llama (bfloat16)",))]
         + [(cmd, *row) for cmd in ("run", "compare") for row in _derived_rows(cmd)]
         + [(cmd, *r) for cmd in ("profile", "kv-cost") for r in COMMON_ROWS]
+        + [("kv-cost", *r) for r in KV_COST_EMULATION_ROWS]
         + [("profile", "--prompt-lens", ["--prompt-lens", "300,1000"],
             ("no length fits", "256 tokens")),
            ("profile", "--contexts", ["--contexts", "16"], ("at least 2 distinct",)),
@@ -296,6 +315,7 @@ def tripwires(monkeypatch):
     monkeypatch.setattr(experiments.workload_spec, "load_tokenizer", trip("load_tokenizer"))
     monkeypatch.setattr(experiments.commands.profile, "load_model", trip("load_model"))
     monkeypatch.setattr(experiments.measure, "load_model", trip("load_model"))
+    monkeypatch.setattr(experiments.measure, "load_geometry", trip("load_geometry"))
     monkeypatch.setattr(experiments.commands.serve, "Deployment", trip("Deployment"))
     monkeypatch.setattr(experiments.commands.bench, "bench", trip("bench"))
     return fired
