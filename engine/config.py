@@ -413,6 +413,17 @@ def is_emulated(devices: tuple[str, ...]) -> bool:
     return bool(devices) and devices[0].startswith("emu:")
 
 
+def emulated_devices(n: int) -> tuple[str, ...]:
+    """``emu:0`` .. ``emu:n-1``: the emulated device set of ``n`` devices that ``pdlab plan
+    --validate`` (with ``--device-profile``) and ``pdlab map --validate-on emu`` run on.
+
+    Raises:
+        ValueError: ``n < 1``.
+    """
+    _check(isinstance(n, int) and n >= 1, f"an emulated device set needs n >= 1 devices, got {n!r}")
+    return parse_devices(f"emu:0-{n - 1}")
+
+
 def cpu_cores_of(device: str) -> list[int]:
     """Cores of a CPU device: ``cpu:2`` -> [2], ``cpu:0-3`` -> [0, 1, 2, 3]."""
     spec = device.split(":", 1)[1]

@@ -242,16 +242,20 @@ class EmulatedRunner:
         self._digests.pop(request_id, None)
 
 
-def lateness_warning(steps: list[dict], host: str) -> str | None:
-    """A one-line warning when the p99 of the steps' ``lateness`` passes
-    ``LATENESS_WARN`` (an emulated device that did not keep its time), naming ``host``;
-    None otherwise or when no step has a lateness."""
+def lateness_p99(steps: list[dict]) -> float | None:
+    """The p99 of the steps' ``lateness`` (actual ÷ modelled, numpy's linear percentile as
+    every p99 in ``engine.metrics``); None when no step has one (real devices)."""
     values = [s["lateness"] for s in steps if s.get("lateness") is not None
               and s["lateness"] == s["lateness"]]
-    if not values:
-        return None
-    p99 = float(np.percentile(values, 99))  # linear, as every p99 in engine.metrics
-    if p99 <= LATENESS_WARN:
+    return float(np.percentile(values, 99)) if values else None
+
+
+def lateness_warning(steps: list[dict], host: str) -> str | None:
+    """A one-line warning when the p99 of the steps' ``lateness`` (``lateness_p99``) passes
+    ``LATENESS_WARN`` (an emulated device that did not keep its time), naming ``host``;
+    None otherwise or when no step has a lateness."""
+    p99 = lateness_p99(steps)
+    if p99 is None or p99 <= LATENESS_WARN:
         return None
     return (f"warning: emulated steps ran late: p99 lateness {p99:.3f} (actual / modelled) > "
             f"{LATENESS_WARN} on host {host}, which is too busy to keep the emulated device's "

@@ -4,7 +4,10 @@
    boundary). Per ratio that has one, every candidate of the map runs for real
    (``experiments.replay.run_placement``, the path ``pdlab plan --validate`` uses) at the
    validation rates on the ratio's workload (fewer requests than the map simulated), and
-   again ``num_reruns`` times after the first pass over all candidates.
+   again ``num_reruns`` times after the first pass over all candidates. On emulated
+   devices (``pdlab map --validate-on emu``) each run also keeps its steps' lateness p99
+   (actual ÷ modelled step time, ``engine.emulated.lateness_p99``): how well this host
+   kept the emulated device's time (``lateness_line``).
 2. A real run does not depend on the SLO either, so every checked cell of a ratio is
    scored from the same real requests, as the map scores its simulated ones
    (``search.request_latencies``, ``slo_map.goodput_grid``): per pass the measured goodput
@@ -25,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, TransferConfig
+from engine.emulated import LATENESS_WARN, lateness_p99
 from experiments.replay import run_placement
 from experiments.workload_spec import WorkloadSpec
 from planner import decision, search, slo_map
@@ -41,9 +45,10 @@ def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: 
               local: bool = False, num_reruns: int = 0,
               progress: Callable[[], None] | None = None) -> pd.DataFrame:
     """Step 1 for one ratio: one row per (pass, candidate, rate, seed) with ``pass`` (0 =
-    the first), ``candidate``, ``placement``, ``num_devices``, ``rate``, ``seed`` and
-    ``search.LATENCY_COLUMNS`` (every real request's TTFT and TPOT, s). ``progress`` is
-    called after each candidate's runs.
+    the first), ``candidate``, ``placement``, ``num_devices``, ``rate``, ``seed``,
+    ``search.LATENCY_COLUMNS`` (every real request's TTFT and TPOT, s) and
+    ``lateness_p99`` (the run's emulated steps, actual ÷ modelled; NaN on real devices).
+    ``progress`` is called after each candidate's runs.
 
     Raises:
         ValueError: a placement that does not fit ``devices``, a workload that does not fit.
@@ -55,9 +60,11 @@ def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: 
                                    cand.engine(engine), transfer, devices, None, policy,
                                    local=local, conditional=ConditionalConfig()):
                 ttft, tpot = search.request_latencies(r.records)
+                late = lateness_p99(r.steps)
                 rows.append({"pass": k, "candidate": cand.label, "placement": cand.placement,
                              "num_devices": cand.num_devices, "rate": r.rate, "seed": r.seed,
-                             "ttft_s_all": ttft, "tpot_s_all": tpot})
+                             "ttft_s_all": ttft, "tpot_s_all": tpot,
+                             "lateness_p99": np.nan if late is None else late})
             if progress is not None:
                 progress()
     return pd.DataFrame(rows)
@@ -117,12 +124,12 @@ def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["cell", "placement", "predicted", "measured"])
 
 
-def summary_lines(checked: pd.DataFrame, num_reruns: int) -> list[str]:
+def summary_lines(checked: pd.DataFrame, num_reruns: int, where: str = "for real") -> list[str]:
     """The validation summary: the decision figures (``decision.summary_line``) over the
     checked cells and one line per disagreement, with whether it lies inside the rerun
-    noise."""
+    noise. ``where`` says what the cells ran on ("for real", or "on emulated devices ...")."""
     per_cell, s = decision.figures(decision_table(checked))
-    lines = [f"validated {len(checked)} cell(s) for real: " + decision.summary_line(s)
+    lines = [f"validated {len(checked)} cell(s) {where}: " + decision.summary_line(s)
              + f"; family agreement {100 * checked['family_agrees'].mean():.0f}%"]
     for r in checked[~checked["top1_agrees"]].itertuples():
         noise = ("no reruns to judge it by (--validate-reruns)" if r.inside_rerun_noise is None
@@ -133,3 +140,19 @@ def summary_lines(checked: pd.DataFrame, num_reruns: int) -> list[str]:
                      f"{r.tpot_slo_s:g} s: mapped {r.mapped} ({r.map_verdict}), measured "
                      f"{r.measured_first}, regret {100 * r.regret:.1f}%: {noise}")
     return lines
+
+
+def lateness_line(runs: pd.DataFrame) -> str | None:
+    """One line on the emulated runs' lateness (``real_runs``' ``lateness_p99``, one per
+    run): the median and the worst run's p99, that run's placement and rate, and how many
+    runs passed ``engine.emulated.LATENESS_WARN`` (their latencies include the host's lag).
+    None when no run has a lateness (real devices)."""
+    late = runs.dropna(subset=["lateness_p99"]) if "lateness_p99" in runs else runs.iloc[:0]
+    if late.empty:
+        return None
+    worst = late.loc[late["lateness_p99"].idxmax()]
+    over = int((late["lateness_p99"] > LATENESS_WARN).sum())
+    return (f"emulated steps' lateness p99 (actual / modelled) per run: median "
+            f"{late['lateness_p99'].median():.3f}, worst {worst['lateness_p99']:.3f} "
+            f"({worst['candidate']} @ {worst['rate']:g} req/s); {over} of {len(late)} run(s) "
+            f"above {LATENESS_WARN}" + (": their latencies include this host's lag" if over else ""))

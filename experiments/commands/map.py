@@ -1,13 +1,18 @@
 """The ``pdlab map`` command: where disaggregation wins, over a grid of (TTFT SLO, TPOT SLO)
 cells and prompt:output ratios, from the planner's simulator (``planner.slo_map``); with
-``--validate K`` also checked against real runs on this machine (``experiments.map_validate``).
+``--validate K`` also checked against real runs (``experiments.map_validate``): on this
+machine's devices, or with ``--validate-on emu`` on emulated ones (``emu:0`` .. ``emu:N-1``,
+``engine.emulated``: the real control plane holding each step for the profile's time).
 
 1. Check every option before anything starts (``check``): the SLO ranges (``MIN:MAX:STEPS``,
    MIN > 0, MIN <= MAX, STEPS >= 1), the ratios, the device profile (this machine's measured
    one, or a GPU's from ``pdlab profile --from-silicon-db``), the transfer model (the
    profile's for ``--transport``, or ``--link``, and the what-if latency/bandwidth), that
    every ratio's requests fit ``--max-model-len``, and for ``--validate`` that the map's
-   devices exist here.
+   devices exist here (``--validate-on here``, the profile of this machine's device kind)
+   or that the profile can be emulated (``--validate-on emu``:
+   ``experiments.placement.emulation_for``'s refusals); ``--validate-on emu`` without
+   ``--validate`` and ``--emu-kv-scale`` without ``--validate-on emu`` are refused.
 2. Per ratio: the synthetic workload (``slo_map.ratio_lengths`` at ``--request-tokens``),
    the automatic rate ladder (``search.auto_rates``) unless ``--rates``, one simulated sweep
    re-scored at every cell, and the band runs of the contenders (``slo_map.map_ratio``).
@@ -19,6 +24,9 @@ cells and prompt:output ratios, from the planner's simulator (``planner.slo_map`
    ``--validate-reruns`` times); map_validation.csv, map_validation_runs.csv (every real
    request's TTFT and TPOT), the checked cells outlined on the heatmaps, and the summary:
    top-1 agreement, regret, Kendall tau and every disagreement with its noise verdict.
+   On emulated devices every output says so (map_validation.csv's ``emulated`` and
+   ``devices``, the printed and map.md headers) and the summary adds the runs' lateness
+   (``map_validate.lateness_line``).
 """
 
 from __future__ import annotations
@@ -35,12 +43,13 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.config import (EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
-                           check_fields, dataclass_from_args, parse_devices)
+                           check_fields, dataclass_from_args, emulated_devices, is_emulated,
+                           parse_devices)
 from experiments import map_validate, plots
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_transfer_args,
                                  check_model, check_out, engine_config, find_profile,
                                  load_profile_for, option_error, rate_list, what_if_transfer)
-from experiments.placement import worker_layout
+from experiments.placement import emulation_for, worker_layout
 from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
 from planner import search, slo_map
 from planner.latency import LINKS, DeviceProfile, TransferModel
@@ -51,6 +60,8 @@ HELP = "where disaggregation wins over SLO targets and prompt:output ratios (--v
 # The WorkloadSpec fields the map sets itself (one synthetic workload per ratio).
 _SPEC_SKIP = ("dataset", "min_prompt_len", "max_prompt_len", "max_output_len", "calibrate",
               "prompt_len", "output_len")
+VALIDATE_ON = ("here", "emu")  # --validate-on: this machine's devices, or emulated ones
+EMU_KV_SCALE = 1 / 256  # --validate-on emu's default --emu-kv-scale (the repo's examples')
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,9 @@ class MapConfig:
         validate_requests: requests per seed in each real run.
         validate_reruns: every real run again this many times (the machine's own noise).
         validate_rates: real runs' rates (req/s, comma-separated); "" = the map's ladder.
+        validate_on: where the real runs run: "here" (this machine's devices, of the
+            profile's kind) or "emu" (emulated devices ``emu:0`` .. ``emu:N-1`` holding each
+            step for the --device-profile's modelled time; KV scaled by --emu-kv-scale).
         local: the real runs' workers in this process (needs --transport inprocess).
         jobs: simulation processes; 0 = one per CPU this process may use.
     """
@@ -109,6 +123,10 @@ class MapConfig:
                                                                         "validation run"})
     validate_rates: str = field(default="", metadata={
         "help": "real runs' rates req/s, comma-separated (default: the map's ladder)"})
+    validate_on: str = field(default="here", metadata={
+        "choices": VALIDATE_ON, "help": "where --validate runs: here (this machine's devices) "
+                                        "or emu (emulated devices emu:0..N-1 running the "
+                                        "--device-profile's step times)"})
     local: bool = field(default=False, metadata={
         "help": "real runs' workers in this process (needs --transport inprocess)"})
     jobs: int = field(default=0, metadata={"min": 0, "help": "simulation processes (0: one per CPU)"})
@@ -139,6 +157,8 @@ class MapJob:
     transfer: TransferConfig
     policy: str
     out: Path
+    validate_devices: tuple[str, ...] = ()  # --validate's devices (emu:0.. with --validate-on emu)
+    validate_engine: EngineConfig | None = None  # the real runs' engine (emulation set)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -154,8 +174,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_args(workload, WorkloadSpec, skip=_SPEC_SKIP)
     workload.set_defaults(num_requests=300, seeds=1)
     engine = parser.add_argument_group("engine (per instance)")
-    add_dataclass_args(engine, EngineConfig, skip=("device", "device_profile", "emu_kv_scale"))
-    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None})
+    # device_profile: map's own --device-profile (the simulator's), also the emulation's
+    add_dataclass_args(engine, EngineConfig, skip=("device", "device_profile"))
+    engine.set_defaults(**{**CPU_ENGINE_DEFAULTS, "max_model_len": None}, emu_kv_scale=None)
+    for action in engine._group_actions:
+        if action.dest == "emu_kv_scale":  # None: not given (refused without --validate-on emu)
+            action.help = ("--validate-on emu only: fraction of the emulated model's KV bytes "
+                           f"per token held and moved, in (0, 1] (default: {EMU_KV_SCALE:g} "
+                           "= 1/256)")
     add_transfer_args(parser, conditional=False)
 
 
@@ -179,8 +205,18 @@ def check(args: argparse.Namespace) -> MapJob:
     val_rates = _parsed("--validate-rates", rate_list, cfg.validate_rates) if cfg.validate_rates else None
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
-    # --device-profile is map's own (its simulator's profile), not EngineConfig's emulation
-    engine = dataclasses.replace(engine_config(args, model), device_profile=None)
+    kv_scale = EMU_KV_SCALE if args.emu_kv_scale is None else args.emu_kv_scale
+    # --device-profile is map's own (its simulator's profile); the emulation gets it in
+    # _check_validation (--validate-on emu)
+    engine = dataclasses.replace(
+        engine_config(argparse.Namespace(**{**vars(args), "emu_kv_scale": kv_scale}), model),
+        device_profile=None)
+    if cfg.validate_on == "emu" and not cfg.validate:
+        raise option_error("--validate-on", "emu says where --validate K runs the checked "
+                                            "cells: give --validate K too")
+    if args.emu_kv_scale is not None and cfg.validate_on != "emu":
+        raise option_error("--emu-kv-scale", "scales the emulated devices' KV: only with "
+                                             "--validate K --validate-on emu")
     base = dataclass_from_args(WorkloadSpec, args)
     specs = {}
     for r in ratios:
@@ -207,23 +243,38 @@ def check(args: argparse.Namespace) -> MapJob:
     cands = slo_map.map_candidates(cfg.devices, budgets, cfg.conditional)
     transfer_model = what_if_transfer(profile, transfer.transport, cfg.transfer_latency_s,
                                       cfg.transfer_bandwidth_gbps, cfg.devices >= 2, cfg.link)
-    if cfg.validate:
-        _check_validation(cfg, cands, profile, transfer)
+    devices, run_engine = (_check_validation(cfg, cands, profile, path, model, engine, transfer)
+                           if cfg.validate else ((), None))
     check_out(args.out)
     out = Path(args.out or f"results/map-{time.strftime('%Y%m%d-%H%M%S')}")
     return MapJob(cfg, ttft, tpot, ratios, specs, profile, path, transfer_model, cands,
-                  args.rates, val_rates, model, engine, transfer, args.policy, out)
+                  args.rates, val_rates, model, engine, transfer, args.policy, out, devices,
+                  run_engine)
 
 
-def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile,
-                      transfer: TransferConfig) -> None:
-    """``--validate``: every candidate runs here, on devices of the profile's kind."""
-    devices = parse_devices(None)
-    kind = "cuda" if devices[0].startswith("cuda") else "cpu"
-    if profile.device_kind != kind:
-        raise option_error("--validate", f"the profile describes {profile.device_kind} devices "
-                                         f"({profile.device_name}) but this machine's are {kind}: "
-                                         "real runs could not check it")
+def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile, path: Path,
+                      model: ModelConfig, engine: EngineConfig,
+                      transfer: TransferConfig) -> tuple[tuple[str, ...], EngineConfig]:
+    """``--validate``: the real runs' devices and engine. ``--validate-on here``: this
+    machine's devices, of the profile's kind; ``emu``: ``emu:0`` .. ``emu:N-1`` with the
+    engine's ``device_profile`` = the map's profile (``path``), which ``emulation_for``
+    must accept. Every candidate must fit the devices.
+
+    Raises:
+        ValueError: ``argument --x: ...`` naming what cannot run.
+    """
+    if cfg.validate_on == "emu":
+        devices = emulated_devices(cfg.devices)
+        engine = dataclasses.replace(engine, device_profile=str(path))
+        emulation_for(devices, model, engine)  # ValueError: argument --device-profile/--model
+    else:
+        devices = parse_devices(None)
+        kind = "cuda" if devices[0].startswith("cuda") else "cpu"
+        if profile.device_kind != kind:
+            raise option_error("--validate", f"the profile describes {profile.device_kind} "
+                                             f"devices ({profile.device_name}) but this "
+                                             f"machine's are {kind}: real runs could not check "
+                                             "it (--validate-on emu: on emulated devices)")
     for cand in cands:
         try:
             worker_layout(cand.placement, devices)
@@ -234,6 +285,7 @@ def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile,
         raise option_error("--local", f"needs --transport inprocess, got {transfer.transport}")
     if not cfg.local and transfer.transport == "inprocess":
         raise option_error("--transport", "inprocess needs --local (workers in one process)")
+    return devices, engine
 
 
 def run(args: argparse.Namespace, job: MapJob) -> int:
@@ -302,7 +354,8 @@ def run(args: argparse.Namespace, job: MapJob) -> int:
     md = [f"# {header}", "", "```", *region_text, "```", "",
           *[f"![io {r:g}](map_io{r:g}.png)" for r in x.ratios], ""]
     if summary:
-        md += ["## Checked against real runs", "", "```", *summary, "```", ""]
+        md += ["## Checked against real runs" + (" on emulated devices" if is_emulated(
+            x.validate_devices) else ""), "", "```", *summary, "```", ""]
     (x.out / "map.md").write_text("\n".join(md))
     print(f"\nResults: {x.out}/ (map.csv, map_runs.csv, regions.txt, map.md, "
           + ", ".join(f"map_io{r:g}.png" for r in x.ratios)
@@ -315,11 +368,15 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
     """Step 4: the picked cells run for real and scored; writes map_validation*.csv."""
     cfg = x.cfg
     picked = slo_map.pick_cells(cells, cfg.validate)
-    devices = ",".join(parse_devices(None))
-    checked, kept = [], []
+    devices = ",".join(x.validate_devices)
+    emulated = is_emulated(x.validate_devices)
+    where = (f"on emulated devices ({devices}: {x.profile.device_name} step times of "
+             f"{x.profile_path}, KV x {x.validate_engine.emu_kv_scale:g})" if emulated
+             else f"on this machine's {devices}")
+    checked, kept, per_run = [], [], []
     ratios = list(dict.fromkeys(picked["io_ratio"]))
     total = len(ratios) * (1 + cfg.validate_reruns) * len(x.candidates)
-    print(f"\nvalidating {len(picked)} cell(s) for real on {devices}: {len(x.candidates)} "
+    print(f"\nvalidating {len(picked)} cell(s) for real {where}: {len(x.candidates)} "
           f"placements x {1 + cfg.validate_reruns} pass(es) per io ratio {ratios}")
     with tqdm(total=total, desc="real runs", unit="placement", file=sys.stderr) as bar:
         for ratio in ratios:
@@ -327,7 +384,8 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
                                                                         x.specs[ratio].num_requests))
             items = {s: its[:spec.num_requests] for s, its in workloads[ratio].items()}
             runs = map_validate.real_runs(x.candidates, x.validate_rates or ladders[ratio], items,
-                                          spec, x.model, x.engine, x.transfer, devices, x.policy,
+                                          spec, x.model, x.validate_engine, x.transfer, devices,
+                                          x.policy,
                                           cfg.local, cfg.validate_reruns, bar.update)
             checked.append(map_validate.check_cells(picked[picked["io_ratio"] == ratio],
                                                     predicted[ratio], runs, x.ttft_grid,
@@ -335,10 +393,15 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
             long = runs.explode(search.LATENCY_COLUMNS).rename(
                 columns={"ttft_s_all": "ttft_s", "tpot_s_all": "tpot_s"})
             kept.append(long.assign(io_ratio=ratio))
+            per_run.append(runs.assign(io_ratio=ratio))
     table = pd.concat(checked, ignore_index=True)
-    table.to_csv(x.out / "map_validation.csv", index=False)
+    table.assign(emulated=emulated, devices=devices).to_csv(x.out / "map_validation.csv",
+                                                            index=False)
     pd.concat(kept, ignore_index=True).to_csv(x.out / "map_validation_runs.csv", index=False)
-    summary = map_validate.summary_lines(table, cfg.validate_reruns)
+    summary = map_validate.summary_lines(table, cfg.validate_reruns,
+                                         "on emulated devices" if emulated else "for real")
+    late = map_validate.lateness_line(pd.concat(per_run, ignore_index=True))
+    summary = [f"real runs {where}", *summary, *([late] if late else [])]
     print("\n" + table[["io_ratio", "ttft_slo_s", "tpot_slo_s", "map_verdict", "mapped",
                         "measured_first", "regret"]].to_string(index=False) + "\n")
     print("\n".join(summary))

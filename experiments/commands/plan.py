@@ -30,7 +30,7 @@ import pandas as pd
 from tqdm import tqdm
 
 from engine.config import (GIB, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
-                           check_fields, dataclass_from_args, parse_devices)
+                           check_fields, dataclass_from_args, emulated_devices, parse_devices)
 from engine.metrics import SLO
 from experiments import plots, validate
 from experiments.placement import emulation_for
@@ -387,11 +387,6 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
           f"{', validation.csv, measured/, simulated/' if x.plan.validate else ''}"
           f"{', validation_reruns.csv, measured_rerun*/' if x.plan.validate and x.plan.validate_reruns else ''})")
     return 0
-
-
-def emulated_devices(n: int) -> tuple[str, ...]:
-    """``emu:0`` .. ``emu:n-1``: the devices ``--validate`` runs on with --device-profile."""
-    return parse_devices(f"emu:0-{n - 1}")
 
 
 def _validate(x: PlanJob, rates: list[float]) -> list[str]:

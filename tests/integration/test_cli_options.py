@@ -97,7 +97,7 @@ SKIPPED = {(EngineConfig, "device")}
 SKIPPED_BY_COMMAND = {"bench": {(WorkloadSpec, "calibrate")},  # bench has no calibration
                       # map draws one synthetic workload per --io-ratio itself
                       "map": {(WorkloadSpec, name) for name in MAP_SPEC_SKIP}
-                      | {(EngineConfig, "device_profile"), (EngineConfig, "emu_kv_scale")}}
+                      | {(EngineConfig, "device_profile")}}  # map's own --device-profile
 
 
 def _derived_rows(command: str) -> list[tuple[str, list[str], tuple[str, ...]]]:
@@ -216,6 +216,13 @@ MAP_ROWS = [
     ("--transport", ["--transport", "ray"], ("no transfer model for transport 'ray'",)),
     ("--granularity", ["--granularity", "layer"], ("whole-request KV transfers only",)),
     ("--request-tokens", ["--request-tokens", "1000"], ("--max-model-len",)),
+    ("--validate-on", ["--validate-on", "emu"], ("give --validate K too",)),
+    ("--emu-kv-scale", ["--emu-kv-scale", "0.5"], ("only with --validate K --validate-on emu",)),
+    ("--model", ["--validate", "1", "--validate-on", "emu"],
+     ("emulated model 'tiny-random-llama' is not a directory with a config.json",)),
+    ("--validate", ["--model", "engine/configs/llama-3.1-8b", "--dtype", "bfloat16",
+                    "--device-profile", LLAMA_PROFILE, "--transport", "shm", "--validate", "1"],
+     ("the profile describes cuda devices (h100_sxm)", "--validate-on emu")),
 ]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [(cmd, *r) for cmd in ("run", "compare", "serve") for r in EMULATION_ROWS]

@@ -73,3 +73,36 @@ def test_bad_ranges_are_refused_before_anything_runs(tmp_path, capsys, option, v
     message = capsys.readouterr().err
     assert f"argument {option}:" in message and words in message
     assert not out.exists()
+
+
+LLAMA_PROFILE = Path(__file__).resolve().parents[1] / "data" / "llama-3.1-8b_h100_sxm_vllm_profile.json"
+
+
+def test_map_validates_on_emulated_h100s(tmp_path, capsys):
+    """``--validate-on emu``: one cell of a 2-device Llama-3.1-8B H100 map checked on
+    ``emu:0-1`` (workers in this process, 4 requests at one rate): every output says
+    emulated, and every real request's TPOT is at least the profile's smallest step
+    intercept (the mixed model's 5.54 ms: an emulated step is never shorter than modelled)."""
+    out = tmp_path / "map"
+    code = main(["map", "--model", "engine/configs/llama-3.1-8b", "--dtype", "bfloat16",
+                 "--device-profile", str(LLAMA_PROFILE), "--io-ratio", "1",
+                 "--request-tokens", "64", "--max-model-len", "256", "--max-num-seqs", "16",
+                 "--transport", "inprocess", "--local", "--num-rates", "3",
+                 "--num-requests", "20", "--jobs", "1", "--devices", "2",
+                 "--ttft-slo", "0.05:1:2", "--tpot-slo", "0.01:0.1:2", "--validate", "1",
+                 "--validate-on", "emu", "--validate-requests", "4", "--validate-rates", "20",
+                 "--out", str(out)])
+    assert code == 0
+    checked = pd.read_csv(out / "map_validation.csv")
+    assert len(checked) == 1 and checked["emulated"].all()
+    assert set(checked["devices"]) == {"emu:0,emu:1"}
+    runs = pd.read_csv(out / "map_validation_runs.csv")
+    # colocated:2, colocated-nochunk:2, disagg:1p1d, conditional:1p1d x 1 rate x 4 requests
+    assert len(runs) == 4 * 4 and runs["lateness_p99"].ge(1.0).all()
+    assert runs["tpot_s"].gt(0.00554).all()
+    printed = capsys.readouterr().out
+    assert "validating 1 cell(s) for real on emulated devices (emu:0,emu:1: h100_sxm" in printed
+    assert "KV x 0.00390625" in printed and "emulated steps' lateness p99" in printed
+    md = (out / "map.md").read_text()
+    assert "## Checked against real runs on emulated devices" in md
+    assert "validated 1 cell(s) on emulated devices: top-1 agreement" in md
