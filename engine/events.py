@@ -1,4 +1,5 @@
-"""What a worker reports to the router (no torch): one event type, crossing processes.
+"""What a worker reports to the router (no torch): ``WorkerEvent``s and per-step
+``TokenBatch``es, crossing processes.
 
 Kinds:
     ``token``      an output token (colocated or decode worker); ``finish_reason`` on the last.
@@ -6,9 +7,9 @@ Kinds:
                    (none when the first token already ended the request).
     ``kv_got``     a decode worker fetched and checked a request's KV.
     ``error``      the request failed on this worker; ``error`` says why.
-
-``tokens``     a ``TokenBatch``: the plain tokens of one step (not a request's first or
-               last, no stamps, no logprobs), one event for the whole step.
+    ``tokens``     a ``TokenBatch`` (not a ``WorkerEvent``): the plain tokens of one step
+                   (not a request's first or last, no stamps, no logprobs), one event for
+                   the whole step.
 
 ``time_s`` is when the worker produced the event (for a token: when its step ended); the
 router keeps it beside its own receipt time. ``stamps`` carries timeline events measured inside the worker (``time.time()`` seconds,
