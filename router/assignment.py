@@ -193,10 +193,9 @@ class Assigner:
                        num_prompt_tokens: int) -> int:
         """The first prompt token whose KV a remote request's decode worker ``decode``
         needs sent: the prefix of the prompts whose KV reached it (``kv_landed``; whole
-        blocks), at most the
-        whole blocks before the prompt's last token (the KV sent is never empty, as
-        ``Engine.add_remote`` requires). If the prefix was evicted meanwhile, the decode
-        worker recomputes the prompt instead (``engine.scheduler``)."""
+        blocks), at most the whole blocks before the prompt's last token (the KV sent is
+        never empty, as ``Engine.add_remote`` requires). If the prefix was evicted
+        meanwhile, the decode worker recomputes the prompt instead (``engine.scheduler``)."""
         if not block_hashes:
             return 0
         whole = (num_prompt_tokens - 1) // self.kv_block_size * self.kv_block_size
