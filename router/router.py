@@ -130,6 +130,8 @@ class _Flight:
     kv_owner_incarnation: int = 0
     kv_handles: tuple[Any, ...] = ()
     kv_token_start: int = 0  # the KV sent starts here (its decode worker caches the prefix)
+    # the dead decode worker it was handed over to before being moved (``_move_decode``)
+    moved_from: str | None = None
 
 
 TOKEN, FINISH = "token", "finish"  # StreamEvent kinds
@@ -663,7 +665,13 @@ class Router:
         record.timeline.update(event.stamps)
         flight.deadline_s = time.time() + self.deadline_s  # its own news refreshes its deadline
         if event.kind == ev.ERROR:
-            self._finish(flight, error=f"{event.worker}: {event.error}")
+            error = f"{event.worker}: {event.error}"
+            if flight.moved_from is not None and flight.stage == TRANSFER:
+                # the dead worker may have fetched (and freed) the KV before it died, its
+                # kv_got never collected: the request died with it
+                error = (f"decode worker {flight.moved_from} died after its KV was handed "
+                         f"over; fetching it again failed: {error}")
+            self._finish(flight, error=error)
         elif event.kind == ev.KV_GOT:
             if event.kv_bytes:  # its prompt's blocks are cached there now (0: it recomputes)
                 self.assigner.kv_landed(record.request_id, event.worker)
@@ -805,7 +813,7 @@ class Router:
             if flight is None:
                 continue
             if self._movable(flight, name):
-                self._move_decode(flight)
+                self._move_decode(flight, name)
                 continue
             self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
                          kv_back=flight.worker == name)
@@ -830,9 +838,10 @@ class Router:
         return (flight.stage == TRANSFER and bool(flight.kv_handles) and owner is not None
                 and owner.alive and owner.incarnation == flight.kv_owner_incarnation)
 
-    def _move_decode(self, flight: _Flight) -> None:
+    def _move_decode(self, flight: _Flight, dead: str) -> None:
         """Give a ``_movable`` request another decode worker (module docstring, restarts)."""
         if flight.stage == TRANSFER:
+            flight.moved_from = dead
             self._admit(flight)  # to a live one, or held while the pool restarts
             return
         request = flight.request

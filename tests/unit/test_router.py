@@ -239,6 +239,31 @@ def test_decode_death_at_hand_over_moves_its_requests_to_the_live_decode_worker(
     assert_drained(router, workers, transport)
 
 
+def test_a_decode_worker_dying_after_fetching_fails_the_moved_request_naming_it():
+    """decode-0 takes the admit, fetches (frees) the KV, and dies before its kv_got is
+    collected: the router still holds the handles and moves the request to decode-1, whose
+    fetch finds the KV gone. The request fails naming decode-0's death, not a bare
+    transfer error, and nothing leaks."""
+    router, workers, transport = build("disagg:1p2d")
+    dead, other = workers["decode-0"], workers["decode-1"]
+
+    def fetch_then_die(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # fetched and freed there
+        dead.dead_error = WorkerDied("actor decode-0 is gone")  # before kv_got left it
+
+    def fetch_gone(request, first_token, kv_handles, kv_token_start=0):
+        missing = [h for h in kv_handles if h not in transport.held]
+        other._emit(time.time(), ev.ERROR, request.request_id,
+                    error=f"KV transfer failed: TransferFailed: no KV under {missing[0]}")
+
+    dead.admit, other.admit = fetch_then_die, fetch_gone
+    [record] = router.run(requests(1))
+    assert record.error.startswith("decode worker decode-0 died after its KV was handed over; "
+                                   "fetching it again failed: decode-1: KV transfer failed")
+    assert record.decode_worker == "decode-1"
+    assert_drained(router, workers, transport)
+
+
 def test_decode_death_at_hand_over_with_no_decode_worker_left_frees_the_kv():
     """disagg:1p1d, no restart coming: the requests fail at once naming the empty pool, and
     the KV handles the router held go back to their producer, which frees them."""
