@@ -132,6 +132,7 @@ class _Flight:
     kv_token_start: int = 0  # the KV sent starts here (its decode worker caches the prefix)
     # the dead decode worker it was handed over to before being moved (``_move_decode``)
     moved_from: str | None = None
+    stream_tokens: bool = True  # its sink hears token events (``submit(tokens=...)``)
 
 
 TOKEN, FINISH = "token", "finish"  # StreamEvent kinds
@@ -292,7 +293,6 @@ class Router:
         self._parked: dict[str, str] = {}  # request -> the role of the empty pool it waits for
         self._pending: dict[Any, _Call] = {}
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
-        self._quiet: set[str] = set()  # requests whose sinks hear no token events
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit"|"abort", ...)
         self._wake_lock = threading.Lock()
         self._wake: cf.Future = cf.Future()  # set to end the loop's wait early (online)
@@ -434,7 +434,6 @@ class Router:
                 self._emit(self._refusal(flight.request, flight.record.timeline.get(ARRIVED, 0.0),
                                          f"{error}; ending it failed too: {describe_error(err)}"))
                 self._sinks.pop(flight.request.request_id, None)
-                self._quiet.discard(flight.request.request_id)
 
     def run(self, workload: list[tuple[Request, float]],
             on_finish: Callable[[RequestRecord], None] | None = None) -> list[RequestRecord]:
@@ -475,7 +474,6 @@ class Router:
 
         start_s = time.time()
         self._flights, self._pending, self._sinks, self._parked = {}, {}, {}, {}
-        self._quiet = set()
         next_index = 0
         while next_index < len(arrivals) or self._flights:
             while next_index < len(arrivals) and start_s + arrivals[next_index][1] <= time.time():
@@ -538,20 +536,20 @@ class Router:
                     request, arrived_s, f"request_id {request.request_id} is already in flight"))
                 continue
             self._sinks[request.request_id] = sink
-            if not tokens:
-                self._quiet.add(request.request_id)
-            self._dispatch(request, arrived_s)
+            self._dispatch(request, arrived_s, tokens)
 
     # ---- dispatch ---------------------------------------------------------------------
-    def _dispatch(self, request: Request, arrived_s: float | None = None) -> None:
-        """``arrived_s``: the scheduled arrival (default: now); ``dispatched`` is stamped now."""
+    def _dispatch(self, request: Request, arrived_s: float | None = None,
+                  tokens: bool = True) -> None:
+        """``arrived_s``: the scheduled arrival (default: now); ``dispatched`` is stamped now;
+        ``tokens``: its sink hears token events (``submit``)."""
         now = time.time()
         request = dataclasses.replace(request, arrival_time_s=now if arrived_s is None else arrived_s)
         record = RequestRecord(request_id=request.request_id, placement=self.placement,
                                num_prompt_tokens=request.num_prompt_tokens)
         record.timeline[ARRIVED] = request.arrival_time_s
         record.timeline[DISPATCHED] = now
-        flight = _Flight(request, record)
+        flight = _Flight(request, record, stream_tokens=tokens)
         self._flights[request.request_id] = flight
         try:
             self.validate(request)
@@ -636,7 +634,7 @@ class Router:
         without what a plain token never carries (stamps, KV, finish, first-token fields)."""
         now = time.time()  # they leave the router now
         deadline_s = now + self.deadline_s
-        worker, worker_s, quiet = batch.worker, batch.time_s, self._quiet
+        worker, worker_s = batch.worker, batch.time_s
         for rid, token_id in zip(batch.request_ids, batch.token_ids):
             flight = self._flights.get(rid)
             if flight is None:
@@ -650,7 +648,7 @@ class Router:
             record.output_token_ids.append(token_id)
             if flight.stage == PREFILL:
                 flight.stage = DECODE
-            if rid not in quiet:
+            if flight.stream_tokens:
                 self._emit(StreamEvent(rid, TOKEN, now, token_id=token_id,
                                        index=len(record.output_token_ids) - 1))
 
@@ -691,7 +689,7 @@ class Router:
             record.num_preemptions += event.num_preemptions
             record.output_token_ids.append(event.token_id)
             flight.stage = DECODE if flight.stage == PREFILL else flight.stage
-            if record.request_id not in self._quiet:
+            if flight.stream_tokens:
                 self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
                                        token_id=event.token_id,
                                        index=len(record.output_token_ids) - 1,
@@ -752,7 +750,6 @@ class Router:
             sink(event)
         except Exception:  # a front end gone (its event loop closed): it hears no more,
             self._sinks.pop(event.request_id, None)  # and the loop never dies of it
-            self._quiet.discard(event.request_id)
 
     def _release_kv(self, owner: str | None, handles: tuple[Any, ...],
                     incarnation: int | None = None) -> None:
@@ -788,7 +785,6 @@ class Router:
         self._emit(StreamEvent(record.request_id, FINISH, now, finish_reason=record.finish_reason,
                                error=record.error, record=record, unavailable=unavailable))
         self._sinks.pop(record.request_id, None)
-        self._quiet.discard(record.request_id)
 
     # ---- failures ---------------------------------------------------------------------
     def _worker_died(self, name: str, err: Exception) -> None:
