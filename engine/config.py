@@ -169,6 +169,12 @@ class EngineConfig:
         "gt": 0, "help": "emulated devices only: fraction of the emulated model's KV bytes "
                          "per token actually held and moved, in (0, 1] (e.g. 0.00390625 = "
                          "1/256 when this host cannot hold the GPU's cache)"})
+    emu_time_scale: float = field(default=1.0, metadata={
+        "min": 1, "help": "emulated devices only (run, compare, plan --validate, map "
+                         "--validate-on emu; not serve): time dilation S >= 1: every "
+                         "emulated step and every gap between arrivals lasts S x its "
+                         "modelled time and every measured time is divided by S, so this "
+                         "host's own overhead counts 1/S as much (experiments/dilation.py)"})
     kv_reservation: str = field(default="on_demand", metadata={
         "choices": KV_RESERVATIONS,
         "help": "on_demand: KV blocks as tokens arrive, preempting the newest request when "

@@ -13,7 +13,8 @@ front; only the runner differs (``EmulatedRunner``):
 2. **Time.** Each step is held for ``device.step_s(batch.step_features())``: the device
    profile's fitted models (``planner.latency``) at the step's ``StepFeatures``
    (``engine.scheduler.ScheduledBatch.step_features``), the very function the simulator
-   (``planner.simulate``) calls. The hold sleeps until ``SPIN_S`` before the deadline, then
+   (``planner.simulate``) calls, x the time dilation (``Emulation.time_scale``,
+   ``experiments.dilation``). The hold sleeps until ``SPIN_S`` before the deadline, then
    spins on ``time.perf_counter`` (a sleep alone overshoots by the scheduler's tick).
    Layer-wise KV streaming hears of layer ``l`` at ``(l + 1) / L`` of the step. Lateness =
    actual ÷ modelled per step (``StepRecord.lateness``, steps.csv's ``lateness``).
@@ -83,19 +84,26 @@ class Emulation:
         device: the device profile (``planner.latency.DeviceProfile``; duck-typed, see the
             module docstring).
         kv_scale: KV bytes per token kept, a fraction in (0, 1] (1 = the true geometry).
+        time_scale: time dilation ``S >= 1``: each step is held ``S`` x its modelled time
+            (``experiments.dilation``: arrivals are spread and measured times divided by
+            the same ``S``, so the host's own overhead counts ``1 / S`` as much).
         clock: ``RealClock`` or a test's fake (``time()``, ``perf()``, ``wait_until(t)``).
 
     Raises:
-        ValueError: ``kv_scale`` outside (0, 1].
+        ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` below 1.
     """
 
     device: Any
     kv_scale: float = 1.0
     clock: Any = field(default_factory=RealClock)
+    time_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if not (isinstance(self.kv_scale, (int, float)) and 0 < self.kv_scale <= 1):
             raise ValueError(f"emu_kv_scale must be in (0, 1], got {self.kv_scale!r}")
+        if not (isinstance(self.time_scale, (int, float)) and 1 <= self.time_scale < float("inf")):
+            raise ValueError(f"emu_time_scale must be a finite number >= 1, "
+                             f"got {self.time_scale!r}")
 
     def check(self, spec: KVSpec, model: str) -> None:
         """Refuse a profile measured for another geometry than ``spec``'s.
@@ -129,7 +137,8 @@ class Emulation:
         source = getattr(self.device, "source", None) or {}
         return {"profile_model": self.device.model, "device_name": self.device.device_name,
                 "source": source.get("kind", "measured"), "system": source.get("system"),
-                "backend": source.get("backend"), "kv_scale": self.kv_scale}
+                "backend": source.get("backend"), "kv_scale": self.kv_scale,
+                "time_scale": self.time_scale}
 
 
 _MASK64 = (1 << 64) - 1
@@ -181,8 +190,8 @@ class EmulatedRunner:
         vocab_size, eos_token_ids: the emulated model's.
 
     ``execute`` returns None instead of logits; the engine asks ``sample`` for the tokens.
-    ``last_modelled_s`` / ``last_lateness``: the latest step's modelled seconds and
-    actual ÷ modelled.
+    ``last_modelled_s`` / ``last_lateness``: the latest step's modelled seconds (x the
+    emulation's ``time_scale``: the time it is held for) and actual ÷ modelled.
     """
 
     emulated = True
@@ -193,6 +202,7 @@ class EmulatedRunner:
         self.emulation = emulation
         self.clock = emulation.clock
         self.step_s: Callable[[int, int, int, int], float] = emulation.device.step_time()
+        self.time_scale = emulation.time_scale
         self.num_layers = kv_store.spec.num_layers
         self.vocab_size = vocab_size
         self.eos = frozenset(eos_token_ids)
@@ -202,9 +212,11 @@ class EmulatedRunner:
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
-        """The device's seconds for ``batch`` (counters not yet advanced)."""
+        """The device's seconds for ``batch`` (counters not yet advanced), x the time
+        dilation."""
         f = batch.step_features()
-        return self.step_s(f.prefill_tokens, f.prefill_attention, f.batch_size, f.sum_context)
+        return self.step_s(f.prefill_tokens, f.prefill_attention, f.batch_size,
+                           f.sum_context) * self.time_scale
 
     def execute(self, batch: ScheduledBatch,
                 on_layer_done: Callable[[int], None] | None = None) -> None:

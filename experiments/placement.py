@@ -126,14 +126,17 @@ def emulation_for(devices: tuple[str, ...], model: ModelConfig,
     (``engine/configs/llama-3.1-8b``); it runs in the profile's dtype.
 
     Raises:
-        ValueError: ``--device-profile`` without emulated devices or emulated devices
-            without it, an unreadable profile, a profile of another model, or a model that
+        ValueError: ``--device-profile`` or ``--emu-time-scale`` without emulated devices,
+            emulated devices without a profile, an unreadable profile, a profile of another model, or a model that
             is not a config directory (each message names the option).
     """
     if not is_emulated(devices):
         if engine.device_profile is not None:
             raise ValueError(f"argument --device-profile: only emulated devices (--devices "
                              f"emu:0-7) run from a device profile; got devices {','.join(devices)}")
+        if engine.emu_time_scale != 1:
+            raise ValueError(f"argument --emu-time-scale: only emulated devices (--devices "
+                             f"emu:0-7) run dilated; got devices {','.join(devices)}")
         return None
     if engine.device_profile is None:
         raise ValueError(f"argument --device-profile: emulated devices ({','.join(devices)}) "
@@ -150,7 +153,7 @@ def emulation_for(devices: tuple[str, ...], model: ModelConfig,
         geometry = load_geometry(ModelConfig(model.model, profile.dtype)).kv_spec
     except ModelLoadError as err:
         raise ValueError(f"argument --model: {err}") from None
-    emulation = Emulation(profile, engine.emu_kv_scale)
+    emulation = Emulation(profile, engine.emu_kv_scale, time_scale=engine.emu_time_scale)
     try:
         emulation.check(geometry, model.model)
     except ValueError as err:

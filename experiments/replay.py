@@ -24,6 +24,7 @@ from tqdm import tqdm
 from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO, RequestRecord
+from experiments import dilation as dilate
 from experiments.placement import Deployment
 from experiments.workload_spec import WorkloadSpec, router_workload
 
@@ -116,11 +117,18 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     lone-request ``lone_ttft_s`` / ``lone_tpot_s`` (two requests, each served alone).
     ``conditional``: the thresholds of a ``conditional:xPyD`` placement.
     ``max_worker_restarts``: a worker that dies is started again up to this many times.
+    ``engine.emu_time_scale`` S > 1 (emulated devices): arrivals spread x S and every
+    measured time / S (``experiments.dilation``), so the results read at the emulated
+    device's speed.
 
     Raises:
-        ValueError: a request does not fit the deployed workers' context.
+        ValueError: a request does not fit the deployed workers' context; a dilated
+            multi-turn workload.
     """
     by_seed = items if isinstance(items, dict) else {s: items for s in spec.seed_list}
+    dilation = engine.emu_time_scale  # 1 but on dilated emulated devices (experiments.dilation)
+    for its in by_seed.values():
+        dilate.check_dilatable(its, dilation)
     results = []
     with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer,
                     policy=policy, local=local, conditional=conditional,
@@ -136,10 +144,12 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
         if rates is None:
             seed, its = next(iter(by_seed.items()))
             lone_ttft_s, lone_tpot_s = _lone_latency(dep, its, spec, placement)
+            lone_ttft_s /= dilation
+            lone_tpot_s = None if lone_tpot_s is None else lone_tpot_s / dilation
             dep.reset_prefix_cache()
             start_s = time.time()
             burst = dep.run(router_workload(its, math.inf, spec, tag=f"{placement}-calibration"))
-            capacity = sum(not r.error for r in burst) / (time.time() - start_s)
+            capacity = sum(not r.error for r in burst) / ((time.time() - start_s) / dilation)
             rates = calibrated_rates(capacity)
             print(f"pdlab: calibration on {placement}: capacity {capacity:.3g} req/s -> rates "
                   f"{rates} req/s", file=sys.stderr)
@@ -149,8 +159,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                                    lone_tpot_s=lone_tpot_s)
         for rate in rates:
             for seed, its in by_seed.items():
-                workload = router_workload(its, rate, spec, tag=f"{placement}@{rate:g}/s{seed}",
-                                           seed=seed)
+                workload = dilate.dilated_workload(router_workload(
+                    its, rate, spec, tag=f"{placement}@{rate:g}/s{seed}", seed=seed), dilation)
                 dep.reset_prefix_cache()  # each run starts cold (no hits inherited)
                 bar = tqdm(total=len(its), desc=f"{placement} @ {rate:g} req/s seed {seed}",
                            unit="req")
@@ -161,6 +171,10 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                 ids = {r.request_id for r in records}
                 steps = [s for s in dep.step_records() if start_s <= s["start_s"] <= end_s]
                 transfers = [t for t in dep.transfer_records() if t["request_id"] in ids]
+                if dilation != 1:  # every time read from here on is the emulated device's
+                    records = [dilate.undilate_record(r, dilation, start_s) for r in records]
+                    steps = [dilate.undilate_step(s, dilation, start_s) for s in steps]
+                    transfers = [dilate.undilate_transfer(t, dilation, start_s) for t in transfers]
                 results.append(RunResult(placement, rate, records, steps, transfers,
-                                         end_s - start_s, seed))
+                                         (end_s - start_s) / dilation, seed))
     return results

@@ -142,7 +142,10 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
     verdict_text += _write_hindsight(out_dir, results, slo)
     if not efficiency.empty:
         verdict_text += "\n" + analysis.transfer_efficiency_text(efficiency)
-    title = "pdlab placement comparison" + (" (emulated devices)" if config.get("emulated") else "")
+    scale = config.get("emulation", {}).get("time_scale", 1)
+    title = "pdlab placement comparison" + (
+        "" if not config.get("emulated") else " (emulated devices)" if scale == 1
+        else f" (emulated devices, time dilated x {scale:g})")
     report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput,
                         transfer_efficiency=efficiency, title=title)
     return summary, verdict_text
@@ -178,12 +181,13 @@ def print_outcome(summary, verdict: str, out: Path, files: str) -> None:
 def emulation_row(engine) -> dict:
     """``{"emulated": True, "emulation": {...}}`` for a run on emulated devices
     (``engine.emulated``: the profile file, its source, system and backend, its model and
-    device, the KV scale), else ``{}``; results on emulated devices say so in their config
+    device, the KV and time scales), else ``{}``; results on emulated devices say so in their config
     row and report title, so no one mistakes them for a GPU measurement."""
     if getattr(engine, "device_profile", None) is None:
         return {}
 
-    emulation = Emulation(DeviceProfile.load(engine.device_profile), engine.emu_kv_scale)
+    emulation = Emulation(DeviceProfile.load(engine.device_profile), engine.emu_kv_scale,
+                          time_scale=engine.emu_time_scale)
     return {"emulated": True, "emulation": {"device_profile": engine.device_profile,
                                             **emulation.describe()}}
 

@@ -217,6 +217,9 @@ def check(args: argparse.Namespace) -> MapJob:
     if args.emu_kv_scale is not None and cfg.validate_on != "emu":
         raise option_error("--emu-kv-scale", "scales the emulated devices' KV: only with "
                                              "--validate K --validate-on emu")
+    if engine.emu_time_scale != 1 and cfg.validate_on != "emu":
+        raise option_error("--emu-time-scale", "dilates the emulated devices' time: only "
+                                               "with --validate K --validate-on emu")
     base = dataclass_from_args(WorkloadSpec, args)
     specs = {}
     for r in ratios:
@@ -363,6 +366,11 @@ def run(args: argparse.Namespace, job: MapJob) -> int:
     return 0
 
 
+def _dilation_text(scale: float) -> str:
+    """``", time dilated x S"`` for a dilated emulation (``experiments.dilation``), else ``""``."""
+    return "" if scale == 1 else f", time dilated x {scale:g}"
+
+
 def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, ladders: dict,
               families: dict) -> tuple[pd.DataFrame, list[str]]:
     """Step 4: the picked cells run for real and scored; writes map_validation*.csv."""
@@ -371,7 +379,8 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
     devices = ",".join(x.validate_devices)
     emulated = is_emulated(x.validate_devices)
     where = (f"on emulated devices ({devices}: {x.profile.device_name} step times of "
-             f"{x.profile_path}, KV x {x.validate_engine.emu_kv_scale:g})" if emulated
+             f"{x.profile_path}, KV x {x.validate_engine.emu_kv_scale:g}"
+             f"{_dilation_text(x.validate_engine.emu_time_scale)})" if emulated
              else f"on this machine's {devices}")
     checked, kept, per_run = [], [], []
     ratios = list(dict.fromkeys(picked["io_ratio"]))

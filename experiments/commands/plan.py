@@ -210,6 +210,9 @@ def check(args: argparse.Namespace) -> PlanJob:
                                                 "transfers only (granularity 'request')")
     if engine.device_profile is not None:  # --validate on emulated devices (emu:0..N-1)
         emulation_for(emulated_devices(plan.devices), model, engine)  # ValueError names it
+    elif engine.emu_time_scale != 1:
+        raise option_error("--emu-time-scale", "dilates emulated devices only: --validate "
+                                               "with --device-profile")
     path = (Path(plan.profile) if plan.profile else
             Path(engine.device_profile) if engine.device_profile else find_profile(model))
     if path is None:

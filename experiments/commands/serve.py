@@ -69,6 +69,9 @@ def check(args: argparse.Namespace) -> Serving:
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     engine = engine_config(args, model)
+    if engine.emu_time_scale != 1:  # a client would see every latency x S
+        raise option_error("--emu-time-scale", "dilates a replay (run, compare, plan "
+                           "--validate, map --validate-on emu), not a server's clients")
     emulation = emulation_for(devices, model, engine)  # ValueError names the option
     if emulation is not None:  # the emulated GPU keeps the profile's KV dtype
         model = ModelConfig(args.model, emulation.device.dtype)

@@ -226,6 +226,11 @@ MAP_ROWS = [
 ]
 ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [(cmd, *r) for cmd in ("run", "compare", "serve") for r in EMULATION_ROWS]
+        + [(cmd, "--emu-time-scale", ["--emu-time-scale", "2"], ("only emulated devices",))
+           for cmd in ("run", "compare")]
+        + [("serve", "--emu-time-scale", ["--devices", "emu:0", "--device-profile",
+                                          LLAMA_PROFILE, "--emu-time-scale", "2"],
+            ("not a server's clients",))]
         + [("compare", *r) for r in EXPERIMENT_ROWS if r[0] != "--placement"]
         + [("compare", "--placements", ["--placements", "disagg:1p1d,disagg:1p1d"],
             ("each placement may appear once", "disagg:1p1d"))]
@@ -298,6 +303,8 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
             ("> the largest batch size (2)",))]
         + [("plan", *row) for row in _derived_rows("plan")]
         + [("plan", *r) for r in PLAN_ROWS]
+        + [("plan", "--emu-time-scale", ["--emu-time-scale", "2"], ("emulated devices only",)),
+           ("map", "--emu-time-scale", ["--emu-time-scale", "2"], ("--validate-on emu",))]
         + [(cmd, *r) for cmd in ("run", "compare", "plan") for r in WORKLOAD_ROWS]
         + [("map", *row) for row in _derived_rows("map")]
         + [("map", *r) for r in MAP_ROWS])

@@ -1,0 +1,99 @@
+"""Time dilation of emulated devices (``--emu-time-scale S``, issue 25).
+
+On emulated devices (``engine.emulated``) the step times are known exactly; what is not is
+the host's own cost: the router, Ray calls, the transports and the engine's Python, which on
+a 2-core host sharing 4-8 worker processes add a share of a 6 ms GPU step that decides the
+tight SLO cells (README, "Where does disaggregation win?"). Time-warped emulation (Gupta et
+al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006) separates the two:
+
+- every emulated step lasts ``S`` x its modelled time (the device profile ``scaled(S)``,
+  ``experiments.placement.emulation_for``) and every gap between arrivals ``S`` x its drawn
+  value (``dilated_workload``: the workload drawn at the undilated rate, its offsets x S);
+- every time measured in the run is divided by ``S`` before anything reads it
+  (``undilate``: stamps about the run's start, durations, bandwidths x S).
+
+The modelled device then appears at its own speed, and the host's seconds per event (the
+same at any ``S``) count ``1 / S`` as much. ``S = 1`` is real time. What ``S > 1`` checks
+is the placement logic: the scheduler, the router's choices, the hand-over, the KV
+accounting, against the simulator's (``plan --validate``, ``map --validate-on emu``); the
+control plane's cost at real speed is ``S = 1``'s (``benchmarks.control_plane``). Results
+record the scale (``Emulation.describe``'s ``time_scale``). Multi-turn workloads are refused
+(``check_dilatable``): their turns' arrival times are drawn inside the closed-loop replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from engine.metrics import RequestRecord
+from experiments.workload_spec import ClosedLoop, MultiTurn
+
+# transfer-record fields (kv_transfer.transport.TransferRecord): wall-clock stamps and
+# durations; achieved_gbps is bytes over a duration
+_TRANSFER_STAMPS = ("put_time_s", "get_time_s")
+_TRANSFER_DURATIONS = ("put_s", "get_s", "exposed_s", "overlapped_s")
+
+
+def check_dilatable(items, scale: float) -> None:
+    """Refuse a dilation of a multi-turn workload (``workload_spec.MultiTurn``), before
+    anything is deployed: its turns' arrival times are drawn inside the closed-loop replay.
+
+    Raises:
+        ValueError: ``scale`` != 1 and ``items`` is a ``MultiTurn``.
+    """
+    if scale != 1 and isinstance(items, MultiTurn):
+        raise ValueError("argument --emu-time-scale: applies to open-loop workloads only "
+                         "(requests at drawn arrival times, or a trace), not to multi-turn "
+                         "conversations")
+
+
+def dilated_workload(workload: list, scale: float) -> list:
+    """``workload`` (``router_workload``'s ``[(request, arrival offset s), ...]``) with every
+    offset x ``scale`` (the same workload at ``1 / scale`` of the rate: its gaps are drawn
+    once, at the undilated rate, and stretched)."""
+    if scale == 1:
+        return workload
+    assert not isinstance(workload, ClosedLoop), "check_dilatable refuses multi-turn workloads"
+    return [(request, offset * scale) for request, offset in workload]
+
+
+def undilate_record(record: RequestRecord, scale: float, origin_s: float) -> RequestRecord:
+    """``record`` as if its run had taken ``1 / scale`` of its time: every stamp ``t`` ->
+    ``origin_s + (t - origin_s) / scale`` (``origin_s``: the run's start, ``time.time()``
+    seconds), every duration / ``scale``."""
+    def at(t: float) -> float:
+        return origin_s + (t - origin_s) / scale
+
+    def over(d: float | None) -> float | None:
+        return None if d is None else d / scale
+
+    return dataclasses.replace(
+        record, timeline={k: at(t) for k, t in record.timeline.items()},
+        token_times_s=[at(t) for t in record.token_times_s],
+        token_worker_times_s=[at(t) for t in record.token_worker_times_s],
+        kv_put_s=over(record.kv_put_s), kv_get_s=over(record.kv_get_s),
+        kv_transfer_s=over(record.kv_transfer_s))
+
+
+def undilate_step(row: dict, scale: float, origin_s: float) -> dict:
+    """A step row (``StepRecord.to_row``, plus the worker's name) undilated as
+    ``undilate_record``: ``start_s`` a stamp, ``duration_s`` a duration; ``lateness`` (a
+    ratio) unchanged."""
+    return {**row, "start_s": origin_s + (row["start_s"] - origin_s) / scale,
+            "duration_s": row["duration_s"] / scale}
+
+
+def undilate_transfer(row: dict, scale: float, origin_s: float) -> dict:
+    """A transfer row (``TransferRecord.__dict__``) undilated as ``undilate_record``; its
+    ``achieved_gbps`` x ``scale`` (and ``efficiency`` with it)."""
+    out = dict(row)
+    for key in _TRANSFER_STAMPS:
+        if out.get(key):
+            out[key] = origin_s + (out[key] - origin_s) / scale
+    for key in _TRANSFER_DURATIONS:
+        if out.get(key) is not None:
+            out[key] = out[key] / scale
+    for key in ("achieved_gbps", "efficiency"):
+        if out.get(key) is not None:
+            out[key] = out[key] * scale
+    return out
