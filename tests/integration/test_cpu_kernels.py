@@ -121,7 +121,8 @@ def test_wrappers_refuse_what_they_cannot_read(kernels):
 @needs_kernels
 @pytest.mark.parametrize("rows,n,k", [(1, 960, 576), (2, 16, 5), (3, 32, 7), (7, 48, 9),
                                       (8, 17, 8), (16, 48, 33), (257, 40, 24), (12, 33, 10),
-                                      (13, 64, 6), (25, 31, 12), (100, 50, 20)])
+                                      (13, 64, 6), (25, 31, 12), (100, 50, 20),
+                                      (300, 40, 576), (173, 20, 1536)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("avx512", [False, True])
 def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
@@ -129,7 +130,9 @@ def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
     5, 257 = 42 x 6 + 5), a partial last panel (n % 16). AVX-512 (12 x 32): blocks 1..12
     (13 = 7 + 6, 16 = 8 + 8, 25 = 9 + 8 + 8, 100 = 9 x 11 + ..., 257 = 22 blocks of 11-12),
     partial last panels of 1-31 columns (masked stores: n = 17, 31, 33, 40, 50), and equal
-    to the AVX2 kernel bit for bit (the same FMAs in the same order). Rows of a wider tensor."""
+    to the AVX2 kernel bit for bit (the same FMAs in the same order). Row blocks of 192 KiB
+    of x (k = 576: 84 rows, 300 = 3 x 84 + 48; k = 1536: 30 / 24 rows, 173 ragged): every
+    row equal bit for bit to that row computed alone. Rows of a wider tensor."""
     if avx512 and not kernels.linear_avx512:
         pytest.skip("this CPU has no avx512f")
     w, b = _randn(n, k, seed=1) * k ** -0.5, (_randn(n, seed=2) if bias else None)  # out ~1
@@ -144,6 +147,9 @@ def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
         panels = kernels.pack_linear(w)
         assert panels.shape == (-(-n // 16), k, 16)
         got = kernels.linear(x, panels, b, n)
+    run = kernels.linear512 if avx512 else kernels.linear
+    alone = torch.cat([run(x[i:i + 1], panels, b, n) for i in range(rows)])
+    assert torch.equal(got, alone)  # the row blocking changes no sum's order
     torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
