@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from engine.config import TransferConfig
 from engine.metrics import RequestRecord
 from experiments.workload_spec import ClosedLoop, MultiTurn
 
@@ -55,6 +56,15 @@ def dilated_workload(workload: list, scale: float) -> list:
         return workload
     assert not isinstance(workload, ClosedLoop), "check_dilatable refuses multi-turn workloads"
     return [(request, offset * scale) for request, offset in workload]
+
+
+def dilated_transfer(transfer: TransferConfig, scale: float) -> TransferConfig:
+    """``transfer`` with its ``timeout_s`` x ``scale``: every remote wait (a KV fetch, and
+    the router's deadline, ``timeout_s`` + 5 s by default: ``placement.Deployment``) is a
+    wall-clock bound on a run whose every step and queue lasts ``scale`` x as long."""
+    if scale == 1:
+        return transfer
+    return dataclasses.replace(transfer, timeout_s=transfer.timeout_s * scale)
 
 
 def undilate_record(record: RequestRecord, scale: float, origin_s: float) -> RequestRecord:

@@ -119,7 +119,7 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     ``max_worker_restarts``: a worker that dies is started again up to this many times.
     ``engine.emu_time_scale`` S > 1 (emulated devices): arrivals spread x S and every
     measured time / S (``experiments.dilation``), so the results read at the emulated
-    device's speed.
+    device's speed; the transfer timeout (and with it the router's deadline) x S.
 
     Raises:
         ValueError: a request does not fit the deployed workers' context; a dilated
@@ -130,8 +130,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
     for its in by_seed.values():
         dilate.check_dilatable(its, dilation)
     results = []
-    with Deployment(PlacementConfig(placement, devices, address), model, engine, transfer,
-                    policy=policy, local=local, conditional=conditional,
+    with Deployment(PlacementConfig(placement, devices, address), model, engine,
+                    dilate.dilated_transfer(transfer, dilation), policy=policy, local=local, conditional=conditional,
                     max_worker_restarts=max_worker_restarts) as dep:
         longest = max(it.num_prompt_tokens + it.output_len for its in by_seed.values() for it in its)
         if longest > dep.router.max_model_len:

@@ -66,9 +66,11 @@ class InstantDeployment:
     step row per request at its arrival. Records the offsets it was handed."""
 
     offsets: list[float] = []
+    transfer: TransferConfig | None = None
 
-    def __init__(self, placement, *args, **kwargs):
+    def __init__(self, placement, model, engine, transfer, *args, **kwargs):
         self.placement = placement.placement
+        InstantDeployment.transfer = transfer
         self.router = type("R", (), {"max_model_len": 1000})()
         self.steps = []
 
@@ -122,6 +124,8 @@ def test_dilated_replay_reads_back_the_undilated_workload(monkeypatch):
     assert [ttft_s(r) for r in result.records] == pytest.approx([0.01] * 4, abs=1e-6)
     assert [s["duration_s"] for s in result.steps] == pytest.approx([0.01] * 4, abs=1e-6)
     assert result.duration_s == pytest.approx((max(undilated) * 4 + 0.1) / 4, abs=0.02)
+    # every wall-clock bound x S: each wait lasts S x as long
+    assert InstantDeployment.transfer.timeout_s == 4.0 * TransferConfig().timeout_s
 
 
 def test_emulated_step_held_s_times_its_modelled_time():
