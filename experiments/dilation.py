@@ -95,7 +95,8 @@ def undilate_step(row: dict, scale: float, origin_s: float) -> dict:
 
 def undilate_transfer(row: dict, scale: float, origin_s: float) -> dict:
     """A transfer row (``TransferRecord.__dict__``) undilated as ``undilate_record``; its
-    ``achieved_gbps`` x ``scale`` (and ``efficiency`` with it)."""
+    ``achieved_gbps`` and ``peak_gbps`` x ``scale`` (the link as fast as its transfers
+    read), so ``efficiency`` (their ratio) is unchanged: never above the peak it was."""
     out = dict(row)
     for key in _TRANSFER_STAMPS:
         if out.get(key):
@@ -103,7 +104,7 @@ def undilate_transfer(row: dict, scale: float, origin_s: float) -> dict:
     for key in _TRANSFER_DURATIONS:
         if out.get(key) is not None:
             out[key] = out[key] / scale
-    for key in ("achieved_gbps", "efficiency"):
+    for key in ("achieved_gbps", "peak_gbps"):
         if out.get(key) is not None:
             out[key] = out[key] * scale
     return out

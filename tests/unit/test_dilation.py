@@ -48,6 +48,16 @@ def test_undilate_step_and_transfer_rows():
         "efficiency": None, "exposed_s": 0.02, "overlapped_s": None}
 
 
+def test_undilated_transfer_keeps_its_efficiency():
+    # 0.5 of the link's peak, measured; the link reads S x as fast as the transfer does
+    row = {"request_id": "r0", "num_bytes": 10**9, "put_s": 0.5, "get_s": 0.5,
+           "put_time_s": 100.0, "get_time_s": 100.5, "achieved_gbps": 1.0, "peak_gbps": 2.0,
+           "efficiency": 0.5}
+    u = dilation.undilate_transfer(row, 4.0, 100.0)
+    assert (u["achieved_gbps"], u["peak_gbps"], u["efficiency"]) == (4.0, 8.0, 0.5)
+    assert u["efficiency"] == u["achieved_gbps"] / u["peak_gbps"]
+
+
 def test_dilated_workload_stretches_each_gap_and_refuses_multi_turn():
     spec = WorkloadSpec(dataset="synthetic", num_requests=5)
     items = workloads.synthetic(5, 0, 4, 2)
