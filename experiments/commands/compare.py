@@ -175,6 +175,10 @@ def check(args: argparse.Namespace) -> Experiment:
     spec = dataclass_from_args(WorkloadSpec, args)
     engine = engine_config(args, model)
     emulation = emulation_for(devices, model, engine)  # ValueError names the option
+    if engine.emu_time_scale != 1 and spec.dataset == "multiturn":  # dilation.check_dilatable
+        raise option_error("--emu-time-scale", "applies to open-loop workloads only (requests "
+                                               "at drawn arrival times, or a trace), not to "
+                                               "--dataset multiturn")
     if emulation is not None:  # the emulated GPU keeps the profile's KV dtype
         model = ModelConfig(args.model, emulation.device.dtype)
     longest = spec.max_request_len()

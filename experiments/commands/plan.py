@@ -213,6 +213,10 @@ def check(args: argparse.Namespace) -> PlanJob:
     elif engine.emu_time_scale != 1:
         raise option_error("--emu-time-scale", "dilates emulated devices only: --validate "
                                                "with --device-profile")
+    if engine.emu_time_scale != 1 and spec.dataset == "multiturn":  # dilation.check_dilatable
+        raise option_error("--emu-time-scale", "applies to open-loop workloads only (requests "
+                                               "at drawn arrival times, or a trace), not to "
+                                               "--dataset multiturn")
     path = (Path(plan.profile) if plan.profile else
             Path(engine.device_profile) if engine.device_profile else find_profile(model))
     if path is None:
