@@ -6,11 +6,13 @@ a 2-core host sharing 4-8 worker processes add a share of a 6 ms GPU step that d
 tight SLO cells (README, "Where does disaggregation win?"). Time-warped emulation (Gupta et
 al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006) separates the two:
 
-- every emulated step lasts ``S`` x its modelled time (the device profile ``scaled(S)``,
-  ``experiments.placement.emulation_for``) and every gap between arrivals ``S`` x its drawn
+- every emulated step lasts ``S`` x its modelled time (``Emulation.time_scale``, which
+  ``experiments.placement.emulation_for`` sets and ``EmulatedRunner.modelled_s`` multiplies
+  by; the profile itself is not scaled) and every gap between arrivals ``S`` x its drawn
   value (``dilated_workload``: the workload drawn at the undilated rate, its offsets x S);
 - every time measured in the run is divided by ``S`` before anything reads it
-  (``undilate``: stamps about the run's start, durations, bandwidths x S).
+  (``undilate_record`` / ``_step`` / ``_transfer``: stamps about the run's start,
+  durations, bandwidths x S); the wall-clock bounds on waits x S (``dilated_transfer``).
 
 The modelled device then appears at its own speed, and the host's seconds per event (the
 same at any ``S``) count ``1 / S`` as much. ``S = 1`` is real time. What ``S > 1`` checks
