@@ -210,7 +210,7 @@ def check(args: argparse.Namespace) -> PlanJob:
                                                 "transfers only (granularity 'request')")
     if engine.device_profile is not None:  # --validate on emulated devices (emu:0..N-1)
         emulation_for(emulated_devices(plan.devices), model, engine)  # ValueError names it
-    elif engine.emu_time_scale != 1:
+    if engine.emu_time_scale != 1 and (engine.device_profile is None or not plan.validate):
         raise option_error("--emu-time-scale", "dilates emulated devices only: --validate "
                                                "with --device-profile")
     if engine.emu_time_scale != 1 and spec.dataset == "multiturn":  # dilation.check_dilatable

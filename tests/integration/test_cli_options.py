@@ -235,6 +235,10 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            for cmd in ("run", "compare")]
         + [("plan", "--emu-time-scale", ["--model", "engine/configs/llama-3.1-8b", "--dtype",
                                          "bfloat16", "--profile", LLAMA_PROFILE,
+                                         "--device-profile", LLAMA_PROFILE,
+                                         "--emu-time-scale", "2"], ("--validate",))]
+        + [("plan", "--emu-time-scale", ["--model", "engine/configs/llama-3.1-8b", "--dtype",
+                                         "bfloat16", "--profile", LLAMA_PROFILE,
                                          "--device-profile", LLAMA_PROFILE, "--transport", "shm",
                                          "--validate", "--dataset", "multiturn",
                                          "--emu-time-scale", "2"], ("not to --dataset multiturn",))]
