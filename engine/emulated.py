@@ -90,7 +90,7 @@ class Emulation:
         clock: ``RealClock`` or a test's fake (``time()``, ``perf()``, ``wait_until(t)``).
 
     Raises:
-        ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` below 1.
+        ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1.
     """
 
     device: Any

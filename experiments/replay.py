@@ -131,8 +131,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
         dilate.check_dilatable(its, dilation)
     results = []
     with Deployment(PlacementConfig(placement, devices, address), model, engine,
-                    dilate.dilated_transfer(transfer, dilation), policy=policy, local=local, conditional=conditional,
-                    max_worker_restarts=max_worker_restarts) as dep:
+                    dilate.dilated_transfer(transfer, dilation), policy=policy, local=local,
+                    conditional=conditional, max_worker_restarts=max_worker_restarts) as dep:
         longest = max(it.num_prompt_tokens + it.output_len for its in by_seed.values() for it in its)
         if longest > dep.router.max_model_len:
             raise ValueError(f"a request of {longest} tokens (prompt + output) does not fit the "
