@@ -452,7 +452,7 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
     if engine.device_profile is not None:  # emulated: the twin is the device, the gap pdlab's
         stages = stage_latency(measured, simulated)
         stages.to_csv(out_dir / "added_latency_stages.csv", index=False)
-        summary["added_stages"] = largest_stage_text(stages)
+        summary["added_stages"] = largest_stage_text(stages, engine.emu_time_scale)
     if math.isfinite(factor):
         twins = simulate(own_factor)
         corrected = summarize(twins)
@@ -616,9 +616,11 @@ def stage_latency(measured: Sequence[RunResult], modelled: Sequence[RunResult]) 
                                        "modelled_s", "added_s"])
 
 
-def largest_stage_text(stages: pd.DataFrame) -> str:
+def largest_stage_text(stages: pd.DataFrame, time_scale: float = 1.0) -> str:
     """One line per placement: the stage that adds the most at the median over its rates
-    (``stage_latency``'s ``added_s``), in ms. Empty when nothing was measured."""
+    (``stage_latency``'s ``added_s``), in ms. Empty when nothing was measured. A dilated run
+    (``time_scale`` S > 1, ``experiments.dilation``) says that its figures are the host's
+    added time / S."""
     lines = []
     for placement, rows in stages.dropna(subset=["added_s"]).groupby("placement", sort=False):
         per_stage = rows.groupby("stage", sort=False)["added_s"].median()
@@ -630,6 +632,9 @@ def largest_stage_text(stages: pd.DataFrame) -> str:
         lines.append(f"{placement}: pdlab's largest added stage is {worst} "
                      f"({1e3 * per_stage[worst]:+.2f} ms, median over rates); each later "
                      f"decode step {1e3 * itl:+.2f} ms")
+    if lines and time_scale != 1:
+        lines.append(f"(time dilated x {time_scale:g}: each figure is this host's added time "
+                     f"/ {time_scale:g}; the undilated cost is {time_scale:g} x)")
     return "\n".join(lines)
 
 
@@ -655,7 +660,7 @@ def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, s
         added_latency(summary, simulated).to_csv(out_dir / "added_latency.csv", index=False)
         stages = stage_latency(results, twins)
         stages.to_csv(out_dir / "added_latency_stages.csv", index=False)
-        stages_text = largest_stage_text(stages)
+        stages_text = largest_stage_text(stages, engine.emu_time_scale)
     check = validation_summary(errors, _goodput(summary), _goodput(simulated))
     check.update(step_correction=factor, step_correction_by_worker=by_worker)
     return summary, (verdict_text + "\nSimulated twin (pdlab plan's simulator): "

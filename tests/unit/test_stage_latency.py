@@ -45,6 +45,9 @@ def test_stage_medians_and_added_seconds_hand_computed():
     text = largest_stage_text(stage_latency([run([real])], [run([twin])]))
     assert text == ("disagg:1p1d: pdlab's largest added stage is hand-over to KV fetched "
                     "(+10.00 ms, median over rates); each later decode step +1.00 ms")
+    dilated = largest_stage_text(stage_latency([run([real])], [run([twin])]), time_scale=10)
+    assert dilated == text + ("\n(time dilated x 10: each figure is this host's added time "
+                              "/ 10; the undilated cost is 10 x)")
 
 
 def test_a_colocated_run_has_no_kv_stages():
