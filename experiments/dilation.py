@@ -37,6 +37,22 @@ _TRANSFER_STAMPS = ("put_time_s", "get_time_s")
 _TRANSFER_DURATIONS = ("put_s", "get_s", "exposed_s", "overlapped_s")
 
 
+_OPEN_LOOP_ONLY = ("argument --emu-time-scale: applies to open-loop workloads only (requests "
+                   "at drawn arrival times, or a trace), not to multi-turn conversations "
+                   "(--dataset multiturn)")
+
+
+def check_dataset(dataset: str, scale: float) -> None:
+    """The option check's form of ``check_dilatable``: refuse ``--dataset multiturn`` with a
+    dilation before anything runs (``run``, ``compare``, ``plan``).
+
+    Raises:
+        ValueError: ``scale`` != 1 and ``dataset`` is ``"multiturn"``.
+    """
+    if scale != 1 and dataset == "multiturn":
+        raise ValueError(_OPEN_LOOP_ONLY)
+
+
 def check_dilatable(items, scale: float) -> None:
     """Refuse a dilation of a multi-turn workload (``workload_spec.MultiTurn``), before
     anything is deployed: its turns' arrival times are drawn inside the closed-loop replay.
@@ -45,9 +61,7 @@ def check_dilatable(items, scale: float) -> None:
         ValueError: ``scale`` != 1 and ``items`` is a ``MultiTurn``.
     """
     if scale != 1 and isinstance(items, MultiTurn):
-        raise ValueError("argument --emu-time-scale: applies to open-loop workloads only "
-                         "(requests at drawn arrival times, or a trace), not to multi-turn "
-                         "conversations")
+        raise ValueError(_OPEN_LOOP_ONLY)
 
 
 def dilated_workload(workload: list, scale: float) -> list:

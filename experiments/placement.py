@@ -127,8 +127,9 @@ def emulation_for(devices: tuple[str, ...], model: ModelConfig,
 
     Raises:
         ValueError: ``--device-profile`` or ``--emu-time-scale`` without emulated devices,
-            emulated devices without a profile, an unreadable profile, a profile of another model, or a model that
-            is not a config directory (each message names the option).
+            emulated devices without a profile, an unreadable profile, a profile of another
+            model, or a model that is not a config directory (each message names the
+            option).
     """
     if not is_emulated(devices):
         if engine.device_profile is not None:

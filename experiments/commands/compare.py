@@ -33,7 +33,7 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Transfe
                            add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
 from engine.metrics import SLO
 from engine.model import model_context_len
-from experiments import report, validate, workload_map
+from experiments import dilation, report, validate, workload_map
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args, add_slo_args,
                                  add_transfer_args, check_model, check_out, check_placements,
                                  engine_config,
@@ -175,10 +175,7 @@ def check(args: argparse.Namespace) -> Experiment:
     spec = dataclass_from_args(WorkloadSpec, args)
     engine = engine_config(args, model)
     emulation = emulation_for(devices, model, engine)  # ValueError names the option
-    if engine.emu_time_scale != 1 and spec.dataset == "multiturn":  # dilation.check_dilatable
-        raise option_error("--emu-time-scale", "applies to open-loop workloads only (requests "
-                                               "at drawn arrival times, or a trace), not to "
-                                               "--dataset multiturn")
+    dilation.check_dataset(spec.dataset, engine.emu_time_scale)
     if emulation is not None:  # the emulated GPU keeps the profile's KV dtype
         model = ModelConfig(args.model, emulation.device.dtype)
     longest = spec.max_request_len()

@@ -32,7 +32,7 @@ from tqdm import tqdm
 from engine.config import (GIB, EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
                            check_fields, dataclass_from_args, emulated_devices, parse_devices)
 from engine.metrics import SLO
-from experiments import plots, validate
+from experiments import dilation, plots, validate
 from experiments.placement import emulation_for
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, add_transfer_args,
                                  check_model,
@@ -213,10 +213,7 @@ def check(args: argparse.Namespace) -> PlanJob:
     if engine.emu_time_scale != 1 and (engine.device_profile is None or not plan.validate):
         raise option_error("--emu-time-scale", "dilates emulated devices only: --validate "
                                                "with --device-profile")
-    if engine.emu_time_scale != 1 and spec.dataset == "multiturn":  # dilation.check_dilatable
-        raise option_error("--emu-time-scale", "applies to open-loop workloads only (requests "
-                                               "at drawn arrival times, or a trace), not to "
-                                               "--dataset multiturn")
+    dilation.check_dataset(spec.dataset, engine.emu_time_scale)
     path = (Path(plan.profile) if plan.profile else
             Path(engine.device_profile) if engine.device_profile else find_profile(model))
     if path is None:
