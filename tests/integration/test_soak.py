@@ -162,7 +162,8 @@ def test_soak_500_requests_with_faults(tiny, request, transport_name, granularit
 
 def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny, workload):
     """The soak through a local ``Deployment`` with the same put failures, corruptions and
-    delays, and decode-0 killed at 0.5 s (its restart budget 1). Every request ends; the
+    delays, and decode-0 killed mid-decode (the first moment from 0.5 s on that it holds a
+    request with 1-2 of its 4 tokens; its restart budget 1). Every request ends; the
     faulted ones fail with their cause, the ones decoding on decode-0 at the kill fail
     naming it, every other one (those that waited for the replacement included) gives
     generate()'s tokens; decode-0 rejoined; at the end every engine is empty with every
@@ -177,7 +178,24 @@ def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny
     with Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE, TRANSFER,
                     local=True, faults=faults, deadline_s=20.0, max_worker_restarts=1) as dep:
         kills: list[float] = []
-        timer = threading.Timer(0.5, lambda: (kills.append(time.time()), dep.kill("decode-0")))
+        decode = dep.handles["decode-0"]
+
+        def decoding() -> bool:  # on decode-0's loop: a request mid-decode (1..3 of 4 tokens)
+            return any(0 < len(s.token_ids) - s.num_prompt_tokens < MAX_TOKENS - 1
+                       for s in decode.engine.scheduler.running)
+
+        def kill_mid_decode() -> None:
+            # from 0.5 s on, at the first moment decode-0 is decoding: a fixed-time kill
+            # found it idle between requests once (an AMD Zen 1 CI run: nothing killed)
+            time.sleep(0.5)
+            for _ in range(5000):
+                if decode.call(decoding):
+                    break
+                time.sleep(0.001)
+            kills.append(time.time())
+            dep.kill("decode-0")
+
+        timer = threading.Thread(target=kill_mid_decode)
         timer.start()
         records = dep.run(items)
         timer.join()
