@@ -83,12 +83,22 @@ def dilated_transfer(transfer: TransferConfig, scale: float) -> TransferConfig:
     return dataclasses.replace(transfer, timeout_s=transfer.timeout_s * scale)
 
 
+def label(scale: float) -> str:
+    """``"time dilated x S"``: how a report names a dilated run (titles, headers)."""
+    return f"time dilated x {scale:g}"
+
+
+def _at(t: float, scale: float, origin_s: float) -> float:
+    """A wall-clock stamp ``t`` of a dilated run, undilated about the run's start."""
+    return origin_s + (t - origin_s) / scale
+
+
 def undilate_record(record: RequestRecord, scale: float, origin_s: float) -> RequestRecord:
     """``record`` as if its run had taken ``1 / scale`` of its time: every stamp ``t`` ->
     ``origin_s + (t - origin_s) / scale`` (``origin_s``: the run's start, ``time.time()``
     seconds), every duration / ``scale``."""
     def at(t: float) -> float:
-        return origin_s + (t - origin_s) / scale
+        return _at(t, scale, origin_s)
 
     def over(d: float | None) -> float | None:
         return None if d is None else d / scale
@@ -105,7 +115,7 @@ def undilate_step(row: dict, scale: float, origin_s: float) -> dict:
     """A step row (``StepRecord.to_row``, plus the worker's name) undilated as
     ``undilate_record``: ``start_s`` a stamp, ``duration_s`` a duration; ``lateness`` (a
     ratio) unchanged."""
-    return {**row, "start_s": origin_s + (row["start_s"] - origin_s) / scale,
+    return {**row, "start_s": _at(row["start_s"], scale, origin_s),
             "duration_s": row["duration_s"] / scale}
 
 
@@ -116,7 +126,7 @@ def undilate_transfer(row: dict, scale: float, origin_s: float) -> dict:
     out = dict(row)
     for key in _TRANSFER_STAMPS:
         if out.get(key):
-            out[key] = origin_s + (out[key] - origin_s) / scale
+            out[key] = _at(out[key], scale, origin_s)
     for key in _TRANSFER_DURATIONS:
         if out.get(key) is not None:
             out[key] = out[key] / scale

@@ -26,7 +26,7 @@ import torch
 from engine.config import ConditionalConfig, ModelConfig, PlacementConfig
 from engine.emulated import Emulation, lateness_warning
 from engine.metrics import SLO
-from experiments import analysis, hindsight, plots, report
+from experiments import analysis, dilation, hindsight, plots, report
 from experiments.report import format_table
 from experiments.replay import RunResult
 from planner.latency import DeviceProfile
@@ -145,7 +145,7 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
     scale = config.get("emulation", {}).get("time_scale", 1)
     title = "pdlab placement comparison" + (
         "" if not config.get("emulated") else " (emulated devices)" if scale == 1
-        else f" (emulated devices, time dilated x {scale:g})")
+        else f" (emulated devices, {dilation.label(scale)})")
     report.write_report(out_dir, summary, slo, verdict_text, plot_paths, config, goodput=goodput,
                         transfer_efficiency=efficiency, title=title)
     return summary, verdict_text

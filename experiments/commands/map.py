@@ -45,7 +45,7 @@ from tqdm import tqdm
 from engine.config import (EngineConfig, ModelConfig, TransferConfig, add_dataclass_args,
                            check_fields, dataclass_from_args, emulated_devices, is_emulated,
                            parse_devices)
-from experiments import map_validate, plots
+from experiments import dilation, map_validate, plots
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_transfer_args,
                                  check_model, check_out, engine_config, find_profile,
                                  load_profile_for, option_error, rate_list, what_if_transfer)
@@ -366,9 +366,8 @@ def run(args: argparse.Namespace, job: MapJob) -> int:
     return 0
 
 
-def _dilation_text(scale: float) -> str:
-    """``", time dilated x S"`` for a dilated emulation (``experiments.dilation``), else ``""``."""
-    return "" if scale == 1 else f", time dilated x {scale:g}"
+def _dilated(scale: float) -> str:
+    return "" if scale == 1 else ", " + dilation.label(scale)
 
 
 def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, ladders: dict,
@@ -380,7 +379,7 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
     emulated = is_emulated(x.validate_devices)
     where = (f"on emulated devices ({devices}: {x.profile.device_name} step times of "
              f"{x.profile_path}, KV x {x.validate_engine.emu_kv_scale:g}"
-             f"{_dilation_text(x.validate_engine.emu_time_scale)})" if emulated
+             f"{_dilated(x.validate_engine.emu_time_scale)})" if emulated
              else f"on this machine's {devices}")
     checked, kept, per_run = [], [], []
     ratios = list(dict.fromkeys(picked["io_ratio"]))
