@@ -24,12 +24,21 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable, Sequence
 
 import torch
 
+from engine import kernel_choice
 from experiments import timing
 from experiments.timing import Timing, describe
+
+# --isa: the environment each cap sets (and that native clears) on every side of a benchmark:
+# oneDNN's and MKL's own variables and pdlab's C build (engine/cpu_kernels.py), so an AVX-512
+# machine stands in for an AVX2-only one (issue 30).
+ISA_CAPS = {"native": {},
+            "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+                     "PDLAB_CPU_KERNELS_ISA": "avx2"}}
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -37,6 +46,36 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1, pinned to one core; 0 = leave as is)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per contender")
+
+
+def add_isa_arg(parser: argparse.ArgumentParser) -> None:
+    """``--isa native|avx2`` (``ISA_CAPS``); the benchmark calls ``reexec_under_isa`` first."""
+    parser.add_argument("--isa", choices=sorted(ISA_CAPS), default="native",
+                        help="cap every side's GEMM ISA (avx2: an AVX-512 CPU run as AVX2-only)")
+
+
+def isa_env(isa: str) -> dict[str, str]:
+    """This process's environment with exactly ``ISA_CAPS[isa]`` among the ISA caps
+    (``kernel_choice.ISA_ENV``)."""
+    env = {k: v for k, v in os.environ.items() if k not in kernel_choice.ISA_ENV}
+    return {**env, **ISA_CAPS[isa]}
+
+
+def reexec_under_isa(module: str, isa: str, argv: list[str] | None) -> None:
+    """Re-execute ``python -m module`` under ``isa_env(isa)`` unless already there: torch, MKL
+    and oneDNN are loaded by now and read their caps only once, and a vLLM worker started
+    later inherits the environment. Returns only when nothing needs to change."""
+    want = isa_env(isa)
+    if all(os.environ.get(k) == want.get(k) for k in kernel_choice.ISA_ENV):
+        return
+    args = sys.argv[1:] if argv is None else argv
+    os.execve(sys.executable, [sys.executable, "-m", module, *args], want)
+
+
+def isa_line(isa: str) -> str:
+    """A header line: the ``--isa`` cap in force and the CPU's SIMD flags."""
+    caps = dict(ISA_CAPS[isa]) or "none"
+    return f"--isa {isa} (caps: {caps}); CPU flags: {kernel_choice.isa_summary()}"
 
 
 def setup_threads(threads: int) -> str:

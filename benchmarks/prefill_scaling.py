@@ -17,6 +17,10 @@ One prompt of P random token ids (seed 0; ids 3.. so none is BOS/EOS), prefill o
 Prints ms per prompt token for each, pdlab / vLLM, and pdlab's ms/token relative to its own
 at P = 128 (targets: <= 1.15 at P = 1024 and 2048, chunked and not; pdlab / vLLM <= 1.0), and
 how many contenders' first tokens equal transformers' argmax.
+
+``--isa avx2`` caps every contender alike (oneDNN, MKL and pdlab's C build:
+``benchmarks.ISA_CAPS``, as in ``benchmarks.vs_vllm``), so an AVX-512 machine stands in for
+an AVX2-only one; each pdlab engine prints its kernel choice on stderr.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import time
 
 import torch
 
-from benchmarks import add_common_args, print_table, setup_threads, vllm_peer
+from benchmarks import (add_common_args, add_isa_arg, isa_line, print_table, reexec_under_isa,
+                        setup_threads, vllm_peer)
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
@@ -80,10 +85,13 @@ def main(argv: list[str] | None = None) -> int:
     add_common_args(parser)
     parser.add_argument("--lengths", type=int, nargs="+", default=None)
     parser.add_argument("--no-vllm", action="store_true", help="skip vLLM even if installed")
+    add_isa_arg(parser)
     args = parser.parse_args(argv)
+    reexec_under_isa("benchmarks.prefill_scaling", args.isa, argv)
     repeats = args.repeats or (2 if args.quick else 3)
     lengths = args.lengths or ([128, 512, 1024] if args.quick else list(LENGTHS))
     print(setup_threads(args.threads))
+    print(isa_line(args.isa))
     loaded = load_model(ModelConfig("smollm2-135m"))
     model = loaded.model
     gen = torch.Generator().manual_seed(0)

@@ -36,8 +36,8 @@ import os
 import sys
 import time
 
-from benchmarks import add_common_args, gemm_isa, print_table, setup_threads, vllm_peer
-from engine import kernel_choice
+from benchmarks import (add_common_args, add_isa_arg, gemm_isa, isa_line, print_table,
+                        reexec_under_isa, setup_threads, vllm_peer)
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
@@ -52,27 +52,6 @@ OUTPUT_LEN = 64
 # step); K = 48 divides that by three.
 DECODE_STEPS = 48
 _ids = itertools.count()
-# --isa: the environment each cap sets (and that native clears) on both sides
-ISA_CAPS = {"native": {},
-            "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-                     "PDLAB_CPU_KERNELS_ISA": "avx2"}}
-_ISA_NAMES = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PDLAB_CPU_KERNELS_ISA")
-
-
-def _isa_env(isa: str) -> dict[str, str]:
-    """This process's environment with exactly ``ISA_CAPS[isa]`` among the ISA caps."""
-    env = {k: v for k, v in os.environ.items() if k not in _ISA_NAMES}
-    return {**env, **ISA_CAPS[isa]}
-
-
-def _reexec_for(isa: str, argv: list[str] | None) -> None:
-    """Re-execute this benchmark under ``_isa_env(isa)`` unless already there (torch, MKL
-    and oneDNN are loaded by now and read their caps only once)."""
-    want = _isa_env(isa)
-    if all(os.environ.get(k) == want.get(k) for k in _ISA_NAMES):
-        return
-    args = sys.argv[1:] if argv is None else argv
-    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.vs_vllm", *args], want)
 
 
 class PdlabSide:
@@ -98,10 +77,9 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--isa", choices=sorted(ISA_CAPS), default="native",
-                        help="cap both sides' GEMM ISA (avx2: an AVX-512 CPU run as AVX2-only)")
+    add_isa_arg(parser)
     args = parser.parse_args(argv)
-    _reexec_for(args.isa, argv)
+    reexec_under_isa("benchmarks.vs_vllm", args.isa, argv)
     if not vllm_peer.available():
         print(f"{vllm_peer.VENV_PYTHON} not found: run `make vllm-venv` first")
         return 2
@@ -117,8 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     sides["vLLM"] = vllm_peer.VLLMPeer(max_model_len, BUDGET, cores)
     print(f"vLLM {sides['vLLM'].version} (CPU build, prefix caching off) and pdlab, both on "
           f"cores {cores}, token budget {BUDGET}")
-    caps = {k: v for k, v in ISA_CAPS[args.isa].items()} or "none"
-    print(f"--isa {args.isa} (caps: {caps}); CPU flags: {kernel_choice.isa_summary()}")
+    print(isa_line(args.isa))
     vllm_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     for name, python, env in (("pdlab", sys.executable, dict(os.environ)),
                               ("vLLM", vllm_peer.VENV_PYTHON, vllm_env)):
