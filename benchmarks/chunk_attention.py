@@ -4,13 +4,15 @@ by chunk length (issue 30: ``engine.ops.CpuOps.chunk_attention``, measured per m
 
 - **flash**: torch's CPU flash kernel (``F.scaled_dot_product_attention(is_causal=True)``,
   GQA without a copy), what the backend runs for a first chunk without pdlab's kernel;
+- **pdlab**: ``engine.cpu_kernels.causal_attention`` (the AVX2 GEMM blocks over the causal
+  triangle, ``engine/cpu_kernels.c``);
 - **pdlab512** (where the CPU has avx512f): ``engine.cpu_kernels.causal_attention512``
-  (the AVX-512 GEMM blocks over the causal triangle, ``engine/cpu_kernels.c``).
+  (the same on the AVX-512 blocks).
 
 One layer's first chunk of L tokens with SmolLM2-135M's heads (9 query / 3 KV heads of 64),
 q rows of a fused QKV tensor and K/V rows of a store slice, as the runner passes them.
 Prints each kernel's milliseconds, the causal GFLOP/s (4 L (L + 1) / 2 D H_q FLOPs) and
-pdlab512 / flash (< 1: pdlab's is faster). Timing does not depend on the values.
+each pdlab kernel's time / flash's (< 1: pdlab's is faster). Timing does not depend on the values.
 """
 
 from __future__ import annotations
@@ -40,10 +42,11 @@ def main(argv: list[str] | None = None) -> int:
     lengths = args.lengths or ([64, 256, 1024] if args.quick else LENGTHS)
     print(setup_threads(args.threads))
     kernels = cpu_kernels.load()
-    if kernels is None or not kernels.linear_avx512:
-        print("pdlab's AVX-512 chunk attention is not available here (no compiler or no "
-              "avx512f)")
+    if kernels is None or not kernels.linear_vectorized:
+        print("pdlab's chunk attention is not available here (no compiler or no AVX2 + FMA)")
         return 1
+    pdlab = {"pdlab": kernels.causal_attention,
+             **({"pdlab512": kernels.causal_attention512} if kernels.linear_avx512 else {})}
     gen = torch.Generator().manual_seed(0)
     table = []
     for n in lengths:
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             "flash": lambda: F.scaled_dot_product_attention(
                 q.transpose(0, 1)[None], k[None], v[None], is_causal=True, enable_gqa=True,
                 scale=scale),
-            "pdlab512": lambda: kernels.causal_attention512(q, k, v, 0, scale),
+            **{name: (lambda f=f: f(q, k, v, 0, scale)) for name, f in pdlab.items()},
         }
         with torch.inference_mode():
             t = {name: timing.min_s for name, timing in
@@ -64,11 +67,11 @@ def main(argv: list[str] | None = None) -> int:
         flops = 4 * n * (n + 1) / 2 * HEAD_DIM * HEADS
         table.append([n, *(f"{t[name] * 1e3:.3f}" for name in contenders),
                       *(f"{flops / t[name] / 1e9:.1f}" for name in contenders),
-                      f"{t['pdlab512'] / t['flash']:.2f}"])
+                      *(f"{t[name] / t['flash']:.2f}" for name in pdlab)])
     print(f"one layer's first-chunk causal attention, SmolLM2-135M heads ({HEADS} q / "
           f"{KV_HEADS} kv of {HEAD_DIM}) fp32; " + estimator_line(repeats))
-    print_table(["L", "flash ms", "pdlab512 ms", "flash GFLOP/s", "pdlab512 GFLOP/s",
-                 "pdlab512 / flash"], table)
+    print_table(["L", *(f"{c} ms" for c in contenders), *(f"{c} GFLOP/s" for c in contenders),
+                 *(f"{c} / flash" for c in pdlab)], table)
     return 0
 
 

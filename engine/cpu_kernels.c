@@ -558,68 +558,172 @@ int pd_paged_decode_attention(const float *q, int64_t q_row_stride, const float 
     return 0;
 }
 
-/* Causal attention of one prompt chunk with the AVX-512 GEMM blocks (pd_causal_attention512):
+/* Causal attention of one prompt chunk on the GEMM blocks (pd_causal_attention with the
+ * AVX2 6 x 16 blocks, pd_causal_attention512 with the AVX-512 12 x 32 blocks):
  * n queries at positions start .. start + n - 1 over ctx = start + n keys of their request;
  * query i sees keys 0 .. start + i:
  *   out[i, h*G + g, :] = softmax(scale * q_i K^T over keys <= start + i) V,
  *   q_i = q[i, h*G + g, :],  K, V = k / v + h * kv_head_stride  ([ctx, dim], rows dim apart)
  * q: rows q_row_stride apart, heads dim apart; out [n, kv_heads * group, dim] contiguous.
- * Per KV head, K is packed once into 32-key panels (kpack: [ceil(ctx/32)][dim][32]) and V
- * into 32-dim panels (vpack: [ceil(dim/32)][ctx][32]); then per query head and block of at
- * most 12 query rows: the scores of the keys the block's last row sees (12 x 32 blocks,
- * one FMA per term, the sum over dim in order), the exact softmax of each row over its own
- * keys (pd_softmax; the keys past a row's end set to 0), and P V over the block's keys (12 x
- * 32 blocks again). So the work follows the causal FLOPs, and a block's scores (12 x ctx)
- * stay in L1/L2. scores: a workspace of 12 * ceil(ctx/32) * 32 floats. Agrees with torch's
- * SDPA to float32 rounding (another summation order). Returns 0, or -1 with nothing written
- * where this CPU/build has no AVX-512. */
+ * With W the blocks' panel width (16 or 32) and R their most rows (6 or 12): per KV head, K
+ * is packed once into W-key panels (kpack: [ceil(ctx/W)][dim][W]) and V into W-dim panels
+ * (vpack: [ceil(dim/W)][ctx][W]); then per query head and block of at most R query rows: the
+ * scores of the keys the block's last row sees (R x W blocks, one FMA per term, the sum over
+ * dim in order), the exact softmax of each row over its own keys (the keys past a row's end
+ * set to 0), and P V over the block's keys (R x W blocks again). So the work follows the
+ * causal FLOPs, and a block's scores (R x ctx) stay in L1/L2. scores: a workspace of
+ * R * ceil(ctx/W) * W floats. Agrees with torch's SDPA to float32 rounding (another
+ * summation order). Returns 0, or -1 with nothing written where this CPU/build lacks the
+ * ISA. */
+typedef void (*pd_gemm_block_fn)(const float *, int64_t, const float *, int64_t,
+                                 const float *, float *, int64_t, int64_t, const float *);
+static void pd_causal_blocks(const float *q, int64_t q_row_stride, const float *k,
+                             const float *v, int64_t kv_head_stride, int64_t n, int64_t start,
+                             int64_t kv_heads, int64_t group, int64_t dim, float scale,
+                             float *restrict kpack, float *restrict vpack,
+                             float *restrict scores, float *restrict out, int64_t width,
+                             int64_t max_rows, const pd_gemm_block_fn *blocks,
+                             void (*softmax)(float *, int64_t, float)) {
+    static const float zeros[32] = {0};  /* the blocks' bias: width <= 32 */
+    const int64_t ctx = start + n, key_panels = (ctx + width - 1) / width;
+    const int64_t dim_panels = (dim + width - 1) / width;
+    const int64_t ld = key_panels * width, hq = kv_heads * group;
+    for (int64_t h = 0; h < kv_heads; h++) {
+        pd_pack_linear_width(k + h * kv_head_stride, kpack, ctx, dim, width);
+        const float *vh = v + h * kv_head_stride;  /* vpack[p][t][c] = V[t][W p + c] */
+        for (int64_t p = 0; p < dim_panels; p++)
+            for (int64_t t = 0; t < ctx; t++)
+                for (int64_t c = 0; c < width; c++)
+                    vpack[(p * ctx + t) * width + c] =
+                        width * p + c < dim ? vh[t * dim + width * p + c] : 0.0f;
+        for (int64_t g = 0; g < group; g++) {
+            const int64_t head = h * group + g;
+            const int64_t num_blocks = (n + max_rows - 1) / max_rows;
+            for (int64_t block = 0, i = 0; block < num_blocks; block++) {
+                int64_t left = num_blocks - block, mr = (n - i + left - 1) / left;
+                int64_t keys = start + i + mr;  /* the block's last row sees keys < this */
+                for (int64_t p = 0; p * width < keys; p++)
+                    blocks[mr](q + i * q_row_stride + head * dim, q_row_stride,
+                               kpack + p * dim * width, dim, zeros, scores + p * width, ld,
+                               width, NULL);
+                for (int64_t r = 0; r < mr; r++) {
+                    float *s = scores + r * ld;
+                    int64_t len = start + i + r + 1;
+                    softmax(s, len, scale);
+                    for (int64_t t = len; t < keys; t++) s[t] = 0.0f;
+                }
+                for (int64_t p = 0; p < dim_panels; p++) {
+                    int64_t cols = dim - p * width < width ? dim - p * width : width;
+                    blocks[mr](scores, ld, vpack + p * ctx * width, keys, zeros,
+                               out + i * hq * dim + head * dim + p * width, hq * dim, cols,
+                               NULL);
+                }
+                i += mr;
+            }
+        }
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* s[0:len] = softmax(scale * s[0:len]) in place on 8 lanes (pd_softmax after the scale) */
+static void pd_softmax_scaled(float *s, int64_t len, float scale) {
+    const __m256 k = _mm256_set1_ps(scale);
+    int64_t t = 0;
+    for (; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), k));
+    for (; t < len; t++) s[t] *= scale;
+    pd_softmax(s, len);
+}
+
+int pd_causal_attention(const float *q, int64_t q_row_stride, const float *k, const float *v,
+                        int64_t kv_head_stride, int64_t n, int64_t start, int64_t kv_heads,
+                        int64_t group, int64_t dim, float scale, float *restrict kpack,
+                        float *restrict vpack, float *restrict scores, float *restrict out) {
+    pd_causal_blocks(q, q_row_stride, k, v, kv_head_stride, n, start, kv_heads, group, dim,
+                     scale, kpack, vpack, scores, out, PD_PANEL, PD_MAX_ROWS, PD_BLOCKS,
+                     pd_softmax_scaled);
+    return 0;
+}
+#else
+int pd_causal_attention(const float *q, int64_t q_row_stride, const float *k, const float *v,
+                        int64_t kv_head_stride, int64_t n, int64_t start, int64_t kv_heads,
+                        int64_t group, int64_t dim, float scale, float *kpack, float *vpack,
+                        float *scores, float *out) {
+    (void)q; (void)q_row_stride; (void)k; (void)v; (void)kv_head_stride; (void)n; (void)start;
+    (void)kv_heads; (void)group; (void)dim; (void)scale; (void)kpack; (void)vpack;
+    (void)scores; (void)out;
+    return -1;
+}
+#endif
+
 #if !defined(PD_NO_AVX512) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* pd_expf on 16 lanes: pd_expf8's operations in the same order, so equal results lane by lane */
+PD_AVX512 static inline __m512 pd_expf16(__m512 x) {
+    x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);  /* constant first: NaN stays NaN */
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
+    __m512 n = _mm512_roundscale_ps(_mm512_add_ps(
+        _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
+        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+    r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
+    __m512 z = _mm512_mul_ps(r, r);
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_add_ps(_mm512_mul_ps(y, r), _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(y, z), r), _mm512_set1_ps(1.0f));
+    __m512i bits = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(bits));
+}
+
+/* s[0:len] = softmax(scale * s[0:len]) in place, every pass on 16 lanes (a prompt chunk's
+ * rows: the scalar passes of pd_softmax were about a quarter of the chunk attention's time
+ * on a Zen 4 core); the tail lanes of the last vector are masked out of the max and sum. */
+PD_AVX512 static void pd_softmax512(float *s, int64_t len, float scale) {
+    const __m512 k = _mm512_set1_ps(scale);
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= len; t += 16) {
+        __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + t), k);
+        _mm512_storeu_ps(s + t, x);
+        top = _mm512_max_ps(top, x);
+    }
+    __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
+    if (tail) {
+        __m512 x = _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), k);
+        _mm512_mask_storeu_ps(s + t, tail, x);
+        top = _mm512_mask_max_ps(top, tail, top, x);
+    }
+    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 acc = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= len; t += 16) {
+        __m512 e = pd_expf16(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+        _mm512_storeu_ps(s + t, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (tail) {
+        __m512 e = pd_expf16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), shift));
+        _mm512_mask_storeu_ps(s + t, tail, e);
+        acc = _mm512_mask_add_ps(acc, tail, acc, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(acc));
+    for (t = 0; t + 16 <= len; t += 16)
+        _mm512_storeu_ps(s + t, _mm512_mul_ps(_mm512_loadu_ps(s + t), inv));
+    if (tail)
+        _mm512_mask_storeu_ps(s + t, tail, _mm512_mul_ps(_mm512_maskz_loadu_ps(tail, s + t), inv));
+}
+
 int pd_causal_attention512(const float *q, int64_t q_row_stride, const float *k,
                            const float *v, int64_t kv_head_stride, int64_t n, int64_t start,
                            int64_t kv_heads, int64_t group, int64_t dim, float scale,
                            float *restrict kpack, float *restrict vpack,
                            float *restrict scores, float *restrict out) {
     if (!pd_linear512_available()) return -1;
-    static const float zeros[PD_PANEL512] = {0};
-    const int64_t ctx = start + n, key_panels = (ctx + PD_PANEL512 - 1) / PD_PANEL512;
-    const int64_t dim_panels = (dim + PD_PANEL512 - 1) / PD_PANEL512;
-    const int64_t ld = key_panels * PD_PANEL512, hq = kv_heads * group;
-    for (int64_t h = 0; h < kv_heads; h++) {
-        pd_pack_linear_width(k + h * kv_head_stride, kpack, ctx, dim, PD_PANEL512);
-        const float *vh = v + h * kv_head_stride;  /* vpack[p][t][c] = V[t][32p + c] */
-        for (int64_t p = 0; p < dim_panels; p++)
-            for (int64_t t = 0; t < ctx; t++)
-                for (int64_t c = 0; c < PD_PANEL512; c++)
-                    vpack[(p * ctx + t) * PD_PANEL512 + c] =
-                        32 * p + c < dim ? vh[t * dim + 32 * p + c] : 0.0f;
-        for (int64_t g = 0; g < group; g++) {
-            const int64_t head = h * group + g;
-            const int64_t num_blocks = (n + PD_MAX_ROWS512 - 1) / PD_MAX_ROWS512;
-            for (int64_t block = 0, i = 0; block < num_blocks; block++) {
-                int64_t left = num_blocks - block, mr = (n - i + left - 1) / left;
-                int64_t keys = start + i + mr;  /* the block's last row sees keys < this */
-                for (int64_t p = 0; p * PD_PANEL512 < keys; p++)
-                    PD_BLOCKS512[mr](q + i * q_row_stride + head * dim, q_row_stride,
-                                     kpack + p * dim * PD_PANEL512, dim, zeros,
-                                     scores + p * PD_PANEL512, ld, PD_PANEL512, NULL);
-                for (int64_t r = 0; r < mr; r++) {
-                    float *s = scores + r * ld;
-                    int64_t len = start + i + r + 1;
-                    for (int64_t t = 0; t < len; t++) s[t] *= scale;
-                    pd_softmax(s, len);
-                    for (int64_t t = len; t < keys; t++) s[t] = 0.0f;
-                }
-                for (int64_t p = 0; p < dim_panels; p++) {
-                    int64_t cols = dim - p * PD_PANEL512 < PD_PANEL512 ? dim - p * PD_PANEL512
-                                                                      : PD_PANEL512;
-                    PD_BLOCKS512[mr](scores, ld, vpack + p * ctx * PD_PANEL512, keys, zeros,
-                                     out + i * hq * dim + head * dim + p * PD_PANEL512,
-                                     hq * dim, cols, NULL);
-                }
-                i += mr;
-            }
-        }
-    }
+    pd_causal_blocks(q, q_row_stride, k, v, kv_head_stride, n, start, kv_heads, group, dim,
+                     scale, kpack, vpack, scores, out, PD_PANEL512, PD_MAX_ROWS512,
+                     PD_BLOCKS512, pd_softmax512);
     return 0;
 }
 #else

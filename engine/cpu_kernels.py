@@ -21,7 +21,8 @@ calling thread:
   (``linear_avx512``); its results equal ``linear``'s bit for bit (same sums, same order);
 - ``causal_attention512``: a prompt chunk's causal attention on the same AVX-512 blocks
   (0.4-0.6x torch's CPU flash kernel's time at 64-2048 tokens on a Zen 5 core, SmolLM2's
-  heads: ``python -m benchmarks.chunk_attention``, benchmarks/README.md, issue 30);
+  heads: ``python -m benchmarks.chunk_attention``, benchmarks/README.md, issue 30), and
+  ``causal_attention``, the same on the AVX2 blocks for CPUs without AVX-512;
 - ``decode_attention``: paged attention of one query token per request over its cached K/V
   (GQA), read in place through the block tables, in place of SDPAs whose CPU flash kernel is
   built for long query blocks and which need each group's K/V as one strided view or a copy.
@@ -76,6 +77,8 @@ _SIGNATURES = {
     "pd_linear": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr],
     "pd_pack_linear_width": [_ptr, _ptr, _i64, _i64, _i64],
     "pd_linear512": [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr],
+    "pd_causal_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
+                            _f32, _ptr, _ptr, _ptr, _ptr],
     "pd_causal_attention512": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64,
                                _f32, _ptr, _ptr, _ptr, _ptr],
     "pd_paged_decode_attention": [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _ptr,
@@ -154,6 +157,7 @@ class Kernels:
         lib.pd_linear_vectorized.restype = ctypes.c_int
         lib.pd_paged_decode_attention.restype = ctypes.c_int
         lib.pd_linear512.restype = ctypes.c_int
+        lib.pd_causal_attention.restype = ctypes.c_int
         lib.pd_causal_attention512.restype = ctypes.c_int
         lib.pd_linear512_available.restype = ctypes.c_int
         self._norm, self._rope_kv, self._silu_mul = (lib.pd_add_rms_norm, lib.pd_rope_kv,
@@ -167,7 +171,9 @@ class Kernels:
         # True only where this CPU has avx512f (cpuid) and the build kept the AVX-512 GEMM
         # (not under PDLAB_CPU_KERNELS_ISA=avx2): ``linear512`` is refused otherwise.
         self.linear_avx512 = bool(lib.pd_linear512_available())
-        self._causal512 = lib.pd_causal_attention512
+        # the chunk attention on each GEMM's blocks: (C function, panel width, most rows)
+        self._causal = {False: (lib.pd_causal_attention, PANEL, 6),
+                        True: (lib.pd_causal_attention512, PANEL512, 12)}
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -306,6 +312,15 @@ class Kernels:
             raise ValueError("linear512: this CPU has no avx512f")
         return out
 
+    def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         start: int, scale: float) -> torch.Tensor:
+        """``causal_attention512`` on the AVX2 GEMM blocks (6 x 16), for CPUs without
+        AVX-512 (or a build capped at AVX2); the same arguments, result and errors, where
+        the build targets AVX2 + FMA (``linear_vectorized``)."""
+        if not self.linear_vectorized:
+            raise ValueError("causal_attention needs a build for AVX2 + FMA")
+        return self._causal_attention(q, k, v, start, scale, avx512=False)
+
     def causal_attention512(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             start: int, scale: float) -> torch.Tensor:
         """Causal attention of one prompt chunk with the AVX-512 GEMM blocks: query ``i``
@@ -327,6 +342,10 @@ class Kernels:
         if not self.linear_avx512:
             raise ValueError("causal_attention512 needs a CPU with avx512f and a build that "
                              f"keeps it (not ${ISA_ENV}=avx2)")
+        return self._causal_attention(q, k, v, start, scale, avx512=True)
+
+    def _causal_attention(self, q, k, v, start, scale, avx512: bool) -> torch.Tensor:
+        name = "causal_attention512" if avx512 else "causal_attention"
         n, hq, d = q.shape
         hkv, ctx, kd = k.shape
         if (q.dtype != torch.float32 or q.device.type != "cpu" or q.stride()[1:] != (d, 1)
@@ -334,19 +353,20 @@ class Kernels:
                 or k.device.type != "cpu" or v.device.type != "cpu"
                 or k.shape != v.shape or k.stride() != v.stride() or k.stride()[1:] != (d, 1)
                 or kd != d or hq % hkv or ctx != start + n or start < 0):
-            raise ValueError(f"causal_attention512 needs float32 CPU q [n, H_q, D] and k/v "
+            raise ValueError(f"{name} needs float32 CPU q [n, H_q, D] and k/v "
                              f"[H_kv, start + n, D] with contiguous rows, got q "
                              f"{tuple(q.shape)} k {tuple(k.shape)} v {tuple(v.shape)} "
                              f"start {start}")
-        panels = -(-ctx // PANEL512)
-        kpack = q.new_empty(panels * d * PANEL512)
-        vpack = q.new_empty(-(-d // PANEL512) * ctx * PANEL512)
-        scores = q.new_empty(12 * panels * PANEL512)
+        fn, width, max_rows = self._causal[avx512]
+        panels = -(-ctx // width)
+        kpack = q.new_empty(panels * d * width)
+        vpack = q.new_empty(-(-d // width) * ctx * width)
+        scores = q.new_empty(max_rows * panels * width)
         out = q.new_empty(n, hq, d)
-        if self._causal512(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0),
-                           n, start, hkv, hq // hkv, d, scale, kpack.data_ptr(),
-                           vpack.data_ptr(), scores.data_ptr(), out.data_ptr()):
-            raise ValueError("causal_attention512: this CPU has no avx512f")
+        if fn(q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), n, start,
+              hkv, hq // hkv, d, scale, kpack.data_ptr(), vpack.data_ptr(), scores.data_ptr(),
+              out.data_ptr()):
+            raise ValueError(f"{name}: this CPU or build lacks its ISA")
         return out
 
 

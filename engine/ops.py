@@ -15,8 +15,9 @@ has. Two backends:
   pdlab's 6 x 16 AVX2/FMA GEMM (``pdlab``) or, where the CPU has avx512f, its 12 x 32
   AVX-512 GEMM (``pdlab512``); the C paged decode attention or the runner's planned SDPA
   groups; and per chunk-length bucket the prompt-chunk attention: torch's CPU flash kernel
-  (chunks after the first: twice, prefix and causal diagonal, merged by log-sum-exp) or,
-  where the CPU has avx512f, pdlab's causal kernel on the AVX-512 GEMM blocks (``pdlab512``).
+  (chunks after the first: twice, prefix and causal diagonal, merged by log-sum-exp) or
+  pdlab's causal kernel on the AVX2 GEMM blocks (``pdlab``) or, where the CPU has avx512f,
+  on the AVX-512 ones (``pdlab512``).
 
 Two rules live here and nowhere else:
 
@@ -349,10 +350,10 @@ class CpuOps(TorchOps):
                                   *(["pdlab"] if single else []),
                                   *(["pdlab512"] if single and kernels.linear_avx512 else [])]
         self.decode_candidates = ["planned", *(["paged"] if single and kv_float32 else [])]
-        # a prompt chunk's causal attention: torch's CPU flash kernel(s), or pdlab's AVX-512
-        # kernel (GEMM blocks over the causal triangle, engine/cpu_kernels.c)
-        self.chunk_candidates = ["flash", *(["pdlab512"] if single and kernels.linear_avx512
-                                            else [])]
+        # a prompt chunk's causal attention: torch's CPU flash kernel(s), or pdlab's AVX2 or
+        # AVX-512 kernel (GEMM blocks over the causal triangle, engine/cpu_kernels.c)
+        self.chunk_candidates = ["flash", *(["pdlab"] if single else []),
+                                 *(["pdlab512"] if single and kernels.linear_avx512 else [])]
         for op, allowed in (("linear", self.linear_candidates),
                             ("decode_attention", self.decode_candidates),
                             ("chunk_attention", self.chunk_candidates)):
@@ -509,7 +510,7 @@ class CpuOps(TorchOps):
 
     def chunk_attention(self, q4, k4, v4, start, scale):
         """The kernel measured fastest for this chunk length (``chunk_choices``): pdlab's
-        AVX-512 causal kernel, or torch's CPU flash kernel, where a later chunk is two flash
+        AVX2 or AVX-512 causal kernel, or torch's CPU flash kernel, where a later chunk is two flash
         calls, the prefix (unmasked) and the chunk's own causal diagonal, merged by their
         log-sum-exp (FlashDecoding's split-KV merge): SDPA with the lower-right bias took the
         math path on CPU, materialising every score (benchmarks/README.md, issue 14)."""
@@ -519,10 +520,12 @@ class CpuOps(TorchOps):
 
     def _chunk_kernel(self, name, q4, k4, v4, start, scale):
         d = q4.shape[-1]
-        if (name == "pdlab512" and k4.stride()[2:] == (d, 1) and q4.stride(3) == 1
+        if (name in ("pdlab", "pdlab512") and k4.stride()[2:] == (d, 1) and q4.stride(3) == 1
                 and k4.stride() == v4.stride()):
-            out = self.kernels.causal_attention512(q4[0].transpose(0, 1), k4[0], v4[0], start,
-                                                   d ** -0.5 if scale is None else scale)
+            kernel = (self.kernels.causal_attention512 if name == "pdlab512"
+                      else self.kernels.causal_attention)
+            out = kernel(q4[0].transpose(0, 1), k4[0], v4[0], start,
+                         d ** -0.5 if scale is None else scale)
             return out.transpose(0, 1)[None]
         if start == 0 or CPU_FLASH is None:
             return super().chunk_attention(q4, k4, v4, start, scale)

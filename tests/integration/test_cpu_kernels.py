@@ -167,6 +167,7 @@ def test_avx512_gemm_is_left_out_under_the_avx2_cap(monkeypatch, tmp_path):
     q, kv = torch.ones(2, 2, 8), torch.ones(2, 1, 2, 8)
     with pytest.raises(ValueError, match="causal_attention512 needs a CPU with avx512f"):
         capped.causal_attention512(q, kv[0], kv[1], 0, 1.0)
+    torch.testing.assert_close(capped.causal_attention(q, kv[0], kv[1], 0, 1.0), q)  # AVX2's
 
 
 @needs_kernels
@@ -185,6 +186,8 @@ def test_linear_scalar_fallback_without_avx2_equals_f_linear():
     torch.testing.assert_close(scalar.decode_attention(q, store, tables, lens, 0.3),
                                _paged_reference(q, store, tables, lens, 0.3),
                                rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="causal_attention needs a build for AVX2"):
+        scalar.causal_attention(q[:, :2], store[0, :, 0, :2], store[1, :, 0, :2], 0, 0.3)
 
 
 def _paged_reference(q, store, tables, lens, scale):
@@ -224,16 +227,21 @@ def test_decode_attention_equals_sdpa_over_gathered_blocks(kernels, n, kv_heads,
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@needs_avx512
+@pytest.mark.parametrize("avx512", [
+    pytest.param(False, id="avx2", marks=needs_vector_kernels),
+    pytest.param(True, id="avx512", marks=needs_avx512)])
 @pytest.mark.parametrize("n,start,kv_heads,group,d", [(256, 0, 3, 3, 64), (1, 0, 1, 1, 8),
                                                       (13, 5, 2, 2, 40), (37, 0, 1, 4, 80),
-                                                      (100, 33, 3, 3, 64), (12, 20, 1, 2, 32)])
-def test_causal_attention512_equals_sdpa_with_a_lower_right_mask(kernels, n, start, kv_heads,
-                                                                 group, d):
-    """pdlab's AVX-512 chunk attention: q rows of the fused QKV output, K/V a slice of the
-    store (heads apart, rows contiguous); row blocks of 1-12 (13 = 7 + 6, 37 = 4 x 9 + 1 ...),
-    key panels cut by the causal diagonal and by the context's end, head dims 8-80 (partial
-    32-dim panels: masked stores), a cached prefix (start > 0)."""
+                                                      (100, 33, 3, 3, 64), (12, 20, 1, 2, 32),
+                                                      (7, 0, 1, 1, 17)])
+def test_causal_attention_equals_sdpa_with_a_lower_right_mask(kernels, avx512, n, start,
+                                                              kv_heads, group, d):
+    """pdlab's chunk attention on the AVX2 (6 x 16) and AVX-512 (12 x 32) GEMM blocks: q rows
+    of the fused QKV output, K/V a slice of the store (heads apart, rows contiguous); row
+    blocks of 1-6 / 1-12 (13 = 7 + 6, 37 = 4 x 9 + 1 ...), key panels cut by the causal
+    diagonal and by the context's end, head dims 8-80 (partial 16- and 32-dim panels: masked
+    stores; 17 leaves one column), a cached prefix (start > 0)."""
+    causal = kernels.causal_attention512 if avx512 else kernels.causal_attention
     qkv = _randn(n, kv_heads * group * d + 7, seed=n)
     q = qkv[:, :kv_heads * group * d].view(n, kv_heads * group, d)
     store = _randn(2, kv_heads, start + n + 4, d, seed=start)
@@ -242,10 +250,9 @@ def test_causal_attention512_equals_sdpa_with_a_lower_right_mask(kernels, n, sta
     ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 0),
                                          v.repeat_interleave(group, 0), attn_mask=mask,
                                          scale=d ** -0.5).transpose(0, 1)
-    torch.testing.assert_close(kernels.causal_attention512(q, k, v, start, d ** -0.5), ref,
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(causal(q, k, v, start, d ** -0.5), ref, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"k/v \[H_kv, start \+ n, D\]"):
-        kernels.causal_attention512(q, k, v, start + 1, d ** -0.5)
+        causal(q, k, v, start + 1, d ** -0.5)
 
 
 @needs_kernels
@@ -327,7 +334,8 @@ def _greedy(loaded, prompts, max_tokens=6, budget=96):
 FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention=paged",
           "linear=pdlab,decode_attention=paged", "linear=pdlab,decode_attention=planned",
           "linear=pdlab512,decode_attention=paged,chunk_attention=pdlab512",
-          "linear=onednn,decode_attention=planned,chunk_attention=pdlab512", "backend=torch"]
+          "linear=onednn,decode_attention=planned,chunk_attention=pdlab512",
+          "linear=mkl,decode_attention=paged,chunk_attention=pdlab", "backend=torch"]
 
 
 @needs_vector_kernels

@@ -44,8 +44,8 @@ def _reference_attention(q, k, v, start):
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("kernel", ["flash", "pdlab512", "reference"],
-                         ids=["cpu-flash-lse", "pdlab512", "lower-right-bias"])
+@pytest.mark.parametrize("kernel", ["flash", "pdlab", "pdlab512", "reference"],
+                         ids=["cpu-flash-lse", "pdlab", "pdlab512", "lower-right-bias"])
 @pytest.mark.parametrize("start,n", [(0, 2), (0, 37), (1, 2), (5, 16), (16, 16), (200, 33)])
 def test_chunk_attention_equals_masked_attention(tiny, monkeypatch, kernel, start, n):
     kv_store = Engine(tiny, EngineConfig(max_num_seqs=1, max_model_len=8)).kv_store
@@ -53,6 +53,8 @@ def test_chunk_attention_equals_masked_attention(tiny, monkeypatch, kernel, star
         kernels = cpu_kernels.load()
         if kernel == "pdlab512" and (kernels is None or not kernels.linear_avx512):
             pytest.skip("this CPU has no avx512f")
+        if kernel == "pdlab" and (kernels is None or not kernels.linear_vectorized):
+            pytest.skip("no C kernels built for AVX2 + FMA here")
         monkeypatch.setenv(ops.FORCE_ENV, f"chunk_attention={kernel}")
     runner = runner_mod.ModelRunner(tiny.model, kv_store)
     if kernel != "reference":
