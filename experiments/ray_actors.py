@@ -34,7 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine.config import cpu_cores_of
 from engine.device import PIN_ENV, VISIBLE_ENV
-from engine.errors import describe_error
+from engine.errors import describe_error, without_traceback
 from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, probe_peak
 from router.calls import ORDERED, WorkerDied
 
@@ -98,12 +98,14 @@ class RayCalls:
     def result(self, pending: Any) -> Any:
         try:
             return ray.get(pending, timeout=0)
+        # Every Ray error is kept without its traceback (engine.errors.without_traceback): it
+        # would keep this call's callers alive, the router loop's calls in flight among them.
         except ACTOR_DEATH as err:  # keep the root cause: Ray's first line only says "died"
             raise WorkerDied(f"{type(err).__name__}: {describe_error(err)}"
-                             ) from _without_traceback(err)
+                             ) from without_traceback(err)
         except RayTaskError as err:  # the method raised: its own error, not Ray's wrapper
             error = err.cause if isinstance(err.cause, Exception) else err
-            _without_traceback(err)
+            without_traceback(err)
         # Raised here, not in the except, where its __context__ would be Ray's error, which
         # holds it; and dropped from this frame, which its traceback holds: no cycle either.
         try:
@@ -111,19 +113,6 @@ class RayCalls:
         finally:
             del error
 
-
-def _without_traceback(err: BaseException) -> BaseException:
-    """``err``, its traceback dropped. ``ray.get`` raises an error object that its own frame
-    still holds (in the values it fetched): error -> traceback -> that frame -> error is a
-    reference cycle, and a frame that outlives its call keeps its callers' frames (``f_back``)
-    with their locals. Caught in the router, that kept the loop's ``_step`` frame, whose
-    ``pending`` lists the calls in flight: a prefill worker's long poll among them, whose
-    result carries the KV handles of its ``prefilled`` events. Until Python's cycle collector
-    ran (in a long-lived driver, maybe minutes later) Ray kept that KV alive, its request
-    long finished (a decode worker's death seen while a prefill ran: the prefill worker's
-    transport counted it held)."""
-    err.__traceback__ = None
-    return err
 
 
 def physical_gpu(device: str) -> str:

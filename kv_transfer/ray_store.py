@@ -29,6 +29,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayError
 
+from engine.errors import without_traceback
 from kv_transfer.payload import Frame
 from kv_transfer.transport import KVHandle, Transport, TransferFailed, TransferTimeout
 
@@ -64,12 +65,14 @@ class RayObjectStoreTransport(Transport):
     def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
         try:
             return ray.get(handle.key, timeout=timeout_s)
+        # Ray's error is chained without its traceback, which would keep this fetch's
+        # callers (and the handles among their locals) alive: engine.errors.without_traceback
         except GetTimeoutError as e:
             raise TransferTimeout(f"KV for request {handle.request_id} not available within "
-                                  f"{timeout_s} s") from e
+                                  f"{timeout_s} s") from without_traceback(e)
         except RayError as e:  # OwnerDiedError, ObjectLostError, ObjectFreedError, ...
             raise TransferFailed(f"KV for request {handle.request_id} is lost: "
-                                 f"{type(e).__name__}: {e}") from e
+                                 f"{type(e).__name__}: {e}") from without_traceback(e)
 
     def _free(self, handle: KVHandle) -> None:
         self._put_ids.discard(handle.key.hex())

@@ -88,7 +88,7 @@ def assert_clean(deployment, settle_s: float = 10.0) -> None:
     killed actor's borrowed references are released asynchronously, after its death is
     seen: an immediate count can still include them; a real leak never drains, or only when
     Python's cycle collector runs: an ObjectRef in a garbage reference cycle, which fails
-    here now and then, ``experiments.ray_actors._without_traceback``)."""
+    here now and then, ``engine.errors.without_traceback``)."""
     deadline_s = time.monotonic() + settle_s
     while True:
         statuses = deployment.statuses()

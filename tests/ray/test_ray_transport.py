@@ -3,6 +3,7 @@
 import gc
 import os
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,51 @@ def test_timeout_on_an_object_that_never_arrives():
     with pytest.raises(TransferTimeout, match="r4"):
         transport.get(handle, SPEC, timeout_s=0.3)
     ray.cancel(pending, force=True)
+
+
+class _Local:
+    """A local of the fetching frame (in a decode worker: the handles of other requests)."""
+
+
+def _get_failing(transport, handle, timeout_s, local: _Local) -> type | None:
+    """The type of the error ``get`` raised (None: it did not fail)."""
+    try:
+        transport.get(handle, SPEC, timeout_s=timeout_s)
+    except (TransferFailed, TransferTimeout) as err:
+        return type(err)
+    return None
+
+
+def test_a_failed_get_leaves_its_callers_frames_to_reference_counting():
+    """``ray.get`` raises an error that its own frame holds (a reference cycle through the
+    traceback): chained as the cause, it must not keep the fetching frames, and the
+    ObjectRefs among their locals, alive until the cycle collector runs. Both failures: the
+    owner died (the error is among the fetched values) and a timeout."""
+    prefill = Prefill.remote()
+    lost = ray.get(prefill.put.remote("r6", 3, 2000))  # in the store (see the owner-death test)
+    ray.kill(prefill)
+    transport = RayObjectStoreTransport()
+    assert wait_until(lambda: _get_failing(transport, lost, 5.0, _Local()) is TransferFailed,
+                      20.0)
+
+    @ray.remote(num_cpus=0)
+    def slow():
+        time.sleep(30)
+
+    pending = slow.remote()
+    gc.disable()  # only reference counting frees what the failed gets left behind
+    try:
+        for handle, timeout_s, error in ((lost, 5.0, TransferFailed),
+                                         (KVHandle("ray", "r7", pending, 0, 0.0), 0.2,
+                                          TransferTimeout)):
+            local = _Local()
+            alive = weakref.ref(local)
+            assert _get_failing(transport, handle, timeout_s, local) is error
+            del local
+            assert alive() is None, f"{error.__name__} kept its caller's frame alive"
+    finally:
+        gc.enable()
+        ray.cancel(pending, force=True)
 
 
 def test_faulty_ray_transport_corruption_is_caught():
