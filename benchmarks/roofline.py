@@ -45,7 +45,7 @@ from engine.ops import CpuOps, select_ops
 from engine.request import Request, SamplingParams
 
 _ids = itertools.count()
-KERNELS = ("onednn", "mkl", "pdlab", "pdlab512")  # the GEMM kernels gemm_contenders can time
+KERNELS = ("onednn", "mkl", "pdlab", "pdlab-hwpf", "pdlab512")  # what gemm_contenders can time
 
 
 def prefill_flops(model, num_tokens: int) -> int:
@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{timings['read'].min_s:.4f} s)")
     print("GEMM rate at the engine's shapes, GFLOP/s (best kernel per shape is the floor):")
     print(prefiller.runner.ops.summary())
-    print_table(["shape", "oneDNN packed", "MKL mm", "pdlab", "pdlab512", "best", "engine picks"],
+    print_table(["shape", "oneDNN packed", "MKL mm", "pdlab", "pdlab-hwpf", "pdlab512", "best",
+                 "engine picks"],
                 gemm_rows)
     print_table(
         ["phase", "engine_s", "engine_median_s", "work", "floor_s", "engine/floor",

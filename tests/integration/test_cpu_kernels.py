@@ -147,6 +147,8 @@ def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
         panels = kernels.pack_linear(w)
         assert panels.shape == (-(-n // 16), k, 16)
         got = kernels.linear(x, panels, b, n)
+        # without the software prefetch ("pdlab-hwpf"): the same sums, bit for bit
+        assert torch.equal(got, kernels.linear(x, panels, b, n, prefetch=False))
     run = kernels.linear512 if avx512 else kernels.linear
     alone = torch.cat([run(x[i:i + 1], panels, b, n) for i in range(rows)])
     assert torch.equal(got, alone)  # the row blocking changes no sum's order
@@ -293,7 +295,7 @@ def test_c_gemm_and_paged_attention_compete_only_with_one_torch_thread(tiny, mon
     runner = ModelRunner(tiny.model, KVStore(tiny.kv_spec, 4, 8))
     qkv = runner.layers[0].qkv
     assert runner.ops.linear_candidates == ["mkl", *(["onednn"] if ops.ONEDNN else []), "pdlab",
-                                            *(["pdlab512"] if HAS_AVX512 else [])]
+                                            "pdlab-hwpf", *(["pdlab512"] if HAS_AVX512 else [])]
     assert runner.ops.decode_candidates == ["planned", "paged"]
     assert {type(k).__name__ for k in qkv.fused.by_bucket} == {"_PdlabGemm"}
     assert runner.ops.decode_layout(16, None) == "paged"
@@ -335,7 +337,8 @@ FORCED = ["linear=mkl,decode_attention=planned", "linear=onednn,decode_attention
           "linear=pdlab,decode_attention=paged", "linear=pdlab,decode_attention=planned",
           "linear=pdlab512,decode_attention=paged,chunk_attention=pdlab512",
           "linear=onednn,decode_attention=planned,chunk_attention=pdlab512",
-          "linear=mkl,decode_attention=paged,chunk_attention=pdlab", "backend=torch"]
+          "linear=mkl,decode_attention=paged,chunk_attention=pdlab",
+          "linear=pdlab-hwpf,decode_attention=paged", "backend=torch"]
 
 
 @needs_vector_kernels

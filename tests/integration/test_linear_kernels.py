@@ -20,8 +20,8 @@ from engine.request import Request, SamplingParams
 CAN_PDLAB = cpu_kernels.load() is not None and cpu_kernels.load().linear_vectorized
 CAN_PDLAB512 = CAN_PDLAB and cpu_kernels.load().linear_avx512
 # every kernel the selector can pick here, and the reference backend's
-KERNELS = ["torch", "mkl", *(["onednn"] if ops.ONEDNN else []), *(["pdlab"] if CAN_PDLAB else []),
-           *(["pdlab512"] if CAN_PDLAB512 else [])]
+KERNELS = ["torch", "mkl", *(["onednn"] if ops.ONEDNN else []),
+           *(["pdlab", "pdlab-hwpf"] if CAN_PDLAB else []), *(["pdlab512"] if CAN_PDLAB512 else [])]
 
 
 def _modules(bias: bool):
@@ -59,7 +59,8 @@ def test_each_row_bucket_runs_its_chosen_kernel(tmp_path):
     """A selector whose (fake) timings make MKL fastest for 1 row, oneDNN or pdlab for 2-8
     rows and MKL again from 9: the projection runs exactly those, the last bucket's choice
     for every larger count, and the chosen kernels are what ``describe()`` reports."""
-    names = ["mkl", *(["onednn"] if ops.ONEDNN else []), *(["pdlab"] if CAN_PDLAB else []),
+    names = ["mkl", *(["onednn"] if ops.ONEDNN else []),
+             *(["pdlab", "pdlab-hwpf"] if CAN_PDLAB else []),
              *(["pdlab512"] if CAN_PDLAB512 else [])]
     middle = names[-1]
 
