@@ -114,7 +114,6 @@ class RayCalls:
             del error
 
 
-
 def physical_gpu(device: str) -> str:
     """The GPU id that ``cuda:i`` names for this (driver) process: entry i of its
     ``CUDA_VISIBLE_DEVICES`` where that is set (an index, a UUID or a MIG id), else ``i``."""
