@@ -170,9 +170,10 @@ void pd_silu_mul(const float *restrict gu, float *restrict out, int64_t rows,
  * by blocks of at most 6 rows (balanced: 16 rows = 6 + 5 + 5) held in 6 x 2 AVX2
  * accumulators, the register blocking of BLIS's Haswell sgemm (6 x 16); the next panel is
  * prefetched while the first block runs (unless the caller asks not to: pd_linear), because
- * at decode sizes the weights stream from DRAM. Each output is bias + sum over k in order, fused multiply-adds (an explicit FMA is
- * not affected by -ffp-contract=off); torch's sgemm sums in another order, so results agree
- * to float32 rounding (~1e-6 of the output scale), as oneDNN's and MKL's do with each other.
+ * at decode sizes the weights stream from DRAM. Each output is bias + sum over k in order,
+ * fused multiply-adds (an explicit FMA is not affected by -ffp-contract=off); torch's sgemm
+ * sums in another order, so results agree to float32 rounding (~1e-6 of the output scale), as
+ * oneDNN's and MKL's do with each other.
  * Without AVX2/FMA the same loops run in scalar C (pd_linear_vectorized() returns 0 and the
  * runner keeps torch's kernels). */
 #define PD_PANEL 16
@@ -186,6 +187,11 @@ void pd_pack_linear(const float *restrict w, float *restrict panels, int64_t n, 
                 panels[(j * k + kk) * PD_PANEL + c] = col < n ? w[col * k + kk] : 0.0f;
             }
 }
+
+/* One register block of a GEMM (PD_BLOCKS: AVX2 6 x 16; PD_BLOCKS512: AVX-512 12 x 32):
+ * (x, ldx, panel, k, bias, y, ldy, cols, prefetch), the signature of PD_BLOCK below. */
+typedef void (*pd_block_fn)(const float *, int64_t, const float *, int64_t, const float *,
+                            float *, int64_t, int64_t, const float *);
 
 #if defined(__AVX2__) && defined(__FMA__)
 int pd_linear_vectorized(void) { return 1; }
@@ -226,8 +232,6 @@ static void pd_block##MR(const float *restrict x, int64_t ldx, const float *rest
     }                                                                                       \
 }
 PD_BLOCK(1) PD_BLOCK(2) PD_BLOCK(3) PD_BLOCK(4) PD_BLOCK(5) PD_BLOCK(6)
-typedef void (*pd_block_fn)(const float *, int64_t, const float *, int64_t, const float *,
-                            float *, int64_t, int64_t, const float *);
 static const pd_block_fn PD_BLOCKS[PD_MAX_ROWS + 1] = {
     0, pd_block1, pd_block2, pd_block3, pd_block4, pd_block5, pd_block6};
 #else
@@ -369,9 +373,7 @@ PD_AVX512 static void pd_block512_##MR(const float *restrict x, int64_t ldx,    
 }
 PD_BLOCK512(1) PD_BLOCK512(2) PD_BLOCK512(3) PD_BLOCK512(4) PD_BLOCK512(5) PD_BLOCK512(6)
 PD_BLOCK512(7) PD_BLOCK512(8) PD_BLOCK512(9) PD_BLOCK512(10) PD_BLOCK512(11) PD_BLOCK512(12)
-typedef void (*pd_block512_fn)(const float *, int64_t, const float *, int64_t, const float *,
-                               float *, int64_t, int64_t, const float *);
-static const pd_block512_fn PD_BLOCKS512[PD_MAX_ROWS512 + 1] = {
+static const pd_block_fn PD_BLOCKS512[PD_MAX_ROWS512 + 1] = {
     0, pd_block512_1, pd_block512_2, pd_block512_3, pd_block512_4, pd_block512_5,
     pd_block512_6, pd_block512_7, pd_block512_8, pd_block512_9, pd_block512_10,
     pd_block512_11, pd_block512_12};
@@ -579,14 +581,12 @@ int pd_paged_decode_attention(const float *q, int64_t q_row_stride, const float 
  * R * ceil(ctx/W) * W floats. Agrees with torch's SDPA to float32 rounding (another
  * summation order). Returns 0, or -1 with nothing written where this CPU/build lacks the
  * ISA. */
-typedef void (*pd_gemm_block_fn)(const float *, int64_t, const float *, int64_t,
-                                 const float *, float *, int64_t, int64_t, const float *);
 static void pd_causal_blocks(const float *q, int64_t q_row_stride, const float *k,
                              const float *v, int64_t kv_head_stride, int64_t n, int64_t start,
                              int64_t kv_heads, int64_t group, int64_t dim, float scale,
                              float *restrict kpack, float *restrict vpack,
                              float *restrict scores, float *restrict out, int64_t width,
-                             int64_t max_rows, const pd_gemm_block_fn *blocks,
+                             int64_t max_rows, const pd_block_fn *blocks,
                              void (*softmax)(float *, int64_t, float)) {
     static const float zeros[32] = {0};  /* the blocks' bias: width <= 32 */
     const int64_t ctx = start + n, key_panels = (ctx + width - 1) / width;
@@ -633,7 +633,8 @@ static void pd_causal_blocks(const float *q, int64_t q_row_stride, const float *
 static void pd_softmax_scaled(float *s, int64_t len, float scale) {
     const __m256 k = _mm256_set1_ps(scale);
     int64_t t = 0;
-    for (; t + 8 <= len; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), k));
+    for (; t + 8 <= len; t += 8)
+        _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), k));
     for (; t < len; t++) s[t] *= scale;
     pd_softmax(s, len);
 }
