@@ -13,9 +13,8 @@ has. Two backends:
   ``engine/kernel_choice.py`` measured fastest on this machine per shape class and row-count
   bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``),
   pdlab's 6 x 16 AVX2/FMA GEMM (``pdlab``; ``pdlab-hwpf`` without its software prefetch)
-  or, where the CPU has avx512f, its 12 x 32
-  AVX-512 GEMM (``pdlab512``); the C paged decode attention or the runner's planned SDPA
-  groups; and per chunk-length bucket the prompt-chunk attention: torch's CPU flash kernel
+  or, where the CPU has avx512f, its 12 x 32 AVX-512 GEMM (``pdlab512``); the C paged decode
+  attention or the runner's planned SDPA groups; and per chunk-length bucket the prompt-chunk attention: torch's CPU flash kernel
   (chunks after the first: twice, prefix and causal diagonal, merged by log-sum-exp) or
   pdlab's causal kernel on the AVX2 GEMM blocks (``pdlab``) or, where the CPU has avx512f,
   on the AVX-512 ones (``pdlab512``).
@@ -524,8 +523,8 @@ class CpuOps(TorchOps):
 
     def chunk_attention(self, q4, k4, v4, start, scale):
         """The kernel measured fastest for this chunk length (``chunk_choices``): pdlab's
-        AVX2 or AVX-512 causal kernel, or torch's CPU flash kernel, where a later chunk is two flash
-        calls, the prefix (unmasked) and the chunk's own causal diagonal, merged by their
+        AVX2 or AVX-512 causal kernel, or torch's CPU flash kernel, where a later chunk is two
+        flash calls, the prefix (unmasked) and the chunk's own causal diagonal, merged by their
         log-sum-exp (FlashDecoding's split-KV merge): SDPA with the lower-right bias took the
         math path on CPU, materialising every score (benchmarks/README.md, issue 14)."""
         name = kernel_choice.choice_for(self.chunk_choices, q4.shape[2], CHUNK_MAX_BUCKET,

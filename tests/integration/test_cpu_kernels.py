@@ -156,9 +156,10 @@ def test_linear_equals_f_linear(kernels, rows, n, k, bias, avx512):
 
 
 @needs_kernels
-def test_avx512_gemm_is_left_out_under_the_avx2_cap(monkeypatch, tmp_path):
+def test_avx512_gemm_is_left_out_under_the_avx2_cap(kernels, monkeypatch, tmp_path):
     """``PDLAB_CPU_KERNELS_ISA=avx2`` builds without the AVX-512 kernels: the library says
-    so (so the backend never offers ``pdlab512``) and they refuse to run."""
+    so (so the backend never offers ``pdlab512``) and they refuse to run; the AVX2 chunk
+    attention still runs and gives the uncapped build's result."""
     monkeypatch.setenv(cpu_kernels.ISA_ENV, "avx2")
     monkeypatch.setenv("PDLAB_CACHE_DIR", str(tmp_path))
     capped = cpu_kernels.Kernels(cpu_kernels.build())
@@ -169,7 +170,11 @@ def test_avx512_gemm_is_left_out_under_the_avx2_cap(monkeypatch, tmp_path):
     q, kv = torch.ones(2, 2, 8), torch.ones(2, 1, 2, 8)
     with pytest.raises(ValueError, match="causal_attention512 needs a CPU with avx512f"):
         capped.causal_attention512(q, kv[0], kv[1], 0, 1.0)
-    torch.testing.assert_close(capped.causal_attention(q, kv[0], kv[1], 0, 1.0), q)  # AVX2's
+    if kernels.linear_vectorized:
+        q, kv = _randn(9, 4, 8, seed=13), _randn(2, 2, 9, 8, seed=14)
+        torch.testing.assert_close(capped.causal_attention(q, kv[0], kv[1], 0, 0.3),
+                                   kernels.causal_attention(q, kv[0], kv[1], 0, 0.3),
+                                   rtol=1e-6, atol=1e-6)
 
 
 @needs_kernels
