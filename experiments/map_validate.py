@@ -15,9 +15,20 @@
    passes.
 3. Per cell, ``planner.decision.decide`` of the map's goodputs against the measured ones:
    the mapped winner against the measured first, regret, Kendall tau, and whether the
-   families agree. A disagreement lies inside the machine's rerun noise when, in at least
-   one pass, the mapped winner was measured first (tied included): the machine itself
-   cannot tell the two apart (None without reruns: nothing to judge it by).
+   families agree. Where the map named its winner's same-schedule twin as one answer
+   (``slo_map.cells``' ``same_schedule_as``: colocated:N and colocated-nochunk:N tied, every
+   prompt within the chunk budget), the two are scored as that one answer
+   (``one_schedule``): one placement "A / B" whose measured goodput is the mean of the two
+   runs, as two samples of one schedule, like the mean over passes. A disagreement lies
+   inside the machine's rerun noise when, in at least one pass, the mapped winner was
+   measured first (tied included): the machine itself cannot tell the two apart (None
+   without reruns: nothing to judge it by).
+
+``contenders`` is ``pdlab map --validate-placements contenders``: per checked cell only each
+family's best mapped placement (and the winner's same-schedule twin) runs for real, not
+every candidate. It checks the map's family verdict at a fraction of the runs (an 8-device
+map has 58 placements); a placement the map ranked below its family's best is not run, so
+a measured best hiding there is not seen.
 """
 
 from __future__ import annotations
@@ -70,6 +81,49 @@ def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: 
     return pd.DataFrame(rows)
 
 
+def contenders(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray],
+               families: Mapping[str, str]) -> list[str]:
+    """The candidate labels ``--validate-placements contenders`` runs for one ratio's checked
+    cells (``picked``: rows of ``slo_map.cells``): at each cell each family's best by the
+    map's goodput (ties: the first listed), and the winner's ``same_schedule_as`` twin; in
+    ``predicted``'s order."""
+    keep = set()
+    for cell in picked.itertuples():
+        best: dict[str, tuple[str, float]] = {}
+        for label, grid in predicted.items():
+            g = float(grid[cell.ttft_index, cell.tpot_index])
+            if families[label] not in best or g > best[families[label]][1]:
+                best[families[label]] = (label, g)
+        keep |= {label for label, _ in best.values()}
+        if isinstance(cell.same_schedule_as, str) and cell.same_schedule_as:
+            keep.add(cell.same_schedule_as)
+    return [x for x in predicted if x in keep]
+
+
+def one_schedule(pred: dict[str, float], per_pass: list[dict[str, float]], winner: str,
+                 twin: str) -> tuple[dict[str, float], list[dict[str, float]], str]:
+    """``pred`` and ``per_pass`` with ``winner`` and its same-schedule ``twin`` merged into one
+    placement ``"winner / twin"`` (module docstring, step 3): its predicted goodput the
+    winner's (the map tied them), its measured goodput per pass the mean of the two. Returns
+    them unchanged when ``twin`` is empty or either is missing. Returns (pred, per_pass, the
+    merged label or ``winner``)."""
+    if not twin or winner not in pred or twin not in pred:
+        return pred, per_pass, winner
+    name = f"{winner} / {twin}"
+
+    def merge(d: dict[str, float], value: float) -> dict[str, float]:
+        out = {}
+        for k, v in d.items():
+            if k == winner:
+                out[name] = value
+            elif k != twin:
+                out[k] = v
+        return out
+
+    return (merge(pred, pred[winner]),
+            [merge(p, (p[winner] + p[twin]) / 2) for p in per_pass], name)
+
+
 def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs: pd.DataFrame,
                 ttft_grid: Sequence[float], tpot_grid: Sequence[float],
                 families: Mapping[str, str]) -> pd.DataFrame:
@@ -92,7 +146,10 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
         i, j = cell.ttft_index, cell.tpot_index
         pred = {x: float(predicted[x][i, j]) for x in labels}
         per_pass = [{x: float(p[x][i, j]) for x in labels} for p in passes]
-        meas = {x: float(np.mean([p[x] for p in per_pass])) for x in labels}
+        twin = cell.same_schedule_as if isinstance(cell.same_schedule_as, str) else ""
+        pred, per_pass, name = one_schedule(pred, per_pass, cell.winner, twin)
+        fams = {**families, name: families.get(cell.winner, "")}
+        meas = {x: float(np.mean([p[x] for p in per_pass])) for x in pred}
         d = decision.decide(pred, meas)
         firsts = d["measured_first"].split(" = ")
         noise = None
@@ -102,7 +159,7 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
                      "tpot_slo_s": cell.tpot_slo_s, "ttft_index": i, "tpot_index": j,
                      "map_verdict": cell.verdict, "mapped": d["predicted_first"],
                      "measured_first": d["measured_first"], "top1_agrees": d["top1_agrees"],
-                     "family_agrees": families[d["predicted_first"]] in {families[f] for f in firsts},
+                     "family_agrees": fams[d["predicted_first"]] in {fams[f] for f in firsts},
                      "regret": d["regret"], "kendall_tau": d["kendall_tau"],
                      "inside_rerun_noise": noise,
                      "measured_goodput": "; ".join(f"{x}={v:.3g}" for x, v in meas.items()),
@@ -116,9 +173,9 @@ def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in checked.itertuples():
         cell = f"{r.io_ratio:g} @ TTFT {r.ttft_slo_s:g} s, TPOT {r.tpot_slo_s:g} s"
-        meas = dict(kv.split("=") for kv in r.measured_goodput.split("; "))
+        meas = dict(kv.rsplit("=", 1) for kv in r.measured_goodput.split("; "))
         for kv in r.predicted_goodput.split("; "):
-            label, value = kv.split("=")
+            label, value = kv.rsplit("=", 1)
             rows.append({"cell": cell, "placement": label, "predicted": float(value),
                          "measured": float(meas[label])})
     return pd.DataFrame(rows, columns=["cell", "placement", "predicted", "measured"])

@@ -60,6 +60,7 @@ HELP = "where disaggregation wins over SLO targets and prompt:output ratios (--v
 # The WorkloadSpec fields the map sets itself (one synthetic workload per ratio).
 _SPEC_SKIP = ("dataset", "min_prompt_len", "max_prompt_len", "max_output_len", "calibrate",
               "prompt_len", "output_len")
+VALIDATE_PLACEMENTS = ("all", "contenders")  # --validate-placements
 VALIDATE_ON = ("here", "emu")  # --validate-on: this machine's devices, or emulated ones
 EMU_KV_SCALE = 1 / 256  # --validate-on emu's default --emu-kv-scale (the repo's examples')
 
@@ -86,6 +87,9 @@ class MapConfig:
         validate_requests: requests per seed in each real run.
         validate_reruns: every real run again this many times (the machine's own noise).
         validate_rates: real runs' rates (req/s, comma-separated); "" = the map's ladder.
+        validate_placements: which placements each checked cell runs: "all" (every
+            candidate of the map) or "contenders" (each family's best there and the
+            winner's same-schedule twin, ``map_validate.contenders``).
         validate_on: where the real runs run: "here" (this machine's devices, of the
             profile's kind) or "emu" (emulated devices ``emu:0`` .. ``emu:N-1`` holding each
             step for the --device-profile's modelled time; KV scaled by --emu-kv-scale).
@@ -123,6 +127,9 @@ class MapConfig:
                                                                         "validation run"})
     validate_rates: str = field(default="", metadata={
         "help": "real runs' rates req/s, comma-separated (default: the map's ladder)"})
+    validate_placements: str = field(default="all", metadata={
+        "choices": VALIDATE_PLACEMENTS, "help": "placements run per checked cell: all, or "
+                                                "contenders (each family's best there)"})
     validate_on: str = field(default="here", metadata={
         "choices": VALIDATE_ON, "help": "where --validate runs: here (this machine's devices) "
                                         "or emu (emulated devices emu:0..N-1 running the "
@@ -214,6 +221,9 @@ def check(args: argparse.Namespace) -> MapJob:
     if cfg.validate_on == "emu" and not cfg.validate:
         raise option_error("--validate-on", "emu says where --validate K runs the checked "
                                             "cells: give --validate K too")
+    if cfg.validate_placements != "all" and not cfg.validate:
+        raise option_error("--validate-placements", "says which placements --validate K runs: "
+                                                    "give --validate K too")
     if args.emu_kv_scale is not None and cfg.validate_on != "emu":
         raise option_error("--emu-kv-scale", "scales the emulated devices' KV: only with "
                                              "--validate K --validate-on emu")
@@ -383,15 +393,23 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
              else f"on this machine's {devices}")
     checked, kept, per_run = [], [], []
     ratios = list(dict.fromkeys(picked["io_ratio"]))
-    total = len(ratios) * (1 + cfg.validate_reruns) * len(x.candidates)
-    print(f"\nvalidating {len(picked)} cell(s) for real {where}: {len(x.candidates)} "
-          f"placements x {1 + cfg.validate_reruns} pass(es) per io ratio {ratios}")
+    runs_of = {}  # ratio -> the candidates its checked cells run
+    for ratio in ratios:
+        keep = (map_validate.contenders(picked[picked["io_ratio"] == ratio], predicted[ratio],
+                                        families)
+                if cfg.validate_placements == "contenders" else list(families))
+        runs_of[ratio] = [c for c in x.candidates if c.label in keep]
+    total = (1 + cfg.validate_reruns) * sum(map(len, runs_of.values()))
+    print(f"\nvalidating {len(picked)} cell(s) for real {where}: "
+          + ", ".join(f"io {r:g}: {len(runs_of[r])} of {len(x.candidates)} placements"
+                      for r in ratios)
+          + f" ({cfg.validate_placements}) x {1 + cfg.validate_reruns} pass(es)")
     with tqdm(total=total, desc="real runs", unit="placement", file=sys.stderr) as bar:
         for ratio in ratios:
             spec = dataclasses.replace(x.specs[ratio], num_requests=min(cfg.validate_requests,
                                                                         x.specs[ratio].num_requests))
             items = {s: its[:spec.num_requests] for s, its in workloads[ratio].items()}
-            runs = map_validate.real_runs(x.candidates, x.validate_rates or ladders[ratio], items,
+            runs = map_validate.real_runs(runs_of[ratio], x.validate_rates or ladders[ratio], items,
                                           spec, x.model, x.validate_engine, x.transfer, devices,
                                           x.policy,
                                           cfg.local, cfg.validate_reruns, bar.update)
@@ -406,8 +424,10 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
     table.assign(emulated=emulated, devices=devices).to_csv(x.out / "map_validation.csv",
                                                             index=False)
     pd.concat(kept, ignore_index=True).to_csv(x.out / "map_validation_runs.csv", index=False)
-    summary = map_validate.summary_lines(table, cfg.validate_reruns,
-                                         "on emulated devices" if emulated else "for real")
+    summary = map_validate.summary_lines(
+        table, cfg.validate_reruns, ("on emulated devices" if emulated else "for real")
+        + (", each family's best placement per cell (--validate-placements contenders)"
+           if cfg.validate_placements == "contenders" else ""))
     late = map_validate.lateness_line(pd.concat(per_run, ignore_index=True))
     summary = [f"real runs {where}", *summary, *([late] if late else [])]
     print("\n" + table[["io_ratio", "ttft_slo_s", "tpot_slo_s", "map_verdict", "mapped",

@@ -64,6 +64,8 @@ def test_validate_here_keeps_this_machines_devices(tmp_path):
 
 @pytest.mark.parametrize("tail, words", [
     (["--validate-on", "emu"], "argument --validate-on: emu says where --validate K runs"),
+    (["--validate-placements", "contenders"], "argument --validate-placements: says which "
+                                              "placements --validate K runs: give --validate K"),
     (["--emu-kv-scale", "0.25"], "argument --emu-kv-scale: scales the emulated devices' KV: "
                                  "only with --validate K --validate-on emu"),
     (["--validate", "1", "--emu-kv-scale", "0.25"], "only with --validate K --validate-on emu"),
