@@ -110,6 +110,12 @@ class DecodeWorker(EngineLoop):
     def transfer_records(self) -> list[dict]:
         return [r.__dict__ for r in self.transport.records]
 
+    def set_link_peak(self, gbps: float) -> None:
+        """Set ``Transport.peak_gbps`` (GB/s) of this worker's transport: a restarted worker
+        gets the peak its deployment measured at start (the link is the same one), so its
+        transfer records keep their efficiency."""
+        self.transport.peak_gbps = gbps
+
     def shutdown(self) -> None:
         self._fetcher.shutdown(wait=False, cancel_futures=True)
         super().shutdown()

@@ -333,7 +333,8 @@ class Deployment:
 
     def _ready(self, name: str, handle: Any, should_stop) -> dict:
         """The new worker's ``info()`` once it answers (``startup_timeout_s``, in slices so
-        that ``close`` never waits for it)."""
+        that ``close`` never waits for it); a decode worker then gets its link peak again
+        (``link_peaks``, measured at start: the new transport has none)."""
         pending = self.calls.call(handle, "info")
         end_s = time.monotonic() + self.startup_timeout_s
         while not self.calls.ready([pending], 0.2):
@@ -342,7 +343,15 @@ class Deployment:
             if time.monotonic() > end_s:
                 raise TimeoutError(f"{name} did not answer info within "
                                    f"{self.startup_timeout_s} s of its restart")
-        return self.calls.result(pending)
+        info = self.calls.result(pending)
+        if name in self.link_peaks:
+            peak = self.calls.call(handle, "set_link_peak", self.link_peaks[name].gbps)
+            if self.calls.ready([peak], self.startup_timeout_s):
+                self.calls.result(peak)
+            else:  # a missing peak must not fail the restart (as in _measure_link_peaks)
+                print(f"pdlab: {name}'s link peak not set again after its restart; its "
+                      "transfer records carry no efficiency", file=sys.stderr)
+        return info
 
     def _stop_worker(self, handle: Any) -> None:
         if self._ray is not None:

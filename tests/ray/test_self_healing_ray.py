@@ -53,6 +53,10 @@ def test_killed_decode_actor_restarts_rejoins_then_its_budget_runs_out(tiny):
             record = new.result()
             assert record.error is None, record.error
             assert record.output_token_ids == reference_generate(tiny.model, prompts[4], 6)
+            # the new actor's transport got the link peak measured at start again
+            kv = ray.get(dep.handles["decode-0"].transfer_records.remote(), timeout=30)
+            assert [r["peak_gbps"] for r in kv] == [dep.link_peaks["decode-0"].gbps]
+            assert kv[0]["efficiency"] is not None
             worker = router.workers["decode-0"]
             assert (worker.state, worker.restarts, worker.incarnation) == ("live", 1, 1)
             assert dep.handles["decode-0"] is not old and worker.handle is dep.handles["decode-0"]
