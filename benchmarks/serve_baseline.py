@@ -20,12 +20,14 @@ Usage: ``python -m benchmarks.serve_baseline [--systems vllm,colocated,disagg]
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -90,7 +92,29 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout_s: float) -> None:
     raise RuntimeError(f"{url} did not come up within {timeout_s} s")
 
 
+@contextlib.contextmanager
+def running_server(argv_: list[str], env: dict, url: str, log_path: Path,
+                   timeout_s: float) -> Iterator[subprocess.Popen]:
+    """``argv_`` started in its own session, its output into ``log_path``, until ``url``'s
+    ``/v1/models`` answers (``wait_ready``); stopped with its process group on exit.
+
+    Raises:
+        RuntimeError: the server exited or did not come up within ``timeout_s`` seconds.
+    """
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv_, env=env, cwd=str(REPO_ROOT), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            start_s = time.monotonic()
+            wait_ready(url, proc, timeout_s)
+            print(f"   up after {time.monotonic() - start_s:.0f} s", flush=True)
+            yield proc
+        finally:
+            stop(proc)
+
+
 def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to ``proc``'s process group, SIGKILL after 20 s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -143,20 +167,12 @@ def main(argv: list[str] | None = None) -> int:
                  "disagg": "pdlab@disagg:1p1d"}[system]
         print(f"== {label}: {' '.join(argv_)}", flush=True)
         args.out.mkdir(parents=True, exist_ok=True)
-        log = open(args.out / f"server-{system}.log", "w")
-        proc = subprocess.Popen(argv_, env=env, cwd=str(REPO_ROOT), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            start_s = time.monotonic()
-            wait_ready(url, proc, args.start_timeout_s)
-            print(f"   up after {time.monotonic() - start_s:.0f} s", flush=True)
+        with running_server(argv_, env, url, args.out / f"server-{system}.log",
+                            args.start_timeout_s):
             out = args.out / system
             bench.bench(bench.BenchConfig(base_url=url, label=label, served_model=SMOLLM2_NAME),
                         spec, ModelConfig(SMOLLM2_NAME), MAX_MODEL_LEN, rates, slo, out)
             dirs.append(out)
-        finally:
-            stop(proc)
-            log.close()
     summary, verdict = bench.merge(dirs, args.out / "comparison", slo)
     print(format_table(summary))
     print()

@@ -22,10 +22,9 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from benchmarks.serve_baseline import REPO_ROOT, VLLM_PYTHON, server_command, stop, wait_ready
+from benchmarks.serve_baseline import REPO_ROOT, VLLM_PYTHON, running_server, server_command
 from engine.model import SMOLLM2_NAME, cache_dir
 
 CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
@@ -73,22 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     argv_, env = server_command(args.placement, args.port, cores)
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"== pdlab serve: {' '.join(argv_)}", flush=True)
-    with open(args.out / "server.log", "w") as log:
-        proc = subprocess.Popen(argv_, env=env, cwd=str(REPO_ROOT), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            start_s = time.monotonic()
-            wait_ready(url, proc, args.start_timeout_s)
-            print(f"   up after {time.monotonic() - start_s:.0f} s", flush=True)
-            client = client_command(args.vllm_python, url, args.num_prompts, args.request_rate,
-                                    args.input_len, args.output_len)
-            print(f"== vLLM's client: {' '.join(client[:2])} '...' {' '.join(client[3:])}",
-                  flush=True)
-            client_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-            done = subprocess.run(client, env=dict(client_env, TOKENIZERS_PARALLELISM="false"),
-                                  cwd=str(args.out), capture_output=True, text=True)
-        finally:
-            stop(proc)
+    with running_server(argv_, env, url, args.out / "server.log", args.start_timeout_s):
+        client = client_command(args.vllm_python, url, args.num_prompts, args.request_rate,
+                                args.input_len, args.output_len)
+        print(f"== vLLM's client: {' '.join(client[:2])} '...' {' '.join(client[3:])}",
+              flush=True)
+        client_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        done = subprocess.run(client, env=dict(client_env, TOKENIZERS_PARALLELISM="false"),
+                              cwd=str(args.out), capture_output=True, text=True)
     (args.out / "client.log").write_text(done.stdout + done.stderr)
     block = done.stdout[done.stdout.find("============ Serving Benchmark Result"):]
     print(block or done.stdout[-4000:] + done.stderr[-4000:])
