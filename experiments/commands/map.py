@@ -19,9 +19,10 @@ machine's devices, or with ``--validate-on emu`` on emulated ones (``emu:0`` .. 
 3. Outputs in the results directory: map.csv (every cell of every ratio), map_runs.csv
    (every simulated run at the loosest cell's SLO), map_io<ratio>.png (the heatmap of each
    ratio), regions.txt and map.md; printed: the regions and the time taken.
-4. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real (every candidate, at
-   ``--validate-rates`` or the map's ladder, ``--validate-requests`` per seed, again
-   ``--validate-reruns`` times); map_validation.csv, map_validation_runs.csv (every real
+4. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real (every candidate, or
+   with ``--validate-placements contenders`` each family's best at those cells
+   (``map_validate.contenders``), at ``--validate-rates`` or the map's ladder,
+   ``--validate-requests`` per seed, again ``--validate-reruns`` times); map_validation.csv, map_validation_runs.csv (every real
    request's TTFT and TPOT), the checked cells outlined on the heatmaps, and the summary:
    top-1 agreement, regret, Kendall tau and every disagreement with its noise verdict.
    On emulated devices every output says so (map_validation.csv's ``emulated`` and

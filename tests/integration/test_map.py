@@ -82,7 +82,9 @@ def test_map_validates_on_emulated_h100s(tmp_path, capsys):
     """``--validate-on emu``: one cell of a 2-device Llama-3.1-8B H100 map checked on
     ``emu:0-1`` (workers in this process, 4 requests at one rate): every output says
     emulated, and every real request's TPOT is at least the profile's smallest step
-    intercept (the mixed model's 5.54 ms: an emulated step is never shorter than modelled)."""
+    intercept (the mixed model's 5.54 ms: an emulated step is never shorter than modelled).
+    ``--validate-placements contenders`` runs each family's best: at 2 devices every family
+    has one placement, so all 4 run, and the summary says which were run."""
     out = tmp_path / "map"
     code = main(["map", "--model", "engine/configs/llama-3.1-8b", "--dtype", "bfloat16",
                  "--device-profile", str(LLAMA_PROFILE), "--io-ratio", "1",
@@ -91,7 +93,7 @@ def test_map_validates_on_emulated_h100s(tmp_path, capsys):
                  "--num-requests", "20", "--jobs", "1", "--devices", "2",
                  "--ttft-slo", "0.05:1:2", "--tpot-slo", "0.01:0.1:2", "--validate", "1",
                  "--validate-on", "emu", "--validate-requests", "4", "--validate-rates", "20",
-                 "--out", str(out)])
+                 "--validate-placements", "contenders", "--out", str(out)])
     assert code == 0
     checked = pd.read_csv(out / "map_validation.csv")
     assert len(checked) == 1 and checked["emulated"].all()
@@ -102,7 +104,9 @@ def test_map_validates_on_emulated_h100s(tmp_path, capsys):
     assert runs["tpot_s"].gt(0.00554).all()
     printed = capsys.readouterr().out
     assert "validating 1 cell(s) for real on emulated devices (emu:0,emu:1: h100_sxm" in printed
+    assert "io 1: 4 of 4 placements (contenders)" in printed
     assert "KV x 0.00390625" in printed and "emulated steps' lateness p99" in printed
     md = (out / "map.md").read_text()
     assert "## Checked against real runs on emulated devices" in md
-    assert "validated 1 cell(s) on emulated devices: top-1 agreement" in md
+    assert ("validated 1 cell(s) on emulated devices, each family's best placement per cell "
+            "(--validate-placements contenders): top-1 agreement") in md
