@@ -199,6 +199,18 @@ def summary_lines(checked: pd.DataFrame, num_reruns: int, where: str = "for real
     return lines
 
 
+def every_cell_line(checked: pd.DataFrame, num_at_sweep_top: int) -> str:
+    """One line of the decision figures over every cell of the map (``checked``:
+    ``check_cells`` of all of ``slo_map.cells``' rows, scored from the checked cells' real
+    runs, which ran every placement at every rate): how far the picked cells' figures carry
+    over the whole map. ``num_at_sweep_top``: the map's cells whose winner met the SLO at
+    the top swept rate (``at_sweep_top``), named because their goodput is a lower bound."""
+    _, s = decision.figures(decision_table(checked))
+    return ("every cell of the map, scored from the same real runs: " + decision.summary_line(s)
+            + f"; {int((~checked['top1_agrees'].astype(bool)).sum())} disagreement(s), "
+            f"{num_at_sweep_top} cell(s) at the sweep's top (map_validation_every_cell.csv)")
+
+
 def lateness_line(runs: pd.DataFrame) -> str | None:
     """One line on the emulated runs' lateness (``real_runs``' ``lateness_p99``, one per
     run): the median and the worst run's p99, that run's placement and rate, and how many

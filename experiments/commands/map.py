@@ -25,6 +25,9 @@ machine's devices, or with ``--validate-on emu`` on emulated ones (``emu:0`` .. 
    ``--validate-requests`` per seed, again ``--validate-reruns`` times); map_validation.csv, map_validation_runs.csv (every real
    request's TTFT and TPOT), the checked cells outlined on the heatmaps, and the summary:
    top-1 agreement, regret, Kendall tau and every disagreement with its noise verdict.
+   With every placement run (the default), the same real runs score every cell of the map
+   too (a real run does not depend on the SLO): map_validation_every_cell.csv and one
+   summary line (``map_validate.every_cell_line``).
    On emulated devices every output says so (map_validation.csv's ``emulated`` and
    ``devices``, the printed and map.md headers) and the summary adds the runs' lateness
    (``map_validate.lateness_line``).
@@ -373,7 +376,9 @@ def run(args: argparse.Namespace, job: MapJob) -> int:
     (x.out / "map.md").write_text("\n".join(md))
     print(f"\nResults: {x.out}/ (map.csv, map_runs.csv, regions.txt, map.md, "
           + ", ".join(f"map_io{r:g}.png" for r in x.ratios)
-          + (", map_validation.csv, map_validation_runs.csv" if cfg.validate else "") + ")")
+          + (", map_validation.csv, map_validation_runs.csv" if cfg.validate else "")
+          + (", map_validation_every_cell.csv" if cfg.validate and
+             cfg.validate_placements == "all" else "") + ")")
     return 0
 
 
@@ -392,7 +397,7 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
              f"{x.profile_path}, KV x {x.validate_engine.emu_kv_scale:g}"
              f"{_dilated(x.validate_engine.emu_time_scale)})" if emulated
              else f"on this machine's {devices}")
-    checked, kept, per_run = [], [], []
+    checked, every, kept, per_run = [], [], [], []
     ratios = list(dict.fromkeys(picked["io_ratio"]))
     runs_of = {}  # ratio -> the candidates its checked cells run
     for ratio in ratios:
@@ -417,6 +422,10 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
             checked.append(map_validate.check_cells(picked[picked["io_ratio"] == ratio],
                                                     predicted[ratio], runs, x.ttft_grid,
                                                     x.tpot_grid, families))
+            if cfg.validate_placements == "all":  # runs do not depend on the SLO: score all
+                every.append(map_validate.check_cells(cells[cells["io_ratio"] == ratio],
+                                                      predicted[ratio], runs, x.ttft_grid,
+                                                      x.tpot_grid, families))
             long = runs.explode(search.LATENCY_COLUMNS).rename(
                 columns={"ttft_s_all": "ttft_s", "tpot_s_all": "tpot_s"})
             kept.append(long.assign(io_ratio=ratio))
@@ -429,6 +438,10 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
         table, cfg.validate_reruns, ("on emulated devices" if emulated else "for real")
         + (", each family's best placement per cell (--validate-placements contenders)"
            if cfg.validate_placements == "contenders" else ""))
+    if every:
+        table_all = pd.concat(every, ignore_index=True)
+        table_all.to_csv(x.out / "map_validation_every_cell.csv", index=False)
+        summary.append(map_validate.every_cell_line(table_all, int(cells["at_sweep_top"].sum())))
     late = map_validate.lateness_line(pd.concat(per_run, ignore_index=True))
     summary = [f"real runs {where}", *summary, *([late] if late else [])]
     print("\n" + table[["io_ratio", "ttft_slo_s", "tpot_slo_s", "map_verdict", "mapped",

@@ -49,12 +49,19 @@ def test_map_2x2_with_validate_2(tmp_path, capsys):
     runs = pd.read_csv(out / "map_validation_runs.csv")
     # 4 placements x 2 rates x 6 requests x 2 passes (first run and one rerun)
     assert len(runs) == 4 * 2 * 6 * 2 and set(runs["pass"]) == {0, 1}
+    # every placement ran, so the same runs score every cell of the map too
+    every = pd.read_csv(out / "map_validation_every_cell.csv")
+    assert len(every) == 4 and set(every["ttft_slo_s"]) == {0.05, 1.0}
+    merged = every.merge(checked, on=["ttft_slo_s", "tpot_slo_s"], suffixes=("", "_picked"))
+    assert (merged["measured_goodput"] == merged["measured_goodput_picked"]).all()
     assert (out / "map_io1.png").stat().st_size > 0
     regions = (out / "regions.txt").read_text()
     assert "io ratio 1" in regions and "top-1 agreement" in regions
     printed = capsys.readouterr().out
     agree = checked["top1_agrees"].mean()
     assert f"top-1 agreement {100 * agree:.0f}% of 2 decision(s)" in printed
+    assert (f"every cell of the map, scored from the same real runs: top-1 agreement "
+            f"{100 * every['top1_agrees'].mean():.0f}% of 4 decision(s)") in printed
     assert math.isclose(checked["regret"].mean() * 100,
                         float(printed.split("regret mean ")[1].split("%")[0]), abs_tol=0.05)
 

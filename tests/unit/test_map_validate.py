@@ -90,3 +90,15 @@ def test_contenders_are_each_familys_best_per_checked_cell_and_the_twin():
     twin = pd.DataFrame([{"ttft_index": 0, "tpot_index": 0,
                           "same_schedule_as": "colocated-nochunk:2"}])
     assert "colocated-nochunk:2" in map_validate.contenders(twin, predicted, fams)
+
+
+def test_every_cell_line_counts_disagreements_and_sweep_top_cells():
+    agree = map_validate.check_cells(_picked("colocated-nochunk:2"), PREDICTED, RUNS, [1.0],
+                                     [0.1], FAMS)
+    miss = map_validate.check_cells(_picked(""), PREDICTED, RUNS, [1.0], [0.1], FAMS)
+    miss["tpot_slo_s"] = 0.2  # another cell
+    line = map_validate.every_cell_line(pd.concat([agree, miss], ignore_index=True), 1)
+    assert line.startswith("every cell of the map, scored from the same real runs: top-1 "
+                           "agreement 50% of 2 decision(s); regret mean 25.0%, worst 50.0%")
+    assert line.endswith("; 1 disagreement(s), 1 cell(s) at the sweep's top "
+                         "(map_validation_every_cell.csv)")
