@@ -89,12 +89,8 @@ def contenders(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray],
     ``predicted``'s order."""
     keep = set()
     for cell in picked.itertuples():
-        best: dict[str, tuple[str, float]] = {}
-        for label, grid in predicted.items():
-            g = float(grid[cell.ttft_index, cell.tpot_index])
-            if families[label] not in best or g > best[families[label]][1]:
-                best[families[label]] = (label, g)
-        keep |= {label for label, _ in best.values()}
+        here = {x: float(g[cell.ttft_index, cell.tpot_index]) for x, g in predicted.items()}
+        keep |= {label for _, label, _ in slo_map.best_per_family(here, families)}
         if isinstance(cell.same_schedule_as, str) and cell.same_schedule_as:
             keep.add(cell.same_schedule_as)
     return [x for x in predicted if x in keep]

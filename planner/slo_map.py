@@ -192,7 +192,8 @@ def goodput_grid(runs: pd.DataFrame, ttft_grid: Sequence[float],
     return out
 
 
-def _best_per_family(goodput: Mapping[str, float], family: Mapping[str, str]) -> list[tuple[str, str, float]]:
+def best_per_family(goodput: Mapping[str, float],
+                    family: Mapping[str, str]) -> list[tuple[str, str, float]]:
     """(family, candidate, goodput) of each family's best candidate (ties: the first
     listed), best family first (ties: the families' first candidate order)."""
     best: dict[str, tuple[str, float]] = {}
@@ -238,7 +239,7 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
     rows = []
     for i, ttft in enumerate(ttft_grid):
         for j, tpot in enumerate(tpot_grid):
-            ranked = _best_per_family({k: float(v[i, j]) for k, v in goodput.items()}, families)
+            ranked = best_per_family({k: float(v[i, j]) for k, v in goodput.items()}, families)
             row = {"io_ratio": io_ratio, "ttft_slo_s": ttft, "tpot_slo_s": tpot,
                    "ttft_index": i, "tpot_index": j}
             if not ranked or ranked[0][2] <= 0:

@@ -22,9 +22,10 @@ machine's devices, or with ``--validate-on emu`` on emulated ones (``emu:0`` .. 
 4. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real (every candidate, or
    with ``--validate-placements contenders`` each family's best at those cells
    (``map_validate.contenders``), at ``--validate-rates`` or the map's ladder,
-   ``--validate-requests`` per seed, again ``--validate-reruns`` times); map_validation.csv, map_validation_runs.csv (every real
-   request's TTFT and TPOT), the checked cells outlined on the heatmaps, and the summary:
-   top-1 agreement, regret, Kendall tau and every disagreement with its noise verdict.
+   ``--validate-requests`` per seed, again ``--validate-reruns`` times);
+   map_validation.csv, map_validation_runs.csv (every real request's TTFT and TPOT), the
+   checked cells outlined on the heatmaps, and the summary: top-1 agreement, regret,
+   Kendall tau and every disagreement with its noise verdict.
    With every placement run (the default), the same real runs score every cell of the map
    too (a real run does not depend on the SLO): map_validation_every_cell.csv and one
    summary line (``map_validate.every_cell_line``).

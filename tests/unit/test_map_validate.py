@@ -69,21 +69,24 @@ def test_same_schedule_twins_are_one_answer_with_the_mean_of_their_runs():
 
 def test_one_schedule_merges_per_pass():
     pred, per_pass, name = map_validate.one_schedule(
-        {"A": 2.0, "B": 2.0, "C": 1.0}, [{"A": 1.0, "B": 3.0, "C": 0.0}, {"A": 2.0, "B": 2.0, "C": 5.0}],
-        "A", "B")
+        {"A": 2.0, "B": 2.0, "C": 1.0},
+        [{"A": 1.0, "B": 3.0, "C": 0.0}, {"A": 2.0, "B": 2.0, "C": 5.0}], "A", "B")
     assert name == "A / B" and pred == {"A / B": 2.0, "C": 1.0}
     assert per_pass == [{"A / B": 2.0, "C": 0.0}, {"A / B": 2.0, "C": 5.0}]
-    assert map_validate.one_schedule({"A": 1.0}, [{"A": 1.0}], "A", "") == ({"A": 1.0}, [{"A": 1.0}], "A")
+    unchanged = ({"A": 1.0}, [{"A": 1.0}], "A")
+    assert map_validate.one_schedule({"A": 1.0}, [{"A": 1.0}], "A", "") == unchanged
 
 
 def test_contenders_are_each_familys_best_per_checked_cell_and_the_twin():
-    predicted = {"colocated:2": np.array([[3.0, 1.0]]), "colocated-nochunk:2": np.array([[3.0, 1.0]]),
+    predicted = {"colocated:2": np.array([[3.0, 1.0]]),
+                 "colocated-nochunk:2": np.array([[3.0, 1.0]]),
                  "disagg:1p1d": np.array([[1.0, 2.0]]), "disagg:1p2d": np.array([[2.0, 1.0]]),
                  "conditional:1p1d": np.array([[0.0, 0.0]])}
     cell0 = pd.DataFrame([{"ttft_index": 0, "tpot_index": 0, "same_schedule_as": ""}])
     assert map_validate.contenders(cell0, predicted, FAMS) == [
         "colocated:2", "colocated-nochunk:2", "disagg:1p2d", "conditional:1p1d"]
-    both = pd.DataFrame([{"ttft_index": 0, "tpot_index": j, "same_schedule_as": ""} for j in (0, 1)])
+    both = pd.DataFrame([{"ttft_index": 0, "tpot_index": j, "same_schedule_as": ""}
+                         for j in (0, 1)])
     assert map_validate.contenders(both, predicted, FAMS) == list(predicted)
     # a twin of another family is kept even where it is not its family's best
     fams = {**FAMS, "colocated-nochunk:2": "colocated chunked"}
