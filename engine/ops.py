@@ -9,15 +9,16 @@ has. Two backends:
   It runs on CUDA and for dtypes other than float32 (and on CPU when forced:
   ``PDLAB_FORCE_KERNELS=backend=torch``).
 - ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``; not where
-  ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains, and, for the projections and decode attention, whichever candidate
-  ``engine/kernel_choice.py`` measured fastest on this machine per shape class and row-count
-  bucket: MKL's sgemm (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``),
-  pdlab's 6 x 16 AVX2/FMA GEMM (``pdlab``; ``pdlab-hwpf`` without its software prefetch)
-  or, where the CPU has avx512f, its 12 x 32 AVX-512 GEMM (``pdlab512``); the C paged decode
-  attention or the runner's planned SDPA groups; and per chunk-length bucket the prompt-chunk attention: torch's CPU flash kernel
-  (chunks after the first: twice, prefix and causal diagonal, merged by log-sum-exp) or
-  pdlab's causal kernel on the AVX2 GEMM blocks (``pdlab``) or, where the CPU has avx512f,
-  on the AVX-512 ones (``pdlab512``).
+  ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains, and,
+  for the projections and decode attention, whichever candidate ``engine/kernel_choice.py``
+  measured fastest on this machine per shape class and row-count bucket: MKL's sgemm
+  (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``), pdlab's 6 x 16 AVX2/FMA
+  GEMM (``pdlab``; ``pdlab-hwpf`` without its software prefetch) or, where the CPU has
+  avx512f, its 12 x 32 AVX-512 GEMM (``pdlab512``); the C paged decode attention or the
+  runner's planned SDPA groups; and per chunk-length bucket the prompt-chunk attention:
+  torch's CPU flash kernel (chunks after the first: twice, prefix and causal diagonal,
+  merged by log-sum-exp) or pdlab's causal kernel on the AVX2 GEMM blocks (``pdlab``) or,
+  where the CPU has avx512f, on the AVX-512 ones (``pdlab512``).
 
 Two rules live here and nowhere else:
 
@@ -157,9 +158,10 @@ class _OneDnn:
 
 class _PdlabGemm:
     """pdlab's GEMM (``cpu_kernels.linear``) on the weight packed once into 16-column panels
-    (a copy); single-threaded."""
+    (a copy); single-threaded; ``prefetch``: the next panel prefetched in software."""
 
     name = "pdlab"
+    prefetch = True
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  kernels: cpu_kernels.Kernels) -> None:
@@ -167,7 +169,8 @@ class _PdlabGemm:
         self.panels = kernels.pack_linear(weight.detach().contiguous())
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.panels, self.bias, self.out_features)
+        return self.kernels.linear(x, self.panels, self.bias, self.out_features,
+                                   prefetch=self.prefetch)
 
 
 class _PdlabGemmHwpf(_PdlabGemm):
@@ -176,9 +179,7 @@ class _PdlabGemmHwpf(_PdlabGemm):
     Zen 3 core and 4-16 rows 9-20% slower; the same results."""
 
     name = "pdlab-hwpf"
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernels.linear(x, self.panels, self.bias, self.out_features, prefetch=False)
+    prefetch = False
 
 
 class _PdlabGemm512(_PdlabGemm):

@@ -21,7 +21,8 @@ CAN_PDLAB = cpu_kernels.load() is not None and cpu_kernels.load().linear_vectori
 CAN_PDLAB512 = CAN_PDLAB and cpu_kernels.load().linear_avx512
 # every kernel the selector can pick here, and the reference backend's
 KERNELS = ["torch", "mkl", *(["onednn"] if ops.ONEDNN else []),
-           *(["pdlab", "pdlab-hwpf"] if CAN_PDLAB else []), *(["pdlab512"] if CAN_PDLAB512 else [])]
+           *(["pdlab", "pdlab-hwpf"] if CAN_PDLAB else []),
+           *(["pdlab512"] if CAN_PDLAB512 else [])]
 
 
 def _modules(bias: bool):
@@ -53,6 +54,20 @@ def test_fused_projection_equals_f_linear_per_module(bias, rows, kernel, monkeyp
     for m, (weight, _) in zip(modules, before):  # same values, now views of the fused weight
         assert torch.equal(m.weight, weight)
         assert m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr()
+
+
+@pytest.mark.skipif(not CAN_PDLAB, reason="pdlab's C GEMM is not built for this CPU")
+@pytest.mark.parametrize("kernel, prefetch", [("pdlab", True), ("pdlab-hwpf", False)])
+def test_pdlab_hwpf_is_the_c_gemm_without_software_prefetch(kernel, prefetch, monkeypatch):
+    """The results cannot tell the two apart (equal bit for bit): the call can."""
+    calls = []
+    real = cpu_kernels.Kernels.linear
+    monkeypatch.setattr(cpu_kernels.Kernels, "linear", lambda self, *a, **kw: (
+        calls.append(kw.get("prefetch", True)), real(self, *a, **kw))[1])
+    fused = runner_mod._Linear(_modules(False), ops=_backend(kernel, monkeypatch))
+    with torch.inference_mode():
+        fused(torch.randn(3, 32))
+    assert calls == [prefetch]
 
 
 def test_each_row_bucket_runs_its_chosen_kernel(tmp_path):
