@@ -420,13 +420,17 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
                                           spec, x.model, x.validate_engine, x.transfer, devices,
                                           x.policy,
                                           cfg.local, cfg.validate_reruns, bar.update)
-            checked.append(map_validate.check_cells(picked[picked["io_ratio"] == ratio],
-                                                    predicted[ratio], runs, x.ttft_grid,
-                                                    x.tpot_grid, families))
-            if cfg.validate_placements == "all":  # runs do not depend on the SLO: score all
-                every.append(map_validate.check_cells(cells[cells["io_ratio"] == ratio],
-                                                      predicted[ratio], runs, x.ttft_grid,
-                                                      x.tpot_grid, families))
+            here = picked[picked["io_ratio"] == ratio]
+            # with every placement run, every cell is scored (a run does not depend on the
+            # SLO) and the picked cells are rows of that; else the picked cells alone
+            scored = map_validate.check_cells(
+                cells[cells["io_ratio"] == ratio] if cfg.validate_placements == "all" else here,
+                predicted[ratio], runs, x.ttft_grid, x.tpot_grid, families)
+            if cfg.validate_placements == "all":
+                every.append(scored)
+            by_cell = scored.set_index(["ttft_index", "tpot_index"], drop=False)
+            checked.append(by_cell.loc[list(zip(here["ttft_index"], here["tpot_index"]))]
+                           .reset_index(drop=True))
             long = runs.explode(search.LATENCY_COLUMNS).rename(
                 columns={"ttft_s_all": "ttft_s", "tpot_s_all": "tpot_s"})
             kept.append(long.assign(io_ratio=ratio))
