@@ -5,15 +5,15 @@ refused before anything runs."""
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
+from experiments import map_validate
 from experiments.cli import main
-from planner import slo_map
+from planner import decision, slo_map
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
 BASE = ["map", "--model", "tiny-random-llama", "--device-profile", str(PROFILE),
@@ -62,8 +62,13 @@ def test_map_2x2_with_validate_2(tmp_path, capsys):
     assert f"top-1 agreement {100 * agree:.0f}% of 2 decision(s)" in printed
     assert (f"every cell of the map, scored from the same real runs: top-1 agreement "
             f"{100 * every['top1_agrees'].mean():.0f}% of 4 decision(s)") in printed
-    assert math.isclose(checked["regret"].mean() * 100,
-                        float(printed.split("regret mean ")[1].split("%")[0]), abs_tol=0.05)
+    # the printed mean is map_validation.csv's, formatted as summary_line does (a numeric
+    # compare within 0.05 failed at 11.25 printed as 11.2); the CSV's 3-digit goodput
+    # texts move a regret by < 1e-3
+    table = map_validate.decision_table(checked)
+    mean = decision.figures(table)[1]["regret_mean"]
+    assert abs(mean - checked["regret"].mean()) < 1e-3
+    assert f"regret mean {100 * mean:.1f}%" in printed
 
 
 @pytest.mark.parametrize("option, value, words", [
