@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from engine import cpu_kernels, kernel_choice
+from engine import cpu_kernels, host_memory, kernel_choice
 from engine.model import cache_dir
 
 FORCE_ENV = "PDLAB_FORCE_KERNELS"
@@ -565,7 +565,8 @@ class CpuOps(TorchOps):
                 "decode_attention": (kernel_choice.describe_buckets(self.decode_choices)
                                      if self.decode_choices else "planned"),
                 "chunk_attention": (kernel_choice.describe_buckets(self.chunk_choices)
-                                    if self.chunk_choices else "flash")}
+                                    if self.chunk_choices else "flash"),
+                "malloc": host_memory.describe()}
 
     def summary(self):
         d = self.describe()
@@ -573,7 +574,8 @@ class CpuOps(TorchOps):
         return (f"kernels: cpu backend on {d['cpu_model']} ({d['cpu_isa']}; torch "
                 f"{d['torch_cpu_capability']}{'; caps ' + str(d['isa_env']) if d['isa_env'] else ''}"
                 f"), {d['threads']} thread(s); linear {linear}; decode attention "
-                f"{d['decode_attention']}; chunk attention {d['chunk_attention']}")
+                f"{d['decode_attention']}; chunk attention {d['chunk_attention']}; malloc "
+                f"{d['malloc']}")
 
 
 _SELECTORS: dict[tuple, kernel_choice.KernelSelector] = {}
@@ -599,12 +601,15 @@ def select_ops(device: torch.device, weight_dtype: torch.dtype,
     """The backend for a runner: ``CpuOps`` for a float32 model on CPU (without the C
     kernels where ``PDLAB_CPU_KERNELS=0`` or they do not build), else ``TorchOps``
     (``PDLAB_FORCE_KERNELS=backend=torch`` forces the reference on CPU too). Call it where the runner starts, after the
-    process's torch thread count is set (the one-thread rule, module docstring).
+    process's torch thread count is set (the one-thread rule, module docstring). On CPU it
+    also keeps freed activations mapped (``host_memory.keep_freed_memory``, once per process).
 
     Raises:
         ValueError: a malformed or unavailable ``$PDLAB_FORCE_KERNELS``.
     """
     force = _parse_force(os.environ.get(FORCE_ENV, ""))
+    if device.type == "cpu":  # every CPU forward, reference or not: engine/host_memory.py
+        host_memory.keep_freed_memory()
     if (device.type != "cpu" or weight_dtype != torch.float32
             or force.pop("backend", "cpu") == "torch"):
         return TorchOps()
