@@ -95,6 +95,15 @@ class VLLMPeer:
         self.proc.stdin.flush()
         return self._read()
 
+    def step_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+        """All ``prompts`` at once (``max_tokens`` each, greedy, EOS ignored), each engine
+        step timed inside vLLM's process: ``[[seconds, tokens, first tokens, finished
+        requests], ...]`` per step (``vllm_worker.step_times``)."""
+        self.proc.stdin.write(json.dumps({"step_times": True, "prompts": prompts,
+                                          "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["steps"]
+
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:

@@ -22,16 +22,22 @@ A JSON-lines loop so that a benchmark can alternate pdlab and vLLM runs in one p
    any step (prefilling or decoding), preemptions summed over requests (each request's
    ``num_preemptions``, sampled every step), and the usable KV blocks (the block pool's
    free blocks before the first request).
-4. An empty line or EOF ends it.
+4. A line ``{"step_times": true, "prompts": [[ids]], "max_tokens": n}`` adds every prompt
+   at once and steps ``llm.llm_engine`` by hand, timing each ``step()`` (outputs as deltas);
+   it prints ``{"steps": [[seconds, tokens, first tokens, finished requests], ...]}``.
+5. An empty line or EOF ends it.
 
 vLLM's own logs go to stderr; stdout carries only these JSON lines.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import time
+
+_step_ids = itertools.count()  # request ids stay unique across a worker's jobs
 
 
 def main() -> int:
@@ -64,6 +70,9 @@ def main() -> int:
         if job.get("admission"):
             reply(admission(llm, job["prompts"], job["max_tokens"]))
             continue
+        if job.get("step_times"):
+            reply(step_times(llm, job["prompts"], job["max_tokens"]))
+            continue
         if job.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
@@ -77,13 +86,21 @@ def main() -> int:
     return 0
 
 
+def _request_types():
+    """vLLM's ``SamplingParams``, ``TokensPrompt`` and ``RequestOutputKind``, imported on first
+    use: vLLM exists only in .venv-vllm, where main() runs this module (after it moved
+    stdout aside)."""
+    from vllm import SamplingParams  # local: vLLM exists only in .venv-vllm
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+    return SamplingParams, TokensPrompt, RequestOutputKind
+
+
 def admission(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict:
     """Every prompt added at once, greedy, EOS ignored; the engine stepped by hand so the
     scheduler (in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) can be read after
     each step."""
-    from vllm import SamplingParams  # vLLM exists only in .venv-vllm, where main() runs this
-    from vllm.inputs import TokensPrompt  # (same reason)
-
+    SamplingParams, TokensPrompt, _ = _request_types()
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
     kv_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
@@ -101,6 +118,36 @@ def admission(llm, prompts: list[list[int]], max_tokens: list[int]) -> dict:
             preempted[rid] = req.num_preemptions
     return {"peak_running": peak, "num_preemptions": sum(preempted.values()),
             "kv_blocks": kv_blocks, "steps": steps, "seconds": time.perf_counter() - start}
+
+
+def step_times(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Every prompt added at once (greedy, EOS ignored), vLLM's engine stepped by hand with
+    each step timed; outputs as deltas, so a step reports every token it made. Returns
+    ``{"steps": [[seconds, tokens, first tokens, finished requests], ...]}``, one row per
+    step (``benchmarks.vs_vllm.decode_step_s`` reads them)."""
+    SamplingParams, TokensPrompt, RequestOutputKind = _request_types()
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False, output_kind=RequestOutputKind.DELTA)
+    made: dict[str, int] = {}  # request id -> tokens it has made
+    for p in prompts:
+        request_id = f"st{next(_step_ids)}"
+        engine.add_request(request_id, TokensPrompt(prompt_token_ids=p), params)
+        made[request_id] = 0
+    steps = []
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        outs = engine.step()
+        seconds = time.perf_counter() - start
+        tokens = first = finished = 0
+        for out in outs:
+            n = len(out.outputs[0].token_ids)
+            first += made[out.request_id] == 0 and n > 0
+            made[out.request_id] += n
+            tokens += n
+            finished += out.finished
+        steps.append([seconds, tokens, first, finished])
+    return {"steps": steps}
 
 
 if __name__ == "__main__":

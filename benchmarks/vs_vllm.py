@@ -12,9 +12,14 @@ Rows (the 16 ShareGPT prompts, seed 0, of ``benchmarks.vs_transformers``):
 
 1. **16x64**: all 16 prompts x 64 output tokens.
 2. **prefill**: all 16 prompts, ``max_tokens=1`` (prefill + first token).
-3. **decode B** for B in 1, 16, 64: the first B prompts (cycled past 16), run with
-   ``max_tokens = 1 + K`` and with ``max_tokens = 1``; one decode step =
-   (t(1 + K) - t(1)) / K, the same derivation on both sides (K = 48).
+3. **decode B** for B in 1, 16, 64: the first B prompts (cycled past 16) added at once with
+   ``max_tokens = 1 + K`` (K = 48), the engine stepped by hand with each ``step()`` call
+   timed (vLLM: ``llm_engine.step()`` inside its process, outputs as deltas;
+   ``vllm_worker.step_times``); one decode step = the median time of the *full decode
+   steps*, those that made exactly B tokens, none a request's first and none its last
+   (``decode_step_s``), the same rule on both sides. Until 2026-12-06 this row was derived
+   as (t(1 + K) - t(1)) / K from two ``generate`` runs, a difference that moved by ~0.1
+   between runs at B = 16.
 
 Prints pdlab/vLLM per row (target <= 1.0) and how many of the 16x64 outputs are equal token
 for token (pdlab's are also equal to ``generate()``: ``benchmarks.vs_transformers``).
@@ -33,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import statistics
 import sys
 import time
 
@@ -46,10 +52,8 @@ from experiments.workloads import sharegpt
 
 BUDGET = 2048
 OUTPUT_LEN = 64
-# K decode steps per derived row: the prefill-only run it is subtracted from swings by
-# ~0.3 s between rounds at B = 16 (1,723 prompt tokens), so K = 16 left +-20 ms on a ~110 ms
-# step (a derived B = 16 row read 0.150 s while the same run's 16 x 64 row gave 0.112 s per
-# step); K = 48 divides that by three.
+# K decode steps per decode row: at B = 64 (6,892 prompt tokens, 4 prefill steps at the
+# 2048 budget) ~40 of them are full decode steps.
 DECODE_STEPS = 48
 _ids = itertools.count()
 
@@ -64,12 +68,45 @@ class PdlabSide:
                                                   enable_prefix_caching=False))
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
-        requests = [Request(f"vv{next(_ids)}", tuple(p),
-                            SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-                    for p in prompts]
+        requests = self._requests(prompts, max_tokens)
         start = time.perf_counter()
         out = self.engine.generate(requests)
         return time.perf_counter() - start, [out[r.request_id] for r in requests]
+
+    def step_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
+        """``VLLMPeer.step_times`` on this engine: every prompt added at once, each
+        ``Engine.step()`` timed: ``[[seconds, tokens, first tokens, finished requests], ...]``."""
+        for r in self._requests(prompts, max_tokens):
+            self.engine.add_request(r)
+        steps = []
+        while self.engine.has_unfinished():
+            start = time.perf_counter()
+            out = self.engine.step()
+            seconds = time.perf_counter() - start
+            steps.append([seconds, len(out.tokens), sum(t.index == 0 for t in out.tokens),
+                          len(out.finished)])
+        return steps
+
+    @staticmethod
+    def _requests(prompts: list[list[int]], max_tokens: int) -> list[Request]:
+        return [Request(f"vv{next(_ids)}", tuple(p),
+                        SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+                for p in prompts]
+
+
+def decode_step_s(steps: list[list[float]], batch: int) -> float:
+    """The median seconds of the full decode steps among ``steps`` (rows ``[seconds, tokens,
+    first tokens, finished requests]``, one per engine step): those that made exactly
+    ``batch`` tokens, none of them a request's first, and finished no request.
+
+    Raises:
+        ValueError: no step was a full decode step (K too small for the prefill to end
+            before the first request finishes).
+    """
+    full = [s[0] for s in steps if s[1] == batch and s[2] == 0 and s[3] == 0]
+    if not full:
+        raise ValueError(f"no full decode step at B = {batch} among {len(steps)} steps")
+    return statistics.median(full)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,16 +143,18 @@ def main(argv: list[str] | None = None) -> int:
     cycled = lambda b: [prompts[i % len(prompts)] for i in range(b)]  # noqa: E731
     jobs = {"16x64": (prompts, OUTPUT_LEN), "prefill": (prompts, 1)}
     for b in batch_sizes:
-        jobs[f"B={b} 1"] = (cycled(b), 1)
-        jobs[f"B={b} 1+K"] = (cycled(b), 1 + DECODE_STEPS)
+        jobs[f"B={b}"] = (cycled(b), 1 + DECODE_STEPS)
     best = {(job, side): float("inf") for job in jobs for side in sides}
     outputs = {}
     try:
         for round_idx in range(repeats + 1):  # round 0: warm-up, discarded
             for job, (job_prompts, max_tokens) in jobs.items():
                 for side_name, side in sides.items():
-                    seconds, out = side.run(job_prompts, max_tokens)
-                    outputs[(job, side_name)] = out
+                    if job.startswith("B="):
+                        seconds = decode_step_s(side.step_times(job_prompts, max_tokens),
+                                                len(job_prompts))
+                    else:
+                        seconds, outputs[(job, side_name)] = side.run(job_prompts, max_tokens)
                     if round_idx:
                         best[(job, side_name)] = min(best[(job, side_name)], seconds)
     finally:
@@ -127,9 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, best[(job, "pdlab")], best[(job, "vLLM")],
                      best[(job, "pdlab")] / best[(job, "vLLM")]])
     for b in batch_sizes:
-        step = {s: (best[(f"B={b} 1+K", s)] - best[(f"B={b} 1", s)]) / DECODE_STEPS for s in sides}
-        rows.append([f"decode step B={b} (derived)", step["pdlab"], step["vLLM"],
-                     step["pdlab"] / step["vLLM"]])
+        rows.append([f"decode step B={b} (median)", best[(f"B={b}", "pdlab")],
+                     best[(f"B={b}", "vLLM")], best[(f"B={b}", "pdlab")] / best[(f"B={b}", "vLLM")]])
     print(f"SmolLM2-135M fp32 CPU; seconds, min of {repeats} alternating rounds after a warm-up")
     print_table(["row", "pdlab_s", "vLLM_s", "pdlab/vLLM"], rows)
     equal = sum(a == b for a, b in zip(outputs[("16x64", "pdlab")], outputs[("16x64", "vLLM")]))
