@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check
+.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -83,6 +83,12 @@ GPU_PYTHON ?= python3
 
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) tests/gpu/check.py
+
+# Every CPU-parity figure of issues 26 and 30 on this machine, one benchmark after another
+# on the last core, into results/cpu-parity/<UTC time>/ (benchmarks/cpu_parity.py). About an
+# hour on 2 cores; run it on an idle machine.
+cpu-parity: $(STAMP) $(VLLM_STAMP)
+	PDLAB_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) $(PY) -m benchmarks.cpu_parity
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) results
