@@ -16,7 +16,10 @@ after the prefill faulted as often as the prefill alone.
 
     python -m benchmarks.host_memory [--rounds 2] [--runs 2]
 
-Prints one row per contender, and the ratio of its wall time to the same GEMM's untuned one.
+Prints one row per contender, and the ratio of its wall time to the same GEMM's untuned one;
+where ``.venv-vllm`` exists (or ``$PDLAB_VLLM_VENV``), a last row for vLLM's CPU build on
+the same prefill in its own process on the same core (``VLLMPeer.run_rusage``), after
+pdlab's rounds.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import time
 
 import torch
 
-from benchmarks import print_table
+from benchmarks import print_table, vllm_peer
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import load_model
@@ -43,12 +46,25 @@ MAX_TOKENS = 1  # prefill and the first token
 KERNELS = {"native": "", "onednn": "linear=onednn"}
 
 
+def _prompts(tokenizer) -> list[tuple[int, ...]]:
+    return [r.prompt_token_ids for r in sharegpt(tokenizer, 16, seed=0)]
+
+
+def vllm_runs(core: int, rounds: int, runs: int) -> list[list[float]]:
+    """vLLM's CPU build on the same prefill (its own malloc and oneDNN), one warm-up then
+    ``rounds * runs`` runs: ``[seconds, minor faults, system seconds]`` each."""
+    prompts = [list(p) for p in _prompts(load_model(ModelConfig("smollm2-135m")).tokenizer)]
+    with vllm_peer.VLLMPeer(max(map(len, prompts)) + 32, 2048, [core]) as peer:
+        peer.run_rusage(prompts, MAX_TOKENS)
+        return [list(peer.run_rusage(prompts, MAX_TOKENS)) for _ in range(rounds * runs)]
+
+
 def child(runs: int) -> None:
     """Run the prefill once to warm up, then ``runs`` times; print one JSON line of per-run
     ``[seconds, minor faults, system seconds]`` and the engine's malloc line."""
     torch.set_num_threads(1)
     loaded = load_model(ModelConfig("smollm2-135m"))
-    prompts = [r.prompt_token_ids for r in sharegpt(loaded.tokenizer, 16, seed=0)]
+    prompts = _prompts(loaded.tokenizer)
     engine = Engine(loaded, EngineConfig(max_num_seqs=16, max_model_len=max(map(len, prompts)) + 32,
                                          max_num_batched_tokens=2048,
                                          enable_prefix_caching=False), quiet=True)
@@ -97,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
         best = min(r[0] for r in runs)
         rows.append([kernels, malloc[(kernels, tuning)], best, runs[-1][1], runs[-1][2],
                      best / min(r[0] for r in results[(kernels, "0")])])
+    if vllm_peer.available():  # after pdlab's rounds: the peer's process holds the core
+        runs = vllm_runs(core, args.rounds, args.runs)
+        rows.append(["vLLM's CPU build (oneDNN)", "vLLM's process as it runs",
+                     min(r[0] for r in runs), runs[-1][1], runs[-1][2], ""])
     print_table(["GEMM", "malloc", "prefill s", "minor faults", "system s", "/ untuned"], rows)
     return 0
 

@@ -85,6 +85,14 @@ class VLLMPeer:
         reply = self._read()
         return reply["seconds"], reply["outputs"], reply["num_cached_tokens"]
 
+    def run_rusage(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, float]:
+        """``run``'s seconds, and vLLM's process's minor page faults and system CPU seconds
+        during the ``generate`` call (``getrusage``)."""
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        reply = self._read()
+        return reply["seconds"], reply["minor_faults"], reply["system_s"]
+
     def admission(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
         """All ``prompts`` at once (``max_tokens`` each, greedy, EOS ignored), vLLM's engine
         stepped by hand; returns ``{"peak_running", "num_preemptions", "kv_blocks", "steps",

@@ -11,9 +11,10 @@ A JSON-lines loop so that a benchmark can alternate pdlab and vLLM runs in one p
    prints ``{"ready": true, "version": ...}``.
 2. Each stdin line ``{"prompts": [[ids]], "max_tokens": n}`` runs one ``LLM.generate`` over
    all prompts (greedy, EOS ignored) and prints ``{"seconds": s, "outputs": [[ids]],
-   "num_cached_tokens": [n]}``, where ``s`` is the wall time of that ``generate`` call
-   (``time.perf_counter``) and ``num_cached_tokens`` each request's prefix-cache hit
-   (``RequestOutput.num_cached_tokens``). ``"reset_prefix_cache": true`` in the job empties
+   "num_cached_tokens": [n], "minor_faults": n, "system_s": s}``, where ``s`` is the wall
+   time of that ``generate`` call (``time.perf_counter``), ``num_cached_tokens`` each
+   request's prefix-cache hit (``RequestOutput.num_cached_tokens``), and the last two the
+   process's minor page faults and system CPU time during the call (``getrusage``). ``"reset_prefix_cache": true`` in the job empties
    the prefix cache first (untimed).
 3. A line ``{"admission": true, "prompts": [[ids]], "max_tokens": [n per prompt]}`` adds
    every prompt at once and steps ``llm.llm_engine`` by hand, reading the scheduler after
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import resource
 import sys
 import time
 
@@ -78,11 +80,13 @@ def main() -> int:
         params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True,
                                 detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=p) for p in job["prompts"]]
-        start = time.perf_counter()
+        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         results = llm.generate(prompts, params, use_tqdm=False)
-        seconds = time.perf_counter() - start
+        seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
         reply({"seconds": seconds, "outputs": [list(r.outputs[0].token_ids) for r in results],
-               "num_cached_tokens": [r.num_cached_tokens or 0 for r in results]})
+               "num_cached_tokens": [r.num_cached_tokens or 0 for r in results],
+               "minor_faults": after.ru_minflt - before.ru_minflt,
+               "system_s": after.ru_stime - before.ru_stime})
     return 0
 
 
