@@ -1,8 +1,8 @@
 """pdlab's paged decode attention (``engine/cpu_kernels.c``) of this tree against the one of
 an earlier commit, side by side in one run.
 
-Both C sources are built (``cpu_kernels.build`` on the file; the old one read with ``git
-show REV:engine/cpu_kernels.c``) and called on the same tensors: SmolLM2-135M's heads (3 KV
+Both C sources are built (``cpu_kernels.build``; the old one read with ``git show
+REV:engine/cpu_kernels.c`` into a temporary file) and called on the same tensors: SmolLM2-135M's heads (3 KV
 heads, 3 query heads each, 64 dims), KV blocks of 16 tokens, B rows of contexts 38-437
 tokens (``38 + 97 i mod 400``), each row's blocks consecutive as the first-fit allocator
 gives them. Two cache states: **hot** (the call repeated on the same K/V, which then sits in
@@ -64,12 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         old_path = Path(tmp) / "cpu_kernels.c"
         old_path.write_text(old_source)
-        builds = {"new": cpu_kernels.Kernels(cpu_kernels.build())}
-        source, cpu_kernels.SOURCE = cpu_kernels.SOURCE, old_path
-        try:
-            builds[args.rev] = cpu_kernels.Kernels(cpu_kernels.build())
-        finally:
-            cpu_kernels.SOURCE = source
+        builds = {"new": cpu_kernels.Kernels(cpu_kernels.build()),
+                  args.rev: cpu_kernels.Kernels(cpu_kernels.build(source_path=old_path))}
     evict = torch.randn(16 << 20)  # 64 MB
     rows_out = []
     for rows in args.rows:

@@ -106,9 +106,11 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
-def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Compile ``cpu_kernels.c`` into the cache (once per source/command/machine) and return
-    the library's path. ``extra_flags`` follow the standard ones (tests build the scalar
+def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
+          source_path: Path = SOURCE) -> Path:
+    """Compile ``source_path`` (``cpu_kernels.c``; ``benchmarks.decode_attention`` builds an
+    earlier commit's copy) into the cache (once per source/command/machine) and return the
+    library's path. ``extra_flags`` follow the standard ones (tests build the scalar
     fallback with ``-mno-avx2 -mno-fma``).
 
     Raises:
@@ -120,7 +122,7 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
     cap = os.environ.get(ISA_ENV, "").lower()
     if cap not in _ISA_CAPS:
         raise RuntimeError(f"${ISA_ENV}={cap!r}: expected one of {sorted(k for k in _ISA_CAPS if k)}")
-    source = SOURCE.read_bytes()
+    source = source_path.read_bytes()
     flags = (*_FLAGS, *_ISA_CAPS[cap], *extra_flags)
     key = hashlib.sha256(source + " ".join((compiler, *flags, platform.machine(),
                                             _cpu_flags())).encode()).hexdigest()[:16]
@@ -132,7 +134,7 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = ()) -> Pat
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *flags, "-o", tmp, str(SOURCE), "-lm"],
+        proc = subprocess.run([compiler, *flags, "-o", tmp, str(source_path), "-lm"],
                               capture_output=True, text=True, timeout=120)
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({proc.returncode}): {proc.stderr.strip()}")
