@@ -25,62 +25,49 @@ pdlab's rounds.
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import resource
 import subprocess
 import sys
-import time
 
 import torch
 
-from benchmarks import print_table, vllm_peer
-from engine.config import EngineConfig, ModelConfig
-from engine.engine import Engine
+from benchmarks import print_table, vllm_peer, vs_vllm
+from engine.config import ModelConfig
 from engine.model import load_model
-from engine.request import Request, SamplingParams
-from experiments.workloads import sharegpt
 
 MAX_TOKENS = 1  # prefill and the first token
 KERNELS = {"native": "", "onednn": "linear=onednn"}
 
 
-def _prompts(tokenizer) -> list[tuple[int, ...]]:
-    return [r.prompt_token_ids for r in sharegpt(tokenizer, 16, seed=0)]
-
-
 def vllm_runs(core: int, rounds: int, runs: int) -> list[list[float]]:
     """vLLM's CPU build on the same prefill (its own malloc and oneDNN), one warm-up then
     ``rounds * runs`` runs: ``[seconds, minor faults, system seconds]`` each."""
-    prompts = [list(p) for p in _prompts(load_model(ModelConfig("smollm2-135m")).tokenizer)]
-    with vllm_peer.VLLMPeer(max(map(len, prompts)) + 32, 2048, [core]) as peer:
+    prompts = vs_vllm.workload_prompts(load_model(ModelConfig("smollm2-135m")).tokenizer)
+    with vllm_peer.VLLMPeer(max(map(len, prompts)) + 32, vs_vllm.BUDGET, [core]) as peer:
         peer.run_rusage(prompts, MAX_TOKENS)
         return [list(peer.run_rusage(prompts, MAX_TOKENS)) for _ in range(rounds * runs)]
 
 
 def child(runs: int) -> None:
-    """Run the prefill once to warm up, then ``runs`` times; print one JSON line of per-run
-    ``[seconds, minor faults, system seconds]`` and the engine's malloc line."""
+    """Run the prefill once to warm up, then ``runs`` times (``vs_vllm.PdlabSide.run``);
+    print one JSON line of per-run ``[seconds, minor faults, system seconds]`` and the
+    engine's malloc line."""
     torch.set_num_threads(1)
     loaded = load_model(ModelConfig("smollm2-135m"))
-    prompts = _prompts(loaded.tokenizer)
-    engine = Engine(loaded, EngineConfig(max_num_seqs=16, max_model_len=max(map(len, prompts)) + 32,
-                                         max_num_batched_tokens=2048,
-                                         enable_prefix_caching=False), quiet=True)
-    ids = itertools.count()
+    prompts = vs_vllm.workload_prompts(loaded.tokenizer)
+    side = vs_vllm.PdlabSide(loaded, max(map(len, prompts)) + 32, len(prompts))
 
     def once() -> list[float]:
-        reqs = [Request(f"hm{next(ids)}", p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
-                for p in prompts]
-        before, start = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        engine.generate(reqs)
-        seconds, after = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF)
+        before = resource.getrusage(resource.RUSAGE_SELF)
+        seconds, _ = side.run(prompts, MAX_TOKENS)
+        after = resource.getrusage(resource.RUSAGE_SELF)
         return [seconds, after.ru_minflt - before.ru_minflt, after.ru_stime - before.ru_stime]
 
     once()
     print(json.dumps({"runs": [once() for _ in range(runs)],
-                      "malloc": engine.runner.ops.describe().get("malloc", "")}))
+                      "malloc": side.engine.runner.ops.describe().get("malloc", "")}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -79,18 +79,14 @@ class VLLMPeer:
                    reset_prefix_cache: bool = False) -> tuple[float, list[list[int]], list[int]]:
         """``run``, plus each request's prefix-cache hit in tokens; ``reset_prefix_cache``
         empties vLLM's prefix cache first (untimed)."""
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
-                                          "reset_prefix_cache": reset_prefix_cache}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read()
+        reply = self._job({"prompts": prompts, "max_tokens": max_tokens,
+                           "reset_prefix_cache": reset_prefix_cache})
         return reply["seconds"], reply["outputs"], reply["num_cached_tokens"]
 
     def run_rusage(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, int, float]:
         """``run``'s seconds, and vLLM's process's minor page faults and system CPU seconds
         during the ``generate`` call (``getrusage``)."""
-        self.proc.stdin.write(json.dumps({"prompts": prompts, "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read()
+        reply = self._job({"prompts": prompts, "max_tokens": max_tokens})
         return reply["seconds"], reply["minor_faults"], reply["system_s"]
 
     def admission(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
@@ -98,19 +94,20 @@ class VLLMPeer:
         stepped by hand; returns ``{"peak_running", "num_preemptions", "kv_blocks", "steps",
         "seconds"}`` (``vllm_worker.admission``: peak = most requests in vLLM's scheduler
         ``running`` list after a step; kv_blocks = usable blocks, null block excluded)."""
-        self.proc.stdin.write(json.dumps({"admission": True, "prompts": prompts,
-                                          "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        return self._job({"admission": True, "prompts": prompts, "max_tokens": max_tokens})
 
     def step_times(self, prompts: list[list[int]], max_tokens: int) -> list[list[float]]:
         """All ``prompts`` at once (``max_tokens`` each, greedy, EOS ignored), each engine
         step timed inside vLLM's process: ``[[seconds, tokens, first tokens, finished
         requests], ...]`` per step (``vllm_worker.step_times``)."""
-        self.proc.stdin.write(json.dumps({"step_times": True, "prompts": prompts,
-                                          "max_tokens": max_tokens}) + "\n")
+        return self._job({"step_times": True, "prompts": prompts,
+                          "max_tokens": max_tokens})["steps"]
+
+    def _job(self, job: dict) -> dict:
+        """Send one job line to the worker and return its JSON reply (``vllm_worker``)."""
+        self.proc.stdin.write(json.dumps(job) + "\n")
         self.proc.stdin.flush()
-        return self._read()["steps"]
+        return self._read()
 
     def _read(self) -> dict:
         line = self.proc.stdout.readline()

@@ -94,6 +94,11 @@ class PdlabSide:
                 for p in prompts]
 
 
+def workload_prompts(tokenizer) -> list[list[int]]:
+    """The rows' prompts: 16 ShareGPT prompts, seed 0 (1,723 tokens with SmolLM2's tokenizer)."""
+    return [list(r.prompt_token_ids) for r in sharegpt(tokenizer, 16, seed=0)]
+
+
 def decode_step_s(steps: list[list[float]], batch: int) -> float:
     """The median seconds of the full decode steps among ``steps`` (rows ``[seconds, tokens,
     first tokens, finished requests]``, one per engine step): those that made exactly
@@ -124,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_sizes = [1, 16] if args.quick else args.batch_sizes
     print(setup_threads(args.threads))
     loaded = load_model(ModelConfig("smollm2-135m"))
-    prompts = [list(r.prompt_token_ids) for r in sharegpt(loaded.tokenizer, 16, seed=0)]
+    prompts = workload_prompts(loaded.tokenizer)
     max_model_len = max(len(p) for p in prompts) + OUTPUT_LEN + 1
     cores = sorted(os.sched_getaffinity(0))
     num_seqs = max(16, *batch_sizes)
