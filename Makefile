@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
+.PHONY: run test test-avx512-emulated setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,19 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory test-avx512-emulated
+
+# The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
+# (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too
+# (~30 s). tests/fetch_simde.py fetches the headers once (Debian's libsimde-dev, 0.5 MB);
+# where it cannot, this prints SKIPPED and why.
+KERNEL_TESTS := tests/integration/test_cpu_kernels.py tests/integration/test_linear_kernels.py
+
+test-avx512-emulated: $(STAMP)
+	@if $(PY) tests/fetch_simde.py >/dev/null; then \
+	  echo "kernel tests on the emulated AVX-512 build:"; \
+	  PDLAB_CPU_KERNELS_ISA=avx512-emulated $(PY) -m pytest -q $(KERNEL_TESTS); \
+	else echo "test-avx512-emulated: SKIPPED (SIMDe's headers could not be fetched)"; fi
 
 # vLLM's CPU build as a benchmark peer, in its own virtualenv (it pins torch 2.13 CPU and an
 # older transformers). Created once; not part of `make test`. Its torchvision/torchaudio/

@@ -326,13 +326,54 @@ void pd_pack_linear_width(const float *restrict w, float *restrict panels, int64
             }
 }
 
-#if !defined(PD_NO_AVX512) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(PD_EMULATE_AVX512)
+/* Tests only (PDLAB_CPU_KERNELS_ISA=avx512-emulated, `make test-avx512-emulated`): the
+ * AVX-512 functions below on SIMDe's portable _mm512 intrinsics (github.com/simd-everywhere/
+ * simde; -I its headers), so a CPU without avx512f runs them and the kernel tests check their
+ * results; pd_linear512_available() says 1 on any CPU. Never built for a run: each zmm
+ * operation becomes two ymm ones or a loop, slower than the AVX2 kernels. */
+#define SIMDE_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+/* Where SIMDe 0.8.2 is not the instruction, the instruction written out lane by lane:
+ * its masked store writes 0 to the lanes outside the mask (past a buffer's end, too), its
+ * masked load reads them, and it has no _mm512_reduce_add_ps (GCC's order: halves first). */
+static inline void pd_mask_storeu16(void *p, simde__mmask16 m, simde__m512 v) {
+    float a[16];
+    simde_mm512_storeu_ps(a, v);
+    for (int i = 0; i < 16; i++)
+        if (m >> i & 1) ((float *)p)[i] = a[i];
+}
+static inline simde__m512 pd_maskz_loadu16(simde__mmask16 m, const void *p) {
+    float a[16];
+    for (int i = 0; i < 16; i++) a[i] = m >> i & 1 ? ((const float *)p)[i] : 0.0f;
+    return simde_mm512_loadu_ps(a);
+}
+static inline float pd_reduce_add16(simde__m512 v) {
+    float a[16], t[8], u[4];
+    simde_mm512_storeu_ps(a, v);
+    for (int i = 0; i < 8; i++) t[i] = a[i + 8] + a[i];
+    for (int i = 0; i < 4; i++) u[i] = t[i + 4] + t[i];
+    return (u[0] + u[2]) + (u[1] + u[3]);
+}
+#undef _mm512_mask_storeu_ps
+#undef _mm512_maskz_loadu_ps
+#undef _mm512_reduce_add_ps
+#define _mm512_mask_storeu_ps pd_mask_storeu16
+#define _mm512_maskz_loadu_ps pd_maskz_loadu16
+#define _mm512_reduce_add_ps pd_reduce_add16
+#define PD_AVX512
+#define PD_HAS_AVX512_CODE 1
+int pd_linear512_available(void) { return 1; }
+#elif !defined(PD_NO_AVX512) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define PD_AVX512 __attribute__((target("avx512f")))
+#define PD_HAS_AVX512_CODE 1
 int pd_linear512_available(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f");
 }
+#endif
+#if defined(PD_HAS_AVX512_CODE)
 #define PD_UNROLL12 _Pragma("GCC unroll 12")
 #define PD_BLOCK512(MR)                                                                     \
 PD_AVX512 static void pd_block512_##MR(const float *restrict x, int64_t ldx,               \
@@ -706,14 +747,14 @@ int pd_causal_attention(const float *q, int64_t q_row_stride, const float *k, co
 }
 #endif
 
-#if !defined(PD_NO_AVX512) && defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(PD_HAS_AVX512_CODE)
 /* pd_expf on 16 lanes: pd_expf8's operations in the same order, so equal results lane by lane */
 PD_AVX512 static inline __m512 pd_expf16(__m512 x) {
     x = _mm512_min_ps(_mm512_set1_ps(88.0f), x);  /* constant first: NaN stays NaN */
     x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_add_ps(
         _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _mm512_set1_ps(0.5f)),
-        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+        (_MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));  /* (): SIMDe shifts it unbracketed */
     __m512 r = _mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
     r = _mm512_sub_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(-2.12194440e-4f)));
     __m512 z = _mm512_mul_ps(r, r);

@@ -35,12 +35,15 @@ The build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math
 covering the source, the command and the machine, so a machine compiles it once (well under a
 second here); later processes load the cached library. ``PDLAB_CPU_KERNELS_ISA=avx2`` adds
 ``-mno-avx512f -DPD_NO_AVX512`` (no AVX-512 at all, also not ``linear512``: an AVX-512
-machine standing in for an AVX2-only one, as ``ONEDNN_MAX_CPU_ISA=AVX2`` does for oneDNN). ``load()`` returns None, and the CPU backend
+machine standing in for an AVX2-only one, as ``ONEDNN_MAX_CPU_ISA=AVX2`` does for oneDNN).
+``PDLAB_CPU_KERNELS_ISA=avx512-emulated`` (tests only: ``make test-avx512-emulated``) builds
+the AVX-512 functions on SIMDe's portable intrinsics (``-DPD_EMULATE_AVX512``, headers from
+``simde_include()``), so a CPU without avx512f runs ``linear512`` and ``causal_attention512``
+and the kernel tests check them. ``load()`` returns None, and the CPU backend
 (``engine/ops.py``) runs torch's kernels instead, when the kernels are disabled
 (``PDLAB_CPU_KERNELS=0``), no compiler is found, or the build or load fails (one warning says
-why). The wrappers refuse
-(``ValueError``) anything but float32 CPU tensors in the layouts their docstrings give: they
-read raw pointers.
+why). The wrappers refuse (``ValueError``) anything but float32 CPU tensors in the layouts
+their docstrings give: they read raw pointers.
 """
 
 from __future__ import annotations
@@ -62,8 +65,13 @@ from engine.model import cache_dir  # transformers is imported there only lazily
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "PDLAB_CPU_KERNELS"  # "0": never build or use the kernels
 ISA_ENV = "PDLAB_CPU_KERNELS_ISA"  # "avx2": no AVX-512 in the build; unset/"native": -march only
-# avx2: no AVX-512 from -march, and the target-attribute AVX-512 GEMM left out of the build
-_ISA_CAPS = {"": (), "native": (), "avx2": ("-mno-avx512f", "-DPD_NO_AVX512")}
+# avx2: no AVX-512 from -march, and the target-attribute AVX-512 GEMM left out of the build.
+# avx512-emulated (tests only): the AVX-512 functions on SIMDe's portable intrinsics, so a CPU
+# without avx512f runs them (slowly) and the kernel tests check their results.
+EMULATED_AVX512 = "avx512-emulated"
+_ISA_CAPS = {"": (), "native": (), "avx2": ("-mno-avx512f", "-DPD_NO_AVX512"),
+             EMULATED_AVX512: ("-DPD_EMULATE_AVX512", "-Wno-psabi")}
+SIMDE_ENV = "PDLAB_SIMDE_INCLUDE"  # SIMDe's include folder for the avx512-emulated build
 _FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno",
           "-shared", "-fPIC")
 _LIBRARY = "libpdlab_kernels.so"
@@ -106,6 +114,13 @@ def _cpu_flags() -> str:
         return platform.processor()
 
 
+def simde_include() -> Path:
+    """The folder holding SIMDe's ``simde/x86/avx512.h`` for the ``avx512-emulated`` build:
+    ``$PDLAB_SIMDE_INCLUDE``, else ``$PDLAB_CACHE_DIR/simde/include`` (where
+    ``tests/fetch_simde.py`` puts them)."""
+    return Path(os.environ.get(SIMDE_ENV) or cache_dir() / "simde" / "include")
+
+
 def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
           source_path: Path = SOURCE) -> Path:
     """Compile ``source_path`` (``cpu_kernels.c``; ``benchmarks.decode_attention`` builds an
@@ -124,6 +139,12 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
         raise RuntimeError(f"${ISA_ENV}={cap!r}: expected one of {sorted(k for k in _ISA_CAPS if k)}")
     source = source_path.read_bytes()
     flags = (*_FLAGS, *_ISA_CAPS[cap], *extra_flags)
+    if cap == EMULATED_AVX512:
+        include = simde_include()
+        if not (include / "simde" / "x86" / "avx512.h").is_file():
+            raise RuntimeError(f"${ISA_ENV}={EMULATED_AVX512} needs SIMDe's headers in {include} "
+                               f"(tests/fetch_simde.py fetches them; or set ${SIMDE_ENV})")
+        flags += (f"-I{include}",)
     key = hashlib.sha256(source + " ".join((compiler, *flags, platform.machine(),
                                             _cpu_flags())).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / key / _LIBRARY

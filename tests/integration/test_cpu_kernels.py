@@ -6,6 +6,7 @@ engine equals generate() with them and without them (no compiler, a failing buil
 
 from __future__ import annotations
 
+import os
 import platform
 
 import pytest
@@ -175,6 +176,20 @@ def test_avx512_gemm_is_left_out_under_the_avx2_cap(kernels, monkeypatch, tmp_pa
         torch.testing.assert_close(capped.causal_attention(q, kv[0], kv[1], 0, 0.3),
                                    kernels.causal_attention(q, kv[0], kv[1], 0, 0.3),
                                    rtol=1e-6, atol=1e-6)
+
+
+@needs_kernels
+def test_emulated_avx512_build_needs_simde_and_runs_the_avx512_functions(kernels, monkeypatch,
+                                                                         tmp_path):
+    """``PDLAB_CPU_KERNELS_ISA=avx512-emulated`` (``make test-avx512-emulated``): without
+    SIMDe's headers the build says where they go; in that run itself the loaded library
+    runs the AVX-512 functions, so this file's ``avx512`` cases are not skipped there."""
+    if os.environ.get(cpu_kernels.ISA_ENV) == cpu_kernels.EMULATED_AVX512:
+        assert kernels.linear_avx512
+    monkeypatch.setenv(cpu_kernels.ISA_ENV, cpu_kernels.EMULATED_AVX512)
+    monkeypatch.setenv(cpu_kernels.SIMDE_ENV, str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"needs SIMDe's headers in .*fetch_simde\.py"):
+        cpu_kernels.build()
 
 
 @needs_kernels
