@@ -158,9 +158,22 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
                      "family_agrees": fams[d["predicted_first"]] in {fams[f] for f in firsts},
                      "regret": d["regret"], "kendall_tau": d["kendall_tau"],
                      "inside_rerun_noise": noise,
-                     "measured_goodput": "; ".join(f"{x}={v:.3g}" for x, v in meas.items()),
-                     "predicted_goodput": "; ".join(f"{x}={v:.3g}" for x, v in pred.items())})
+                     "measured_goodput": goodput_text(meas),
+                     "predicted_goodput": goodput_text(pred)})
     return pd.DataFrame(rows, columns=CHECK_COLUMNS)
+
+
+def goodput_text(goodput: dict[str, float]) -> str:
+    """``{placement: goodput}`` as the check table's "label=value; ..." text, 6 significant
+    digits: ``decision_table`` reads it back, and 3 digits tied placements that differ in
+    the 4th, so the summary's figures disagreed with the rows' own."""
+    return "; ".join(f"{label}={value:.6g}" for label, value in goodput.items())
+
+
+def parse_goodput(text: str) -> dict[str, float]:
+    """``goodput_text``'s inverse (labels may hold " / ", never "=")."""
+    return {label: float(value) for label, value in
+            (kv.rsplit("=", 1) for kv in text.split("; "))}
 
 
 def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
@@ -169,11 +182,10 @@ def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for r in checked.itertuples():
         cell = f"{r.io_ratio:g} @ TTFT {r.ttft_slo_s:g} s, TPOT {r.tpot_slo_s:g} s"
-        meas = dict(kv.rsplit("=", 1) for kv in r.measured_goodput.split("; "))
-        for kv in r.predicted_goodput.split("; "):
-            label, value = kv.rsplit("=", 1)
-            rows.append({"cell": cell, "placement": label, "predicted": float(value),
-                         "measured": float(meas[label])})
+        meas = parse_goodput(r.measured_goodput)
+        for label, value in parse_goodput(r.predicted_goodput).items():
+            rows.append({"cell": cell, "placement": label, "predicted": value,
+                         "measured": meas[label]})
     return pd.DataFrame(rows, columns=["cell", "placement", "predicted", "measured"])
 
 

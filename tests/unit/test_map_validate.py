@@ -67,6 +67,15 @@ def test_same_schedule_twins_are_one_answer_with_the_mean_of_their_runs():
     assert (row["mapped"], bool(row["top1_agrees"])) == ("colocated:2", True)
 
 
+def test_goodput_text_keeps_what_tells_placements_apart():
+    """Two placements 0.2% apart stay apart through the check table's text (at 3 digits
+    both read 1.23, and the summary then called them tied)."""
+    goodput = {"colocated:2 / colocated-nochunk:2": 1.2341, "disagg:1p1d": 1.2316, "x": 1 / 3}
+    text = map_validate.goodput_text(goodput)
+    assert text == "colocated:2 / colocated-nochunk:2=1.2341; disagg:1p1d=1.2316; x=0.333333"
+    assert map_validate.parse_goodput(text) == pytest.approx(goodput, rel=1e-6)
+
+
 def test_one_schedule_merges_per_pass():
     pred, per_pass, name = map_validate.one_schedule(
         {"A": 2.0, "B": 2.0, "C": 1.0},
