@@ -461,6 +461,36 @@ def goodput_per_device(curve: pd.DataFrame, num_devices: int | Mapping[str, int]
     return out
 
 
+def _sweeps(runs: Sequence[Run], placement: str) -> tuple[list[float], list[int], dict]:
+    """A placement's swept rates (ascending), the seeds that ran at every one of them (a
+    seed is one sweep) and ``{(rate, seed): index into runs}``."""
+    mine = [i for i, r in enumerate(runs) if r.placement == placement]
+    rates = sorted({runs[i].rate for i in mine})
+    at = {(runs[i].rate, runs[i].seed): i for i in mine}
+    sweeps = [s for s in sorted({runs[i].seed for i in mine})
+              if all((rate, s) in at for rate in rates)]
+    return rates, sweeps, at
+
+
+def _devices(num_devices: int | Mapping[str, int], placement: str) -> int:
+    return num_devices[placement] if isinstance(num_devices, Mapping) else num_devices
+
+
+def goodput_points(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str, int],
+                   target: float = ATTAINMENT_TARGET) -> dict[str, float]:
+    """placement -> ``goodput_table``'s point estimate without its bootstrap: the mean over
+    seeds of each sweep's DistServe goodput per device (req/s; NaN where no seed ran every
+    rate). What a report quotes as "measured goodput" beside goodput.csv."""
+    runs = [as_run(r) for r in runs]
+    out = {}
+    for placement in dict.fromkeys(r.placement for r in runs):
+        rates, sweeps, at = _sweeps(runs, placement)
+        out[placement] = _seed_mean([m.goodput_rate(
+            rates, [m.slo_attainment(runs[at[(rate, s)]].records, slo) for rate in rates],
+            _devices(num_devices, placement), target) for s in sweeps])
+    return out
+
+
 def goodput_table(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str, int],
                   target: float = ATTAINMENT_TARGET, num_boot: int = NUM_BOOT,
                   rng_seed: int = 1) -> pd.DataFrame:
@@ -469,34 +499,25 @@ def goodput_table(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str,
     Goodput: the highest swept rate whose SLO attainment is >= ``target`` **and** every
     lower swept rate also met it, divided by the placement's devices (DistServe §2;
     ``engine.metrics.goodput_rate``). A seed is one sweep (the same seed at every rate);
-    ``goodput_per_device_req_s`` is the mean over seeds of each sweep's goodput, the interval
-    the hierarchical bootstrap of the module docstring (seeds drawn, requests drawn inside
-    each run, the drawn sweeps' goodputs averaged). Columns: placement, num_devices,
-    num_seeds, goodput_per_device_req_s, _ci_lo, _ci_hi.
+    ``goodput_per_device_req_s`` is the mean over seeds of each sweep's goodput
+    (``goodput_points``), the interval the hierarchical bootstrap of the module docstring
+    (seeds drawn, requests drawn inside each run, the drawn sweeps' goodputs averaged).
+    Columns: placement, num_devices, num_seeds, goodput_per_device_req_s, _ci_lo, _ci_hi.
     """
     runs = [as_run(r) for r in runs]
     rng = np.random.default_rng(rng_seed)
     boots = _within_seed(runs, slo, num_boot, rng)
+    points = goodput_points(runs, slo, num_devices, target)
     rows = []
-    for placement in dict.fromkeys(r.placement for r in runs):
-        n_dev = num_devices[placement] if isinstance(num_devices, Mapping) else num_devices
-        mine = [i for i, r in enumerate(runs) if r.placement == placement]
-        rates = sorted({runs[i].rate for i in mine})
-        seeds = sorted({runs[i].seed for i in mine})
-        at = {(runs[i].rate, runs[i].seed): i for i in mine}
-        sweeps = [s for s in seeds if all((rate, s) in at for rate in rates)]
-
-        def goodput(seed: int, b: int | None) -> float:
-            att = [m.slo_attainment(runs[at[(rate, seed)]].records, slo) if b is None
-                   else boots[at[(rate, seed)]]["slo_attainment"][b] for rate in rates]
-            return m.goodput_rate(rates, att, n_dev, target)
-
-        point = _seed_mean([goodput(s, None) for s in sweeps])
+    for placement, point in points.items():
+        n_dev = _devices(num_devices, placement)
+        rates, sweeps, at = _sweeps(runs, placement)
         lo = hi = math.nan
         if sweeps:
             pick = rng.integers(0, len(sweeps), size=(num_boot, len(sweeps)))
-            reps = np.array([np.mean([goodput(sweeps[k], b) for k in pick[b]])
-                             for b in range(num_boot)])
+            reps = np.array([np.mean([m.goodput_rate(
+                rates, [boots[at[(rate, sweeps[k])]]["slo_attainment"][b] for rate in rates],
+                n_dev, target) for k in pick[b]]) for b in range(num_boot)])
             lo, hi = _interval(reps)
         rows.append({"placement": placement, "num_devices": n_dev, "num_seeds": len(sweeps),
                      "goodput_per_device_req_s": point,

@@ -75,11 +75,14 @@ def slo_grids(slo: SLO, steps: int = STEPS) -> tuple[tuple[float, ...], tuple[fl
     return grid(slo.ttft_s), grid(slo.tpot_s)
 
 
-def measured_goodput(summary: pd.DataFrame) -> dict[str, float]:
-    """placement -> the run's measured goodput per device (req/s) at its SLO, from its
-    summary table (``analysis.goodput_per_device`` on its attainment curve)."""
-    devices = {p: PlacementConfig(p).num_devices_needed for p in dict.fromkeys(summary["placement"])}
-    return analysis.goodput_per_device(analysis.attainment_curve(summary), devices)
+def measured_goodput(results: Sequence[RunResult], slo: SLO) -> dict[str, float]:
+    """placement -> the run's measured goodput per device (req/s) at ``slo``, the figure of
+    its goodput.csv and verdict (``analysis.goodput_points``: the mean over seeds of each
+    sweep's goodput); placements with no complete sweep are left out."""
+    runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in results]
+    devices = {r.placement: PlacementConfig(r.placement).num_devices_needed for r in runs}
+    goodput = analysis.goodput_points(runs, slo, devices)
+    return {p: g for p, g in goodput.items() if not math.isnan(g)}
 
 
 def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
@@ -93,7 +96,7 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
         items: seed -> the run's workload (``build_workload``).
         num_devices: the run's devices (the map places on all of them).
         slo: the SLO the run was judged by (the calibrated one under ``--calibrate``).
-        summary: the run's summary table (its measured goodput at ``slo``).
+        summary: the run's summary table (the count of its rates).
 
     Returns:
         (the report's lines, the heatmap's path or None when there is no map). No map (one
@@ -132,7 +135,7 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
                              f"{model.model}, {num_devices} devices, this run's workload "
                              f"(prompt:output {ratio:.3g})")
     centre = table[(table["ttft_index"] == STEPS // 2) & (table["tpot_index"] == STEPS // 2)].iloc[0]
-    measured = measured_goodput(summary)
+    measured = measured_goodput(results, slo)
     best = max(measured.values(), default=0.0)
     firsts = [p for p, g in measured.items() if g == best]
     lines = [f"The planner's map of this workload on {num_devices} devices ({len(table)} cells "

@@ -7,6 +7,7 @@ SLO: TTFT <= 0.5 s, TPOT <= 0.15 s, so colocated attains 2/3 and disagg 3/3.
 """
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pandas as pd
@@ -14,6 +15,7 @@ import pytest
 
 from engine.metrics import SLO, RequestRecord
 from experiments import analysis as a
+from experiments import workload_map
 
 T0 = 1000.0
 SLO_ = SLO(ttft_s=0.5, tpot_s=0.15)
@@ -209,6 +211,25 @@ def test_goodput_table_distserve_definition_on_a_non_monotone_curve():
     # a resample of the 2 req/s run without the stalled request (p = (2/3)^3) attains 100%:
     # replicates are 0.5 or 1.5, so the interval spans both
     assert c["goodput_per_device_req_s_ci_lo"] == 0.5 and c["goodput_per_device_req_s_ci_hi"] == 1.5
+
+
+def test_goodput_points_is_the_seed_mean_every_report_line_quotes():
+    """Seed 0 meets the SLO at 1 and 2 req/s (1.0 req/s per device), seed 1 only at 1 (the
+    stall at 2: 0.5): goodput.csv's point is their mean, 0.75, and the map's "this run
+    measured" line quotes the same figure. The mean attainment curve (2 req/s: (1 + 2/3) / 2
+    < 90%) would say 0.5: that was the map line's rule, which disagreed with the verdict."""
+    runs_ = [a.Run(COLO, 1.0, colocated_records(stall=False), 0),
+             a.Run(COLO, 2.0, colocated_records(stall=False), 0),
+             a.Run(COLO, 1.0, colocated_records(stall=False), 1),
+             a.Run(COLO, 2.0, colocated_records(), 1)]
+    assert a.goodput_points(runs_, SLO_, 2) == {COLO: pytest.approx(0.75)}
+    table = a.goodput_table(runs_, SLO_, 2, num_boot=50)
+    assert table["goodput_per_device_req_s"].tolist() == [pytest.approx(0.75)]
+    curve = a.attainment_curve(a.summary_table(runs_, SLO_, num_boot=50))
+    assert a.goodput_per_device(curve, 2) == {COLO: 0.5}
+    results = [SimpleNamespace(placement=r.placement, rate=r.rate, records=r.records,
+                               seed=r.seed, duration_s=r.duration_s) for r in runs_]
+    assert workload_map.measured_goodput(results, SLO_) == {COLO: pytest.approx(0.75)}
 
 
 def test_row_percentile_equals_numpy():
