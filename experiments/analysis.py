@@ -603,9 +603,12 @@ def _rate_verdict(at: pd.DataFrame, rate: float) -> list[str]:
     scores = {c: v for c, v in scores.items() if not math.isnan(v)}
     if scores:
         c = min(scores, key=scores.get)
+        share = 100 * scores[c]
+        how = ("the intervals touch: they share an end" if share == 0 else
+               "intervals overlap over under 1% of their joint span" if share < 0.5 else
+               f"intervals overlap over {share:.0f}% of their joint span")
         lines.append(f"  Closest to separating: {c}, {best['placement']} {_with_ci(best, c)} vs "
-                     f"{second['placement']} {_with_ci(second, c)} (intervals overlap over "
-                     f"{100 * scores[c]:.0f}% of their joint span).")
+                     f"{second['placement']} {_with_ci(second, c)} ({how}).")
     return lines
 
 

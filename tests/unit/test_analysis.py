@@ -271,6 +271,12 @@ def test_verdict_names_a_winner_only_where_intervals_separate():
     assert f"Closest to separating: tpot_p99_s, {DIS} 0.12 s [0.08 s, 0.16 s] vs {COLO}" in text
     assert "(intervals overlap over 6% of their joint span)" in text
     assert "winner " + DIS not in text
+    # intervals that only share an end point: said so, not "overlap over 0%"
+    df = summary_rows((0.65, 0.5, 0.8), (0.85, 0.7, 1.0), (0.2, 0.15, 0.25), (0.12, 0.08, 0.15))
+    assert "vs " + COLO + " 0.2 s [0.15 s, 0.25 s] (the intervals touch: they share an end)." \
+        in a.verdict(df, SLO_)
+    df = summary_rows((0.65, 0.5, 0.8), (0.85, 0.7, 1.0), (0.2, 0.15, 0.25), (0.12, 0.08, 0.1505))
+    assert "(intervals overlap over under 1% of their joint span)" in a.verdict(df, SLO_)
     # a latency interval that separates is reported, but does not make a winner
     df = summary_rows((0.9, 0.8, 1.0), (0.9, 0.8, 1.0), (0.2, 0.15, 0.25), (0.1, 0.08, 0.12))
     text = a.verdict(df, SLO_)
