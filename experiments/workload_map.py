@@ -29,8 +29,6 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import pandas as pd
-
 from engine.config import EngineConfig, ModelConfig, PlacementConfig
 from engine.metrics import SLO
 from experiments import analysis, plots, validate
@@ -87,7 +85,7 @@ def measured_goodput(results: Sequence[RunResult], slo: SLO) -> dict[str, float]
 
 def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
                model: ModelConfig, engine: EngineConfig, transport: str, num_devices: int,
-               slo: SLO, summary: pd.DataFrame, policy: str = "least_loaded",
+               slo: SLO, policy: str = "least_loaded",
                simulate: DeviceProfile | None = None) -> tuple[list[str], Path | None]:
     """Steps 1-4 (module docstring) for one finished run.
 
@@ -96,7 +94,6 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
         items: seed -> the run's workload (``build_workload``).
         num_devices: the run's devices (the map places on all of them).
         slo: the SLO the run was judged by (the calibrated one under ``--calibrate``).
-        summary: the run's summary table (the count of its rates).
 
     Returns:
         (the report's lines, the heatmap's path or None when there is no map). No map (one
@@ -153,6 +150,6 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
     lines.append(f"  At this run's SLO (TTFT <= {slo.ttft_s:.3g} s, TPOT <= {slo.tpot_s:.3g} s) "
                  f"the map says {pick}; this run measured "
                  + (" = ".join(firsts) + f" first ({best:.3g} req/s per device over its "
-                    f"{summary['rate'].nunique()} rates)" if best > 0 else "no goodput at its rates")
+                    f"{len({r.rate for r in results})} rates)" if best > 0 else "no goodput at its rates")
                  + ".")
     return lines, png

@@ -110,8 +110,8 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
         summary, verdict = validate.write_with_twin(out_dir, results, config, slo, items, spec,
                                                     engine, transfer.transport, simulate, policy)
     lines, png = workload_map.report_map(out_dir, results, items, spec, model, engine,
-                                         transfer.transport, len(device_set), slo, summary,
-                                         policy, simulate)
+                                         transfer.transport, len(device_set), slo, policy,
+                                         simulate)
     report.append_section(out_dir, workload_map.TITLE, lines, png)
     return summary, verdict + "\n" + "\n".join(lines)
 
