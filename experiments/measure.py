@@ -322,7 +322,8 @@ def emulation_of(args: argparse.Namespace) -> Emulation | None:
         ValueError: ``argument --x: ...``.
     """
     engine = EngineConfig(device_profile=args.device_profile, emu_kv_scale=args.emu_kv_scale)
-    emulation = emulation_for((args.device,), ModelConfig(args.model, args.dtype), engine)
+    emulation = emulation_for((args.device,), ModelConfig(args.model, args.dtype), engine,
+                              whole_kv_caches=False)  # only the measured prompts' blocks
     if emulation is not None and emulation.device.dtype != args.dtype:
         raise option_error("--dtype", f"the device profile {args.device_profile} is "
                                       f"{emulation.device.dtype}, not {args.dtype}: pass "

@@ -117,19 +117,22 @@ def _same_model(a: str, b: str) -> bool:
         return False
 
 
-def emulation_for(devices: tuple[str, ...], model: ModelConfig,
-                  engine: EngineConfig) -> Emulation | None:
+def emulation_for(devices: tuple[str, ...], model: ModelConfig, engine: EngineConfig,
+                  whole_kv_caches: bool = True) -> Emulation | None:
     """The ``Emulation`` of an emulated device set (``emu:i``, ``engine.emulated``), or None
     for real devices.
 
     The emulated model is ``model.model``, a directory with a ``config.json``
-    (``engine/configs/llama-3.1-8b``); it runs in the profile's dtype.
+    (``engine/configs/llama-3.1-8b``); it runs in the profile's dtype. ``whole_kv_caches``:
+    the devices' engines each allocate the emulated GPU's whole KV budget (every command
+    but ``kv-cost``, which allocates only the blocks it measures), so this host must hold
+    them (``_check_host_holds_kv``).
 
     Raises:
         ValueError: ``--device-profile`` or ``--emu-time-scale`` without emulated devices,
             emulated devices without a profile, an unreadable profile, a profile of another
-            model, or a model that is not a config directory (each message names the
-            option).
+            model, a model that is not a config directory, or KV caches this host cannot
+            hold (each message names the option).
     """
     if not is_emulated(devices):
         if engine.device_profile is not None:
@@ -159,7 +162,51 @@ def emulation_for(devices: tuple[str, ...], model: ModelConfig,
         emulation.check(geometry, model.model)
     except ValueError as err:
         raise ValueError(f"argument --device-profile: {err}") from None
+    if whole_kv_caches:
+        _check_host_holds_kv(emulation, geometry, engine, len(devices))
     return emulation
+
+
+def _host_available_bytes() -> int | None:
+    """This host's MemAvailable (bytes, /proc/meminfo), None where there is none."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _check_host_holds_kv(emulation: Emulation, geometry, engine: EngineConfig,
+                         num_devices: int) -> None:
+    """Refuse, before any worker starts, emulated devices whose KV stores (each the emulated
+    GPU's budget, ``Emulation.kv_budget_bytes``, at ``--emu-kv-scale``'s bytes per token)
+    together exceed this host's available memory: the workers would fail one by one on
+    allocation, far from the option that fixes it. The message gives a scale that fits
+    (a power of 2 keeping them under half the available memory).
+
+    Raises:
+        ValueError: naming ``--emu-kv-scale``.
+    """
+    free = _host_available_bytes()
+    try:
+        budget = emulation.kv_budget_bytes(engine)
+    except ValueError:  # a profile without memory figures: the engine says why itself
+        return
+    per_token = emulation.scaled_spec(geometry).bytes_per_token / geometry.bytes_per_token
+    need = num_devices * budget * per_token
+    if free is None or need <= free:
+        return
+    scale = emulation.kv_scale
+    while num_devices * budget * scale > free / 2 and scale > 2 ** -20:
+        scale /= 2
+    raise ValueError(f"argument --emu-kv-scale: {num_devices} emulated "
+                     f"{emulation.device.device_name} KV caches of {budget / 2**30:.1f} GiB "
+                     f"each keep {need / 2**30:.1f} GiB on this host at scale "
+                     f"{emulation.kv_scale:g}, and it has {free / 2**30:.1f} GiB available: "
+                     f"pass --emu-kv-scale {scale:g} (or less)")
 
 
 class Deployment:

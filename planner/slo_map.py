@@ -382,6 +382,11 @@ def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence
             if twins:
                 subject += (f" (tied with {', '.join(twins)} in {int((part['same_schedule_as'] != '').sum())}"
                             " cells: every prompt fits the chunk budget, one schedule)")
+            top = int(part["at_sweep_top"].sum())
+            if top:  # its goodput there is the top rate over its devices: a lower bound
+                subject += (f" ({'all' if top == len(part) else top} of these cells at the "
+                            "top swept rate, where goodput is only a lower bound: sweep "
+                            "higher --rates before trusting the win)")
         elif name == NO_CLEAR:
             subject = "no clear winner (the speed bands overlap)"
         elif name == TOP:

@@ -360,21 +360,25 @@ def run(args: argparse.Namespace, job: MapJob) -> int:
               f"{x.profile.device_name}; speed band +/-{cfg.speed_spread:g}; "
               f"{len(cells)} cells in {wall_s:.1f} s over {jobs} process(es)")
     print("\n" + header + "\n" + "\n".join(region_text))
-    checked = pd.DataFrame(columns=map_validate.CHECK_COLUMNS)
-    summary: list[str] = []
+
+    def write_map(checked: pd.DataFrame, summary: list[str]) -> None:
+        """The heatmaps, regions.txt and map.md (with the validation once it ran)."""
+        for ratio, table in zip(x.ratios, tables):
+            plots.plot_slo_map(table, x.ttft_grid, x.tpot_grid, x.out / f"map_io{ratio:g}.png",
+                               f"{x.model.model}, {cfg.devices} x {x.profile.device_name}, io "
+                               f"ratio {ratio:g}", checked[checked["io_ratio"] == ratio])
+        (x.out / "regions.txt").write_text("\n".join([header, *region_text, *summary]) + "\n")
+        md = [f"# {header}", "", "```", *region_text, "```", "",
+              *[f"![io {r:g}](map_io{r:g}.png)" for r in x.ratios], ""]
+        if summary:
+            md += ["## Checked against real runs" + (" on emulated devices" if is_emulated(
+                x.validate_devices) else ""), "", "```", *summary, "```", ""]
+        (x.out / "map.md").write_text("\n".join(md))
+
+    # the map's files first: a validation (minutes to hours) stopped part-way keeps them
+    write_map(pd.DataFrame(columns=map_validate.CHECK_COLUMNS), [])
     if cfg.validate:
-        checked, summary = _validate(x, cells, predicted, workloads, ladders, families)
-    for ratio, table in zip(x.ratios, tables):
-        plots.plot_slo_map(table, x.ttft_grid, x.tpot_grid, x.out / f"map_io{ratio:g}.png",
-                           f"{x.model.model}, {cfg.devices} x {x.profile.device_name}, io ratio "
-                           f"{ratio:g}", checked[checked["io_ratio"] == ratio])
-    (x.out / "regions.txt").write_text("\n".join([header, *region_text, *summary]) + "\n")
-    md = [f"# {header}", "", "```", *region_text, "```", "",
-          *[f"![io {r:g}](map_io{r:g}.png)" for r in x.ratios], ""]
-    if summary:
-        md += ["## Checked against real runs" + (" on emulated devices" if is_emulated(
-            x.validate_devices) else ""), "", "```", *summary, "```", ""]
-    (x.out / "map.md").write_text("\n".join(md))
+        write_map(*_validate(x, cells, predicted, workloads, ladders, families))
     print(f"\nResults: {x.out}/ (map.csv, map_runs.csv, regions.txt, map.md, "
           + ", ".join(f"map_io{r:g}.png" for r in x.ratios)
           + (", map_validation.csv, map_validation_runs.csv" if cfg.validate else "")

@@ -209,7 +209,8 @@ def check(args: argparse.Namespace) -> PlanJob:
         raise option_error("--granularity", "the simulator models whole-request KV "
                                                 "transfers only (granularity 'request')")
     if engine.device_profile is not None:  # --validate on emulated devices (emu:0..N-1)
-        emulation_for(emulated_devices(plan.devices), model, engine)  # ValueError names it
+        emulation_for(emulated_devices(plan.devices), model, engine,  # ValueError names it
+                      whole_kv_caches=plan.validate)
     if engine.emu_time_scale != 1 and (engine.device_profile is None or not plan.validate):
         raise option_error("--emu-time-scale", "dilates emulated devices only: --validate "
                                                "with --device-profile")

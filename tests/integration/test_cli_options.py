@@ -231,16 +231,19 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
         + [(cmd, "--emu-time-scale", ["--model", "engine/configs/llama-3.1-8b", "--dtype",
                                       "bfloat16", "--devices", "emu:0", "--device-profile",
                                       LLAMA_PROFILE, "--dataset", "multiturn",
+                                      "--emu-kv-scale", "0.00390625",
                                       "--emu-time-scale", "2"], ("not to multi-turn conversations (--dataset multiturn)",))
            for cmd in ("run", "compare")]
         + [("plan", "--emu-time-scale", ["--model", "engine/configs/llama-3.1-8b", "--dtype",
                                          "bfloat16", "--profile", LLAMA_PROFILE,
                                          "--device-profile", LLAMA_PROFILE,
+                                         "--emu-kv-scale", "0.00390625",
                                          "--emu-time-scale", "2"], ("--validate",))]
         + [("plan", "--emu-time-scale", ["--model", "engine/configs/llama-3.1-8b", "--dtype",
                                          "bfloat16", "--profile", LLAMA_PROFILE,
                                          "--device-profile", LLAMA_PROFILE, "--transport", "shm",
                                          "--validate", "--dataset", "multiturn",
+                                         "--emu-kv-scale", "0.00390625",
                                          "--emu-time-scale", "2"], ("not to multi-turn conversations (--dataset multiturn)",))]
         + [("serve", "--emu-time-scale", ["--devices", "emu:0", "--device-profile",
                                           LLAMA_PROFILE, "--emu-time-scale", "2"],

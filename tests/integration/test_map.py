@@ -13,6 +13,7 @@ import pytest
 
 from experiments import map_validate
 from experiments.cli import main
+from experiments.commands import map as map_cmd
 from planner import decision, slo_map
 
 PROFILE = Path(__file__).resolve().parents[1] / "data" / "tiny_device_profile.json"
@@ -85,6 +86,21 @@ def test_bad_ranges_are_refused_before_anything_runs(tmp_path, capsys, option, v
     message = capsys.readouterr().err
     assert f"argument {option}:" in message and words in message
     assert not out.exists()
+
+
+def test_a_stopped_validation_keeps_the_maps_files(tmp_path, monkeypatch):
+    """The map's own files are written before its validation runs (minutes to hours of
+    real runs): stopped there, they are all on disk."""
+    def stop(*_):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(map_cmd, "_validate", stop)
+    out = tmp_path / "map"
+    with pytest.raises(KeyboardInterrupt):
+        main(BASE + ["--devices", "2", "--ttft-slo", "0.05:1:2", "--tpot-slo", "0.003:0.05:2",
+                     "--local", "--validate", "1", "--out", str(out)])
+    assert sorted(f.name for f in out.iterdir()) == ["map.csv", "map.md", "map_io1.png",
+                                                      "map_runs.csv", "regions.txt"]
+    assert (out / "regions.txt").read_text().startswith("pdlab map: tiny-random-llama on 2")
 
 
 LLAMA_PROFILE = Path(__file__).resolve().parents[1] / "data" / "llama-3.1-8b_h100_sxm_vllm_profile.json"

@@ -15,7 +15,7 @@ import pytest
 
 from engine.config import emulated_devices
 from engine.emulated import lateness_p99
-from experiments import cli, map_validate
+from experiments import cli, map_validate, placement
 from experiments.commands import map as map_cmd
 
 DATA = Path(__file__).resolve().parents[1] / "data"
@@ -47,9 +47,25 @@ def test_validate_on_emu_runs_on_emu_devices_with_the_maps_profile(tmp_path):
     assert job.validate_engine.max_num_seqs == job.engine.max_num_seqs == 256
     assert job.validate_engine.max_model_len == job.engine.max_model_len == 512
     job = _check(LLAMA + ["--devices", "8", "--validate", "1", "--validate-on", "emu",
-                          "--emu-kv-scale", "0.5"], tmp_path)
+                          "--emu-kv-scale", "0.001953125"], tmp_path)
     assert job.validate_devices == tuple(f"emu:{i}" for i in range(8))
-    assert job.validate_engine.emu_kv_scale == 0.5
+    assert job.validate_engine.emu_kv_scale == 1 / 512
+
+
+def test_kv_caches_the_host_cannot_hold_are_refused_with_a_scale_that_fits(tmp_path,
+                                                                           monkeypatch):
+    """8 emulated H100s keep 8 x 57.04 GiB (the profile's budget) x 1/256 = 1.78 GiB of KV
+    on the host: refused where 1 GiB is available, before any worker starts, with the
+    largest power of 2 under half of it (8 x 57.04 x 2^-10 = 0.45 GiB)."""
+    monkeypatch.setattr(placement, "_host_available_bytes", lambda: 2 ** 30)
+    with pytest.raises(ValueError) as err:
+        _check(LLAMA + ["--devices", "8", "--validate", "1", "--validate-on", "emu"], tmp_path)
+    assert str(err.value) == (
+        "argument --emu-kv-scale: 8 emulated h100_sxm KV caches of 57.0 GiB each keep 1.8 GiB "
+        "on this host at scale 0.00390625, and it has 1.0 GiB available: pass --emu-kv-scale "
+        "0.000976562 (or less)")
+    monkeypatch.setattr(placement, "_host_available_bytes", lambda: 2 * 2 ** 30)
+    _check(LLAMA + ["--devices", "8", "--validate", "1", "--validate-on", "emu"], tmp_path)
 
 
 def test_validate_here_keeps_this_machines_devices(tmp_path):

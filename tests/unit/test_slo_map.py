@@ -167,6 +167,10 @@ def test_winner_at_the_sweep_top_is_flagged():
     top = {"colocated:2": 2.0, "disagg:1p1d": 2.0}
     t = slo_map.cells(goodput, fams, [1.0], [0.1, 0.2], 1.0, top=top)
     assert t["at_sweep_top"].tolist() == [True, False]
+    assert slo_map.regions(t, [1.0], [0.1, 0.2])[:2] == [
+        "colocated chunked (colocated:2) wins (all of these cells at the top swept rate, where "
+        "goodput is only a lower bound: sweep higher --rates before trusting the win) when "
+        "TPOT = 0.1 s", "disagg (disagg:1p1d) wins when TPOT = 0.2 s"]
     assert slo_map.regions(t, [1.0], [0.1, 0.2])[2] == (
         "the winner met the SLO at the top swept rate (goodput a lower bound: sweep higher "
         "--rates) when TPOT = 0.1 s")
