@@ -12,8 +12,8 @@ Run each from the repository root with the project's Python::
     .venv/bin/python -m benchmarks.gemm_kernels     [--quick]
 
 They are not timed tests. Every time comes from ``experiments.timing.measure`` (min of N
-runs after a warm-up, median shown). Contenders are measured *interleaved*, one run of each
-per round, so a burst of load from the rest of the machine hits all of them alike. By
+runs after a warm-up, the median beside it). Contenders are measured *interleaved*, one run
+of each per round, so a burst of load from the rest of the machine hits all of them alike. By
 default a benchmark runs on one thread pinned to one core (``--threads`` changes it), which
 keeps the numbers stable on a shared machine.
 

@@ -9,7 +9,7 @@ prefill's seconds are the ones the emulated runner holds that step for
 (``modelled_prefill``: ``EmulatedRunner.modelled_s``, the profile's fit), not a timing.
 
 Every time is ``experiments.timing``'s estimator (min of N runs after ``WARMUP`` warm-ups,
-median shown).
+the median beside it).
 """
 
 from __future__ import annotations

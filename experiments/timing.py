@@ -10,7 +10,7 @@ A measurement:
 
 The estimator is the **minimum** of the timed runs (the run least disturbed by the rest of the
 machine); the median is reported beside it to show the spread. Output names it with
-``describe(repeats)``: "min of N runs after 1 warm-up; median shown".
+``describe(repeats)``: "min of N runs after 1 warm-up; the median beside it".
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-ESTIMATOR = "min of {n} runs after {w} warm-up; median shown"
+ESTIMATOR = "min of {n} runs after {w} warm-up; the median beside it"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,8 @@ For each prompt length T:
    when it starts (``kv_transfer.link.memcpy_peak``: one 32 MiB copy; the same peak every
    run's ``TransferRecord.efficiency`` uses), so this table and a run's records compare.
 
-Every time is ``experiments.timing``'s estimator: min of N runs after 1 warm-up, median shown.
+Every time is ``experiments.timing``'s estimator: min of N runs after 1 warm-up, the median
+beside it.
 
 On an emulated device (``emulation``, ``engine.emulated``) the table compares this host's
 transports with the emulated GPU's prefill:

@@ -33,7 +33,7 @@ device_profile.json, silicon_steps.csv (every sampled step, the database's time 
 fitted model's), decode_check.csv (decode steps at B = 1, 16, 64 against the database's
 TPOT estimate), summary.md.
 
-Every time is min of N runs after 1 warm-up, median shown. The runs of every point of
+Every time is min of N runs after 1 warm-up, the median beside it. The runs of every point of
 steps 1-4 are interleaved (``experiments.timing.measure_interleaved``): each round runs each
 point once, in a shuffled order, so a machine whose speed drifts during the profile (a
 shared VM: ~13% within a minute) moves all the points alike and does not tilt the prefill

@@ -39,7 +39,7 @@ def test_measure_with_real_clock_and_sync():
     timing = measure(lambda: sum(range(1000)), 4, sync=lambda: syncs.append(1))
     assert timing.num_runs == 4 and 0 < timing.min_s <= timing.median_s
     assert len(syncs) == 2 * 5  # before start and before stop, warm-up included
-    assert describe(4) == "min of 4 runs after 1 warm-up; median shown"
+    assert describe(4) == "min of 4 runs after 1 warm-up; the median beside it"
 
 
 def test_interleaved_rounds_spread_a_drift_over_every_point():
@@ -244,7 +244,7 @@ def test_profile_main_writes_outputs(tiny, tmp_path, capsys):
     assert prof.prefill.num_points == 2 and prof.decode.num_points == 2 * 2 + 2  # contexts x B 1, 8; batch
     assert prof.mixed.num_points == 3 and set(prof.transfers) == {"inprocess"}
     out = capsys.readouterr().out
-    assert "min of 1 runs after 1 warm-up; median shown" in out and "batch fit" in out
+    assert "min of 1 runs after 1 warm-up; the median beside it" in out and "batch fit" in out
     assert "prefill step_s =" in out and "transfer inprocess:" in out
     assert "R^2" in (tmp_path / "summary.md").read_text()
 
