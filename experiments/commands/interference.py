@@ -368,9 +368,10 @@ def sentence(summary: pd.DataFrame, device_text: str) -> str:
         return at[at["mode"] == mode].sort_values("budget")
 
     whole = row(NOCHUNK).iloc[0]
-    chunks = "; ".join(
+    chunks = "; ".join(  # the worst step shrinks, the stall is spread: both said
         f"chunking at budget {int(r.budget)} reduces that to {_time_text(r.stall_s)} per step "
-        f"({r.inflation:.2f}x) over {int(r.num_injection_steps)} steps"
+        f"({r.inflation:.2f}x) over {int(r.num_injection_steps)} steps "
+        f"({_time_text(r.total_stall_s)} in all)"
         for r in row(CHUNKED).itertuples())
     kv = row(DISAGG).iloc[0]
     return (f"On this device ({device_text}), a {big_p}-token prefill stalls a {big_b}-request "

@@ -175,7 +175,8 @@ def test_sentence_quotes_the_largest_point(measured):
                            f"decode batch by {C_COST * 50 * 1e3:.3g} ms "
                            f"({(base + C_COST * 50) / base:.2f}x")
     assert f"chunking at budget 16 reduces that to {C_COST * 12 * 1e3:.3g} ms per step" in text
-    assert "over 5 steps" in text  # ceil(50 / (16 - 4))
+    # ceil(50 / (16 - 4)) steps, each stalled by its chunk's tokens: 50 tokens' worth in all
+    assert f"over 5 steps ({C_COST * 50 * 1e3:.3g} ms in all)" in text
     assert f"disaggregation to {B_COST * 1e3:.3g} ms" in text
     assert f"{D_COST * 50 * 1e3:.3g} ms." in text
 
