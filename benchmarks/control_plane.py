@@ -101,13 +101,16 @@ def plot(table: pd.DataFrame, path: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rates", default="20,60,150")
-    parser.add_argument("--num-requests", type=int, default=300)
-    parser.add_argument("--placements", default="colocated:8,disagg:4p4d,disagg:2p6d")
-    parser.add_argument("--profile", default=str(PROFILE))
-    parser.add_argument("--transport", default="shm")
-    parser.add_argument("--cprofile", action=argparse.BooleanOptionalAction, default=True)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--rates", default="20,60,150", help="arrival rates, req/s")
+    parser.add_argument("--num-requests", type=int, default=300, help="ShareGPT requests per run")
+    parser.add_argument("--placements", default="colocated:8,disagg:4p4d,disagg:2p6d",
+                        help="placements on emu:0-7")
+    parser.add_argument("--profile", default=str(PROFILE), help="the emulated device's profile")
+    parser.add_argument("--transport", default="shm", help="KV transport")
+    parser.add_argument("--cprofile", action=argparse.BooleanOptionalAction, default=True,
+                        help="cProfile the router loop")
     parser.add_argument("--out", default=None, help="results directory")
     args = parser.parse_args()
     out = Path(args.out or f"results/control-plane-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -135,7 +135,8 @@ def add_arguments(parser: argparse.ArgumentParser, single: bool = False) -> None
     add_deployment_args(parser)
     add_model_args(parser)
     parser.add_argument("--rates", type=rate_list, default=[0.5],
-                        help="arrival rates in req/s, comma-separated (a sweep gives goodput)")
+                        help="arrival rates in req/s, comma-separated (a sweep gives "
+                             "goodput; default: 0.5)")
     add_slo_args(parser)
     parser.add_argument("--out", default=None, help="results directory (default: results/<cmd>-<time>)")
     add_dataclass_args(parser.add_argument_group("workload"), WorkloadSpec)
