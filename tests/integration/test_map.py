@@ -88,6 +88,7 @@ def test_bad_ranges_are_refused_before_anything_runs(tmp_path, capsys, option, v
     assert not out.exists()
 
 
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 CPU cores")
 def test_a_stopped_validation_keeps_the_maps_files(tmp_path, monkeypatch):
     """The map's own files are written before its validation runs (minutes to hours of
     real runs): stopped there, they are all on disk."""
