@@ -640,8 +640,8 @@ class Router:
             if flight is None:
                 continue  # late news of a request already ended (a plain token holds no KV)
             record = flight.record
-            if worker != record.decode_worker and worker != record.prefill_worker:
-                continue  # from the decode worker it left when that one died: moot
+            if self._stale(flight, worker):
+                continue
             flight.deadline_s = deadline_s
             record.token_times_s.append(now)
             record.token_worker_times_s.append(worker_s)
@@ -652,14 +652,25 @@ class Router:
                 self._emit(StreamEvent(rid, TOKEN, now, token_id=token_id,
                                        index=len(record.output_token_ids) - 1))
 
+    def _stale(self, flight: _Flight, worker: str) -> bool:
+        """News of ``flight`` from ``worker`` that no longer counts: from a worker it left
+        when that one died (another name), or, while it waits for the decode pool (parked),
+        from the dead incarnation it was moved from, whose replacement has the same name and
+        has not got it yet (a kv_got collected late made it look fetched, and the rejoin
+        then assigned it afresh)."""
+        record = flight.record
+        if worker not in (record.prefill_worker, record.decode_worker):
+            return True
+        return flight.moved_from == worker and record.request_id in self._parked
+
     def _on_event(self, event: ev.WorkerEvent) -> None:
         flight = self._flights.get(event.request_id)
         if flight is None:  # late news of a request already ended: free the KV it carries
             self._release_kv(event.worker, event.kv_handles)
             return
         record = flight.record
-        if event.worker not in (record.prefill_worker, record.decode_worker):
-            return  # from the decode worker it left when that one died: moot
+        if self._stale(flight, event.worker):
+            return
         record.timeline.update(event.stamps)
         flight.deadline_s = time.time() + self.deadline_s  # its own news refreshes its deadline
         if event.kind == ev.ERROR:

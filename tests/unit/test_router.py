@@ -311,6 +311,42 @@ def test_a_replacement_rejoins_waiting_requests_go_to_it_and_the_dead_one_is_ign
     assert_drained(router, workers | {"decode-0": replacement}, transport)
 
 
+def test_a_late_event_of_the_dead_decode_worker_leaves_the_waiting_request_waiting():
+    """decode-0 takes the admit, fetches (frees) the KV and dies before its kv_got is
+    collected; its restart is coming, so the request waits for the decode pool with the
+    handles the router holds. The dead incarnation's kv_got arrives late, while it waits
+    (a 500-request soak saw it: the request then looked fetched, and the replacement's
+    rejoin assigned it afresh: "request_id q107 is already assigned"). It is ignored: the
+    replacement's fetch finds the KV gone, and the request fails naming decode-0's death."""
+    router, workers, transport = build("disagg:1p1d")
+    router.on_worker_died = lambda name, cause: None  # a restart is coming
+    dead, prefill = workers["decode-0"], workers["prefill-0"]
+    replacement = FakeWorker("decode-0", transport)
+    replacement.router = router
+
+    def fetch_then_die(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # fetched and freed there
+        dead.dead_error = WorkerDied("actor decode-0 is gone")
+        late = ev.WorkerEvent(ev.KV_GOT, request.request_id, "decode-0", time.time(),
+                              kv_transfer_s=0.0)  # posted before it died, collected late
+        prefill.outbox.append((time.time() + 0.05, late))
+
+    def fetch_gone(request, first_token, kv_handles, kv_token_start=0):
+        replacement._emit(time.time(), ev.ERROR, request.request_id,
+                          error=f"KV transfer failed: no KV under {kv_handles[0]}")
+
+    dead.admit, replacement.admit = fetch_then_die, fetch_gone
+    timer = threading.Timer(0.2, router.rejoin, ["decode-0", replacement, replacement.info()])
+    timer.start()
+    [record] = router.run(requests(1))
+    timer.join()
+    assert record.error == ("decode worker decode-0 died after its KV was handed over; "
+                            "fetching it again failed: decode-0: KV transfer failed: no KV "
+                            "under kv-r0")
+    assert replacement.submitted == []  # admitted there, never submitted afresh
+    assert_drained(router, workers | {"decode-0": replacement}, transport)
+
+
 def test_a_replacement_with_another_kv_geometry_is_refused():
     router, workers, transport = build("disagg:1p1d")
     router.on_worker_died = lambda name, cause: None
