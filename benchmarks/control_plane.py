@@ -136,12 +136,8 @@ def main() -> None:
         twins = validate.simulate_like(results, items, spec, engine, args.transport, profile,
                                        profile.transfers.get(args.transport))
         slo = SLO(ttft_s=1.0, tpot_s=0.05)
-        measured = analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
-                                                        r.duration_s) for r in results], slo,
-                                          num_boot=50)
-        modelled = analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
-                                                        r.duration_s) for r in twins], slo,
-                                          num_boot=50)
+        measured = analysis.summary_table(results, slo, num_boot=50)
+        modelled = analysis.summary_table(twins, slo, num_boot=50)
         added = validate.added_latency(measured, modelled)
         for r, (_, a) in zip(results, added.iterrows()):
             late = pd.Series([s.get("lateness") for s in r.steps], dtype=float).dropna()

@@ -86,9 +86,13 @@ class Run:
 
 
 def as_run(run) -> Run:
-    """A ``Run``, or a tuple ``(placement, rate, records[, duration_s[, seed]])``."""
+    """A ``Run``; a run result with the same fields (``experiments.replay.RunResult``, whose
+    step and transfer records are not needed here); or a tuple ``(placement, rate,
+    records[, duration_s[, seed]])``."""
     if isinstance(run, Run):
         return run
+    if hasattr(run, "records"):  # duck-typed: this module imports no replay machinery
+        return Run(run.placement, float(run.rate), run.records, run.seed, run.duration_s)
     placement, rate, records, *rest = run
     duration_s = rest[0] if rest else None
     seed = rest[1] if len(rest) > 1 else 0
@@ -236,7 +240,7 @@ def summary_table(runs: Sequence[Run], slo: SLO | None, num_boot: int = NUM_BOOT
     ``SUMMARY_COLUMNS``. ``num_requests`` / ``num_failed`` are totals over seeds; each of
     ``CI_METRICS`` is the mean over seeds of the per-seed value (``seed_table``) with
     ``_ci_lo`` / ``_ci_hi`` from the hierarchical bootstrap in the module docstring;
-    ``EXTRA_COLUMNS`` are seed means. Runs are tuples or ``Run``s (``as_run``)."""
+    ``EXTRA_COLUMNS`` are seed means. Runs are ``Run``s, run results or tuples (``as_run``)."""
     runs = [as_run(r) for r in runs]
     rng = np.random.default_rng(rng_seed)
     per_seed = seed_table(runs, slo)

@@ -109,7 +109,7 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
     transfers.to_csv(out_dir / "transfers.csv", index=False)
     efficiency = analysis.transfer_efficiency(transfers)
     efficiency.to_csv(out_dir / "transfer_efficiency.csv", index=False)
-    runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in results]
+    runs = [analysis.as_run(r) for r in results]
     summary = analysis.summary_table(runs, slo)
     summary.to_csv(out_dir / "summary.csv", index=False)
     analysis.seed_table(runs, slo).to_csv(out_dir / "summary_seeds.csv", index=False)

@@ -425,8 +425,7 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
 
     def summarize(twins: list[RunResult]) -> pd.DataFrame:
         """The summary table of simulated twins (few bootstrap draws: only means are read)."""
-        return analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
-                                                    r.duration_s) for r in twins], slo, num_boot=10)
+        return analysis.summary_table(twins, slo, num_boot=10)
 
     def own_factor(key) -> float:  # a run without a usable step takes the overall factor
         f = factors.get(key, math.nan)
@@ -647,8 +646,7 @@ def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, s
     simulator's error)."""
     twins = simulate_like(results, items, spec, engine, transport, profile,
                           profile.transfers.get(transport), policy)
-    simulated = analysis.summary_table([analysis.Run(r.placement, r.rate, r.records, r.seed,
-                                                     r.duration_s) for r in twins], slo, num_boot=100)
+    simulated = analysis.summary_table(twins, slo, num_boot=100)
     summary, verdict_text = write_results(out_dir, results, config, slo,
                                           simulated=analysis.attainment_curve(simulated))
     factors, by_worker, factor, _ = step_factors(results, profile)

@@ -77,9 +77,8 @@ def measured_goodput(results: Sequence[RunResult], slo: SLO) -> dict[str, float]
     """placement -> the run's measured goodput per device (req/s) at ``slo``, the figure of
     its goodput.csv and verdict (``analysis.goodput_points``: the mean over seeds of each
     sweep's goodput); placements with no complete sweep are left out."""
-    runs = [analysis.Run(r.placement, r.rate, r.records, r.seed, r.duration_s) for r in results]
-    devices = {r.placement: PlacementConfig(r.placement).num_devices_needed for r in runs}
-    goodput = analysis.goodput_points(runs, slo, devices)
+    devices = {r.placement: PlacementConfig(r.placement).num_devices_needed for r in results}
+    goodput = analysis.goodput_points(results, slo, devices)
     return {p: g for p, g in goodput.items() if not math.isnan(g)}
 
 
