@@ -121,6 +121,11 @@ def simde_include() -> Path:
     return Path(os.environ.get(SIMDE_ENV) or cache_dir() / "simde" / "include")
 
 
+def has_simde(include: Path) -> bool:
+    """``include`` holds SIMDe's AVX-512 header (what the ``avx512-emulated`` build needs)."""
+    return (include / "simde" / "x86" / "avx512.h").is_file()
+
+
 def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
           source_path: Path = SOURCE) -> Path:
     """Compile ``source_path`` (``cpu_kernels.c``; ``benchmarks.decode_attention`` builds an
@@ -129,7 +134,8 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
     fallback with ``-mno-avx2 -mno-fma``).
 
     Raises:
-        RuntimeError: no compiler found, or it failed (its stderr in the message).
+        RuntimeError: no compiler found, or it failed (its stderr in the message); or the
+            ``avx512-emulated`` build without SIMDe's headers (where they go in the message).
     """
     compiler = compiler or _compiler()
     if compiler is None:
@@ -141,7 +147,7 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
     flags = (*_FLAGS, *_ISA_CAPS[cap], *extra_flags)
     if cap == EMULATED_AVX512:
         include = simde_include()
-        if not (include / "simde" / "x86" / "avx512.h").is_file():
+        if not has_simde(include):
             raise RuntimeError(f"${ISA_ENV}={EMULATED_AVX512} needs SIMDe's headers in {include} "
                                f"(tests/fetch_simde.py fetches them; or set ${SIMDE_ENV})")
         flags += (f"-I{include}",)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from engine.cpu_kernels import simde_include  # noqa: E402
+from engine.cpu_kernels import has_simde, simde_include  # noqa: E402
 
 URL = "http://deb.debian.org/debian/pool/main/s/simde/libsimde-dev_0.8.2-3_all.deb"
 SHA256 = "277dcde3fb84223b7026174042646e236da42adce2fcb77031807ede8166a51e"
@@ -76,7 +76,7 @@ def fetch(target: Path) -> None:
 
 def main() -> int:
     target = simde_include()
-    if not (target / "simde" / "x86" / "avx512.h").is_file():
+    if not has_simde(target):
         try:
             fetch(target)
         except (OSError, ValueError, tarfile.TarError) as e:
