@@ -35,8 +35,8 @@ test: $(STAMP)
 
 # The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
 # (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too
-# (~40 s). tests/fetch_simde.py fetches the headers once (Debian's libsimde-dev, 0.5 MB);
-# where it cannot, this prints SKIPPED and why.
+# (44 s from an empty cache on a 2-core AVX2-only Zen 3). tests/fetch_simde.py fetches the
+# headers once (Debian's libsimde-dev, 0.5 MB); where it cannot, this prints SKIPPED and why.
 KERNEL_TESTS := tests/integration/test_cpu_kernels.py tests/integration/test_linear_kernels.py
 
 test-avx512-emulated: $(STAMP)
