@@ -172,12 +172,9 @@ class SocketHub:
                        and ready.get(out, 0) & zmq.POLLOUT]:
             self._flush(worker)
         out: list[Message | Died] = []
-        while True:  # everything queued, so no queued heartbeat is mistaken for silence
-            try:
-                data = self._in.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            worker, incarnation, seq, body = wire.decode(data.buffer)
+        # everything queued, so that no queued heartbeat is mistaken for silence
+        while self._in.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            worker, incarnation, seq, body = wire.decode(self._in.recv())
             if self.liveness.heard(worker, incarnation) and seq >= 0:
                 out.append(Message(worker, incarnation, seq, body))
         out.extend(self.liveness.deaths())
@@ -250,12 +247,8 @@ class SocketPort:
             wait_ms = max(0, int((next_beat - time.monotonic()) * 1000 + 0.999))
             ready = dict(poller.poll(wait_ms))
             if self._commands in ready:
-                while True:
-                    try:
-                        data = self._commands.recv(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    kind, request_id, args = wire.decode(data.buffer)
+                while self._commands.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    kind, request_id, args = wire.decode(self._commands.recv())
                     self._inbox.put(Command(kind, request_id, args))
             if self._wake.read_fd in ready:
                 self._wake.drain()
