@@ -110,7 +110,8 @@ class Inbox:
     """A port's queue of commands that arrived and are not yet taken (thread-safe): one
     thread puts (the port's receiving side), the worker's loop takes. Owns the abort rule."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_put: Callable[[], None] | None = None) -> None:
+        self.on_put = on_put  # called after each put, outside the lock (wakes a worker's loop)
         self._commands: list[Command | None] = []  # None: a cancelled slot
         self._cancelled: list[Command] = []
         self._queued: dict[str, int] = {}  # request id -> index of its cancellable command
@@ -129,6 +130,8 @@ class Inbox:
             self._commands.append(command)
             self.arrived += 1
             self._ready.notify()
+        if self.on_put is not None:
+            self.on_put()
 
     def take(self, timeout_s: float) -> Taken:
         """Everything queued; waits up to ``timeout_s`` seconds for the first command (0:

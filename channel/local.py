@@ -6,8 +6,10 @@ the sockets implementation, so death is seen the same way (a closed port falls s
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +17,8 @@ from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint
                               Liveness, Message, Taken)
 
 _HEARTBEAT = object()  # body of a heartbeat (never delivered)
+_HUBS: weakref.WeakValueDictionary[str, LocalHub] = weakref.WeakValueDictionary()
+_NUMBERS = itertools.count()
 
 
 class LocalHub:
@@ -35,6 +39,8 @@ class LocalHub:
         self._arrived: collections.deque[tuple[str, int, int, Any]] = collections.deque()
         self._ready = threading.Condition()
         self._woken = False
+        self.address = f"local:{next(_NUMBERS)}"  # Endpoint.messages: ``open_port`` finds it
+        _HUBS[self.address] = self
 
     @property
     def stale(self) -> dict[tuple[str, int], int]:
@@ -46,19 +52,23 @@ class LocalHub:
         self._inboxes.pop(self._current.get(worker, ""), None)
         self._inboxes[key] = Inbox()
         self._current[worker] = key
-        return Endpoint(worker, incarnation, key, "local", self.heartbeat_s)
+        return Endpoint(worker, incarnation, key, self.address, self.heartbeat_s)
 
     def detach(self, worker: str) -> None:
         self.liveness.detach(worker)
         self._inboxes.pop(self._current.pop(worker, ""), None)
 
-    def open_port(self, endpoint: Endpoint) -> LocalPort:
-        """The worker's end of ``endpoint`` (the incarnation attached last).
+    def open_port(self, endpoint: Endpoint,
+                  on_arrival: Callable[[], None] | None = None) -> LocalPort:
+        """The worker's end of ``endpoint`` (the incarnation attached last); ``on_arrival``
+        is called (on the sending thread) after each command reaches its inbox.
 
         Raises:
             KeyError: ``endpoint`` is not (or no longer) attached.
         """
-        return LocalPort(self, endpoint, self._inboxes[endpoint.commands])
+        inbox = self._inboxes[endpoint.commands]
+        inbox.on_put = on_arrival
+        return LocalPort(self, endpoint, inbox)
 
     def send(self, worker: str, command: Command) -> None:
         inbox = self._inboxes.get(self._current.get(worker, ""))
@@ -94,6 +104,17 @@ class LocalHub:
         for inbox in self._inboxes.values():
             inbox.close()
         self._inboxes.clear()
+        _HUBS.pop(self.address, None)
+
+
+def open_local_port(endpoint: Endpoint,
+                    on_arrival: Callable[[], None] | None = None) -> LocalPort:
+    """``LocalHub.open_port`` of the hub in this process that attached ``endpoint``.
+
+    Raises:
+        KeyError: no such hub here (closed, or in another process).
+    """
+    return _HUBS[endpoint.messages].open_port(endpoint, on_arrival)
 
 
 class LocalPort:

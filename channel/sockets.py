@@ -198,12 +198,13 @@ class SocketHub:
 
 class SocketPort:
     """``channel.contract.Port`` over pyzmq: opened in the worker's process with the
-    ``Endpoint`` its hub's ``attach`` returned. Its thread (module docstring) starts at
+    ``Endpoint`` its hub's ``attach`` returned; ``on_arrival()`` runs after each command
+    reaches the inbox (it wakes the worker's loop). Its thread (module docstring) starts at
     once; the first heartbeat leaves before the constructor returns."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, on_arrival: Callable[[], None] | None = None) -> None:
         self.endpoint = endpoint
-        self._inbox = Inbox()
+        self._inbox = Inbox(on_arrival)  # on_arrival: called on the port's thread
         self._outbox: collections.deque[Any] = collections.deque()
         self._wake = _WakePipe()
         self._stopping = threading.Event()
