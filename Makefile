@@ -22,7 +22,7 @@ setup: $(STAMP)
 # The default experiment: colocated:2 vs disagg:1p1d on SmolLM2 + ShareGPT, a 3-rate ladder
 # calibrated on this machine (0.5x, 1.5x, 4x the capacity of a burst; an SLO tighter than 4x
 # a lone request's TTFT / 2x its TPOT here is loosened to that), 2 seeds per point, 8
-# requests of 64-256 prompt and <= 16 output tokens each (see README, "What make run prints").
+# requests of 64-256 prompt and <= 16 output tokens each (docs/getting-started.md).
 RUN_ARGS ?= --calibrate --seeds 2 --num-requests 8 --min-prompt-len 64 --max-prompt-len 256 \
 	--max-output-len 16
 
