@@ -2,42 +2,25 @@
 
 Measure at the boundaries, derive later (DistServe's ``lifetime.py``):
 
-1. The router creates one ``RequestRecord`` per request. ``arrived`` is the request's
-   *scheduled* arrival (run start + its offset), not when the router got round to it, so a
-   load generator that falls behind cannot hide queueing (no coordinated omission); the
-   moment it was actually dispatched is ``dispatched`` (``dispatch_lag_s`` = the difference).
-2. Workers and the router stamp the other events (``prefill_queued`` ... ``finished``) into
-   ``record.timeline`` with ``time.time()``. For every output token two times are kept:
-   ``token_times_s`` when it left the router (receipt; the router long-polls its workers) and
-   ``token_worker_times_s`` when the worker's step produced it. Same host: same clock.
-   The prefill worker measures ``kv_put_s`` (seconds inside the transport's ``put``), the
-   decode worker ``kv_get_s`` (its fetch of every layer range); ``kv_transfer_s`` is their sum.
+1. The router creates one ``RequestRecord`` per request; ``arrived`` is its scheduled arrival,
+   so a load generator that falls behind cannot hide queueing (``dispatch_lag_s``).
+2. Workers and the router stamp events into ``record.timeline`` with ``time.time()``; each
+   output token has ``token_times_s`` (left the router) and ``token_worker_times_s``
+   (produced by the worker's step); ``kv_transfer_s = kv_put_s + kv_get_s``.
 3. Records are saved as JSON (``to_dict`` / ``from_dict``).
-4. Metrics are functions of a record (``ttft_s``, ``tpot_s``, ...), each defined once here;
-   ``summarize`` pools them over a run; ``goodput_rate`` reads a rate sweep.
+4. Each metric is a function of a record, defined once here; ``summarize`` pools them over a
+   run; ``goodput_rate`` reads a rate sweep.
 
-Which clock a figure uses:
-    TTFT and E2E: router clock (arrival is scheduled on the router's host; the token counts
-        once it leaves the router, as a client would see it).
-    ITL and TPOT: worker clock (``token_worker_times_s``) when every token has one, so they
-        are not quantised by the router's polling; ``itl_router_s`` / ``tpot_router_s`` give
-        the router-clock versions beside them. Under disaggregation the first gap spans two
-        workers (prefill's first token, decode's second): on one host one clock; across
-        hosts that one gap compares two clocks (DESIGN §6) -- use ``first_decode_gap_s``.
-    TTFT under disaggregation contains the KV **put**: the prefill worker sends the first
-        token only after ``put`` returned (whole-request granularity) or after the step whose
-        layers it streamed (layer-wise). The **get** is not in TTFT: it happens on the decode
-        worker after the first token left, so it shows in the first inter-token gap. (vLLM's
-        disaggregated proxy likewise returns the prefill instance's first token before the
-        decode instance pulls the KV.)
+Clocks: TTFT and E2E use the router's; ITL and TPOT the worker's when every token has one
+(``itl_router_s`` / ``tpot_router_s`` beside them). Under disaggregation the first gap spans
+two workers, across hosts two clocks: use ``first_decode_gap_s``. TTFT contains the KV put
+(the first token is sent after it); the get shows in the first inter-token gap.
 
 All times are seconds. A metric whose events are missing is None, never 0. A request with no
-output token (or with an error) is a failure: it has no TTFT and misses every SLO.
+output token (or with an error) is a failure: no TTFT, and it misses every SLO.
 
-Sources:
-    vLLM ``benchmarks/benchmark_serving.py``: TTFT, TPOT, ITL, E2EL, request goodput.
-    DistServe (Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep.
-"""
+Sources: vLLM ``benchmarks/benchmark_serving.py`` (TTFT, TPOT, ITL, E2EL, goodput); DistServe
+(Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep."""
 
 from __future__ import annotations
 
@@ -152,7 +135,7 @@ def _between(r: RequestRecord, start: str, end: str) -> float | None:
 
 
 def failed(r: RequestRecord) -> bool:
-    """True when the request errored or produced no output token (DESIGN §6)."""
+    """True when the request errored or produced no output token."""
     return r.error is not None or len(r.token_times_s) == 0
 
 
@@ -246,7 +229,7 @@ def prefill_s(r: RequestRecord) -> float | None:
 
 def first_decode_gap_s(r: RequestRecord) -> float | None:
     """First inter-token gap, ``token_times_s[1] - token_times_s[0]``: under disaggregation
-    it contains the KV transfer and decode admission (DESIGN §6)."""
+    it contains the KV transfer and decode admission."""
     t = r.token_times_s
     return t[1] - t[0] if len(t) >= 2 else None
 
@@ -262,8 +245,8 @@ def kv_get_s(r: RequestRecord) -> float | None:
 
 
 def kv_transfer_s(r: RequestRecord) -> float | None:
-    """The KV transfer's full cost: ``kv_put_s + kv_get_s`` (DESIGN §6: put + get). When a
-    record carries only one of them (older records), ``record.kv_transfer_s``; None if none."""
+    """The KV transfer's full cost: ``kv_put_s + kv_get_s``; for a record carrying only one of
+    them, ``record.kv_transfer_s``; None if none."""
     if r.kv_put_s is not None and r.kv_get_s is not None:
         return r.kv_put_s + r.kv_get_s
     return r.kv_transfer_s
@@ -408,7 +391,7 @@ def prefix_hit_rate(records: Sequence[RequestRecord]) -> float:
     return prefill_tokens_skipped(records) / prompt_tokens if prompt_tokens else math.nan
 
 
-ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold (DESIGN §6)
+ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold
 
 
 def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devices: int,
