@@ -1,30 +1,21 @@
 """One engine per device: schedule -> run -> sample -> update. An Engine alone is a
 colocated instance; the prefill and decode workers wrap the same class.
 
-A step (``Engine.step``, which returns one ``StepOutput``):
+A step (``Engine.step`` -> ``StepOutput``):
 
 1. The scheduler picks decodes, prompt chunks and newly admitted requests under the token
-   budget and KV capacity (``ScheduledBatch``).
-2. Requests prefilled elsewhere only get their KV blocks reserved (listed in the step's
-   ``StepOutput.kv_reserved``, also when that is all the step did); their worker fetches
-   the KV into them (``finish_remote``) and they decode from the next step on.
-3. The runner runs one forward over the whole batch and returns logits for the requests
-   whose known tokens are all computed. A layer listener given at construction
-   (``on_layer_done``) hears of each layer as its K/V are written (layer-wise streaming).
-4. The sampler picks their tokens (min_tokens and penalties read each request's token
-   history, prompt + outputs; for the requests that asked, their raw logprobs:
-   ``Sampler.logprobs``); the scheduler advances counters, checks stop conditions and frees
-   the KV blocks of finished requests. A step that ran a forward leaves a ``StepRecord``
-   with its batch (``BatchEntry``: request, tokens, phase, context), measured at the
-   engine's own boundary.
+   budget and KV capacity (``ScheduledBatch``). Requests prefilled elsewhere only get blocks
+   reserved (``StepOutput.kv_reserved``); their worker fetches the KV (``finish_remote``).
+2. The runner runs one forward over the batch and returns logits for the requests whose
+   known tokens are all computed; ``on_layer_done`` hears of each layer's K/V as written.
+3. The sampler picks their tokens (and raw logprobs where asked); the scheduler advances
+   counters, checks stop conditions and frees finished requests' blocks. A step that ran a
+   forward leaves a ``StepRecord`` with its batch.
 
-The KV cache is paged (``engine.kv_cache``): ``num_blocks`` blocks of ``block_size`` tokens
-sized by a memory budget, printed at start-up as ``KV cache: N blocks = T tokens = X GiB``.
-
-Bad input is refused in ``add_request`` / ``add_remote`` with a ``ValueError`` and never
-reaches a forward; a forward that fails turns that step's requests into errors
-(``StepOutput.failed``) and the engine keeps serving.
-"""
+The KV cache is paged (``engine.kv_cache``), sized by a memory budget and printed at
+start-up as ``KV cache: N blocks = T tokens = X GiB``. Bad input is refused in
+``add_request`` / ``add_remote`` with a ``ValueError``; a forward that fails turns that
+step's requests into errors (``StepOutput.failed``) and the engine keeps serving."""
 
 from __future__ import annotations
 
