@@ -1,32 +1,22 @@
 """Step and transfer latency models fitted on one device, and the device profile file (no torch).
 
-A device profile:
-
 1. ``pdlab profile`` measures prefill steps (one prompt of P tokens), decode steps (B requests
-   at context C) and mixed steps (B decodes plus one prompt in the same step); ``pdlab
-   profile --transports`` also times KV transfers (``pdlab kv-cost``'s measurement).
-2. ``fit_step_models`` fits, by least squares on **relative** error (DistServe's simulator
-   fits its coefficients the same way, so short and long steps weigh alike), with
-   non-negative slopes:
-     prefill step   ``t = a + b·Σn + c·Σn(k+n)``: n = new prompt tokens of an entry, k = its
-                    tokens already in the KV; for whole prompts (k = 0) this is DistServe's
-                    ``a + b·Σl + c·Σl²``;
-     decode step    ``t = a + b·B + c·Σctx``: B decodes, ctx = KV tokens each attends to;
-     mixed step     ``t = a_mix + (prefill terms) + (decode terms)``, the slopes of the two
-                    models above and only the intercept fitted on the mixed steps.
+   at context C) and mixed steps (B decodes plus one prompt); ``--transports`` also times KV
+   transfers.
+2. ``fit_step_models`` fits by least squares on relative error (as DistServe's simulator, so
+   short and long steps weigh alike), with non-negative slopes:
+     prefill ``t = a + b·Σn + c·Σn(k+n)`` (n new prompt tokens, k already in the KV; for
+             whole prompts DistServe's ``a + b·Σl + c·Σl²``);
+     decode  ``t = a + b·B + c·Σctx`` (B decodes, ctx = KV tokens each attends to);
+     mixed   ``t = a_mix + (prefill terms) + (decode terms)``, only the intercept refitted.
    ``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport.
 3. Each fit reports R² (on seconds) and the mean and max relative error on its points.
-4. ``DeviceProfile.save`` writes them as JSON with the model, dtype, device kind and
-   torch thread count they were measured with; ``DeviceProfile.load`` reads it back (a file
-   that is not a profile is refused with the key it lacks).
+4. ``DeviceProfile.save`` writes JSON with the model, dtype, device kind and thread count;
+   ``DeviceProfile.load`` refuses a file that is not a profile, naming the key it lacks.
 
-A profile can also come from NVIDIA's measured per-operation GPU database instead of this
-machine (``planner.silicon``, ``pdlab profile --from-silicon-db``): the same models fitted on
-the database's step estimates, ``DeviceProfile.source`` naming the database, and transfer
-models of the usual links (``LINKS``, ``link_transfer``) instead of measured transports.
-
-``DeviceProfile.step_s(features)`` is what the simulator asks for every simulated step.
-"""
+A profile can also come from NVIDIA's GPU database (``planner.silicon``, ``pdlab profile
+--from-silicon-db``), with transfer models of the usual links (``LINKS``). All times are
+seconds. ``DeviceProfile.step_s(features)`` is what the simulator asks for every step."""
 
 from __future__ import annotations
 
