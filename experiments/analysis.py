@@ -1,31 +1,23 @@
 """Tables and verdicts from the records of a placement comparison (no torch).
 
-``pdlab compare`` runs several placements on the same devices and workload at one or more
-arrival rates, each ``(placement, rate)`` point repeated with several seeds (each seed draws
-its own workload and arrival times). From the routers' ``RequestRecord``s this module builds:
+``pdlab compare`` runs placements on the same devices and workload at one or more arrival
+rates, each ``(placement, rate)`` point with several seeds. From the ``RequestRecord``s:
 
-- ``seed_table``: one row per ``(placement, rate, seed)`` run, from
-  ``engine.metrics.summarize`` (no metric is defined here a second time).
-- ``summary_table``: one row per ``(placement, rate)``: for each of ``CI_METRICS`` the mean
-  over seeds and a 95% bootstrap confidence interval (``bootstrap`` below), then the seed
-  means of ``EXTRA_COLUMNS``.
-- ``goodput_table``: DistServe goodput per device for each placement, with its interval.
-- ``latency_breakdown``: per placement, the mean seconds a request spends in each stage.
-- ``transfer_efficiency``: per placement, its KV transfers against the link peak measured
-  when it started (issue 29).
-- ``verdict``: which placement wins where the intervals separate, and why, in numbers.
-- ``requests_frame``: one row per request with its metrics, for plots.
+- ``seed_table``: one row per run, from ``engine.metrics.summarize`` (no metric defined twice);
+- ``summary_table``: per point, the mean over seeds and a 95% bootstrap interval of each of
+  ``CI_METRICS``, then the seed means of ``EXTRA_COLUMNS``;
+- ``goodput_table``: DistServe goodput per device, with its interval;
+- ``latency_breakdown``: the mean seconds a request spends in each stage;
+- ``transfer_efficiency``: KV transfers against the link peak measured at start;
+- ``verdict``: which placement wins where the intervals separate, and why, in numbers;
+- ``requests_frame``: one row per request, for plots.
 
-The bootstrap (hierarchical, percentile): the estimator of a point is the mean over its
-seeds of the per-seed metric. One replicate draws the seeds with replacement and, inside each
-drawn seed, its requests with replacement, recomputes the per-seed metric on the drawn
-requests (duration fixed) and averages; the interval is the 2.5th-97.5th percentile of
-``num_boot`` replicates (numpy, fixed generator seed: the same records give the same
-interval). Resampling requests as well as seeds keeps the interval honest with only 2
-seeds, where a seed-only bootstrap has just three distinct means.
+The bootstrap is hierarchical and percentile: a replicate draws seeds with replacement and,
+inside each, requests with replacement, recomputes each seed's metric (duration fixed) and
+averages; the interval is the 2.5th-97.5th percentile of ``num_boot`` replicates (fixed
+generator seed). Resampling requests keeps the interval honest with only 2 seeds.
 
-All times are seconds; a value whose events are missing is NaN, never 0.
-"""
+All times are seconds; a value whose events are missing is NaN, never 0."""
 
 from __future__ import annotations
 
