@@ -22,8 +22,7 @@ model, 413 a body over the cap), the connection kept; no live worker: 503, with
 ``Retry-After`` while a restart is under way; a failed generation 500; anything unexpected a
 JSON 500 with ``Connection: close``. ``/metrics`` is Prometheus text with vLLM's metric names
 under ``pdlab:`` (TTFT, ITL, E2E, queue time, running and waiting, tokens, prefix cache), KV
-transfer histograms per worker pair, and ``pdlab:worker_info`` / ``worker_load_tokens``, with
-``engine.metrics``' definitions."""
+transfer histograms, and ``pdlab:worker_info`` / ``worker_load_tokens`` (``engine.metrics``)."""
 
 from __future__ import annotations
 

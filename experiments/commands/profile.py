@@ -1,46 +1,27 @@
 """``pdlab profile``: the phase profile of one model on one device, through pdlab's own Engine.
 
-A profile:
+1. Prefill: for each prompt length P, the one ``Engine.step()`` that prefills a P-token
+   request whole is timed (the budget is >= P). Time per prompt token = time / P.
+2. Decode vs context: B requests (each of the context batch sizes) prefilled to context C,
+   then single decode steps timed (the context grows by one per step; the row is labelled C).
+3. Decode vs batch: B requests at a fixed context, decode steps timed; a least-squares line
+   ``t = a + b*B`` with its R².
+4. Mixed steps: B decodes beside one P-token prompt prefilled whole in the same step.
+5. Derived: the cost of a prompt token over an output token's, and a P x G table of TTFT and
+   total time (prefill + G-1 decode steps from the context line).
+6. The device profile (``planner.latency``): step models fitted on each point's median run,
+   and per ``--transports`` transport a transfer model fitted on ``pdlab kv-cost``'s
+   measurement, with the model, dtype, device and thread count, for ``pdlab plan``.
 
-1. Prefill: for each prompt length P, a request with P random token ids and ``max_tokens=1``
-   is queued (untimed) and the one ``Engine.step()`` that prefills it whole is timed (the
-   token budget is >= P, so the prompt is not chunked). Time per prompt token = time / P.
-2. Decode vs context: B requests (each B of the context batch sizes, 1 and 8 by default)
-   are prefilled to context C (untimed), then single decode steps are timed. Each timed step
-   adds one token, so the context grows from C to C + runs; the row is labelled C. The line
-   fitted on context (and the P x G table) uses the B = 1 rows; the device profile's decode
-   model all of them.
-3. Decode vs batch: B requests at a fixed context are prefilled (untimed), then decode steps
-   over all B are timed; a least-squares line t = a + b*B (``numpy.polyfit``) with its R².
-4. Mixed steps: B requests decode at a fixed context while one new prompt of P tokens is
-   prefilled whole in the same step (the chunked-prefill step of a colocated engine).
-5. Derived: the cost of a prompt token (prefill time / P at the largest P) over the cost of
-   an output token (decode step at B = 1), and a P x G table of TTFT (= prefill time) and
-   total time (prefill + G-1 decode steps: the first of G output tokens comes from the
-   prefill step) with decode steps estimated from the line fitted to the context sweep.
+``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes a GPU's
+profile from NVIDIA's database instead (``planner.silicon``; no step runs here), with the link
+transfer models (``--link``): device_profile.json, silicon_steps.csv, decode_check.csv
+(decode at B = 1, 16, 64 against the database's TPOT), summary.md.
 
-6. The device profile (``planner.latency``): the prefill, decode and mixed step
-   models fitted on the rows above (on each point's median run, the typical step a
-   simulator needs), and per transport of ``--transports`` a transfer model
-   fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
-   dtype, device and thread count, for ``pdlab plan``.
-
-``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes the
-device profile of a GPU instead, from NVIDIA's measured per-operation database
-(``planner.silicon``, the optional extra ``silicon``): no step runs here, no weights are
-read; with it, the link transfer models (``--link``, ``planner.latency.LINKS``). Outputs:
-device_profile.json, silicon_steps.csv (every sampled step, the database's time and the
-fitted model's), decode_check.csv (decode steps at B = 1, 16, 64 against the database's
-TPOT estimate), summary.md.
-
-Every time is min of N runs after 1 warm-up, the median beside it. The runs of every point of
-steps 1-4 are interleaved (``experiments.timing.measure_interleaved``): each round runs each
-point once, in a shuffled order, so a machine whose speed drifts during the profile (a
-shared VM: ~13% within a minute) moves all the points alike and does not tilt the prefill
-model against the decode model (measured back to back, they were minutes apart).
-Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv, pg_table.csv,
-kv_cost.csv, device_profile.json, summary.md, profile.png.
-"""
+Every time is the min of N runs after 1 warm-up, the median beside it. The runs of steps 1-4
+are interleaved (``experiments.timing.measure_interleaved``), so a machine whose speed drifts
+moves all points alike. Outputs: prefill.csv, decode_context.csv, decode_batch.csv,
+mixed.csv, pg_table.csv, kv_cost.csv, device_profile.json, summary.md, profile.png."""
 
 from __future__ import annotations
 
