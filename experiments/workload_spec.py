@@ -38,7 +38,7 @@ PATH = r"[\w./~+-][\w./~+ -]*"  # a file path (no shell metacharacters)
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """What to replay: dataset, size, lengths, and the arrival process (DESIGN §6).
+    """What to replay: dataset, size, lengths, and the arrival process.
 
     Attributes:
         dataset: ``sharegpt``, ``humaneval`` or ``synthetic``.

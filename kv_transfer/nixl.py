@@ -1,10 +1,9 @@
 """``NixlTransport`` (``nixl``): KV through NIXL one-sided READs, the way vLLM's
 ``NixlConnector``, NVIDIA Dynamo and SGLang move it between prefill and decode workers.
 
-NIXL's UCX backend picks the path (shared memory or CMA on one host, RDMA or TCP across hosts,
-CUDA IPC or GPUDirect for device memory); no GPU is needed. The wheel is an optional extra,
-``pip install 'pdlab[nixl]'`` (``nixl-cu12``; the meta package ``nixl`` pulls a CUDA torch).
-Without it ``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
+NIXL's UCX backend picks the path (CMA on one host, RDMA or TCP across hosts, GPUDirect); no
+GPU is needed. Install ``pdlab[nixl]`` (``nixl-cu12``; the meta package ``nixl`` pulls a CUDA
+torch); without it ``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
 
 - Each process has one agent, made without NIXL's progress thread (it spins a core); a
   producer's poller thread drives progress every ``PROGRESS_INTERVAL_S`` while it holds
@@ -12,8 +11,7 @@ Without it ``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
 - ``put``: reclaim extents whose freed word a consumer set, place the bytes at the lowest free
   extent (``extents.first_fit``; no room until ``alloc_timeout_s``: ``TransferFailed``), and
   write after them the stamp (the put's generation) and the freed word (0). The ``NixlKey``
-  holds plain values: agent name and metadata, node, pid, memory type, address, bytes,
-  generation, header.
+  holds plain values (agent name and metadata, node, pid, address, bytes, generation).
 - ``get``: one READ into this process's landing buffer (or a one-off buffer when full), polled
   until done or the deadline (``TransferTimeout``). A dead or disconnected producer, or a
   stamp other than the handle's generation (freed, maybe reused), is ``TransferFailed``. On
@@ -23,8 +21,7 @@ Without it ``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
   into the freed word (not a NIXL notification, which stalls the next READ on the producer's
   progress). Double and stale frees are harmless.
 
-Every NIXL call runs under one lock (the agent has no thread synchronisation). On CUDA the
-arena and landing buffer are ``VRAM`` (tests/gpu)."""
+All NIXL calls share one lock (the agent has no thread synchronisation); on CUDA: ``VRAM``."""
 
 from __future__ import annotations
 

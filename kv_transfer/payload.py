@@ -1,6 +1,6 @@
 """Wire format of one KV transfer: a versioned msgpack header plus the raw tensor bytes.
 
-Frames (DESIGN §4):
+Frames:
     frame 0: msgpack map, the fields of ``KVHeader`` (wire version, request id, model
              fingerprint, KV geometry, dtype, shape, token range, layer range, checksum and
              ``checksum_kind``).

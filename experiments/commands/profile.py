@@ -58,10 +58,8 @@ from planner import latency, silicon
 
 DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
 DEFAULT_CONTEXTS = (16, 64, 256, 1024)
-# The context sweep also runs batched: at B = 1 alone, a context token's cost was ~20% of a
-# ~55 ms step, inside the points' +-10% noise, and two profiles read its coefficient as
-# 1.0e-5 and 1.75e-5 s; served steps of B = 4-16 at contexts of 200-600 then ran 0.69-0.76x
-# the model (issue 12, 2026-12-01). At B = 8 the same contexts move the step by ~4x as much.
+# The context sweep also runs batched: at B = 1 a context token's cost is lost in the steps'
+# noise, and B = 8 moves the step several times as much, so the coefficient is measurable.
 DEFAULT_CONTEXT_BATCH_SIZES = (1, 8)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_BATCH_CONTEXT = 64
@@ -393,8 +391,7 @@ def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> 
     """``run_profile`` on every device of ``devices`` at the same time, each in its own
     process bound to that device (``cpu:i`` / ``cpu:i-j`` cores, or ``cuda:i``), then
     ``pooled``. A placement that uses all of them runs each worker beside the others: on a
-    CPU the cores share the memory bandwidth and the last-level cache (a decode step here
-    took 11-18% longer while another core copied memory, issue 12), which a profile measured
+    CPU the cores share the memory bandwidth and the last-level cache, which a profile measured
     on one device with the others idle never sees.
 
     Raises:
