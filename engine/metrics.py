@@ -140,10 +140,8 @@ def failed(r: RequestRecord) -> bool:
 
 
 def ttft_s(r: RequestRecord) -> float | None:
-    """Time to first token: first token leaving the router minus ``arrived``.
-
-    vLLM benchmark_serving.py (TTFT). None when there is no token or no arrival.
-    """
+    """Time to first token (vLLM's TTFT): first token leaving the router minus ``arrived``; None
+    without a token or an arrival."""
     if not r.token_times_s or ARRIVED not in r.timeline:
         return None
     return r.token_times_s[0] - r.timeline[ARRIVED]
@@ -160,12 +158,8 @@ def _gaps(t: Sequence[float]) -> list[float]:
 
 
 def itl_s(r: RequestRecord) -> list[float]:
-    """Inter-token latencies on the worker clock: gaps between consecutive output tokens as
-    the workers produced them, TTFT excluded (falls back to router receipt times when the
-    record has no worker times).
-
-    vLLM benchmark_serving.py (ITL). Empty with fewer than two tokens.
-    """
+    """Inter-token latencies (vLLM's ITL) on the worker clock (router receipt times without it),
+    TTFT excluded. Empty with fewer than two tokens."""
     return _gaps(_worker_times(r))
 
 
@@ -183,13 +177,10 @@ def e2e_s(r: RequestRecord) -> float | None:
 
 
 def tpot_s(r: RequestRecord) -> float | None:
-    """Time per output token after the first, on the worker clock:
-    ``(t_last - t_first) / (n_out - 1)`` over ``token_worker_times_s`` (router times when
-    the record has no worker times).
-
-    vLLM benchmark_serving.py: TPOT = ``(E2E - TTFT) / (n_out - 1)``, which is the same
-    span on the router clock (``tpot_router_s``). None with fewer than two output tokens.
-    """
+    """Time per output token after the first, on the worker clock: ``(t_last - t_first) /
+    (n_out - 1)`` over ``token_worker_times_s`` (router times without them); vLLM's TPOT
+    ``(E2E - TTFT) / (n_out - 1)`` is the same span on the router clock (``tpot_router_s``).
+    None with fewer than two output tokens."""
     t = _worker_times(r)
     if len(t) < 2:
         return None
@@ -207,11 +198,8 @@ def tpot_router_s(r: RequestRecord) -> float | None:
 
 
 def dispatch_lag_s(r: RequestRecord) -> float | None:
-    """How late the router dispatched the request: ``dispatched - arrived`` (scheduled).
-
-    Large values mean the load generator fell behind its schedule; TTFT still counts from
-    the scheduled arrival (no coordinated omission). None without both stamps.
-    """
+    """``dispatched - arrived`` (scheduled): how far the load generator fell behind; TTFT still
+    counts from the scheduled arrival. None without both stamps."""
     return _between(r, ARRIVED, DISPATCHED)
 
 
@@ -332,21 +320,16 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
               duration_s: float | None = None) -> dict[str, float]:
     """Pool per-request metrics over a run.
 
-    Latency statistics use completed (not failed) requests only, as vLLM's benchmark does;
-    ITL pools every gap of every completed request (``itl_*`` worker clock, ``itl_router_*``
-    router clock); ``dispatch_lag_*`` covers every request. Rates divide by ``duration_s``
-    (default: last finish - first arrival):
-        throughput_req_s: completed requests / s; output_tok_s: their output tokens / s;
-        slo_attainment: DistServe's, over all requests (NaN without ``slo``);
-        goodput_req_s: vLLM's goodput, SLO-meeting requests / s (NaN without ``slo``);
-        kv_bytes_total: KV bytes shipped, all requests; kv_gb_s: kv_bytes_total over the
-            summed put + get seconds (NaN without transfers).
-        prefill_tokens_skipped: prompt tokens whose prefill the prefix cache skipped, all
-            requests (the sum of ``num_cached_prompt_tokens``); prefix_hit_rate: that over
-            all prompt tokens (vLLM's prefix-cache hit rate: hits / queries in tokens; NaN
-            with no prompt tokens); kv_bytes_saved_total: KV bytes not shipped because the
-            decode worker held the prefix; num_preemptions_total: preemptions, all requests.
-    """
+    Latencies use completed requests only (as vLLM's benchmark); ITL pools every gap (``itl_*``
+    worker clock, ``itl_router_*`` router clock); ``dispatch_lag_*`` covers every request. Rates
+    divide by ``duration_s`` (default: last finish - first arrival):
+        throughput_req_s, output_tok_s: completed requests and their output tokens per second;
+        slo_attainment: DistServe's, over all requests; goodput_req_s: vLLM's, SLO-meeting
+            requests / s (both NaN without ``slo``);
+        kv_bytes_total, kv_gb_s: KV bytes shipped, and over summed put + get seconds (NaN
+            without transfers); kv_bytes_saved_total: bytes not shipped (prefix held);
+        prefill_tokens_skipped: sum of ``num_cached_prompt_tokens``; prefix_hit_rate: that over
+            all prompt tokens (NaN with none); num_preemptions_total."""
     done = [r for r in records if not failed(r)]
     out: dict[str, float] = {"num_requests": len(records), "num_failed": len(records) - len(done)}
     for name, fn in _METRICS.items():
@@ -396,18 +379,13 @@ ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold
 
 def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devices: int,
                  target: float = ATTAINMENT_TARGET) -> float:
-    """DistServe's goodput (requests/s per device) from a rate sweep.
-
-    The highest swept arrival rate whose SLO attainment is >= ``target`` **and** at which
-    every lower swept rate also met it (DistServe, OSDI'24, §2: the maximum rate under which
-    the attainment goal holds; a lucky point above a failing one does not count), divided by
-    ``num_devices``; 0.0 when the lowest rate already misses. A NaN attainment misses.
-    Rates are sorted first; DistServe binary-searches the rate, here it is the swept points,
-    so sweep densely enough.
+    """DistServe's goodput (requests/s per device) from a rate sweep: the highest swept rate whose
+    SLO attainment is >= ``target`` and at which every lower swept rate also met it (DistServe,
+    OSDI'24, §2), divided by ``num_devices``; 0.0 when the lowest rate misses, and a NaN
+    attainment misses. Rates are sorted first; only swept points count, so sweep densely.
 
     Raises:
-        ValueError: lengths differ, or ``num_devices < 1``.
-    """
+        ValueError: lengths differ, or ``num_devices < 1``."""
     if len(rates) != len(attainments):
         raise ValueError(f"rates and attainments differ in length: {len(rates)} vs {len(attainments)}")
     if num_devices < 1:
@@ -427,22 +405,15 @@ PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase
 
 
 class BatchEntry(NamedTuple):
-    """One request's part of a step (``StepRecord.batch``).
-
-    A NamedTuple rather than a dataclass: one is built per request per step on the serving
-    hot path (a tuple is the cheapest immutable record), and ``json.dumps`` writes it as a
-    plain array in field order, which is what ``StepRecord.to_row`` ships.
+    """One request's part of a step (``StepRecord.batch``); a NamedTuple, the cheapest record on
+    the hot path, which ``json.dumps`` writes as a plain array.
 
     Attributes:
         request_id: the request.
         num_tokens: its tokens the step computed (a prompt chunk, or 1 for a decode).
-        phase: ``"prefill"`` (prompt tokens: ``RequestState.is_prefilling`` at the step's
-            start) or ``"decode"`` (one output token fed back).
-        num_context_tokens: its tokens computed before the step (its KV the step's new
-            tokens attend to besides their own): ``RequestState.num_computed_tokens`` at
-            the step's start. A prompt chunk of n tokens after k attends to k + n keys per
-            query at most, a decode to k + 1.
-    """
+        phase: ``"prefill"`` (``RequestState.is_prefilling`` at the step's start) or ``"decode"``.
+        num_context_tokens: its tokens computed before the step (``num_computed_tokens``): a
+            chunk of n tokens after k attends to at most k + n keys per query, a decode to k + 1."""
 
     request_id: str
     num_tokens: int
@@ -476,11 +447,9 @@ class StepRecord:
     lateness: float | None = None
 
     def to_row(self) -> dict:
-        """The record as one flat row (a steps.csv row, a Ray-shipped dict): the scalar
-        fields as they are, ``batch`` as JSON text, a list of
-        ``[request_id, num_tokens, phase, num_context_tokens]`` arrays (one cell holds a
-        batch of any size, and pandas writes and reads it back unchanged; ``parse_batch``
-        turns it back into entries)."""
+        """The record as one flat row (steps.csv, a Ray-shipped dict): scalar fields as they are,
+        ``batch`` as JSON text of ``[request_id, num_tokens, phase, num_context_tokens]`` arrays
+        (``parse_batch`` reads it back)."""
         return {"start_s": self.start_s, "duration_s": self.duration_s,
                 "num_requests": self.num_requests,
                 "num_prefill_tokens": self.num_prefill_tokens,
