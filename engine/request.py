@@ -1,21 +1,12 @@
-"""The request vocabulary shared by every pdlab process (no torch).
+"""The request vocabulary shared by every pdlab process (no torch): ``SamplingParams`` and
+``Request`` (frozen, validated when built, they cross processes), the engine-side
+``RequestState`` counters, ``RequestStatus`` and ``TokenOutput``.
 
-A request's life, as counters (vLLM v1 style, not a prefill path and a decode path):
-
-1. ``Request`` is created (frozen, crosses processes) and validated: its ``SamplingParams``
-   check their own ranges; the engine checks prompt and context length against its model.
-2. The engine wraps it in a ``RequestState`` with ``status = WAITING`` and
-   ``num_computed_tokens = 0``. A request prefilled elsewhere (decode worker) starts as
-   ``WAITING_FOR_REMOTE_KVS`` with ``num_computed_tokens`` = prompt length and its first
-   token appended: the scheduler reserves its KV blocks, the worker fetches the KV into them,
-   and only then does it become RUNNING (vLLM v1's ``WAITING_FOR_REMOTE_KVS``).
-3. Each step the scheduler gives it some new tokens; the runner computes their KV;
-   ``num_computed_tokens`` grows. Once every known token is computed, a token is sampled and
-   appended to ``output_token_ids``.
-4. It stops on EOS, a stop token or ``max_tokens`` (the first token counts): status becomes
-   one of the FINISHED_* values, ordered after every live status, so ``is_finished`` is one
-   comparison.
-"""
+A request is counters, vLLM v1 style: ``num_computed_tokens`` grows as steps compute its
+tokens' KV; once every known token is computed a token is sampled and appended. A request
+prefilled elsewhere starts as ``WAITING_FOR_REMOTE_KVS`` with its prompt computed and first
+token appended. The FINISHED_* statuses sort after every live one, so ``is_finished`` is one
+comparison. The whole life across processes: docs/architecture.md, "A request's life"."""
 
 from __future__ import annotations
 
