@@ -2,7 +2,8 @@
 
 The engine's speed against vLLM's CPU build is a per-machine claim: kernels are chosen by
 measurement on each CPU (``engine/kernel_choice.py``). This runs each parity benchmark, one
-after another on the last core (``taskset``), and writes each one's output to ``OUT/<step>.txt`` beside ``OUT/lscpu.txt``:
+after another on the last core (``taskset``), and writes each one's output to
+``OUT/<step>.txt`` beside ``OUT/lscpu.txt``:
 
 - ``vs_vllm-native``, ``vs_vllm-avx2``: ``benchmarks.vs_vllm --repeats 3`` under both ISAs
   (every row <= 1.0);

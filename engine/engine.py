@@ -161,11 +161,10 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
-        """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run here:
-        its id is already here, or it passes one of ``self.limits`` (``engine.limits``: context,
-        vocabulary, the whole KV cache (prompt + 1 for ``prefill_only``), and with chunked prefill
-        off the step budget), so it is
-        never queued behind others."""
+        """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run
+        here: its id is already here, or it passes one of ``self.limits`` (``engine.limits``:
+        context, vocabulary, the whole KV cache (prompt + 1 for ``prefill_only``), and with
+        chunked prefill off the step budget), so it is never queued behind others."""
         rid = request.request_id
         if rid in self.states:
             raise ValueError(f"request_id {rid!r} is already in this engine")

@@ -11,8 +11,8 @@ DistServe's "< 2 points" is about.
 2. ``speed_trace``: per worker, the run's time from its origin (the simulated clock's 0:
    a request's scheduled arrival minus its offset, ``run_origin``) cut into windows of
    ``window_s``; a window's factor is the median factor of the steps (whose batch agrees
-   with their counts) that start in it; a window with no step keeps the factor of the last window before it that had one
-   (the first windows, the first measured one's): speed persists while the worker idles.
+   with their counts) that start in it; a window with no step keeps the last factor before
+   it (the first windows, the first measured one's): speed persists while the worker idles.
 3. ``SpeedTrace(worker, t_s)``: the factor at simulated time ``t_s``. The simulator
    multiplies each modelled step that starts at ``t_s`` by it (``Simulator(speed_trace=)``).
 """

@@ -326,10 +326,11 @@ class DeviceProfile:
     source: dict | None = None
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        """The KV cache budget (bytes) of one engine of ``config`` on this device, by the engine's own
-        rule (``engine.config.kv_budget_bytes_for``): on CUDA without ``kv_cache_memory_gb``,
-        ``gpu_memory_utilization * device_memory_bytes - weight_bytes``. A real engine also
-        subtracts the CUDA context and whatever else is in use, so it may get less than planned.
+        """The KV cache budget (bytes) of one engine of ``config`` on this device, by the
+        engine's own rule (``engine.config.kv_budget_bytes_for``): on CUDA without
+        ``kv_cache_memory_gb``, ``gpu_memory_utilization * device_memory_bytes -
+        weight_bytes``. A real engine also subtracts the CUDA context and whatever else is in
+        use, so it may get less than planned.
 
         Raises:
             ValueError: a CUDA profile without ``device_memory_bytes`` or ``weight_bytes`` while

@@ -269,7 +269,8 @@ def kv_cache_line(profile: DeviceProfile, engine: EngineConfig) -> str:
 def prefill_range_warning(profile: DeviceProfile, longest_prompt: int) -> str:
     """A warning when the workload's longest prompt (tokens) is longer than any the profile
     measured: its prefill steps are then extrapolated by the fit's quadratic term, which
-    short prompts steepen. "" when it is not, or the profile does not say (``max_prefill_tokens`` None)."""
+    short prompts steepen. "" when it is not, or the profile does not say
+    (``max_prefill_tokens`` None)."""
     top = profile.max_prefill_tokens
     if top is None or longest_prompt <= top:
         return ""
