@@ -37,10 +37,9 @@ from engine.kv_cache import KVSpec, KVStore
 from engine.request import RequestState
 from engine.scheduler import ScheduledBatch
 
-# sleep until this long before a deadline, then spin: a sleep overshoots by ~0.1-0.4 ms
-# (AMD EPYC Zen 4 VM, p50-p99), and a spin holds the GIL and a core, which the worker's
-# Ray and transport threads need (2 emulated devices on 2 cores, 40 req/s: spinning the
-# last 2 ms gave lateness p99 1.28-1.54, the last 0.25 ms 1.10-1.16 and ~1/3 less added TTFT)
+# sleep until this long before a deadline, then spin: a sleep overshoots by a fraction of a
+# millisecond, and a longer spin holds the GIL and a core that the worker's Ray and
+# transport threads need (benchmarks.control_plane shows the lateness either way)
 SPIN_S = 0.00025
 LATENESS_WARN = 1.02  # p99 lateness above this: the host is too busy to keep the device's time
 

@@ -156,8 +156,7 @@ class _PdlabGemm:
 
 class _PdlabGemmHwpf(_PdlabGemm):
     """``_PdlabGemm`` without software prefetch of the next panel (``linear(prefetch=False)``):
-    the hardware prefetcher alone, which read a 1-row decode's weights 25% faster on an AMD
-    Zen 3 core and 4-16 rows 9-20% slower; the same results."""
+    the hardware prefetcher alone, faster on some CPUs for 1-row decodes; the same results."""
 
     name = "pdlab-hwpf"
     prefetch = False

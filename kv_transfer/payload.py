@@ -13,9 +13,8 @@ a mismatch raises ``KVSpecMismatch`` naming the field, the expected and the got 
 corrupted bytes raise ``KVChecksumError``. Both are ``ValueError``.
 
 Checksum (wire version 2): ``crc32c`` (CRC-32C, Castagnoli) over **every** byte of frame 1,
-computed with the CPU's CRC instruction through the ``crc32c`` package (~15-25 GB/s, about
-one read pass of memory; zlib's table CRC32 ran at ~4 GB/s and dominated every transfer).
-Without that package the sender falls back to zlib ``crc32`` and says so in
+computed with the CPU's CRC instruction through the ``crc32c`` package (about one read pass
+of memory; zlib's table CRC32 is several times slower). Without that package the sender falls back to zlib ``crc32`` and says so in
 ``checksum_kind``; a receiver verifies whichever of the two kinds the header names. Nothing
 is sampled: one flipped byte anywhere is caught.
 
@@ -118,8 +117,8 @@ def tensor_bytes(kv: torch.Tensor) -> torch.Tensor:
 
 
 def encode_header(header: KVHeader) -> bytes:
-    """msgpack bytes of ``header`` (frame 0): its fields by name. (Not ``dataclasses.asdict``,
-    whose recursive deep copy was ~60% of a whole shm put of 150 KB, AMD EPYC Zen 4.)"""
+    """msgpack bytes of ``header`` (frame 0): its fields by name (not ``dataclasses.asdict``,
+    whose recursive deep copy costs more than a small put)."""
     return msgpack.packb({name: getattr(header, name) for name in _HEADER_FIELDS},
                          use_bin_type=True)
 

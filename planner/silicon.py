@@ -127,8 +127,8 @@ def supported_databases() -> dict[str, dict[str, list[str]]]:
             for s, versions in _scan(aic.perf_database).items()}
 
 
-# The package finds its databases by parsing ~330 YAML files (2-6 s here, per call; it does it
-# again for the default version): once per process is enough, the installed files do not move.
+# The package finds its databases by parsing hundreds of YAML files per call: once per process
+# is enough, the installed files do not move.
 @functools.cache
 def _scan(perf_database) -> dict[str, dict[str, tuple[str, ...]]]:
     with quiet():
