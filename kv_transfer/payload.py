@@ -14,9 +14,9 @@ corrupted bytes raise ``KVChecksumError``. Both are ``ValueError``.
 
 Checksum (wire version 2): ``crc32c`` (CRC-32C, Castagnoli) over **every** byte of frame 1,
 computed with the CPU's CRC instruction through the ``crc32c`` package (about one read pass
-of memory; zlib's table CRC32 is several times slower). Without that package the sender falls back to zlib ``crc32`` and says so in
-``checksum_kind``; a receiver verifies whichever of the two kinds the header names. Nothing
-is sampled: one flipped byte anywhere is caught.
+of memory; zlib's table CRC32 is several times slower). Without that package the sender
+falls back to zlib ``crc32`` and says so in ``checksum_kind``; a receiver verifies whichever
+kind the header names. Nothing is sampled: one flipped byte anywhere is caught.
 
 Copies: ``pack`` never copies a contiguous CPU tensor (frame 1 is a view of it);
 ``unpack`` never copies a writable frame (a torch tensor, a bytearray, a shared-memory
