@@ -7,8 +7,7 @@ after another on the last core (``taskset``), and writes each one's output to
 
 - ``vs_vllm-native``, ``vs_vllm-avx2``: ``benchmarks.vs_vllm --repeats 3`` under both ISAs
   (every row <= 1.0);
-- ``prefill_scaling-native``, ``prefill_scaling-avx2``: pdlab/vLLM <= 1.0 at every P from
-  128 to 2048;
+- ``prefill_scaling-native``, ``-avx2``: pdlab/vLLM <= 1.0 at every P from 128 to 2048;
 - ``roofline``: ``benchmarks.roofline --quick`` (decode B=1 within 1.5x of its memory floor,
   prefill 256 within 1.1x of its compute floor);
 - ``prefix_cache``: ``benchmarks.prefix_cache --repeats 2`` (hit rates within 1 point of
