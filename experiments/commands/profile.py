@@ -117,12 +117,10 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
                         context_batch_sizes: Sequence[int] = DEFAULT_CONTEXT_BATCH_SIZES
                         ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Every point of the four sweeps measured in interleaved rounds
-    (``timing.measure_interleaved``: one run of each point per round, shuffled), so a
-    machine that drifts during the profile biases no sweep against another (module
-    docstring). Every point is set up first, untimed (``prefill_point``, ``decode_point``,
-    ``mixed_point``): the context sweep at each of ``context_batch_sizes`` x ``contexts``,
-    the batch sweep at ``batch_sizes`` x ``batch_context``, the mixed steps at
-    ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at ``batch_context``.
+    (``timing.measure_interleaved``), each set up first, untimed: the context sweep at
+    ``context_batch_sizes`` x ``contexts``, the batch sweep at ``batch_sizes`` x
+    ``batch_context``, the mixed steps at ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at
+    ``batch_context``.
 
     Returns:
         ``(prefill, decode_context, decode_batch, mixed)``: prefill has the columns of
@@ -165,19 +163,16 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
 
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
                        kv_table: pd.DataFrame | None = None):
-    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on
-    the median times of its prefill, decode (context and batch sweeps together) and mixed
-    rows; transfer models
-    on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport;
-    the model's weight bytes and, on CUDA, the device's memory (``mem_get_info``'s total),
-    which the planner's KV budget under ``--gpu-memory-utilization`` needs.
+    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on the
+    median times of its prefill, decode (both sweeps) and mixed rows; one transfer model per
+    transport on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``); the
+    model's weight bytes and, on CUDA, the device's memory (``mem_get_info``'s total).
 
     Raises:
         ValueError: too few points for a fit.
     """
     # The simulator needs a step's typical time, not its fastest: the fits take each point's
-    # median run (the tables' estimator is the minimum). In the idle validation of 12:33 UTC
-    # the served steps ran at 1.04x a min fit and 1.00x a median fit (benchmarks/README.md).
+    # median run (the tables' estimator is the minimum).
     F = latency.StepFeatures
     prefill = [(F(int(p), int(p) * int(p)), float(t))
                for p, t in zip(result.prefill["prompt_len"], result.prefill["prefill_median_s"])]
@@ -228,8 +223,7 @@ def pg_table(prefill: pd.DataFrame, context_fit: LinearFit, prompt_lens: Sequenc
     TTFT = measured prefill time of P (must be a row of ``prefill``). The first output token
     comes out of the prefill step, the other G-1 from decode steps at contexts P+1 .. P+G-1,
     each estimated by ``context_fit`` (step_s = a + b * context, fitted on the B = 1 sweep)
-    and never below ``min_step_s`` (the fastest measured step: a noisy fit with a negative
-    slope must not extrapolate to shorter steps than any measured one).
+    and never below ``min_step_s`` (the fastest measured step).
 
     Returns:
         ``prompt_len, output_len, ttft_s, decode_s, total_s, prompt_share`` (= ttft_s / total_s).
@@ -390,9 +384,8 @@ def _profile_process(device: str, model: ModelConfig, kwargs: dict, start, resul
 def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> ProfileResult:
     """``run_profile`` on every device of ``devices`` at the same time, each in its own
     process bound to that device (``cpu:i`` / ``cpu:i-j`` cores, or ``cuda:i``), then
-    ``pooled``. A placement that uses all of them runs each worker beside the others: on a
-    CPU the cores share the memory bandwidth and the last-level cache, which a profile measured
-    on one device with the others idle never sees.
+    ``pooled``: workers of a placement run beside each other, sharing memory bandwidth and
+    cache, which a profile of one device beside idle ones never sees.
 
     Raises:
         ValueError: a device's process failed (its error named).
