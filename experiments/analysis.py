@@ -345,17 +345,12 @@ def latency_breakdown(records: Sequence[RequestRecord] | Mapping[str, Sequence[R
     Stages: prefill queue (``prefill_started - prefill_queued``, or ``- arrived``), prefill
     (``prefill_finished - prefill_started``), transfer (``kv_got - kv_put``, else
     ``record.kv_transfer_s``), decode queue (``decode_admitted - kv_got``), decode (last token
-    - first token; under disaggregation last token - ``decode_admitted`` when stamped, since
-    the first token comes from the prefill worker and the hand-off before decode_admitted is
-    already in transfer and decode queue: the stages stack without double counting). For
-    colocated placements transfer and decode queue are 0 by definition.
-    A stage whose events are missing on a request is NaN for it; the mean skips NaNs and is
-    NaN when no request has the stage. The stages need not sum to E2E (gaps between events,
-    e.g. ``prefill_finished`` -> ``kv_put``, are not shown).
+    - first token, or under disaggregation - ``decode_admitted`` when stamped, so stages never
+    count twice). Colocated placements have transfer and decode queue 0. A stage whose events
+    are missing is NaN for that request; the mean skips NaNs. Stages need not sum to E2E.
 
-    ``records`` is a flat list (grouped by ``record.placement``, first-seen order) or a
-    mapping placement -> records. Columns: placement, num_requests (completed), the stages.
-    """
+    ``records``: a flat list (grouped by ``record.placement``, first-seen order) or a mapping
+    placement -> records. Columns: placement, num_requests (completed), the stages."""
     if isinstance(records, Mapping):
         groups = {p: list(rs) for p, rs in records.items()}
     else:
@@ -490,16 +485,11 @@ def goodput_points(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str
 def goodput_table(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str, int],
                   target: float = ATTAINMENT_TARGET, num_boot: int = NUM_BOOT,
                   rng_seed: int = 1) -> pd.DataFrame:
-    """DistServe goodput per device for each placement, with a 95% bootstrap interval.
-
-    Goodput: the highest swept rate whose SLO attainment is >= ``target`` **and** every
-    lower swept rate also met it, divided by the placement's devices (DistServe §2;
-    ``engine.metrics.goodput_rate``). A seed is one sweep (the same seed at every rate);
-    ``goodput_per_device_req_s`` is the mean over seeds of each sweep's goodput
-    (``goodput_points``), the interval the hierarchical bootstrap of the module docstring
-    (seeds drawn, requests drawn inside each run, the drawn sweeps' goodputs averaged).
-    Columns: placement, num_devices, num_seeds, goodput_per_device_req_s, _ci_lo, _ci_hi.
-    """
+    """DistServe goodput per device for each placement (``engine.metrics.goodput_rate``), with a
+    95% bootstrap interval. A seed is one sweep; ``goodput_per_device_req_s`` is the mean over
+    seeds of each sweep's goodput (``goodput_points``), the interval the module's hierarchical
+    bootstrap. Columns: placement, num_devices, num_seeds, goodput_per_device_req_s, _ci_lo,
+    _ci_hi."""
     runs = [as_run(r) for r in runs]
     rng = np.random.default_rng(rng_seed)
     boots = _within_seed(runs, slo, num_boot, rng)
@@ -611,15 +601,12 @@ def _rate_verdict(at: pd.DataFrame, rate: float) -> list[str]:
 def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = None) -> str:
     """Which placement wins, and why, from ``summary_table`` (intervals included).
 
-    Per rate that every placement ran: a placement wins only if its SLO-attainment interval
-    lies entirely above every other's (DistServe's metric decides); otherwise "no clear
-    winner at this rate", naming the metric of ``CI_METRICS`` whose intervals come closest to
-    separating (smallest ``overlap_fraction``), or those whose intervals do separate. Then, at the highest
-    common rate: TPOT p99 colocated / disagg (interference removed or not), the KV transfer's
-    full cost (put + get p50) against prefill p50, TTFT p99 of both; the load generator's
-    worst dispatch-lag p99; and, given ``goodput`` (``goodput_table``), goodput per device
-    with intervals.
-    """
+    Per rate every placement ran: a placement wins only if its SLO-attainment interval lies
+    entirely above every other's; otherwise "no clear winner at this rate", naming the metric of
+    ``CI_METRICS`` closest to separating (smallest ``overlap_fraction``), or those that do. Then,
+    at the highest common rate: TPOT p99 colocated / disagg, the KV transfer's cost (put + get
+    p50) against prefill p50, TTFT p99 of both; the worst dispatch-lag p99; and, given
+    ``goodput`` (``goodput_table``), goodput per device with intervals."""
     if summary_df.empty:
         return "No runs to compare."
     df = summary_df.copy()
