@@ -238,7 +238,7 @@ class Simulator:
         arrivals = self._arrivals = sorted(workload, key=lambda item: item[1])  # stable
         # Arrivals wait in a sorted list beside the heap (which then holds only the few
         # events in flight, so the fast-forward horizon scans it cheaply). An arrival runs
-        # before any heap event at its time, as it did when arrivals were pushed first.
+        # before any heap event at its time.
         self._arrival_s = [float(offset) for _, offset in arrivals] + [math.inf]
         self._next_arrival = 0  # index of the next arrival not yet run
         end_s = 0.0
