@@ -59,35 +59,23 @@ EMU_KV_SCALE = 1 / 256  # --validate-on emu's default --emu-kv-scale (the repo's
 
 @dataclass(frozen=True)
 class MapConfig:
-    """What ``pdlab map`` draws.
+    """What ``pdlab map`` draws; each field's ``help`` and bounds are its CLI option's.
 
     Attributes:
         devices: devices N to place on (simulated; may exceed this machine without --validate).
-        device_profile: device profile JSON; unset: the newest results/profile-*/ of the model.
         ttft_slo, tpot_slo: ``MIN:MAX:STEPS`` seconds, geometric (``slo_map.parse_range``).
         io_ratio: prompt:output token ratios, comma-separated (0.25 = 1 prompt per 4 output).
-        request_tokens: mean prompt + output tokens per request at every ratio.
-        num_rates: rates in the automatic ladder of each ratio.
-        chunk_budgets: extra chunk budgets for colocated:N.
-        conditional: include conditional:xPyD (Dynamo's rule) beside disagg:xPyD.
-        link: the KV link (``planner.latency.LINKS``: nvlink, pcie, ib400, tcp25) instead of
-            the profile's --transport model.
-        transfer_latency_s, transfer_bandwidth_gbps: what if a KV transfer cost this (s,
-            GB/s), replacing the link's or transport's figure.
+        link: the KV link (``planner.latency.LINKS``) instead of the profile's --transport model;
+            transfer_latency_s, transfer_bandwidth_gbps (seconds, GB/s) replace its figures.
         speed_spread: the band of "no clear winner" (``planner.band``); 0 = ties only.
-        validate: check this many cells for real (0: none).
-        validate_requests: requests per seed in each real run.
-        validate_reruns: every real run again this many times (the machine's own noise).
-        validate_rates: real runs' rates (req/s, comma-separated); "" = the map's ladder.
-        validate_placements: which placements each checked cell runs: "all" (every
-            candidate of the map) or "contenders" (each family's best there and the
+        validate: cells checked for real (0: none); validate_rates: req/s, "" = the map's ladder.
+        validate_placements: "all" (every candidate) or "contenders" (each family's best and the
             winner's same-schedule twin, ``map_validate.contenders``).
-        validate_on: where the real runs run: "here" (this machine's devices, of the
-            profile's kind) or "emu" (emulated devices ``emu:0`` .. ``emu:N-1`` holding each
-            step for the --device-profile's modelled time; KV scaled by --emu-kv-scale).
+        validate_on: "here" (this machine's devices, of the profile's kind) or "emu" (emulated
+            devices holding each step for the profile's modelled time; KV scaled by
+            --emu-kv-scale).
         local: the real runs' workers in this process (needs --transport inprocess).
-        jobs: simulation processes; 0 = one per CPU this process may use.
-    """
+        jobs: simulation processes; 0 = one per CPU this process may use."""
 
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
     device_profile: str | None = field(default=None, metadata={
