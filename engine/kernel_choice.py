@@ -110,22 +110,18 @@ def cache_path(key: dict[str, object], root: Path) -> Path:
 def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
                      min_sample_s: float = MIN_SAMPLE_S, prune_after: int = PRUNE_AFTER,
                      prune_ratio: float = PRUNE_RATIO) -> dict[str, float]:
-    """Seconds of one call of each of ``runs``: the median of its timed samples, after one
-    warm-up call each.
+    """Seconds of one call of each of ``runs``: the median of its timed samples, after one warm-up
+    call each.
 
-    Up to ``rounds`` rounds each take one sample of every candidate still in the race,
-    starting with the next one in turn (round i starts at candidate ``i mod n``), so no
-    candidate always follows the same one (whose cache footprint or clock it would
-    inherit). After ``prune_after`` rounds, a candidate whose median exceeds the best median
-    by more than ``prune_ratio`` leaves the race (its median so far is returned): it is out
-    of contention, and timing it further would only spend the first use's seconds; the
-    measurement ends when one candidate is left. A call shorter than ``min_sample_s`` in the
-    warm-up is repeated within each sample until the sample lasts about that long (a lone
-    call of a few microseconds is mostly timer and scheduler noise).
+    Up to ``rounds`` rounds take one sample of every candidate still in the race, round i
+    starting at candidate ``i mod n`` (so none always follows the same one). After
+    ``prune_after`` rounds a candidate whose median exceeds the best by more than
+    ``prune_ratio`` leaves with its median so far; the measurement ends when one is left. A
+    call shorter than ``min_sample_s`` in the warm-up is repeated within each sample until the
+    sample lasts about that long (timer noise).
 
     Raises:
-        ValueError: ``rounds`` < 1.
-    """
+        ValueError: ``rounds`` < 1."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(runs)

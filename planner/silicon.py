@@ -365,26 +365,21 @@ def sample_steps(db: SiliconDatabase, grid: SampleGrid = SampleGrid()
 def build_profile(db: SiliconDatabase, model_name: str, kv_bytes_per_token: int,
                   link: str | None = None, grid: SampleGrid = SampleGrid(),
                   created: str = "") -> DeviceProfile:
-    """The ``DeviceProfile`` of ``db`` (module docstring, step 3).
-
-    Transfers: every link of ``planner.latency.LINKS`` the system has, under its own name
-    (``nvlink``, ``pcie``, ``ib400``, ``tcp25``; no ``nvlink`` where the system has none),
-    and ``link``'s model again under every transport name of ``engine.config.TRANSPORTS``
-    (what ``pdlab plan`` and ``pdlab compare --simulate`` look up for ``--transport``):
-    on the GPU box the profile describes, KV crosses that link whichever transport moves it.
+    """The ``DeviceProfile`` of ``db`` (module docstring, step 3). Transfers: every link of
+    ``planner.latency.LINKS`` the system has, under its own name, and ``link``'s model again
+    under every transport name of ``engine.config.TRANSPORTS``: on the GPU box the profile
+    describes, KV crosses that link whichever transport moves it.
 
     Args:
         model_name: the profile's ``model`` (``--model`` as given: a config directory).
-        kv_bytes_per_token: KV bytes per token (pdlab's ``KVSpec.bytes_per_token`` of the
-            config at ``db.kv_dtype``).
-        link: the link the transports carry (default: ``nvlink`` where the system has it,
-            else ``pcie``).
+        kv_bytes_per_token: KV bytes per token (``KVSpec.bytes_per_token`` at ``db.kv_dtype``).
+        link: the link the transports carry (default: ``nvlink`` where the system has it, else
+            ``pcie``).
         created: a time stamp for ``notes``.
 
     Raises:
         SiliconError: data missing for a shape of the grid.
-        ValueError: an unknown link, or ``nvlink`` on a system without it.
-    """
+        ValueError: an unknown link, or ``nvlink`` on a system without it."""
     links = {}
     for name in LINKS:
         try:
