@@ -1,5 +1,4 @@
-"""Which tokens of which requests run in the next step, and which KV blocks hold them (no
-torch).
+"""Which tokens of which requests run in the next step, and which KV blocks hold them (no torch).
 
 1. Running decodes go first, one token each.
 2. Running requests with more than one token left get the next chunk: prompts part-way
@@ -22,7 +21,8 @@ admission and never preempts.
 A block's reference count is the number of block tables listing it; each held block is freed
 once. Blocks are registered in the prefix cache as they are allocated for this step's tokens;
 ``step_failed`` unregisters them, so a cached block always holds the KV its hash names.
-Chunked prefill gives a prompt what is left of the budget (Sarathi-Serve); off, it runs whole."""
+Chunked prefill gives a prompt what is left of the budget (Sarathi-Serve); off, it runs whole
+(only a recompute longer than the whole budget is chunked)."""
 
 from __future__ import annotations
 
