@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test test-avx512-emulated setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
+.PHONY: run test test-avx512-emulated docs setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ setup: $(STAMP)
 # The default experiment: colocated:2 vs disagg:1p1d on SmolLM2 + ShareGPT, a 3-rate ladder
 # calibrated on this machine (0.5x, 1.5x, 4x the capacity of a burst; an SLO tighter than 4x
 # a lone request's TTFT / 2x its TPOT here is loosened to that), 2 seeds per point, 8
-# requests of 64-256 prompt and <= 16 output tokens each (see README, "What make run prints").
+# requests of 64-256 prompt and <= 16 output tokens each (docs/getting-started.md).
 RUN_ARGS ?= --calibrate --seeds 2 --num-requests 8 --min-prompt-len 64 --max-prompt-len 256 \
 	--max-output-len 16
 
@@ -32,6 +32,11 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-avx512-emulated
+	$(MAKE) --no-print-directory docs
+
+# The docs site (mkdocs.yml, docs/): --strict fails on a broken link, anchor or missing page.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir .site
 
 # The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
 # (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too
@@ -104,4 +109,4 @@ cpu-parity: $(STAMP) $(VLLM_STAMP)
 	PDLAB_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) $(PY) -m benchmarks.cpu_parity
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) results
+	rm -rf $(VENV) $(VLLM_VENV) results .site

@@ -1,4 +1,4 @@
-"""Benchmarks: scripts that print ratios measured side by side in one run (DESIGN §7).
+"""Benchmarks: scripts that print ratios measured side by side in one run.
 
 Run each from the repository root with the project's Python::
 
@@ -8,7 +8,7 @@ Run each from the repository root with the project's Python::
     .venv/bin/python -m benchmarks.prefill_scaling  [--quick] [--no-vllm]
     .venv/bin/python -m benchmarks.vs_vllm          [--quick]   (needs `make vllm-venv`)
     .venv/bin/python -m benchmarks.step_overhead    [--quick]
-    .venv/bin/python -m benchmarks.paged_kv         [--quick]   (paged vs slot KV, issue 17)
+    .venv/bin/python -m benchmarks.paged_kv         [--quick]   (paged vs slot KV)
     .venv/bin/python -m benchmarks.gemm_kernels     [--quick]
 
 They are not timed tests. Every time comes from ``experiments.timing.measure`` (min of N
@@ -35,7 +35,7 @@ from experiments.timing import Timing, describe
 
 # --isa: the environment each cap sets (and that native clears) on every side of a benchmark:
 # oneDNN's and MKL's own variables and pdlab's C build (engine/cpu_kernels.py), so an AVX-512
-# machine stands in for an AVX2-only one (issue 30).
+# machine stands in for an AVX2-only one.
 ISA_CAPS = {"native": {},
             "avx2": {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
                      "PDLAB_CPU_KERNELS_ISA": "avx2"}}

@@ -1,5 +1,5 @@
 """A prompt chunk's causal attention, the candidates the engine's CPU backend picks between
-by chunk length (issue 30: ``engine.ops.CpuOps.chunk_attention``, measured per machine by
+by chunk length (``engine.ops.CpuOps.chunk_attention``, measured per machine by
 ``engine.kernel_choice``), side by side:
 
 - **flash**: torch's CPU flash kernel (``F.scaled_dot_product_attention(is_causal=True)``,

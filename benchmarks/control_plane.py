@@ -1,13 +1,12 @@
-"""pdlab's control plane at GPU speed (issue 25): 8 emulated H100s, measured - modelled.
+"""pdlab's control plane at GPU speed: 8 emulated H100s, measured - modelled.
 
 1. Eight emulated devices (``emu:0-7``, ``engine.emulated``) with the Llama-3.1-8B H100 SXM
    vLLM profile (``pdlab profile --from-silicon-db h100_sxm --backend vllm --model
    engine/configs/llama-3.1-8b``; tests/data holds one), KV bytes scaled to 1/256, Ray
    actors, transport shm: the real router, workers, scheduler and transports, every step
    held for its modelled time.
-2. ShareGPT first turns (tokenized with SmolLM2's tokenizer: the emulated Llama has no
-   tokenizer here; its ids fit Llama's vocabulary, and lengths are within a few % of
-   Llama's own), ``colocated:8``, ``disagg:4p4d``, ``disagg:2p6d`` at each ``--rates``.
+2. ShareGPT first turns (SmolLM2's tokenizer: its ids fit Llama's vocabulary),
+   ``colocated:8``, ``disagg:4p4d``, ``disagg:2p6d`` at each ``--rates``.
 3. The simulated twin of every run (``experiments.validate.simulate_like``: the same
    requests and arrival times on ``pdlab plan``'s simulator with the same profile) gives
    the modelled TTFT / TPOT p50; added latency = measured - modelled
@@ -17,11 +16,8 @@
    host could not keep the emulated device's time), and a cProfile of the router loop
    (``Router.run``, the replay's driver thread) at the highest rate (top by own time).
 
-Figures on a shared 2-core VM are the host's as much as pdlab's: say which CPU and load.
-
-Writes ``control_plane.csv`` (the printed table) and ``control_plane.png`` (added TTFT and
-TPOT p50 in % of modelled, and output tokens/s, against the rate, one line per placement)
-under ``--out`` (default ``results/control-plane-<time>``).
+Writes ``control_plane.csv`` (the printed table) and ``control_plane.png`` (added latency
+and tokens/s against the rate) under ``--out`` (default ``results/control-plane-<time>``).
 
 Usage: ``python -m benchmarks.control_plane [--rates 20,60,150] [--num-requests 300]
 [--placements colocated:8,disagg:4p4d,disagg:2p6d] [--profile FILE] [--out DIR]``.

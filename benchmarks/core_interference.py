@@ -1,4 +1,4 @@
-"""Does work on one core slow a decode step on the other? (``pdlab plan``'s accuracy, issue 12)
+"""Does work on one core slow a decode step on the other? (``pdlab plan``'s accuracy)
 
     python -m benchmarks.core_interference
 

@@ -1,4 +1,4 @@
-"""The engine with its fused CPU kernels against itself without them, side by side (issue 10).
+"""The engine with its fused CPU kernels against itself without them, side by side.
 
 What is compared (SmolLM2-135M fp32, one pinned core): two Engines on the same model, one
 whose runner uses ``engine/cpu_kernels.py`` (residual add + RMSNorm, RoPE + K/V write,

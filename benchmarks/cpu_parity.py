@@ -1,16 +1,13 @@
-"""Every CPU-parity figure of issues 26 and 30 on this machine, in one command
-(``make cpu-parity``).
+"""Every CPU-parity figure on this machine, in one command (``make cpu-parity``).
 
-The engine's speed against vLLM's CPU build is a per-machine claim: the kernels are chosen by
-measurement on each CPU (``engine/kernel_choice.py``), and the machines this project lands
-on differ (AVX2-only Zen 1 and Zen 3 cores, AVX-512 Zen 4 and Zen 5 ones). This runs, one
-after another on one core (the last one: ``taskset``), each benchmark the issues' targets
-name, and writes each one's output to ``OUT/<step>.txt`` beside ``OUT/lscpu.txt``:
+The engine's speed against vLLM's CPU build is a per-machine claim: kernels are chosen by
+measurement on each CPU (``engine/kernel_choice.py``). This runs each parity benchmark, one
+after another on the last core (``taskset``), and writes each one's output to
+``OUT/<step>.txt`` beside ``OUT/lscpu.txt``:
 
 - ``vs_vllm-native``, ``vs_vllm-avx2``: ``benchmarks.vs_vllm --repeats 3`` under both ISAs
   (every row <= 1.0);
-- ``prefill_scaling-native``, ``prefill_scaling-avx2``: pdlab/vLLM <= 1.0 at every P from
-  128 to 2048;
+- ``prefill_scaling-native``, ``-avx2``: pdlab/vLLM <= 1.0 at every P from 128 to 2048;
 - ``roofline``: ``benchmarks.roofline --quick`` (decode B=1 within 1.5x of its memory floor,
   prefill 256 within 1.1x of its compute floor);
 - ``prefix_cache``: ``benchmarks.prefix_cache --repeats 2`` (hit rates within 1 point of
@@ -20,8 +17,7 @@ name, and writes each one's output to ``OUT/<step>.txt`` beside ``OUT/lscpu.txt`
   (``tests/integration/test_cpu_kernels.py``, ``test_linear_kernels.py``,
   ``tests/unit/test_kernel_choice.py``).
 
-Prints each step's last lines as it ends. About an hour on a 2-core machine; the figures
-mean something only on an idle one.
+Prints each step's last lines as it ends. The figures mean something only on an idle machine.
 
     python -m benchmarks.cpu_parity [--out DIR] [--only STEP ...]
 

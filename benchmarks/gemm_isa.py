@@ -1,5 +1,5 @@
-"""Which ISA a side's GEMM libraries run on this CPU, read from their own verbose output
-(issue 30): ``probe(python, env)`` starts ``python benchmarks/gemm_isa.py`` with
+"""Which ISA a side's GEMM libraries run on this CPU, read from their own verbose output:
+``probe(python, env)`` starts ``python benchmarks/gemm_isa.py`` with
 ``ONEDNN_VERBOSE=profile_create`` and ``MKL_VERBOSE=1`` added to ``env`` and parses what
 oneDNN and MKL print.
 

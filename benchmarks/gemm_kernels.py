@@ -1,5 +1,5 @@
-"""The CPU GEMM kernels the engine's CPU backend picks between, by row count (issues 10, 30:
-``engine.ops.CpuOps.linear``, measured per machine by ``engine.kernel_choice``).
+"""The CPU GEMM kernels the engine's CPU backend picks between, by row count
+(``engine.ops.CpuOps.linear``, measured per machine by ``engine.kernel_choice``).
 
 One "step sweep" per row count M: the matmuls of a whole SmolLM2-135M forward (30 layers x
 Q/K/V fused, O, gate/up fused, down; plus the LM head for M <= 64, the rows a decode step

@@ -1,61 +1,28 @@
 """KV-transfer benchmark: GB/s of every transport against memcpy, and layer-wise streaming.
 
-Run: ``python -m benchmarks.kv_transfer`` (``--quick`` for a small run, ``--out DIR`` to
-also write CSVs). Everything is measured in one run, side by side; every time is the min of
-N timed runs after one warm-up (``experiments.timing``), the median is shown too.
+Run: ``python -m benchmarks.kv_transfer`` (``--quick``, ``--out DIR`` for CSVs). Everything is
+measured side by side in one run; each time is the min of N runs after one warm-up, the
+median beside it (``experiments.timing``). torch runs ``--threads`` threads (default 1).
 
-Part 1, bandwidth. A KV tensor of 1, 16, 64 and 256 MiB (bf16, ``[L=16, 2, H_kv=8, T, D=128]``,
-T = 16..4096 tokens) is moved by each transport; GB/s = bytes / (put_s + get_s) (free is
-untimed). Checksums as served (CRC-32C on put, verified on get) unless the row says
-``nocrc``. Rows:
+Part 1, bandwidth: KV of 1-256 MiB (bf16 ``[16, 2, 8, T, 128]``) moved by each transport,
+GB/s = bytes / (put_s + get_s), CRC-32C on unless ``nocrc``. Rows: ``memcpy`` (the floor),
+``inprocess``, ``shm`` (two processes; ``copy-out``, ``layer`` variants), ``nixl`` (two
+processes; ``nocrc``, ``layer``), ``nixl READ`` (the bare READ, ``kv_transfer.link``),
+``ray`` (driver object store), ``torchdist`` (gloo, two processes). ``x_memcpy`` compares
+with the ``memcpy`` row, ``x_memcpy_here`` with a memcpy timed inside the rows' own
+processes, interleaved. Targets: best intra-node transport >= 0.5x memcpy from 16 MiB; nixl
+>= 0.8x whole-request and >= 0.5x layer-wise.
 
-- ``memcpy``: ``dst.copy_(kv)`` into a preallocated tensor (the floor);
-- ``inprocess``: put + get in this process (one copy on put, get is zero-copy);
-- ``shm``: ``SharedMemoryTransport`` between **two processes**: the sender's put_s (copy
-  into its arena slot) + the receiver's get_s (map, check, checksum, zero-copy view);
-  measured in each process, the handle crosses a queue untimed;
-- ``shm copy-out``: the same with ``zero_copy=False`` (get copies into a fresh tensor);
-- ``shm layer``: one put per layer (16), then one get per layer; seconds summed;
-- ``nixl``: ``NixlTransport`` between two processes: the sender's put_s (copy into its
-  registered arena) + the receiver's get_s (one NIXL READ into its registered landing
-  buffer, checksum, zero-copy view); ``nixl nocrc``, ``nixl layer`` as for shm;
-- ``nixl READ``: the READ alone (``kv_transfer.link`` probe: a registered buffer read by
-  the other process, no pack, no put copy, no checksum), what NIXL itself moves;
-- ``ray``: ``ray.put`` + ``ray.get`` in this (driver) process through the local object
-  store (no actor);
-- ``torchdist``: gloo point-to-point between two spawned processes (sender put_s +
-  receiver get_s).
+Part 2, layer-wise streaming (SmolLM2-135M, one 512-token prompt): the prefill step as
+``PrefillWorker`` runs it, whole-request (``export_kv`` + one put after the step) against
+layer-wise (a put per layer from ``on_layer_done``), a receiver thread getting each handle
+as it comes. ``prefill_s`` is the step's wall time, ``exposed_s`` the time from the step's
+end to the last get's return, ``lengthening_s`` the layer-wise prefill_s minus the
+whole-request one. Target: layer-wise exposed_s <= 20% of whole-request.
 
-The target is the best intra-node transport at >= 0.5x memcpy for 16 MiB and up; for nixl
-(issue 29) >= 0.8x memcpy whole-request and >= 0.5x layer-wise. ``x_memcpy`` compares with
-the ``memcpy`` row (timed in the main process); ``x_memcpy_here`` with a memcpy of the same
-bytes timed inside the two-process rows' own processes, one per round, interleaved with the
-transfers (so a busy phase of a shared machine hits both). torch runs with ``--threads``
-intra-op threads (default 1: a transfer runs on one worker thread, and the CRC is
-single-threaded) in every process, memcpy included.
-
-Part 2, layer-wise streaming (SmolLM2-135M, one 512-token prompt, fp32 KV = 23.6 MB).
-The prefill runs as ``PrefillWorker`` runs it: one ``Engine.step`` (the whole prompt in one
-step); whole-request: after the step ``export_kv`` + one put; layer-wise: the engine's layer
-listener (``Engine(on_layer_done=...)``) puts each layer (``read_kv_layers`` + put) while
-the next layer computes. A receiver thread in the same process gets each handle as soon as
-it is put (it waits on a queue the puts feed) and frees it after. Measured per run:
-
-- ``prefill_s``: the step's wall time (the hook's puts included for layer-wise);
-- ``exposed_s``: from the step's end until the receiver has returned from the get of the
-  last chunk (0 if that happened before the step ended); for whole-request that is export
-  + put + get;
-- ``lengthening_s``: layer-wise prefill_s minus the whole-request prefill_s (min vs min).
-
-Target: layer-wise exposed_s <= 20% of the whole-request exposed_s.
-
-Part 3, two Ray nodes on this machine (``ray.cluster_utils.Cluster``, one CPU and one actor
-per node), interleaved round by round: the ``ray`` and ``nixl`` transports (GB/s = bytes /
-(put_s + get_s)), and Ray's own actor-to-actor tensor paths: a method's returned tensor
-through the object store against Ray Direct Transport over gloo (``@ray.method(
-tensor_transport="gloo")``, a ``torch_gloo`` collective group), GB/s = bytes / seconds from
-the producing call to the consumer's return. Target: nixl beats ray at every size.
-"""
+Part 3, two Ray nodes on this machine, interleaved: ``ray`` and ``nixl`` transports, and
+Ray's actor-to-actor tensor paths (object store against Ray Direct Transport over gloo),
+GB/s = bytes / seconds from producing call to consumer's return. Target: nixl beats ray."""
 
 from __future__ import annotations
 

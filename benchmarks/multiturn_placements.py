@@ -1,4 +1,4 @@
-"""Placements on a multi-turn chat workload, at ``make run`` scale (issue 26): one
+"""Placements on a multi-turn chat workload, at ``make run`` scale: one
 ``pdlab compare`` of ``colocated:2`` under ``--policy cache_aware``, ``disagg:1p1d`` and
 ``conditional:1p1d`` on ``--dataset multiturn`` (ShareGPT conversations replayed closed
 loop, prefix caching on), with its seeds' 95% intervals, and the prefix-cache hit rate and
@@ -7,11 +7,9 @@ the prefill each placement skipped.
 A thin driver: every number comes from ``pdlab compare``'s own ``summary.csv``
 (``experiments.analysis.summary_table``; hit rate and skipped prefill are
 ``engine.metrics.summarize``'s ``prefix_hit_rate`` / ``prefill_tokens_skipped``, seed
-means) and its cells are formatted by ``experiments.report``. ``--policy cache_aware``
-applies to every placement; only ``colocated:2`` has a pool of two to choose from (the
-1p1d placements have one decode worker). Every run starts with empty prefix caches
-(``Deployment.reset_prefix_cache``), so a run's hits are its own (later turns of its own
-conversations).
+means) formatted by ``experiments.report``. Only ``colocated:2`` has a pool of two for
+``cache_aware`` to choose from. Every run starts with empty prefix caches
+(``Deployment.reset_prefix_cache``), so a run's hits are its own.
 
 Defaults (SmolLM2-135M, the model ``make run`` uses): 6 conversations of up to 3 turns per
 seed, answers capped at 16 tokens, ``--max-model-len 1024`` (a conversation stops before a

@@ -1,37 +1,20 @@
-"""The paged KV cache against the slot store it replaced (issue 17), side by side in one run.
+"""The paged KV cache against the slot store it replaced, side by side in one run.
 
-1. **decode step**: at each batch size B, B decode rows at equal KV lengths (``--context``)
-   run through two ``ModelRunner``s of SmolLM2-135M (fp32, CPU) holding the same KV: the
-   paged runner of this tree and the slot-based runner and ``KVStore`` of commit
-   ``SLOT_COMMIT`` (main before issue 17), loaded from git (``git show``) into private
-   modules. The two alternate round by round (``measure_interleaved``); each timed call is
-   one ``runner.execute`` (the forward over B decode tokens: projections, KV writes,
-   attention, LM head), which is where the two differ. Target: paged / slot <= 1.05 at every
-   B (on the layout the allocator gives equal-size requests admitted in turn). Both
-   runners' logits are compared (same KV, same tokens: they must agree to float32
-   rounding). The paged rows' blocks are laid out three ways (``--layouts``):
-   ``strided`` (row r owns blocks [r*nb, (r+1)*nb): equally spaced runs, one strided view,
-   what first fit gives equal-size requests), ``runs`` (each row's blocks consecutive but
-   the rows' starts unevenly spaced, as after mixed-size requests come and go: one view
-   per row), ``scattered`` (blocks shuffled: the gather path).
-2. **build**: constructing an ``Engine`` with ``max_num_seqs=256, max_model_len=2048`` under
-   a 2 GiB budget (``kv_cache_memory_gb=2``): seconds and KV bytes (target < 1 s and
-   <= 2 GiB), next to the slot store's bytes for the same ``max_num_seqs`` and
-   ``max_model_len`` (not built: it would be 24 GB) and the time of zero-filling a slot
-   store of ``max_num_seqs=16`` (today's default, 1.51 GB).
+1. decode step: at each batch size B, B decode rows at equal KV lengths (``--context``)
+   through two ``ModelRunner``s of SmolLM2-135M holding the same KV: this tree's paged runner
+   and the slot-based runner of commit ``SLOT_COMMIT``, loaded from git into private modules.
+   They alternate round by round (``measure_interleaved``); each timed call is one
+   ``runner.execute``. Target: paged / slot <= 1.05 at every B; the logits must agree to
+   float32 rounding. ``--layouts``: ``strided`` (equally spaced runs, one view), ``runs``
+   (consecutive blocks, uneven starts) and ``scattered`` (the gather path).
+2. build: an ``Engine`` with ``max_num_seqs=256, max_model_len=2048`` under
+   ``kv_cache_memory_gb=2``: seconds and KV bytes (targets < 1 s, <= 2 GiB), beside the slot
+   store's bytes for the same limits (not built) and the time of zero-filling a 16-slot store.
+3. capacity: how many ShareGPT requests fit at once at full length in 2 GiB: pdlab's blocks
+   of 16 against vLLM's CPU rule (``num_blocks = memory // bytes_per_block``, block 128, one
+   null block). Concurrency = usable blocks / mean blocks per request.
 
-3. **capacity**: how many ShareGPT requests (SmolLM2 tokenizer, pdlab's default filters,
-   ``--capacity-requests`` of them) fit at once at their full length (prompt + output) in
-   2 GiB: pdlab's blocks of 16 (preemption-free, so a request holds its whole length from
-   admission) against vLLM's CPU build with ``VLLM_CPU_KVCACHE_SPACE=2``, computed with
-   vLLM's own rule (``vllm/platforms/cpu.py``: 2 GiB exactly, block size 128 on CPU;
-   ``v1/core/kv_cache_utils.py``: ``num_blocks = memory // bytes_per_block``; one block
-   is the block pool's null block). Concurrency = usable blocks / mean blocks per request
-   (vLLM allocates as a request grows, so this is its count at the requests' full length;
-   pdlab holds the full length throughout).
-
-Output: tables and ``ratio paged/slot`` / ``build`` / ``capacity`` lines with the targets.
-"""
+Output: tables and ``ratio paged/slot`` / ``build`` / ``capacity`` lines with the targets."""
 
 from __future__ import annotations
 

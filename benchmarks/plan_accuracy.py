@@ -17,12 +17,9 @@ with ``measured/`` and ``simulated/`` results. Printed, per (placement, rate):
 The profile defaults to the one the simulated run recorded (its config line).
 ``--rescore DIR``: ``experiments.validate.score`` again on the saved real runs, with
 this checkout's simulator and the profile, into DIR (validation*.csv, measured/,
-simulated/): a validation's figures after a simulator change, without new real runs. The
-workload is rebuilt from the records (the simulator needs only the lengths; the arrival
-times come from the same seeds). The rescore includes the drift replay (each real run's
-measured speed over time replayed in its simulation, ``planner.drift``;
-``--replay-window-s`` sets its window) beside the open-loop figures; ``--speed-spread S``
-adds the speed band (``planner.band``).
+simulated/), without new real runs (the workload is rebuilt from the records). The rescore
+includes the drift replay (``planner.drift``; ``--replay-window-s`` sets its window) beside
+the open-loop figures; ``--speed-spread S`` adds the speed band (``planner.band``).
 """
 
 from __future__ import annotations

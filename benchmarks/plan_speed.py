@@ -39,9 +39,9 @@ def _fit(features: list[str], coef: list[float]) -> dict:
             "max_rel_err": 0.0, "num_points": 0}
 
 
-# ``pdlab profile --model smollm2-135m --repeats 3 --transports inprocess,ray`` on this machine
-# (AMD EPYC, one core, torch 2.13 CPU, 2026-12-01 11:49 UTC, machine idle): the fitted
-# coefficients only (fit statistics are not needed to time the simulator).
+# ``pdlab profile --model smollm2-135m --repeats 3 --transports inprocess,ray`` on one AMD EPYC
+# core, idle: the fitted coefficients only (fit statistics are not needed to time the
+# simulator).
 REFERENCE_PROFILE = {
     "version": PROFILE_VERSION, "model": "smollm2-135m", "dtype": "float32", "device_kind": "cpu",
     "device_name": "AMD EPYC", "num_threads": 1, "kv_bytes_per_token": 46080,

@@ -1,4 +1,4 @@
-"""Prefill cost per prompt token from 128 to 2048 tokens, chunked or not (issue 14).
+"""Prefill cost per prompt token from 128 to 2048 tokens, chunked or not.
 
 One prompt of P random token ids (seed 0; ids 3.. so none is BOS/EOS), prefill only
 (``max_tokens=1``), SmolLM2-135M fp32 on the pinned core(s), for P in {128, 256, 512, 1024,

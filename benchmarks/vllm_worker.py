@@ -1,35 +1,26 @@
 """The vLLM side of the benchmarks, run by ``.venv-vllm/bin/python`` (never imported by pdlab).
 
-A JSON-lines loop so that a benchmark can alternate pdlab and vLLM runs in one process pair:
+A JSON-lines loop, so a benchmark can alternate pdlab and vLLM runs in one process pair:
 
 1. Start: ``python benchmarks/vllm_worker.py MODEL_DIR MAX_MODEL_LEN BUDGET [CACHING
-   [BLOCK_SIZE [NUM_BLOCKS]]]``; builds one offline ``vllm.LLM`` (fp32, prefix caching off
-   unless CACHING is ``1``, KV blocks of BLOCK_SIZE tokens if given (else vLLM's default),
-   NUM_BLOCKS KV blocks if given (``num_gpu_blocks_override``; vLLM holds one back as its
-   null block, so NUM_BLOCKS - 1 are usable), else what ``VLLM_CPU_KVCACHE_SPACE`` holds,
-   chunked prefill at token budget BUDGET, no tokenizer: prompts are token ids), then
-   prints ``{"ready": true, "version": ...}``.
-2. Each stdin line ``{"prompts": [[ids]], "max_tokens": n}`` runs one ``LLM.generate`` over
-   all prompts (greedy, EOS ignored) and prints ``{"seconds": s, "outputs": [[ids]],
-   "num_cached_tokens": [n], "minor_faults": n, "system_s": s}``, where ``s`` is the wall
-   time of that ``generate`` call (``time.perf_counter``), ``num_cached_tokens`` each
-   request's prefix-cache hit (``RequestOutput.num_cached_tokens``), and the last two the
-   process's minor page faults and system CPU time during the call (``getrusage``). ``"reset_prefix_cache": true`` in the job empties
-   the prefix cache first (untimed).
-3. A line ``{"admission": true, "prompts": [[ids]], "max_tokens": [n per prompt]}`` adds
-   every prompt at once and steps ``llm.llm_engine`` by hand, reading the scheduler after
-   each step; it prints ``{"peak_running": n, "num_preemptions": n, "kv_blocks": n,
-   "steps": n, "seconds": s}``: the most requests in the scheduler's ``running`` list after
-   any step (prefilling or decoding), preemptions summed over requests (each request's
-   ``num_preemptions``, sampled every step), and the usable KV blocks (the block pool's
-   free blocks before the first request).
-4. A line ``{"step_times": true, "prompts": [[ids]], "max_tokens": n}`` adds every prompt
-   at once and steps ``llm.llm_engine`` by hand, timing each ``step()`` (outputs as deltas);
-   it prints ``{"steps": [[seconds, tokens, first tokens, finished requests], ...]}``.
+   [BLOCK_SIZE [NUM_BLOCKS]]]`` builds one offline ``vllm.LLM`` (fp32, prefix caching only if
+   CACHING is ``1``, BLOCK_SIZE-token blocks, NUM_BLOCKS blocks via
+   ``num_gpu_blocks_override`` (one is vLLM's null block), chunked prefill at BUDGET, prompts
+   as token ids), then prints ``{"ready": true, "version": ...}``.
+2. ``{"prompts": [[ids]], "max_tokens": n}`` runs one greedy ``LLM.generate`` (EOS ignored)
+   and prints ``{"seconds", "outputs", "num_cached_tokens", "minor_faults", "system_s"}``:
+   the call's wall time, outputs, each request's prefix-cache hit, and the process's minor
+   page faults and system CPU seconds during the call. ``"reset_prefix_cache": true`` empties
+   the cache first (untimed).
+3. ``{"admission": true, "prompts", "max_tokens": [n per prompt]}`` adds every prompt at once
+   and steps the engine by hand; prints ``{"peak_running", "num_preemptions", "kv_blocks",
+   "steps", "seconds"}`` (most requests running after any step, preemptions summed, usable
+   KV blocks before the first request).
+4. ``{"step_times": true, "prompts", "max_tokens": n}`` times each ``step()``; prints
+   ``{"steps": [[seconds, tokens, first tokens, finished requests], ...]}``.
 5. An empty line or EOF ends it.
 
-vLLM's own logs go to stderr; stdout carries only these JSON lines.
-"""
+vLLM's own logs go to stderr; stdout carries only these JSON lines."""
 
 from __future__ import annotations
 

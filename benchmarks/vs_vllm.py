@@ -1,37 +1,25 @@
-"""pdlab's Engine against vLLM's CPU build, side by side in one run (issue 10).
+"""pdlab's Engine against vLLM's CPU build, side by side in one run.
 
 Needs ``.venv-vllm`` (``make vllm-venv``); ``make bench-vllm`` runs this. Both engines run on
-the same pinned core(s) (``--threads``, default one core), alternating run by run, each
-figure the minimum over ``--repeats`` rounds after one warm-up round. SmolLM2-135M fp32,
-greedy, EOS ignored, **prefix caching off on both sides** (every round runs the same prompts
-again, which a prefix cache would serve), token budget 2048 on both (chunked prefill on). vLLM runs offline (``vllm.LLM``, its
-default compilation) in a subprocess (``benchmarks.vllm_peer``); its time is its
-``generate`` call's wall time inside that process. pdlab's is ``Engine.generate``'s.
+the same pinned core(s) (``--threads``), alternating run by run, each figure the minimum over
+``--repeats`` rounds after a warm-up. SmolLM2-135M fp32, greedy, EOS ignored, prefix caching
+off on both (rounds repeat prompts), token budget 2048. vLLM runs offline (``vllm.LLM``) in a
+subprocess (``benchmarks.vllm_peer``), timed inside it.
 
-Rows (the 16 ShareGPT prompts, seed 0, of ``benchmarks.vs_transformers``):
+Rows (the 16 ShareGPT prompts of ``benchmarks.vs_transformers``):
 
-1. **16x64**: all 16 prompts x 64 output tokens.
-2. **prefill**: all 16 prompts, ``max_tokens=1`` (prefill + first token).
-3. **decode B** for B in 1, 16, 64: the first B prompts (cycled past 16) added at once with
-   ``max_tokens = 1 + K`` (K = 48), the engine stepped by hand with each ``step()`` call
-   timed (vLLM: ``llm_engine.step()`` inside its process, outputs as deltas;
-   ``vllm_worker.step_times``); one decode step = the median time of the *full decode
-   steps*, those that made exactly B tokens, none a request's first and none its last
-   (``decode_step_s``), the same rule on both sides. Until 2026-12-06 this row was derived
-   as (t(1 + K) - t(1)) / K from two ``generate`` runs, a difference that moved by ~0.1
-   between runs at B = 16.
+1. 16x64: all 16 prompts x 64 output tokens;
+2. prefill: all 16 prompts, ``max_tokens=1``;
+3. decode B for B in 1, 16, 64: B prompts added at once with ``max_tokens = 1 + K``, each
+   ``step()`` timed; one decode step = the median of the full decode steps (exactly B
+   tokens, none a request's first or last: ``decode_step_s``), the same rule on both sides.
 
-Prints pdlab/vLLM per row (target <= 1.0) and how many of the 16x64 outputs are equal token
-for token (pdlab's are also equal to ``generate()``: ``benchmarks.vs_transformers``).
+Prints pdlab/vLLM per row (target <= 1.0) and how many 16x64 outputs are equal token for token.
 
-``--isa avx2`` caps both sides alike: ``ONEDNN_MAX_CPU_ISA=AVX2``, ``MKL_ENABLE_INSTRUCTIONS=
-AVX2`` and ``PDLAB_CPU_KERNELS_ISA=avx2`` (pdlab's C build without AVX-512), so an AVX-512
-machine stands in for an AVX2-only one; ``--isa native`` (the default) clears them. The
-process re-executes itself with that environment (the libraries read it when they load), and
-vLLM's worker inherits it. The header prints what each side's GEMM ran on: oneDNN's and MKL's
-own verbose output from a probe under each side's interpreter (``benchmarks.gemm_isa``), and
-pdlab's kernel record (the CPU backend's choices per shape class, ``engine/ops.py``).
-"""
+``--isa avx2`` caps both sides alike (``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
+``PDLAB_CPU_KERNELS_ISA``), so an AVX-512 machine stands in for an AVX2-only one; ``native``
+(default) clears them. The process re-executes itself with that environment. The header
+prints what each side's GEMM ran on (``benchmarks.gemm_isa``) and pdlab's kernel record."""
 
 from __future__ import annotations
 

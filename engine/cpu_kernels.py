@@ -1,50 +1,27 @@
-"""Fused elementwise kernels for the CPU float32 forward, built on first use with the system C
-compiler and called through ctypes (source: ``engine/cpu_kernels.c``).
+"""Fused CPU float32 kernels, built on first use with the system C compiler and called through
+ctypes (source: ``engine/cpu_kernels.c``). Each replaces a chain of small torch ops, or a
+kernel built for other shapes, by one C call on the calling thread (single-threaded):
 
-Why: a decode step of a small model on one core is ~25% small torch ops (RMSNorm as
-transformers writes it is ~8 ops, RoPE ~6 per tensor, the residual adds, the K/V
-``index_copy_``), each paying torch's per-op dispatch (benchmarks/README.md, "Fused
-elementwise kernels"). Each function here replaces one such chain by one C call on the
-calling thread:
-
-- ``add_rms_norm``: residual add + RMSNorm (the next norm after each residual add);
+- ``add_rms_norm``: residual add + RMSNorm; ``silu_mul``: SiLU(gate) * up;
 - ``rope_kv``: RoPE on q in place and on k, and the new K/V written into the paged store;
-- ``silu_mul``: SiLU(gate) * up from the fused gate/up output;
-- ``pack_linear`` / ``linear``: a linear layer for a few rows (decode batches) on weights
-  packed once into column panels: the 6 x 16 AVX2/FMA register blocking of BLIS's Haswell
-  sgemm, which over a whole forward's matmuls took 0.63-0.94x the better of torch's two
-  kernels (oneDNN's packed inner product, MKL's sgemm) from 1 to 256 rows here
-  (benchmarks/README.md, "A GEMM kernel for decode rows");
-- ``pack_linear512`` / ``linear512``: the same linear layer with AVX-512 (12 x 32 register
-  blocks of zmm FMAs, BLIS's Skylake-X sgemm blocking), compiled by a target attribute so the
-  library builds on an AVX2-only CPU too, and run only where the CPU has avx512f
-  (``linear_avx512``); its results equal ``linear``'s bit for bit (same sums, same order);
-- ``causal_attention512``: a prompt chunk's causal attention on the same AVX-512 blocks
-  (0.4-0.6x torch's CPU flash kernel's time at 64-2048 tokens on a Zen 5 core, SmolLM2's
-  heads: ``python -m benchmarks.chunk_attention``, benchmarks/README.md, issue 30), and
-  ``causal_attention``, the same on the AVX2 blocks for CPUs without AVX-512;
-- ``decode_attention``: paged attention of one query token per request over its cached K/V
-  (GQA), read in place through the block tables, in place of SDPAs whose CPU flash kernel is
-  built for long query blocks and which need each group's K/V as one strided view or a copy.
+- ``pack_linear`` / ``linear``: a linear layer for a few rows on weights packed once into
+  column panels (BLIS's Haswell 6 x 16 AVX2/FMA blocking); ``pack_linear512`` / ``linear512``:
+  the same with 12 x 32 AVX-512 blocks, run only where the CPU has avx512f, equal to
+  ``linear`` bit for bit;
+- ``causal_attention512`` / ``causal_attention``: a prompt chunk's causal attention on the
+  AVX-512 / AVX2 GEMM blocks;
+- ``decode_attention``: paged attention of one query token per request, reading K/V in place
+  through the block tables (GQA).
 
-All of them run on the calling thread (single-threaded).
-
-The build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math-errno
--shared -fPIC`` (no flag that changes a result: no -ffast-math) (``$CC`` overrides
-``cc``) into ``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash
-covering the source, the command and the machine, so a machine compiles it once (well under a
-second here); later processes load the cached library. ``PDLAB_CPU_KERNELS_ISA=avx2`` adds
-``-mno-avx512f -DPD_NO_AVX512`` (no AVX-512 at all, also not ``linear512``: an AVX-512
-machine standing in for an AVX2-only one, as ``ONEDNN_MAX_CPU_ISA=AVX2`` does for oneDNN).
-``PDLAB_CPU_KERNELS_ISA=avx512-emulated`` (tests only: ``make test-avx512-emulated``) builds
-the AVX-512 functions on SIMDe's portable intrinsics (``-DPD_EMULATE_AVX512``, headers from
-``simde_include()``), so a CPU without avx512f runs ``linear512`` and ``causal_attention512``
-and the kernel tests check them. ``load()`` returns None, and the CPU backend
-(``engine/ops.py``) runs torch's kernels instead, when the kernels are disabled
-(``PDLAB_CPU_KERNELS=0``), no compiler is found, or the build or load fails (one warning says
-why). The wrappers refuse (``ValueError``) anything but float32 CPU tensors in the layouts
-their docstrings give: they read raw pointers.
-"""
+Build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math-errno -shared
+-fPIC`` (nothing that changes a result; ``$CC`` overrides ``cc``) into
+``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash covering source,
+command and machine. ``PDLAB_CPU_KERNELS_ISA=avx2`` leaves AVX-512 out (an AVX-512 machine
+standing in for an AVX2-only one); ``avx512-emulated`` (tests only) builds the AVX-512
+functions on SIMDe's portable intrinsics (``simde_include()``). ``load()`` returns None, and
+``engine/ops.py`` runs torch's kernels, when ``PDLAB_CPU_KERNELS=0``, no compiler is found, or
+the build or load fails (one warning says why). The wrappers read raw pointers, so they refuse
+(``ValueError``) anything but float32 CPU tensors in the layouts their docstrings give."""
 
 from __future__ import annotations
 

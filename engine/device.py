@@ -1,32 +1,21 @@
-"""Bind a worker to one device of a device set, and name the GPU it uses (DESIGN §5).
+"""Bind a worker to one device of a device set, and name the GPU it uses.
 
-A worker's device is ``cpu:i`` / ``cpu:a-b`` (cores) or ``cuda:i`` (a GPU). How it binds
-depends on whether it has its process to itself:
+A worker's device is ``cpu:i`` / ``cpu:a-b`` (cores) or ``cuda:i`` (a GPU):
 
-- **Pinned** (``pin=True``: a Ray actor, one worker per process): a CPU worker pins the
-  process to its cores (``os.sched_setaffinity``) and sets torch's thread count to match; a
-  CUDA worker makes its GPU the process's current device.
-- **Placed** (``pin=False``: local mode, several workers in one process): nothing
-  process-wide changes. A CPU worker runs on ``cpu`` with the process's threads; a CUDA
-  worker still runs on its own GPU, as the torch device ``cuda:i``: its weights, KV and
-  every tensor it makes are on that device, so workers on different GPUs can share one
-  process (``CUDA_VISIBLE_DEVICES`` is process-wide and cannot separate them).
+- Pinned (``pin=True``: a Ray actor, one worker per process): a CPU worker pins the process
+  to its cores (``os.sched_setaffinity``) and sets torch's thread count to match; a CUDA
+  worker makes its GPU the process's current device.
+- Placed (``pin=False``: several workers in one process): nothing process-wide changes; a CPU
+  worker runs on ``cpu``, a CUDA worker on the torch device ``cuda:i``.
 
 Either way the worker's engine thread calls ``use_on_this_thread`` first: the CUDA current
-device is per host thread, and ops that take no device (streams, events, synchronize) use it.
+device is per host thread. Inside Ray (``inside_ray=True``) a CUDA worker sees one GPU,
+``cuda:0``: the one Ray gave it, or the one named by ``PDLAB_CUDA_VISIBLE_DEVICES``
+(``PIN_ENV``), which ``bind_device`` copies into ``CUDA_VISIBLE_DEVICES`` before CUDA starts.
 
-Inside Ray (``inside_ray=True``) a CUDA worker sees one GPU, ``cuda:0``: either the one Ray
-gave it (``num_gpus=1``: Ray sets ``CUDA_VISIBLE_DEVICES``), or, where the placement pins the
-index itself, the one named by ``PDLAB_CUDA_VISIBLE_DEVICES`` (``PIN_ENV``), which
-``bind_device`` copies into ``CUDA_VISIBLE_DEVICES`` before CUDA starts in this process (see
-``experiments.placement``: ``cuda:i`` is honoured exactly on a cluster pdlab starts).
-
-``gpu_identity`` says which physical GPU a worker used (index as this process sees it, name,
-UUID, ``CUDA_VISIBLE_DEVICES``); ``EngineLoop.info`` records it with every result.
-
-Every CUDA call goes through ``CUDA`` (a ``CudaAPI``), the seam that the unit tests replace
-with a fake device table (``tests/unit/test_device.py``).
-"""
+``gpu_identity`` says which physical GPU a worker used (index, name, UUID,
+``CUDA_VISIBLE_DEVICES``). Every CUDA call goes through ``CUDA`` (a ``CudaAPI``), which the
+unit tests replace with a fake device table."""
 
 from __future__ import annotations
 

@@ -1,38 +1,26 @@
-"""An emulated device: the model runner replaced by one that computes nothing (issue 25).
+"""An emulated device: the model runner replaced by one that computes nothing.
 
-An emulated worker (``--devices emu:0-7``) is the real ``EngineLoop`` / ``PrefillWorker`` /
-``DecodeWorker`` with the real ``Scheduler``, block allocator, router, transports and HTTP
-front; only the runner differs (``EmulatedRunner``):
+An emulated worker (``--devices emu:0-7``) is the real ``EngineLoop``, workers, scheduler,
+block allocator, router, transports and HTTP front; only the runner (``EmulatedRunner``)
+differs:
 
-1. **Geometry without weights.** The emulated model is a ``config.json`` directory
-   (``engine/configs/llama-3.1-8b``); ``engine.model.load_geometry`` reads its layers, KV
-   heads, head dim, vocabulary, EOS and context, and its ``KVSpec`` (the one owner of KV
-   bytes per token). The KV cache has as many blocks as the emulated GPU would hold: the
-   device profile's budget (``DeviceProfile.kv_budget_bytes``, the planner's rule) divided
-   by the emulated model's true bytes per block.
-2. **Time.** Each step is held for ``device.step_s(batch.step_features())``: the device
-   profile's fitted models (``planner.latency``) at the step's ``StepFeatures``
-   (``engine.scheduler.ScheduledBatch.step_features``), the very function the simulator
-   (``planner.simulate``) calls, x the time dilation (``Emulation.time_scale``,
-   ``experiments.dilation``). The hold sleeps until ``SPIN_S`` before the deadline, then
-   spins on ``time.perf_counter`` (a sleep alone overshoots by the scheduler's tick).
-   Layer-wise KV streaming hears of layer ``l`` at ``(l + 1) / L`` of the step. Lateness =
-   actual ÷ modelled per step (``StepRecord.lateness``, steps.csv's ``lateness``).
-3. **Tokens.** ``emulated_token``: a hash of (prompt token ids, output position) mod the
-   vocabulary, moved off EOS and the request's stop ids, so greedy output is the same in
-   every placement and rerun and a request runs to its ``max_tokens`` (the workload's
-   reference output length).
-4. **KV bytes.** The KV store holds real tensors, and they move through the real
-   transports. ``kv_scale`` < 1 (``--emu-kv-scale``, e.g. 1/256) shrinks every token's KV
-   (``scaled_spec``: one KV head of ``round(H_kv * D * scale)`` elements per layer, layers
-   kept for layer-wise streaming) when the host cannot hold the GPU's cache; block counts
-   stay those of the true geometry.
+1. Geometry without weights: the model is a ``config.json`` directory read by
+   ``engine.model.load_geometry``; the KV cache has the blocks the emulated GPU would hold
+   (``DeviceProfile.kv_budget_bytes`` over the true bytes per block).
+2. Time: each step is held for ``device.step_s(batch.step_features())``, the function the
+   simulator calls, times the dilation (``Emulation.time_scale``). The hold sleeps until
+   ``SPIN_S`` before the deadline, then spins. Layer ``l`` is reported done at ``(l + 1) / L``
+   of the step. ``StepRecord.lateness`` = actual / modelled.
+3. Tokens: ``emulated_token`` hashes (prompt ids, output position) into the vocabulary, off
+   EOS and stop ids, so output is the same in every placement and a request runs to its
+   ``max_tokens``.
+4. KV bytes: real tensors move through the real transports; ``kv_scale`` < 1
+   (``--emu-kv-scale``) shrinks each token's KV (``scaled_spec``) when the host cannot hold
+   the GPU's cache, block counts staying those of the true geometry.
 
-The engine may not import the planner (tests/unit/test_imports.py), so the device is any
-object with ``step_time()``, ``kv_budget_bytes(config)``, ``kv_bytes_per_token`` and
-``dtype``: the composition root (``experiments/placement.py``) passes a
-``planner.latency.DeviceProfile``.
-"""
+The engine may not import the planner, so the device is any object with ``step_time()``,
+``kv_budget_bytes(config)``, ``kv_bytes_per_token`` and ``dtype`` (the placement passes a
+``planner.latency.DeviceProfile``)."""
 
 from __future__ import annotations
 
@@ -49,10 +37,9 @@ from engine.kv_cache import KVSpec, KVStore
 from engine.request import RequestState
 from engine.scheduler import ScheduledBatch
 
-# sleep until this long before a deadline, then spin: a sleep overshoots by ~0.1-0.4 ms
-# (AMD EPYC Zen 4 VM, p50-p99), and a spin holds the GIL and a core, which the worker's
-# Ray and transport threads need (2 emulated devices on 2 cores, 40 req/s: spinning the
-# last 2 ms gave lateness p99 1.28-1.54, the last 0.25 ms 1.10-1.16 and ~1/3 less added TTFT)
+# sleep until this long before a deadline, then spin: a sleep overshoots by a fraction of a
+# millisecond, and a longer spin holds the GIL and a core that the worker's Ray and
+# transport threads need (benchmarks.control_plane shows the lateness either way)
 SPIN_S = 0.00025
 LATENESS_WARN = 1.02  # p99 lateness above this: the host is too busy to keep the device's time
 

@@ -1,30 +1,21 @@
 """One engine per device: schedule -> run -> sample -> update. An Engine alone is a
 colocated instance; the prefill and decode workers wrap the same class.
 
-A step (``Engine.step``, which returns one ``StepOutput``):
+A step (``Engine.step`` -> ``StepOutput``):
 
 1. The scheduler picks decodes, prompt chunks and newly admitted requests under the token
-   budget and KV capacity (``ScheduledBatch``).
-2. Requests prefilled elsewhere only get their KV blocks reserved (listed in the step's
-   ``StepOutput.kv_reserved``, also when that is all the step did); their worker fetches
-   the KV into them (``finish_remote``) and they decode from the next step on.
-3. The runner runs one forward over the whole batch and returns logits for the requests
-   whose known tokens are all computed. A layer listener given at construction
-   (``on_layer_done``) hears of each layer as its K/V are written (layer-wise streaming).
-4. The sampler picks their tokens (min_tokens and penalties read each request's token
-   history, prompt + outputs; for the requests that asked, their raw logprobs:
-   ``Sampler.logprobs``); the scheduler advances counters, checks stop conditions and frees
-   the KV blocks of finished requests. A step that ran a forward leaves a ``StepRecord``
-   with its batch (``BatchEntry``: request, tokens, phase, context), measured at the
-   engine's own boundary.
+   budget and KV capacity (``ScheduledBatch``). Requests prefilled elsewhere only get blocks
+   reserved (``StepOutput.kv_reserved``); their worker fetches the KV (``finish_remote``).
+2. The runner runs one forward over the batch and returns logits for the requests whose
+   known tokens are all computed; ``on_layer_done`` hears of each layer's K/V as written.
+3. The sampler picks their tokens (and raw logprobs where asked); the scheduler advances
+   counters, checks stop conditions and frees finished requests' blocks. A step that ran a
+   forward leaves a ``StepRecord`` with its batch.
 
-The KV cache is paged (``engine.kv_cache``): ``num_blocks`` blocks of ``block_size`` tokens
-sized by a memory budget, printed at start-up as ``KV cache: N blocks = T tokens = X GiB``.
-
-Bad input is refused in ``add_request`` / ``add_remote`` with a ``ValueError`` and never
-reaches a forward; a forward that fails turns that step's requests into errors
-(``StepOutput.failed``) and the engine keeps serving.
-"""
+The KV cache is paged (``engine.kv_cache``), sized by a memory budget and printed at
+start-up as ``KV cache: N blocks = T tokens = X GiB``. Bad input is refused in
+``add_request`` / ``add_remote`` with a ``ValueError``; a forward that fails turns that
+step's requests into errors (``StepOutput.failed``) and the engine keeps serving."""
 
 from __future__ import annotations
 
@@ -57,32 +48,23 @@ class FailedRequest(NamedTuple):
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Everything one ``Engine.step`` did, in one object (vLLM v1's ``EngineCoreOutputs``).
-
-    Iterating it (and ``len``, indexing) goes over ``tokens``: a caller that only wants the
-    tokens reads it as the list ``step`` used to return.
-
-    Layers done are not a field: the step's output exists only once the whole forward has
-    run, and layer-wise streaming must put each layer range while the next layers compute;
-    they reach the engine's layer listener during the step (``Engine(on_layer_done=...)``).
+    """Everything one ``Engine.step`` did (vLLM v1's ``EngineCoreOutputs``). Iterating it (and
+    ``len``, indexing) goes over ``tokens``. Layers done reach the layer listener during the step
+    (``Engine(on_layer_done=...)``), not this output.
 
     Attributes:
         tokens: the tokens the step produced, in batch order.
-        finished: ids of requests that ended with their token of this step (stop token, EOS
-            or max_tokens: that token's ``finish_reason`` is set); they have left the engine.
-            A prefill-only request that reached PREFILLED is not finished: it holds its KV
-            for ``export_kv`` / ``finish_prefilled``.
-        failed: requests the step failed (forward or sampling error); they have left the
-            engine and produced no token this step.
-        kv_reserved: ids of requests prefilled elsewhere whose KV blocks this step reserved,
-            in reservation order: fetch their KV now and hand it to ``finish_remote``.
-        record: the step's ``StepRecord`` (also appended to ``Engine.step_records``), or
-            None when no forward ran (nothing to compute: at most reservations) or the
-            forward failed (its requests are all in ``failed``).
-        kv_dropped: ids of requests prefilled elsewhere that this step turned into local
-            recomputes instead of reserving for their KV (``Engine.add_remote``'s
-            ``kv_token_start`` past what is cached here): free their handles, unfetched.
-    """
+        finished: ids of requests that ended with their token of this step (stop token, EOS or
+            max_tokens; that token's ``finish_reason`` is set); they have left the engine. A
+            prefill-only request at PREFILLED is not finished: it holds its KV for ``export_kv``.
+        failed: requests the step failed (forward or sampling error); they have left the engine
+            and produced no token this step.
+        kv_reserved: ids of requests prefilled elsewhere whose KV blocks this step reserved, in
+            order: fetch their KV now and hand it to ``finish_remote``.
+        record: the step's ``StepRecord`` (also in ``Engine.step_records``), or None when no
+            forward ran or it failed.
+        kv_dropped: ids of requests prefilled elsewhere turned into local recomputes (their
+            ``kv_token_start`` is past what is cached here): free their handles, unfetched."""
 
     tokens: tuple[TokenOutput, ...] = ()
     finished: tuple[str, ...] = ()
@@ -116,24 +98,17 @@ class Engine:
         loaded: the model (``engine.model.load_model``).
         config: scheduler and KV cache; ``max_model_len`` is capped by the model's context.
         quiet: do not print the KV cache line at start-up.
-        on_layer_done: the layer listener, ``on_layer_done(layer_idx, batch)``: called during
-            every step's forward once layer ``layer_idx``'s K/V are in the KV store, with the
-            step's ``ScheduledBatch`` (its counters not yet advanced), so that a layer range
-            can be read (``read_kv_layers``) and put while the next layers compute
-            (layer-wise KV streaming). Given at construction, not per step and not set
-            from outside later: it is the owner's transport sink, fixed for the engine's
-            life as the owner's ``TransferConfig.granularity`` is; ``step()`` keeps one
-            signature for every caller (serving loop, profiler, benchmarks); and it runs
-            inside the forward, so it cannot be part of the step's returned output.
-        emulation: run on an emulated device (``engine.emulated``): ``loaded`` is a
-            geometry (``engine.model.load_geometry``), the runner an ``EmulatedRunner``,
-            the KV cache the emulated GPU's block count in ``emulation.scaled_spec``
-            tensors, stamps from ``emulation.clock``.
+        on_layer_done: ``on_layer_done(layer_idx, batch)``, called during every step's forward
+            once layer ``layer_idx``'s K/V are in the store, with the step's ``ScheduledBatch``
+            (counters not yet advanced), so a layer range can be read (``read_kv_layers``) and
+            put while the next layers compute. Fixed for the engine's life, like the owner's
+            transfer granularity.
+        emulation: run on an emulated device (``engine.emulated``): ``loaded`` is a geometry,
+            the runner an ``EmulatedRunner``, the KV cache the emulated GPU's block count in
+            ``emulation.scaled_spec`` tensors, stamps from ``emulation.clock``.
 
     Raises:
-        ValueError: a profile of another geometry (emulation); the KV budget holds no block (a request too large for the cache is
-            refused later, in ``validate``).
-    """
+        ValueError: a profile of another geometry (emulation); a KV budget that holds no block."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
                  quiet: bool = False,
@@ -187,12 +162,9 @@ class Engine:
     # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
         """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run
-        here: its id is already here, or it passes one of ``self.limits``
-        (``engine.limits``: the context, the vocabulary, the whole KV cache, counting the
-        blocks this engine reserves, prompt + 1 tokens for ``prefill_only``, and with chunked
-        prefill off the step budget). A request that needs more than the whole cache is
-        refused here, never queued behind others. (SamplingParams and Request check their
-        own fields when built.)"""
+        here: its id is already here, or it passes one of ``self.limits`` (``engine.limits``:
+        context, vocabulary, the whole KV cache (prompt + 1 for ``prefill_only``), and with
+        chunked prefill off the step budget), so it is never queued behind others."""
         rid = request.request_id
         if rid in self.states:
             raise ValueError(f"request_id {rid!r} is already in this engine")
@@ -251,16 +223,13 @@ class Engine:
 
     def finish_remote(self, request_id: str, kv: torch.Tensor) -> None:
         """Copy a fetched prompt KV ``[L, 2, H_kv, T - s, D]`` (tokens ``[s, T)``, s =
-        ``kv_token_start``, T = prompt length, this engine's dtype) into the request's
-        reserved blocks, past the prompt blocks it shares from this engine's prefix cache
-        (those are not overwritten: other requests may be reading them); it joins the next
-        decode step.
+        ``kv_token_start``, T = prompt length, this engine's dtype) into the request's reserved
+        blocks past the cached prefix blocks it shares (never overwritten); it joins the next step.
 
         Raises:
             KeyError: the request is not waiting for its KV here (aborted or unknown).
-            ValueError: KV shape/dtype not this engine's geometry (the request stays
-                reserved; the caller aborts it).
-        """
+            ValueError: KV shape/dtype not this engine's geometry (the request stays reserved; the
+                caller aborts it)."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
                 or state.block_ids is None:
@@ -344,11 +313,9 @@ class Engine:
         """Run one step: schedule, reserve, forward, sample, update.
 
         Returns:
-            What the step did (``StepOutput``): its tokens, finished and failed requests,
-            reserved KV blocks and record. A step with nothing to compute runs no forward
-            and records nothing, but still reports the reservations it made, so a worker
-            whose only work is reserving gets them from the step that made them.
-        """
+            ``StepOutput``: its tokens, finished and failed requests, reserved KV blocks and record.
+            A step with nothing to compute runs no forward and records nothing, but still reports
+            its reservations."""
         batch = self.scheduler.schedule()
         kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
         kv_dropped = tuple(state.request_id for state in batch.kv_dropped)

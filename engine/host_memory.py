@@ -1,17 +1,10 @@
 """Keep a CPU forward's freed activations mapped: glibc malloc's thresholds, set once per process.
 
-A CPU prefill step allocates and frees activations of megabytes per layer (SmolLM2's
-gate/up output for 1,723 prompt tokens, ``[1723, 3072]`` float32, is 21 MB). glibc serves a
-block above its mmap threshold (dynamic, 128 KiB rising towards 32 MiB as such blocks are
-freed) with a fresh ``mmap``, and hands a freed heap top above its trim threshold back to the
-kernel, so the next step faults every page in again and the kernel zeroes it. Measured on an
-AMD EPYC Zen 3 core (one thread, oneDNN GEMMs forced, the 16 ShareGPT prompts of
-``benchmarks.vs_vllm``, prefill only): ~85,000 minor page faults and ~0.2 s of system time
-per ~5.5 s prefill, where vLLM's CPU build, running the same oneDNN GEMMs, faulted 3 times.
-With the thresholds raised once (glibc's ``mallopt``): 0 faults and 0.94-0.95x the time
-(``benchmarks.host_memory``, which reproduces it side by side). On varied prompt sets the
-default's faults die down after a few steps as glibc's dynamic thresholds climb; a repeated
-step size, as in a benchmark, keeps faulting.
+A CPU prefill step allocates and frees activations of megabytes per layer. glibc serves a
+block above its mmap threshold (dynamic, 128 KiB rising towards 32 MiB) with a fresh
+``mmap``, and hands a freed heap top above its trim threshold back to the kernel, so the next
+step faults every page in again and the kernel zeroes it. ``benchmarks.host_memory``
+measures the page faults and time with the thresholds raised or not, side by side.
 
 ``keep_freed_memory()`` raises the mmap threshold to ``MMAP_THRESHOLD`` (glibc refuses values
 above its maximum on some builds: then its documented 64-bit maximum, 32 MiB) and the trim

@@ -1,35 +1,20 @@
-"""Kernels chosen by measurement on the machine, cached per machine (issue 30).
+"""Kernels chosen by measurement on the machine, cached per machine.
 
-Several kernels compute the same thing at different speeds, and which is fastest depends on
-the CPU (AVX2 or AVX-512, cache sizes), the library builds and the problem size: for a
-projection ``[M, in] x [in, out]``, MKL's sgemm, oneDNN's packed inner product and pdlab's own
-AVX2 and AVX-512 kernels (``engine/cpu_kernels.c``) each win somewhere, and the crossovers measured on one
-machine (an AVX2-only Zen 3 core) did not hold on another (an AVX-512 Zen 4 core). So the
-backend (``engine/ops.py``) asks a ``KernelSelector`` once per *op and shape class* (e.g.
-``linear 576x960``) which candidate to run for each *row-count bucket*, and the selector
-times the candidates that exist here and keeps the fastest.
+Which of MKL's sgemm, oneDNN's packed inner product and pdlab's AVX2 and AVX-512 kernels is
+fastest depends on the CPU, the library builds and the problem size, and crossovers do not
+carry from one CPU to another. So the backend (``engine/ops.py``) asks a ``KernelSelector``
+once per op and shape class (e.g. ``linear 576x960``) which candidate to run per row-count
+bucket, and the selector times the candidates that exist here and keeps the fastest.
 
-- Buckets: rows ``n`` fall in bucket ``ceil(log2 n)`` (1, 2, 3-4, 5-8, ..., 257-512), each
-  measured at its upper edge ``2^i``; beyond the last measured bucket the last one's choice
-  holds (at those sizes every candidate is compute bound and their order no longer moves).
-- Timing: ``measure_median_s``, the median over up to ``ROUNDS`` (7) rounds in which the
-  candidates run interleaved (one sample of each per round, the order rotated round by round),
-  each sample lasting at least ``MIN_SAMPLE_S`` (5 ms; short calls are repeated within it). So
-  a burst of load on a shared machine hits every candidate alike, and one lucky or unlucky
-  sample moves nothing. After 3 rounds a candidate 1.3x slower than the best leaves the race,
-  which keeps the first use of a model (SmolLM2: 5 projection shapes x 7-10 buckets x 4
-  candidates, plus decode attention) to seconds. The first version (the minimum of 3 rounds of 2 ms samples) kept
-  oneDNN at 16 rows on a Zen 4 core where pdlab's kernel was 22% faster in roofline's
-  interleaved table (benchmarks/README.md, issue 30): too few, too short samples.
-- Cache: one JSON file per machine, ``$PDLAB_CACHE_DIR/kernels/choices-<key>.json``, keyed by
-  ``machine_key()``: the CPU model and feature flags, torch's version, the torch thread
-  count, the ISA limits in the environment (``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``,
-  ``PDLAB_CPU_KERNELS_ISA``), the C kernels' build and the timing method (``TIMER``). A
-  file whose stored key differs (another CPU, a copied home directory, an older timing
-  method) is ignored and rewritten, so a machine measures once and
-  every later process of it reads the file. A choice measured while the machine was loaded
-  by other work sticks with it: delete the file to measure again.
-"""
+- Buckets: ``n`` rows fall in bucket ``ceil(log2 n)``, measured at ``2^i``; past the last
+  bucket its choice holds (every candidate is compute bound there).
+- Timing: ``measure_median_s``, the median over up to ``ROUNDS`` rounds of interleaved
+  samples (order rotated each round), each at least ``MIN_SAMPLE_S``, so a burst of load
+  hits every candidate alike. After 3 rounds a candidate 1.3x slower than the best leaves.
+- Cache: ``$PDLAB_CACHE_DIR/kernels/choices-<key>.json``, keyed by ``machine_key()`` (CPU
+  model and flags, torch version and threads, the ISA limits in the environment, the C
+  kernels' build, the timing method ``TIMER``). A file with another key is ignored and
+  rewritten. A choice measured under load sticks: delete the file to measure again."""
 
 from __future__ import annotations
 
@@ -53,11 +38,11 @@ _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16"
 ROUNDS = 7  # timed rounds per measurement, after one warm-up round (odd: a true median)
 MIN_SAMPLE_S = 0.005  # shorter calls are repeated within one timed sample
 # After this many rounds, candidates slower than the best by more than PRUNE_RATIO (median
-# against median) stop being timed: they are out of contention (MKL at 2-2.4x oneDNN here).
+# against median) stop being timed: they are out of contention.
 PRUNE_AFTER = 3
 PRUNE_RATIO = 1.3
-# The timing method, part of the cache key: choices measured by an older method (issue 30's
-# first, 3 rounds of 2 ms, minimum) are measured again.
+# The timing method, part of the cache key: choices measured by another method are measured
+# again.
 TIMER = (f"median-of-{ROUNDS}x{MIN_SAMPLE_S * 1e3:g}ms-rotated"
          f"-pruned-{PRUNE_AFTER}x{PRUNE_RATIO:g}")
 
@@ -125,22 +110,18 @@ def cache_path(key: dict[str, object], root: Path) -> Path:
 def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
                      min_sample_s: float = MIN_SAMPLE_S, prune_after: int = PRUNE_AFTER,
                      prune_ratio: float = PRUNE_RATIO) -> dict[str, float]:
-    """Seconds of one call of each of ``runs``: the median of its timed samples, after one
-    warm-up call each.
+    """Seconds of one call of each of ``runs``: the median of its timed samples, after one warm-up
+    call each.
 
-    Up to ``rounds`` rounds each take one sample of every candidate still in the race,
-    starting with the next one in turn (round i starts at candidate ``i mod n``), so no
-    candidate always follows the same one (whose cache footprint or clock it would
-    inherit). After ``prune_after`` rounds, a candidate whose median exceeds the best median
-    by more than ``prune_ratio`` leaves the race (its median so far is returned): it is out
-    of contention, and timing it further would only spend the first use's seconds; the
-    measurement ends when one candidate is left. A call shorter than ``min_sample_s`` in the
-    warm-up is repeated within each sample until the sample lasts about that long (a lone
-    call of a few microseconds is mostly timer and scheduler noise).
+    Up to ``rounds`` rounds take one sample of every candidate still in the race, round i
+    starting at candidate ``i mod n`` (so none always follows the same one). After
+    ``prune_after`` rounds a candidate whose median exceeds the best by more than
+    ``prune_ratio`` leaves with its median so far; the measurement ends when one is left. A
+    call shorter than ``min_sample_s`` in the warm-up is repeated within each sample until the
+    sample lasts about that long (timer noise).
 
     Raises:
-        ValueError: ``rounds`` < 1.
-    """
+        ValueError: ``rounds`` < 1."""
     if rounds < 1:
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(runs)

@@ -1,36 +1,22 @@
 """KV block accounting with automatic prefix caching (no torch, never touches a tensor).
 
-The scheme is vLLM v1's automatic prefix caching (``vllm/v1/core/kv_cache_utils.py``
-``hash_block_tokens``, ``block_pool.py`` ``BlockPool``, ``kv_cache_manager.py``
+The scheme is vLLM v1's (``kv_cache_utils.hash_block_tokens``, ``BlockPool``,
 ``get_computed_blocks``):
 
-1. A **full** block of ``block_size`` tokens is named by a hash chained through its parent
-   block's: ``h_0 = H(NONE_HASH, tokens[0:B])``, ``h_i = H(h_{i-1}, tokens[iB:(i+1)B])``,
-   ``H`` = SHA-256 (vLLM's default ``prefix_caching_hash_algo``). Equal hashes mean equal
-   token prefixes up to the block's end, so the KV is equal too. A partial block has no
-   hash and is never shared. The hashes depend on the tokens alone (no process salt), so
-   a router can compute them from a prompt and compare them with a worker's
-   (``block_hashes``, ``BlockAllocator.pop_events``).
-2. Every block has a reference count: the block tables (requests) that list it. A request
-   whose prompt starts with cached blocks ``touch``es them (+1) instead of recomputing.
-3. ``free`` drops one reference per block. A block at zero references that has a hash
-   stays cached (evictable); one without a hash is simply free.
-4. ``allocate`` hands out blocks with no hash first (the lowest run of consecutive free
-   blocks, else the lowest ones: consecutive blocks are read in place by attention and
-   export), and only when none is left evicts cached blocks, least recently freed first.
-   A request's blocks are freed tail first (vLLM's order), so its last blocks, the least
-   likely to be shared, are evicted before its first ones.
+1. A full block of ``B`` tokens is named by a chained hash: ``h_0 = H(NONE_HASH, tokens[0:B])``,
+   ``h_i = H(h_{i-1}, tokens[iB:(i+1)B])``, ``H`` = SHA-256. Equal hashes mean equal prefixes,
+   so equal KV. A partial block has no hash and is never shared. No process salt, so a router
+   can compare a prompt's ``block_hashes`` with a worker's (``BlockAllocator.pop_events``).
+2. A block's reference count is the block tables listing it; a request whose prompt starts
+   with cached blocks ``touch``es them (+1) instead of recomputing.
+3. ``free`` drops one reference per block; at zero a hashed block stays cached (evictable).
+4. ``allocate`` hands out unhashed blocks first (the lowest run of consecutive free blocks,
+   else the lowest), and only then evicts cached blocks, least recently freed first. A
+   request's blocks are freed tail first, so its least shareable blocks go first.
 
-Departure from vLLM's ``FreeKVCacheBlockQueue``: vLLM keeps free blocks with and without a
-hash in one LRU queue, so it can hand out a cached block while an uncached one is free;
-here a cached block is evicted only when no uncached block is left (it keeps at least
-vLLM's hits at the same budget, and keeps the lowest-first layout of the cache without
-caching).
-
-Only one block per hash is registered (the first); a block computed twice (two requests
-missed at once) stays unregistered in the second table, as vLLM keeps block tables
-append-only instead of deduplicating.
-"""
+Unlike vLLM's single LRU queue, a cached block is evicted only when no uncached block is
+left (at least vLLM's hits at the same budget). Only the first block per hash is
+registered; a block computed twice stays unregistered in the second table."""
 
 from __future__ import annotations
 

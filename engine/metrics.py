@@ -2,42 +2,25 @@
 
 Measure at the boundaries, derive later (DistServe's ``lifetime.py``):
 
-1. The router creates one ``RequestRecord`` per request. ``arrived`` is the request's
-   *scheduled* arrival (run start + its offset), not when the router got round to it, so a
-   load generator that falls behind cannot hide queueing (no coordinated omission); the
-   moment it was actually dispatched is ``dispatched`` (``dispatch_lag_s`` = the difference).
-2. Workers and the router stamp the other events (``prefill_queued`` ... ``finished``) into
-   ``record.timeline`` with ``time.time()``. For every output token two times are kept:
-   ``token_times_s`` when it left the router (receipt; the router long-polls its workers) and
-   ``token_worker_times_s`` when the worker's step produced it. Same host: same clock.
-   The prefill worker measures ``kv_put_s`` (seconds inside the transport's ``put``), the
-   decode worker ``kv_get_s`` (its fetch of every layer range); ``kv_transfer_s`` is their sum.
+1. The router creates one ``RequestRecord`` per request; ``arrived`` is its scheduled arrival,
+   so a load generator that falls behind cannot hide queueing (``dispatch_lag_s``).
+2. Workers and the router stamp events into ``record.timeline`` with ``time.time()``; each
+   output token has ``token_times_s`` (left the router) and ``token_worker_times_s``
+   (produced by the worker's step); ``kv_transfer_s = kv_put_s + kv_get_s``.
 3. Records are saved as JSON (``to_dict`` / ``from_dict``).
-4. Metrics are functions of a record (``ttft_s``, ``tpot_s``, ...), each defined once here;
-   ``summarize`` pools them over a run; ``goodput_rate`` reads a rate sweep.
+4. Each metric is a function of a record, defined once here; ``summarize`` pools them over a
+   run; ``goodput_rate`` reads a rate sweep.
 
-Which clock a figure uses:
-    TTFT and E2E: router clock (arrival is scheduled on the router's host; the token counts
-        once it leaves the router, as a client would see it).
-    ITL and TPOT: worker clock (``token_worker_times_s``) when every token has one, so they
-        are not quantised by the router's polling; ``itl_router_s`` / ``tpot_router_s`` give
-        the router-clock versions beside them. Under disaggregation the first gap spans two
-        workers (prefill's first token, decode's second): on one host one clock; across
-        hosts that one gap compares two clocks (DESIGN §6) -- use ``first_decode_gap_s``.
-    TTFT under disaggregation contains the KV **put**: the prefill worker sends the first
-        token only after ``put`` returned (whole-request granularity) or after the step whose
-        layers it streamed (layer-wise). The **get** is not in TTFT: it happens on the decode
-        worker after the first token left, so it shows in the first inter-token gap. (vLLM's
-        disaggregated proxy likewise returns the prefill instance's first token before the
-        decode instance pulls the KV.)
+Clocks: TTFT and E2E use the router's; ITL and TPOT the worker's when every token has one
+(``itl_router_s`` / ``tpot_router_s`` beside them). Under disaggregation the first gap spans
+two workers, across hosts two clocks: use ``first_decode_gap_s``. TTFT contains the KV put
+(the first token is sent after it); the get shows in the first inter-token gap.
 
 All times are seconds. A metric whose events are missing is None, never 0. A request with no
-output token (or with an error) is a failure: it has no TTFT and misses every SLO.
+output token (or with an error) is a failure: no TTFT, and it misses every SLO.
 
-Sources:
-    vLLM ``benchmarks/benchmark_serving.py``: TTFT, TPOT, ITL, E2EL, request goodput.
-    DistServe (Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep.
-"""
+Sources: vLLM ``benchmarks/benchmark_serving.py`` (TTFT, TPOT, ITL, E2EL, goodput); DistServe
+(Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep."""
 
 from __future__ import annotations
 
@@ -152,15 +135,13 @@ def _between(r: RequestRecord, start: str, end: str) -> float | None:
 
 
 def failed(r: RequestRecord) -> bool:
-    """True when the request errored or produced no output token (DESIGN §6)."""
+    """True when the request errored or produced no output token."""
     return r.error is not None or len(r.token_times_s) == 0
 
 
 def ttft_s(r: RequestRecord) -> float | None:
-    """Time to first token: first token leaving the router minus ``arrived``.
-
-    vLLM benchmark_serving.py (TTFT). None when there is no token or no arrival.
-    """
+    """Time to first token (vLLM's TTFT): first token leaving the router minus ``arrived``; None
+    without a token or an arrival."""
     if not r.token_times_s or ARRIVED not in r.timeline:
         return None
     return r.token_times_s[0] - r.timeline[ARRIVED]
@@ -177,12 +158,8 @@ def _gaps(t: Sequence[float]) -> list[float]:
 
 
 def itl_s(r: RequestRecord) -> list[float]:
-    """Inter-token latencies on the worker clock: gaps between consecutive output tokens as
-    the workers produced them, TTFT excluded (falls back to router receipt times when the
-    record has no worker times).
-
-    vLLM benchmark_serving.py (ITL). Empty with fewer than two tokens.
-    """
+    """Inter-token latencies (vLLM's ITL) on the worker clock (router receipt times without it),
+    TTFT excluded. Empty with fewer than two tokens."""
     return _gaps(_worker_times(r))
 
 
@@ -200,13 +177,10 @@ def e2e_s(r: RequestRecord) -> float | None:
 
 
 def tpot_s(r: RequestRecord) -> float | None:
-    """Time per output token after the first, on the worker clock:
-    ``(t_last - t_first) / (n_out - 1)`` over ``token_worker_times_s`` (router times when
-    the record has no worker times).
-
-    vLLM benchmark_serving.py: TPOT = ``(E2E - TTFT) / (n_out - 1)``, which is the same
-    span on the router clock (``tpot_router_s``). None with fewer than two output tokens.
-    """
+    """Time per output token after the first, on the worker clock: ``(t_last - t_first) /
+    (n_out - 1)`` over ``token_worker_times_s`` (router times without them); vLLM's TPOT
+    ``(E2E - TTFT) / (n_out - 1)`` is the same span on the router clock (``tpot_router_s``).
+    None with fewer than two output tokens."""
     t = _worker_times(r)
     if len(t) < 2:
         return None
@@ -224,11 +198,8 @@ def tpot_router_s(r: RequestRecord) -> float | None:
 
 
 def dispatch_lag_s(r: RequestRecord) -> float | None:
-    """How late the router dispatched the request: ``dispatched - arrived`` (scheduled).
-
-    Large values mean the load generator fell behind its schedule; TTFT still counts from
-    the scheduled arrival (no coordinated omission). None without both stamps.
-    """
+    """``dispatched - arrived`` (scheduled): how far the load generator fell behind; TTFT still
+    counts from the scheduled arrival. None without both stamps."""
     return _between(r, ARRIVED, DISPATCHED)
 
 
@@ -246,7 +217,7 @@ def prefill_s(r: RequestRecord) -> float | None:
 
 def first_decode_gap_s(r: RequestRecord) -> float | None:
     """First inter-token gap, ``token_times_s[1] - token_times_s[0]``: under disaggregation
-    it contains the KV transfer and decode admission (DESIGN §6)."""
+    it contains the KV transfer and decode admission."""
     t = r.token_times_s
     return t[1] - t[0] if len(t) >= 2 else None
 
@@ -262,8 +233,8 @@ def kv_get_s(r: RequestRecord) -> float | None:
 
 
 def kv_transfer_s(r: RequestRecord) -> float | None:
-    """The KV transfer's full cost: ``kv_put_s + kv_get_s`` (DESIGN §6: put + get). When a
-    record carries only one of them (older records), ``record.kv_transfer_s``; None if none."""
+    """The KV transfer's full cost: ``kv_put_s + kv_get_s``; for a record carrying only one of
+    them, ``record.kv_transfer_s``; None if none."""
     if r.kv_put_s is not None and r.kv_get_s is not None:
         return r.kv_put_s + r.kv_get_s
     return r.kv_transfer_s
@@ -349,21 +320,16 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
               duration_s: float | None = None) -> dict[str, float]:
     """Pool per-request metrics over a run.
 
-    Latency statistics use completed (not failed) requests only, as vLLM's benchmark does;
-    ITL pools every gap of every completed request (``itl_*`` worker clock, ``itl_router_*``
-    router clock); ``dispatch_lag_*`` covers every request. Rates divide by ``duration_s``
-    (default: last finish - first arrival):
-        throughput_req_s: completed requests / s; output_tok_s: their output tokens / s;
-        slo_attainment: DistServe's, over all requests (NaN without ``slo``);
-        goodput_req_s: vLLM's goodput, SLO-meeting requests / s (NaN without ``slo``);
-        kv_bytes_total: KV bytes shipped, all requests; kv_gb_s: kv_bytes_total over the
-            summed put + get seconds (NaN without transfers).
-        prefill_tokens_skipped: prompt tokens whose prefill the prefix cache skipped, all
-            requests (the sum of ``num_cached_prompt_tokens``); prefix_hit_rate: that over
-            all prompt tokens (vLLM's prefix-cache hit rate: hits / queries in tokens; NaN
-            with no prompt tokens); kv_bytes_saved_total: KV bytes not shipped because the
-            decode worker held the prefix; num_preemptions_total: preemptions, all requests.
-    """
+    Latencies use completed requests only (as vLLM's benchmark); ITL pools every gap (``itl_*``
+    worker clock, ``itl_router_*`` router clock); ``dispatch_lag_*`` covers every request. Rates
+    divide by ``duration_s`` (default: last finish - first arrival):
+        throughput_req_s, output_tok_s: completed requests and their output tokens per second;
+        slo_attainment: DistServe's, over all requests; goodput_req_s: vLLM's, SLO-meeting
+            requests / s (both NaN without ``slo``);
+        kv_bytes_total, kv_gb_s: KV bytes shipped, and over summed put + get seconds (NaN
+            without transfers); kv_bytes_saved_total: bytes not shipped (prefix held);
+        prefill_tokens_skipped: sum of ``num_cached_prompt_tokens``; prefix_hit_rate: that over
+            all prompt tokens (NaN with none); num_preemptions_total."""
     done = [r for r in records if not failed(r)]
     out: dict[str, float] = {"num_requests": len(records), "num_failed": len(records) - len(done)}
     for name, fn in _METRICS.items():
@@ -408,23 +374,18 @@ def prefix_hit_rate(records: Sequence[RequestRecord]) -> float:
     return prefill_tokens_skipped(records) / prompt_tokens if prompt_tokens else math.nan
 
 
-ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold (DESIGN §6)
+ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold
 
 
 def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devices: int,
                  target: float = ATTAINMENT_TARGET) -> float:
-    """DistServe's goodput (requests/s per device) from a rate sweep.
-
-    The highest swept arrival rate whose SLO attainment is >= ``target`` **and** at which
-    every lower swept rate also met it (DistServe, OSDI'24, §2: the maximum rate under which
-    the attainment goal holds; a lucky point above a failing one does not count), divided by
-    ``num_devices``; 0.0 when the lowest rate already misses. A NaN attainment misses.
-    Rates are sorted first; DistServe binary-searches the rate, here it is the swept points,
-    so sweep densely enough.
+    """DistServe's goodput (requests/s per device) from a rate sweep: the highest swept rate whose
+    SLO attainment is >= ``target`` and at which every lower swept rate also met it (DistServe,
+    OSDI'24, §2), divided by ``num_devices``; 0.0 when the lowest rate misses, and a NaN
+    attainment misses. Rates are sorted first; only swept points count, so sweep densely.
 
     Raises:
-        ValueError: lengths differ, or ``num_devices < 1``.
-    """
+        ValueError: lengths differ, or ``num_devices < 1``."""
     if len(rates) != len(attainments):
         raise ValueError(f"rates and attainments differ in length: {len(rates)} vs {len(attainments)}")
     if num_devices < 1:
@@ -444,22 +405,15 @@ PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase
 
 
 class BatchEntry(NamedTuple):
-    """One request's part of a step (``StepRecord.batch``).
-
-    A NamedTuple rather than a dataclass: one is built per request per step on the serving
-    hot path (a tuple is the cheapest immutable record), and ``json.dumps`` writes it as a
-    plain array in field order, which is what ``StepRecord.to_row`` ships.
+    """One request's part of a step (``StepRecord.batch``); a NamedTuple, the cheapest record on
+    the hot path, which ``json.dumps`` writes as a plain array.
 
     Attributes:
         request_id: the request.
         num_tokens: its tokens the step computed (a prompt chunk, or 1 for a decode).
-        phase: ``"prefill"`` (prompt tokens: ``RequestState.is_prefilling`` at the step's
-            start) or ``"decode"`` (one output token fed back).
-        num_context_tokens: its tokens computed before the step (its KV the step's new
-            tokens attend to besides their own): ``RequestState.num_computed_tokens`` at
-            the step's start. A prompt chunk of n tokens after k attends to k + n keys per
-            query at most, a decode to k + 1.
-    """
+        phase: ``"prefill"`` (``RequestState.is_prefilling`` at the step's start) or ``"decode"``.
+        num_context_tokens: its tokens computed before the step (``num_computed_tokens``): a
+            chunk of n tokens after k attends to at most k + n keys per query, a decode to k + 1."""
 
     request_id: str
     num_tokens: int
@@ -493,11 +447,9 @@ class StepRecord:
     lateness: float | None = None
 
     def to_row(self) -> dict:
-        """The record as one flat row (a steps.csv row, a Ray-shipped dict): the scalar
-        fields as they are, ``batch`` as JSON text, a list of
-        ``[request_id, num_tokens, phase, num_context_tokens]`` arrays (one cell holds a
-        batch of any size, and pandas writes and reads it back unchanged; ``parse_batch``
-        turns it back into entries)."""
+        """The record as one flat row (steps.csv, a Ray-shipped dict): scalar fields as they are,
+        ``batch`` as JSON text of ``[request_id, num_tokens, phase, num_context_tokens]`` arrays
+        (``parse_batch`` reads it back)."""
         return {"start_s": self.start_s, "duration_s": self.duration_s,
                 "num_requests": self.num_requests,
                 "num_prefill_tokens": self.num_prefill_tokens,

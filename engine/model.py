@@ -194,7 +194,7 @@ def check_supported(hf_config, name: str) -> tuple[int, str]:
     def refuse(what: str) -> UnsupportedModelError:
         return UnsupportedModelError(
             f"model {name}: {what} is not supported by pdlab's runner (supported "
-            f"architectures: {supported}; see README 'Supported models')")
+            f"architectures: {supported}; see docs/guides/models.md)")
 
     if len(archs) != 1 or archs[0] not in SUPPORTED_ARCHITECTURES:
         raise refuse(f"architecture {'+'.join(archs) or '(none in config.json)'}")

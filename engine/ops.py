@@ -1,46 +1,28 @@
 """The kernel backend: every tensor kernel of the forward that has more than one
 implementation, behind one interface, chosen once per runner (``select_ops``).
+``engine/runner.py`` calls ``ops.<kernel>`` without asking which backend it has.
 
-``engine/runner.py`` plans a step and calls ``ops.<kernel>`` without asking which backend it
-has. Two backends:
-
-- ``TorchOps``, the reference: public torch ops only (``mm`` / ``addmm`` as ``F.linear``
-  runs them, the modules' own forwards, ``F.scaled_dot_product_attention``, ``index_copy_``).
-  It runs on CUDA and for dtypes other than float32 (and on CPU when forced:
-  ``PDLAB_FORCE_KERNELS=backend=torch``).
-- ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``; not where
-  ``PDLAB_CPU_KERNELS=0`` or no compiler builds them) for the fused elementwise chains, and,
-  for the projections and decode attention, whichever candidate ``engine/kernel_choice.py``
-  measured fastest on this machine per shape class and row-count bucket: MKL's sgemm
-  (``mm``), oneDNN's packed inner product (``torch.ops.mkldnn``), pdlab's 6 x 16 AVX2/FMA
-  GEMM (``pdlab``; ``pdlab-hwpf`` without its software prefetch) or, where the CPU has
-  avx512f, its 12 x 32 AVX-512 GEMM (``pdlab512``); the C paged decode attention or the
-  runner's planned SDPA groups; and per chunk-length bucket the prompt-chunk attention:
-  torch's CPU flash kernel (chunks after the first: twice, prefix and causal diagonal,
-  merged by log-sum-exp) or pdlab's causal kernel on the AVX2 GEMM blocks (``pdlab``) or,
-  where the CPU has avx512f, on the AVX-512 ones (``pdlab512``).
+- ``TorchOps``, the reference: public torch ops only. It runs on CUDA, for dtypes other than
+  float32, and on CPU when forced (``PDLAB_FORCE_KERNELS=backend=torch``).
+- ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``) for the fused
+  elementwise chains and, per shape class and row-count (or chunk-length) bucket, whichever
+  candidate ``engine/kernel_choice.py`` measured fastest here: MKL's sgemm (``mm``), oneDNN's
+  packed inner product, pdlab's AVX2 GEMM (``pdlab``, ``pdlab-hwpf``) or AVX-512 GEMM
+  (``pdlab512``); the C paged decode attention or planned SDPA groups; torch's CPU flash
+  kernel or pdlab's causal kernel for prompt chunks.
 
 Two rules live here and nowhere else:
 
-- **One thread.** pdlab's C GEMM and paged attention run on the calling thread only. They
-  are candidates only when torch has one thread when the backend is chosen (the workers'
-  configuration: ``engine.device.bind_device`` pins a worker to its cores before it builds
-  its engine); with more threads the threaded BLAS and SDPA run, since a single-threaded
-  kernel on a multi-core worker leaves the other cores idle. The fused elementwise kernels
-  run either way (they replace chains of tiny ops, not a threaded kernel).
-- **Consecutive blocks read in place.** The block allocator (``engine/kv_cache.py``) hands
-  out first-fit runs of consecutive blocks, so a request's KV is usually one token range of
-  the store. ``TorchOps`` exploits it: decode rows are planned into strided views of the
-  store (``"planned"`` layout, runner ``_plan_decodes``) and a prompt chunk reads its prefix
-  as a slice, gathering only rows with scattered blocks. ``CpuOps``' paged kernel reads each
-  row through its block table at any spacing (``"paged"`` layout), so it needs no such plan.
+- One thread: pdlab's C GEMM and paged attention run on the calling thread, so they are
+  candidates only when torch has one thread (a worker pinned by ``bind_device``); otherwise a
+  single-threaded kernel would leave cores idle. The fused elementwise kernels run either way.
+- Consecutive blocks read in place: the allocator hands out first-fit runs of blocks, so
+  ``TorchOps`` plans decode rows into strided views of the store (``"planned"`` layout) and
+  reads a chunk's prefix as a slice; ``CpuOps``' paged kernel reads any block table
+  (``"paged"`` layout).
 
-Every implementation gives ``generate()``'s greedy tokens (tests/integration/
-test_cpu_kernels.py and test_linear_kernels.py run the engine under each forced choice).
-``PDLAB_FORCE_KERNELS`` pins choices instead of measuring, e.g.
-``linear=onednn,decode_attention=planned`` (tests and benchmarks; unknown or unavailable
-names are refused).
-"""
+Every implementation gives ``generate()``'s greedy tokens. ``PDLAB_FORCE_KERNELS`` pins
+choices, e.g. ``linear=onednn,decode_attention=planned``; unknown names are refused."""
 
 from __future__ import annotations
 
@@ -64,19 +46,18 @@ _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight ser
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 # Row-count buckets measured: rows 1 .. 2^LINEAR_MAX_BUCKET (512); more rows use the last
 # bucket's choice. The LM head sees one row per sampled request and is measured up to 64 rows
-# (its 576 x 49152 weight makes each larger measurement cost ~0.1 s per candidate).
+# (its vocabulary-sized weight makes larger measurements costly).
 LINEAR_MAX_BUCKET = 9
 LM_HEAD_MAX_BUCKET = 6
 DECODE_MAX_BUCKET = 8  # decode rows 1 .. 256
 # Prompt-chunk lengths measured for the chunk attention: 1 .. 1024 tokens (longer chunks use
-# the 1024 choice; a 1024-token probe already costs ~20 ms per flash call).
+# the 1024 choice: longer probes cost more than they tell).
 CHUNK_MAX_BUCKET = 10
 # The decode-attention measurement's KV context: about a ShareGPT prompt plus its reply.
 DECODE_PROBE_CONTEXT = 256
 # Weights streamed per timed call of a small-M GEMM: a decode step reads every layer's
 # weights from DRAM once, so each candidate is timed over enough distinct copies of the
-# weight to exceed the last-level cache (32 MiB on the machines measured), not on one copy
-# that stays cached.
+# weight to exceed the last-level cache, not on one copy that stays cached.
 _STREAM_BYTES = 64 * 2**20
 _STREAM_MAX_ROWS = 64  # from this many rows a GEMM is compute bound: one copy is timed
 
@@ -175,8 +156,7 @@ class _PdlabGemm:
 
 class _PdlabGemmHwpf(_PdlabGemm):
     """``_PdlabGemm`` without software prefetch of the next panel (``linear(prefetch=False)``):
-    the hardware prefetcher alone, which read a 1-row decode's weights 25% faster on an AMD
-    Zen 3 core and 4-16 rows 9-20% slower; the same results."""
+    the hardware prefetcher alone, faster on some CPUs for 1-row decodes; the same results."""
 
     name = "pdlab-hwpf"
     prefetch = False
@@ -527,7 +507,7 @@ class CpuOps(TorchOps):
         AVX2 or AVX-512 causal kernel, or torch's CPU flash kernel, where a later chunk is two
         flash calls, the prefix (unmasked) and the chunk's own causal diagonal, merged by their
         log-sum-exp (FlashDecoding's split-KV merge): SDPA with the lower-right bias took the
-        math path on CPU, materialising every score (benchmarks/README.md, issue 14)."""
+        math path on CPU, materialising every score."""
         name = kernel_choice.choice_for(self.chunk_choices, q4.shape[2], CHUNK_MAX_BUCKET,
                                         "flash")
         return self._chunk_kernel(name, q4, k4, v4, start, scale)

@@ -1,21 +1,12 @@
-"""The request vocabulary shared by every pdlab process (no torch).
+"""The request vocabulary shared by every pdlab process (no torch): ``SamplingParams`` and
+``Request`` (frozen, validated when built, they cross processes), the engine-side
+``RequestState`` counters, ``RequestStatus`` and ``TokenOutput``.
 
-A request's life, as counters (vLLM v1 style, not a prefill path and a decode path):
-
-1. ``Request`` is created (frozen, crosses processes) and validated: its ``SamplingParams``
-   check their own ranges; the engine checks prompt and context length against its model.
-2. The engine wraps it in a ``RequestState`` with ``status = WAITING`` and
-   ``num_computed_tokens = 0``. A request prefilled elsewhere (decode worker) starts as
-   ``WAITING_FOR_REMOTE_KVS`` with ``num_computed_tokens`` = prompt length and its first
-   token appended: the scheduler reserves its KV blocks, the worker fetches the KV into them,
-   and only then does it become RUNNING (vLLM v1's ``WAITING_FOR_REMOTE_KVS``).
-3. Each step the scheduler gives it some new tokens; the runner computes their KV;
-   ``num_computed_tokens`` grows. Once every known token is computed, a token is sampled and
-   appended to ``output_token_ids``.
-4. It stops on EOS, a stop token or ``max_tokens`` (the first token counts): status becomes
-   one of the FINISHED_* values, ordered after every live status, so ``is_finished`` is one
-   comparison.
-"""
+A request is counters, vLLM v1 style: ``num_computed_tokens`` grows as steps compute its
+tokens' KV; once every known token is computed a token is sampled and appended. A request
+prefilled elsewhere starts as ``WAITING_FOR_REMOTE_KVS`` with its prompt computed and first
+token appended. The FINISHED_* statuses sort after every live one, so ``is_finished`` is one
+comparison. The whole life across processes: docs/architecture.md, "A request's life"."""
 
 from __future__ import annotations
 
@@ -74,45 +65,34 @@ class SamplingParams:
 
     Attributes:
         max_tokens: output tokens to produce at most, the first token included (>= 1).
-        temperature: below ``GREEDY_BELOW_TEMPERATURE`` (1e-5, vLLM's ``_SAMPLING_EPS``)
-            means greedy (argmax): a smaller divisor adds nothing but float32 overflow
-            (1e-46 is 0 in float32, and logits / 0 is NaN); otherwise logits are divided by
-            it (>= 0).
-        top_k: keep the k most likely tokens; 0 turns the filter off; -1 (vLLM's other
-            spelling of off) is taken as 0 (>= -1).
-        top_p: keep the smallest set of tokens whose probability sums to at least top_p
-            (nucleus sampling, Holtzman et al. 2020); 1.0 turns it off (0 < top_p <= 1).
-            The most likely token always stays, so a top_p that rounds to 0 in float32
-            (1e-46) samples the argmax.
-        min_p: drop the tokens whose probability (after temperature) is below ``min_p``
-            times the most likely token's (Nguyen et al. 2024, "min-p sampling"; vLLM's
-            ``MinPLogitsProcessor``, transformers' ``MinPLogitsWarper``); applied after
-            temperature and before top-k / top-p, as vLLM; 0 turns it off (0 <= min_p <= 1).
-            Greedy rows ignore it (it never changes the argmax).
+        temperature: below ``GREEDY_BELOW_TEMPERATURE`` (vLLM's ``_SAMPLING_EPS``) means greedy
+            (argmax); otherwise logits are divided by it (>= 0).
+        top_k: keep the k most likely tokens; 0 (or vLLM's -1) turns it off (>= -1).
+        top_p: keep the smallest set of tokens whose probability reaches top_p (nucleus
+            sampling, Holtzman et al. 2020); 1.0 = off (0 < top_p <= 1). The most likely token
+            always stays.
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the
+            most likely one's (Nguyen et al. 2024; vLLM's ``MinPLogitsProcessor``), before top-k
+            and top-p; 0 = off (0 <= min_p <= 1). Greedy rows ignore it.
         seed: seed of this request's own ``torch.Generator``; None draws one at random.
         stop_token_ids: extra token ids that end the request (the token is kept in the output).
         ignore_eos: keep going past EOS (workloads that fix the output length use it).
-        min_tokens: output tokens (the first included) before which EOS and
-            ``stop_token_ids`` cannot be drawn: their logits are -inf until then (vLLM's
-            ``MinTokensLogitsProcessor``, which masks EOS even with ``ignore_eos``;
-            transformers' ``min_new_tokens``); 0 = off (0 <= min_tokens <= max_tokens).
-        repetition_penalty: the logit of every token already in the prompt or the output is
-            divided by it when positive and multiplied by it otherwise (Keskar et al. 2019,
-            CTRL; vLLM's and transformers' ``RepetitionPenaltyLogitsProcessor``'s
-            definition); 1.0 = off (> 0, finite).
-        presence_penalty: subtracted once from the logit of every token already in the
-            *output* (OpenAI's definition, as vLLM; prompt tokens do not count); 0 = off
+        min_tokens: output tokens (the first included) before which EOS and ``stop_token_ids``
+            get -inf logits (vLLM's ``MinTokensLogitsProcessor``, even with ``ignore_eos``);
+            0 = off (0 <= min_tokens <= max_tokens).
+        repetition_penalty: the logit of every token already in prompt or output is divided by
+            it when positive, multiplied otherwise (Keskar et al. 2019, CTRL; vLLM and
+            transformers); 1.0 = off (> 0, finite).
+        presence_penalty: subtracted once from the logit of every token already in the output
+            (OpenAI's definition, as vLLM; the prompt does not count); 0 = off ([-2, 2]).
+        frequency_penalty: subtracted once per occurrence in the output (OpenAI, vLLM); 0 = off
             ([-2, 2]).
-        frequency_penalty: subtracted from each token's logit once per occurrence in the
-            *output* (OpenAI, vLLM); 0 = off ([-2, 2]).
-        logprobs: return, with each output token, its log-probability and those of the
-            ``logprobs`` most likely tokens (0..``MAX_LOGPROBS`` = 20, as OpenAI's
-            ``top_logprobs``); None = off (rows without it pay nothing). Raw logprobs:
-            ``log_softmax`` of the model's logits before temperature / top-k / top-p.
+        logprobs: return with each output token its raw log-probability (``log_softmax`` before
+            any filter) and those of the ``logprobs`` most likely tokens (0..``MAX_LOGPROBS``,
+            OpenAI's ``top_logprobs``); None = off.
 
     Raises:
-        ValueError: a field is out of range; the message names the field and the range.
-    """
+        ValueError: a field is out of range; the message names the field and the range."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -220,20 +200,13 @@ class Request:
 class RequestState:
     """Engine-side counters for one request (mutable, never leaves its engine).
 
-    ``token_ids`` is prompt + outputs; the KV of ``token_ids[:num_computed_tokens]`` is in
-    the KV store, in the blocks ``block_ids`` (its block table, in token order; None while it
-    holds none). A request is decoding once every known token but the last sampled one is
-    computed (a preempted request recomputes its prompt and outputs first).
-
-    Prefix caching and preemption (``engine.scheduler``): ``block_hashes`` are the chained
-    hashes of its full blocks (``engine.kv_blocks``), grown with its tokens;
-    ``num_cached_blocks`` of its table are registered in the cache; ``num_cached_tokens``
-    is how many prompt tokens its first admission found cached (None before it; for a
-    request prefilled elsewhere: the prompt tokens its decode worker already held);
-    ``num_preemptions`` counts its preemptions here; ``num_reserved_tokens`` the tokens its
-    blocks were allocated for; ``kv_token_start`` the first prompt token whose KV a remote
-    request receives (the ones before it must be cached here).
-    """
+    ``token_ids`` is prompt + outputs; the KV of ``token_ids[:num_computed_tokens]`` is in the
+    blocks ``block_ids`` (its block table; None while it holds none). ``block_hashes`` are its
+    full blocks' chained hashes, ``num_cached_blocks`` of them registered in the prefix cache;
+    ``num_cached_tokens`` the prompt tokens its first admission found cached (None before);
+    ``num_preemptions`` its preemptions here; ``num_reserved_tokens`` the tokens its blocks
+    were allocated for; ``kv_token_start`` the first prompt token whose KV a remote request
+    receives (the ones before it must be cached here)."""
 
     __slots__ = (
         "request", "status", "token_ids", "num_computed_tokens", "block_ids",
@@ -310,19 +283,13 @@ class TokenOutput:
         index: 0 for the first output token, 1 for the second, ...
         time_s: ``time.time()`` when the step that produced it ended.
         finish_reason: set on the request's last token, else None.
-        first_scheduled_s: on the first token this engine produced for the request only:
-            ``time.time()`` when the engine first scheduled it (prefill started, or an
-            imported request joined the decode batch), else None.
-        logprob: the sampled token's raw log-probability (requests with
-            ``SamplingParams.logprobs`` set), else None.
-        top_logprobs: the ``logprobs`` most likely ``(token_id, logprob)`` pairs, most
-            likely first (empty when off or 0).
-        num_cached_tokens: on the first token this engine produced for the request only:
-            the prompt tokens its first admission found in this engine's prefix cache (a
-            request prefilled elsewhere: the prompt tokens this engine already held), else
-            None.
-        num_preemptions: times this engine preempted the request so far.
-    """
+        first_scheduled_s: on this engine's first token of the request only: ``time.time()``
+            when the engine first scheduled it, else None.
+        logprob: the sampled token's raw log-probability (``SamplingParams.logprobs`` set), else
+            None; top_logprobs: the most likely ``(token_id, logprob)`` pairs, most likely first.
+        num_cached_tokens: on this engine's first token of the request only: the prompt tokens
+            found in its prefix cache (held already, for a request prefilled elsewhere), else None.
+        num_preemptions: times this engine preempted the request so far."""
 
     request_id: str
     token_id: int

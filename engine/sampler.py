@@ -1,52 +1,28 @@
 """Logits -> token ids: min_tokens, penalties, greedy, temperature, min-p, top-k, top-p, each
 draw seeded by (seed, index).
 
-The order is vLLM v1's (``vllm/v1/sample/sampler.py``, 0.32.0): on float32 logits,
+The order is vLLM v1's (``vllm/v1/sample/sampler.py``), on float32 logits:
 
-1. **min_tokens**: while a request has fewer than ``min_tokens`` outputs, EOS and its
-   ``stop_token_ids`` get -inf (vLLM's ``MinTokensLogitsProcessor``);
-2. **penalties** (``vllm/model_executor/layers/utils.py`` ``apply_penalties``): repetition
-   over the tokens of prompt + output (a token's logit ``l`` becomes ``l / r`` if ``l > 0``
-   else ``l * r``: the division, as vLLM's CUDA kernel ``csrc/sampler.cu`` and transformers'
-   ``RepetitionPenaltyLogitsProcessor``, whose values it equals bit for bit; vLLM's CPU
-   fallback computes ``l * (1 / r)``, 1 ulp off for about 10% of penalized positive logits),
-   then ``l -= frequency * count_in_output`` and ``l -= presence * (count_in_output > 0)``
-   (OpenAI's definitions: output tokens only, the prompt does not count; the first output
-   token counts as output, wherever it was sampled);
-3. greedy rows take the argmax of that;
-4. sampled rows: divide by temperature, drop tokens under ``min_p`` times the top
-   probability, then top-k, then top-p on what is left (as transformers' logits warpers do;
-   the most likely token always survives top-p, so a top_p that is 0 in float32 samples the
-   argmax), then draw.
+1. min_tokens: while a request has fewer than ``min_tokens`` outputs, EOS and its
+   ``stop_token_ids`` get -inf;
+2. penalties (vLLM's ``apply_penalties``): repetition over prompt + output (``l / r`` if
+   ``l > 0`` else ``l * r``, equal bit for bit to vLLM's CUDA kernel and transformers), then
+   ``l -= frequency * count_in_output`` and ``l -= presence * (count_in_output > 0)``
+   (OpenAI's definitions: output tokens only);
+3. greedy rows take the argmax;
+4. sampled rows: temperature, min-p, top-k, then top-p (the most likely token always
+   survives), then one draw.
 
-**Only rows that ask pay.** Greedy rows without min_tokens or penalties are one batched
-argmax of the logits as they came; steps 1-2 copy and edit only the rows that need them, and
-min-p runs only on the rows that set it. The penalties read the request's token history
-(``histories``: prompt + outputs so far, which the engine already holds in
-``RequestState.token_ids``), rebuilt each step from that list: nothing is cached here, so the
-result is a function of the history alone.
+Only rows that ask pay: plain greedy rows are one batched argmax; steps 1-2 copy and edit
+only the rows that need them. The penalties read the request's history (prompt + outputs),
+nothing is cached here.
 
-**Placement invariance.** Output token ``i`` of a request with seed ``s`` is drawn with a
-fresh ``torch.Generator`` seeded ``draw_seed(s, i)`` (a SplitMix64 mix of the two): the
-draw depends on the seed, the token index and the logits alone, never on which process drew
-the earlier tokens or what the request was batched with. So a request whose first token
-is sampled on a prefill worker and the rest on a decode worker gets exactly the tokens of a
-colocated run (no generator state crosses processes, nothing is replayed). An unseeded
-request gets a random base seed once per engine (placement invariance needs a seed). The
-penalties and min_tokens keep this: they depend on the history, and a decode worker holds the
-same history as a colocated engine (the prompt, the first token sampled by the prefill
-worker, its own outputs).
-
-**Isolation.** A sampled row whose probabilities are not finite (NaN or inf logits) fails
-alone: ``sample_rows`` reports it in its error map and the engine fails that request; its
-step-mates, greedy or sampled, keep their tokens.
-
-**Logprobs.** ``logprobs`` returns, for the rows that asked (``SamplingParams.logprobs``),
-the raw log-probabilities: ``log_softmax`` of the model's logits in float32, *before*
-temperature, top-k and top-p, and before min_tokens and the penalties (vLLM's default
-``logprobs_mode="raw_logprobs"``), so they do not depend on how the token was picked. Other
-rows cost nothing.
-"""
+Placement invariance: output token ``i`` of a request with seed ``s`` is drawn from a fresh
+generator seeded ``draw_seed(s, i)``, so a request sampled partly on a prefill worker and
+partly on a decode worker gets the tokens of a colocated run. An unseeded request gets a
+random base seed once per engine. A row with non-finite probabilities fails alone
+(``sample_rows``' error map). ``logprobs`` are the raw ``log_softmax`` of the model's logits,
+before any edit or filter (vLLM's ``raw_logprobs``)."""
 
 from __future__ import annotations
 

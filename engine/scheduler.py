@@ -1,57 +1,28 @@
-"""Which tokens of which requests run in the next step, and which KV blocks hold them (no
-torch).
+"""Which tokens of which requests run in the next step, and which KV blocks hold them (no torch).
 
-A step, as the scheduler sees it:
-
-1. Running decodes go first, one token each (their latency is what interference hurts).
+1. Running decodes go first, one token each.
 2. Running requests with more than one token left get the next chunk: prompts part-way
-   through (chunked prefill), and preempted requests recomputing prompt + outputs.
+   through (chunked prefill) and preempted requests recomputing prompt + outputs.
 3. Unless this step preempted a request (vLLM v1's rule), waiting requests are admitted in
-   arrival order while ``max_num_seqs`` and the KV blocks allow and the token budget lasts.
-   An admitted prompt first looks its full blocks up in the prefix cache
-   (``engine.kv_blocks``): the cached ones are shared, not recomputed, so it starts at
-   ``num_computed_tokens`` = the cached prefix, always leaving its last token to compute
-   (a full hit still runs one token for its logits, as vLLM does). A request prefilled
-   elsewhere (``WAITING_FOR_REMOTE_KVS``, decode worker) only needs blocks: it gets blocks
-   for its prompt + 1 (the first token's KV, computed by its first decode step), sharing
-   the prompt blocks this worker already caches, moves to ``receiving`` and is listed in
-   ``batch.kv_reserved`` so its worker starts fetching the KV into the blocks it lacks; it
-   runs no compute this step. When the fetch completes, ``kv_arrived`` makes it RUNNING
-   and it joins the next step as a decode. (vLLM v1's WAITING_FOR_REMOTE_KVS, SGLang's
-   pre-allocation queue: nothing is fetched before there is room for it.)
-4. ``update`` applies the sampled tokens: counters advance, stop conditions are checked,
-   finished requests give back their blocks (full ones stay cached until evicted).
+   arrival order while ``max_num_seqs``, the KV blocks and the token budget allow. A prompt
+   first shares its cached full blocks (``engine.kv_blocks``), always leaving its last token
+   to compute. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``) only reserves
+   blocks for prompt + 1, is listed in ``batch.kv_reserved`` for its worker to fetch into,
+   and becomes RUNNING at ``kv_arrived``: nothing is fetched before there is room for it.
+4. ``update`` applies the sampled tokens, checks stop conditions and frees finished
+   requests' blocks (full ones stay cached until evicted).
 
-KV blocks (``EngineConfig.kv_reservation``):
+``EngineConfig.kv_reservation``: ``on_demand`` (vLLM v1, default) allocates blocks as tokens
+are scheduled and, with none free, preempts the newest running request (freed, requeued at
+the front, recomputed later); a PREFILLED or ``receiving`` request is never preempted, and
+``add`` refuses a request that could not fit alone. ``full`` reserves prompt + max_tokens at
+admission and never preempts.
 
-- ``on_demand`` (vLLM v1, the default): a request gets blocks as its tokens are scheduled.
-  When a running request needs a block and none is free, the newest running request is
-  preempted (vLLM v1's FCFS victim, ``running[-1]``): its blocks are freed (full ones stay
-  cached), it goes back to the front of ``waiting`` with ``num_computed_tokens = 0`` and
-  later recomputes prompt + outputs (from whatever of it is still cached), and its
-  ``num_preemptions`` grows. If it was already scheduled this step it is taken out of the
-  batch. Never preempted: a PREFILLED request (prefill worker: its KV awaits export, so it
-  cannot lose it between its last prompt chunk and the put) and a ``receiving`` one (its
-  fetch is in flight). A request whose prompt + max_tokens exceeds the whole cache is
-  refused by ``add``, so a request alone always fits.
-- ``full``: a request gets the blocks for ``RequestState.max_total_tokens`` (prompt +
-  max_tokens; prompt + 1 for a prefill-only request) at admission, minus its cached
-  prefix, and is never preempted: blocks for output it may never produce are held until
-  it ends.
-
-KV ownership: a block's reference count is the number of block tables listing it; every
-held block is freed exactly once, by ``release`` or a preemption. A block is registered in
-the prefix cache when it is allocated for tokens this step computes (vLLM's
-``cache_blocks``), so a later request admitted in the same step may share it (the runner
-writes every new token's K/V of a layer before any attention of that layer reads it); if
-the step fails, ``step_failed`` unregisters those blocks, and a preempted request's blocks
-its unrun step was to compute are unregistered too, so a cached block always holds the KV
-its hash names. A remote reservation shares only blocks computed before this step.
-
-With chunked prefill on, a prompt takes what is left of the budget (Sarathi-Serve); off, a
-prompt runs whole or waits for a step with room for it (no chunking, vLLM v1 style mixing);
-only a recompute longer than the whole budget is chunked (it could never run otherwise).
-"""
+A block's reference count is the number of block tables listing it; each held block is freed
+once. Blocks are registered in the prefix cache as they are allocated for this step's tokens;
+``step_failed`` unregisters them, so a cached block always holds the KV its hash names.
+Chunked prefill gives a prompt what is left of the budget (Sarathi-Serve); off, it runs whole
+(only a recompute longer than the whole budget is chunked)."""
 
 from __future__ import annotations
 

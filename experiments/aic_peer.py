@@ -1,32 +1,24 @@
 """A peer for ``pdlab map``: NVIDIA AIConfigurator's own aggregated-vs-disaggregated
-recommendation at the same SLOs, beside the map's winner (issue 27).
+recommendation at the same SLOs, beside the map's winner.
 
-AIConfigurator (``aiconfigurator cli default``; here its Python API ``cli_default``, version
-0.12.0, CPU only) searches agg and disagg configurations of ``total_gpus`` GPUs of one
-system on its silicon database and picks the mode with the most tokens/s per GPU that meets
-TTFT and TPOT. It has no KV-transfer term (issue 27). pdlab's map answers the same
-question per cell with its simulator and a transfer model.
+AIConfigurator (``cli_default``, CPU only) searches agg and disagg configurations of
+``total_gpus`` GPUs on its silicon database and picks the mode with the most tokens/s per GPU
+that meets TTFT and TPOT; it has no KV-transfer term, which pdlab's map has.
 
-1. ``aic_verdict``: one ``cli_default`` call (17-75 s on the 2-core shared Zen 4) for
-   a cell's SLO and a request of ``isl`` prompt / ``osl`` output tokens; ``verdict_of`` reads
-   its result (``"agg"`` or ``"disagg"``, both modes' tokens/s per GPU and rank-1
-   configuration, ``config_of``).
-2. ``map_mode``: the map's winner family as AIConfigurator's mode (colocated and colocated
-   chunked -> agg; disagg and conditional -> disagg; "none" / "no clear winner" -> None).
-3. ``peer_rows``: per checked cell the two answers and whether they agree (None where the
-   map has no clear winner: nothing to agree with); with the same map rerun with the
-   transfer set to zero (``zero_transfer_cells``), its verdict and ``transfer_explains``:
-   whether the transfer term explains a disagreement (the zero-transfer map agrees with
-   AIConfigurator where the map itself does not).
-4. ``disagreement_lines``: one printed line per disagreement with that answer.
+1. ``aic_verdict``: one ``cli_default`` call (tens of seconds) for a cell's SLO and a request
+   of ``isl`` / ``osl`` tokens; ``verdict_of`` reads its mode, both modes' tokens/s per GPU
+   and rank-1 configuration (``config_of``).
+2. ``map_mode``: the map's winner family as a mode (colocated -> agg; disagg and conditional
+   -> disagg; "none" / "no clear winner" -> None).
+3. ``peer_rows``: per checked cell both answers and whether they agree; with a zero-transfer
+   map (``zero_transfer_cells``), ``transfer_explains``: whether the transfer term explains a
+   disagreement.
+4. ``disagreement_lines``: one printed line per disagreement.
 
 ``python -m experiments.aic_peer --map-dir results/map-x --system h100_sxm --model
 engine/configs/llama-3.1-8b --devices 4 --cells 2 --zero-transfer-map-dir results/map-x0``
-checks ``--cells`` of the map's cells (in ``slo_map.pick_cells``' order, the cells with a
-clear winner first) and writes aic_peer.csv in ``--map-dir``. ``results/map-x0`` is the same
-``pdlab map`` command with ``--transfer-latency-s 0 --transfer-bandwidth-gbps 1e9`` added
-(map.csv does not record the transfer model, so that is the caller's word).
-"""
+writes aic_peer.csv in ``--map-dir``; ``map-x0`` is the same ``pdlab map`` command with
+``--transfer-latency-s 0 --transfer-bandwidth-gbps 1e9`` (map.csv does not record it)."""
 
 from __future__ import annotations
 

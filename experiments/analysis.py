@@ -1,31 +1,23 @@
 """Tables and verdicts from the records of a placement comparison (no torch).
 
-``pdlab compare`` runs several placements on the same devices and workload at one or more
-arrival rates, each ``(placement, rate)`` point repeated with several seeds (each seed draws
-its own workload and arrival times). From the routers' ``RequestRecord``s this module builds:
+``pdlab compare`` runs placements on the same devices and workload at one or more arrival
+rates, each ``(placement, rate)`` point with several seeds. From the ``RequestRecord``s:
 
-- ``seed_table``: one row per ``(placement, rate, seed)`` run, from
-  ``engine.metrics.summarize`` (no metric is defined here a second time).
-- ``summary_table``: one row per ``(placement, rate)``: for each of ``CI_METRICS`` the mean
-  over seeds and a 95% bootstrap confidence interval (``bootstrap`` below), then the seed
-  means of ``EXTRA_COLUMNS``.
-- ``goodput_table``: DistServe goodput per device for each placement, with its interval.
-- ``latency_breakdown``: per placement, the mean seconds a request spends in each stage.
-- ``transfer_efficiency``: per placement, its KV transfers against the link peak measured
-  when it started (issue 29).
-- ``verdict``: which placement wins where the intervals separate, and why, in numbers.
-- ``requests_frame``: one row per request with its metrics, for plots.
+- ``seed_table``: one row per run, from ``engine.metrics.summarize`` (no metric defined twice);
+- ``summary_table``: per point, the mean over seeds and a 95% bootstrap interval of each of
+  ``CI_METRICS``, then the seed means of ``EXTRA_COLUMNS``;
+- ``goodput_table``: DistServe goodput per device, with its interval;
+- ``latency_breakdown``: the mean seconds a request spends in each stage;
+- ``transfer_efficiency``: KV transfers against the link peak measured at start;
+- ``verdict``: which placement wins where the intervals separate, and why, in numbers;
+- ``requests_frame``: one row per request, for plots.
 
-The bootstrap (hierarchical, percentile): the estimator of a point is the mean over its
-seeds of the per-seed metric. One replicate draws the seeds with replacement and, inside each
-drawn seed, its requests with replacement, recomputes the per-seed metric on the drawn
-requests (duration fixed) and averages; the interval is the 2.5th-97.5th percentile of
-``num_boot`` replicates (numpy, fixed generator seed: the same records give the same
-interval). Resampling requests as well as seeds keeps the interval honest with only 2
-seeds, where a seed-only bootstrap has just three distinct means.
+The bootstrap is hierarchical and percentile: a replicate draws seeds with replacement and,
+inside each, requests with replacement, recomputes each seed's metric (duration fixed) and
+averages; the interval is the 2.5th-97.5th percentile of ``num_boot`` replicates (fixed
+generator seed). Resampling requests keeps the interval honest with only 2 seeds.
 
-All times are seconds; a value whose events are missing is NaN, never 0.
-"""
+All times are seconds; a value whose events are missing is NaN, never 0."""
 
 from __future__ import annotations
 
@@ -353,17 +345,12 @@ def latency_breakdown(records: Sequence[RequestRecord] | Mapping[str, Sequence[R
     Stages: prefill queue (``prefill_started - prefill_queued``, or ``- arrived``), prefill
     (``prefill_finished - prefill_started``), transfer (``kv_got - kv_put``, else
     ``record.kv_transfer_s``), decode queue (``decode_admitted - kv_got``), decode (last token
-    - first token; under disaggregation last token - ``decode_admitted`` when stamped, since
-    the first token comes from the prefill worker and the hand-off before decode_admitted is
-    already in transfer and decode queue: the stages stack without double counting). For
-    colocated placements transfer and decode queue are 0 by definition.
-    A stage whose events are missing on a request is NaN for it; the mean skips NaNs and is
-    NaN when no request has the stage. The stages need not sum to E2E (gaps between events,
-    e.g. ``prefill_finished`` -> ``kv_put``, are not shown).
+    - first token, or under disaggregation - ``decode_admitted`` when stamped, so stages never
+    count twice). Colocated placements have transfer and decode queue 0. A stage whose events
+    are missing is NaN for that request; the mean skips NaNs. Stages need not sum to E2E.
 
-    ``records`` is a flat list (grouped by ``record.placement``, first-seen order) or a
-    mapping placement -> records. Columns: placement, num_requests (completed), the stages.
-    """
+    ``records``: a flat list (grouped by ``record.placement``, first-seen order) or a mapping
+    placement -> records. Columns: placement, num_requests (completed), the stages."""
     if isinstance(records, Mapping):
         groups = {p: list(rs) for p, rs in records.items()}
     else:
@@ -498,16 +485,11 @@ def goodput_points(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str
 def goodput_table(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str, int],
                   target: float = ATTAINMENT_TARGET, num_boot: int = NUM_BOOT,
                   rng_seed: int = 1) -> pd.DataFrame:
-    """DistServe goodput per device for each placement, with a 95% bootstrap interval.
-
-    Goodput: the highest swept rate whose SLO attainment is >= ``target`` **and** every
-    lower swept rate also met it, divided by the placement's devices (DistServe §2;
-    ``engine.metrics.goodput_rate``). A seed is one sweep (the same seed at every rate);
-    ``goodput_per_device_req_s`` is the mean over seeds of each sweep's goodput
-    (``goodput_points``), the interval the hierarchical bootstrap of the module docstring
-    (seeds drawn, requests drawn inside each run, the drawn sweeps' goodputs averaged).
-    Columns: placement, num_devices, num_seeds, goodput_per_device_req_s, _ci_lo, _ci_hi.
-    """
+    """DistServe goodput per device for each placement (``engine.metrics.goodput_rate``), with a
+    95% bootstrap interval. A seed is one sweep; ``goodput_per_device_req_s`` is the mean over
+    seeds of each sweep's goodput (``goodput_points``), the interval the module's hierarchical
+    bootstrap. Columns: placement, num_devices, num_seeds, goodput_per_device_req_s, _ci_lo,
+    _ci_hi."""
     runs = [as_run(r) for r in runs]
     rng = np.random.default_rng(rng_seed)
     boots = _within_seed(runs, slo, num_boot, rng)
@@ -619,15 +601,12 @@ def _rate_verdict(at: pd.DataFrame, rate: float) -> list[str]:
 def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = None) -> str:
     """Which placement wins, and why, from ``summary_table`` (intervals included).
 
-    Per rate that every placement ran: a placement wins only if its SLO-attainment interval
-    lies entirely above every other's (DistServe's metric decides); otherwise "no clear
-    winner at this rate", naming the metric of ``CI_METRICS`` whose intervals come closest to
-    separating (smallest ``overlap_fraction``), or those whose intervals do separate. Then, at the highest
-    common rate: TPOT p99 colocated / disagg (interference removed or not), the KV transfer's
-    full cost (put + get p50) against prefill p50, TTFT p99 of both; the load generator's
-    worst dispatch-lag p99; and, given ``goodput`` (``goodput_table``), goodput per device
-    with intervals.
-    """
+    Per rate every placement ran: a placement wins only if its SLO-attainment interval lies
+    entirely above every other's; otherwise "no clear winner at this rate", naming the metric of
+    ``CI_METRICS`` closest to separating (smallest ``overlap_fraction``), or those that do. Then,
+    at the highest common rate: TPOT p99 colocated / disagg, the KV transfer's cost (put + get
+    p50) against prefill p50, TTFT p99 of both; the worst dispatch-lag p99; and, given
+    ``goodput`` (``goodput_table``), goodput per device with intervals."""
     if summary_df.empty:
         return "No runs to compare."
     df = summary_df.copy()

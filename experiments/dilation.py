@@ -1,4 +1,4 @@
-"""Time dilation of emulated devices (``--emu-time-scale S``, issue 25).
+"""Time dilation of emulated devices (``--emu-time-scale S``).
 
 On emulated devices (``engine.emulated``) the step times are known exactly; what is not is
 the host's own cost: the router, Ray calls, the transports and the engine's Python, which on

@@ -14,7 +14,7 @@ The estimate (simple, and optimistic: queueing on the other path is ignored):
    - remote (it prefilled locally): the median decode-only step of the decode workers
      (steps without prompt tokens: no prefill stalls it) plus its KV transfer, spread over
      its output gaps (``transfer s per prompt token`` of the run's remote requests x P /
-     (n_out - 1); the transfer shows in the first gap, DESIGN §6);
+     (n_out - 1); the transfer shows in the first gap);
    - local (it prefilled remotely): the mean step of the decode workers, prefill steps
      included (what a request decoding beside local prefills sees on average).
 4. ``other_met_slo`` = TTFT and TPOT estimates within the SLO (DistServe's both-SLO rule);

@@ -1,35 +1,21 @@
 """``pdlab map --validate K``: the map's own check against real runs.
 
-1. The cells to check come from ``planner.slo_map.pick_cells`` (corners and cells beside a
-   boundary). Per ratio that has one, every candidate of the map runs for real
-   (``experiments.replay.run_placement``, the path ``pdlab plan --validate`` uses) at the
-   validation rates on the ratio's workload (fewer requests than the map simulated), and
-   again ``num_reruns`` times after the first pass over all candidates. On emulated
-   devices (``pdlab map --validate-on emu``) each run also keeps its steps' lateness p99
-   (actual ÷ modelled step time, ``engine.emulated.lateness_p99``): how well this host
-   kept the emulated device's time (``lateness_line``).
-2. A real run does not depend on the SLO either, so every checked cell of a ratio is
-   scored from the same real requests, as the map scores its simulated ones
-   (``search.request_latencies``, ``slo_map.goodput_grid``): per pass the measured goodput
-   per device of every candidate at the cell's SLO; the measured goodput is the mean over
-   passes.
-3. Per cell, ``planner.decision.decide`` of the map's goodputs against the measured ones:
-   the mapped winner against the measured first, regret, Kendall tau, and whether the
-   families agree. Where the map named its winner's same-schedule twin as one answer
-   (``slo_map.cells``' ``same_schedule_as``: colocated:N and colocated-nochunk:N tied, every
-   prompt within the chunk budget), the two are scored as that one answer
-   (``one_schedule``): one placement "A / B" whose measured goodput is the mean of the two
-   runs, as two samples of one schedule, like the mean over passes. A disagreement lies
-   inside the machine's rerun noise when, in at least one pass, the mapped winner was
-   measured first (tied included): the machine itself cannot tell the two apart (None
-   without reruns: nothing to judge it by).
+1. Cells come from ``planner.slo_map.pick_cells``. Per ratio with one, every candidate runs for
+   real (``experiments.replay.run_placement``) at the validation rates, and again
+   ``num_reruns`` times after the first pass. On emulated devices each run keeps its steps'
+   lateness p99 (``engine.emulated.lateness_p99``, ``lateness_line``).
+2. A real run does not depend on the SLO, so every checked cell of a ratio is scored from the
+   same real requests (``search.request_latencies``, ``slo_map.goodput_grid``); the measured
+   goodput is the mean over passes.
+3. Per cell, ``planner.decision.decide`` of mapped against measured goodputs: winner, regret,
+   Kendall tau, family agreement. A same-schedule twin pair (``same_schedule_as``) is scored
+   as one answer (``one_schedule``: the mean of the two). A disagreement is within the
+   machine's noise when in at least one pass the mapped winner was measured first (None
+   without reruns).
 
-``contenders`` is ``pdlab map --validate-placements contenders``: per checked cell only each
-family's best mapped placement (and the winner's same-schedule twin) runs for real, not
-every candidate. It checks the map's family verdict at a fraction of the runs (an 8-device
-map has 58 placements); a placement the map ranked below its family's best is not run, so
-a measured best hiding there is not seen.
-"""
+``contenders`` (``--validate-placements contenders``) runs only each family's best mapped
+placement per cell (and the winner's twin): the family verdict at a fraction of the runs,
+blind to a measured best the map ranked lower in its family."""
 
 from __future__ import annotations
 

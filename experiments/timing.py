@@ -116,7 +116,7 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
     """Time several measurements in rounds instead of one after another.
 
     ``measure`` runs a point's warm-up and repeats back to back, so a machine whose speed
-    drifts within minutes (a shared VM: 13% within a minute, issue 12) gives the points
+    drifts within minutes (a shared VM) gives the points
     measured in a fast minute a faster time than the rest, and a model fitted on several
     sweeps measured minutes apart (prefill, then decode) inherits that. Here every round
     runs each point once, in an order shuffled per round (``random.Random(seed)``); the

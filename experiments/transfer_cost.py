@@ -4,39 +4,22 @@ transfer models ``pdlab profile`` fits on it).
 For each prompt length T:
 
 1. Prefill seconds: the engine step that prefills T tokens whole (``measure.time_prefill``).
-2. The prompt's real KV: a prefill-only request is run and its KV exported
-   (``Engine.export_kv``, ``[L, 2, H_kv, T, D]``); its bytes must equal ``kv_spec.kv_bytes(T)``
-   and ``2 * layers * kv_heads * head_dim * T * itemsize`` (else the run stops with an error).
+2. The prompt's real KV (``Engine.export_kv``, ``[L, 2, H_kv, T, D]``); its bytes must equal
+   ``kv_spec.kv_bytes(T)`` = ``2 * layers * kv_heads * head_dim * T * itemsize``, else an error.
 3. memcpy floor: ``dst.copy_(kv)`` into a preallocated tensor of the same bytes.
-4. Each transport moves that KV, **whole** (one put + one get) and **layer-wise** (one put per
-   range of ``layers_per_chunk`` layers, then one get per range; seconds of all chunks
-   together). A run is put + get (free is untimed). Where the two sides run:
-   - ``inprocess``: put and get in this process;
-   - ``ray``: put and get in this (driver) process through the local shared-memory object
-     store (no actor: actors are created only by ``experiments/placement.py``); objects under
-     Ray's 100 KiB inline limit never touch the store;
-   - ``torchdist``: gloo between two spawned processes on this host; the sender's put_s plus
-     the receiver's get_s (measured in each process; the handle crosses a queue, untimed).
-5. Ratios: transfer / prefill and transfer / memcpy.
-6. Efficiency (issue 29): transfer GB/s over the link peak a one-node deployment measures
-   when it starts (``kv_transfer.link.memcpy_peak``: one 32 MiB copy; the same peak every
-   run's ``TransferRecord.efficiency`` uses), so this table and a run's records compare.
+4. Each transport moves it whole (one put + one get) and layer-wise (per ``layers_per_chunk``
+   layers); a run is put + get. ``inprocess`` and ``ray`` (the driver's object store) run in
+   this process; ``torchdist`` between two spawned gloo processes (sender's put_s plus
+   receiver's get_s).
+5. Ratios: transfer / prefill and transfer / memcpy; efficiency: GB/s over the link peak
+   (``kv_transfer.link.memcpy_peak``, the peak every ``TransferRecord.efficiency`` uses).
 
-Every time is ``experiments.timing``'s estimator: min of N runs after 1 warm-up, the median
-beside it.
+Times: ``experiments.timing``'s min of N runs after 1 warm-up, the median beside it.
 
-On an emulated device (``emulation``, ``engine.emulated``) the table compares this host's
-transports with the emulated GPU's prefill:
-
-- prefill seconds are the device profile's, the ones the emulated runner holds the prefill
-  step for (``measure.modelled_prefill``);
-- the KV is the emulated model's geometry, exported from an emulated engine, scaled by
-  ``kv_scale`` < 1 (``Emulation.scaled_spec``), and checked against the byte formula of
-  that scaled geometry; ``true_kv_bytes`` keeps the unscaled bytes;
-- it moves for real through this host's transports (CPU tensors);
-- ``modelled_transfer_s``: the profile's transfer model of that transport (its link, e.g.
-  NVLink) at ``true_kv_bytes``, NaN where the profile has none; ``emulated`` is True.
-"""
+On an emulated device (``emulation``) prefill seconds are the profile's
+(``measure.modelled_prefill``), the KV is the emulated geometry scaled by ``kv_scale``
+(``true_kv_bytes`` unscaled), it moves for real through this host's transports, and
+``modelled_transfer_s`` is the profile's transfer model at ``true_kv_bytes`` (NaN without one)."""
 
 from __future__ import annotations
 

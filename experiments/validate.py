@@ -1,54 +1,26 @@
 """``pdlab plan --validate``: the simulator's own error against real runs, every time.
 
-A validation:
-
-1. The same requests (``build_workload``, seeds ``seed ..``) run for real through
-   ``run_placement`` (deployed workers, the router, the transport) at each rate, and
-   through the simulator (``search.simulate_runs``) with the same arrival times.
-2. Both are written as results directories by ``write_results``: ``measured/``
-   (its attainment plot overlays the simulated curve, dashed) and ``simulated/`` (its
-   config row marked ``simulated: true``), so every report and plot reads both.
-3. Per (placement, rate), from the two summary tables (means over seeds):
-   ``attainment_err_points`` = 100 x (simulated - measured) SLO attainment, and the
-   relative error (simulated - measured) / measured of TTFT p50/p99 and TPOT p50/p99.
-   Written to validation.csv; ``validation_summary`` gives the mean absolute attainment
-   error (points) and the mean |relative error| per latency, and which placement each side
-   ranks first by goodput per device (DistServe's, ``analysis.goodput_per_device``).
-   Per point also ``num_requests`` and ``num_flipped``: the requests whose SLO outcome
-   differs between a real request and its simulated twin (the same request: same seed,
-   same position in the workload). |attainment error| <= num_flipped / num_requests, and
-   one request is ``100 / num_requests`` points: the figure's resolution (the summary
-   names it; 24 requests cannot show an error below 4.2 points except 0).
-4. The step speed of each real run: every real step's recorded batch
-   (``diagnose.step_table``) has the step model evaluated on it; the median of
-   measured ÷ modelled seconds is the run's ``step_factor`` (NVIDIA Dynamo's SLA planner
-   corrects its profile the same way, observed ÷ expected). A machine busier (or
-   quieter) than when it was profiled shows here, run by run (it drifts within minutes on
-   a shared host). The simulation is repeated with each run's steps scaled by its own
-   factor and its errors written to validation_corrected.csv: what is left is the model's
-   error, not the machine's drift. validation_steps.csv holds every real step.
-5. Drift replay (``drift``): a run's factor is one number, but the machine's speed changes
-   within the run. From each real run's steps, a piecewise-constant speed trace
-   (median measured ÷ modelled per 5 s window, per worker; validation_speed_trace.csv), and
-   the run simulated again with every step scaled by the trace at its simulated start.
-   validation.csv gets ``REPLAY_COLUMNS`` beside the open-loop ones, validation_replay.csv
-   the full table. The open-loop error is the planner's predictive error on this machine;
-   the replay's is the simulator's own (the machine's measured speed given to it): what
-   DistServe's "< 2 points" is about. The replay is no prediction: it uses the run's own
-   step times.
-6. With ``speed_spread`` S > 0 (``band``): the twins again with every step (1 + S) and
-   (1 - S) times the model: per point ``BAND_COLUMNS`` (the simulated attainment at each
-   end and whether the measured one lies between), and the ranking check within the band:
-   the planner's first is accepted when it is the real first, or when its goodput band
-   reaches the real first's (the planner could not have told them apart at ±S).
-7. Reruns (``num_reruns`` N > 0): every point run again for real N times, after the
-   first pass over all placements, on the same requests and arrival times, and scored
-   against the first run as the simulation is (the error table with the rerun in place of the
-   simulated twin): ``RERUN_COLUMNS`` in validation.csv (means over the
-   reruns), validation_reruns.csv per rerun, ``measured_rerun<k>/``. The machine's own
-   run-to-run difference is the floor under any simulator's error on it: a simulator
-   whose error matches it is as good as the machine can show.
-"""
+1. The same requests run for real (``run_placement``) at each rate and through the simulator
+   (``search.simulate_runs``) with the same arrival times; both are written as results
+   directories, ``measured/`` and ``simulated/``.
+2. Per (placement, rate), from the means over seeds: ``attainment_err_points`` = 100 x
+   (simulated - measured) SLO attainment and the relative errors of TTFT and TPOT p50/p99
+   (validation.csv); ``validation_summary`` adds the mean errors and each side's first
+   placement by goodput per device. ``num_flipped`` counts requests whose SLO outcome differs
+   from their simulated twin's; one request is ``100 / num_requests`` points of resolution.
+3. Step speed: each real run's ``step_factor`` is the median measured / modelled step time
+   (as Dynamo's SLA planner corrects its profile); the simulation rerun with it is
+   validation_corrected.csv: the model's error without the machine's drift.
+4. Drift replay (``drift``): a per-worker speed trace of 5 s windows
+   (validation_speed_trace.csv) scales each simulated step at its start; ``REPLAY_COLUMNS``
+   and validation_replay.csv are the simulator's own error given the measured speed (no
+   prediction).
+5. Band (``speed_spread`` S > 0): the twins at (1 + S) and (1 - S) times the model
+   (``BAND_COLUMNS``); the planner's first is accepted when it is the real first or its
+   goodput band reaches the real first's.
+6. Reruns (``num_reruns`` N): each point run again for real and scored against the first run
+   (``RERUN_COLUMNS``, validation_reruns.csv, ``measured_rerun<k>/``): the machine's own
+   run-to-run difference, the floor under any simulator's error on it."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The small SLO map that a ``pdlab run`` / ``pdlab compare`` report carries for its own
-workload (issue 27): around the run's own SLO, where the planner says each placement
+workload: around the run's own SLO, where the planner says each placement
 family wins on the run's devices. The map itself is ``planner.slo_map``'s (its one owner;
 ``pdlab map`` draws the big one); this module only feeds it the run.
 

@@ -38,30 +38,20 @@ PATH = r"[\w./~+-][\w./~+ -]*"  # a file path (no shell metacharacters)
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """What to replay: dataset, size, lengths, and the arrival process (DESIGN §6).
+    """What to replay: dataset, size, lengths, and the arrival process; each field's ``help`` and
+    bounds are its CLI option's.
 
     Attributes:
-        dataset: ``sharegpt``, ``humaneval`` or ``synthetic``.
-        num_requests: requests per (placement, rate, seed) run.
-        seed: the first workload and arrival seed (the same for every placement).
-        seeds: repeats of every (placement, rate): seeds ``seed .. seed + seeds - 1``, each
-            drawing its own requests and arrival times.
+        dataset: one of ``DATASETS``; num_requests: requests per (placement, rate, seed) run
+            (``multiturn``: conversations; ``mooncake``: the trace's first lines).
+        seed, seeds: seeds ``seed .. seed + seeds - 1``, each drawing its own requests and
+            arrival times, the same for every placement.
         arrival: ``poisson``, ``gamma`` or ``burst``; burstiness: Gamma shape (1 = Poisson).
-        min_prompt_len, max_prompt_len: ShareGPT prompt-length filter in tokens (the default
-            keeps prompts long enough that a prefill visibly stalls colocated decodes).
-        max_output_len: ShareGPT/HumanEval output cap in tokens.
-        calibrate: pick the rates from a short calibration (``calibrated_rates``) instead
-            of the given ones.
+        min_prompt_len, max_prompt_len, max_output_len: ShareGPT/HumanEval filters (tokens).
+        calibrate: pick the rates from a short calibration (``calibrated_rates``).
         prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
-        num_prefixes, prefix_len, suffix_len: ``prefix_repetition``: system prompts, their
-            length and each question's length (tokens); outputs are ``max_output_len``.
-        max_turns, think_time_s: ``multiturn``: turns kept per conversation (2 or more)
-            and the mean think time (s, exponential; 0: none); ``num_requests`` counts
-            conversations, ``max_output_len`` caps each answer.
-        trace, trace_block_tokens, trace_time_scale_s: ``mooncake``: the trace file
-            (``num_requests``: its first lines), tokens per hash id, seconds per
-            timestamp unit (Mooncake's milliseconds: 0.001).
-    """
+        think_time_s: ``multiturn``'s mean think time (seconds, exponential; 0: none).
+        trace_time_scale_s: ``mooncake``: seconds per timestamp unit (Mooncake's ms: 0.001)."""
 
     dataset: str = field(default="sharegpt", metadata={"choices": DATASETS})
     num_requests: int = field(default=24, metadata={"help": "requests per rate", "min": 1})

@@ -1,28 +1,15 @@
 """Workloads: which prompts, how many output tokens, and when each request arrives.
 
-1. A source (``sharegpt``, ``humaneval``, ``synthetic``, ``prefix_repetition``) draws
-   ``num_requests`` seeded ``WorkloadRequest``s: prompt token ids (chat template applied)
-   and the output length to ask for (run them with ``SamplingParams(max_tokens=output_len,
-   ignore_eos=True)``).
-2. ``with_arrivals`` stamps each with an arrival offset (seconds from the start of the run)
-   drawn by ``arrival_times`` (vLLM ``benchmarks/benchmark_serving.py`` semantics).
+- Single requests: ``sharegpt``, ``humaneval``, ``synthetic`` and ``prefix_repetition`` draw
+  seeded ``WorkloadRequest``s (prompt token ids, chat template applied, and the output length
+  to run with ``max_tokens=output_len, ignore_eos=True``); ``with_arrivals`` stamps arrival
+  offsets from ``arrival_times`` (vLLM's ``benchmark_serving.py`` semantics).
+- ``mooncake_trace`` replays a Mooncake-format trace at its own timestamps, equal hash ids
+  giving equal prompt tokens (so prefixes are shared where the traced requests shared them).
+- ``sharegpt_conversations`` draws multi-turn ``Conversation``s, released turn by turn by
+  ``ConversationReplay``; ``with_conversation_arrivals`` spaces their first turns.
 
-Two sources carry their own timing instead:
-
-- ``mooncake_trace`` replays a Mooncake-format trace (JSON lines with ``timestamp``,
-  ``input_length``, ``output_length``, ``hash_ids``): arrival offsets from the timestamps,
-  and prompts whose blocks with equal hash ids hold equal tokens (so they share prefix KV
-  exactly where the traced requests did). A malformed line is refused naming its line
-  number and field.
-- ``sharegpt_conversations`` draws multi-turn ShareGPT ``Conversation``s: ordered turns,
-  each with its new tokens, output length and think time. Turn k's prompt is turn k-1's
-  prompt + turn k-1's generated answer + turn k's new tokens, and it arrives turn k-1's
-  think time after that answer ended, so a replay releases it only then
-  (``ConversationReplay``); ``with_conversation_arrivals`` spaces the conversations' first
-  turns by Poisson or Gamma arrivals.
-
-Everything is deterministic given the seed.
-"""
+Everything is deterministic given the seed."""
 
 from __future__ import annotations
 

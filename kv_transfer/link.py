@@ -1,4 +1,4 @@
-"""Link peaks: the GB/s a KV transfer could reach on the link it runs on (issue 29), so that
+"""Link peaks: the GB/s a KV transfer could reach on the link it runs on, so that
 each ``TransferRecord`` can say how far below it the transfer ran (``Transport.peak_gbps``,
 ``TransferRecord.efficiency``).
 

@@ -1,72 +1,27 @@
 """``NixlTransport`` (``nixl``): KV through NIXL one-sided READs, the way vLLM's
 ``NixlConnector``, NVIDIA Dynamo and SGLang move it between prefill and decode workers.
 
-NIXL (NVIDIA Inference Xfer Library) moves registered memory between *agents*; its UCX
-backend picks the path (shared memory / CMA on one host, RDMA or TCP across hosts, CUDA
-IPC or GPUDirect for device memory). Here it needs no GPU. The wheel is an optional extra:
-``pip install 'pdlab[nixl]'`` (``nixl-cu12``; never the meta package ``nixl``, whose bare
-``torch`` requirement pulls a CUDA torch). The module is imported as ``nixl``, then
-``nixl_cu12``, then ``nixl_cu13``; without any, ``NixlTransport()`` raises ``ImportError``
-with ``MISSING`` (one line naming the extra) and ``--transport nixl`` is refused with it.
+NIXL's UCX backend picks the path (CMA on one host, RDMA or TCP across hosts, GPUDirect); no
+GPU is needed. Install ``pdlab[nixl]`` (``nixl-cu12``; the meta package ``nixl`` pulls a CUDA
+torch); without it ``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
 
-Protocol (producer = the process that put, consumer = the process holding the handle):
+- Each process has one agent, made without NIXL's progress thread (it spins a core); a
+  producer's poller thread drives progress every ``PROGRESS_INTERVAL_S`` while it holds
+  transfers, a consumer's own thread drives its READ.
+- ``put``: reclaim extents whose freed word a consumer set, place the bytes at the lowest free
+  extent (``extents.first_fit``; no room until ``alloc_timeout_s``: ``TransferFailed``), and
+  write after them the stamp (the put's generation) and the freed word (0). The ``NixlKey``
+  holds plain values (agent name and metadata, node, pid, address, bytes, generation).
+- ``get``: one READ into this process's landing buffer (or a one-off buffer when full), polled
+  until done or the deadline (``TransferTimeout``). A dead or disconnected producer, or a
+  stamp other than the handle's generation (freed, maybe reused), is ``TransferFailed``. On
+  CPU the KV is a view of the landing extent, leased until its last view is dropped; on CUDA
+  a device copy.
+- ``free``: the producer releases the extent itself; any other process WRITEs the generation
+  into the freed word (not a NIXL notification, which stalls the next READ on the producer's
+  progress). Double and stale frees are harmless.
 
-1. Each process has one NIXL agent (UCX backend) made **without NIXL's progress thread**:
-   the wrapper's default thread spins a core and ran READs at 3 GB/s instead of 10 (issue
-   29). Progress is polled instead: a consumer's own thread drives its READ (step 3), and
-   a producer's **poller** thread calls the agent every ``PROGRESS_INTERVAL_S`` (2 ms,
-   sleeping in between) only while its arena holds transfers, and sleeps on an event
-   otherwise. A producer must answer when a consumer first connects (UCX's wire-up runs
-   over TCP and needs the target's progress); the READ itself is one-sided on this
-   machine (UCX picks ``cma``: ``process_vm_readv``). The producer's first ``put``
-   allocates its **arena** (``capacity_bytes``, on the transport's device; CPU pages are
-   committed only as transfers touch them) and registers it once.
-2. ``put``: the producer first **reclaims**: every extent whose *freed word* a consumer
-   set to the extent's generation (step 4) is released. It places the transfer at the
-   lowest free extent (``kv_transfer.extents.first_fit``, 4 KiB aligned); with no room it
-   reclaims again every millisecond until ``alloc_timeout_s``, then raises
-   ``TransferFailed``. It copies the tensor bytes into the extent (the put's one copy) and
-   writes two 8-byte words after them: the **stamp**, the put's generation (unique in this
-   process, never 0), and the **freed word**, 0. The handle's key is a ``NixlKey``: the
-   agent's name and metadata (what a consumer loads to reach it), node id, owner pid,
-   memory type and device, the extent's address, byte count, generation and the msgpack
-   header, all plain values.
-3. ``get`` (consumer): a producer of this node whose pid is gone fails at once
-   (``TransferFailed``). It loads the producer's metadata (once per producer), places the
-   bytes + stamp in its own registered **landing buffer** (a bounce buffer of
-   ``landing_bytes``: the decode worker copies the checked KV into its reserved blocks
-   afterwards, ``Engine.finish_remote``; a READ straight into the block store would need
-   one descriptor per layer, K/V, head and block and the checksum over the blocks, not done
-   here), and posts one READ of one descriptor. Progress is polled by the calling thread
-   (``check_xfer_state``; quick checks first, then sleeps growing to 1 ms) until done or
-   the deadline (``TransferTimeout``; the request is released). An error or a disconnected
-   producer (``nixlRemoteDisconnectError``) is ``TransferFailed``. A stamp other than the
-   handle's generation means the extent was freed (and maybe reused): ``TransferFailed``.
-   On CPU the KV returned is a view of the landing extent, leased until the last tensor
-   viewing it is dropped (like ``shm``); on CUDA it is a device copy and the extent goes
-   back at once. A landing buffer without room falls back to a buffer registered for that
-   one READ (slower, correct).
-4. ``free`` (whoever holds the handle last): the producer itself releases the extent; any
-   other process WRITEs the handle's generation into the extent's freed word (one 8-byte
-   descriptor, one-sided like the READ), and the producer releases the extent at its next
-   reclaim (``put``, ``has_room``, ``num_held``, its poller). Freeing twice is harmless, and
-   a stale free (the extent was reused since) writes an old generation, which the producer
-   ignores; a dead producer holds nothing (the WRITE fails and is ignored). Not a NIXL
-   notification: a notification makes the sender's next READ from that producer wait for
-   the producer's progress (measured: 2.2 ms per 64 KiB READ between notifications with the
-   2 ms poller, 0.23 ms with WRITEs, and no completion at all while the producer sat idle).
-5. A consumer that dies holding handles: the router gives the handles back to their
-   producer (``release``), which frees them itself, as for every transport.
-
-``num_held()`` is the extents this process's arena holds plus the landing extents still
-viewed by tensors ``get`` returned. Every NIXL call runs under one lock (the agent is made
-without thread synchronisation); the poll loop sleeps outside it, so the decode worker's
-fetch threads READ concurrently.
-
-On CUDA (``device="cuda:N"``) the arena and the landing buffer are device memory registered
-as ``VRAM`` and frame 1 stays on the device (``payload.pack_tensor``); it runs on GPU
-machines only (tests/gpu).
-"""
+All NIXL calls share one lock (the agent has no thread synchronisation); on CUDA: ``VRAM``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Wire format of one KV transfer: a versioned msgpack header plus the raw tensor bytes.
 
-Frames (DESIGN §4):
+Frames:
     frame 0: msgpack map, the fields of ``KVHeader`` (wire version, request id, model
              fingerprint, KV geometry, dtype, shape, token range, layer range, checksum and
              ``checksum_kind``).
@@ -13,11 +13,10 @@ a mismatch raises ``KVSpecMismatch`` naming the field, the expected and the got 
 corrupted bytes raise ``KVChecksumError``. Both are ``ValueError``.
 
 Checksum (wire version 2): ``crc32c`` (CRC-32C, Castagnoli) over **every** byte of frame 1,
-computed with the CPU's CRC instruction through the ``crc32c`` package (~15-25 GB/s, about
-one read pass of memory; zlib's table CRC32 ran at ~4 GB/s and dominated every transfer).
-Without that package the sender falls back to zlib ``crc32`` and says so in
-``checksum_kind``; a receiver verifies whichever of the two kinds the header names. Nothing
-is sampled: one flipped byte anywhere is caught.
+computed with the CPU's CRC instruction through the ``crc32c`` package (about one read pass
+of memory; zlib's table CRC32 is several times slower). Without that package the sender
+falls back to zlib ``crc32`` and says so in ``checksum_kind``; a receiver verifies whichever
+kind the header names. Nothing is sampled: one flipped byte anywhere is caught.
 
 Copies: ``pack`` never copies a contiguous CPU tensor (frame 1 is a view of it);
 ``unpack`` never copies a writable frame (a torch tensor, a bytearray, a shared-memory
@@ -118,8 +117,8 @@ def tensor_bytes(kv: torch.Tensor) -> torch.Tensor:
 
 
 def encode_header(header: KVHeader) -> bytes:
-    """msgpack bytes of ``header`` (frame 0): its fields by name. (Not ``dataclasses.asdict``,
-    whose recursive deep copy was ~60% of a whole shm put of 150 KB, AMD EPYC Zen 4.)"""
+    """msgpack bytes of ``header`` (frame 0): its fields by name (not ``dataclasses.asdict``,
+    whose recursive deep copy costs more than a small put)."""
     return msgpack.packb({name: getattr(header, name) for name in _HEADER_FIELDS},
                          use_bin_type=True)
 

@@ -1,73 +1,27 @@
 """``SharedMemoryTransport`` (``shm``): KV between the processes of one node through a
 preallocated shared-memory arena: one copy on put, none on get.
 
-Every process that puts KV (a prefill worker) owns one **segment**: a file created in
-``/dev/shm`` and unlinked at once, so it has no name that could outlive the processes using
-it (the kernel frees it when the last process holding it closes or dies: a SIGKILLed worker
-leaks nothing). Other processes of the node open it by the owner's descriptor,
-``/proc/<owner pid>/fd/<fd>``, the segment name that handles carry, and check the segment's
-random token. Nothing has to be set up in advance: the placement only has to put the
-workers on one node (for crossing nodes use ``ray``).
+Each producer (a process that puts) owns one segment: a sparse file in ``/dev/shm``, unlinked
+at once, so the kernel frees it when the last process holding it exits (a SIGKILLed worker
+leaks nothing). Consumers open it as ``/proc/<owner pid>/fd/<fd>`` and check its random token.
+Layout: a 64-byte control block (magic ``PDLABKV1``, capacity, slots, offsets, token), one
+state byte per slot (0 FREE, 1 READY), one u64 generation per slot, then the page-aligned data.
 
-Segment layout (``S`` slots, ``C`` bytes of data)::
+- ``put``: reclaim slots seen FREE, take a FREE slot and the first free extent that fits
+  (retried every millisecond up to ``alloc_timeout_s``, then ``TransferFailed``), reserve new
+  pages with ``posix_fallocate`` (a full ``/dev/shm`` is ``TransferFailed``, never SIGBUS),
+  copy the bytes, bump the generation, and store READY last. The handle's ``ShmKey`` holds
+  plain values: segment name, token, node id, owner pid, slot, generation, offset, bytes.
+- ``get``: another node or a dead owner is ``TransferFailed``; so is a slot not READY with the
+  handle's generation (freed or reused). It returns a view of the extent (checksum verified
+  in place) and holds a lease on the slot; ``zero_copy=False`` copies out instead.
+- ``free``: READY -> FREE once ``free`` was called and every view this process got is gone,
+  so a caller may free right after ``get``. A second free, or a reused slot, does nothing.
+- A dead producer's segment (pid gone or reused) is dropped at the consumer's next call, or
+  when its last view is dropped.
 
-    [0, 64)               control: magic ``PDLABKV1``, capacity C, slots S, slot-table and
-                          data offsets, random token
-    [64, 64 + S)          one state byte per slot: 0 FREE, 1 READY
-    [.., .. + 8 S)        one generation counter (u64) per slot, 8-byte aligned
-    [data_offset, + C)    data area (page aligned); each transfer is one page-aligned extent
-
-Protocol (producer = the process that put, consumer = the process holding the handle):
-
-1. The producer's first ``put`` creates its segment: a sparse file of the full size (tmpfs
-   commits pages only as they are used), mapped into the producer, unlinked, its descriptor
-   kept open.
-2. ``put``: the producer first **reclaims**: every slot it handed out whose state byte is
-   FREE again is forgotten, its extent becomes free space. It takes a slot whose state is
-   FREE and the first free extent that fits (first fit, lowest offset: steady state reuses
-   the same, already mapped pages). No room: it reclaims again every millisecond until
-   ``alloc_timeout_s``, then raises ``TransferFailed`` (so a decode side that never frees
-   turns into an error, not a hang). The first time an extent reaches past the highest
-   offset used so far, those pages are reserved with ``posix_fallocate`` (a full
-   ``/dev/shm`` is a ``TransferFailed``, never a SIGBUS). It copies the tensor bytes into
-   the extent (``torch`` ``copy_``: the only copy of the transfer), bumps the slot's
-   generation, and **last** stores READY in its state byte. The handle's key is an
-   ``ShmKey``: segment name (``/proc/<pid>/fd/<fd>``) and token, node id, owner pid, slot,
-   generation, offset, byte count and the msgpack header, all plain values.
-3. The handle travels to the consumer through the control path (an actor call). That path
-   orders the producer's stores before the consumer's loads.
-4. ``get`` (consumer): checks the node id (another node: ``TransferFailed``) and that the
-   owner lives (dead: ``TransferFailed``, like Ray's OwnerDiedError; a cached mapping of its
-   segment is dropped), maps the segment by name once per process and checks its token,
-   then checks that the slot is READY with the handle's generation (else it was freed, or
-   freed and reused: ``TransferFailed``). The KV it returns is a **view of the
-   extent** (zero copy; its checksum is verified in place), and the get is counted as a
-   lease on the slot. With ``zero_copy=False`` get copies the bytes out instead (no lease).
-5. ``free`` (whoever holds the handle last, usually the consumer after importing the KV):
-   the slot goes READY -> FREE once ``free`` was called **and** every tensor this process's
-   gets returned for it is gone (a finalizer on the view's buffer does the last step), so
-   a caller may free right after ``get`` and keep using the tensor: the bytes stay put until
-   the tensor is dropped. Freeing twice, or a handle whose slot was already reused
-   (generation differs), does nothing.
-6. The producer sees FREE at its next reclaim (step 2); ``num_held()`` is the slots it has
-   handed out and not seen freed, plus this process's leases on other processes' segments.
-7. A consumer drops a **dead producer's** segment at its next ``put``, ``get``, ``free`` or
-   ``num_held`` (or ``release_dead_peers``): the owner is dead when its pid is gone or its
-   ``/proc/<pid>/fd/<fd>`` no longer names the mapped file (pid reused). Its leases without
-   live views go, its descriptor is closed and the mapping is unmapped at once, or, while a
-   tensor from a get still views it, as soon as the last such tensor is dropped. Without
-   this a live decode worker would keep a dead prefill worker's arena until it exited.
-
-Why no lock is needed across processes: every state transition has exactly one writer.
-Only the producer turns FREE -> READY, on slots it alone allocates; only the handle's holder
-turns READY -> FREE, after its last read. A freed slot is never touched by the consumer
-again (the generation check). The consumer's FREE store follows its last load of the view
-in program order; x86-64 never makes a store visible before earlier loads (weakly ordered
-CPUs would want a fence there).
-
-Lifetime: the segment's memory is returned when its owner and every consumer that mapped
-it have closed it or exited; ``close()`` drops this process's share.
-"""
+No cross-process lock: each transition has one writer (the producer sets READY, the handle's
+holder sets FREE), and x86-64 never makes a store visible before earlier loads."""
 
 from __future__ import annotations
 

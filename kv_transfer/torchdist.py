@@ -1,68 +1,28 @@
 """``TorchDistributedTransport``: KV point-to-point over ``torch.distributed`` (gloo or NCCL).
 
-Setup: every worker that sends or receives KV is a rank of one process group (the
-placement creates it: e.g. prefill workers ranks ``0..x-1``, decode workers ``x..x+y-1``).
-Pass ``init_method`` to have the constructor call ``init_process_group``, or create the
-group yourself first. The rendezvous port is chosen where it is bound: ``open_rendezvous``
-binds a ``TCPStore`` to port 0 (the kernel picks a free port and the store holds it) in the
-process that sets the group up, and returns ``store://host:port``; every rank joins it as a
-client. No port is picked first and bound later, so another process taking it in between
-cannot break start-up (``tcp://host:port``, where rank 0 binds a port chosen beforehand,
-still works for callers that own the port).
+Every worker that sends or receives KV is a rank of one process group, which the placement
+creates (or the constructor, given ``init_method``). ``open_rendezvous`` binds a ``TCPStore``
+to a port the kernel picks and returns ``store://host:port`` for every rank to join, so no
+port is chosen first and bound later.
 
-Lifecycle:
-    1. ``put(..., dst_rank=r)`` on the sender posts two non-blocking sends to rank ``r``:
-       the msgpack header, then the tensor bytes, tagged ``2*seq`` and ``2*seq+1``, where
-       ``seq`` counts the transfers from this rank to ``r`` (0, 1, 2, ...: one sequence per
-       pair). It returns at once; the handle's key is ``P2PKey(src_rank, seq, header_nbytes,
-       tensor_nbytes)`` (plain ints), so the receiver can allocate before receiving.
-    2. The handle reaches the receiver through the control path (router / actor call).
-    3. ``get`` on rank ``r`` posts the matching receives from ``src_rank`` and waits for them
-       until the deadline (``TransferTimeout`` after it; the pending receive then poisons the
-       pair, so treat the group as broken). Each handle can be received once.
-    4. A daemon thread per send waits until the **host** knows the send completed, then
-       releases its buffers; ``num_held()`` counts the sends not completed yet (nor given up
-       by ``free`` on the sender). With gloo ``work.wait()`` blocks until then; with NCCL it
-       only makes the current CUDA stream wait and returns at once, so the thread polls
-       ``work.is_completed()`` (the NCCL kernel's end event) instead. On the receiver ``free``
-       of a handle it received has nothing to release.
+- ``put(..., dst_rank=r)`` posts two non-blocking sends (header, then bytes) tagged ``2*seq``
+  and ``2*seq+1``, ``seq`` counting transfers per (sender, receiver) pair; the key is
+  ``P2PKey(src_rank, seq, header_nbytes, tensor_nbytes)``. The send uses ``kv``'s own memory
+  (when contiguous on ``device``): do not modify it after ``put``.
+- ``get`` posts the matching receives and waits until the deadline (``TransferTimeout``).
+  NCCL ignores tags and matches a pair's messages in posting order, so every receive from a
+  rank is posted in ``seq`` order (``_post_in_order``); gloo posts as they come.
+- A daemon thread per send releases its buffers once the host knows it completed (gloo:
+  ``work.wait``; NCCL: polling ``is_completed``); ``num_held()`` counts the rest.
+- Neither backend can cancel a posted send or receive, so: ``free`` on the receiver of a
+  handle never received drains it into scratch; a failed or timed-out receive or send marks
+  the pair broken, and later gets from it raise ``TransferFailed`` naming the first failure;
+  ``free`` on the sender marks an NCCL pair broken (a small NCCL send completes before any
+  receive is posted, NVIDIA/nccl#544), while a gloo send stays posted
+  (``num_orphaned_sends``) until drained.
 
-NCCL ignores tags and matches the messages of a pair in the order they were posted, so a
-receive posted out of order would take another transfer's bytes. Every receive from a rank
-(a ``get``, or the drain a ``free`` starts) is therefore posted in one place, in ``seq``
-order (``_post_in_order``): a ``get`` of seq 5 waits, within its deadline, until seq 4 has
-been received or drained here, and whoever posts seq 4 then posts the receives of 5 at once.
-With gloo tags keep transfers apart, and receives are posted as they come.
-
-Sends that can no longer be matched (a posted send or receive cannot be withdrawn: neither
-gloo nor NCCL can cancel one):
-    - ``free`` on the receiver of a handle it never received (request aborted or failed
-      before its fetch) **drains** it: a receive, posted in order like a ``get``, matches the
-      send into a scratch buffer and drops it, so the sender's buffers are released and
-      NCCL's in-order matching stays aligned. A drain that fails marks the pair broken.
-    - A receive that times out or fails marks the pair (sender rank -> this rank) broken:
-      gloo closes the pair, and a late NCCL message would land in a stale buffer. So does a
-      ``get`` that waited out its deadline for an earlier transfer of the pair that was
-      neither received nor freed here. Later gets from that rank raise ``TransferFailed``
-      naming the first failure. Puts whose send fails mark the pair broken on the sender
-      side the same way.
-    - ``free`` on the sender (its producer got the handle back: no receiver took it). With
-      NCCL it marks the pair broken: the receiver will never post this receive, so every
-      later message of the pair would be matched to the wrong one. It does so even if the
-      send completed, because a small NCCL send completes into the receiver's buffer before
-      any receive is posted (NVIDIA/nccl#544): the sender cannot tell it from a received one.
-      With gloo, whose tags keep other transfers apart, a send still in flight stays posted
-      (``num_orphaned_sends``) until the receiver drains it or the group is destroyed. Free
-      late handles on the receiving rank when it lives.
-
-Zero copy: the sender's buffer is ``kv``'s own memory (when contiguous on ``device``), kept
-alive by the transport until sent; do not modify ``kv`` in place after ``put``.
-
-``backend='gloo'`` moves host tensors; ``backend='nccl'`` keeps the tensor bytes on the GPU
-(``device='cuda:i'``): nothing is staged on the host except the header. The point-to-point
-calls go through ``p2p`` (``torch.distributed`` by default), which tests replace with a fake
-process group that completes sends late or out of order (``tests/unit/test_torchdist_order.py``).
-"""
+gloo moves host tensors; NCCL keeps the bytes on the GPU (``device='cuda:i'``). Tests replace
+``p2p`` with a fake process group that completes out of order."""
 
 from __future__ import annotations
 

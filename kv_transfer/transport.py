@@ -1,52 +1,28 @@
 """The KV transfer protocol every transport implements.
 
-Lifecycle of one transfer:
-    1. The prefill side calls ``put(request_id, spec, kv)``: the KV ``[L', 2, H_kv, T, D]`` is
-       packed (``payload.pack``: msgpack header + raw bytes) and handed to the transport,
-       which now owns the bytes; the caller may free its own copy. ``put`` returns a
-       ``KVHandle``: small and picklable, it is what crosses processes (the router passes
-       handles, never bytes).
-    2. The handle travels to the decode side (e.g. as an argument of an actor call).
-    3. The decode side calls ``get(handle, expected_spec, timeout_s)``: the bytes are fetched
-       within the deadline, the header is checked against the receiver's ``KVSpec`` and the
-       checksum verified, and ``(KVHeader, kv)`` comes back. One ``TransferRecord`` (bytes,
-       put and get seconds, GB/s against the link's peak, messages, exposed and overlapped
-       seconds) is appended to that transport's ``records``.
-    4. Whoever holds the handle last calls ``free(handle)``; afterwards ``num_held()`` no longer
-       counts it (tests end by asserting ``num_held() == 0``).
+1. The prefill side calls ``put(request_id, spec, kv)``: the KV ``[L', 2, H_kv, T, D]`` is
+   packed (``payload.pack``) and handed to the transport, which now owns the bytes. It
+   returns a ``KVHandle``, small and picklable: the router passes handles, never bytes.
+2. The decode side calls ``get(handle, expected_spec, timeout_s)``: the bytes are fetched
+   within the deadline, checked against the receiver's ``KVSpec`` and checksum, and
+   ``(KVHeader, kv)`` returned; one ``TransferRecord`` is appended to ``records``.
+3. Whoever holds the handle last calls ``free(handle)``; ``num_held()`` then no longer
+   counts it.
 
-Errors: ``TransferTimeout`` (deadline passed) and ``TransferFailed`` (bytes gone: freed,
-owner died, put failed) are ``TransferError``s; a header that does not fit the receiver
-raises ``payload.KVSpecMismatch``, corrupted bytes ``payload.KVChecksumError``.
+Errors: ``TransferTimeout`` (deadline passed) and ``TransferFailed`` (bytes gone: freed, owner
+died, put failed) are ``TransferError``s; a header that does not fit raises
+``payload.KVSpecMismatch``, corrupted bytes ``payload.KVChecksumError``.
 
-A subclass implements four hooks: ``_put_frames``, ``_get_frames``, ``_free`` and
-``num_held`` (and may override ``_num_messages``); packing, validation, timing and records
-live here once.
+A subclass implements ``_put_frames``, ``_get_frames``, ``_free`` and ``num_held``; packing,
+validation, timing and records live here once.
 
-Efficiency (issue 29). ``peak_gbps`` is the GB/s of the link this transport's transfers run
-on, measured by whoever runs the experiment (``kv_transfer.link``: memcpy within a node, a
-probe between two nodes) and set on the transport; every record then carries
-``achieved_gbps = num_bytes / (put_s + get_s) / 1e9`` (the definition of
-``benchmarks.kv_transfer``) and ``efficiency = achieved_gbps / peak_gbps`` (None while no
-peak was measured).
-
-Exposed and overlapped time (layer-wise streaming; whole-request is the one-chunk case). A
-request's chunks form a **stream**: its gets of layers ``[0, L)``, in layer order. Let
-``ready`` be the wall-clock time at which the producer began the put of the stream's last
-chunk: the producer's compute of this request's KV was finished then (the last layer's
-hook, or the put after a whole-request prefill). For each chunk's put interval
-``[put_time_s, + put_s]`` and get interval ``[get_time_s, + get_s]``:
-
-- ``exposed_s``: the part of the two intervals after ``ready``: transfer time on the
-  request's critical path (the decode side waits for it after prefill ended);
-- ``overlapped_s``: the part before ``ready``: transfer time hidden behind the prefill's
-  compute of later layers.
-
-So ``exposed_s + overlapped_s = put_s + get_s`` for every record; a whole-request transfer
-is all exposed. Both stay None until the stream's last chunk has been got. Put and get
-stamps come from two processes' wall clocks: on one machine they agree; across machines
-their offset enters both values.
-"""
+Efficiency: ``achieved_gbps = num_bytes / (put_s + get_s) / 1e9`` and ``efficiency =
+achieved_gbps / peak_gbps``, the peak of the link measured by ``kv_transfer.link`` and set on
+the transport (None without one). A request's chunks form a stream; ``ready`` is when the put
+of its last chunk began (its KV was computed then). Of each chunk's put and get intervals,
+``exposed_s`` is the part after ``ready`` (on the critical path) and ``overlapped_s`` the part
+before (hidden behind prefill), so ``exposed_s + overlapped_s = put_s + get_s``; both are None
+until the last chunk is got. The stamps are two processes' wall clocks."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """How sure ``pdlab plan``'s answer is when the machine's speed is not the profile's (no torch).
 
-A profile is measured once, but a shared machine's steps drift: the idle validation of
-2026-12-01 saw 5 s windows of a run at 0.87-1.32x the model (5th-95th percentile) and a
-slow episode of 1.18-1.43x for 80 s (``drift``). A plan that names a winner should say
-whether it still wins if the machine runs that much slower or faster. With
+A profile is measured once, but a shared machine's steps drift (``drift``). A plan that names
+a winner should say whether it still wins if the machine runs slower or faster. With
 ``--speed-spread S``:
 
 1. ``band_runs``: the best few candidates (``--top``) are simulated again at every rate
@@ -15,8 +13,7 @@ whether it still wins if the machine runs that much slower or faster. With
 3. ``verdict``: the first is a clear winner only if its goodput when slow exceeds the
    second's when fast. Real runs of two placements happen at different times, so each may
    meet a different speed: opposite ends of the band are the fair comparison. Otherwise
-   "no clear winner within ±S" (DESIGN §7: a verdict names a winner only where intervals
-   separate).
+   "no clear winner within ±S": a verdict names a winner only where intervals separate.
 
 The validation uses the same band (``validate.score(speed_spread=S)``): per point the
 measured attainment against the simulated [slow, fast] band, and the ranking check

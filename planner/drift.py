@@ -1,21 +1,18 @@
 """The machine's speed over one real run, and its replay in the simulator (no torch).
 
-A device profile is measured once; a shared VM's speed drifts within minutes (issue 12: a
-decode step drifts ~13% within a minute with nothing else running, and one run's steps from
-60 to 140 s took 1.18-1.43x the model against 0.93-1.09 before and after). No offline
-planner can predict that, but a validation can take it out of the comparison: the real
-run's own steps say how fast the machine was at each moment, and the simulation of the same
-run can be made to run at that speed. What is left is the simulator's own error (its
-scheduling, its step model's shape, the loop's overheads): the figure DistServe's "< 2
-points" is about. The open-loop figure stays the planner's predictive error on this VM.
+A device profile is measured once; a shared machine's speed drifts within minutes. No
+offline planner can predict that, but a validation can take it out of the comparison: the
+real run's own steps say how fast the machine was at each moment, and the simulation of the
+same run is made to run at that speed. What is left is the simulator's own error: the figure
+DistServe's "< 2 points" is about.
 
 1. Per real step (``diagnose.step_table``: its features from its recorded batch, the
    step model evaluated on exactly that batch): factor = measured ÷ modelled seconds.
 2. ``speed_trace``: per worker, the run's time from its origin (the simulated clock's 0:
    a request's scheduled arrival minus its offset, ``run_origin``) cut into windows of
-   ``window_s``; a window's factor is the median factor of the steps (whose batch agrees with their counts) that start in
-   it; a window with no step keeps the factor of the last window before it that had one
-   (the first windows, the first measured one's): speed persists while the worker idles.
+   ``window_s``; a window's factor is the median factor of the steps (whose batch agrees
+   with their counts) that start in it; a window with no step keeps the last factor before
+   it (the first windows, the first measured one's): speed persists while the worker idles.
 3. ``SpeedTrace(worker, t_s)``: the factor at simulated time ``t_s``. The simulator
    multiplies each modelled step that starts at ``t_s`` by it (``Simulator(speed_trace=)``).
 """
@@ -31,14 +28,8 @@ import pandas as pd
 
 from engine.metrics import ARRIVED, RequestRecord
 
-# Why 5 s (measured on the idle validation of 2026-12-01, 6 runs, validation_steps.csv):
-# a window must hold enough steps for its median to average out one step's own jitter,
-# and be much shorter than the drift. Decode steps take 0.07-0.1 s, so a busy 5 s window
-# holds 15-30 steps: the median's standard error is ~3% (the steps' IQR within 1 s windows
-# is 5-7%, their jitter). The drift's time scale is tens of seconds (a slow episode of 80 s;
-# 13% within a minute): the IQR within a window grows from ~6% at 1 s to ~12% at 5 s and
-# ~16% at 20 s, so windows of 20 s and more average the drift away. 5 s is the longest of
-# the windows that still follow it.
+# A window must hold enough steps for its median to average out one step's jitter, and be
+# much shorter than the drift (tens of seconds); 5 s is the longest that still follows it.
 DEFAULT_WINDOW_S = 5.0
 ALL_WORKERS = "*"  # the trace of every worker's steps pooled: for a worker without steps
 

@@ -1,32 +1,22 @@
 """Step and transfer latency models fitted on one device, and the device profile file (no torch).
 
-A device profile:
-
 1. ``pdlab profile`` measures prefill steps (one prompt of P tokens), decode steps (B requests
-   at context C) and mixed steps (B decodes plus one prompt in the same step); ``pdlab
-   profile --transports`` also times KV transfers (``pdlab kv-cost``'s measurement).
-2. ``fit_step_models`` fits, by least squares on **relative** error (DistServe's simulator
-   fits its coefficients the same way, so short and long steps weigh alike), with
-   non-negative slopes:
-     prefill step   ``t = a + b·Σn + c·Σn(k+n)``: n = new prompt tokens of an entry, k = its
-                    tokens already in the KV; for whole prompts (k = 0) this is DistServe's
-                    ``a + b·Σl + c·Σl²``;
-     decode step    ``t = a + b·B + c·Σctx``: B decodes, ctx = KV tokens each attends to;
-     mixed step     ``t = a_mix + (prefill terms) + (decode terms)``, the slopes of the two
-                    models above and only the intercept fitted on the mixed steps.
+   at context C) and mixed steps (B decodes plus one prompt); ``--transports`` also times KV
+   transfers.
+2. ``fit_step_models`` fits by least squares on relative error (as DistServe's simulator, so
+   short and long steps weigh alike), with non-negative slopes:
+     prefill ``t = a + b·Σn + c·Σn(k+n)`` (n new prompt tokens, k already in the KV; for
+             whole prompts DistServe's ``a + b·Σl + c·Σl²``);
+     decode  ``t = a + b·B + c·Σctx`` (B decodes, ctx = KV tokens each attends to);
+     mixed   ``t = a_mix + (prefill terms) + (decode terms)``, only the intercept refitted.
    ``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport.
 3. Each fit reports R² (on seconds) and the mean and max relative error on its points.
-4. ``DeviceProfile.save`` writes them as JSON with the model, dtype, device kind and
-   torch thread count they were measured with; ``DeviceProfile.load`` reads it back (a file
-   that is not a profile is refused with the key it lacks).
+4. ``DeviceProfile.save`` writes JSON with the model, dtype, device kind and thread count;
+   ``DeviceProfile.load`` refuses a file that is not a profile, naming the key it lacks.
 
-A profile can also come from NVIDIA's measured per-operation GPU database instead of this
-machine (``planner.silicon``, ``pdlab profile --from-silicon-db``): the same models fitted on
-the database's step estimates, ``DeviceProfile.source`` naming the database, and transfer
-models of the usual links (``LINKS``, ``link_transfer``) instead of measured transports.
-
-``DeviceProfile.step_s(features)`` is what the simulator asks for every simulated step.
-"""
+A profile can also come from NVIDIA's GPU database (``planner.silicon``, ``pdlab profile
+--from-silicon-db``), with transfer models of the usual links (``LINKS``). All times are
+seconds. ``DeviceProfile.step_s(features)`` is what the simulator asks for every step."""
 
 from __future__ import annotations
 
@@ -185,10 +175,8 @@ class TransferModel:
         latency_s: fixed cost per transfer (seconds, >= 0).
         bandwidth_bytes_s: bytes per second (> 0; ``inf`` = free bytes).
         put_share: share of the time spent in ``put`` on the prefill worker (it holds that
-            worker's loop, and shows in TTFT); the rest is the decode worker's ``get``.
-            ``pdlab kv-cost`` times put + get together, so the default splits it evenly.
-        fit: the fit it came from (None when given by hand).
-    """
+            worker's loop and shows in TTFT); the rest is the decode worker's ``get``.
+        fit: the fit it came from (None when given by hand)."""
 
     latency_s: float
     bandwidth_bytes_s: float
@@ -231,19 +219,15 @@ def fit_transfer(num_bytes: Sequence[int], seconds: Sequence[float]) -> Transfer
 
 @dataclass(frozen=True)
 class Link:
-    """A link KV crosses between a prefill and a decode GPU, as a first-order model:
-    ``latency_s + bytes / bandwidth_bytes_s`` (one direction; ``link_transfer``).
+    """A link KV crosses between a prefill and a decode GPU: ``latency_s + bytes /
+    bandwidth_bytes_s``, one direction (``link_transfer``).
 
     Attributes:
         name: ``--link`` name.
-        latency_s: fixed cost of one transfer (seconds).
-        bandwidth_bytes_s: bytes per second, one direction.
-        bandwidth_key, latency_key: the keys of an AIConfigurator system spec's ``node``
-            section whose figures replace ``bandwidth_bytes_s`` / ``latency_s`` for that
-            system (the GPU's own NVLink or PCIe generation); None: the link's figure is
-            the same on every system.
-        source: where the figures come from.
-    """
+        latency_s: fixed cost of one transfer (seconds); bandwidth_bytes_s: bytes per second.
+        bandwidth_key, latency_key: keys of an AIConfigurator system spec's ``node`` section
+            whose figures replace them on that system; None: the same on every system.
+        source: where the figures come from."""
 
     name: str
     latency_s: float
@@ -314,22 +298,16 @@ class DeviceProfile:
         transfers: transport name -> ``TransferModel``.
         notes: free text (torch version, estimator, date).
         max_prefill_tokens: the longest prompt (tokens) the prefill model was measured on;
-            longer prefill steps are extrapolated by its quadratic term. None: not recorded
-            (profiles written before it was).
-        device_memory_bytes: the GPU's memory in bytes (``torch.cuda.mem_get_info``'s
-            ``total``, what the engine's own budget reads); None on CPU and in profiles
-            written before it was.
-        weight_bytes: bytes of the model's parameters in ``dtype`` (``engine.model.
-            weight_bytes``: tied tensors once); None where not recorded.
-            These two are what ``kv_budget_bytes`` needs on CUDA under
-            ``gpu_memory_utilization``; a CUDA profile built without measuring (from a
-            datasheet) must fill them: the GPU's memory, and parameters x bytes per element.
-        source: where the step times came from when not from ``pdlab profile`` on this
-            machine: for a silicon-database profile (``planner.silicon``) ``{"kind":
-            "aiconfigurator", "package", "system", "backend", "database_version",
-            "database_mode", "link", "model_config"}``. None: measured here (every profile
-            written before the field existed).
-    """
+            longer prefills are extrapolated. None: not recorded.
+        device_memory_bytes: the GPU's memory in bytes (``torch.cuda.mem_get_info``'s total);
+            None on CPU or not recorded.
+        weight_bytes: bytes of the model's parameters in ``dtype`` (tied tensors once); None:
+            not recorded. Both are what ``kv_budget_bytes`` needs on CUDA under
+            ``gpu_memory_utilization``; a CUDA profile built from a datasheet must fill them.
+        source: where the step times came from when not ``pdlab profile`` here: for a
+            silicon-database profile ``{"kind": "aiconfigurator", "package", "system",
+            "backend", "database_version", "database_mode", "link", "model_config"}``. None:
+            measured here."""
 
     model: str
     dtype: str
@@ -348,17 +326,15 @@ class DeviceProfile:
     source: dict | None = None
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        """The KV cache budget (bytes) of one engine of ``config`` on this profile's device,
-        by the engine's own rule (``engine.config.kv_budget_bytes_for``): on CUDA without
+        """The KV cache budget (bytes) of one engine of ``config`` on this device, by the
+        engine's own rule (``engine.config.kv_budget_bytes_for``): on CUDA without
         ``kv_cache_memory_gb``, ``gpu_memory_utilization * device_memory_bytes -
-        weight_bytes``. The engine subtracts everything in use on the device when it starts
-        (its weights plus the CUDA context, ~0.5 GiB, and anything else there), so a real
-        engine gets up to that much less than planned.
+        weight_bytes``. A real engine also subtracts the CUDA context and whatever else is in
+        use, so it may get less than planned.
 
         Raises:
-            ValueError: a CUDA profile that lacks ``device_memory_bytes`` or
-                ``weight_bytes`` while ``config`` sets no ``kv_cache_memory_gb``.
-        """
+            ValueError: a CUDA profile without ``device_memory_bytes`` or ``weight_bytes`` while
+                ``config`` sets no ``kv_cache_memory_gb``."""
         if (self.device_kind == "cuda" and config.kv_cache_memory_gb is None
                 and (self.device_memory_bytes is None or self.weight_bytes is None)):
             raise ValueError(f"the device profile ({self.device_kind}, {self.device_name}) "
@@ -478,14 +454,11 @@ class DeviceProfile:
 
 
 def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
-    """Median of measured ÷ modelled seconds over real worker steps (dicts with
-    ``duration_s, num_prefill_tokens, num_decode_tokens``). A step read by
-    ``planner.diagnose.step_features`` also carries its batch's
-    ``prefill_tokens, prefill_attention, batch_size, sum_context`` and ``rebuilt``: the
-    model is evaluated on those exactly (a step whose batch disagrees with its counts is skipped). A
-    bare step record has no per-entry lengths, so its model is evaluated at its token
-    counts with the attention and context terms left out (a lower bound of the modelled
-    time where those terms are non-zero, so the ratio comes out high). NaN without steps."""
+    """Median of measured / modelled seconds over real worker steps (dicts with ``duration_s,
+    num_prefill_tokens, num_decode_tokens``). A step from ``planner.diagnose.step_features``
+    also carries its batch's features and ``rebuilt``: the model is evaluated on those (steps
+    whose batch disagrees with their counts are skipped); a bare step only at its token counts,
+    a lower bound of the modelled time. NaN without steps."""
     step_s = profile.step_time()
     ratios = []
     for st in steps:

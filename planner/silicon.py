@@ -1,39 +1,24 @@
 """GPU device profiles without a GPU: pdlab's step models fitted on NVIDIA's measured
-per-operation database, AIConfigurator (no torch; the database is the optional extra
-``silicon``: ``aiconfigurator-core`` 0.12.0).
+per-operation database, AIConfigurator (no torch; the optional extra ``silicon``:
+``aiconfigurator-core``).
 
-AIConfigurator holds kernel timings measured on H100, H200, B200, GB200 (and more) under
-vLLM, SGLang and TRT-LLM, one table per operation (GEMM shapes, context and generation
-attention per head size and KV heads, norms, ...), and composes a model's step from them.
-``aiconfigurator cli estimate --estimate-mode static_ctx|static_gen`` prints those steps;
-this module asks the same code (its backends' ``run_static`` and ``run_mixed``) directly:
+AIConfigurator holds kernel timings measured on H100, H200, B200, GB200 and more under vLLM,
+SGLang and TRT-LLM, and composes a model's step from them; this module calls its backends'
+``run_static`` and ``run_mixed`` directly:
 
-1. ``open_database(model_dir, system, backend)``: the database of (system, backend) at its
-   default version and the model read from its ``config.json``, on one GPU (tensor,
-   pipeline and expert parallelism 1: a pdlab worker is one device). A system or backend
-   the database lacks, a model it cannot shape (e.g. SmolLM2's head size 64 has no
-   attention table for ``h100_sxm``/``vllm``), a MoE model or a KV dtype pdlab has not are
-   refused in one line naming what is missing (``SiliconError``).
-2. ``sample_steps``: the database's step times (seconds) with pdlab's ``StepFeatures``:
-   - prefill: m prompts of P tokens in one step (``static_ctx``, batch m, isl P):
-     Σn = mP, Σn(k+n) = mP²; and chunks of n new tokens over k cached ones (prefix k,
-     isl k + n): Σn = n, Σn(k+n) = n(k + n);
-   - decode: B requests whose KV holds C tokens (``static_gen``, batch B, isl C, osl 2:
-     one step, attention over C + 1 tokens): B, Σctx = B(C + 1);
-   - mixed: one whole prompt of P tokens beside B decodes (``run_mixed``; the database
-     puts those decodes at context P + 1): the prefill features and B, Σctx = B(P + 1).
-3. ``build_profile``: ``planner.latency.fit_step_models`` on those points (R² and relative
-   errors in each ``Fit``), the transfer models of the links (``planner.latency.LINKS``,
-   with the system spec's own NVLink/PCIe figures), and ``DeviceProfile.source`` naming the
+1. ``open_database(model_dir, system, backend)``: the (system, backend) database and the model
+   from its ``config.json``, on one GPU. A system, backend or shape the database lacks, a
+   MoE model or a KV dtype pdlab has not raises ``SiliconError`` naming what is missing.
+2. ``sample_steps``: step times (seconds) with pdlab's ``StepFeatures``: prefill (m prompts of
+   P tokens, or n new tokens over k cached), decode (B requests at C tokens: Σctx = B(C + 1)),
+   mixed (one prompt of P beside B decodes at context P + 1).
+3. ``build_profile``: ``planner.latency.fit_step_models`` on those points, the link transfer
+   models with the system's own NVLink/PCIe figures, and ``DeviceProfile.source`` naming the
    package, system, backend and database version.
 
-What the database's static steps leave out, and so the profile: vLLM's per-request CPU
-dispatch overhead that its ``agg`` TTFT estimate adds (0.8 ms x layers,
-``VLLMBackend._prefill_dispatch_overhead_ms``): on emulated devices pdlab's own loop is the
-CPU side. And the ``agg`` TPOT is not a decode step: it averages mixed steps (a prompt
-chunk beside the decodes) with pure decode steps, so it is compared with pdlab's decode
-model only at B = 1, where the two coincide (benchmarks/README.md).
-"""
+Left out, as by the database's static steps: vLLM's per-request CPU dispatch overhead (on
+emulated devices pdlab's own loop is the CPU side). The ``agg`` TPOT averages mixed and
+decode steps, so it matches pdlab's decode model only at B = 1."""
 
 from __future__ import annotations
 
@@ -142,8 +127,8 @@ def supported_databases() -> dict[str, dict[str, list[str]]]:
             for s, versions in _scan(aic.perf_database).items()}
 
 
-# The package finds its databases by parsing ~330 YAML files (2-6 s here, per call; it does it
-# again for the default version): once per process is enough, the installed files do not move.
+# The package finds its databases by parsing hundreds of YAML files per call: once per process
+# is enough, the installed files do not move.
 @functools.cache
 def _scan(perf_database) -> dict[str, dict[str, tuple[str, ...]]]:
     with quiet():
@@ -380,26 +365,21 @@ def sample_steps(db: SiliconDatabase, grid: SampleGrid = SampleGrid()
 def build_profile(db: SiliconDatabase, model_name: str, kv_bytes_per_token: int,
                   link: str | None = None, grid: SampleGrid = SampleGrid(),
                   created: str = "") -> DeviceProfile:
-    """The ``DeviceProfile`` of ``db`` (module docstring, step 3).
-
-    Transfers: every link of ``planner.latency.LINKS`` the system has, under its own name
-    (``nvlink``, ``pcie``, ``ib400``, ``tcp25``; no ``nvlink`` where the system has none),
-    and ``link``'s model again under every transport name of ``engine.config.TRANSPORTS``
-    (what ``pdlab plan`` and ``pdlab compare --simulate`` look up for ``--transport``):
-    on the GPU box the profile describes, KV crosses that link whichever transport moves it.
+    """The ``DeviceProfile`` of ``db`` (module docstring, step 3). Transfers: every link of
+    ``planner.latency.LINKS`` the system has, under its own name, and ``link``'s model again
+    under every transport name of ``engine.config.TRANSPORTS``: on the GPU box the profile
+    describes, KV crosses that link whichever transport moves it.
 
     Args:
         model_name: the profile's ``model`` (``--model`` as given: a config directory).
-        kv_bytes_per_token: KV bytes per token (pdlab's ``KVSpec.bytes_per_token`` of the
-            config at ``db.kv_dtype``).
-        link: the link the transports carry (default: ``nvlink`` where the system has it,
-            else ``pcie``).
+        kv_bytes_per_token: KV bytes per token (``KVSpec.bytes_per_token`` at ``db.kv_dtype``).
+        link: the link the transports carry (default: ``nvlink`` where the system has it, else
+            ``pcie``).
         created: a time stamp for ``notes``.
 
     Raises:
         SiliconError: data missing for a shape of the grid.
-        ValueError: an unknown link, or ``nvlink`` on a system without it.
-    """
+        ValueError: an unknown link, or ``nvlink`` on a system without it."""
     links = {}
     for name in LINKS:
         try:

@@ -1,66 +1,25 @@
 """A discrete-event simulator of one placement serving one workload (no torch, no threads).
 
-It runs pdlab's own scheduling code on a simulated clock: every simulated instance holds a
-real ``engine.scheduler.Scheduler`` (the class every Engine uses, driven through its public
-methods), assignment is the router's own ``router.assignment.Assigner`` (pools, policy,
-load charges, the conditional rule), and only
-the model forward and the KV bytes are replaced by fitted durations (``latency``). A
-request's life, as the real workers and router live it:
+It runs pdlab's own scheduling code on a simulated clock: each instance holds a real
+``engine.scheduler.Scheduler``, assignment is the router's ``router.assignment.Assigner``, and
+only the forward and the KV bytes are replaced by fitted durations (``latency``). Requests
+follow the life docs/architecture.md tells ("A request's life"): a step's duration is the
+step model at the batch's features; a prefill worker's put holds its loop and precedes the
+first token; a decode instance fetches once ``schedule()`` reserves the blocks; requests stop
+at ``max_tokens`` (``ignore_eos`` workloads).
 
-1. Arrival (the workload's scheduled offset): the router picks the worker(s) by policy,
-   charges their loads (prefill: prompt tokens; decode/colocated: prompt + max_tokens in
-   whole KV blocks) and
-   queues the request there (``conditional:xPyD``: Dynamo's rule picks local or remote).
-2. An idle instance steps at once; a busy one at the end of its step (a worker's loop
-   applies commands between steps). A step is ``Scheduler.schedule()``; its duration is
-   the step model at the batch's features; at its end ``Scheduler.update()`` gets one fake
-   token id per entry that completes, and every produced token leaves at that time.
-3. Prefill worker: a request whose first token was sampled is PREFILLED; its slot is freed
-   (``Scheduler.release``, as ``Engine.export_kv`` does) and its KV is put, holding the
-   worker's loop for the put's share of the transfer time; the first token leaves after the
-   put (so TTFT contains the put, as on the real prefill worker).
-4. The router hands it over at once: the decode instance queues it as
-   ``WAITING_FOR_REMOTE_KVS`` (first token appended, prompt computed, as ``Engine.add_remote``
-   builds it). When ``schedule()`` reserves its slot (``batch.kv_reserved``) the fetch starts
-   (at the end of that step, as the worker's ``on_tick`` does) and takes the get's share; then
-   ``Scheduler.kv_arrived`` and it decodes from the next step on.
-5. Requests stop by ``max_tokens`` (workloads run with ``ignore_eos``, so the output length
-   is the workload's), the router releases the charges, and the record is complete.
+Output: one ``engine.metrics.RequestRecord`` per request with the stamps a real run writes
+(simulated seconds from 0), plus step and transfer records shaped like the real ones, so
+``experiments.analysis``, ``plots`` and ``report`` read it unchanged. Same inputs, same records.
 
-The output is one ``engine.metrics.RequestRecord`` per request with the stamps a real run
-writes (times in simulated seconds from 0), plus step and transfer records shaped like the
-real ones, so ``experiments.analysis``, ``plots`` and ``report`` read it unchanged.
-Deterministic: the same inputs give the same records.
-
-**Fast-forward** (``fast_forward=True``, the default; off gives the plain step-by-step run):
-when an instance's step is pure decode (no prompt tokens, nothing admitted or reserved) the
-Scheduler would schedule exactly the same batch again at the step's end unless something
-reaches that instance first: its waiting queue, its blocks and its running list change
-only by an arrival or hand-over to it, a KV fetch of its own landing, or a request of the
-batch stopping. So the steps up to the earliest of those (the *horizon*: the next event that
-may touch the instance, and the step before the first request of the batch reaches
-``max_tokens``) are advanced in one go: each step's duration from ``step_s`` at the grown
-context (Σctx + B per step), times ``speed_trace`` at that step's own start when one is
-given (a window edge inside the run changes the steps after it, as step by step), each
-request's counters and token stamps extended in bulk, the same floats the step-by-step run
-computes. The step that ends at or after the horizon, or in
-which a request stops, runs through ``Scheduler.update`` as usual. Valid because
-``update`` of a decode-only step in which no request stops only advances counters
-(``ignore_eos`` workloads: the fake token is no stop token, checked per batch); the
-records equal the step-by-step run's exactly (tests/unit/test_plan_simulate.py), and the
-per-step batches still equal a real Engine's (tests/integration/test_plan_identity.py).
-Step records are sorted by start time at the end (a skipped-ahead step is recorded when it
-is skipped).
-
-KV blocks on demand and prefix caching are the Scheduler's own (``engine.scheduler``), so the
-simulation preempts, recomputes and skips cached prefixes as the engine does (records carry
-``num_cached_prompt_tokens`` and ``num_preemptions``). A step that preempted is never
-fast-forwarded (the next one may admit), a preempted request's recompute counts as prefill
-work, and the fast-forward stops before a skipped step that would need more blocks than are
-free (``Scheduler.decode_steps_available``); the blocks and cache entries the skipped steps'
-``schedule()`` would have made are made afterwards, in the same order
-(``Scheduler.catch_up_decodes``), so the records still equal the step-by-step run's.
-"""
+Fast-forward (``fast_forward=True``, default): a pure-decode step would be scheduled again
+unchanged until an arrival, a hand-over, a KV landing or a request stopping reaches the
+instance, so the steps up to that horizon are advanced in one go, with each step's duration
+from ``step_s`` at the grown context (times ``speed_trace`` at its start) and the same floats
+as the step-by-step run. A step that preempted is never fast-forwarded, and the run stops
+before a step needing more blocks than are free (``Scheduler.decode_steps_available``); the
+blocks the skipped steps would have made are made afterwards in order
+(``Scheduler.catch_up_decodes``). Records equal the step-by-step run's exactly."""
 
 from __future__ import annotations
 
@@ -279,7 +238,7 @@ class Simulator:
         arrivals = self._arrivals = sorted(workload, key=lambda item: item[1])  # stable
         # Arrivals wait in a sorted list beside the heap (which then holds only the few
         # events in flight, so the fast-forward horizon scans it cheaply). An arrival runs
-        # before any heap event at its time, as it did when arrivals were pushed first.
+        # before any heap event at its time.
         self._arrival_s = [float(offset) for _, offset in arrivals] + [math.inf]
         self._next_arrival = 0  # index of the next arrival not yet run
         end_s = 0.0

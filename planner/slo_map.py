@@ -1,37 +1,24 @@
 """Where disaggregation wins: the planner's answer over a grid of SLO targets and
 prompt:output ratios, with how sure it is (no torch).
 
-The question "is disaggregation faster for my workload?" depends on the regime (TaiChi,
-2026: aggregation wins at tight TTFT, disaggregation at tight TPOT, neither at balanced
-SLOs). ``pdlab map`` draws the regimes. Per prompt:output ratio:
+Aggregation tends to win at tight TTFT, disaggregation at tight TPOT (TaiChi). ``pdlab map``
+draws the regimes, per prompt:output ratio:
 
-1. Candidates (``map_candidates``): ``search.candidates`` (colocated:N chunked at each
-   budget, colocated-nochunk:N, every disagg:xPyD) plus ``conditional:xPyD`` for every
-   disagg one. Each belongs to one family (``FAMILIES``, ``family_of``).
-2. One ``search.sweep`` per ratio with every request's TTFT and TPOT kept
-   (``latencies=True``): each (candidate, rate, seed) is simulated ONCE. The SLO does not
-   change what the simulated engine does, so the attainment of every (TTFT SLO, TPOT SLO)
-   cell is re-scored from the same requests (``attainment``: one matrix product per run)
-   and the goodput per device of every cell read from it (``goodput_grid``: DistServe's,
-   ``engine.metrics.goodput_rate`` on the mean-over-seeds curve). That is what makes an
-   8 x 8 x 3 map cost 3 sweeps, not 192.
-3. Per cell (``cells``): the best candidate of each family; the family whose best has the
-   most goodput wins; the runner-up is the best of another family; margin =
-   (winner - runner-up) / winner. "No clear winner" exactly where ``planner.band``'s rule
-   does not separate them (``band.separates``: the winner's goodput with every step
-   1 + S slower against the runner-up's with every step 1 - S faster; ``band_goodput``
-   simulates only the candidates that are winner or runner-up somewhere, at both ends, once
-   per ratio). With S = 0 a tie is no clear winner. A cell where nothing reaches 90%
-   attainment even at the lowest rate has no winner ("none"). colocated:N and
-   colocated-nochunk:N tied where every prompt fits the chunk budget are one answer, not
-   rivals (``same_schedule``: the runner-up is then the next family's best). A winner that
-   still met the SLO at the top swept rate is flagged (``at_sweep_top``): its goodput is a
-   lower bound.
-4. ``regions``: the text of where each family wins ("disagg wins when TPOT <= X and
-   TTFT >= Y"), from the bounding box of its clear cells.
-5. ``pick_cells``: which cells ``pdlab map --validate K`` checks for real (the corners and
-   cells beside a boundary, round-robin over the ratios).
-"""
+1. ``map_candidates``: ``search.candidates`` plus ``conditional:xPyD`` for every disagg one,
+   each in one family (``FAMILIES``, ``family_of``).
+2. One ``search.sweep`` per ratio keeping every request's TTFT and TPOT: each (candidate,
+   rate, seed) is simulated once, and every (TTFT SLO, TPOT SLO) cell is re-scored from the
+   same requests (``attainment``) and its goodput per device read (``goodput_grid``:
+   ``engine.metrics.goodput_rate`` on the mean-over-seeds curve).
+3. ``cells``: the best of each family; the family with most goodput wins, the best of another
+   is runner-up, margin = (winner - runner-up) / winner. "No clear winner" where
+   ``band.separates`` does not separate them (winner 1 + S slower against runner-up 1 - S
+   faster; S = 0: a tie). "none" where nothing reaches 90% attainment at the lowest rate.
+   colocated:N and colocated-nochunk:N with the same schedule are one answer
+   (``same_schedule``). A winner still meeting the SLO at the top rate is flagged
+   (``at_sweep_top``): its goodput is a lower bound.
+4. ``regions``: where each family wins, as text, from the bounding box of its clear cells.
+5. ``pick_cells``: which cells ``pdlab map --validate K`` checks for real."""
 
 from __future__ import annotations
 

@@ -1,46 +1,28 @@
 """Which workers serve a request and what each is charged: the one owner of the assignment
-rules, driven alike by the online router (``router.router.Router``) and the planner's
-simulator (``planner.simulate.Simulator``), so a plan and a real run pick the same workers
-from the same loads. No I/O, no clock, no torch.
+rules, used alike by the router (``router.router.Router``) and the planner's simulator
+(``planner.simulate.Simulator``), so a plan and a real run pick the same workers from the
+same loads. No I/O, no clock, no torch. (The whole request's life: docs/architecture.md, "A
+request's life".)
 
-A request's assignment, in three calls:
+1. ``assign`` by placement kind: ``colocated``, one colocated worker; ``disagg``, a prefill
+   and a decode worker; ``conditional``, Dynamo's rule (``ConditionalConfig.remote``: prompt
+   length minus its prefix hit on the decode worker, and the prefill queue) picks local or
+   remote prefill. Each worker is picked by the policy over its pool's live workers
+   (``router.policy.pick``) and charged at once: a prefill worker its prompt tokens, a decode
+   or colocated worker ``prompt + max_tokens`` rounded up to whole KV blocks.
+2. ``prefilled``: its first token came back; the prefill charge is released.
+3. ``release``: it ended, whichever way; every charge is released exactly once.
 
-1. ``assign``: by placement kind. ``colocated``: one colocated worker. ``conditional``:
-   NVIDIA Dynamo's rule (``ConditionalConfig.remote``, on the prompt length and the number
-   of requests in the prefill queue) decides whether its decode worker prefills it
-   (``local``) or a prefill worker does (``remote``). ``disagg``: a prefill worker and a
-   decode worker. Each worker is picked by the policy over its pool's live workers
-   (``router.policy.pick``, one round-robin counter per pool) and charged at once, so a
-   burst spreads out: a prefill worker its prompt tokens; a decode or colocated worker the
-   KV tokens it will reserve, ``prompt + max_tokens`` rounded up to whole KV blocks. A
-   remote request joins the prefill queue.
-2. ``prefilled``: its first token came back from its prefill worker: that charge is
-   released and it leaves the prefill queue.
-3. ``release``: it ended, whichever way: every charge it still holds is released, each
-   exactly once (loads return to exactly 0), and it leaves the prefill queue.
+Prefixes: ``assign`` may be given the prompt's block hashes; the picked workers are credited
+with them in a ``PrefixIndex`` (``cache_aware`` picks by longest match). Without hashes every
+match is 0. The KV sent to a decode worker (``Assignment.kv_token_start``) skips only the
+prefix it holds for sure: a second index, ``landed``, credits it once the KV arrived
+(``kv_landed``), not blocks still in flight.
 
-Prefixes (``router.prefix_index.PrefixIndex``, the Assigner's own): ``assign`` may be given
-the prompt's block hashes (``engine.kv_blocks.prompt_block_hashes``); the workers picked are
-credited with them. The ``cache_aware`` policy picks by the longest match in every pool
-(``router.policy.cache_aware``), and a ``conditional`` placement decides on the prompt
-length **minus its prefix hit** on the decode worker the policy would pick (Dynamo's rule as
-written: ``prefill_length - prefix_hit_length > max_local_prefill_length``). Without hashes
-(caching off) every match is 0 and both behave as before. Neither changes the order in which
-workers are picked and charged.
-
-The KV a remote request's decode worker is sent (``Assignment.kv_token_start``) skips the
-prefix that worker holds for sure: a second index, ``landed``, credits a decode worker with
-a prompt's blocks only once that prompt's KV reached it (``kv_landed``, on ``kv_got``).
-Crediting at assignment, as routing does, would skip blocks still in flight to it (a burst
-sharing a system prompt), which the worker would then recompute.
-
-A dead worker leaves its pool (``mark_dead``): nothing new is routed to it, and
-``requests_needing`` names the requests that still needed it; a remote request that had not
-reached its dead decode worker yet can be given another (``reassign_decode``). A restarted
-worker rejoins its pool (``mark_live``). A pool with no live worker makes ``assign`` raise
-``NoLiveWorker`` naming the role, so the router can hold the request until the pool has a
-worker again.
-"""
+A dead worker leaves its pool (``mark_dead``); ``requests_needing`` names the requests that
+needed it, and ``reassign_decode`` gives a remote request another decode worker. ``mark_live``
+brings a restarted one back. A pool with no live worker makes ``assign`` raise
+``NoLiveWorker`` naming the role."""
 
 from __future__ import annotations
 

@@ -1,65 +1,28 @@
 """``pdlab serve``: an OpenAI-compatible HTTP server over any placement (FastAPI + uvicorn).
+Its part of a request's life (the whole story: docs/architecture.md, "A request's life"):
 
-A request's life:
+1. The body is read with a size cap (``max_body_bytes``: 413), decoded as strict UTF-8, parsed
+   as JSON and validated by pydantic models that forbid unknown fields and coerce no types.
+2. The prompt becomes token ids (the tokenizer, the chat template, or ids as given). Empty
+   prompts, ``prompt + max_tokens`` over the context or a worker's whole KV cache, ids outside
+   the vocabulary and bad sampling values are refused before anything is queued.
+3. ``n`` choices are ``n`` router requests (``<id>-0`` ...; with a ``seed``, choice ``i`` uses
+   ``seed + i``); ``usage.prompt_tokens`` counts the prompt once.
+4. ``Router.submit`` streams token ids; ``TextStream`` turns them into text and matches
+   ``stop`` strings across tokens (the request is then aborted on its workers). Streaming is
+   one server-sent event per output token, the usage chunk when asked, then ``data: [DONE]``.
+5. A client that disconnects gets its requests aborted on every worker.
 
-1. The body is read with a size cap (``max_body_bytes``: 413 beyond it), decoded as strict
-   UTF-8 and parsed as JSON (400 otherwise), then validated by a pydantic model that
-   forbids unknown fields and coerces no types (400 naming the field, OpenAI's error
-   object ``{"error": {"message", "type", "param", "code"}}``).
-2. The prompt becomes token ids: a string through the model's tokenizer (``/v1/completions``)
-   or the messages through its chat template (``/v1/chat/completions``); a list of token
-   ids is taken as is (what ``pdlab bench`` sends). Empty prompts, prompts over the context
-   (``prompt + max_tokens > max_model_len``) or over a worker's whole KV cache (the router's
-   ``kv_capacity_tokens``; chat's default ``max_tokens`` is what both leave), ids outside
-   the vocabulary and bad sampling values are refused with 400 before anything is queued.
-3. ``n`` choices are ``n`` router requests (ids ``<id>-0`` ...): each prefills on its own
-   (no shared prefill across choices); with a ``seed``, choice ``i`` uses ``seed + i`` so
-   the choices differ and each is reproducible. ``usage.prompt_tokens`` counts the prompt
-   once (as OpenAI), ``completion_tokens`` sums every choice's tokens.
-4. ``Router.submit`` (the router's online interface) streams token ids back; ``TextStream``
-   turns them into text, matching ``stop`` strings across token boundaries (the text ends
-   before the stop string; the request is then aborted on its workers). Streaming sends one
-   server-sent event per output token (its text delta may be empty while a UTF-8 character
-   or a possible stop string is held back), the last with ``finish_reason``, then the usage
-   chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
-5. A client that disconnects mid-stream (or while waiting for a non-streamed answer) gets its
-   requests aborted as soon as ASGI reports the disconnect: the router aborts them on every
-   worker, which free their KV.
+Fields: ``_Sampling``, ``CompletionBody`` and ``ChatBody`` (OpenAI's and vLLM's extensions);
+``null`` means the default. ``echo``, ``suffix``, ``best_of`` other than ``n``, ``logit_bias``
+and tools are refused. Logprobs are raw (``log_softmax`` before any filter), one per token.
 
-Logprobs: completions ``logprobs: N`` (0..20) returns per choice ``logprobs: {"tokens",
-"token_logprobs", "top_logprobs": [{text: logprob}, ...], "text_offset"}``; chat
-``logprobs: true`` with ``top_logprobs: N`` (0..20) returns ``logprobs: {"content": [{"token",
-"logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}``; streamed chunks carry
-the entries of their token. One entry per completion token (``usage.completion_tokens``), the
-first included (in disaggregated placements it comes from the prefill worker). Values are raw
-logprobs: ``log_softmax`` of the model's logits before temperature / top-k / top-p (vLLM's
-default). ``top_logprobs`` without ``logprobs: true`` is refused (400).
-
-Request fields: ``_Sampling``, ``CompletionBody`` and ``ChatBody`` list them (OpenAI's and
-vLLM's extensions: every field the benchmark clients of tests/data/clients send); ``null`` for
-any optional field means its default. Not supported (400 naming the field): ``echo``,
-``suffix``, ``best_of`` other than ``n``, ``logit_bias``, tools, and any field not listed.
-``temperature`` defaults to 1.0 as in OpenAI's API.
-
-Errors: every refusal is OpenAI's error object ``{"error": {"message", "type", "param",
-"code"}}`` with status 400 (404 an unknown model, 413 a body over the cap) and the connection
-kept; a request that found no live worker for it (its pool's workers restarting, or dead
-for good) is a 503, with ``Retry-After`` while a restart is under way; a failed generation a
-500; anything unexpected a JSON 500 with ``Connection: close``.
-
-``/metrics`` (Prometheus text format, ``prometheus_client``): vLLM's metric names with the
-``pdlab:`` prefix (``pdlab:time_to_first_token_seconds``, ``pdlab:inter_token_latency_seconds``,
-``pdlab:e2e_request_latency_seconds``, ``pdlab:request_queue_time_seconds``,
-``pdlab:num_requests_running`` / ``_waiting``, ``pdlab:prompt_tokens_total``,
-``pdlab:generation_tokens_total``, ``pdlab:request_success_total{finished_reason}``,
-``pdlab:prefix_cache_queries_total`` / ``pdlab:prefix_cache_hits_total``: prompt tokens of
-answered requests and those of them their prefill found in a prefix cache), plus
-``pdlab:kv_transfer_bytes`` and ``pdlab:kv_transfer_seconds`` histograms (labels
-``prefill_worker``, ``decode_worker``) and ``pdlab:worker_info`` / ``pdlab:worker_load_tokens``
-with ``worker`` and ``role`` labels. Latencies come from the router's ``RequestRecord``s with
-the definitions of ``engine.metrics`` (TTFT and E2E on the router clock from arrival at the
-HTTP front end, ITL on the worker clock); queue time is ``prefill_queue_s``.
-"""
+Errors: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with 400 (404 an unknown
+model, 413 a body over the cap), the connection kept; no live worker: 503, with
+``Retry-After`` while a restart is under way; a failed generation 500; anything unexpected a
+JSON 500 with ``Connection: close``. ``/metrics`` is Prometheus text with vLLM's metric names
+under ``pdlab:`` (TTFT, ITL, E2E, queue time, running and waiting, tokens, prefix cache), KV
+transfer histograms, and ``pdlab:worker_info`` / ``worker_load_tokens`` (``engine.metrics``)."""
 
 from __future__ import annotations
 

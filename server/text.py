@@ -80,13 +80,10 @@ class TextStream:
         include_stop_str: the text ends right after the stop string instead of before it
             (vLLM's ``include_stop_str_in_output``).
 
-    ``add(token_id)`` returns ``(delta, stopped)``: the new text that can be shown now, and
-    whether a stop string has appeared (then ``delta`` ends right before it, or after it with
-    ``include_stop_str``, and the request is over: the caller aborts it). ``finish()``
-    returns the held-back rest at the end.
-    ``num_tokens`` counts the tokens added up to and including the one that completed the
-    stop string (the completion's token count in ``usage``).
-    """
+    ``add(token_id)`` returns ``(delta, stopped)``: the text that can be shown now, and whether a
+    stop string appeared (the request is then over: the caller aborts it). ``finish()`` returns
+    the held-back rest. ``num_tokens`` counts tokens up to the one that completed the stop string
+    (``usage``'s completion tokens)."""
 
     def __init__(self, text: ByteText | HFText, stop: Sequence[str] = (),
                  skip_special_tokens: bool = True, include_stop_str: bool = False) -> None:

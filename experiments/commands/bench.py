@@ -1,36 +1,22 @@
 """``pdlab bench``: the workloads of ``pdlab run`` sent to any OpenAI-compatible server.
 
-A run:
+1. Each seed's workload is built as ``pdlab run`` builds it (``compare.build_workload``: same
+   datasets, token ids, output lengths and arrival times).
+2. The served model is read from ``GET /v1/models`` (or ``--served-model``; emulated devices
+   are reported as such); two warm-up requests are discarded; then every request is sent at
+   its scheduled time (open loop): ``POST /v1/completions`` with token ids, ``max_tokens``,
+   ``ignore_eos``, ``temperature`` 0, streamed with usage.
+3. Each response becomes a ``RequestRecord`` from client-side stamps: ``arrived`` = scheduled
+   send, ``dispatched`` = actual send, one ``token_times_s`` per chunk carrying a choice,
+   ``finished`` after ``[DONE]``. A ``usage.completion_tokens`` other than asked is an error;
+   fewer chunks than tokens are kept and counted. ``compare.write_results`` writes the usual
+   results.
 
-1. Build each seed's workload exactly as ``pdlab run`` does (``compare.build_workload``:
-   the same datasets, prompts as token ids through the model's tokenizer and chat template,
-   output lengths, and ``workloads.with_arrivals``: the same Poisson/Gamma arrival times).
-2. Ask the server which model it serves (``GET /v1/models``: its first model, or the one
-   named by ``--served-model``; a pdlab server on emulated devices says so there, and the
-   config row and report then say ``emulated`` too),
-   send two discarded warm-up requests, then for each rate and seed send every request at
-   its scheduled time (open loop, ``asyncio``): ``POST /v1/completions`` with the prompt as
-   token ids (so both servers see the same tokens, whatever their tokenizer does to text),
-   ``max_tokens`` = the output length, ``ignore_eos``, ``temperature`` 0, ``stream`` with
-   ``stream_options.include_usage``.
-3. Each response becomes a ``RequestRecord`` from **client-side** timestamps: ``arrived`` =
-   the scheduled send time, ``dispatched`` = when the request was actually sent, one
-   ``token_times_s`` entry per streamed chunk that carries a choice (pdlab serve and vLLM
-   send one per output token), ``finished`` after ``[DONE]``. ``output_token_ids`` stays
-   empty (the API returns text); a response whose ``usage.completion_tokens`` differs from
-   the number asked for is an error; one whose chunks are fewer than its tokens (a server
-   that merges tokens into one chunk) keeps its chunk times, and the run prints how many. The records go through ``compare.write_results``: the same requests.jsonl,
-   summary.csv, report and plots, with the metric definitions of ``engine.metrics``.
+Unlike ``pdlab run``, TTFT and E2E include HTTP, JSON and detokenization, ITL and TPOT use
+the client clock, and there is no worker-side breakdown.
 
-Where client-side timing differs from ``pdlab run`` (router clock): TTFT and E2E include
-HTTP, JSON and detokenization on top of the router's relay; ITL and TPOT are measured on
-the client clock (``pdlab run`` uses the worker clock), so they include the server's
-streaming jitter; there are no worker-side stages (prefill, KV transfer) in the breakdown.
-
-Labels name a system and the placement it ran, ``NAME@PLACEMENT`` (``vllm@colocated:1``,
-``pdlab@disagg:1p1d``): the placement tells goodput per device how many devices it used.
-``merge`` joins several bench results directories into one comparison report.
-"""
+Labels are ``NAME@PLACEMENT`` (``vllm@colocated:1``): the placement gives goodput per device
+its device count. ``merge`` joins several bench results directories into one report."""
 
 from __future__ import annotations
 

@@ -54,25 +54,22 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                    policy: str = "least_loaded", local: bool = False,
                    conditional: ConditionalConfig | None = None,
                    simulate=None, max_worker_restarts: int = 0) -> tuple[pd.DataFrame, str]:
-    """Steps 1-3 of the module docstring; returns (summary table, verdict text). ``local``:
-    workers in this process (tests; transport ``inprocess``). ``simulate``: a
-    ``planner.latency.DeviceProfile``; the same runs are then simulated too
-    (``pdlab plan``'s simulator), the attainment plot overlays the simulated curve (dashed)
-    and validation.csv holds the per-point errors (``experiments.validate``).
-    ``max_worker_restarts``: a worker that dies is started again up to this many times.
-    Last, the planner's small SLO map of this workload (``experiments.workload_map``: a
-    few seconds) goes into report.md, map.csv, map.png and the verdict's last lines.
+    """Steps 1-3 of the module docstring; returns (summary table, verdict text).
+
+    ``local``: workers in this process (tests; transport ``inprocess``). ``simulate``: a
+    ``planner.latency.DeviceProfile``; the same runs are then simulated too and validation.csv
+    holds the per-point errors (``experiments.validate``). ``max_worker_restarts``: a dead worker
+    is started again up to this many times. Last, the planner's small SLO map of this workload
+    (``experiments.workload_map``) goes into report.md, map.csv, map.png and the verdict.
 
     With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
-    ``calibrated_slo`` (both measured on the first placement, recorded under
-    ``calibration`` in the config row). A ``mooncake`` trace runs once per placement and
-    seed at its own timestamps, labelled with its mean rate (``workload_spec.trace_rate``),
-    whatever ``rates`` and ``spec.calibrate`` say.
+    ``calibrated_slo`` (measured on the first placement, recorded under ``calibration``). A
+    ``mooncake`` trace runs once per placement and seed at its own timestamps, labelled with
+    its mean rate (``workload_spec.trace_rate``).
 
     Raises:
-        ValueError: a bad placement, device set or workload option, or a workload that does
-            not fit the model (before anything runs).
-    """
+        ValueError: a bad placement, device set or workload option, or a workload that does not
+            fit the model (before anything runs)."""
     device_set = parse_devices(devices)
     for placement in placements:  # fail fast, before any model loads
         worker_layout(placement, device_set)

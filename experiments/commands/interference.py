@@ -1,34 +1,22 @@
 """``pdlab interference``: how much a prefill stalls the decodes running beside it, measured
 directly on one device through pdlab's own Engine (no Ray, no router).
 
-A measurement, for each mode and decode batch size B:
+For each mode and decode batch size B: an engine gets B decode requests at context ~C
+(prefilled untimed), runs one discarded warm-up step, then for each repeat and prompt
+length P times a **baseline** step (decodes alone) and the **injection** beside it:
 
-1. An engine (the mode's chunking and token budget, B + 1 KV slots) gets B decode requests
-   of C - 1 prompt tokens; they are prefilled and sample their first token (untimed), so
-   every later step is a decode step of B requests at context ~C.
-2. One decode step is run and discarded (warm-up).
-3. For each repeat and each prompt length P > 0 (P = 0 is the baseline alone):
-   a. one step with no prefill: the **baseline** step the running requests see right now
-      (their context differs from the injection's by one token: measured side by side);
-   b. the **injection**: ``colocated-nochunk`` adds a P-token request (``max_tokens=1``)
-      that runs whole in the next step; ``chunked`` (Sarathi-Serve) adds the same request to
-      an engine whose token budget K covers the B decodes plus a prompt chunk of K - B, so
-      it spreads over ceil(P / (K - B)) steps; ``disagg`` (the prefill ran elsewhere) hands
-      the engine the request's P-token KV (``add_remote``, then
-      ``finish_remote`` once the engine has reserved its slot) with ``max_tokens=2``, so
-      it decodes once beside the B and leaves. Each step of the injection is timed; every
-      running request emits one token per step, so a step's time is the ITL it sees.
-4. Disagg only: the KV import alone (copying P tokens of KV into a free slot) is timed
-   separately and reported beside the decode steps.
+- ``colocated-nochunk``: a P-token request runs whole in the next step;
+- ``chunked`` (Sarathi-Serve): the token budget K covers the B decodes plus a chunk of
+  K - B, so it spreads over ceil(P / (K - B)) steps;
+- ``disagg``: the P-token KV arrives from elsewhere (``add_remote``, ``finish_remote``) and
+  the request decodes once beside the B; the KV import alone is timed separately.
 
-Every step is timed with ``clock`` (``time.perf_counter``; on CUDA the device is synchronized
-before the clock starts and before it stops). The raw steps are one table (``steps.csv``);
-everything else is a pure function of it (``summarize``, ``fit_step_model``, ``sentence``),
-which ``tests/unit/test_interference.py`` checks on a stub engine whose clock advances by known
-step times. Estimator per grid point: the minimum over repeats (as ``experiments.timing``).
+Each running request emits one token per step, so a step's time is the ITL it sees. Steps
+are timed with ``clock`` (``time.perf_counter``, CUDA synchronized on both ends). The raw
+steps are ``steps.csv``; everything else is a pure function of it (``summarize``,
+``fit_step_model``, ``sentence``); the estimator per point is the minimum over repeats.
 
-Outputs: steps.csv, interference.csv, fits.csv, summary.md, interference.png.
-"""
+Outputs: steps.csv, interference.csv, fits.csv, summary.md, interference.png."""
 
 from __future__ import annotations
 

@@ -1,38 +1,25 @@
 """The ``pdlab map`` command: where disaggregation wins, over a grid of (TTFT SLO, TPOT SLO)
 cells and prompt:output ratios, from the planner's simulator (``planner.slo_map``); with
-``--validate K`` also checked against real runs (``experiments.map_validate``): on this
-machine's devices, or with ``--validate-on emu`` on emulated ones (``emu:0`` .. ``emu:N-1``,
-``engine.emulated``: the real control plane holding each step for the profile's time).
+``--validate K`` also checked against real runs (``experiments.map_validate``) on this
+machine's devices, or with ``--validate-on emu`` on emulated ones (``engine.emulated``).
 
-1. Check every option before anything starts (``check``): the SLO ranges (``MIN:MAX:STEPS``,
-   MIN > 0, MIN <= MAX, STEPS >= 1), the ratios, the device profile (this machine's measured
-   one, or a GPU's from ``pdlab profile --from-silicon-db``), the transfer model (the
-   profile's for ``--transport``, or ``--link``, and the what-if latency/bandwidth), that
-   every ratio's requests fit ``--max-model-len``, and for ``--validate`` that the map's
-   devices exist here (``--validate-on here``, the profile of this machine's device kind)
-   or that the profile can be emulated (``--validate-on emu``:
-   ``experiments.placement.emulation_for``'s refusals); ``--validate-on emu`` without
-   ``--validate`` and ``--emu-kv-scale`` without ``--validate-on emu`` are refused.
-2. Per ratio: the synthetic workload (``slo_map.ratio_lengths`` at ``--request-tokens``),
-   the automatic rate ladder (``search.auto_rates``) unless ``--rates``, one simulated sweep
-   re-scored at every cell, and the band runs of the contenders (``slo_map.map_ratio``).
-3. Outputs in the results directory: map.csv (every cell of every ratio), map_runs.csv
-   (every simulated run at the loosest cell's SLO), map_io<ratio>.png (the heatmap of each
-   ratio), regions.txt and map.md; printed: the regions and the time taken.
+1. ``check`` refuses bad options before anything starts: SLO ranges (``MIN:MAX:STEPS``, MIN >
+   0, MIN <= MAX, STEPS >= 1), ratios, the device profile, the transfer model, requests over
+   ``--max-model-len``, devices or emulation ``--validate`` cannot have, and
+   ``--validate-on emu`` / ``--emu-kv-scale`` without what they need.
+2. Per ratio: the synthetic workload (``slo_map.ratio_lengths``), the rate ladder
+   (``search.auto_rates``) unless ``--rates``, one simulated sweep re-scored at every cell,
+   and the band runs of the contenders (``slo_map.map_ratio``).
+3. Outputs: map.csv, map_runs.csv, map_io<ratio>.png, regions.txt, map.md; printed: the
+   regions and the time taken.
 4. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real (every candidate, or
-   with ``--validate-placements contenders`` each family's best at those cells
-   (``map_validate.contenders``), at ``--validate-rates`` or the map's ladder,
-   ``--validate-requests`` per seed, again ``--validate-reruns`` times);
-   map_validation.csv, map_validation_runs.csv (every real request's TTFT and TPOT), the
-   checked cells outlined on the heatmaps, and the summary: top-1 agreement, regret,
-   Kendall tau and every disagreement with its noise verdict.
-   With every placement run (the default), the same real runs score every cell of the map
-   too (a real run does not depend on the SLO): map_validation_every_cell.csv and one
-   summary line (``map_validate.every_cell_line``).
-   On emulated devices every output says so (map_validation.csv's ``emulated`` and
-   ``devices``, the printed and map.md headers) and the summary adds the runs' lateness
-   (``map_validate.lateness_line``).
-"""
+   each family's best with ``--validate-placements contenders``), at ``--validate-rates`` or
+   the map's ladder, ``--validate-requests`` per seed, ``--validate-reruns`` more times:
+   map_validation.csv, map_validation_runs.csv, the checked cells outlined on the heatmaps,
+   and top-1 agreement, regret, Kendall tau and each disagreement with its noise verdict.
+   With every placement run, the same runs score every cell
+   (map_validation_every_cell.csv). Emulated runs say so in every output, with their
+   lateness (``map_validate.lateness_line``)."""
 
 from __future__ import annotations
 
@@ -72,35 +59,23 @@ EMU_KV_SCALE = 1 / 256  # --validate-on emu's default --emu-kv-scale (the repo's
 
 @dataclass(frozen=True)
 class MapConfig:
-    """What ``pdlab map`` draws.
+    """What ``pdlab map`` draws; each field's ``help`` and bounds are its CLI option's.
 
     Attributes:
         devices: devices N to place on (simulated; may exceed this machine without --validate).
-        device_profile: device profile JSON; unset: the newest results/profile-*/ of the model.
         ttft_slo, tpot_slo: ``MIN:MAX:STEPS`` seconds, geometric (``slo_map.parse_range``).
         io_ratio: prompt:output token ratios, comma-separated (0.25 = 1 prompt per 4 output).
-        request_tokens: mean prompt + output tokens per request at every ratio.
-        num_rates: rates in the automatic ladder of each ratio.
-        chunk_budgets: extra chunk budgets for colocated:N.
-        conditional: include conditional:xPyD (Dynamo's rule) beside disagg:xPyD.
-        link: the KV link (``planner.latency.LINKS``: nvlink, pcie, ib400, tcp25) instead of
-            the profile's --transport model.
-        transfer_latency_s, transfer_bandwidth_gbps: what if a KV transfer cost this (s,
-            GB/s), replacing the link's or transport's figure.
+        link: the KV link (``planner.latency.LINKS``) instead of the profile's --transport model;
+            transfer_latency_s, transfer_bandwidth_gbps (seconds, GB/s) replace its figures.
         speed_spread: the band of "no clear winner" (``planner.band``); 0 = ties only.
-        validate: check this many cells for real (0: none).
-        validate_requests: requests per seed in each real run.
-        validate_reruns: every real run again this many times (the machine's own noise).
-        validate_rates: real runs' rates (req/s, comma-separated); "" = the map's ladder.
-        validate_placements: which placements each checked cell runs: "all" (every
-            candidate of the map) or "contenders" (each family's best there and the
+        validate: cells checked for real (0: none); validate_rates: req/s, "" = the map's ladder.
+        validate_placements: "all" (every candidate) or "contenders" (each family's best and the
             winner's same-schedule twin, ``map_validate.contenders``).
-        validate_on: where the real runs run: "here" (this machine's devices, of the
-            profile's kind) or "emu" (emulated devices ``emu:0`` .. ``emu:N-1`` holding each
-            step for the --device-profile's modelled time; KV scaled by --emu-kv-scale).
+        validate_on: "here" (this machine's devices, of the profile's kind) or "emu" (emulated
+            devices holding each step for the profile's modelled time; KV scaled by
+            --emu-kv-scale).
         local: the real runs' workers in this process (needs --transport inprocess).
-        jobs: simulation processes; 0 = one per CPU this process may use.
-    """
+        jobs: simulation processes; 0 = one per CPU this process may use."""
 
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
     device_profile: str | None = field(default=None, metadata={

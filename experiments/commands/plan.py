@@ -53,37 +53,28 @@ BUDGETS = r"(\d+(,\d+)*)?"
 
 @dataclass(frozen=True)
 class PlanConfig:
-    """What ``pdlab plan`` searches and the "what if" knobs beyond the engine's own.
+    """What ``pdlab plan`` searches and the "what if" knobs beyond the engine's own; each field's
+    ``help`` and bounds are its CLI option's.
 
     Attributes:
         devices: devices to place on (N; may exceed this machine: it is simulated).
-        profile: device profile JSON (``pdlab profile`` writes device_profile.json); unset:
-            the newest results/profile-*/device_profile.json of this model and dtype.
-        num_rates: rates in the automatic sweep (when --rates is not given).
-        chunk_budgets: extra chunk budgets (tokens per step) to try for colocated:N, besides
-            --max-num-batched-tokens; ``""`` = none.
-        transfer_latency_s: what if a KV transfer had this fixed cost (s), instead of the
-            profile's.
-        transfer_bandwidth_gbps: what if it moved this many GB/s, instead of the profile's.
-        top: placements plotted, banded with --speed-spread and validated with --validate.
-        validate: also run the best placements for real and report the simulator's error.
-        validate_requests: requests per seed in the validation runs (real runs are slow; one
-            request is 100 / N points of attainment, so the 2-point target needs N >= 50).
-        validate_reruns: every validated point run again for real this many times (after a
-            first pass over all of them): the machine's run-to-run difference, reported
-            beside the simulator's error (``validate`` step 7).
-        step_scale: every modelled step time multiplied by this (``DeviceProfile.scaled``):
-            the factor a validation measured ("real steps took Nx the modelled time"), for
-            a machine that serves slower than its profile ran (Dynamo's SLA planner applies
-            its observed ÷ expected correction the same way).
-        jobs: processes the simulations are spread over; 0 = one per CPU this process may
-            use (``os.sched_getaffinity``).
-        speed_spread: how sure the answer is (``band``): the best --top placements are also
-            simulated with every step (1 + this) and (1 - this) times the profile's, giving
-            a goodput band per placement and "no clear winner" where the first's and the
-            second's overlap; with --validate also the per-point attainment band and the
-            ranking check within it. 0 = off. In [0, 1).
-    """
+        profile: device profile JSON; unset: the newest results/profile-*/device_profile.json
+            of this model and dtype.
+        transfer_latency_s, transfer_bandwidth_gbps: what if a KV transfer had this fixed cost
+            (seconds) or moved this many GB/s, instead of the profile's model.
+        validate_requests: requests per seed in the validation runs; one request is 100 / N
+            points of attainment.
+        validate_reruns: every validated point run again for real this many times after a first
+            pass over all of them (``validate`` step 6).
+        step_scale: every modelled step time multiplied by this (``DeviceProfile.scaled``): the
+            factor a validation measured, as Dynamo's SLA planner applies its observed / expected
+            correction.
+        jobs: simulation processes; 0 = one per CPU this process may use.
+        speed_spread: the best --top placements also simulated with every step (1 +/- this) times
+            the profile's (``band``), in [0, 1); 0 = off.
+
+    Raises:
+        ValueError: a field outside its bounds (``check_fields``), ``speed_spread >= 1``."""
 
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
     profile: str | None = field(default=None, metadata={
@@ -269,9 +260,8 @@ def kv_cache_line(profile: DeviceProfile, engine: EngineConfig) -> str:
 def prefill_range_warning(profile: DeviceProfile, longest_prompt: int) -> str:
     """A warning when the workload's longest prompt (tokens) is longer than any the profile
     measured: its prefill steps are then extrapolated by the fit's quadratic term, which
-    short prompts steepen (issue 12's validation: prompts of 700-930 tokens on a profile that
-    stopped at 512 put the attainment error at 24.7 points, against 4.0 with 1024 measured).
-    "" when it is not, or the profile does not say (``max_prefill_tokens`` None)."""
+    short prompts steepen. "" when it is not, or the profile does not say
+    (``max_prefill_tokens`` None)."""
     top = profile.max_prefill_tokens
     if top is None or longest_prompt <= top:
         return ""

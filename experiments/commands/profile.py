@@ -1,46 +1,27 @@
 """``pdlab profile``: the phase profile of one model on one device, through pdlab's own Engine.
 
-A profile:
+1. Prefill: for each prompt length P, the one ``Engine.step()`` that prefills a P-token
+   request whole is timed (the budget is >= P). Time per prompt token = time / P.
+2. Decode vs context: B requests (each of the context batch sizes) prefilled to context C,
+   then single decode steps timed (the context grows by one per step; the row is labelled C).
+3. Decode vs batch: B requests at a fixed context, decode steps timed; a least-squares line
+   ``t = a + b*B`` with its R².
+4. Mixed steps: B decodes beside one P-token prompt prefilled whole in the same step.
+5. Derived: the cost of a prompt token over an output token's, and a P x G table of TTFT and
+   total time (prefill + G-1 decode steps from the context line).
+6. The device profile (``planner.latency``): step models fitted on each point's median run,
+   and per ``--transports`` transport a transfer model fitted on ``pdlab kv-cost``'s
+   measurement, with the model, dtype, device and thread count, for ``pdlab plan``.
 
-1. Prefill: for each prompt length P, a request with P random token ids and ``max_tokens=1``
-   is queued (untimed) and the one ``Engine.step()`` that prefills it whole is timed (the
-   token budget is >= P, so the prompt is not chunked). Time per prompt token = time / P.
-2. Decode vs context: B requests (each B of the context batch sizes, 1 and 8 by default)
-   are prefilled to context C (untimed), then single decode steps are timed. Each timed step
-   adds one token, so the context grows from C to C + runs; the row is labelled C. The line
-   fitted on context (and the P x G table) uses the B = 1 rows; the device profile's decode
-   model all of them.
-3. Decode vs batch: B requests at a fixed context are prefilled (untimed), then decode steps
-   over all B are timed; a least-squares line t = a + b*B (``numpy.polyfit``) with its R².
-4. Mixed steps: B requests decode at a fixed context while one new prompt of P tokens is
-   prefilled whole in the same step (the chunked-prefill step of a colocated engine).
-5. Derived: the cost of a prompt token (prefill time / P at the largest P) over the cost of
-   an output token (decode step at B = 1), and a P x G table of TTFT (= prefill time) and
-   total time (prefill + G-1 decode steps: the first of G output tokens comes from the
-   prefill step) with decode steps estimated from the line fitted to the context sweep.
+``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes a GPU's
+profile from NVIDIA's database instead (``planner.silicon``; no step runs here), with the link
+transfer models (``--link``): device_profile.json, silicon_steps.csv, decode_check.csv
+(decode at B = 1, 16, 64 against the database's TPOT), summary.md.
 
-6. The device profile (``planner.latency``): the prefill, decode and mixed step
-   models fitted on the rows above (on each point's median run, the typical step a
-   simulator needs), and per transport of ``--transports`` a transfer model
-   fitted on ``pdlab kv-cost``'s measurement of the prompt lengths >= 16; with the model,
-   dtype, device and thread count, for ``pdlab plan``.
-
-``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes the
-device profile of a GPU instead, from NVIDIA's measured per-operation database
-(``planner.silicon``, the optional extra ``silicon``): no step runs here, no weights are
-read; with it, the link transfer models (``--link``, ``planner.latency.LINKS``). Outputs:
-device_profile.json, silicon_steps.csv (every sampled step, the database's time and the
-fitted model's), decode_check.csv (decode steps at B = 1, 16, 64 against the database's
-TPOT estimate), summary.md.
-
-Every time is min of N runs after 1 warm-up, the median beside it. The runs of every point of
-steps 1-4 are interleaved (``experiments.timing.measure_interleaved``): each round runs each
-point once, in a shuffled order, so a machine whose speed drifts during the profile (a
-shared VM: ~13% within a minute) moves all the points alike and does not tilt the prefill
-model against the decode model (measured back to back, they were minutes apart).
-Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv, pg_table.csv,
-kv_cost.csv, device_profile.json, summary.md, profile.png.
-"""
+Every time is the min of N runs after 1 warm-up, the median beside it. The runs of steps 1-4
+are interleaved (``experiments.timing.measure_interleaved``), so a machine whose speed drifts
+moves all points alike. Outputs: prefill.csv, decode_context.csv, decode_batch.csv,
+mixed.csv, pg_table.csv, kv_cost.csv, device_profile.json, summary.md, profile.png."""
 
 from __future__ import annotations
 
@@ -77,10 +58,8 @@ from planner import latency, silicon
 
 DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
 DEFAULT_CONTEXTS = (16, 64, 256, 1024)
-# The context sweep also runs batched: at B = 1 alone, a context token's cost was ~20% of a
-# ~55 ms step, inside the points' +-10% noise, and two profiles read its coefficient as
-# 1.0e-5 and 1.75e-5 s; served steps of B = 4-16 at contexts of 200-600 then ran 0.69-0.76x
-# the model (issue 12, 2026-12-01). At B = 8 the same contexts move the step by ~4x as much.
+# The context sweep also runs batched: at B = 1 a context token's cost is lost in the steps'
+# noise, and B = 8 moves the step several times as much, so the coefficient is measurable.
 DEFAULT_CONTEXT_BATCH_SIZES = (1, 8)
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 DEFAULT_BATCH_CONTEXT = 64
@@ -138,12 +117,10 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
                         context_batch_sizes: Sequence[int] = DEFAULT_CONTEXT_BATCH_SIZES
                         ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Every point of the four sweeps measured in interleaved rounds
-    (``timing.measure_interleaved``: one run of each point per round, shuffled), so a
-    machine that drifts during the profile biases no sweep against another (module
-    docstring). Every point is set up first, untimed (``prefill_point``, ``decode_point``,
-    ``mixed_point``): the context sweep at each of ``context_batch_sizes`` x ``contexts``,
-    the batch sweep at ``batch_sizes`` x ``batch_context``, the mixed steps at
-    ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at ``batch_context``.
+    (``timing.measure_interleaved``), each set up first, untimed: the context sweep at
+    ``context_batch_sizes`` x ``contexts``, the batch sweep at ``batch_sizes`` x
+    ``batch_context``, the mixed steps at ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at
+    ``batch_context``.
 
     Returns:
         ``(prefill, decode_context, decode_batch, mixed)``: prefill has the columns of
@@ -186,19 +163,16 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
 
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
                        kv_table: pd.DataFrame | None = None):
-    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on
-    the median times of its prefill, decode (context and batch sweeps together) and mixed
-    rows; transfer models
-    on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``), one per transport;
-    the model's weight bytes and, on CUDA, the device's memory (``mem_get_info``'s total),
-    which the planner's KV budget under ``--gpu-memory-utilization`` needs.
+    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on the
+    median times of its prefill, decode (both sweeps) and mixed rows; one transfer model per
+    transport on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``); the
+    model's weight bytes and, on CUDA, the device's memory (``mem_get_info``'s total).
 
     Raises:
         ValueError: too few points for a fit.
     """
     # The simulator needs a step's typical time, not its fastest: the fits take each point's
-    # median run (the tables' estimator is the minimum). In the idle validation of 12:33 UTC
-    # the served steps ran at 1.04x a min fit and 1.00x a median fit (benchmarks/README.md).
+    # median run (the tables' estimator is the minimum).
     F = latency.StepFeatures
     prefill = [(F(int(p), int(p) * int(p)), float(t))
                for p, t in zip(result.prefill["prompt_len"], result.prefill["prefill_median_s"])]
@@ -249,8 +223,7 @@ def pg_table(prefill: pd.DataFrame, context_fit: LinearFit, prompt_lens: Sequenc
     TTFT = measured prefill time of P (must be a row of ``prefill``). The first output token
     comes out of the prefill step, the other G-1 from decode steps at contexts P+1 .. P+G-1,
     each estimated by ``context_fit`` (step_s = a + b * context, fitted on the B = 1 sweep)
-    and never below ``min_step_s`` (the fastest measured step: a noisy fit with a negative
-    slope must not extrapolate to shorter steps than any measured one).
+    and never below ``min_step_s`` (the fastest measured step).
 
     Returns:
         ``prompt_len, output_len, ttft_s, decode_s, total_s, prompt_share`` (= ttft_s / total_s).
@@ -411,10 +384,8 @@ def _profile_process(device: str, model: ModelConfig, kwargs: dict, start, resul
 def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> ProfileResult:
     """``run_profile`` on every device of ``devices`` at the same time, each in its own
     process bound to that device (``cpu:i`` / ``cpu:i-j`` cores, or ``cuda:i``), then
-    ``pooled``. A placement that uses all of them runs each worker beside the others: on a
-    CPU the cores share the memory bandwidth and the last-level cache (a decode step here
-    took 11-18% longer while another core copied memory, issue 12), which a profile measured
-    on one device with the others idle never sees.
+    ``pooled``: workers of a placement run beside each other, sharing memory bandwidth and
+    cache, which a profile of one device beside idle ones never sees.
 
     Raises:
         ValueError: a device's process failed (its error named).

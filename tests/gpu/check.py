@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if not args.dry_run_on_cpu and not torch.cuda.is_available():
         print("gpu-check: no CUDA device: nothing to check here (it needs one NVIDIA GPU "
-              "and a CUDA build of torch; see README, 'On a GPU')", file=sys.stderr)
+              "and a CUDA build of torch; see docs/guides/gpu-ray.md)", file=sys.stderr)
         return 1
     sys.path[:0] = [str(ROOT), str(HERE)]
     from engine.errors import describe_error

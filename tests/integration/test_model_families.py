@@ -116,7 +116,7 @@ def test_greedy_through_disagg(family):
 
 def _refusal(what: str, path) -> str:
     return (f"model {path}: {what} is not supported by pdlab's runner (supported "
-            f"architectures: {SUPPORTED}; see README 'Supported models')")
+            f"architectures: {SUPPORTED}; see docs/guides/models.md)")
 
 
 def _save(config, tmp_path):
