@@ -147,7 +147,7 @@ class SocketHub:
                 return
             except zmq.Again:  # its port has not connected yet: keep it, in order
                 waiting = self._waiting[worker] = collections.deque()
-                self._poller.register(out, zmq.POLLIN | zmq.POLLOUT)
+                self._poller.register(out, zmq.POLLOUT)
         waiting.append(data)
         self._flush(worker)
 
