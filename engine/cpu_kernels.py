@@ -105,15 +105,14 @@ def has_simde(include: Path) -> bool:
 
 def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
           source_path: Path = SOURCE) -> Path:
-    """Compile ``source_path`` (``cpu_kernels.c``; ``benchmarks.decode_attention`` builds an
-    earlier commit's copy) into the cache (once per source/command/machine) and return the
-    library's path. ``extra_flags`` follow the standard ones (tests build the scalar
-    fallback with ``-mno-avx2 -mno-fma``).
+    """Compile ``source_path`` (``cpu_kernels.c``; ``benchmarks.decode_attention`` builds an earlier
+    commit's copy) into the cache (once per source/command/machine) and return the library's path.
+    ``extra_flags`` follow the standard ones (tests build the scalar fallback with ``-mno-avx2
+    -mno-fma``).
 
     Raises:
         RuntimeError: no compiler found, or it failed (its stderr in the message); or the
-            ``avx512-emulated`` build without SIMDe's headers (where they go in the message).
-    """
+            ``avx512-emulated`` build without SIMDe's headers (where they go in the message)."""
     compiler = compiler or _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC)")
@@ -183,17 +182,16 @@ class Kernels:
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``hidden += delta`` in place (if given), then RMSNorm of each row:
-        ``weight * (hidden * rsqrt(mean(hidden^2, -1) + eps))`` (transformers'
-        ``LlamaRMSNorm``; Gemma's ``(1 + w)`` is passed already folded into ``weight``).
+        """``hidden += delta`` in place (if given), then RMSNorm of each row: ``weight * (hidden *
+        rsqrt(mean(hidden^2, -1) + eps))`` (transformers' ``LlamaRMSNorm``; Gemma's ``(1 + w)`` is
+        passed already folded into ``weight``).
 
         Args:
             hidden: ``[N, H]`` the residual stream, updated in place when ``delta`` is given.
             delta: ``[N, H]`` or None.
             weight: ``[H]``.
         Returns:
-            a new ``[N, H]`` tensor.
-        """
+            a new ``[N, H]`` tensor."""
         _check(hidden, weight, *(() if delta is None else (delta,)))
         out = torch.empty_like(hidden)
         rows, dim = hidden.shape
@@ -203,16 +201,15 @@ class Kernels:
 
     def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
-        """RoPE (rotate_half form, full rotary) on ``q`` in place and on ``k``; the rotated
-        k and ``v`` are written into ``kv_layer`` at the flat token positions ``slots``.
+        """RoPE (rotate_half form, full rotary) on ``q`` in place and on ``k``; the rotated k and
+        ``v`` are written into ``kv_layer`` at the flat token positions ``slots``.
 
         Args:
             q: ``[N, H_q, D]``, k / v: ``[N, H_kv, D]``: rows of any stride, heads ``D``
                 apart, each head contiguous (the views of the fused QKV output).
             cos, sin: ``[N, D]`` contiguous.
             kv_layer: one layer of the store, ``[2, H_kv, NB, B, D]`` contiguous.
-            slots: ``[N]`` int64, ``block * B + offset`` of each token (distinct).
-        """
+            slots: ``[N]`` int64, ``block * B + offset`` of each token (distinct)."""
         n, hq, d = q.shape
         hkv = k.shape[1]
         for t in (q, k, v):
@@ -239,13 +236,12 @@ class Kernels:
         return out
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [n, k]`` (``torch.nn.Linear.weight``, contiguous float32 CPU) -> its panels
-        for ``linear``: a new ``[ceil(n / 16), k, 16]`` tensor (``PANEL`` output columns each,
-        zero padded), one more copy of the weight.
+        """``weight [n, k]`` (``torch.nn.Linear.weight``, contiguous float32 CPU) -> its panels for
+        ``linear``: a new ``[ceil(n / 16), k, 16]`` tensor (``PANEL`` output columns each, zero
+        padded), one more copy of the weight.
 
         Raises:
-            ValueError: another dtype/device, or not contiguous.
-        """
+            ValueError: another dtype/device, or not contiguous."""
         _check(weight)
         n, k = weight.shape
         panels = weight.new_empty(-(-n // PANEL), k, PANEL)
@@ -267,8 +263,7 @@ class Kernels:
             a new ``[m, out_features]`` tensor.
         Raises:
             ValueError: other dtypes/devices, a non-contiguous row, or sizes that do not
-                match (x against the panels, a bias not ``[out_features]``).
-        """
+                match (x against the panels, a bias not ``[out_features]``)."""
         m, k = x.shape
         if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
                 or panels.shape[1:] != (k, PANEL) or panels.shape[0] * PANEL < out_features):
@@ -283,12 +278,11 @@ class Kernels:
         return out
 
     def pack_linear512(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [n, k]`` -> its panels for ``linear512``: a new ``[ceil(n / 32), k, 32]``
-        tensor (``PANEL512`` output columns each, zero padded).
+        """``weight [n, k]`` -> its panels for ``linear512``: a new ``[ceil(n / 32), k, 32]`` tensor
+        (``PANEL512`` output columns each, zero padded).
 
         Raises:
-            ValueError: another dtype/device, or not contiguous.
-        """
+            ValueError: another dtype/device, or not contiguous."""
         _check(weight)
         n, k = weight.shape
         panels = weight.new_empty(-(-n // PANEL512), k, PANEL512)
@@ -301,8 +295,7 @@ class Kernels:
         panels: the same sums in the same order, so equal to ``linear`` bit for bit.
 
         Raises:
-            ValueError: as ``linear``; or this CPU/build has no AVX-512 (``linear_avx512``).
-        """
+            ValueError: as ``linear``; or this CPU/build has no AVX-512 (``linear_avx512``)."""
         if not self.linear_avx512:
             raise ValueError("linear512 needs a CPU with avx512f and a build that keeps it "
                              f"(not ${ISA_ENV}=avx2)")
@@ -331,10 +324,10 @@ class Kernels:
 
     def causal_attention512(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             start: int, scale: float) -> torch.Tensor:
-        """Causal attention of one prompt chunk with the AVX-512 GEMM blocks: query ``i``
-        (position ``start + i``) attends to keys ``0 .. start + i`` (GQA: query head
-        ``h * G + g`` reads KV head ``h``), ``softmax(scale * q K^T) V``, as SDPA with a
-        lower-right causal mask, to float32 rounding.
+        """Causal attention of one prompt chunk with the AVX-512 GEMM blocks: query ``i`` (position
+        ``start + i``) attends to keys ``0 .. start + i`` (GQA: query head ``h * G + g`` reads KV
+        head ``h``), ``softmax(scale * q K^T) V``, as SDPA with a lower-right causal mask, to
+        float32 rounding.
 
         Args:
             q: ``[n, H_q, D]`` float32 CPU, rows of any stride, heads contiguous.
@@ -345,8 +338,7 @@ class Kernels:
         Returns:
             a new ``[n, H_q, D]`` tensor.
         Raises:
-            ValueError: another layout or sizes that do not match, or no AVX-512 here.
-        """
+            ValueError: another layout or sizes that do not match, or no AVX-512 here."""
         if not self.linear_avx512:
             raise ValueError("causal_attention512 needs a CPU with avx512f and a build that "
                              f"keeps it (not ${ISA_ENV}=avx2)")
@@ -381,11 +373,10 @@ class Kernels:
     def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor,
                          block_tables: torch.Tensor, lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        """Paged attention of one query token per request over its cached K/V, read in place
-        through its block table (GQA: query head ``h * G + g`` reads KV head ``h``):
-        ``softmax(scale * q K^T) V`` over each row's first ``lens[r]`` tokens, as
-        ``F.scaled_dot_product_attention`` over the gathered K/V with a key-padding mask, to
-        float32 rounding.
+        """Paged attention of one query token per request over its cached K/V, read in place through
+        its block table (GQA: query head ``h * G + g`` reads KV head ``h``): ``softmax(scale * q
+        K^T) V`` over each row's first ``lens[r]`` tokens, as ``F.scaled_dot_product_attention``
+        over the gathered K/V with a key-padding mask, to float32 rounding.
 
         Args:
             q: ``[n, H_q, D]`` float32, rows of any stride, heads contiguous.
@@ -398,8 +389,7 @@ class Kernels:
             a new ``[n, H_q, D]`` tensor.
         Raises:
             ValueError: other dtypes/devices or layouts, a length outside
-                ``1 .. max_blocks * B``, or a block it would read outside ``0 .. NB - 1``.
-        """
+                ``1 .. max_blocks * B``, or a block it would read outside ``0 .. NB - 1``."""
         n, hq, d = q.shape
         _check(kv_layer)
         _, hkv, num_blocks, block_size, kv_d = kv_layer.shape

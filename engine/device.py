@@ -75,8 +75,7 @@ def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
 
     Raises:
         ValueError: a core this process may not use; no CUDA; a GPU that does not exist;
-            a pinned GPU asked for after CUDA started here with another view.
-    """
+            a pinned GPU asked for after CUDA started here with another view."""
     kind = device.split(":")[0]
     if kind == "emu":  # an emulated device (engine.emulated) computes nothing: no pinning
         return "cpu"
@@ -108,8 +107,7 @@ def _apply_pin() -> None:
     """Copy ``PIN_ENV`` into ``CUDA_VISIBLE_DEVICES`` while CUDA has not started here.
 
     Raises:
-        ValueError: CUDA already started in this process with another view.
-    """
+        ValueError: CUDA already started in this process with another view."""
     pinned = os.environ.get(PIN_ENV)
     if pinned is None or os.environ.get(VISIBLE_ENV) == pinned:
         return
@@ -135,8 +133,7 @@ def gpu_identity(torch_device: str) -> dict | None:
     Returns:
         ``{"index": j (this process's numbering), "name", "uuid", "total_memory_bytes",
         "cuda_visible_devices": this process's CUDA_VISIBLE_DEVICES (None if unset; under
-        Ray it is the GPU id Ray or the placement assigned)}``.
-    """
+        Ray it is the GPU id Ray or the placement assigned)}``."""
     if not torch_device.startswith("cuda"):
         return None
     index = int(torch_device.split(":")[1])

@@ -77,8 +77,7 @@ class Emulation:
         clock: ``RealClock`` or a test's fake (``time()``, ``perf()``, ``wait_until(t)``).
 
     Raises:
-        ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1.
-    """
+        ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1."""
 
     device: Any
     kv_scale: float = 1.0
@@ -96,8 +95,7 @@ class Emulation:
         """Refuse a profile measured for another geometry than ``spec``'s.
 
         Raises:
-            ValueError: the profile's ``kv_bytes_per_token`` differs from ``spec``'s.
-        """
+            ValueError: the profile's ``kv_bytes_per_token`` differs from ``spec``'s."""
         if self.device.kv_bytes_per_token != spec.bytes_per_token:
             raise ValueError(
                 f"the device profile ({self.device.model}) has {self.device.kv_bytes_per_token} "
@@ -135,13 +133,12 @@ def emulated_token(prompt_digest: int, position: int, vocab_size: int,
                    banned: frozenset[int] | set[int] = frozenset()) -> int:
     """Output token ``position`` of a request whose prompt hashes to ``prompt_digest``
     (``prompt_hash``): splitmix64's finaliser of ``digest ^ position * golden ratio``, mod
-    ``vocab_size``, stepped forward past ``banned`` (EOS and stop ids), so no request ends
-    before its ``max_tokens``. (Integer arithmetic, not a blake2b per token: the emulated
-    runner calls it for every token of every step, at GPU token rates.)
+    ``vocab_size``, stepped forward past ``banned`` (EOS and stop ids), so no request ends before
+    its ``max_tokens``. (Integer arithmetic, not a blake2b per token: the emulated runner calls it
+    for every token of every step, at GPU token rates.)
 
     Raises:
-        ValueError: every token of the vocabulary is banned.
-    """
+        ValueError: every token of the vocabulary is banned."""
     if len(banned) >= vocab_size:
         raise ValueError(f"all {vocab_size} tokens are EOS or stop ids")
     x = (prompt_digest ^ (position * 0x9E3779B97F4A7C15)) & _MASK64
@@ -177,9 +174,8 @@ class EmulatedRunner:
         vocab_size, eos_token_ids: the emulated model's.
 
     ``execute`` returns None instead of logits; the engine asks ``sample`` for the tokens.
-    ``last_modelled_s`` / ``last_lateness``: the latest step's modelled seconds (x the
-    emulation's ``time_scale``: the time it is held for) and actual ÷ modelled.
-    """
+    ``last_modelled_s`` / ``last_lateness``: the latest step's modelled seconds (x the emulation's
+    ``time_scale``: the time it is held for) and actual ÷ modelled."""
 
     emulated = True
 
@@ -199,8 +195,7 @@ class EmulatedRunner:
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
-        """The device's seconds for ``batch`` (counters not yet advanced), x the time
-        dilation."""
+        """The device's seconds for ``batch`` (counters not yet advanced), x the time dilation."""
         f = batch.step_features()
         return self.step_s(f.prefill_tokens, f.prefill_attention, f.batch_size,
                            f.sum_context) * self.time_scale

@@ -181,11 +181,11 @@ class Engine:
         self.scheduler.add(state)
 
     def add_remote(self, request: Request, first_token: int, kv_token_start: int = 0) -> None:
-        """Queue a request prefilled elsewhere, whose prompt KV is still with its producer,
-        in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV blocks first (listed in
-        that step's ``StepOutput.kv_reserved``), sharing the prompt blocks this engine
-        caches; the caller fetches the KV and hands it to ``finish_remote``; then it decodes
-        from its second token on. Nothing is held until the blocks exist.
+        """Queue a request prefilled elsewhere, whose prompt KV is still with its producer, in
+        ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV blocks first (listed in that
+        step's ``StepOutput.kv_reserved``), sharing the prompt blocks this engine caches; the caller
+        fetches the KV and hands it to ``finish_remote``; then it decodes from its second token on.
+        Nothing is held until the blocks exist.
 
         ``kv_token_start``: the KV it will receive starts at this prompt token (a router
         that knows this engine caches the prefix sends only the rest); a multiple of
@@ -196,8 +196,7 @@ class Engine:
         Raises:
             ValueError: invalid request, ``first_token`` outside the vocabulary, a bad
                 ``kv_token_start``, or a request that has nothing left to decode (EOS, stop
-                token, max_tokens=1).
-        """
+                token, max_tokens=1)."""
         self.validate(request)
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"request {request.request_id}: first_token must be in "
@@ -251,14 +250,13 @@ class Engine:
         return state is not None and state.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def export_kv(self, request_id: str, token_start: int = 0) -> tuple[torch.Tensor, int]:
-        """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T - s, D]`` of
-        tokens ``[s, T)``, s = ``token_start`` (a multiple of ``block_size``: the prefix
-        its decode worker caches), contiguous, T = prompt length, gathered from its blocks:
-        the wire format; first token) and frees its blocks (full ones stay cached).
+        """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T - s, D]`` of tokens
+        ``[s, T)``, s = ``token_start`` (a multiple of ``block_size``: the prefix its decode worker
+        caches), contiguous, T = prompt length, gathered from its blocks: the wire format; first
+        token) and frees its blocks (full ones stay cached).
 
         Raises:
-            KeyError: the request is not held here in PREFILLED state.
-        """
+            KeyError: the request is not held here in PREFILLED state."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")

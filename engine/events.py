@@ -1,5 +1,5 @@
-"""What a worker reports to the router (no torch): ``WorkerEvent``s and per-step
-``TokenBatch``es, crossing processes.
+"""What a worker reports to the router (no torch): ``WorkerEvent``s and per-step ``TokenBatch``es,
+crossing processes.
 
 Kinds:
     ``token``      an output token (colocated or decode worker); ``finish_reason`` on the last.
@@ -11,11 +11,10 @@ Kinds:
                    (not a request's first or last, no stamps, no logprobs), one event for
                    the whole step.
 
-``time_s`` is when the worker produced the event (for a token: when its step ended); the
-router keeps it beside its own receipt time. ``stamps`` carries timeline events measured inside the worker (``time.time()`` seconds,
-names from ``engine.metrics``: prefill_started, prefill_finished, kv_put, kv_got,
-decode_admitted).
-"""
+``time_s`` is when the worker produced the event (for a token: when its step ended); the router
+keeps it beside its own receipt time. ``stamps`` carries timeline events measured inside the worker
+(``time.time()`` seconds, names from ``engine.metrics``: prefill_started, prefill_finished, kv_put,
+kv_got, decode_admitted)."""
 
 from __future__ import annotations
 
@@ -58,9 +57,9 @@ class WorkerEvent:
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """One step's plain tokens on one worker: a request's token of that step that is
-    neither its first nor its last here, carries no stamps and no logprobs. The rest of a
-    step's tokens still leave as one ``WorkerEvent`` each.
+    """One step's plain tokens on one worker: a request's token of that step that is neither its
+    first nor its last here, carries no stamps and no logprobs. The rest of a step's tokens still
+    leave as one ``WorkerEvent`` each.
 
     Why: at GPU step times a worker emits tens of tokens per step, and building, pickling
     and unpickling one ``WorkerEvent`` per token costs far more than a few tuples per step.
@@ -69,8 +68,7 @@ class TokenBatch:
         worker: the worker that produced them.
         time_s: ``time.time()`` when the step ended (every token of a step leaves then).
         request_ids, token_ids, indices: one entry per token, in batch order (``indices``:
-            each token's output index, as ``WorkerEvent.index``).
-    """
+            each token's output index, as ``WorkerEvent.index``)."""
 
     worker: str
     time_s: float

@@ -41,8 +41,7 @@ MIN_SAMPLE_S = 0.005  # shorter calls are repeated within one timed sample
 # against median) stop being timed: they are out of contention.
 PRUNE_AFTER = 3
 PRUNE_RATIO = 1.3
-# The timing method, part of the cache key: choices measured by another method are measured
-# again.
+# The timing method, part of the cache key: choices measured by another method are measured again.
 TIMER = (f"median-of-{ROUNDS}x{MIN_SAMPLE_S * 1e3:g}ms-rotated"
          f"-pruned-{PRUNE_AFTER}x{PRUNE_RATIO:g}")
 
@@ -113,12 +112,11 @@ def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS
     """Seconds of one call of each of ``runs``: the median of its timed samples, after one warm-up
     call each.
 
-    Up to ``rounds`` rounds take one sample of every candidate still in the race, round i
-    starting at candidate ``i mod n`` (so none always follows the same one). After
-    ``prune_after`` rounds a candidate whose median exceeds the best by more than
-    ``prune_ratio`` leaves with its median so far; the measurement ends when one is left. A
-    call shorter than ``min_sample_s`` in the warm-up is repeated within each sample until the
-    sample lasts about that long (timer noise).
+    Up to ``rounds`` rounds take one sample of every candidate still in the race, round i starting
+    at candidate ``i mod n`` (so none always follows the same one). After ``prune_after`` rounds a
+    candidate whose median exceeds the best by more than ``prune_ratio`` leaves with its median so
+    far; the measurement ends when one is left. A call shorter than ``min_sample_s`` in the warm-up
+    is repeated within each sample until the sample lasts about that long (timer noise).
 
     Raises:
         ValueError: ``rounds`` < 1."""
@@ -156,8 +154,7 @@ class KernelSelector:
     Args:
         key: ``machine_key(...)``: a cache file stored under another key is ignored.
         path: the cache file (``cache_path(key, ...)``); None keeps the choices in memory.
-        timer: ``runs -> seconds per run`` (``measure_median_s``; tests pass fake timings).
-    """
+        timer: ``runs -> seconds per run`` (``measure_median_s``; tests pass fake timings)."""
 
     def __init__(self, key: dict[str, object], path: Path | None,
                  timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]]
@@ -176,9 +173,9 @@ class KernelSelector:
 
     def choose(self, op: str, shape: str, buckets: list[int],
                candidates: dict[str, Callable[[int], Callable[[], object]]]) -> dict[int, str]:
-        """``{bucket: candidate name}`` for ``op`` at ``shape`` (a string naming the shape
-        class, e.g. ``"576x960"``): from the cache, or measured now for the buckets it lacks
-        and written back.
+        """``{bucket: candidate name}`` for ``op`` at ``shape`` (a string naming the shape class,
+        e.g. ``"576x960"``): from the cache, or measured now for the buckets it lacks and written
+        back.
 
         Args:
             buckets: the bucket indices to choose for (``bucket(n)`` of the rows measured).
@@ -186,8 +183,7 @@ class KernelSelector:
                 ``2^bucket`` rows and returns the call to time. A cached name that is not
                 among ``candidates`` (a kernel missing in this process) is measured again.
         Raises:
-            ValueError: no candidates.
-        """
+            ValueError: no candidates."""
         if not candidates:
             raise ValueError(f"no candidate kernel for {op} {shape}")
         entry = f"{op}/{shape}"

@@ -69,10 +69,9 @@ def block_hashes(token_ids, block_size: int, hashes: list[bytes] | None = None) 
 
 
 def prompt_block_hashes(request, block_size: int) -> tuple[bytes, ...]:
-    """``block_hashes`` of ``request.prompt_token_ids`` (an ``engine.request.Request``),
-    computed once per request and block size and kept on the request (every RequestState
-    made of it shares them: a preempted request admitted again, the same workload
-    simulated at several rates)."""
+    """``block_hashes`` of ``request.prompt_token_ids`` (an ``engine.request.Request``), computed
+    once per request and block size and kept on the request (every RequestState made of it shares
+    them: a preempted request admitted again, the same workload simulated at several rates)."""
     by_size = request._prompt_hashes
     if by_size is None:
         by_size = {}
@@ -117,8 +116,8 @@ class PrefixCacheStats:
 
 
 class BlockAllocator:
-    """The blocks of one paged KV store: reference counts, the hash table of cached full
-    blocks, the free and evictable lists (module docstring).
+    """The blocks of one paged KV store: reference counts, the hash table of cached full blocks, the
+    free and evictable lists (module docstring).
 
     Args:
         num_blocks: blocks in the store (>= 1).
@@ -127,8 +126,7 @@ class BlockAllocator:
             reference is dropped (off: every freed block is simply free).
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` < 1.
-    """
+        ValueError: ``num_blocks`` or ``block_size`` < 1."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -180,8 +178,7 @@ class BlockAllocator:
         cached free ones, evicted least recently freed first.
 
         Raises:
-            ValueError: fewer free blocks than needed, or ``num_tokens`` < 1.
-        """
+            ValueError: fewer free blocks than needed, or ``num_tokens`` < 1."""
         n = self.blocks_needed(num_tokens)
         if n < 1 or n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks for {num_tokens} tokens: "
@@ -229,12 +226,11 @@ class BlockAllocator:
             ref[block] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each of ``block_ids`` (a request's table, in token order),
-        tail first; blocks left at zero become evictable (cached) or free.
+        """Drop one reference to each of ``block_ids`` (a request's table, in token order), tail
+        first; blocks left at zero become evictable (cached) or free.
 
         Raises:
-            ValueError: a block has no reference to drop (double free); nothing changes.
-        """
+            ValueError: a block has no reference to drop (double free); nothing changes."""
         ref, hashed = self.ref_cnt, self.block_hash
         if min((ref[b] for b in block_ids), default=1) < 1:
             bad = [b for b in block_ids if ref[b] < 1]

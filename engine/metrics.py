@@ -80,8 +80,7 @@ class RequestRecord:
         token_times_s: ``time.time()`` when each output token left the router;
             ``token_times_s[0]`` is the first token.
         token_worker_times_s: ``time.time()`` when the worker's step produced each token
-            (same order; empty when the workers did not report it).
-    """
+            (same order; empty when the workers did not report it)."""
 
     request_id: str
     placement: str = ""
@@ -435,8 +434,7 @@ class StepRecord:
         batch: its entries in the scheduler's order (decodes first, then prompt chunks;
             ``engine.scheduler.Scheduler.schedule``); empty on records built by hand.
         lateness: an emulated device's step (``engine.emulated``): its held time ÷ the
-            modelled time (1.0 = on time); None on a real device (and then not in the row).
-    """
+            modelled time (1.0 = on time); None on a real device (and then not in the row)."""
 
     start_s: float
     duration_s: float
@@ -462,8 +460,7 @@ def parse_batch(text: str) -> tuple[BatchEntry, ...]:
     """The entries of a ``StepRecord.to_row()["batch"]`` cell.
 
     Raises:
-        ValueError: ``text`` is not such a JSON list (``json.JSONDecodeError`` is one).
-    """
+        ValueError: ``text`` is not such a JSON list (``json.JSONDecodeError`` is one)."""
     try:
         return tuple(BatchEntry(str(r), int(n), str(p), int(c)) for r, n, p, c in json.loads(text))
     except (TypeError, ValueError) as err:

@@ -37,8 +37,7 @@ from engine import cpu_kernels, host_memory, kernel_choice
 from engine.model import cache_dir
 
 FORCE_ENV = "PDLAB_FORCE_KERNELS"
-# oneDNN's packed linear in this torch build (private ops: CPU backend only, never the
-# reference).
+# oneDNN's packed linear in this torch build (private ops: CPU backend only, never the reference).
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight serves any M
 # torch's CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]), GQA without a
@@ -124,8 +123,7 @@ class _OneDnn:
     """oneDNN's inner product on the weight reordered once into its blocked layout (a copy).
 
     Raises:
-        RuntimeError: this build's oneDNN cannot pack the weight (the candidate is dropped).
-    """
+        RuntimeError: this build's oneDNN cannot pack the weight (the candidate is dropped)."""
 
     name = "onednn"
 
@@ -296,8 +294,7 @@ def _parse_force(spec: str) -> dict[str, str]:
     """``"linear=onednn,decode_attention=paged"`` -> ``{"linear": "onednn", ...}``.
 
     Raises:
-        ValueError: an entry that is not ``op=name`` for a known op.
-    """
+        ValueError: an entry that is not ``op=name`` for a known op."""
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         op, sep, name = part.partition("=")
@@ -312,8 +309,8 @@ def _parse_force(spec: str) -> dict[str, str]:
 
 
 class CpuOps(TorchOps):
-    """Float32 on CPU: pdlab's C kernels where they build, and per shape class and row-count
-    bucket the GEMM and decode-attention layout measured fastest here (module docstring).
+    """Float32 on CPU: pdlab's C kernels where they build, and per shape class and row-count bucket
+    the GEMM and decode-attention layout measured fastest here (module docstring).
 
     Args:
         kernels: the loaded C library (``cpu_kernels.load()``), or None where it cannot be
@@ -323,8 +320,7 @@ class CpuOps(TorchOps):
         selector: where choices are measured and cached (``kernel_choice.KernelSelector``).
         force: ``{"linear": name, "decode_attention": layout}`` pins (``PDLAB_FORCE_KERNELS``).
     Raises:
-        ValueError: a forced choice that is not a candidate here.
-    """
+        ValueError: a forced choice that is not a candidate here."""
 
     name = "cpu"
 
@@ -563,9 +559,8 @@ _SELECTORS: dict[tuple, kernel_choice.KernelSelector] = {}
 
 def selector_for(threads: int, kernels: cpu_kernels.Kernels | None
                  ) -> kernel_choice.KernelSelector:
-    """The process's selector for this machine, thread count and C build (one per key, so
-    every runner of the process shares its measurements), cached under
-    ``$PDLAB_CACHE_DIR/kernels``."""
+    """The process's selector for this machine, thread count and C build (one per key, so every
+    runner of the process shares its measurements), cached under ``$PDLAB_CACHE_DIR/kernels``."""
     build = None if kernels is None else kernels.path.parent.name
     key = kernel_choice.machine_key(threads, build)
     root = cache_dir() / "kernels"
@@ -585,8 +580,7 @@ def select_ops(device: torch.device, weight_dtype: torch.dtype,
     also keeps freed activations mapped (``host_memory.keep_freed_memory``, once per process).
 
     Raises:
-        ValueError: a malformed or unavailable ``$PDLAB_FORCE_KERNELS``.
-    """
+        ValueError: a malformed or unavailable ``$PDLAB_FORCE_KERNELS``."""
     force = _parse_force(os.environ.get(FORCE_ENV, ""))
     if device.type == "cpu":  # every CPU forward, reference or not: engine/host_memory.py
         host_memory.keep_freed_memory()

@@ -173,8 +173,7 @@ class Request:
     ``dataclasses.replace`` starts without them).
 
     Raises:
-        ValueError: empty prompt or a negative / non-integer token id.
-    """
+        ValueError: empty prompt or a negative / non-integer token id."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]

@@ -50,12 +50,11 @@ History = tuple[Sequence[int], int]
 
 
 class Sampler:
-    """Samples rows of logits; keeps per request only a draw counter (for callers that do
-    not pass token indices) and the base seed of unseeded requests.
+    """Samples rows of logits; keeps per request only a draw counter (for callers that do not pass
+    token indices) and the base seed of unseeded requests.
 
     Args:
-        eos_token_ids: the model's EOS ids, masked with the stop ids under ``min_tokens``.
-    """
+        eos_token_ids: the model's EOS ids, masked with the stop ids under ``min_tokens``."""
 
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
@@ -72,8 +71,7 @@ class Sampler:
         """Pick one token per row (see ``sample_rows``).
 
         Raises:
-            ValueError: some row could not be sampled (the message names its request).
-        """
+            ValueError: some row could not be sampled (the message names its request)."""
         tokens, errors = self.sample_rows(logits, request_ids, params, indices, histories)
         if errors:
             raise ValueError("; ".join(errors.values()))
@@ -99,8 +97,7 @@ class Sampler:
             (B token ids, None for failed rows; {row: error message}).
 
         Raises:
-            ValueError: a row with penalties and no history.
-        """
+            ValueError: a row with penalties and no history."""
         if indices is None:
             indices = [self._next_index(rid) for rid in request_ids]
         tokens: list[int | None] = logits.argmax(dim=-1).tolist()  # plain greedy rows keep this
@@ -142,8 +139,8 @@ class Sampler:
     @staticmethod
     def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int | None],
                  nums: list[int]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-        """Raw logprobs of some rows: ``log_softmax`` of ``logits`` (float32, before any
-        temperature / top-k / top-p filtering, as vLLM's default raw logprobs).
+        """Raw logprobs of some rows: ``log_softmax`` of ``logits`` (float32, before any temperature
+        / top-k / top-p filtering, as vLLM's default raw logprobs).
 
         Args:
             logits: ``[B, vocab]``.
@@ -152,8 +149,7 @@ class Sampler:
             nums: per row of ``rows``, how many top alternatives to return (0..20).
 
         Returns:
-            {row: (sampled token's logprob, ((token_id, logprob), ...) most likely first)}.
-        """
+            {row: (sampled token's logprob, ((token_id, logprob), ...) most likely first)}."""
         kept = [(r, n) for r, n in zip(rows, nums) if tokens[r] is not None]
         if not kept:
             return {}
@@ -188,8 +184,8 @@ class Sampler:
                        params: list[SamplingParams], indices: list[int],
                        histories: Sequence[History] | None,
                        request_ids: list[str]) -> torch.Tensor:
-        """Some rows after min_tokens and the penalties (module docstring, steps 1-2;
-        vLLM's order and formulas), as a new tensor.
+        """Some rows after min_tokens and the penalties (module docstring, steps 1-2; vLLM's order
+        and formulas), as a new tensor.
 
         Args:
             logits: ``[B, vocab]`` (not modified).
@@ -201,8 +197,7 @@ class Sampler:
             ``[len(rows), vocab]`` float32.
 
         Raises:
-            ValueError: a row with penalties and ``histories`` None.
-        """
+            ValueError: a row with penalties and ``histories`` None."""
         device = logits.device
         out = logits.index_select(0, torch.tensor(rows, device=device)).float()
         masked = [(j, params[i]) for j, i in enumerate(rows) if indices[i] < params[i].min_tokens]

@@ -42,15 +42,14 @@ _WAITING, _REMOTE = RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS
 
 @dataclass(frozen=True)
 class StepFeatures:
-    """What a step's duration depends on (the planner's step models read these:
-    ``planner.latency``; ``ScheduledBatch.step_features`` is the one place they are counted).
+    """What a step's duration depends on (the planner's step models read these: ``planner.latency``;
+    ``ScheduledBatch.step_features`` is the one place they are counted).
 
     Attributes:
         prefill_tokens: Σn, new prompt tokens in the step (all prefill entries).
         prefill_attention: Σn(k+n), query-key pairs of the prompt entries (tokens).
         batch_size: B, decode entries (one token each).
-        sum_context: Σctx, KV tokens the decode entries attend to (their KV plus the new one).
-    """
+        sum_context: Σctx, KV tokens the decode entries attend to (their KV plus the new one)."""
 
     prefill_tokens: int = 0
     prefill_attention: int = 0
@@ -136,8 +135,7 @@ class Scheduler:
     Attributes:
         capacity: the ``BlockAllocator`` (reference counts, prefix cache).
         prefix_cache_stats: lookups and hits in tokens (``PrefixCacheStats``).
-        num_preemptions: requests preempted here so far.
-    """
+        num_preemptions: requests preempted here so far."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
                  num_kv_blocks: int | None = None) -> None:
@@ -163,8 +161,7 @@ class Scheduler:
         """Queue a request.
 
         Raises:
-            ValueError: it needs more KV blocks than the whole cache (it could never run).
-        """
+            ValueError: it needs more KV blocks than the whole cache (it could never run)."""
         if not self.capacity.fits_ever(state.max_total_tokens):
             cap = self.capacity
             raise ValueError(
@@ -427,11 +424,10 @@ class Scheduler:
         return lo
 
     def catch_up_decodes(self, requests: list[RequestState], num_steps: int) -> None:
-        """The KV side of ``num_steps`` decode steps of ``requests`` that ran without
-        ``schedule`` (the planner's fast-forward; at most ``decode_steps_available``), once
-        their counters and tokens advanced: the blocks ``schedule`` would have allocated
-        (in its order: step by step, request by request) and the full blocks it would have
-        registered in the prefix cache."""
+        """The KV side of ``num_steps`` decode steps of ``requests`` that ran without ``schedule``
+        (the planner's fast-forward; at most ``decode_steps_available``), once their counters and
+        tokens advanced: the blocks ``schedule`` would have allocated (in its order: step by step,
+        request by request) and the full blocks it would have registered in the prefix cache."""
         block_size = self.block_size
         if self.on_demand and num_steps > 0:
             due = []  # (step, request index): when each new block was needed
@@ -448,20 +444,18 @@ class Scheduler:
                 self._cache_blocks(state, len(state.token_ids), this_step=False)
 
     def step_failed(self) -> None:
-        """The forward of the last ``schedule()``'s batch failed: the blocks it registered
-        hold no valid KV, so they leave the prefix cache (call before releasing the
-        batch's requests)."""
+        """The forward of the last ``schedule()``'s batch failed: the blocks it registered hold no
+        valid KV, so they leave the prefix cache (call before releasing the batch's requests)."""
         for block in self._step_cached:
             self.capacity.uncache(block)
         self._step_cached = []
 
     def kv_arrived(self, state: RequestState) -> None:
-        """A receiving request's KV is in its blocks: it decodes from the next step on, and
-        its full prompt blocks join the prefix cache.
+        """A receiving request's KV is in its blocks: it decodes from the next step on, and its full
+        prompt blocks join the prefix cache.
 
         Raises:
-            ValueError: ``state`` is not receiving (never reserved, or already released).
-        """
+            ValueError: ``state`` is not receiving (never reserved, or already released)."""
         if state not in self.receiving:
             raise ValueError(f"request {state.request_id} has no KV blocks reserved for a fetch")
         self.receiving.remove(state)
@@ -471,9 +465,8 @@ class Scheduler:
             self._cache_blocks(state, state.num_prompt_tokens, this_step=False)
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[RequestState]:
-        """Advance counters; ``sampled`` maps batch entry index -> token id. Returns the
-        requests that produced a token this step (finished ones have a FINISHED_* or
-        PREFILLED status)."""
+        """Advance counters; ``sampled`` maps batch entry index -> token id. Returns the requests
+        that produced a token this step (finished ones have a FINISHED_* or PREFILLED status)."""
         produced = []
         counts, check_stop = batch.num_new_tokens, self.check_stop
         for i, state in enumerate(batch.requests):
