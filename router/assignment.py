@@ -77,8 +77,7 @@ class Assigner:
         conditional: the rule of a ``conditional`` placement (default ``ConditionalConfig()``).
 
     Raises:
-        ValueError: an unknown kind or policy, or a role the kind needs has no worker.
-    """
+        ValueError: an unknown kind or policy, or a role the kind needs has no worker."""
 
     def __init__(self, workers: Sequence[tuple[str, str]], kind: str, policy: str = "least_loaded",
                  kv_block_size: int = 1, conditional: ConditionalConfig | None = None) -> None:
@@ -137,13 +136,12 @@ class Assigner:
 
     def assign(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                block_hashes: Sequence[bytes] = ()) -> Assignment:
-        """Pick the request's workers and charge them (step 1). ``block_hashes``: the
-        prompt's chained block hashes (module docstring; empty: no prefix is known).
+        """Pick the request's workers and charge them (step 1). ``block_hashes``: the prompt's
+        chained block hashes (module docstring; empty: no prefix is known).
 
         Raises:
             NoLiveWorker: a pool it needs has no live worker; nothing is charged then.
-            ValueError: ``request_id`` is already assigned.
-        """
+            ValueError: ``request_id`` is already assigned."""
         if request_id in self._charges:
             raise ValueError(f"request_id {request_id} is already assigned")
         kv_tokens = self.kv_tokens(num_prompt_tokens, max_tokens)
@@ -208,12 +206,11 @@ class Assigner:
         self._hashes.pop(request_id, None)
 
     def reassign_decode(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> str:
-        """Move a remote request's decode charge to a live decode worker, picked by the
-        policy (its own died before the request reached it); returns the new one.
+        """Move a remote request's decode charge to a live decode worker, picked by the policy (its
+        own died before the request reached it); returns the new one.
 
         Raises:
-            NoLiveWorker: no decode worker is live (the old charge is released either way).
-        """
+            NoLiveWorker: no decode worker is live (the old charge is released either way)."""
         charges = self._charges[request_id]
         for name in [n for n in charges if n in self.pools["decode"]]:
             self._discharge(request_id, name)

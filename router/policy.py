@@ -1,21 +1,20 @@
 """Which worker gets a request: pure functions over load snapshots (no I/O, no state).
 
-``loads`` maps worker name -> load in tokens: for prefill workers the prompt tokens of the
-requests assigned there and not yet prefilled, for decode (and colocated) workers the KV
-tokens (prompt + max_tokens, rounded up to whole KV blocks: the blocks the worker reserves)
-of the requests assigned there and not yet ended. The router
-counts a request against each of its workers from the moment it assigns it (so a burst
-spreads out) and releases each charge once. Round robin takes one ``counter`` per pool.
+``loads`` maps worker name -> load in tokens: for prefill workers the prompt tokens of the requests
+assigned there and not yet prefilled, for decode (and colocated) workers the KV tokens (prompt +
+max_tokens, rounded up to whole KV blocks: the blocks the worker reserves) of the requests assigned
+there and not yet ended. The router counts a request against each of its workers from the moment it
+assigns it (so a burst spreads out) and releases each charge once. Round robin takes one ``counter``
+per pool.
 
-``cache_aware`` is SGLang's gateway policy (``sgl-router`` ``CacheAwarePolicy``; its
-options ``--balance-abs-threshold 32``, ``--balance-rel-threshold 1.0001``): when the pool
-is balanced, the worker with the longest cached prefix match of the prompt (``matches``:
-whole KV blocks, ``router.prefix_index``); when the number of requests per worker
-(``counts``) is imbalanced past **both** thresholds, ``max - min > abs_threshold`` and
-``max > min * rel_threshold``, the least-loaded worker. Departures: ties (and no match at
-all) go to the least-loaded of the tied workers, where SGLang takes the worker with the
-smallest tree below its ``cache_threshold``; loads are pdlab's tokens.
-"""
+``cache_aware`` is SGLang's gateway policy (``sgl-router`` ``CacheAwarePolicy``; its options
+``--balance-abs-threshold 32``, ``--balance-rel-threshold 1.0001``): when the pool is balanced, the
+worker with the longest cached prefix match of the prompt (``matches``: whole KV blocks,
+``router.prefix_index``); when the number of requests per worker (``counts``) is imbalanced past
+**both** thresholds, ``max - min > abs_threshold`` and ``max > min * rel_threshold``, the
+least-loaded worker. Departures: ties (and no match at all) go to the least-loaded of the tied
+workers, where SGLang takes the worker with the smallest tree below its ``cache_threshold``; loads
+are pdlab's tokens."""
 
 from __future__ import annotations
 
@@ -54,9 +53,8 @@ def cache_aware(workers: list[str], loads: dict[str, int], matches: dict[str, in
                 counts: dict[str, int], abs_threshold: float = BALANCE_ABS_THRESHOLD,
                 rel_threshold: float = BALANCE_REL_THRESHOLD) -> str:
     """The longest prefix match (``matches``: cached blocks per worker), unless the pool is
-    ``imbalanced`` by ``counts`` (requests per worker): then ``least_loaded``. Ties, and a
-    prompt cached nowhere: the least loaded of the best. Raises ValueError with no
-    workers."""
+    ``imbalanced`` by ``counts`` (requests per worker): then ``least_loaded``. Ties, and a prompt
+    cached nowhere: the least loaded of the best. Raises ValueError with no workers."""
     if not workers:
         raise ValueError("no live worker to route to")
     if imbalanced([counts.get(w, 0) for w in workers], abs_threshold, rel_threshold):

@@ -1,16 +1,14 @@
-"""What prefix each worker probably caches, as the router sees it: per worker, the chained
-block hashes (``engine.kv_blocks.block_hashes``, the engine's own scheme, 16-token blocks by
-default) of the prompts it was sent. Owned by ``router.assignment.Assigner``, so the
-online router and the planner's simulator match prompts against the same index.
+"""What prefix each worker probably caches, as the router sees it: per worker, the chained block
+hashes (``engine.kv_blocks.block_hashes``, the engine's own scheme, 16-token blocks by default) of
+the prompts it was sent. Owned by ``router.assignment.Assigner``, so the online router and the
+planner's simulator match prompts against the same index.
 
-It is SGLang's approximate tree (``sgl-router`` ``cache_aware``: the router inserts what it
-routes and never asks the worker): a worker that evicted a block is still credited with it
-until the index forgets it, least recently used first, past ``capacity_blocks`` per
-worker. A dead worker's entries are dropped (its replacement starts cold), and ``reset``
-drops all (between runs). Because a hash names its whole prefix (it is chained through
-its parent's), the match of a prompt is its leading hashes present, counted in blocks.
-No I/O, no clock, no torch.
-"""
+It is SGLang's approximate tree (``sgl-router`` ``cache_aware``: the router inserts what it routes
+and never asks the worker): a worker that evicted a block is still credited with it until the index
+forgets it, least recently used first, past ``capacity_blocks`` per worker. A dead worker's entries
+are dropped (its replacement starts cold), and ``reset`` drops all (between runs). Because a hash
+names its whole prefix (it is chained through its parent's), the match of a prompt is its leading
+hashes present, counted in blocks. No I/O, no clock, no torch."""
 
 from __future__ import annotations
 
@@ -29,8 +27,7 @@ class PrefixIndex:
             matched go first.
 
     Raises:
-        ValueError: ``capacity_blocks`` < 1.
-    """
+        ValueError: ``capacity_blocks`` < 1."""
 
     def __init__(self, workers: Iterable[str], capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
                  ) -> None:
