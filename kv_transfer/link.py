@@ -1,5 +1,5 @@
-"""Link peaks: the GB/s a KV transfer could reach on the link it runs on, so that
-each ``TransferRecord`` can say how far below it the transfer ran (``Transport.peak_gbps``,
+"""Link peaks: the GB/s a KV transfer could reach on the link it runs on, so that each
+``TransferRecord`` can say how far below it the transfer ran (``Transport.peak_gbps``,
 ``TransferRecord.efficiency``).
 
 - Within a node the link is memory: ``memcpy_peak`` times ``dst.copy_(src)`` between two
@@ -11,9 +11,8 @@ each ``TransferRecord`` can say how far below it the transfer ran (``Transport.p
   knows: shared memory / CMA on one host, RDMA or TCP across hosts), else a TCP stream to
   the producer's address.
 
-Every peak is the fastest of ``repeats`` timed runs after one warm-up (the benchmarks'
-estimator): a peak, not a typical value. GB/s = bytes / seconds / 1e9.
-"""
+Every peak is the fastest of ``repeats`` timed runs after one warm-up (the benchmarks' estimator): a
+peak, not a typical value. GB/s = bytes / seconds / 1e9."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ def memcpy_peak(num_bytes: int = PROBE_BYTES, repeats: int = 3, device: str = "c
     """The peak within a node: one copy of ``num_bytes`` between preallocated buffers.
 
     Raises:
-        ValueError: ``num_bytes`` or ``repeats`` < 1.
-    """
+        ValueError: ``num_bytes`` or ``repeats`` < 1."""
     if num_bytes < 1 or repeats < 1:
         raise ValueError(f"num_bytes and repeats must be >= 1, got {num_bytes}, {repeats}")
     src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
@@ -89,8 +87,7 @@ class ProbeSource:
     Args:
         num_bytes: bytes per probe run.
         host: the address a TCP consumer connects to (this node's address; TCP only).
-        use_nixl: READ through NIXL when it is installed (default), else stream over TCP.
-    """
+        use_nixl: READ through NIXL when it is installed (default), else stream over TCP."""
 
     def __init__(self, num_bytes: int = PROBE_BYTES, host: str = "127.0.0.1",
                  use_nixl: bool = True):
@@ -149,15 +146,14 @@ def pattern(num_bytes: int) -> torch.Tensor:
 
 def probe_peak(ticket: ProbeTicket, repeats: int = 3, out: torch.Tensor | None = None
                ) -> LinkPeak:
-    """The consumer half: move the source's buffer here ``repeats`` times (after a warm-up)
-    and return the fastest run's GB/s.
+    """The consumer half: move the source's buffer here ``repeats`` times (after a warm-up) and
+    return the fastest run's GB/s.
 
     Args:
         out: a uint8 CPU tensor of ``ticket.num_bytes`` to receive into (default: a new one).
 
     Raises:
-        OSError or a NIXL error: the source cannot be reached.
-    """
+        OSError or a NIXL error: the source cannot be reached."""
     dst = torch.empty(ticket.num_bytes, dtype=torch.uint8) if out is None else out
     if ticket.method == "nixl":
         nixl = import_nixl()

@@ -62,8 +62,7 @@ def import_nixl():
     """The NIXL Python module: ``nixl``, else ``nixl_cu12``, else ``nixl_cu13``.
 
     Raises:
-        ImportError: none is installed (message ``MISSING``, naming the extra).
-    """
+        ImportError: none is installed (message ``MISSING``, naming the extra)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines on every agent
     for name in NIXL_MODULES:
         try:
@@ -140,8 +139,7 @@ class NixlTransport(Transport):
 
     Raises:
         ImportError: NIXL is not installed (``MISSING``).
-        ValueError: a capacity below one extent.
-    """
+        ValueError: a capacity below one extent."""
 
     name = "nixl"
 
@@ -271,8 +269,7 @@ class NixlTransport(Transport):
         """True when a put of ``num_bytes`` would find an extent now (after a reclaim).
 
         Raises:
-            TransferFailed: ``num_bytes`` exceeds the whole arena.
-        """
+            TransferFailed: ``num_bytes`` exceeds the whole arena."""
         need = round_up(num_bytes + TAIL_BYTES, ALIGN)
         with self._lock:
             arena = self._own_arena()

@@ -8,9 +8,9 @@ Frames:
              uint8, C order). bf16 stays bf16: nothing is upcast, so
              ``len(frame 1) == spec.kv_bytes(T, L')``.
 
-``unpack`` validates the header against the receiver's ``KVSpec`` before touching the bytes:
-a mismatch raises ``KVSpecMismatch`` naming the field, the expected and the got value;
-corrupted bytes raise ``KVChecksumError``. Both are ``ValueError``.
+``unpack`` validates the header against the receiver's ``KVSpec`` before touching the bytes: a
+mismatch raises ``KVSpecMismatch`` naming the field, the expected and the got value; corrupted bytes
+raise ``KVChecksumError``. Both are ``ValueError``.
 
 Checksum (wire version 2): ``crc32c`` (CRC-32C, Castagnoli) over **every** byte of frame 1,
 computed with the CPU's CRC instruction through the ``crc32c`` package (about one read pass
@@ -20,8 +20,7 @@ kind the header names. Nothing is sampled: one flipped byte anywhere is caught.
 
 Copies: ``pack`` never copies a contiguous CPU tensor (frame 1 is a view of it);
 ``unpack`` never copies a writable frame (a torch tensor, a bytearray, a shared-memory
-slot) and copies a read-only one (``bytes``, a Ray store buffer) exactly once.
-"""
+slot) and copies a read-only one (``bytes``, a Ray store buffer) exactly once."""
 
 from __future__ import annotations
 
@@ -64,10 +63,9 @@ class KVChecksumError(ValueError):
 class KVHeader:
     """Frame 0 of a transfer. Token and layer ranges are half-open ``[start, end)``.
 
-    ``shape`` is ``(layer_end - layer_start, 2, num_kv_heads, token_end - token_start,
-    head_dim)``; ``checksum`` is the ``checksum_kind`` checksum of all of frame 1 (``crc32c``:
-    CRC-32C; ``crc32``: zlib CRC-32), or None (and ``checksum_kind`` None) when not computed.
-    """
+    ``shape`` is ``(layer_end - layer_start, 2, num_kv_heads, token_end - token_start,head_dim)``;
+    ``checksum`` is the ``checksum_kind`` checksum of all of frame 1 (``crc32c``: CRC-32C;
+    ``crc32``: zlib CRC-32), or None (and ``checksum_kind`` None) when not computed."""
 
     wire_version: int
     request_id: str
@@ -94,12 +92,11 @@ _HEADER_FIELDS = tuple(f.name for f in fields(KVHeader))
 
 
 def checksum_of(kv_u8: torch.Tensor, kind: str = DEFAULT_CHECKSUM_KIND, value: int = 0) -> int:
-    """``kind`` checksum of a flat uint8 tensor, continuing from ``value`` (so it can be
-    computed chunk by chunk); copied to host first if it lives on an accelerator.
+    """``kind`` checksum of a flat uint8 tensor, continuing from ``value`` (so it can be computed
+    chunk by chunk); copied to host first if it lives on an accelerator.
 
     Raises:
-        ValueError: unknown ``kind``, or ``crc32c`` without the ``crc32c`` package.
-    """
+        ValueError: unknown ``kind``, or ``crc32c`` without the ``crc32c`` package."""
     if not kv_u8.numel():
         return value
     data = kv_u8.detach().cpu().numpy()
@@ -159,8 +156,7 @@ def make_header(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: in
     and layers ``[layer_start, layer_start+L')``.
 
     Raises:
-        ValueError: ``kv`` does not have the spec's shape or dtype.
-    """
+        ValueError: ``kv`` does not have the spec's shape or dtype."""
     num_layers, _, _, num_tokens, _ = kv.shape if kv.dim() == 5 else (0, 0, 0, 0, 0)
     if tuple(kv.shape) != spec.kv_shape(num_tokens, num_layers) or kv.dtype != spec.torch_dtype:
         raise ValueError(f"KV tensor for request {request_id} must be {spec.torch_dtype} of shape "
@@ -180,8 +176,7 @@ def pack_tensor(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: in
                 layer_start: int = 0, checksum: bool = True) -> tuple[bytes, torch.Tensor]:
     """Like ``pack`` but frame 1 stays a flat uint8 tensor on ``kv``'s device (for NCCL).
 
-    The checksum of a CUDA tensor costs one device-to-host copy; pass ``checksum=False`` to skip.
-    """
+    The checksum of a CUDA tensor costs one device-to-host copy; pass ``checksum=False`` to skip."""
     kv_u8 = tensor_bytes(kv)
     crc = checksum_of(kv_u8) if checksum else None
     header = make_header(request_id, spec, kv, token_start, layer_start, crc)
@@ -198,8 +193,7 @@ def pack(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
         not modify ``kv`` until the transport has taken the bytes.
 
     Raises:
-        ValueError: ``kv`` does not match ``spec``'s shape or dtype.
-    """
+        ValueError: ``kv`` does not match ``spec``'s shape or dtype."""
     header, kv_u8 = pack_tensor(request_id, spec, kv.detach().cpu(), token_start, layer_start,
                                 checksum)
     return [header, memoryview(kv_u8.numpy())]
@@ -210,8 +204,7 @@ def _as_u8_tensor(frame: Frame) -> torch.Tensor:
 
     A read-only buffer (``bytes``, a Ray object-store array) is copied once into a fresh
     tensor: torch tensors are always writable, and a tensor aliasing read-only or
-    store-owned memory would be unsafe to write (or outlive its store object).
-    """
+    store-owned memory would be unsafe to write (or outlive its store object)."""
     if isinstance(frame, torch.Tensor):
         return frame.reshape(-1)
     view = memoryview(frame).cast("B")
@@ -236,8 +229,7 @@ def tensor_from_frame(header: KVHeader, frame: Frame) -> torch.Tensor:
 
     Raises:
         KVSpecMismatch: the byte count differs from ``prod(shape) * itemsize``.
-        KVChecksumError: the checksum differs from ``header.checksum``.
-    """
+        KVChecksumError: the checksum differs from ``header.checksum``."""
     kv_u8 = _as_u8_tensor(frame)
     if kv_u8.numel() != header.num_bytes:
         raise KVSpecMismatch(header.request_id, "num_bytes", header.num_bytes, kv_u8.numel())
@@ -250,8 +242,7 @@ def verify_checksum(header: KVHeader, kv_u8: torch.Tensor) -> None:
 
     Raises:
         KVSpecMismatch: the header names a checksum kind this receiver cannot compute.
-        KVChecksumError: the bytes differ from what the sender checksummed.
-    """
+        KVChecksumError: the bytes differ from what the sender checksummed."""
     if header.checksum is None:
         return
     kind = header.checksum_kind or "crc32"
@@ -274,8 +265,7 @@ def unpack(frames: list[Frame], expected: KVSpec) -> tuple[KVHeader, torch.Tenso
     Raises:
         KVSpecMismatch: wire version, model fingerprint, geometry, dtype, layer range, shape
             or byte count differ (message names field, expected and got).
-        KVChecksumError: the bytes were corrupted.
-    """
+        KVChecksumError: the bytes were corrupted."""
     if len(frames) != 2:
         raise KVSpecMismatch("?", "number of frames", 2, len(frames))
     header = decode_header(frames[0])

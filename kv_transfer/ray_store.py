@@ -14,14 +14,13 @@ Lifecycle:
 
 If the owner dies before the get (prefill worker crashed), Ray cannot resolve the object:
 ``ray.get`` raises ``OwnerDiedError`` (an ``ObjectLostError``) and ``get`` raises
-``TransferFailed``; a passed deadline raises ``TransferTimeout``. (Objects under Ray's
-inline limit, 100 KiB by default, travel inside the handle itself and survive the owner;
-a reader on the owner's node may still be served for a moment while Ray cleans up.)
+``TransferFailed``; a passed deadline raises ``TransferTimeout``. (Objects under Ray's inline limit,
+100 KiB by default, travel inside the handle itself and survive the owner; a reader on the owner's
+node may still be served for a moment while Ray cleans up.)
 
-``num_held()`` counts objects this instance put, has not freed, and whose owner (this
-process) still tracks a reference anywhere in the cluster: it drops to 0 on the put side
-once the decode side is done with the handle, wherever that happened.
-"""
+``num_held()`` counts objects this instance put, has not freed, and whose owner (this process) still
+tracks a reference anywhere in the cluster: it drops to 0 on the put side once the decode side is
+done with the handle, wherever that happened."""
 
 from __future__ import annotations
 

@@ -192,8 +192,7 @@ class SharedMemoryTransport(Transport):
         num_slots: transfers this process can have outstanding at once.
         alloc_timeout_s: how long ``put`` waits for room before ``TransferFailed``.
         zero_copy: ``get`` returns a view of the shared bytes (True) or a private copy.
-        directory: where segments live (``/dev/shm``).
-    """
+        directory: where segments live (``/dev/shm``)."""
 
     name = "shm"
 
@@ -307,12 +306,11 @@ class SharedMemoryTransport(Transport):
                       header)
 
     def has_room(self, num_bytes: int) -> bool:
-        """True when a put of ``num_bytes`` would find a slot and an extent now (after a
-        reclaim); a producer checks this to defer a put instead of blocking on a full arena.
+        """True when a put of ``num_bytes`` would find a slot and an extent now (after a reclaim); a
+        producer checks this to defer a put instead of blocking on a full arena.
 
         Raises:
-            TransferFailed: ``num_bytes`` exceeds the whole arena.
-        """
+            TransferFailed: ``num_bytes`` exceeds the whole arena."""
         with self._lock:
             seg = self._segment()
             if num_bytes > seg.capacity:

@@ -47,12 +47,11 @@ STORE_SCHEME = "store://"
 def open_rendezvous(host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[dist.TCPStore, str]:
     """A rendezvous store listening on ``host`` at a port the kernel picks as it binds.
 
-    Keep the returned store alive (it is the group's rendezvous) until the ranks have
-    formed the group; pass the returned ``store://host:port`` as every rank's ``init_method``.
+    Keep the returned store alive (it is the group's rendezvous) until the ranks have formed the
+    group; pass the returned ``store://host:port`` as every rank's ``init_method``.
 
     Raises:
-        RuntimeError (``torch.distributed.DistNetworkError``): ``host`` cannot be bound.
-    """
+        RuntimeError (``torch.distributed.DistNetworkError``): ``host`` cannot be bound."""
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     return store, f"{STORE_SCHEME}{host}:{store.port}"
@@ -117,8 +116,7 @@ class TorchDistributedTransport(Transport):
             ``torch.distributed``; tests pass a fake process group.
 
     Raises:
-        ValueError: an unknown backend.
-    """
+        ValueError: an unknown backend."""
 
     name = "torchdist"
 
@@ -203,8 +201,7 @@ class TorchDistributedTransport(Transport):
 
         Raises:
             RuntimeError: the work failed, or ``deadline_s`` (``time.monotonic``) passed
-                ("timed out").
-        """
+                ("timed out")."""
         if self.backend != "nccl":
             if deadline_s is None:
                 work.wait()
@@ -283,12 +280,11 @@ class TorchDistributedTransport(Transport):
 
     # ---- receive side ----------------------------------------------------------------
     def _post_in_order(self, key: P2PKey, request_id: str, drain: bool) -> _Receive:
-        """Register the receives of ``key`` and post them in the pair's order (NCCL) or at
-        once (gloo); returns the ``_Receive`` (its ``posted`` event is set once posted).
+        """Register the receives of ``key`` and post them in the pair's order (NCCL) or at once
+        (gloo); returns the ``_Receive`` (its ``posted`` event is set once posted).
 
         Raises:
-            TransferFailed: the pair is broken, or ``key`` was already received or drained.
-        """
+            TransferFailed: the pair is broken, or ``key`` was already received or drained."""
         receive = _Receive(key, request_id, drain)
         src = key.src_rank
         if key.dst_rank not in (-1, self.rank):
@@ -351,8 +347,7 @@ class TorchDistributedTransport(Transport):
         """Wait (host side) for the posted receives of ``receive`` until ``deadline_s``.
 
         Raises:
-            TransferTimeout, TransferFailed: and the pair is marked broken.
-        """
+            TransferTimeout, TransferFailed: and the pair is marked broken."""
         key = receive.key
         try:
             for work in receive.works:

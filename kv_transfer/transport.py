@@ -63,8 +63,7 @@ class KVHandle:
         put_s: seconds spent inside ``put`` (packing + handing over), so the get side can
             record the whole transfer.
         put_time_s: wall-clock time (``time.time()``, seconds) at which ``put`` began
-            (exposed/overlapped time, module docstring); 0.0 when unknown.
-    """
+            (exposed/overlapped time, module docstring); 0.0 when unknown."""
 
     transport: str
     request_id: str
@@ -89,8 +88,7 @@ class TransferRecord:
         peak_gbps: the link peak set on the transport (``Transport.peak_gbps``), or None.
         efficiency: ``achieved_gbps / peak_gbps``, or None without a peak.
         exposed_s, overlapped_s: this chunk's transfer seconds after / before its request's
-            KV was ready (module docstring); None until the request's last chunk arrived.
-    """
+            KV was ready (module docstring); None until the request's last chunk arrived."""
 
     request_id: str
     num_bytes: int
@@ -137,8 +135,7 @@ class Transport(ABC):
     """Moves packed KV from a put side to a get side; see the module docstring.
 
     Args:
-        checksum: put a CRC32 of the tensor bytes in the header (verified on get).
-    """
+        checksum: put a CRC32 of the tensor bytes in the header (verified on get)."""
 
     name = "transport"
     # True when gets from one sender must run in the order of its puts (NCCL matches
@@ -154,25 +151,22 @@ class Transport(ABC):
         self._streams: dict[str, list[int]] = {}  # request id -> indices of its open stream
 
     def has_room(self, num_bytes: int) -> bool:
-        """Whether a ``put`` of ``num_bytes`` tensor bytes would be taken now without waiting
-        for buffer space. A producer that checks this never blocks on a full buffer: it
-        keeps the KV in its own engine and tries again later. Transports without a bounded
-        buffer always have room.
+        """Whether a ``put`` of ``num_bytes`` tensor bytes would be taken now without waiting for
+        buffer space. A producer that checks this never blocks on a full buffer: it keeps the KV in
+        its own engine and tries again later. Transports without a bounded buffer always have room.
 
         Raises:
-            TransferFailed: ``num_bytes`` can never fit this transport's buffer.
-        """
+            TransferFailed: ``num_bytes`` can never fit this transport's buffer."""
         return True
 
     def put(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
             layer_start: int = 0, dst_rank: int | None = None) -> KVHandle:
         """Hand over ``kv`` ``[L', 2, H_kv, T, D]`` (tokens from ``token_start``, layers from
-        ``layer_start``). ``dst_rank`` names the receiver for point-to-point transports and
-        is ignored by store-based ones.
+        ``layer_start``). ``dst_rank`` names the receiver for point-to-point transports and is
+        ignored by store-based ones.
 
         Raises:
-            ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused.
-        """
+            ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused."""
         start_time_s, start_s = time.time(), time.perf_counter()
         frames = self._pack(request_id, spec, kv, token_start, layer_start)
         key = self._put_frames(request_id, frames, dst_rank)
@@ -187,8 +181,7 @@ class Transport(ABC):
             ``(header, kv)``, ``kv`` of ``header.shape`` = ``[L', 2, H_kv, T, D]``.
 
         Raises:
-            TransferTimeout, TransferFailed, KVSpecMismatch, KVChecksumError.
-        """
+            TransferTimeout, TransferFailed, KVSpecMismatch, KVChecksumError."""
         start_time_s, start_s = time.time(), time.perf_counter()
         frames = self._get_frames(handle, timeout_s)
         header, kv = unpack(frames, expected)
