@@ -1,8 +1,8 @@
 """How sure ``pdlab plan``'s answer is when the machine's speed is not the profile's (no torch).
 
-A profile is measured once, but a shared machine's steps drift (``drift``). A plan that names
-a winner should say whether it still wins if the machine runs slower or faster. With
-``--speed-spread S``:
+A profile is measured once, but a shared machine's steps drift (``drift``). A plan that names a
+winner should say whether it still wins if the machine runs slower or faster. With ``--speed-spread
+S``:
 
 1. ``band_runs``: the best few candidates (``--top``) are simulated again at every rate
    they were swept at, with every step time x (1 + S) ("slow") and x (1 - S) ("fast")
@@ -15,10 +15,9 @@ a winner should say whether it still wins if the machine runs slower or faster. 
    meet a different speed: opposite ends of the band are the fair comparison. Otherwise
    "no clear winner within ±S": a verdict names a winner only where intervals separate.
 
-The validation uses the same band (``validate.score(speed_spread=S)``): per point the
-measured attainment against the simulated [slow, fast] band, and the ranking check
-accepts the planner's first when its goodput band overlaps the real first's.
-"""
+The validation uses the same band (``validate.score(speed_spread=S)``): per point the measured
+attainment against the simulated [slow, fast] band, and the ranking check accepts the planner's
+first when its goodput band overlaps the real first's."""
 
 from __future__ import annotations
 
@@ -40,8 +39,7 @@ def scales(spread: float) -> dict[str, float]:
     """``{"slow": 1 + spread, "fast": 1 - spread}``: the step-time factor of each end.
 
     Raises:
-        ValueError: ``spread`` is not in [0, 1).
-    """
+        ValueError: ``spread`` is not in [0, 1)."""
     if not (0 <= spread < 1):
         raise ValueError(f"speed spread must be >= 0 and < 1, got {spread!r}")
     return {"slow": 1.0 + spread, "fast": 1.0 - spread}

@@ -1,9 +1,8 @@
-"""Decision-grade figures of a planner against real runs (no torch): not "how far off is each
-point" (``experiments.validate``'s errors) but "would following the planner have chosen
-well".
+"""Decision-grade figures of a planner against real runs (no torch): not "how far off is each point"
+(``experiments.validate``'s errors) but "would following the planner have chosen well".
 
-Per decision (one SLO, one workload: a ``pdlab map`` cell or a ``pdlab plan --validate``
-run), with the predicted and the measured goodput per device of each placement:
+Per decision (one SLO, one workload: a ``pdlab map`` cell or a ``pdlab plan --validate`` run), with
+the predicted and the measured goodput per device of each placement:
 
 - **top-1 agreement**: the planner's first (highest predicted; ties: the first listed) is
   a measured first (a measured tie at the top accepts any of them);
@@ -14,9 +13,8 @@ run), with the predicted and the measured goodput per device of each placement:
   the measured goodputs over the placements: 1 = the same order, -1 = reversed; NaN with
   fewer than two placements or when either side ties all of them.
 
-``figures`` summarizes a table of many decisions: the share of top-1 agreements, mean and
-worst regret, mean tau.
-"""
+``figures`` summarizes a table of many decisions: the share of top-1 agreements, mean and worst
+regret, mean tau."""
 
 from __future__ import annotations
 
@@ -31,13 +29,12 @@ DECISION_COLUMNS = ["cell", "predicted_first", "measured_first", "top1_agrees", 
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
-    """Kendall's tau-b of two equally long sequences (Kendall 1945; what
-    ``scipy.stats.kendalltau`` computes by default): (concordant - discordant) /
-    sqrt((n0 - ties in x) (n0 - ties in y)) over the n0 = n (n - 1) / 2 pairs.
+    """Kendall's tau-b of two equally long sequences (Kendall 1945; what ``scipy.stats.kendalltau``
+    computes by default): (concordant - discordant) / sqrt((n0 - ties in x) (n0 - ties in y)) over
+    the n0 = n (n - 1) / 2 pairs.
 
     Raises:
-        ValueError: the lengths differ.
-    """
+        ValueError: the lengths differ."""
     if len(x) != len(y):
         raise ValueError(f"kendall_tau needs equal lengths, got {len(x)} and {len(y)}")
     a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -51,12 +48,11 @@ def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
 
 def decide(predicted: Mapping[str, float], measured: Mapping[str, float]) -> dict:
     """One decision's figures (module docstring) over the placements both sides have, in
-    ``predicted``'s order: ``predicted_first``, ``measured_first`` (all tied firsts joined by
-    " = "), ``top1_agrees``, ``regret``, ``kendall_tau``, ``num_placements``.
+    ``predicted``'s order: ``predicted_first``, ``measured_first`` (all tied firsts joined by " =
+    "), ``top1_agrees``, ``regret``, ``kendall_tau``, ``num_placements``.
 
     Raises:
-        ValueError: the two share no placement.
-    """
+        ValueError: the two share no placement."""
     common = [p for p in predicted if p in measured]
     if not common:
         raise ValueError("the predicted and measured goodputs share no placement")
@@ -84,8 +80,7 @@ def figures(table: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
         ``kendall_tau_mean`` (over the cells where tau is defined; NaN if none)).
 
     Raises:
-        ValueError: an empty table.
-    """
+        ValueError: an empty table."""
     if table.empty:
         raise ValueError("no decisions to score")
     rows = []

@@ -1,19 +1,17 @@
 """Where the simulator's error comes from: real runs' steps against the step model (no torch).
 
-Every step record carries its batch (``engine.metrics.StepRecord.batch``: each request's
-tokens in the step, prefill or decode, and the tokens it had computed before), measured where
-the step ran, so each step's features are read off its own record (``step_features``): a
-prompt chunk of ``n`` tokens after ``k`` computed ones adds ``n`` prompt tokens and
-``n(k + n)`` attention pairs; a decode after ``k`` adds one request of context ``k + 1``.
-The simulator writes the same records, so its steps are read the same way.
+Every step record carries its batch (``engine.metrics.StepRecord.batch``: each request's tokens in
+the step, prefill or decode, and the tokens it had computed before), measured where the step ran, so
+each step's features are read off its own record (``step_features``): a prompt chunk of ``n`` tokens
+after ``k`` computed ones adds ``n`` prompt tokens and ``n(k + n)`` attention pairs; a decode after
+``k`` adds one request of context ``k + 1``. The simulator writes the same records, so its steps are
+read the same way.
 
-``step_table`` evaluates the step model on each step beside its measured duration, and the
-loop's time between two steps of one worker with work (``gap_s``: scheduling, turning
-tokens into events, the worker's commands: time no step model contains). ``ttft_parts``
-splits each request's TTFT into dispatch, queueing, prefill and delivery to the router. Both
-tables come out of a real run and of its simulated twin alike, so the two can be compared
-part by part.
-"""
+``step_table`` evaluates the step model on each step beside its measured duration, and the loop's
+time between two steps of one worker with work (``gap_s``: scheduling, turning tokens into events,
+the worker's commands: time no step model contains). ``ttft_parts`` splits each request's TTFT into
+dispatch, queueing, prefill and delivery to the router. Both tables come out of a real run and of
+its simulated twin alike, so the two can be compared part by part."""
 
 from __future__ import annotations
 
@@ -47,8 +45,7 @@ def step_features(steps: Sequence[dict]) -> list[dict]:
 
     Raises:
         ValueError: a step without its batch (steps.csv written before batches were
-            recorded: rerun it), or a batch that is not one.
-    """
+            recorded: rerun it), or a batch that is not one."""
     out = []
     for st in sorted(steps, key=lambda s: (s["worker"], s["start_s"])):
         batch = st.get("batch")
@@ -83,8 +80,7 @@ def step_table(steps: Sequence[dict],
         ``STEP_COLUMNS``: ``model_s`` (the model on the step's batch), ``ratio`` (measured ÷
         modelled), ``kind`` (``prefill``, ``decode`` or ``mixed``), ``gap_s`` (from this
         step's end to the worker's next step, when that next step holds a request this step
-        held, i.e. the loop went straight on; NaN otherwise and for a worker's last step).
-    """
+        held, i.e. the loop went straight on; NaN otherwise and for a worker's last step)."""
     rows = step_features(steps)
     df = pd.DataFrame(rows, columns=[c for c in STEP_COLUMNS if c not in
                                      ("model_s", "ratio", "kind", "gap_s")])

@@ -1,10 +1,10 @@
 """The machine's speed over one real run, and its replay in the simulator (no torch).
 
-A device profile is measured once; a shared machine's speed drifts within minutes. No
-offline planner can predict that, but a validation can take it out of the comparison: the
-real run's own steps say how fast the machine was at each moment, and the simulation of the
-same run is made to run at that speed. What is left is the simulator's own error: the figure
-DistServe's "< 2 points" is about.
+A device profile is measured once; a shared machine's speed drifts within minutes. No offline
+planner can predict that, but a validation can take it out of the comparison: the real run's own
+steps say how fast the machine was at each moment, and the simulation of the same run is made to run
+at that speed. What is left is the simulator's own error: the figure DistServe's "< 2 points" is
+about.
 
 1. Per real step (``diagnose.step_table``: its features from its recorded batch, the
    step model evaluated on exactly that batch): factor = measured ÷ modelled seconds.
@@ -14,8 +14,7 @@ DistServe's "< 2 points" is about.
    with their counts) that start in it; a window with no step keeps the last factor before
    it (the first windows, the first measured one's): speed persists while the worker idles.
 3. ``SpeedTrace(worker, t_s)``: the factor at simulated time ``t_s``. The simulator
-   multiplies each modelled step that starts at ``t_s`` by it (``Simulator(speed_trace=)``).
-"""
+   multiplies each modelled step that starts at ``t_s`` by it (``Simulator(speed_trace=)``)."""
 
 from __future__ import annotations
 
@@ -42,8 +41,7 @@ class SpeedTrace:
         window_s: width of every window (seconds); window ``i`` covers
             ``[i * window_s, (i + 1) * window_s)`` of the run's clock.
         factors: per worker name (and ``ALL_WORKERS``), one factor per window from 0; times
-            before 0 take the first window's, times after the last window the last one's.
-    """
+            before 0 take the first window's, times after the last window the last one's."""
 
     window_s: float
     factors: dict[str, tuple[float, ...]]
@@ -87,8 +85,7 @@ def speed_trace(steps: pd.DataFrame, origin_s: float,
         one with no factors (every factor 1.0).
 
     Raises:
-        ValueError: ``window_s`` is not a finite number > 0.
-    """
+        ValueError: ``window_s`` is not a finite number > 0."""
     if not (window_s > 0 and math.isfinite(window_s)):
         raise ValueError(f"window_s must be a finite number > 0, got {window_s!r}")
     ok = steps[steps["rebuilt"].astype(bool) & np.isfinite(steps["ratio"].astype(float))
@@ -106,14 +103,13 @@ def speed_trace(steps: pd.DataFrame, origin_s: float,
 
 
 def run_origin(records: Sequence[RequestRecord], offsets_s: Sequence[float]) -> float:
-    """A real run's clock 0 (wall seconds): the router stamps ``arrived`` = start + the
-    request's scheduled offset (``Router.run``), so start = arrived - offset, the median
-    over the run's requests. A record's offset is ``offsets_s[i]`` for the request at
-    position ``i`` of its workload (the ``-<i>`` its id ends with).
+    """A real run's clock 0 (wall seconds): the router stamps ``arrived`` = start + the request's
+    scheduled offset (``Router.run``), so start = arrived - offset, the median over the run's
+    requests. A record's offset is ``offsets_s[i]`` for the request at position ``i`` of its
+    workload (the ``-<i>`` its id ends with).
 
     Raises:
-        ValueError: no record has an arrival and an offset.
-    """
+        ValueError: no record has an arrival and an offset."""
     starts = []
     for r in records:
         i = int(r.request_id.rsplit("-", 1)[-1])

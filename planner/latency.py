@@ -47,8 +47,7 @@ class Fit:
         r2: coefficient of determination on seconds, 1 - SS_res/SS_tot (1.0 for a constant y
             fitted exactly).
         mean_rel_err / max_rel_err: mean and max of |fit - y| / y over the points.
-        num_points: measurements fitted.
-    """
+        num_points: measurements fitted."""
 
     features: tuple[str, ...]
     coef: tuple[float, ...]
@@ -83,18 +82,17 @@ def _stats(features: Sequence[str], coef: np.ndarray, x: np.ndarray, y: np.ndarr
 
 def fit_least_squares(features: Sequence[str], x: Sequence[Sequence[float]], y: Sequence[float],
                       relative: bool = True) -> Fit:
-    """Least squares ``y ≈ x · coef`` with every coefficient but the intercept (feature
-    ``"1"``) kept >= 0: a slope fitted negative on noisy points is dropped (set to 0) and the
-    rest refitted (an active-set loop; numpy ``lstsq``), so the model never predicts shorter
-    steps for more work. ``relative``: minimise Σ((fit - y)/y)², i.e. relative error.
+    """Least squares ``y ≈ x · coef`` with every coefficient but the intercept (feature ``"1"``)
+    kept >= 0: a slope fitted negative on noisy points is dropped (set to 0) and the rest refitted
+    (an active-set loop; numpy ``lstsq``), so the model never predicts shorter steps for more work.
+    ``relative``: minimise Σ((fit - y)/y)², i.e. relative error.
 
     Args:
         features: column names, ``len(features)`` = columns of ``x``.
         x: ``[num_points, num_features]``; y: ``[num_points]`` seconds, all > 0.
 
     Raises:
-        ValueError: shapes disagree, fewer points than features, or a y that is not > 0.
-    """
+        ValueError: shapes disagree, fewer points than features, or a y that is not > 0."""
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if xs.ndim != 2 or xs.shape != (ys.size, len(features)):
         raise ValueError(f"x must be [{ys.size}, {len(features)}], got {list(xs.shape)}")
@@ -121,14 +119,13 @@ def fit_least_squares(features: Sequence[str], x: Sequence[Sequence[float]], y: 
 def fit_step_models(prefill: Sequence[tuple[StepFeatures, float]],
                     decode: Sequence[tuple[StepFeatures, float]],
                     mixed: Sequence[tuple[StepFeatures, float]] = ()) -> tuple[Fit, Fit, Fit]:
-    """The prefill, decode and mixed step models (module docstring) from measured
-    ``(features, seconds)`` pairs. Without mixed points the mixed intercept is the larger
-    of the two intercepts (one forward pays one fixed cost). With fewer points than a
-    model's three coefficients, its last terms are left 0 (``_fit_first``).
+    """The prefill, decode and mixed step models (module docstring) from measured ``(features,
+    seconds)`` pairs. Without mixed points the mixed intercept is the larger of the two intercepts
+    (one forward pays one fixed cost). With fewer points than a model's three coefficients, its last
+    terms are left 0 (``_fit_first``).
 
     Raises:
-        ValueError: too few points (see ``fit_least_squares``).
-    """
+        ValueError: too few points (see ``fit_least_squares``)."""
     pre = _fit_first(PREFILL_FEATURES, [_prefill_x(f) for f, _ in prefill], [t for _, t in prefill])
     dec = _fit_first(DECODE_FEATURES, [_decode_x(f) for f, _ in decode], [t for _, t in decode])
     if mixed:
@@ -206,12 +203,11 @@ class TransferModel:
 
 
 def fit_transfer(num_bytes: Sequence[int], seconds: Sequence[float]) -> TransferModel:
-    """``seconds ≈ latency + bytes / bandwidth`` by least squares on relative error
-    (non-negative latency and slope).
+    """``seconds ≈ latency + bytes / bandwidth`` by least squares on relative error (non-negative
+    latency and slope).
 
     Raises:
-        ValueError: fewer than 2 points, or times not > 0.
-    """
+        ValueError: fewer than 2 points, or times not > 0."""
     fit = fit_least_squares(("1", "bytes"), [[1.0, b] for b in num_bytes], seconds)
     slope = fit.coef[1]
     return TransferModel(max(fit.coef[0], 0.0), 1.0 / slope if slope > 0 else math.inf, fit=fit)
@@ -263,15 +259,14 @@ LINKS: dict[str, Link] = {link.name: link for link in (
 
 
 def link_transfer(name: str, node: dict | None = None) -> TransferModel:
-    """The transfer model of link ``name`` (``LINKS``): its latency and bandwidth, those of
-    ``node`` (an AIConfigurator system spec's ``node`` section: ``p2p_latency`` in seconds,
-    bandwidths in bytes/s) where it has them. ``put_share`` stays the default half: a
-    link's model says nothing about which side's loop waits.
+    """The transfer model of link ``name`` (``LINKS``): its latency and bandwidth, those of ``node``
+    (an AIConfigurator system spec's ``node`` section: ``p2p_latency`` in seconds, bandwidths in
+    bytes/s) where it has them. ``put_share`` stays the default half: a link's model says nothing
+    about which side's loop waits.
 
     Raises:
         ValueError: an unknown link, naming the known ones; ``nvlink`` on a system whose
-            spec shows none (its intra-node rate no higher than its PCIe rate).
-    """
+            spec shows none (its intra-node rate no higher than its PCIe rate)."""
     if name not in LINKS:
         raise ValueError(f"unknown link {name!r}: use one of {', '.join(LINKS)}")
     link, node = LINKS[name], node or {}
@@ -326,11 +321,10 @@ class DeviceProfile:
     source: dict | None = None
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        """The KV cache budget (bytes) of one engine of ``config`` on this device, by the
-        engine's own rule (``engine.config.kv_budget_bytes_for``): on CUDA without
-        ``kv_cache_memory_gb``, ``gpu_memory_utilization * device_memory_bytes -
-        weight_bytes``. A real engine also subtracts the CUDA context and whatever else is in
-        use, so it may get less than planned.
+        """The KV cache budget (bytes) of one engine of ``config`` on this device, by the engine's
+        own rule (``engine.config.kv_budget_bytes_for``): on CUDA without ``kv_cache_memory_gb``,
+        ``gpu_memory_utilization * device_memory_bytes -weight_bytes``. A real engine also subtracts
+        the CUDA context and whatever else is in use, so it may get less than planned.
 
         Raises:
             ValueError: a CUDA profile without ``device_memory_bytes`` or ``weight_bytes`` while
@@ -368,8 +362,7 @@ class DeviceProfile:
         """The transfer model of ``transport``.
 
         Raises:
-            ValueError: the profile has none, naming the ones it has and how to measure it.
-        """
+            ValueError: the profile has none, naming the ones it has and how to measure it."""
         if transport not in self.transfers:
             raise ValueError(f"the device profile has no transfer model for transport "
                              f"{transport!r} (it has {sorted(self.transfers) or 'none'}): run "
@@ -417,8 +410,7 @@ class DeviceProfile:
         """Read a profile written by ``save``.
 
         Raises:
-            ValueError: not JSON, or not a profile (the message names the file).
-        """
+            ValueError: not JSON, or not a profile (the message names the file)."""
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -429,13 +421,12 @@ class DeviceProfile:
             raise ValueError(f"{path}: {err}") from None
 
     def scaled(self, factor: float) -> DeviceProfile:
-        """This profile with every step time multiplied by ``factor`` (all prefill, decode
-        and mixed coefficients; transfers unchanged; the fits' statistics are the original
-        measurement's). ``notes["step_scale"]`` records the product of the factors applied.
+        """This profile with every step time multiplied by ``factor`` (all prefill, decode and mixed
+        coefficients; transfers unchanged; the fits' statistics are the original measurement's).
+        ``notes["step_scale"]`` records the product of the factors applied.
 
         Raises:
-            ValueError: ``factor`` is not a finite number > 0.
-        """
+            ValueError: ``factor`` is not a finite number > 0."""
         if not (factor > 0 and math.isfinite(factor)):
             raise ValueError(f"step scale must be a finite number > 0, got {factor!r}")
         if factor == 1.0:

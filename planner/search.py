@@ -1,5 +1,5 @@
-"""Placement search on the simulator: which placement of N devices gives the most goodput per
-device for these SLOs and this workload (DistServe's question, with the KV transfer in).
+"""Placement search on the simulator: which placement of N devices gives the most goodput per device
+for these SLOs and this workload (DistServe's question, with the KV transfer in).
 
 A search:
 
@@ -17,8 +17,7 @@ A search:
    mean-over-seeds curve of each candidate, and per seed for its spread; ranked, best first.
 5. ``plot_best``: SLO attainment vs rate per device of the best few (matplotlib).
 
-No torch: thousands of requests per (candidate, rate) simulate in about a second.
-"""
+No torch: thousands of requests per (candidate, rate) simulate in about a second."""
 
 from __future__ import annotations
 
@@ -70,8 +69,7 @@ def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Cand
     """Step 1 of the module docstring, in that order (budgets ascending).
 
     Raises:
-        ValueError: ``num_devices < 1``.
-    """
+        ValueError: ``num_devices < 1``."""
     if num_devices < 1:
         raise ValueError(f"devices must be >= 1, got {num_devices}")
     out = [Candidate(f"colocated:{num_devices}")]
@@ -84,14 +82,13 @@ def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Cand
 
 def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, num_devices: int,
                num_rates: int = 8, max_num_seqs: int = 16) -> list[float]:
-    """A geometric ladder of ``num_rates`` total arrival rates (req/s), from 0.25x to
-    ``2 * max_num_seqs`` x (within 8x-32x) of ``num_devices`` over the time one request takes alone (its
-    prefill step plus its decode steps at batch 1): batching lifts capacity above that, by
-    at most the batch size, so the curves bend inside the ladder. Two significant digits.
+    """A geometric ladder of ``num_rates`` total arrival rates (req/s), from 0.25x to ``2 *
+    max_num_seqs`` x (within 8x-32x) of ``num_devices`` over the time one request takes alone (its
+    prefill step plus its decode steps at batch 1): batching lifts capacity above that, by at most
+    the batch size, so the curves bend inside the ladder. Two significant digits.
 
     Raises:
-        ValueError: ``num_rates < 2`` or a lone request that takes no time.
-    """
+        ValueError: ``num_rates < 2`` or a lone request that takes no time."""
     if num_rates < 2:
         raise ValueError(f"num_rates must be >= 2, got {num_rates}")
     p = max(1, round(mean_prompt))
@@ -122,15 +119,13 @@ def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile
               conditional: ConditionalConfig | None = None, transport: str = "simulated",
               step_scale: float = 1.0,
               speed_trace: Callable[[str, float], float] | None = None) -> Simulator:
-    """The ``Simulator`` of one candidate on the profile's step model (every step time
-    multiplied by ``step_scale``: a correction factor, see ``latency.step_correction``;
-    and by ``speed_trace(worker, start s)`` when given: ``drift.SpeedTrace``), each
-    instance's KV cache sized by the engine's rule on the profile's device
-    (``DeviceProfile.kv_budget_bytes``).
+    """The ``Simulator`` of one candidate on the profile's step model (every step time multiplied by
+    ``step_scale``: a correction factor, see ``latency.step_correction``; and by
+    ``speed_trace(worker, start s)`` when given: ``drift.SpeedTrace``), each instance's KV cache
+    sized by the engine's rule on the profile's device (``DeviceProfile.kv_budget_bytes``).
 
     Raises:
-        ValueError: a CUDA profile without the memory facts the budget needs.
-    """
+        ValueError: a CUDA profile without the memory facts the budget needs."""
     needs_transfer = parse_placement(candidate.placement)[0] != "colocated"
     step_s = profile.step_time()
     if step_scale != 1.0:
@@ -190,16 +185,15 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
           process: str = "poisson", burstiness: float = 1.0, policy: str = "least_loaded",
           progress: Callable[[], None] | None = None, jobs: int = 1,
           latencies: bool = False) -> pd.DataFrame:
-    """Step 3: one row per (candidate, rate, seed) (``RUN_COLUMNS``; ``sim_s`` = wall seconds
-    the simulation took), in that order. ``rates`` is one ladder for every candidate, or
-    one per candidate label. ``latencies``: each row also holds ``LATENCY_COLUMNS``, every
-    request's TTFT and TPOT (``request_latencies``), so other SLOs can be scored from the
-    same runs without simulating again (``planner.slo_map``).
+    """Step 3: one row per (candidate, rate, seed) (``RUN_COLUMNS``; ``sim_s`` = wall seconds the
+    simulation took), in that order. ``rates`` is one ladder for every candidate, or one per
+    candidate label. ``latencies``: each row also holds ``LATENCY_COLUMNS``, every request's TTFT
+    and TPOT (``request_latencies``), so other SLOs can be scored from the same runs without
+    simulating again (``planner.slo_map``).
 
-    ``jobs`` > 1 spreads the runs over that many processes (spawned, so no thread state of
-    this process is forked; each receives the requests once); the rows are the same as one
-    process gives, since every run is deterministic.
-    """
+    ``jobs`` > 1 spreads the runs over that many processes (spawned, so no thread state of this
+    process is forked; each receives the requests once); the rows are the same as one process gives,
+    since every run is deterministic."""
     def ladder(cand: Candidate) -> Sequence[float]:
         return rates[cand.label] if isinstance(rates, dict) else rates
 
@@ -304,14 +298,12 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
     """Step 4: one row per candidate, best goodput per device first (``RANK_COLUMNS``).
 
     ``goodput_per_device_req_s`` reads the mean-over-seeds attainment curve
-    (``engine.metrics.goodput_rate``: the highest swept rate with >= 90% attainment there and
-    at every lower rate, over the candidate's devices); ``goodput_seed_min/max`` is the
-    spread of the same figure per seed; the latencies (and the prefix cache's hit rate) are
-    the seed means at ``goodput_rate`` (NaN for a column ``runs`` lacks)
-    (the lowest rate when even it misses). ``at_sweep_top``: the candidate still met the
-    target at its highest swept rate, so its goodput is only a lower bound (sweep higher).
-    Ties keep the candidates' order.
-    """
+    (``engine.metrics.goodput_rate``: the highest swept rate with >= 90% attainment there and at
+    every lower rate, over the candidate's devices); ``goodput_seed_min/max`` is the spread of the
+    same figure per seed; the latencies (and the prefix cache's hit rate) are the seed means at
+    ``goodput_rate`` (NaN for a column ``runs`` lacks) (the lowest rate when even it misses).
+    ``at_sweep_top``: the candidate still met the target at its highest swept rate, so its goodput
+    is only a lower bound (sweep higher). Ties keep the candidates' order."""
     rows = []
     for label, g in runs.groupby("candidate", sort=False):
         n_dev = int(g["num_devices"].iloc[0])
@@ -351,9 +343,8 @@ def simulate_runs(placement: str, engine: EngineConfig, profile: DeviceProfile,
                   transport: str = "simulated", step_scale: float = 1.0,
                   speed_trace: Callable[[str, float], float] | None = None
                   ) -> list[tuple[float, int, SimResult]]:
-    """Every (rate, seed) of one placement, with step records: ``(rate, seed, result)``
-    (for results files shaped like a real run's); ``step_scale`` and ``speed_trace`` as
-    ``simulator``."""
+    """Every (rate, seed) of one placement, with step records: ``(rate, seed, result)`` (for results
+    files shaped like a real run's); ``step_scale`` and ``speed_trace`` as ``simulator``."""
     sim = simulator(Candidate(placement), engine, profile, transfer, policy, transport=transport,
                     step_scale=step_scale, speed_trace=speed_trace)
     return [(rate, seed, sim.run(arrivals(reqs, rate, seed, process, burstiness), collect_steps=True))

@@ -1,10 +1,9 @@
-"""GPU device profiles without a GPU: pdlab's step models fitted on NVIDIA's measured
-per-operation database, AIConfigurator (no torch; the optional extra ``silicon``:
-``aiconfigurator-core``).
+"""GPU device profiles without a GPU: pdlab's step models fitted on NVIDIA's measured per-operation
+database, AIConfigurator (no torch; the optional extra ``silicon``: ``aiconfigurator-core``).
 
-AIConfigurator holds kernel timings measured on H100, H200, B200, GB200 and more under vLLM,
-SGLang and TRT-LLM, and composes a model's step from them; this module calls its backends'
-``run_static`` and ``run_mixed`` directly:
+AIConfigurator holds kernel timings measured on H100, H200, B200, GB200 and more under vLLM, SGLang
+and TRT-LLM, and composes a model's step from them; this module calls its backends' ``run_static``
+and ``run_mixed`` directly:
 
 1. ``open_database(model_dir, system, backend)``: the (system, backend) database and the model
    from its ``config.json``, on one GPU. A system, backend or shape the database lacks, a
@@ -16,9 +15,9 @@ SGLang and TRT-LLM, and composes a model's step from them; this module calls its
    models with the system's own NVLink/PCIe figures, and ``DeviceProfile.source`` naming the
    package, system, backend and database version.
 
-Left out, as by the database's static steps: vLLM's per-request CPU dispatch overhead (on
-emulated devices pdlab's own loop is the CPU side). The ``agg`` TPOT averages mixed and
-decode steps, so it matches pdlab's decode model only at B = 1."""
+Left out, as by the database's static steps: vLLM's per-request CPU dispatch overhead (on emulated
+devices pdlab's own loop is the CPU side). The ``agg`` TPOT averages mixed and decode steps, so it
+matches pdlab's decode model only at B = 1."""
 
 from __future__ import annotations
 
@@ -55,9 +54,9 @@ class SiliconError(ValueError):
 class SampleGrid:
     """The steps ``sample_steps`` asks the database for.
 
-    The defaults cover what a served 7-8B model on one GPU runs: decode batches up to
-    vLLM's ``max_num_seqs`` 256 at contexts to 8k, prefill steps of one to four prompts up
-    to 16k tokens (vLLM's long-prompt chunk budgets), chunks over up to 6k cached tokens.
+    The defaults cover what a served 7-8B model on one GPU runs: decode batches up to vLLM's
+    ``max_num_seqs`` 256 at contexts to 8k, prefill steps of one to four prompts up to 16k tokens
+    (vLLM's long-prompt chunk budgets), chunks over up to 6k cached tokens.
 
     Attributes:
         prompt_lens: P of the prefill steps (tokens).
@@ -65,8 +64,7 @@ class SampleGrid:
         max_prefill_tokens: a prefill step of m x P above this is not asked for.
         chunks: ``(k, n)``: n new prompt tokens over k cached ones.
         batch_sizes, contexts: B and C of the decode steps (C = KV tokens before the step).
-        mixed_prompts, mixed_batch_sizes: P and B of the mixed steps.
-    """
+        mixed_prompts, mixed_batch_sizes: P and B of the mixed steps."""
 
     prompt_lens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     prompts_per_step: tuple[int, ...] = (1, 2, 4)
@@ -97,8 +95,7 @@ def _aic() -> Any:
     """The ``aiconfigurator_core.sdk`` modules the builder uses, as one namespace.
 
     Raises:
-        SiliconError: the optional package is missing or not the pinned version.
-    """
+        SiliconError: the optional package is missing or not the pinned version."""
     try:
         # lazy: the optional extra `silicon`; pdlab profile's CPU path and the planner run without it
         from aiconfigurator_core.sdk import config, config_builders, errors, models, perf_database
@@ -120,8 +117,7 @@ def supported_databases() -> dict[str, dict[str, list[str]]]:
     """``{system: {backend: [database versions]}}`` of the installed package.
 
     Raises:
-        SiliconError: the package is not installed.
-    """
+        SiliconError: the package is not installed."""
     aic = _aic()
     return {s: {b: list(v) for b, v in versions.items()}
             for s, versions in _scan(aic.perf_database).items()}
@@ -151,8 +147,7 @@ def check_system(system: str, backend: str) -> None:
     """The database has ``backend`` on ``system``.
 
     Raises:
-        SiliconError: naming the systems (or the system's backends) it has.
-    """
+        SiliconError: naming the systems (or the system's backends) it has."""
     if backend not in BACKENDS:
         raise SiliconError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     found = supported_databases()
@@ -168,8 +163,7 @@ def read_model_config(model_dir: str | Path) -> dict:
     """The ``config.json`` of a Hugging Face model directory (no weights are read).
 
     Raises:
-        SiliconError: no such directory, no ``config.json``, or not JSON.
-    """
+        SiliconError: no such directory, no ``config.json``, or not JSON."""
     path = Path(model_dir).expanduser() / "config.json"
     if not path.parent.is_dir():
         raise SiliconError(f"model directory {path.parent} does not exist (a directory with "
@@ -220,8 +214,7 @@ class SiliconDatabase:
         node: the system spec's ``node`` section (link rates in bytes/s, ``p2p_latency``
             in seconds), for ``planner.latency.link_transfer``.
         kv_bytes_per_token: the database's own KV bytes per token
-            (``get_kvcache_bytes_per_sequence(1)``).
-    """
+            (``get_kvcache_bytes_per_sequence(1)``)."""
 
     model_dir: str
     system: str
@@ -293,14 +286,13 @@ class SiliconDatabase:
 
 
 def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDatabase:
-    """The database's view of the model in ``model_dir`` on one GPU of ``system`` under
-    ``backend`` (module docstring, step 1), probed with one decode and one prefill step so
-    that a shape it lacks is refused here.
+    """The database's view of the model in ``model_dir`` on one GPU of ``system`` under ``backend``
+    (module docstring, step 1), probed with one decode and one prefill step so that a shape it lacks
+    is refused here.
 
     Raises:
         SiliconError: the package is missing, an unknown system or backend, no config file,
-            a MoE model, a KV dtype pdlab has not, or data missing for the model's shapes.
-    """
+            a MoE model, a KV dtype pdlab has not, or data missing for the model's shapes."""
     aic = _aic()
     check_system(system, backend)
     read_model_config(model_dir)
@@ -344,12 +336,11 @@ def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDa
 def sample_steps(db: SiliconDatabase, grid: SampleGrid = SampleGrid()
                  ) -> tuple[list[tuple[StepFeatures, float]], list[tuple[StepFeatures, float]],
                             list[tuple[StepFeatures, float]]]:
-    """The database's prefill, decode and mixed steps on ``grid`` (module docstring, step 2)
-    as ``(features, seconds)`` pairs, in ``fit_step_models``' order.
+    """The database's prefill, decode and mixed steps on ``grid`` (module docstring, step 2) as
+    ``(features, seconds)`` pairs, in ``fit_step_models``' order.
 
     Raises:
-        SiliconError: data missing for a shape of the grid.
-    """
+        SiliconError: data missing for a shape of the grid."""
     F = StepFeatures
     prefill = [(F(m * p, m * p * p), db.prefill_s(m, p))
                for p in grid.prompt_lens for m in grid.prompts_per_step
@@ -417,8 +408,7 @@ def mean_decode_step_s(profile: DeviceProfile, batch_size: int, isl: int, osl: i
     ``isl + j`` (attending to ``isl + j + 1`` tokens each), as an emulated device holds them.
 
     Raises:
-        ValueError: ``osl`` < 2 (no decode step).
-    """
+        ValueError: ``osl`` < 2 (no decode step)."""
     if osl < 2:
         raise ValueError(f"osl must be >= 2 for a decode step, got {osl}")
     step = profile.step_time()

@@ -67,8 +67,7 @@ class SimResult:
         batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when
             ``collect_batches`` (the Scheduler-identity test compares them to an Engine's).
         num_fast_forwarded_steps: steps completed by the fast-forward, not by
-            ``Scheduler.update`` (module docstring; 0 with ``fast_forward=False``).
-    """
+            ``Scheduler.update`` (module docstring; 0 with ``fast_forward=False``)."""
 
     records: list[RequestRecord]
     steps: list[dict] = field(default_factory=list)
@@ -168,8 +167,7 @@ class Simulator:
             weights); None: the CPU rule (``num_kv_blocks``).
 
     Raises:
-        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``.
-    """
+        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``."""
 
     def __init__(self, placement: str, engine: EngineConfig,
                  step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
@@ -200,17 +198,16 @@ class Simulator:
         """Serve ``workload`` (requests with arrival offsets in seconds) to the end.
 
         A closed-loop workload (one with ``follow(record, end_s, output_token_ids)``, as
-        ``Router.run`` takes: ``experiments.workload_spec.ClosedLoop``) is told of every
-        request that finished and returns the requests that follow it (the next turn of a
-        conversation, arriving a think time later: ``engine.arrivals.Chains``). Such a run
-        goes step by step (no fast-forward: an arrival may appear inside any span).
+        ``Router.run`` takes: ``experiments.workload_spec.ClosedLoop``) is told of every request
+        that finished and returns the requests that follow it (the next turn of a conversation,
+        arriving a think time later: ``engine.arrivals.Chains``). Such a run goes step by step (no
+        fast-forward: an arrival may appear inside any span).
 
         Returns:
             ``SimResult`` with one record per request (the followers too) in arrival order.
 
         Raises:
-            ValueError: two requests share a request_id.
-        """
+            ValueError: two requests share a request_id."""
         ids = [r.request_id for r, _ in workload]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
@@ -406,13 +403,12 @@ class Simulator:
 
     def _fast_forward(self, instance: _Instance, batch: ScheduledBatch, end_s: float,
                       sum_ctx: int) -> float:
-        """Complete the pure-decode ``batch`` (just scheduled, ending at ``end_s``) and the
-        same batch again while the Scheduler would schedule it unchanged (module docstring):
-        every step that ends before the horizon, and before the step in which the first
-        request of the batch stops. Returns the end of the step left to run as usual.
-        Step durations are ``step_s`` at the context each step has (times the speed trace
-        at the step's start), summed in step order, so every time equals the step-by-step
-        run's to the last bit."""
+        """Complete the pure-decode ``batch`` (just scheduled, ending at ``end_s``) and the same
+        batch again while the Scheduler would schedule it unchanged (module docstring): every step
+        that ends before the horizon, and before the step in which the first request of the batch
+        stops. Returns the end of the step left to run as usual. Step durations are ``step_s`` at
+        the context each step has (times the speed trace at the step's start), summed in step order,
+        so every time equals the step-by-step run's to the last bit."""
         horizon_s = self._horizon(instance)
         if end_s >= horizon_s:
             return end_s

@@ -47,13 +47,12 @@ CELL_COLUMNS = ["io_ratio", "ttft_slo_s", "tpot_slo_s", "ttft_index", "tpot_inde
 
 
 def family_of(placement: str) -> str:
-    """The family of a placement string: ``colocated-nochunk:N`` -> colocated,
-    ``colocated:N`` (chunked prefill, any budget) -> colocated chunked, ``disagg:xPyD`` ->
-    disagg, ``conditional:xPyD`` -> conditional.
+    """The family of a placement string: ``colocated-nochunk:N`` -> colocated, ``colocated:N``
+    (chunked prefill, any budget) -> colocated chunked, ``disagg:xPyD`` -> disagg,
+    ``conditional:xPyD`` -> conditional.
 
     Raises:
-        ValueError: another placement string.
-    """
+        ValueError: another placement string."""
     kind = placement.split(":", 1)[0]
     names = {"colocated-nochunk": "colocated", "colocated": "colocated chunked",
              "disagg": "disagg", "conditional": "conditional"}
@@ -68,8 +67,7 @@ def map_candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
     ``disagg:xPyD`` (same workers; Dynamo's rule prefills short prompts on the decode side).
 
     Raises:
-        ValueError: ``num_devices < 1``.
-    """
+        ValueError: ``num_devices < 1``."""
     cands = search.candidates(num_devices, chunk_budgets)
     if conditional:
         cands += [search.Candidate(c.placement.replace("disagg:", "conditional:"))
@@ -78,14 +76,13 @@ def map_candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
 
 
 def parse_range(text: str, name: str = "range") -> tuple[float, ...]:
-    """``MIN:MAX:STEPS`` -> STEPS values from MIN to MAX (seconds), geometrically spaced
-    (SLO targets span decades), MIN and MAX included, 4 significant digits. ``STEPS`` = 1
-    needs MIN = MAX.
+    """``MIN:MAX:STEPS`` -> STEPS values from MIN to MAX (seconds), geometrically spaced (SLO
+    targets span decades), MIN and MAX included, 4 significant digits. ``STEPS`` = 1 needs MIN =
+    MAX.
 
     Raises:
         ValueError: not three fields, MIN <= 0 (a negative or zero SLO), MIN > MAX, STEPS
-            not an integer >= 1, or STEPS 1 with MIN != MAX; the message starts with ``name``.
-    """
+            not an integer >= 1, or STEPS 1 with MIN != MAX; the message starts with ``name``."""
     parts = text.split(":")
     try:
         lo, hi, steps = float(parts[0]), float(parts[1]), int(parts[2])
@@ -108,8 +105,7 @@ def parse_ratios(text: str) -> tuple[float, ...]:
     """Comma-separated prompt:output token ratios (each > 0, each once), e.g. ``0.25,1,4``.
 
     Raises:
-        ValueError: an empty list, a value that is not a number > 0, or a repeat.
-    """
+        ValueError: an empty list, a value that is not a number > 0, or a repeat."""
     try:
         values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
@@ -122,14 +118,13 @@ def parse_ratios(text: str) -> tuple[float, ...]:
 
 
 def ratio_lengths(ratio: float, request_tokens: int) -> tuple[str, str]:
-    """Synthetic lengths for prompt:output ``ratio`` at ``request_tokens`` (prompt + output
-    on average): mean prompt p = round(request_tokens x ratio / (1 + ratio)), mean output
-    o = request_tokens - p (each >= 1), each drawn uniform in [0.5 x, 1.5 x] of its mean
+    """Synthetic lengths for prompt:output ``ratio`` at ``request_tokens`` (prompt + output on
+    average): mean prompt p = round(request_tokens x ratio / (1 + ratio)), mean output o =
+    request_tokens - p (each >= 1), each drawn uniform in [0.5 x, 1.5 x] of its mean
     (``WorkloadSpec`` ``lo-hi`` strings).
 
     Raises:
-        ValueError: ``request_tokens < 2``.
-    """
+        ValueError: ``request_tokens < 2``."""
     if request_tokens < 2:
         raise ValueError(f"request_tokens must be >= 2, got {request_tokens}")
     p = min(max(1, round(request_tokens * ratio / (1 + ratio))), request_tokens - 1)
@@ -220,8 +215,7 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
     ``verdict``: the winner's label when clear, ``NO_CLEAR`` when the band does not
     separate it from the runner-up, ``NONE`` when no candidate has goodput > 0 (then the
     winner columns are empty and margin NaN). Margin: (winner - runner-up) / winner, 1.0
-    without a runner-up family.
-    """
+    without a runner-up family."""
     slow, fast, top, twins = slow or {}, fast or {}, top or {}, twins or {}
     rows = []
     for i, ttft in enumerate(ttft_grid):
@@ -258,13 +252,12 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
 def same_schedule(cands: Sequence[search.Candidate], engine: EngineConfig,
                   max_prompt_tokens: int) -> dict[str, str]:
     """The ``twins`` of ``cells``: ``colocated:N`` (chunked, at the engine's own budget) and
-    ``colocated-nochunk:N`` map to each other when the longest prompt (tokens) fits the
-    chunk budget (``engine.max_num_batched_tokens``). Then no prompt needs splitting: the
-    chunked scheduler splits one only where it shares a step past the budget, where the
-    unchunked one makes it wait a step (``engine.scheduler``), so the two run nearly the
-    same schedule, and where they reach the same goodput the tie is one answer under two
-    names, not two rivals "with no clear winner". Candidates with their own
-    ``chunk_budget`` are left out."""
+    ``colocated-nochunk:N`` map to each other when the longest prompt (tokens) fits the chunk budget
+    (``engine.max_num_batched_tokens``). Then no prompt needs splitting: the chunked scheduler
+    splits one only where it shares a step past the budget, where the unchunked one makes it wait a
+    step (``engine.scheduler``), so the two run nearly the same schedule, and where they reach the
+    same goodput the tie is one answer under two names, not two rivals "with no clear winner".
+    Candidates with their own ``chunk_budget`` are left out."""
     if max_prompt_tokens > engine.max_num_batched_tokens:
         return {}
     by_kind = {c.placement.split(":")[0]: c for c in cands if c.chunk_budget is None
@@ -297,8 +290,7 @@ def map_ratio(cands: Sequence[search.Candidate], rates: Sequence[float],
         nominal goodput grids per candidate label).
 
     Raises:
-        ValueError: a bad ``spread`` (``band.scales``).
-    """
+        ValueError: a bad ``spread`` (``band.scales``)."""
     scales = band.scales(spread) if spread > 0 else {}
     loosest = SLO(max(ttft_grid), max(tpot_grid))
     runs = search.sweep(cands, list(rates), requests_by_seed, engine, profile, transfer, loosest,
@@ -340,15 +332,14 @@ def _condition(name: str, grid: Sequence[float], lo: int, hi: int) -> list[str]:
 
 
 def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence[float]) -> list[str]:
-    """Step 4: one line per family that wins some cell clearly (naming its same-schedule
-    twin where it tied with one), then one for the cells without a clear winner, one for
-    the cells whose winner met the top swept rate (``at_sweep_top``) and one for the cells
-    nobody meets, for one ratio's ``cells``.
+    """Step 4: one line per family that wins some cell clearly (naming its same-schedule twin where
+    it tied with one), then one for the cells without a clear winner, one for the cells whose winner
+    met the top swept rate (``at_sweep_top``) and one for the cells nobody meets, for one ratio's
+    ``cells``.
 
-    Each line is the bounding box of those cells: "<family> (<placements>) wins when TPOT
-    <= X s and TTFT >= Y s" when every cell of the box is its clear win, else "... wins in
-    n of the m cells where ..."; a bound at the grid's own edge is left out ("everywhere"
-    when none is left)."""
+    Each line is the bounding box of those cells: "<family> (<placements>) wins when TPOT <= X s and
+    TTFT >= Y s" when every cell of the box is its clear win, else "... wins in n of the m cells
+    where ..."; a bound at the grid's own edge is left out ("everywhere" when none is left)."""
     lines = []
     clear = table[table["clear"]]
     groups = [(f, clear[clear["winner_family"] == f]) for f in FAMILIES]
@@ -390,15 +381,14 @@ def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence
 
 
 def pick_cells(table: pd.DataFrame, k: int) -> pd.DataFrame:
-    """Step 5: ``k`` rows of ``table`` (``cells`` of every ratio, with ``io_ratio``) to check
-    for real. Per ratio its cells in the order: corner, cell beside a boundary, corner, ...
-    (corners (min, min), (max, max), (min, max), (max, min) in (TTFT, TPOT); boundary cells,
-    those whose right or upper neighbour has another verdict, smallest margin first); then
-    round-robin over the ratios, each cell once. Fewer than ``k`` when the map is smaller.
+    """Step 5: ``k`` rows of ``table`` (``cells`` of every ratio, with ``io_ratio``) to check for
+    real. Per ratio its cells in the order: corner, cell beside a boundary, corner, ... (corners
+    (min, min), (max, max), (min, max), (max, min) in (TTFT, TPOT); boundary cells, those whose
+    right or upper neighbour has another verdict, smallest margin first); then round-robin over the
+    ratios, each cell once. Fewer than ``k`` when the map is smaller.
 
     Raises:
-        ValueError: ``k < 1``.
-    """
+        ValueError: ``k < 1``."""
     if k < 1:
         raise ValueError(f"the number of cells to check must be >= 1, got {k}")
     orders = []
