@@ -10,8 +10,7 @@ A measurement:
 
 The estimator is the **minimum** of the timed runs (the run least disturbed by the rest of the
 machine); the median is reported beside it to show the spread. Output names it with
-``describe(repeats)``: "min of N runs after 1 warm-up; the median beside it".
-"""
+``describe(repeats)``: "min of N runs after 1 warm-up; the median beside it"."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ class Timing:
         min_s: the estimator (fastest run).
         median_s: the median run, shown beside it.
         num_runs: timed runs (warm-up excluded).
-        samples_s: every timed run, in order.
-    """
+        samples_s: every timed run, in order."""
 
     min_s: float
     median_s: float
@@ -74,8 +72,7 @@ def measure(run: Callable[[], object], repeats: int, *,
         ``Timing`` with min (the estimator) and median of the timed runs.
 
     Raises:
-        ValueError: ``repeats < 1`` or ``warmup < 0``.
-    """
+        ValueError: ``repeats < 1`` or ``warmup < 0``."""
     _check_counts(repeats, warmup)
     samples_s: list[float] = []
     for i in range(warmup + repeats):
@@ -115,13 +112,12 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
                         on_run: Callable[[], object] | None = None) -> dict:
     """Time several measurements in rounds instead of one after another.
 
-    ``measure`` runs a point's warm-up and repeats back to back, so a machine whose speed
-    drifts within minutes (a shared VM) gives the points
-    measured in a fast minute a faster time than the rest, and a model fitted on several
-    sweeps measured minutes apart (prefill, then decode) inherits that. Here every round
-    runs each point once, in an order shuffled per round (``random.Random(seed)``); the
-    first ``warmup`` rounds are discarded. Each point's samples are then spread over the
-    whole measurement, and a drift moves every point alike.
+    ``measure`` runs a point's warm-up and repeats back to back, so a machine whose speed drifts
+    within minutes (a shared VM) gives the points measured in a fast minute a faster time than the
+    rest, and a model fitted on several sweeps measured minutes apart (prefill, then decode)
+    inherits that. Here every round runs each point once, in an order shuffled per round
+    (``random.Random(seed)``); the first ``warmup`` rounds are discarded. Each point's samples are
+    then spread over the whole measurement, and a drift moves every point alike.
 
     Args:
         points: key -> ``(setup, run)``: ``setup`` (untimed, may be None) then ``run``
@@ -135,8 +131,7 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
         key -> ``Timing`` of its ``repeats`` timed runs, in the order of ``points``.
 
     Raises:
-        ValueError: ``repeats < 1`` or ``warmup < 0``.
-    """
+        ValueError: ``repeats < 1`` or ``warmup < 0``."""
     _check_counts(repeats, warmup)
     rng = None if seed is None else random.Random(seed)
     samples_s: dict = {key: [] for key in points}
@@ -158,8 +153,7 @@ def summarize(samples_s) -> Timing:
     """The estimator over timed runs collected elsewhere (e.g. across two processes).
 
     Raises:
-        ValueError: no samples.
-    """
+        ValueError: no samples."""
     samples_s = tuple(float(s) for s in samples_s)
     if not samples_s:
         raise ValueError("summarize needs at least one timed run")

@@ -64,8 +64,7 @@ def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame
     """Step 3: one row per (placement, rate) both summary tables have (``COLUMNS``).
 
     Raises:
-        ValueError: the tables share no (placement, rate) point.
-    """
+        ValueError: the tables share no (placement, rate) point."""
     key = ["placement", "rate"]
     both = measured.merge(simulated, on=key, suffixes=("_measured", "_simulated"))
     if both.empty:
@@ -114,8 +113,7 @@ def step_factors(measured: Sequence[RunResult], profile: DeviceProfile
     Returns:
         (median measured ÷ modelled per run ``(placement, rate, seed)``, the same per
         ``"<placement> <worker>"``, over all steps, and the table of every step with its
-        run's ``placement, rate, seed`` in front). NaN where a run has no usable step.
-    """
+        run's ``placement, rate, seed`` in front). NaN where a run has no usable step."""
     step_s = profile.step_time()
     tables = []
     for r in measured:
@@ -163,10 +161,9 @@ def with_replay(errors: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
 
 
 def with_reruns(errors: pd.DataFrame, reruns: pd.DataFrame) -> pd.DataFrame:
-    """``errors`` with ``RERUN_COLUMNS``: per (placement, rate) the mean over ``reruns``'
-    rows (``score``'s step 7 table) of the rerun's attainment, its difference from the first run
-    (points), the latencies' relative differences and the requests flipped; NaN without
-    reruns."""
+    """``errors`` with ``RERUN_COLUMNS``: per (placement, rate) the mean over ``reruns``' rows
+    (``score``'s step 7 table) of the rerun's attainment, its difference from the first run
+    (points), the latencies' relative differences and the requests flipped; NaN without reruns."""
     if reruns.empty:
         return errors.assign(**{c: math.nan for c in RERUN_COLUMNS})
     return _with_columns(errors, reruns, _RERUN, RERUN_COLUMNS)
@@ -321,17 +318,16 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: Wo
              out_dir: Path, devices: str | None = None, address: str | None = None,
              policy: str = "least_loaded", local: bool = False, config: dict | None = None,
              speed_spread: float = 0.0, num_reruns: int = 0) -> tuple[pd.DataFrame, dict]:
-    """Step 1's real runs for ``cands`` (one per placement string: the first wins) at
-    ``rates``, then ``score``. ``local``: workers in this process (tests; transport
-    ``inprocess``). ``speed_spread``: step 6's band (0: none). ``num_reruns``: step 7's
-    reruns, each a second pass over every placement after the first pass (0: none).
+    """Step 1's real runs for ``cands`` (one per placement string: the first wins) at ``rates``,
+    then ``score``. ``local``: workers in this process (tests; transport ``inprocess``).
+    ``speed_spread``: step 6's band (0: none). ``num_reruns``: step 7's reruns, each a second pass
+    over every placement after the first pass (0: none).
 
     Returns:
         (error table, summary dict), as ``score``.
 
     Raises:
-        ValueError: a placement that does not fit ``devices``, a workload that does not fit.
-    """
+        ValueError: a placement that does not fit ``devices``, a workload that does not fit."""
     by_placement = {}
     for cand in cands:
         by_placement.setdefault(cand.placement, cand)
@@ -355,14 +351,13 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
           slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
           replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0,
           reruns: Sequence[Sequence[RunResult]] = ()) -> tuple[pd.DataFrame, dict]:
-    """Steps 1-7 after the real runs: simulate their twins (``items``: seed -> workload, as
-    the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
+    """Steps 1-7 after the real runs: simulate their twins (``items``: seed -> workload, as the real
+    runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
     validation_steps.csv, validation_corrected.csv, validation_replay.csv and
-    validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``);
-    with ``reruns`` (each a list like ``measured``: the same points run again for real)
-    ``measured_rerun<k>/`` and validation_reruns.csv. Also what
-    ``benchmarks.plan_accuracy --rescore`` runs on the saved real runs of an earlier
-    validation.
+    validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``); with
+    ``reruns`` (each a list like ``measured``: the same points run again for real)
+    ``measured_rerun<k>/`` and validation_reruns.csv. Also what ``benchmarks.plan_accuracy
+    --rescore`` runs on the saved real runs of an earlier validation.
 
     Returns:
         (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS + BAND_COLUMNS +
@@ -372,8 +367,7 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
         with each run's steps scaled by its own factor), ``replay`` (with each run's speed
         trace replayed), ``replay_window_s``, with ``speed_spread`` ``band``
         (``band_summary``) and with ``reruns`` ``rerun`` (``validation_summary`` of the
-        first run against its reruns) and ``num_reruns``).
-    """
+        first run against its reruns) and ``num_reruns``)."""
     by_placement = {c.placement: c for c in cands}
     out_dir.mkdir(parents=True, exist_ok=True)
     factors, by_worker, factor, steps = step_factors(measured, profile)
@@ -509,16 +503,15 @@ ADDED_METRICS = ("ttft_p50_s", "tpot_p50_s")
 
 
 def added_latency(measured: pd.DataFrame, modelled: pd.DataFrame) -> pd.DataFrame:
-    """pdlab's added latency on emulated devices, per placement and rate: measured minus
-    modelled (the simulated twin of the same requests) for TTFT p50 and TPOT p50, in
-    seconds (``added_<metric>``) and in % of the modelled value (``added_<metric>_pct``).
-    On emulated devices every step takes its modelled time, so what remains is the router,
-    the calls, the hand-over and the transports (and a late host: steps.csv's lateness).
+    """pdlab's added latency on emulated devices, per placement and rate: measured minus modelled
+    (the simulated twin of the same requests) for TTFT p50 and TPOT p50, in seconds
+    (``added_<metric>``) and in % of the modelled value (``added_<metric>_pct``). On emulated
+    devices every step takes its modelled time, so what remains is the router, the calls, the
+    hand-over and the transports (and a late host: steps.csv's lateness).
 
     Args:
         measured, modelled: ``analysis.summary_table`` frames (``placement``, ``rate`` and
-            the metric columns).
-    """
+            the metric columns)."""
     keys = ["placement", "rate"]
     both = measured[keys + list(ADDED_METRICS)].merge(
         modelled[keys + list(ADDED_METRICS)], on=keys, suffixes=("_measured", "_modelled"))
@@ -560,16 +553,15 @@ def _stage_medians(records: Sequence[RequestRecord]) -> dict[str, float]:
 
 
 def stage_latency(measured: Sequence[RunResult], modelled: Sequence[RunResult]) -> pd.DataFrame:
-    """Where pdlab's added latency goes, per placement, rate and stage: the median
-    seconds of each stage (``STAGES`` and ``_stage_medians``) in the real runs and in
-    their simulated twins (pooled over seeds), and the difference. On emulated devices
-    the twin is the device itself, so the difference is pdlab's own overhead per stage
-    (router dispatch and Ray calls in "arrival to prefill start", the hand-over's trips
-    in "hand-over to KV fetched", the engine loop in the decode gaps).
+    """Where pdlab's added latency goes, per placement, rate and stage: the median seconds of each
+    stage (``STAGES`` and ``_stage_medians``) in the real runs and in their simulated twins (pooled
+    over seeds), and the difference. On emulated devices the twin is the device itself, so the
+    difference is pdlab's own overhead per stage (router dispatch and Ray calls in "arrival to
+    prefill start", the hand-over's trips in "hand-over to KV fetched", the engine loop in the
+    decode gaps).
 
     Returns:
-        Rows ``placement, rate, stage, measured_s, modelled_s, added_s`` (seconds).
-    """
+        Rows ``placement, rate, stage, measured_s, modelled_s, added_s`` (seconds)."""
     def pooled(results) -> dict:
         by_point: dict[tuple, list] = {}
         for r in results:

@@ -1,8 +1,7 @@
-"""What a command replays, checked before anything starts: ``WorkloadSpec`` (dataset, size,
-lengths, seeds, the arrival process; its fields are the workload options of ``run``,
-``compare``, ``bench`` and ``plan``), the requests it draws for a model (clipped or refused
-to fit the model's context, with one message), and those requests with arrival offsets as
-the router replays them.
+"""What a command replays, checked before anything starts: ``WorkloadSpec`` (dataset, size, lengths,
+seeds, the arrival process; its fields are the workload options of ``run``, ``compare``, ``bench``
+and ``plan``), the requests it draws for a model (clipped or refused to fit the model's context,
+with one message), and those requests with arrival offsets as the router replays them.
 
 Datasets (``--dataset``): ``sharegpt``, ``humaneval``, ``synthetic`` (single requests,
 open loop at ``--rates``); ``prefix_repetition`` (``--num-prefixes`` system prompts of
@@ -11,8 +10,7 @@ shape); ``mooncake`` (``--trace FILE``, a Mooncake-format trace replayed at its 
 timestamps: ``--rates`` do not apply); ``multiturn`` (``--num-requests`` ShareGPT
 conversations of up to ``--max-turns`` turns, started by ``--arrival`` at ``--rates``
 conversations/s, each later turn sent ``--think-time-s`` (mean, exponential) after the
-previous answer ended: a closed loop, ``MultiTurn`` / ``ClosedLoop``).
-"""
+previous answer ended: a closed loop, ``MultiTurn`` / ``ClosedLoop``)."""
 
 from __future__ import annotations
 
@@ -176,13 +174,12 @@ def context_len(model: ModelConfig, engine: EngineConfig) -> int:
 def build_workload(spec: WorkloadSpec, model: ModelConfig, seed: int | None = None,
                    max_len: int | None = None) -> list[workloads.WorkloadRequest]:
     """The requests of ``spec`` drawn with ``seed`` (default ``spec.seed``), each fitting
-    ``max_len`` tokens (prompt + output) when given: ShareGPT and HumanEval outputs are
-    clipped to fit (see ``fit_workload``); synthetic lengths are refused up front. Arrival
-    times are set per rate later.
+    ``max_len`` tokens (prompt + output) when given: ShareGPT and HumanEval outputs are clipped to
+    fit (see ``fit_workload``); synthetic lengths are refused up front. Arrival times are set per
+    rate later.
 
     Raises:
-        ValueError: a synthetic length range or a prompt that cannot fit ``max_len``.
-    """
+        ValueError: a synthetic length range or a prompt that cannot fit ``max_len``."""
     seed = spec.seed if seed is None else seed
     vocab = tiny_llama_config().vocab_size if model.model in TINY_NAMES else 49152
     if spec.dataset == "synthetic":
@@ -228,8 +225,7 @@ def check_synthetic_fits(prompt: int | tuple[int, int], output: int | tuple[int,
     """Refuse synthetic lengths whose longest prompt + output exceeds ``max_len`` tokens.
 
     Raises:
-        ValueError: naming the options, the model's context and lengths that would fit.
-    """
+        ValueError: naming the options, the model's context and lengths that would fit."""
     p_hi = prompt[1] if isinstance(prompt, tuple) else prompt
     o_hi = output[1] if isinstance(output, tuple) else output
     if p_hi + o_hi > max_len:
@@ -241,12 +237,11 @@ def check_synthetic_fits(prompt: int | tuple[int, int], output: int | tuple[int,
 
 def fit_workload(items: list[workloads.WorkloadRequest], max_len: int, model_name: str
                  ) -> list[workloads.WorkloadRequest]:
-    """Clip each output so prompt + output fits ``max_len`` tokens; prints one line saying
-    how many were clipped.
+    """Clip each output so prompt + output fits ``max_len`` tokens; prints one line saying how many
+    were clipped.
 
     Raises:
-        ValueError: a prompt alone leaves no room for one output token.
-    """
+        ValueError: a prompt alone leaves no room for one output token."""
     too_long = [it for it in items if it.num_prompt_tokens >= max_len]
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) of up to "
@@ -298,14 +293,13 @@ class Timed(list):
 
 
 def trace_rate(items: Sequence[workloads.WorkloadRequest]) -> float:
-    """The mean arrival rate of a trace's requests (req/s): ``(n - 1)`` gaps over the span
-    from the first arrival to the last (``arrival_s``); ``n`` when every request arrives at
-    once (or there is one). What ``pdlab plan`` labels a trace's single run with, since
-    ``--rates`` do not apply to it.
+    """The mean arrival rate of a trace's requests (req/s): ``(n - 1)`` gaps over the span from the
+    first arrival to the last (``arrival_s``); ``n`` when every request arrives at once (or there is
+    one). What ``pdlab plan`` labels a trace's single run with, since ``--rates`` do not apply to
+    it.
 
     Raises:
-        ValueError: no requests.
-    """
+        ValueError: no requests."""
     if not items:
         raise ValueError("a trace needs at least one request")
     times = [it.arrival_s for it in items]
@@ -390,14 +384,13 @@ class ClosedLoop(list):
         return request, item.arrival_s
 
     def follow(self, record, end_s: float, output_token_ids=None) -> list[tuple[Request, float]]:
-        """The next turn after ``record`` (``engine.metrics.RequestRecord``) ended at
-        ``end_s``, its history holding ``output_token_ids`` (default: the record's; the
-        simulator passes its placeholder tokens): [] when its conversation is over (or the
-        turn failed: the rest is dropped, ``replay.num_dropped``).
+        """The next turn after ``record`` (``engine.metrics.RequestRecord``) ended at ``end_s``, its
+        history holding ``output_token_ids`` (default: the record's; the simulator passes its
+        placeholder tokens): [] when its conversation is over (or the turn failed: the rest is
+        dropped, ``replay.num_dropped``).
 
         Raises:
-            KeyError: ``record`` is not a turn of this replay.
-        """
+            KeyError: ``record`` is not a turn of this replay."""
         item = self._items.pop(record.request_id)
         outputs = tuple(record.output_token_ids if output_token_ids is None else output_token_ids)
         ok = record.error is None and len(outputs) == item.output_len

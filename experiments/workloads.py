@@ -39,8 +39,7 @@ class WorkloadRequest:
         source: where it came from, e.g. ``"sharegpt:QWJhYvA_0"``, ``"humaneval:HumanEval/3"``.
         arrival_s: arrival offset in seconds from the start of the run.
         conversation_id: the ``Conversation`` it is a turn of (None: a single request).
-        turn: its turn index in that conversation (0 = first).
-    """
+        turn: its turn index in that conversation (0 = first)."""
 
     prompt_token_ids: tuple[int, ...]
     output_len: int
@@ -84,9 +83,8 @@ def num_text_tokens(tokenizer: Any, text: str) -> int:
 
 
 def _sharegpt_records() -> Iterator[dict]:
-    """The bundled ShareGPT file's records, one by one. The file may be cut short (the
-    packaged copy ends mid-record): records are decoded one at a time and a truncated tail
-    is dropped."""
+    """The bundled ShareGPT file's records, one by one. The file may be cut short (the packaged copy
+    ends mid-record): records are decoded one at a time and a truncated tail is dropped."""
     with open_dataset("r") as f:
         text = f.read()
     decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
@@ -130,16 +128,14 @@ def sharegpt(tokenizer: Any, num_requests: int, seed: int, min_prompt_len: int =
              max_total_len: int | None = None) -> list[WorkloadRequest]:
     """Seeded sample of ShareGPT V3 first turns (the vLLM benchmark's default dataset).
 
-    Conversations are visited in a seeded random order and tokenized lazily until
-    ``num_requests`` pass. Prompt = first human turn through the chat template; output_len =
-    tokens of the first gpt reply, capped at ``max_output_len`` (and at
-    ``max_total_len - prompt length`` when given). Dropped: prompts shorter than
-    ``min_prompt_len`` or longer than ``max_prompt_len``, outputs (after capping) shorter than
-    ``min_output_len``.
+    Conversations are visited in a seeded random order and tokenized lazily until ``num_requests``
+    pass. Prompt = first human turn through the chat template; output_len = tokens of the first gpt
+    reply, capped at ``max_output_len`` (and at ``max_total_len - prompt length`` when given).
+    Dropped: prompts shorter than ``min_prompt_len`` or longer than ``max_prompt_len``, outputs
+    (after capping) shorter than ``min_output_len``.
 
     Raises:
-        ValueError: bad lengths, or the dataset has too few conversations passing the filters.
-    """
+        ValueError: bad lengths, or the dataset has too few conversations passing the filters."""
     check_count(num_requests)
     if not 1 <= min_prompt_len <= max_prompt_len:
         raise ValueError(f"need 1 <= min_prompt_len <= max_prompt_len, got {min_prompt_len}, {max_prompt_len}")
@@ -225,18 +221,17 @@ def prefix_repetition(num_requests: int, seed: int, num_prefixes: int = 10,
                       vocab_size: int = 49152, token_range: tuple[int, int] | None = None
                       ) -> list[WorkloadRequest]:
     """Shared prefixes: ``num_prefixes`` random prompts of ``prefix_len`` tokens (the system
-    prompts), each followed by its own random ``suffix_len``-token suffixes (the questions),
-    in a seeded random order; the shape of vLLM's ``prefix_repetition`` dataset
-    (``vllm/benchmarks/datasets.py`` ``PrefixRepetitionRandomDataset``, same defaults). Token
-    ids uniform over ``token_range`` (default ``[0, vocab_size)``). Departure: vLLM gives
-    every prefix ``num_requests // num_prefixes`` suffixes and drops the remainder; here the
-    first ``num_requests % num_prefixes`` prefixes get one more, so exactly
-    ``num_requests`` come back. ``source`` is ``prefix:<prefix>:<suffix>``.
+    prompts), each followed by its own random ``suffix_len``-token suffixes (the questions), in a
+    seeded random order; the shape of vLLM's ``prefix_repetition`` dataset
+    (``vllm/benchmarks/datasets.py`` ``PrefixRepetitionRandomDataset``, same defaults). Token ids
+    uniform over ``token_range`` (default ``[0, vocab_size)``). Departure: vLLM gives every prefix
+    ``num_requests // num_prefixes`` suffixes and drops the remainder; here the first ``num_requests
+    % num_prefixes`` prefixes get one more, so exactly ``num_requests`` come back. ``source`` is
+    ``prefix:<prefix>:<suffix>``.
 
     Raises:
         ValueError: ``num_prefixes`` < 1 or > ``num_requests`` (> 0), lengths < 1, or a bad
-            ``token_range``.
-    """
+            ``token_range``."""
     check_count(num_requests)
     if not isinstance(num_prefixes, (int, np.integer)) or num_prefixes < 1 or (
             num_requests and num_prefixes > num_requests):
@@ -277,8 +272,7 @@ class Turn:
             the generation prompt).
         output_len: output tokens to generate for it (with ``ignore_eos``).
         think_time_s: seconds between the previous turn's last token and this turn's
-            arrival (0 for the first turn).
-    """
+            arrival (0 for the first turn)."""
 
     new_token_ids: tuple[int, ...]
     output_len: int
@@ -304,13 +298,12 @@ class Conversation:
 
     def turn_request(self, k: int, history: Sequence[int] = (), arrival_s: float = 0.0
                      ) -> WorkloadRequest:
-        """Turn ``k`` as a request: prompt = ``history`` (turn k-1's prompt + its output
-        tokens; empty for k = 0) + its new tokens, arriving at ``arrival_s``.
+        """Turn ``k`` as a request: prompt = ``history`` (turn k-1's prompt + its output tokens;
+        empty for k = 0) + its new tokens, arriving at ``arrival_s``.
 
         Raises:
             ValueError: ``k`` out of range, or history given for the first turn / missing
-                for a later one.
-        """
+                for a later one."""
         if not 0 <= k < len(self.turns):
             raise ValueError(f"conversation {self.conversation_id} has turns 0..{len(self.turns) - 1}, "
                              f"got {k}")
@@ -334,21 +327,19 @@ def sharegpt_conversations(tokenizer: Any, num_conversations: int, seed: int,
                            mean_think_time_s: float = 1.0) -> list[Conversation]:
     """Seeded sample of multi-turn ShareGPT V3 conversations.
 
-    Conversations are visited in a seeded random order. Turn k's message list is the
-    conversation's first k human turns with the gpt replies between them; its new tokens
-    are what the chat template adds after the previous reply (the template rendered up to
-    turn k minus the template up to turn k-1's generation prompt and the reply's own
-    tokens). Output length: the reply's tokens, capped at ``max_output_len``. Think times:
-    exponential with mean ``mean_think_time_s`` (0: none), seeded. A conversation keeps its
-    first ``max_turns`` turns, stops before a turn whose prompt + output (every earlier
-    turn answered with its ``output_len`` tokens) exceeds ``max_total_len``, and before a
-    turn whose reply does not tokenize the same alone as inside the template (then the
-    history's tokens could not be the prompt's); it is dropped if fewer than ``min_turns``
-    turns are left.
+    Conversations are visited in a seeded random order. Turn k's message list is the conversation's
+    first k human turns with the gpt replies between them; its new tokens are what the chat template
+    adds after the previous reply (the template rendered up to turn k minus the template up to turn
+    k-1's generation prompt and the reply's own tokens). Output length: the reply's tokens, capped
+    at ``max_output_len``. Think times: exponential with mean ``mean_think_time_s`` (0: none),
+    seeded. A conversation keeps its first ``max_turns`` turns, stops before a turn whose prompt +
+    output (every earlier turn answered with its ``output_len`` tokens) exceeds ``max_total_len``,
+    and before a turn whose reply does not tokenize the same alone as inside the template (then the
+    history's tokens could not be the prompt's); it is dropped if fewer than ``min_turns`` turns are
+    left.
 
     Raises:
-        ValueError: bad counts, or too few conversations pass.
-    """
+        ValueError: bad counts, or too few conversations pass."""
     check_count(num_conversations)
     if not 1 <= min_turns <= max_turns:
         raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
@@ -418,8 +409,8 @@ def with_conversation_arrivals(conversations: Sequence[Conversation], rate: floa
 
 
 class ConversationReplay:
-    """Releases each conversation's turns in order (what a workload replay needs); the
-    timing and dropping rule is ``engine.arrivals.Chains`` (one chain per conversation):
+    """Releases each conversation's turns in order (what a workload replay needs); the timing and
+    dropping rule is ``engine.arrivals.Chains`` (one chain per conversation):
 
     1. ``first_turns()``: every conversation's turn 0, arriving at its ``arrival_s``.
     2. When a turn ends, ``next_turn(item, output_token_ids, finished_s)`` returns the next
@@ -429,8 +420,7 @@ class ConversationReplay:
        failed) ends the conversation: its later turns are never sent (``num_dropped``).
     3. ``done`` once every conversation ended.
 
-    Times are seconds from the start of the run (the replay's clock).
-    """
+    Times are seconds from the start of the run (the replay's clock)."""
 
     def __init__(self, conversations: Sequence[Conversation]) -> None:
         ids = [c.conversation_id for c in conversations]
@@ -479,10 +469,9 @@ MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 @dataclass(frozen=True)
 class TraceEntry:
     """One line of a Mooncake-format trace (Mooncake, FAST'25, ``kvcache-ai/Mooncake``
-    ``mooncake_trace.jsonl``): ``timestamp`` (milliseconds in Mooncake's traces),
-    ``input_length`` / ``output_length`` in tokens, ``hash_ids``: one id per block of the
-    prompt (512 tokens in Mooncake's traces; the last block may be partial); equal ids,
-    equal block content."""
+    ``mooncake_trace.jsonl``): ``timestamp`` (milliseconds in Mooncake's traces), ``input_length`` /
+    ``output_length`` in tokens, ``hash_ids``: one id per block of the prompt (512 tokens in
+    Mooncake's traces; the last block may be partial); equal ids, equal block content."""
 
     line: int
     timestamp: float
@@ -500,8 +489,7 @@ def read_mooncake_trace(path: str | Path, block_tokens: int = 512) -> list[Trace
             >= 0 or earlier than the line before, ``input_length`` / ``output_length`` not
             an integer >= 1, ``hash_ids`` not a list of integers >= 0, or ``input_length``
             not fitting its hash ids (``(n - 1) * block_tokens < input_length <= n *
-            block_tokens`` for n ids).
-    """
+            block_tokens`` for n ids)."""
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
     entries: list[TraceEntry] = []
@@ -555,17 +543,15 @@ def mooncake_trace(path: str | Path, seed: int, num_requests: int | None = None,
                    vocab_size: int = 49152, token_range: tuple[int, int] | None = None
                    ) -> list[WorkloadRequest]:
     """Requests replaying a Mooncake-format trace (``read_mooncake_trace``): the first
-    ``num_requests`` lines (None: all), arriving at ``(timestamp - first timestamp) *
-    time_scale_s`` seconds (Mooncake's milliseconds by default), output_len =
-    ``output_length``. Each hash id stands for ``block_tokens`` random token ids drawn from
-    ``(seed, hash id)`` (uniform over ``token_range``, default ``[0, vocab_size)``), a
-    partial last block takes the first ones, so prompts whose hash ids agree agree token
-    for token up to there (vLLM's ``TimedTrace`` expands hash ids the same way, with a
-    per-size seed). ``source`` is ``mooncake:<line>``.
+    ``num_requests`` lines (None: all), arriving at ``(timestamp - first timestamp) *time_scale_s``
+    seconds (Mooncake's milliseconds by default), output_len = ``output_length``. Each hash id
+    stands for ``block_tokens`` random token ids drawn from ``(seed, hash id)`` (uniform over
+    ``token_range``, default ``[0, vocab_size)``), a partial last block takes the first ones, so
+    prompts whose hash ids agree agree token for token up to there (vLLM's ``TimedTrace`` expands
+    hash ids the same way, with a per-size seed). ``source`` is ``mooncake:<line>``.
 
     Raises:
-        ValueError: a malformed line (``read_mooncake_trace``) or bad options.
-    """
+        ValueError: a malformed line (``read_mooncake_trace``) or bad options."""
     if num_requests is not None:
         check_count(num_requests)
     if not (time_scale_s > 0 and math.isfinite(time_scale_s)):
