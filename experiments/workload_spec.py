@@ -1,16 +1,10 @@
-"""What a command replays, checked before anything starts: ``WorkloadSpec`` (dataset, size, lengths,
-seeds, the arrival process; its fields are the workload options of ``run``, ``compare``, ``bench``
-and ``plan``), the requests it draws for a model (clipped or refused to fit the model's context,
-with one message), and those requests with arrival offsets as the router replays them.
-
-Datasets (``--dataset``): ``sharegpt``, ``humaneval``, ``synthetic`` (single requests,
-open loop at ``--rates``); ``prefix_repetition`` (``--num-prefixes`` system prompts of
-``--prefix-len`` tokens, each followed by questions of ``--suffix-len`` tokens, vLLM's
-shape); ``mooncake`` (``--trace FILE``, a Mooncake-format trace replayed at its own
-timestamps: ``--rates`` do not apply); ``multiturn`` (``--num-requests`` ShareGPT
-conversations of up to ``--max-turns`` turns, started by ``--arrival`` at ``--rates``
-conversations/s, each later turn sent ``--think-time-s`` (mean, exponential) after the
-previous answer ended: a closed loop, ``MultiTurn`` / ``ClosedLoop``)."""
+"""What a command replays, checked before anything starts: ``WorkloadSpec`` (the workload options
+of ``run``, ``compare``, ``bench`` and ``plan``), the requests it draws for a model (clipped or
+refused to fit its context, with one message), and their arrival offsets. Datasets: ``sharegpt``,
+``humaneval``, ``synthetic`` (open loop at ``--rates``); ``prefix_repetition`` (vLLM's shape);
+``mooncake`` (``--trace FILE`` at its own timestamps: no ``--rates``); ``multiturn`` (ShareGPT
+conversations started at ``--rates`` conversations/s, later turns ``--think-time-s`` after the
+previous answer: a closed loop, ``MultiTurn`` / ``ClosedLoop``)."""
 
 from __future__ import annotations
 
@@ -36,20 +30,10 @@ PATH = r"[\w./~+-][\w./~+ -]*"  # a file path (no shell metacharacters)
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """What to replay: dataset, size, lengths, and the arrival process; each field's ``help`` and
-    bounds are its CLI option's.
-
-    Attributes:
-        dataset: one of ``DATASETS``; num_requests: requests per (placement, rate, seed) run
-            (``multiturn``: conversations; ``mooncake``: the trace's first lines).
-        seed, seeds: seeds ``seed .. seed + seeds - 1``, each drawing its own requests and
-            arrival times, the same for every placement.
-        arrival: ``poisson``, ``gamma`` or ``burst``; burstiness: Gamma shape (1 = Poisson).
-        min_prompt_len, max_prompt_len, max_output_len: ShareGPT/HumanEval filters (tokens).
-        calibrate: pick the rates from a short calibration (``calibrated_rates``).
-        prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
-        think_time_s: ``multiturn``'s mean think time (seconds, exponential; 0: none).
-        trace_time_scale_s: ``mooncake``: seconds per timestamp unit (Mooncake's ms: 0.001)."""
+    """What to replay; each field's ``help`` and bounds are its CLI option's. ``num_requests``:
+    per (placement, rate, seed) run (``multiturn``: conversations; ``mooncake``: first lines);
+    seeds ``seed .. seed + seeds - 1`` each draw their own requests and arrivals, the same for
+    every placement; ``trace_time_scale_s``: seconds per timestamp unit (Mooncake's ms: 0.001)."""
 
     dataset: str = field(default="sharegpt", metadata={"choices": DATASETS})
     num_requests: int = field(default=24, metadata={"help": "requests per rate", "min": 1})
@@ -129,8 +113,7 @@ class WorkloadSpec:
 
     @property
     def rate_unit(self) -> str:
-        """What ``--rates`` count: ``conversations/s`` for ``multiturn`` (its later turns
-        follow their answers), else ``req/s``."""
+        """``conversations/s`` for ``multiturn``, else ``req/s``."""
         return "conversations/s" if self.dataset == "multiturn" else "req/s"
 
     @property
@@ -163,10 +146,8 @@ def _length_range(text: str) -> int | tuple[int, int]:
 
 
 def context_len(model: ModelConfig, engine: EngineConfig) -> int:
-    """Tokens one request may use (prompt + output), known before any model loads: the
-    engine's ``max_model_len``, capped by the model's context where a config file tells it
-    (``engine.model.model_context_len``; otherwise the workers' own limit is checked once
-    they are deployed)."""
+    """Tokens one request may use: ``max_model_len``, capped by the model's context where its
+    config tells it (else the workers check once deployed)."""
     model_len = model_context_len(model)
     return engine.max_model_len if model_len is None else min(engine.max_model_len, model_len)
 
