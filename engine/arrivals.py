@@ -1,8 +1,7 @@
 """When each request of a workload arrives: seeded arrival processes (vLLM's
 ``benchmarks/benchmark_serving.py`` semantics), the one definition a real replay
-(``experiments.workloads.with_arrivals``) and the planner's simulation (``planner.search``)
-both draw from, so the same seed gives the same arrival times in both. No torch.
-"""
+(``experiments.workloads.with_arrivals``) and the planner's simulation (``planner.search``) both
+draw from, so the same seed gives the same arrival times in both. No torch."""
 
 from __future__ import annotations
 
@@ -16,17 +15,16 @@ PROCESSES = ("poisson", "gamma", "burst")
 
 def arrival_times(num_requests: int, rate: float, seed: int, process: str = "poisson",
                   burstiness: float = 1.0) -> np.ndarray:
-    """Arrival offsets in seconds, ``[num_requests]``, cumulative from the first
-    inter-arrival gap (vLLM benchmark_serving.py semantics).
+    """Arrival offsets in seconds, ``[num_requests]``, cumulative from the first inter-arrival gap
+    (vLLM benchmark_serving.py semantics).
 
-    ``rate`` is requests/s. Gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)):
-    mean 1/rate; ``"poisson"`` is burstiness 1 (exponential gaps), ``"gamma"`` uses
-    ``burstiness`` (< 1 burstier, > 1 steadier). ``"burst"`` or ``rate=inf``: all at 0.
+    ``rate`` is requests/s. Gaps are Gamma(shape=burstiness, scale=1/(rate*burstiness)): mean
+    1/rate; ``"poisson"`` is burstiness 1 (exponential gaps), ``"gamma"`` uses ``burstiness`` (< 1
+    burstier, > 1 steadier). ``"burst"`` or ``rate=inf``: all at 0.
 
     Raises:
         ValueError: unknown process, rate not > 0, burstiness not > 0 (or != 1 with
-            ``"poisson"``), num_requests < 0.
-    """
+            ``"poisson"``), num_requests < 0."""
     check_count(num_requests)
     if process not in PROCESSES:
         raise ValueError(f"process must be one of {PROCESSES}, got {process!r}")
@@ -50,14 +48,13 @@ def check_count(num_requests: int) -> None:
 
 
 class Chains:
-    """Closed-loop arrivals of chained requests (the turns of multi-turn conversations): the
-    one turn-chaining rule, shared by the real replay (``experiments.workloads.
-    ConversationReplay``, behind ``Router.run``) and the planner's simulator.
+    """Closed-loop arrivals of chained requests (the turns of multi-turn conversations): the one
+    turn-chaining rule, shared by the real replay (``experiments.workloads.ConversationReplay``,
+    behind ``Router.run``) and the planner's simulator.
 
-    Chain ``c``'s link 0 arrives at ``starts_s[c]``; link ``k > 0`` arrives
-    ``think_s[c][k]`` seconds after link ``k - 1`` ended (its last token, or its error). A
-    link that failed ends its chain: its later links never arrive (``num_dropped``). Times
-    are seconds on the replay's clock.
+    Chain ``c``'s link 0 arrives at ``starts_s[c]``; link ``k > 0`` arrives ``think_s[c][k]``
+    seconds after link ``k - 1`` ended (its last token, or its error). A link that failed ends its
+    chain: its later links never arrive (``num_dropped``). Times are seconds on the replay's clock.
 
     Args:
         starts_s: ``[num_chains]`` first arrivals (s), e.g. ``arrival_times`` of the chains.
@@ -65,8 +62,7 @@ class Chains:
 
     Raises:
         ValueError: the two disagree in length, a chain has no link, or a time is negative
-            or not finite.
-    """
+            or not finite."""
 
     def __init__(self, starts_s, think_s) -> None:
         if len(starts_s) != len(think_s):
@@ -84,18 +80,15 @@ class Chains:
         self.num_dropped = 0  # links never released because an earlier one failed
 
     def first(self) -> list[tuple[int, float]]:
-        """``(chain, arrival s)`` of every chain's link 0, in arrival order (ties: chain
-        order)."""
+        """``(chain, arrival s)`` of every chain's link 0, in arrival order (ties: chain order)."""
         return sorted(((c, t) for c, t in enumerate(self.starts_s)), key=lambda ct: ct[1])
 
     def ended(self, chain: int, link: int, end_s: float, ok: bool) -> float | None:
-        """Link ``link`` of ``chain`` ended at ``end_s`` (``ok``: it completed); returns when
-        link ``link + 1`` arrives, or None (the chain is over: that was its last link, or it
-        failed).
+        """Link ``link`` of ``chain`` ended at ``end_s`` (``ok``: it completed); returns when link
+        ``link + 1`` arrives, or None (the chain is over: that was its last link, or it failed).
 
         Raises:
-            ValueError: ``(chain, link)`` is not the open link of an open chain.
-        """
+            ValueError: ``(chain, link)`` is not the open link of an open chain."""
         if chain not in self._open or self._next[chain] != link:
             raise ValueError(f"link {link} of chain {chain} is not the one in flight")
         num_links = len(self.think_s[chain])

@@ -1,26 +1,17 @@
-"""Fused CPU float32 kernels, built on first use with the system C compiler and called through
-ctypes (source: ``engine/cpu_kernels.c``). Each replaces a chain of small torch ops, or a
-kernel built for other shapes, by one C call on the calling thread (single-threaded):
+"""Fused CPU float32 kernels (``engine/cpu_kernels.c``), built on first use with the system C
+compiler and called through ctypes, single-threaded on the calling thread: ``add_rms_norm``,
+``silu_mul``, ``rope_kv`` (RoPE on q and k, new K/V written into the paged store); ``linear`` /
+``linear512`` on weights packed once into column panels (BLIS's Haswell 6 x 16 AVX2/FMA blocking;
+12 x 32 AVX-512 blocks, bit-equal, only where the CPU has avx512f); ``causal_attention`` /
+``causal_attention512`` for a prompt chunk; ``decode_attention``: paged, GQA, K/V read in place.
 
-- ``add_rms_norm``: residual add + RMSNorm; ``silu_mul``: SiLU(gate) * up;
-- ``rope_kv``: RoPE on q in place and on k, and the new K/V written into the paged store;
-- ``pack_linear`` / ``linear``: a linear layer for a few rows on weights packed once into
-  column panels (BLIS's Haswell 6 x 16 AVX2/FMA blocking); ``pack_linear512`` / ``linear512``:
-  the same with 12 x 32 AVX-512 blocks, run only where the CPU has avx512f, equal to
-  ``linear`` bit for bit;
-- ``causal_attention512`` / ``causal_attention``: a prompt chunk's causal attention on the
-  AVX-512 / AVX2 GEMM blocks;
-- ``decode_attention``: paged attention of one query token per request, reading K/V in place
-  through the block tables (GQA).
-
-Build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math-errno -shared
--fPIC`` (nothing that changes a result; ``$CC`` overrides ``cc``) into
+Build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math-errno -shared -fPIC``
+(nothing that changes a result; ``$CC`` overrides ``cc``) into
 ``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash covering source,
-command and machine. ``PDLAB_CPU_KERNELS_ISA=avx2`` leaves AVX-512 out (an AVX-512 machine
-standing in for an AVX2-only one); ``avx512-emulated`` (tests only) builds the AVX-512
-functions on SIMDe's portable intrinsics (``simde_include()``). ``load()`` returns None, and
-``engine/ops.py`` runs torch's kernels, when ``PDLAB_CPU_KERNELS=0``, no compiler is found, or
-the build or load fails (one warning says why). The wrappers read raw pointers, so they refuse
+command and machine. ``PDLAB_CPU_KERNELS_ISA=avx2`` leaves AVX-512 out; ``avx512-emulated``
+(tests only) builds the AVX-512 functions on SIMDe (``simde_include()``). ``load()`` returns None
+(``engine/ops.py`` then runs torch's kernels) when ``PDLAB_CPU_KERNELS=0``, no compiler is found,
+or the build or load fails (one warning says why). The wrappers read raw pointers, so they refuse
 (``ValueError``) anything but float32 CPU tensors in the layouts their docstrings give."""
 
 from __future__ import annotations
@@ -42,9 +33,7 @@ from engine.model import cache_dir  # transformers is imported there only lazily
 SOURCE = Path(__file__).with_name("cpu_kernels.c")
 ENV_SWITCH = "PDLAB_CPU_KERNELS"  # "0": never build or use the kernels
 ISA_ENV = "PDLAB_CPU_KERNELS_ISA"  # "avx2": no AVX-512 in the build; unset/"native": -march only
-# avx2: no AVX-512 from -march, and the target-attribute AVX-512 GEMM left out of the build.
-# avx512-emulated (tests only): the AVX-512 functions on SIMDe's portable intrinsics, so a CPU
-# without avx512f runs them (slowly) and the kernel tests check their results.
+# avx512-emulated: SIMDe's portable intrinsics, so kernel tests run on a CPU without avx512f.
 EMULATED_AVX512 = "avx512-emulated"
 _ISA_CAPS = {"": (), "native": (), "avx2": ("-mno-avx512f", "-DPD_NO_AVX512"),
              EMULATED_AVX512: ("-DPD_EMULATE_AVX512", "-Wno-psabi")}
@@ -74,7 +63,7 @@ PANEL512 = 32  # the same for the AVX-512 kernel (PD_PANEL512)
 
 
 def enabled() -> bool:
-    """False when ``$PDLAB_CPU_KERNELS`` is ``0`` (the pure-PyTorch path is then forced)."""
+    """False when ``$PDLAB_CPU_KERNELS`` is ``0``."""
     return os.environ.get(ENV_SWITCH, "1") != "0"
 
 
@@ -92,9 +81,8 @@ def _cpu_flags() -> str:
 
 
 def simde_include() -> Path:
-    """The folder holding SIMDe's ``simde/x86/avx512.h`` for the ``avx512-emulated`` build:
-    ``$PDLAB_SIMDE_INCLUDE``, else ``$PDLAB_CACHE_DIR/simde/include`` (where
-    ``tests/fetch_simde.py`` puts them)."""
+    """SIMDe's include folder: ``$PDLAB_SIMDE_INCLUDE``, else ``$PDLAB_CACHE_DIR/simde/include``
+    (where ``tests/fetch_simde.py`` puts it)."""
     return Path(os.environ.get(SIMDE_ENV) or cache_dir() / "simde" / "include")
 
 
@@ -105,15 +93,12 @@ def has_simde(include: Path) -> bool:
 
 def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
           source_path: Path = SOURCE) -> Path:
-    """Compile ``source_path`` (``cpu_kernels.c``; ``benchmarks.decode_attention`` builds an
-    earlier commit's copy) into the cache (once per source/command/machine) and return the
-    library's path. ``extra_flags`` follow the standard ones (tests build the scalar
-    fallback with ``-mno-avx2 -mno-fma``).
+    """Compile ``source_path`` into the cache (once per source/command/machine); returns the
+    library's path. ``extra_flags`` follow the standard ones.
 
     Raises:
-        RuntimeError: no compiler found, or it failed (its stderr in the message); or the
-            ``avx512-emulated`` build without SIMDe's headers (where they go in the message).
-    """
+        RuntimeError: no compiler, or it failed (its stderr in the message); or the
+            ``avx512-emulated`` build without SIMDe's headers."""
     compiler = compiler or _compiler()
     if compiler is None:
         raise RuntimeError("no C compiler found (set $CC)")
@@ -150,9 +135,8 @@ def build(compiler: str | None = None, extra_flags: tuple[str, ...] = (),
 
 
 class Kernels:
-    """The loaded library; each method is one C call on float32 CPU tensors. One instance
-    is shared by every runner of the process (``load``), so no method keeps state between
-    calls: engines in threads of one process (local placements) call it at once."""
+    """The loaded library; each method is one C call on float32 CPU tensors. Shared by every
+    runner of the process, so no method keeps state between calls (engines in threads call it)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -170,12 +154,10 @@ class Kernels:
                                                      lib.pd_silu_mul)
         self._pack_linear, self._linear = lib.pd_pack_linear, lib.pd_linear
         self._decode_attention = lib.pd_paged_decode_attention
-        # False where the compiler did not target AVX2 + FMA: ``linear`` is then plain scalar
-        # C (correct, slow) and the runner keeps torch's kernels.
+        # False where the build lacks AVX2 + FMA: ``linear`` is scalar C and torch's kernels run.
         self.linear_vectorized = bool(lib.pd_linear_vectorized())
         self._pack_width, self._linear512 = lib.pd_pack_linear_width, lib.pd_linear512
-        # True only where this CPU has avx512f (cpuid) and the build kept the AVX-512 GEMM
-        # (not under PDLAB_CPU_KERNELS_ISA=avx2): ``linear512`` is refused otherwise.
+        # avx512f here (cpuid) and the AVX-512 GEMM built; ``linear512`` is refused otherwise.
         self.linear_avx512 = bool(lib.pd_linear512_available())
         # the chunk attention on each GEMM's blocks: (C function, panel width, most rows)
         self._causal = {False: (lib.pd_causal_attention, PANEL, 6),
@@ -183,17 +165,10 @@ class Kernels:
 
     def add_rms_norm(self, hidden: torch.Tensor, delta: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """``hidden += delta`` in place (if given), then RMSNorm of each row:
-        ``weight * (hidden * rsqrt(mean(hidden^2, -1) + eps))`` (transformers'
-        ``LlamaRMSNorm``; Gemma's ``(1 + w)`` is passed already folded into ``weight``).
-
-        Args:
-            hidden: ``[N, H]`` the residual stream, updated in place when ``delta`` is given.
-            delta: ``[N, H]`` or None.
-            weight: ``[H]``.
-        Returns:
-            a new ``[N, H]`` tensor.
-        """
+        """``hidden += delta`` in place (if given), then RMSNorm of each row: ``weight * (hidden *
+        rsqrt(mean(hidden^2, -1) + eps))`` (transformers' ``LlamaRMSNorm``; Gemma's ``(1 + w)``
+        folded into ``weight``). ``hidden``, ``delta``: ``[N, H]``; ``weight``: ``[H]``. Returns a
+        new ``[N, H]`` tensor."""
         _check(hidden, weight, *(() if delta is None else (delta,)))
         out = torch.empty_like(hidden)
         rows, dim = hidden.shape
@@ -203,16 +178,11 @@ class Kernels:
 
     def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor) -> None:
-        """RoPE (rotate_half form, full rotary) on ``q`` in place and on ``k``; the rotated
-        k and ``v`` are written into ``kv_layer`` at the flat token positions ``slots``.
-
-        Args:
-            q: ``[N, H_q, D]``, k / v: ``[N, H_kv, D]``: rows of any stride, heads ``D``
-                apart, each head contiguous (the views of the fused QKV output).
-            cos, sin: ``[N, D]`` contiguous.
-            kv_layer: one layer of the store, ``[2, H_kv, NB, B, D]`` contiguous.
-            slots: ``[N]`` int64, ``block * B + offset`` of each token (distinct).
-        """
+        """RoPE (rotate_half, full rotary) on ``q`` in place and on ``k``; the rotated k and ``v``
+        written into ``kv_layer`` ``[2, H_kv, NB, B, D]`` (contiguous) at the flat positions
+        ``slots`` ``[N]`` int64 (``block * B + offset``, distinct). ``q``: ``[N, H_q, D]``, ``k``,
+        ``v``: ``[N, H_kv, D]``, rows of any stride, each head contiguous; ``cos``, ``sin``:
+        ``[N, D]`` contiguous."""
         n, hq, d = q.shape
         hkv = k.shape[1]
         for t in (q, k, v):
@@ -229,9 +199,8 @@ class Kernels:
                       base, base + kv_layer.stride(0) * 4, head_stride, slots.data_ptr())
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """``silu(gate) * up`` for ``gate_up`` ``[N, 2 I]`` contiguous (gate then up) ->
-        ``[N, I]`` (SwiGLU, Shazeer 2020; transformers' ``act_fn(gate_proj(x)) * up_proj(x)``
-        with ``silu(g) = g / (1 + e^-g)`` as torch computes it)."""
+        """``silu(gate) * up`` for ``gate_up`` ``[N, 2 I]`` contiguous (gate then up) -> ``[N, I]``
+        (SwiGLU, Shazeer 2020, with ``silu(g) = g / (1 + e^-g)`` as torch computes it)."""
         _check(gate_up)
         rows, width = gate_up.shape
         out = gate_up.new_empty(rows, width // 2)
@@ -239,13 +208,11 @@ class Kernels:
         return out
 
     def pack_linear(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [n, k]`` (``torch.nn.Linear.weight``, contiguous float32 CPU) -> its panels
-        for ``linear``: a new ``[ceil(n / 16), k, 16]`` tensor (``PANEL`` output columns each,
-        zero padded), one more copy of the weight.
+        """``weight [n, k]`` (contiguous float32 CPU) -> its panels for ``linear``: a new ``[ceil(n
+        / 16), k, 16]`` tensor (``PANEL`` columns each, zero padded).
 
         Raises:
-            ValueError: another dtype/device, or not contiguous.
-        """
+            ValueError: another dtype/device, or not contiguous."""
         _check(weight)
         n, k = weight.shape
         panels = weight.new_empty(-(-n // PANEL), k, PANEL)
@@ -254,21 +221,13 @@ class Kernels:
 
     def linear(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                out_features: int, prefetch: bool = True) -> torch.Tensor:
-        """``x @ W.T + bias`` (``F.linear``) on ``W``'s ``pack_linear`` panels, on the calling
-        thread, to float32 rounding (the sum over ``k`` runs in order).
+        """``x @ W.T + bias`` (``F.linear``) on ``W``'s ``pack_linear`` panels, to float32 rounding
+        (the sum over ``k`` runs in order). ``x``: ``[m, k]`` float32 CPU, each row contiguous;
+        ``bias``: ``[out_features]`` or None; ``prefetch``: the next panel in software (False:
+        hardware prefetcher alone), same results. Returns a new ``[m, out_features]`` tensor.
 
-        Args:
-            x: ``[m, k]`` float32 CPU, rows of any stride, each row contiguous.
-            panels: ``pack_linear(W)`` for ``W [out_features, k]``.
-            bias: ``[out_features]`` or None.
-            prefetch: prefetch the next panel in software (False: the hardware prefetcher
-                alone, faster for 1-row decodes on some CPUs); the results are the same.
-        Returns:
-            a new ``[m, out_features]`` tensor.
         Raises:
-            ValueError: other dtypes/devices, a non-contiguous row, or sizes that do not
-                match (x against the panels, a bias not ``[out_features]``).
-        """
+            ValueError: other dtypes/devices, a non-contiguous row, or sizes that do not match."""
         m, k = x.shape
         if (x.dtype != torch.float32 or x.device.type != "cpu" or x.stride(1) != 1
                 or panels.shape[1:] != (k, PANEL) or panels.shape[0] * PANEL < out_features):
@@ -283,12 +242,10 @@ class Kernels:
         return out
 
     def pack_linear512(self, weight: torch.Tensor) -> torch.Tensor:
-        """``weight [n, k]`` -> its panels for ``linear512``: a new ``[ceil(n / 32), k, 32]``
-        tensor (``PANEL512`` output columns each, zero padded).
+        """``weight [n, k]`` -> its panels for ``linear512``: ``[ceil(n / 32), k, 32]``, zero padded.
 
         Raises:
-            ValueError: another dtype/device, or not contiguous.
-        """
+            ValueError: another dtype/device, or not contiguous."""
         _check(weight)
         n, k = weight.shape
         panels = weight.new_empty(-(-n // PANEL512), k, PANEL512)
@@ -297,12 +254,10 @@ class Kernels:
 
     def linear512(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
                   out_features: int) -> torch.Tensor:
-        """``linear`` with the AVX-512 kernel (12 x 32 register blocks) on ``pack_linear512``
-        panels: the same sums in the same order, so equal to ``linear`` bit for bit.
+        """``linear`` with the AVX-512 kernel on ``pack_linear512`` panels, equal bit for bit.
 
         Raises:
-            ValueError: as ``linear``; or this CPU/build has no AVX-512 (``linear_avx512``).
-        """
+            ValueError: as ``linear``; or this CPU/build has no AVX-512 (``linear_avx512``)."""
         if not self.linear_avx512:
             raise ValueError("linear512 needs a CPU with avx512f and a build that keeps it "
                              f"(not ${ISA_ENV}=avx2)")
@@ -322,31 +277,23 @@ class Kernels:
 
     def causal_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          start: int, scale: float) -> torch.Tensor:
-        """``causal_attention512`` on the AVX2 GEMM blocks (6 x 16), for CPUs without
-        AVX-512 (or a build capped at AVX2); the same arguments, result and errors, where
-        the build targets AVX2 + FMA (``linear_vectorized``)."""
+        """``causal_attention512`` on the AVX2 GEMM blocks (6 x 16): the same arguments, result and
+        errors, where the build targets AVX2 + FMA (``linear_vectorized``)."""
         if not self.linear_vectorized:
             raise ValueError("causal_attention needs a build for AVX2 + FMA")
         return self._causal_attention(q, k, v, start, scale, avx512=False)
 
     def causal_attention512(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             start: int, scale: float) -> torch.Tensor:
-        """Causal attention of one prompt chunk with the AVX-512 GEMM blocks: query ``i``
-        (position ``start + i``) attends to keys ``0 .. start + i`` (GQA: query head
-        ``h * G + g`` reads KV head ``h``), ``softmax(scale * q K^T) V``, as SDPA with a
-        lower-right causal mask, to float32 rounding.
+        """Causal attention of one prompt chunk with the AVX-512 GEMM blocks: query ``i`` (position
+        ``start + i``) attends to keys ``0 .. start + i`` (GQA: query head ``h * G + g`` reads KV
+        head ``h``), ``softmax(scale * q K^T) V``, as SDPA with a lower-right causal mask.
+        ``q``: ``[n, H_q, D]`` float32 CPU, heads contiguous; ``k``, ``v``: ``[H_kv, start + n, D]``,
+        each head's rows contiguous, the same strides; ``start``: the cached prefix's length.
+        Returns a new ``[n, H_q, D]`` tensor.
 
-        Args:
-            q: ``[n, H_q, D]`` float32 CPU, rows of any stride, heads contiguous.
-            k, v: ``[H_kv, start + n, D]``, heads of any stride, each head's rows contiguous
-                (a slice of the KV store), the same strides.
-            start: the cached prefix's length (0: a first chunk).
-            scale: the logit scale.
-        Returns:
-            a new ``[n, H_q, D]`` tensor.
         Raises:
-            ValueError: another layout or sizes that do not match, or no AVX-512 here.
-        """
+            ValueError: another layout or sizes that do not match, or no AVX-512 here."""
         if not self.linear_avx512:
             raise ValueError("causal_attention512 needs a CPU with avx512f and a build that "
                              f"keeps it (not ${ISA_ENV}=avx2)")
@@ -381,25 +328,16 @@ class Kernels:
     def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor,
                          block_tables: torch.Tensor, lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
-        """Paged attention of one query token per request over its cached K/V, read in place
-        through its block table (GQA: query head ``h * G + g`` reads KV head ``h``):
-        ``softmax(scale * q K^T) V`` over each row's first ``lens[r]`` tokens, as
-        ``F.scaled_dot_product_attention`` over the gathered K/V with a key-padding mask, to
-        float32 rounding.
+        """Paged attention of one query token per request, K/V read in place through its block
+        table (GQA: query head ``h * G + g`` reads KV head ``h``): ``softmax(scale * q K^T) V`` over
+        row r's first ``lens[r]`` tokens, as SDPA over the gathered K/V with a key-padding mask.
+        ``q``: ``[n, H_q, D]`` float32, heads contiguous; ``kv_layer``: ``[2, H_kv, NB, B, D]``
+        contiguous; ``block_tables``: ``[n, max_blocks]`` int64 (token t in block
+        ``block_tables[r, t // B]``); ``lens``: ``[n]`` int64. Returns a new ``[n, H_q, D]``.
 
-        Args:
-            q: ``[n, H_q, D]`` float32, rows of any stride, heads contiguous.
-            kv_layer: one layer of the store, ``[2, H_kv, NB, B, D]`` contiguous (K then V).
-            block_tables: ``[n, max_blocks]`` int64 contiguous: row r's token t is in block
-                ``block_tables[r, t // B]`` (entries past a row's last block are not read).
-            lens: ``[n]`` int64 contiguous CPU, each in ``1 .. max_blocks * B``.
-            scale: the logit scale (``1 / sqrt(D)`` for most families).
-        Returns:
-            a new ``[n, H_q, D]`` tensor.
         Raises:
-            ValueError: other dtypes/devices or layouts, a length outside
-                ``1 .. max_blocks * B``, or a block it would read outside ``0 .. NB - 1``.
-        """
+            ValueError: other dtypes/devices or layouts, a length outside ``1 .. max_blocks * B``,
+                or a block it would read outside ``0 .. NB - 1``."""
         n, hq, d = q.shape
         _check(kv_layer)
         _, hkv, num_blocks, block_size, kv_d = kv_layer.shape
@@ -439,8 +377,7 @@ _LOADED: dict[str, Kernels | None] = {}
 
 
 def load() -> Kernels | None:
-    """The kernels (built and loaded once per process), or None where they are disabled or
-    cannot be built here (a warning says why, once); callers then use pure PyTorch."""
+    """The kernels (built and loaded once per process), or None where disabled or unbuildable."""
     if not enabled():
         return None
     if "kernels" not in _LOADED:

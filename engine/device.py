@@ -1,21 +1,11 @@
-"""Bind a worker to one device of a device set, and name the GPU it uses.
-
-A worker's device is ``cpu:i`` / ``cpu:a-b`` (cores) or ``cuda:i`` (a GPU):
-
-- Pinned (``pin=True``: a Ray actor, one worker per process): a CPU worker pins the process
-  to its cores (``os.sched_setaffinity``) and sets torch's thread count to match; a CUDA
-  worker makes its GPU the process's current device.
-- Placed (``pin=False``: several workers in one process): nothing process-wide changes; a CPU
-  worker runs on ``cpu``, a CUDA worker on the torch device ``cuda:i``.
-
-Either way the worker's engine thread calls ``use_on_this_thread`` first: the CUDA current
-device is per host thread. Inside Ray (``inside_ray=True``) a CUDA worker sees one GPU,
-``cuda:0``: the one Ray gave it, or the one named by ``PDLAB_CUDA_VISIBLE_DEVICES``
-(``PIN_ENV``), which ``bind_device`` copies into ``CUDA_VISIBLE_DEVICES`` before CUDA starts.
-
-``gpu_identity`` says which physical GPU a worker used (index, name, UUID,
-``CUDA_VISIBLE_DEVICES``). Every CUDA call goes through ``CUDA`` (a ``CudaAPI``), which the
-unit tests replace with a fake device table."""
+"""Bind a worker to one device of a device set (``cpu:i`` / ``cpu:a-b`` cores, or ``cuda:i``), and
+name the GPU it uses. Pinned (``pin=True``: a Ray actor, one worker per process), a CPU worker
+pins the process to its cores and sets torch's threads to match, a CUDA worker makes its GPU
+current; placed (``pin=False``: several workers per process), nothing process-wide changes. The
+engine thread calls ``use_on_this_thread`` first (the CUDA current device is per thread). Inside
+Ray a CUDA worker sees one GPU, ``cuda:0``: Ray's, or ``PDLAB_CUDA_VISIBLE_DEVICES`` (``PIN_ENV``),
+copied into ``CUDA_VISIBLE_DEVICES`` before CUDA starts. Every CUDA call goes through ``CUDA`` (a
+``CudaAPI``), which unit tests replace with a fake device table."""
 
 from __future__ import annotations
 
@@ -36,8 +26,7 @@ class CudaAPI:
         return torch.cuda.is_available()
 
     def is_initialized(self) -> bool:
-        """Whether CUDA has started in this process (after that ``CUDA_VISIBLE_DEVICES``
-        no longer changes what it sees)."""
+        """Whether CUDA started here (then ``CUDA_VISIBLE_DEVICES`` no longer changes anything)."""
         return torch.cuda.is_initialized()
 
     def device_count(self) -> int:
@@ -47,8 +36,8 @@ class CudaAPI:
         torch.cuda.set_device(index)
 
     def properties(self, index: int) -> dict:
-        """``{"name", "uuid", "total_memory_bytes"}`` of GPU ``index`` (as this process numbers
-        them); the UUID as ``nvidia-smi -L`` prints it (``GPU-...``), None if torch lacks it."""
+        """``{"name", "uuid", "total_memory_bytes"}`` of GPU ``index``; the UUID as ``nvidia-smi -L``
+        prints it (``GPU-...``), None if torch lacks it."""
         props = torch.cuda.get_device_properties(index)
         uuid = getattr(props, "uuid", None)
         uuid = None if uuid is None else str(uuid)
@@ -61,22 +50,13 @@ CUDA = CudaAPI()
 
 
 def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
-    """Bind this worker to ``device``; return the torch device its engine should use.
-
-    Args:
-        device: ``cpu:i``, ``cpu:a-b``, ``cuda:i`` (index in this process's numbering) or
-            ``emu:i`` (an emulated device: nothing is bound, the engine's tensors are on the CPU).
-        inside_ray: the process is a Ray actor that sees only its own GPU (``cuda:0``).
-        pin: change process-wide state (CPU affinity and threads, the current GPU); False
-            where several workers share the process (local mode; see the module docstring).
-
-    Returns:
-        ``"cpu"`` or ``"cuda:j"``.
+    """Bind this worker to ``device`` (``cpu:i``, ``cpu:a-b``, ``cuda:i``, or ``emu:i``: nothing
+    bound, tensors on CPU); returns ``"cpu"`` or ``"cuda:j"``. ``inside_ray``: the actor sees only
+    its own GPU; ``pin``: change process-wide state (False where workers share the process).
 
     Raises:
         ValueError: a core this process may not use; no CUDA; a GPU that does not exist;
-            a pinned GPU asked for after CUDA started here with another view.
-    """
+            a pinned GPU asked for after CUDA started here with another view."""
     kind = device.split(":")[0]
     if kind == "emu":  # an emulated device (engine.emulated) computes nothing: no pinning
         return "cpu"
@@ -108,8 +88,7 @@ def _apply_pin() -> None:
     """Copy ``PIN_ENV`` into ``CUDA_VISIBLE_DEVICES`` while CUDA has not started here.
 
     Raises:
-        ValueError: CUDA already started in this process with another view.
-    """
+        ValueError: CUDA already started in this process with another view."""
     pinned = os.environ.get(PIN_ENV)
     if pinned is None or os.environ.get(VISIBLE_ENV) == pinned:
         return
@@ -121,22 +100,14 @@ def _apply_pin() -> None:
 
 
 def use_on_this_thread(torch_device: str) -> None:
-    """Make ``torch_device``'s GPU current on the calling thread (nothing for CPU).
-
-    The CUDA current device is per host thread, so an engine thread calls this before its
-    first step; ops that take no device then use the worker's own GPU, also in local mode."""
+    """Make ``torch_device``'s GPU current on the calling thread (nothing for CPU)."""
     if torch_device.startswith("cuda"):
         CUDA.set_device(int(torch_device.split(":")[1]))
 
 
 def gpu_identity(torch_device: str) -> dict | None:
-    """The physical GPU behind ``torch_device`` (None for CPU), for the records.
-
-    Returns:
-        ``{"index": j (this process's numbering), "name", "uuid", "total_memory_bytes",
-        "cuda_visible_devices": this process's CUDA_VISIBLE_DEVICES (None if unset; under
-        Ray it is the GPU id Ray or the placement assigned)}``.
-    """
+    """The physical GPU behind ``torch_device`` (None for CPU): ``{"index", "name", "uuid",
+    "total_memory_bytes", "cuda_visible_devices"}`` (None if unset)."""
     if not torch_device.startswith("cuda"):
         return None
     index = int(torch_device.split(":")[1])

@@ -1,26 +1,19 @@
-"""An emulated device: the model runner replaced by one that computes nothing.
+"""An emulated device: the model runner replaced by one that computes nothing. An emulated worker
+(``--devices emu:0-7``) runs the real engine loop, scheduler, allocator, router, transports and
+HTTP front; only ``EmulatedRunner`` differs:
 
-An emulated worker (``--devices emu:0-7``) is the real ``EngineLoop``, workers, scheduler,
-block allocator, router, transports and HTTP front; only the runner (``EmulatedRunner``)
-differs:
+- Geometry without weights: a ``config.json`` directory (``engine.model.load_geometry``); the KV
+  cache has the blocks the emulated GPU would hold (``kv_budget_bytes`` over true block bytes).
+- Time: each step is held ``device.step_s(batch.step_features())`` (the simulator's function)
+  times the dilation ``time_scale``; layer ``l`` is reported done at ``(l + 1) / L`` of the step;
+  ``StepRecord.lateness`` = actual / modelled.
+- Tokens: ``emulated_token``, the same in every placement, never EOS, so each request runs to its
+  ``max_tokens``.
+- KV bytes: real tensors through the real transports; ``kv_scale`` < 1 (``--emu-kv-scale``)
+  shrinks each token's KV when the host cannot hold the GPU's cache, block counts unchanged.
 
-1. Geometry without weights: the model is a ``config.json`` directory read by
-   ``engine.model.load_geometry``; the KV cache has the blocks the emulated GPU would hold
-   (``DeviceProfile.kv_budget_bytes`` over the true bytes per block).
-2. Time: each step is held for ``device.step_s(batch.step_features())``, the function the
-   simulator calls, times the dilation (``Emulation.time_scale``). The hold sleeps until
-   ``SPIN_S`` before the deadline, then spins. Layer ``l`` is reported done at ``(l + 1) / L``
-   of the step. ``StepRecord.lateness`` = actual / modelled.
-3. Tokens: ``emulated_token`` hashes (prompt ids, output position) into the vocabulary, off
-   EOS and stop ids, so output is the same in every placement and a request runs to its
-   ``max_tokens``.
-4. KV bytes: real tensors move through the real transports; ``kv_scale`` < 1
-   (``--emu-kv-scale``) shrinks each token's KV (``scaled_spec``) when the host cannot hold
-   the GPU's cache, block counts staying those of the true geometry.
-
-The engine may not import the planner, so the device is any object with ``step_time()``,
-``kv_budget_bytes(config)``, ``kv_bytes_per_token`` and ``dtype`` (the placement passes a
-``planner.latency.DeviceProfile``)."""
+The engine may not import the planner: the device is any object with ``step_time()``,
+``kv_budget_bytes(config)``, ``kv_bytes_per_token`` and ``dtype`` (a ``planner.latency.DeviceProfile``)."""
 
 from __future__ import annotations
 
@@ -37,9 +30,8 @@ from engine.kv_cache import KVSpec, KVStore
 from engine.request import RequestState
 from engine.scheduler import ScheduledBatch
 
-# sleep until this long before a deadline, then spin: a sleep overshoots by a fraction of a
-# millisecond, and a longer spin holds the GIL and a core that the worker's Ray and
-# transport threads need (benchmarks.control_plane shows the lateness either way)
+# sleep until this long before a deadline, then spin: a sleep overshoots by a fraction of a ms,
+# and a longer spin holds the GIL and a core the worker's Ray and transport threads need
 SPIN_S = 0.00025
 LATENESS_WARN = 1.02  # p99 lateness above this: the host is too busy to keep the device's time
 
@@ -54,8 +46,7 @@ class RealClock:
         return time.perf_counter()
 
     def wait_until(self, deadline: float) -> None:
-        """Hold until ``perf() >= deadline`` (perf_counter seconds): sleep until ``SPIN_S``
-        before it, then spin."""
+        """Hold until ``perf() >= deadline`` (perf_counter s): sleep, then spin the last ``SPIN_S``."""
         left = deadline - time.perf_counter()
         if left > SPIN_S:
             time.sleep(left - SPIN_S)
@@ -68,17 +59,13 @@ class Emulation:
     """How an emulated worker runs (picklable: it travels to Ray actors).
 
     Attributes:
-        device: the device profile (``planner.latency.DeviceProfile``; duck-typed, see the
-            module docstring).
-        kv_scale: KV bytes per token kept, a fraction in (0, 1] (1 = the true geometry).
-        time_scale: time dilation ``S >= 1``: each step is held ``S`` x its modelled time
-            (``experiments.dilation``: arrivals are spread and measured times divided by
-            the same ``S``, so the host's own overhead counts ``1 / S`` as much).
+        kv_scale: KV bytes per token kept, in (0, 1] (1 = the true geometry).
+        time_scale: dilation ``S >= 1``: each step is held ``S`` x its modelled time
+            (``experiments.dilation`` spreads arrivals and divides measured times by ``S``).
         clock: ``RealClock`` or a test's fake (``time()``, ``perf()``, ``wait_until(t)``).
 
     Raises:
-        ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1.
-    """
+        ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1."""
 
     device: Any
     kv_scale: float = 1.0
@@ -93,11 +80,7 @@ class Emulation:
                              f"got {self.time_scale!r}")
 
     def check(self, spec: KVSpec, model: str) -> None:
-        """Refuse a profile measured for another geometry than ``spec``'s.
-
-        Raises:
-            ValueError: the profile's ``kv_bytes_per_token`` differs from ``spec``'s.
-        """
+        """Raises ValueError when the profile's ``kv_bytes_per_token`` differs from ``spec``'s."""
         if self.device.kv_bytes_per_token != spec.bytes_per_token:
             raise ValueError(
                 f"the device profile ({self.device.model}) has {self.device.kv_bytes_per_token} "
@@ -106,8 +89,7 @@ class Emulation:
                 f"{model}`)")
 
     def scaled_spec(self, spec: KVSpec) -> KVSpec:
-        """The KV geometry the store and the transports carry: ``spec`` itself at scale 1,
-        else one KV head of ``max(1, round(H_kv * D * kv_scale))`` elements per layer."""
+        """``spec`` at scale 1, else one KV head of ``max(1, round(H_kv * D * kv_scale))`` elements."""
         if self.kv_scale == 1:
             return spec
         width = max(1, round(spec.num_kv_heads * spec.head_dim * self.kv_scale))
@@ -115,12 +97,11 @@ class Emulation:
                       spec.num_layers, 1, width, spec.dtype)
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        """The emulated GPU's KV budget (bytes, true geometry): the profile's rule."""
+        """The emulated GPU's KV budget (bytes, true geometry)."""
         return self.device.kv_budget_bytes(config)
 
     def describe(self) -> dict:
-        """The emulation block of the config row: the profile's source, system and
-        backend, its model and the KV scale."""
+        """The emulation block of the config row."""
         source = getattr(self.device, "source", None) or {}
         return {"profile_model": self.device.model, "device_name": self.device.device_name,
                 "source": source.get("kind", "measured"), "system": source.get("system"),
@@ -133,15 +114,12 @@ _MASK64 = (1 << 64) - 1
 
 def emulated_token(prompt_digest: int, position: int, vocab_size: int,
                    banned: frozenset[int] | set[int] = frozenset()) -> int:
-    """Output token ``position`` of a request whose prompt hashes to ``prompt_digest``
-    (``prompt_hash``): splitmix64's finaliser of ``digest ^ position * golden ratio``, mod
-    ``vocab_size``, stepped forward past ``banned`` (EOS and stop ids), so no request ends
-    before its ``max_tokens``. (Integer arithmetic, not a blake2b per token: the emulated
-    runner calls it for every token of every step, at GPU token rates.)
+    """Output token ``position`` of a prompt hashing to ``prompt_digest``: splitmix64's finaliser
+    of ``digest ^ position * golden ratio`` mod ``vocab_size``, stepped past ``banned`` (EOS and
+    stop ids). Integer arithmetic: it runs for every token at GPU token rates.
 
     Raises:
-        ValueError: every token of the vocabulary is banned.
-    """
+        ValueError: every token of the vocabulary is banned."""
     if len(banned) >= vocab_size:
         raise ValueError(f"all {vocab_size} tokens are EOS or stop ids")
     x = (prompt_digest ^ (position * 0x9E3779B97F4A7C15)) & _MASK64
@@ -168,18 +146,9 @@ class _EmulatedOps:
 
 
 class EmulatedRunner:
-    """Stands in for ``engine.runner.ModelRunner``: holds each step for its modelled time.
-
-    Args:
-        kv_store: the engine's store (its tensors stay as written by fetches: nothing here
-            computes K/V).
-        emulation: the device and clock.
-        vocab_size, eos_token_ids: the emulated model's.
-
-    ``execute`` returns None instead of logits; the engine asks ``sample`` for the tokens.
-    ``last_modelled_s`` / ``last_lateness``: the latest step's modelled seconds (x the
-    emulation's ``time_scale``: the time it is held for) and actual ÷ modelled.
-    """
+    """Stands in for ``engine.runner.ModelRunner``: holds each step for its modelled time. Nothing
+    computes K/V (the store holds what fetches wrote); ``execute`` returns None instead of logits.
+    ``last_modelled_s`` (x ``time_scale``) / ``last_lateness``: of the latest step."""
 
     emulated = True
 
@@ -199,8 +168,7 @@ class EmulatedRunner:
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
-        """The device's seconds for ``batch`` (counters not yet advanced), x the time
-        dilation."""
+        """The device's seconds for ``batch`` x the time dilation."""
         f = batch.step_features()
         return self.step_s(f.prefill_tokens, f.prefill_attention, f.batch_size,
                            f.sum_context) * self.time_scale
@@ -223,8 +191,7 @@ class EmulatedRunner:
         return None
 
     def sample(self, states: list[RequestState]) -> list[int]:
-        """The tokens of ``states`` (the step's sampled rows): ``emulated_token`` at each
-        request's next output position."""
+        """``emulated_token`` at each sampled row's next output position."""
         out, digests, vocab = [], self._digests, self.vocab_size
         for state in states:
             request = state.request
@@ -242,17 +209,14 @@ class EmulatedRunner:
 
 
 def lateness_p99(steps: list[dict]) -> float | None:
-    """The p99 of the steps' ``lateness`` (actual ÷ modelled, numpy's linear percentile as
-    every p99 in ``engine.metrics``); None when no step has one (real devices)."""
+    """p99 (numpy linear) of the steps' ``lateness``; None when no step has one."""
     values = [s["lateness"] for s in steps if s.get("lateness") is not None
               and s["lateness"] == s["lateness"]]
     return float(np.percentile(values, 99)) if values else None
 
 
 def lateness_warning(steps: list[dict], host: str) -> str | None:
-    """A one-line warning when the p99 of the steps' ``lateness`` (``lateness_p99``) passes
-    ``LATENESS_WARN`` (an emulated device that did not keep its time), naming ``host``;
-    None otherwise or when no step has a lateness."""
+    """A one-line warning naming ``host`` when ``lateness_p99`` passes ``LATENESS_WARN``, else None."""
     p99 = lateness_p99(steps)
     if p99 is None or p99 <= LATENESS_WARN:
         return None

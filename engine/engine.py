@@ -1,21 +1,15 @@
-"""One engine per device: schedule -> run -> sample -> update. An Engine alone is a
-colocated instance; the prefill and decode workers wrap the same class.
+"""One engine per device: schedule -> run -> sample -> update. An Engine alone is a colocated
+instance; the prefill and decode workers wrap the same class.
 
-A step (``Engine.step`` -> ``StepOutput``):
-
-1. The scheduler picks decodes, prompt chunks and newly admitted requests under the token
-   budget and KV capacity (``ScheduledBatch``). Requests prefilled elsewhere only get blocks
-   reserved (``StepOutput.kv_reserved``); their worker fetches the KV (``finish_remote``).
-2. The runner runs one forward over the batch and returns logits for the requests whose
-   known tokens are all computed; ``on_layer_done`` hears of each layer's K/V as written.
-3. The sampler picks their tokens (and raw logprobs where asked); the scheduler advances
-   counters, checks stop conditions and frees finished requests' blocks. A step that ran a
-   forward leaves a ``StepRecord`` with its batch.
-
-The KV cache is paged (``engine.kv_cache``), sized by a memory budget and printed at
-start-up as ``KV cache: N blocks = T tokens = X GiB``. Bad input is refused in
-``add_request`` / ``add_remote`` with a ``ValueError``; a forward that fails turns that
-step's requests into errors (``StepOutput.failed``) and the engine keeps serving."""
+A step (``Engine.step`` -> ``StepOutput``): the scheduler picks decodes, prompt chunks and newly
+admitted requests (``ScheduledBatch``; remote requests only get blocks reserved, and their worker
+fetches the KV into them: ``finish_remote``); the runner runs one forward and returns logits for
+the requests whose known tokens are all computed (``on_layer_done`` hears of each layer's K/V);
+the sampler picks tokens; the scheduler advances counters and frees finished requests' blocks.
+The KV cache is paged (``engine.kv_cache``), sized by a memory budget and printed at start-up as
+``KV cache: N blocks = T tokens = X GiB``. Bad input is refused in ``add_request`` /
+``add_remote`` with ``ValueError``; a failing forward turns that step's requests into errors
+(``StepOutput.failed``) and the engine keeps serving."""
 
 from __future__ import annotations
 
@@ -48,23 +42,17 @@ class FailedRequest(NamedTuple):
 
 @dataclass(frozen=True)
 class StepOutput:
-    """Everything one ``Engine.step`` did (vLLM v1's ``EngineCoreOutputs``). Iterating it (and
-    ``len``, indexing) goes over ``tokens``. Layers done reach the layer listener during the step
-    (``Engine(on_layer_done=...)``), not this output.
+    """Everything one ``Engine.step`` did (vLLM v1's ``EngineCoreOutputs``); iterating, ``len``
+    and indexing go over ``tokens`` (batch order).
 
     Attributes:
-        tokens: the tokens the step produced, in batch order.
-        finished: ids of requests that ended with their token of this step (stop token, EOS or
-            max_tokens; that token's ``finish_reason`` is set); they have left the engine. A
-            prefill-only request at PREFILLED is not finished: it holds its KV for ``export_kv``.
-        failed: requests the step failed (forward or sampling error); they have left the engine
-            and produced no token this step.
-        kv_reserved: ids of requests prefilled elsewhere whose KV blocks this step reserved, in
-            order: fetch their KV now and hand it to ``finish_remote``.
-        record: the step's ``StepRecord`` (also in ``Engine.step_records``), or None when no
-            forward ran or it failed.
-        kv_dropped: ids of requests prefilled elsewhere turned into local recomputes (their
-            ``kv_token_start`` is past what is cached here): free their handles, unfetched."""
+        finished: requests that ended with this step's token (stop, EOS, max_tokens); they left
+            the engine. A prefill-only request at PREFILLED holds its KV for ``export_kv``.
+        failed: requests the step failed; they left the engine, no token this step.
+        kv_reserved: remote requests whose blocks this step reserved, in order: fetch their KV
+            now and hand it to ``finish_remote``.
+        record: the step's ``StepRecord``, or None when no forward ran or it failed.
+        kv_dropped: remote requests turned into local recomputes: free their handles, unfetched."""
 
     tokens: tuple[TokenOutput, ...] = ()
     finished: tuple[str, ...] = ()
@@ -84,8 +72,7 @@ class StepOutput:
 
 
 def _histories(states: list[RequestState]) -> list[tuple[list[int], int]] | None:
-    """The sampler's token histories (prompt + outputs, prompt length) of a step's sampled
-    rows, or None when no row has a penalty (the sampler reads them for those rows only)."""
+    """(prompt + outputs, prompt length) of the sampled rows, or None when no row has a penalty."""
     if not any(s.sampling.has_penalties for s in states):
         return None
     return [(s.token_ids, s.num_prompt_tokens) for s in states]
@@ -95,17 +82,12 @@ class Engine:
     """Serves many requests at once on one device.
 
     Args:
-        loaded: the model (``engine.model.load_model``).
-        config: scheduler and KV cache; ``max_model_len`` is capped by the model's context.
-        quiet: do not print the KV cache line at start-up.
-        on_layer_done: ``on_layer_done(layer_idx, batch)``, called during every step's forward
-            once layer ``layer_idx``'s K/V are in the store, with the step's ``ScheduledBatch``
-            (counters not yet advanced), so a layer range can be read (``read_kv_layers``) and
-            put while the next layers compute. Fixed for the engine's life, like the owner's
-            transfer granularity.
-        emulation: run on an emulated device (``engine.emulated``): ``loaded`` is a geometry,
-            the runner an ``EmulatedRunner``, the KV cache the emulated GPU's block count in
-            ``emulation.scaled_spec`` tensors, stamps from ``emulation.clock``.
+        config: ``max_model_len`` is capped by the model's context.
+        on_layer_done: ``(layer_idx, batch)``, called during the forward once layer
+            ``layer_idx``'s K/V are in the store (``batch`` counters not advanced), so a layer
+            range can be read (``read_kv_layers``) and put while later layers compute.
+        emulation: an emulated device (``engine.emulated``): ``loaded`` is a geometry, the KV
+            cache the emulated GPU's block count in ``scaled_spec`` tensors, stamps from its clock.
 
     Raises:
         ValueError: a profile of another geometry (emulation); a KV budget that holds no block."""
@@ -161,10 +143,9 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
-        """Raise ``ValueError`` naming the field and allowed range if ``request`` can never run
-        here: its id is already here, or it passes one of ``self.limits`` (``engine.limits``:
-        context, vocabulary, the whole KV cache (prompt + 1 for ``prefill_only``), and with
-        chunked prefill off the step budget), so it is never queued behind others."""
+        """``ValueError`` naming the field and range if ``request`` can never run here: a duplicate
+        id, or past one of ``self.limits`` (context, vocabulary, the whole KV cache, and without
+        chunked prefill the step budget), so it never queues behind others."""
         rid = request.request_id
         if rid in self.states:
             raise ValueError(f"request_id {rid!r} is already in this engine")
@@ -181,23 +162,16 @@ class Engine:
         self.scheduler.add(state)
 
     def add_remote(self, request: Request, first_token: int, kv_token_start: int = 0) -> None:
-        """Queue a request prefilled elsewhere, whose prompt KV is still with its producer,
-        in ``WAITING_FOR_REMOTE_KVS``: the scheduler reserves its KV blocks first (listed in
-        that step's ``StepOutput.kv_reserved``), sharing the prompt blocks this engine
-        caches; the caller fetches the KV and hands it to ``finish_remote``; then it decodes
-        from its second token on. Nothing is held until the blocks exist.
-
-        ``kv_token_start``: the KV it will receive starts at this prompt token (a router
-        that knows this engine caches the prefix sends only the rest); a multiple of
-        ``block_size`` below the prompt length. If at reservation the cached prefix is
-        shorter (evicted meanwhile), the request recomputes here instead, with no fetch
-        (listed in that step's ``StepOutput.kv_dropped``: free its handles).
+        """Queue a request prefilled elsewhere in ``WAITING_FOR_REMOTE_KVS``: its KV blocks are
+        reserved first (``StepOutput.kv_reserved``), sharing cached prompt blocks; the caller
+        fetches the KV into ``finish_remote``, then it decodes from its second token.
+        ``kv_token_start``: the received KV starts at this prompt token (a multiple of
+        ``block_size`` below the prompt length: the prefix cached here). If the cached prefix is
+        shorter at reservation, it recomputes here, unfetched (``StepOutput.kv_dropped``).
 
         Raises:
             ValueError: invalid request, ``first_token`` outside the vocabulary, a bad
-                ``kv_token_start``, or a request that has nothing left to decode (EOS, stop
-                token, max_tokens=1).
-        """
+                ``kv_token_start``, or nothing left to decode (EOS, stop token, max_tokens=1)."""
         self.validate(request)
         if not 0 <= first_token < self.vocab_size:
             raise ValueError(f"request {request.request_id}: first_token must be in "
@@ -223,13 +197,12 @@ class Engine:
 
     def finish_remote(self, request_id: str, kv: torch.Tensor) -> None:
         """Copy a fetched prompt KV ``[L, 2, H_kv, T - s, D]`` (tokens ``[s, T)``, s =
-        ``kv_token_start``, T = prompt length, this engine's dtype) into the request's reserved
-        blocks past the cached prefix blocks it shares (never overwritten); it joins the next step.
+        ``kv_token_start``, this engine's dtype) into the reserved blocks past the shared prefix;
+        the request joins the next step.
 
         Raises:
             KeyError: the request is not waiting for its KV here (aborted or unknown).
-            ValueError: KV shape/dtype not this engine's geometry (the request stays reserved; the
-                caller aborts it)."""
+            ValueError: KV shape/dtype not this engine's (the request stays reserved)."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
                 or state.block_ids is None:
@@ -251,14 +224,12 @@ class Engine:
         return state is not None and state.status == RequestStatus.WAITING_FOR_REMOTE_KVS
 
     def export_kv(self, request_id: str, token_start: int = 0) -> tuple[torch.Tensor, int]:
-        """Hand over a prefilled request: returns (prompt KV ``[L, 2, H_kv, T - s, D]`` of
-        tokens ``[s, T)``, s = ``token_start`` (a multiple of ``block_size``: the prefix
-        its decode worker caches), contiguous, T = prompt length, gathered from its blocks:
-        the wire format; first token) and frees its blocks (full ones stay cached).
+        """Hand over a prefilled request: (its prompt KV ``[L, 2, H_kv, T - s, D]``, contiguous,
+        tokens ``[s, T)`` with s = ``token_start`` a multiple of ``block_size``: the wire format;
+        its first token); frees its blocks (full ones stay cached).
 
         Raises:
-            KeyError: the request is not held here in PREFILLED state.
-        """
+            KeyError: the request is not held here in PREFILLED state."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")
@@ -282,14 +253,11 @@ class Engine:
         return state.token_ids[-1]
 
     def read_kv_layers(self, request_id: str, layers: slice, token_start: int = 0) -> torch.Tensor:
-        """Copy of a running prefill's prompt KV for some layers ``[L', 2, H_kv, T - s, D]``,
-        tokens ``[s, T)`` as ``export_kv`` (layer-wise streaming reads each layer range once
-        the runner has written it)."""
+        """Copy of a running prefill's prompt KV for ``layers``, ``[L', 2, H_kv, T - s, D]``."""
         return self._read_prompt(self.states[request_id], layers, token_start)
 
     def cached_prefix_tokens(self, token_ids) -> int:
-        """Tokens of the longest prefix of ``token_ids`` whose full blocks this engine's
-        prefix cache holds now (what a prompt would skip, before the last-token rule)."""
+        """Tokens of the longest prefix of ``token_ids`` whose full blocks are cached here now."""
         blocks = self.scheduler.capacity
         return len(blocks.lookup(block_hashes(list(token_ids), blocks.block_size),
                                  len(token_ids) // blocks.block_size)) * blocks.block_size
@@ -310,12 +278,8 @@ class Engine:
 
     # ---- stepping --------------------------------------------------------------------
     def step(self) -> StepOutput:
-        """Run one step: schedule, reserve, forward, sample, update.
-
-        Returns:
-            ``StepOutput``: its tokens, finished and failed requests, reserved KV blocks and record.
-            A step with nothing to compute runs no forward and records nothing, but still reports
-            its reservations."""
+        """Run one step: schedule, reserve, forward, sample, update. A step with nothing to
+        compute runs no forward and records nothing, but still reports its reservations."""
         batch = self.scheduler.schedule()
         kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
         kv_dropped = tuple(state.request_id for state in batch.kv_dropped)
@@ -412,8 +376,7 @@ class Engine:
         return self.kv_store.num_tokens
 
     def is_empty(self) -> bool:
-        """Nothing queued, running, held or reserved, and every KV block free or cached with
-        no reference (lifecycle tests end on this)."""
+        """Nothing queued, running, held or reserved, and no KV block referenced."""
         blocks = self.scheduler.capacity
         return (not self.states and not self.scheduler.waiting and not self.scheduler.running
                 and not self.scheduler.receiving and self.scheduler.num_used_seqs == 0
@@ -421,8 +384,8 @@ class Engine:
                 and all(n == 0 for n in blocks.ref_cnt))
 
     def generate(self, requests: list[Request]) -> dict[str, list[int]]:
-        """Convenience: run ``requests`` to completion; returns output token ids per request
-        (a request that failed keeps the tokens it produced before; ``step`` says why)."""
+        """Run ``requests`` to completion; output token ids per request (a failed one keeps what
+        it produced)."""
         outputs: dict[str, list[int]] = {r.request_id: [] for r in requests}
         for request in requests:
             self.add_request(request)

@@ -1,13 +1,12 @@
 """Error text for users and records: the root cause kept, terminal colour codes dropped (no torch).
 
 A failure often reaches the user wrapped several times (a worker's ``OSError`` inside Ray's
-``ActorDiedError`` inside the router's "failed to start"). The wrapper's first line alone
-says *that* something failed; the innermost exception line says *why* (``OSError: [Errno 98]
-Address already in use``). ``describe_error`` keeps both, on one line.
+``ActorDiedError`` inside the router's "failed to start"). The wrapper's first line alone says
+*that* something failed; the innermost exception line says *why* (``OSError: [Errno 98]Address
+already in use``). ``describe_error`` keeps both, on one line.
 
 ``without_traceback``: a caught Ray error kept as a cause without the frames it would hold
-alive (every ``except`` around ``ray.get`` uses it).
-"""
+alive (every ``except`` around ``ray.get`` uses it)."""
 
 from __future__ import annotations
 

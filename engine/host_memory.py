@@ -1,19 +1,17 @@
 """Keep a CPU forward's freed activations mapped: glibc malloc's thresholds, set once per process.
 
-A CPU prefill step allocates and frees activations of megabytes per layer. glibc serves a
-block above its mmap threshold (dynamic, 128 KiB rising towards 32 MiB) with a fresh
-``mmap``, and hands a freed heap top above its trim threshold back to the kernel, so the next
-step faults every page in again and the kernel zeroes it. ``benchmarks.host_memory``
-measures the page faults and time with the thresholds raised or not, side by side.
+A CPU prefill step allocates and frees activations of megabytes per layer. glibc serves a block
+above its mmap threshold (dynamic, 128 KiB rising towards 32 MiB) with a fresh ``mmap``, and hands a
+freed heap top above its trim threshold back to the kernel, so the next step faults every page in
+again and the kernel zeroes it. ``benchmarks.host_memory`` measures the page faults and time with
+the thresholds raised or not, side by side.
 
-``keep_freed_memory()`` raises the mmap threshold to ``MMAP_THRESHOLD`` (glibc refuses values
-above its maximum on some builds: then its documented 64-bit maximum, 32 MiB) and the trim
-threshold to ``TRIM_THRESHOLD``; it also ends glibc's dynamic adjustment of both (mallopt(3)).
-The process then keeps up to its peak working set of temporaries mapped, as vLLM's
-recommended tcmalloc does. A KV cache larger than the mmap threshold is still mapped on its
-own and returned when freed. Not glibc (musl, macOS) or ``PDLAB_MALLOC_TUNING=0``: nothing
-changes.
-"""
+``keep_freed_memory()`` raises the mmap threshold to ``MMAP_THRESHOLD`` (glibc refuses values above
+its maximum on some builds: then its documented 64-bit maximum, 32 MiB) and the trim threshold to
+``TRIM_THRESHOLD``; it also ends glibc's dynamic adjustment of both (mallopt(3)). The process then
+keeps up to its peak working set of temporaries mapped, as vLLM's recommended tcmalloc does. A KV
+cache larger than the mmap threshold is still mapped on its own and returned when freed. Not glibc
+(musl, macOS) or ``PDLAB_MALLOC_TUNING=0``: nothing changes."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ def keep_freed_memory() -> dict:
         ``{"applied": bool, "mmap_threshold": bytes or None, "trim_threshold": bytes or
         None, "why": str}``: a threshold is None where it was left at glibc's default;
         ``applied`` False where both were: switched off (``PDLAB_MALLOC_TUNING=0``) or the C
-        library has no ``mallopt`` (not glibc), ``why`` says which. Never raises.
-    """
+        library has no ``mallopt`` (not glibc), ``why`` says which. Never raises."""
     global _state
     with _lock:
         if _state is None:

@@ -1,20 +1,13 @@
-"""Kernels chosen by measurement on the machine, cached per machine.
+"""Kernels chosen by measurement on the machine, cached per machine: which of MKL's sgemm, oneDNN
+and pdlab's AVX2 and AVX-512 kernels is fastest depends on the CPU, the builds and the size, and
+does not carry across CPUs. ``engine/ops.py`` asks a ``KernelSelector`` once per op and shape class
+(e.g. ``linear 576x960``) which candidate to run per row-count bucket.
 
-Which of MKL's sgemm, oneDNN's packed inner product and pdlab's AVX2 and AVX-512 kernels is
-fastest depends on the CPU, the library builds and the problem size, and crossovers do not
-carry from one CPU to another. So the backend (``engine/ops.py``) asks a ``KernelSelector``
-once per op and shape class (e.g. ``linear 576x960``) which candidate to run per row-count
-bucket, and the selector times the candidates that exist here and keeps the fastest.
-
-- Buckets: ``n`` rows fall in bucket ``ceil(log2 n)``, measured at ``2^i``; past the last
-  bucket its choice holds (every candidate is compute bound there).
-- Timing: ``measure_median_s``, the median over up to ``ROUNDS`` rounds of interleaved
-  samples (order rotated each round), each at least ``MIN_SAMPLE_S``, so a burst of load
-  hits every candidate alike. After 3 rounds a candidate 1.3x slower than the best leaves.
-- Cache: ``$PDLAB_CACHE_DIR/kernels/choices-<key>.json``, keyed by ``machine_key()`` (CPU
-  model and flags, torch version and threads, the ISA limits in the environment, the C
-  kernels' build, the timing method ``TIMER``). A file with another key is ignored and
-  rewritten. A choice measured under load sticks: delete the file to measure again."""
+- Buckets: ``n`` rows fall in bucket ``ceil(log2 n)``, measured at ``2^i``; past the last, its
+  choice holds (every candidate is compute bound there).
+- Timing: ``measure_median_s``, medians over interleaved rounds, so load hits all alike.
+- Cache: ``$PDLAB_CACHE_DIR/kernels/choices-<key>.json``, keyed by ``machine_key()``; a file with
+  another key is rewritten. A choice measured under load sticks: delete the file to remeasure."""
 
 from __future__ import annotations
 
@@ -29,40 +22,33 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-# The environment variables that cap the ISA of the BLAS libraries (oneDNN's and MKL's own
-# names) and of pdlab's C build (engine/cpu_kernels.py): a choice measured under one cap is
-# not valid under another.
+# ISA caps of oneDNN, MKL and pdlab's C build: a choice measured under one is invalid under another.
 ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "PDLAB_CPU_KERNELS_ISA")
 # CPU flags named in the reports (the ones that decide which SIMD kernels exist).
 _ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile")
 ROUNDS = 7  # timed rounds per measurement, after one warm-up round (odd: a true median)
 MIN_SAMPLE_S = 0.005  # shorter calls are repeated within one timed sample
-# After this many rounds, candidates slower than the best by more than PRUNE_RATIO (median
-# against median) stop being timed: they are out of contention.
+# After this many rounds, candidates slower than the best by more than PRUNE_RATIO stop.
 PRUNE_AFTER = 3
 PRUNE_RATIO = 1.3
-# The timing method, part of the cache key: choices measured by another method are measured
-# again.
+# The timing method, part of the cache key.
 TIMER = (f"median-of-{ROUNDS}x{MIN_SAMPLE_S * 1e3:g}ms-rotated"
          f"-pruned-{PRUNE_AFTER}x{PRUNE_RATIO:g}")
 
 
 def bucket(num_rows: int) -> int:
-    """The row-count bucket of ``num_rows`` >= 1: ``ceil(log2 num_rows)`` (1 -> 0, 2 -> 1,
-    3..4 -> 2, 5..8 -> 3, ...)."""
+    """``ceil(log2 num_rows)`` for ``num_rows`` >= 1 (1 -> 0, 2 -> 1, 3..4 -> 2, ...)."""
     return (num_rows - 1).bit_length()
 
 
 def choice_for(choices: dict[int, str], num_rows: int, max_bucket: int, default: str) -> str:
-    """The kernel chosen for ``num_rows`` rows: ``choices`` (bucket -> kernel, buckets
-    ``0 .. max_bucket`` measured) at ``bucket(num_rows)``, the last measured bucket's choice
-    beyond it (the rule in the module docstring); ``default`` when nothing was measured."""
+    """``choices`` at ``bucket(num_rows)``, the last measured bucket's beyond it; ``default`` when
+    nothing was measured."""
     return choices[min(bucket(num_rows), max_bucket)] if choices else default
 
 
 def cpu_info() -> dict[str, str]:
-    """``{"model": ..., "family": ..., "model_id": ..., "flags": ...}`` from /proc/cpuinfo
-    (the first processor), '' where unknown (another OS: ``platform.processor()``)."""
+    """``{"model", "family", "model_id", "flags"}`` from /proc/cpuinfo, '' where unknown."""
     info = {"model": "", "family": "", "model_id": "", "flags": ""}
     names = {"model name": "model", "cpu family": "family", "model": "model_id",
              "flags": "flags"}
@@ -80,17 +66,14 @@ def cpu_info() -> dict[str, str]:
 
 
 def isa_summary(flags: str | None = None) -> str:
-    """The SIMD features of this CPU that decide its kernels, e.g. ``"avx2 fma"`` or
-    ``"avx2 fma avx512f avx512bw avx512_vnni avx512_bf16"`` (from ``cpu_info()["flags"]``)."""
+    """The SIMD features that decide the kernels, e.g. ``"avx2 fma avx512f avx512bw"``."""
     present = set((cpu_info()["flags"] if flags is None else flags).split())
     return " ".join(f for f in _ISA_FLAGS if f in present) or "none of " + "/".join(_ISA_FLAGS)
 
 
 def machine_key(threads: int, kernels_build: str | None) -> dict[str, object]:
-    """What a measured choice depends on besides the problem: the CPU (model, family/model
-    ids, a hash of its flags), torch's version, the torch thread count, the ISA caps set in
-    the environment, the C kernels' build (its cache directory name, None where none) and the
-    timing method (``TIMER``)."""
+    """What a choice depends on besides the problem: the CPU (model, ids, a hash of its flags),
+    torch's version and threads, the ISA caps, the C build and ``TIMER``."""
     import torch  # only here: the rest of this module is plain Python, testable without it
 
     cpu = cpu_info()
@@ -110,15 +93,10 @@ def cache_path(key: dict[str, object], root: Path) -> Path:
 def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS,
                      min_sample_s: float = MIN_SAMPLE_S, prune_after: int = PRUNE_AFTER,
                      prune_ratio: float = PRUNE_RATIO) -> dict[str, float]:
-    """Seconds of one call of each of ``runs``: the median of its timed samples, after one warm-up
-    call each.
-
-    Up to ``rounds`` rounds take one sample of every candidate still in the race, round i
-    starting at candidate ``i mod n`` (so none always follows the same one). After
-    ``prune_after`` rounds a candidate whose median exceeds the best by more than
-    ``prune_ratio`` leaves with its median so far; the measurement ends when one is left. A
-    call shorter than ``min_sample_s`` in the warm-up is repeated within each sample until the
-    sample lasts about that long (timer noise).
+    """Seconds of one call of each of ``runs``: the median of its samples, after one warm-up each.
+    Round i of up to ``rounds`` starts at candidate ``i mod n``; after ``prune_after`` rounds a
+    candidate over the best by more than ``prune_ratio`` leaves with its median so far. A call
+    shorter than ``min_sample_s`` is repeated within a sample until it lasts that long.
 
     Raises:
         ValueError: ``rounds`` < 1."""
@@ -150,14 +128,8 @@ def measure_median_s(runs: dict[str, Callable[[], object]], rounds: int = ROUNDS
 
 
 class KernelSelector:
-    """Per (op, shape class): the fastest candidate per row-count bucket, measured once per
-    machine and kept in a JSON cache file.
-
-    Args:
-        key: ``machine_key(...)``: a cache file stored under another key is ignored.
-        path: the cache file (``cache_path(key, ...)``); None keeps the choices in memory.
-        timer: ``runs -> seconds per run`` (``measure_median_s``; tests pass fake timings).
-    """
+    """Per (op, shape class): the fastest candidate per row-count bucket, kept in a JSON cache
+    (``path`` None: in memory) under ``key``; ``timer``: ``runs -> seconds`` (tests fake it)."""
 
     def __init__(self, key: dict[str, object], path: Path | None,
                  timer: Callable[[dict[str, Callable[[], object]]], dict[str, float]]
@@ -176,18 +148,12 @@ class KernelSelector:
 
     def choose(self, op: str, shape: str, buckets: list[int],
                candidates: dict[str, Callable[[int], Callable[[], object]]]) -> dict[int, str]:
-        """``{bucket: candidate name}`` for ``op`` at ``shape`` (a string naming the shape
-        class, e.g. ``"576x960"``): from the cache, or measured now for the buckets it lacks
-        and written back.
+        """``{bucket: candidate name}`` for ``op`` at ``shape`` (e.g. ``"576x960"``), from the cache
+        or measured now for missing buckets. ``candidates``: name -> ``make(num_rows)`` returning
+        the call to time at ``2^bucket`` rows; a cached name not among them is measured again.
 
-        Args:
-            buckets: the bucket indices to choose for (``bucket(n)`` of the rows measured).
-            candidates: name -> ``make(num_rows)``, which builds that candidate's inputs for
-                ``2^bucket`` rows and returns the call to time. A cached name that is not
-                among ``candidates`` (a kernel missing in this process) is measured again.
         Raises:
-            ValueError: no candidates.
-        """
+            ValueError: no candidates."""
         if not candidates:
             raise ValueError(f"no candidate kernel for {op} {shape}")
         entry = f"{op}/{shape}"
@@ -209,8 +175,7 @@ class KernelSelector:
             return {b: known[str(b)] for b in buckets}
 
     def _save(self) -> None:
-        """Write the cache file (to a temporary file beside it, then renamed, so a process
-        reading it never sees half a file); a failure to write only loses the cache."""
+        """Write the cache atomically (temp file, rename); a failed write only loses the cache."""
         if self.path is None:
             return
         try:
@@ -225,8 +190,7 @@ class KernelSelector:
 
 
 def describe_buckets(choice: dict[int, str]) -> str:
-    """``{0: "pdlab", ..., 8: "pdlab", 9: "mkl"}`` -> ``"1-256 pdlab, 257+ mkl"``: runs of
-    buckets with the same choice as row ranges, the last one open-ended."""
+    """``{0: "pdlab", ..., 8: "pdlab", 9: "mkl"}`` -> ``"1-256 pdlab, 257+ mkl"``."""
     items, parts, i = sorted(choice.items()), [], 0
     while i < len(items):
         j = i

@@ -1,22 +1,15 @@
-"""KV block accounting with automatic prefix caching (no torch, never touches a tensor).
+"""KV block accounting with automatic prefix caching (no torch), as vLLM v1's
+(``kv_cache_utils.hash_block_tokens``, ``BlockPool``, ``get_computed_blocks``).
 
-The scheme is vLLM v1's (``kv_cache_utils.hash_block_tokens``, ``BlockPool``,
-``get_computed_blocks``):
-
-1. A full block of ``B`` tokens is named by a chained hash: ``h_0 = H(NONE_HASH, tokens[0:B])``,
-   ``h_i = H(h_{i-1}, tokens[iB:(i+1)B])``, ``H`` = SHA-256. Equal hashes mean equal prefixes,
-   so equal KV. A partial block has no hash and is never shared. No process salt, so a router
-   can compare a prompt's ``block_hashes`` with a worker's (``BlockAllocator.pop_events``).
-2. A block's reference count is the block tables listing it; a request whose prompt starts
-   with cached blocks ``touch``es them (+1) instead of recomputing.
-3. ``free`` drops one reference per block; at zero a hashed block stays cached (evictable).
-4. ``allocate`` hands out unhashed blocks first (the lowest run of consecutive free blocks,
-   else the lowest), and only then evicts cached blocks, least recently freed first. A
-   request's blocks are freed tail first, so its least shareable blocks go first.
-
-Unlike vLLM's single LRU queue, a cached block is evicted only when no uncached block is
-left (at least vLLM's hits at the same budget). Only the first block per hash is
-registered; a block computed twice stays unregistered in the second table."""
+A full block of ``B`` tokens is named by a chained hash, ``h_0 = H(NONE_HASH, tokens[0:B])``,
+``h_i = H(h_{i-1}, tokens[iB:(i+1)B])``, ``H`` = SHA-256: equal hashes mean equal prefixes, so
+equal KV. A partial block has no hash and is never shared. No process salt, so a router can
+compare a prompt's ``block_hashes`` with a worker's (``pop_events``). A block's reference count is
+the block tables listing it; ``free`` drops one per block, and at zero a hashed block stays cached
+(evictable). ``allocate`` hands out unhashed blocks first (the lowest run of consecutive free
+blocks, else the lowest), then evicts cached blocks, least recently freed first; unlike vLLM's
+single LRU queue, a cached block goes only when no uncached one is left. Only the first block per
+hash is registered."""
 
 from __future__ import annotations
 
@@ -28,18 +21,16 @@ import struct
 import sys
 from dataclasses import dataclass
 
-# How many start positions ``allocate`` tries for a run of consecutive free blocks before it
-# takes the lowest free blocks, scattered.
+# Starts ``allocate`` tries for a run of consecutive free blocks before taking scattered ones.
 RUN_SEARCH_LIMIT = 64
 
-# The parent hash of a prompt's first block (vLLM's NONE_HASH, from a fixed seed so every
-# process agrees: vLLM's DEFAULT_NONE_HASH_SEED for sha256).
+# The first block's parent hash (vLLM's NONE_HASH from its DEFAULT_NONE_HASH_SEED for sha256).
 NONE_HASH = hashlib.sha256(b"pdlab-prefix-cache").digest()
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
-    """SHA-256 of the parent block's hash and this block's token ids (int64 little
-    endian): 32 bytes. ``parent_hash`` None = first block (``NONE_HASH``)."""
+    """SHA-256 (32 bytes) of the parent hash and the block's token ids (int64 little endian);
+    ``parent_hash`` None = first block."""
     tokens = tuple(token_ids)
     data = (NONE_HASH if parent_hash is None else parent_hash) + struct.pack(
         f"<{len(tokens)}q", *tokens)
@@ -47,16 +38,13 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids) -> bytes:
 
 
 def block_hashes(token_ids, block_size: int, hashes: list[bytes] | None = None) -> list[bytes]:
-    """The chained hashes of every full block of ``token_ids`` (``len // block_size`` of
-    them), each equal to ``hash_block_tokens(previous, block)``. ``hashes``: the hashes
-    already computed for a prefix of the same tokens; the list is extended in place and
-    returned (a request's list grows with its tokens)."""
+    """Chained hashes of every full block of ``token_ids``; ``hashes``, those already computed
+    for a prefix, is extended in place and returned."""
     hashes = [] if hashes is None else hashes
     first, last = len(hashes), len(token_ids) // block_size
     if first >= last:
         return hashes
-    # one packing for all the new blocks (the hot part of admission: the planner's
-    # simulator admits thousands of prompts per run)
+    # one packing for all new blocks (the simulator admits thousands of prompts per run)
     packed = array.array("q", token_ids[first * block_size:last * block_size])
     if sys.byteorder != "little":
         packed.byteswap()
@@ -69,10 +57,7 @@ def block_hashes(token_ids, block_size: int, hashes: list[bytes] | None = None) 
 
 
 def prompt_block_hashes(request, block_size: int) -> tuple[bytes, ...]:
-    """``block_hashes`` of ``request.prompt_token_ids`` (an ``engine.request.Request``),
-    computed once per request and block size and kept on the request (every RequestState
-    made of it shares them: a preempted request admitted again, the same workload
-    simulated at several rates)."""
+    """``block_hashes`` of the prompt, computed once per request and block size and kept on it."""
     by_size = request._prompt_hashes
     if by_size is None:
         by_size = {}
@@ -85,11 +70,9 @@ def prompt_block_hashes(request, block_size: int) -> tuple[bytes, ...]:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix cache lookups in tokens (vLLM's ``PrefixCacheStats``: ``queries`` = tokens of
-    new requests looked up at admission, ``hits`` = those found cached; lookups of
-    previously preempted requests are counted apart, as vLLM does). ``transfer_*``: a
-    decode worker's lookups of prompts prefilled elsewhere (their hits are KV it need not
-    receive or store again, not prefill skipped)."""
+    """Prefix cache lookups in tokens (vLLM's ``PrefixCacheStats``): ``queries`` looked up at
+    admission, ``hits`` found cached; preempted requests' lookups apart. ``transfer_*``: a decode
+    worker's lookups of remote prompts (hits are KV it need not receive again)."""
 
     requests: int = 0
     queries: int = 0
@@ -117,18 +100,11 @@ class PrefixCacheStats:
 
 
 class BlockAllocator:
-    """The blocks of one paged KV store: reference counts, the hash table of cached full
-    blocks, the free and evictable lists (module docstring).
-
-    Args:
-        num_blocks: blocks in the store (>= 1).
-        block_size: tokens per block (>= 1).
-        enable_caching: register full blocks by hash and keep them after their last
-            reference is dropped (off: every freed block is simply free).
+    """The blocks of one paged KV store: reference counts, the hash table of cached full blocks,
+    the free and evictable lists. ``enable_caching`` off: a freed block is simply free.
 
     Raises:
-        ValueError: ``num_blocks`` or ``block_size`` < 1.
-    """
+        ValueError: ``num_blocks`` or ``block_size`` < 1."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks < 1 or block_size < 1:
@@ -142,8 +118,7 @@ class BlockAllocator:
         # cached blocks at zero references, least recently freed first (the eviction order)
         self._evictable: collections.OrderedDict[int, None] = collections.OrderedDict()
         self._cached: dict[bytes, int] = {}  # hash -> block
-        # KV events since pop_events, kept only once someone asked (record_events): a worker
-        # nobody mirrors must not grow a list forever
+        # KV events, kept only once someone asked (record_events): unmirrored, never grows
         self.record_events = False
         self._stored: list[bytes] = []
         self._removed: list[bytes] = []
@@ -156,7 +131,6 @@ class BlockAllocator:
 
     @property
     def num_used_blocks(self) -> int:
-        """Blocks at least one request holds."""
         return self.num_blocks - self.num_free_blocks
 
     @property
@@ -169,19 +143,16 @@ class BlockAllocator:
         return -(-num_tokens // self.block_size)
 
     def fits_ever(self, num_tokens: int) -> bool:
-        """True if ``num_tokens`` fit the whole cache (else they can never be admitted)."""
+        """True if ``num_tokens`` fit the whole cache."""
         return self.blocks_needed(num_tokens) <= self.num_blocks
 
     # ---- allocation ----------------------------------------------------------------
     def allocate(self, num_tokens: int) -> list[int]:
-        """``blocks_needed(num_tokens)`` (>= 1) new blocks at one reference each, in table
-        order: uncached blocks first (the lowest run long enough among the first
-        ``RUN_SEARCH_LIMIT`` starts, else the lowest), then
-        cached free ones, evicted least recently freed first.
+        """``blocks_needed(num_tokens)`` new blocks at one reference each, in table order (module
+        docstring's allocation order).
 
         Raises:
-            ValueError: fewer free blocks than needed, or ``num_tokens`` < 1.
-        """
+            ValueError: fewer free blocks than needed, or ``num_tokens`` < 1."""
         n = self.blocks_needed(num_tokens)
         if n < 1 or n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks for {num_tokens} tokens: "
@@ -192,9 +163,8 @@ class BlockAllocator:
             self.ref_cnt[block] = 1
             return [block]
         if len(free) >= n:
-            # ascending and distinct: a span of n - 1 is a run. Only the first
-            # RUN_SEARCH_LIMIT starts are tried: kept cached blocks fragment the free list,
-            # and a scan of all of it per admission was the planner simulator's hot spot
+            # ascending and distinct: a span of n - 1 is a run; cached blocks fragment the list,
+            # so only RUN_SEARCH_LIMIT starts are tried (a full scan was the simulator's hot spot)
             start = next((i for i in range(min(len(free) - n + 1, RUN_SEARCH_LIMIT))
                           if free[i + n - 1] - free[i] == n - 1), 0)
             block_ids = free[start:start + n]
@@ -220,8 +190,7 @@ class BlockAllocator:
                 self._removed.append(digest)
 
     def touch(self, block_ids: list[int]) -> None:
-        """One more reference to each of ``block_ids`` (cached blocks a request shares);
-        an evictable one is taken off the eviction list."""
+        """One more reference to each block (shared cached blocks); evictable ones stop being so."""
         ref, evictable = self.ref_cnt, self._evictable
         for block in block_ids:
             if ref[block] == 0:
@@ -229,12 +198,11 @@ class BlockAllocator:
             ref[block] += 1
 
     def free(self, block_ids: list[int]) -> None:
-        """Drop one reference to each of ``block_ids`` (a request's table, in token order),
-        tail first; blocks left at zero become evictable (cached) or free.
+        """Drop one reference to each block (a table, freed tail first); at zero a block becomes
+        evictable (cached) or free.
 
         Raises:
-            ValueError: a block has no reference to drop (double free); nothing changes.
-        """
+            ValueError: a block has no reference to drop (double free); nothing changes."""
         ref, hashed = self.ref_cnt, self.block_hash
         if min((ref[b] for b in block_ids), default=1) < 1:
             bad = [b for b in block_ids if ref[b] < 1]
@@ -253,10 +221,8 @@ class BlockAllocator:
             self._give_back(uncached)
 
     def _give_back(self, block_ids: list[int]) -> None:
-        """Insert uncached blocks into the ascending free list."""
         free, first, last = self._free, block_ids[0], block_ids[-1]
         if last - first == len(block_ids) - 1 and block_ids == list(range(first, last + 1)):
-            # one run (the usual table): insert it where it goes, no sort of the whole list
             i = bisect.bisect_left(free, first)
             if i == len(free) or free[i] > last:
                 free[i:i] = block_ids
@@ -266,8 +232,8 @@ class BlockAllocator:
 
     # ---- the prefix cache ----------------------------------------------------------
     def cache(self, block: int, digest: bytes) -> bool:
-        """Register a full ``block`` (held) under ``digest``; False (nothing changes) when
-        caching is off, the block already has a hash, or another block holds ``digest``."""
+        """Register a held full ``block`` under ``digest``; False (no change) when caching is off,
+        the block has a hash, or another block holds ``digest``."""
         if (not self.enable_caching or self.block_hash[block] is not None
                 or digest in self._cached):
             return False
@@ -279,8 +245,7 @@ class BlockAllocator:
 
     def cache_table(self, block_ids: list[int], hashes: list[bytes], start: int,
                     end: int) -> list[int]:
-        """``cache(block_ids[i], hashes[i])`` for i in ``[start, end)``, in one call (a
-        prompt registers all its blocks at admission); returns the blocks registered."""
+        """``cache(block_ids[i], hashes[i])`` for i in ``[start, end)``; returns those registered."""
         if not self.enable_caching:
             return []
         registered, cached, block_hash = [], self._cached, self.block_hash
@@ -297,8 +262,7 @@ class BlockAllocator:
         return registered
 
     def uncache(self, block: int) -> None:
-        """Forget ``block``'s hash (its KV is not what the hash says: a step that was to
-        compute it failed); an evictable block becomes plainly free."""
+        """Forget ``block``'s hash (the step computing it failed); an evictable block becomes free."""
         if self.block_hash[block] is None:
             return
         self._evict(block)
@@ -319,15 +283,12 @@ class BlockAllocator:
         return found
 
     def num_evictable_in(self, block_ids: list[int]) -> int:
-        """How many of ``block_ids`` are at zero references (touching them uses up that
-        many free blocks)."""
+        """How many of ``block_ids`` are at zero references."""
         ref = self.ref_cnt
         return sum(1 for b in block_ids if ref[b] == 0)
 
     def reset_cache(self) -> int:
-        """Forget every cached block no request holds (vLLM's ``reset_prefix_cache``): they
-        become plainly free, so the next lookups miss. Blocks held keep their hashes.
-        Returns how many were forgotten."""
+        """Forget every unheld cached block (vLLM's ``reset_prefix_cache``); returns how many."""
         evictable = list(self._evictable)
         for block in evictable:
             self._evict(block)
@@ -341,14 +302,12 @@ class BlockAllocator:
         return digest in self._cached
 
     def cached_hashes(self) -> set[bytes]:
-        """Every hash cached here now (what a cache-aware router matches prompts against)."""
+        """Every hash cached here now."""
         return set(self._cached)
 
     def pop_events(self) -> tuple[list[bytes], list[bytes]]:
-        """(hashes registered, hashes evicted) since the last call, in order: the KV
-        events a router can mirror a worker's cache with (vLLM's ``BlockStored`` /
-        ``BlockRemoved``). A hash may appear in both lists (stored, then evicted). The first
-        call turns recording on (before it, nothing is kept)."""
+        """(hashes registered, hashes evicted) since the last call, in order: vLLM's ``BlockStored``
+        / ``BlockRemoved`` KV events. The first call turns recording on."""
         self.record_events = True
         events = (self._stored, self._removed)
         self._stored, self._removed = [], []

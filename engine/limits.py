@@ -1,7 +1,7 @@
 """The limits a request must fit, checked in one place with one message each: the engine
-(``Engine.validate``), the router (per role, from its workers), the planner's simulator, the
-HTTP server (through the router) and the CLI (the workload's longest request) all call
-``Limits.check``. No torch.
+(``Engine.validate``), the router (per role, from its workers), the planner's simulator, the HTTP
+server (through the router) and the CLI (the workload's longest request) all call ``Limits.check``.
+No torch.
 
 A request fits when:
 
@@ -10,8 +10,7 @@ A request fits when:
 3. the KV tokens it will hold fit the whole KV cache: ``prompt + max_tokens`` on a decode
    or colocated worker, ``prompt + 1`` on a prefill worker (it samples the first token
    there), in whole blocks of ``block_size``;
-4. with chunked prefill off, its prompt fits one step's token budget whole.
-"""
+4. with chunked prefill off, its prompt fits one step's token budget whole."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class Limits:
         block_size: tokens per KV block.
         whose: whose cache the KV message names (``this engine's``, ``a decode worker's``).
         prompt_budget: with chunked prefill off, the most prompt tokens one step runs
-            (``max_num_batched_tokens``); None: chunked (any prompt fits).
-    """
+            (``max_num_batched_tokens``); None: chunked (any prompt fits)."""
 
     max_model_len: int
     vocab_size: int | None = None

@@ -1,26 +1,18 @@
-"""Request records and the serving metrics derived from them (no torch).
+"""Request records and the serving metrics derived from them (no torch): measure at the
+boundaries, derive later (DistServe's ``lifetime.py``).
 
-Measure at the boundaries, derive later (DistServe's ``lifetime.py``):
+The router creates one ``RequestRecord`` per request; ``arrived`` is its scheduled arrival, so a
+load generator that falls behind cannot hide queueing (``dispatch_lag_s``). Workers and the router
+stamp ``record.timeline`` with ``time.time()``; each output token has ``token_times_s`` (left the
+router) and ``token_worker_times_s`` (produced by the worker's step). Each metric is a function of
+a record, defined once here; ``summarize`` pools them over a run, ``goodput_rate`` reads a sweep.
 
-1. The router creates one ``RequestRecord`` per request; ``arrived`` is its scheduled arrival,
-   so a load generator that falls behind cannot hide queueing (``dispatch_lag_s``).
-2. Workers and the router stamp events into ``record.timeline`` with ``time.time()``; each
-   output token has ``token_times_s`` (left the router) and ``token_worker_times_s``
-   (produced by the worker's step); ``kv_transfer_s = kv_put_s + kv_get_s``.
-3. Records are saved as JSON (``to_dict`` / ``from_dict``).
-4. Each metric is a function of a record, defined once here; ``summarize`` pools them over a
-   run; ``goodput_rate`` reads a rate sweep.
-
-Clocks: TTFT and E2E use the router's; ITL and TPOT the worker's when every token has one
-(``itl_router_s`` / ``tpot_router_s`` beside them). Under disaggregation the first gap spans
-two workers, across hosts two clocks: use ``first_decode_gap_s``. TTFT contains the KV put
-(the first token is sent after it); the get shows in the first inter-token gap.
-
-All times are seconds. A metric whose events are missing is None, never 0. A request with no
-output token (or with an error) is a failure: no TTFT, and it misses every SLO.
-
-Sources: vLLM ``benchmarks/benchmark_serving.py`` (TTFT, TPOT, ITL, E2EL, goodput); DistServe
-(Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep."""
+Clocks: TTFT and E2E use the router's; ITL and TPOT the worker's when every token has one. Under
+disaggregation the first gap spans two workers (``first_decode_gap_s``). TTFT contains the KV put;
+the get shows in the first inter-token gap. All times are seconds. A metric whose events are
+missing is None, never 0. A request with no output token (or an error) is a failure: no TTFT, and
+it misses every SLO. Sources: vLLM ``benchmarks/benchmark_serving.py`` (TTFT, TPOT, ITL, E2EL,
+goodput); DistServe (Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep."""
 
 from __future__ import annotations
 
@@ -55,33 +47,20 @@ class RequestRecord:
     """Everything measured about one request; JSON-serializable through ``to_dict``.
 
     Attributes:
-        request_id: the router's id.
         placement: e.g. ``"colocated:1"`` or ``"disagg:1P1D"``.
-        prefill_worker / decode_worker: names of the workers that served it (None if none).
-        num_prompt_tokens: prompt length in tokens.
-        output_token_ids: the tokens it produced.
+        prefill_worker / decode_worker: the workers that served it (None if none).
         finish_reason: ``FinishReason`` value (``"stop"``, ``"length"``, ...) or None.
-        error: error message when it failed, else None.
-        prefill_path: ``"local"`` (prefilled where it decodes: colocated, or a short prompt
-            under ``conditional:xPyD``) or ``"remote"`` (on a prefill worker, KV shipped).
-        kv_bytes: bytes of prompt KV shipped for it (0 when colocated).
-        kv_put_s: seconds inside the transport's ``put`` on the prefill worker (all layer
-            ranges; None when there was no transfer).
-        kv_get_s: seconds the decode worker spent fetching and checking the KV (None if none).
-        kv_transfer_s: the transfer's full cost, ``kv_put_s + kv_get_s`` (None if none).
-        num_cached_prompt_tokens: prompt tokens whose prefill the prefix cache skipped on
-            the worker that prefilled it (vLLM's ``num_cached_tokens``; 0: none, or caching
-            off).
-        num_preemptions: times its workers preempted it (KV freed, recomputed later; vLLM
-            v1's ``num_preemptions``), summed over its workers.
-        kv_bytes_saved: bytes of prompt KV not shipped because its decode worker already
-            cached that prefix (0 when colocated or nothing was cached).
+        prefill_path: ``"local"`` (prefilled where it decodes) or ``"remote"`` (on a prefill
+            worker, KV shipped).
+        kv_bytes: bytes of prompt KV shipped (0 when colocated); ``kv_bytes_saved``: bytes not
+            shipped because the decode worker already cached that prefix.
+        kv_put_s / kv_get_s: seconds inside the transport's ``put`` (all layer ranges) / spent
+            fetching and checking the KV; ``kv_transfer_s`` their sum (None: no transfer).
+        num_cached_prompt_tokens: prompt tokens the prefix cache skipped (vLLM's
+            ``num_cached_tokens``); num_preemptions: summed over its workers (vLLM v1's).
         timeline: event name -> ``time.time()`` seconds.
-        token_times_s: ``time.time()`` when each output token left the router;
-            ``token_times_s[0]`` is the first token.
-        token_worker_times_s: ``time.time()`` when the worker's step produced each token
-            (same order; empty when the workers did not report it).
-    """
+        token_times_s / token_worker_times_s: ``time.time()`` when each output token left the
+            router / was produced by the worker's step (empty when not reported)."""
 
     request_id: str
     placement: str = ""
@@ -140,8 +119,7 @@ def failed(r: RequestRecord) -> bool:
 
 
 def ttft_s(r: RequestRecord) -> float | None:
-    """Time to first token (vLLM's TTFT): first token leaving the router minus ``arrived``; None
-    without a token or an arrival."""
+    """Time to first token (vLLM's TTFT): first token leaving the router minus ``arrived``."""
     if not r.token_times_s or ARRIVED not in r.timeline:
         return None
     return r.token_times_s[0] - r.timeline[ARRIVED]
@@ -164,8 +142,7 @@ def itl_s(r: RequestRecord) -> list[float]:
 
 
 def itl_router_s(r: RequestRecord) -> list[float]:
-    """Inter-token latencies on the router clock (when tokens left the router): includes
-    the quantisation of the router's polling. Empty with fewer than two tokens."""
+    """Inter-token latencies on the router clock (includes the router's polling quantisation)."""
     return _gaps(r.token_times_s)
 
 
@@ -177,10 +154,9 @@ def e2e_s(r: RequestRecord) -> float | None:
 
 
 def tpot_s(r: RequestRecord) -> float | None:
-    """Time per output token after the first, on the worker clock: ``(t_last - t_first) /
-    (n_out - 1)`` over ``token_worker_times_s`` (router times without them); vLLM's TPOT
-    ``(E2E - TTFT) / (n_out - 1)`` is the same span on the router clock (``tpot_router_s``).
-    None with fewer than two output tokens."""
+    """Time per output token after the first, ``(t_last - t_first) / (n_out - 1)`` on the worker
+    clock (router times without it); vLLM's TPOT is the same span on the router clock
+    (``tpot_router_s``). None with fewer than two output tokens."""
     t = _worker_times(r)
     if len(t) < 2:
         return None
@@ -188,8 +164,7 @@ def tpot_s(r: RequestRecord) -> float | None:
 
 
 def tpot_router_s(r: RequestRecord) -> float | None:
-    """vLLM's TPOT on the router clock: ``(E2E - TTFT) / (n_out - 1)``; None with fewer
-    than two output tokens."""
+    """vLLM's TPOT on the router clock: ``(E2E - TTFT) / (n_out - 1)``."""
     n_out = len(r.token_times_s)
     e2e, ttft = e2e_s(r), ttft_s(r)
     if n_out < 2 or e2e is None or ttft is None:
@@ -198,14 +173,12 @@ def tpot_router_s(r: RequestRecord) -> float | None:
 
 
 def dispatch_lag_s(r: RequestRecord) -> float | None:
-    """``dispatched - arrived`` (scheduled): how far the load generator fell behind; TTFT still
-    counts from the scheduled arrival. None without both stamps."""
+    """``dispatched - arrived`` (scheduled): how far the load generator fell behind."""
     return _between(r, ARRIVED, DISPATCHED)
 
 
 def prefill_queue_s(r: RequestRecord) -> float | None:
-    """Wait before the prompt started computing: ``prefill_started - prefill_queued``
-    (or ``- arrived`` when no ``prefill_queued`` was stamped)."""
+    """``prefill_started - prefill_queued`` (or ``- arrived`` without ``prefill_queued``)."""
     start = PREFILL_QUEUED if PREFILL_QUEUED in r.timeline else ARRIVED
     return _between(r, start, PREFILL_STARTED)
 
@@ -216,8 +189,7 @@ def prefill_s(r: RequestRecord) -> float | None:
 
 
 def first_decode_gap_s(r: RequestRecord) -> float | None:
-    """First inter-token gap, ``token_times_s[1] - token_times_s[0]``: under disaggregation
-    it contains the KV transfer and decode admission."""
+    """``token_times_s[1] - token_times_s[0]``: contains the KV transfer under disaggregation."""
     t = r.token_times_s
     return t[1] - t[0] if len(t) >= 2 else None
 
@@ -233,16 +205,14 @@ def kv_get_s(r: RequestRecord) -> float | None:
 
 
 def kv_transfer_s(r: RequestRecord) -> float | None:
-    """The KV transfer's full cost: ``kv_put_s + kv_get_s``; for a record carrying only one of
-    them, ``record.kv_transfer_s``; None if none."""
+    """``kv_put_s + kv_get_s`` (``record.kv_transfer_s`` when only one is known)."""
     if r.kv_put_s is not None and r.kv_get_s is not None:
         return r.kv_put_s + r.kv_get_s
     return r.kv_transfer_s
 
 
 def kv_gb_per_s(r: RequestRecord) -> float | None:
-    """Achieved transfer bandwidth, ``kv_bytes / kv_transfer_s / 1e9`` (GB/s, decimal);
-    None without a transfer or bytes."""
+    """Achieved transfer bandwidth, ``kv_bytes / kv_transfer_s / 1e9`` (GB/s, decimal)."""
     seconds = kv_transfer_s(r)
     if not r.kv_bytes or seconds is None or seconds <= 0:
         return None
@@ -261,8 +231,8 @@ class SLO:
 
 
 def meets_slo(r: RequestRecord, slo: SLO) -> bool:
-    """Not failed, TTFT <= slo.ttft_s, and TPOT <= slo.tpot_s (a one-token request has no
-    TPOT and passes that part). DistServe: a request attains the SLO only if it meets both."""
+    """Not failed, TTFT <= slo.ttft_s and TPOT <= slo.tpot_s (DistServe: both; a one-token
+    request has no TPOT and passes that part)."""
     if failed(r):
         return False
     ttft, tpot = ttft_s(r), tpot_s(r)
@@ -272,8 +242,7 @@ def meets_slo(r: RequestRecord, slo: SLO) -> bool:
 
 
 def slo_attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
-    """Fraction of ALL requests meeting the SLO; failures count as misses (DistServe).
-    NaN for no records."""
+    """Fraction of ALL requests meeting the SLO, failures as misses (DistServe); NaN if empty."""
     if not records:
         return math.nan
     return sum(meets_slo(r, slo) for r in records) / len(records)
@@ -320,23 +289,18 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
               duration_s: float | None = None) -> dict[str, float]:
     """Pool per-request metrics over a run.
 
-    Latencies use completed requests only (as vLLM's benchmark); ITL pools every gap (``itl_*``
-    worker clock, ``itl_router_*`` router clock); ``dispatch_lag_*`` covers every request. Rates
-    divide by ``duration_s`` (default: last finish - first arrival):
-        throughput_req_s, output_tok_s: completed requests and their output tokens per second;
-        slo_attainment: DistServe's, over all requests; goodput_req_s: vLLM's, SLO-meeting
-            requests / s (both NaN without ``slo``);
-        kv_bytes_total, kv_gb_s: KV bytes shipped, and over summed put + get seconds (NaN
-            without transfers); kv_bytes_saved_total: bytes not shipped (prefix held);
-        prefill_tokens_skipped: sum of ``num_cached_prompt_tokens``; prefix_hit_rate: that over
-            all prompt tokens (NaN with none); num_preemptions_total."""
+    Latencies use completed requests (as vLLM's benchmark); ITL pools every gap (``itl_router_*``:
+    router clock); ``dispatch_lag_*`` covers every request. Rates divide by ``duration_s``
+    (default: last finish - first arrival): throughput_req_s, output_tok_s; slo_attainment
+    (DistServe's, all requests) and goodput_req_s (vLLM's), NaN without ``slo``; kv_bytes_total,
+    kv_gb_s (over summed put + get s), kv_bytes_saved_total; prefill_tokens_skipped,
+    prefix_hit_rate (NaN with no prompt tokens), num_preemptions_total."""
     done = [r for r in records if not failed(r)]
     out: dict[str, float] = {"num_requests": len(records), "num_failed": len(records) - len(done)}
     for name, fn in _METRICS.items():
         out.update(_stats(name, (v for v in map(fn, done) if v is not None)))
     out.update(_stats("itl", (g for r in done for g in itl_s(r))))
     out.update(_stats("itl_router", (g for r in done for g in itl_router_s(r))))
-    # dispatch lag over every request, failed or not: it is the load generator's, not theirs
     out.update(_stats("dispatch_lag", (v for v in map(dispatch_lag_s, records) if v is not None)))
     if duration_s is None:
         duration_s = _default_duration_s(records)
@@ -361,15 +325,13 @@ def summarize(records: Sequence[RequestRecord], slo: SLO | None = None,
 
 
 def prefill_tokens_skipped(records: Sequence[RequestRecord]) -> int:
-    """Prompt tokens whose prefill the prefix cache skipped, summed over ``records`` (their
-    ``num_cached_prompt_tokens``; failed requests included: their prefill was skipped too)."""
+    """Sum of ``num_cached_prompt_tokens`` over ``records``, failed requests included."""
     return sum(r.num_cached_prompt_tokens for r in records)
 
 
 def prefix_hit_rate(records: Sequence[RequestRecord]) -> float:
-    """``prefill_tokens_skipped`` / prompt tokens over ``records``: vLLM's prefix-cache hit
-    rate (hit tokens / queried tokens, ``vllm:prefix_cache_hits`` / ``queries``). NaN with
-    no prompt tokens."""
+    """``prefill_tokens_skipped`` / prompt tokens: vLLM's prefix-cache hit rate
+    (``vllm:prefix_cache_hits`` / ``queries``). NaN with no prompt tokens."""
     prompt_tokens = sum(r.num_prompt_tokens for r in records)
     return prefill_tokens_skipped(records) / prompt_tokens if prompt_tokens else math.nan
 
@@ -380,9 +342,8 @@ ATTAINMENT_TARGET = 0.9  # DistServe's goodput threshold
 def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devices: int,
                  target: float = ATTAINMENT_TARGET) -> float:
     """DistServe's goodput (requests/s per device) from a rate sweep: the highest swept rate whose
-    SLO attainment is >= ``target`` and at which every lower swept rate also met it (DistServe,
-    OSDI'24, §2), divided by ``num_devices``; 0.0 when the lowest rate misses, and a NaN
-    attainment misses. Rates are sorted first; only swept points count, so sweep densely.
+    attainment, and that of every lower swept rate, is >= ``target`` (DistServe, OSDI'24, §2),
+    over ``num_devices``; 0.0 when the lowest rate misses (NaN misses). Only swept points count.
 
     Raises:
         ValueError: lengths differ, or ``num_devices < 1``."""
@@ -405,15 +366,11 @@ PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase
 
 
 class BatchEntry(NamedTuple):
-    """One request's part of a step (``StepRecord.batch``); a NamedTuple, the cheapest record on
-    the hot path, which ``json.dumps`` writes as a plain array.
-
-    Attributes:
-        request_id: the request.
-        num_tokens: its tokens the step computed (a prompt chunk, or 1 for a decode).
-        phase: ``"prefill"`` (``RequestState.is_prefilling`` at the step's start) or ``"decode"``.
-        num_context_tokens: its tokens computed before the step (``num_computed_tokens``): a
-            chunk of n tokens after k attends to at most k + n keys per query, a decode to k + 1."""
+    """One request's part of a step (``StepRecord.batch``); a NamedTuple, cheap on the hot path,
+    written by ``json.dumps`` as an array. ``num_tokens``: computed by the step (a prompt chunk, or
+    1 for a decode); ``phase``: ``"prefill"`` or ``"decode"`` at the step's start;
+    ``num_context_tokens``: computed before the step (a chunk of n after k attends to <= k + n
+    keys per query, a decode to k + 1)."""
 
     request_id: str
     num_tokens: int
@@ -423,20 +380,15 @@ class BatchEntry(NamedTuple):
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One engine step that ran a forward, for interference analysis and the planner's
-    diagnosis: its phase mix, size, duration and batch.
+    """One engine step that ran a forward: its phase mix, size, duration and batch.
 
     Attributes:
-        start_s: ``time.time()`` at the step's start (seconds).
-        duration_s: schedule-to-update wall time (seconds); its tokens are stamped with
-            ``start_s + duration_s`` (``TokenOutput.time_s``).
-        num_requests: entries in the batch.
-        num_prefill_tokens, num_decode_tokens: prompt and decode tokens it computed.
-        batch: its entries in the scheduler's order (decodes first, then prompt chunks;
-            ``engine.scheduler.Scheduler.schedule``); empty on records built by hand.
-        lateness: an emulated device's step (``engine.emulated``): its held time ÷ the
-            modelled time (1.0 = on time); None on a real device (and then not in the row).
-    """
+        start_s: ``time.time()`` at the step's start (s); duration_s: schedule-to-update wall
+            time (s); its tokens are stamped ``start_s + duration_s``.
+        batch: entries in the scheduler's order (decodes first, then prompt chunks); empty on
+            records built by hand.
+        lateness: an emulated device's held time ÷ the modelled time (1.0 = on time); None on a
+            real device (and then not in the row)."""
 
     start_s: float
     duration_s: float
@@ -447,9 +399,8 @@ class StepRecord:
     lateness: float | None = None
 
     def to_row(self) -> dict:
-        """The record as one flat row (steps.csv, a Ray-shipped dict): scalar fields as they are,
-        ``batch`` as JSON text of ``[request_id, num_tokens, phase, num_context_tokens]`` arrays
-        (``parse_batch`` reads it back)."""
+        """The record as one flat row (steps.csv): ``batch`` as JSON text of ``[request_id,
+        num_tokens, phase, num_context_tokens]`` arrays (``parse_batch`` reads it back)."""
         return {"start_s": self.start_s, "duration_s": self.duration_s,
                 "num_requests": self.num_requests,
                 "num_prefill_tokens": self.num_prefill_tokens,
@@ -462,8 +413,7 @@ def parse_batch(text: str) -> tuple[BatchEntry, ...]:
     """The entries of a ``StepRecord.to_row()["batch"]`` cell.
 
     Raises:
-        ValueError: ``text`` is not such a JSON list (``json.JSONDecodeError`` is one).
-    """
+        ValueError: ``text`` is not such a JSON list (``json.JSONDecodeError`` is one)."""
     try:
         return tuple(BatchEntry(str(r), int(n), str(p), int(c)) for r, n, p, c in json.loads(text))
     except (TypeError, ValueError) as err:

@@ -1,28 +1,22 @@
-"""The kernel backend: every tensor kernel of the forward that has more than one
-implementation, behind one interface, chosen once per runner (``select_ops``).
-``engine/runner.py`` calls ``ops.<kernel>`` without asking which backend it has.
+"""The kernel backend: every tensor kernel of the forward with more than one implementation,
+behind one interface chosen once per runner (``select_ops``); ``engine/runner.py`` calls
+``ops.<kernel>`` without asking which backend it has.
 
-- ``TorchOps``, the reference: public torch ops only. It runs on CUDA, for dtypes other than
-  float32, and on CPU when forced (``PDLAB_FORCE_KERNELS=backend=torch``).
+- ``TorchOps``, the reference: public torch ops only (CUDA, dtypes other than float32, and CPU
+  when forced with ``PDLAB_FORCE_KERNELS=backend=torch``).
 - ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``) for the fused
-  elementwise chains and, per shape class and row-count (or chunk-length) bucket, whichever
-  candidate ``engine/kernel_choice.py`` measured fastest here: MKL's sgemm (``mm``), oneDNN's
-  packed inner product, pdlab's AVX2 GEMM (``pdlab``, ``pdlab-hwpf``) or AVX-512 GEMM
-  (``pdlab512``); the C paged decode attention or planned SDPA groups; torch's CPU flash
-  kernel or pdlab's causal kernel for prompt chunks.
+  elementwise chains and, per shape class and row-count (or chunk-length) bucket, the candidate
+  ``engine/kernel_choice.py`` measured fastest here: MKL's sgemm (``mm``), oneDNN, pdlab's AVX2
+  (``pdlab``, ``pdlab-hwpf``) or AVX-512 (``pdlab512``) GEMM; paged or planned decode attention;
+  torch's CPU flash or pdlab's causal kernel for prompt chunks.
 
-Two rules live here and nowhere else:
-
-- One thread: pdlab's C GEMM and paged attention run on the calling thread, so they are
-  candidates only when torch has one thread (a worker pinned by ``bind_device``); otherwise a
-  single-threaded kernel would leave cores idle. The fused elementwise kernels run either way.
-- Consecutive blocks read in place: the allocator hands out first-fit runs of blocks, so
-  ``TorchOps`` plans decode rows into strided views of the store (``"planned"`` layout) and
-  reads a chunk's prefix as a slice; ``CpuOps``' paged kernel reads any block table
-  (``"paged"`` layout).
-
-Every implementation gives ``generate()``'s greedy tokens. ``PDLAB_FORCE_KERNELS`` pins
-choices, e.g. ``linear=onednn,decode_attention=planned``; unknown names are refused."""
+Two rules live here only. One thread: pdlab's C GEMM and paged attention run on the calling
+thread, so they compete only when torch has one thread (else they would leave cores idle).
+Consecutive blocks read in place: the allocator hands out first-fit runs, so ``TorchOps`` plans
+decode rows into strided views of the store (``"planned"``) and reads a chunk's prefix as a
+slice; ``CpuOps``' paged kernel reads any block table (``"paged"``). Every implementation gives
+``generate()``'s greedy tokens. ``PDLAB_FORCE_KERNELS`` pins choices, e.g.
+``linear=onednn,decode_attention=planned``; unknown names are refused."""
 
 from __future__ import annotations
 
@@ -37,27 +31,22 @@ from engine import cpu_kernels, host_memory, kernel_choice
 from engine.model import cache_dir
 
 FORCE_ENV = "PDLAB_FORCE_KERNELS"
-# oneDNN's packed linear in this torch build (private ops: CPU backend only, never the
-# reference).
+# oneDNN's packed linear in this torch build (private ops: CPU backend only, never the reference).
 ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight serves any M
-# torch's CPU flash attention returning (out [B, H, L, D], logsumexp [B, H, L]), GQA without a
-# copy (private: CPU backend only).
+# torch's CPU flash attention -> (out [B, H, L, D], lse [B, H, L]), GQA without a copy (private).
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# Row-count buckets measured: rows 1 .. 2^LINEAR_MAX_BUCKET (512); more rows use the last
-# bucket's choice. The LM head sees one row per sampled request and is measured up to 64 rows
-# (its vocabulary-sized weight makes larger measurements costly).
+# Row-count buckets measured: 1 .. 2^LINEAR_MAX_BUCKET (512), more use the last; the LM head (a
+# vocabulary-sized weight, costly to measure) up to 64 rows.
 LINEAR_MAX_BUCKET = 9
 LM_HEAD_MAX_BUCKET = 6
 DECODE_MAX_BUCKET = 8  # decode rows 1 .. 256
-# Prompt-chunk lengths measured for the chunk attention: 1 .. 1024 tokens (longer chunks use
-# the 1024 choice: longer probes cost more than they tell).
+# Prompt-chunk lengths measured for the chunk attention: 1 .. 1024 (longer use the 1024 choice).
 CHUNK_MAX_BUCKET = 10
 # The decode-attention measurement's KV context: about a ShareGPT prompt plus its reply.
 DECODE_PROBE_CONTEXT = 256
-# Weights streamed per timed call of a small-M GEMM: a decode step reads every layer's
-# weights from DRAM once, so each candidate is timed over enough distinct copies of the
-# weight to exceed the last-level cache, not on one copy that stays cached.
+# A decode step reads every weight from DRAM once: time small-M GEMMs over enough weight copies
+# to exceed the last-level cache.
 _STREAM_BYTES = 64 * 2**20
 _STREAM_MAX_ROWS = 64  # from this many rows a GEMM is compute bound: one copy is timed
 
@@ -81,9 +70,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 def sdpa(q, k, v, attn_mask=None, scale: float | None = None,
          softcap: float | None = None) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` (boolean mask, True = attend; ``scale`` None =
-    1/sqrt(D)), plus attention-logit soft-capping ``softcap * tanh(scores / softcap)``, which
-    SDPA lacks, done the eager way as transformers' Gemma 2 ``eager_attention_forward``
-    (scores scaled, capped, masked, softmax in float32)."""
+    1/sqrt(D)) plus logit soft-capping ``softcap * tanh(scores / softcap)``, done as transformers'
+    Gemma 2 ``eager_attention_forward`` (softmax in float32)."""
     if softcap is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale)
     scores = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
@@ -95,9 +83,8 @@ def sdpa(q, k, v, attn_mask=None, scale: float | None = None,
 
 def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
                b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """Softmax attention over keys A then keys B from the two partial results ``(out [B, H,
-    L, D], lse [B, H, L])``: ``(out_a e^lse_a + out_b e^lse_b) / (e^lse_a + e^lse_b)``,
-    computed in float32 (FlashAttention-2 / FlashDecoding's split-KV merge)."""
+    """Attention over keys A then B from partial ``(out [B, H, L, D], lse [B, H, L])`` results:
+    ``(out_a e^lse_a + out_b e^lse_b) / (e^lse_a + e^lse_b)`` in float32 (FlashDecoding's merge)."""
     (out_a, lse_a), (out_b, lse_b) = a, b
     weight_a = torch.sigmoid(lse_a.float() - lse_b.float())[..., None]  # e^a / (e^a + e^b)
     merged = out_b.float() + (out_a.float() - out_b.float()) * weight_a
@@ -105,9 +92,8 @@ def _merge_lse(a: tuple[torch.Tensor, torch.Tensor],
 
 
 class _Mm:
-    """``x [N, in] -> x @ W.T + b`` as ``mm`` / ``addmm`` on the transposed weight: what
-    ``F.linear`` runs for a 2-D input, without its three dispatch layers (``linear``, ``t``,
-    ``matmul``) per call. On CPU that is MKL's sgemm."""
+    """``x [N, in] -> x @ W.T + b`` as ``mm`` / ``addmm`` (MKL's sgemm on CPU), without
+    ``F.linear``'s three dispatch layers."""
 
     name = "mkl"
 
@@ -124,8 +110,7 @@ class _OneDnn:
     """oneDNN's inner product on the weight reordered once into its blocked layout (a copy).
 
     Raises:
-        RuntimeError: this build's oneDNN cannot pack the weight (the candidate is dropped).
-    """
+        RuntimeError: this build's oneDNN cannot pack the weight (the candidate is dropped)."""
 
     name = "onednn"
 
@@ -138,8 +123,7 @@ class _OneDnn:
 
 
 class _PdlabGemm:
-    """pdlab's GEMM (``cpu_kernels.linear``) on the weight packed once into 16-column panels
-    (a copy); single-threaded; ``prefetch``: the next panel prefetched in software."""
+    """``cpu_kernels.linear`` on the weight packed once into 16-column panels (a copy)."""
 
     name = "pdlab"
     prefetch = True
@@ -155,17 +139,14 @@ class _PdlabGemm:
 
 
 class _PdlabGemmHwpf(_PdlabGemm):
-    """``_PdlabGemm`` without software prefetch of the next panel (``linear(prefetch=False)``):
-    the hardware prefetcher alone, faster on some CPUs for 1-row decodes; the same results."""
+    """``_PdlabGemm`` with the hardware prefetcher alone (``linear(prefetch=False)``)."""
 
     name = "pdlab-hwpf"
     prefetch = False
 
 
 class _PdlabGemm512(_PdlabGemm):
-    """pdlab's AVX-512 GEMM (``cpu_kernels.linear512``, 12 x 32 zmm blocks) on the weight
-    packed once into 32-column panels (a copy); single-threaded; only where the CPU has
-    avx512f (``Kernels.linear_avx512``). Equal to ``_PdlabGemm`` bit for bit."""
+    """``cpu_kernels.linear512`` on 32-column panels (a copy); only where the CPU has avx512f."""
 
     name = "pdlab512"
 
@@ -179,8 +160,7 @@ class _PdlabGemm512(_PdlabGemm):
 
 
 class _Bucketed:
-    """A projection whose kernel depends on the row count: ``by_bucket[i]`` runs rows in
-    bucket ``i`` (``kernel_choice.bucket``), the last entry also every larger count."""
+    """``by_bucket[i]`` runs rows in bucket ``i`` (``kernel_choice.bucket``), the last also more."""
 
     def __init__(self, by_bucket: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
         self.by_bucket, self.last = by_bucket, len(by_bucket) - 1
@@ -190,25 +170,21 @@ class _Bucketed:
 
 
 class TorchOps:
-    """The reference backend: public torch ops only (see the module docstring). Stateless;
-    the runner passes every tensor. ``name`` and ``describe()`` say what runs."""
+    """The reference backend: public torch ops only. Stateless; the runner passes every tensor."""
 
     name = "torch"
     cache_key: tuple = ("torch",)  # what prepared (packed) weights depend on
-    # "in x out" -> {bucket: kernel} of the projections built (CpuOps fills it; the
-    # reference runs mm everywhere and leaves it empty)
+    # "in x out" -> {bucket: kernel} of the projections built (empty in the reference)
     linear_choices: dict = {}
 
     def linear(self, weight: torch.Tensor, bias: torch.Tensor | None,
                lm_head: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
-        """The kernel for ``x [N, in] -> x @ weight.T + bias`` ``[N, out]`` (``weight`` as
-        ``torch.nn.Linear`` stores it, ``[out, in]``; ``lm_head``: the model's output layer,
-        which only sees sampled rows). Built once per projection; float32 to rounding."""
+        """The kernel for ``x [N, in] -> x @ weight.T + bias`` ``[N, out]``, ``weight`` ``[out,
+        in]``; ``lm_head``: the output layer (only sampled rows). Float32 to rounding."""
         return _Mm(weight, bias)
 
     def add_norm(self, norm, hidden: torch.Tensor, delta: torch.Tensor | None) -> torch.Tensor:
-        """``hidden += delta`` in place (when given), then ``norm.module(hidden)`` ``[N, H]``
-        (``norm``: the runner's ``_Norm``)."""
+        """``hidden += delta`` in place (when given), then ``norm.module(hidden)`` ``[N, H]``."""
         if delta is not None:
             hidden.add_(delta)
         return norm.module(hidden)
@@ -222,12 +198,10 @@ class TorchOps:
     def rope_kv(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor, kv_layer: torch.Tensor, slots: torch.Tensor,
                 qk: torch.Tensor | None = None) -> torch.Tensor:
-        """RoPE on ``q [N, H_q, D]`` and ``k [N, H_kv, D]`` with ``cos``/``sin`` ``[N, R]``
-        (R < D: partial rotary), and the rotated k and ``v`` written into ``kv_layer``
-        (``[2, H_kv, NB, B, D]``, one layer of the store) at the flat token positions
-        ``slots [N]`` (``block * B + offset``). ``qk``: the ``[N, H_q + ..., D]`` tensor whose
-        first heads q and then k are views of (one RoPE over both), else None. Returns the
-        rotated q (``q`` itself where it is rotated in place)."""
+        """RoPE on ``q [N, H_q, D]`` and ``k [N, H_kv, D]`` with ``cos``/``sin`` ``[N, R]`` (R < D:
+        partial rotary); the rotated k and ``v`` written into ``kv_layer`` ``[2, H_kv, NB, B, D]``
+        at the flat positions ``slots [N]`` (``block * B + offset``). ``qk``: the tensor q and k
+        are views of (one RoPE over both), or None. Returns the rotated q."""
         cos, sin = cos[:, None], sin[:, None]  # [N, 1, R]: broadcast over heads
         heads = q.shape[1]
         if qk is not None:
@@ -242,24 +216,20 @@ class TorchOps:
 
     def prepare_attention(self, num_kv_heads: int, group: int, head_dim: int,
                           block_size: int, softcap: float | None) -> None:
-        """Called once by the runner with its attention geometry (``H_kv``, ``G = H_q /
-        H_kv``, ``D``, the store's block size ``B``, the logit soft-cap or None), before
-        ``decode_layout``; the reference has nothing to choose."""
+        """Called once with the attention geometry (``H_kv``, ``G = H_q / H_kv``, ``D``, block
+        size ``B``, soft-cap or None) before ``decode_layout``."""
 
     def decode_layout(self, num_rows: int, softcap: float | None) -> str:
-        """How a step's ``num_rows`` decode rows are attended: ``"planned"`` (the runner's
-        SDPA groups over strided views of consecutive blocks, a gather for the rest) or
-        ``"paged"`` (``decode_attention`` over block tables)."""
+        """``"planned"`` (SDPA groups over strided views of consecutive blocks, a gather for the
+        rest) or ``"paged"`` (``decode_attention``) for a step's ``num_rows`` decode rows."""
         return "planned"
 
     def decode_attention(self, q: torch.Tensor, kv_layer: torch.Tensor,
                          block_tables: torch.Tensor, lens: torch.Tensor,
                          scale: float) -> torch.Tensor:
         """Paged attention of one query token per row: ``q [n, H_q, D]`` over row r's first
-        ``lens[r]`` tokens, token t in block ``block_tables[r, t // B]`` of ``kv_layer``
-        (``[2, H_kv, NB, B, D]``); GQA, query head ``h * G + g`` reads KV head ``h``.
-        Reference: the rows' blocks gathered and one SDPA with a key-padding mask -> ``[n,
-        H_q, D]``."""
+        ``lens[r]`` tokens, token t in block ``block_tables[r, t // B]`` of ``kv_layer`` ``[2, H_kv,
+        NB, B, D]`` (GQA) -> ``[n, H_q, D]``. Reference: a gather and SDPA with a padding mask."""
         n, hq, d = q.shape
         _, hkv, _, block, _ = kv_layer.shape
         length = block_tables.shape[1] * block
@@ -271,11 +241,9 @@ class TorchOps:
 
     def chunk_attention(self, q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor,
                         start: int, scale: float | None) -> torch.Tensor:
-        """Causal attention of one prompt chunk over its request's KV: ``q4 [1, H_q, n, D]``
-        at positions ``start .. start+n-1``, ``k4, v4 [1, H_kv, start+n, D]`` (the cached
-        prefix, then the chunk's own) -> ``[1, H_q, n, D]``. A first chunk is one causal
-        SDPA (``is_causal``: the flash kernels skip the masked blocks); a later one one SDPA
-        with a lower-right causal bias (query i sees keys 0 .. start + i)."""
+        """Causal attention of one prompt chunk: ``q4 [1, H_q, n, D]`` at positions ``start ..
+        start+n-1`` over ``k4, v4 [1, H_kv, start+n, D]`` (prefix, then the chunk) -> ``[1, H_q, n,
+        D]``; query i sees keys 0 .. start + i (a first chunk: SDPA ``is_causal``)."""
         if start == 0:
             return F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, enable_gqa=True,
                                                   scale=scale)
@@ -284,7 +252,7 @@ class TorchOps:
                                               scale=scale)
 
     def describe(self) -> dict[str, object]:
-        """What this backend runs, for worker info and run headers (JSON-able)."""
+        """What this backend runs (JSON-able)."""
         return {"backend": self.name}
 
     def summary(self) -> str:
@@ -296,8 +264,7 @@ def _parse_force(spec: str) -> dict[str, str]:
     """``"linear=onednn,decode_attention=paged"`` -> ``{"linear": "onednn", ...}``.
 
     Raises:
-        ValueError: an entry that is not ``op=name`` for a known op.
-    """
+        ValueError: an entry that is not ``op=name`` for a known op."""
     out = {}
     for part in filter(None, (p.strip() for p in spec.split(","))):
         op, sep, name = part.partition("=")
@@ -312,19 +279,13 @@ def _parse_force(spec: str) -> dict[str, str]:
 
 
 class CpuOps(TorchOps):
-    """Float32 on CPU: pdlab's C kernels where they build, and per shape class and row-count
-    bucket the GEMM and decode-attention layout measured fastest here (module docstring).
+    """Float32 on CPU: pdlab's C kernels where they build, and per shape class and row-count bucket
+    the GEMM and decode-attention layout measured fastest here. ``kernels``: ``cpu_kernels.load()``
+    or None (then oneDNN and MKL, and the reference's elementwise ops); ``kv_float32``: the C
+    kernels that touch the store need float32; ``force``: ``PDLAB_FORCE_KERNELS`` pins.
 
-    Args:
-        kernels: the loaded C library (``cpu_kernels.load()``), or None where it cannot be
-            built: then the GEMM candidates are oneDNN and MKL and the elementwise ops are
-            the reference's.
-        kv_float32: the KV store is float32 (the C kernels that write or read it need it).
-        selector: where choices are measured and cached (``kernel_choice.KernelSelector``).
-        force: ``{"linear": name, "decode_attention": layout}`` pins (``PDLAB_FORCE_KERNELS``).
     Raises:
-        ValueError: a forced choice that is not a candidate here.
-    """
+        ValueError: a forced choice that is not a candidate here."""
 
     name = "cpu"
 
@@ -334,16 +295,14 @@ class CpuOps(TorchOps):
         self.kernels = kernels
         self.selector, self.force = selector, dict(force or {})
         self.threads = torch.get_num_threads()
-        # The one-thread rule (module docstring): the single-threaded C GEMM and paged
-        # attention compete only when torch runs on one thread.
+        # The one-thread rule (module docstring).
         single = (self.threads == 1 and kernels is not None and kernels.linear_vectorized)
         self.c_elementwise = kernels if kv_float32 else None
         self.linear_candidates = ["mkl", *(["onednn"] if ONEDNN else []),
                                   *(["pdlab", "pdlab-hwpf"] if single else []),
                                   *(["pdlab512"] if single and kernels.linear_avx512 else [])]
         self.decode_candidates = ["planned", *(["paged"] if single and kv_float32 else [])]
-        # a prompt chunk's causal attention: torch's CPU flash kernel(s), or pdlab's AVX2 or
-        # AVX-512 kernel (GEMM blocks over the causal triangle, engine/cpu_kernels.c)
+        # a prompt chunk's causal attention: torch's CPU flash kernel, or pdlab's AVX2 / AVX-512
         self.chunk_candidates = ["flash", *(["pdlab"] if single else []),
                                  *(["pdlab512"] if single and kernels.linear_avx512 else [])]
         for op, allowed in (("linear", self.linear_candidates),
@@ -396,10 +355,8 @@ class CpuOps(TorchOps):
         return _Bucketed([built[choice[b]] for b in buckets])
 
     def _linear_probe(self, name: str, in_features: int, out_features: int, has_bias: bool):
-        """``make(rows)`` for ``KernelSelector.choose``: the candidate built once on several
-        distinct weight copies (timing does not depend on the values), of which a call with
-        fewer than ``_STREAM_MAX_ROWS`` rows runs all, so they stream from DRAM as in a
-        step, and a larger one the first."""
+        """``make(rows)``: the candidate built on several weight copies; calls under
+        ``_STREAM_MAX_ROWS`` rows run all, so weights stream from DRAM as in a step."""
         built: list = []
 
         def make(rows: int) -> Callable[[], object]:
@@ -438,9 +395,8 @@ class CpuOps(TorchOps):
 
     # -- attention ---------------------------------------------------------------------
     def prepare_attention(self, num_kv_heads, group, head_dim, block_size, softcap):
-        """Measure (or read) the decode layout per row-count bucket and the chunk-attention
-        kernel per chunk-length bucket for this attention geometry. Soft-capped logits (Gemma
-        2) have neither a paged nor a pdlab chunk kernel: always planned / the eager form."""
+        """Measure (or read) the decode layout per row bucket and chunk kernel per length bucket.
+        Soft-capped logits (Gemma 2) have neither a paged nor a pdlab chunk kernel."""
         self._prepare_chunk_attention(num_kv_heads, group, head_dim, softcap)
         buckets = list(range(DECODE_MAX_BUCKET + 1))
         candidates = self.decode_candidates if softcap is None else ["planned"]
@@ -476,9 +432,8 @@ class CpuOps(TorchOps):
 
     def _decode_probe(self, name: str, num_kv_heads: int, group: int, head_dim: int,
                       block_size: int):
-        """``make(rows)``: ``rows`` decode rows of ``DECODE_PROBE_CONTEXT`` tokens each in
-        consecutive blocks, one layer; ``planned``'s best case (one strided view, no mask,
-        no gather) against the paged kernel reading the same blocks by table."""
+        """``make(rows)``: ``rows`` decode rows of ``DECODE_PROBE_CONTEXT`` tokens in consecutive
+        blocks, one layer (``planned``'s best case against the paged kernel)."""
         def make(rows: int) -> Callable[[], object]:
             gen = torch.Generator().manual_seed(rows)
             per_row = -(-DECODE_PROBE_CONTEXT // block_size)
@@ -503,11 +458,9 @@ class CpuOps(TorchOps):
         return self.kernels.decode_attention(q, kv_layer, block_tables, lens, scale)
 
     def chunk_attention(self, q4, k4, v4, start, scale):
-        """The kernel measured fastest for this chunk length (``chunk_choices``): pdlab's
-        AVX2 or AVX-512 causal kernel, or torch's CPU flash kernel, where a later chunk is two
-        flash calls, the prefix (unmasked) and the chunk's own causal diagonal, merged by their
-        log-sum-exp (FlashDecoding's split-KV merge): SDPA with the lower-right bias took the
-        math path on CPU, materialising every score."""
+        """The kernel measured fastest for this chunk length. With torch's flash kernel a later
+        chunk is two calls (prefix unmasked, own causal diagonal) merged by log-sum-exp: SDPA with
+        the lower-right bias takes the math path on CPU, materialising every score."""
         name = kernel_choice.choice_for(self.chunk_choices, q4.shape[2], CHUNK_MAX_BUCKET,
                                         "flash")
         return self._chunk_kernel(name, q4, k4, v4, start, scale)
@@ -563,9 +516,8 @@ _SELECTORS: dict[tuple, kernel_choice.KernelSelector] = {}
 
 def selector_for(threads: int, kernels: cpu_kernels.Kernels | None
                  ) -> kernel_choice.KernelSelector:
-    """The process's selector for this machine, thread count and C build (one per key, so
-    every runner of the process shares its measurements), cached under
-    ``$PDLAB_CACHE_DIR/kernels``."""
+    """The process's selector per machine, thread count and C build (shared by its runners),
+    cached under ``$PDLAB_CACHE_DIR/kernels``."""
     build = None if kernels is None else kernels.path.parent.name
     key = kernel_choice.machine_key(threads, build)
     root = cache_dir() / "kernels"
@@ -578,15 +530,12 @@ def selector_for(threads: int, kernels: cpu_kernels.Kernels | None
 
 def select_ops(device: torch.device, weight_dtype: torch.dtype,
                kv_dtype: torch.dtype) -> TorchOps:
-    """The backend for a runner: ``CpuOps`` for a float32 model on CPU (without the C
-    kernels where ``PDLAB_CPU_KERNELS=0`` or they do not build), else ``TorchOps``
-    (``PDLAB_FORCE_KERNELS=backend=torch`` forces the reference on CPU too). Call it where the runner starts, after the
-    process's torch thread count is set (the one-thread rule, module docstring). On CPU it
-    also keeps freed activations mapped (``host_memory.keep_freed_memory``, once per process).
+    """``CpuOps`` for a float32 model on CPU, else ``TorchOps`` (``PDLAB_FORCE_KERNELS=
+    backend=torch`` forces it on CPU too). Call it after the process's torch thread count is set
+    (the one-thread rule). On CPU it also keeps freed activations mapped (once per process).
 
     Raises:
-        ValueError: a malformed or unavailable ``$PDLAB_FORCE_KERNELS``.
-    """
+        ValueError: a malformed or unavailable ``$PDLAB_FORCE_KERNELS``."""
     force = _parse_force(os.environ.get(FORCE_ENV, ""))
     if device.type == "cpu":  # every CPU forward, reference or not: engine/host_memory.py
         host_memory.keep_freed_memory()

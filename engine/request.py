@@ -1,12 +1,9 @@
 """The request vocabulary shared by every pdlab process (no torch): ``SamplingParams`` and
-``Request`` (frozen, validated when built, they cross processes), the engine-side
-``RequestState`` counters, ``RequestStatus`` and ``TokenOutput``.
-
-A request is counters, vLLM v1 style: ``num_computed_tokens`` grows as steps compute its
-tokens' KV; once every known token is computed a token is sampled and appended. A request
-prefilled elsewhere starts as ``WAITING_FOR_REMOTE_KVS`` with its prompt computed and first
-token appended. The FINISHED_* statuses sort after every live one, so ``is_finished`` is one
-comparison. The whole life across processes: docs/architecture.md, "A request's life"."""
+``Request`` (frozen, validated when built), the engine-side ``RequestState`` counters,
+``RequestStatus`` and ``TokenOutput``. A request is counters, vLLM v1 style:
+``num_computed_tokens`` grows as steps compute its KV; once every known token is computed a token
+is sampled and appended. A request prefilled elsewhere starts as ``WAITING_FOR_REMOTE_KVS`` with
+its prompt computed and first token appended. FINISHED_* statuses sort after every live one."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 
-# Temperatures below this sample greedily (vLLM's SamplingParams uses the same 1e-5,
-# ``_SAMPLING_EPS``): dividing float32 logits by less only overflows.
+# Temperatures below this sample greedily (vLLM's ``_SAMPLING_EPS``): smaller only overflows.
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 # Most top alternatives a request may ask for with each token (OpenAI's top_logprobs limit).
@@ -27,8 +23,7 @@ class RequestStatus(enum.IntEnum):
     """Ordered status: everything ``>= FINISHED_STOPPED`` is finished."""
 
     WAITING = 0  # queued; holds no KV
-    # prefilled elsewhere: queued for KV blocks, then (blocks reserved) its KV is being fetched
-    # into them; never scheduled for compute until the fetch completes
+    # prefilled elsewhere: queued for KV blocks, then its KV is fetched into them
     WAITING_FOR_REMOTE_KVS = 1
     RUNNING = 2  # holds KV blocks; prefilling or decoding (num_computed_tokens tells which)
     PREFILLED = 3  # prefill-only request: first token sampled, prompt KV held for export
@@ -61,35 +56,25 @@ FINISH_REASON_OF_STATUS = {
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick output tokens.
+    """How to pick output tokens (vLLM's meanings; each "off" value is the default).
 
     Attributes:
-        max_tokens: output tokens to produce at most, the first token included (>= 1).
-        temperature: below ``GREEDY_BELOW_TEMPERATURE`` (vLLM's ``_SAMPLING_EPS``) means greedy
-            (argmax); otherwise logits are divided by it (>= 0).
-        top_k: keep the k most likely tokens; 0 (or vLLM's -1) turns it off (>= -1).
-        top_p: keep the smallest set of tokens whose probability reaches top_p (nucleus
-            sampling, Holtzman et al. 2020); 1.0 = off (0 < top_p <= 1). The most likely token
-            always stays.
-        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the
-            most likely one's (Nguyen et al. 2024; vLLM's ``MinPLogitsProcessor``), before top-k
-            and top-p; 0 = off (0 <= min_p <= 1). Greedy rows ignore it.
-        seed: seed of this request's own ``torch.Generator``; None draws one at random.
-        stop_token_ids: extra token ids that end the request (the token is kept in the output).
-        ignore_eos: keep going past EOS (workloads that fix the output length use it).
-        min_tokens: output tokens (the first included) before which EOS and ``stop_token_ids``
-            get -inf logits (vLLM's ``MinTokensLogitsProcessor``, even with ``ignore_eos``);
-            0 = off (0 <= min_tokens <= max_tokens).
-        repetition_penalty: the logit of every token already in prompt or output is divided by
-            it when positive, multiplied otherwise (Keskar et al. 2019, CTRL; vLLM and
-            transformers); 1.0 = off (> 0, finite).
-        presence_penalty: subtracted once from the logit of every token already in the output
-            (OpenAI's definition, as vLLM; the prompt does not count); 0 = off ([-2, 2]).
-        frequency_penalty: subtracted once per occurrence in the output (OpenAI, vLLM); 0 = off
-            ([-2, 2]).
-        logprobs: return with each output token its raw log-probability (``log_softmax`` before
-            any filter) and those of the ``logprobs`` most likely tokens (0..``MAX_LOGPROBS``,
-            OpenAI's ``top_logprobs``); None = off.
+        max_tokens: output tokens at most, the first included (>= 1).
+        temperature: below ``GREEDY_BELOW_TEMPERATURE`` greedy, else logits are divided by it (>= 0).
+        top_k: keep the k most likely tokens; 0 or -1 = off.
+        top_p: nucleus (Holtzman et al. 2020), 0 < top_p <= 1; the most likely token stays.
+        min_p: drop tokens below ``min_p`` times the most likely one's probability (Nguyen et al.
+            2024), before top-k and top-p; [0, 1].
+        seed: of this request's own ``torch.Generator``; None draws one at random.
+        stop_token_ids: extra ids that end the request (the token is kept).
+        min_tokens: outputs before which EOS and stop ids get -inf (even with ``ignore_eos``);
+            0 <= min_tokens <= max_tokens.
+        repetition_penalty: logits of prompt or output tokens divided by it when positive, else
+            multiplied (CTRL, Keskar et al. 2019); > 0, finite.
+        presence_penalty / frequency_penalty: subtracted once / per occurrence in the output
+            (OpenAI's definitions); [-2, 2].
+        logprobs: each token's raw log-probability and those of the ``logprobs`` most likely
+            (0..``MAX_LOGPROBS``, OpenAI's ``top_logprobs``); None = off.
 
     Raises:
         ValueError: a field is out of range; the message names the field and the range."""
@@ -160,21 +145,12 @@ def _is_real(value) -> bool:
 
 @dataclass(frozen=True)
 class Request:
-    """One generation request; immutable, so it can cross process boundaries as is.
-
-    Attributes:
-        request_id: unique id, issued by the router (or the caller of a bare engine).
-        prompt_token_ids: the prompt, already tokenized (chat template applied).
-        sampling: sampling parameters.
-        arrival_time_s: ``time.time()`` when the request arrived (0.0 when unknown).
-
-    The prefix cache keeps the prompt's block hashes on the request (``_prompt_hashes``,
-    ``engine.kv_blocks.prompt_block_hashes``: not a field to pass, compare or copy; a
-    ``dataclasses.replace`` starts without them).
+    """One generation request; immutable, so it crosses processes as is. ``prompt_token_ids``
+    are tokenized (chat template applied); ``arrival_time_s``: ``time.time()`` (0.0 unknown). The
+    prompt's block hashes are cached on it (``_prompt_hashes``: not a field; ``replace`` drops it).
 
     Raises:
-        ValueError: empty prompt or a negative / non-integer token id.
-    """
+        ValueError: empty prompt or a negative / non-integer token id."""
 
     request_id: str
     prompt_token_ids: tuple[int, ...]
@@ -198,15 +174,10 @@ class Request:
 
 
 class RequestState:
-    """Engine-side counters for one request (mutable, never leaves its engine).
-
-    ``token_ids`` is prompt + outputs; the KV of ``token_ids[:num_computed_tokens]`` is in the
-    blocks ``block_ids`` (its block table; None while it holds none). ``block_hashes`` are its
-    full blocks' chained hashes, ``num_cached_blocks`` of them registered in the prefix cache;
-    ``num_cached_tokens`` the prompt tokens its first admission found cached (None before);
-    ``num_preemptions`` its preemptions here; ``num_reserved_tokens`` the tokens its blocks
-    were allocated for; ``kv_token_start`` the first prompt token whose KV a remote request
-    receives (the ones before it must be cached here)."""
+    """Engine-side counters for one request (mutable, never leaves its engine). ``token_ids`` is
+    prompt + outputs; the KV of ``token_ids[:num_computed_tokens]`` is in ``block_ids`` (None while
+    it holds none); ``num_cached_tokens``: prompt tokens its first admission found cached;
+    ``kv_token_start``: the first prompt token whose KV a remote request receives."""
 
     __slots__ = (
         "request", "status", "token_ids", "num_computed_tokens", "block_ids",
@@ -225,8 +196,7 @@ class RequestState:
         self.error: str | None = None
         self.first_scheduled_time_s: float | None = None
         self.first_output_index = 0  # 1 when the first token came with imported KV
-        # a plain attribute, not a property: the scheduler and the planner's simulator
-        # read it several times per request per step (the prompt never changes)
+        # an attribute, not a property: the scheduler and simulator read it per step
         self.num_prompt_tokens: int = len(self.token_ids)
         self.block_hashes: list[bytes] = []
         self.num_cached_blocks = 0
@@ -257,15 +227,13 @@ class RequestState:
 
     @property
     def is_prefilling(self) -> bool:
-        """Prompt tokens (or, after a preemption, prompt and output tokens) are left to
-        compute: more than the one token a decode step computes."""
+        """More than the one token a decode step computes is left (prompt, or a recompute)."""
         return self.num_computed_tokens < max(self.num_prompt_tokens, len(self.token_ids) - 1)
 
     @property
     def max_total_tokens(self) -> int:
-        """Tokens this request may ever hold in the KV store (its reservation): prompt +
-        max_tokens, or prompt + 1 for a prefill-only request (it stops after its first
-        token, whose KV is never computed here)."""
+        """Tokens this request may ever hold in the KV store: prompt + max_tokens, or prompt + 1
+        for a prefill-only request."""
         return self.num_prompt_tokens + (1 if self.prefill_only else self.sampling.max_tokens)
 
     @property
@@ -278,18 +246,12 @@ class TokenOutput:
     """One token leaving an engine.
 
     Attributes:
-        request_id: the request it belongs to.
-        token_id: the sampled token.
         index: 0 for the first output token, 1 for the second, ...
         time_s: ``time.time()`` when the step that produced it ended.
-        finish_reason: set on the request's last token, else None.
-        first_scheduled_s: on this engine's first token of the request only: ``time.time()``
-            when the engine first scheduled it, else None.
-        logprob: the sampled token's raw log-probability (``SamplingParams.logprobs`` set), else
-            None; top_logprobs: the most likely ``(token_id, logprob)`` pairs, most likely first.
-        num_cached_tokens: on this engine's first token of the request only: the prompt tokens
-            found in its prefix cache (held already, for a request prefilled elsewhere), else None.
-        num_preemptions: times this engine preempted the request so far."""
+        first_scheduled_s / num_cached_tokens: on this engine's first token of the request only
+            (else None): when it was first scheduled; prompt tokens found in its prefix cache.
+        logprob: raw log-probability (``SamplingParams.logprobs`` set), else None; top_logprobs:
+            most likely ``(token_id, logprob)`` pairs first."""
 
     request_id: str
     token_id: int

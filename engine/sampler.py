@@ -1,28 +1,14 @@
-"""Logits -> token ids: min_tokens, penalties, greedy, temperature, min-p, top-k, top-p, each
-draw seeded by (seed, index).
+"""Logits -> token ids, in vLLM v1's order (``vllm/v1/sample/sampler.py``) on float32 logits:
+min_tokens (EOS and stop ids get -inf); penalties (vLLM's ``apply_penalties``): repetition over
+prompt + output (``l / r`` if ``l > 0`` else ``l * r``, bit-equal to vLLM's CUDA kernel), then
+``l -= frequency * count_in_output`` and ``l -= presence * (count_in_output > 0)``; greedy rows
+take the argmax; sampled rows get temperature, min-p, top-k, top-p, then one draw.
 
-The order is vLLM v1's (``vllm/v1/sample/sampler.py``), on float32 logits:
-
-1. min_tokens: while a request has fewer than ``min_tokens`` outputs, EOS and its
-   ``stop_token_ids`` get -inf;
-2. penalties (vLLM's ``apply_penalties``): repetition over prompt + output (``l / r`` if
-   ``l > 0`` else ``l * r``, equal bit for bit to vLLM's CUDA kernel and transformers), then
-   ``l -= frequency * count_in_output`` and ``l -= presence * (count_in_output > 0)``
-   (OpenAI's definitions: output tokens only);
-3. greedy rows take the argmax;
-4. sampled rows: temperature, min-p, top-k, then top-p (the most likely token always
-   survives), then one draw.
-
-Only rows that ask pay: plain greedy rows are one batched argmax; steps 1-2 copy and edit
-only the rows that need them. The penalties read the request's history (prompt + outputs),
-nothing is cached here.
-
-Placement invariance: output token ``i`` of a request with seed ``s`` is drawn from a fresh
-generator seeded ``draw_seed(s, i)``, so a request sampled partly on a prefill worker and
-partly on a decode worker gets the tokens of a colocated run. An unseeded request gets a
-random base seed once per engine. A row with non-finite probabilities fails alone
-(``sample_rows``' error map). ``logprobs`` are the raw ``log_softmax`` of the model's logits,
-before any edit or filter (vLLM's ``raw_logprobs``)."""
+Only rows that ask pay: plain greedy rows are one batched argmax. Placement invariance: output
+token ``i`` of a request with seed ``s`` is drawn from a fresh generator seeded ``draw_seed(s,
+i)``, so a request sampled partly on a prefill worker and partly on a decode worker gets the tokens
+of a colocated run (unseeded: a random base seed per engine). A row with non-finite probabilities
+fails alone. ``logprobs`` are the raw ``log_softmax`` before any edit (vLLM's ``raw_logprobs``)."""
 
 from __future__ import annotations
 
@@ -45,17 +31,11 @@ def draw_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-# One row's token history: (prompt + output token ids so far, number of prompt tokens).
 History = tuple[Sequence[int], int]
 
 
 class Sampler:
-    """Samples rows of logits; keeps per request only a draw counter (for callers that do
-    not pass token indices) and the base seed of unseeded requests.
-
-    Args:
-        eos_token_ids: the model's EOS ids, masked with the stop ids under ``min_tokens``.
-    """
+    """Samples rows of logits; keeps per request only a draw counter and unseeded base seeds."""
 
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = tuple(eos_token_ids)
@@ -72,8 +52,7 @@ class Sampler:
         """Pick one token per row (see ``sample_rows``).
 
         Raises:
-            ValueError: some row could not be sampled (the message names its request).
-        """
+            ValueError: some row could not be sampled (the message names its request)."""
         tokens, errors = self.sample_rows(logits, request_ids, params, indices, histories)
         if errors:
             raise ValueError("; ".join(errors.values()))
@@ -83,24 +62,13 @@ class Sampler:
                     params: list[SamplingParams], indices: list[int] | None = None,
                     histories: Sequence[History] | None = None
                     ) -> tuple[list[int | None], dict[int, str]]:
-        """Pick one token per row; a row that cannot be sampled gets None and an error.
-
-        Args:
-            logits: ``[B, vocab]`` float32 (not modified).
-            request_ids, params: one per row.
-            indices: output-token index each row draws (0 = first token), i.e. the number of
-                outputs it has; None counts the draws of each request id in this sampler
-                (tests, single-engine use).
-            histories: per row, (prompt + output token ids so far, number of prompt
-                tokens); read only for the rows with penalties (``has_penalties``), so
-                None is fine when no row has any.
-
-        Returns:
-            (B token ids, None for failed rows; {row: error message}).
+        """Pick one token per row of ``logits`` ``[B, vocab]`` float32 (not modified).
+        ``indices``: output-token index each row draws (None counts draws per request id);
+        ``histories``: per row (prompt + outputs, prompt length), read for rows with penalties.
+        Returns (B token ids, None for failed rows; {row: error message}).
 
         Raises:
-            ValueError: a row with penalties and no history.
-        """
+            ValueError: a row with penalties and no history."""
         if indices is None:
             indices = [self._next_index(rid) for rid in request_ids]
         tokens: list[int | None] = logits.argmax(dim=-1).tolist()  # plain greedy rows keep this
@@ -142,18 +110,9 @@ class Sampler:
     @staticmethod
     def logprobs(logits: torch.Tensor, rows: list[int], tokens: list[int | None],
                  nums: list[int]) -> dict[int, tuple[float, tuple[tuple[int, float], ...]]]:
-        """Raw logprobs of some rows: ``log_softmax`` of ``logits`` (float32, before any
-        temperature / top-k / top-p filtering, as vLLM's default raw logprobs).
-
-        Args:
-            logits: ``[B, vocab]``.
-            rows: the rows that asked for logprobs (only these are computed).
-            tokens: the sampled token of every row (None: failed, skipped).
-            nums: per row of ``rows``, how many top alternatives to return (0..20).
-
-        Returns:
-            {row: (sampled token's logprob, ((token_id, logprob), ...) most likely first)}.
-        """
+        """Raw logprobs (``log_softmax``, before any filter) of ``rows`` of ``logits`` ``[B, vocab]``;
+        ``nums``: per row how many top alternatives (0..20). Returns {row: (sampled token's
+        logprob, ((token_id, logprob), ...) most likely first)}."""
         kept = [(r, n) for r, n in zip(rows, nums) if tokens[r] is not None]
         if not kept:
             return {}
@@ -188,21 +147,10 @@ class Sampler:
                        params: list[SamplingParams], indices: list[int],
                        histories: Sequence[History] | None,
                        request_ids: list[str]) -> torch.Tensor:
-        """Some rows after min_tokens and the penalties (module docstring, steps 1-2;
-        vLLM's order and formulas), as a new tensor.
-
-        Args:
-            logits: ``[B, vocab]`` (not modified).
-            rows: the rows to edit (any of ``range(B)``).
-            params, indices, request_ids: one per row of ``logits`` (``sample_rows``).
-            histories: one per row of ``logits``; read for the rows with penalties.
-
-        Returns:
-            ``[len(rows), vocab]`` float32.
+        """``rows`` after min_tokens and the penalties, a new ``[len(rows), vocab]`` float32.
 
         Raises:
-            ValueError: a row with penalties and ``histories`` None.
-        """
+            ValueError: a row with penalties and ``histories`` None."""
         device = logits.device
         out = logits.index_select(0, torch.tensor(rows, device=device)).float()
         masked = [(j, params[i]) for j, i in enumerate(rows) if indices[i] < params[i].min_tokens]
@@ -226,10 +174,8 @@ class Sampler:
     @staticmethod
     def _penalize(out: torch.Tensor, penalized: list[tuple[int, int]],
                   params: list[SamplingParams], histories: Sequence[History]) -> None:
-        """Apply the penalties in place to rows of ``out`` ``[n, vocab]`` float32: for each
-        ``(j, i)``, row ``j`` of ``out`` with ``params[i]`` and ``histories[i]``. One batch
-        of ops over all those histories (flat ``row * vocab + token`` keys), so the cost
-        grows with the histories' length, not with the vocabulary or the number of rows."""
+        """Penalties in place on rows of ``out`` ``[n, vocab]``: one batch of ops over flat ``row *
+        vocab + token`` keys, so cost grows with the histories, not the vocabulary."""
         device, vocab = out.device, out.shape[-1]
         flat = out.view(-1)  # ``out`` is a fresh contiguous copy
         token_ids: list[int] = []
@@ -267,9 +213,7 @@ class Sampler:
 
     @staticmethod
     def distribution(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """What sampled rows draw from: ``[b, vocab]`` probabilities of ``logits``
-        ``[b, vocab]`` (float32, after min_tokens and penalties) divided by each row's
-        temperature, then min-p, top-k and top-p applied (module docstring, step 4)."""
+        """``[b, vocab]`` probabilities of ``logits`` after temperature, min-p, top-k and top-p."""
         temps = torch.tensor([p.temperature for p in params], device=logits.device)
         logits = logits / temps[:, None]
         min_p_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
@@ -289,8 +233,7 @@ class Sampler:
         sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
         top_p = torch.tensor([p.top_p for p in params], device=logits.device)
         probs = sorted_logits.softmax(dim=-1)
-        # drop a token when the mass before it already reaches top_p; the most likely token
-        # always stays (top_p may be 0 in float32: 1e-46 rounds to 0)
+        # drop a token when the mass before it reaches top_p (top_p may round to 0 in float32)
         mass_before = probs.cumsum(dim=-1) - probs
         drop = (mass_before >= top_p[:, None]) & (ranks > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))

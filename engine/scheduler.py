@@ -1,28 +1,21 @@
 """Which tokens of which requests run in the next step, and which KV blocks hold them (no torch).
 
-1. Running decodes go first, one token each.
-2. Running requests with more than one token left get the next chunk: prompts part-way
-   through (chunked prefill) and preempted requests recomputing prompt + outputs.
-3. Unless this step preempted a request (vLLM v1's rule), waiting requests are admitted in
-   arrival order while ``max_num_seqs``, the KV blocks and the token budget allow. A prompt
-   first shares its cached full blocks (``engine.kv_blocks``), always leaving its last token
-   to compute. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``) only reserves
-   blocks for prompt + 1, is listed in ``batch.kv_reserved`` for its worker to fetch into,
-   and becomes RUNNING at ``kv_arrived``: nothing is fetched before there is room for it.
-4. ``update`` applies the sampled tokens, checks stop conditions and frees finished
-   requests' blocks (full ones stay cached until evicted).
+Running decodes go first, one token each; then running requests with more than one token left
+get the next chunk (prompts part-way, preempted requests recomputing). Unless this step preempted
+(vLLM v1's rule), waiting requests are admitted in arrival order while ``max_num_seqs``, the KV
+blocks and the token budget allow; a prompt first shares its cached full blocks, leaving its last
+token to compute. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``) only reserves blocks
+for prompt + 1, is listed in ``batch.kv_reserved`` for its worker to fetch into, and runs from
+``kv_arrived``. ``update`` applies sampled tokens, checks stops and frees finished requests'
+blocks (full ones stay cached until evicted).
 
-``EngineConfig.kv_reservation``: ``on_demand`` (vLLM v1, default) allocates blocks as tokens
-are scheduled and, with none free, preempts the newest running request (freed, requeued at
-the front, recomputed later); a PREFILLED or ``receiving`` request is never preempted, and
-``add`` refuses a request that could not fit alone. ``full`` reserves prompt + max_tokens at
-admission and never preempts.
-
-A block's reference count is the number of block tables listing it; each held block is freed
-once. Blocks are registered in the prefix cache as they are allocated for this step's tokens;
-``step_failed`` unregisters them, so a cached block always holds the KV its hash names.
-Chunked prefill gives a prompt what is left of the budget (Sarathi-Serve); off, it runs whole
-(only a recompute longer than the whole budget is chunked)."""
+``kv_reservation``: ``on_demand`` (vLLM v1) allocates blocks as tokens are scheduled and, with
+none free, preempts the newest running request (freed, requeued first, recomputed); PREFILLED or
+receiving requests are never preempted, and ``add`` refuses one that could not fit alone.
+``full`` reserves prompt + max_tokens at admission and never preempts. A block's reference count
+is the number of block tables listing it. Blocks join the prefix cache as allocated for this
+step's tokens; ``step_failed`` unregisters them, so a cached block holds the KV its hash names.
+Chunked prefill gives a prompt what is left of the budget (Sarathi-Serve); off, it runs whole."""
 
 from __future__ import annotations
 
@@ -42,15 +35,10 @@ _WAITING, _REMOTE = RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KVS
 
 @dataclass(frozen=True)
 class StepFeatures:
-    """What a step's duration depends on (the planner's step models read these:
-    ``planner.latency``; ``ScheduledBatch.step_features`` is the one place they are counted).
-
-    Attributes:
-        prefill_tokens: Σn, new prompt tokens in the step (all prefill entries).
-        prefill_attention: Σn(k+n), query-key pairs of the prompt entries (tokens).
-        batch_size: B, decode entries (one token each).
-        sum_context: Σctx, KV tokens the decode entries attend to (their KV plus the new one).
-    """
+    """What a step's duration depends on (``planner.latency`` reads these; counted only in
+    ``ScheduledBatch.step_features``): ``prefill_tokens`` Σn, new prompt tokens;
+    ``prefill_attention`` Σn(k+n), query-key pairs of prompt entries; ``batch_size`` B, decode
+    entries; ``sum_context`` Σctx, KV tokens the decodes attend to (with the new one)."""
 
     prefill_tokens: int = 0
     prefill_attention: int = 0
@@ -60,13 +48,11 @@ class StepFeatures:
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: ``num_new_tokens[i]`` tokens of ``requests[i]``, starting at its
-    ``num_computed_tokens``. ``newly_admitted`` lists requests that got their KV blocks this
-    step; ``kv_reserved`` the WAITING_FOR_REMOTE_KVS requests whose blocks were reserved this step
-    (their KV fetch may start now; they are not in ``requests``); ``kv_dropped`` remote
-    requests that will recompute locally instead (the prefix their transfer skips is no
-    longer cached here: their worker frees the KV handles); ``preempted`` the requests
-    this step preempted (back in ``waiting``, holding no blocks)."""
+    """One step's work: ``num_new_tokens[i]`` tokens of ``requests[i]`` from its
+    ``num_computed_tokens``. ``newly_admitted``: got their KV blocks this step; ``kv_reserved``:
+    remote requests whose blocks were reserved (fetch may start; not in ``requests``);
+    ``kv_dropped``: remote requests recomputing locally instead (their skipped prefix is no longer
+    cached; free their KV handles); ``preempted``: back in ``waiting``, holding no blocks."""
 
     requests: list[RequestState] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
@@ -92,19 +78,16 @@ class ScheduledBatch:
         return sum(n for s, n in zip(self.requests, self.num_new_tokens) if s.is_prefilling)
 
     def entries(self, steps_ahead: int = 0) -> tuple[BatchEntry, ...]:
-        """The batch as ``StepRecord.batch`` entries, taken before ``update`` advances the
-        counters; ``steps_ahead``: of the same decode batch that many steps later (the
-        planner's fast-forward records steps it does not schedule)."""
+        """The batch as ``StepRecord.batch`` entries, before ``update``; ``steps_ahead``: the same
+        decode batch that many steps later (the planner's fast-forward)."""
         return tuple(BatchEntry(s.request_id, n, PREFILL if s.is_prefilling else DECODE,
                                 s.num_computed_tokens + steps_ahead)
                      for s, n in zip(self.requests, self.num_new_tokens))
 
     def step_features(self) -> StepFeatures:
-        """The batch's ``StepFeatures``, read before ``update`` advances the counters: an
-        entry of n tokens at k computed is a prefill entry (``is_prefilling``: a prompt
-        chunk or a recompute) adding n to Σn and n(k+n) to the attention pairs, else a
-        decode adding 1 to B and k + 1 to Σctx. The simulator and the emulated runner
-        (``engine.emulated``) both time a step from these."""
+        """The batch's ``StepFeatures``, before ``update``: an entry of n tokens at k computed is a
+        prefill entry (a prompt chunk or recompute: Σn += n, pairs += n(k+n)), else a decode (B +=
+        1, Σctx += k + 1). The simulator and the emulated runner time a step from these."""
         n_pre = q_pre = num_decode = sum_ctx = 0
         for state, n in zip(self.requests, self.num_new_tokens):
             k = state.num_computed_tokens
@@ -124,20 +107,8 @@ class ScheduledBatch:
 
 class Scheduler:
     """Waiting and running queues under a token budget and KV blocks (module docstring).
-
-    Args:
-        config: budget, ``max_num_seqs``, ``block_size``, ``enable_prefix_caching``,
-            ``kv_reservation``.
-        eos_token_ids: tokens that stop a request (unless ``ignore_eos``).
-        num_kv_blocks: blocks of the KV cache; None = ``config.max_kv_blocks`` (what the
-            config alone allows; the engine passes its budget-derived count,
-            ``engine.kv_cache.kv_cache_num_blocks``).
-
-    Attributes:
-        capacity: the ``BlockAllocator`` (reference counts, prefix cache).
-        prefix_cache_stats: lookups and hits in tokens (``PrefixCacheStats``).
-        num_preemptions: requests preempted here so far.
-    """
+    ``num_kv_blocks``: None = ``config.max_kv_blocks`` (the engine passes its budget-derived
+    count). ``capacity``: the ``BlockAllocator``; ``prefix_cache_stats`` in tokens."""
 
     def __init__(self, config: EngineConfig, eos_token_ids: tuple[int, ...] = (),
                  num_kv_blocks: int | None = None) -> None:
@@ -152,9 +123,7 @@ class Scheduler:
         self.receiving: list[RequestState] = []  # blocks reserved, KV fetch in flight
         self.prefix_cache_stats = PrefixCacheStats()
         self.num_preemptions = 0
-        # blocks registered in the cache by the current step's schedule(): their KV exists
-        # only once that step has run (``step_failed`` forgets them; remote reservations,
-        # which never write them, do not share them)
+        # blocks registered by the current step's schedule(): their KV exists only once it ran
         self._step_cached: list[int] = []
         self._preempted_now = False
 
@@ -163,8 +132,7 @@ class Scheduler:
         """Queue a request.
 
         Raises:
-            ValueError: it needs more KV blocks than the whole cache (it could never run).
-        """
+            ValueError: it needs more KV blocks than the whole cache (it could never run)."""
         if not self.capacity.fits_ever(state.max_total_tokens):
             cap = self.capacity
             raise ValueError(
@@ -184,8 +152,7 @@ class Scheduler:
 
     @property
     def reserved_tokens(self) -> int:
-        """Tokens the holders' blocks were allocated for (<= ``num_used_blocks *
-        block_size`` when nothing is shared)."""
+        """Tokens the holders' blocks were allocated for."""
         return sum(s.num_reserved_tokens for s in self.running) + sum(
             s.num_reserved_tokens for s in self.receiving)
 
@@ -195,8 +162,7 @@ class Scheduler:
         self._step_cached = []
         self._preempted_now = False
         budget = self.config.max_num_batched_tokens
-        # hot path (the planner's simulator calls it per simulated step): the fields read
-        # directly, decodes appended inline (batch.add), longer entries set aside in one pass
+        # hot path (the simulator calls it per step): fields read directly, decodes inline
         requests, counts, prompts = batch.requests, batch.num_new_tokens, []
         block_size, on_demand = self.block_size, self.on_demand
         caching = self.capacity.enable_caching
@@ -294,11 +260,9 @@ class Scheduler:
             budget -= n
 
     def _reserve_remote(self, state: RequestState, batch: ScheduledBatch) -> bool:
-        """Blocks for a request prefilled elsewhere: prompt + 1 tokens (``full``: prompt +
-        max_tokens), sharing the prompt blocks cached here before this step. False: no room
-        yet. If the KV it will receive starts past the cached prefix (``kv_token_start``:
-        the prefix was evicted since its router looked), it turns into a local request that
-        recomputes prompt + first token (``batch.kv_dropped``) and True is returned."""
+        """Blocks for a remote request: prompt + 1 tokens (``full``: + max_tokens), sharing the
+        cached prompt blocks. False: no room yet. If its KV starts past the cached prefix (evicted
+        since), it turns local, recomputing prompt + first token (``kv_dropped``); True."""
         cap, block_size = self.capacity, self.block_size
         num_prompt = state.num_prompt_tokens
         hit = []
@@ -334,15 +298,14 @@ class Scheduler:
                                     (len(state.token_ids) - 1) // self.block_size)
 
     def _hashes(self, state: RequestState) -> list[bytes]:
-        """``state``'s block hashes over all its full blocks (the prompt's computed once per
-        ``Request``: ``prompt_block_hashes``)."""
+        """Block hashes over all full blocks (the prompt's computed once per ``Request``)."""
         if not state.block_hashes and state.num_prompt_tokens >= self.block_size:
             state.block_hashes = list(prompt_block_hashes(state.request, self.block_size))
         return block_hashes(state.token_ids, self.block_size, state.block_hashes)
 
     def _cache_blocks(self, state: RequestState, num_tokens: int, this_step: bool = True) -> None:
-        """Register ``state``'s full blocks among its first ``num_tokens`` tokens (their KV is
-        computed, or is computed by this step when ``this_step``)."""
+        """Register the full blocks among the first ``num_tokens`` tokens (computed by now or by
+        this step when ``this_step``)."""
         num_full = num_tokens // self.block_size
         if num_full <= state.num_cached_blocks:
             return
@@ -356,10 +319,8 @@ class Scheduler:
         state.num_cached_blocks = num_full
 
     def _grow(self, state: RequestState, num_tokens: int, batch: ScheduledBatch) -> int:
-        """Give ``state`` blocks for its first ``num_tokens`` tokens, preempting the newest
-        running requests while none is free. Returns the tokens taken back out of ``batch``
-        (victims this step had already scheduled), or -1 when ``state`` itself was the
-        newest and got preempted."""
+        """Blocks for the first ``num_tokens`` tokens, preempting the newest running requests while
+        none is free. Returns the tokens taken out of ``batch``, or -1 if ``state`` was preempted."""
         cap = self.capacity
         needed = cap.blocks_needed(num_tokens) - len(state.block_ids)
         freed = 0
@@ -373,8 +334,7 @@ class Scheduler:
         return freed
 
     def _preempt(self, state: RequestState, batch: ScheduledBatch) -> int:
-        """Free a running request's blocks and queue it first to recompute; returns the
-        tokens taken out of ``batch`` if this step had scheduled it."""
+        """Free a running request's blocks and queue it first; returns tokens taken out of batch."""
         taken = 0
         for i, s in enumerate(batch.requests):
             if s is state:
@@ -397,22 +357,18 @@ class Scheduler:
         return taken
 
     def _uncache_uncomputed(self, state: RequestState) -> None:
-        """Unregister the blocks of ``state`` registered for tokens past its computed ones
-        (the step that was to compute them will not)."""
+        """Unregister blocks registered for tokens past the computed ones."""
         table, cap = state.block_ids, self.capacity
         for i in range(state.num_computed_tokens // self.block_size, state.num_cached_blocks):
             cap.uncache(table[i])
 
     def decode_steps_available(self, requests: list[RequestState], max_steps: int) -> int:
-        """How many of the next ``max_steps`` decode steps of ``requests`` (a pure-decode
-        batch ``schedule`` just returned, scheduled again unchanged, one token each) would
-        get their KV blocks from ``schedule`` without a preemption (the planner's
-        fast-forward stops before the first that would preempt). ``full``: all of them."""
+        """How many of the next ``max_steps`` unchanged decode steps of ``requests`` (a pure-decode
+        batch) get their KV blocks without a preemption (the planner's fast-forward). ``full``: all."""
         if not self.on_demand or max_steps <= 0:
             return max(max_steps, 0)
         block_size, free = self.block_size, self.capacity.num_free_blocks
-        # step j computes token k + j of a request; it needs a new block at j = cap - k,
-        # then every block_size steps
+        # step j computes token k + j; a new block at j = cap - k, then every block_size steps
         firsts = [len(s.block_ids) * block_size - s.num_computed_tokens for s in requests]
 
         def needed(m: int) -> int:
@@ -427,11 +383,9 @@ class Scheduler:
         return lo
 
     def catch_up_decodes(self, requests: list[RequestState], num_steps: int) -> None:
-        """The KV side of ``num_steps`` decode steps of ``requests`` that ran without
-        ``schedule`` (the planner's fast-forward; at most ``decode_steps_available``), once
-        their counters and tokens advanced: the blocks ``schedule`` would have allocated
-        (in its order: step by step, request by request) and the full blocks it would have
-        registered in the prefix cache."""
+        """The KV side of ``num_steps`` decode steps that ran without ``schedule`` (the planner's
+        fast-forward, at most ``decode_steps_available``): the blocks and prefix-cache entries
+        ``schedule`` would have made, in its order."""
         block_size = self.block_size
         if self.on_demand and num_steps > 0:
             due = []  # (step, request index): when each new block was needed
@@ -448,20 +402,18 @@ class Scheduler:
                 self._cache_blocks(state, len(state.token_ids), this_step=False)
 
     def step_failed(self) -> None:
-        """The forward of the last ``schedule()``'s batch failed: the blocks it registered
-        hold no valid KV, so they leave the prefix cache (call before releasing the
-        batch's requests)."""
+        """The last batch's forward failed: its registered blocks leave the prefix cache (call
+        before releasing its requests)."""
         for block in self._step_cached:
             self.capacity.uncache(block)
         self._step_cached = []
 
     def kv_arrived(self, state: RequestState) -> None:
-        """A receiving request's KV is in its blocks: it decodes from the next step on, and
-        its full prompt blocks join the prefix cache.
+        """A receiving request's KV is in its blocks: it decodes from the next step, and its full
+        prompt blocks join the prefix cache.
 
         Raises:
-            ValueError: ``state`` is not receiving (never reserved, or already released).
-        """
+            ValueError: ``state`` is not receiving."""
         if state not in self.receiving:
             raise ValueError(f"request {state.request_id} has no KV blocks reserved for a fetch")
         self.receiving.remove(state)
@@ -471,9 +423,8 @@ class Scheduler:
             self._cache_blocks(state, state.num_prompt_tokens, this_step=False)
 
     def update(self, batch: ScheduledBatch, sampled: dict[int, int]) -> list[RequestState]:
-        """Advance counters; ``sampled`` maps batch entry index -> token id. Returns the
-        requests that produced a token this step (finished ones have a FINISHED_* or
-        PREFILLED status)."""
+        """Advance counters; ``sampled`` maps batch entry index -> token id. Returns the requests
+        that produced a token this step (finished ones have a FINISHED_* or PREFILLED status)."""
         produced = []
         counts, check_stop = batch.num_new_tokens, self.check_stop
         for i, state in enumerate(batch.requests):
@@ -498,8 +449,7 @@ class Scheduler:
             self.release(state)
 
     def release(self, state: RequestState) -> None:
-        """Give back a request's blocks (full ones stay cached) and drop it from the queues
-        (idempotent)."""
+        """Give back a request's blocks (full ones stay cached), drop it from the queues (idempotent)."""
         held = state.block_ids is not None
         if held:
             self.capacity.free(state.block_ids)
@@ -508,9 +458,7 @@ class Scheduler:
             self.running.remove(state)
         except ValueError:
             pass
-        # a state holding blocks has left ``waiting`` (blocks are allocated only as it is
-        # popped, and a preemption frees them before requeueing it): skip the scan of what
-        # may be a long queue
+        # a state holding blocks has left ``waiting``: skip scanning a possibly long queue
         if not held and state in self.waiting:
             self.waiting.remove(state)
         if state in self.receiving:

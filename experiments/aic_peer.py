@@ -49,12 +49,11 @@ def available() -> bool:
 
 def aic_kwargs(model_dir: str, system: str, backend: str, total_gpus: int, isl: int, osl: int,
                ttft_s: float, tpot_s: float) -> dict:
-    """The keyword arguments of ``aiconfigurator.cli.api.cli_default`` for one cell: its
-    SLOs in milliseconds (AIConfigurator's unit), top 1.
+    """The keyword arguments of ``aiconfigurator.cli.api.cli_default`` for one cell: its SLOs in
+    milliseconds (AIConfigurator's unit), top 1.
 
     Raises:
-        ValueError: ``total_gpus`` < 1, ``isl`` or ``osl`` < 1, or an SLO <= 0 (seconds).
-    """
+        ValueError: ``total_gpus`` < 1, ``isl`` or ``osl`` < 1, or an SLO <= 0 (seconds)."""
     if total_gpus < 1 or isl < 1 or osl < 1:
         raise ValueError(f"total_gpus, isl and osl must be >= 1, got {total_gpus}, {isl}, {osl}")
     if not (ttft_s > 0 and tpot_s > 0):
@@ -96,12 +95,11 @@ def verdict_of(result, total_gpus: int = 0) -> dict:
 
 
 def aic_verdict(**kwargs) -> dict:
-    """Step 1: ``verdict_of(cli_default(**aic_kwargs(...)))``; a cell where AIConfigurator
-    finds no feasible configuration gives ``aic_mode`` "none".
+    """Step 1: ``verdict_of(cli_default(**aic_kwargs(...)))``; a cell where AIConfigurator finds no
+    feasible configuration gives ``aic_mode`` "none".
 
     Raises:
-        ModuleNotFoundError: aiconfigurator is not installed.
-    """
+        ModuleNotFoundError: aiconfigurator is not installed."""
     from aiconfigurator.cli.api import cli_default  # optional dependency: only when asked
     from aiconfigurator.sdk.errors import NoFeasibleConfigError
     logging.getLogger("aiconfigurator").setLevel(logging.ERROR)
@@ -131,13 +129,12 @@ _KEY = ["io_ratio", "ttft_index", "tpot_index"]
 
 
 def zero_transfer_cells(cells: pd.DataFrame, zero: pd.DataFrame) -> pd.DataFrame:
-    """The rows of ``zero`` (the map.csv of the same map rerun with the transfer set to zero)
-    at the cells of ``cells`` (``slo_map.cells`` rows), in ``cells``' order.
+    """The rows of ``zero`` (the map.csv of the same map rerun with the transfer set to zero) at the
+    cells of ``cells`` (``slo_map.cells`` rows), in ``cells``' order.
 
     Raises:
         ValueError: a cell of ``cells`` is not in ``zero``, or is there at other SLOs (s):
-            the two maps do not share the grid.
-    """
+            the two maps do not share the grid."""
     by_key = {tuple(k): i for k, i in zip(zero[_KEY].itertuples(index=False), zero.index)}
     picked = []
     for cell in cells.to_dict("records"):

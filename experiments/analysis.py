@@ -381,8 +381,8 @@ TRANSFER_EFFICIENCY_COLUMNS = ["placement", "transport", "num_transfers", "kv_by
 
 def transfer_efficiency(transfers: pd.DataFrame) -> pd.DataFrame:
     """Per placement, its KV transfers against their link (``transfers.csv``'s rows: one
-    ``kv_transfer.transport.TransferRecord`` per chunk, all rates and seeds; the simulator's
-    rows carry only bytes and seconds, so their peak, efficiency and exposure are NaN).
+    ``kv_transfer.transport.TransferRecord`` per chunk, all rates and seeds; the simulator's rows
+    carry only bytes and seconds, so their peak, efficiency and exposure are NaN).
 
     Columns (``TRANSFER_EFFICIENCY_COLUMNS``): ``num_transfers`` (chunks), ``kv_bytes_total``
     (bytes), ``achieved_gbps_p50`` (median over chunks of bytes / (put + get seconds) / 1e9),
@@ -390,8 +390,7 @@ def transfer_efficiency(transfers: pd.DataFrame) -> pd.DataFrame:
     measured), ``efficiency_p50`` (median of achieved / peak), ``exposed_share`` (exposed
     seconds over put + get seconds, summed over chunks: the part of the transfer time the
     request waited for after its KV was ready; 1.0 for whole-request transfers; NaN where
-    no chunk has it). A placement without transfers (colocated) has no row.
-    """
+    no chunk has it). A placement without transfers (colocated) has no row."""
     if transfers.empty or "num_bytes" not in transfers.columns:
         return pd.DataFrame(columns=TRANSFER_EFFICIENCY_COLUMNS)
     rows = []
@@ -485,11 +484,10 @@ def goodput_points(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str
 def goodput_table(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str, int],
                   target: float = ATTAINMENT_TARGET, num_boot: int = NUM_BOOT,
                   rng_seed: int = 1) -> pd.DataFrame:
-    """DistServe goodput per device for each placement (``engine.metrics.goodput_rate``), with a
-    95% bootstrap interval. A seed is one sweep; ``goodput_per_device_req_s`` is the mean over
-    seeds of each sweep's goodput (``goodput_points``), the interval the module's hierarchical
-    bootstrap. Columns: placement, num_devices, num_seeds, goodput_per_device_req_s, _ci_lo,
-    _ci_hi."""
+    """DistServe goodput per device for each placement (``engine.metrics.goodput_rate``), with a 95%
+    bootstrap interval. A seed is one sweep; ``goodput_per_device_req_s`` is the mean over seeds of
+    each sweep's goodput (``goodput_points``), the interval the module's hierarchical bootstrap.
+    Columns: placement, num_devices, num_seeds, goodput_per_device_req_s, _ci_lo, _ci_hi."""
     runs = [as_run(r) for r in runs]
     rng = np.random.default_rng(rng_seed)
     boots = _within_seed(runs, slo, num_boot, rng)

@@ -1,16 +1,15 @@
 """The ``pdlab`` command: the only place that knows the commands (``COMMANDS``).
 
 Each command is one module of ``experiments.commands`` with ``HELP``, ``add_arguments(parser)``,
-``check(args)`` (every option checked before anything starts: no Ray, no model weights;
-raises ``ValueError`` naming the first bad option) and ``run(args, checked) -> exit code``.
-A command's module is imported only when that command runs (or its ``--help`` is asked
-for), so ``pdlab --help`` loads neither torch nor Ray.
+``check(args)`` (every option checked before anything starts: no Ray, no model weights; raises
+``ValueError`` naming the first bad option) and ``run(args, checked) -> exit code``. A command's
+module is imported only when that command runs (or its ``--help`` is asked for), so ``pdlab --help``
+loads neither torch nor Ray.
 
 Engine, transfer and workload options are derived from the config dataclasses' fields
-(``engine.config.add_dataclass_args``), so every knob has one name, one default and one
-rule. A bad value exits 2 with one line naming the option and what it allows; an error while
-running exits 2 with one line that keeps its root cause (``engine.errors.describe_error``).
-"""
+(``engine.config.add_dataclass_args``), so every knob has one name, one default and one rule. A bad
+value exits 2 with one line naming the option and what it allows; an error while running exits 2
+with one line that keeps its root cause (``engine.errors.describe_error``)."""
 
 from __future__ import annotations
 
@@ -100,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     """Parse and check every option (exit 2 naming the first bad one), then run the command.
 
     Returns:
-        0 on success; 2 when the command failed (one line on stderr with the root cause).
-    """
+        0 on success; 2 when the command failed (one line on stderr with the root cause)."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
     argv = sys.argv[1:] if argv is None else argv
     named = argv[:1] if argv and argv[0] in COMMANDS else []  # the command comes first

@@ -2,11 +2,10 @@
 
 ``python -m experiments.cli_reference > docs/reference/cli.md`` writes it;
 ``tests/integration/test_cli_reference.py`` fails when the committed page differs from what
-``render()`` prints. Every command's options come from ``experiments.cli.build_parser`` with
-all commands loaded (rendering imports every command's module, torch and Ray with them;
-``pdlab --help`` still loads none), formatted by
-argparse at a fixed width of ``WIDTH`` columns so the page does not depend on the terminal.
-"""
+``render()`` prints. Every command's options come from ``experiments.cli.build_parser`` with all
+commands loaded (rendering imports every command's module, torch and Ray with them; ``pdlab --help``
+still loads none), formatted by argparse at a fixed width of ``WIDTH`` columns so the page does not
+depend on the terminal."""
 
 from __future__ import annotations
 

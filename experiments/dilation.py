@@ -1,10 +1,10 @@
 """Time dilation of emulated devices (``--emu-time-scale S``).
 
-On emulated devices (``engine.emulated``) the step times are known exactly; what is not is
-the host's own cost: the router, Ray calls, the transports and the engine's Python, which on
-a 2-core host sharing 4-8 worker processes add a share of a 6 ms GPU step that decides the
-tight SLO cells (README, "Where does disaggregation win?"). Time-warped emulation (Gupta et
-al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006) separates the two:
+On emulated devices (``engine.emulated``) the step times are known exactly; what is not is the
+host's own cost: the router, Ray calls, the transports and the engine's Python, which on a 2-core
+host sharing 4-8 worker processes add a share of a 6 ms GPU step that decides the tight SLO cells
+(README, "Where does disaggregation win?"). Time-warped emulation (Gupta et al., "To Infinity and
+Beyond: Time-Warped Network Emulation", NSDI 2006) separates the two:
 
 - every emulated step lasts ``S`` x its modelled time (``Emulation.time_scale``, which
   ``experiments.placement.emulation_for`` sets and ``EmulatedRunner.modelled_s`` multiplies
@@ -14,14 +14,13 @@ al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006) separat
   (``undilate_record`` / ``_step`` / ``_transfer``: stamps about the run's start,
   durations, bandwidths x S); the wall-clock bounds on waits x S (``dilated_transfer``).
 
-The modelled device then appears at its own speed, and the host's seconds per event (the
-same at any ``S``) count ``1 / S`` as much. ``S = 1`` is real time. What ``S > 1`` checks
-is the placement logic: the scheduler, the router's choices, the hand-over, the KV
-accounting, against the simulator's (``plan --validate``, ``map --validate-on emu``); the
-control plane's cost at real speed is ``S = 1``'s (``benchmarks.control_plane``). Results
-record the scale (``Emulation.describe``'s ``time_scale``). Multi-turn workloads are refused
-(``check_dilatable``): their turns' arrival times are drawn inside the closed-loop replay.
-"""
+The modelled device then appears at its own speed, and the host's seconds per event (the same at any
+``S``) count ``1 / S`` as much. ``S = 1`` is real time. What ``S > 1`` checks is the placement
+logic: the scheduler, the router's choices, the hand-over, the KV accounting, against the
+simulator's (``plan --validate``, ``map --validate-on emu``); the control plane's cost at real speed
+is ``S = 1``'s (``benchmarks.control_plane``). Results record the scale (``Emulation.describe``'s
+``time_scale``). Multi-turn workloads are refused (``check_dilatable``): their turns' arrival times
+are drawn inside the closed-loop replay."""
 
 from __future__ import annotations
 
@@ -47,19 +46,17 @@ def check_dataset(dataset: str, scale: float) -> None:
     dilation before anything runs (``run``, ``compare``, ``plan``).
 
     Raises:
-        ValueError: ``scale`` != 1 and ``dataset`` is ``"multiturn"``.
-    """
+        ValueError: ``scale`` != 1 and ``dataset`` is ``"multiturn"``."""
     if scale != 1 and dataset == "multiturn":
         raise ValueError(_OPEN_LOOP_ONLY)
 
 
 def check_dilatable(items, scale: float) -> None:
-    """Refuse a dilation of a multi-turn workload (``workload_spec.MultiTurn``), before
-    anything is deployed: its turns' arrival times are drawn inside the closed-loop replay.
+    """Refuse a dilation of a multi-turn workload (``workload_spec.MultiTurn``), before anything is
+    deployed: its turns' arrival times are drawn inside the closed-loop replay.
 
     Raises:
-        ValueError: ``scale`` != 1 and ``items`` is a ``MultiTurn``.
-    """
+        ValueError: ``scale`` != 1 and ``items`` is a ``MultiTurn``."""
     if scale != 1 and isinstance(items, MultiTurn):
         raise ValueError(_OPEN_LOOP_ONLY)
 

@@ -1,6 +1,6 @@
-"""Hindsight scoring of a ``conditional:xPyD`` run: for each request, the prefill path it
-took (``RequestRecord.prefill_path``), whether it met the SLO, and whether the other path
-would have met it, estimated from the same run's measured step times, so a user can tune
+"""Hindsight scoring of a ``conditional:xPyD`` run: for each request, the prefill path it took
+(``RequestRecord.prefill_path``), whether it met the SLO, and whether the other path would have met
+it, estimated from the same run's measured step times, so a user can tune
 ``max_local_prefill_length`` from data.
 
 The estimate (simple, and optimistic: queueing on the other path is ignored):
@@ -18,8 +18,7 @@ The estimate (simple, and optimistic: queueing on the other path is ignored):
    - local (it prefilled remotely): the mean step of the decode workers, prefill steps
      included (what a request decoding beside local prefills sees on average).
 4. ``other_met_slo`` = TTFT and TPOT estimates within the SLO (DistServe's both-SLO rule);
-   ``regret`` = it missed the SLO on its path and the other path would have met it.
-"""
+   ``regret`` = it missed the SLO on its path and the other path would have met it."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def step_costs(steps: Sequence[dict], records: Sequence[RequestRecord]) -> dict[
     Args:
         steps: ``step_records`` rows (``worker, duration_s, num_prefill_tokens,
             num_decode_tokens``); decode workers are named ``decode-*``.
-        records: the run's requests.
-    """
+        records: the run's requests."""
     df = pd.DataFrame(list(steps), columns=["worker", "duration_s", "num_prefill_tokens",
                                             "num_decode_tokens"])
     prefill = df[df["num_prefill_tokens"] > 0]
@@ -64,8 +62,7 @@ def hindsight(records: Sequence[RequestRecord], steps: Sequence[dict], slo: SLO)
 
     Returns:
         ``request_id, prefill_path, num_prompt_tokens, met_slo, other_path,
-        other_ttft_est_s, other_tpot_est_s, other_met_slo, regret``.
-    """
+        other_ttft_est_s, other_tpot_est_s, other_met_slo, regret``."""
     costs = step_costs(steps, records)
     rows = []
     for r in records:

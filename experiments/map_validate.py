@@ -41,15 +41,14 @@ def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: 
               transfer: TransferConfig, devices: str, policy: str = "least_loaded",
               local: bool = False, num_reruns: int = 0,
               progress: Callable[[], None] | None = None) -> pd.DataFrame:
-    """Step 1 for one ratio: one row per (pass, candidate, rate, seed) with ``pass`` (0 =
-    the first), ``candidate``, ``placement``, ``num_devices``, ``rate``, ``seed``,
-    ``search.LATENCY_COLUMNS`` (every real request's TTFT and TPOT, s) and
-    ``lateness_p99`` (the run's emulated steps, actual ÷ modelled; NaN on real devices).
-    ``progress`` is called after each candidate's runs.
+    """Step 1 for one ratio: one row per (pass, candidate, rate, seed) with ``pass`` (0 = the
+    first), ``candidate``, ``placement``, ``num_devices``, ``rate``, ``seed``,
+    ``search.LATENCY_COLUMNS`` (every real request's TTFT and TPOT, s) and ``lateness_p99`` (the
+    run's emulated steps, actual ÷ modelled; NaN on real devices). ``progress`` is called after each
+    candidate's runs.
 
     Raises:
-        ValueError: a placement that does not fit ``devices``, a workload that does not fit.
-    """
+        ValueError: a placement that does not fit ``devices``, a workload that does not fit."""
     rows = []
     for k in range(1 + num_reruns):
         for cand in cands:
@@ -118,8 +117,7 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
 
     Returns:
         One row per checked cell (``CHECK_COLUMNS``; ``measured_goodput`` and
-        ``predicted_goodput`` are "label=value; ..." texts).
-    """
+        ``predicted_goodput`` are "label=value; ..." texts)."""
     passes = [slo_map.goodput_grid(g, ttft_grid, tpot_grid)
               for _, g in runs.groupby("pass", sort=True)]
     labels = [x for x in predicted if x in passes[0]]

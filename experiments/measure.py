@@ -1,16 +1,15 @@
 """The measurement helpers of ``pdlab profile``, ``kv-cost`` and ``interference`` (and the
-benchmarks): engine steps set up untimed and run once per timed run (a prefill of P tokens,
-a decode step of B requests at context C, a mixed step), the model loaded for measuring
-(``--threads``, ``--device``), where the results go and the header naming what was measured.
+benchmarks): engine steps set up untimed and run once per timed run (a prefill of P tokens, a decode
+step of B requests at context C, a mixed step), the model loaded for measuring (``--threads``,
+``--device``), where the results go and the header naming what was measured.
 
 ``kv-cost`` also runs on one emulated device (``--device emu:i --device-profile FILE``,
-``engine.emulated``): the model is a geometry (``engine.model.load_geometry``), and a
-prefill's seconds are the ones the emulated runner holds that step for
-(``modelled_prefill``: ``EmulatedRunner.modelled_s``, the profile's fit), not a timing.
+``engine.emulated``): the model is a geometry (``engine.model.load_geometry``), and a prefill's
+seconds are the ones the emulated runner holds that step for (``modelled_prefill``:
+``EmulatedRunner.modelled_s``, the profile's fit), not a timing.
 
-Every time is ``experiments.timing``'s estimator (min of N runs after ``WARMUP`` warm-ups,
-the median beside it).
-"""
+Every time is ``experiments.timing``'s estimator (min of N runs after ``WARMUP`` warm-ups, the
+median beside it)."""
 
 from __future__ import annotations
 
@@ -104,8 +103,7 @@ def profile_prefill(loaded: LoadedModel, prompt_lens: Sequence[int], repeats: in
 
     Returns:
         One row per P: ``prompt_len, prefill_s`` (min), ``prefill_median_s``,
-        ``per_token_s`` (= prefill_s / P), ``num_runs``.
-    """
+        ``per_token_s`` (= prefill_s / P), ``num_runs``."""
     engine = prefill_engine(loaded, max(prompt_lens), device)
     rows = []
     for p in prompt_lens:
@@ -116,14 +114,13 @@ def profile_prefill(loaded: LoadedModel, prompt_lens: Sequence[int], repeats: in
 
 def modelled_prefill(loaded: LoadedModel, emulation: Emulation, prompt_lens: Sequence[int],
                      seed: int = 0, progress=None) -> pd.DataFrame:
-    """Prefill seconds per prompt length on an emulated device: the single step that
-    prefills T tokens whole runs once on an emulated engine (``prefill_point``), and its
-    seconds are the ones the runner held it for (``EmulatedRunner.last_modelled_s``: the
-    device profile's prefill fit at that step's ``StepFeatures``). Nothing is timed.
+    """Prefill seconds per prompt length on an emulated device: the single step that prefills T
+    tokens whole runs once on an emulated engine (``prefill_point``), and its seconds are the ones
+    the runner held it for (``EmulatedRunner.last_modelled_s``: the device profile's prefill fit at
+    that step's ``StepFeatures``). Nothing is timed.
 
     Returns:
-        ``profile_prefill``'s columns (``prefill_median_s`` = ``prefill_s``, ``num_runs`` 1).
-    """
+        ``profile_prefill``'s columns (``prefill_median_s`` = ``prefill_s``, ``num_runs`` 1)."""
     engine = prefill_engine(loaded, max(prompt_lens), "cpu", emulation)
     rows = []
     for p in prompt_lens:
@@ -143,10 +140,9 @@ def prefill_row(t: Timing, prompt_len: int) -> dict:
 
 def decode_point(loaded: LoadedModel, batch_size: int, context_len: int, repeats: int,
                  device: str = "cpu", seed: int = 0) -> tuple[Callable, Callable]:
-    """``(run, close)`` of one decode measurement: an engine whose ``batch_size`` requests
-    each hold ``context_len`` tokens of KV (their prefill runs here, untimed); ``run`` is one
-    decode step over all of them (``WARMUP + repeats`` runs fit before they finish),
-    ``close`` aborts them."""
+    """``(run, close)`` of one decode measurement: an engine whose ``batch_size`` requests each hold
+    ``context_len`` tokens of KV (their prefill runs here, untimed); ``run`` is one decode step over
+    all of them (``WARMUP + repeats`` runs fit before they finish), ``close`` aborts them."""
     max_tokens = WARMUP + repeats + 2  # never finishes while being timed
     budget = max(batch_size, min(batch_size * context_len, 4096))
     engine = Engine(loaded, EngineConfig(max_num_seqs=batch_size,
@@ -263,9 +259,8 @@ def out_dir(args: argparse.Namespace, name: str) -> Path:
 
 
 def load_for(args: argparse.Namespace, emulation: Emulation | None = None) -> LoadedModel | None:
-    """Apply ``--threads`` and load the model of ``args`` (on an emulated device, its
-    geometry in the profile's dtype: no weights); prints the error and returns None when it
-    cannot."""
+    """Apply ``--threads`` and load the model of ``args`` (on an emulated device, its geometry in
+    the profile's dtype: no weights); prints the error and returns None when it cannot."""
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     if emulation is not None:
@@ -299,12 +294,11 @@ def run_header(loaded: LoadedModel, args: argparse.Namespace,
 
 
 def check_measure_args(args: argparse.Namespace) -> ModelConfig:
-    """The options ``add_measure_args`` adds: the model exists (its config file, no
-    weights), ``--out`` is not a file, a ``cuda:i`` device exists. Returns the model.
+    """The options ``add_measure_args`` adds: the model exists (its config file, no weights),
+    ``--out`` is not a file, a ``cuda:i`` device exists. Returns the model.
 
     Raises:
-        ValueError: ``argument --x: ...``.
-    """
+        ValueError: ``argument --x: ...``."""
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     check_out(args.out)
@@ -313,14 +307,13 @@ def check_measure_args(args: argparse.Namespace) -> ModelConfig:
 
 
 def emulation_of(args: argparse.Namespace) -> Emulation | None:
-    """The ``Emulation`` of ``--device emu:i`` (None for a real device), by the rules of
-    every emulated command (``experiments.placement.emulation_for``: a profile is needed,
-    and only there; it must be the model's); on an emulated device ``--dtype`` must be the
-    profile's (the KV's dtype is the profile's).
+    """The ``Emulation`` of ``--device emu:i`` (None for a real device), by the rules of every
+    emulated command (``experiments.placement.emulation_for``: a profile is needed, and only there;
+    it must be the model's); on an emulated device ``--dtype`` must be the profile's (the KV's dtype
+    is the profile's).
 
     Raises:
-        ValueError: ``argument --x: ...``.
-    """
+        ValueError: ``argument --x: ...``."""
     engine = EngineConfig(device_profile=args.device_profile, emu_kv_scale=args.emu_kv_scale)
     emulation = emulation_for((args.device,), ModelConfig(args.model, args.dtype), engine,
                               whole_kv_caches=False)  # only the measured prompts' blocks

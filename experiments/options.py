@@ -1,12 +1,11 @@
 """Command-line option helpers every ``pdlab`` command shares: the parser class with one-line
-errors, argparse types (rates, placements, devices, integer lists, transports), the option
-groups several commands take (model, engine, SLO), and the checks that join options to the
-machine and the model's config file before anything starts (no Ray, no weights).
+errors, argparse types (rates, placements, devices, integer lists, transports), the option groups
+several commands take (model, engine, SLO), and the checks that join options to the machine and the
+model's config file before anything starts (no Ray, no weights).
 
-A bad value exits 2 with one line naming the option and what it allows; a check that needs
-more than one option raises ``option_error`` (``argument --x: ...``), which ``experiments.cli``
-prints the same way.
-"""
+A bad value exits 2 with one line naming the option and what it allows; a check that needs more than
+one option raises ``option_error`` (``argument --x: ...``), which ``experiments.cli`` prints the
+same way."""
 
 from __future__ import annotations
 
@@ -236,8 +235,7 @@ def check_placements(placements: list[str], devices: tuple[str, ...], address: s
     ``address``: the deployment checks its resources), and the address is well formed.
 
     Raises:
-        ValueError: ``argument --devices/<option>/--address: ...``.
-    """
+        ValueError: ``argument --devices/<option>/--address: ...``."""
     if address is None:
         try:
             check_devices_exist(devices)
@@ -258,8 +256,7 @@ def check_device(device: str) -> None:
     """A measuring command's ``cuda:i`` device must exist here (``cpu`` always does).
 
     Raises:
-        ValueError: ``argument --device: ...`` naming what exists.
-    """
+        ValueError: ``argument --device: ...`` naming what exists."""
     if device.startswith("cuda"):
         try:
             check_devices_exist((device if ":" in device else "cuda:0",))
@@ -268,13 +265,12 @@ def check_device(device: str) -> None:
 
 
 def context_limit(model: ModelConfig, max_model_len: int | None) -> int:
-    """Tokens one request may use: ``max_model_len`` (unset: the CPU default), which must fit
-    the model's context where its config file says it (unset: capped by that context, so the
-    results record the length the engine really uses).
+    """Tokens one request may use: ``max_model_len`` (unset: the CPU default), which must fit the
+    model's context where its config file says it (unset: capped by that context, so the results
+    record the length the engine really uses).
 
     Raises:
-        ValueError: ``argument --max-model-len: ...``.
-    """
+        ValueError: ``argument --max-model-len: ...``."""
     context = model_context_len(model)
     if max_model_len is None:
         return int(min(CPU_ENGINE_DEFAULTS["max_model_len"], context or math.inf))
@@ -310,8 +306,7 @@ def load_profile_for(path: str | Path, model: ModelConfig, option: str) -> Devic
     """The device profile at ``path``, measured on ``model`` (name and dtype).
 
     Raises:
-        ValueError: ``argument <option>: ...`` when it cannot be read or names another model.
-    """
+        ValueError: ``argument <option>: ...`` when it cannot be read or names another model."""
     try:
         profile = DeviceProfile.load(path)
     except ValueError as err:
@@ -333,16 +328,15 @@ def transfer_model_for(profile: DeviceProfile, transport: str, option: str) -> T
 def what_if_transfer(profile: DeviceProfile, transport: str, latency_s: float | None,
                      bandwidth_gbps: float | None, needed: bool,
                      link: str | None = None) -> TransferModel | None:
-    """The KV transfer model the planner uses (``pdlab plan``, ``pdlab map``): the profile's
-    model of ``transport``, or with ``link`` (``planner.latency.LINKS``) the profile's model
-    of that link where it has one (a silicon-database profile does), else the link's
-    nominal one; ``latency_s`` (s) and ``bandwidth_gbps`` (GB/s), when given, replace its
-    fixed cost and rate ("what if"). None when nothing gives one and ``needed`` is False.
+    """The KV transfer model the planner uses (``pdlab plan``, ``pdlab map``): the profile's model
+    of ``transport``, or with ``link`` (``planner.latency.LINKS``) the profile's model of that link
+    where it has one (a silicon-database profile does), else the link's nominal one; ``latency_s``
+    (s) and ``bandwidth_gbps`` (GB/s), when given, replace its fixed cost and rate ("what if"). None
+    when nothing gives one and ``needed`` is False.
 
     Raises:
         ValueError: ``argument --transport: ...`` when a placement needs a model the profile
-            lacks; ``argument --link: ...`` for an unknown link.
-    """
+            lacks; ``argument --link: ...`` for an unknown link."""
     if link is not None:
         if link not in LINKS:
             raise option_error("--link", f"unknown link {link!r}: use one of {', '.join(LINKS)}")

@@ -1,10 +1,9 @@
 """Figures of a placement comparison (matplotlib, Agg backend; no display needed).
 
-Each function writes one PNG and returns its path. Inputs come from ``experiments.analysis``
-or are the runs' records and worker step records (dicts with keys worker, start_s,
-duration_s, num_requests, num_prefill_tokens, num_decode_tokens; ``StepRecord`` objects with
-those attributes work too).
-"""
+Each function writes one PNG and returns its path. Inputs come from ``experiments.analysis`` or are
+the runs' records and worker step records (dicts with keys worker, start_s, duration_s,
+num_requests, num_prefill_tokens, num_decode_tokens; ``StepRecord`` objects with those attributes
+work too)."""
 
 from __future__ import annotations
 
@@ -77,11 +76,10 @@ def plot_cdfs(records_by_placement: Mapping[str, Sequence[RequestRecord]],
 
 def plot_attainment(curve_df: pd.DataFrame, path: str | Path,
                     simulated: pd.DataFrame | None = None) -> Path:
-    """SLO attainment (%) vs arrival rate per placement (``analysis.attainment_curve``): the
-    mean over seeds as a line, its 95% interval as a shaded band (when the curve has
-    ``slo_attainment_ci_lo/hi``), and the 90% goodput line. ``simulated``: the same curve
-    from ``pdlab plan``'s simulator, drawn dashed in each placement's colour over the
-    measured points."""
+    """SLO attainment (%) vs arrival rate per placement (``analysis.attainment_curve``): the mean
+    over seeds as a line, its 95% interval as a shaded band (when the curve has
+    ``slo_attainment_ci_lo/hi``), and the 90% goodput line. ``simulated``: the same curve from
+    ``pdlab plan``'s simulator, drawn dashed in each placement's colour over the measured points."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colour = {}
     for i, (placement, g) in enumerate(curve_df.groupby("placement", sort=False)):
@@ -171,8 +169,7 @@ def plot_token_timeline(records_by_placement: Mapping[str, Sequence[RequestRecor
       shaded span is prefill-decode interference.
     - Above the rows, a lane per worker: its prefill steps (coloured) and decode-only steps
       (grey), so where prefills ran is visible even when no row matches.
-    Steps without a ``worker`` (e.g. ``StepRecord`` objects) go in one lane named "worker".
-    """
+    Steps without a ``worker`` (e.g. ``StepRecord`` objects) go in one lane named "worker"."""
     placements = list(records_by_placement) or [""]
     lanes_max = max([len({str(_step_get(s, "worker") or "worker") for s in steps})
                      for steps in steps_by_placement.values()] + [0])

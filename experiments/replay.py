@@ -1,6 +1,6 @@
 """One placement deployed once and a workload replayed on it at each rate and seed, with the
-calibration that picks the rates (and loosens an SLO no lone request meets here): the runs
-behind ``pdlab run``, ``compare`` and ``plan --validate``.
+calibration that picks the rates (and loosens an SLO no lone request meets here): the runs behind
+``pdlab run``, ``compare`` and ``plan --validate``.
 
 1. Deploy the placement on the device set (``experiments.placement.Deployment``: Ray actors,
    or threads in this process with ``local``), warm it up with two discarded requests.
@@ -9,8 +9,7 @@ behind ``pdlab run``, ``compare`` and ``plan --validate``.
    are ``CALIBRATION_FACTORS`` x the capacity (``calibrated_rates``).
 3. For each rate and seed, replay that seed's workload open-loop (arrivals at their
    Poisson/Gamma times) through the router, and keep the request records and the worker
-   step and KV transfer records of that run only (``RunResult``).
-"""
+   step and KV transfer records of that run only (``RunResult``)."""
 
 from __future__ import annotations
 
@@ -55,13 +54,12 @@ CALIBRATION_FACTORS = (0.5, 1.5, 4.0)  # x the measured capacity: under, near, p
 def calibrated_rates(capacity_req_s: float, factors=CALIBRATION_FACTORS) -> list[float]:
     """The rate ladder ``factor * capacity`` (req/s), each rounded to 2 significant digits.
 
-    The capacity is the completed-request throughput of a burst (every request at t = 0) on
-    the deployed placement: the rate it can sustain. Below it queues stay short, above it
-    they grow with every request, so SLO attainment bends inside the ladder on any machine.
+    The capacity is the completed-request throughput of a burst (every request at t = 0) on the
+    deployed placement: the rate it can sustain. Below it queues stay short, above it they grow with
+    every request, so SLO attainment bends inside the ladder on any machine.
 
     Raises:
-        ValueError: capacity not > 0.
-    """
+        ValueError: capacity not > 0."""
     if not capacity_req_s > 0:
         raise ValueError(f"calibration measured no capacity ({capacity_req_s!r} req/s)")
     return [float(f"{f * capacity_req_s:.2g}") for f in factors]
@@ -75,9 +73,8 @@ def calibrated_slo(slo: SLO, lone_ttft_s: float, lone_tpot_s: float | None) -> S
     (``SLO_TPOT_SCALE`` x) what a lone request achieved on this machine, else as given.
 
     DistServe states SLOs relative to the model's unloaded latency on the hardware (its "SLO
-    scale"); a target that a request alone misses makes attainment 0 at every rate, and the
-    sweep then shows nothing. On a fast machine the given SLO stands.
-    """
+    scale"); a target that a request alone misses makes attainment 0 at every rate, and the sweep
+    then shows nothing. On a fast machine the given SLO stands."""
     def loosen(given: float, measured: float) -> float:  # 3 significant digits when loosened
         return given if measured <= given else float(f"{measured:.3g}")
 
@@ -108,13 +105,13 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   max_worker_restarts: int = 0) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
-    ``items`` is seed -> workload (or one workload for every seed). The deployment is
-    warmed up with two discarded requests first. ``worker_info`` (a list) receives each
-    worker's ``info()`` (device, torch threads). ``local``: workers in this process (tests;
-    needs the in-process transport). ``rates=None``: calibrate first (after the warm-up, the
-    first seed's requests as one burst; ``calibrated_rates``); the chosen rates are those of
-    the results; ``calibration`` (a dict) receives ``capacity_req_s``, ``rates`` and the
-    lone-request ``lone_ttft_s`` / ``lone_tpot_s`` (two requests, each served alone).
+    ``items`` is seed -> workload (or one workload for every seed). The deployment is warmed up with
+    two discarded requests first. ``worker_info`` (a list) receives each worker's ``info()``
+    (device, torch threads). ``local``: workers in this process (tests; needs the in-process
+    transport). ``rates=None``: calibrate first (after the warm-up, the first seed's requests as one
+    burst; ``calibrated_rates``); the chosen rates are those of the results; ``calibration`` (a
+    dict) receives ``capacity_req_s``, ``rates`` and the lone-request ``lone_ttft_s`` /
+    ``lone_tpot_s`` (two requests, each served alone).
     ``conditional``: the thresholds of a ``conditional:xPyD`` placement.
     ``max_worker_restarts``: a worker that dies is started again up to this many times.
     ``engine.emu_time_scale`` S > 1 (emulated devices): arrivals spread x S and every
@@ -123,8 +120,7 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
 
     Raises:
         ValueError: a request does not fit the deployed workers' context; a dilated
-            multi-turn workload.
-    """
+            multi-turn workload."""
     by_seed = items if isinstance(items, dict) else {s: items for s in spec.seed_list}
     dilation = engine.emu_time_scale  # 1 but on dilated emulated devices (experiments.dilation)
     for its in by_seed.values():

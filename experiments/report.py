@@ -1,9 +1,8 @@
 """report.md for a placement comparison, and the console table the CLI prints.
 
-Numbers are formatted one way in both: seconds (``*_s`` columns) and rates to 4 significant
-digits, SLO attainment as a percentage, counts as integers, missing values as ``NaN``. A
-metric with ``<m>_ci_lo`` / ``<m>_ci_hi`` columns is shown as one cell, ``mean [lo, hi]``.
-"""
+Numbers are formatted one way in both: seconds (``*_s`` columns) and rates to 4 significant digits,
+SLO attainment as a percentage, counts as integers, missing values as ``NaN``. A metric with
+``<m>_ci_lo`` / ``<m>_ci_hi`` columns is shown as one cell, ``mean [lo, hi]``."""
 
 from __future__ import annotations
 
@@ -136,8 +135,7 @@ def write_report(out_dir: str | Path, summary_df: pd.DataFrame, slo: SLO, verdic
     summary table (markdown, intervals as ``mean [lo, hi]``); optional goodput per device
     (``analysis.goodput_table`` or a mapping placement -> value); optional KV transfer
     efficiency per placement (``analysis.transfer_efficiency``); the verdict; the plots as
-    relative image links (``plot_paths``: a list, or a mapping caption -> path).
-    """
+    relative image links (``plot_paths``: a list, or a mapping caption -> path)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "report.md"
@@ -182,12 +180,11 @@ def write_report(out_dir: str | Path, summary_df: pd.DataFrame, slo: SLO, verdic
 def append_section(out_dir: str | Path, title: str, lines: Sequence[str],
                    image: str | Path | None = None) -> Path:
     """Append a section to ``out_dir/report.md`` (written by ``write_report``): ``## title``,
-    ``lines`` as a code block (they are aligned text), and ``image`` as a relative image
-    link when given. Returns the report's path.
+    ``lines`` as a code block (they are aligned text), and ``image`` as a relative image link when
+    given. Returns the report's path.
 
     Raises:
-        FileNotFoundError: no report.md there yet.
-    """
+        FileNotFoundError: no report.md there yet."""
     path = Path(out_dir) / "report.md"
     text = path.read_text()
     extra = ["", f"## {title}", "", "```", *lines, "```", ""]

@@ -5,8 +5,7 @@ config row, everything needed to rerun; then one row per request with its full t
 summary.csv (means over seeds with 95% bootstrap intervals), summary_seeds.csv (one row per
 seed), goodput.csv, steps.csv and transfers.csv (every row tagged placement, rate, seed),
 transfer_efficiency.csv (``analysis.transfer_efficiency``), hindsight.csv for conditional placements, report.md and the plots. ``environment`` is the
-provenance part of the config row (command line, git commit, package versions, CPU, GPUs).
-"""
+provenance part of the config row (command line, git commit, package versions, CPU, GPUs)."""
 
 from __future__ import annotations
 
@@ -87,11 +86,10 @@ def _tagged(results: list[RunResult], attr: str) -> pd.DataFrame:
 def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SLO,
                   num_devices: int | None = None,
                   simulated: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
-    """Write every output file (module docstring, step 3); returns the summary table (one
-    row per placement and rate, with intervals) and the verdict. ``num_devices`` is unused
-    (goodput divides by each placement's own devices) and kept for callers. ``simulated``:
-    ``pdlab plan``'s simulated attainment curve (``analysis.attainment_curve``), drawn
-    dashed over the measured one."""
+    """Write every output file (module docstring, step 3); returns the summary table (one row per
+    placement and rate, with intervals) and the verdict. ``num_devices`` is unused (goodput divides
+    by each placement's own devices) and kept for callers. ``simulated``: ``pdlab plan``'s simulated
+    attainment curve (``analysis.attainment_curve``), drawn dashed over the measured one."""
     out_dir.mkdir(parents=True, exist_ok=True)
     with open(out_dir / "requests.jsonl", "w") as f:
         f.write(json.dumps({"type": "config", **config}) + "\n")

@@ -1,17 +1,7 @@
-"""The one timing estimator every pdlab measurement script uses.
-
-A measurement:
-
-1. ``setup()`` (untimed) prepares one run, e.g. queues a request in an engine.
-2. ``run()`` is timed with ``time.perf_counter`` (on CUDA the device is synchronized before
-   the clock starts and before it stops, so queued kernels are counted).
-3. ``teardown()`` (untimed) cleans up after the run.
-4. One warm-up run comes first and is discarded; then ``repeats`` timed runs.
-
-The estimator is the **minimum** of the timed runs (the run least disturbed by the rest of the
-machine); the median is reported beside it to show the spread. Output names it with
-``describe(repeats)``: "min of N runs after 1 warm-up; the median beside it".
-"""
+"""The one timing estimator every pdlab measurement script uses: ``setup()`` (untimed), ``run()``
+timed with ``time.perf_counter`` (on CUDA synchronized before start and stop), ``teardown()``
+(untimed); one discarded warm-up, then ``repeats`` timed runs. The estimator is the **minimum**
+(the run least disturbed by the machine), the median beside it; ``describe(repeats)`` names it."""
 
 from __future__ import annotations
 
@@ -28,14 +18,7 @@ ESTIMATOR = "min of {n} runs after {w} warm-up; the median beside it"
 
 @dataclass(frozen=True)
 class Timing:
-    """Seconds of ``num_runs`` timed runs of one callable.
-
-    Attributes:
-        min_s: the estimator (fastest run).
-        median_s: the median run, shown beside it.
-        num_runs: timed runs (warm-up excluded).
-        samples_s: every timed run, in order.
-    """
+    """Seconds of ``num_runs`` timed runs: ``min_s`` (the estimator), ``median_s``, ``samples_s``."""
 
     min_s: float
     median_s: float
@@ -60,22 +43,11 @@ def measure(run: Callable[[], object], repeats: int, *,
             teardown: Callable[[], object] | None = None,
             warmup: int = 1, sync: Callable[[], None] | None = None,
             clock: Callable[[], float] = time.perf_counter) -> Timing:
-    """Time ``run`` ``repeats`` times after ``warmup`` discarded runs.
-
-    Args:
-        run: the callable to time.
-        repeats: timed runs (>= 1).
-        setup, teardown: untimed, called before / after every run (warm-up included).
-        warmup: discarded runs first (>= 0).
-        sync: called before starting and before stopping the clock (``device_sync``).
-        clock: seconds as a float (``time.perf_counter``; tests pass a fake clock).
-
-    Returns:
-        ``Timing`` with min (the estimator) and median of the timed runs.
+    """``Timing`` of ``repeats`` runs after ``warmup`` discarded ones; ``setup``, ``teardown``
+    untimed around each; ``sync`` before starting and stopping the clock; ``clock`` seconds.
 
     Raises:
-        ValueError: ``repeats < 1`` or ``warmup < 0``.
-    """
+        ValueError: ``repeats < 1`` or ``warmup < 0``."""
     _check_counts(repeats, warmup)
     samples_s: list[float] = []
     for i in range(warmup + repeats):
@@ -113,30 +85,13 @@ def measure_interleaved(points: dict, repeats: int, *, warmup: int = 1,
                         clock: Callable[[], float] = time.perf_counter,
                         seed: int | None = 0,
                         on_run: Callable[[], object] | None = None) -> dict:
-    """Time several measurements in rounds instead of one after another.
-
-    ``measure`` runs a point's warm-up and repeats back to back, so a machine whose speed
-    drifts within minutes (a shared VM) gives the points
-    measured in a fast minute a faster time than the rest, and a model fitted on several
-    sweeps measured minutes apart (prefill, then decode) inherits that. Here every round
-    runs each point once, in an order shuffled per round (``random.Random(seed)``); the
-    first ``warmup`` rounds are discarded. Each point's samples are then spread over the
-    whole measurement, and a drift moves every point alike.
-
-    Args:
-        points: key -> ``(setup, run)``: ``setup`` (untimed, may be None) then ``run``
-            (timed), as ``measure``'s; the point's own state carries over between rounds.
-        repeats, warmup, sync, clock: as ``measure``'s.
-        seed: the shuffle's seed; None: no shuffle, every round in the order of ``points``
-            (the benchmarks' contenders side by side, ``benchmarks.measure_interleaved``).
-        on_run: called after every run (warm-up included), e.g. a progress bar's update.
-
-    Returns:
-        key -> ``Timing`` of its ``repeats`` timed runs, in the order of ``points``.
+    """``measure`` in rounds: each round runs every point once (shuffled by ``seed``; None keeps
+    ``points``' order), so a machine whose speed drifts within minutes moves every point alike
+    instead of favouring those measured in a fast minute. ``points``: key -> ``(setup, run)``;
+    ``on_run``: after every run. Returns key -> ``Timing``, in ``points``' order.
 
     Raises:
-        ValueError: ``repeats < 1`` or ``warmup < 0``.
-    """
+        ValueError: ``repeats < 1`` or ``warmup < 0``."""
     _check_counts(repeats, warmup)
     rng = None if seed is None else random.Random(seed)
     samples_s: dict = {key: [] for key in points}
@@ -158,8 +113,7 @@ def summarize(samples_s) -> Timing:
     """The estimator over timed runs collected elsewhere (e.g. across two processes).
 
     Raises:
-        ValueError: no samples.
-    """
+        ValueError: no samples."""
     samples_s = tuple(float(s) for s in samples_s)
     if not samples_s:
         raise ValueError("summarize needs at least one timed run")

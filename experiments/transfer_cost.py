@@ -62,13 +62,12 @@ def layer_chunks(num_layers: int, layers_per_chunk: int) -> list[tuple[int, int]
 
 def export_prompt_kv(loaded: LoadedModel, prompt_len: int, device: str = "cpu",
                      seed: int = 0, emulation: Emulation | None = None) -> torch.Tensor:
-    """Prefill a random ``prompt_len``-token prompt (prefill only) and export its KV
-    ``[L, 2, H_kv, T, D]``, checking its bytes against the KV formula of the engine's
-    ``kv_spec`` (on ``emulation``'s device: the scaled geometry the store holds).
+    """Prefill a random ``prompt_len``-token prompt (prefill only) and export its KV ``[L, 2, H_kv,
+    T, D]``, checking its bytes against the KV formula of the engine's ``kv_spec`` (on
+    ``emulation``'s device: the scaled geometry the store holds).
 
     Raises:
-        RuntimeError: the exported bytes differ from ``kv_spec.kv_bytes(T)`` or the formula.
-    """
+        RuntimeError: the exported bytes differ from ``kv_spec.kv_bytes(T)`` or the formula."""
     engine = Engine(loaded, EngineConfig(max_num_seqs=1, max_model_len=prompt_len + 2,
                                          max_num_batched_tokens=max(prompt_len, 1), device=device),
                     quiet=emulation is not None, emulation=emulation)
@@ -176,16 +175,15 @@ def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROM
                   layers_per_chunk: int = 1, device: str = "cpu", seed: int = 0,
                   checksum: bool = True, progress=None,
                   emulation: Emulation | None = None) -> pd.DataFrame:
-    """Measure the module docstring's table (on ``emulation``'s device when given; then
-    ``device`` must be ``cpu``, where its KV lives).
+    """Measure the module docstring's table (on ``emulation``'s device when given; then ``device``
+    must be ``cpu``, where its KV lives).
 
     Returns:
         One row per (prompt length, transport, mode): ``prompt_len, kv_bytes, prefill_s,
         memcpy_s, memcpy_GBps, transport, mode`` (whole | layer), ``num_chunks, transfer_s``
         (min), ``transfer_median_s, transfer_GBps, transfer_over_prefill,
         transfer_over_memcpy, peak_GBps, efficiency, where, emulated``; emulated also
-        ``kv_scale, true_kv_bytes, modelled_transfer_s``.
-    """
+        ``kv_scale, true_kv_bytes, modelled_transfer_s``."""
     unknown = [t for t in transports if t not in TRANSPORTS]
     if unknown:
         raise ValueError(f"transports must be among {TRANSPORTS}, got {unknown}")

@@ -1,26 +1,17 @@
 """``pdlab plan --validate``: the simulator's own error against real runs, every time.
 
-1. The same requests run for real (``run_placement``) at each rate and through the simulator
-   (``search.simulate_runs``) with the same arrival times; both are written as results
-   directories, ``measured/`` and ``simulated/``.
-2. Per (placement, rate), from the means over seeds: ``attainment_err_points`` = 100 x
-   (simulated - measured) SLO attainment and the relative errors of TTFT and TPOT p50/p99
-   (validation.csv); ``validation_summary`` adds the mean errors and each side's first
-   placement by goodput per device. ``num_flipped`` counts requests whose SLO outcome differs
-   from their simulated twin's; one request is ``100 / num_requests`` points of resolution.
-3. Step speed: each real run's ``step_factor`` is the median measured / modelled step time
-   (as Dynamo's SLA planner corrects its profile); the simulation rerun with it is
-   validation_corrected.csv: the model's error without the machine's drift.
-4. Drift replay (``drift``): a per-worker speed trace of 5 s windows
-   (validation_speed_trace.csv) scales each simulated step at its start; ``REPLAY_COLUMNS``
-   and validation_replay.csv are the simulator's own error given the measured speed (no
-   prediction).
-5. Band (``speed_spread`` S > 0): the twins at (1 + S) and (1 - S) times the model
-   (``BAND_COLUMNS``); the planner's first is accepted when it is the real first or its
-   goodput band reaches the real first's.
-6. Reruns (``num_reruns`` N): each point run again for real and scored against the first run
-   (``RERUN_COLUMNS``, validation_reruns.csv, ``measured_rerun<k>/``): the machine's own
-   run-to-run difference, the floor under any simulator's error on it."""
+1. The same requests run for real (``run_placement``) and through the simulator with the same
+   arrival times, written as ``measured/`` and ``simulated/``.
+2. Per (placement, rate), means over seeds: ``attainment_err_points`` = 100 x (simulated -
+   measured) attainment and TTFT/TPOT p50/p99 relative errors (validation.csv); ``num_flipped``:
+   requests whose SLO outcome differs from their twin's (one request = ``100 / num_requests`` points).
+3. Step speed: each real run's ``step_factor``, median measured / modelled step time (as Dynamo's
+   SLA planner corrects its profile); the rerun simulation is validation_corrected.csv.
+4. Drift replay: a per-worker 5 s speed trace scales each simulated step (validation_replay.csv).
+5. Band (``speed_spread`` S > 0): twins at (1 ± S) x the model; the planner's first is accepted
+   when it is the real first or its goodput band reaches the real first's.
+6. Reruns (``num_reruns``): each point run again for real against the first (validation_reruns.csv):
+   the machine's run-to-run difference, the floor under any simulator's error."""
 
 from __future__ import annotations
 
@@ -53,8 +44,7 @@ OUTCOME_COLUMNS = ["num_requests", "num_flipped", "step_factor"]
 _REPLAYED = (["simulated_attainment", "attainment_err_points"]
              + [f"{c.removesuffix('_s')}_rel_err" for c in LATENCIES] + ["num_flipped"])
 REPLAY_COLUMNS = [f"replay_{c}" for c in _REPLAYED]
-# A rerun's columns: the error table of the first real run against a rerun of the same
-# requests (its "simulated" side is the rerun), each kept as "rerun_<column>".
+# A rerun's columns (the first real run against a rerun), each kept as "rerun_<column>".
 _RERUN = _REPLAYED
 RERUN_COLUMNS = ["rerun_measured_attainment"] + [f"rerun_{c}" for c in _RERUN[1:]]
 BAND_COLUMNS = ["band_slow_attainment", "band_fast_attainment", "measured_in_band"]
@@ -64,8 +54,7 @@ def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame
     """Step 3: one row per (placement, rate) both summary tables have (``COLUMNS``).
 
     Raises:
-        ValueError: the tables share no (placement, rate) point.
-    """
+        ValueError: the tables share no (placement, rate) point."""
     key = ["placement", "rate"]
     both = measured.merge(simulated, on=key, suffixes=("_measured", "_simulated"))
     if both.empty:
@@ -82,17 +71,15 @@ def error_table(measured: pd.DataFrame, simulated: pd.DataFrame) -> pd.DataFrame
 
 
 def _position(request_id: str) -> str:
-    """A request's position in its seed's workload: the ``-<i>`` both sides' ids end with
-    (``workload_spec.requests_of`` tags them so)."""
+    """The ``-<i>`` both sides' request ids end with (``workload_spec.requests_of``)."""
     return request_id.rsplit("-", 1)[-1]
 
 
 def outcome_table(measured: Sequence[RunResult], simulated: Sequence[RunResult],
                   slo: SLO) -> pd.DataFrame:
-    """Step 3's request counts per (placement, rate), pooled over seeds: ``num_requests``
-    (real ones) and ``num_flipped``, those whose ``metrics.meets_slo`` differs from their
-    simulated twin's (paired by seed and workload position; a request the twin lacks
-    counts as flipped when it met the SLO)."""
+    """Per (placement, rate), pooled over seeds: ``num_requests`` (real) and ``num_flipped``
+    (``meets_slo`` differs from the twin's, paired by seed and position; a missing twin flips a
+    request that met the SLO)."""
     twin = {(r.placement, r.rate, r.seed): {_position(x.request_id): metrics.meets_slo(x, slo)
                                             for x in r.records} for r in simulated}
     counts: dict[tuple[str, float], list[int]] = {}
@@ -109,13 +96,9 @@ def outcome_table(measured: Sequence[RunResult], simulated: Sequence[RunResult],
 
 def step_factors(measured: Sequence[RunResult], profile: DeviceProfile
                  ) -> tuple[dict[tuple[str, float, int], float], dict[str, float], float, pd.DataFrame]:
-    """Step 4: every real step modelled on its batch (``diagnose.step_table``).
-
-    Returns:
-        (median measured ÷ modelled per run ``(placement, rate, seed)``, the same per
-        ``"<placement> <worker>"``, over all steps, and the table of every step with its
-        run's ``placement, rate, seed`` in front). NaN where a run has no usable step.
-    """
+    """(median measured ÷ modelled per run ``(placement, rate, seed)``, the same per
+    ``"<placement> <worker>"``, the table of every step with its run in front); NaN where a run has
+    no usable step."""
     step_s = profile.step_time()
     tables = []
     for r in measured:
@@ -137,9 +120,7 @@ def step_factors(measured: Sequence[RunResult], profile: DeviceProfile
 def with_outcomes(errors: pd.DataFrame, measured: Sequence[RunResult],
                   simulated: Sequence[RunResult], slo: SLO,
                   factor_of: Callable[[tuple[str, float, int]], float]) -> pd.DataFrame:
-    """``errors`` (``error_table``) with ``OUTCOME_COLUMNS``: ``outcome_table``'s counts and
-    ``step_factor``, the mean over seeds of ``factor_of((placement, rate, seed))`` (the
-    real runs' measured ÷ modelled step time)."""
+    """``errors`` with ``outcome_table``'s counts and ``step_factor`` (mean over seeds)."""
     out = errors.merge(outcome_table(measured, simulated, slo), on=["placement", "rate"], how="left")
     seeds = sorted({r.seed for r in measured})
     out["step_factor"] = [float(np.mean([factor_of((p, rate, seed)) for seed in seeds]))
@@ -149,24 +130,19 @@ def with_outcomes(errors: pd.DataFrame, measured: Sequence[RunResult],
 
 def _with_columns(errors: pd.DataFrame, other: pd.DataFrame, names: list[str],
                   renamed: list[str]) -> pd.DataFrame:
-    """``errors`` with ``other``'s columns ``names`` (means over its rows of each
-    (placement, rate)) added as ``renamed``, matched by (placement, rate)."""
+    """``errors`` with ``other``'s ``names`` (means per (placement, rate)) added as ``renamed``."""
     part = other.groupby(["placement", "rate"], as_index=False, sort=False)[names].mean()
     part = part.rename(columns=dict(zip(names, renamed)))
     return errors.merge(part, on=["placement", "rate"], how="left")[list(errors.columns) + renamed]
 
 
 def with_replay(errors: pd.DataFrame, replay: pd.DataFrame) -> pd.DataFrame:
-    """``errors`` with ``REPLAY_COLUMNS`` taken from ``replay`` (the ``with_outcomes``
-    table of the drift-replayed simulation), matched by (placement, rate)."""
+    """``errors`` with ``REPLAY_COLUMNS`` from the drift-replayed ``with_outcomes`` table."""
     return _with_columns(errors, replay, _REPLAYED, REPLAY_COLUMNS)
 
 
 def with_reruns(errors: pd.DataFrame, reruns: pd.DataFrame) -> pd.DataFrame:
-    """``errors`` with ``RERUN_COLUMNS``: per (placement, rate) the mean over ``reruns``'
-    rows (``score``'s step 7 table) of the rerun's attainment, its difference from the first run
-    (points), the latencies' relative differences and the requests flipped; NaN without
-    reruns."""
+    """``errors`` with ``RERUN_COLUMNS`` (means over ``reruns``' rows; NaN without reruns)."""
     if reruns.empty:
         return errors.assign(**{c: math.nan for c in RERUN_COLUMNS})
     return _with_columns(errors, reruns, _RERUN, RERUN_COLUMNS)
@@ -175,9 +151,7 @@ def with_reruns(errors: pd.DataFrame, reruns: pd.DataFrame) -> pd.DataFrame:
 def speed_traces(measured: Sequence[RunResult], steps: pd.DataFrame, items: dict,
                  spec: WorkloadSpec, window_s: float = drift.DEFAULT_WINDOW_S
                  ) -> dict[tuple[str, float, int], drift.SpeedTrace]:
-    """Step 5: each real run's speed trace (``drift.speed_trace``) from its rows of
-    ``steps`` (``step_factors``' table), on the simulated clock: the origin is the run's
-    scheduled start (``drift.run_origin`` with the arrival offsets the simulation uses)."""
+    """Each real run's ``drift.speed_trace`` on the simulated clock (origin: its scheduled start)."""
     out = {}
     for r in measured:
         offsets = arrival_times(len(items[r.seed]), r.rate, r.seed, spec.arrival,
@@ -191,11 +165,9 @@ def speed_traces(measured: Sequence[RunResult], steps: pd.DataFrame, items: dict
 
 def validation_summary(errors: pd.DataFrame, measured_goodput: dict[str, float],
                        simulated_goodput: dict[str, float]) -> dict:
-    """Mean |attainment error| (points), mean |relative error| per latency, and the placement
-    each side ranks first (ties: the first listed); ``first_agrees``: the simulated first is
-    one the measured sweep ranks first (a measured tie at the top accepts either). With ``outcome_table``'s columns also
-    the requests compared, those flipped, and the attainment error's resolution (one
-    request of the smallest point, in points)."""
+    """Mean |attainment error| (points), mean |relative error| per latency, each side's first
+    placement (ties: first listed), ``first_agrees`` (a measured tie accepts either), and with
+    ``outcome_table``'s columns the requests compared, flipped, and the resolution (points)."""
     out = {"num_points": len(errors),
            "attainment_mae_points": float(errors["attainment_err_points"].abs().mean())}
     for c in LATENCIES:
@@ -264,8 +236,7 @@ def _firsts(goodput: dict[str, float] | None, first: str | None) -> str:
 
 
 def _summary_line(s: dict, other: str = "simulated") -> str:
-    """One summary as a sentence; ``other`` names the side compared with the first real run
-    (``simulated``, or ``rerun``)."""
+    """One summary as a sentence; ``other``: ``simulated`` or ``rerun``."""
     lat = ", ".join(f"{c.removesuffix('_s').replace('_', ' ')} {100 * s[c.removesuffix('_s') + '_rel_err_mean_abs']:.1f}%"
                     for c in LATENCIES)
     agree = "agree" if s.get("first_agrees", s["measured_first"] == s["simulated_first"]) else "DISAGREE"
@@ -300,8 +271,7 @@ def simulate_like(results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
                   engine: EngineConfig, transport: str, profile: DeviceProfile,
                   transfer_model: TransferModel | None, policy: str = "least_loaded",
                   step_scale: float = 1.0) -> list[RunResult]:
-    """The simulated twin of real ``results``: every (placement, rate, seed) they hold, on
-    the same requests (``items``: seed -> workload) and arrival times."""
+    """The simulated twin of real ``results`` on the same requests and arrival times."""
     out = []
     for placement in dict.fromkeys(r.placement for r in results):
         rates = sorted({r.rate for r in results if r.placement == placement})
@@ -321,17 +291,12 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: Wo
              out_dir: Path, devices: str | None = None, address: str | None = None,
              policy: str = "least_loaded", local: bool = False, config: dict | None = None,
              speed_spread: float = 0.0, num_reruns: int = 0) -> tuple[pd.DataFrame, dict]:
-    """Step 1's real runs for ``cands`` (one per placement string: the first wins) at
-    ``rates``, then ``score``. ``local``: workers in this process (tests; transport
-    ``inprocess``). ``speed_spread``: step 6's band (0: none). ``num_reruns``: step 7's
-    reruns, each a second pass over every placement after the first pass (0: none).
-
-    Returns:
-        (error table, summary dict), as ``score``.
+    """Real runs of ``cands`` (first per placement string) at ``rates``, then ``score``; ``local``:
+    workers in this process (tests); ``speed_spread``: the band (0: none); ``num_reruns``: second
+    passes over every placement.
 
     Raises:
-        ValueError: a placement that does not fit ``devices``, a workload that does not fit.
-    """
+        ValueError: a placement that does not fit ``devices``, a workload that does not fit."""
     by_placement = {}
     for cand in cands:
         by_placement.setdefault(cand.placement, cand)
@@ -355,33 +320,20 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
           slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
           replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0,
           reruns: Sequence[Sequence[RunResult]] = ()) -> tuple[pd.DataFrame, dict]:
-    """Steps 1-7 after the real runs: simulate their twins (``items``: seed -> workload, as
-    the real runs got them), write ``out_dir/measured/``, ``simulated/``, validation.csv,
-    validation_steps.csv, validation_corrected.csv, validation_replay.csv and
-    validation_speed_trace.csv (``placement, rate, seed, worker, window_start_s, factor``);
-    with ``reruns`` (each a list like ``measured``: the same points run again for real)
-    ``measured_rerun<k>/`` and validation_reruns.csv. Also what
-    ``benchmarks.plan_accuracy --rescore`` runs on the saved real runs of an earlier
-    validation.
-
-    Returns:
-        (error table: ``COLUMNS + OUTCOME_COLUMNS + REPLAY_COLUMNS + BAND_COLUMNS +
-        RERUN_COLUMNS`` (the band's NaN without ``speed_spread``, the reruns' without
-        ``reruns``), summary dict of ``validation_summary`` plus ``step_correction``,
-        ``step_correction_by_worker``, ``step_factor_by_run``, ``corrected`` (the summary
-        with each run's steps scaled by its own factor), ``replay`` (with each run's speed
-        trace replayed), ``replay_window_s``, with ``speed_spread`` ``band``
-        (``band_summary``) and with ``reruns`` ``rerun`` (``validation_summary`` of the
-        first run against its reruns) and ``num_reruns``).
-    """
+    """Everything after the real runs (also ``benchmarks.plan_accuracy --rescore``): simulate the
+    twins (``items``: seed -> workload), write ``out_dir/measured/``, ``simulated/`` and the
+    validation*.csv files (``measured_rerun<k>/`` with ``reruns``). Returns (error table: ``COLUMNS
+    + OUTCOME_COLUMNS + REPLAY_COLUMNS + BAND_COLUMNS + RERUN_COLUMNS``, NaN where not run;
+    ``validation_summary`` plus ``step_correction``, ``step_correction_by_worker``,
+    ``step_factor_by_run``, ``corrected``, ``replay``, ``replay_window_s``, ``band``, ``rerun``,
+    ``num_reruns``)."""
     by_placement = {c.placement: c for c in cands}
     out_dir.mkdir(parents=True, exist_ok=True)
     factors, by_worker, factor, steps = step_factors(measured, profile)
     steps.to_csv(out_dir / "validation_steps.csv", index=False)
 
     def simulate(scale, trace=lambda key: None) -> list[RunResult]:
-        """Every measured (placement, rate, seed) simulated, its steps x ``scale(key)``
-        (and x the speed trace ``trace(key)`` at each step's start, when not None)."""
+        """Every measured point simulated, steps x ``scale(key)`` (and the trace ``trace(key)``)."""
         out = []
         for placement, cand in by_placement.items():
             for rate in rates:
@@ -467,9 +419,8 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
 
 
 def with_band(errors: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
-    """Step 6: ``errors`` with ``BAND_COLUMNS`` from the slow and fast twins' summary tables
-    (``{"slow": ..., "fast": ...}``; empty: NaN). ``measured_in_band``: 1.0 when the measured
-    attainment lies within the two (ends included), 0.0 when not."""
+    """``errors`` with ``BAND_COLUMNS`` from the slow and fast twins' tables (empty: NaN);
+    ``measured_in_band``: 1.0 when the measured attainment lies between them (inclusive)."""
     out = errors.copy()
     if not tables:
         for c in BAND_COLUMNS:
@@ -488,9 +439,8 @@ def with_band(errors: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> pd.DataF
 
 def band_summary(errors: pd.DataFrame, summary: dict, spread: float,
                  goodput: dict[str, dict[str, float]]) -> dict:
-    """Step 6's figures: ``spread``, ``num_in_band`` of ``num_points``, ``goodput_band``
-    (placement -> (slow, fast) goodput per device) and ``first_within_band``: the planner's
-    first is a real first (``first_agrees``) or its band overlaps a real first's."""
+    """``spread``, ``num_in_band`` of ``num_points``, ``goodput_band`` (placement -> (slow, fast))
+    and ``first_within_band`` (a real first, or its band overlaps one)."""
     bands = {p: (goodput["slow"].get(p, math.nan), goodput["fast"].get(p, math.nan))
              for p in goodput["slow"]}
     measured = summary["measured_goodput"]
@@ -509,16 +459,10 @@ ADDED_METRICS = ("ttft_p50_s", "tpot_p50_s")
 
 
 def added_latency(measured: pd.DataFrame, modelled: pd.DataFrame) -> pd.DataFrame:
-    """pdlab's added latency on emulated devices, per placement and rate: measured minus
-    modelled (the simulated twin of the same requests) for TTFT p50 and TPOT p50, in
-    seconds (``added_<metric>``) and in % of the modelled value (``added_<metric>_pct``).
-    On emulated devices every step takes its modelled time, so what remains is the router,
-    the calls, the hand-over and the transports (and a late host: steps.csv's lateness).
-
-    Args:
-        measured, modelled: ``analysis.summary_table`` frames (``placement``, ``rate`` and
-            the metric columns).
-    """
+    """pdlab's added latency on emulated devices per placement and rate: measured minus modelled
+    TTFT p50 and TPOT p50, in seconds (``added_<metric>``) and % of modelled (``_pct``); on
+    emulated devices what remains is the router, calls, hand-over and transports (or a late host).
+    Both frames are ``analysis.summary_table``s."""
     keys = ["placement", "rate"]
     both = measured[keys + list(ADDED_METRICS)].merge(
         modelled[keys + list(ADDED_METRICS)], on=keys, suffixes=("_measured", "_modelled"))
@@ -532,8 +476,7 @@ def added_latency(measured: pd.DataFrame, modelled: pd.DataFrame) -> pd.DataFram
     return out
 
 
-# A request's stages, as ``engine.metrics`` stamps them: (name, from stamp, to stamp); the
-# first token's trip to the router and the decode gaps come from the token times.
+# A request's stages as ``engine.metrics`` stamps them: (name, from stamp, to stamp).
 STAGES = (("arrival to prefill start", metrics.ARRIVED, metrics.PREFILL_STARTED),
           ("prefill", metrics.PREFILL_STARTED, metrics.PREFILL_FINISHED),
           ("KV put", metrics.PREFILL_FINISHED, metrics.KV_PUT),
@@ -542,9 +485,8 @@ STAGES = (("arrival to prefill start", metrics.ARRIVED, metrics.PREFILL_STARTED)
 
 
 def _stage_medians(records: Sequence[RequestRecord]) -> dict[str, float]:
-    """Median seconds of each stage over ``records`` (NaN where no record has both
-    stamps), plus ``first token to router`` (its arrival at the router after the prefill
-    worker sampled it), ``first decode gap`` and ``later decode gaps`` (ITL)."""
+    """Median seconds per stage (NaN without both stamps), plus ``first token to router``,
+    ``first decode gap`` and ``later decode gaps`` (ITL)."""
     out = {}
     for name, a, b in STAGES:
         v = [r.timeline[b] - r.timeline[a] for r in records if a in r.timeline and b in r.timeline]
@@ -560,16 +502,9 @@ def _stage_medians(records: Sequence[RequestRecord]) -> dict[str, float]:
 
 
 def stage_latency(measured: Sequence[RunResult], modelled: Sequence[RunResult]) -> pd.DataFrame:
-    """Where pdlab's added latency goes, per placement, rate and stage: the median
-    seconds of each stage (``STAGES`` and ``_stage_medians``) in the real runs and in
-    their simulated twins (pooled over seeds), and the difference. On emulated devices
-    the twin is the device itself, so the difference is pdlab's own overhead per stage
-    (router dispatch and Ray calls in "arrival to prefill start", the hand-over's trips
-    in "hand-over to KV fetched", the engine loop in the decode gaps).
-
-    Returns:
-        Rows ``placement, rate, stage, measured_s, modelled_s, added_s`` (seconds).
-    """
+    """Where pdlab's added latency goes: rows ``placement, rate, stage, measured_s, modelled_s,
+    added_s`` (median seconds per stage, pooled over seeds, real vs simulated twin). On emulated
+    devices the difference is pdlab's own overhead per stage."""
     def pooled(results) -> dict:
         by_point: dict[tuple, list] = {}
         for r in results:
@@ -588,10 +523,8 @@ def stage_latency(measured: Sequence[RunResult], modelled: Sequence[RunResult]) 
 
 
 def largest_stage_text(stages: pd.DataFrame, time_scale: float = 1.0) -> str:
-    """One line per placement: the stage that adds the most at the median over its rates
-    (``stage_latency``'s ``added_s``), in ms. Empty when nothing was measured. A dilated run
-    (``time_scale`` S > 1, ``experiments.dilation``) says that its figures are the host's
-    added time / S."""
+    """Per placement the stage adding most at the median over rates, in ms (empty: nothing
+    measured); a dilated run (``time_scale`` S > 1) says its figures are the host's time / S."""
     lines = []
     for placement, rows in stages.dropna(subset=["added_s"]).groupby("placement", sort=False):
         per_stage = rows.groupby("stage", sort=False)["added_s"].median()
@@ -612,10 +545,8 @@ def largest_stage_text(stages: pd.DataFrame, time_scale: float = 1.0) -> str:
 def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, slo: SLO,
                     items: dict, spec: WorkloadSpec, engine: EngineConfig, transport: str,
                     profile: DeviceProfile, policy: str) -> tuple[pd.DataFrame, str]:
-    """``pdlab compare --simulate``: every real run simulated too (``simulate_like``), the
-    results written with the simulated attainment curve drawn dashed over the measured one,
-    and validation.csv with the per-point errors; returns (summary, verdict text with the
-    simulator's error)."""
+    """``pdlab compare --simulate``: every real run simulated too, drawn dashed over the measured
+    curve, validation.csv written; returns (summary, verdict text with the simulator's error)."""
     twins = simulate_like(results, items, spec, engine, transport, profile,
                           profile.transfers.get(transport), policy)
     simulated = analysis.summary_table(twins, slo, num_boot=100)

@@ -19,8 +19,7 @@ family wins on the run's devices. The map itself is ``planner.slo_map``'s (its o
 4. ``map.csv`` and ``map.png`` in the results directory, and the report's lines: the
    regions, and the centre cell (the run's SLO) beside what the run measured there.
 
-A few seconds: 4 placements of 2 devices x 12 rates x the run's seeds of 8 requests.
-"""
+A few seconds: 4 placements of 2 devices x 12 rates x the run's seeds of 8 requests."""
 
 from __future__ import annotations
 
@@ -98,8 +97,7 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
         (the report's lines, the heatmap's path or None when there is no map). No map (one
         line saying why): fewer than 2 devices, a trace or multi-turn workload (its timing
         is not a rate), or no profile. Never raises for those; a profile that cannot model
-        the run's transport is said in the line too.
-    """
+        the run's transport is said in the line too."""
     if num_devices < 2:
         return [f"No map: {num_devices} device (placements need 2 to differ)."], None
     requests = {s: requests_of(its, f"s{s}") for s, its in items.items()}

@@ -1,18 +1,10 @@
-"""What a command replays, checked before anything starts: ``WorkloadSpec`` (dataset, size,
-lengths, seeds, the arrival process; its fields are the workload options of ``run``,
-``compare``, ``bench`` and ``plan``), the requests it draws for a model (clipped or refused
-to fit the model's context, with one message), and those requests with arrival offsets as
-the router replays them.
-
-Datasets (``--dataset``): ``sharegpt``, ``humaneval``, ``synthetic`` (single requests,
-open loop at ``--rates``); ``prefix_repetition`` (``--num-prefixes`` system prompts of
-``--prefix-len`` tokens, each followed by questions of ``--suffix-len`` tokens, vLLM's
-shape); ``mooncake`` (``--trace FILE``, a Mooncake-format trace replayed at its own
-timestamps: ``--rates`` do not apply); ``multiturn`` (``--num-requests`` ShareGPT
-conversations of up to ``--max-turns`` turns, started by ``--arrival`` at ``--rates``
-conversations/s, each later turn sent ``--think-time-s`` (mean, exponential) after the
-previous answer ended: a closed loop, ``MultiTurn`` / ``ClosedLoop``).
-"""
+"""What a command replays, checked before anything starts: ``WorkloadSpec`` (the workload options
+of ``run``, ``compare``, ``bench`` and ``plan``), the requests it draws for a model (clipped or
+refused to fit its context, with one message), and their arrival offsets. Datasets: ``sharegpt``,
+``humaneval``, ``synthetic`` (open loop at ``--rates``); ``prefix_repetition`` (vLLM's shape);
+``mooncake`` (``--trace FILE`` at its own timestamps: no ``--rates``); ``multiturn`` (ShareGPT
+conversations started at ``--rates`` conversations/s, later turns ``--think-time-s`` after the
+previous answer: a closed loop, ``MultiTurn`` / ``ClosedLoop``)."""
 
 from __future__ import annotations
 
@@ -38,20 +30,10 @@ PATH = r"[\w./~+-][\w./~+ -]*"  # a file path (no shell metacharacters)
 
 @dataclass(frozen=True)
 class WorkloadSpec:
-    """What to replay: dataset, size, lengths, and the arrival process; each field's ``help`` and
-    bounds are its CLI option's.
-
-    Attributes:
-        dataset: one of ``DATASETS``; num_requests: requests per (placement, rate, seed) run
-            (``multiturn``: conversations; ``mooncake``: the trace's first lines).
-        seed, seeds: seeds ``seed .. seed + seeds - 1``, each drawing its own requests and
-            arrival times, the same for every placement.
-        arrival: ``poisson``, ``gamma`` or ``burst``; burstiness: Gamma shape (1 = Poisson).
-        min_prompt_len, max_prompt_len, max_output_len: ShareGPT/HumanEval filters (tokens).
-        calibrate: pick the rates from a short calibration (``calibrated_rates``).
-        prompt_len, output_len: synthetic lengths, ``N`` or ``lo-hi`` (uniform).
-        think_time_s: ``multiturn``'s mean think time (seconds, exponential; 0: none).
-        trace_time_scale_s: ``mooncake``: seconds per timestamp unit (Mooncake's ms: 0.001)."""
+    """What to replay; each field's ``help`` and bounds are its CLI option's. ``num_requests``:
+    per (placement, rate, seed) run (``multiturn``: conversations; ``mooncake``: first lines);
+    seeds ``seed .. seed + seeds - 1`` each draw their own requests and arrivals, the same for
+    every placement; ``trace_time_scale_s``: seconds per timestamp unit (Mooncake's ms: 0.001)."""
 
     dataset: str = field(default="sharegpt", metadata={"choices": DATASETS})
     num_requests: int = field(default=24, metadata={"help": "requests per rate", "min": 1})
@@ -131,8 +113,7 @@ class WorkloadSpec:
 
     @property
     def rate_unit(self) -> str:
-        """What ``--rates`` count: ``conversations/s`` for ``multiturn`` (its later turns
-        follow their answers), else ``req/s``."""
+        """``conversations/s`` for ``multiturn``, else ``req/s``."""
         return "conversations/s" if self.dataset == "multiturn" else "req/s"
 
     @property
@@ -165,10 +146,8 @@ def _length_range(text: str) -> int | tuple[int, int]:
 
 
 def context_len(model: ModelConfig, engine: EngineConfig) -> int:
-    """Tokens one request may use (prompt + output), known before any model loads: the
-    engine's ``max_model_len``, capped by the model's context where a config file tells it
-    (``engine.model.model_context_len``; otherwise the workers' own limit is checked once
-    they are deployed)."""
+    """Tokens one request may use: ``max_model_len``, capped by the model's context where its
+    config tells it (else the workers check once deployed)."""
     model_len = model_context_len(model)
     return engine.max_model_len if model_len is None else min(engine.max_model_len, model_len)
 
@@ -176,13 +155,12 @@ def context_len(model: ModelConfig, engine: EngineConfig) -> int:
 def build_workload(spec: WorkloadSpec, model: ModelConfig, seed: int | None = None,
                    max_len: int | None = None) -> list[workloads.WorkloadRequest]:
     """The requests of ``spec`` drawn with ``seed`` (default ``spec.seed``), each fitting
-    ``max_len`` tokens (prompt + output) when given: ShareGPT and HumanEval outputs are
-    clipped to fit (see ``fit_workload``); synthetic lengths are refused up front. Arrival
-    times are set per rate later.
+    ``max_len`` tokens (prompt + output) when given: ShareGPT and HumanEval outputs are clipped to
+    fit (see ``fit_workload``); synthetic lengths are refused up front. Arrival times are set per
+    rate later.
 
     Raises:
-        ValueError: a synthetic length range or a prompt that cannot fit ``max_len``.
-    """
+        ValueError: a synthetic length range or a prompt that cannot fit ``max_len``."""
     seed = spec.seed if seed is None else seed
     vocab = tiny_llama_config().vocab_size if model.model in TINY_NAMES else 49152
     if spec.dataset == "synthetic":
@@ -228,8 +206,7 @@ def check_synthetic_fits(prompt: int | tuple[int, int], output: int | tuple[int,
     """Refuse synthetic lengths whose longest prompt + output exceeds ``max_len`` tokens.
 
     Raises:
-        ValueError: naming the options, the model's context and lengths that would fit.
-    """
+        ValueError: naming the options, the model's context and lengths that would fit."""
     p_hi = prompt[1] if isinstance(prompt, tuple) else prompt
     o_hi = output[1] if isinstance(output, tuple) else output
     if p_hi + o_hi > max_len:
@@ -241,12 +218,11 @@ def check_synthetic_fits(prompt: int | tuple[int, int], output: int | tuple[int,
 
 def fit_workload(items: list[workloads.WorkloadRequest], max_len: int, model_name: str
                  ) -> list[workloads.WorkloadRequest]:
-    """Clip each output so prompt + output fits ``max_len`` tokens; prints one line saying
-    how many were clipped.
+    """Clip each output so prompt + output fits ``max_len`` tokens; prints one line saying how many
+    were clipped.
 
     Raises:
-        ValueError: a prompt alone leaves no room for one output token.
-    """
+        ValueError: a prompt alone leaves no room for one output token."""
     too_long = [it for it in items if it.num_prompt_tokens >= max_len]
     if too_long:
         raise ValueError(f"{len(too_long)} prompt(s) of up to "
@@ -298,14 +274,13 @@ class Timed(list):
 
 
 def trace_rate(items: Sequence[workloads.WorkloadRequest]) -> float:
-    """The mean arrival rate of a trace's requests (req/s): ``(n - 1)`` gaps over the span
-    from the first arrival to the last (``arrival_s``); ``n`` when every request arrives at
-    once (or there is one). What ``pdlab plan`` labels a trace's single run with, since
-    ``--rates`` do not apply to it.
+    """The mean arrival rate of a trace's requests (req/s): ``(n - 1)`` gaps over the span from the
+    first arrival to the last (``arrival_s``); ``n`` when every request arrives at once (or there is
+    one). What ``pdlab plan`` labels a trace's single run with, since ``--rates`` do not apply to
+    it.
 
     Raises:
-        ValueError: no requests.
-    """
+        ValueError: no requests."""
     if not items:
         raise ValueError("a trace needs at least one request")
     times = [it.arrival_s for it in items]
@@ -390,14 +365,13 @@ class ClosedLoop(list):
         return request, item.arrival_s
 
     def follow(self, record, end_s: float, output_token_ids=None) -> list[tuple[Request, float]]:
-        """The next turn after ``record`` (``engine.metrics.RequestRecord``) ended at
-        ``end_s``, its history holding ``output_token_ids`` (default: the record's; the
-        simulator passes its placeholder tokens): [] when its conversation is over (or the
-        turn failed: the rest is dropped, ``replay.num_dropped``).
+        """The next turn after ``record`` (``engine.metrics.RequestRecord``) ended at ``end_s``, its
+        history holding ``output_token_ids`` (default: the record's; the simulator passes its
+        placeholder tokens): [] when its conversation is over (or the turn failed: the rest is
+        dropped, ``replay.num_dropped``).
 
         Raises:
-            KeyError: ``record`` is not a turn of this replay.
-        """
+            KeyError: ``record`` is not a turn of this replay."""
         item = self._items.pop(record.request_id)
         outputs = tuple(record.output_token_ids if output_token_ids is None else output_token_ids)
         ok = record.error is None and len(outputs) == item.output_len

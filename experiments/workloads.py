@@ -1,15 +1,9 @@
-"""Workloads: which prompts, how many output tokens, and when each request arrives.
-
-- Single requests: ``sharegpt``, ``humaneval``, ``synthetic`` and ``prefix_repetition`` draw
-  seeded ``WorkloadRequest``s (prompt token ids, chat template applied, and the output length
-  to run with ``max_tokens=output_len, ignore_eos=True``); ``with_arrivals`` stamps arrival
-  offsets from ``arrival_times`` (vLLM's ``benchmark_serving.py`` semantics).
-- ``mooncake_trace`` replays a Mooncake-format trace at its own timestamps, equal hash ids
-  giving equal prompt tokens (so prefixes are shared where the traced requests shared them).
-- ``sharegpt_conversations`` draws multi-turn ``Conversation``s, released turn by turn by
-  ``ConversationReplay``; ``with_conversation_arrivals`` spaces their first turns.
-
-Everything is deterministic given the seed."""
+"""Workloads: which prompts, how many output tokens, and when each request arrives; deterministic
+given the seed. ``sharegpt``, ``humaneval``, ``synthetic`` and ``prefix_repetition`` draw
+``WorkloadRequest``s (run with ``max_tokens=output_len, ignore_eos=True``); ``with_arrivals``
+stamps offsets from ``arrival_times`` (vLLM's ``benchmark_serving.py``). ``mooncake_trace``
+replays a Mooncake trace at its timestamps, equal hash ids giving equal tokens.
+``sharegpt_conversations`` draws multi-turn ``Conversation``s, released by ``ConversationReplay``."""
 
 from __future__ import annotations
 
@@ -31,16 +25,9 @@ from engine.arrivals import Chains, arrival_times, check_count
 
 @dataclass(frozen=True)
 class WorkloadRequest:
-    """One request of a workload.
-
-    Attributes:
-        prompt_token_ids: the prompt, tokenized (chat template applied where the source says).
-        output_len: output tokens to generate (use as ``max_tokens`` with ``ignore_eos``).
-        source: where it came from, e.g. ``"sharegpt:QWJhYvA_0"``, ``"humaneval:HumanEval/3"``.
-        arrival_s: arrival offset in seconds from the start of the run.
-        conversation_id: the ``Conversation`` it is a turn of (None: a single request).
-        turn: its turn index in that conversation (0 = first).
-    """
+    """One request of a workload: ``output_len`` tokens to generate (``max_tokens`` with
+    ``ignore_eos``), ``source`` e.g. ``"sharegpt:QWJhYvA_0"``, ``arrival_s`` offset in seconds from
+    the run's start, ``conversation_id`` and ``turn`` (0 = first) when it is a chat turn."""
 
     prompt_token_ids: tuple[int, ...]
     output_len: int
@@ -58,16 +45,14 @@ class WorkloadRequest:
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
-    """``text`` as one user turn through the tokenizer's chat template, generation prompt
-    added. Accepts both return shapes of ``apply_chat_template`` (ids, or a dict with
-    ``input_ids`` as transformers 5 returns by default)."""
+    """``text`` as one user turn through the chat template, generation prompt added (ids, or
+    transformers 5's dict with ``input_ids``)."""
     return chat_ids(tokenizer, [{"role": "user", "content": text}])
 
 
 def chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True
              ) -> tuple[int, ...]:
-    """``messages`` (``{"role", "content"}`` dicts) through the tokenizer's chat template
-    (either return shape of ``apply_chat_template``)."""
+    """``messages`` through the tokenizer's chat template (either return shape)."""
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
                                         tokenize=True, return_dict=False)
     if isinstance(ids, Mapping):
@@ -84,9 +69,7 @@ def num_text_tokens(tokenizer: Any, text: str) -> int:
 
 
 def _sharegpt_records() -> Iterator[dict]:
-    """The bundled ShareGPT file's records, one by one. The file may be cut short (the
-    packaged copy ends mid-record): records are decoded one at a time and a truncated tail
-    is dropped."""
+    """The bundled ShareGPT file's records; a truncated tail (the packaged copy) is dropped."""
     with open_dataset("r") as f:
         text = f.read()
     decoder, sep = json.JSONDecoder(), re.compile(r"[\s,]*")
@@ -104,9 +87,8 @@ def _sharegpt_records() -> Iterator[dict]:
 
 @functools.lru_cache(maxsize=1)
 def _sharegpt_dialogues() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]:
-    """(id, ((human text, gpt reply), ...)) for every conversation that opens with a human
-    turn answered by gpt: its alternating human/gpt pairs up to the first break in the
-    alternation. Parsed once per process."""
+    """(id, ((human, gpt), ...)) of each conversation opening human -> gpt, up to the first break
+    in the alternation; parsed once per process."""
     out = []
     for conv in _sharegpt_records():
         turns, pairs = conv.get("conversations", []), []
@@ -120,26 +102,20 @@ def _sharegpt_dialogues() -> tuple[tuple[str, tuple[tuple[str, str], ...]], ...]
 
 
 def _sharegpt_pairs() -> tuple[tuple[str, str, str], ...]:
-    """(id, first human turn, first gpt reply) for every conversation that opens with a
-    human turn answered by gpt."""
+    """(id, first human turn, first gpt reply) of each conversation opening human -> gpt."""
     return tuple((cid, pairs[0][0], pairs[0][1]) for cid, pairs in _sharegpt_dialogues())
 
 
 def sharegpt(tokenizer: Any, num_requests: int, seed: int, min_prompt_len: int = 4,
              max_prompt_len: int = 1024, min_output_len: int = 4, max_output_len: int = 1024,
              max_total_len: int | None = None) -> list[WorkloadRequest]:
-    """Seeded sample of ShareGPT V3 first turns (the vLLM benchmark's default dataset).
-
-    Conversations are visited in a seeded random order and tokenized lazily until
-    ``num_requests`` pass. Prompt = first human turn through the chat template; output_len =
-    tokens of the first gpt reply, capped at ``max_output_len`` (and at
-    ``max_total_len - prompt length`` when given). Dropped: prompts shorter than
-    ``min_prompt_len`` or longer than ``max_prompt_len``, outputs (after capping) shorter than
-    ``min_output_len``.
+    """Seeded sample of ShareGPT V3 first turns (the vLLM benchmark's default): prompt = first
+    human turn through the chat template; output_len = tokens of the first reply, capped at
+    ``max_output_len`` (and ``max_total_len - prompt``). Dropped: prompts outside
+    [``min_prompt_len``, ``max_prompt_len``], outputs under ``min_output_len`` after capping.
 
     Raises:
-        ValueError: bad lengths, or the dataset has too few conversations passing the filters.
-    """
+        ValueError: bad lengths, or the dataset has too few conversations passing the filters."""
     check_count(num_requests)
     if not 1 <= min_prompt_len <= max_prompt_len:
         raise ValueError(f"need 1 <= min_prompt_len <= max_prompt_len, got {min_prompt_len}, {max_prompt_len}")
@@ -170,10 +146,9 @@ def sharegpt(tokenizer: Any, num_requests: int, seed: int, min_prompt_len: int =
 
 def humaneval(tokenizer: Any, num_requests: int, seed: int, chat: bool = True,
               max_output_len: int | None = None) -> list[WorkloadRequest]:
-    """Seeded sample of HumanEval problems (164; more requests repeat them, each pass in a
-    new seeded order). Prompt = the problem's ``prompt`` through the chat template
-    (``chat=True``) or tokenized raw; output_len = tokens of ``canonical_solution``
-    (at least 1, capped at ``max_output_len`` when given)."""
+    """Seeded sample of the 164 HumanEval problems (more requests repeat them, reshuffled): prompt
+    through the chat template (``chat``) or raw; output_len = tokens of ``canonical_solution``
+    (>= 1, capped at ``max_output_len``)."""
     check_count(num_requests)
     problems = list(read_problems().values())
     rng = np.random.default_rng(seed)
@@ -224,19 +199,14 @@ def prefix_repetition(num_requests: int, seed: int, num_prefixes: int = 10,
                       prefix_len: int = 256, suffix_len: int = 256, output_len: int = 128,
                       vocab_size: int = 49152, token_range: tuple[int, int] | None = None
                       ) -> list[WorkloadRequest]:
-    """Shared prefixes: ``num_prefixes`` random prompts of ``prefix_len`` tokens (the system
-    prompts), each followed by its own random ``suffix_len``-token suffixes (the questions),
-    in a seeded random order; the shape of vLLM's ``prefix_repetition`` dataset
-    (``vllm/benchmarks/datasets.py`` ``PrefixRepetitionRandomDataset``, same defaults). Token
-    ids uniform over ``token_range`` (default ``[0, vocab_size)``). Departure: vLLM gives
-    every prefix ``num_requests // num_prefixes`` suffixes and drops the remainder; here the
-    first ``num_requests % num_prefixes`` prefixes get one more, so exactly
-    ``num_requests`` come back. ``source`` is ``prefix:<prefix>:<suffix>``.
+    """``num_prefixes`` random ``prefix_len``-token prompts, each followed by its own random
+    ``suffix_len``-token suffixes, seeded order: vLLM's ``PrefixRepetitionRandomDataset``, same
+    defaults. Departure: the first ``num_requests % num_prefixes`` prefixes get one more suffix, so
+    exactly ``num_requests`` come back. ``source`` is ``prefix:<prefix>:<suffix>``.
 
     Raises:
         ValueError: ``num_prefixes`` < 1 or > ``num_requests`` (> 0), lengths < 1, or a bad
-            ``token_range``.
-    """
+            ``token_range``."""
     check_count(num_requests)
     if not isinstance(num_prefixes, (int, np.integer)) or num_prefixes < 1 or (
             num_requests and num_prefixes > num_requests):
@@ -268,17 +238,9 @@ def _token_range(token_range: tuple[int, int] | None, vocab_size: int) -> tuple[
 
 @dataclass(frozen=True)
 class Turn:
-    """One turn of a ``Conversation``.
-
-    Attributes:
-        new_token_ids: the tokens this turn adds after the history: for the first turn the
-            whole prompt (chat template applied); for a later one what the chat template
-            puts after the previous answer (its end-of-turn tokens, the new user message,
-            the generation prompt).
-        output_len: output tokens to generate for it (with ``ignore_eos``).
-        think_time_s: seconds between the previous turn's last token and this turn's
-            arrival (0 for the first turn).
-    """
+    """One turn of a ``Conversation``: ``new_token_ids``, what it adds after the history (the
+    whole first prompt; later, what the chat template puts after the previous answer);
+    ``think_time_s``: seconds from the previous turn's last token to its arrival (0 first)."""
 
     new_token_ids: tuple[int, ...]
     output_len: int
@@ -287,11 +249,9 @@ class Turn:
 
 @dataclass(frozen=True)
 class Conversation:
-    """Ordered turns of one chat. Turn k's prompt is turn k-1's prompt + the tokens turn
-    k-1 generated + ``turns[k].new_token_ids`` (the history a chat client sends again, token
-    for token, so a prefix cache can hit all of it); turn k arrives
-    ``turns[k].think_time_s`` after turn k-1's answer ended. ``arrival_s``: the first turn's
-    arrival offset (seconds from the start of the run)."""
+    """Ordered turns of one chat: turn k's prompt is turn k-1's prompt + its generated tokens +
+    ``turns[k].new_token_ids`` (as a chat client resends it, so a prefix cache can hit all of it);
+    ``arrival_s``: the first turn's offset (s)."""
 
     conversation_id: str
     turns: tuple[Turn, ...]
@@ -304,13 +264,12 @@ class Conversation:
 
     def turn_request(self, k: int, history: Sequence[int] = (), arrival_s: float = 0.0
                      ) -> WorkloadRequest:
-        """Turn ``k`` as a request: prompt = ``history`` (turn k-1's prompt + its output
-        tokens; empty for k = 0) + its new tokens, arriving at ``arrival_s``.
+        """Turn ``k``: prompt = ``history`` (turn k-1's prompt + outputs; empty for k = 0) + its
+        new tokens, arriving at ``arrival_s``.
 
         Raises:
-            ValueError: ``k`` out of range, or history given for the first turn / missing
-                for a later one.
-        """
+            ValueError: ``k`` out of range, or history given for the first turn / missing for a
+                later one."""
         if not 0 <= k < len(self.turns):
             raise ValueError(f"conversation {self.conversation_id} has turns 0..{len(self.turns) - 1}, "
                              f"got {k}")
@@ -332,23 +291,14 @@ def sharegpt_conversations(tokenizer: Any, num_conversations: int, seed: int,
                            min_turns: int = 2, max_turns: int = 8,
                            max_output_len: int = 1024, max_total_len: int | None = None,
                            mean_think_time_s: float = 1.0) -> list[Conversation]:
-    """Seeded sample of multi-turn ShareGPT V3 conversations.
-
-    Conversations are visited in a seeded random order. Turn k's message list is the
-    conversation's first k human turns with the gpt replies between them; its new tokens
-    are what the chat template adds after the previous reply (the template rendered up to
-    turn k minus the template up to turn k-1's generation prompt and the reply's own
-    tokens). Output length: the reply's tokens, capped at ``max_output_len``. Think times:
-    exponential with mean ``mean_think_time_s`` (0: none), seeded. A conversation keeps its
-    first ``max_turns`` turns, stops before a turn whose prompt + output (every earlier
-    turn answered with its ``output_len`` tokens) exceeds ``max_total_len``, and before a
-    turn whose reply does not tokenize the same alone as inside the template (then the
-    history's tokens could not be the prompt's); it is dropped if fewer than ``min_turns``
-    turns are left.
+    """Seeded sample of multi-turn ShareGPT V3 conversations: turn k's new tokens are what the chat
+    template adds after the previous reply; output length the reply's tokens (capped at
+    ``max_output_len``); think times exponential with mean ``mean_think_time_s``. A conversation
+    keeps at most ``max_turns``, stops before a turn past ``max_total_len`` or whose reply tokenizes
+    differently inside the template, and is dropped under ``min_turns``.
 
     Raises:
-        ValueError: bad counts, or too few conversations pass.
-    """
+        ValueError: bad counts, or too few conversations pass."""
     check_count(num_conversations)
     if not 1 <= min_turns <= max_turns:
         raise ValueError(f"need 1 <= min_turns <= max_turns, got {min_turns}, {max_turns}")
@@ -411,26 +361,17 @@ def _conversation_turns(tokenizer: Any, pairs, max_output_len: int,
 def with_conversation_arrivals(conversations: Sequence[Conversation], rate: float, seed: int,
                                process: str = "poisson", burstiness: float = 1.0
                                ) -> list[Conversation]:
-    """Copies of ``conversations`` whose first turns arrive by ``arrival_times`` (``rate``:
-    conversations per second; the later turns follow their answers, ``ConversationReplay``)."""
+    """Copies whose first turns arrive by ``arrival_times`` (``rate``: conversations/s)."""
     times = arrival_times(len(conversations), rate, seed, process, burstiness)
     return [dataclasses.replace(c, arrival_s=float(t)) for c, t in zip(conversations, times)]
 
 
 class ConversationReplay:
-    """Releases each conversation's turns in order (what a workload replay needs); the
-    timing and dropping rule is ``engine.arrivals.Chains`` (one chain per conversation):
-
-    1. ``first_turns()``: every conversation's turn 0, arriving at its ``arrival_s``.
-    2. When a turn ends, ``next_turn(item, output_token_ids, finished_s)`` returns the next
-       turn of its conversation: prompt = the ended turn's prompt + ``output_token_ids``
-       (what it really generated) + the next turn's new tokens, arriving at ``finished_s``
-       + its think time; None after the last turn. ``output_token_ids`` None (the turn
-       failed) ends the conversation: its later turns are never sent (``num_dropped``).
-    3. ``done`` once every conversation ended.
-
-    Times are seconds from the start of the run (the replay's clock).
-    """
+    """Releases each conversation's turns in order (the rule: ``engine.arrivals.Chains``).
+    ``first_turns()``: every turn 0 at its ``arrival_s``; ``next_turn(item, output_token_ids,
+    finished_s)``: the next turn, prompt = the ended prompt + what it really generated + the new
+    tokens, at ``finished_s`` + think time (None after the last); ``output_token_ids`` None (a
+    failure) ends the conversation (``num_dropped``). Times: seconds on the replay's clock."""
 
     def __init__(self, conversations: Sequence[Conversation]) -> None:
         ids = [c.conversation_id for c in conversations]
@@ -478,11 +419,8 @@ MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 @dataclass(frozen=True)
 class TraceEntry:
-    """One line of a Mooncake-format trace (Mooncake, FAST'25, ``kvcache-ai/Mooncake``
-    ``mooncake_trace.jsonl``): ``timestamp`` (milliseconds in Mooncake's traces),
-    ``input_length`` / ``output_length`` in tokens, ``hash_ids``: one id per block of the
-    prompt (512 tokens in Mooncake's traces; the last block may be partial); equal ids,
-    equal block content."""
+    """One Mooncake trace line (FAST'25, ``mooncake_trace.jsonl``): ``timestamp`` (ms there),
+    lengths in tokens, ``hash_ids`` one per prompt block (512 tokens; the last may be partial)."""
 
     line: int
     timestamp: float
@@ -495,13 +433,10 @@ def read_mooncake_trace(path: str | Path, block_tokens: int = 512) -> list[Trace
     """Parse a Mooncake-format trace (one JSON object per line; blank lines skipped).
 
     Raises:
-        ValueError: a malformed line, naming the file, the line number (from 1) and the
-            field: not a JSON object, a field missing, ``timestamp`` not a finite number
-            >= 0 or earlier than the line before, ``input_length`` / ``output_length`` not
-            an integer >= 1, ``hash_ids`` not a list of integers >= 0, or ``input_length``
-            not fitting its hash ids (``(n - 1) * block_tokens < input_length <= n *
-            block_tokens`` for n ids).
-    """
+        ValueError: a malformed line, naming file, line (from 1) and field: not an object, a
+            field missing, ``timestamp`` not finite >= 0 or decreasing, a length not an integer
+            >= 1, ``hash_ids`` not integers >= 0, or ``(n - 1) * block_tokens < input_length <= n
+            * block_tokens`` false for n ids."""
     if not isinstance(block_tokens, int) or block_tokens < 1:
         raise ValueError(f"block_tokens must be an integer >= 1, got {block_tokens!r}")
     entries: list[TraceEntry] = []
@@ -554,18 +489,13 @@ def mooncake_trace(path: str | Path, seed: int, num_requests: int | None = None,
                    block_tokens: int = 512, time_scale_s: float = 0.001,
                    vocab_size: int = 49152, token_range: tuple[int, int] | None = None
                    ) -> list[WorkloadRequest]:
-    """Requests replaying a Mooncake-format trace (``read_mooncake_trace``): the first
-    ``num_requests`` lines (None: all), arriving at ``(timestamp - first timestamp) *
-    time_scale_s`` seconds (Mooncake's milliseconds by default), output_len =
-    ``output_length``. Each hash id stands for ``block_tokens`` random token ids drawn from
-    ``(seed, hash id)`` (uniform over ``token_range``, default ``[0, vocab_size)``), a
-    partial last block takes the first ones, so prompts whose hash ids agree agree token
-    for token up to there (vLLM's ``TimedTrace`` expands hash ids the same way, with a
-    per-size seed). ``source`` is ``mooncake:<line>``.
+    """The first ``num_requests`` trace lines (None: all), arriving at ``(timestamp - first) *
+    time_scale_s`` s. Each hash id stands for ``block_tokens`` token ids drawn from ``(seed, hash
+    id)`` (a partial block takes the first), so equal ids give equal tokens (as vLLM's
+    ``TimedTrace``). ``source`` is ``mooncake:<line>``.
 
     Raises:
-        ValueError: a malformed line (``read_mooncake_trace``) or bad options.
-    """
+        ValueError: a malformed line (``read_mooncake_trace``) or bad options."""
     if num_requests is not None:
         check_count(num_requests)
     if not (time_scale_s > 0 and math.isfinite(time_scale_s)):

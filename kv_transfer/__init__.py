@@ -1,9 +1,8 @@
 """KV transfer between prefill and decode workers: wire format, protocol, transports, faults.
 
-``RayObjectStoreTransport`` (needs ray), ``TorchDistributedTransport`` and
-``SharedMemoryTransport`` (``kv_transfer.shm``) are imported from their modules, so importing
-this package needs neither Ray nor a process group.
-"""
+``RayObjectStoreTransport`` (needs ray), ``TorchDistributedTransport`` and ``SharedMemoryTransport``
+(``kv_transfer.shm``) are imported from their modules, so importing this package needs neither Ray
+nor a process group."""
 
 from kv_transfer.faults import FaultyTransport
 from kv_transfer.inprocess import InProcessTransport

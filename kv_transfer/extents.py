@@ -1,9 +1,8 @@
 """First-fit placement of transfers in a producer's arena (shared by ``shm`` and ``nixl``).
 
-An arena is ``capacity`` bytes; each transfer held in it is one extent ``[start, end)``.
-A new transfer goes to the lowest offset where ``need`` bytes fit between the extents held
-(first fit, lowest address: in steady state the same, already mapped pages are reused).
-"""
+An arena is ``capacity`` bytes; each transfer held in it is one extent ``[start, end)``. A new
+transfer goes to the lowest offset where ``need`` bytes fit between the extents held (first fit,
+lowest address: in steady state the same, already mapped pages are reused)."""
 
 from __future__ import annotations
 

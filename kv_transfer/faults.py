@@ -8,8 +8,7 @@ Modes (each applies only to ``only_request_ids`` when given, else to every reque
         ``payload.KVChecksumError`` (undetected when checksums are off).
     drop:    ``get`` waits out the whole deadline, then raises ``TransferTimeout``.
 Records, ``num_held``, ``free`` and ``peak_gbps`` are the inner transport's, so leak checks
-and efficiency still work.
-"""
+and efficiency still work."""
 
 from __future__ import annotations
 

@@ -8,8 +8,7 @@ holds the tensor ``get`` returned). Used by tests and by colocated experiments w
 prefill and decode share a process.
 
 Cost: one copy into a fresh tensor per put (its pages are new, so the copy runs below a
-memcpy into warm memory) plus the checksum on both sides; no copy on get.
-"""
+memcpy into warm memory) plus the checksum on both sides; no copy on get."""
 
 from __future__ import annotations
 

@@ -1,19 +1,9 @@
-"""Link peaks: the GB/s a KV transfer could reach on the link it runs on, so that
-each ``TransferRecord`` can say how far below it the transfer ran (``Transport.peak_gbps``,
-``TransferRecord.efficiency``).
-
-- Within a node the link is memory: ``memcpy_peak`` times ``dst.copy_(src)`` between two
-  preallocated buffers on the device (the ``memcpy`` row of ``benchmarks.kv_transfer``).
-- Between two processes (two nodes, or two workers of one node) a short probe moves one
-  buffer from the producer's process into the consumer's: ``ProbeSource`` in the producer
-  (a buffer, and a picklable ``ProbeTicket`` naming it), ``probe_peak(ticket)`` in the
-  consumer. With NIXL installed the probe is a NIXL READ (UCX picks the fastest path it
-  knows: shared memory / CMA on one host, RDMA or TCP across hosts), else a TCP stream to
-  the producer's address.
-
-Every peak is the fastest of ``repeats`` timed runs after one warm-up (the benchmarks'
-estimator): a peak, not a typical value. GB/s = bytes / seconds / 1e9.
-"""
+"""Link peaks: the GB/s a KV transfer could reach on its link, so each ``TransferRecord`` says how
+far below it ran (``Transport.peak_gbps``, ``TransferRecord.efficiency``). Within a node the link
+is memory: ``memcpy_peak`` times ``dst.copy_(src)`` between preallocated buffers. Between two
+processes a probe moves a buffer from the producer's (``ProbeSource``, its picklable
+``ProbeTicket``) to the consumer's (``probe_peak``): a NIXL READ where NIXL is installed, else a
+TCP stream. Every peak is the fastest of ``repeats`` runs after a warm-up; GB/s = bytes / s / 1e9."""
 
 from __future__ import annotations
 
@@ -52,11 +42,10 @@ def _fastest(run, repeats: int) -> float:
 
 
 def memcpy_peak(num_bytes: int = PROBE_BYTES, repeats: int = 3, device: str = "cpu") -> LinkPeak:
-    """The peak within a node: one copy of ``num_bytes`` between preallocated buffers.
+    """One copy of ``num_bytes`` between preallocated buffers.
 
     Raises:
-        ValueError: ``num_bytes`` or ``repeats`` < 1.
-    """
+        ValueError: ``num_bytes`` or ``repeats`` < 1."""
     if num_bytes < 1 or repeats < 1:
         raise ValueError(f"num_bytes and repeats must be >= 1, got {num_bytes}, {repeats}")
     src = torch.ones(num_bytes, dtype=torch.uint8, device=device)
@@ -84,13 +73,8 @@ class ProbeTicket:
 
 
 class ProbeSource:
-    """The producer half of a link probe: a ``num_bytes`` buffer served until ``close``.
-
-    Args:
-        num_bytes: bytes per probe run.
-        host: the address a TCP consumer connects to (this node's address; TCP only).
-        use_nixl: READ through NIXL when it is installed (default), else stream over TCP.
-    """
+    """The producer half of a link probe: a ``num_bytes`` buffer served until ``close``; ``host``:
+    the address a TCP consumer connects to; ``use_nixl``: READ through NIXL where installed."""
 
     def __init__(self, num_bytes: int = PROBE_BYTES, host: str = "127.0.0.1",
                  use_nixl: bool = True):
@@ -135,7 +119,7 @@ class ProbeSource:
                     pass
 
     def close(self) -> None:
-        """Stop serving (the ticket is useless afterwards)."""
+        """Stop serving."""
         self._stop.set()
         self._thread.join(timeout=5)
         if self._agent is None:
@@ -149,15 +133,11 @@ def pattern(num_bytes: int) -> torch.Tensor:
 
 def probe_peak(ticket: ProbeTicket, repeats: int = 3, out: torch.Tensor | None = None
                ) -> LinkPeak:
-    """The consumer half: move the source's buffer here ``repeats`` times (after a warm-up)
-    and return the fastest run's GB/s.
-
-    Args:
-        out: a uint8 CPU tensor of ``ticket.num_bytes`` to receive into (default: a new one).
+    """The fastest of ``repeats`` moves of the source's buffer here, in GB/s; ``out``: a uint8 CPU
+    tensor of ``ticket.num_bytes`` (default: a new one).
 
     Raises:
-        OSError or a NIXL error: the source cannot be reached.
-    """
+        OSError or a NIXL error: the source cannot be reached."""
     dst = torch.empty(ticket.num_bytes, dtype=torch.uint8) if out is None else out
     if ticket.method == "nixl":
         nixl = import_nixl()

@@ -1,25 +1,18 @@
-"""``NixlTransport`` (``nixl``): KV through NIXL one-sided READs, the way vLLM's
-``NixlConnector``, NVIDIA Dynamo and SGLang move it between prefill and decode workers.
+"""``NixlTransport`` (``nixl``): KV through NIXL one-sided READs, as vLLM's ``NixlConnector``,
+NVIDIA Dynamo and SGLang move it. NIXL's UCX backend picks the path (CMA on one host, RDMA or TCP
+across hosts, GPUDirect); no GPU is needed. Install ``pdlab[nixl]``; without it
+``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
 
-NIXL's UCX backend picks the path (CMA on one host, RDMA or TCP across hosts, GPUDirect); no
-GPU is needed. Install ``pdlab[nixl]`` (``nixl-cu12``; the meta package ``nixl`` pulls a CUDA
-torch); without it ``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
-
-- Each process has one agent, made without NIXL's progress thread (it spins a core); a
-  producer's poller thread drives progress every ``PROGRESS_INTERVAL_S`` while it holds
-  transfers, a consumer's own thread drives its READ.
+- One agent per process, without NIXL's progress thread (it spins a core): a producer's poller
+  drives progress every ``PROGRESS_INTERVAL_S`` while it holds transfers; a consumer drives its READ.
 - ``put``: reclaim extents whose freed word a consumer set, place the bytes at the lowest free
-  extent (``extents.first_fit``; no room until ``alloc_timeout_s``: ``TransferFailed``), and
-  write after them the stamp (the put's generation) and the freed word (0). The ``NixlKey``
-  holds plain values (agent name and metadata, node, pid, address, bytes, generation).
-- ``get``: one READ into this process's landing buffer (or a one-off buffer when full), polled
-  until done or the deadline (``TransferTimeout``). A dead or disconnected producer, or a
-  stamp other than the handle's generation (freed, maybe reused), is ``TransferFailed``. On
-  CPU the KV is a view of the landing extent, leased until its last view is dropped; on CUDA
-  a device copy.
-- ``free``: the producer releases the extent itself; any other process WRITEs the generation
-  into the freed word (not a NIXL notification, which stalls the next READ on the producer's
-  progress). Double and stale frees are harmless.
+  extent (none until ``alloc_timeout_s``: ``TransferFailed``), then write the stamp (generation)
+  and a freed word of 0 after them.
+- ``get``: one READ into the landing buffer (or a one-off buffer when full), polled until done or
+  ``TransferTimeout``. A dead producer, or a stamp other than the handle's generation, is
+  ``TransferFailed``. On CPU the KV is a leased view of the landing extent; on CUDA a copy.
+- ``free``: the producer releases the extent; any other process WRITEs the generation into the
+  freed word (a NIXL notification would stall the next READ). Double and stale frees are harmless.
 
 All NIXL calls share one lock (the agent has no thread synchronisation); on CUDA: ``VRAM``."""
 
@@ -59,11 +52,10 @@ _IDLE_WAIT_S = 1.0          # the poller's sleep while nothing is held (woken by
 
 
 def import_nixl():
-    """The NIXL Python module: ``nixl``, else ``nixl_cu12``, else ``nixl_cu13``.
+    """``nixl``, else ``nixl_cu12``, else ``nixl_cu13``.
 
     Raises:
-        ImportError: none is installed (message ``MISSING``, naming the extra).
-    """
+        ImportError: none is installed (message ``MISSING``, naming the extra)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines on every agent
     for name in NIXL_MODULES:
         try:
@@ -76,7 +68,6 @@ def import_nixl():
 
 
 def nixl_available() -> bool:
-    """True when ``import_nixl`` finds a NIXL module."""
     try:
         import_nixl()
     except ImportError:
@@ -128,20 +119,13 @@ def _tail(gen: int) -> torch.Tensor:
 
 
 class NixlTransport(Transport):
-    """KV through NIXL READs from a per-producer registered arena; see the module docstring.
-
-    Args:
-        checksum: CRC-32C of the tensor bytes in the header, verified on get.
-        capacity_bytes: this process's arena (what its puts can hold at once).
-        landing_bytes: this process's landing buffer (what its gets can hold at once).
-        alloc_timeout_s: how long ``put`` waits for room before ``TransferFailed``.
-        device: ``cpu`` or ``cuda[:N]``: where the arena and the landing buffer live.
-        backends: NIXL backends to create (``UCX``).
+    """KV through NIXL READs from a per-producer registered arena (module docstring).
+    ``capacity_bytes``: what this process's puts hold at once; ``landing_bytes``: what its gets
+    hold at once; ``device``: where both live (``cpu`` or ``cuda[:N]``).
 
     Raises:
         ImportError: NIXL is not installed (``MISSING``).
-        ValueError: a capacity below one extent.
-    """
+        ValueError: a capacity below one extent."""
 
     name = "nixl"
 
@@ -202,8 +186,7 @@ class NixlTransport(Transport):
             return busy
 
     def _reclaim(self) -> None:
-        """Release every extent whose freed word holds its generation (progresses the agent
-        too: a consumer's first connection and TCP transfers need it)."""
+        """Release every extent whose freed word holds its generation (and progress the agent)."""
         try:
             self._agent.get_new_notifs()
         except Exception:  # a peer's failure shows up here too; nothing to apply
@@ -271,8 +254,7 @@ class NixlTransport(Transport):
         """True when a put of ``num_bytes`` would find an extent now (after a reclaim).
 
         Raises:
-            TransferFailed: ``num_bytes`` exceeds the whole arena.
-        """
+            TransferFailed: ``num_bytes`` exceeds the whole arena."""
         need = round_up(num_bytes + TAIL_BYTES, ALIGN)
         with self._lock:
             arena = self._own_arena()
@@ -437,8 +419,7 @@ class NixlTransport(Transport):
             return (0 if self._arena is None else len(self._arena.extents)) + self._leases
 
     def close(self) -> None:
-        """Stop the poller and deregister this process's buffers; handles it gave out can
-        no longer be read."""
+        """Stop the poller and deregister the buffers; handles given out can no longer be read."""
         self._closed.set()
         self._wake.set()
         with self._lock:

@@ -1,27 +1,14 @@
-"""Wire format of one KV transfer: a versioned msgpack header plus the raw tensor bytes.
+"""Wire format of one KV transfer: frame 0, a versioned msgpack map of ``KVHeader``'s fields;
+frame 1, the KV tensor ``[L', 2, H_kv, T, D]`` as raw C-order bytes, never upcast, so ``len(frame
+1) == spec.kv_bytes(T, L')``. ``unpack`` checks the header against the receiver's ``KVSpec``
+before touching the bytes (``KVSpecMismatch`` names the field, expected and got); corrupted bytes
+raise ``KVChecksumError``; both are ``ValueError``.
 
-Frames:
-    frame 0: msgpack map, the fields of ``KVHeader`` (wire version, request id, model
-             fingerprint, KV geometry, dtype, shape, token range, layer range, checksum and
-             ``checksum_kind``).
-    frame 1: the KV tensor ``[L', 2, H_kv, T, D]`` as raw bytes (``contiguous()`` viewed as
-             uint8, C order). bf16 stays bf16: nothing is upcast, so
-             ``len(frame 1) == spec.kv_bytes(T, L')``.
-
-``unpack`` validates the header against the receiver's ``KVSpec`` before touching the bytes:
-a mismatch raises ``KVSpecMismatch`` naming the field, the expected and the got value;
-corrupted bytes raise ``KVChecksumError``. Both are ``ValueError``.
-
-Checksum (wire version 2): ``crc32c`` (CRC-32C, Castagnoli) over **every** byte of frame 1,
-computed with the CPU's CRC instruction through the ``crc32c`` package (about one read pass
-of memory; zlib's table CRC32 is several times slower). Without that package the sender
-falls back to zlib ``crc32`` and says so in ``checksum_kind``; a receiver verifies whichever
-kind the header names. Nothing is sampled: one flipped byte anywhere is caught.
-
-Copies: ``pack`` never copies a contiguous CPU tensor (frame 1 is a view of it);
-``unpack`` never copies a writable frame (a torch tensor, a bytearray, a shared-memory
-slot) and copies a read-only one (``bytes``, a Ray store buffer) exactly once.
-"""
+Checksum (wire version 2): CRC-32C over every byte of frame 1 with the CPU's CRC instruction (the
+``crc32c`` package; about one memory pass, several times faster than zlib's table CRC32). Without
+the package the sender uses zlib ``crc32`` and names it in ``checksum_kind``. Copies: ``pack``
+never copies a contiguous CPU tensor; ``unpack`` never copies a writable frame (tensor, bytearray,
+shared-memory slot) and copies a read-only one (``bytes``, a Ray store buffer) exactly once."""
 
 from __future__ import annotations
 
@@ -62,12 +49,9 @@ class KVChecksumError(ValueError):
 
 @dataclass(frozen=True)
 class KVHeader:
-    """Frame 0 of a transfer. Token and layer ranges are half-open ``[start, end)``.
-
-    ``shape`` is ``(layer_end - layer_start, 2, num_kv_heads, token_end - token_start,
-    head_dim)``; ``checksum`` is the ``checksum_kind`` checksum of all of frame 1 (``crc32c``:
-    CRC-32C; ``crc32``: zlib CRC-32), or None (and ``checksum_kind`` None) when not computed.
-    """
+    """Frame 0 of a transfer; ranges half-open ``[start, end)``. ``shape`` is ``(layer_end -
+    layer_start, 2, num_kv_heads, token_end - token_start, head_dim)``; ``checksum``: of all of
+    frame 1 by ``checksum_kind`` (``crc32c`` or zlib ``crc32``), or None."""
 
     wire_version: int
     request_id: str
@@ -94,12 +78,10 @@ _HEADER_FIELDS = tuple(f.name for f in fields(KVHeader))
 
 
 def checksum_of(kv_u8: torch.Tensor, kind: str = DEFAULT_CHECKSUM_KIND, value: int = 0) -> int:
-    """``kind`` checksum of a flat uint8 tensor, continuing from ``value`` (so it can be
-    computed chunk by chunk); copied to host first if it lives on an accelerator.
+    """``kind`` checksum of a flat uint8 tensor continuing from ``value`` (chunk by chunk).
 
     Raises:
-        ValueError: unknown ``kind``, or ``crc32c`` without the ``crc32c`` package.
-    """
+        ValueError: unknown ``kind``, or ``crc32c`` without the ``crc32c`` package."""
     if not kv_u8.numel():
         return value
     data = kv_u8.detach().cpu().numpy()
@@ -117,8 +99,7 @@ def tensor_bytes(kv: torch.Tensor) -> torch.Tensor:
 
 
 def encode_header(header: KVHeader) -> bytes:
-    """msgpack bytes of ``header`` (frame 0): its fields by name (not ``dataclasses.asdict``,
-    whose recursive deep copy costs more than a small put)."""
+    """msgpack bytes of ``header`` (fields by name: ``asdict``'s deep copy costs more)."""
     return msgpack.packb({name: getattr(header, name) for name in _HEADER_FIELDS},
                          use_bin_type=True)
 
@@ -155,12 +136,11 @@ def check_header(header: KVHeader, expected: KVSpec) -> None:
 def make_header(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
                 layer_start: int = 0, checksum: int | None = None,
                 checksum_kind: str | None = None) -> KVHeader:
-    """Header for ``kv`` ``[L', 2, H_kv, T, D]`` covering tokens ``[token_start, token_start+T)``
-    and layers ``[layer_start, layer_start+L')``.
+    """Header for ``kv`` ``[L', 2, H_kv, T, D]``, tokens from ``token_start``, layers from
+    ``layer_start``.
 
     Raises:
-        ValueError: ``kv`` does not have the spec's shape or dtype.
-    """
+        ValueError: ``kv`` does not have the spec's shape or dtype."""
     num_layers, _, _, num_tokens, _ = kv.shape if kv.dim() == 5 else (0, 0, 0, 0, 0)
     if tuple(kv.shape) != spec.kv_shape(num_tokens, num_layers) or kv.dtype != spec.torch_dtype:
         raise ValueError(f"KV tensor for request {request_id} must be {spec.torch_dtype} of shape "
@@ -178,10 +158,8 @@ def make_header(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: in
 
 def pack_tensor(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
                 layer_start: int = 0, checksum: bool = True) -> tuple[bytes, torch.Tensor]:
-    """Like ``pack`` but frame 1 stays a flat uint8 tensor on ``kv``'s device (for NCCL).
-
-    The checksum of a CUDA tensor costs one device-to-host copy; pass ``checksum=False`` to skip.
-    """
+    """``pack`` with frame 1 a flat uint8 tensor on ``kv``'s device (NCCL); the checksum of a
+    CUDA tensor costs a device-to-host copy (``checksum=False`` skips it)."""
     kv_u8 = tensor_bytes(kv)
     crc = checksum_of(kv_u8) if checksum else None
     header = make_header(request_id, spec, kv, token_start, layer_start, crc)
@@ -190,28 +168,20 @@ def pack_tensor(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: in
 
 def pack(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
          layer_start: int = 0, checksum: bool = True) -> list[bytes | memoryview]:
-    """Frames for ``kv`` ``[L', 2, H_kv, T, D]`` (any device; moved to host, never upcast).
-
-    Returns:
-        ``[header_bytes, tensor_bytes]``; frame 1 is a memoryview over a contiguous host copy
-        of ``kv`` (no copy at all when ``kv`` is already contiguous on CPU), so the caller must
-        not modify ``kv`` until the transport has taken the bytes.
+    """``[header_bytes, tensor_bytes]`` for ``kv`` ``[L', 2, H_kv, T, D]`` (any device; moved to
+    host, never upcast). Frame 1 views ``kv`` when it is contiguous on CPU: do not modify ``kv``
+    until the transport has taken the bytes.
 
     Raises:
-        ValueError: ``kv`` does not match ``spec``'s shape or dtype.
-    """
+        ValueError: ``kv`` does not match ``spec``'s shape or dtype."""
     header, kv_u8 = pack_tensor(request_id, spec, kv.detach().cpu(), token_start, layer_start,
                                 checksum)
     return [header, memoryview(kv_u8.numpy())]
 
 
 def _as_u8_tensor(frame: Frame) -> torch.Tensor:
-    """Frame 1 as a flat uint8 tensor, sharing memory with a writable buffer.
-
-    A read-only buffer (``bytes``, a Ray object-store array) is copied once into a fresh
-    tensor: torch tensors are always writable, and a tensor aliasing read-only or
-    store-owned memory would be unsafe to write (or outlive its store object).
-    """
+    """Frame 1 as a flat uint8 tensor sharing a writable buffer; a read-only one is copied once
+    (a tensor aliasing store-owned memory could be written or outlive it)."""
     if isinstance(frame, torch.Tensor):
         return frame.reshape(-1)
     view = memoryview(frame).cast("B")
@@ -232,12 +202,11 @@ def copy_to_tensor(buffer) -> torch.Tensor:
 
 
 def tensor_from_frame(header: KVHeader, frame: Frame) -> torch.Tensor:
-    """Rebuild the KV tensor ``header.shape`` from frame 1 (zero-copy where writable).
+    """The KV tensor ``header.shape`` from frame 1 (zero-copy where writable).
 
     Raises:
         KVSpecMismatch: the byte count differs from ``prod(shape) * itemsize``.
-        KVChecksumError: the checksum differs from ``header.checksum``.
-    """
+        KVChecksumError: the checksum differs from ``header.checksum``."""
     kv_u8 = _as_u8_tensor(frame)
     if kv_u8.numel() != header.num_bytes:
         raise KVSpecMismatch(header.request_id, "num_bytes", header.num_bytes, kv_u8.numel())
@@ -250,8 +219,7 @@ def verify_checksum(header: KVHeader, kv_u8: torch.Tensor) -> None:
 
     Raises:
         KVSpecMismatch: the header names a checksum kind this receiver cannot compute.
-        KVChecksumError: the bytes differ from what the sender checksummed.
-    """
+        KVChecksumError: the bytes differ from what the sender checksummed."""
     if header.checksum is None:
         return
     kind = header.checksum_kind or "crc32"
@@ -265,17 +233,13 @@ def verify_checksum(header: KVHeader, kv_u8: torch.Tensor) -> None:
 
 
 def unpack(frames: list[Frame], expected: KVSpec) -> tuple[KVHeader, torch.Tensor]:
-    """Validate and decode ``[header_bytes, tensor_bytes]`` against the receiver's spec.
-
-    Returns:
-        ``(header, kv)`` with ``kv`` ``header.shape`` = ``[L', 2, H_kv, T, D]`` in the spec's
-        dtype; it shares memory with frame 1 when that buffer is writable, else owns a copy.
+    """``(header, kv)`` of ``[header_bytes, tensor_bytes]``: ``kv`` ``header.shape`` in the spec's
+    dtype, sharing frame 1 when writable, else a copy.
 
     Raises:
         KVSpecMismatch: wire version, model fingerprint, geometry, dtype, layer range, shape
             or byte count differ (message names field, expected and got).
-        KVChecksumError: the bytes were corrupted.
-    """
+        KVChecksumError: the bytes were corrupted."""
     if len(frames) != 2:
         raise KVSpecMismatch("?", "number of frames", 2, len(frames))
     header = decode_header(frames[0])

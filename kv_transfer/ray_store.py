@@ -1,27 +1,12 @@
-"""``RayObjectStoreTransport``: KV through Ray's shared-memory object store.
-
-Lifecycle:
-    1. ``put`` calls ``ray.put([header, tensor_bytes])``: the bytes are copied once into the
-       local node's object store and the handle's key is the ``ObjectRef``. The putting
-       process (the prefill worker) becomes the object's **owner**.
-    2. The handle crosses actor calls like any argument; Ray counts every process holding a
-       copy as a borrower, so the object lives while any copy of the handle does.
-    3. ``get`` calls ``ray.get(ref, timeout=timeout_s)`` in the decode worker: on another node
-       the bytes go store to store (never through the router); the read-only store buffer is
-       copied once into a writable tensor, so the store copy can be released right away.
-    4. ``free`` drops this transport's reference. Ray frees the object when the last reference
-       (owner's and borrowers') is gone, so callers must not keep handles after ``free``.
-
-If the owner dies before the get (prefill worker crashed), Ray cannot resolve the object:
-``ray.get`` raises ``OwnerDiedError`` (an ``ObjectLostError``) and ``get`` raises
-``TransferFailed``; a passed deadline raises ``TransferTimeout``. (Objects under Ray's
-inline limit, 100 KiB by default, travel inside the handle itself and survive the owner;
-a reader on the owner's node may still be served for a moment while Ray cleans up.)
-
-``num_held()`` counts objects this instance put, has not freed, and whose owner (this
-process) still tracks a reference anywhere in the cluster: it drops to 0 on the put side
-once the decode side is done with the handle, wherever that happened.
-"""
+"""``RayObjectStoreTransport``: KV through Ray's shared-memory object store. ``put`` calls
+``ray.put([header, tensor_bytes])``, one copy into the node's store; the putting process owns the
+object and the ``ObjectRef`` is the key; every process holding the handle borrows it. ``get`` is
+``ray.get(ref, timeout=timeout_s)`` (across nodes, store to store, never through the router), the
+read-only buffer copied once into a writable tensor. ``free`` drops this reference; Ray frees the
+object with the last one. An owner that died before the get makes ``get`` raise
+``TransferFailed`` (objects under Ray's 100 KiB inline limit travel in the handle and survive);
+a passed deadline, ``TransferTimeout``. ``num_held()`` counts objects put, not freed, and still
+referenced anywhere in the cluster."""
 
 from __future__ import annotations
 
@@ -65,8 +50,7 @@ class RayObjectStoreTransport(Transport):
     def _get_frames(self, handle: KVHandle, timeout_s: float) -> list[Frame]:
         try:
             return ray.get(handle.key, timeout=timeout_s)
-        # Ray's error is chained without its traceback, which would keep this fetch's
-        # callers (and the handles among their locals) alive: engine.errors.without_traceback
+        # without the traceback, which would keep the callers' handles alive
         except GetTimeoutError as e:
             raise TransferTimeout(f"KV for request {handle.request_id} not available within "
                                   f"{timeout_s} s") from without_traceback(e)

@@ -1,27 +1,22 @@
-"""``SharedMemoryTransport`` (``shm``): KV between the processes of one node through a
-preallocated shared-memory arena: one copy on put, none on get.
+"""``SharedMemoryTransport`` (``shm``): KV between processes of one node through a preallocated
+shared-memory arena: one copy on put, none on get. Each producer owns one segment, a sparse
+``/dev/shm`` file unlinked at once, so the kernel frees it when the last holder exits (a SIGKILLed
+worker leaks nothing); consumers open ``/proc/<owner pid>/fd/<fd>`` and check its random token.
+Layout: a 64-byte control block (magic ``PDLABKV1``, capacity, slots, offsets, token), a state
+byte per slot (0 FREE, 1 READY), a u64 generation per slot, then page-aligned data.
 
-Each producer (a process that puts) owns one segment: a sparse file in ``/dev/shm``, unlinked
-at once, so the kernel frees it when the last process holding it exits (a SIGKILLed worker
-leaks nothing). Consumers open it as ``/proc/<owner pid>/fd/<fd>`` and check its random token.
-Layout: a 64-byte control block (magic ``PDLABKV1``, capacity, slots, offsets, token), one
-state byte per slot (0 FREE, 1 READY), one u64 generation per slot, then the page-aligned data.
+- ``put``: reclaim FREE slots, take a slot and the first free extent that fits (retried each ms
+  up to ``alloc_timeout_s``, then ``TransferFailed``), reserve pages with ``posix_fallocate`` (a
+  full ``/dev/shm`` is ``TransferFailed``, never SIGBUS), copy, bump the generation, store READY.
+- ``get``: another node, a dead owner, or a slot not READY at the handle's generation is
+  ``TransferFailed``. Returns a view (checksum verified in place) leasing the slot;
+  ``zero_copy=False`` copies out.
+- ``free``: READY -> FREE once ``free`` was called and this process's views are gone, so a caller
+  may free right after ``get``. Repeats, or a reused slot, do nothing.
+- A dead producer's segment (pid gone or reused) is dropped at the consumer's next call.
 
-- ``put``: reclaim slots seen FREE, take a FREE slot and the first free extent that fits
-  (retried every millisecond up to ``alloc_timeout_s``, then ``TransferFailed``), reserve new
-  pages with ``posix_fallocate`` (a full ``/dev/shm`` is ``TransferFailed``, never SIGBUS),
-  copy the bytes, bump the generation, and store READY last. The handle's ``ShmKey`` holds
-  plain values: segment name, token, node id, owner pid, slot, generation, offset, bytes.
-- ``get``: another node or a dead owner is ``TransferFailed``; so is a slot not READY with the
-  handle's generation (freed or reused). It returns a view of the extent (checksum verified
-  in place) and holds a lease on the slot; ``zero_copy=False`` copies out instead.
-- ``free``: READY -> FREE once ``free`` was called and every view this process got is gone,
-  so a caller may free right after ``get``. A second free, or a reused slot, does nothing.
-- A dead producer's segment (pid gone or reused) is dropped at the consumer's next call, or
-  when its last view is dropped.
-
-No cross-process lock: each transition has one writer (the producer sets READY, the handle's
-holder sets FREE), and x86-64 never makes a store visible before earlier loads."""
+No cross-process lock: each transition has one writer (producer: READY, the handle's holder:
+FREE), and x86-64 never makes a store visible before earlier loads."""
 
 from __future__ import annotations
 
@@ -117,8 +112,7 @@ class _Segment:
         self.token = f"{token:016x}"
         self.state = np.frombuffer(self.mm, dtype=np.uint8, count=self.num_slots, offset=_CONTROL)
         self.gen = np.frombuffer(self.mm, dtype=np.uint64, count=self.num_slots, offset=gen_offset)
-        # a normal tensor even when the first put runs inside the forward's inference mode
-        # (layer-wise puts): an inference tensor could not be written by later puts
+        # a normal tensor even in the forward's inference mode (later puts write it)
         with torch.inference_mode(False):
             self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=self.data_offset,
                                          count=self.capacity)
@@ -142,7 +136,7 @@ class _Segment:
                              offset=self.data_offset + offset)
 
     def release(self, slot: int, gen: int) -> None:
-        """READY -> FREE if the slot still holds generation ``gen`` (step 5)."""
+        """READY -> FREE if the slot still holds generation ``gen``."""
         if self.state[slot] == READY and int(self.gen[slot]) == gen:
             self.state[slot] = FREE
 
@@ -165,8 +159,7 @@ class _Segment:
             return True
 
     def unmap(self) -> None:
-        """Close the descriptor and drop this object's views; unmap now unless a tensor
-        handed out by ``get`` still views the mapping (then the last one unmaps it)."""
+        """Close and drop this object's views; unmap unless a ``get`` tensor still views it."""
         self.close()
         self.state = self.gen = self.data = None
         try:
@@ -184,16 +177,9 @@ class _Lease:
 
 
 class SharedMemoryTransport(Transport):
-    """KV through a per-producer shared-memory arena on one node; see the module docstring.
-
-    Args:
-        checksum: CRC-32C of the tensor bytes in the header, verified on get.
-        capacity_bytes: data bytes of this process's segment (sparse until used).
-        num_slots: transfers this process can have outstanding at once.
-        alloc_timeout_s: how long ``put`` waits for room before ``TransferFailed``.
-        zero_copy: ``get`` returns a view of the shared bytes (True) or a private copy.
-        directory: where segments live (``/dev/shm``).
-    """
+    """KV through a per-producer shared-memory arena on one node (module docstring).
+    ``capacity_bytes``: data bytes of this process's segment (sparse until used); ``num_slots``:
+    transfers outstanding at once; ``zero_copy``: ``get`` returns a view, else a private copy."""
 
     name = "shm"
 
@@ -307,12 +293,10 @@ class SharedMemoryTransport(Transport):
                       header)
 
     def has_room(self, num_bytes: int) -> bool:
-        """True when a put of ``num_bytes`` would find a slot and an extent now (after a
-        reclaim); a producer checks this to defer a put instead of blocking on a full arena.
+        """True when a put of ``num_bytes`` would find a slot and an extent now (after a reclaim).
 
         Raises:
-            TransferFailed: ``num_bytes`` exceeds the whole arena.
-        """
+            TransferFailed: ``num_bytes`` exceeds the whole arena."""
         with self._lock:
             seg = self._segment()
             if num_bytes > seg.capacity:
@@ -378,7 +362,7 @@ class SharedMemoryTransport(Transport):
                 self._release(lease_key)  # a dead owner's segment: just forget the lease
 
     def _drop_dead_peers(self) -> int:
-        """Step 7 for every mapped segment whose owner is gone; returns how many."""
+        """Drop every mapped segment whose owner is gone; returns how many."""
         dead = [token for token, seg in self._mapped.items()
                 if seg is not self._own and seg.owner_gone()]
         for token in dead:
@@ -389,8 +373,7 @@ class SharedMemoryTransport(Transport):
         return len(dead)
 
     def release_dead_peers(self) -> int:
-        """Drop the segments of producers that died (module docstring, step 7); returns how
-        many. Also runs at every put, get, free and num_held."""
+        """Drop dead producers' segments; returns how many. Runs at every put, get, free, num_held."""
         with self._lock:
             return self._drop_dead_peers()
 
@@ -425,8 +408,7 @@ class SharedMemoryTransport(Transport):
             return len(self._allocated) + sum(1 for token, _, _ in self._leases if token != own)
 
     def close(self) -> None:
-        """Close this process's descriptors of every segment (mappings stay until unused);
-        no further puts: handles already given out can no longer be opened elsewhere."""
+        """Close this process's descriptors (mappings stay until unused); no further puts."""
         with self._lock:
             for seg in self._mapped.values():
                 seg.close()

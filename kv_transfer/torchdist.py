@@ -1,28 +1,19 @@
 """``TorchDistributedTransport``: KV point-to-point over ``torch.distributed`` (gloo or NCCL).
+Every worker that moves KV is a rank of one group; ``open_rendezvous`` binds a ``TCPStore`` to a
+port the kernel picks and returns ``store://host:port`` for every rank (no port chosen then bound).
 
-Every worker that sends or receives KV is a rank of one process group, which the placement
-creates (or the constructor, given ``init_method``). ``open_rendezvous`` binds a ``TCPStore``
-to a port the kernel picks and returns ``store://host:port`` for every rank to join, so no
-port is chosen first and bound later.
+- ``put(..., dst_rank=r)`` posts two non-blocking sends (header, bytes) tagged ``2*seq`` and
+  ``2*seq+1``, ``seq`` counting per (sender, receiver); key ``P2PKey(src_rank, seq, header_nbytes,
+  tensor_nbytes)``. The send uses ``kv``'s own memory: do not modify it after ``put``.
+- ``get`` posts the matching receives and waits until the deadline (``TransferTimeout``). NCCL
+  ignores tags and matches in posting order, so receives from a rank are posted in ``seq`` order.
+- A daemon thread per send releases its buffers once the host knows it completed.
+- Nothing can cancel a posted send or receive: ``free`` on a receiver drains an unreceived handle
+  into scratch; a failed or timed-out transfer marks the pair broken (later gets raise
+  ``TransferFailed``); ``free`` on the sender breaks an NCCL pair (a small NCCL send completes
+  before any receive is posted, NVIDIA/nccl#544), a gloo send stays posted until drained.
 
-- ``put(..., dst_rank=r)`` posts two non-blocking sends (header, then bytes) tagged ``2*seq``
-  and ``2*seq+1``, ``seq`` counting transfers per (sender, receiver) pair; the key is
-  ``P2PKey(src_rank, seq, header_nbytes, tensor_nbytes)``. The send uses ``kv``'s own memory
-  (when contiguous on ``device``): do not modify it after ``put``.
-- ``get`` posts the matching receives and waits until the deadline (``TransferTimeout``).
-  NCCL ignores tags and matches a pair's messages in posting order, so every receive from a
-  rank is posted in ``seq`` order (``_post_in_order``); gloo posts as they come.
-- A daemon thread per send releases its buffers once the host knows it completed (gloo:
-  ``work.wait``; NCCL: polling ``is_completed``); ``num_held()`` counts the rest.
-- Neither backend can cancel a posted send or receive, so: ``free`` on the receiver of a
-  handle never received drains it into scratch; a failed or timed-out receive or send marks
-  the pair broken, and later gets from it raise ``TransferFailed`` naming the first failure;
-  ``free`` on the sender marks an NCCL pair broken (a small NCCL send completes before any
-  receive is posted, NVIDIA/nccl#544), while a gloo send stays posted
-  (``num_orphaned_sends``) until drained.
-
-gloo moves host tensors; NCCL keeps the bytes on the GPU (``device='cuda:i'``). Tests replace
-``p2p`` with a fake process group that completes out of order."""
+gloo moves host tensors; NCCL keeps the bytes on the GPU. Tests pass a fake out-of-order ``p2p``."""
 
 from __future__ import annotations
 
@@ -45,14 +36,11 @@ STORE_SCHEME = "store://"
 
 
 def open_rendezvous(host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[dist.TCPStore, str]:
-    """A rendezvous store listening on ``host`` at a port the kernel picks as it binds.
-
-    Keep the returned store alive (it is the group's rendezvous) until the ranks have
-    formed the group; pass the returned ``store://host:port`` as every rank's ``init_method``.
+    """A rendezvous store on ``host`` at a kernel-picked port, and ``store://host:port`` for every
+    rank's ``init_method``; keep the store alive until the group has formed.
 
     Raises:
-        RuntimeError (``torch.distributed.DistNetworkError``): ``host`` cannot be bound.
-    """
+        RuntimeError (``torch.distributed.DistNetworkError``): ``host`` cannot be bound."""
     store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
                           timeout=datetime.timedelta(seconds=timeout_s))
     return store, f"{STORE_SCHEME}{host}:{store.port}"
@@ -60,8 +48,7 @@ def open_rendezvous(host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[d
 
 def _init_group(backend: str, init_method: str, rank: int, world_size: int,
                 timeout_s: float) -> None:
-    """``init_process_group`` through ``init_method``: ``store://host:port`` joins a store
-    from ``open_rendezvous`` as a client; anything else goes to torch unchanged."""
+    """``init_process_group``; ``store://host:port`` joins an ``open_rendezvous`` store."""
     timeout = datetime.timedelta(seconds=timeout_s)
     if not init_method.startswith(STORE_SCHEME):
         dist.init_process_group(backend, init_method=init_method, rank=rank,
@@ -74,8 +61,7 @@ def _init_group(backend: str, init_method: str, rank: int, world_size: int,
 
 
 class P2PKey(NamedTuple):
-    """Where a point-to-point transfer comes from, its place in the pair's sequence, how
-    big its two messages are, and where it goes (-1: not said)."""
+    """Source, place in the pair's sequence, both messages' sizes, destination (-1: not said)."""
 
     src_rank: int
     seq: int
@@ -104,21 +90,16 @@ class TorchDistributedTransport(Transport):
     """Point-to-point KV transfer between ranks of one process group.
 
     Args:
-        rank, world_size: this process's rank and the group size.
-        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
-        init_method: ``store://host:port`` from ``open_rendezvous`` (or torch's own, e.g.
-            ``tcp://127.0.0.1:29500``); None = the group already exists.
+        init_method: ``store://host:port`` (``open_rendezvous``) or torch's own; None = the group
+            exists.
         device: where received tensors land (``cpu`` for gloo, ``cuda:i`` for NCCL).
-        dst_rank: default receiver for ``put`` when it names none.
-        checksum: CRC32 in the header (with NCCL this costs a device-to-host copy per side).
-        init_timeout_s: deadline for forming the group (and for a drain to complete).
-        p2p: what provides ``isend(tensor, dst, tag)`` / ``irecv(tensor, src, tag)``
-            returning works with ``wait(timeout=None)`` and ``is_completed()``: default
-            ``torch.distributed``; tests pass a fake process group.
+        checksum: with NCCL this costs a device-to-host copy per side.
+        init_timeout_s: deadline for forming the group (and for a drain).
+        p2p: provides ``isend`` / ``irecv`` returning works with ``wait(timeout=None)`` and
+            ``is_completed()``; default ``torch.distributed``.
 
     Raises:
-        ValueError: an unknown backend.
-    """
+        ValueError: an unknown backend."""
 
     name = "torchdist"
 
@@ -153,8 +134,7 @@ class TorchDistributedTransport(Transport):
         return self.backend == "nccl"  # NCCL matches messages in order, ignoring tags
 
     def num_held(self) -> int:
-        """Sends whose completion this host has not seen yet, not counting those freed here
-        (``num_orphaned_sends``)."""
+        """Sends not yet seen complete, less those freed here (``num_orphaned_sends``)."""
         with self._lock:
             return len(self._sends) - len(self._orphans)
 
@@ -176,8 +156,7 @@ class TorchDistributedTransport(Transport):
                                  "placement to use it again")
 
     def _mark_broken(self, peer: int, reason: str) -> None:
-        """Record why the pair with ``peer`` is unusable (the first reason stays) and fail
-        every receive from it still waiting for its turn."""
+        """Record why the pair is unusable (first reason) and fail its waiting receives."""
         with self._lock:
             self._broken.setdefault(peer, reason)
             parked = list(self._parked.pop(peer, {}).values())
@@ -194,17 +173,12 @@ class TorchDistributedTransport(Transport):
 
     # ---- the host's view of a work's completion -----------------------------------------
     def _wait_host(self, work, deadline_s: float | None = None) -> None:
-        """Return once the host knows ``work`` completed, or raise.
-
-        gloo: ``work.wait`` blocks the host. NCCL: ``work.wait`` only orders the current
-        CUDA stream after the work and returns at once, so ``is_completed()`` is polled
-        (sleeps doubling from 0.1 ms to ``NCCL_POLL_MAX_S``); ``wait`` then surfaces an
-        error and orders the caller's stream after the bytes.
+        """Return once the host knows ``work`` completed. gloo: ``work.wait`` blocks. NCCL:
+        ``wait`` only orders the current stream, so ``is_completed()`` is polled (sleeps doubling
+        from 0.1 ms to ``NCCL_POLL_MAX_S``), then ``wait`` surfaces an error.
 
         Raises:
-            RuntimeError: the work failed, or ``deadline_s`` (``time.monotonic``) passed
-                ("timed out").
-        """
+            RuntimeError: the work failed, or ``deadline_s`` (``time.monotonic``) passed."""
         if self.backend != "nccl":
             if deadline_s is None:
                 work.wait()
@@ -250,7 +224,6 @@ class TorchDistributedTransport(Transport):
                 raise TransferFailed(f"KV of request {request_id}: {reason}") from err
             with self._lock:
                 self._sends.add((dst, seq))
-        # The thread holds the buffers until the host knows the send completed.
         threading.Thread(target=self._wait_sent,
                          args=(seq, dst, request_id, works, [header, tensor_bytes]),
                          daemon=True, name=f"kv-send-{dst}-{seq}").start()
@@ -283,12 +256,10 @@ class TorchDistributedTransport(Transport):
 
     # ---- receive side ----------------------------------------------------------------
     def _post_in_order(self, key: P2PKey, request_id: str, drain: bool) -> _Receive:
-        """Register the receives of ``key`` and post them in the pair's order (NCCL) or at
-        once (gloo); returns the ``_Receive`` (its ``posted`` event is set once posted).
+        """Register ``key``'s receives and post them in the pair's order (NCCL) or at once (gloo).
 
         Raises:
-            TransferFailed: the pair is broken, or ``key`` was already received or drained.
-        """
+            TransferFailed: the pair is broken, or ``key`` was already received or drained."""
         receive = _Receive(key, request_id, drain)
         src = key.src_rank
         if key.dst_rank not in (-1, self.rank):
@@ -348,11 +319,10 @@ class TorchDistributedTransport(Transport):
                              name=f"kv-drain-{key.src_rank}-{key.seq}").start()
 
     def _complete(self, receive: _Receive, timeout_s: float, deadline_s: float) -> None:
-        """Wait (host side) for the posted receives of ``receive`` until ``deadline_s``.
+        """Wait for ``receive``'s posted receives until ``deadline_s``.
 
         Raises:
-            TransferTimeout, TransferFailed: and the pair is marked broken.
-        """
+            TransferTimeout, TransferFailed: and the pair is marked broken."""
         key = receive.key
         try:
             for work in receive.works:
@@ -371,8 +341,7 @@ class TorchDistributedTransport(Transport):
 
     def _receive(self, key: P2PKey, request_id: str, timeout_s: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post (in order) and wait for both receives of ``key``; a failure marks the pair
-        broken. Returns the header and tensor-byte buffers."""
+        """Post and wait for both receives of ``key``; returns header and tensor buffers."""
         deadline_s = time.monotonic() + timeout_s
         receive = self._post_in_order(key, request_id, drain=False)
         if not receive.posted.wait(max(deadline_s - time.monotonic(), 0.0)):

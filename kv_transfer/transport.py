@@ -1,28 +1,18 @@
-"""The KV transfer protocol every transport implements.
+"""The KV transfer protocol every transport implements. The prefill side calls ``put(request_id,
+spec, kv)``: the KV ``[L', 2, H_kv, T, D]`` is packed (``payload.pack``) and handed over, and a
+small picklable ``KVHandle`` returned (the router passes handles, never bytes). The decode side
+calls ``get(handle, expected_spec, timeout_s)``: fetched within the deadline, checked against its
+``KVSpec`` and checksum, ``(KVHeader, kv)`` returned, one ``TransferRecord`` appended. The last
+holder of a handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone:
+freed, owner died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``. A
+subclass implements ``_put_frames``, ``_get_frames``, ``_free`` and ``num_held``.
 
-1. The prefill side calls ``put(request_id, spec, kv)``: the KV ``[L', 2, H_kv, T, D]`` is
-   packed (``payload.pack``) and handed to the transport, which now owns the bytes. It
-   returns a ``KVHandle``, small and picklable: the router passes handles, never bytes.
-2. The decode side calls ``get(handle, expected_spec, timeout_s)``: the bytes are fetched
-   within the deadline, checked against the receiver's ``KVSpec`` and checksum, and
-   ``(KVHeader, kv)`` returned; one ``TransferRecord`` is appended to ``records``.
-3. Whoever holds the handle last calls ``free(handle)``; ``num_held()`` then no longer
-   counts it.
-
-Errors: ``TransferTimeout`` (deadline passed) and ``TransferFailed`` (bytes gone: freed, owner
-died, put failed) are ``TransferError``s; a header that does not fit raises
-``payload.KVSpecMismatch``, corrupted bytes ``payload.KVChecksumError``.
-
-A subclass implements ``_put_frames``, ``_get_frames``, ``_free`` and ``num_held``; packing,
-validation, timing and records live here once.
-
-Efficiency: ``achieved_gbps = num_bytes / (put_s + get_s) / 1e9`` and ``efficiency =
-achieved_gbps / peak_gbps``, the peak of the link measured by ``kv_transfer.link`` and set on
-the transport (None without one). A request's chunks form a stream; ``ready`` is when the put
-of its last chunk began (its KV was computed then). Of each chunk's put and get intervals,
-``exposed_s`` is the part after ``ready`` (on the critical path) and ``overlapped_s`` the part
-before (hidden behind prefill), so ``exposed_s + overlapped_s = put_s + get_s``; both are None
-until the last chunk is got. The stamps are two processes' wall clocks."""
+Efficiency: ``achieved_gbps = num_bytes / (put_s + get_s) / 1e9``, ``efficiency = achieved_gbps /
+peak_gbps`` (the link peak from ``kv_transfer.link``, or None). A request's chunks form a stream;
+``ready`` is when the put of its last chunk began. Of each chunk's put and get intervals,
+``exposed_s`` is the part after ``ready`` (critical path) and ``overlapped_s`` the part before
+(hidden behind prefill), summing to ``put_s + get_s``; None until the last chunk is got. The
+stamps are two processes' wall clocks."""
 
 from __future__ import annotations
 
@@ -56,15 +46,10 @@ class KVHandle:
     """Opaque reference to KV held by a transport; small and picklable.
 
     Attributes:
-        transport: name of the transport that issued it.
-        request_id: the request whose KV this is.
         key: transport-specific locator (an int id, a Ray ObjectRef, a (rank, seq, ...) tuple).
         num_bytes: tensor bytes (frame 1), ``spec.kv_bytes(T, L')``.
-        put_s: seconds spent inside ``put`` (packing + handing over), so the get side can
-            record the whole transfer.
-        put_time_s: wall-clock time (``time.time()``, seconds) at which ``put`` began
-            (exposed/overlapped time, module docstring); 0.0 when unknown.
-    """
+        put_s: seconds inside ``put`` (packing + handing over).
+        put_time_s: ``time.time()`` s at which ``put`` began; 0.0 when unknown."""
 
     transport: str
     request_id: str
@@ -76,21 +61,10 @@ class KVHandle:
 
 @dataclass(frozen=True)
 class TransferRecord:
-    """One completed transfer (one chunk of a request), appended by ``get``.
-
-    Attributes:
-        request_id, transport: whose KV, moved by which transport.
-        num_bytes: tensor bytes (frame 1).
-        put_s, get_s: seconds inside ``put`` and inside ``get``.
-        put_time_s, get_time_s: wall-clock times (``time.time()``) at which they began.
-        layer_start, layer_end: the chunk's layer range ``[start, end)``.
-        num_messages: wire messages (NIXL: descriptors) the get consumed for this chunk.
-        achieved_gbps: ``num_bytes / (put_s + get_s) / 1e9``.
-        peak_gbps: the link peak set on the transport (``Transport.peak_gbps``), or None.
-        efficiency: ``achieved_gbps / peak_gbps``, or None without a peak.
-        exposed_s, overlapped_s: this chunk's transfer seconds after / before its request's
-            KV was ready (module docstring); None until the request's last chunk arrived.
-    """
+    """One completed transfer (one chunk of a request), appended by ``get``. ``put_s``, ``get_s``:
+    seconds inside each; ``*_time_s``: ``time.time()`` when they began; ``layer_start``,
+    ``layer_end``: ``[start, end)``; ``num_messages``: wire messages (NIXL: descriptors);
+    ``achieved_gbps``, ``efficiency``, ``exposed_s``, ``overlapped_s``: module docstring."""
 
     request_id: str
     num_bytes: int
@@ -110,8 +84,7 @@ class TransferRecord:
 
 
 def split_exposed(records: list[TransferRecord]) -> list[TransferRecord]:
-    """``records`` (one stream: a request's chunks, the last chunk covering its last layer)
-    with ``exposed_s`` and ``overlapped_s`` set, as defined in the module docstring."""
+    """``records`` (one request's chunks) with ``exposed_s`` and ``overlapped_s`` set."""
     last = max(records, key=lambda r: r.layer_end)
     ready_s = last.put_time_s
 
@@ -134,45 +107,35 @@ def frame_nbytes(frame: Frame) -> int:
 
 
 class Transport(ABC):
-    """Moves packed KV from a put side to a get side; see the module docstring.
-
-    Args:
-        checksum: put a CRC32 of the tensor bytes in the header (verified on get).
-    """
+    """Moves packed KV from a put side to a get side. ``checksum``: a CRC of the tensor bytes in
+    the header, verified on get."""
 
     name = "transport"
-    # True when gets from one sender must run in the order of its puts (NCCL matches
-    # point-to-point messages in order): the decode worker then fetches on one thread.
+    # gets from one sender must follow its puts' order (NCCL): the decode worker uses one thread
     ordered_gets = False
 
     def __init__(self, checksum: bool = True):
         self.checksum = checksum
         self.records: list[TransferRecord] = []
-        # GB/s of the link transfers run on (kv_transfer.link), set by the experiment
         self.peak_gbps: float | None = None
         self._records_lock = threading.Lock()  # decode workers get on several threads
         self._streams: dict[str, list[int]] = {}  # request id -> indices of its open stream
 
     def has_room(self, num_bytes: int) -> bool:
-        """Whether a ``put`` of ``num_bytes`` tensor bytes would be taken now without waiting
-        for buffer space. A producer that checks this never blocks on a full buffer: it
-        keeps the KV in its own engine and tries again later. Transports without a bounded
-        buffer always have room.
+        """Whether a ``put`` of ``num_bytes`` would be taken now without waiting for buffer space
+        (a producer that checks never blocks: it keeps the KV and retries). Unbounded: always.
 
         Raises:
-            TransferFailed: ``num_bytes`` can never fit this transport's buffer.
-        """
+            TransferFailed: ``num_bytes`` can never fit this transport's buffer."""
         return True
 
     def put(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
             layer_start: int = 0, dst_rank: int | None = None) -> KVHandle:
         """Hand over ``kv`` ``[L', 2, H_kv, T, D]`` (tokens from ``token_start``, layers from
-        ``layer_start``). ``dst_rank`` names the receiver for point-to-point transports and
-        is ignored by store-based ones.
+        ``layer_start``); ``dst_rank``: the receiver, for point-to-point transports.
 
         Raises:
-            ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused.
-        """
+            ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused."""
         start_time_s, start_s = time.time(), time.perf_counter()
         frames = self._pack(request_id, spec, kv, token_start, layer_start)
         key = self._put_frames(request_id, frames, dst_rank)
@@ -181,14 +144,10 @@ class Transport(ABC):
 
     def get(self, handle: KVHandle, expected: KVSpec, timeout_s: float
             ) -> tuple[KVHeader, torch.Tensor]:
-        """Fetch, validate and decode the KV of ``handle`` within ``timeout_s`` seconds.
-
-        Returns:
-            ``(header, kv)``, ``kv`` of ``header.shape`` = ``[L', 2, H_kv, T, D]``.
+        """``(header, kv)`` of ``handle``, ``kv`` ``[L', 2, H_kv, T, D]``, within ``timeout_s`` s.
 
         Raises:
-            TransferTimeout, TransferFailed, KVSpecMismatch, KVChecksumError.
-        """
+            TransferTimeout, TransferFailed, KVSpecMismatch, KVChecksumError."""
         start_time_s, start_s = time.time(), time.perf_counter()
         frames = self._get_frames(handle, timeout_s)
         header, kv = unpack(frames, expected)
@@ -206,8 +165,7 @@ class Transport(ABC):
         return header, kv
 
     def _record(self, record: TransferRecord, num_layers: int) -> None:
-        """Append ``record``; once its stream covers all ``num_layers`` layers, fill in the
-        stream's exposed and overlapped seconds (module docstring)."""
+        """Append ``record``; once its stream covers ``num_layers``, fill in exposed/overlapped."""
         with self._records_lock:
             self.records.append(record)
             index = len(self.records) - 1
@@ -231,7 +189,7 @@ class Transport(ABC):
 
     @abstractmethod
     def num_held(self) -> int:
-        """Transfers this transport still keeps bytes for (0 once everything is freed)."""
+        """Transfers whose bytes are still held (0 once everything is freed)."""
 
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
               layer_start: int) -> list[Frame]:

@@ -1,24 +1,9 @@
 """How sure ``pdlab plan``'s answer is when the machine's speed is not the profile's (no torch).
-
-A profile is measured once, but a shared machine's steps drift (``drift``). A plan that names
-a winner should say whether it still wins if the machine runs slower or faster. With
-``--speed-spread S``:
-
-1. ``band_runs``: the best few candidates (``--top``) are simulated again at every rate
-   they were swept at, with every step time x (1 + S) ("slow") and x (1 - S) ("fast")
-   (``DeviceProfile.scaled``), on the same requests and arrival times.
-2. ``with_band``: per candidate, the goodput per device at each speed (``search.rank``'s
-   reading: DistServe's goodput of the mean-over-seeds curve): the goodput band
-   [slow, fast]; per (candidate, rate) the attainment band (``curve_band``).
-3. ``verdict``: the first is a clear winner only if its goodput when slow exceeds the
-   second's when fast. Real runs of two placements happen at different times, so each may
-   meet a different speed: opposite ends of the band are the fair comparison. Otherwise
-   "no clear winner within ±S": a verdict names a winner only where intervals separate.
-
-The validation uses the same band (``validate.score(speed_spread=S)``): per point the
-measured attainment against the simulated [slow, fast] band, and the ranking check
-accepts the planner's first when its goodput band overlaps the real first's.
-"""
+With ``--speed-spread S``: ``band_runs`` simulates the best few again with every step x (1 + S)
+("slow") and x (1 - S) ("fast") on the same requests; ``with_band`` and ``curve_band`` give the
+goodput and attainment bands; ``verdict``: the first is a clear winner only if its slow goodput
+exceeds the second's fast one (real runs of two placements may meet different speeds, so opposite
+ends are the fair comparison). ``validate.score(speed_spread=S)`` uses the same band."""
 
 from __future__ import annotations
 
@@ -37,11 +22,10 @@ SPEEDS = ("slow", "fast")
 
 
 def scales(spread: float) -> dict[str, float]:
-    """``{"slow": 1 + spread, "fast": 1 - spread}``: the step-time factor of each end.
+    """``{"slow": 1 + spread, "fast": 1 - spread}``.
 
     Raises:
-        ValueError: ``spread`` is not in [0, 1).
-    """
+        ValueError: ``spread`` is not in [0, 1)."""
     if not (0 <= spread < 1):
         raise ValueError(f"speed spread must be >= 0 and < 1, got {spread!r}")
     return {"slow": 1.0 + spread, "fast": 1.0 - spread}
@@ -52,9 +36,8 @@ def band_runs(cands: Sequence[search.Candidate], runs: pd.DataFrame,
               profile: DeviceProfile, transfer: TransferModel | None, slo: SLO, spread: float,
               process: str = "poisson", burstiness: float = 1.0, policy: str = "least_loaded",
               progress: Callable[[], None] | None = None, jobs: int = 1) -> pd.DataFrame:
-    """Step 1: ``search.sweep`` rows of ``cands`` at both ends of the band, each on the rates
-    that candidate has in ``runs`` (the nominal sweep), with a ``speed`` column
-    (``"slow"``/``"fast"``). Raises ValueError for a bad ``spread`` (``scales``)."""
+    """``sweep`` rows of ``cands`` at both ends, each on its rates in ``runs``, with ``speed``.
+    Raises ValueError for a bad ``spread``."""
     ladders = {c.label: sorted(set(runs.loc[runs["candidate"] == c.label, "rate"])) for c in cands}
     out = []
     for speed, scale in scales(spread).items():
@@ -70,8 +53,7 @@ def _goodput(g: pd.DataFrame) -> float:
 
 
 def with_band(ranked: pd.DataFrame, band: pd.DataFrame) -> pd.DataFrame:
-    """Step 2: ``ranked`` (``search.rank``) with ``goodput_slow`` and ``goodput_fast`` (NaN
-    for candidates outside the band runs)."""
+    """``ranked`` with ``goodput_slow`` and ``goodput_fast`` (NaN outside the band runs)."""
     out = ranked.copy()
     for speed in SPEEDS:
         got = {label: _goodput(g) for label, g in
@@ -81,8 +63,7 @@ def with_band(ranked: pd.DataFrame, band: pd.DataFrame) -> pd.DataFrame:
 
 
 def curve_band(curve: pd.DataFrame, band: pd.DataFrame) -> pd.DataFrame:
-    """Step 2: ``search.curves`` with ``slo_attainment_slow`` and ``slo_attainment_fast``
-    (mean over seeds; NaN outside the band runs)."""
+    """``search.curves`` with ``slo_attainment_slow`` / ``_fast`` (NaN outside the band runs)."""
     out = curve.copy()
     for speed in SPEEDS:
         att = (band[band["speed"] == speed].groupby(["candidate", "rate"])["slo_attainment"]
@@ -92,9 +73,7 @@ def curve_band(curve: pd.DataFrame, band: pd.DataFrame) -> pd.DataFrame:
 
 
 def separates(first_slow: float, second_fast: float) -> bool:
-    """Step 3's rule: the first is a clear winner only if its goodput with slow steps
-    exceeds the second's with fast steps (req/s per device; with no band, spread 0, both
-    are the nominal goodputs, so a tie is no clear winner)."""
+    """Slow first > fast second (req/s per device; spread 0: a tie is no clear winner)."""
     return first_slow > second_fast
 
 

@@ -1,22 +1,9 @@
-"""Decision-grade figures of a planner against real runs (no torch): not "how far off is each
-point" (``experiments.validate``'s errors) but "would following the planner have chosen
-well".
-
-Per decision (one SLO, one workload: a ``pdlab map`` cell or a ``pdlab plan --validate``
-run), with the predicted and the measured goodput per device of each placement:
-
-- **top-1 agreement**: the planner's first (highest predicted; ties: the first listed) is
-  a measured first (a measured tie at the top accepts any of them);
-- **regret**: the goodput lost by following the planner instead of the measured best, as
-  a fraction of the measured best: (best - measured[planner's first]) / best (0 when the
-  measured best is 0: nothing to lose);
-- **Kendall tau** (tau-b, ties counted as Kendall's tau-b does) between the predicted and
-  the measured goodputs over the placements: 1 = the same order, -1 = reversed; NaN with
-  fewer than two placements or when either side ties all of them.
-
-``figures`` summarizes a table of many decisions: the share of top-1 agreements, mean and
-worst regret, mean tau.
-"""
+"""Decision-grade figures of a planner against real runs (no torch): "would following the planner
+have chosen well", per decision (one SLO, one workload) from each placement's predicted and
+measured goodput per device: **top-1 agreement** (the predicted first, ties to the first listed, is
+a measured first); **regret** (best - measured[planner's first]) / best, 0 when best is 0;
+**Kendall tau-b** between predicted and measured (NaN with under two placements or all tied).
+``figures`` summarizes many: top-1 share, mean and worst regret, mean tau."""
 
 from __future__ import annotations
 
@@ -31,13 +18,11 @@ DECISION_COLUMNS = ["cell", "predicted_first", "measured_first", "top1_agrees", 
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
-    """Kendall's tau-b of two equally long sequences (Kendall 1945; what
-    ``scipy.stats.kendalltau`` computes by default): (concordant - discordant) /
-    sqrt((n0 - ties in x) (n0 - ties in y)) over the n0 = n (n - 1) / 2 pairs.
+    """Kendall's tau-b (Kendall 1945; ``scipy.stats.kendalltau``'s default): (concordant -
+    discordant) / sqrt((n0 - ties in x) (n0 - ties in y)) over n0 = n (n - 1) / 2 pairs.
 
     Raises:
-        ValueError: the lengths differ.
-    """
+        ValueError: the lengths differ."""
     if len(x) != len(y):
         raise ValueError(f"kendall_tau needs equal lengths, got {len(x)} and {len(y)}")
     a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
@@ -50,13 +35,12 @@ def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
 
 
 def decide(predicted: Mapping[str, float], measured: Mapping[str, float]) -> dict:
-    """One decision's figures (module docstring) over the placements both sides have, in
-    ``predicted``'s order: ``predicted_first``, ``measured_first`` (all tied firsts joined by
-    " = "), ``top1_agrees``, ``regret``, ``kendall_tau``, ``num_placements``.
+    """One decision over the placements both sides have, in ``predicted``'s order:
+    ``predicted_first``, ``measured_first`` (tied firsts joined by " = "), ``top1_agrees``,
+    ``regret``, ``kendall_tau``, ``num_placements``.
 
     Raises:
-        ValueError: the two share no placement.
-    """
+        ValueError: the two share no placement."""
     common = [p for p in predicted if p in measured]
     if not common:
         raise ValueError("the predicted and measured goodputs share no placement")
@@ -72,20 +56,13 @@ def decide(predicted: Mapping[str, float], measured: Mapping[str, float]) -> dic
 
 
 def figures(table: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
-    """Many decisions at once.
-
-    Args:
-        table: one row per (cell, placement) with ``cell`` (any label of the decision),
-            ``placement``, ``predicted`` and ``measured`` (goodput per device, req/s).
-
-    Returns:
-        (one row per cell, ``DECISION_COLUMNS``, in first-seen order; summary dict:
-        ``num_cells``, ``top1_agreement`` (share of cells), ``regret_mean``, ``regret_max``,
-        ``kendall_tau_mean`` (over the cells where tau is defined; NaN if none)).
+    """Many decisions: ``table`` has one row per (cell, placement) with ``cell``, ``placement``,
+    ``predicted`` and ``measured`` (goodput per device, req/s). Returns (one row per cell,
+    ``DECISION_COLUMNS``; summary: ``num_cells``, ``top1_agreement``, ``regret_mean``,
+    ``regret_max``, ``kendall_tau_mean`` over cells where defined).
 
     Raises:
-        ValueError: an empty table.
-    """
+        ValueError: an empty table."""
     if table.empty:
         raise ValueError("no decisions to score")
     rows = []

@@ -1,19 +1,9 @@
 """Where the simulator's error comes from: real runs' steps against the step model (no torch).
-
-Every step record carries its batch (``engine.metrics.StepRecord.batch``: each request's
-tokens in the step, prefill or decode, and the tokens it had computed before), measured where
-the step ran, so each step's features are read off its own record (``step_features``): a
-prompt chunk of ``n`` tokens after ``k`` computed ones adds ``n`` prompt tokens and
-``n(k + n)`` attention pairs; a decode after ``k`` adds one request of context ``k + 1``.
-The simulator writes the same records, so its steps are read the same way.
-
-``step_table`` evaluates the step model on each step beside its measured duration, and the
-loop's time between two steps of one worker with work (``gap_s``: scheduling, turning
-tokens into events, the worker's commands: time no step model contains). ``ttft_parts``
-splits each request's TTFT into dispatch, queueing, prefill and delivery to the router. Both
-tables come out of a real run and of its simulated twin alike, so the two can be compared
-part by part.
-"""
+Each step record carries its batch (``StepRecord.batch``), so its features are read off it
+(``step_features``): a prompt chunk of ``n`` after ``k`` adds ``n`` tokens and ``n(k + n)`` pairs,
+a decode after ``k`` one request of context ``k + 1``. ``step_table`` sets the model beside each
+measured step and the loop's gap between steps (time no step model contains); ``ttft_parts``
+splits TTFT. A real run and its simulated twin give the same tables, compared part by part."""
 
 from __future__ import annotations
 
@@ -32,23 +22,12 @@ STEP_COLUMNS = ["worker", "start_s", "duration_s", "num_prefill_tokens", "num_de
 
 
 def step_features(steps: Sequence[dict]) -> list[dict]:
-    """Every step with the features of its recorded batch (module docstring).
-
-    Args:
-        steps: step records as rows (``StepRecord.to_row``: ``worker, start_s, duration_s,
-            num_prefill_tokens, num_decode_tokens, batch``; ``batch`` the JSON text, or the
-            entries themselves).
-
-    Returns:
-        One dict per step, in start order per worker: the step's own keys plus
-        ``prefill_tokens, prefill_attention, batch_size, sum_context`` (``StepFeatures``'
-        fields), ``request_ids`` (the entries, a tuple) and ``rebuilt`` (True when the
-        batch's token counts equal the step record's).
+    """Every step (``StepRecord.to_row`` rows; ``batch`` as JSON text or entries), in start order
+    per worker, plus ``prefill_tokens, prefill_attention, batch_size, sum_context``,
+    ``request_ids`` and ``rebuilt`` (the batch's token counts equal the record's).
 
     Raises:
-        ValueError: a step without its batch (steps.csv written before batches were
-            recorded: rerun it), or a batch that is not one.
-    """
+        ValueError: a step without its batch (an old steps.csv: rerun it), or not a batch."""
     out = []
     for st in sorted(steps, key=lambda s: (s["worker"], s["start_s"])):
         batch = st.get("batch")
@@ -74,17 +53,9 @@ def step_features(steps: Sequence[dict]) -> list[dict]:
 
 def step_table(steps: Sequence[dict],
                step_s: Callable[[int, int, int, int], float]) -> pd.DataFrame:
-    """The steps of one run (``step_features``) with the model beside them.
-
-    Args:
-        step_s: the step model, ``DeviceProfile.step_time()``.
-
-    Returns:
-        ``STEP_COLUMNS``: ``model_s`` (the model on the step's batch), ``ratio`` (measured ÷
-        modelled), ``kind`` (``prefill``, ``decode`` or ``mixed``), ``gap_s`` (from this
-        step's end to the worker's next step, when that next step holds a request this step
-        held, i.e. the loop went straight on; NaN otherwise and for a worker's last step).
-    """
+    """``step_features`` with ``STEP_COLUMNS``: ``model_s`` (``step_s`` on the batch), ``ratio``
+    (measured ÷ modelled), ``kind`` (prefill, decode, mixed), ``gap_s`` (to the worker's next step
+    when it holds a request this one held; else NaN)."""
     rows = step_features(steps)
     df = pd.DataFrame(rows, columns=[c for c in STEP_COLUMNS if c not in
                                      ("model_s", "ratio", "kind", "gap_s")])
@@ -109,8 +80,8 @@ def step_table(steps: Sequence[dict],
 
 
 def step_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """Per worker and step kind: steps, median and time-weighted (Σ measured ÷ Σ modelled)
-    ratio, mean batch size, and the median loop gap between back-to-back steps (ms)."""
+    """Per worker and step kind: steps, median and time-weighted (Σ measured ÷ Σ modelled) ratio,
+    mean batch size, median loop gap (ms)."""
     t = table[table["rebuilt"] & table["model_s"].gt(0)]
     if t.empty:
         return pd.DataFrame(columns=["worker", "kind", "num_steps", "ratio_median",
@@ -127,12 +98,9 @@ TTFT_PARTS = ("dispatch_s", "submit_s", "queue_s", "prefill_s", "delivery_s")
 
 
 def ttft_parts(records: Sequence[RequestRecord]) -> pd.DataFrame:
-    """TTFT of each request cut at its stamps (seconds; NaN where a stamp is missing):
-    ``dispatch_s`` arrived -> dispatched (load generator), ``submit_s`` dispatched ->
-    prefill_queued (router), ``queue_s`` prefill_queued -> prefill_started (the command's
-    trip to the worker and its wait for a step), ``prefill_s`` prefill_started ->
-    prefill_finished (its prompt's steps), ``delivery_s`` the worker's first-token time ->
-    the router's (a put under disaggregation, then the event's trip). They sum to TTFT."""
+    """TTFT cut at its stamps (s; NaN where missing): ``dispatch_s`` arrived -> dispatched,
+    ``submit_s`` -> prefill_queued, ``queue_s`` -> prefill_started, ``prefill_s`` ->
+    prefill_finished, ``delivery_s`` worker's first-token time -> router's. They sum to TTFT."""
     rows = []
     for r in records:
         tl = r.timeline

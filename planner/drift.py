@@ -1,21 +1,13 @@
-"""The machine's speed over one real run, and its replay in the simulator (no torch).
+"""The machine's speed over one real run, and its replay in the simulator (no torch). A profile is
+measured once; a shared machine's speed drifts within minutes. A validation takes that out of the
+comparison: the real run's steps say how fast the machine was at each moment, and its simulation
+runs at that speed, leaving the simulator's own error (what DistServe's "< 2 points" is about).
 
-A device profile is measured once; a shared machine's speed drifts within minutes. No
-offline planner can predict that, but a validation can take it out of the comparison: the
-real run's own steps say how fast the machine was at each moment, and the simulation of the
-same run is made to run at that speed. What is left is the simulator's own error: the figure
-DistServe's "< 2 points" is about.
-
-1. Per real step (``diagnose.step_table``: its features from its recorded batch, the
-   step model evaluated on exactly that batch): factor = measured ÷ modelled seconds.
-2. ``speed_trace``: per worker, the run's time from its origin (the simulated clock's 0:
-   a request's scheduled arrival minus its offset, ``run_origin``) cut into windows of
-   ``window_s``; a window's factor is the median factor of the steps (whose batch agrees
-   with their counts) that start in it; a window with no step keeps the last factor before
-   it (the first windows, the first measured one's): speed persists while the worker idles.
-3. ``SpeedTrace(worker, t_s)``: the factor at simulated time ``t_s``. The simulator
-   multiplies each modelled step that starts at ``t_s`` by it (``Simulator(speed_trace=)``).
-"""
+Per real step (``diagnose.step_table``), factor = measured ÷ modelled seconds. ``speed_trace``
+cuts each worker's run time (from ``run_origin``, the simulated clock's 0) into ``window_s``
+windows, each the median factor of the steps starting in it (batches that agree with their
+counts); an empty window keeps the last factor before it. ``SpeedTrace(worker, t_s)`` multiplies
+each modelled step starting at ``t_s`` (``Simulator(speed_trace=)``)."""
 
 from __future__ import annotations
 
@@ -28,29 +20,22 @@ import pandas as pd
 
 from engine.metrics import ARRIVED, RequestRecord
 
-# A window must hold enough steps for its median to average out one step's jitter, and be
-# much shorter than the drift (tens of seconds); 5 s is the longest that still follows it.
+# Enough steps for a median to average out jitter, much shorter than the drift (tens of s).
 DEFAULT_WINDOW_S = 5.0
 ALL_WORKERS = "*"  # the trace of every worker's steps pooled: for a worker without steps
 
 
 @dataclass(frozen=True)
 class SpeedTrace:
-    """Piecewise-constant step-speed factors over a run's time (module docstring, step 3).
-
-    Attributes:
-        window_s: width of every window (seconds); window ``i`` covers
-            ``[i * window_s, (i + 1) * window_s)`` of the run's clock.
-        factors: per worker name (and ``ALL_WORKERS``), one factor per window from 0; times
-            before 0 take the first window's, times after the last window the last one's.
-    """
+    """Piecewise-constant step-speed factors: window ``i`` covers ``[i * window_s, (i + 1) *
+    window_s)`` s of the run's clock; ``factors`` per worker (and ``ALL_WORKERS``), clamped to the
+    first and last window outside them."""
 
     window_s: float
     factors: dict[str, tuple[float, ...]]
 
     def __call__(self, worker: str, t_s: float) -> float:
-        """Measured ÷ modelled step time of ``worker`` at ``t_s`` (seconds on the run's
-        clock); 1.0 when the trace has no step at all."""
+        """Measured ÷ modelled step time of ``worker`` at ``t_s`` (s); 1.0 for an empty trace."""
         f = self.factors.get(worker) or self.factors.get(ALL_WORKERS)
         if not f:
             return 1.0
@@ -65,7 +50,7 @@ class SpeedTrace:
 
 
 def _windows(start_s: np.ndarray, ratio: np.ndarray, window_s: float) -> tuple[float, ...]:
-    """Step 2 for one worker: per window the median ratio, gaps filled forward then back."""
+    """Per window the median ratio, gaps filled forward then back."""
     index = np.floor(np.maximum(start_s, 0.0) / window_s).astype(int)
     medians = pd.Series(ratio).groupby(index).median()
     full = medians.reindex(range(int(index.max()) + 1)).ffill().bfill()
@@ -74,21 +59,12 @@ def _windows(start_s: np.ndarray, ratio: np.ndarray, window_s: float) -> tuple[f
 
 def speed_trace(steps: pd.DataFrame, origin_s: float,
                 window_s: float = DEFAULT_WINDOW_S) -> SpeedTrace:
-    """Step 2: the speed trace of one run from its steps.
-
-    Args:
-        steps: ``diagnose.step_table`` of the run (``worker, start_s, rebuilt, ratio``;
-            ``start_s`` on the same clock as ``origin_s``, wall seconds for a real run).
-        origin_s: the run's clock 0 on that clock (``run_origin``).
-        window_s: window width in seconds (``DEFAULT_WINDOW_S``: why 5 s).
-
-    Returns:
-        A ``SpeedTrace``; no usable step (none whose batch agrees, or none with a modelled time > 0):
-        one with no factors (every factor 1.0).
+    """The ``SpeedTrace`` of one run from ``steps`` (``diagnose.step_table``: ``worker, start_s,
+    rebuilt, ratio``, ``start_s`` on ``origin_s``'s clock); empty (every factor 1.0) without a
+    usable step.
 
     Raises:
-        ValueError: ``window_s`` is not a finite number > 0.
-    """
+        ValueError: ``window_s`` is not a finite number > 0."""
     if not (window_s > 0 and math.isfinite(window_s)):
         raise ValueError(f"window_s must be a finite number > 0, got {window_s!r}")
     ok = steps[steps["rebuilt"].astype(bool) & np.isfinite(steps["ratio"].astype(float))
@@ -106,14 +82,12 @@ def speed_trace(steps: pd.DataFrame, origin_s: float,
 
 
 def run_origin(records: Sequence[RequestRecord], offsets_s: Sequence[float]) -> float:
-    """A real run's clock 0 (wall seconds): the router stamps ``arrived`` = start + the
-    request's scheduled offset (``Router.run``), so start = arrived - offset, the median
-    over the run's requests. A record's offset is ``offsets_s[i]`` for the request at
-    position ``i`` of its workload (the ``-<i>`` its id ends with).
+    """A real run's clock 0 (wall s): the median of arrived - offset (``Router.run`` stamps
+    arrived = start + offset); a record's offset is ``offsets_s[i]``, ``i`` the ``-<i>`` its id
+    ends with.
 
     Raises:
-        ValueError: no record has an arrival and an offset.
-    """
+        ValueError: no record has an arrival and an offset."""
     starts = []
     for r in records:
         i = int(r.request_id.rsplit("-", 1)[-1])

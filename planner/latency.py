@@ -1,22 +1,18 @@
 """Step and transfer latency models fitted on one device, and the device profile file (no torch).
+All times are seconds.
 
-1. ``pdlab profile`` measures prefill steps (one prompt of P tokens), decode steps (B requests
-   at context C) and mixed steps (B decodes plus one prompt); ``--transports`` also times KV
-   transfers.
-2. ``fit_step_models`` fits by least squares on relative error (as DistServe's simulator, so
-   short and long steps weigh alike), with non-negative slopes:
-     prefill ``t = a + b·Σn + c·Σn(k+n)`` (n new prompt tokens, k already in the KV; for
-             whole prompts DistServe's ``a + b·Σl + c·Σl²``);
-     decode  ``t = a + b·B + c·Σctx`` (B decodes, ctx = KV tokens each attends to);
-     mixed   ``t = a_mix + (prefill terms) + (decode terms)``, only the intercept refitted.
-   ``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport.
-3. Each fit reports R² (on seconds) and the mean and max relative error on its points.
-4. ``DeviceProfile.save`` writes JSON with the model, dtype, device kind and thread count;
-   ``DeviceProfile.load`` refuses a file that is not a profile, naming the key it lacks.
-
-A profile can also come from NVIDIA's GPU database (``planner.silicon``, ``pdlab profile
---from-silicon-db``), with transfer models of the usual links (``LINKS``). All times are
-seconds. ``DeviceProfile.step_s(features)`` is what the simulator asks for every step."""
+``pdlab profile`` measures prefill steps (one prompt of P tokens), decode steps (B requests at
+context C) and mixed steps (B decodes plus one prompt); ``--transports`` also times KV transfers.
+``fit_step_models`` fits by least squares on relative error (as DistServe's simulator, so short
+and long steps weigh alike), slopes non-negative:
+  prefill ``t = a + b·Σn + c·Σn(k+n)`` (n new prompt tokens over k cached; for whole prompts
+          DistServe's ``a + b·Σl + c·Σl²``);
+  decode  ``t = a + b·B + c·Σctx`` (B decodes, ctx = KV tokens each attends to);
+  mixed   ``t = a_mix + (prefill terms) + (decode terms)``, only the intercept refitted.
+``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport. Each fit
+reports R² and relative errors. A profile can also come from NVIDIA's GPU database
+(``planner.silicon``), with the usual links' models (``LINKS``). ``DeviceProfile.step_s`` is what
+the simulator asks for every step."""
 
 from __future__ import annotations
 
@@ -39,16 +35,9 @@ DECODE_FEATURES = ("1", "batch_size", "sum_context")
 
 @dataclass(frozen=True)
 class Fit:
-    """A least-squares fit: ``y ≈ coef · x`` over ``features`` (``"1"`` = intercept).
-
-    Attributes:
-        features: names of the columns, in ``coef`` order.
-        coef: coefficients (seconds per unit of each feature).
-        r2: coefficient of determination on seconds, 1 - SS_res/SS_tot (1.0 for a constant y
-            fitted exactly).
-        mean_rel_err / max_rel_err: mean and max of |fit - y| / y over the points.
-        num_points: measurements fitted.
-    """
+    """A least-squares fit ``y ≈ coef · x`` over ``features`` (``"1"`` = intercept); ``coef`` in
+    seconds per unit; ``r2`` on seconds (1.0 for a constant y fitted exactly); ``*_rel_err``:
+    of |fit - y| / y over the points."""
 
     features: tuple[str, ...]
     coef: tuple[float, ...]
@@ -83,18 +72,13 @@ def _stats(features: Sequence[str], coef: np.ndarray, x: np.ndarray, y: np.ndarr
 
 def fit_least_squares(features: Sequence[str], x: Sequence[Sequence[float]], y: Sequence[float],
                       relative: bool = True) -> Fit:
-    """Least squares ``y ≈ x · coef`` with every coefficient but the intercept (feature
-    ``"1"``) kept >= 0: a slope fitted negative on noisy points is dropped (set to 0) and the
-    rest refitted (an active-set loop; numpy ``lstsq``), so the model never predicts shorter
-    steps for more work. ``relative``: minimise Σ((fit - y)/y)², i.e. relative error.
-
-    Args:
-        features: column names, ``len(features)`` = columns of ``x``.
-        x: ``[num_points, num_features]``; y: ``[num_points]`` seconds, all > 0.
+    """Least squares ``y ≈ x · coef`` (numpy ``lstsq``) with every coefficient but the intercept
+    kept >= 0: a slope fitted negative is set to 0 and the rest refitted (an active set), so more
+    work never predicts a shorter step. ``x``: ``[num_points, num_features]``; ``y``: seconds,
+    > 0; ``relative``: minimise Σ((fit - y)/y)².
 
     Raises:
-        ValueError: shapes disagree, fewer points than features, or a y that is not > 0.
-    """
+        ValueError: shapes disagree, fewer points than features, or a y that is not > 0."""
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if xs.ndim != 2 or xs.shape != (ys.size, len(features)):
         raise ValueError(f"x must be [{ys.size}, {len(features)}], got {list(xs.shape)}")
@@ -121,14 +105,12 @@ def fit_least_squares(features: Sequence[str], x: Sequence[Sequence[float]], y: 
 def fit_step_models(prefill: Sequence[tuple[StepFeatures, float]],
                     decode: Sequence[tuple[StepFeatures, float]],
                     mixed: Sequence[tuple[StepFeatures, float]] = ()) -> tuple[Fit, Fit, Fit]:
-    """The prefill, decode and mixed step models (module docstring) from measured
-    ``(features, seconds)`` pairs. Without mixed points the mixed intercept is the larger
-    of the two intercepts (one forward pays one fixed cost). With fewer points than a
-    model's three coefficients, its last terms are left 0 (``_fit_first``).
+    """The step models (module docstring) from ``(features, seconds)`` pairs. Without mixed points
+    the mixed intercept is the larger intercept (one forward, one fixed cost); with fewer points
+    than three, a model's last terms stay 0.
 
     Raises:
-        ValueError: too few points (see ``fit_least_squares``).
-    """
+        ValueError: too few points (see ``fit_least_squares``)."""
     pre = _fit_first(PREFILL_FEATURES, [_prefill_x(f) for f, _ in prefill], [t for _, t in prefill])
     dec = _fit_first(DECODE_FEATURES, [_decode_x(f) for f, _ in decode], [t for _, t in decode])
     if mixed:
@@ -146,8 +128,7 @@ def fit_step_models(prefill: Sequence[tuple[StepFeatures, float]],
 
 
 def _fit_first(features: Sequence[str], x: list[list[float]], y: list[float]) -> Fit:
-    """``fit_least_squares`` on as many leading features as there are points (a short sweep
-    fits ``a + b·x`` and leaves the quadratic term 0), coefficients padded with zeros."""
+    """``fit_least_squares`` on as many leading features as points, padded with zero coefficients."""
     k = max(1, min(len(features), len(y)))
     fit = fit_least_squares(features[:k], [row[:k] for row in x], y)
     pad = (0.0,) * (len(features) - k)
@@ -169,14 +150,9 @@ def _slopes(pre: Fit, dec: Fit, f: StepFeatures) -> float:
 
 @dataclass(frozen=True)
 class TransferModel:
-    """KV transfer time ``latency_s + num_bytes / bandwidth_bytes_s`` (put + get together).
-
-    Attributes:
-        latency_s: fixed cost per transfer (seconds, >= 0).
-        bandwidth_bytes_s: bytes per second (> 0; ``inf`` = free bytes).
-        put_share: share of the time spent in ``put`` on the prefill worker (it holds that
-            worker's loop and shows in TTFT); the rest is the decode worker's ``get``.
-        fit: the fit it came from (None when given by hand)."""
+    """KV transfer time ``latency_s + num_bytes / bandwidth_bytes_s`` (put + get together);
+    ``bandwidth_bytes_s`` > 0 (``inf`` = free bytes); ``put_share``: the share spent in ``put`` on
+    the prefill worker (it shows in TTFT), the rest in the decode worker's ``get``."""
 
     latency_s: float
     bandwidth_bytes_s: float
@@ -206,12 +182,10 @@ class TransferModel:
 
 
 def fit_transfer(num_bytes: Sequence[int], seconds: Sequence[float]) -> TransferModel:
-    """``seconds ≈ latency + bytes / bandwidth`` by least squares on relative error
-    (non-negative latency and slope).
+    """``seconds ≈ latency + bytes / bandwidth``, least squares on relative error, both >= 0.
 
     Raises:
-        ValueError: fewer than 2 points, or times not > 0.
-    """
+        ValueError: fewer than 2 points, or times not > 0."""
     fit = fit_least_squares(("1", "bytes"), [[1.0, b] for b in num_bytes], seconds)
     slope = fit.coef[1]
     return TransferModel(max(fit.coef[0], 0.0), 1.0 / slope if slope > 0 else math.inf, fit=fit)
@@ -219,15 +193,9 @@ def fit_transfer(num_bytes: Sequence[int], seconds: Sequence[float]) -> Transfer
 
 @dataclass(frozen=True)
 class Link:
-    """A link KV crosses between a prefill and a decode GPU: ``latency_s + bytes /
-    bandwidth_bytes_s``, one direction (``link_transfer``).
-
-    Attributes:
-        name: ``--link`` name.
-        latency_s: fixed cost of one transfer (seconds); bandwidth_bytes_s: bytes per second.
-        bandwidth_key, latency_key: keys of an AIConfigurator system spec's ``node`` section
-            whose figures replace them on that system; None: the same on every system.
-        source: where the figures come from."""
+    """A link KV crosses between a prefill and a decode GPU, one direction: ``latency_s`` (s) +
+    bytes / ``bandwidth_bytes_s``. ``bandwidth_key``, ``latency_key``: keys of an AIConfigurator
+    system spec's ``node`` section whose figures replace them there (None: the same everywhere)."""
 
     name: str
     latency_s: float
@@ -237,20 +205,12 @@ class Link:
     source: str
 
 
-# The figures, one direction each. Bandwidths are the links' nominal rates (what a large
-# transfer approaches; nccl-tests reach ~80-95% of them), latencies the fixed cost of one
-# GPU-to-GPU transfer, not the wire's alone:
-# - nvlink: NVLink 4 (H100/H200 SXM) 900 GB/s per GPU both ways = 450 GB/s one way; NVLink 5
-#   (B200/GB200) 900 GB/s one way (NVIDIA H100 and B200 datasheets). AIConfigurator's system
-#   specs carry the same as node.intra_node_bw, and node.p2p_latency = 10 us ("a nonofficial
-#   correction based on observations", aiconfigurator_core/systems/h100_sxm.yaml).
-# - pcie: PCIe 5.0 x16, 32 GT/s x 16 lanes, 128b/130b = 63 GB/s one way, 64 GB/s as the
-#   system specs round it (node.pcie_bw; A100: PCIe 4.0, 32 GB/s); the same 10 us.
-# - ib400: 400 Gb/s NDR InfiniBand (one ConnectX-7 per GPU) = 50 GB/s, the H100/H200 specs'
-#   node.inter_node_bw; 10 us as above (RDMA's wire latency is 1-5 us, the transfer's
-#   posting and completion the rest).
-# - tcp25: 25 Gb/s Ethernet = 3.125 GB/s; 50 us: an assumption, not a measurement (a kernel
-#   TCP request/response between two hosts in one data centre takes tens of microseconds).
+# One direction each; bandwidths nominal (nccl-tests reach ~80-95%), latencies a GPU-to-GPU
+# transfer's fixed cost. nvlink: NVLink 4 (H100/H200 SXM) 900 GB/s both ways = 450 GB/s one way,
+# NVLink 5 (B200/GB200) 900 GB/s one way (NVIDIA datasheets); AIConfigurator's node.intra_node_bw,
+# and node.p2p_latency = 10 us (aiconfigurator_core/systems/h100_sxm.yaml). pcie: PCIe 5.0 x16 =
+# 63 GB/s one way, 64 as node.pcie_bw rounds it (A100: 4.0, 32); 10 us. ib400: 400 Gb/s NDR
+# InfiniBand = 50 GB/s (node.inter_node_bw); 10 us. tcp25: 25 Gb/s = 3.125 GB/s; 50 us assumed.
 LINKS: dict[str, Link] = {link.name: link for link in (
     Link("nvlink", 10e-6, 450e9, "intra_node_bw", "p2p_latency",
          "NVLink 4 (H100/H200 SXM); the system spec's node.intra_node_bw, node.p2p_latency"),
@@ -263,15 +223,12 @@ LINKS: dict[str, Link] = {link.name: link for link in (
 
 
 def link_transfer(name: str, node: dict | None = None) -> TransferModel:
-    """The transfer model of link ``name`` (``LINKS``): its latency and bandwidth, those of
-    ``node`` (an AIConfigurator system spec's ``node`` section: ``p2p_latency`` in seconds,
-    bandwidths in bytes/s) where it has them. ``put_share`` stays the default half: a
-    link's model says nothing about which side's loop waits.
+    """The model of link ``name`` (``LINKS``), with ``node``'s figures where it has them (an
+    AIConfigurator spec's ``node``: ``p2p_latency`` s, bandwidths bytes/s); ``put_share`` 0.5.
 
     Raises:
         ValueError: an unknown link, naming the known ones; ``nvlink`` on a system whose
-            spec shows none (its intra-node rate no higher than its PCIe rate).
-    """
+            spec shows none (its intra-node rate no higher than its PCIe rate)."""
     if name not in LINKS:
         raise ValueError(f"unknown link {name!r}: use one of {', '.join(LINKS)}")
     link, node = LINKS[name], node or {}
@@ -290,24 +247,14 @@ class DeviceProfile:
     """The fitted models of one model on one device, and what they were measured on.
 
     Attributes:
-        model, dtype: the model measured (``ModelConfig`` names).
-        device_kind: ``cpu`` or ``cuda``; device_name: the CPU model or GPU name.
         num_threads: torch intra-op threads during the measurement.
         kv_bytes_per_token: prompt KV bytes per token (``KVSpec.bytes_per_token``).
-        prefill, decode, mixed: step models (module docstring).
         transfers: transport name -> ``TransferModel``.
-        notes: free text (torch version, estimator, date).
-        max_prefill_tokens: the longest prompt (tokens) the prefill model was measured on;
-            longer prefills are extrapolated. None: not recorded.
-        device_memory_bytes: the GPU's memory in bytes (``torch.cuda.mem_get_info``'s total);
-            None on CPU or not recorded.
-        weight_bytes: bytes of the model's parameters in ``dtype`` (tied tensors once); None:
-            not recorded. Both are what ``kv_budget_bytes`` needs on CUDA under
-            ``gpu_memory_utilization``; a CUDA profile built from a datasheet must fill them.
-        source: where the step times came from when not ``pdlab profile`` here: for a
-            silicon-database profile ``{"kind": "aiconfigurator", "package", "system",
-            "backend", "database_version", "database_mode", "link", "model_config"}``. None:
-            measured here."""
+        max_prefill_tokens: the longest prompt measured (longer ones extrapolate); None: unknown.
+        device_memory_bytes, weight_bytes: GPU memory and parameter bytes (tied once), what
+            ``kv_budget_bytes`` needs on CUDA; None on CPU or unrecorded.
+        source: where step times came from when not measured here (None), e.g. ``{"kind":
+            "aiconfigurator", "package", "system", "backend", "database_version", ...}``."""
 
     model: str
     dtype: str
@@ -326,11 +273,9 @@ class DeviceProfile:
     source: dict | None = None
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
-        """The KV cache budget (bytes) of one engine of ``config`` on this device, by the
-        engine's own rule (``engine.config.kv_budget_bytes_for``): on CUDA without
-        ``kv_cache_memory_gb``, ``gpu_memory_utilization * device_memory_bytes -
-        weight_bytes``. A real engine also subtracts the CUDA context and whatever else is in
-        use, so it may get less than planned.
+        """KV budget (bytes) of one engine of ``config`` here, by ``engine.config.
+        kv_budget_bytes_for``: on CUDA without ``kv_cache_memory_gb``, ``gpu_memory_utilization *
+        device_memory_bytes - weight_bytes`` (a real engine may get less: CUDA context).
 
         Raises:
             ValueError: a CUDA profile without ``device_memory_bytes`` or ``weight_bytes`` while
@@ -345,14 +290,12 @@ class DeviceProfile:
                                    self.weight_bytes)
 
     def step_s(self, f: StepFeatures) -> float:
-        """Predicted duration of one step (seconds): the prefill model for prompt-only steps,
-        the decode model for decode-only steps, the mixed model for both; 0 for nothing."""
+        """Predicted step seconds: the prefill, decode or mixed model by the mix; 0 for nothing."""
         return self.step_time()(f.prefill_tokens, f.prefill_attention, f.batch_size, f.sum_context)
 
     def step_time(self):
-        """``step_s`` as a plain function of ``(prefill_tokens, prefill_attention,
-        batch_size, sum_context)``: the simulator calls it once per simulated step, so the
-        coefficients are bound once here."""
+        """``step_s`` of ``(prefill_tokens, prefill_attention, batch_size, sum_context)`` with the
+        coefficients bound once (the simulator calls it per step)."""
         pa, pb, pc = self.prefill.coef
         da, db, dc = self.decode.coef
         ma = self.mixed.coef[0]
@@ -365,11 +308,7 @@ class DeviceProfile:
         return step_s
 
     def transfer(self, transport: str) -> TransferModel:
-        """The transfer model of ``transport``.
-
-        Raises:
-            ValueError: the profile has none, naming the ones it has and how to measure it.
-        """
+        """Raises ValueError when the profile has none, naming those it has and how to measure."""
         if transport not in self.transfers:
             raise ValueError(f"the device profile has no transfer model for transport "
                              f"{transport!r} (it has {sorted(self.transfers) or 'none'}): run "
@@ -414,11 +353,7 @@ class DeviceProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> DeviceProfile:
-        """Read a profile written by ``save``.
-
-        Raises:
-            ValueError: not JSON, or not a profile (the message names the file).
-        """
+        """Raises ValueError: not JSON, or not a profile (the message names the file)."""
         try:
             d = json.loads(Path(path).read_text())
         except (OSError, json.JSONDecodeError) as err:
@@ -429,13 +364,11 @@ class DeviceProfile:
             raise ValueError(f"{path}: {err}") from None
 
     def scaled(self, factor: float) -> DeviceProfile:
-        """This profile with every step time multiplied by ``factor`` (all prefill, decode
-        and mixed coefficients; transfers unchanged; the fits' statistics are the original
-        measurement's). ``notes["step_scale"]`` records the product of the factors applied.
+        """Every step coefficient times ``factor`` (transfers and fit statistics unchanged);
+        ``notes["step_scale"]`` holds the product applied.
 
         Raises:
-            ValueError: ``factor`` is not a finite number > 0.
-        """
+            ValueError: ``factor`` is not a finite number > 0."""
         if not (factor > 0 and math.isfinite(factor)):
             raise ValueError(f"step scale must be a finite number > 0, got {factor!r}")
         if factor == 1.0:
@@ -454,11 +387,10 @@ class DeviceProfile:
 
 
 def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
-    """Median of measured / modelled seconds over real worker steps (dicts with ``duration_s,
-    num_prefill_tokens, num_decode_tokens``). A step from ``planner.diagnose.step_features``
-    also carries its batch's features and ``rebuilt``: the model is evaluated on those (steps
-    whose batch disagrees with their counts are skipped); a bare step only at its token counts,
-    a lower bound of the modelled time. NaN without steps."""
+    """Median of measured / modelled seconds over worker steps (``duration_s, num_prefill_tokens,
+    num_decode_tokens``); steps from ``planner.diagnose.step_features`` are modelled on their
+    batch's features (disagreeing ones skipped), bare ones on token counts (a lower bound). NaN
+    without steps."""
     step_s = profile.step_time()
     ratios = []
     for st in steps:

@@ -1,24 +1,14 @@
 """Placement search on the simulator: which placement of N devices gives the most goodput per
-device for these SLOs and this workload (DistServe's question, with the KV transfer in).
+device for these SLOs and this workload (DistServe's question, with the KV transfer in; no torch).
 
-A search:
-
-1. Candidates (``candidates``): ``colocated:N`` at each chunk budget asked for,
-   ``colocated-nochunk:N``, and every ``disagg:xPyD`` with x + y <= N.
-2. Rates (``auto_rates`` unless given): a geometric ladder around a crude capacity
-   estimate from the profile, so the attainment curves bend inside the sweep.
-3. Every (candidate, rate, seed) is simulated (``simulate.Simulator``) on the same requests
-   and arrival times the real runs use (``compare.build_workload``; arrival times from
-   ``engine.arrivals.arrival_times`` with the run's seed, as ``workload_spec.router_workload`` draws
-   them); per run: SLO attainment and TTFT/TPOT p50/p99 (``engine.metrics``).
-   Then ``refine_rates`` adds a few rates inside each candidate's bracket (the last rate
-   that meets 90% attainment and the next), as DistServe's binary search narrows it.
-4. Goodput per device (``engine.metrics.goodput_rate``, DistServe's definition) from the
-   mean-over-seeds curve of each candidate, and per seed for its spread; ranked, best first.
-5. ``plot_best``: SLO attainment vs rate per device of the best few (matplotlib).
-
-No torch: thousands of requests per (candidate, rate) simulate in about a second.
-"""
+1. ``candidates``: ``colocated:N`` at each chunk budget, ``colocated-nochunk:N``, and every
+   ``disagg:xPyD`` with x + y <= N.
+2. ``auto_rates`` (unless given): a geometric ladder around a crude capacity estimate.
+3. ``sweep``: every (candidate, rate, seed) simulated on the requests and arrival times the real
+   runs use (``compare.build_workload``, ``engine.arrivals``); ``refine_rates`` adds rates inside
+   each candidate's 90%-attainment bracket, as DistServe's binary search narrows it.
+4. ``rank``: goodput per device (``engine.metrics.goodput_rate``) of the mean-over-seeds curve,
+   and per seed for its spread, best first. 5. ``plot_best``: attainment vs rate per device."""
 
 from __future__ import annotations
 
@@ -46,8 +36,8 @@ from planner.simulate import SimResult, Simulator
 
 @dataclass(frozen=True)
 class Candidate:
-    """A placement and, for chunked colocated ones, the chunk budget (tokens per step; None
-    = the engine config's ``max_num_batched_tokens``)."""
+    """A placement and, for chunked colocated ones, the chunk budget (tokens per step; None = the
+    engine config's ``max_num_batched_tokens``)."""
 
     placement: str
     chunk_budget: int | None = None
@@ -67,11 +57,10 @@ class Candidate:
 
 
 def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Candidate]:
-    """Step 1 of the module docstring, in that order (budgets ascending).
+    """Step 1, in that order (budgets ascending).
 
     Raises:
-        ValueError: ``num_devices < 1``.
-    """
+        ValueError: ``num_devices < 1``."""
     if num_devices < 1:
         raise ValueError(f"devices must be >= 1, got {num_devices}")
     out = [Candidate(f"colocated:{num_devices}")]
@@ -84,14 +73,12 @@ def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Cand
 
 def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, num_devices: int,
                num_rates: int = 8, max_num_seqs: int = 16) -> list[float]:
-    """A geometric ladder of ``num_rates`` total arrival rates (req/s), from 0.25x to
-    ``2 * max_num_seqs`` x (within 8x-32x) of ``num_devices`` over the time one request takes alone (its
-    prefill step plus its decode steps at batch 1): batching lifts capacity above that, by
-    at most the batch size, so the curves bend inside the ladder. Two significant digits.
+    """``num_rates`` total arrival rates (req/s), geometric from 0.25x to ``2 * max_num_seqs`` x
+    (within 8x-32x) of ``num_devices`` over one lone request's time (prefill + decode steps at
+    batch 1), two significant digits.
 
     Raises:
-        ValueError: ``num_rates < 2`` or a lone request that takes no time.
-    """
+        ValueError: ``num_rates < 2`` or a lone request that takes no time."""
     if num_rates < 2:
         raise ValueError(f"num_rates must be >= 2, got {num_rates}")
     p = max(1, round(mean_prompt))
@@ -107,10 +94,9 @@ def auto_rates(profile: DeviceProfile, mean_prompt: float, mean_output: float, n
 
 def arrivals(requests: Sequence[Request], rate: float, seed: int, process: str = "poisson",
              burstiness: float = 1.0) -> list[tuple[Request, float]]:
-    """``(request, arrival offset s)`` at ``rate`` req/s: the offsets a real run's
-    ``workload_spec.router_workload`` gives the same seed (``engine.arrivals``). Requests
-    that time themselves (an ``open(rate, seed, process, burstiness)`` method: a trace's
-    timestamps, or a multi-turn workload's closed loop) are opened as the real run does."""
+    """``(request, arrival offset s)`` at ``rate`` req/s, as a real run's ``router_workload``
+    draws them for the seed; requests with their own ``open(rate, seed, process, burstiness)``
+    (traces, closed loops) are opened as the real run does."""
     if hasattr(requests, "open"):
         return requests.open(rate, seed, process, burstiness)
     times = arrival_times(len(requests), rate, seed, process, burstiness)
@@ -122,15 +108,12 @@ def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile
               conditional: ConditionalConfig | None = None, transport: str = "simulated",
               step_scale: float = 1.0,
               speed_trace: Callable[[str, float], float] | None = None) -> Simulator:
-    """The ``Simulator`` of one candidate on the profile's step model (every step time
-    multiplied by ``step_scale``: a correction factor, see ``latency.step_correction``;
-    and by ``speed_trace(worker, start s)`` when given: ``drift.SpeedTrace``), each
-    instance's KV cache sized by the engine's rule on the profile's device
-    (``DeviceProfile.kv_budget_bytes``).
+    """The ``Simulator`` of one candidate on the profile's step model, times ``step_scale``
+    (``latency.step_correction``) and ``speed_trace(worker, start s)``; KV caches sized by
+    ``DeviceProfile.kv_budget_bytes``.
 
     Raises:
-        ValueError: a CUDA profile without the memory facts the budget needs.
-    """
+        ValueError: a CUDA profile without the memory facts the budget needs."""
     needs_transfer = parse_placement(candidate.placement)[0] != "colocated"
     step_s = profile.step_time()
     if step_scale != 1.0:
@@ -152,9 +135,8 @@ LATENCY_COLUMNS = ["ttft_s_all", "tpot_s_all"]
 
 
 def request_latencies(records: Sequence[RequestRecord]) -> tuple[np.ndarray, np.ndarray]:
-    """Every request's TTFT and TPOT (s), shape (len(records),) each, coded so that
-    ``ttft <= T and tpot <= P`` is ``engine.metrics.meets_slo`` at SLO (T, P): a failed
-    request has TTFT +inf, a request without a TPOT (one output token) has TPOT 0."""
+    """Each request's TTFT and TPOT (s), shape (len(records),) each, so that ``ttft <= T and tpot
+    <= P`` is ``meets_slo``: a failed request has TTFT +inf, a one-token request TPOT 0."""
     ttft = np.full(len(records), math.inf)
     tpot = np.zeros(len(records))
     for i, r in enumerate(records):
@@ -167,9 +149,8 @@ def request_latencies(records: Sequence[RequestRecord]) -> tuple[np.ndarray, np.
 
 
 def run_metrics(records: Sequence[RequestRecord], slo: SLO) -> dict[str, float]:
-    """SLO attainment (DistServe's, over all requests), TTFT/TPOT p50/p99 over completed
-    requests (``engine.metrics``; numpy linear percentiles as ``summarize``) and the prefix
-    cache's hit rate (``engine.metrics.prefix_hit_rate``)."""
+    """SLO attainment (all requests), TTFT/TPOT p50/p99 over completed requests (numpy linear)
+    and the prefix hit rate."""
     done = [r for r in records if not m.failed(r)]
     ttft = np.array([m.ttft_s(r) for r in done], dtype=float)
     tpot = np.array([v for v in map(m.tpot_s, done) if v is not None], dtype=float)
@@ -190,16 +171,10 @@ def sweep(cands: Sequence[Candidate], rates: Sequence[float] | dict[str, Sequenc
           process: str = "poisson", burstiness: float = 1.0, policy: str = "least_loaded",
           progress: Callable[[], None] | None = None, jobs: int = 1,
           latencies: bool = False) -> pd.DataFrame:
-    """Step 3: one row per (candidate, rate, seed) (``RUN_COLUMNS``; ``sim_s`` = wall seconds
-    the simulation took), in that order. ``rates`` is one ladder for every candidate, or
-    one per candidate label. ``latencies``: each row also holds ``LATENCY_COLUMNS``, every
-    request's TTFT and TPOT (``request_latencies``), so other SLOs can be scored from the
-    same runs without simulating again (``planner.slo_map``).
-
-    ``jobs`` > 1 spreads the runs over that many processes (spawned, so no thread state of
-    this process is forked; each receives the requests once); the rows are the same as one
-    process gives, since every run is deterministic.
-    """
+    """Step 3: one row per (candidate, rate, seed) (``RUN_COLUMNS``; ``sim_s``: wall seconds), in
+    that order. ``rates``: one ladder, or one per candidate label. ``latencies``: rows also hold
+    every request's TTFT and TPOT (``LATENCY_COLUMNS``), to score other SLOs unsimulated. ``jobs``
+    > 1: spawned processes; the rows are the same (every run is deterministic)."""
     def ladder(cand: Candidate) -> Sequence[float]:
         return rates[cand.label] if isinstance(rates, dict) else rates
 
@@ -233,14 +208,9 @@ _WORKER: dict = {}  # what every run of a sweep shares, set once per (worker) pr
 
 @contextlib.contextmanager
 def _children_skip_main():
-    """Processes spawned inside this block do not re-import the parent's ``__main__``.
-
-    A spawned child runs the parent's main module first (multiprocessing's
-    ``spawn.get_preparation_data`` passes its module name or path), so functions defined
-    there can be unpickled. A sweep's workers only run this module's functions, and the
-    main module of ``pdlab`` (``experiments.cli``) imports torch: seconds per worker, more
-    than a run takes. Hiding the main module's ``__spec__`` and ``__file__`` while the
-    workers start makes multiprocessing pass neither."""
+    """Processes spawned inside this block do not re-import the parent's ``__main__``: ``pdlab``'s
+    (``experiments.cli``) imports torch, seconds per worker. Hiding its ``__spec__`` and
+    ``__file__`` makes multiprocessing's ``spawn.get_preparation_data`` pass neither."""
     main = sys.modules.get("__main__")
     saved = {k: main.__dict__[k] for k in ("__spec__", "__file__") if main and k in main.__dict__}
     if main is not None:
@@ -275,11 +245,9 @@ def _run_task(task: tuple[Candidate, float, int]) -> dict:
 
 def refine_rates(runs: pd.DataFrame, num_points: int = 3,
                  target: float = m.ATTAINMENT_TARGET) -> dict[str, list[float]]:
-    """Rates to add per candidate so its goodput is read finer than the coarse ladder: where
-    the mean-over-seeds attainment falls below ``target`` between two swept rates (the
-    last one that meets it at every lower rate too, and the next), ``num_points`` rates
-    geometrically between them (DistServe binary-searches the same bracket). Candidates
-    that meet the target everywhere, or nowhere, get none."""
+    """Per candidate, ``num_points`` rates geometrically between the last swept rate meeting
+    ``target`` (mean over seeds, and every lower rate too) and the next (DistServe's bracket); none
+    for candidates meeting it everywhere or nowhere."""
     out = {}
     for label, g in runs.groupby("candidate", sort=False):
         curve = g.groupby("rate")["slo_attainment"].mean().sort_index()
@@ -301,17 +269,11 @@ RANK_COLUMNS = ["rank", "candidate", "placement", "chunk_budget", "num_devices",
 
 
 def rank(runs: pd.DataFrame) -> pd.DataFrame:
-    """Step 4: one row per candidate, best goodput per device first (``RANK_COLUMNS``).
-
-    ``goodput_per_device_req_s`` reads the mean-over-seeds attainment curve
-    (``engine.metrics.goodput_rate``: the highest swept rate with >= 90% attainment there and
-    at every lower rate, over the candidate's devices); ``goodput_seed_min/max`` is the
-    spread of the same figure per seed; the latencies (and the prefix cache's hit rate) are
-    the seed means at ``goodput_rate`` (NaN for a column ``runs`` lacks)
-    (the lowest rate when even it misses). ``at_sweep_top``: the candidate still met the
-    target at its highest swept rate, so its goodput is only a lower bound (sweep higher).
-    Ties keep the candidates' order.
-    """
+    """Step 4: one row per candidate, best goodput per device first (``RANK_COLUMNS``; ties keep
+    order). ``goodput_per_device_req_s`` reads the mean-over-seeds curve; ``goodput_seed_min/max``
+    its spread per seed; latencies and hit rate are seed means at that rate (the lowest when even
+    it misses; NaN for a column ``runs`` lacks). ``at_sweep_top``: it still met the target at its
+    highest rate, so its goodput is a lower bound."""
     rows = []
     for label, g in runs.groupby("candidate", sort=False):
         n_dev = int(g["num_devices"].iloc[0])
@@ -336,8 +298,7 @@ def rank(runs: pd.DataFrame) -> pd.DataFrame:
 
 
 def curves(runs: pd.DataFrame) -> pd.DataFrame:
-    """Mean-over-seeds attainment and latencies per (candidate, rate), with the rate per
-    device: candidate, num_devices, rate, rate_per_device, slo_attainment, ttft/tpot p50/p99."""
+    """Mean-over-seeds attainment and latencies per (candidate, rate), with rate per device."""
     cols = ["slo_attainment", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
     df = runs.groupby(["candidate", "num_devices", "rate"], sort=False, as_index=False)[cols].mean()
     df.insert(3, "rate_per_device", df["rate"] / df["num_devices"])
@@ -351,9 +312,7 @@ def simulate_runs(placement: str, engine: EngineConfig, profile: DeviceProfile,
                   transport: str = "simulated", step_scale: float = 1.0,
                   speed_trace: Callable[[str, float], float] | None = None
                   ) -> list[tuple[float, int, SimResult]]:
-    """Every (rate, seed) of one placement, with step records: ``(rate, seed, result)``
-    (for results files shaped like a real run's); ``step_scale`` and ``speed_trace`` as
-    ``simulator``."""
+    """``(rate, seed, result)`` for every (rate, seed) of one placement, with step records."""
     sim = simulator(Candidate(placement), engine, profile, transfer, policy, transport=transport,
                     step_scale=step_scale, speed_trace=speed_trace)
     return [(rate, seed, sim.run(arrivals(reqs, rate, seed, process, burstiness), collect_steps=True))

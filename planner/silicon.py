@@ -1,24 +1,12 @@
-"""GPU device profiles without a GPU: pdlab's step models fitted on NVIDIA's measured
-per-operation database, AIConfigurator (no torch; the optional extra ``silicon``:
-``aiconfigurator-core``).
-
-AIConfigurator holds kernel timings measured on H100, H200, B200, GB200 and more under vLLM,
-SGLang and TRT-LLM, and composes a model's step from them; this module calls its backends'
-``run_static`` and ``run_mixed`` directly:
-
-1. ``open_database(model_dir, system, backend)``: the (system, backend) database and the model
-   from its ``config.json``, on one GPU. A system, backend or shape the database lacks, a
-   MoE model or a KV dtype pdlab has not raises ``SiliconError`` naming what is missing.
-2. ``sample_steps``: step times (seconds) with pdlab's ``StepFeatures``: prefill (m prompts of
-   P tokens, or n new tokens over k cached), decode (B requests at C tokens: Σctx = B(C + 1)),
-   mixed (one prompt of P beside B decodes at context P + 1).
-3. ``build_profile``: ``planner.latency.fit_step_models`` on those points, the link transfer
-   models with the system's own NVLink/PCIe figures, and ``DeviceProfile.source`` naming the
-   package, system, backend and database version.
-
-Left out, as by the database's static steps: vLLM's per-request CPU dispatch overhead (on
-emulated devices pdlab's own loop is the CPU side). The ``agg`` TPOT averages mixed and
-decode steps, so it matches pdlab's decode model only at B = 1."""
+"""GPU device profiles without a GPU: pdlab's step models fitted on AIConfigurator, NVIDIA's
+measured per-operation database (H100, H200, B200, GB200, ... under vLLM, SGLang and TRT-LLM; no
+torch; the optional extra ``silicon``), calling its backends' ``run_static`` and ``run_mixed``:
+``open_database`` (one GPU; what the database lacks, MoE or an unknown KV dtype raise
+``SiliconError``), ``sample_steps`` (prefill, decode at Σctx = B(C + 1), mixed: one prompt of P
+beside B decodes at P + 1), ``build_profile`` (``fit_step_models`` on them, the system's own link
+figures, ``DeviceProfile.source``). Left out, as by the database's static steps: vLLM's
+per-request CPU dispatch overhead. The ``agg`` TPOT averages mixed and decode steps, so it
+matches pdlab's decode model only at B = 1."""
 
 from __future__ import annotations
 
@@ -53,20 +41,11 @@ class SiliconError(ValueError):
 
 @dataclass(frozen=True)
 class SampleGrid:
-    """The steps ``sample_steps`` asks the database for.
-
-    The defaults cover what a served 7-8B model on one GPU runs: decode batches up to
-    vLLM's ``max_num_seqs`` 256 at contexts to 8k, prefill steps of one to four prompts up
-    to 16k tokens (vLLM's long-prompt chunk budgets), chunks over up to 6k cached tokens.
-
-    Attributes:
-        prompt_lens: P of the prefill steps (tokens).
-        prompts_per_step: m, whole prompts of P tokens in one prefill step.
-        max_prefill_tokens: a prefill step of m x P above this is not asked for.
-        chunks: ``(k, n)``: n new prompt tokens over k cached ones.
-        batch_sizes, contexts: B and C of the decode steps (C = KV tokens before the step).
-        mixed_prompts, mixed_batch_sizes: P and B of the mixed steps.
-    """
+    """The steps ``sample_steps`` asks for; the defaults cover a 7-8B model on one GPU: decode
+    up to vLLM's ``max_num_seqs`` 256 at contexts to 8k, prefill of 1-4 prompts to 16k tokens,
+    chunks over up to 6k cached. All in tokens; ``chunks``: ``(k, n)``, n new over k cached;
+    ``contexts``: C, KV tokens before the step; prefill steps of m x P over
+    ``max_prefill_tokens`` are skipped."""
 
     prompt_lens: tuple[int, ...] = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
     prompts_per_step: tuple[int, ...] = (1, 2, 4)
@@ -80,8 +59,7 @@ class SampleGrid:
 
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
-    """The package's loggers at ERROR while it works: it warns at WARNING about fallback
-    tables of other models' operations (MLA, sparse attention) on every database load."""
+    """The package's loggers at ERROR (it warns about other models' fallback tables on load)."""
     loggers = [logging.getLogger(n) for n in ("aiconfigurator_core", "aiconfigurator")]
     levels = [lg.level for lg in loggers]
     for lg in loggers:
@@ -97,8 +75,7 @@ def _aic() -> Any:
     """The ``aiconfigurator_core.sdk`` modules the builder uses, as one namespace.
 
     Raises:
-        SiliconError: the optional package is missing or not the pinned version.
-    """
+        SiliconError: the optional package is missing or not the pinned version."""
     try:
         # lazy: the optional extra `silicon`; pdlab profile's CPU path and the planner run without it
         from aiconfigurator_core.sdk import config, config_builders, errors, models, perf_database
@@ -120,15 +97,13 @@ def supported_databases() -> dict[str, dict[str, list[str]]]:
     """``{system: {backend: [database versions]}}`` of the installed package.
 
     Raises:
-        SiliconError: the package is not installed.
-    """
+        SiliconError: the package is not installed."""
     aic = _aic()
     return {s: {b: list(v) for b, v in versions.items()}
             for s, versions in _scan(aic.perf_database).items()}
 
 
-# The package finds its databases by parsing hundreds of YAML files per call: once per process
-# is enough, the installed files do not move.
+# The package parses hundreds of YAML files per lookup: once per process.
 @functools.cache
 def _scan(perf_database) -> dict[str, dict[str, tuple[str, ...]]]:
     with quiet():
@@ -138,8 +113,7 @@ def _scan(perf_database) -> dict[str, dict[str, tuple[str, ...]]]:
 
 @functools.cache
 def _default_version(perf_database, system: str, backend: str) -> str | None:
-    """``get_latest_database_version``'s answer: the version slots' ``current`` where the
-    scan lists it (its own first rule, without its second scan), else its answer."""
+    """``get_latest_database_version``'s first rule (the slots' ``current``), else its answer."""
     with quiet():
         slots = perf_database.get_version_slots(system, backend)
         if slots and slots.get("current") in _scan(perf_database).get(system, {}).get(backend, ()):
@@ -151,8 +125,7 @@ def check_system(system: str, backend: str) -> None:
     """The database has ``backend`` on ``system``.
 
     Raises:
-        SiliconError: naming the systems (or the system's backends) it has.
-    """
+        SiliconError: naming the systems (or the system's backends) it has."""
     if backend not in BACKENDS:
         raise SiliconError(f"unknown backend {backend!r}: use one of {', '.join(BACKENDS)}")
     found = supported_databases()
@@ -165,11 +138,10 @@ def check_system(system: str, backend: str) -> None:
 
 
 def read_model_config(model_dir: str | Path) -> dict:
-    """The ``config.json`` of a Hugging Face model directory (no weights are read).
+    """The ``config.json`` of a Hugging Face model directory.
 
     Raises:
-        SiliconError: no such directory, no ``config.json``, or not JSON.
-    """
+        SiliconError: no such directory, no ``config.json``, or not JSON."""
     path = Path(model_dir).expanduser() / "config.json"
     if not path.parent.is_dir():
         raise SiliconError(f"model directory {path.parent} does not exist (a directory with "
@@ -188,12 +160,9 @@ _KEY_WORDS = {"head_size": "head size {}", "n_kv_lookup": "{} KV heads",
 
 
 def missing_data_message(err: BaseException, where: str) -> str:
-    """One line for the database's "data missing" error: which table and which shape.
-
-    ``perf database error: generation attention data missing for GenerationKey { kv_quant:
-    "bfloat16", n_kv_lookup: 3, head_size: 64, window_size: 0 }: tried ...`` becomes
-    ``h100_sxm/vllm 0.24.0 has no generation attention data for head size 64 (3 KV heads,
-    KV in bfloat16)``; another message keeps its first clause."""
+    """One line for the database's "data missing" error (which table and shape), e.g.
+    ``h100_sxm/vllm 0.24.0 has no generation attention data for head size 64 (3 KV heads, KV in
+    bfloat16)``; another message keeps its first clause."""
     text = str(err)
     found = re.search(r"([\w ]+?) data missing for \w+ \{([^}]*)\}", text)
     if not found:
@@ -210,18 +179,9 @@ def missing_data_message(err: BaseException, where: str) -> str:
 
 @dataclass
 class SiliconDatabase:
-    """One model on one GPU in the database (``open_database``): its step estimates.
-
-    Attributes:
-        model_dir: the model's directory (its ``config.json``).
-        system, backend, version: the database (e.g. ``h100_sxm``, ``vllm``, ``0.24.0``).
-        kv_dtype: the KV cache dtype the estimates use (pdlab's name, e.g. ``bfloat16``).
-        gemm_dtype: the GEMMs' quant mode name (e.g. ``bfloat16``).
-        node: the system spec's ``node`` section (link rates in bytes/s, ``p2p_latency``
-            in seconds), for ``planner.latency.link_transfer``.
-        kv_bytes_per_token: the database's own KV bytes per token
-            (``get_kvcache_bytes_per_sequence(1)``).
-    """
+    """One model on one GPU in the database (``open_database``). ``kv_dtype``: pdlab's name;
+    ``node``: the system spec's ``node`` (bytes/s, ``p2p_latency`` s); ``kv_bytes_per_token``:
+    the database's own (``get_kvcache_bytes_per_sequence(1)``)."""
 
     model_dir: str
     system: str
@@ -237,13 +197,11 @@ class SiliconDatabase:
     _backend: Any = field(repr=False)
 
     def device_memory_bytes(self) -> int:
-        """The GPU's memory (the system spec's ``gpu.mem_capacity``, bytes): what
-        ``DeviceProfile.kv_budget_bytes`` multiplies by ``--gpu-memory-utilization``."""
+        """The GPU's memory in bytes (the spec's ``gpu.mem_capacity``)."""
         return int(self._database.system_spec["gpu"]["mem_capacity"])
 
     def weight_bytes(self) -> int:
-        """The model's weights on one GPU (bytes), by the database's own memory model (the
-        ``weights`` its backend counts for the KV budget; it reports GiB)."""
+        """The model's weights on one GPU in bytes, by the database's memory model."""
         memory = self._backend._get_memory_usage(
             self._model, self._database, batch_size=1, beam_width=1, isl=1, osl=1,
             num_tokens=1, prefix=0, max_seq_len=1, mtp_activation_scaling=False)
@@ -267,40 +225,34 @@ class SiliconDatabase:
                                         mode).get_result_dict()
 
     def prefill_s(self, num_prompts: int, prompt_len: int, cached_len: int = 0) -> float:
-        """One prefill step: ``num_prompts`` prompts of ``prompt_len`` new tokens each over
-        ``cached_len`` cached ones (seconds; the database's ``static_ctx`` TTFT)."""
+        """Seconds of one prefill step of ``num_prompts`` x ``prompt_len`` new tokens over
+        ``cached_len`` cached ones (``static_ctx`` TTFT)."""
         return self._ms(lambda: self._static("static_ctx", num_prompts, cached_len + prompt_len,
                                              1, cached_len)["ttft"]) / 1e3
 
     def decode_s(self, batch_size: int, context_len: int) -> float:
-        """One decode step of ``batch_size`` requests whose KV holds ``context_len`` tokens
-        (seconds; ``static_gen`` with osl 2: one step attending to ``context_len + 1``)."""
+        """Seconds of one decode step at ``context_len`` (``static_gen``, osl 2)."""
         return self._ms(lambda: self._static("static_gen", batch_size, context_len, 2)["tpot"]) / 1e3
 
     def mixed_s(self, prompt_len: int, batch_size: int) -> float:
-        """One step of a whole prompt of ``prompt_len`` tokens beside ``batch_size`` decodes
-        at context ``prompt_len + 1`` (seconds; the backend's ``run_mixed``)."""
+        """Seconds of a whole prompt beside ``batch_size`` decodes at ``prompt_len + 1`` (``run_mixed``)."""
         runtime = self._aic.config.RuntimeConfig(batch_size=1, isl=prompt_len, osl=1)
         step = self._aic.MixedStepInput(context_tokens=prompt_len, num_decode_requests=batch_size)
         return self._ms(lambda: self._backend.run_mixed(self._model, self._database, runtime,
                                                         step).latency_ms) / 1e3
 
     def tpot_s(self, batch_size: int, isl: int, osl: int) -> float:
-        """The database's TPOT of ``batch_size`` requests decoding ``osl`` tokens after
-        ``isl`` (seconds): ``aiconfigurator cli estimate --estimate-mode static_gen``'s
-        figure (its decode steps sampled every 32 tokens, not each one)."""
+        """The database's TPOT in seconds (``estimate-mode static_gen``: steps every 32 tokens)."""
         return self._ms(lambda: self._static("static_gen", batch_size, isl, osl)["tpot"]) / 1e3
 
 
 def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDatabase:
-    """The database's view of the model in ``model_dir`` on one GPU of ``system`` under
-    ``backend`` (module docstring, step 1), probed with one decode and one prefill step so
-    that a shape it lacks is refused here.
+    """The database's view of ``model_dir`` on one GPU of ``system`` under ``backend``, probed
+    with one decode and one prefill step so a missing shape is refused here.
 
     Raises:
         SiliconError: the package is missing, an unknown system or backend, no config file,
-            a MoE model, a KV dtype pdlab has not, or data missing for the model's shapes.
-    """
+            a MoE model, a KV dtype pdlab has not, or data missing for the model's shapes."""
     aic = _aic()
     check_system(system, backend)
     read_model_config(model_dir)
@@ -344,12 +296,10 @@ def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDa
 def sample_steps(db: SiliconDatabase, grid: SampleGrid = SampleGrid()
                  ) -> tuple[list[tuple[StepFeatures, float]], list[tuple[StepFeatures, float]],
                             list[tuple[StepFeatures, float]]]:
-    """The database's prefill, decode and mixed steps on ``grid`` (module docstring, step 2)
-    as ``(features, seconds)`` pairs, in ``fit_step_models``' order.
+    """``(features, seconds)`` of the database's steps on ``grid``, in ``fit_step_models``' order.
 
     Raises:
-        SiliconError: data missing for a shape of the grid.
-    """
+        SiliconError: data missing for a shape of the grid."""
     F = StepFeatures
     prefill = [(F(m * p, m * p * p), db.prefill_s(m, p))
                for p in grid.prompt_lens for m in grid.prompts_per_step
@@ -365,17 +315,9 @@ def sample_steps(db: SiliconDatabase, grid: SampleGrid = SampleGrid()
 def build_profile(db: SiliconDatabase, model_name: str, kv_bytes_per_token: int,
                   link: str | None = None, grid: SampleGrid = SampleGrid(),
                   created: str = "") -> DeviceProfile:
-    """The ``DeviceProfile`` of ``db`` (module docstring, step 3). Transfers: every link of
-    ``planner.latency.LINKS`` the system has, under its own name, and ``link``'s model again
-    under every transport name of ``engine.config.TRANSPORTS``: on the GPU box the profile
-    describes, KV crosses that link whichever transport moves it.
-
-    Args:
-        model_name: the profile's ``model`` (``--model`` as given: a config directory).
-        kv_bytes_per_token: KV bytes per token (``KVSpec.bytes_per_token`` at ``db.kv_dtype``).
-        link: the link the transports carry (default: ``nvlink`` where the system has it, else
-            ``pcie``).
-        created: a time stamp for ``notes``.
+    """The ``DeviceProfile`` of ``db``. Transfers: each ``LINKS`` link the system has, and
+    ``link``'s (default nvlink where present, else pcie) under every transport name: on that box
+    KV crosses that link whichever transport moves it. ``kv_bytes_per_token`` at ``db.kv_dtype``.
 
     Raises:
         SiliconError: data missing for a shape of the grid.
@@ -412,13 +354,11 @@ def build_profile(db: SiliconDatabase, model_name: str, kv_bytes_per_token: int,
 
 
 def mean_decode_step_s(profile: DeviceProfile, batch_size: int, isl: int, osl: int) -> float:
-    """pdlab's TPOT of ``batch_size`` requests decoding ``osl`` tokens after a prompt of
-    ``isl``: the mean of the profile's ``osl - 1`` decode steps, the j-th over KV contexts
-    ``isl + j`` (attending to ``isl + j + 1`` tokens each), as an emulated device holds them.
+    """pdlab's TPOT: the mean of the profile's ``osl - 1`` decode steps, the j-th at KV context
+    ``isl + j``, as an emulated device holds them.
 
     Raises:
-        ValueError: ``osl`` < 2 (no decode step).
-    """
+        ValueError: ``osl`` < 2 (no decode step)."""
     if osl < 2:
         raise ValueError(f"osl must be >= 2 for a decode step, got {osl}")
     step = profile.step_time()
@@ -429,8 +369,7 @@ def mean_decode_step_s(profile: DeviceProfile, batch_size: int, isl: int, osl: i
 def decode_table(profile: DeviceProfile, db: SiliconDatabase,
                  batch_sizes: Sequence[int] = (1, 16, 64), isl: int = 512,
                  osl: int = 64) -> list[dict]:
-    """pdlab's decode steps against the database's TPOT (``tpot_s``) per batch size:
-    rows ``batch_size, isl, osl, pdlab_s, database_s, error`` (pdlab / database - 1)."""
+    """Rows ``batch_size, isl, osl, pdlab_s, database_s, error`` (pdlab / database - 1)."""
     rows = []
     for b in batch_sizes:
         ours, theirs = mean_decode_step_s(profile, b, isl, osl), db.tpot_s(b, isl, osl)

@@ -1,25 +1,18 @@
 """A discrete-event simulator of one placement serving one workload (no torch, no threads).
 
 It runs pdlab's own scheduling code on a simulated clock: each instance holds a real
-``engine.scheduler.Scheduler``, assignment is the router's ``router.assignment.Assigner``, and
-only the forward and the KV bytes are replaced by fitted durations (``latency``). Requests
-follow the life docs/architecture.md tells ("A request's life"): a step's duration is the
-step model at the batch's features; a prefill worker's put holds its loop and precedes the
-first token; a decode instance fetches once ``schedule()`` reserves the blocks; requests stop
-at ``max_tokens`` (``ignore_eos`` workloads).
+``engine.scheduler.Scheduler``, assignment is ``router.assignment.Assigner``, and only the forward
+and the KV bytes are replaced by fitted durations (``latency``): a step lasts the step model at its
+batch's features; a prefill worker's put holds its loop and precedes the first token; a decode
+instance fetches once ``schedule()`` reserves the blocks; requests stop at ``max_tokens``. Output:
+``RequestRecord``s with a real run's stamps (simulated seconds from 0) and step and transfer
+records shaped like the real ones. Same inputs, same records.
 
-Output: one ``engine.metrics.RequestRecord`` per request with the stamps a real run writes
-(simulated seconds from 0), plus step and transfer records shaped like the real ones, so
-``experiments.analysis``, ``plots`` and ``report`` read it unchanged. Same inputs, same records.
-
-Fast-forward (``fast_forward=True``, default): a pure-decode step would be scheduled again
-unchanged until an arrival, a hand-over, a KV landing or a request stopping reaches the
-instance, so the steps up to that horizon are advanced in one go, with each step's duration
-from ``step_s`` at the grown context (times ``speed_trace`` at its start) and the same floats
-as the step-by-step run. A step that preempted is never fast-forwarded, and the run stops
-before a step needing more blocks than are free (``Scheduler.decode_steps_available``); the
-blocks the skipped steps would have made are made afterwards in order
-(``Scheduler.catch_up_decodes``). Records equal the step-by-step run's exactly."""
+Fast-forward (default): a pure-decode step would be scheduled again unchanged until an arrival,
+hand-over, KV landing or stop reaches the instance, so the steps up to that horizon advance in one
+go with the same floats (``step_s`` at the grown context). A step that preempted is never
+fast-forwarded, nor one needing more blocks than are free (``decode_steps_available``); their
+blocks are made afterwards in order (``catch_up_decodes``). Records equal step-by-step's exactly."""
 
 from __future__ import annotations
 
@@ -47,28 +40,21 @@ from router.policy import pick
 
 FAKE_TOKEN = 0  # output token ids are not simulated; lengths are (ignore_eos workloads)
 _STEP_END, _START, _HANDOVER, _FETCHED = range(4)  # heap event kinds (arrivals: a sorted list)
-# Events at one instant run in this order: everything else first, then the step starts, so a
-# step sees every request that arrived at its start time (a worker applies all queued
-# commands before it steps).
+# At one instant the step starts run last: a step sees every arrival of its start time.
 _EARLY, _LATE = 0, 1
 _PREFILLED, _FINISHED_STOPPED = RequestStatus.PREFILLED, RequestStatus.FINISHED_STOPPED
 
 
 @dataclass
 class SimResult:
-    """What one simulated run produced (seconds on the simulated clock, from 0).
+    """One simulated run (seconds from 0).
 
     Attributes:
         records: one per request, in arrival order.
-        steps: per step ``worker, start_s, duration_s, num_requests, num_prefill_tokens,
-            num_decode_tokens`` (empty unless ``collect_steps``).
+        steps: rows as a real run's (empty unless ``collect_steps``).
         transfers: per KV transfer ``request_id, num_bytes, put_s, get_s, transport``.
-        duration_s: last finish (the run's end) minus 0.
-        batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when
-            ``collect_batches`` (the Scheduler-identity test compares them to an Engine's).
-        num_fast_forwarded_steps: steps completed by the fast-forward, not by
-            ``Scheduler.update`` (module docstring; 0 with ``fast_forward=False``).
-    """
+        batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when ``collect_batches``.
+        num_fast_forwarded_steps: steps the fast-forward completed (0 without it)."""
 
     records: list[RequestRecord]
     steps: list[dict] = field(default_factory=list)
@@ -80,11 +66,8 @@ class SimResult:
 
 def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int,
                   budget_bytes: int | None = None) -> int | None:
-    """KV blocks an engine of ``config`` gets: the engine's own rule
-    (``engine.config.kv_num_blocks_for``: the memory budget over the bytes of a block,
-    capped by ``config.max_kv_blocks``) on ``budget_bytes`` (``DeviceProfile.
-    kv_budget_bytes``; None = the CPU rule, ``kv_cache_memory_gb`` or 4 GiB); None without a
-    KV geometry (the Scheduler then uses ``max_kv_blocks``)."""
+    """KV blocks an engine of ``config`` gets (``engine.config.kv_num_blocks_for``) on
+    ``budget_bytes`` (None: the CPU rule); None without a KV geometry."""
     if kv_bytes_per_token <= 0 or not hasattr(config, "block_size"):
         return None
     if budget_bytes is None:
@@ -105,10 +88,7 @@ class _Instance:
 
 
 class _Flight:
-    """One request in the simulation. Its tokens' stamps are kept once while it runs:
-    ``times`` (the record's ``token_worker_times_s``) and ``first_out_s`` (when the first
-    token left, after the put, on a prefill worker); ``finalize`` writes the record's
-    ``token_times_s`` and ``output_token_ids`` from them (per token, one append, not three)."""
+    """One request in the simulation; ``finalize`` writes its record's token times and ids."""
 
     __slots__ = ("request", "record", "first", "decode", "remote", "put_s", "times",
                  "first_out_s", "kv_token_start")
@@ -123,8 +103,7 @@ class _Flight:
         self.first_out_s: float | None = None
 
     def finalize(self) -> None:
-        """Tokens left the router when the worker produced them, the first one of a
-        prefilled request after its put."""
+        """Tokens leave when produced; a prefilled request's first after its put."""
         record = self.record
         record.token_times_s = list(self.times)
         if self.first_out_s is not None:
@@ -133,8 +112,7 @@ class _Flight:
 
 
 def worker_names(placement: str) -> list[tuple[str, str]]:
-    """``(name, role)`` of each worker, named as ``experiments.placement.worker_layout``
-    names them (``colocated-0``, ``prefill-0``, ``decode-0``, ...)."""
+    """``(name, role)`` per worker, as ``experiments.placement.worker_layout`` names them."""
     kind, first, second = parse_placement(placement)
     if kind == "colocated":
         return [(f"colocated-{i}", "colocated") for i in range(first)]
@@ -147,29 +125,19 @@ class Simulator:
     ``conditional:xPyD``) on a simulated clock.
 
     Args:
-        placement: the placement string (as ``pdlab compare`` takes it).
-        engine: each instance's engine config (``placement_engine_overrides`` applied here,
-            as ``Deployment`` does).
-        step_s: step duration in seconds as a function of ``(prefill_tokens,
-            prefill_attention, batch_size, sum_context)`` (``StepFeatures``' fields;
-            ``DeviceProfile.step_time()``).
-        transfer: KV transfer model; required when the placement has prefill workers.
-        kv_bytes_per_token: prompt KV bytes per token (``KVSpec.bytes_per_token``).
-        policy: router policy (``router.policy.POLICIES``).
-        conditional: the thresholds of ``conditional:xPyD``.
-        transport: the transport name written into transfer records.
-        fast_forward: advance runs of pure-decode steps in one go (module docstring); the
-            records are the same either way, False runs every step through the Scheduler.
-        speed_trace: ``(worker name, step start s) -> factor``: every modelled step time of
-            that worker starting then is multiplied by it (``drift.SpeedTrace``: a real
-            run's measured machine speed, replayed); None: the model's times as they are.
-        kv_budget_bytes: each instance's KV cache budget in bytes (``DeviceProfile.
-            kv_budget_bytes``: on CUDA the ``gpu_memory_utilization`` share less the
-            weights); None: the CPU rule (``num_kv_blocks``).
+        engine: each instance's config (``placement_engine_overrides`` applied here).
+        step_s: step seconds of ``(prefill_tokens, prefill_attention, batch_size, sum_context)``
+            (``DeviceProfile.step_time()``).
+        transfer: KV transfer model; required with prefill workers.
+        kv_bytes_per_token: prompt KV bytes per token.
+        fast_forward: False runs every step through the Scheduler; the records are the same.
+        speed_trace: ``(worker, step start s) -> factor`` multiplying modelled step times
+            (``drift.SpeedTrace``); None: the model's times.
+        kv_budget_bytes: each instance's KV budget in bytes (``DeviceProfile.kv_budget_bytes``);
+            None: the CPU rule.
 
     Raises:
-        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``.
-    """
+        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``."""
 
     def __init__(self, placement: str, engine: EngineConfig,
                  step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
@@ -197,20 +165,13 @@ class Simulator:
     # ---- one run -----------------------------------------------------------------------
     def run(self, workload: Sequence[tuple[Request, float]], collect_steps: bool = False,
             collect_batches: bool = False) -> SimResult:
-        """Serve ``workload`` (requests with arrival offsets in seconds) to the end.
-
-        A closed-loop workload (one with ``follow(record, end_s, output_token_ids)``, as
-        ``Router.run`` takes: ``experiments.workload_spec.ClosedLoop``) is told of every
-        request that finished and returns the requests that follow it (the next turn of a
-        conversation, arriving a think time later: ``engine.arrivals.Chains``). Such a run
-        goes step by step (no fast-forward: an arrival may appear inside any span).
-
-        Returns:
-            ``SimResult`` with one record per request (the followers too) in arrival order.
+        """Serve ``workload`` (requests with arrival offsets, s) to the end; a ``SimResult`` with
+        one record per request (followers too) in arrival order. A closed-loop workload (with
+        ``follow(record, end_s, output_token_ids)``, as ``Router.run`` takes) is told of each
+        finish and returns its followers; it runs without fast-forward.
 
         Raises:
-            ValueError: two requests share a request_id.
-        """
+            ValueError: two requests share a request_id."""
         ids = [r.request_id for r, _ in workload]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
@@ -236,9 +197,7 @@ class Simulator:
         self._transfers: list[dict] = []
         self._num_fast_forwarded = 0
         arrivals = self._arrivals = sorted(workload, key=lambda item: item[1])  # stable
-        # Arrivals wait in a sorted list beside the heap (which then holds only the few
-        # events in flight, so the fast-forward horizon scans it cheaply). An arrival runs
-        # before any heap event at its time.
+        # Arrivals wait in a sorted list beside the heap, so the horizon scans few events.
         self._arrival_s = [float(offset) for _, offset in arrivals] + [math.inf]
         self._next_arrival = 0  # index of the next arrival not yet run
         end_s = 0.0
@@ -304,9 +263,7 @@ class Simulator:
         self._wake(instance, t)
 
     def _refusal(self, request: Request) -> str | None:
-        """What the engine would refuse the request for (``engine.limits``, as
-        ``Engine.validate``: context, whole KV cache, the step budget without chunking);
-        None: it runs."""
+        """What the engine would refuse the request for (as ``Engine.validate``); None: it runs."""
         try:
             self._limits.check(request.num_prompt_tokens, request.sampling.max_tokens,
                                prefill_only=False, subject=f"request {request.request_id}: ")
@@ -348,7 +305,6 @@ class Simulator:
     def _start_at(self, instance: _Instance, t: float) -> None:
         heap = self._heap
         if (heap and heap[0][0] <= t) or self._arrival_s[self._next_arrival] <= t:
-            # other events at t first (a step sees them all)
             instance.busy = True
             self._push(t, _START, instance, _LATE)
         else:
@@ -394,8 +350,7 @@ class Simulator:
 
     def _record_step(self, instance: _Instance, batch: ScheduledBatch, t: float,
                      duration: float, n_pre: int, num_decode: int, steps_ahead: int = 0) -> None:
-        """A step record shaped like a real one (``StepRecord.to_row``, batch included);
-        ``steps_ahead``: a fast-forwarded step, that many steps after ``batch``'s own."""
+        """A step record like ``StepRecord.to_row``; ``steps_ahead``: a fast-forwarded step."""
         if self._steps is not None:
             self._steps.append(StepRecord(t, duration, len(batch.requests), n_pre, num_decode,
                                           batch.entries(steps_ahead)).to_row()
@@ -406,13 +361,9 @@ class Simulator:
 
     def _fast_forward(self, instance: _Instance, batch: ScheduledBatch, end_s: float,
                       sum_ctx: int) -> float:
-        """Complete the pure-decode ``batch`` (just scheduled, ending at ``end_s``) and the
-        same batch again while the Scheduler would schedule it unchanged (module docstring):
-        every step that ends before the horizon, and before the step in which the first
-        request of the batch stops. Returns the end of the step left to run as usual.
-        Step durations are ``step_s`` at the context each step has (times the speed trace
-        at the step's start), summed in step order, so every time equals the step-by-step
-        run's to the last bit."""
+        """Complete the pure-decode ``batch`` (ending at ``end_s``) and its unchanged repeats that
+        end before the horizon and before the first request stops. Returns the end of the step
+        left to run as usual; durations summed in step order, equal to step-by-step's bitwise."""
         horizon_s = self._horizon(instance)
         if end_s >= horizon_s:
             return end_s
@@ -454,17 +405,13 @@ class Simulator:
                 if not flight.times:
                     flight.record.timeline[PREFILL_FINISHED] = ends[0]
                 flight.times.extend(ends)
-            # the blocks and prefix-cache entries those steps' schedule() would have made
             scheduler.catch_up_decodes(requests, len(ends))
         return end_s
 
     def _horizon(self, instance: _Instance) -> float:
-        """The earliest time an event may change what ``instance``'s Scheduler holds: an
-        event queued for it (a hand-over to it, a KV fetch of its own), a prefill worker's
-        step or put (its end hands requests over), and the next arrival unless arrivals
-        cannot reach it first (disaggregated: they go to the prefill workers, and while
-        every prefill worker is busy, its queued step end comes earlier). Other workers'
-        steps only change the router's loads, which an arrival reads: bounded by it."""
+        """The earliest time an event may change ``instance``'s Scheduler: a hand-over or KV
+        fetch queued for it, a prefill worker's step or put end, and the next arrival unless it
+        cannot reach it first (disaggregated, while every prefill worker is busy)."""
         horizon_s = math.inf
         instances = self._instances.values()
         if self.kind != "disagg" or any(i.role == "prefill" and not i.busy for i in instances):

@@ -1,24 +1,15 @@
-"""Where disaggregation wins: the planner's answer over a grid of SLO targets and
-prompt:output ratios, with how sure it is (no torch).
+"""Where disaggregation wins: the planner's answer over a grid of SLO targets and prompt:output
+ratios, with how sure it is (no torch). Aggregation tends to win at tight TTFT, disaggregation at
+tight TPOT (TaiChi). ``pdlab map``, per ratio:
 
-Aggregation tends to win at tight TTFT, disaggregation at tight TPOT (TaiChi). ``pdlab map``
-draws the regimes, per prompt:output ratio:
-
-1. ``map_candidates``: ``search.candidates`` plus ``conditional:xPyD`` for every disagg one,
-   each in one family (``FAMILIES``, ``family_of``).
-2. One ``search.sweep`` per ratio keeping every request's TTFT and TPOT: each (candidate,
-   rate, seed) is simulated once, and every (TTFT SLO, TPOT SLO) cell is re-scored from the
-   same requests (``attainment``) and its goodput per device read (``goodput_grid``:
-   ``engine.metrics.goodput_rate`` on the mean-over-seeds curve).
-3. ``cells``: the best of each family; the family with most goodput wins, the best of another
-   is runner-up, margin = (winner - runner-up) / winner. "No clear winner" where
-   ``band.separates`` does not separate them (winner 1 + S slower against runner-up 1 - S
-   faster; S = 0: a tie). "none" where nothing reaches 90% attainment at the lowest rate.
-   colocated:N and colocated-nochunk:N with the same schedule are one answer
-   (``same_schedule``). A winner still meeting the SLO at the top rate is flagged
-   (``at_sweep_top``): its goodput is a lower bound.
-4. ``regions``: where each family wins, as text, from the bounding box of its clear cells.
-5. ``pick_cells``: which cells ``pdlab map --validate K`` checks for real."""
+1. ``map_candidates``: ``search.candidates`` plus ``conditional:xPyD`` per disagg one.
+2. One ``search.sweep`` per ratio keeping each request's TTFT and TPOT: every (TTFT, TPOT) cell
+   is re-scored from the same requests (``attainment``, ``goodput_grid``).
+3. ``cells``: the family with most goodput wins, margin = (winner - runner-up) / winner; "no clear
+   winner" where ``band.separates`` does not separate them, "none" where nothing reaches 90%
+   attainment at the lowest rate; same-schedule twins are one answer; ``at_sweep_top`` flags a
+   goodput that is a lower bound.
+4. ``regions``: where each family wins, as text. 5. ``pick_cells``: cells ``--validate K`` runs."""
 
 from __future__ import annotations
 
@@ -47,13 +38,11 @@ CELL_COLUMNS = ["io_ratio", "ttft_slo_s", "tpot_slo_s", "ttft_index", "tpot_inde
 
 
 def family_of(placement: str) -> str:
-    """The family of a placement string: ``colocated-nochunk:N`` -> colocated,
-    ``colocated:N`` (chunked prefill, any budget) -> colocated chunked, ``disagg:xPyD`` ->
-    disagg, ``conditional:xPyD`` -> conditional.
+    """``colocated-nochunk:N`` -> colocated, ``colocated:N`` -> colocated chunked,
+    ``disagg:xPyD`` -> disagg, ``conditional:xPyD`` -> conditional.
 
     Raises:
-        ValueError: another placement string.
-    """
+        ValueError: another placement string."""
     kind = placement.split(":", 1)[0]
     names = {"colocated-nochunk": "colocated", "colocated": "colocated chunked",
              "disagg": "disagg", "conditional": "conditional"}
@@ -64,12 +53,11 @@ def family_of(placement: str) -> str:
 
 def map_candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
                    conditional: bool = True) -> list[search.Candidate]:
-    """Step 1: ``search.candidates`` plus, with ``conditional``, ``conditional:xPyD`` for each
-    ``disagg:xPyD`` (same workers; Dynamo's rule prefills short prompts on the decode side).
+    """``search.candidates`` plus, with ``conditional``, ``conditional:xPyD`` per ``disagg:xPyD``
+    (Dynamo's rule prefills short prompts on the decode side).
 
     Raises:
-        ValueError: ``num_devices < 1``.
-    """
+        ValueError: ``num_devices < 1``."""
     cands = search.candidates(num_devices, chunk_budgets)
     if conditional:
         cands += [search.Candidate(c.placement.replace("disagg:", "conditional:"))
@@ -78,14 +66,12 @@ def map_candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
 
 
 def parse_range(text: str, name: str = "range") -> tuple[float, ...]:
-    """``MIN:MAX:STEPS`` -> STEPS values from MIN to MAX (seconds), geometrically spaced
-    (SLO targets span decades), MIN and MAX included, 4 significant digits. ``STEPS`` = 1
-    needs MIN = MAX.
+    """``MIN:MAX:STEPS`` -> STEPS values (seconds), geometrically spaced from MIN to MAX inclusive,
+    4 significant digits.
 
     Raises:
-        ValueError: not three fields, MIN <= 0 (a negative or zero SLO), MIN > MAX, STEPS
-            not an integer >= 1, or STEPS 1 with MIN != MAX; the message starts with ``name``.
-    """
+        ValueError: not three fields, MIN <= 0, MIN > MAX, STEPS not an integer >= 1, or STEPS 1
+            with MIN != MAX; the message starts with ``name``."""
     parts = text.split(":")
     try:
         lo, hi, steps = float(parts[0]), float(parts[1]), int(parts[2])
@@ -108,8 +94,7 @@ def parse_ratios(text: str) -> tuple[float, ...]:
     """Comma-separated prompt:output token ratios (each > 0, each once), e.g. ``0.25,1,4``.
 
     Raises:
-        ValueError: an empty list, a value that is not a number > 0, or a repeat.
-    """
+        ValueError: an empty list, a value that is not a number > 0, or a repeat."""
     try:
         values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
@@ -122,14 +107,11 @@ def parse_ratios(text: str) -> tuple[float, ...]:
 
 
 def ratio_lengths(ratio: float, request_tokens: int) -> tuple[str, str]:
-    """Synthetic lengths for prompt:output ``ratio`` at ``request_tokens`` (prompt + output
-    on average): mean prompt p = round(request_tokens x ratio / (1 + ratio)), mean output
-    o = request_tokens - p (each >= 1), each drawn uniform in [0.5 x, 1.5 x] of its mean
-    (``WorkloadSpec`` ``lo-hi`` strings).
+    """Mean prompt p = round(request_tokens x ratio / (1 + ratio)), output o = request_tokens - p
+    (each >= 1), each uniform in [0.5 x, 1.5 x] of its mean, as ``WorkloadSpec`` ``lo-hi`` strings.
 
     Raises:
-        ValueError: ``request_tokens < 2``.
-    """
+        ValueError: ``request_tokens < 2``."""
     if request_tokens < 2:
         raise ValueError(f"request_tokens must be >= 2, got {request_tokens}")
     p = min(max(1, round(request_tokens * ratio / (1 + ratio))), request_tokens - 1)
@@ -144,9 +126,8 @@ def ratio_lengths(ratio: float, request_tokens: int) -> tuple[str, str]:
 
 def attainment(ttft: np.ndarray, tpot: np.ndarray, ttft_grid: Sequence[float],
                tpot_grid: Sequence[float]) -> np.ndarray:
-    """SLO attainment of one run at every cell, shape (len(ttft_grid), len(tpot_grid)):
-    the share of requests with TTFT <= T and TPOT <= P (``search.request_latencies``' coding,
-    so this is ``engine.metrics.slo_attainment``). NaN for a run without requests."""
+    """Share of a run's requests with TTFT <= T and TPOT <= P per cell, shape (len(ttft_grid),
+    len(tpot_grid)) (= ``engine.metrics.slo_attainment``); NaN without requests."""
     n = len(ttft)
     if n == 0:
         return np.full((len(ttft_grid), len(tpot_grid)), math.nan)
@@ -157,10 +138,8 @@ def attainment(ttft: np.ndarray, tpot: np.ndarray, ttft_grid: Sequence[float],
 
 def goodput_grid(runs: pd.DataFrame, ttft_grid: Sequence[float],
                  tpot_grid: Sequence[float]) -> dict[str, np.ndarray]:
-    """Step 2: candidate label -> goodput per device (req/s) at every cell, shape
-    (len(ttft_grid), len(tpot_grid)): per (candidate, rate) the mean over seeds of
-    ``attainment``, then ``engine.metrics.goodput_rate`` per cell (as ``search.rank`` reads
-    one SLO). ``runs``: ``search.sweep(..., latencies=True)`` rows."""
+    """Candidate -> goodput per device (req/s) per cell: per (candidate, rate) the mean over seeds
+    of ``attainment``, then ``goodput_rate`` per cell. ``runs``: ``sweep(latencies=True)`` rows."""
     out = {}
     shape = (len(ttft_grid), len(tpot_grid))
     for label, g in runs.groupby("candidate", sort=False):
@@ -181,8 +160,7 @@ def goodput_grid(runs: pd.DataFrame, ttft_grid: Sequence[float],
 
 def best_per_family(goodput: Mapping[str, float],
                     family: Mapping[str, str]) -> list[tuple[str, str, float]]:
-    """(family, candidate, goodput) of each family's best candidate (ties: the first
-    listed), best family first (ties: the families' first candidate order)."""
+    """(family, candidate, goodput) of each family's best, best first (ties: listed order)."""
     best: dict[str, tuple[str, float]] = {}
     for label, g in goodput.items():
         f = family[label]
@@ -198,30 +176,18 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
           fast: Mapping[str, np.ndarray] | None = None,
           top: Mapping[str, float] | None = None,
           twins: Mapping[str, str] | None = None) -> pd.DataFrame:
-    """Step 3: one row per cell (``CELL_COLUMNS``), TTFT index major.
+    """One row per cell (``CELL_COLUMNS``), TTFT index major.
 
     Args:
-        goodput: candidate label -> goodput per device per cell (``goodput_grid``), in the
-            candidates' order (it breaks ties).
-        families: candidate label -> family (``family_of`` of its placement).
-        slow, fast: the same at the band's ends for the candidates that were banded (None:
-            no band, both ends are the nominal goodput). A winner or runner-up missing there
-            is judged by its nominal goodput.
-        top: candidate label -> the goodput per device it would have at the top of the
-            swept rates (top rate / its devices). A winner at it has ``at_sweep_top``: it
-            still met the SLO at the fastest rate swept, so its goodput is a lower bound
-            (``search.rank``'s ``at_sweep_top``, per cell). None: never flagged.
-        twins: candidate label -> the label of a candidate that runs the same schedule on
-            this workload (``same_schedule``: colocated:N and colocated-nochunk:N when every
-            prompt fits the chunk budget). When the winner's twin is the runner-up family's
-            best at the same goodput, it is no rival: ``same_schedule_as`` names it and the
-            runner-up is the next family's best.
+        goodput: candidate -> goodput per device per cell, in candidate order (breaks ties).
+        slow, fast: the same at the band's ends (None: no band; missing: nominal).
+        top: candidate -> goodput per device at the top swept rate; a winner at it has
+            ``at_sweep_top`` (its goodput is a lower bound). None: never flagged.
+        twins: ``same_schedule``'s map; a winner whose twin is the runner-up at the same goodput
+            names it in ``same_schedule_as``, and the next family's best is runner-up.
 
-    ``verdict``: the winner's label when clear, ``NO_CLEAR`` when the band does not
-    separate it from the runner-up, ``NONE`` when no candidate has goodput > 0 (then the
-    winner columns are empty and margin NaN). Margin: (winner - runner-up) / winner, 1.0
-    without a runner-up family.
-    """
+    ``verdict``: the winner when clear, ``NO_CLEAR`` when the band does not separate it from the
+    runner-up, ``NONE`` when no goodput > 0 (margin NaN). Margin 1.0 without a runner-up family."""
     slow, fast, top, twins = slow or {}, fast or {}, top or {}, twins or {}
     rows = []
     for i, ttft in enumerate(ttft_grid):
@@ -257,13 +223,9 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
 
 def same_schedule(cands: Sequence[search.Candidate], engine: EngineConfig,
                   max_prompt_tokens: int) -> dict[str, str]:
-    """The ``twins`` of ``cells``: ``colocated:N`` (chunked, at the engine's own budget) and
-    ``colocated-nochunk:N`` map to each other when the longest prompt (tokens) fits the
-    chunk budget (``engine.max_num_batched_tokens``). Then no prompt needs splitting: the
-    chunked scheduler splits one only where it shares a step past the budget, where the
-    unchunked one makes it wait a step (``engine.scheduler``), so the two run nearly the
-    same schedule, and where they reach the same goodput the tie is one answer under two
-    names, not two rivals "with no clear winner". Candidates with their own
+    """``colocated:N`` (chunked at the engine's budget) and ``colocated-nochunk:N`` map to each
+    other when the longest prompt fits the chunk budget: then the two run nearly the same
+    schedule, and an equal goodput is one answer under two names. Candidates with their own
     ``chunk_budget`` are left out."""
     if max_prompt_tokens > engine.max_num_batched_tokens:
         return {}
@@ -276,8 +238,7 @@ def same_schedule(cands: Sequence[search.Candidate], engine: EngineConfig,
 
 
 def contenders(table: pd.DataFrame) -> list[str]:
-    """The candidate labels that are winner or runner-up in some cell of ``table``
-    (``cells``), in first-seen order: the ones step 3 bands."""
+    """Labels that are winner or runner-up in some cell, first-seen order (the ones step 3 bands)."""
     labels = list(table["winner"]) + list(table["runner_up"])
     return [x for x in dict.fromkeys(labels) if x]
 
@@ -289,16 +250,11 @@ def map_ratio(cands: Sequence[search.Candidate], rates: Sequence[float],
               spread: float = 0.0, process: str = "poisson", burstiness: float = 1.0,
               policy: str = "least_loaded", progress: Callable[[], None] | None = None,
               jobs: int = 1) -> tuple[pd.DataFrame, pd.DataFrame, dict[str, np.ndarray]]:
-    """Steps 2-3 for one ratio's workload (``requests_by_seed``).
-
-    Returns:
-        (``cells`` table, the sweep's rows without the per-request columns (``RUN_COLUMNS``
-        at the loosest cell's SLO, with a ``speed`` column: nominal/slow/fast), and the
-        nominal goodput grids per candidate label).
+    """Steps 2-3 for one ratio: (``cells`` table, the sweep's rows without per-request columns
+    and with ``speed``: nominal/slow/fast, nominal goodput grids per candidate).
 
     Raises:
-        ValueError: a bad ``spread`` (``band.scales``).
-    """
+        ValueError: a bad ``spread`` (``band.scales``)."""
     scales = band.scales(spread) if spread > 0 else {}
     loosest = SLO(max(ttft_grid), max(tpot_grid))
     runs = search.sweep(cands, list(rates), requests_by_seed, engine, profile, transfer, loosest,
@@ -340,15 +296,10 @@ def _condition(name: str, grid: Sequence[float], lo: int, hi: int) -> list[str]:
 
 
 def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence[float]) -> list[str]:
-    """Step 4: one line per family that wins some cell clearly (naming its same-schedule
-    twin where it tied with one), then one for the cells without a clear winner, one for
-    the cells whose winner met the top swept rate (``at_sweep_top``) and one for the cells
-    nobody meets, for one ratio's ``cells``.
-
-    Each line is the bounding box of those cells: "<family> (<placements>) wins when TPOT
-    <= X s and TTFT >= Y s" when every cell of the box is its clear win, else "... wins in
-    n of the m cells where ..."; a bound at the grid's own edge is left out ("everywhere"
-    when none is left)."""
+    """One line per family that wins some cell clearly (naming a same-schedule twin), then for the
+    cells without a clear winner, at the sweep top, and met by nobody. Each is the bounding box of
+    those cells, "<family> (<placements>) wins when TPOT <= X s and TTFT >= Y s", or "wins in n of
+    the m cells where ..."; bounds at the grid's edge are left out ("everywhere")."""
     lines = []
     clear = table[table["clear"]]
     groups = [(f, clear[clear["winner_family"] == f]) for f in FAMILIES]
@@ -390,15 +341,12 @@ def regions(table: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence
 
 
 def pick_cells(table: pd.DataFrame, k: int) -> pd.DataFrame:
-    """Step 5: ``k`` rows of ``table`` (``cells`` of every ratio, with ``io_ratio``) to check
-    for real. Per ratio its cells in the order: corner, cell beside a boundary, corner, ...
-    (corners (min, min), (max, max), (min, max), (max, min) in (TTFT, TPOT); boundary cells,
-    those whose right or upper neighbour has another verdict, smallest margin first); then
-    round-robin over the ratios, each cell once. Fewer than ``k`` when the map is smaller.
+    """``k`` rows of ``table`` (every ratio's ``cells``) to check for real: per ratio corners
+    ((min, min), (max, max), (min, max), (max, min)) alternating with boundary cells (a right or
+    upper neighbour with another verdict, smallest margin first), round-robin over ratios.
 
     Raises:
-        ValueError: ``k < 1``.
-    """
+        ValueError: ``k < 1``."""
     if k < 1:
         raise ValueError(f"the number of cells to check must be >= 1, got {k}")
     orders = []

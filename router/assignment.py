@@ -1,28 +1,17 @@
-"""Which workers serve a request and what each is charged: the one owner of the assignment
-rules, used alike by the router (``router.router.Router``) and the planner's simulator
-(``planner.simulate.Simulator``), so a plan and a real run pick the same workers from the
-same loads. No I/O, no clock, no torch. (The whole request's life: docs/architecture.md, "A
-request's life".)
+"""Which workers serve a request and what each is charged: the one owner of the assignment rules,
+used alike by the router and the planner's simulator, so a plan and a real run pick the same
+workers from the same loads. No I/O, no clock, no torch.
 
-1. ``assign`` by placement kind: ``colocated``, one colocated worker; ``disagg``, a prefill
-   and a decode worker; ``conditional``, Dynamo's rule (``ConditionalConfig.remote``: prompt
-   length minus its prefix hit on the decode worker, and the prefill queue) picks local or
-   remote prefill. Each worker is picked by the policy over its pool's live workers
-   (``router.policy.pick``) and charged at once: a prefill worker its prompt tokens, a decode
-   or colocated worker ``prompt + max_tokens`` rounded up to whole KV blocks.
-2. ``prefilled``: its first token came back; the prefill charge is released.
-3. ``release``: it ended, whichever way; every charge is released exactly once.
-
-Prefixes: ``assign`` may be given the prompt's block hashes; the picked workers are credited
-with them in a ``PrefixIndex`` (``cache_aware`` picks by longest match). Without hashes every
-match is 0. The KV sent to a decode worker (``Assignment.kv_token_start``) skips only the
-prefix it holds for sure: a second index, ``landed``, credits it once the KV arrived
-(``kv_landed``), not blocks still in flight.
-
-A dead worker leaves its pool (``mark_dead``); ``requests_needing`` names the requests that
-needed it, and ``reassign_decode`` gives a remote request another decode worker. ``mark_live``
-brings a restarted one back. A pool with no live worker makes ``assign`` raise
-``NoLiveWorker`` naming the role."""
+``assign`` by placement kind: ``colocated``, one worker; ``disagg``, a prefill and a decode
+worker; ``conditional``, Dynamo's rule (``ConditionalConfig.remote``: prompt length minus its
+prefix hit on the decode worker, and the prefill queue) picks local or remote prefill. Each
+worker is picked by the policy over its pool's live workers and charged at once: a prefill worker
+the prompt tokens, a decode or colocated one ``prompt + max_tokens`` in whole KV blocks.
+``prefilled`` releases the prefill charge; ``release`` every charge, exactly once. Picked workers
+are credited with the prompt's block hashes in a ``PrefixIndex``; the KV sent to a decode worker
+(``kv_token_start``) skips only the prefix whose KV landed there (``kv_landed``). A dead worker
+leaves its pool (``mark_dead``; ``requests_needing``, ``reassign_decode``), ``mark_live`` brings
+it back; a pool with no live worker makes ``assign`` raise ``NoLiveWorker`` naming the role."""
 
 from __future__ import annotations
 
@@ -47,10 +36,9 @@ class NoLiveWorker(ValueError):
 
 @dataclass(frozen=True)
 class Assignment:
-    """Where a request runs: ``first`` computes its prompt (a prefill worker, or the worker
-    that also decodes it), ``decode`` produces its other tokens. ``kv_token_start`` (remote
-    only): the prompt tokens its decode worker holds for sure, in whole blocks
-    (``Assigner.kv_token_start``): only the KV of the tokens from there on is sent."""
+    """Where a request runs: ``first`` computes its prompt, ``decode`` its other tokens;
+    ``kv_token_start`` (remote only): the whole-block prefix its decode worker holds for sure, so
+    only the KV from there on is sent."""
 
     first: str
     decode: str
@@ -66,19 +54,13 @@ class Assigner:
     """Pools, loads and charges of one placement (module docstring).
 
     Args:
-        workers: ``(name, role)`` of every worker, role ``colocated``, ``prefill`` or
-            ``decode``; a pool keeps this order (ties of ``least_loaded`` go to the first).
-        kind: the placement kind (``engine.config.parse_placement``): ``colocated``,
-            ``disagg`` or ``conditional``.
-        policy: ``round_robin``, ``least_loaded`` or ``cache_aware``
-            (``router.policy.POLICIES``).
-        kv_block_size: tokens per KV block; decode and colocated charges count whole blocks
-            (the blocks the worker reserves; 1 = tokens as they are).
-        conditional: the rule of a ``conditional`` placement (default ``ConditionalConfig()``).
+        workers: ``(name, role)`` per worker; a pool keeps this order (``least_loaded`` ties go
+            to the first).
+        kind: ``colocated``, ``disagg`` or ``conditional`` (``engine.config.parse_placement``).
+        kv_block_size: tokens per KV block; decode charges count whole blocks (1 = tokens).
 
     Raises:
-        ValueError: an unknown kind or policy, or a role the kind needs has no worker.
-    """
+        ValueError: an unknown kind or policy, or a role the kind needs has no worker."""
 
     def __init__(self, workers: Sequence[tuple[str, str]], kind: str, policy: str = "least_loaded",
                  kv_block_size: int = 1, conditional: ConditionalConfig | None = None) -> None:
@@ -105,8 +87,7 @@ class Assigner:
 
     @property
     def uses_prefixes(self) -> bool:
-        """The assignment reads prompt block hashes (``cache_aware``, or a ``conditional``
-        placement's rule): worth computing them for ``assign``."""
+        """Whether ``assign`` reads block hashes (``cache_aware`` or ``conditional``)."""
         return self.policy == "cache_aware" or self.kind == "conditional"
 
     def prefix_hit_tokens(self, worker: str, block_hashes: Sequence[bytes]) -> int:
@@ -119,31 +100,27 @@ class Assigner:
         self.landed.reset()
 
     def kv_landed(self, request_id: str, worker: str) -> None:
-        """A remote request's prompt KV reached its decode worker ``worker`` (``kv_got``):
-        the worker caches its prompt's full blocks now (``Scheduler.kv_arrived``)."""
+        """A remote request's prompt KV reached decode worker ``worker``: it caches those blocks."""
         self.landed.insert(worker, self._hashes.get(request_id, ()))
 
     def kv_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
-        """A decode (or colocated) worker's charge: ``prompt + max_tokens`` rounded up to
-        whole KV blocks."""
+        """A decode (or colocated) charge: ``prompt + max_tokens`` in whole KV blocks."""
         blocks = -(-(num_prompt_tokens + max_tokens) // self.kv_block_size)
         return blocks * self.kv_block_size
 
     @property
     def num_queued_prefills(self) -> int:
-        """Requests assigned to a prefill worker and not yet prefilled (Dynamo's prefill
-        queue, which ``conditional`` placements read)."""
+        """Requests at a prefill worker not yet prefilled (Dynamo's prefill queue)."""
         return len(self._queued)
 
     def assign(self, request_id: str, num_prompt_tokens: int, max_tokens: int,
                block_hashes: Sequence[bytes] = ()) -> Assignment:
-        """Pick the request's workers and charge them (step 1). ``block_hashes``: the
-        prompt's chained block hashes (module docstring; empty: no prefix is known).
+        """Pick the request's workers and charge them; ``block_hashes``: the prompt's (empty:
+        no prefix known).
 
         Raises:
             NoLiveWorker: a pool it needs has no live worker; nothing is charged then.
-            ValueError: ``request_id`` is already assigned.
-        """
+            ValueError: ``request_id`` is already assigned."""
         if request_id in self._charges:
             raise ValueError(f"request_id {request_id} is already assigned")
         kv_tokens = self.kv_tokens(num_prompt_tokens, max_tokens)
@@ -173,19 +150,16 @@ class Assigner:
 
     def kv_token_start(self, decode: str, block_hashes: Sequence[bytes],
                        num_prompt_tokens: int) -> int:
-        """The first prompt token whose KV a remote request's decode worker ``decode``
-        needs sent: the prefix of the prompts whose KV reached it (``kv_landed``; whole
-        blocks), at most the whole blocks before the prompt's last token (the KV sent is
-        never empty, as ``Engine.add_remote`` requires). If the prefix was evicted
-        meanwhile, the decode worker recomputes the prompt instead (``engine.scheduler``)."""
+        """The first prompt token whose KV ``decode`` needs sent: the landed prefix in whole
+        blocks, at most the whole blocks before the last token (never empty, as
+        ``Engine.add_remote`` requires). Evicted meanwhile: the decode worker recomputes."""
         if not block_hashes:
             return 0
         whole = (num_prompt_tokens - 1) // self.kv_block_size * self.kv_block_size
         return min(self.landed.match(decode, block_hashes) * self.kv_block_size, whole)
 
     def _decode_hit_tokens(self, hashes: tuple[bytes, ...]) -> int:
-        """The prefix hit on the decode worker the policy would pick now (nothing picked,
-        nothing charged; 0 with no live decode worker: ``assign`` raises as before)."""
+        """The prefix hit on the decode worker the policy would pick now (0 with none live)."""
         if not hashes:
             return 0
         live = self._live("decode")
@@ -194,13 +168,12 @@ class Assigner:
         return self.prefix_hit_tokens(self._choose("decode", live, hashes), hashes)
 
     def prefilled(self, request_id: str, worker: str) -> None:
-        """``worker`` (its prefill worker) produced the request's first token: release that
-        charge and take the request out of the prefill queue (step 2; no-op when done)."""
+        """Release the prefill charge and leave the prefill queue (no-op when done)."""
         self._discharge(request_id, worker)
         self._queued.discard(request_id)
 
     def release(self, request_id: str) -> None:
-        """The request ended: release every charge it still holds (step 3; each once)."""
+        """Release every charge the request still holds (each once)."""
         for name in list(self._charges.get(request_id, ())):
             self._discharge(request_id, name)
         self._charges.pop(request_id, None)
@@ -208,12 +181,11 @@ class Assigner:
         self._hashes.pop(request_id, None)
 
     def reassign_decode(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> str:
-        """Move a remote request's decode charge to a live decode worker, picked by the
-        policy (its own died before the request reached it); returns the new one.
+        """Move a remote request's decode charge to a live decode worker (its own died first);
+        returns the new one.
 
         Raises:
-            NoLiveWorker: no decode worker is live (the old charge is released either way).
-        """
+            NoLiveWorker: no decode worker is live (the old charge is released either way)."""
         charges = self._charges[request_id]
         for name in [n for n in charges if n in self.pools["decode"]]:
             self._discharge(request_id, name)
@@ -226,14 +198,13 @@ class Assigner:
         return decode
 
     def mark_dead(self, worker: str) -> None:
-        """Nothing new goes to ``worker``; its charges stay until their requests release.
-        Its prefixes are forgotten (a replacement starts with an empty cache)."""
+        """Nothing new goes to ``worker``; its charges stay until released; its prefixes go."""
         self._dead.add(worker)
         self.prefixes.forget(worker)
         self.landed.forget(worker)
 
     def mark_live(self, worker: str) -> None:
-        """``worker`` (restarted) is back in its pool: new requests may go to it again."""
+        """``worker`` (restarted) is back in its pool."""
         self._dead.discard(worker)
 
     def is_live(self, worker: str) -> bool:
@@ -247,7 +218,6 @@ class Assigner:
         return [name for name in self.pools[role] if name not in self._dead]
 
     def _choose(self, role: str, live: list[str], hashes: tuple[bytes, ...]) -> str:
-        """The policy's choice among ``live`` (state unchanged)."""
         if self.policy != "cache_aware":
             return pick(self.policy, live, self.loads, self._turns[role])
         matches = {name: self.prefixes.match(name, hashes) for name in live} if hashes else {}

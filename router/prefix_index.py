@@ -1,16 +1,9 @@
-"""What prefix each worker probably caches, as the router sees it: per worker, the chained
-block hashes (``engine.kv_blocks.block_hashes``, the engine's own scheme, 16-token blocks by
-default) of the prompts it was sent. Owned by ``router.assignment.Assigner``, so the
-online router and the planner's simulator match prompts against the same index.
-
-It is SGLang's approximate tree (``sgl-router`` ``cache_aware``: the router inserts what it
-routes and never asks the worker): a worker that evicted a block is still credited with it
-until the index forgets it, least recently used first, past ``capacity_blocks`` per
-worker. A dead worker's entries are dropped (its replacement starts cold), and ``reset``
-drops all (between runs). Because a hash names its whole prefix (it is chained through
-its parent's), the match of a prompt is its leading hashes present, counted in blocks.
-No I/O, no clock, no torch.
-"""
+"""What prefix each worker probably caches, as the router sees it: per worker, the chained block
+hashes (``engine.kv_blocks.block_hashes``) of the prompts it was sent; owned by ``Assigner``. It
+is SGLang's approximate tree (``sgl-router`` ``cache_aware``: insert what is routed, never ask the
+worker): an evicted block stays credited until the index forgets it, LRU past
+``capacity_blocks`` per worker. A dead worker's entries are dropped, ``reset`` drops all. A hash
+names its whole prefix, so a prompt's match is its leading hashes present, in blocks."""
 
 from __future__ import annotations
 
@@ -21,16 +14,10 @@ DEFAULT_CAPACITY_BLOCKS = 1 << 16  # per worker: ~1M tokens of 16-token blocks, 
 
 
 class PrefixIndex:
-    """Per-worker LRU sets of block hashes (module docstring).
-
-    Args:
-        workers: the worker names.
-        capacity_blocks: hashes kept per worker (>= 1); the least recently inserted or
-            matched go first.
+    """Per-worker LRU sets of block hashes; ``capacity_blocks`` kept per worker.
 
     Raises:
-        ValueError: ``capacity_blocks`` < 1.
-    """
+        ValueError: ``capacity_blocks`` < 1."""
 
     def __init__(self, workers: Iterable[str], capacity_blocks: int = DEFAULT_CAPACITY_BLOCKS
                  ) -> None:

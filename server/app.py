@@ -134,24 +134,22 @@ def _check_prompt(value: Any) -> list[str | list[int]]:
 class _Sampling(_Body):
     """The request fields both endpoints take; ``null`` for any of them means "not given".
 
-    OpenAI's: ``model`` (the served name, else 404), ``max_tokens`` (default: 16 for
-    completions, what the context and the KV cache leave for chat), ``temperature`` (1.0;
-    below 1e-5 greedy), ``top_p``, ``seed`` (choice ``i`` uses ``seed + i``), ``stop`` (a
-    string or up to ``MAX_STOP_STRINGS`` strings), ``n`` (up to ``MAX_N``), ``best_of``
-    (only equal to ``n``: every choice generated is returned), ``presence_penalty`` and
-    ``frequency_penalty`` ([-2, 2]), ``stream``, ``stream_options`` (``include_usage``;
-    vLLM's ``continuous_usage_stats``: the usage so far in every chunk), ``user`` (ignored),
-    ``logit_bias`` (only empty).
+    OpenAI's: ``model`` (the served name, else 404), ``max_tokens`` (default: 16 for completions,
+    what the context and the KV cache leave for chat), ``temperature`` (1.0; below 1e-5 greedy),
+    ``top_p``, ``seed`` (choice ``i`` uses ``seed + i``), ``stop`` (a string or up to
+    ``MAX_STOP_STRINGS`` strings), ``n`` (up to ``MAX_N``), ``best_of`` (only equal to ``n``: every
+    choice generated is returned), ``presence_penalty`` and ``frequency_penalty`` ([-2, 2]),
+    ``stream``, ``stream_options`` (``include_usage``; vLLM's ``continuous_usage_stats``: the usage
+    so far in every chunk), ``user`` (ignored), ``logit_bias`` (only empty).
 
-    vLLM's extensions (``vllm.entrypoints.openai.protocol``): ``top_k`` (0 or -1: off),
-    ``min_p``, ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-    ``skip_special_tokens`` (default true), ``include_stop_str_in_output`` (default false).
-    The sampling fields mean what ``engine.request.SamplingParams`` says.
+    vLLM's extensions (``vllm.entrypoints.openai.protocol``): ``top_k`` (0 or -1: off), ``min_p``,
+    ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
+    ``skip_special_tokens`` (default true), ``include_stop_str_in_output`` (default false). The
+    sampling fields mean what ``engine.request.SamplingParams`` says.
 
     Sent by the clients of tests/data/clients (README there): vLLM ``bench serve``, SGLang
-    ``bench_serving``, genai-perf, AIPerf, GuideLLM, llmperf. Any other field is refused
-    (400 naming it); ``DEFAULT_ONLY`` fields are refused unless at their default.
-    """
+    ``bench_serving``, genai-perf, AIPerf, GuideLLM, llmperf. Any other field is refused (400 naming
+    it); ``DEFAULT_ONLY`` fields are refused unless at their default."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -208,11 +206,10 @@ class ChatMessage(_Body):
 
 
 class ChatBody(_Sampling):
-    """``/v1/chat/completions``: ``messages`` (roles system, developer, user, assistant;
-    content a string or a list of ``{"type": "text", "text"}`` parts), ``max_completion_tokens``
-    (OpenAI's new name of ``max_tokens``; not both), ``logprobs`` (bool) with
-    ``top_logprobs`` (0..20), ``tools`` (only empty), ``tool_choice`` (only ``none``), and
-    every ``_Sampling`` field."""
+    """``/v1/chat/completions``: ``messages`` (roles system, developer, user, assistant; content a
+    string or a list of ``{"type": "text", "text"}`` parts), ``max_completion_tokens`` (OpenAI's new
+    name of ``max_tokens``; not both), ``logprobs`` (bool) with ``top_logprobs`` (0..20), ``tools``
+    (only empty), ``tool_choice`` (only ``none``), and every ``_Sampling`` field."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -404,8 +401,7 @@ class OpenAIServer:
         max_body_bytes: request body cap (413 beyond).
         emulation: ``experiments.results.emulation_row`` of a deployment on emulated
             devices (``{"emulated": True, "emulation": {...}}``), listed in ``/v1/models``
-            so a client (``pdlab bench``) can say its results are emulated; ``{}`` otherwise.
-    """
+            so a client (``pdlab bench``) can say its results are emulated; ``{}`` otherwise."""
 
     def __init__(self, router: Router, text: ByteText | HFText, model_name: str,
                  max_body_bytes: int = 1 << 20, emulation: dict | None = None) -> None:
@@ -452,9 +448,8 @@ class OpenAIServer:
     async def health(self) -> Response:
         """``GET /health``: each worker's ``state`` (``live``, ``restarting``, ``dead``),
         ``restarts`` and the ``cause`` of a worker not live; ``status`` ``ok`` (all live, 200),
-        ``degraded`` (some not live, every pool still has a live worker: 200) or
-        ``unhealthy`` (a pool without a live worker: 503); ``dead_workers`` lists those not
-        live."""
+        ``degraded`` (some not live, every pool still has a live worker: 200) or ``unhealthy`` (a
+        pool without a live worker: 503); ``dead_workers`` lists those not live."""
         workers = list(self.router.workers.values())
         states = {w.name: {"role": w.role, "state": w.state, "restarts": w.restarts,
                            **({"cause": w.cause} if w.cause else {})} for w in workers}
@@ -819,9 +814,8 @@ class _Call:
 
     def _logprobs(self, entries: list[tuple], text_offset: int = 0) -> dict | None:
         """OpenAI's ``logprobs`` object of some completion tokens (None when off): chat's
-        ``{"content": [...]}`` or completions' ``{"tokens", "token_logprobs",
-        "top_logprobs", "text_offset"}`` (offsets into the completion text, from
-        ``text_offset``)."""
+        ``{"content": [...]}`` or completions' ``{"tokens", "token_logprobs","top_logprobs",
+        "text_offset"}`` (offsets into the completion text, from ``text_offset``)."""
         if self._logprobs_off:
             return None
         if self.chat:
@@ -891,12 +885,11 @@ def text_of(loaded_tokenizer: Any) -> ByteText | HFText:
 class ServerThread:
     """uvicorn serving ``app`` on a background thread (tests, ``pdlab bench`` self-checks).
 
-    ``url`` is ``http://host:port`` once started (port 0 picks a free one). ``stop()`` shuts
-    it down (and with it the router loop, through the app's lifespan).
+    ``url`` is ``http://host:port`` once started (port 0 picks a free one). ``stop()`` shuts it down
+    (and with it the router loop, through the app's lifespan).
 
     Raises (from ``start``):
-        RuntimeError: the server did not come up within ``timeout_s``.
-    """
+        RuntimeError: the server did not come up within ``timeout_s``."""
 
     def __init__(self, app: FastAPI, host: str = LOOPBACK, port: int = 0) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

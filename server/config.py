@@ -18,8 +18,7 @@ class ServeConfig:
         max_body_bytes: largest request body accepted (bytes); larger gets 413.
         served_model_name: the model id clients send and ``/v1/models`` lists (default:
             the ``--model`` value).
-        local: run the workers in this process (transport ``inprocess``) instead of Ray.
-    """
+        local: run the workers in this process (transport ``inprocess``) instead of Ray."""
 
     host: str = field(default=LOOPBACK, metadata={
         "help": "address to bind", "pattern": r"[A-Za-z0-9_.:\-]+", "hint": "a host name or IP"})

@@ -15,8 +15,7 @@ with stop strings (no torch, no model).
   token completes). A stop string is matched in the text across token boundaries; the text
   ends before it (OpenAI: "the returned text will not contain the stop sequence"), or right
   after it with vLLM's ``include_stop_str_in_output``. Special tokens (EOS, chat markers) are
-  left out of the text unless ``skip_special_tokens=False`` (vLLM's option, default on).
-"""
+  left out of the text unless ``skip_special_tokens=False`` (vLLM's option, default on)."""
 
 from __future__ import annotations
 

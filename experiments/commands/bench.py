@@ -58,8 +58,7 @@ class BenchConfig:
         base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1/...`` is appended).
         label: ``NAME@PLACEMENT`` recorded as the placement of every request.
         served_model: model id to send (default: the first one ``/v1/models`` lists).
-        request_timeout_s: longest wait for one response (seconds).
-    """
+        request_timeout_s: longest wait for one response (seconds)."""
 
     base_url: str = field(default="http://127.0.0.1:8000", metadata={
         "help": "OpenAI-compatible server to drive", "pattern": r"https?://[^\s/]+(/\S*)?",
@@ -87,14 +86,13 @@ MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
 
 def served_model(base_url: str, name: str | None = None,
                  timeout_s: float = 30.0) -> tuple[str, dict]:
-    """The model to send and the server's emulation block: ``GET /v1/models``'s first
-    model (or ``name``), and its ``emulated`` / ``emulation`` keys (a pdlab server on
-    emulated devices, ``server.app.OpenAIServer.models``; ``{}`` otherwise). With ``name``
-    given, a server that does not answer or does not list it still gets ``name``.
+    """The model to send and the server's emulation block: ``GET /v1/models``'s first model (or
+    ``name``), and its ``emulated`` / ``emulation`` keys (a pdlab server on emulated devices,
+    ``server.app.OpenAIServer.models``; ``{}`` otherwise). With ``name`` given, a server that does
+    not answer or does not list it still gets ``name``.
 
     Raises:
-        RuntimeError: no ``name`` and the server did not answer or lists no model.
-    """
+        RuntimeError: no ``name`` and the server did not answer or lists no model."""
     try:
         reply = httpx.get(f"{base_url.rstrip('/')}/v1/models", timeout=timeout_s)
         reply.raise_for_status()
@@ -171,8 +169,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
     """Steps 1-3 of the module docstring; returns (summary table, verdict).
 
     Raises:
-        ValueError: a workload that does not fit ``max_len``. RuntimeError: no server.
-    """
+        ValueError: a workload that does not fit ``max_len``. RuntimeError: no server."""
     items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
     name, emulation = served_model(config.base_url, config.served_model)
     label = config.label
@@ -234,8 +231,7 @@ def check(args: argparse.Namespace) -> Benching:
     """Every ``bench`` option; the server is not contacted and no tokenizer is loaded.
 
     Raises:
-        ValueError: the first bad option.
-    """
+        ValueError: the first bad option."""
     config = dataclass_from_args(BenchConfig, args)
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
@@ -263,13 +259,11 @@ def run(args: argparse.Namespace, x: Benching) -> int:
 
 
 def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]:
-    """One comparison report from several results directories (bench or run): their
-    records, grouped by (placement, rate, seed), with each run's duration from its
-    summary_seeds.csv.
+    """One comparison report from several results directories (bench or run): their records, grouped
+    by (placement, rate, seed), with each run's duration from its summary_seeds.csv.
 
     Raises:
-        ValueError: a directory without requests.jsonl, or two with the same placement.
-    """
+        ValueError: a directory without requests.jsonl, or two with the same placement."""
     results, configs, seen = [], [], set()
     for d in dirs:
         path = Path(d) / "requests.jsonl"

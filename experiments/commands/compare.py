@@ -14,8 +14,7 @@ An experiment:
    95% bootstrap intervals), print the side-by-side table and write the results directory:
    requests.jsonl (first line: everything needed to rerun), summary.csv (intervals),
    summary_seeds.csv (one row per seed), goodput.csv, steps.csv and transfers.csv (every
-   row tagged placement, rate, seed), report.md and the plots.
-"""
+   row tagged placement, rate, seed), report.md and the plots."""
 
 from __future__ import annotations
 
@@ -158,12 +157,11 @@ class Experiment:
 
 
 def check(args: argparse.Namespace) -> Experiment:
-    """Every ``run``/``compare`` option, joined to the device set and the model's config
-    file; nothing is started and no weights are read.
+    """Every ``run``/``compare`` option, joined to the device set and the model's config file;
+    nothing is started and no weights are read.
 
     Raises:
-        ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``).
-    """
+        ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``)."""
     single = args.command == "run"
     devices = args.devices or parse_devices(None)
     placements = args.placement if single else args.placements or default_placements(len(devices))

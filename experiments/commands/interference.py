@@ -66,8 +66,7 @@ class InterferenceConfig:
         context_len: context C of the running decode requests when measuring starts (tokens).
         chunk_budgets: Sarathi-Serve token budgets K of the chunked mode (tokens per step,
             decodes included), each > the largest B.
-        quick: replace the grid by a small one (B 1,2; P 0,16,48; C 16; K 12) for tests.
-    """
+        quick: replace the grid by a small one (B 1,2; P 0,16,48; C 16; K 12) for tests."""
 
     batch_sizes: str = field(default="1,4,16", metadata={
         "pattern": _INTS_POS, "hint": "comma-separated integers >= 1, e.g. 1,4,16",
@@ -135,11 +134,10 @@ class InterferenceConfig:
 
     def decode_tokens_needed(self, mode: str, budget: int | None, batch_size: int,
                              repeats: int) -> int:
-        """Output tokens a running decode request may produce over the whole measurement: a
-        bound on the tokens it decodes while the others still prefill (each of those steps
-        computes >= budget - B prompt tokens), the warm-up, and per repeat one baseline and
-        every injection step (disagg: one more, for an engine that reserves the KV slot a
-        step ahead)."""
+        """Output tokens a running decode request may produce over the whole measurement: a bound on
+        the tokens it decodes while the others still prefill (each of those steps computes >= budget
+        - B prompt tokens), the warm-up, and per repeat one baseline and every injection step
+        (disagg: one more, for an engine that reserves the KV slot a step ahead)."""
         per_prompt = self.step_budget(mode, budget, batch_size) - batch_size
         setup = batch_size * (math.ceil((self.context_len - 1) / per_prompt) + 1)
         per_repeat = sum(1 + self.injection_steps(mode, budget, batch_size, p)
@@ -182,8 +180,8 @@ def measure_mode(engine, grid: InterferenceConfig, mode: str, budget: int | None
                  batch_size: int, repeats: int, vocab_size: int, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter,
                  sync: Callable[[], None] | None = None) -> tuple[list[dict], list[dict]]:
-    """Run steps 1-4 of the module docstring on ``engine`` (configured by ``engine_config``;
-    tests pass a stub with the same methods).
+    """Run steps 1-4 of the module docstring on ``engine`` (configured by ``engine_config``; tests
+    pass a stub with the same methods).
 
     Returns:
         (steps, imports): one dict per timed step (``mode, budget, batch_size, prompt_len,
@@ -192,8 +190,7 @@ def measure_mode(engine, grid: InterferenceConfig, mode: str, budget: int | None
         the KV import alone (``import_s, num_import_tokens``).
 
     Raises:
-        RuntimeError: a step did not run what the measurement needs (e.g. a decode finished).
-    """
+        RuntimeError: a step did not run what the measurement needs (e.g. a decode finished)."""
     timer = _Timer(clock, sync)
     gen = torch.Generator().manual_seed(seed)
     max_tokens = grid.decode_tokens_needed(mode, budget, batch_size, repeats) + 1
@@ -268,16 +265,15 @@ def _inject_kv(engine, timer: _Timer, step, imports: list[dict], rid: str, promp
 def summarize(steps: pd.DataFrame, imports: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (mode, budget, B, P): what the running requests see.
 
-    Per repeat: ``base`` = its baseline step; ``worst`` = its longest injection step (the
-    worst ITL of a running request); ``total_stall`` = sum over injection steps of
-    (step - base). Across repeats each is the minimum (the least disturbed run). Then
-    ``stall_s = worst_step_s - base_step_s`` and ``inflation = worst_step_s / base_step_s``
-    (1 and 0 for P = 0); ``import_s`` = min KV import alone (disagg, else NaN).
+    Per repeat: ``base`` = its baseline step; ``worst`` = its longest injection step (the worst ITL
+    of a running request); ``total_stall`` = sum over injection steps of (step - base). Across
+    repeats each is the minimum (the least disturbed run). Then ``stall_s = worst_step_s -
+    base_step_s`` and ``inflation = worst_step_s / base_step_s`` (1 and 0 for P = 0); ``import_s`` =
+    min KV import alone (disagg, else NaN).
 
     Returns:
         columns ``mode, budget, batch_size, prompt_len, base_step_s, worst_step_s, stall_s,
-        inflation, total_stall_s, num_injection_steps, import_s``.
-    """
+        inflation, total_stall_s, num_injection_steps, import_s``."""
     keys = ["mode", "budget", "batch_size", "prompt_len"]
     steps = steps.fillna({"budget": -1})
     rows = []
@@ -410,12 +406,11 @@ def config_from_args(args: argparse.Namespace) -> InterferenceConfig:
 
 
 def check(args: argparse.Namespace) -> None:
-    """Grid rules (``InterferenceConfig``), the device, and the model's context (read from
-    its config file, no weights): the longest slot the grid needs must fit.
+    """Grid rules (``InterferenceConfig``), the device, and the model's context (read from its
+    config file, no weights): the longest slot the grid needs must fit.
 
     Raises:
-        ValueError: ``<field> must ...`` or ``argument --x: ...``.
-    """
+        ValueError: ``<field> must ...`` or ``argument --x: ...``."""
     model = measure.check_measure_args(args)
     grid = config_from_args(args).grid()
     limit = model_context_len(model)

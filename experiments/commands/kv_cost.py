@@ -1,15 +1,13 @@
 """``pdlab kv-cost``: what moving a prompt's KV costs next to computing it, per transport.
 
-The table and how each row is measured: ``experiments.transfer_cost`` (prefill seconds, the
-prompt's exported KV checked against the byte formula, the memcpy floor, each transport
-whole and layer-wise, the ratios). Outputs: kv_cost.csv and kv_cost.png (transfer and
-prefill seconds vs T, log-log).
+The table and how each row is measured: ``experiments.transfer_cost`` (prefill seconds, the prompt's
+exported KV checked against the byte formula, the memcpy floor, each transport whole and layer-wise,
+the ratios). Outputs: kv_cost.csv and kv_cost.png (transfer and prefill seconds vs T, log-log).
 
 On an emulated device (``--device emu:0 --device-profile FILE [--emu-kv-scale F]``,
-``engine.emulated``) prefill seconds are the profile's modelled ones and the emulated
-model's KV (scaled by F) moves through this host's transports; the header, the CSV's
-``emulated`` column and the profile's own ``modelled_transfer_s`` say so.
-"""
+``engine.emulated``) prefill seconds are the profile's modelled ones and the emulated model's KV
+(scaled by F) moves through this host's transports; the header, the CSV's ``emulated`` column and
+the profile's own ``modelled_transfer_s`` say so."""
 
 from __future__ import annotations
 
@@ -45,13 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> Emulation | None:
-    """``pdlab kv-cost`` options joined to the device and the model's context (read from its
-    config file: no weights), checked before the model loads. Returns the ``Emulation`` of
-    an emulated ``--device emu:i`` (``measure.emulation_of``), else None.
+    """``pdlab kv-cost`` options joined to the device and the model's context (read from its config
+    file: no weights), checked before the model loads. Returns the ``Emulation`` of an emulated
+    ``--device emu:i`` (``measure.emulation_of``), else None.
 
     Raises:
-        ValueError: ``argument --x: ...`` for the first bad option.
-    """
+        ValueError: ``argument --x: ...`` for the first bad option."""
     model = measure.check_measure_args(args)
     emulation = measure.emulation_of(args)
     limit = model_context_len(model)

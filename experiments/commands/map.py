@@ -183,8 +183,7 @@ def check(args: argparse.Namespace) -> MapJob:
     """Step 1 of the module docstring; nothing runs and no weights are read.
 
     Raises:
-        ValueError: the first bad option (``argument --x: ...``).
-    """
+        ValueError: the first bad option (``argument --x: ...``)."""
     cfg = dataclass_from_args(MapConfig, args)
     ttft = _parsed("--ttft-slo", lambda t: slo_map.parse_range(t, "TTFT SLO"), cfg.ttft_slo)
     tpot = _parsed("--tpot-slo", lambda t: slo_map.parse_range(t, "TPOT SLO"), cfg.tpot_slo)
@@ -248,14 +247,13 @@ def check(args: argparse.Namespace) -> MapJob:
 def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile, path: Path,
                       model: ModelConfig, engine: EngineConfig,
                       transfer: TransferConfig) -> tuple[tuple[str, ...], EngineConfig]:
-    """``--validate``: the real runs' devices and engine. ``--validate-on here``: this
-    machine's devices, of the profile's kind; ``emu``: ``emu:0`` .. ``emu:N-1`` with the
-    engine's ``device_profile`` = the map's profile (``path``), which ``emulation_for``
-    must accept. Every candidate must fit the devices.
+    """``--validate``: the real runs' devices and engine. ``--validate-on here``: this machine's
+    devices, of the profile's kind; ``emu``: ``emu:0`` .. ``emu:N-1`` with the engine's
+    ``device_profile`` = the map's profile (``path``), which ``emulation_for`` must accept. Every
+    candidate must fit the devices.
 
     Raises:
-        ValueError: ``argument --x: ...`` naming what cannot run.
-    """
+        ValueError: ``argument --x: ...`` naming what cannot run."""
     if cfg.validate_on == "emu":
         devices = emulated_devices(cfg.devices)
         engine = dataclasses.replace(engine, device_profile=str(path))

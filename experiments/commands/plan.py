@@ -1,6 +1,6 @@
-"""The ``pdlab plan`` command: search placements of N devices on the simulator, print the
-ranked table, write it with the curves and a plot; ``--validate`` also runs the best
-placements for real and reports the simulator's error.
+"""The ``pdlab plan`` command: search placements of N devices on the simulator, print the ranked
+table, write it with the curves and a plot; ``--validate`` also runs the best placements for real
+and reports the simulator's error.
 
 1. Check every option before anything starts (``check_arguments``): the device profile file
    loads and was measured on this model and dtype, the transport has a transfer model (or
@@ -13,8 +13,7 @@ placements for real and reports the simulator's error.
    the best ``--top`` again at steps 1 ± spread x the profile's (``band``): goodput and
    attainment bands in plan.csv / plan_curves.csv, plan_band_runs.csv, and the verdict.
 4. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
-   machine, at the swept rates, on the first ``--validate-requests`` requests of each seed.
-"""
+   machine, at the swept rates, on the first ``--validate-requests`` requests of each seed."""
 
 from __future__ import annotations
 
@@ -169,8 +168,7 @@ def check(args: argparse.Namespace) -> PlanJob:
     """Step 1 of the module docstring; nothing is started and no weights are read.
 
     Raises:
-        ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``).
-    """
+        ValueError: the first bad option (``argument --x: ...`` or ``<field> must ...``)."""
     plan = dataclass_from_args(PlanConfig, args)
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
@@ -224,15 +222,14 @@ def check(args: argparse.Namespace) -> PlanJob:
 
 
 def kv_cache_line(profile: DeviceProfile, engine: EngineConfig) -> str:
-    """One line: each simulated instance's KV cache, by the engine's rule on the profile's
-    device (``DeviceProfile.kv_budget_bytes``; on CUDA ``--gpu-memory-utilization`` x the
-    device's memory less the weights).
+    """One line: each simulated instance's KV cache, by the engine's rule on the profile's device
+    (``DeviceProfile.kv_budget_bytes``; on CUDA ``--gpu-memory-utilization`` x the device's memory
+    less the weights).
 
     Raises:
         ValueError: ``argument --profile: ...`` when the profile lacks what the rule needs;
             ``argument --gpu-memory-utilization`` / ``--kv-cache-memory-gb: ...`` when the
-            budget holds no block.
-    """
+            budget holds no block."""
     try:
         budget_bytes = profile.kv_budget_bytes(engine)
     except ValueError as err:

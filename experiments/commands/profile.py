@@ -89,8 +89,7 @@ def fit_linear(x: Sequence[float], y: Sequence[float]) -> LinearFit:
     R² = 1 - SS_res / SS_tot, clipped to [0, 1] (1.0 when y is constant and fitted exactly).
 
     Raises:
-        ValueError: fewer than two points, or x and y of different lengths.
-    """
+        ValueError: fewer than two points, or x and y of different lengths."""
     xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
     if xs.shape != ys.shape or xs.size < 2:
         raise ValueError(f"fit needs >= 2 points and x, y of equal length, got {xs.size} and {ys.size}")
@@ -118,17 +117,15 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
                         ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
     """Every point of the four sweeps measured in interleaved rounds
     (``timing.measure_interleaved``), each set up first, untimed: the context sweep at
-    ``context_batch_sizes`` x ``contexts``, the batch sweep at ``batch_sizes`` x
-    ``batch_context``, the mixed steps at ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at
-    ``batch_context``.
+    ``context_batch_sizes`` x ``contexts``, the batch sweep at ``batch_sizes`` x ``batch_context``,
+    the mixed steps at ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at ``batch_context``.
 
     Returns:
         ``(prefill, decode_context, decode_batch, mixed)``: prefill has the columns of
         ``profile_prefill``; the two decode sweeps one row per (batch size, context):
         ``batch_size, context_len, step_s`` (min), ``step_median_s``, ``per_token_s``
         (= step_s / B), ``num_runs``; mixed one row per (prompt length, batch size):
-        ``prompt_len, batch_size, context_len, step_s``, ``step_median_s``, ``num_runs``.
-    """
+        ``prompt_len, batch_size, context_len, step_s``, ``step_median_s``, ``num_runs``."""
     points, closes = {}, []
     engine = prefill_engine(loaded, max(prompt_lens), device)
     for p in prompt_lens:
@@ -163,14 +160,13 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
 
 def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str, device: str,
                        kv_table: pd.DataFrame | None = None):
-    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on the
-    median times of its prefill, decode (both sweeps) and mixed rows; one transfer model per
-    transport on the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``); the
-    model's weight bytes and, on CUDA, the device's memory (``mem_get_info``'s total).
+    """The ``planner.latency.DeviceProfile`` of a profile run: step models fitted on the median
+    times of its prefill, decode (both sweeps) and mixed rows; one transfer model per transport on
+    the whole-request rows of ``kv_table`` (``kv_cost.kv_cost_table``); the model's weight bytes
+    and, on CUDA, the device's memory (``mem_get_info``'s total).
 
     Raises:
-        ValueError: too few points for a fit.
-    """
+        ValueError: too few points for a fit."""
     # The simulator needs a step's typical time, not its fastest: the fits take each point's
     # median run (the tables' estimator is the minimum).
     F = latency.StepFeatures
@@ -220,14 +216,13 @@ def pg_table(prefill: pd.DataFrame, context_fit: LinearFit, prompt_lens: Sequenc
              output_lens: Sequence[int], min_step_s: float = 0.0) -> pd.DataFrame:
     """TTFT and total time of one request alone, for each prompt length P and output length G.
 
-    TTFT = measured prefill time of P (must be a row of ``prefill``). The first output token
-    comes out of the prefill step, the other G-1 from decode steps at contexts P+1 .. P+G-1,
-    each estimated by ``context_fit`` (step_s = a + b * context, fitted on the B = 1 sweep)
-    and never below ``min_step_s`` (the fastest measured step).
+    TTFT = measured prefill time of P (must be a row of ``prefill``). The first output token comes
+    out of the prefill step, the other G-1 from decode steps at contexts P+1 .. P+G-1, each
+    estimated by ``context_fit`` (step_s = a + b * context, fitted on the B = 1 sweep) and never
+    below ``min_step_s`` (the fastest measured step).
 
     Returns:
-        ``prompt_len, output_len, ttft_s, decode_s, total_s, prompt_share`` (= ttft_s / total_s).
-    """
+        ``prompt_len, output_len, ttft_s, decode_s, total_s, prompt_share`` (= ttft_s / total_s)."""
     by_p = dict(zip(prefill["prompt_len"], prefill["prefill_s"]))
     rows = []
     for p, g in itertools.product(prompt_lens, output_lens):
@@ -331,13 +326,12 @@ def derive(prefill: pd.DataFrame, decode_context: pd.DataFrame, decode_batch: pd
 
 def pooled(results: Sequence[ProfileResult], devices: Sequence[str]) -> ProfileResult:
     """One profile from the same sweeps measured on several devices at once
-    (``profile_on_devices``): per point the fastest run of any device (``*_s``, the
-    estimator), the median of the devices' medians (``*_median_s``, what the device profile
-    is fitted on) and every run counted; the lines, ratio and P x G table derived again.
+    (``profile_on_devices``): per point the fastest run of any device (``*_s``, the estimator), the
+    median of the devices' medians (``*_median_s``, what the device profile is fitted on) and every
+    run counted; the lines, ratio and P x G table derived again.
 
     Raises:
-        ValueError: no results, or results of different sweeps.
-    """
+        ValueError: no results, or results of different sweeps."""
     if not results:
         raise ValueError("pooled needs at least one profile")
 
@@ -382,14 +376,13 @@ def _profile_process(device: str, model: ModelConfig, kwargs: dict, start, resul
 
 
 def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> ProfileResult:
-    """``run_profile`` on every device of ``devices`` at the same time, each in its own
-    process bound to that device (``cpu:i`` / ``cpu:i-j`` cores, or ``cuda:i``), then
+    """``run_profile`` on every device of ``devices`` at the same time, each in its own process
+    bound to that device (``cpu:i`` / ``cpu:i-j`` cores, or ``cuda:i``), then
     ``pooled``: workers of a placement run beside each other, sharing memory bandwidth and
     cache, which a profile of one device beside idle ones never sees.
 
     Raises:
-        ValueError: a device's process failed (its error named).
-    """
+        ValueError: a device's process failed (its error named)."""
     ctx = multiprocessing.get_context("spawn")  # no forked torch / Ray state
     start, results = ctx.Barrier(len(devices)), ctx.Queue()
     procs = [ctx.Process(target=_profile_process, args=(d, model, kwargs, start, results))
@@ -513,12 +506,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(args: argparse.Namespace) -> None:
-    """``pdlab profile`` options that join each other, the device and the model's context
-    (read from its config file: no weights), checked before the model loads.
+    """``pdlab profile`` options that join each other, the device and the model's context (read from
+    its config file: no weights), checked before the model loads.
 
     Raises:
-        ValueError: ``argument --x: ...`` for the first bad option.
-    """
+        ValueError: ``argument --x: ...`` for the first bad option."""
     if args.from_silicon_db is not None:
         return check_silicon(args)
     model = measure.check_measure_args(args)
@@ -628,12 +620,11 @@ SILICON_SWEEPS = {"prompt_lens": DEFAULT_PROMPT_LENS, "batch_sizes": DEFAULT_BAT
 
 
 def silicon_model_dir(model: str) -> str:
-    """The config directory the silicon database reads for ``--model``: the directory
-    itself, or for ``smollm2-135m`` its converted copy in the pdlab cache.
+    """The config directory the silicon database reads for ``--model``: the directory itself, or for
+    ``smollm2-135m`` its converted copy in the pdlab cache.
 
     Raises:
-        ValueError: ``argument --model: ...`` for a model with no config file here.
-    """
+        ValueError: ``argument --model: ...`` for a model with no config file here."""
     if model in TINY_NAMES:
         raise option_error("--model", f"{model} is built in memory and has no config.json: the "
                                       "silicon database reads a model directory (e.g. "
@@ -659,13 +650,12 @@ def silicon_grid(args: argparse.Namespace) -> silicon.SampleGrid:
 
 
 def check_silicon(args: argparse.Namespace) -> str:
-    """``--from-silicon-db``'s options: the model's config directory (which pdlab must be
-    able to serve), the system and backend in the installed database, options of the CPU
-    measurement refused. Returns the config directory.
+    """``--from-silicon-db``'s options: the model's config directory (which pdlab must be able to
+    serve), the system and backend in the installed database, options of the CPU measurement
+    refused. Returns the config directory.
 
     Raises:
-        ValueError: ``argument --x: ...`` for the first bad option.
-    """
+        ValueError: ``argument --x: ...`` for the first bad option."""
     for option, value, default in (("--devices", args.devices, None),
                                    ("--device", args.device, "cpu"),
                                    ("--transports", args.transports, DEFAULT_PROFILE_TRANSPORTS)):

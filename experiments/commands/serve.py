@@ -1,5 +1,5 @@
-"""``pdlab serve``: one placement deployed on the device set, behind the OpenAI-compatible
-HTTP server (``server.app``) until interrupted.
+"""``pdlab serve``: one placement deployed on the device set, behind the OpenAI-compatible HTTP
+server (``server.app``) until interrupted.
 
 1. Check every option (``check``): one placement that fits the device set, the model's
    config file, the engine options; ``--local`` runs the workers in this process and needs
@@ -7,8 +7,7 @@ HTTP server (``server.app``) until interrupted.
 2. Deploy the placement (``experiments.placement.Deployment``, restarting a worker that dies
    up to ``--max-worker-restarts`` times), load the model's tokenizer for text in and out,
    and serve ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and
-   ``/metrics`` over the deployment's router.
-"""
+   ``/metrics`` over the deployment's router."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def check(args: argparse.Namespace) -> Serving:
     """Every ``serve`` option; nothing is started and no weights are read.
 
     Raises:
-        ValueError: the first bad option.
-    """
+        ValueError: the first bad option."""
     if len(args.placement) != 1:
         raise option_error("--placement", f"serve takes one placement, got {len(args.placement)}")
     placement = args.placement[0]
