@@ -30,11 +30,15 @@ coming, else why not (the deployment's restart budget spent, say). The replaceme
 through ``rejoin(name, handle, info)`` once its engine answers: it takes the dead worker's
 place (its name, role and rank),
 is routed to again, and every call still pending on the dead incarnation is ignored when it
-returns (``WorkerRef.incarnation``), so no late news of the dead one reaches the new one.
+returns (``WorkerRef.incarnation``), so no late news of the dead one reaches the new one
+(only the requests moved off the dead one hear it, below).
 ``worker_lost(name, reason)`` says no restart will come after all (the budget ran out).
 A remote request whose decode worker dies before the request started decoding there (still
 prefilling, or its KV handed over but not yet fetched: the router still holds the handles)
 moves to another live decode worker; one decoding there fails at once, naming the worker.
+News of a moved request that the dead worker sent before it died but that is collected
+after the move (a reply in flight) ends it as if it had come first: with the error reported
+there (a corrupted KV's checksum error, say), else as one decoding there.
 While a pool a request needs has no live worker, the request waits for one up to its
 deadline if a worker of that pool is restarting (a prefilled one with its KV handles held by
 the router), and fails at once otherwise, its ``finish`` event saying ``unavailable`` (a
@@ -130,8 +134,11 @@ class _Flight:
     kv_owner_incarnation: int = 0
     kv_handles: tuple[Any, ...] = ()
     kv_token_start: int = 0  # the KV sent starts here (its decode worker caches the prefix)
-    # the dead decode worker it was handed over to before being moved (``_move_decode``)
+    # the dead decode worker it was handed over to before being moved (``_move_decode``):
+    # its name and incarnation, and the error a request decoding there got at its death
     moved_from: str | None = None
+    moved_from_incarnation: int = 0
+    moved_from_death: str = ""
     stream_tokens: bool = True  # its sink hears token events (``submit(tokens=...)``)
 
 
@@ -608,7 +615,11 @@ class Router:
     def _complete(self, pending: Any) -> None:
         call = self._pending.pop(pending)
         if call.incarnation != self.workers[call.worker].incarnation:
-            return  # a call to a replaced (dead) incarnation: its news concerns nobody now
+            # a call to a replaced (dead) incarnation: its news concerns only the requests
+            # moved off it (``_news_of_the_dead``), nobody the replacement serves
+            if call.method == "wait_events":
+                self._news_of_replaced(call, pending)
+            return
         try:
             result = self.calls.result(pending)
         except Exception as err:
@@ -640,7 +651,7 @@ class Router:
             if flight is None:
                 continue  # late news of a request already ended (a plain token holds no KV)
             record = flight.record
-            if self._stale(flight, worker):
+            if self._news_of_the_dead(flight, worker) or self._stale(flight, worker):
                 continue
             flight.deadline_s = deadline_s
             record.token_times_s.append(now)
@@ -653,15 +664,46 @@ class Router:
                                        index=len(record.output_token_ids) - 1))
 
     def _stale(self, flight: _Flight, worker: str) -> bool:
-        """News of ``flight`` from ``worker`` that no longer counts: from a worker it left
-        when that one died (another name), or, while it waits for the decode pool (parked),
-        from the dead incarnation it was moved from, whose replacement has the same name and
-        has not got it yet (a kv_got collected late made it look fetched, and the rejoin
-        then assigned it afresh)."""
+        """News of ``flight`` from a worker it left when that one died (another name)."""
         record = flight.record
-        if worker not in (record.prefill_worker, record.decode_worker):
-            return True
-        return flight.moved_from == worker and record.request_id in self._parked
+        return worker not in (record.prefill_worker, record.decode_worker)
+
+    def _news_of_the_dead(self, flight: _Flight, worker: str, incarnation: int | None = None,
+                          error: str | None = None) -> bool:
+        """If this news of ``flight`` (``error``: an error event's text) comes from the dead
+        incarnation of ``worker`` it was moved off (``_move_decode``; default: the
+        incarnation now in place, dead until its replacement rejoins), end the flight and
+        say True.
+
+        The move assumed that worker never took the KV (no ``kv_got`` had been collected),
+        but its reply was still in flight: it had fetched the KV or failed to, and freed
+        the handles either way. So the request ends as it would have had the news come
+        before the death: with the error it reported (its first cause, not the later
+        failure to fetch freed KV again), else as one decoding there when it died; the
+        handles the router still holds are gone, never released again."""
+        if incarnation is None:
+            incarnation = self.workers[worker].incarnation
+        if flight.moved_from != worker or flight.moved_from_incarnation != incarnation:
+            return False
+        flight.kv_handles = ()
+        self._finish(flight, error=flight.moved_from_death if error is None
+                     else f"{worker}: {error}")
+        return True
+
+    def _news_of_replaced(self, call: _Call, pending: Any) -> None:
+        """A long poll of a replaced incarnation returned: the requests moved off it hear
+        its news (``_news_of_the_dead``); every other event is ignored."""
+        try:
+            events = self.calls.result(pending)
+        except Exception:  # it died: nothing to hear
+            return
+        for event in events:
+            rids = event.request_ids if event.kind == ev.TOKENS else (event.request_id,)
+            for rid in rids:
+                flight = self._flights.get(rid)
+                if flight is not None:
+                    self._news_of_the_dead(flight, call.worker, call.incarnation,
+                                           event.error if event.kind == ev.ERROR else None)
 
     def _on_event(self, event: ev.WorkerEvent) -> None:
         flight = self._flights.get(event.request_id)
@@ -669,7 +711,9 @@ class Router:
             self._release_kv(event.worker, event.kv_handles)
             return
         record = flight.record
-        if self._stale(flight, event.worker):
+        reported = event.error if event.kind == ev.ERROR else None
+        if self._news_of_the_dead(flight, event.worker, error=reported) or self._stale(
+                flight, event.worker):
             return
         record.timeline.update(event.stamps)
         flight.deadline_s = time.time() + self.deadline_s  # its own news refreshes its deadline
@@ -819,11 +863,11 @@ class Router:
             flight = self._flights.get(rid)
             if flight is None:
                 continue
+            death = f"{worker.role} worker {name} died: {err}"
             if self._movable(flight, name):
-                self._move_decode(flight, name)
+                self._move_decode(flight, name, death)
                 continue
-            self._finish(flight, error=f"{worker.role} worker {name} died: {err}",
-                         kv_back=flight.worker == name)
+            self._finish(flight, error=death, kv_back=flight.worker == name)
         for rid in list(self._parked):  # held KV that this worker put went with it
             flight = self._flights[rid]
             if flight.kv_handles and flight.kv_owner == name:
@@ -845,10 +889,12 @@ class Router:
         return (flight.stage == TRANSFER and bool(flight.kv_handles) and owner is not None
                 and owner.alive and owner.incarnation == flight.kv_owner_incarnation)
 
-    def _move_decode(self, flight: _Flight, dead: str) -> None:
-        """Give a ``_movable`` request another decode worker (module docstring, restarts)."""
+    def _move_decode(self, flight: _Flight, dead: str, death: str) -> None:
+        """Give a ``_movable`` request another decode worker (module docstring, restarts);
+        ``death``: the error of a request that was decoding on ``dead``."""
         if flight.stage == TRANSFER:
-            flight.moved_from = dead
+            flight.moved_from, flight.moved_from_death = dead, death
+            flight.moved_from_incarnation = self.workers[dead].incarnation
             self._admit(flight)  # to a live one, or held while the pool restarts
             return
         request = flight.request

@@ -122,7 +122,7 @@ def local_ray(num_cpus: int = 4):
 class OrderProbe:
     """A stand-in worker (no model) for Ray ordering tests: ``ordered`` as ``EngineLoop``'s,
     ``submit``/``abort`` record the order they ran in, ``wait_events`` raises like a
-    worker whose engine loop died."""
+    worker whose engine loop died, ``hang`` ends only with the actor."""
 
     def __init__(self) -> None:
         from engine.serving import InOrder
@@ -147,3 +147,9 @@ class OrderProbe:
         from engine.serving import EngineLoopDied
 
         raise EngineLoopDied("probe: engine loop died: RuntimeError: boom")
+
+    def hang(self) -> None:
+        """Never returns: only the actor's death ends this call."""
+        import threading
+
+        threading.Event().wait()

@@ -163,7 +163,8 @@ def test_soak_500_requests_with_faults(tiny, request, transport_name, granularit
 def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny, workload):
     """The soak through a local ``Deployment`` with the same put failures, corruptions and
     delays, and decode-0 killed mid-decode (the first moment from 0.5 s on that it holds a
-    request with 1-2 of its 4 tokens; its restart budget 1). Every request ends; the
+    request with 1-2 of its 4 tokens, its loop stopped then, the worker killed once the
+    router has collected what it reported; its restart budget 1). Every request ends; the
     faulted ones fail with their cause, the ones decoding on decode-0 at the kill fail
     naming it, every other one (those that waited for the replacement included) gives
     generate()'s tokens; decode-0 rejoined; at the end every engine is empty with every
@@ -193,6 +194,15 @@ def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny
                     break
                 time.sleep(0.001)
             kills.append(time.time())
+            # A report still inside a worker when it dies is lost with it (as in a crash),
+            # and then no router can name that request's first cause (a checksum error
+            # becomes "fetching it again failed"); tests/unit/test_router.py covers that
+            # death. Here decode-0's loop stops first and it dies once the router has
+            # collected everything it reported, so every cause checked below reached it.
+            decode.shutdown()
+            deadline_s = time.monotonic() + 10
+            while decode._events and time.monotonic() < deadline_s:
+                time.sleep(0.001)
             dep.kill("decode-0")
 
         timer = threading.Thread(target=kill_mid_decode)

@@ -58,8 +58,11 @@ def test_a_failed_call_leaves_its_callers_frames_to_reference_counting():
         calls = RayCalls()
         raised = calls.call(probe, "wait_events", 0.1)
         assert calls.ready([raised], 30.0)
+        # ray.kill only asks for the kill: a call sent after it can still run first (a
+        # "history" call did, under load, and returned), so the call that must die with the
+        # actor is one that never returns, sent before
+        died = calls.call(probe, "hang")
         ray.kill(probe, no_restart=True)
-        died = calls.call(probe, "history")
         assert calls.ready([died], 30.0)
         gc.disable()  # only reference counting frees what the calls left behind
         try:

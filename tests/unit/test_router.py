@@ -311,40 +311,116 @@ def test_a_replacement_rejoins_waiting_requests_go_to_it_and_the_dead_one_is_ign
     assert_drained(router, workers | {"decode-0": replacement}, transport)
 
 
-def test_a_late_event_of_the_dead_decode_worker_leaves_the_waiting_request_waiting():
-    """decode-0 takes the admit, fetches (frees) the KV and dies before its kv_got is
-    collected; its restart is coming, so the request waits for the decode pool with the
-    handles the router holds. The dead incarnation's kv_got arrives late, while it waits
-    (a 500-request soak saw it: the request then looked fetched, and the replacement's
-    rejoin assigned it afresh: "request_id q107 is already assigned"). It is ignored: the
-    replacement's fetch finds the KV gone, and the request fails naming decode-0's death."""
-    router, workers, transport = build("disagg:1p1d")
-    router.on_worker_died = lambda name, cause: None  # a restart is coming
-    dead, prefill = workers["decode-0"], workers["prefill-0"]
+class LateCalls(FakeCalls):
+    """``FakeCalls`` that hand the router a long poll's answer from ``late_worker`` (one
+    carrying news) only once ``until()`` holds: a reply still in flight meanwhile."""
+
+    def __init__(self) -> None:
+        self.late_worker, self.until, self._late = None, lambda: True, set()
+
+    def call(self, worker, method, *args):
+        done = super().call(worker, method, *args)
+        if worker is self.late_worker and method == "wait_events" and done.value:
+            self._late.add(done)
+        return done
+
+    def ready(self, pending, timeout_s):
+        return [p for p in pending if p not in self._late or self.until()]
+
+
+def fetching(worker: FakeWorker, transport: FakeTransport, corrupted=(), dies_at=None):
+    """``worker.admit`` as a real decode worker fetches: KV no longer held fails the
+    request ("no KV"), a corrupted request's KV fails its checksum (both reported as an
+    ``error`` event, the handles freed before, as ``DecodeWorker`` does); the admit of
+    ``dies_at`` raises ``WorkerDied`` (the worker died while it ran; what it reported
+    before is still on its way)."""
+    fetch_whole = worker.admit
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        rid = request.request_id
+        if rid == dies_at:
+            raise WorkerDied(f"actor {worker.name} is gone")
+        missing = [h for h in kv_handles if h not in transport.held]
+        if not missing and rid not in corrupted:
+            return fetch_whole(request, first_token, kv_handles, kv_token_start)
+        worker.submitted.append(rid)
+        transport.held.difference_update(kv_handles)
+        worker._emit(time.time(), ev.ERROR, rid, error=(
+            f"KV transfer failed: TransferFailed: no KV under {missing[0]}" if missing else
+            "KV transfer failed: KVChecksumError: payload checksum mismatch"))
+
+    return admit
+
+
+def die_after_reporting(placement: str, late: bool, corrupted=("r0",)):
+    """decode-0 takes r0's admit and reports on it (fetched, or its checksum failed:
+    ``corrupted``), then dies while r1 (1p1d) or r2 (1p2d) is admitted there. The router
+    learns of the death from that admit before it handles decode-0's last long poll,
+    which carries r0's news (Ray hands the router ready calls in the order sent). 1p1d: a
+    replacement is coming (its hook rejoins it), and with ``late`` that poll's answer
+    reaches the router only after the rejoin; 1p2d: decode-1 takes the moved requests."""
+    router, workers, transport = build(placement)
+    calls = router.calls = LateCalls()
+    dead = workers["decode-0"]
     replacement = FakeWorker("decode-0", transport)
     replacement.router = router
+    dead.admit = fetching(dead, transport, corrupted,
+                          dies_at="r1" if placement == "disagg:1p1d" else "r2")
+    replacement.admit = fetching(replacement, transport)
+    if "decode-1" in workers:
+        workers["decode-1"].admit = fetching(workers["decode-1"], transport)
+    else:
+        router.on_worker_died = lambda name, cause: router.rejoin(  # returns None: coming
+            name, replacement, replacement.info())
+    if late:
+        calls.late_worker = dead
+        calls.until = lambda: router.workers["decode-0"].incarnation == 1
+    records = router.run(requests(3 if "decode-1" in workers else 2))
+    return records, workers, transport, replacement, router
 
-    def fetch_then_die(request, first_token, kv_handles, kv_token_start=0):
-        transport.held.difference_update(kv_handles)  # fetched and freed there
-        dead.dead_error = WorkerDied("actor decode-0 is gone")
-        late = ev.WorkerEvent(ev.KV_GOT, request.request_id, "decode-0", time.time(),
-                              kv_transfer_s=0.0)  # posted before it died, collected late
-        prefill.outbox.append((time.time() + 0.05, late))
 
-    def fetch_gone(request, first_token, kv_handles, kv_token_start=0):
-        replacement._emit(time.time(), ev.ERROR, request.request_id,
-                          error=f"KV transfer failed: no KV under {kv_handles[0]}")
+@pytest.mark.parametrize("placement, late", [
+    ("disagg:1p1d", False), ("disagg:1p1d", True), ("disagg:1p2d", False)])
+def test_a_checksum_error_reported_as_the_decode_worker_dies_is_the_request_s_cause(
+        placement, late):
+    """r0's KV is corrupted: decode-0 fetches it, fails the checksum, frees the handles,
+    reports the error and dies. The router learns of the death first and moves r0 (no
+    kv_got came: the handles it holds look unfetched); decode-0's report comes after, while
+    r0 waits for the replacement, after the replacement took it, or once decode-1 took it.
+    r0 fails with its first cause, the checksum error, not with the later fetch of freed
+    KV (a 500-request soak's 'q147': "fetching it again failed: ... no KV for request
+    q147"); the request that decode-0 never took decodes elsewhere; no handle is given back
+    twice, none leaks."""
+    records, workers, transport, replacement, router = die_after_reporting(placement, late)
+    assert records[0].error == ("decode-0: KV transfer failed: KVChecksumError: payload "
+                                "checksum mismatch")
+    assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in records[1:])
+    assert workers["prefill-0"].released == []  # the handles were freed at the fetch
+    if placement == "disagg:1p1d":  # r0 reached the replacement only if it rejoined first
+        assert replacement.submitted == (["r0", "r1"] if late else ["r1"])
+        assert replacement.aborted == (["r0"] if late else [])
+        workers["decode-0"] = replacement
+    assert_drained(router, workers, transport)
 
-    dead.admit, replacement.admit = fetch_then_die, fetch_gone
-    timer = threading.Timer(0.2, router.rejoin, ["decode-0", replacement, replacement.info()])
-    timer.start()
-    [record] = router.run(requests(1))
-    timer.join()
-    assert record.error == ("decode worker decode-0 died after its KV was handed over; "
-                            "fetching it again failed: decode-0: KV transfer failed: no KV "
-                            "under kv-r0")
-    assert replacement.submitted == []  # admitted there, never submitted afresh
-    assert_drained(router, workers | {"decode-0": replacement}, transport)
+
+@pytest.mark.parametrize("placement, late", [
+    ("disagg:1p1d", False), ("disagg:1p1d", True), ("disagg:1p2d", False)])
+def test_a_kv_got_reported_as_the_decode_worker_dies_fails_the_request_naming_it(
+        placement, late):
+    """The same death, r0's KV healthy: decode-0 fetched and freed it and reported kv_got
+    (and its tokens) as it died. r0 was decoding there: it fails at once naming the death,
+    as it would have had the kv_got come first, and is never fetched again (the rejoin
+    once assigned such a request afresh: "request_id q107 is already assigned")."""
+    records, workers, transport, replacement, router = die_after_reporting(
+        placement, late, corrupted=())
+    assert records[0].error == "decode worker decode-0 died: actor decode-0 is gone"
+    assert records[0].output_token_ids == [7]
+    assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in records[1:])
+    assert workers["prefill-0"].released == []
+    if placement == "disagg:1p1d":
+        assert replacement.submitted == (["r0", "r1"] if late else ["r1"])
+        workers["decode-0"] = replacement
+    assert_drained(router, workers, transport)
 
 
 def test_a_replacement_with_another_kv_geometry_is_refused():
