@@ -17,5 +17,6 @@ Two implementations pass the same contract tests (tests/unit/test_channel.py):
 ``channel.local`` (queues in one process: tests and the local mode) and
 ``channel.sockets`` (msgpack over pyzmq: ``ipc`` within a node, ``tcp`` across nodes).
 Only ``channel.sockets`` and ``channel.wire`` load pyzmq and msgpack, so the router, which
-takes a ``Hub`` object, imports ``channel.contract`` alone.
+takes a ``Hub`` object, imports ``channel.contract`` and ``channel.local`` (its default hub)
+alone.
 """

@@ -13,7 +13,10 @@ Setting up a deployment:
    until ``close``, see ``kv_transfer.torchdist.open_rendezvous``. Local mode: build the
    workers as plain objects in this process (tests; the in-process transport), each on its
    own device without pinning the process (a ``cuda:i`` worker runs on ``cuda:i``).
-3. Wait until every worker answers ``info`` (bounded), then build the ``Router``. A worker
+3. Wait until every worker answers ``info`` (bounded), then build the ``Router`` over the
+   message plane: an in-process ``channel.local.LocalHub`` in local mode, else a
+   ``channel.sockets.SocketHub`` (``ipc`` on a cluster started here, ``tcp`` on the driver's
+   address when joining one); the router has each worker open its channel. A worker
    that fails to start is an error that keeps its root cause (exception type and message,
    ``engine.errors.describe_error``), not only Ray's "actor died" line.
 4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``,
@@ -53,6 +56,8 @@ from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.link import LinkPeak, memcpy_peak
 from kv_transfer.nixl import MISSING, nixl_available
 from kv_transfer.torchdist import open_rendezvous
+from channel.local import LocalHub
+from channel.sockets import SocketHub
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
@@ -271,6 +276,7 @@ class Deployment:
         self.emulation = emulation_for(self.devices, model, self.engine)
         if self.emulation is None:
             check_model_name(model)
+        self.hub: Any = None  # the router's end of the workers' channels
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self._ray = None  # experiments.ray_actors.RayWorkers of a Ray deployment
         self.transport = None  # local: the in-process transport every worker shares
@@ -291,10 +297,11 @@ class Deployment:
                 self._start_ray(faults or {})
             self.workers = [WorkerRef(name, role, self.handles[name], rank)
                             for rank, (name, role, _) in enumerate(self.layout)]
+            self.hub = self._open_hub()
             self.router = Router(self.workers, self.calls, placement.placement, policy,
                                  deadline_s or self.transfer.timeout_s + 5.0,
                                  startup_timeout_s=startup_timeout_s, conditional=conditional,
-                                 on_worker_died=self.restarts.on_died)
+                                 on_worker_died=self.restarts.on_died, hub=self.hub)
             self.restarts.router = self.router
             self.link_peaks = self._measure_link_peaks()
         except BaseException:
@@ -302,6 +309,14 @@ class Deployment:
             raise
 
     # ---- construction -----------------------------------------------------------------
+    def _open_hub(self) -> Any:
+        """Step 3's hub: in-process, or pyzmq sockets (``ipc`` or ``tcp``)."""
+        if self.local:
+            return LocalHub()
+        if self.placement.address:  # workers may be on other nodes
+            return SocketHub("tcp", host=self._ray.node_ip())
+        return SocketHub("ipc")
+
     def _worker_args(self, name: str, role: str, device: str, faults: dict, rank: int,
                      init_method: str | None) -> tuple[type, dict]:
         worker_faults = faults.get(name) or []
@@ -463,6 +478,9 @@ class Deployment:
             self.calls.shutdown()
         self.handles = {}
         self._rendezvous = None
+        if self.hub is not None:
+            self.hub.close()
+            self.hub = None
 
     def __enter__(self) -> Deployment:
         return self

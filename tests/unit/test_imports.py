@@ -5,15 +5,15 @@ everything):
 
     channel  <  engine.serving;  engine  <  kv_transfer  <  prefill_worker, decode_worker
     channel  <  prefill_worker, decode_worker
-    engine (torch-free), channel.contract  <  router  <  planner, server
+    engine (torch-free), channel.contract, channel.local  <  router  <  planner, server
 
 Rules:
 - engine imports no other pdlab package but ``channel`` in engine/serving.py (a worker's
   loop speaks the message plane); kv_transfer imports only engine; channel imports no
   other pdlab package;
 - prefill_worker / decode_worker import engine, kv_transfer and channel, never each other;
-- router imports only the torch-free engine modules and ``channel.contract`` (it is handed
-  a hub), no torch/transformers/ray/msgpack/zmq;
+- router imports only the torch-free engine modules, ``channel.contract`` and
+  ``channel.local`` (its default hub, in-process), no torch/transformers/ray/msgpack/zmq;
 - planner (the simulator and its models) imports only the torch-free engine modules and
   router: a plan never loads torch or Ray; server (the HTTP front end) the same, plus web
   libraries;
@@ -46,7 +46,8 @@ PACKAGES = ("engine", "kv_transfer", "channel", "prefill_worker", "decode_worker
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
                      "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks")
 HEAVY = ("torch", "transformers", "ray", "msgpack", "zmq")
-CHANNEL_FOR_ROUTER = ("channel", "channel.contract")  # the contract only: no sockets, no msgpack
+# the contract and the in-process hub (its default): no sockets, no msgpack
+CHANNEL_FOR_ROUTER = ("channel", "channel.contract", "channel.local")
 MAX_LAZY_IMPORTS = 10
 
 
