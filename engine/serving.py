@@ -9,8 +9,8 @@ The loop, on its own thread (the only thread that touches the engine):
    that arrived during the step run before the events leave.
 3. Otherwise sleep until the next command arrives.
 
-Callers collect events with ``wait_events(timeout_s)``, a long poll: it returns as soon as
-there is something to report, or empty-handed at the deadline. An exception that escapes
+Until a channel is open, callers collect events with ``wait_events(timeout_s)``, a long
+poll: it returns as soon as there is something to report, or empty-handed at the deadline. An exception that escapes
 the loop kills the worker at once: the loop stops, and ``wait_events`` (and ``call``) raise
 ``EngineLoopDied`` naming the cause, so the router fails its requests within a poll.
 Commands that must keep their order across a transport that may reorder calls (threaded

@@ -303,6 +303,8 @@ class Deployment:
                                  startup_timeout_s=startup_timeout_s, conditional=conditional,
                                  on_worker_died=self.restarts.on_died, hub=self.hub)
             self.restarts.router = self.router
+            if self._ray is not None:  # Ray's actor death, beside the channel's heartbeat
+                self._ray.watch(self.router.worker_died)
             self.link_peaks = self._measure_link_peaks()
         except BaseException:
             self.close()

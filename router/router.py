@@ -6,21 +6,22 @@ worker's load; ``submit`` goes to its prefill (or colocated) worker (``prefill_q
 ``prefilled`` event's first token leaves at once (TTFT ends) and its KV handles stay in the
 router's hands until ``admit`` hands them to the decode worker; ``kv_got`` and each token are
 stamped on arrival; the last token, an error or an ``abort`` ends it and returns its record.
-Handles the router cannot pass on go back to their producer (``release``); a request ended
-early is aborted on its live workers, which free what they hold.
+Handles it cannot pass on go back to their producer (``release``); an early end aborts it.
 
 Messages: one channel per worker (a ``channel.contract.Hub``): ``submit``, ``admit``,
 ``abort`` and ``release`` go out as commands, in order; each worker's step outputs come back
 as messages; a command that fails comes back as an ``error`` event naming its request. The
 loop waits on the hub (``receive``), woken by messages, deaths, its own inbox (``wake``) or
 the next deadline, never a time slice; lifecycle calls (``info``, ``open_channel``, reads)
-go through ``Calls``. Failures: a request fails ``deadline_s`` after its own last news. A worker whose channel falls silent or whose loop sends ``died`` is dead: its requests
-fail naming the cause, or (remote, not yet decoding there) move to another decode worker; new
-work avoids it. ``on_worker_died(name, cause)`` answers None when a restart is coming: then
-``rejoin`` attaches the replacement as the next incarnation (the hub drops news of earlier
-ones) and requests waiting for an empty pool (``POOL``) go to it; otherwise they fail as
-``unavailable``. ``start()`` runs the loop on a thread, any thread may ``submit``/``abort``
-(sinks run on the loop thread); ``run(workload)`` replays on the caller's thread.
+go through ``Calls``. Failures: a request fails ``deadline_s`` after its own last news. A
+worker is dead once its channel falls silent, its loop sends ``died``, or its deployment
+says so (``worker_died``: Ray's actor death): its requests fail naming the cause, or
+(remote, not yet decoding there) move to another decode worker. ``on_worker_died(name,
+cause)`` answers None when a restart is coming: ``rejoin`` then attaches the replacement as
+the next incarnation (the hub drops news of earlier ones) and requests waiting for the empty
+pool go to it; otherwise they fail as ``unavailable``. ``start()`` runs the loop on a
+thread, any thread may ``submit``/``abort`` (sinks run on the loop thread); ``run(workload)``
+replays on the caller's thread.
 """
 
 from __future__ import annotations
@@ -347,6 +348,13 @@ class Router:
         self._inbox.put(("rejoin", name, handle, info))
         self._wake_up()
 
+    def worker_died(self, name: str, handle: Any, cause: str) -> None:
+        """Worker ``name``'s process died (any thread; its deployment's watch, e.g. Ray's
+        actor death): handled as a death the channel reported, unless ``handle`` is no
+        longer that worker's (a replacement joined meanwhile)."""
+        self._inbox.put(("died", name, handle, cause))
+        self._wake_up()
+
     def worker_lost(self, name: str, reason: str) -> None:
         """No replacement of dead worker ``name`` will come (any thread): requests waiting
         for its pool fail at once if nothing else can serve them."""
@@ -494,6 +502,12 @@ class Router:
                 continue
             if command[0] == "lost":
                 self._lost(*command[1:])
+                continue
+            if command[0] == "died":
+                _, name, handle, cause = command
+                worker = self.workers.get(name)
+                if worker is not None and worker.alive and worker.handle is handle:
+                    self._worker_died(name, WorkerDied(cause))
                 continue
             _, request, arrived_s, sink, tokens = command
             if request.request_id in self._flights:  # refused; the one in flight goes on
