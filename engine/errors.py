@@ -72,6 +72,6 @@ def without_traceback(err: BaseException) -> BaseException:
     can be ObjectRefs (KV handles, the results of calls in flight), which Ray then keeps alive
     until Python's cycle collector runs, in a long-lived process maybe minutes later. Found
     as a KV object a prefill worker's transport counted held long after its request finished
-    (the router had caught a decode worker's death: ``experiments.ray_actors.RayCalls``)."""
+    (the router had caught a decode worker's death: ``deployment.ray_actors.RayCalls``)."""
     err.__traceback__ = None
     return err

@@ -27,7 +27,7 @@ naming the cause, then closes its port. The port's own thread does the socket wo
 (de)serialization, beside the step.
 
 A worker (prefill, decode, colocated) is this loop plus what it does with tokens; it is a
-plain class, and ``experiments/placement.py`` turns it into a Ray actor.
+plain class, and ``deployment/placement.py`` turns it into a Ray actor.
 """
 
 from __future__ import annotations

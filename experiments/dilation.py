@@ -7,7 +7,7 @@ host sharing 4-8 worker processes add a share of a 6 ms GPU step that decides th
 Beyond: Time-Warped Network Emulation", NSDI 2006) separates the two:
 
 - every emulated step lasts ``S`` x its modelled time (``Emulation.time_scale``, which
-  ``experiments.placement.emulation_for`` sets and ``EmulatedRunner.modelled_s`` multiplies
+  ``deployment.placement.emulation_for`` sets and ``EmulatedRunner.modelled_s`` multiplies
   by; the profile itself is not scaled) and every gap between arrivals ``S`` x its drawn
   value (``dilated_workload``: the workload drawn at the undilated rate, its offsets x S);
 - every time measured in the run is divided by ``S`` before anything reads it

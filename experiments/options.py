@@ -19,7 +19,7 @@ from engine.config import (DTYPES, TRANSPORTS, ConditionalConfig, EngineConfig, 
                            PlacementConfig, TransferConfig, add_dataclass_args,
                            dataclass_from_args, parse_devices, parse_placement)
 from engine.model import ModelLoadError, check_model_name, model_context_len
-from experiments.placement import check_devices_exist, worker_layout
+from deployment.placement import check_devices_exist, worker_layout
 from planner.latency import LINKS, DeviceProfile, TransferModel, link_transfer
 from router.policy import POLICIES
 
@@ -196,7 +196,7 @@ def non_negative_int(text: str) -> int:
 def add_deployment_args(parser: argparse.ArgumentParser) -> None:
     """``--devices``, ``--address``, ``--policy`` and ``--max-worker-restarts``: where the
     workers of ``run``, ``compare`` and ``serve`` go, how the router picks among them, and
-    how often a worker that dies is started again (``experiments.restarts``)."""
+    how often a worker that dies is started again (``deployment.restarts``)."""
     parser.add_argument("--devices", default=None, type=device_set,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
     parser.add_argument("--address", default=None,

@@ -2,7 +2,7 @@
 calibration that picks the rates (and loosens an SLO no lone request meets here): the runs behind
 ``pdlab run``, ``compare`` and ``plan --validate``.
 
-1. Deploy the placement on the device set (``experiments.placement.Deployment``: Ray actors,
+1. Deploy the placement on the device set (``deployment.placement.Deployment``: Ray actors,
    or threads in this process with ``local``), warm it up with two discarded requests.
 2. With no rates given, calibrate: two requests each served alone (their TTFT and TPOT),
    then the first seed's requests as one burst, whose throughput is the capacity; the rates
@@ -24,7 +24,7 @@ from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO, RequestRecord
 from experiments import dilation as dilate
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from experiments.workload_spec import WorkloadSpec, router_workload
 
 

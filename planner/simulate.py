@@ -112,7 +112,7 @@ class _Flight:
 
 
 def worker_names(placement: str) -> list[tuple[str, str]]:
-    """``(name, role)`` per worker, as ``experiments.placement.worker_layout`` names them."""
+    """``(name, role)`` per worker, as ``deployment.placement.worker_layout`` names them."""
     kind, first, second = parse_placement(placement)
     if kind == "colocated":
         return [(f"colocated-{i}", "colocated") for i in range(first)]

@@ -4,7 +4,7 @@ server (``server.app``) until interrupted.
 1. Check every option (``check``): one placement that fits the device set, the model's
    config file, the engine options; ``--local`` runs the workers in this process and needs
    the in-process transport (a Ray transport cannot cross threads of one process).
-2. Deploy the placement (``experiments.placement.Deployment``, restarting a worker that dies
+2. Deploy the placement (``deployment.placement.Deployment``, restarting a worker that dies
    up to ``--max-worker-restarts`` times), load the model's tokenizer for text in and out,
    and serve ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and
    ``/metrics`` over the deployment's router."""
@@ -21,7 +21,7 @@ from engine.model import load_tokenizer
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args,
                                  add_transfer_args, check_model, check_placements, engine_config, option_error,
                                  placement_list)
-from experiments.placement import Deployment, emulation_for
+from deployment.placement import Deployment, emulation_for
 from experiments.results import emulation_row
 from server.app import OpenAIServer, serve_forever, text_of
 from server.config import ServeConfig

@@ -15,7 +15,7 @@ from placement_helpers import assert_clean, local_ray, soak_workload
 import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")

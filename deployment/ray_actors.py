@@ -1,4 +1,4 @@
-"""Ray at the edge: the only module that imports Ray. ``experiments.placement`` imports it
+"""Ray at the edge: the only module that imports Ray. ``deployment.placement`` imports it
 when a deployment runs its workers as Ray actors; local placements (one process, the
 in-process transport) never load Ray, so they run where Ray is not installed
 (``make gpu-check``).

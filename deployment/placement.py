@@ -27,7 +27,7 @@ Setting up a deployment:
 
 Self-healing (issue 28): a worker that dies is started again, as it was started the first
 time (a local object, or a Ray actor in its own bundle), under a budget of
-``max_worker_restarts`` attempts per worker (``experiments.restarts``); it rejoins its pool
+``max_worker_restarts`` attempts per worker (``deployment.restarts``); it rejoins its pool
 once its engine answers ``info``. ``torchdist`` cannot restart a worker (its process group
 cannot take a new member), so there a death is final.
 
@@ -49,7 +49,7 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Placeme
 from engine import device as engine_device  # .CUDA: the seam tests fake
 from engine.emulated import Emulation
 from engine.model import ModelLoadError, check_model_name, load_geometry
-from experiments.restarts import Restarts
+from deployment.restarts import Restarts
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
@@ -278,7 +278,7 @@ class Deployment:
             check_model_name(model)
         self.hub: Any = None  # the router's end of the workers' channels
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
-        self._ray = None  # experiments.ray_actors.RayWorkers of a Ray deployment
+        self._ray = None  # deployment.ray_actors.RayWorkers of a Ray deployment
         self.transport = None  # local: the in-process transport every worker shares
         self.handles: dict[str, Any] = {}
         self.calls: Any = LocalCalls()
@@ -346,7 +346,7 @@ class Deployment:
 
     def _start_ray(self, faults: dict) -> None:
         # Ray only here: a local placement runs where Ray is not installed (make gpu-check)
-        from experiments import ray_actors
+        from deployment import ray_actors
 
         self._ray = ray_actors.RayWorkers(tuple(d for _, _, d in self.layout),
                                           self.placement.address, self.transfer.transport)
@@ -385,7 +385,7 @@ class Deployment:
             self.handles[decode[0]].transport.peak_gbps = peak.gbps
             return dict.fromkeys(decode, peak)
         return self._ray.link_peaks(decode, prefill)
-    # ---- restarts (experiments.restarts calls these on its threads) ---------------------
+    # ---- restarts (deployment.restarts calls these on its threads) ---------------------
     def _spawn(self, name: str) -> Any:
         """Start worker ``name`` again as it was started (the dead one is stopped first)."""
         rank, cls, kwargs, options = self._specs[name]
