@@ -460,9 +460,13 @@ class Deployment:
         return self.gather("status")
 
     def kill(self, name: str) -> None:
-        """Kill one worker (failure tests)."""
+        """Kill one worker (failure tests). The router hears of it as of a Ray actor's death
+        (``Router.worker_died``, at once); a local worker's death is the deployment's own
+        news, its silence on the channel aside."""
         if self.local:
-            self.calls.kill(self.handles[name])
+            handle = self.handles[name]  # gone from this instant, as a killed process is:
+            self.router.worker_died(name, handle, "killed")  # nothing it sends counts
+            self.calls.kill(handle)
         else:
             self._ray.kill(name)
 

@@ -468,9 +468,11 @@ class Router:
     # ---- the loop -------------------------------------------------------------------------
     def _step(self, wait_s: float) -> None:
         """One turn of the loop: take queued submits and aborts, wait on the hub up to
-        ``wait_s`` (less when a deadline falls due first) and handle what it brings, check
+        ``wait_s`` (less when a deadline falls due first; not at all after taking commands,
+        so the next turn sees the inbox again at once) and handle what it brings, check
         deadlines."""
-        self._drain_inbox()
+        if self._drain_inbox():
+            wait_s = 0.0
         if self._flights:
             next_deadline = min(f.deadline_s for f in self._flights.values())
             wait_s = min(wait_s, max(0.0, next_deadline - time.time()))
@@ -486,12 +488,15 @@ class Router:
     def _wake_up(self) -> None:
         self.hub.wake()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Apply the queued commands; whether there were any."""
+        took = False
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return took
+            took = True
             if command[0] == "abort":
                 flight = self._flights.get(command[1])
                 if flight is not None:
