@@ -1,38 +1,27 @@
-"""PlacementConfig -> workers on a device set, and a router over them: the one place that
-creates Ray actors (the composition root).
+"""PlacementConfig -> workers on a device set, the router over them and the hub of their
+channels: the one place that creates Ray actors (the composition root).
 
-Setting up a deployment:
-
-1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that
-   the set has enough devices and that each exists, before anything starts.
+1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that the
+   set has enough devices and that each exists, before anything starts.
 2. Ray mode: start a local Ray cluster (or join ``--address``), reserve one placement-group
-   bundle per worker (its GPU, or the CPU cores of a ``cpu:`` device: ``gpu_actor_resources``)
-   and start each worker as an actor in its bundle; the worker pins itself to its device
-   (on a cluster started here ``cuda:i`` is GPU i exactly; joining one, Ray picks the GPU).
-   ``torchdist``: the driver first binds the group's rendezvous store at port 0 and keeps it
-   until ``close``, see ``kv_transfer.torchdist.open_rendezvous``. Local mode: build the
-   workers as plain objects in this process (tests; the in-process transport), each on its
-   own device without pinning the process (a ``cuda:i`` worker runs on ``cuda:i``).
-3. Wait until every worker answers ``info`` (bounded), then build the ``Router`` over the
-   message plane: an in-process ``channel.local.LocalHub`` in local mode, else a
-   ``channel.sockets.SocketHub`` (``ipc`` on a cluster started here, ``tcp`` on the driver's
-   address when joining one); the router has each worker open its channel. A worker
-   that fails to start is an error that keeps its root cause (exception type and message,
-   ``engine.errors.describe_error``), not only Ray's "actor died" line.
-4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``,
-   issue 29) and set it on that worker's transport, so every ``TransferRecord`` carries
-   ``efficiency``: a memcpy on its node when every prefill worker shares the node, else a
-   short probe from a prefill worker on another node (NIXL READ, or TCP without NIXL).
-   ``link_peaks`` keeps them (decode worker name -> ``LinkPeak``).
+   bundle per worker (``deployment.ray_actors.gpu_actor_resources``) and start each worker as
+   an actor in its bundle, pinned to its device; ``torchdist``: the driver binds the group's
+   rendezvous store first and keeps it until ``close``. Local mode: plain worker objects in
+   this process (tests; the in-process transport), each on its own device, unpinned.
+3. Wait until every worker answers ``info`` (bounded; a failure keeps its root cause,
+   ``engine.errors.describe_error``), then build the ``Router`` over the message plane: a
+   ``channel.local.LocalHub`` in local mode, else a ``channel.sockets.SocketHub`` (``ipc`` on
+   a cluster started here, ``tcp`` on the driver's address when joining one). Ray's actor
+   deaths reach the router at once (``RayWorkers.watch``), as does a local ``kill``.
+4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``: a
+   memcpy when every prefill worker shares its node, else a probe from one on another node)
+   and set it on its transport, so every ``TransferRecord`` carries ``efficiency``
+   (``link_peaks``: decode worker name -> ``LinkPeak``).
 
-Self-healing (issue 28): a worker that dies is started again, as it was started the first
-time (a local object, or a Ray actor in its own bundle), under a budget of
-``max_worker_restarts`` attempts per worker (``deployment.restarts``); it rejoins its pool
-once its engine answers ``info``. ``torchdist`` cannot restart a worker (its process group
-cannot take a new member), so there a death is final.
-
-``close()`` stops the workers and releases the placement group (and Ray, if it was started
-here).
+Self-healing: a dead worker is started again as it was started, under ``max_worker_restarts``
+attempts per worker (``deployment.restarts``), and rejoins its pool once it answers ``info``;
+``torchdist`` cannot restart a worker (its process group takes no new member). ``close()``
+stops the workers, the hub and the placement group (and Ray, if it was started here).
 """
 
 from __future__ import annotations

@@ -1,33 +1,25 @@
 """Run an Engine on a background thread: commands in, ``WorkerEvent``s out.
 
-The loop, on its own thread (the only thread that touches the engine):
+The loop, on its own thread (the only thread that touches the engine): run the queued
+commands; if the engine has work, run one ``engine.step()`` and turn its ``StepOutput`` into
+events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV over,
+or fetch the KV of the requests whose blocks the step reserved), run the commands that came
+during the step, then let the events leave; otherwise sleep until the next command.
 
-1. Run the commands queued by ``submit`` / ``abort`` / subclass methods.
-2. If the engine has work, run one ``engine.step()`` and turn its ``StepOutput`` into
-   events: failed requests become errors, the rest goes to ``on_step`` (subclasses hand KV
-   over, or fetch the KV of the requests whose blocks the step reserved); the commands
-   that arrived during the step run before the events leave.
-3. Otherwise sleep until the next command arrives.
+Over the message plane (``open_channel(endpoint)``, ``channel``): ``submit``, ``admit``,
+``abort`` and ``release`` come in through the worker's port in the order sent, and every loop
+turn with news sends it as one message (a tuple of the turn's events: one step's tokens,
+``prefilled`` with its KV handles, errors). A command the port cancelled (an ``abort``
+overtook it), or one that raised, goes to ``on_cancelled`` (it frees what the command
+carries); one that raised is also an ``error`` event naming its request. A loop that dies
+sends its last words (a ``died`` event naming the cause) and closes its port; the port's own
+thread does the socket work and the (de)serialization, beside the step.
 
-Until a channel is open, callers collect events with ``wait_events(timeout_s)``, a long
-poll: it returns as soon as there is something to report, or empty-handed at the deadline. An exception that escapes
-the loop kills the worker at once: the loop stops, and ``wait_events`` (and ``call``) raise
-``EngineLoopDied`` naming the cause, so the router fails its requests within a poll.
-Commands that must keep their order across a transport that may reorder calls (threaded
-Ray actors) come through ``ordered(seq, method, ...)``, applied in ``seq`` order.
-
-Over the message plane (``open_channel(endpoint)``, ``channel``): the ordered commands
-(``submit``, ``admit``, ``abort``, ``release``) come in through the worker's port, in the
-order sent, and every loop turn that has news sends it as one message: the turn's events
-(one engine step's tokens, ``prefilled`` with its KV handles, errors), in order, as a tuple.
-A command the port cancelled (an ``abort`` overtook it), or one that raised, goes to
-``on_cancelled`` (it frees what the command carries); one that raised is reported as an
-``error`` event naming its request. A loop that dies sends its last words, a ``died`` event
-naming the cause, then closes its port. The port's own thread does the socket work and the
-(de)serialization, beside the step.
-
-A worker (prefill, decode, colocated) is this loop plus what it does with tokens; it is a
-plain class, and ``deployment/placement.py`` turns it into a Ray actor.
+Until a channel is open, callers collect events with ``wait_events(timeout_s)``, a long poll;
+after the loop died it (and ``call``) raises ``EngineLoopDied`` naming the cause. Callers
+whose calls may be reordered (threaded Ray actors) use ``ordered(seq, method, ...)``, applied
+in ``seq`` order. A worker (prefill, decode, colocated) is this loop plus what it does with
+tokens, a plain class; ``deployment/placement.py`` makes it a Ray actor.
 """
 
 from __future__ import annotations
