@@ -141,7 +141,6 @@ class Engine:
         self.step_records: list[StepRecord] = []
         self._on_layer_done = on_layer_done
 
-    # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
         """``ValueError`` naming the field and range if ``request`` can never run here: a duplicate
         id, or past one of ``self.limits`` (context, vocabulary, the whole KV cache, and without
@@ -276,7 +275,6 @@ class Engine:
         if self.emulation is not None:
             self.runner.forget(request_id)
 
-    # ---- stepping --------------------------------------------------------------------
     def step(self) -> StepOutput:
         """Run one step: schedule, reserve, forward, sample, update. A step with nothing to
         compute runs no forward and records nothing, but still reports its reservations."""
@@ -351,7 +349,6 @@ class Engine:
                            num_cached_tokens=state.num_cached_tokens if first_here else None,
                            num_preemptions=state.num_preemptions)
 
-    # ---- load snapshots (router policies) -------------------------------------------
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

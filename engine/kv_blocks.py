@@ -123,7 +123,6 @@ class BlockAllocator:
         self._stored: list[bytes] = []
         self._removed: list[bytes] = []
 
-    # ---- counts --------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds: free ones plus cached ones at zero references."""
@@ -146,7 +145,6 @@ class BlockAllocator:
         """True if ``num_tokens`` fit the whole cache."""
         return self.blocks_needed(num_tokens) <= self.num_blocks
 
-    # ---- allocation ----------------------------------------------------------------
     def allocate(self, num_tokens: int) -> list[int]:
         """``blocks_needed(num_tokens)`` new blocks at one reference each, in table order (module
         docstring's allocation order).
@@ -230,7 +228,6 @@ class BlockAllocator:
         free.extend(block_ids)
         free.sort()  # timsort: two sorted runs, linear
 
-    # ---- the prefix cache ----------------------------------------------------------
     def cache(self, block: int, digest: bytes) -> bool:
         """Register a held full ``block`` under ``digest``; False (no change) when caching is off,
         the block has a hash, or another block holds ``digest``."""

@@ -104,9 +104,6 @@ class RequestRecord:
         return cls(**d)
 
 
-# ---- per-request metrics (seconds; None when the events are missing) ----
-
-
 def _between(r: RequestRecord, start: str, end: str) -> float | None:
     if start in r.timeline and end in r.timeline:
         return r.timeline[end] - r.timeline[start]
@@ -219,9 +216,6 @@ def kv_gb_per_s(r: RequestRecord) -> float | None:
     return r.kv_bytes / seconds / 1e9
 
 
-# ---- SLOs ----
-
-
 @dataclass(frozen=True)
 class SLO:
     """Latency targets in seconds: TTFT and TPOT (DistServe's two SLOs)."""
@@ -247,8 +241,6 @@ def slo_attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
         return math.nan
     return sum(meets_slo(r, slo) for r in records) / len(records)
 
-
-# ---- run summary ----
 
 _METRICS: dict[str, Callable[[RequestRecord], float | None]] = {
     "ttft": ttft_s,
@@ -357,9 +349,6 @@ def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devic
             break
         best = rate
     return best / num_devices
-
-
-# ---- engine steps (measured at the boundary: each step with its batch) -----------------
 
 
 PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase

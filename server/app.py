@@ -57,7 +57,6 @@ MAX_PROMPTS = 16  # prompts in one completions request
 RETRY_AFTER_S = 2  # 503's Retry-After while a worker restarts (seconds)
 
 
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -255,7 +254,6 @@ async def read_json(request: HTTPRequest, max_body_bytes: int) -> Any:
         raise BadRequest(f"request body is not valid JSON: {err}") from None
 
 
-
 # vLLM's buckets (vllm/v1/metrics/loggers.py) for its latency histograms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -347,7 +345,6 @@ class _Restarts(Collector):
         for name, worker in self.router.workers.items():
             family.add_metric([name, worker.role], worker.restarts)
         yield family
-
 
 
 @dataclass
@@ -830,7 +827,6 @@ class _Call:
             yield "data: [DONE]\n\n"
         finally:
             self._abort_unanswered()
-
 
 
 def text_of(loaded_tokenizer: Any) -> ByteText | HFText:
