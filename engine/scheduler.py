@@ -127,7 +127,6 @@ class Scheduler:
         self._step_cached: list[int] = []
         self._preempted_now = False
 
-    # ---- queues --------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
         """Queue a request.
 
@@ -156,7 +155,6 @@ class Scheduler:
         return sum(s.num_reserved_tokens for s in self.running) + sum(
             s.num_reserved_tokens for s in self.receiving)
 
-    # ---- one step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._step_cached = []

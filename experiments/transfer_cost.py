@@ -113,7 +113,6 @@ def time_transfer(transport, spec: KVSpec, kv: torch.Tensor, repeats: int,
     return timing
 
 
-# ---- torch.distributed (two processes) -------------------------------------------------
 def _torchdist_rank(rank: int, init_method: str, spec_dict: dict, jobs: list, repeats: int,
                     checksum: bool, handle_q, ack_q, result_q) -> None:
     """One rank of the gloo measurement: rank 0 puts, rank 1 gets (see module docstring)."""
@@ -169,7 +168,6 @@ def time_torchdist(spec: KVSpec, jobs: list[tuple[int, list[tuple[int, int]]]], 
                 proc.terminate()
 
 
-# ---- the table -------------------------------------------------------------------------
 def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
                   transports: Sequence[str] = ("inprocess",), repeats: int = 5,
                   layers_per_chunk: int = 1, device: str = "cpu", seed: int = 0,

@@ -159,7 +159,6 @@ class NixlTransport(Transport):
         self._closed = threading.Event()
         self._poller: threading.Thread | None = None
 
-    # ---- producer side ----------------------------------------------------------------
     def _own_arena(self) -> _Region:
         if self._arena is None:
             try:
@@ -264,7 +263,6 @@ class NixlTransport(Transport):
             self._reclaim()
             return arena.place(need) is not None
 
-    # ---- consumer side ----------------------------------------------------------------
     def _remote(self, key: NixlKey) -> str:
         """The producer's agent name, its metadata loaded once (under the lock)."""
         if key.agent != self.agent_name and key.agent not in self._remotes:

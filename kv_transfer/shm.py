@@ -203,7 +203,6 @@ class SharedMemoryTransport(Transport):
         self._mapped: dict[str, _Segment] = {}  # mapped segments (own included), by token
         self._leases: dict[tuple[str, int, int], _Lease] = {}  # (token, slot, gen)
 
-    # ---- producer side ----------------------------------------------------------------
     @property
     def segment_name(self) -> str | None:
         """Name other processes open this process's segment by (None before the first put)."""
@@ -305,7 +304,6 @@ class SharedMemoryTransport(Transport):
             self._reclaim()
             return self._find_room(num_bytes) is not None
 
-    # ---- consumer side ----------------------------------------------------------------
     def _map(self, key: ShmKey, request_id: str) -> _Segment:
         if key.node != self.node:
             raise TransferFailed(f"KV of request {request_id} is in shared memory on node "

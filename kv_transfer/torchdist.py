@@ -171,7 +171,6 @@ class TorchDistributedTransport(Transport):
         if self._p2p is dist and dist.is_initialized():
             dist.destroy_process_group()
 
-    # ---- the host's view of a work's completion -----------------------------------------
     def _wait_host(self, work, deadline_s: float | None = None) -> None:
         """Return once the host knows ``work`` completed. gloo: ``work.wait`` blocks. NCCL:
         ``wait`` only orders the current stream, so ``is_completed()`` is polled (sleeps doubling
@@ -194,7 +193,6 @@ class TorchDistributedTransport(Transport):
             sleep_s = min(2 * sleep_s, NCCL_POLL_MAX_S)
         work.wait()
 
-    # ---- send side -------------------------------------------------------------------
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
               layer_start: int) -> list[Frame]:
         header, tensor_bytes = pack_tensor(request_id, spec, kv.to(self.device), token_start,
@@ -254,7 +252,6 @@ class TorchDistributedTransport(Transport):
             if (dst, key.seq) in self._sends:
                 self._orphans.add((dst, key.seq))
 
-    # ---- receive side ----------------------------------------------------------------
     def _post_in_order(self, key: P2PKey, request_id: str, drain: bool) -> _Receive:
         """Register ``key``'s receives and post them in the pair's order (NCCL) or at once (gloo).
 

@@ -162,7 +162,6 @@ class Simulator:
         self.speed_trace = speed_trace
         self.kv_budget_bytes = kv_budget_bytes
 
-    # ---- one run -----------------------------------------------------------------------
     def run(self, workload: Sequence[tuple[Request, float]], collect_steps: bool = False,
             collect_batches: bool = False) -> SimResult:
         """Serve ``workload`` (requests with arrival offsets, s) to the end; a ``SimResult`` with
@@ -237,7 +236,6 @@ class Simulator:
     def _push(self, t: float, kind: int, payload, order: int = _EARLY) -> None:
         heapq.heappush(self._heap, (t, order, next(self._seq), kind, payload))
 
-    # ---- router ------------------------------------------------------------------------
     def _arrive(self, t: float, request: Request) -> None:
         record = RequestRecord(request_id=request.request_id, placement=self.placement,
                                num_prompt_tokens=request.num_prompt_tokens)
@@ -296,7 +294,6 @@ class Simulator:
         instance.scheduler.add(state)
         self._wake(instance, t)
 
-    # ---- instances ---------------------------------------------------------------------
     def _wake(self, instance: _Instance, t: float) -> None:
         """An idle instance steps at ``t``, once the other events of ``t`` have run."""
         if not instance.busy:
