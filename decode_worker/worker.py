@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from channel.contract import ADMIT, Command
 from engine.config import EngineConfig, ModelConfig, TransferConfig
 from engine.engine import StepOutput
 from engine.events import ERROR, KV_GOT, WorkerEvent
@@ -102,6 +103,12 @@ class DecodeWorker(EngineLoop):
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self._abort(request_id))
+
+    def on_cancelled(self, command: Command) -> None:
+        """An ``admit`` an abort overtook on the channel: nobody will fetch its KV, so its
+        handles are freed here, as after a fetch."""
+        if command.kind == ADMIT:
+            self._free(tuple(command.args[2]))
 
     def status(self) -> dict:
         return {**super().status(), "transport_held": self.call(self.transport.num_held),

@@ -15,6 +15,13 @@ the loop kills the worker at once: the loop stops, and ``wait_events`` (and ``ca
 Commands that must keep their order across a transport that may reorder calls (threaded
 Ray actors) come through ``ordered(seq, method, ...)``, applied in ``seq`` order.
 
+Over the message plane (``open_channel(endpoint)``, ``channel``): the ordered commands
+(``submit``, ``admit``, ``abort``, ``release``) come in through the worker's port, in the
+order sent, and every loop turn that has news sends it as one message: the turn's events
+(one engine step's tokens, ``prefilled`` with its KV handles, errors), in order, as a tuple.
+A command the port cancelled (an ``abort`` overtook it) goes to ``on_cancelled``. The
+port's own thread does the socket work and the (de)serialization, beside the step.
+
 A worker (prefill, decode, colocated) is this loop plus what it does with tokens; it is a
 plain class, and ``experiments/placement.py`` turns it into a Ray actor.
 """
@@ -29,6 +36,8 @@ from collections.abc import Callable
 
 import torch
 
+from channel.contract import ABORT, ADMIT, RELEASE, SUBMIT, Command, Endpoint, Port
+from channel.ports import open_port
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine, StepOutput
@@ -38,6 +47,9 @@ from engine.emulated import Emulation
 from engine.model import load_geometry, load_model
 from engine.request import Request, TokenOutput
 from engine.scheduler import ScheduledBatch
+
+
+CHANNEL_COMMANDS = (SUBMIT, ADMIT, ABORT, RELEASE)  # what a port may ask of a worker
 
 
 class EngineLoopDied(RuntimeError):
@@ -129,6 +141,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
         self._in_order = InOrder(on_late_error=self._late_command_error)
+        self._port: Port | None = None  # the message plane, once open_channel ran
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
@@ -180,6 +193,23 @@ class EngineLoop:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort(request_id))
+
+    def open_channel(self, endpoint: Endpoint) -> None:
+        """Take commands from the channel port of ``endpoint`` and send each loop turn's
+        events through it from now on (module docstring); a port opened before is closed.
+
+        Raises:
+            KeyError: a local endpoint whose hub is not in this process.
+        """
+        port = open_port(endpoint, on_arrival=self._wake_loop)
+        old, self._port = self._port, port
+        if old is not None:
+            old.close()
+        if self._died is not None:  # a dead loop sends no heartbeat: its hub sees the death
+            port.close()
+
+    def _wake_loop(self) -> None:
+        self._commands.put(_nothing)
 
     def ordered(self, seq: int, method: str, *args):
         """Call ``method(*args)`` as the ``seq``-th ordered command of this worker (see
@@ -264,6 +294,12 @@ class EngineLoop:
         self._stopped.set()
         self._commands.put(lambda: None)
         self._thread.join(timeout=10)
+        self._close_port()
+
+    def _close_port(self) -> None:
+        port = self._port
+        if port is not None:
+            port.close()
 
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -274,6 +310,7 @@ class EngineLoop:
             with self._events_ready:
                 self._died = f"{type(err).__name__}: {err}"
                 self._events_ready.notify_all()
+            self._close_port()  # its heartbeat stops: the hub sees the death
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -281,6 +318,7 @@ class EngineLoop:
                                  timeout_s=self.idle_wait_s())
             self.on_tick()
             if not self.engine.has_unfinished():
+                self._send_events()
                 continue
             output = self.engine.step()
             if self.step_delay_s:
@@ -289,14 +327,57 @@ class EngineLoop:
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
             self.on_step(output)
             self.on_tick()
+            self._send_events()
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
+
+    def _send_events(self) -> None:
+        """Over the channel: this turn's events as one message (none: nothing is sent)."""
+        port = self._port
+        if port is None or not self._events:
+            return
+        with self._events_ready:
+            events, self._events = self._events, []
+        port.send(tuple(events))
+
+    def _take_from_port(self) -> None:
+        """Apply the commands that reached the port (each queues its work behind the
+        commands already queued); hand the cancelled ones to ``on_cancelled``."""
+        port = self._port
+        if port is None:
+            return
+        taken = port.take(0)
+        for command in taken.cancelled:
+            try:
+                self.on_cancelled(command)
+            except Exception as err:  # frees what it can; never kills the loop
+                self.emit(WorkerEvent(ERROR, command.request_id or "", self.name, time.time(),
+                                      error=f"cancelling {command.kind}: {err!r}"))
+        for command in taken.commands:
+            try:
+                if command.kind not in CHANNEL_COMMANDS:
+                    raise ValueError(f"unknown command {command.kind!r} (have: "
+                                     f"{', '.join(CHANNEL_COMMANDS)})")
+                getattr(self, command.kind)(*command.args)
+            except Exception as err:  # its request fails, the worker goes on
+                self.emit(WorkerEvent(ERROR, command.request_id or "", self.name, time.time(),
+                                      error=f"{command.kind} failed: {type(err).__name__}: {err}"))
+
+    def on_cancelled(self, command: Command) -> None:
+        """A command an ``abort`` cancelled before it was applied (channel contract): free
+        what it carries. A ``submit`` carries nothing."""
 
     def _drain_commands(self, block: bool, timeout_s: float = 0.1) -> None:
         try:
             command = self._commands.get(timeout=timeout_s) if block else self._commands.get_nowait()
         except queue.Empty:
-            return
+            command = None
+        self._take_from_port()
+        if command is None:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
         while True:
             try:
                 command()
@@ -318,6 +399,8 @@ class EngineLoop:
         with self._events_ready:
             self._events.append(event)
             self._events_ready.notify_all()
+        if self._port is not None and threading.current_thread() is not self._thread:
+            self._wake_loop()  # the loop sends it at its next turn
 
     def emit_tokens(self, outputs, first_scheduled_as: str | None = None) -> None:
         """A step's tokens: the plain ones (``is_plain``) as one ``TokenBatch``, each other
@@ -359,6 +442,10 @@ class EngineLoop:
         """After every step, on the loop thread, with what it did (its failed requests are
         already reported). Colocated: every token goes straight out."""
         self.emit_tokens(output.tokens)
+
+
+def _nothing() -> None:
+    """A command that only wakes the loop (a port's command arrived)."""
 
 
 def is_plain(out: TokenOutput) -> bool:

@@ -3,13 +3,17 @@
 The layer order (a package may import only those below it; experiments may import
 everything):
 
-    engine  <  kv_transfer  <  prefill_worker, decode_worker
-    engine (torch-free)  <  router  <  planner, server
+    channel  <  engine.serving;  engine  <  kv_transfer  <  prefill_worker, decode_worker
+    channel  <  prefill_worker, decode_worker
+    engine (torch-free), channel.contract  <  router  <  planner, server
 
 Rules:
-- engine imports no other pdlab package; kv_transfer imports only engine;
-- prefill_worker / decode_worker import engine and kv_transfer, never each other;
-- router imports only the torch-free engine modules and no torch/transformers/ray/msgpack;
+- engine imports no other pdlab package but ``channel`` in engine/serving.py (a worker's
+  loop speaks the message plane); kv_transfer imports only engine; channel imports no
+  other pdlab package;
+- prefill_worker / decode_worker import engine, kv_transfer and channel, never each other;
+- router imports only the torch-free engine modules and ``channel.contract`` (it is handed
+  a hub), no torch/transformers/ray/msgpack/zmq;
 - planner (the simulator and its models) imports only the torch-free engine modules and
   router: a plan never loads torch or Ray; server (the HTTP front end) the same, plus web
   libraries;
@@ -20,9 +24,9 @@ Rules:
 - at most ``MAX_LAZY_IMPORTS`` function-level imports in the whole tree (benchmarks but
   ``benchmarks/kv_transfer.py`` included), each with a comment saying why;
 - transformers only in engine/model.py (engine/runner.py allowed); msgpack only in
-  kv_transfer/payload.py; ray (``import ray`` / ``from ray...``) only in experiments/* and
-  kv_transfer/ray_store.py; kv_transfer.ray_store itself only lazily (inside a function)
-  outside experiments;
+  kv_transfer/payload.py and channel/wire.py; zmq only in channel/sockets.py; ray
+  (``import ray`` / ``from ray...``) only in experiments/* and kv_transfer/ray_store.py;
+  kv_transfer.ray_store itself only lazily (inside a function) outside experiments;
 - the torch-free engine modules import no torch at module level (checked in a subprocess too).
 """
 
@@ -37,11 +41,12 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "planner",
-            "server", "experiments")
+PACKAGES = ("engine", "kv_transfer", "channel", "prefill_worker", "decode_worker", "router",
+            "planner", "server", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
                      "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks")
-HEAVY = ("torch", "transformers", "ray", "msgpack")
+HEAVY = ("torch", "transformers", "ray", "msgpack", "zmq")
+CHANNEL_FOR_ROUTER = ("channel", "channel.contract")  # the contract only: no sockets, no msgpack
 MAX_LAZY_IMPORTS = 10
 
 
@@ -130,6 +135,8 @@ def test_the_parser_sees_the_imports_it_should():
     assert any(i.file == "kv_transfer/ray_store.py" and i.top == "ray" and not i.lazy
                for i in IMPORTS)
     assert any(i.file == "kv_transfer/payload.py" and i.module == "msgpack" for i in IMPORTS)
+    assert any(i.file == "channel/wire.py" and i.module == "msgpack" for i in IMPORTS)
+    assert any(i.file == "channel/sockets.py" and i.module == "zmq" for i in IMPORTS)
     assert any(i.file == "router/router.py" and i.module == "engine.events" for i in IMPORTS)
     assert any(i.file == "kv_transfer/factory.py" and i.module == "kv_transfer.ray_store"
                and i.lazy for i in IMPORTS)
@@ -137,7 +144,13 @@ def test_the_parser_sees_the_imports_it_should():
 
 def test_engine_imports_no_other_pdlab_package():
     pdlab_others = set(PACKAGES) - {"engine"}
-    assert violations(lambda i: in_package(i, "engine") and i.top in pdlab_others) == []
+    assert violations(lambda i: in_package(i, "engine") and i.top in pdlab_others
+                      and not (i.file == "engine/serving.py" and i.top == "channel")) == []
+
+
+def test_channel_imports_no_other_pdlab_package():
+    others = set(PACKAGES) - {"channel"}
+    assert violations(lambda i: in_package(i, "channel") and i.top in others) == []
 
 
 def test_kv_transfer_imports_only_engine():
@@ -148,14 +161,14 @@ def test_kv_transfer_imports_only_engine():
 @pytest.mark.parametrize("worker,other", [("prefill_worker", "decode_worker"),
                                           ("decode_worker", "prefill_worker")])
 def test_workers_import_engine_and_kv_transfer_never_each_other(worker, other):
-    forbidden = set(PACKAGES) - {"engine", "kv_transfer", worker}
+    forbidden = set(PACKAGES) - {"engine", "kv_transfer", "channel", worker}
     assert other in forbidden
     assert violations(lambda i: in_package(i, worker) and i.top in forbidden) == []
     tops = {i.top for i in IMPORTS if in_package(i, worker)}
     assert {"engine", "kv_transfer"} <= tops
 
 
-@pytest.mark.parametrize("package,allowed", [("router", {"engine", "router"}),
+@pytest.mark.parametrize("package,allowed", [("router", {"engine", "router", "channel"}),
                                              ("planner", {"engine", "router", "planner"}),
                                              ("server", {"engine", "router", "server"})])
 def test_router_planner_server_import_only_torch_free_engine_modules(package, allowed):
@@ -166,6 +179,8 @@ def test_router_planner_server_import_only_torch_free_engine_modules(package, al
             return True
         if i.top == "engine":
             return i.module not in TORCH_FREE_ENGINE + ("engine.scheduler",)
+        if i.top == "channel":
+            return i.module not in CHANNEL_FOR_ROUTER
         return i.top in set(PACKAGES) - allowed
 
     assert violations(bad) == []
@@ -256,8 +271,13 @@ def test_transformers_only_in_model_and_runner():
     assert violations(lambda i: i.top == "transformers" and i.file not in allowed) == []
 
 
-def test_msgpack_only_in_payload():
-    assert violations(lambda i: i.top == "msgpack" and i.file != "kv_transfer/payload.py") == []
+def test_msgpack_only_in_payload_and_the_channel_wire():
+    allowed = {"kv_transfer/payload.py", "channel/wire.py"}
+    assert violations(lambda i: i.top == "msgpack" and i.file not in allowed) == []
+
+
+def test_zmq_only_in_the_channel_sockets():
+    assert violations(lambda i: i.top == "zmq" and i.file != "channel/sockets.py") == []
 
 
 def test_ray_only_in_experiments_and_ray_store():
@@ -308,10 +328,12 @@ def test_torch_free_modules_import_without_torch_in_a_fresh_process():
     modules = list(TORCH_FREE_ENGINE) + ["engine.scheduler", "router.router", "router.policy",
                                          "router.calls", "router.assignment", "planner.simulate",
                                          "planner.search", "planner.band", "planner.diagnose",
-                                         "planner.drift", "planner.latency", "server.app"]
+                                         "planner.drift", "planner.latency", "server.app",
+                                         "channel.contract", "channel.local"]
     code = ("import sys\n"
             + "".join(f"import {m}\n" for m in modules)
-            + "bad = sorted(m for m in ('torch', 'transformers', 'ray', 'msgpack') if m in sys.modules)\n"
+            + "bad = sorted(m for m in ('torch', 'transformers', 'ray', 'msgpack', 'zmq') "
+              "if m in sys.modules)\n"
             + "print(','.join(bad))\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=60)

@@ -1,0 +1,276 @@
+"""The channel over pyzmq: ``ipc`` within a node, ``tcp`` across nodes, ``channel.wire``
+(msgpack) on the wire.
+
+Sockets:
+
+- the hub binds one PULL socket that every port's PUSH connects to (messages and
+  heartbeats, each ``[worker, incarnation, seq, body]``, ``seq`` -1 for a heartbeat);
+- per attached incarnation, the hub binds a PUSH socket that its port's PULL connects to
+  (commands, each ``[kind, request_id, args]``). A PUSH socket has no peer until its port
+  connects: commands sent before then wait in the hub, in order, and leave when the poller
+  says the socket can take them.
+
+Threads: libzmq's own I/O thread moves the bytes on both sides. A port runs one more
+thread of its own: it receives and decodes commands into the worker's ``Inbox``, encodes
+and sends the worker's messages, and beats the heartbeat, so none of that waits for the
+worker's engine step, nor the step for it. The hub has no thread: the router loop calls
+``receive``, which waits on a ``zmq.Poller`` over its sockets and a wake-up pipe
+(``wake``), never on a time slice.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from channel import wire
+from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
+                              Liveness, Message, Taken)
+
+TRANSPORTS = ("ipc", "tcp")
+
+
+class _WakePipe:
+    """A pipe that a ``zmq.Poller`` watches: ``poke`` from any thread wakes it."""
+
+    def __init__(self) -> None:
+        self.read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self.read_fd, False)
+        os.set_blocking(self._write_fd, False)
+
+    def poke(self) -> None:
+        try:
+            os.write(self._write_fd, b"\0")
+        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: moot
+            pass
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def close(self) -> None:
+        for fd in (self.read_fd, self._write_fd):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+class SocketHub:
+    """``channel.contract.Hub`` over pyzmq (module docstring).
+
+    Args:
+        transport: ``ipc`` (every worker on this node) or ``tcp`` (any node).
+        host: the address ``tcp`` ports connect to (this node's, reachable from the others).
+        dead_after_s: silence after which an incarnation is reported dead (seconds).
+        heartbeat_s: the heartbeat period its ports get (seconds).
+        clock: monotonic seconds.
+
+    Raises:
+        ValueError: an unknown transport.
+    """
+
+    def __init__(self, transport: str = "ipc", host: str = "127.0.0.1",
+                 dead_after_s: float = DEAD_AFTER_S, heartbeat_s: float = HEARTBEAT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if transport not in TRANSPORTS:
+            raise ValueError(f"channel transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport, self.host = transport, host
+        self.heartbeat_s = heartbeat_s
+        self.liveness = Liveness(dead_after_s, clock)
+        self._ctx = zmq.Context()
+        self._dir = tempfile.mkdtemp(prefix="pdlab-ch-") if transport == "ipc" else None
+        self._in = self._ctx.socket(zmq.PULL)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self.address = self._bind(self._in, "in")
+        self._out: dict[str, zmq.Socket] = {}  # worker -> PUSH of its current incarnation
+        self._waiting: dict[str, collections.deque[bytes]] = {}  # commands its port cannot take yet
+        self._wake = _WakePipe()
+        self._poller = zmq.Poller()
+        self._poller.register(self._in, zmq.POLLIN)
+        self._poller.register(self._wake.read_fd, zmq.POLLIN)
+        self._closed = False
+
+    @property
+    def stale(self) -> dict[tuple[str, int], int]:
+        return self.liveness.stale
+
+    def _bind(self, socket: zmq.Socket, name: str) -> str:
+        if self._dir is not None:
+            address = f"ipc://{self._dir}/{name}"
+            socket.bind(address)
+            return address
+        port = socket.bind_to_random_port("tcp://*")
+        return f"tcp://{self.host}:{port}"
+
+    def attach(self, worker: str, incarnation: int) -> Endpoint:
+        self.liveness.attach(worker, incarnation)
+        self._drop(worker)
+        out = self._ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 0)
+        address = self._bind(out, f"{len(self._out)}-{worker}-{incarnation}")
+        self._out[worker] = out
+        return Endpoint(worker, incarnation, address, self.address, self.heartbeat_s)
+
+    def detach(self, worker: str) -> None:
+        self.liveness.detach(worker)
+        self._drop(worker)
+
+    def _drop(self, worker: str) -> None:
+        out = self._out.pop(worker, None)
+        if out is not None:
+            if worker in self._waiting:
+                self._poller.unregister(out)
+                del self._waiting[worker]
+            out.close()
+
+    def send(self, worker: str, command: Command) -> None:
+        out = self._out.get(worker)
+        if out is None:  # a detached worker hears nothing more
+            return
+        data = wire.encode((command.kind, command.request_id, command.args))
+        waiting = self._waiting.get(worker)
+        if waiting is None:
+            try:
+                out.send(data, zmq.NOBLOCK)
+                return
+            except zmq.Again:  # its port has not connected yet: keep it, in order
+                waiting = self._waiting[worker] = collections.deque()
+                self._poller.register(out, zmq.POLLOUT)
+        waiting.append(data)
+        self._flush(worker)
+
+    def _flush(self, worker: str) -> None:
+        out, waiting = self._out[worker], self._waiting[worker]
+        try:
+            while waiting:
+                out.send(waiting[0], zmq.NOBLOCK)
+                waiting.popleft()
+        except zmq.Again:
+            return
+        self._poller.unregister(out)
+        del self._waiting[worker]
+
+    def receive(self, timeout_s: float) -> list[Message | Died]:
+        next_death = self.liveness.next_death_in()
+        wait_s = timeout_s if next_death is None else min(timeout_s, next_death)
+        ready = dict(self._poller.poll(max(0, int(wait_s * 1000 + 0.999))))
+        if self._wake.read_fd in ready:
+            self._wake.drain()
+        for worker in [w for w, out in list(self._out.items()) if w in self._waiting
+                       and ready.get(out, 0) & zmq.POLLOUT]:
+            self._flush(worker)
+        out: list[Message | Died] = []
+        # everything queued, so that no queued heartbeat is mistaken for silence
+        while self._in.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            worker, incarnation, seq, body = wire.decode(self._in.recv())
+            if self.liveness.heard(worker, incarnation) and seq >= 0:
+                out.append(Message(worker, incarnation, seq, body))
+        out.extend(self.liveness.deaths())
+        return out
+
+    def wake(self) -> None:
+        self._wake.poke()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for worker in list(self._out):
+            self._drop(worker)
+        self._in.close()
+        self._ctx.term()
+        self._wake.close()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class SocketPort:
+    """``channel.contract.Port`` over pyzmq: opened in the worker's process with the
+    ``Endpoint`` its hub's ``attach`` returned; ``on_arrival()`` runs after each command
+    reaches the inbox (it wakes the worker's loop). Its thread (module docstring) starts at
+    once; the first heartbeat leaves before the constructor returns."""
+
+    def __init__(self, endpoint: Endpoint, on_arrival: Callable[[], None] | None = None) -> None:
+        self.endpoint = endpoint
+        self._inbox = Inbox(on_arrival)  # on_arrival: called on the port's thread
+        self._outbox: collections.deque[Any] = collections.deque()
+        self._wake = _WakePipe()
+        self._stopping = threading.Event()
+        self._ctx = zmq.Context()
+        self._commands = self._ctx.socket(zmq.PULL)
+        self._commands.setsockopt(zmq.LINGER, 0)
+        self._commands.connect(endpoint.commands)
+        self._messages = self._ctx.socket(zmq.PUSH)
+        self._messages.setsockopt(zmq.LINGER, 1000)  # close: what was sent still leaves
+        self._messages.connect(endpoint.messages)
+        self._seq = 0
+        self._beat()  # heard from now on (a connecting PUSH queues it)
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"{endpoint.worker}-port")
+        self._thread.start()
+
+    def take(self, timeout_s: float) -> Taken:
+        return self._inbox.take(timeout_s)
+
+    @property
+    def arrived(self) -> int:
+        return self._inbox.arrived
+
+    def send(self, body: Any) -> None:
+        """Hand ``body`` to the port's thread (encoded and sent there, in order)."""
+        if not self._stopping.is_set():
+            self._outbox.append(body)
+            self._wake.poke()
+
+    def _beat(self) -> None:
+        self._messages.send(wire.encode((self.endpoint.worker, self.endpoint.incarnation, -1,
+                                         None)))
+
+    def _run(self) -> None:
+        worker, incarnation = self.endpoint.worker, self.endpoint.incarnation
+        poller = zmq.Poller()
+        poller.register(self._commands, zmq.POLLIN)
+        poller.register(self._wake.read_fd, zmq.POLLIN)
+        next_beat = time.monotonic() + self.endpoint.heartbeat_s
+        while True:
+            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000 + 0.999))
+            ready = dict(poller.poll(wait_ms))
+            if self._commands in ready:
+                while self._commands.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    kind, request_id, args = wire.decode(self._commands.recv())
+                    self._inbox.put(Command(kind, request_id, args))
+            if self._wake.read_fd in ready:
+                self._wake.drain()
+            while self._outbox:
+                body = self._outbox.popleft()
+                self._messages.send(wire.encode((worker, incarnation, self._seq, body)))
+                self._seq += 1
+            if self._stopping.is_set():
+                break
+            if time.monotonic() >= next_beat:
+                self._beat()
+                next_beat = time.monotonic() + self.endpoint.heartbeat_s
+        self._commands.close()
+        self._messages.close()  # lingers until what was sent has left
+        self._ctx.term()
+
+    def close(self) -> None:
+        """Stop: what was sent leaves (bounded), then nothing more, heartbeats included."""
+        self._stopping.set()
+        self._wake.poke()
+        self._thread.join(timeout=5)
+        self._inbox.close()
+        if not self._thread.is_alive():
+            self._wake.close()

@@ -1,0 +1,301 @@
+"""The channel contract (``channel.contract``): ordering, abort overtaking, death and the
+incarnation, each checked against both implementations (in-process queues and pyzmq),
+plus the bookkeeping they share (``Inbox``, ``Liveness``) and the wire format.
+
+No assertion here is timed: waits are bounded loops that end as soon as the awaited thing
+happens (the bound only keeps a broken channel from hanging the suite)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from channel import wire
+from channel.contract import (ABORT, ADMIT, RELEASE, SUBMIT, Command, Died, Inbox, Liveness,
+                              Message)
+from channel.local import LocalHub
+from channel.sockets import SocketHub, SocketPort
+from engine.request import Request, SamplingParams
+
+ROOT = Path(__file__).resolve().parents[2]
+BOUND_S = 30.0  # longest wait for anything (a broken channel fails, never hangs)
+NEVER_S = 3600.0  # a silence that never counts as death in tests about something else
+
+
+class LocalChannel:
+    name = "local"
+
+    def hub(self, **kwargs):
+        return LocalHub(**kwargs)
+
+    def port(self, hub, endpoint):
+        return hub.open_port(endpoint)
+
+
+class SocketChannel:
+    def __init__(self, transport: str) -> None:
+        self.transport = transport
+        self.name = f"zmq-{transport}"
+
+    def hub(self, **kwargs):
+        return SocketHub(self.transport, **kwargs)
+
+    def port(self, hub, endpoint):
+        return SocketPort(endpoint)
+
+
+CHANNELS = [LocalChannel(), SocketChannel("ipc"), SocketChannel("tcp")]
+
+
+@pytest.fixture(params=CHANNELS, ids=lambda c: c.name)
+def channel(request):
+    return request.param
+
+
+def receive_until(hub, done, bound_s: float = BOUND_S) -> list:
+    """Everything the hub delivers until ``done(items so far)``."""
+    items: list = []
+    end_s = time.monotonic() + bound_s
+    while not done(items):
+        assert time.monotonic() < end_s, f"channel stalled; got {items[-5:]}"
+        items.extend(hub.receive(0.5))
+    return items
+
+
+def wait_arrived(hub, port, count: int) -> list:
+    """Turn the hub (commands wait there until their port has connected) until ``count``
+    commands reached ``port``; what the hub delivered meanwhile."""
+    items: list = []
+    end_s = time.monotonic() + BOUND_S
+    while port.arrived < count:
+        assert time.monotonic() < end_s, f"{port.arrived} of {count} commands arrived"
+        items.extend(hub.receive(0.001))
+    return items
+
+
+def messages(items) -> list[Message]:
+    return [i for i in items if isinstance(i, Message)]
+
+
+# ---- ordering ---------------------------------------------------------------------------
+def test_commands_and_messages_arrive_in_the_order_sent(channel):
+    hub = channel.hub(dead_after_s=NEVER_S)
+    try:
+        port = channel.port(hub, hub.attach("decode-0", 0))
+        sent = [Command(SUBMIT if i % 3 else RELEASE, f"r{i}", (i, f"x{i}", (i, i + 1)))
+                for i in range(300)]
+        for command in sent:
+            hub.send("decode-0", command)
+        wait_arrived(hub, port, len(sent))
+        assert port.take(0).commands == sent
+        for i in range(300):
+            port.send({"step": i, "tokens": (i, i + 1)})
+        got = messages(receive_until(hub, lambda items: len(messages(items)) == 300))
+        assert [m.seq for m in got] == list(range(300))
+        assert [m.body for m in got] == [{"step": i, "tokens": (i, i + 1)} for i in range(300)]
+        assert {(m.worker, m.incarnation) for m in got} == {("decode-0", 0)}
+        port.close()
+    finally:
+        hub.close()
+
+
+def test_commands_sent_before_the_port_opens_wait_for_it(channel):
+    hub = channel.hub(dead_after_s=NEVER_S)
+    try:
+        endpoint = hub.attach("prefill-0", 0)
+        for i in range(5):
+            hub.send("prefill-0", Command(SUBMIT, f"r{i}"))
+        hub.receive(0)  # the hub's loop turns while nobody listens
+        port = channel.port(hub, endpoint)
+        wait_arrived(hub, port, 5)
+        assert [c.request_id for c in port.take(0).commands] == [f"r{i}" for i in range(5)]
+        port.close()
+    finally:
+        hub.close()
+
+
+def test_a_request_travels_whole(channel):
+    """A command's arguments may be pdlab objects (pickled inside the msgpack frame)."""
+    hub = channel.hub(dead_after_s=NEVER_S)
+    try:
+        port = channel.port(hub, hub.attach("prefill-0", 0))
+        request = Request("r1", (1, 2, 3), SamplingParams(max_tokens=4))
+        hub.send("prefill-0", Command(SUBMIT, "r1", (request, 1, 16)))
+        wait_arrived(hub, port, 1)
+        assert port.take(0).commands == [Command(SUBMIT, "r1", (request, 1, 16))]
+        port.close()
+    finally:
+        hub.close()
+
+
+# ---- abort overtaking ---------------------------------------------------------------------
+def test_an_abort_cancels_its_requests_queued_command_and_keeps_the_rest_in_order(channel):
+    hub = channel.hub(dead_after_s=NEVER_S)
+    try:
+        port = channel.port(hub, hub.attach("decode-0", 0))
+        sent = [Command(SUBMIT, f"r{i}") for i in range(100)]
+        sent.insert(50, Command(ADMIT, "kv", (("handle-1", "handle-2"),)))
+        sent += [Command(ABORT, "r7"), Command(ABORT, "kv"), Command(ABORT, "unknown"),
+                 Command(RELEASE, None, (("h",),))]
+        for command in sent:  # the worker is busy: nothing is taken until all arrived
+            hub.send("decode-0", command)
+        wait_arrived(hub, port, len(sent))
+        taken = port.take(0)
+        assert taken.cancelled == [Command(SUBMIT, "r7"),
+                                   Command(ADMIT, "kv", (("handle-1", "handle-2"),))]
+        expected = [c for c in sent if c not in taken.cancelled]
+        assert taken.commands == expected  # the aborts in their places, all else in order
+        assert sum(c.request_id == "r7" for c in taken.commands) == 1  # the abort alone
+        port.close()
+    finally:
+        hub.close()
+
+
+def test_an_abort_after_its_command_was_taken_is_delivered_plainly():
+    inbox = Inbox()
+    inbox.put(Command(SUBMIT, "r1"))
+    assert inbox.take(0).commands == [Command(SUBMIT, "r1")]
+    inbox.put(Command(ABORT, "r1"))
+    taken = inbox.take(0)
+    assert taken.commands == [Command(ABORT, "r1")] and taken.cancelled == []
+
+
+# ---- death ------------------------------------------------------------------------------
+def test_a_port_that_falls_silent_is_reported_dead_once(channel):
+    hub = channel.hub(dead_after_s=NEVER_S, heartbeat_s=0.05)
+    try:
+        port = channel.port(hub, hub.attach("decode-0", 0))
+        port.send("last words")
+        got = receive_until(hub, lambda items: messages(items))
+        assert [m.body for m in messages(got)] == ["last words"]
+        hub.liveness.dead_after_s = 0.3  # (not before: a busy host must not fake a death)
+        port.close()
+        items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
+        died = [i for i in items if isinstance(i, Died)]
+        assert [(d.worker, d.incarnation) for d in died] == [("decode-0", 0)]
+        assert died[0].silent_s >= 0.3
+        assert not any(isinstance(i, Died) for i in hub.receive(0.4))  # reported once
+    finally:
+        hub.close()
+
+
+def test_a_killed_worker_process_is_reported_dead():
+    """The port lives in another process, killed with SIGKILL mid-run."""
+    hub = SocketHub("ipc", dead_after_s=NEVER_S, heartbeat_s=0.05)
+    endpoint = hub.attach("prefill-0", 0)
+    code = ("import sys, time\n"
+            "from channel.contract import Endpoint\n"
+            "from channel.sockets import SocketPort\n"
+            f"port = SocketPort(Endpoint(*{tuple(vars(endpoint).values())!r}))\n"
+            "port.send('up')\n"
+            "time.sleep(600)\n")
+    worker = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        up = receive_until(hub, lambda items: messages(items))
+        assert [m.body for m in messages(up)] == ["up"]
+        hub.liveness.dead_after_s = 0.3
+        os.kill(worker.pid, signal.SIGKILL)
+        items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
+        died = [(d.worker, d.incarnation) for d in items if isinstance(d, Died)]
+        assert died == [("prefill-0", 0)]
+    finally:
+        worker.kill()
+        worker.wait()
+        hub.close()
+
+
+def test_liveness_counts_silence_from_the_first_message_and_reports_each_death_once():
+    now = [100.0]
+    live = Liveness(dead_after_s=1.0, clock=lambda: now[0])  # (binary-exact steps below)
+    live.attach("w", 0)
+    now[0] += 50  # loading its model: not watched yet
+    assert live.deaths() == [] and live.next_death_in() is None
+    assert live.heard("w", 0)
+    now[0] += 0.875
+    assert live.heard("w", 0)  # a heartbeat in time
+    now[0] += 0.75
+    assert live.deaths() == [] and live.next_death_in() == 0.25
+    now[0] += 0.25
+    assert live.deaths() == [Died("w", 0, 1.0)]
+    assert live.deaths() == []
+    assert not live.heard("w", 0)  # a dead incarnation stays dead
+    assert live.stale == {("w", 0): 1}
+
+
+# ---- incarnation ---------------------------------------------------------------------------
+def test_news_of_a_dead_incarnation_is_told_apart_after_its_replacement_rejoins(channel):
+    # no heartbeats after the first: the stale count is exactly the old one's late messages
+    hub = channel.hub(dead_after_s=NEVER_S, heartbeat_s=NEVER_S)
+    try:
+        old = channel.port(hub, hub.attach("decode-0", 0))
+        old.send("old-0")
+        assert [(m.incarnation, m.body) for m in messages(
+            receive_until(hub, lambda items: messages(items)))] == [(0, "old-0")]
+        new = channel.port(hub, hub.attach("decode-0", 1))  # the replacement rejoins
+        old.send("old-late")  # the dead one was not quite dead
+        new.send("new-0")
+        hub.send("decode-0", Command(SUBMIT, "r1"))
+        got = messages(receive_until(hub, lambda items: any(m.body == "new-0"
+                                                            for m in messages(items))))
+        old.send("old-later")
+        new.send("new-1")
+        got += messages(receive_until(hub, lambda items: any(m.body == "new-1"
+                                                             for m in messages(items))))
+        # (two sockets: the old one's messages may come after the new one's)
+        got += messages(receive_until(hub, lambda _: hub.stale.get(("decode-0", 0)) == 2))
+        assert [(m.incarnation, m.seq, m.body) for m in got] == [(1, 0, "new-0"), (1, 1, "new-1")]
+        wait_arrived(hub, new, 1)
+        assert new.take(0).commands == [Command(SUBMIT, "r1")]
+        assert old.arrived == 0  # commands go to the incarnation attached last only
+        # the old one's heartbeats never keep the new one alive
+        hub.liveness.dead_after_s = 0.3
+        new.close()
+        items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
+        died = [(d.worker, d.incarnation) for d in items if isinstance(d, Died)]
+        assert died == [("decode-0", 1)]
+        old.close()
+    finally:
+        hub.close()
+
+
+def test_an_incarnation_must_be_newer_than_the_one_attached(channel):
+    hub = channel.hub()
+    try:
+        hub.attach("decode-0", 3)
+        with pytest.raises(ValueError, match="not newer than 3"):
+            hub.attach("decode-0", 3)
+    finally:
+        hub.close()
+
+
+# ---- wake-up and the wire ---------------------------------------------------------------------
+def test_wake_ends_a_receive_at_once(channel):
+    """A receive that would wait an hour returns empty-handed once woken (from any thread)."""
+    hub = channel.hub(dead_after_s=NEVER_S)
+    try:
+        hub.wake()
+        assert hub.receive(NEVER_S) == []
+    finally:
+        hub.close()
+
+
+def test_the_wire_keeps_plain_values_as_msgpack_and_pickles_the_rest():
+    request = Request("r1", (5, 6), SamplingParams(max_tokens=2))
+    value = ("step", 3, 1.5, None, True, b"\x00\x01", {"a": (1, 2), 7: "x"}, [request])
+    assert wire.decode(wire.encode(value)) == (
+        "step", 3, 1.5, None, True, b"\x00\x01", {"a": (1, 2), 7: "x"}, (request,))
+    assert len(wire.encode((1, "a"))) == 4  # fixarray, fixint, fixstr: no pickle
+    with pytest.raises(ValueError):
+        wire.decode(wire.encode((1, 2))[:-1])
+
+
+def test_an_unknown_transport_is_refused():
+    with pytest.raises(ValueError, match="ipc"):
+        SocketHub("udp")
