@@ -45,14 +45,12 @@ class StepOutput:
     """Everything one ``Engine.step`` did (vLLM v1's ``EngineCoreOutputs``); iterating, ``len``
     and indexing go over ``tokens`` (batch order).
 
-    Attributes:
-        finished: requests that ended with this step's token (stop, EOS, max_tokens); they left
-            the engine. A prefill-only request at PREFILLED holds its KV for ``export_kv``.
-        failed: requests the step failed; they left the engine, no token this step.
-        kv_reserved: remote requests whose blocks this step reserved, in order: fetch their KV
-            now and hand it to ``finish_remote``.
-        record: the step's ``StepRecord``, or None when no forward ran or it failed.
-        kv_dropped: remote requests turned into local recomputes: free their handles, unfetched."""
+    ``finished``: requests that ended with this step's token; they left the engine (a
+    prefill-only one at PREFILLED holds its KV for ``export_kv``). ``failed``: requests the step
+    failed (they left, no token). ``kv_reserved``: remote requests whose blocks this step
+    reserved, in order: fetch their KV now into ``finish_remote``. ``kv_dropped``: remote requests
+    turned into local recomputes: free their handles, unfetched. ``record``: the step's
+    ``StepRecord``, None when no forward ran or it failed."""
 
     tokens: tuple[TokenOutput, ...] = ()
     finished: tuple[str, ...] = ()
