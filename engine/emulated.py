@@ -58,11 +58,9 @@ class RealClock:
 class Emulation:
     """How an emulated worker runs (picklable: it travels to Ray actors).
 
-    Attributes:
-        kv_scale: KV bytes per token kept, in (0, 1] (1 = the true geometry).
-        time_scale: dilation ``S >= 1``: each step is held ``S`` x its modelled time
-            (``experiments.dilation`` spreads arrivals and divides measured times by ``S``).
-        clock: ``RealClock`` or a test's fake (``time()``, ``perf()``, ``wait_until(t)``).
+    ``kv_scale``: KV bytes per token kept, in (0, 1]. ``time_scale``: dilation ``S >= 1``, each
+    step held ``S`` x its modelled time (``experiments.dilation``). ``clock``: ``RealClock`` or a
+    test's fake (``time()``, ``perf()``, ``wait_until(t)``).
 
     Raises:
         ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1."""

@@ -81,13 +81,10 @@ class Engine:
 
     Args:
         config: ``max_model_len`` is capped by the model's context.
-        on_layer_done: ``(layer_idx, batch)``, called during the forward once layer
-            ``layer_idx``'s K/V are in the store (``batch`` counters not advanced), so a layer
-            range can be read (``read_kv_layers``) and put while later layers compute.
-        emulation: an emulated device (``engine.emulated``): ``loaded`` is a geometry, the KV
-            cache the emulated GPU's block count in ``scaled_spec`` tensors, stamps from its clock.
-
-    Raises:
+    ``config.max_model_len`` is capped by the model's context. ``on_layer_done(layer_idx,
+    batch)`` is called during the forward once a layer's K/V are in the store, so a layer range
+    can be read (``read_kv_layers``) and put while later layers compute. ``emulation``: an
+    emulated device; ``loaded`` is then a geometry and stamps come from its clock.
         ValueError: a profile of another geometry (emulation); a KV budget that holds no block."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,

@@ -362,13 +362,10 @@ class BatchEntry(NamedTuple):
 class StepRecord:
     """One engine step that ran a forward: its phase mix, size, duration and batch.
 
-    Attributes:
-        start_s: ``time.time()`` at the step's start (s); duration_s: schedule-to-update wall
-            time (s); its tokens are stamped ``start_s + duration_s``.
-        batch: entries in the scheduler's order (decodes first, then prompt chunks); empty on
-            records built by hand.
-        lateness: an emulated device's held time ÷ the modelled time (1.0 = on time); None on a
-            real device (and then not in the row)."""
+    ``start_s``: ``time.time()`` at the step's start; ``duration_s``: schedule-to-update wall
+    time (s); its tokens are stamped ``start_s + duration_s``. ``batch``: in the scheduler's order
+    (decodes first, then prompt chunks). ``lateness``: an emulated device's held ÷ modelled time
+    (1.0 = on time); None on a real device (and then not in the row)."""
 
     start_s: float
     duration_s: float

@@ -245,13 +245,10 @@ class RequestState:
 class TokenOutput:
     """One token leaving an engine.
 
-    Attributes:
-        index: 0 for the first output token, 1 for the second, ...
-        time_s: ``time.time()`` when the step that produced it ended.
-        first_scheduled_s / num_cached_tokens: on this engine's first token of the request only
-            (else None): when it was first scheduled; prompt tokens found in its prefix cache.
-        logprob: raw log-probability (``SamplingParams.logprobs`` set), else None; top_logprobs:
-            most likely ``(token_id, logprob)`` pairs first."""
+    ``index``: 0 for the first output token. ``time_s``: ``time.time()`` when its step ended.
+    ``first_scheduled_s`` / ``num_cached_tokens``: on this engine's first token of the request
+    only (else None). ``logprob``: raw log-probability when asked, else None; ``top_logprobs``:
+    most likely ``(token_id, logprob)`` pairs first."""
 
     request_id: str
     token_id: int

@@ -12,13 +12,9 @@ For each prompt length T:
    this process; ``torchdist`` between two spawned gloo processes (sender's put_s plus
    receiver's get_s).
 5. Ratios: transfer / prefill and transfer / memcpy; efficiency: GB/s over the link peak
-   (``kv_transfer.link.memcpy_peak``, the peak every ``TransferRecord.efficiency`` uses).
-
-Times: ``experiments.timing``'s min of N runs after 1 warm-up, the median beside it.
-
-On an emulated device (``emulation``) prefill seconds are the profile's
-(``measure.modelled_prefill``), the KV is the emulated geometry scaled by ``kv_scale``
-(``true_kv_bytes`` unscaled), it moves for real through this host's transports, and
+Times: ``experiments.timing``'s min of N runs after 1 warm-up, the median beside it. On an
+emulated device prefill seconds are the profile's (``measure.modelled_prefill``), the KV is the
+emulated geometry scaled by ``kv_scale`` (``true_kv_bytes`` unscaled) moved for real, and
 ``modelled_transfer_s`` is the profile's transfer model at ``true_kv_bytes`` (NaN without one)."""
 
 from __future__ import annotations

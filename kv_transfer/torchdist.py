@@ -89,14 +89,11 @@ class _Receive:
 class TorchDistributedTransport(Transport):
     """Point-to-point KV transfer between ranks of one process group.
 
-    Args:
-        init_method: ``store://host:port`` (``open_rendezvous``) or torch's own; None = the group
-            exists.
-        device: where received tensors land (``cpu`` for gloo, ``cuda:i`` for NCCL).
-        checksum: with NCCL this costs a device-to-host copy per side.
-        init_timeout_s: deadline for forming the group (and for a drain).
-        p2p: provides ``isend`` / ``irecv`` returning works with ``wait(timeout=None)`` and
-            ``is_completed()``; default ``torch.distributed``.
+    ``init_method``: ``store://host:port`` (``open_rendezvous``) or torch's own; None: the group
+    exists. ``device``: where received tensors land (``cpu`` for gloo, ``cuda:i`` for NCCL).
+    ``checksum`` with NCCL costs a device-to-host copy per side. ``init_timeout_s``: deadline for
+    forming the group (and for a drain). ``p2p``: ``isend`` / ``irecv`` returning works with
+    ``wait(timeout=None)`` and ``is_completed()`` (default ``torch.distributed``).
 
     Raises:
         ValueError: an unknown backend."""

@@ -45,11 +45,9 @@ class TransferFailed(TransferError):
 class KVHandle:
     """Opaque reference to KV held by a transport; small and picklable.
 
-    Attributes:
-        key: transport-specific locator (an int id, a Ray ObjectRef, a (rank, seq, ...) tuple).
-        num_bytes: tensor bytes (frame 1), ``spec.kv_bytes(T, L')``.
-        put_s: seconds inside ``put`` (packing + handing over).
-        put_time_s: ``time.time()`` s at which ``put`` began; 0.0 when unknown."""
+    ``key``: transport-specific locator; ``num_bytes``: tensor bytes (frame 1),
+    ``spec.kv_bytes(T, L')``; ``put_s``: seconds inside ``put``; ``put_time_s``: ``time.time()``
+    when ``put`` began (0.0 unknown)."""
 
     transport: str
     request_id: str

@@ -246,15 +246,10 @@ def link_transfer(name: str, node: dict | None = None) -> TransferModel:
 class DeviceProfile:
     """The fitted models of one model on one device, and what they were measured on.
 
-    Attributes:
-        num_threads: torch intra-op threads during the measurement.
-        kv_bytes_per_token: prompt KV bytes per token (``KVSpec.bytes_per_token``).
-        transfers: transport name -> ``TransferModel``.
-        max_prefill_tokens: the longest prompt measured (longer ones extrapolate); None: unknown.
-        device_memory_bytes, weight_bytes: GPU memory and parameter bytes (tied once), what
-            ``kv_budget_bytes`` needs on CUDA; None on CPU or unrecorded.
-        source: where step times came from when not measured here (None), e.g. ``{"kind":
-            "aiconfigurator", "package", "system", "backend", "database_version", ...}``."""
+    ``kv_bytes_per_token``: ``KVSpec.bytes_per_token``; ``max_prefill_tokens``: the longest
+    prompt measured (None: unknown); ``device_memory_bytes``, ``weight_bytes``: what
+    ``kv_budget_bytes`` needs on CUDA (None on CPU); ``source``: where step times came from when
+    not measured here, e.g. ``{"kind": "aiconfigurator", "system", "backend", ...}``."""
 
     model: str
     dtype: str

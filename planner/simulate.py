@@ -49,12 +49,9 @@ _PREFILLED, _FINISHED_STOPPED = RequestStatus.PREFILLED, RequestStatus.FINISHED_
 class SimResult:
     """One simulated run (seconds from 0).
 
-    Attributes:
-        records: one per request, in arrival order.
-        steps: rows as a real run's (empty unless ``collect_steps``).
-        transfers: per KV transfer ``request_id, num_bytes, put_s, get_s, transport``.
-        batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when ``collect_batches``.
-        num_fast_forwarded_steps: steps the fast-forward completed (0 without it)."""
+    ``steps``: rows as a real run's (empty unless ``collect_steps``); ``transfers``: per KV
+    transfer ``request_id, num_bytes, put_s, get_s, transport``; ``batches``: per step ``(worker,
+    [(request_id, num_new_tokens), ...])`` with ``collect_batches``."""
 
     records: list[RequestRecord]
     steps: list[dict] = field(default_factory=list)
@@ -124,17 +121,12 @@ class Simulator:
     """Simulates ``placement`` (``colocated:N``, ``colocated-nochunk:N``, ``disagg:xPyD``,
     ``conditional:xPyD``) on a simulated clock.
 
-    Args:
-        engine: each instance's config (``placement_engine_overrides`` applied here).
-        step_s: step seconds of ``(prefill_tokens, prefill_attention, batch_size, sum_context)``
-            (``DeviceProfile.step_time()``).
-        transfer: KV transfer model; required with prefill workers.
-        kv_bytes_per_token: prompt KV bytes per token.
-        fast_forward: False runs every step through the Scheduler; the records are the same.
-        speed_trace: ``(worker, step start s) -> factor`` multiplying modelled step times
-            (``drift.SpeedTrace``); None: the model's times.
-        kv_budget_bytes: each instance's KV budget in bytes (``DeviceProfile.kv_budget_bytes``);
-            None: the CPU rule.
+    ``step_s``: step seconds of ``(prefill_tokens, prefill_attention, batch_size, sum_context)``
+    (``DeviceProfile.step_time()``); ``transfer``: the KV transfer model, required with prefill
+    workers; ``fast_forward`` False runs every step through the Scheduler (same records);
+    ``speed_trace``: ``(worker, step start s) -> factor`` on modelled step times
+    (``drift.SpeedTrace``); ``kv_budget_bytes``: each instance's KV budget (bytes; None: the CPU
+    rule).
 
     Raises:
         ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``."""
