@@ -3,14 +3,10 @@ recommendation at the same SLOs, beside the map's winner.
 
 AIConfigurator (``cli_default``, CPU only) searches agg and disagg configurations of
 ``total_gpus`` GPUs on its silicon database and picks the mode with the most tokens/s per GPU
-that meets TTFT and TPOT; it has no KV-transfer term, which pdlab's map has.
-
-1. ``aic_verdict``: one ``cli_default`` call per cell (its SLO, ``isl`` / ``osl`` tokens).
-2. ``map_mode``: the map's winner family as a mode (colocated -> agg; disagg, conditional
-   -> disagg; no clear winner -> None).
-3. ``peer_rows``: per checked cell both answers and whether they agree; with a zero-transfer
-   map, whether the transfer term explains a disagreement (``transfer_explains``).
-4. ``disagreement_lines``: one printed line per disagreement.
+that meets TTFT and TPOT; it has no KV-transfer term, which pdlab's map has. Per checked cell
+(``peer_rows``): its verdict (``aic_verdict``), the map's winner family as a mode (``map_mode``:
+colocated -> agg; disagg, conditional -> disagg), whether they agree and, with a zero-transfer
+map, whether the transfer term explains a disagreement (``transfer_explains``).
 
 ``python -m experiments.aic_peer --map-dir results/map-x --system h100_sxm --model
 engine/configs/llama-3.1-8b --devices 4 --cells 2 --zero-transfer-map-dir results/map-x0``

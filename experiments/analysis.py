@@ -1,16 +1,8 @@
-"""Tables and verdicts from the records of a placement comparison (no torch).
-
-``pdlab compare`` runs placements on the same devices and workload at one or more arrival
-rates, each ``(placement, rate)`` point with several seeds. From the ``RequestRecord``s:
-
-- ``seed_table``: one row per run, from ``engine.metrics.summarize`` (no metric defined twice);
-- ``summary_table``: per point, the mean over seeds and a 95% bootstrap interval of each of
-  ``CI_METRICS``, then the seed means of ``EXTRA_COLUMNS``;
-- ``goodput_table``: DistServe goodput per device, with its interval;
-- ``latency_breakdown``: the mean seconds a request spends in each stage;
-- ``transfer_efficiency``: KV transfers against the link peak measured at start;
-- ``verdict``: which placement wins where the intervals separate, and why, in numbers;
-- ``requests_frame``: one row per request, for plots.
+"""Tables and verdicts from the records of a placement comparison (no torch): per run
+(``seed_table``, from ``engine.metrics.summarize``: no metric defined twice), per
+``(placement, rate)`` point over seeds (``summary_table``), goodput per device
+(``goodput_table``), the stages of a request (``latency_breakdown``), KV transfers against the
+link peak (``transfer_efficiency``), who wins (``verdict``), and per request (``requests_frame``).
 
 The bootstrap is hierarchical and percentile: a replicate draws seeds with replacement and,
 inside each, requests with replacement, recomputes each seed's metric (duration fixed) and

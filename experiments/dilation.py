@@ -1,20 +1,16 @@
-"""Time dilation of emulated devices (``--emu-time-scale S``).
+"""Time dilation of emulated devices (``--emu-time-scale S``), after time-warped emulation
+(Gupta et al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006): the host's
+own cost (router, Ray calls, transports, the engine's Python) is separated from the exact
+emulated step times.
 
-On emulated devices (``engine.emulated``) the step times are exact, but the host's own cost (the
-router, Ray calls, the transports, the engine's Python) adds to every short GPU step. Time-warped
-emulation (Gupta et al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006)
-separates the two:
-
-- every emulated step lasts ``S`` x its modelled time (``Emulation.time_scale``; the profile
-  itself is not scaled) and every gap between arrivals ``S`` x its drawn value
-  (``dilated_workload``);
+- every emulated step lasts ``S`` x its modelled time (``Emulation.time_scale``) and every gap
+  between arrivals ``S`` x its drawn value (``dilated_workload``);
 - every time measured in the run is divided by ``S`` before anything reads it (``undilate_*``:
-  stamps about the run's start, durations, bandwidths x S); wall-clock bounds on waits x S
-  (``dilated_transfer``).
+  stamps about the run's start, durations, bandwidths x S); wall-clock bounds on waits x S.
 
-The modelled device then appears at its own speed and the host's seconds per event count ``1 / S``
-as much; ``S = 1`` is real time. Results record the scale (``Emulation.describe``). Multi-turn
-workloads are refused (``check_dilatable``): their arrival times are drawn inside the replay."""
+The host's seconds per event then count ``1 / S`` as much; ``S = 1`` is real time. Results record
+the scale. Multi-turn workloads are refused (``check_dilatable``): their arrival times are drawn
+inside the replay."""
 
 from __future__ import annotations
 

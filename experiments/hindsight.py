@@ -1,19 +1,15 @@
 """Hindsight scoring of a ``conditional:xPyD`` run: for each request, the prefill path it took,
 whether it met the SLO, and whether the other path would have, estimated from the same run's
-step times, so a user can tune ``max_local_prefill_length`` from data.
+step times (optimistic: queueing on the other path is ignored), to tune
+``max_local_prefill_length``:
 
-The estimate (optimistic: queueing on the other path is ignored):
-
-1. Cost of a prompt token: the seconds of every step that computed prompt tokens over the prompt
-   tokens they computed (mixed steps make it a slight overestimate).
+1. A prompt token costs the seconds of the steps that computed prompt tokens over those tokens.
 2. TTFT on the other path: prompt tokens x that cost.
-3. TPOT on the other path:
-   - remote (it prefilled locally): the median decode-only step of the decode workers plus its
-     KV transfer spread over its output gaps (the run's transfer s per prompt token x P /
-     (n_out - 1));
-   - local (it prefilled remotely): the mean step of the decode workers, prefills included.
-4. ``other_met_slo`` = both estimates within the SLO (DistServe's rule); ``regret`` = it missed
-   the SLO on its path and the other path would have met it."""
+3. TPOT on the other path: remote (it prefilled locally): the median decode-only step of the
+   decode workers plus its KV transfer over its output gaps (the run's transfer s per prompt
+   token x P / (n_out - 1)); local: the mean step of the decode workers, prefills included.
+4. ``other_met_slo``: both estimates within the SLO; ``regret``: it missed the SLO on its path
+   and the other path would have met it."""
 
 from __future__ import annotations
 

@@ -1,17 +1,16 @@
 """What moving a prompt's KV costs, per transport (``pdlab kv-cost``'s table, and the
-transfer models ``pdlab profile`` fits on it).
-
-For each prompt length T:
+transfer models ``pdlab profile`` fits on it). For each prompt length T:
 
 1. Prefill seconds: the engine step that prefills T tokens whole (``measure.time_prefill``).
 2. The prompt's real KV (``Engine.export_kv``, ``[L, 2, H_kv, T, D]``); its bytes must equal
    ``kv_spec.kv_bytes(T)`` = ``2 * layers * kv_heads * head_dim * T * itemsize``, else an error.
 3. memcpy floor: ``dst.copy_(kv)`` into a preallocated tensor of the same bytes.
-4. Each transport moves it whole (one put + one get) and layer-wise (per ``layers_per_chunk``
-   layers); a run is put + get. ``inprocess`` and ``ray`` (the driver's object store) run in
-   this process; ``torchdist`` between two spawned gloo processes (sender's put_s plus
-   receiver's get_s).
+4. Each transport moves it whole and layer-wise (per ``layers_per_chunk`` layers); a run is
+   put + get. ``inprocess`` and ``ray`` run in this process; ``torchdist`` between two spawned
+   gloo processes (sender's put_s plus receiver's get_s).
 5. Ratios: transfer / prefill and transfer / memcpy; efficiency: GB/s over the link peak
+   (``kv_transfer.link.memcpy_peak``, the peak every ``TransferRecord.efficiency`` uses).
+
 Times: ``experiments.timing``'s min of N runs after 1 warm-up, the median beside it. On an
 emulated device prefill seconds are the profile's (``measure.modelled_prefill``), the KV is the
 emulated geometry scaled by ``kv_scale`` (``true_kv_bytes`` unscaled) moved for real, and

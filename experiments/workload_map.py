@@ -1,18 +1,14 @@
-"""The small SLO map a ``pdlab run`` / ``pdlab compare`` report carries for its own workload:
-around the run's SLO, where the planner says each placement family wins on the run's devices.
-The map is ``planner.slo_map``'s; this module only feeds it the run.
+"""The small SLO map a ``pdlab run`` / ``pdlab compare`` report carries for its own workload
+(``planner.slo_map``'s, fed the run):
 
-1. The profile (``profile_for``): the run's ``--simulate`` profile, else the newest
-   ``results/profile-*/`` of the model (``options.find_profile``), else the one pdlab ships
-   (``SHIPPED``, measured by ``pdlab profile --transports inprocess,ray --repeats 3``). None:
-   no map, and the report says why.
-2. Its step times scaled by this run's own steps (``validate.step_factors``), so a profile
-   measured elsewhere speaks for this run.
-3. The run's own requests, ``slo_map.map_candidates`` on the run's devices, ``NUM_RATES``
-   rates (``search.auto_rates``), a ``STEPS`` x ``STEPS`` SLO grid from 1/4 x to 4 x the run's
-   SLO (at the centre), the speed band +/- ``SPREAD``.
-4. ``map.csv`` and ``map.png`` in the results directory, and the report's lines: the regions,
-   and the centre cell beside what the run measured there."""
+1. The profile (``profile_for``): ``--simulate``'s, else the newest ``results/profile-*/`` of the
+   model, else the one pdlab ships (``SHIPPED``). None: no map, and the report says why.
+2. Its step times scaled by this run's own steps (``validate.step_factors``).
+3. The run's own requests, ``slo_map.map_candidates`` on the run's devices, ``NUM_RATES`` rates,
+   a ``STEPS`` x ``STEPS`` SLO grid from 1/4 x to 4 x the run's SLO (at the centre), the speed
+   band +/- ``SPREAD``.
+4. ``map.csv`` and ``map.png``, and the report's lines: the regions, and the centre cell beside
+   what the run measured there."""
 
 from __future__ import annotations
 
@@ -85,7 +81,7 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
     Returns:
         (the report's lines, the heatmap's path or None). No map (one line saying why): fewer
         than 2 devices, a trace or multi-turn workload (its timing is not a rate), or no
-        profile; never raises for those."""
+        profile, or one that cannot model the run's transport; never raises for those."""
     if num_devices < 2:
         return [f"No map: {num_devices} device (placements need 2 to differ)."], None
     requests = {s: requests_of(its, f"s{s}") for s, its in items.items()}

@@ -1,17 +1,11 @@
-"""``pdlab bench``: the workloads of ``pdlab run`` sent to any OpenAI-compatible server.
-
-1. Each seed's workload is built as ``pdlab run`` builds it (``compare.build_workload``).
-2. The served model is read from ``GET /v1/models`` (or ``--served-model``); two warm-up
-   requests are discarded; then every request is sent at its scheduled time (open loop):
-   ``POST /v1/completions`` with token ids, ``max_tokens``, ``ignore_eos``, ``temperature`` 0,
-   streamed with usage.
-3. Each response becomes a ``RequestRecord`` from client-side stamps: ``arrived`` = scheduled
-   send, ``dispatched`` = actual send, one ``token_times_s`` per chunk carrying a choice,
-   ``finished`` after ``[DONE]``. A ``usage.completion_tokens`` other than asked is an error;
-   fewer chunks than tokens are kept and counted.
-
-Unlike ``pdlab run``, TTFT and E2E include HTTP, JSON and detokenization, ITL and TPOT use the
-client clock, and there is no worker-side breakdown. Labels are ``NAME@PLACEMENT``: the placement
+"""``pdlab bench``: the workloads of ``pdlab run`` (``compare.build_workload``) sent to any
+OpenAI-compatible server, at their scheduled times (open loop) after two discarded warm-ups:
+``POST /v1/completions`` with token ids, ``max_tokens``, ``ignore_eos``, ``temperature`` 0,
+streamed with usage. Each response becomes a ``RequestRecord`` from client-side stamps
+(``arrived`` = scheduled send, ``dispatched`` = actual send, one ``token_times_s`` per chunk
+carrying a choice, ``finished`` after ``[DONE]``); a ``usage.completion_tokens`` other than asked
+is an error, fewer chunks than tokens are counted. TTFT and E2E include HTTP, JSON and
+detokenization; ITL and TPOT use the client clock. Labels are ``NAME@PLACEMENT``: the placement
 gives goodput per device its device count. ``merge`` joins several results directories."""
 
 from __future__ import annotations

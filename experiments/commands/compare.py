@@ -4,10 +4,8 @@
    check that every request fits the model's context before anything starts. The same requests
    and arrival seeds go to every placement.
 2. Per placement, ``experiments.replay.run_placement``: deploy once, replay at each rate and seed.
-3. Derive the metrics (``experiments.analysis``: means over seeds with 95% bootstrap intervals),
-   print the side-by-side table and write the results directory: requests.jsonl (first line:
-   everything needed to rerun), summary.csv, summary_seeds.csv, goodput.csv, steps.csv and
-   transfers.csv (rows tagged placement, rate, seed), report.md and the plots."""
+3. Derive the metrics (``experiments.analysis``), print the side-by-side table and write the
+   results directory (``experiments.results``)."""
 
 from __future__ import annotations
 

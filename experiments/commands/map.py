@@ -4,17 +4,15 @@ cells and prompt:output ratios, from the planner's simulator (``planner.slo_map`
 machine's devices, or with ``--validate-on emu`` on emulated ones (``engine.emulated``).
 
 1. ``check`` refuses bad options before anything starts: SLO ranges (``MIN:MAX:STEPS``, MIN >
-   0, MIN <= MAX, STEPS >= 1), ratios, the device profile, the transfer model, requests over
-   ``--max-model-len``, and devices or emulation ``--validate`` cannot have.
-2. Per ratio: the synthetic workload (``slo_map.ratio_lengths``), the rate ladder
-   (``search.auto_rates``) unless ``--rates``, one simulated sweep re-scored at every cell,
-   and the band runs of the contenders (``slo_map.map_ratio``).
-3. Outputs: map.csv, map_runs.csv, map_io<ratio>.png, regions.txt, map.md.
-4. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real:
-   map_validation.csv, map_validation_runs.csv, the checked cells outlined on the heatmaps,
-   and top-1 agreement, regret, Kendall tau and each disagreement with its noise verdict;
-   with every placement run, the same runs score every cell (map_validation_every_cell.csv).
-   Emulated runs say so in every output, with their lateness."""
+   0, MIN <= MAX, STEPS >= 1), ratios, the device profile, the transfer model, request lengths,
+   and devices or emulation ``--validate`` cannot have.
+2. Per ratio (``slo_map.map_ratio``): the synthetic workload, the rate ladder, one simulated
+   sweep re-scored at every cell, the band runs of the contenders. Outputs: map.csv,
+   map_runs.csv, map_io<ratio>.png, regions.txt, map.md.
+3. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real: map_validation.csv,
+   map_validation_runs.csv (map_validation_every_cell.csv when every placement ran), the
+   checked cells outlined on the heatmaps, and top-1 agreement, regret, Kendall tau and each
+   disagreement with its noise verdict. Emulated runs say so, with their lateness."""
 
 from __future__ import annotations
 
@@ -258,7 +256,7 @@ def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile, path: Path,
 
 
 def run(args: argparse.Namespace, job: MapJob) -> int:
-    """Steps 2-4 of the module docstring; returns 0."""
+    """Steps 2-3 of the module docstring; returns 0."""
     x = job
     cfg = x.cfg
     jobs = cfg.jobs or len(os.sched_getaffinity(0))
@@ -344,7 +342,7 @@ def _dilated(scale: float) -> str:
 
 def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, ladders: dict,
               families: dict) -> tuple[pd.DataFrame, list[str]]:
-    """Step 4: the picked cells run for real and scored; writes map_validation*.csv."""
+    """Step 3: the picked cells run for real and scored; writes map_validation*.csv."""
     cfg = x.cfg
     picked = slo_map.pick_cells(cells, cfg.validate)
     devices = ",".join(x.validate_devices)

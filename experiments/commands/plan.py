@@ -2,15 +2,13 @@
 table, write it with the curves and a plot; ``--validate`` also runs the best placements for real
 and reports the simulator's error.
 
-1. Check every option before anything starts (``check``): the device profile was measured on
-   this model and dtype, the transport has a transfer model, chunk budgets suit the engine,
-   lengths fit the model's context.
-2. Build the workload per seed (the requests a real ``pdlab compare`` would send).
-3. Sweep and rank (``search``); write plan.csv (ranked), plan_curves.csv (per candidate and
-   rate), plan_runs.csv (per seed), plan_attainment.png and plan.md. ``--speed-spread``:
-   the best ``--top`` again at steps 1 ± spread x the profile's (``band``), with goodput and
-   attainment bands and plan_band_runs.csv.
-4. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
+1. ``check``: the device profile was measured on this model and dtype, the transport has a
+   transfer model, chunk budgets suit the engine, lengths fit the model's context.
+2. Build the workload per seed (the requests a real ``pdlab compare`` would send), sweep and
+   rank (``search``): plan.csv (ranked), plan_curves.csv (per candidate and rate),
+   plan_runs.csv (per seed), plan_attainment.png, plan.md. ``--speed-spread``: the best
+   ``--top`` again at steps 1 ± spread x the profile's (``band``), plan_band_runs.csv.
+3. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
    machine, at the swept rates, on the first ``--validate-requests`` requests of each seed."""
 
 from __future__ import annotations
@@ -259,7 +257,7 @@ def _console(ranked: pd.DataFrame) -> str:
 
 
 def run(args: argparse.Namespace, job: PlanJob) -> int:
-    """Steps 2-4 of the module docstring; returns 0."""
+    """Steps 2-3 of the module docstring; returns 0."""
     x = job
     max_len = context_len(x.model, x.engine)
     items = {seed: build_workload(x.spec, x.model, seed, max_len) for seed in x.spec.seed_list}
