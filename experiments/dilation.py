@@ -20,8 +20,7 @@ from engine.config import TransferConfig
 from engine.metrics import RequestRecord
 from experiments.workload_spec import ClosedLoop, MultiTurn
 
-# transfer-record fields (kv_transfer.transport.TransferRecord): wall-clock stamps and
-# durations; achieved_gbps is bytes over a duration
+# TransferRecord fields: wall-clock stamps and durations (achieved_gbps: bytes per duration)
 _TRANSFER_STAMPS = ("put_time_s", "get_time_s")
 _TRANSFER_DURATIONS = ("put_s", "get_s", "exposed_s", "overlapped_s")
 

@@ -100,12 +100,10 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   max_worker_restarts: int = 0) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
-    ``items``: seed -> workload (or one workload for every seed). ``worker_info`` (a list)
-    receives each worker's ``info()``. ``local``: workers in this process (in-process transport).
-    ``rates=None``: calibrate first (``calibrated_rates``); ``calibration`` (a dict) receives
-    ``capacity_req_s``, ``rates``, ``lone_ttft_s`` and ``lone_tpot_s``. ``max_worker_restarts``:
-    restarts per dead worker. ``engine.emu_time_scale`` S > 1: arrivals spread x S and every
-    measured time / S (``experiments.dilation``), the transfer timeout x S.
+    ``items``: seed -> workload (or one for every seed). ``worker_info`` (a list) receives each
+    worker's ``info()``. ``rates=None``: calibrate first; ``calibration`` (a dict) receives
+    ``capacity_req_s``, ``rates``, ``lone_ttft_s`` and ``lone_tpot_s``. ``engine.emu_time_scale``
+    S > 1: arrivals and the transfer timeout x S, measured times / S (``experiments.dilation``).
 
     Raises:
         ValueError: a request does not fit the deployed workers' context; a dilated

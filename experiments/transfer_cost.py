@@ -224,7 +224,6 @@ def _modelled_transfer_s(emulation: Emulation, transport: str, num_bytes: int) -
 
 def _in_process_rows(loaded, prefill, live, modes, repeats, device, seed, progress,
                      emulation=None):
-    """The memcpy floor and the in-process transports' rows, per prompt length."""
     spec = loaded.kv_spec if emulation is None else emulation.scaled_spec(loaded.kv_spec)
     base_rows, rows = [], []
     for p, prefill_s in zip(prefill["prompt_len"], prefill["prefill_s"]):

@@ -15,7 +15,6 @@ from kv_transfer.transport import KVHandle, Transport, TransferFailed
 
 
 def _owned_copy(frame: Frame) -> torch.Tensor:
-    """A flat uint8 tensor holding a private copy of ``frame``'s bytes."""
     if isinstance(frame, torch.Tensor):
         return frame.detach().reshape(-1).clone()
     return copy_to_tensor(frame)

@@ -1,7 +1,7 @@
 """``NixlTransport`` (``nixl``): KV through NIXL one-sided READs, as vLLM's ``NixlConnector``,
-NVIDIA Dynamo and SGLang move it. NIXL's UCX backend picks the path (CMA on one host, RDMA or TCP
-across hosts, GPUDirect); no GPU is needed. Install ``pdlab[nixl]``; without it
-``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
+NVIDIA Dynamo and SGLang move it; NIXL's UCX backend picks the path (CMA, RDMA or TCP,
+GPUDirect; no GPU needed). Without ``pdlab[nixl]``, ``NixlTransport()`` raises ``ImportError``
+(``MISSING``).
 
 - One agent per process, without NIXL's progress thread (it spins a core): a producer's poller
   drives progress every ``PROGRESS_INTERVAL_S`` while it holds transfers; a consumer drives its READ.

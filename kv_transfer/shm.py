@@ -360,7 +360,6 @@ class SharedMemoryTransport(Transport):
                 self._release(lease_key)  # a dead owner's segment: just forget the lease
 
     def _drop_dead_peers(self) -> int:
-        """Drop every mapped segment whose owner is gone; returns how many."""
         dead = [token for token, seg in self._mapped.items()
                 if seg is not self._own and seg.owner_gone()]
         for token in dead:

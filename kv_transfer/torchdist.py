@@ -335,7 +335,6 @@ class TorchDistributedTransport(Transport):
 
     def _receive(self, key: P2PKey, request_id: str, timeout_s: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post and wait for both receives of ``key``; returns header and tensor buffers."""
         deadline_s = time.monotonic() + timeout_s
         receive = self._post_in_order(key, request_id, drain=False)
         if not receive.posted.wait(max(deadline_s - time.monotonic(), 0.0)):

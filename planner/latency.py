@@ -1,18 +1,15 @@
 """Step and transfer latency models fitted on one device, and the device profile file (no torch).
 All times are seconds.
 
-``pdlab profile`` measures prefill steps (one prompt of P tokens), decode steps (B requests at
-context C) and mixed steps (B decodes plus one prompt); ``--transports`` also times KV transfers.
-``fit_step_models`` fits by least squares on relative error (as DistServe's simulator, so short
-and long steps weigh alike), slopes non-negative:
+``fit_step_models`` fits ``pdlab profile``'s prefill, decode and mixed steps by least squares on
+relative error (as DistServe's simulator: short and long steps weigh alike), slopes non-negative:
   prefill ``t = a + b·Σn + c·Σn(k+n)`` (n new prompt tokens over k cached; for whole prompts
           DistServe's ``a + b·Σl + c·Σl²``);
   decode  ``t = a + b·B + c·Σctx`` (B decodes, ctx = KV tokens each attends to);
   mixed   ``t = a_mix + (prefill terms) + (decode terms)``, only the intercept refitted.
-``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport. Each fit
-reports R² and relative errors. A profile can also come from NVIDIA's GPU database
-(``planner.silicon``), with the usual links' models (``LINKS``). ``DeviceProfile.step_s`` is what
-the simulator asks for every step."""
+``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport. A profile can
+also come from NVIDIA's GPU database (``planner.silicon``) with the links' models (``LINKS``).
+``DeviceProfile.step_s`` is what the simulator asks for every step."""
 
 from __future__ import annotations
 

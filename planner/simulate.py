@@ -1,18 +1,15 @@
 """A discrete-event simulator of one placement serving one workload (no torch, no threads).
 
-It runs pdlab's own scheduling code on a simulated clock: each instance holds a real
-``engine.scheduler.Scheduler``, assignment is ``router.assignment.Assigner``, and only the forward
-and the KV bytes are replaced by fitted durations (``latency``): a step lasts the step model at its
-batch's features; a prefill worker's put holds its loop and precedes the first token; a decode
-instance fetches once ``schedule()`` reserves the blocks; requests stop at ``max_tokens``. Output:
-``RequestRecord``s with a real run's stamps (simulated seconds from 0) and step and transfer
-records shaped like the real ones. Same inputs, same records.
+It runs pdlab's own scheduling code on a simulated clock (a real ``engine.scheduler.Scheduler``
+per instance, ``router.assignment.Assigner``); only the forward and the KV bytes are replaced by
+fitted durations (``latency``): a step lasts the step model at its batch's features; a prefill
+worker's put holds its loop and precedes the first token; a decode instance fetches once
+``schedule()`` reserves the blocks. Output: ``RequestRecord``s, step and transfer records shaped
+like a real run's (simulated seconds from 0). Same inputs, same records.
 
-Fast-forward (default): a pure-decode step would be scheduled again unchanged until an arrival,
-hand-over, KV landing or stop reaches the instance, so the steps up to that horizon advance in one
-go with the same floats (``step_s`` at the grown context). A step that preempted is never
-fast-forwarded, nor one needing more blocks than are free (``decode_steps_available``); their
-blocks are made afterwards in order (``catch_up_decodes``). Records equal step-by-step's exactly."""
+Fast-forward (default): pure-decode steps that would repeat unchanged until the next event (an
+arrival, hand-over, KV landing or stop) advance in one go with the same floats; never a step that
+preempted or needs more blocks than are free. Records equal step-by-step's exactly."""
 
 from __future__ import annotations
 
@@ -73,7 +70,6 @@ def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int,
 
 
 class _Instance:
-    """One simulated worker: its name, role and a real Scheduler."""
 
     __slots__ = ("name", "role", "scheduler", "busy")
 

@@ -691,7 +691,6 @@ class _Call:
 
     @staticmethod
     async def _watch(http: HTTPRequest) -> None:
-        """Returns when the client disconnects."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
 

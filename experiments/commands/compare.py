@@ -46,13 +46,11 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                    simulate=None, max_worker_restarts: int = 0) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text).
 
-    ``local``: workers in this process (transport ``inprocess``). ``simulate``: a
-    ``DeviceProfile``; the same runs are simulated too and validation.csv holds the per-point
-    errors (``experiments.validate``). The planner's small SLO map of this workload
-    (``experiments.workload_map``) goes into report.md, map.csv, map.png and the verdict. With
-    ``spec.calibrate`` the rates and SLO are calibrated on the first placement (recorded under
-    ``calibration``). A ``mooncake`` trace runs once per placement and seed at its own
-    timestamps, labelled with its mean rate.
+    ``simulate``: a ``DeviceProfile``; the same runs are simulated too and validation.csv holds
+    the per-point errors (``experiments.validate``). The planner's small SLO map of this workload
+    (``experiments.workload_map``) goes into the report and verdict. With ``spec.calibrate`` the
+    rates and SLO are calibrated on the first placement. A ``mooncake`` trace runs once per
+    placement and seed at its own timestamps, labelled with its mean rate.
 
     Raises:
         ValueError: a bad placement, device set or workload option, or a workload that does not

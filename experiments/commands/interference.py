@@ -1,19 +1,19 @@
 """``pdlab interference``: how much a prefill stalls the decodes running beside it, measured
 directly on one device through pdlab's own Engine (no Ray, no router).
 
-For each mode and decode batch size B: an engine gets B decode requests at context ~C
-(prefilled untimed), runs one discarded warm-up step, then for each repeat and prompt
-length P times a **baseline** step (decodes alone) and the **injection** beside it:
+For each mode and decode batch size B, an engine gets B decode requests at context ~C (prefilled
+untimed) and one discarded warm-up step; then per repeat and prompt length P a **baseline** step
+(decodes alone) and the **injection** beside it are timed:
 
 - ``colocated-nochunk``: a P-token request runs whole in the next step;
-- ``chunked`` (Sarathi-Serve): the token budget K covers the B decodes plus a chunk of
-  K - B, so it spreads over ceil(P / (K - B)) steps;
-- ``disagg``: the P-token KV arrives from elsewhere and the request decodes once beside the
-  B; the KV import alone is timed separately.
+- ``chunked`` (Sarathi-Serve): the token budget K covers the B decodes plus a chunk of K - B,
+  so it spreads over ceil(P / (K - B)) steps;
+- ``disagg``: the P-token KV arrives from elsewhere and the request decodes once beside the B;
+  the KV import alone is timed separately.
 
-A step's time is the ITL its running requests see (``time.perf_counter``, CUDA synchronized).
-The estimator per point is the minimum over repeats. Outputs: steps.csv (everything else is a
-pure function of it), interference.csv, fits.csv, summary.md, interference.png."""
+A step's time is the ITL its running requests see (``time.perf_counter``, CUDA synchronized); per
+point the minimum over repeats. Outputs: steps.csv (everything else is a pure function of it),
+interference.csv, fits.csv, summary.md, interference.png."""
 
 from __future__ import annotations
 

@@ -1,24 +1,20 @@
 """``pdlab profile``: the phase profile of one model on one device, through pdlab's own Engine.
 
-1. Prefill: for each prompt length P, the one ``Engine.step()`` that prefills a P-token
-   request whole is timed. Time per prompt token = time / P.
+1. Prefill: for each prompt length P, the one ``Engine.step()`` that prefills it whole is timed.
 2. Decode vs context: B requests prefilled to context C, then single decode steps timed.
 3. Decode vs batch: B requests at a fixed context; a least-squares line ``t = a + b*B``, R².
 4. Mixed steps: B decodes beside one P-token prompt prefilled whole in the same step.
-5. Derived: the cost of a prompt token over an output token's, and a P x G table of TTFT and
-   total time (prefill + G-1 decode steps from the context line).
-6. The device profile (``planner.latency``) for ``pdlab plan``: step models fitted on each
-   point's median run, and per ``--transports`` transport a transfer model fitted on
-   ``pdlab kv-cost``'s measurement.
+5. Derived: a prompt token's cost over an output token's, and a P x G table of TTFT and total
+   time (prefill + G-1 decode steps from the context line).
+6. The device profile (``planner.latency``): step models fitted on each point's median run, and
+   per ``--transports`` transport a transfer model fitted on ``pdlab kv-cost``'s measurement.
 
 ``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes a GPU's
-profile from NVIDIA's database instead (``planner.silicon``), with the link transfer models
-(``--link``) and decode_check.csv (decode at B = 1, 16, 64 against the database's TPOT).
-
-Every time is the min of N runs after 1 warm-up, the median beside it; the runs of steps 1-4
-are interleaved (``experiments.timing.measure_interleaved``), so drift moves all points alike.
-Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv, pg_table.csv,
-kv_cost.csv, device_profile.json, summary.md, profile.png."""
+profile from NVIDIA's database instead (``planner.silicon``), with decode_check.csv (decode at
+B = 1, 16, 64 against the database's TPOT). Every time is the min of N runs after 1 warm-up, the
+median beside it; steps 1-4 are interleaved (``timing.measure_interleaved``), so drift moves all
+points alike. Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv,
+pg_table.csv, kv_cost.csv, device_profile.json, summary.md, profile.png."""
 
 from __future__ import annotations
 
