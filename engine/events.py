@@ -1,9 +1,8 @@
 """What a worker reports to the router (no torch), crossing processes. ``WorkerEvent`` kinds:
 ``token`` (``finish_reason`` on the last), ``prefilled`` (a prefill worker's first token and the KV
-handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``.
-``TokenBatch``: one step's plain tokens. ``time_s`` is when the worker produced the event; the
-router keeps it beside its receipt time. ``stamps``: timeline events measured in the worker
-(``time.time()`` s, names from ``engine.metrics``)."""
+handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``;
+``TokenBatch``: one step's plain tokens. ``time_s``: when the worker produced the event;
+``stamps``: timeline events measured in the worker (``time.time()`` s, ``engine.metrics`` names)."""
 
 from __future__ import annotations
 

@@ -1,16 +1,8 @@
-"""Tables and verdicts from the records of a placement comparison (no torch).
-
-``pdlab compare`` runs placements on the same devices and workload at one or more arrival
-rates, each ``(placement, rate)`` point with several seeds. From the ``RequestRecord``s:
-
-- ``seed_table``: one row per run, from ``engine.metrics.summarize`` (no metric defined twice);
-- ``summary_table``: per point, the mean over seeds and a 95% bootstrap interval of each of
-  ``CI_METRICS``, then the seed means of ``EXTRA_COLUMNS``;
-- ``goodput_table``: DistServe goodput per device, with its interval;
-- ``latency_breakdown``: the mean seconds a request spends in each stage;
-- ``transfer_efficiency``: KV transfers against the link peak measured at start;
-- ``verdict``: which placement wins where the intervals separate, and why, in numbers;
-- ``requests_frame``: one row per request, for plots.
+"""Tables and verdicts from the records of a placement comparison (no torch): per run
+(``seed_table``, from ``engine.metrics.summarize``: no metric defined twice), per
+``(placement, rate)`` point over seeds (``summary_table``), goodput per device
+(``goodput_table``), the stages of a request (``latency_breakdown``), KV transfers against the
+link peak (``transfer_efficiency``), who wins (``verdict``), and per request (``requests_frame``).
 
 The bootstrap is hierarchical and percentile: a replicate draws seeds with replacement and,
 inside each, requests with replacement, recomputes each seed's metric (duration fixed) and
@@ -105,9 +97,6 @@ def is_colocated(placement: str) -> bool:
     return placement_kind(placement) == "colocated"
 
 
-# ---- per run ------------------------------------------------------------------------------
-
-
 def summary_row(placement: str, rate: float, records: Sequence[RequestRecord], slo: SLO | None,
                 duration_s: float | None = None, seed: int = 0) -> dict:
     """One ``seed_table`` row (``SEED_COLUMNS``) from ``engine.metrics.summarize``
@@ -127,9 +116,6 @@ def seed_table(runs: Sequence[Run], slo: SLO | None) -> pd.DataFrame:
     rows = [summary_row(r.placement, r.rate, r.records, slo, r.duration_s, r.seed)
             for r in map(as_run, runs)]
     return pd.DataFrame(rows, columns=SEED_COLUMNS)
-
-
-# ---- bootstrap ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -164,8 +150,7 @@ def _arrays(run: Run, slo: SLO | None) -> _Arrays:
 
 
 def _row_percentile(values: np.ndarray, q: float) -> np.ndarray:
-    """``np.nanpercentile(values, q, axis=1)`` (linear), vectorised: numpy's own loops over
-    rows in Python when there are NaNs. ``values`` ``[B, n]`` -> ``[B]``; NaN for all-NaN rows."""
+    """``np.nanpercentile(values, q, axis=1)`` (linear), vectorised: ``[B, n]`` -> ``[B]``."""
     v = np.sort(values, axis=1)  # NaNs sort last
     count = np.sum(~np.isnan(v), axis=1)
     pos = q / 100 * np.maximum(count - 1, 0)
@@ -259,9 +244,6 @@ def summary_table(runs: Sequence[Run], slo: SLO | None, num_boot: int = NUM_BOOT
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-# ---- per request --------------------------------------------------------------------------
-
-
 def requests_frame(records: Sequence[RequestRecord], slo: SLO | None = None) -> pd.DataFrame:
     """One row per request: ids, token counts, and its metrics from ``engine.metrics``
     (NaN where undefined). ``arrived_s`` is the raw ``time.time()`` of arrival.
@@ -303,7 +285,6 @@ def requests_frame(records: Sequence[RequestRecord], slo: SLO | None = None) -> 
     return pd.DataFrame(rows, columns=cols)
 
 
-# ---- latency breakdown --------------------------------------------------------------------
 # Stage spans of one request from its timeline. These are not new metrics: prefill queue and
 # prefill are engine.metrics'; the rest are timeline spans used only for this breakdown.
 
@@ -371,26 +352,19 @@ def latency_breakdown(records: Sequence[RequestRecord] | Mapping[str, Sequence[R
     return pd.DataFrame(rows, columns=["placement", "num_requests"] + BREAKDOWN_STAGES)
 
 
-# ---- rate sweep ---------------------------------------------------------------------------
-
-
 TRANSFER_EFFICIENCY_COLUMNS = ["placement", "transport", "num_transfers", "kv_bytes_total",
                                "achieved_gbps_p50", "peak_gbps", "efficiency_p50",
                                "exposed_share"]
 
 
 def transfer_efficiency(transfers: pd.DataFrame) -> pd.DataFrame:
-    """Per placement, its KV transfers against their link (``transfers.csv``'s rows: one
-    ``kv_transfer.transport.TransferRecord`` per chunk, all rates and seeds; the simulator's rows
-    carry only bytes and seconds, so their peak, efficiency and exposure are NaN).
-
-    Columns (``TRANSFER_EFFICIENCY_COLUMNS``): ``num_transfers`` (chunks), ``kv_bytes_total``
-    (bytes), ``achieved_gbps_p50`` (median over chunks of bytes / (put + get seconds) / 1e9),
-    ``peak_gbps`` (the link peak the deployment measured at start; NaN when none was
-    measured), ``efficiency_p50`` (median of achieved / peak), ``exposed_share`` (exposed
-    seconds over put + get seconds, summed over chunks: the part of the transfer time the
-    request waited for after its KV was ready; 1.0 for whole-request transfers; NaN where
-    no chunk has it). A placement without transfers (colocated) has no row."""
+    """Per placement, its KV transfers against their link (``transfers.csv``'s rows, one
+    ``TransferRecord`` per chunk; the simulator's rows carry only bytes and seconds, so their
+    peak, efficiency and exposure are NaN). Columns ``TRANSFER_EFFICIENCY_COLUMNS``:
+    ``achieved_gbps_p50`` (median of bytes / (put + get s) / 1e9), ``peak_gbps`` (measured at
+    start; NaN if not), ``efficiency_p50`` (median achieved / peak), ``exposed_share`` (exposed
+    s over put + get s, summed over chunks; 1.0 for whole-request transfers). A placement
+    without transfers has no row."""
     if transfers.empty or "num_bytes" not in transfers.columns:
         return pd.DataFrame(columns=TRANSFER_EFFICIENCY_COLUMNS)
     rows = []
@@ -452,8 +426,7 @@ def goodput_per_device(curve: pd.DataFrame, num_devices: int | Mapping[str, int]
 
 
 def _sweeps(runs: Sequence[Run], placement: str) -> tuple[list[float], list[int], dict]:
-    """A placement's swept rates (ascending), the seeds that ran at every one of them (a
-    seed is one sweep) and ``{(rate, seed): index into runs}``."""
+    """A placement's swept rates, the seeds that ran at all of them, ``{(rate, seed): index}``."""
     mine = [i for i, r in enumerate(runs) if r.placement == placement]
     rates = sorted({runs[i].rate for i in mine})
     at = {(runs[i].rate, runs[i].seed): i for i in mine}
@@ -510,9 +483,6 @@ def goodput_table(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str,
                                        "goodput_per_device_req_s",
                                        "goodput_per_device_req_s_ci_lo",
                                        "goodput_per_device_req_s_ci_hi"])
-
-
-# ---- verdict ------------------------------------------------------------------------------
 
 
 def _fmt(col: str, v: float) -> str:

@@ -1,11 +1,10 @@
 """The results directory every experiment writes, and the config row that heads it.
 
-``write_results`` writes, from a list of ``RunResult``: requests.jsonl (first line: the
-config row, everything needed to rerun; then one row per request with its full timeline),
-summary.csv (means over seeds with 95% bootstrap intervals), summary_seeds.csv (one row per
-seed), goodput.csv, steps.csv and transfers.csv (every row tagged placement, rate, seed),
-transfer_efficiency.csv (``analysis.transfer_efficiency``), hindsight.csv for conditional placements, report.md and the plots. ``environment`` is the
-provenance part of the config row (command line, git commit, package versions, CPU, GPUs)."""
+``write_results`` writes, from ``RunResult``s: requests.jsonl (first line: the config row; then
+one row per request with its timeline), summary.csv, summary_seeds.csv, goodput.csv, steps.csv
+and transfers.csv (rows tagged placement, rate, seed), transfer_efficiency.csv, hindsight.csv
+(conditional placements), report.md and the plots. ``environment``: the config row's provenance
+(command line, git commit, package versions, CPU, GPUs)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
-"""``RayObjectStoreTransport``: KV through Ray's shared-memory object store. ``put`` calls
-``ray.put([header, tensor_bytes])``, one copy into the node's store; the putting process owns the
-object and the ``ObjectRef`` is the key; every process holding the handle borrows it. ``get`` is
-``ray.get(ref, timeout=timeout_s)`` (across nodes, store to store, never through the router), the
-read-only buffer copied once into a writable tensor. ``free`` drops this reference; Ray frees the
-object with the last one. An owner that died before the get makes ``get`` raise
-``TransferFailed`` (objects under Ray's 100 KiB inline limit travel in the handle and survive);
-a passed deadline, ``TransferTimeout``. ``num_held()`` counts objects put, not freed, and still
-referenced anywhere in the cluster."""
+"""``RayObjectStoreTransport``: KV through Ray's shared-memory object store. ``put`` is
+``ray.put([header, tensor_bytes])``, one copy into the node's store, owned by the putting process
+(the ``ObjectRef`` is the key); ``get`` is ``ray.get(ref, timeout=timeout_s)`` (store to store,
+never through the router), the read-only buffer copied once into a writable tensor; ``free``
+drops this reference. An owner that died before the get: ``TransferFailed`` (objects under Ray's
+100 KiB inline limit travel in the handle and survive); a passed deadline: ``TransferTimeout``.
+``num_held()`` counts objects put, not freed, and still referenced anywhere in the cluster."""
 
 from __future__ import annotations
 

@@ -178,16 +178,13 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
           twins: Mapping[str, str] | None = None) -> pd.DataFrame:
     """One row per cell (``CELL_COLUMNS``), TTFT index major.
 
-    Args:
-        goodput: candidate -> goodput per device per cell, in candidate order (breaks ties).
-        slow, fast: the same at the band's ends (None: no band; missing: nominal).
-        top: candidate -> goodput per device at the top swept rate; a winner at it has
-            ``at_sweep_top`` (its goodput is a lower bound). None: never flagged.
-        twins: ``same_schedule``'s map; a winner whose twin is the runner-up at the same goodput
-            names it in ``same_schedule_as``, and the next family's best is runner-up.
-
-    ``verdict``: the winner when clear, ``NO_CLEAR`` when the band does not separate it from the
-    runner-up, ``NONE`` when no goodput > 0 (margin NaN). Margin 1.0 without a runner-up family."""
+    ``goodput``: candidate -> goodput per device per cell, in candidate order (breaks ties);
+    ``slow``, ``fast``: the same at the band's ends (None: no band). ``top``: goodput at the top
+    swept rate; a winner there has ``at_sweep_top`` (a lower bound). ``twins``:
+    ``same_schedule``'s map; a winner whose twin is the runner-up at the same goodput names it
+    in ``same_schedule_as``. ``verdict``: the winner when clear, ``NO_CLEAR`` when the band does
+    not separate it from the runner-up, ``NONE`` when no goodput > 0 (margin NaN). Margin 1.0
+    without a runner-up family."""
     slow, fast, top, twins = slow or {}, fast or {}, top or {}, twins or {}
     rows = []
     for i, ttft in enumerate(ttft_grid):

@@ -1,22 +1,12 @@
-"""``pdlab bench``: the workloads of ``pdlab run`` sent to any OpenAI-compatible server.
-
-1. Each seed's workload is built as ``pdlab run`` builds it (``compare.build_workload``: same
-   datasets, token ids, output lengths and arrival times).
-2. The served model is read from ``GET /v1/models`` (or ``--served-model``; emulated devices
-   are reported as such); two warm-up requests are discarded; then every request is sent at
-   its scheduled time (open loop): ``POST /v1/completions`` with token ids, ``max_tokens``,
-   ``ignore_eos``, ``temperature`` 0, streamed with usage.
-3. Each response becomes a ``RequestRecord`` from client-side stamps: ``arrived`` = scheduled
-   send, ``dispatched`` = actual send, one ``token_times_s`` per chunk carrying a choice,
-   ``finished`` after ``[DONE]``. A ``usage.completion_tokens`` other than asked is an error;
-   fewer chunks than tokens are kept and counted. ``compare.write_results`` writes the usual
-   results.
-
-Unlike ``pdlab run``, TTFT and E2E include HTTP, JSON and detokenization, ITL and TPOT use
-the client clock, and there is no worker-side breakdown.
-
-Labels are ``NAME@PLACEMENT`` (``vllm@colocated:1``): the placement gives goodput per device
-its device count. ``merge`` joins several bench results directories into one report."""
+"""``pdlab bench``: the workloads of ``pdlab run`` (``compare.build_workload``) sent to any
+OpenAI-compatible server, at their scheduled times (open loop) after two discarded warm-ups:
+``POST /v1/completions`` with token ids, ``max_tokens``, ``ignore_eos``, ``temperature`` 0,
+streamed with usage. Each response becomes a ``RequestRecord`` from client-side stamps
+(``arrived`` = scheduled send, ``dispatched`` = actual send, one ``token_times_s`` per chunk
+carrying a choice, ``finished`` after ``[DONE]``); a ``usage.completion_tokens`` other than asked
+is an error, fewer chunks than tokens are counted. TTFT and E2E include HTTP, JSON and
+detokenization; ITL and TPOT use the client clock. Labels are ``NAME@PLACEMENT``: the placement
+gives goodput per device its device count. ``merge`` joins several results directories."""
 
 from __future__ import annotations
 
@@ -52,13 +42,7 @@ LABEL_PATTERN = r"[A-Za-z0-9_.\-]+@[A-Za-z0-9:\-]+"
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Which server ``pdlab bench`` drives.
-
-    Attributes:
-        base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1/...`` is appended).
-        label: ``NAME@PLACEMENT`` recorded as the placement of every request.
-        served_model: model id to send (default: the first one ``/v1/models`` lists).
-        request_timeout_s: longest wait for one response (seconds)."""
+    """Which server ``pdlab bench`` drives (each field's help says what it is)."""
 
     base_url: str = field(default="http://127.0.0.1:8000", metadata={
         "help": "OpenAI-compatible server to drive", "pattern": r"https?://[^\s/]+(/\S*)?",
@@ -87,9 +71,8 @@ MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
 def served_model(base_url: str, name: str | None = None,
                  timeout_s: float = 30.0) -> tuple[str, dict]:
     """The model to send and the server's emulation block: ``GET /v1/models``'s first model (or
-    ``name``), and its ``emulated`` / ``emulation`` keys (a pdlab server on emulated devices,
-    ``server.app.OpenAIServer.models``; ``{}`` otherwise). With ``name`` given, a server that does
-    not answer or does not list it still gets ``name``.
+    ``name``) and its ``emulated`` / ``emulation`` keys (``{}`` otherwise). With ``name``, a
+    server that does not answer or list it still gets ``name``.
 
     Raises:
         RuntimeError: no ``name`` and the server did not answer or lists no model."""

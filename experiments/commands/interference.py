@@ -1,22 +1,19 @@
 """``pdlab interference``: how much a prefill stalls the decodes running beside it, measured
 directly on one device through pdlab's own Engine (no Ray, no router).
 
-For each mode and decode batch size B: an engine gets B decode requests at context ~C
-(prefilled untimed), runs one discarded warm-up step, then for each repeat and prompt
-length P times a **baseline** step (decodes alone) and the **injection** beside it:
+For each mode and decode batch size B, an engine gets B decode requests at context ~C (prefilled
+untimed) and one discarded warm-up step; then per repeat and prompt length P a **baseline** step
+(decodes alone) and the **injection** beside it are timed:
 
 - ``colocated-nochunk``: a P-token request runs whole in the next step;
-- ``chunked`` (Sarathi-Serve): the token budget K covers the B decodes plus a chunk of
-  K - B, so it spreads over ceil(P / (K - B)) steps;
-- ``disagg``: the P-token KV arrives from elsewhere (``add_remote``, ``finish_remote``) and
-  the request decodes once beside the B; the KV import alone is timed separately.
+- ``chunked`` (Sarathi-Serve): the token budget K covers the B decodes plus a chunk of K - B,
+  so it spreads over ceil(P / (K - B)) steps;
+- ``disagg``: the P-token KV arrives from elsewhere and the request decodes once beside the B;
+  the KV import alone is timed separately.
 
-Each running request emits one token per step, so a step's time is the ITL it sees. Steps
-are timed with ``clock`` (``time.perf_counter``, CUDA synchronized on both ends). The raw
-steps are ``steps.csv``; everything else is a pure function of it (``summarize``,
-``fit_step_model``, ``sentence``); the estimator per point is the minimum over repeats.
-
-Outputs: steps.csv, interference.csv, fits.csv, summary.md, interference.png."""
+A step's time is the ITL its running requests see (``time.perf_counter``, CUDA synchronized); per
+point the minimum over repeats. Outputs: steps.csv (everything else is a pure function of it),
+interference.csv, fits.csv, summary.md, interference.png."""
 
 from __future__ import annotations
 
@@ -57,16 +54,8 @@ def ints(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class InterferenceConfig:
-    """The grid of ``pdlab interference`` (module docstring).
-
-    Attributes:
-        batch_sizes: decode batch sizes B, comma-separated integers >= 1.
-        prompt_lens: injected prompt lengths P in tokens, comma-separated integers >= 0
-            (0 = the baseline only); at least one must be > 0.
-        context_len: context C of the running decode requests when measuring starts (tokens).
-        chunk_budgets: Sarathi-Serve token budgets K of the chunked mode (tokens per step,
-            decodes included), each > the largest B.
-        quick: replace the grid by a small one (B 1,2; P 0,16,48; C 16; K 12) for tests."""
+    """The grid of ``pdlab interference`` (module docstring; each field's help says what it is).
+    Each K must exceed the largest B; at least one P must be > 0."""
 
     batch_sizes: str = field(default="1,4,16", metadata={
         "pattern": _INTS_POS, "hint": "comma-separated integers >= 1, e.g. 1,4,16",
@@ -134,10 +123,9 @@ class InterferenceConfig:
 
     def decode_tokens_needed(self, mode: str, budget: int | None, batch_size: int,
                              repeats: int) -> int:
-        """Output tokens a running decode request may produce over the whole measurement: a bound on
-        the tokens it decodes while the others still prefill (each of those steps computes >= budget
-        - B prompt tokens), the warm-up, and per repeat one baseline and every injection step
-        (disagg: one more, for an engine that reserves the KV slot a step ahead)."""
+        """Output tokens a running decode may produce over the whole measurement: while the
+        others prefill (>= budget - B prompt tokens a step), the warm-up, and per repeat one
+        baseline and every injection step (disagg: one more, the KV slot reserved a step ahead)."""
         per_prompt = self.step_budget(mode, budget, batch_size) - batch_size
         setup = batch_size * (math.ceil((self.context_len - 1) / per_prompt) + 1)
         per_repeat = sum(1 + self.injection_steps(mode, budget, batch_size, p)
@@ -161,7 +149,6 @@ def engine_config(grid: InterferenceConfig, mode: str, budget: int | None, batch
                         enable_chunked_prefill=mode != NOCHUNK, device=device)
 
 
-# ---- the driver ------------------------------------------------------------------------
 class _Timer:
     def __init__(self, clock: Callable[[], float], sync: Callable[[], None] | None) -> None:
         self.clock, self.sync = clock, sync
@@ -180,8 +167,7 @@ def measure_mode(engine, grid: InterferenceConfig, mode: str, budget: int | None
                  batch_size: int, repeats: int, vocab_size: int, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter,
                  sync: Callable[[], None] | None = None) -> tuple[list[dict], list[dict]]:
-    """Run steps 1-4 of the module docstring on ``engine`` (configured by ``engine_config``; tests
-    pass a stub with the same methods).
+    """Run the module docstring's measurement on ``engine`` (``engine_config``'s, or a stub).
 
     Returns:
         (steps, imports): one dict per timed step (``mode, budget, batch_size, prompt_len,
@@ -261,7 +247,6 @@ def _inject_kv(engine, timer: _Timer, step, imports: list[dict], rid: str, promp
     return row
 
 
-# ---- bookkeeping (pure) ----------------------------------------------------------------
 def summarize(steps: pd.DataFrame, imports: pd.DataFrame | None = None) -> pd.DataFrame:
     """One row per (mode, budget, B, P): what the running requests see.
 
