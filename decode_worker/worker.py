@@ -124,8 +124,11 @@ class DecodeWorker(EngineLoop):
         self.transport.peak_gbps = gbps
 
     def shutdown(self) -> None:
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        """Stop the loop, then the fetch pool (the other order let the loop's last step
+        start a fetch on a shut pool, and the loop died of it: its uncollected events were
+        lost, and ``wait_events`` raised)."""
         super().shutdown()
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     # ---- the loop thread ---------------------------------------------------------------
     def _admit(self, request: Request, first_token: int, handles: tuple[KVHandle, ...],
