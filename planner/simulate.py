@@ -74,8 +74,9 @@ from dataclasses import dataclass, field
 
 from engine.config import (DEFAULT_CPU_KV_CACHE_GB,  # noqa: F401 (test_plan_identity reads it here)
                            ConditionalConfig, EngineConfig, kv_budget_bytes_for,
-                           kv_num_blocks_for, parse_placement, placement_engine_overrides)
+                           kv_num_blocks_for, placement_engine_overrides)
 from engine.limits import LimitError, Limits
+from engine.placement import Placement
 from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord,
                             StepRecord)
@@ -176,11 +177,7 @@ class _Flight:
 def worker_names(placement: str) -> list[tuple[str, str]]:
     """``(name, role)`` of each worker, named as ``experiments.placement.worker_layout``
     names them (``colocated-0``, ``prefill-0``, ``decode-0``, ...)."""
-    kind, first, second = parse_placement(placement)
-    if kind == "colocated":
-        return [(f"colocated-{i}", "colocated") for i in range(first)]
-    return ([(f"prefill-{i}", "prefill") for i in range(first)]
-            + [(f"decode-{i}", "decode") for i in range(second)])
+    return [(i.name, i.role) for i in Placement.parse(placement).instances]
 
 
 class Simulator:
@@ -219,7 +216,7 @@ class Simulator:
                  fast_forward: bool = True,
                  speed_trace: Callable[[str, float], float] | None = None,
                  kv_budget_bytes: int | None = None) -> None:
-        self.kind = parse_placement(placement)[0]
+        self.kind = Placement.parse(placement).kind
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
         pick(policy, ["w"], {}, 0)  # refuses an unknown policy now (Assigner does it per run)
