@@ -1,0 +1,330 @@
+"""Tensor parallelism inside one instance: its ranks are processes, one per device, each
+holding a slice of every layer and of the paged KV cache; one scheduler (rank 0's engine)
+decides every step and its batch reaches every rank.
+
+Layout (Megatron-LM, Shoeybi et al. 2019; nano-vllm's ``layers/linear.py``), at TP ``t``:
+
+- Q/K/V and gate/up are column-parallel: rank ``r`` keeps the output rows of its query heads
+  ``engine.kv_heads.query_heads_of(r, t, H_q)``, of its KV heads ``kv_heads_of(r, t,
+  H_kv)`` (a KV head replicated on ``t / H_kv`` ranks when ``t > H_kv``, as vLLM does) and
+  of its ``I / t`` intermediate features;
+- O and down are row-parallel: rank ``r`` keeps the matching input columns, and the partial
+  outputs are summed by one all-reduce after each (two per layer); their biases are added
+  once (rank 0 keeps them, the other ranks drop them);
+- embeddings, norms, RoPE and the LM head are replicated: after each all-reduce every rank
+  holds the same hidden state, so every rank computes the same logits (rank 0 samples).
+
+Each rank runs the unchanged ``engine.runner.ModelRunner`` on its shard (a model whose
+config says ``H_q / t`` heads, its local KV heads, ``I / t`` features) over its own
+``KVStore`` of its local KV heads; the same block ids index every rank's store, so the
+scheduler's block tables hold for all. Rank 0 owns the ``Engine`` (scheduler, sampler,
+KV export); before each forward it broadcasts what the runner reads of the batch
+(``StepRows``) to the other ranks, which run ``follow`` until rank 0 calls
+``TensorParallelGroup.stop``.
+
+Communication is a process group of the instance's ranks only (``TensorParallelGroup``),
+built directly on a rendezvous store, so it does not touch ``torch.distributed``'s default
+group (which the ``torchdist`` KV transport uses): gloo on CPU, NCCL on CUDA (by the
+devices, or named).
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import pickle
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+
+from engine.kv_cache import KVStore
+from engine.kv_heads import kv_heads_of, query_heads_of
+from engine.model import LoadedModel
+from engine.placement import check_tp
+from engine.runner import ModelRunner
+
+BACKENDS = ("gloo", "nccl")
+
+
+def backend_for(device: str) -> str:
+    """The collective backend of a device: ``nccl`` for ``cuda:i``, else ``gloo``."""
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+class TensorParallelGroup:
+    """The ranks of one instance: ``size`` processes, this one ``rank``.
+
+    Args:
+        store: the rendezvous (``torch.distributed.Store``: a ``TCPStore`` from
+            ``kv_transfer.torchdist.open_rendezvous`` or a ``FileStore``), shared by every
+            rank; ``prefix`` keeps several instances apart on one store.
+        rank, size: this process's rank in ``[0, size)`` and the TP size.
+        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
+        timeout_s: deadline of every collective: a rank that died makes the others fail
+            after this long instead of waiting forever.
+
+    Raises:
+        ValueError: a rank outside ``[0, size)``, an unknown backend, or ``nccl`` in a torch
+            built without it.
+    """
+
+    def __init__(self, store, rank: int, size: int, backend: str = "gloo",
+                 timeout_s: float = 120.0, prefix: str = "tp") -> None:
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in [0, {size})")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.rank, self.size, self.backend = rank, size, backend
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.PrefixStore(prefix, store)
+        if backend == "nccl":
+            nccl = getattr(dist, "ProcessGroupNCCL", None)
+            if nccl is None:
+                raise ValueError("backend nccl: this torch was built without NCCL")
+            options = nccl.Options()
+            options._timeout = timeout
+            self.pg = nccl(store, rank, size, options)
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            self.device = torch.device("cpu")
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place (every rank gets the same values)."""
+        self.pg.allreduce([tensor]).wait()
+        return tensor
+
+    def broadcast_object(self, obj=None):
+        """Rank 0's ``obj`` on every rank (pickled; a length, then the bytes)."""
+        if self.rank == 0:
+            data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+            length = torch.tensor([data.numel()], dtype=torch.int64)
+        else:
+            length = torch.zeros(1, dtype=torch.int64)
+        self._broadcast(length)
+        if self.rank != 0:
+            data = torch.empty(int(length.item()), dtype=torch.uint8)
+        self._broadcast(data)
+        return obj if self.rank == 0 else pickle.loads(data.numpy().tobytes())
+
+    def _broadcast(self, tensor: torch.Tensor) -> None:
+        if self.backend == "nccl":  # NCCL moves device tensors only
+            moved = tensor.to(self.device)
+            self.pg.broadcast(moved, 0).wait()
+            tensor.copy_(moved.cpu())
+        else:
+            self.pg.broadcast(tensor, 0).wait()
+
+    def stop(self) -> None:
+        """Rank 0: end every other rank's ``follow`` loop."""
+        self.broadcast_object(None)
+
+
+# ---- sharding ---------------------------------------------------------------------------
+
+def _rows(weight: torch.Tensor, parts: list[tuple[int, int]]) -> torch.Tensor:
+    """The rows ``[a, b)`` of each part, concatenated (a new contiguous tensor)."""
+    return torch.cat([weight[a:b] for a, b in parts]).contiguous()
+
+
+def _set(module: torch.nn.Linear, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    module.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is None:
+        module.register_parameter("bias", None)
+    else:
+        module.bias = torch.nn.Parameter(bias.contiguous(), requires_grad=False)
+    module.out_features, module.in_features = weight.shape
+
+
+def _column(module: torch.nn.Linear, parts: list[tuple[int, int]]) -> None:
+    """Keep output rows ``parts`` (column-parallel)."""
+    bias = None if module.bias is None else _rows(module.bias.detach(), parts)
+    _set(module, _rows(module.weight.detach(), parts), bias)
+
+
+def _row(module: torch.nn.Linear, a: int, b: int, keep_bias: bool) -> None:
+    """Keep input columns ``[a, b)`` (row-parallel); the bias only where ``keep_bias``."""
+    bias = module.bias.detach() if module.bias is not None and keep_bias else None
+    _set(module, module.weight.detach()[:, a:b].contiguous(), bias)
+
+
+def shard_model(model: torch.nn.Module, rank: int, tp: int) -> torch.nn.Module:
+    """Rank ``rank``'s shard of a supported decoder model (``engine.model.
+    SUPPORTED_ARCHITECTURES``) at TP ``tp``: a copy (``model`` is not changed) whose layers
+    keep the rows/columns of the module docstring and whose config reads ``H_q / tp``
+    attention heads, its local KV heads and ``I / tp`` intermediate features (``head_dim``
+    set explicitly, so it is not recomputed from the fewer heads). ``tp`` 1: a copy.
+
+    Raises:
+        ValueError: ``tp`` does not suit the heads (``engine.placement.check_tp``) or does not
+            divide the intermediate size.
+    """
+    cfg = model.config
+    heads, kv_heads, inter = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size
+    check_tp(tp, heads, kv_heads, f"TP {tp}", getattr(cfg, "_name_or_path", None) or "the model")
+    if inter % tp:
+        raise ValueError(f"TP {tp} does not divide the model's intermediate size {inter}")
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    q_heads, my_kv = query_heads_of(rank, tp, heads), kv_heads_of(rank, tp, kv_heads)
+    q_rows = (q_heads[0] * head_dim, (q_heads[-1] + 1) * head_dim)
+    kv_rows = (my_kv[0] * head_dim, (my_kv[-1] + 1) * head_dim)
+    i_rows = (rank * inter // tp, (rank + 1) * inter // tp)
+    shard = copy.deepcopy(model)
+    for layer in shard.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "qkv_proj"):  # Phi-3: q, k, v rows of one fused projection
+            q_end, k_end = heads * head_dim, (heads + kv_heads) * head_dim
+            _column(attn.qkv_proj, [q_rows, (q_end + kv_rows[0], q_end + kv_rows[1]),
+                                    (k_end + kv_rows[0], k_end + kv_rows[1])])
+        else:
+            _column(attn.q_proj, [q_rows])
+            _column(attn.k_proj, [kv_rows])
+            _column(attn.v_proj, [kv_rows])
+        _row(attn.o_proj, *q_rows, keep_bias=rank == 0)
+        if hasattr(mlp, "gate_up_proj"):  # Phi-3: gate then up, one fused projection
+            _column(mlp.gate_up_proj, [i_rows, (inter + i_rows[0], inter + i_rows[1])])
+        else:
+            _column(mlp.gate_proj, [i_rows])
+            _column(mlp.up_proj, [i_rows])
+        _row(mlp.down_proj, *i_rows, keep_bias=rank == 0)
+    shard.config.num_attention_heads = len(q_heads)
+    shard.config.num_key_value_heads = len(my_kv)
+    shard.config.intermediate_size = inter // tp
+    shard.config.head_dim = head_dim
+    return shard
+
+
+def shard_loaded(loaded: LoadedModel, rank: int, tp: int) -> LoadedModel:
+    """``loaded`` with ``shard_model``'s model and a ``KVSpec`` of the rank's KV heads (same
+    fingerprint: the ranks of one instance serve one model)."""
+    return replace(loaded, model=shard_model(loaded.model, rank, tp),
+                   kv_spec=replace(loaded.kv_spec,
+                                   num_kv_heads=len(kv_heads_of(rank, tp, loaded.kv_spec.num_kv_heads))))
+
+
+class _AllReduced:
+    """A row-parallel projection: the local matmul, then the sum over the group's ranks."""
+
+    def __init__(self, fused, group: TensorParallelGroup) -> None:
+        self.fused, self.group = fused, group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.fused(x).contiguous())
+
+
+def parallel_runner(loaded_shard: LoadedModel, kv_store: KVStore, device: str,
+                    group: TensorParallelGroup) -> ModelRunner:
+    """A ``ModelRunner`` over a shard whose O and down projections all-reduce over
+    ``group`` (the runner calls ``layer.o.fused`` and ``layer.down.fused``)."""
+    runner = ModelRunner(loaded_shard.model, kv_store, device)
+    if group.size > 1:
+        _wrap_row_parallel(runner, group)
+    return runner
+
+
+def _wrap_row_parallel(runner: ModelRunner, group: TensorParallelGroup) -> None:
+    for layer in runner.layers:  # prepared once per shard model: wrap once, rebind the group
+        for linear in (layer.o, layer.down):
+            if isinstance(linear.fused, _AllReduced):
+                linear.fused.group = group
+            else:
+                linear.fused = _AllReduced(linear.fused, group)
+
+
+# ---- the step's batch, as every rank reads it -------------------------------------------
+
+class _Tokens:
+    """The new tokens of one row, indexed as ``state.token_ids[start:start + n]``."""
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def __getitem__(self, index: slice) -> list[int]:
+        assert index.start == self.start and index.stop == self.start + len(self.tokens), index
+        return self.tokens
+
+
+@dataclass
+class _Row:
+    """What ``ModelRunner`` reads of one ``RequestState``."""
+
+    num_computed_tokens: int
+    block_ids: list[int]
+    token_ids: _Tokens
+    num_tokens: int
+
+
+@dataclass
+class StepRows:
+    """What ``ModelRunner.execute`` reads of a ``ScheduledBatch``: per entry its first new
+    position, block table, new tokens and the request's known token count (``completes``)."""
+
+    requests: list[_Row]
+    num_new_tokens: list[int]
+
+    @classmethod
+    def of(cls, batch) -> StepRows:
+        rows = [_Row(s.num_computed_tokens, list(s.block_ids),
+                     _Tokens(s.num_computed_tokens,
+                             list(s.token_ids[s.num_computed_tokens:s.num_computed_tokens + n])),
+                     s.num_tokens)
+                for s, n in zip(batch.requests, batch.num_new_tokens)]
+        return cls(rows, list(batch.num_new_tokens))
+
+    def completes(self, i: int) -> bool:
+        row = self.requests[i]
+        return row.num_computed_tokens + self.num_new_tokens[i] == row.num_tokens
+
+
+class DriverRunner:
+    """Rank 0's runner: broadcasts each step's ``StepRows`` to the other ranks, then runs
+    its own shard (the engine calls it as its ``ModelRunner``; every other attribute is the
+    wrapped runner's)."""
+
+    def __init__(self, runner: ModelRunner, group: TensorParallelGroup) -> None:
+        self.runner, self.group = runner, group
+
+    def execute(self, batch, on_layer_done=None) -> torch.Tensor:
+        self.group.broadcast_object(StepRows.of(batch))
+        return self.runner.execute(batch, on_layer_done)
+
+    def __getattr__(self, name):
+        return getattr(self.runner, name)
+
+
+def make_engine(loaded: LoadedModel, config, group: TensorParallelGroup, **engine_kwargs):
+    """Rank 0 of an instance: an ``engine.engine.Engine`` over rank 0's shard whose runner
+    drives the other ranks (``DriverRunner``); the KV cache's block count is sent to them
+    (each rank's store has it, of its own KV heads). Call ``group.stop()`` when done.
+
+    ``config.device`` is rank 0's device; ``config``'s KV budget is per rank.
+    """
+    from engine.engine import Engine  # engine imports the runner; keep this module light
+
+    shard = shard_loaded(loaded, 0, group.size)
+    engine = Engine(shard, config, **engine_kwargs)
+    if group.size > 1:
+        _wrap_row_parallel(engine.runner, group)
+        engine.runner = DriverRunner(engine.runner, group)
+    group.broadcast_object(engine.kv_store.num_blocks)
+    return engine
+
+
+def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
+    """Rank ``group.rank`` > 0 of an instance: shard ``loaded``, build its KV store with rank
+    0's block count, then run every step rank 0 broadcasts until ``stop``. ``config.device``
+    is this rank's device. Returns the steps run.
+
+    Raises:
+        RuntimeError: a collective failed (a rank died; after the group's timeout).
+    """
+    shard = shard_loaded(loaded, group.rank, group.size)
+    num_blocks = group.broadcast_object()
+    store = KVStore(shard.kv_spec, num_blocks, config.block_size, config.device)
+    runner = parallel_runner(shard, store, config.device, group)
+    steps = 0
+    while (rows := group.broadcast_object()) is not None:
+        runner.execute(rows)
+        steps += 1
+    return steps
