@@ -292,8 +292,10 @@ class TransferConfig:
 
 ADDRESS_PATTERN = r"auto|local|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5}"
 def parse_placement(placement: str) -> tuple[str, int, int]:
-    """The kind and instance counts of a placement (``engine.placement``, where the spelling
-    is parsed and documented; parallel sizes such as ``+tp2`` are accepted and not returned).
+    """The kind and instance counts of a one-device-per-instance placement (``engine.
+    placement``, where the spelling is parsed and documented). Its callers start one worker
+    per instance on one device, so a placement with parallel sizes (``+tp2``) is refused
+    here rather than run at TP 1; code that runs TP instances reads ``Placement``.
 
     ``colocated-nochunk:N`` is ``colocated:N`` with chunked prefill off (see
     ``placement_engine_overrides``), so one comparison can hold both colocated baselines.
@@ -304,9 +306,12 @@ def parse_placement(placement: str) -> tuple[str, int, int]:
         ``("colocated", N, 0)``, ``("disagg", x, y)`` or ``("conditional", x, y)``.
 
     Raises:
-        ValueError: anything else, or a zero count.
+        ValueError: anything else, a zero count, or an instance over several devices.
     """
     p = Placement.parse(placement)
+    _check(not p.is_parallel, f"placement {placement.strip()!r} spans several devices per "
+                              "instance (TP/PP), which this command does not deploy yet: "
+                              "drop the '+tp'/'+pp' sizes")
     return (p.kind, *p.counts)
 
 

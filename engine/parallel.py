@@ -328,3 +328,32 @@ def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
         runner.execute(rows)
         steps += 1
     return steps
+
+
+def connect(init_method: str, rank: int, size: int, backend: str = "gloo",
+            timeout_s: float = 120.0, store=None) -> TensorParallelGroup:
+    """Join an instance's group through ``init_method`` ``store://host:port`` (a rendezvous
+    from ``kv_transfer.torchdist.open_rendezvous``; rank 0 may pass that ``store`` itself).
+
+    Raises:
+        ValueError: ``init_method`` is not ``store://host:port``.
+    """
+    if store is None:
+        host, sep, port = init_method.removeprefix("store://").rpartition(":")
+        if not init_method.startswith("store://") or not sep or not port.isdigit():
+            raise ValueError(f"init_method must be store://host:port, got {init_method!r}")
+        store = dist.TCPStore(host, int(port), is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+    return TensorParallelGroup(store, rank, size, backend, timeout_s)
+
+
+def serve_rank(model_config, engine_config, init_method: str, rank: int, size: int,
+               backend: str = "gloo", timeout_s: float = 120.0) -> int:
+    """A process's whole life as rank ``rank`` > 0 of an instance (a spawn target): load the
+    model, join the group, ``follow`` until rank 0 stops. Returns the steps run."""
+    from engine.model import load_model
+
+    torch.set_num_threads(1) if engine_config.device == "cpu" else None
+    loaded = load_model(model_config, engine_config.device)
+    group = connect(init_method, rank, size, backend, timeout_s)
+    return follow(loaded, engine_config, group)

@@ -206,7 +206,8 @@ class Simulator:
             weights); None: the CPU rule (``num_kv_blocks``).
 
     Raises:
-        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``.
+        ValueError: a bad placement or policy, a placement with TP/PP sizes, or a
+            disaggregated placement without ``transfer``.
     """
 
     def __init__(self, placement: str, engine: EngineConfig,
@@ -216,7 +217,11 @@ class Simulator:
                  fast_forward: bool = True,
                  speed_trace: Callable[[str, float], float] | None = None,
                  kv_budget_bytes: int | None = None) -> None:
-        self.kind = Placement.parse(placement).kind
+        parsed = Placement.parse(placement)
+        if parsed.is_parallel:  # a TP/PP instance's step time needs its own profile
+            raise ValueError(f"placement {placement} spans several devices per instance: the "
+                             "simulator models one device per instance")
+        self.kind = parsed.kind
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
         pick(policy, ["w"], {}, 0)  # refuses an unknown policy now (Assigner does it per run)

@@ -46,8 +46,10 @@ def test_a_size_for_every_role_and_the_canonical_spelling():
         assert Placement.parse(str(Placement.parse(text))) == Placement.parse(text)
 
 
-def test_legacy_readers_accept_sizes():
-    assert parse_placement("disagg:1p2d+ptp2") == ("disagg", 1, 2)
+def test_one_device_readers_refuse_sizes_and_the_typed_config_counts_them():
+    with pytest.raises(ValueError, match="spans several devices per instance .* drop the"):
+        parse_placement("disagg:1p2d+ptp2")
+    assert parse_placement("disagg:1p2d+tp1") == ("disagg", 1, 2)
     assert PlacementConfig("disagg:1p1d+ptp2+dtp1").num_devices_needed == 3
     assert PlacementConfig("colocated:2+tp2").num_devices_needed == 4
     engine = EngineConfig(max_model_len=1024, max_num_batched_tokens=256)
@@ -109,3 +111,10 @@ def test_check_model_names_the_role_and_the_model():
         "and divide or be a multiple of its 2 KV heads")
     with pytest.raises(ValueError, match="colocated PP 3 exceeds tiny-random-llama's 2 layers"):
         Placement.parse("colocated:1+pp3").check_model(4, 2, 2, "tiny-random-llama")
+
+
+def test_the_simulator_refuses_instances_over_several_devices():
+    from planner.simulate import Simulator
+
+    with pytest.raises(ValueError, match="simulator models one device per instance"):
+        Simulator("colocated:1+tp2", EngineConfig(), lambda *f: 0.01)

@@ -1,0 +1,119 @@
+"""Tensor parallelism within one instance (``engine.parallel``): shards hold what the
+Megatron layout says, and an instance whose ranks are processes (gloo on CPU) decodes
+greedy token for token as transformers' ``generate()``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+import torch
+
+from conftest import random_prompts, reference_generate
+from engine.config import EngineConfig, ModelConfig
+from engine.model import load_model
+from engine.parallel import connect, make_engine, serve_rank, shard_loaded, shard_model
+from engine.request import Request, SamplingParams
+from kv_transfer.torchdist import open_rendezvous
+
+ENGINE = EngineConfig(kv_cache_memory_gb=0.02, max_num_seqs=8, max_num_batched_tokens=32)  # chunked prompts
+
+
+def test_shards_hold_their_rows_and_columns_and_sum_to_the_whole():
+    """tiny-random-llama3 has biases on every projection: the row-parallel outputs of the
+    ranks (each on its own input columns) sum to the whole projection, bias counted once."""
+    model = load_model(ModelConfig("tiny-random-llama3")).model
+    whole = model.model.layers[0]
+    shards = [shard_model(model, r, 2).model.layers[0] for r in range(2)]
+    head_dim = model.config.head_dim
+    assert [s.self_attn.q_proj.weight.shape[0] for s in shards] == [2 * head_dim] * 2
+    assert [s.self_attn.k_proj.weight.shape[0] for s in shards] == [head_dim] * 2
+    assert torch.equal(shards[1].self_attn.k_proj.weight, whole.self_attn.k_proj.weight[head_dim:])
+    assert torch.equal(shards[1].self_attn.v_proj.bias, whole.self_attn.v_proj.bias[head_dim:])
+    assert shards[0].self_attn.o_proj.bias is not None and shards[1].self_attn.o_proj.bias is None
+    x = torch.randn(3, model.config.num_attention_heads * head_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        parts = [s.self_attn.o_proj(x[:, r * 2 * head_dim:(r + 1) * 2 * head_dim])
+                 for r, s in enumerate(shards)]
+        torch.testing.assert_close(parts[0] + parts[1], whole.self_attn.o_proj(x))
+        inter = model.config.intermediate_size // 2
+        h = torch.randn(3, model.config.intermediate_size, generator=torch.Generator().manual_seed(1))
+        parts = [s.mlp.down_proj(h[:, r * inter:(r + 1) * inter]) for r, s in enumerate(shards)]
+        torch.testing.assert_close(parts[0] + parts[1], whole.mlp.down_proj(h))
+    assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == 4 * head_dim  # unchanged
+
+
+def test_a_shard_reads_its_own_heads_and_kv_geometry(tiny):
+    """TP 4 on 4 query heads and 2 KV heads: one query head per rank, each KV head on two
+    ranks (replicated), the KV spec of one head."""
+    shard = shard_loaded(tiny, 3, 4)
+    cfg = shard.model.config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (1, 1, 32)
+    assert shard.kv_spec.num_kv_heads == 1 and shard.kv_spec.model_fingerprint == tiny.kv_spec.model_fingerprint
+    k = shard.model.model.layers[0].self_attn.k_proj.weight
+    assert torch.equal(k, tiny.model.model.layers[0].self_attn.k_proj.weight[16:])  # KV head 1
+    assert tiny.model.config.num_attention_heads == 4  # the loaded model is not changed
+
+
+def test_a_tp_that_does_not_divide_the_heads_is_refused(tiny):
+    with pytest.raises(ValueError, match="TP 3 does not suit .*4 attention heads .* 2 KV heads"):
+        shard_model(tiny.model, 0, 3)
+
+
+def _run_instance(loaded, model_name: str, tp: int, prompts, max_tokens: int,
+                  kill_follower: bool = False, timeout_s: float = 60.0):
+    """Rank 0 here, ranks 1.. as spawned processes; returns (outputs, step outputs)."""
+    store, init_method = open_rendezvous()
+    ctx = mp.get_context("spawn")
+    followers = [ctx.Process(target=serve_rank, daemon=True,
+                             args=(ModelConfig(model_name), ENGINE, init_method, r, tp, "gloo",
+                                   timeout_s)) for r in range(1, tp)]
+    for p in followers:
+        p.start()
+    try:
+        group = connect(init_method, 0, tp, store=store, timeout_s=timeout_s)
+        engine = make_engine(loaded, ENGINE, group, quiet=True)
+        if kill_follower:
+            followers[0].kill()
+            followers[0].join(30)
+        for i, p in enumerate(prompts):
+            engine.add_request(Request(f"r{i}", tuple(p), SamplingParams(max_tokens=max_tokens)))
+        outputs, steps = {f"r{i}": [] for i in range(len(prompts))}, []
+        while engine.has_unfinished():
+            steps.append(engine.step())
+            for out in steps[-1]:
+                outputs[out.request_id].append(out.token_id)
+        if not kill_follower:
+            group.stop()
+            for p in followers:
+                p.join(60)
+            assert [p.exitcode for p in followers] == [0] * (tp - 1)
+        return outputs, steps
+    finally:
+        for p in followers:
+            if p.is_alive():
+                p.kill()
+                p.join(10)
+
+
+def test_tiny_model_at_tp2_is_greedy_equal_to_generate(tiny):
+    prompts = random_prompts([5, 40, 17, 70], seed=3)
+    outputs, _ = _run_instance(tiny, "tiny-random-llama", 2, prompts, 16)
+    assert outputs == {f"r{i}": reference_generate(tiny.model, p, 16) for i, p in enumerate(prompts)}
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(tiny):
+    prompts = random_prompts([6], seed=4)
+    outputs, steps = _run_instance(tiny, "tiny-random-llama", 2, prompts, 4,
+                                   kill_follower=True, timeout_s=20.0)
+    assert outputs == {"r0": []}
+    assert [f.request_id for f in steps[0].failed] == ["r0"]
+
+
+@pytest.mark.slow
+def test_smollm2_at_tp3_is_greedy_equal_to_generate(smollm2):
+    """9 attention heads and 3 KV heads: one KV head and three query heads per rank
+    (oversubscribed on fewer cores, which changes the time, not the tokens)."""
+    prompts = random_prompts([12, 37], vocab_size=smollm2.vocab_size, seed=5)
+    outputs, _ = _run_instance(smollm2, "smollm2-135m", 3, prompts, 12, timeout_s=300.0)
+    assert outputs == {f"r{i}": reference_generate(smollm2.model, p, 12) for i, p in enumerate(prompts)}
