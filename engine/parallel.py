@@ -25,7 +25,9 @@ KV export); before each forward it broadcasts what the runner reads of the batch
 Communication is a process group of the instance's ranks only (``TensorParallelGroup``),
 built directly on a rendezvous store, so it does not touch ``torch.distributed``'s default
 group (which the ``torchdist`` KV transport uses): gloo on CPU, NCCL on CUDA (by the
-devices, or named).
+devices, ``backend_for``, or named). Every collective has the group's deadline: a rank that
+dies makes the others' next collective fail (rank 0's engine fails that step's requests)
+instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
+from engine.device import bind_device
+from engine.engine import Engine
 from engine.kv_cache import KVStore
 from engine.kv_heads import kv_heads_of, query_heads_of
-from engine.model import LoadedModel
+from engine.model import LoadedModel, load_model
 from engine.placement import check_tp
 from engine.runner import ModelRunner
 
@@ -300,8 +304,6 @@ def make_engine(loaded: LoadedModel, config, group: TensorParallelGroup, **engin
 
     ``config.device`` is rank 0's device; ``config``'s KV budget is per rank.
     """
-    from engine.engine import Engine  # engine imports the runner; keep this module light
-
     shard = shard_loaded(loaded, 0, group.size)
     engine = Engine(shard, config, **engine_kwargs)
     if group.size > 1:
@@ -348,12 +350,18 @@ def connect(init_method: str, rank: int, size: int, backend: str = "gloo",
 
 
 def serve_rank(model_config, engine_config, init_method: str, rank: int, size: int,
-               backend: str = "gloo", timeout_s: float = 120.0) -> int:
-    """A process's whole life as rank ``rank`` > 0 of an instance (a spawn target): load the
-    model, join the group, ``follow`` until rank 0 stops. Returns the steps run."""
-    from engine.model import load_model
-
-    torch.set_num_threads(1) if engine_config.device == "cpu" else None
+               backend: str | None = None, timeout_s: float = 120.0,
+               device: str | None = None) -> int:
+    """A process's whole life as rank ``rank`` > 0 of an instance (a spawn target): bind to
+    ``device`` (``engine.device.bind_device``: a ``cpu:a-b`` core group pins the process and
+    its threads, ``cuda:i`` its GPU; None: ``engine_config.device``, one thread on CPU), load
+    the model, join the group (``backend`` None: ``backend_for`` the device), ``follow``
+    until rank 0 stops. Returns the steps run."""
+    if device is not None:
+        engine_config = replace(engine_config, device=bind_device(device))
+    elif engine_config.device == "cpu":
+        torch.set_num_threads(1)
     loaded = load_model(model_config, engine_config.device)
-    group = connect(init_method, rank, size, backend, timeout_s)
+    group = connect(init_method, rank, size, backend or backend_for(engine_config.device),
+                    timeout_s)
     return follow(loaded, engine_config, group)

@@ -66,7 +66,7 @@ def _run_instance(loaded, model_name: str, tp: int, prompts, max_tokens: int,
     store, init_method = open_rendezvous()
     ctx = mp.get_context("spawn")
     followers = [ctx.Process(target=serve_rank, daemon=True,
-                             args=(ModelConfig(model_name), ENGINE, init_method, r, tp, "gloo",
+                             args=(ModelConfig(model_name), ENGINE, init_method, r, tp, None,
                                    timeout_s)) for r in range(1, tp)]
     for p in followers:
         p.start()

@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "router", "planner",
             "server", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
-                     "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks")
+                     "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks",
+                     "engine.placement", "engine.kv_heads")
 HEAVY = ("torch", "transformers", "ray", "msgpack")
 MAX_LAZY_IMPORTS = 10
 
