@@ -5,14 +5,17 @@ greedy token for token as transformers' ``generate()``."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import threading
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import random_prompts, reference_generate
 from engine.config import EngineConfig, ModelConfig
-from engine.model import load_model
-from engine.parallel import connect, make_engine, serve_rank, shard_loaded, shard_model
+from engine.model import TINY_NAMES, load_model
+from engine.parallel import (TensorParallelGroup, connect, follow, make_engine, serve_rank,
+                             shard_loaded, shard_model)
 from engine.request import Request, SamplingParams
 from kv_transfer.torchdist import open_rendezvous
 
@@ -108,6 +111,43 @@ def test_a_dead_rank_fails_the_step_instead_of_hanging(tiny):
                                    kill_follower=True, timeout_s=20.0)
     assert outputs == {"r0": []}
     assert [f.request_id for f in steps[0].failed] == ["r0"]
+
+
+@pytest.mark.parametrize("name", TINY_NAMES)
+def test_every_tiny_family_at_tp2_and_tp4_is_greedy_equal_to_generate(name):
+    """Each family's features (biases, q/k norms, fused Phi-3 projections, sandwich norms,
+    soft-capping, MQA) under the shard layout, at TP 2 and at TP 4 (4 query heads: one per
+    rank; 2 KV heads, 1 for Gemma 3: replicated). The ranks are threads of this process here,
+    each with its own gloo group member, so eight families stay cheap; the process boundary
+    is the tests above."""
+    loaded = load_model(ModelConfig(name))
+    prompts = random_prompts([5, 17, 30], seed=6)  # Gemma 2's sliding window caps context at 48
+    expected = {f"r{i}": reference_generate(loaded.model, p, 10) for i, p in enumerate(prompts)}
+    for tp in (2, 4):
+        store, got, errors = dist.HashStore(), {}, []
+
+        def rank_main(rank: int) -> None:
+            group = TensorParallelGroup(store, rank, tp, timeout_s=30.0)
+            try:
+                if rank == 0:
+                    engine = make_engine(loaded, ENGINE, group, quiet=True)
+                    try:
+                        got.update(engine.generate([Request(f"r{i}", tuple(p), SamplingParams(
+                            max_tokens=10)) for i, p in enumerate(prompts)]))
+                    finally:
+                        group.stop()
+                else:
+                    follow(loaded, ENGINE, group)
+            except Exception as err:  # reported below, from the test's thread
+                errors.append(err)
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors and not any(t.is_alive() for t in threads), errors
+        assert got == expected, (name, tp)
 
 
 @pytest.mark.slow
