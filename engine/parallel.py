@@ -120,6 +120,20 @@ class TensorParallelGroup:
         else:
             self.pg.broadcast(tensor, 0).wait()
 
+    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """Every rank's ``tensor`` (same shape on all) into ``outputs`` (rank order)."""
+        if self.backend == "nccl":
+            moved = [o.to(self.device) for o in outputs]
+            self.pg.allgather([moved], [tensor.to(self.device)]).wait()
+            for o, m in zip(outputs, moved):
+                o.copy_(m.cpu())
+        else:
+            self.pg.allgather([outputs], [tensor]).wait()
+
+    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
+        """Rank 0's ``tensor`` into every rank's ``tensor`` (same shape and dtype), in place."""
+        self._broadcast(tensor)
+
     def stop(self) -> None:
         """Rank 0: end every other rank's ``follow`` loop."""
         self.broadcast_object(None)
@@ -289,33 +303,122 @@ class DriverRunner:
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup) -> None:
         self.runner, self.group = runner, group
 
+    in_step = False  # True while a forward runs (the other ranks are inside it too)
+
     def execute(self, batch, on_layer_done=None) -> torch.Tensor:
-        self.group.broadcast_object(StepRows.of(batch))
-        return self.runner.execute(batch, on_layer_done)
+        self.group.broadcast_object(("step", StepRows.of(batch)))
+        self.in_step = True
+        try:
+            return self.runner.execute(batch, on_layer_done)
+        finally:
+            self.in_step = False
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
 
 
+def _read_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int],
+                num_tokens: int, layers: slice) -> list[torch.Tensor]:
+    """Every rank's ``store.read`` of one request, gathered on every rank (rank order)."""
+    local = store.read(block_ids, num_tokens, layers)
+    parts = [torch.empty_like(local) for _ in range(group.size)]
+    group.all_gather(parts, local)
+    return parts
+
+
+def _write_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int],
+                 shape: tuple[int, ...], layer_start: int) -> None:
+    """Receive rank 0's whole ``[L', 2, H_kv, T, D]`` KV and write this rank's heads."""
+    kv = torch.empty(shape, dtype=store.spec.torch_dtype)
+    group.broadcast_tensor(kv)
+    heads = kv_heads_of(group.rank, group.size, shape[2])
+    store.write(block_ids, kv[:, :, heads.start:heads.stop].contiguous(), layer_start)
+
+
+class InstanceKVStore:
+    """Rank 0's view of a TP instance's KV: ``read`` and ``write`` take and give every KV
+    head (``[L', 2, H_kv, T, D]``, ``engine.kv_cache.KVStore``'s layouts), each rank
+    reading or writing its own heads (``engine.kv_heads.kv_heads_of``) of the same blocks;
+    anything else is rank 0's own store's (block count, block size).
+
+    Reads and writes are collectives on the instance's group, so they cannot run inside a
+    forward (the other ranks are in its all-reduces): ``make_engine`` refuses a layer
+    listener, and a read or write during a step raises ``RuntimeError`` rather than wait.
+    """
+
+    def __init__(self, local: KVStore, spec, group: TensorParallelGroup, driver: DriverRunner):
+        self.local, self.spec, self.group, self.driver = local, spec, group, driver
+
+    def _outside_step(self, what: str) -> None:
+        if self.driver.in_step:
+            raise RuntimeError(f"KV {what} of a TP {self.group.size} instance during a "
+                               "forward (layer-wise streaming) is not supported")
+
+    def read(self, block_ids: list[int], num_tokens: int, layers: slice = slice(None)) -> torch.Tensor:
+        """One request's KV, every head: ``[L', 2, H_kv, T, D]``, contiguous."""
+        self._outside_step("read")
+        block_ids = list(block_ids)
+        self.group.broadcast_object(("read", (block_ids, num_tokens, layers)))
+        parts = _read_local(self.local, self.group, block_ids, num_tokens, layers)
+        whole = parts[0].new_empty(parts[0].shape[:2] + (self.spec.num_kv_heads,) + parts[0].shape[3:])
+        for rank, part in enumerate(parts):  # a replicated head: every copy is the same
+            heads = kv_heads_of(rank, self.group.size, self.spec.num_kv_heads)
+            whole[:, :, heads.start:heads.stop] = part
+        return whole
+
+    def write(self, block_ids: list[int], kv: torch.Tensor, layer_start: int = 0) -> None:
+        """Place every head's ``kv`` ``[L', 2, H_kv, T, D]`` into a request's blocks, each rank
+        its own heads (``KVStore.write``'s checks and errors, on rank 0 first)."""
+        self._outside_step("write")
+        expected = self.spec.kv_shape(kv.shape[3], kv.shape[0])
+        if tuple(kv.shape) != expected or kv.dtype != self.spec.torch_dtype:
+            raise ValueError(f"KV tensor mismatch: expected shape {expected} dtype "
+                             f"{self.spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
+        block_ids = list(block_ids)
+        self.group.broadcast_object(("write", (block_ids, tuple(kv.shape), layer_start)))
+        kv = kv.contiguous()
+        self.group.broadcast_tensor(kv)
+        heads = kv_heads_of(0, self.group.size, self.spec.num_kv_heads)
+        self.local.write(block_ids, kv[:, :, heads.start:heads.stop].contiguous(), layer_start)
+
+    def __getattr__(self, name):
+        return getattr(self.local, name)
+
+
 def make_engine(loaded: LoadedModel, config, group: TensorParallelGroup, **engine_kwargs):
     """Rank 0 of an instance: an ``engine.engine.Engine`` over rank 0's shard whose runner
     drives the other ranks (``DriverRunner``); the KV cache's block count is sent to them
-    (each rank's store has it, of its own KV heads). Call ``group.stop()`` when done.
+    (each rank's store has it, of its own KV heads). The engine's ``kv_spec`` is the whole
+    model's and its ``kv_store`` the instance's (``InstanceKVStore``), so ``export_kv`` and
+    ``finish_remote`` move every head and a TP instance exchanges KV with an instance of any
+    other TP in today's wire format. Call ``group.stop()`` when done.
 
     ``config.device`` is rank 0's device; ``config``'s KV budget is per rank.
+
+    Raises:
+        ValueError: an ``on_layer_done`` listener at TP > 1 (its KV reads would run inside
+            the forward, where the other ranks wait in all-reduces; the other ranks are
+            released first).
     """
+    if group.size > 1 and engine_kwargs.get("on_layer_done") is not None:
+        group.broadcast_object(None)  # the other ranks' follow() returns
+        raise ValueError(f"layer-wise KV streaming from a TP {group.size} instance is not "
+                         "supported: use granularity 'request'")
     shard = shard_loaded(loaded, 0, group.size)
     engine = Engine(shard, config, **engine_kwargs)
+    group.broadcast_object(engine.kv_store.num_blocks)
     if group.size > 1:
         _wrap_row_parallel(engine.runner, group)
         engine.runner = DriverRunner(engine.runner, group)
-    group.broadcast_object(engine.kv_store.num_blocks)
+        engine.kv_store = InstanceKVStore(engine.kv_store, loaded.kv_spec, group, engine.runner)
+        engine.kv_spec = loaded.kv_spec  # the instance's KV: every head (transfers, checks)
     return engine
 
 
 def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
     """Rank ``group.rank`` > 0 of an instance: shard ``loaded``, build its KV store with rank
-    0's block count, then run every step rank 0 broadcasts until ``stop``. ``config.device``
+    0's block count, then run every command rank 0 broadcasts (a step; a KV read or write,
+    ``InstanceKVStore``) until ``stop``. ``config.device``
     is this rank's device. Returns the steps run.
 
     Raises:
@@ -323,12 +426,22 @@ def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
     """
     shard = shard_loaded(loaded, group.rank, group.size)
     num_blocks = group.broadcast_object()
+    if num_blocks is None:  # rank 0 refused the instance (make_engine)
+        return 0
     store = KVStore(shard.kv_spec, num_blocks, config.block_size, config.device)
     runner = parallel_runner(shard, store, config.device, group)
     steps = 0
-    while (rows := group.broadcast_object()) is not None:
-        runner.execute(rows)
-        steps += 1
+    while (message := group.broadcast_object()) is not None:
+        op, args = message
+        if op == "step":
+            runner.execute(args)
+            steps += 1
+        elif op == "read":
+            _read_local(store, group, *args)
+        elif op == "write":
+            _write_local(store, group, *args)
+        else:
+            raise ValueError(f"unknown instance command {op!r}")
     return steps
 
 

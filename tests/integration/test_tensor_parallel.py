@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from conftest import random_prompts, reference_generate
 from engine.config import EngineConfig, ModelConfig
+from engine.engine import Engine
 from engine.model import TINY_NAMES, load_model
 from engine.parallel import (TensorParallelGroup, connect, follow, make_engine, serve_rank,
                              shard_loaded, shard_model)
@@ -148,6 +149,87 @@ def test_every_tiny_family_at_tp2_and_tp4_is_greedy_equal_to_generate(name):
             t.join(120)
         assert not errors and not any(t.is_alive() for t in threads), errors
         assert got == expected, (name, tp)
+
+
+def _threaded_instances(loaded, sizes: tuple[int, ...], body) -> None:
+    """Instances of TP ``sizes``, each rank > 0 a thread running ``follow``; ``body(engines)``
+    runs rank 0 of every instance here, then every group stops."""
+    stores = [dist.HashStore() for _ in sizes]
+    errors: list[BaseException] = []
+
+    def follower(store, rank: int, size: int) -> None:
+        try:
+            follow(loaded, ENGINE, TensorParallelGroup(store, rank, size, timeout_s=30.0))
+        except Exception as err:  # reported below, from the test's thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=follower, args=(store, rank, size))
+               for store, size in zip(stores, sizes) for rank in range(1, size)]
+    for t in threads:
+        t.start()
+    groups = [TensorParallelGroup(store, 0, size, timeout_s=30.0) for store, size in zip(stores, sizes)]
+    try:
+        body([make_engine(loaded, ENGINE, g, quiet=True) for g in groups])
+    finally:
+        for g in groups:
+            g.stop()
+        for t in threads:
+            t.join(60)
+    assert not errors and not any(t.is_alive() for t in threads), errors
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2), (4, 2), (2, 4), (4, 1)])
+def test_kv_moves_between_instances_of_different_tp(tiny, prefill_tp, decode_tp):
+    """A prefill instance at one TP hands each request's KV (every head, the wire format) to a
+    decode instance at another, which decodes greedy-equal to generate(); the KV it exports
+    equals a TP 1 engine's for the same prompt."""
+    prompts = random_prompts([9, 33, 20], seed=7)
+    expected = {f"r{i}": reference_generate(tiny.model, p, 8) for i, p in enumerate(prompts)}
+    requests = [Request(f"r{i}", tuple(p), SamplingParams(max_tokens=8)) for i, p in enumerate(prompts)]
+    single = Engine(tiny, ENGINE, quiet=True)
+    for r in requests:
+        single.add_request(r, prefill_only=True)
+    while single.has_unfinished():
+        single.step()
+    reference_kv = {r.request_id: single.export_kv(r.request_id)[0] for r in requests}
+    outputs = {}
+
+    def body(engines) -> None:
+        prefill, decode = engines
+        for r in requests:
+            prefill.add_request(r, prefill_only=True)
+        fetched = {}
+        while prefill.has_unfinished():
+            for out in prefill.step():
+                kv, first = prefill.export_kv(out.request_id)
+                assert kv.shape == tiny.kv_spec.kv_shape(len(prompts[int(out.request_id[1:])]))
+                torch.testing.assert_close(kv, reference_kv[out.request_id], rtol=1e-5, atol=1e-5)
+                decode.add_remote(requests[int(out.request_id[1:])], first)
+                fetched[out.request_id], outputs[out.request_id] = kv, [first]
+        while decode.has_unfinished():
+            step = decode.step()
+            for out in step:
+                outputs[out.request_id].append(out.token_id)
+            for rid in step.kv_reserved:
+                decode.finish_remote(rid, fetched.pop(rid))
+        assert prefill.is_empty() and decode.is_empty()
+
+    _threaded_instances(tiny, (prefill_tp, decode_tp), body)
+    assert outputs == expected
+
+
+def test_a_layer_listener_on_a_tp_instance_is_refused_and_releases_the_other_ranks(tiny):
+    """Layer-wise reads would run inside the forward, where the other ranks wait in their
+    all-reduces: refused at construction, and the follower returns instead of waiting."""
+    store, steps = dist.HashStore(), []
+    follower = threading.Thread(target=lambda: steps.append(
+        follow(tiny, ENGINE, TensorParallelGroup(store, 1, 2, timeout_s=30.0))))
+    follower.start()
+    group = TensorParallelGroup(store, 0, 2, timeout_s=30.0)
+    with pytest.raises(ValueError, match="layer-wise KV streaming from a TP 2 instance"):
+        make_engine(tiny, ENGINE, group, quiet=True, on_layer_done=lambda layer, batch: None)
+    follower.join(30)
+    assert steps == [0] and not follower.is_alive()
 
 
 @pytest.mark.slow
