@@ -478,3 +478,68 @@ def serve_rank(model_config, engine_config, init_method: str, rank: int, size: i
     group = connect(init_method, rank, size, backend or backend_for(engine_config.device),
                     timeout_s)
     return follow(loaded, engine_config, group)
+
+
+@dataclass
+class RunningInstance:
+    """A TP instance started by ``start_instance``: rank 0's ``engine`` in this process, the
+    other ranks' processes, and the rendezvous that keeps their group."""
+
+    engine: Engine
+    group: TensorParallelGroup
+    processes: list
+    rendezvous: object
+
+    def close(self, timeout_s: float = 60.0) -> list[int | None]:
+        """Stop the other ranks and wait for them; a rank still running after ``timeout_s``
+        is killed. Returns their exit codes (0: a clean stop)."""
+        try:
+            if self.group.size > 1:
+                self.group.stop()
+        except RuntimeError:  # a rank already died: the others are killed below
+            pass
+        for p in self.processes:
+            p.join(timeout_s)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout_s)
+        return [p.exitcode for p in self.processes]
+
+
+def start_instance(loaded: LoadedModel, model_config, engine_config, tp: int,
+                   devices: tuple[str, ...] | None = None, timeout_s: float = 120.0,
+                   **engine_kwargs) -> RunningInstance:
+    """Start a TP-``tp`` instance: ranks 1.. as spawned processes (``serve_rank``, each bound
+    to ``devices[r]`` when given), rank 0 here (this process already bound to
+    ``devices[0]``; ``engine_config.device`` its torch device), over a rendezvous this
+    process hosts on 127.0.0.1 (the ranks of one instance share a node).
+
+    Raises:
+        ValueError: ``devices`` not ``tp`` long, or ``make_engine``'s refusals (the other
+            ranks are stopped first).
+    """
+    if devices is not None and len(devices) != tp:
+        raise ValueError(f"a TP {tp} instance needs {tp} devices, got {len(devices)}: {devices}")
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    init_method = f"store://127.0.0.1:{store.port}"
+    backend = backend_for(engine_config.device)
+    ctx = torch.multiprocessing.get_context("spawn")
+    processes = [ctx.Process(target=serve_rank, daemon=True, name=f"tp-rank-{r}",
+                             args=(model_config, engine_config, init_method, r, tp, backend,
+                                   timeout_s, None if devices is None else devices[r]))
+                 for r in range(1, tp)]
+    for p in processes:
+        p.start()
+    group = None
+    try:
+        group = connect(init_method, 0, tp, backend, timeout_s, store=store)
+        engine = make_engine(loaded, engine_config, group, **engine_kwargs)
+    except BaseException:
+        for p in processes:
+            p.join(timeout_s if group is not None else 0)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout_s)
+        raise
+    return RunningInstance(engine, group, processes, store)

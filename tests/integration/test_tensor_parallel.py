@@ -4,7 +4,6 @@ greedy token for token as transformers' ``generate()``."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import threading
 
 import pytest
@@ -15,10 +14,9 @@ from conftest import random_prompts, reference_generate
 from engine.config import EngineConfig, ModelConfig
 from engine.engine import Engine
 from engine.model import TINY_NAMES, load_model
-from engine.parallel import (TensorParallelGroup, connect, follow, make_engine, serve_rank,
-                             shard_loaded, shard_model)
+from engine.parallel import (TensorParallelGroup, follow, make_engine, shard_loaded, shard_model,
+                             start_instance)
 from engine.request import Request, SamplingParams
-from kv_transfer.torchdist import open_rendezvous
 
 ENGINE = EngineConfig(kv_cache_memory_gb=0.02, max_num_seqs=8, max_num_batched_tokens=32)  # chunked prompts
 
@@ -66,20 +64,15 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused(tiny):
 
 def _run_instance(loaded, model_name: str, tp: int, prompts, max_tokens: int,
                   kill_follower: bool = False, timeout_s: float = 60.0):
-    """Rank 0 here, ranks 1.. as spawned processes; returns (outputs, step outputs)."""
-    store, init_method = open_rendezvous()
-    ctx = mp.get_context("spawn")
-    followers = [ctx.Process(target=serve_rank, daemon=True,
-                             args=(ModelConfig(model_name), ENGINE, init_method, r, tp, None,
-                                   timeout_s)) for r in range(1, tp)]
-    for p in followers:
-        p.start()
+    """Rank 0 here, ranks 1.. as spawned processes (``start_instance``); returns (outputs,
+    step outputs)."""
+    instance = start_instance(loaded, ModelConfig(model_name), ENGINE, tp, timeout_s=timeout_s,
+                              quiet=True)
+    engine = instance.engine
     try:
-        group = connect(init_method, 0, tp, store=store, timeout_s=timeout_s)
-        engine = make_engine(loaded, ENGINE, group, quiet=True)
         if kill_follower:
-            followers[0].kill()
-            followers[0].join(30)
+            instance.processes[0].kill()
+            instance.processes[0].join(30)
         for i, p in enumerate(prompts):
             engine.add_request(Request(f"r{i}", tuple(p), SamplingParams(max_tokens=max_tokens)))
         outputs, steps = {f"r{i}": [] for i in range(len(prompts))}, []
@@ -87,17 +80,11 @@ def _run_instance(loaded, model_name: str, tp: int, prompts, max_tokens: int,
             steps.append(engine.step())
             for out in steps[-1]:
                 outputs[out.request_id].append(out.token_id)
-        if not kill_follower:
-            group.stop()
-            for p in followers:
-                p.join(60)
-            assert [p.exitcode for p in followers] == [0] * (tp - 1)
-        return outputs, steps
     finally:
-        for p in followers:
-            if p.is_alive():
-                p.kill()
-                p.join(10)
+        codes = instance.close()
+    if not kill_follower:
+        assert codes == [0] * (tp - 1)
+    return outputs, steps
 
 
 def test_tiny_model_at_tp2_is_greedy_equal_to_generate(tiny):
