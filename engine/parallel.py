@@ -298,20 +298,42 @@ class StepRows:
 class DriverRunner:
     """Rank 0's runner: broadcasts each step's ``StepRows`` to the other ranks, then runs
     its own shard (the engine calls it as its ``ModelRunner``; every other attribute is the
-    wrapped runner's)."""
+    wrapped runner's).
+
+    With a layer listener (layer-wise KV streaming), every rank stops after each layer in a
+    window where rank 0's listener may read or write KV (``InstanceKVStore``: collectives,
+    which the other ranks serve until rank 0 closes the window). An exception of the
+    listener is held until the forward ends, so every rank runs the same collectives; then
+    it is raised (the engine fails the step's requests)."""
 
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup) -> None:
         self.runner, self.group = runner, group
 
-    in_step = False  # True while a forward runs (the other ranks are inside it too)
+    in_step = False  # True while a forward runs outside a between-layers window
 
     def execute(self, batch, on_layer_done=None) -> torch.Tensor:
-        self.group.broadcast_object(("step", StepRows.of(batch)))
+        self.group.broadcast_object(("step", (StepRows.of(batch), on_layer_done is not None)))
+        held: list[BaseException] = []
+
+        def between_layers(layer: int) -> None:
+            self.in_step = False
+            try:
+                if not held:
+                    on_layer_done(layer)
+            except Exception as err:  # held: the other ranks still run this forward
+                held.append(err)
+            finally:
+                self.group.broadcast_object(("layer_done", layer))
+                self.in_step = True
+
         self.in_step = True
         try:
-            return self.runner.execute(batch, on_layer_done)
+            logits = self.runner.execute(batch, on_layer_done and between_layers)
         finally:
             self.in_step = False
+        if held:
+            raise held[0]
+        return logits
 
     def __getattr__(self, name):
         return getattr(self.runner, name)
@@ -341,9 +363,10 @@ class InstanceKVStore:
     reading or writing its own heads (``engine.kv_heads.kv_heads_of``) of the same blocks;
     anything else is rank 0's own store's (block count, block size).
 
-    Reads and writes are collectives on the instance's group, so they cannot run inside a
-    forward (the other ranks are in its all-reduces): ``make_engine`` refuses a layer
-    listener, and a read or write during a step raises ``RuntimeError`` rather than wait.
+    Reads and writes are collectives on the instance's group: between steps, or inside a
+    forward only in the window after a layer (``DriverRunner``, layer-wise streaming);
+    anywhere else in a forward the other ranks are in its all-reduces, and a read or write
+    raises ``RuntimeError`` rather than wait.
     """
 
     def __init__(self, local: KVStore, spec, group: TensorParallelGroup, driver: DriverRunner):
@@ -351,8 +374,8 @@ class InstanceKVStore:
 
     def _outside_step(self, what: str) -> None:
         if self.driver.in_step:
-            raise RuntimeError(f"KV {what} of a TP {self.group.size} instance during a "
-                               "forward (layer-wise streaming) is not supported")
+            raise RuntimeError(f"KV {what} of a TP {self.group.size} instance inside a "
+                               "forward, outside the window after a layer")
 
     def read(self, block_ids: list[int], num_tokens: int, layers: slice = slice(None)) -> torch.Tensor:
         """One request's KV, every head: ``[L', 2, H_kv, T, D]``, contiguous."""
@@ -395,15 +418,9 @@ def make_engine(loaded: LoadedModel, config, group: TensorParallelGroup, **engin
 
     ``config.device`` is rank 0's device; ``config``'s KV budget is per rank.
 
-    Raises:
-        ValueError: an ``on_layer_done`` listener at TP > 1 (its KV reads would run inside
-            the forward, where the other ranks wait in all-reduces; the other ranks are
-            released first).
+    An ``on_layer_done`` listener (layer-wise streaming) may read the KV of the layers done
+    (``Engine.read_kv_layers``): ``DriverRunner`` opens a window after each layer.
     """
-    if group.size > 1 and engine_kwargs.get("on_layer_done") is not None:
-        group.broadcast_object(None)  # the other ranks' follow() returns
-        raise ValueError(f"layer-wise KV streaming from a TP {group.size} instance is not "
-                         "supported: use granularity 'request'")
     shard = shard_loaded(loaded, 0, group.size)
     engine = Engine(shard, config, **engine_kwargs)
     group.broadcast_object(engine.kv_store.num_blocks)
@@ -413,6 +430,21 @@ def make_engine(loaded: LoadedModel, config, group: TensorParallelGroup, **engin
         engine.kv_store = InstanceKVStore(engine.kv_store, loaded.kv_spec, group, engine.runner)
         engine.kv_spec = loaded.kv_spec  # the instance's KV: every head (transfers, checks)
     return engine
+
+
+def _serve_window(store: KVStore, group: TensorParallelGroup) -> None:
+    """After a layer of a step with a layer listener: serve rank 0's KV reads and writes
+    until it closes the window (``DriverRunner``)."""
+    while True:
+        op, args = group.broadcast_object()
+        if op == "layer_done":
+            return
+        if op == "read":
+            _read_local(store, group, *args)
+        elif op == "write":
+            _write_local(store, group, *args)
+        else:
+            raise ValueError(f"instance command {op!r} inside a forward")
 
 
 def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
@@ -426,15 +458,14 @@ def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
     """
     shard = shard_loaded(loaded, group.rank, group.size)
     num_blocks = group.broadcast_object()
-    if num_blocks is None:  # rank 0 refused the instance (make_engine)
-        return 0
     store = KVStore(shard.kv_spec, num_blocks, config.block_size, config.device)
     runner = parallel_runner(shard, store, config.device, group)
     steps = 0
     while (message := group.broadcast_object()) is not None:
         op, args = message
         if op == "step":
-            runner.execute(args)
+            rows, windows = args
+            runner.execute(rows, (lambda layer: _serve_window(store, group)) if windows else None)
             steps += 1
         elif op == "read":
             _read_local(store, group, *args)

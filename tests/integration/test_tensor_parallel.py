@@ -138,9 +138,10 @@ def test_every_tiny_family_at_tp2_and_tp4_is_greedy_equal_to_generate(name):
         assert got == expected, (name, tp)
 
 
-def _threaded_instances(loaded, sizes: tuple[int, ...], body) -> None:
+def _threaded_instances(loaded, sizes: tuple[int, ...], body, **engine_kwargs) -> None:
     """Instances of TP ``sizes``, each rank > 0 a thread running ``follow``; ``body(engines)``
-    runs rank 0 of every instance here, then every group stops."""
+    runs rank 0 of every instance here (``make_engine`` with ``engine_kwargs``), then every
+    group stops."""
     stores = [dist.HashStore() for _ in sizes]
     errors: list[BaseException] = []
 
@@ -156,7 +157,7 @@ def _threaded_instances(loaded, sizes: tuple[int, ...], body) -> None:
         t.start()
     groups = [TensorParallelGroup(store, 0, size, timeout_s=30.0) for store, size in zip(stores, sizes)]
     try:
-        body([make_engine(loaded, ENGINE, g, quiet=True) for g in groups])
+        body([make_engine(loaded, ENGINE, g, quiet=True, **engine_kwargs) for g in groups])
     finally:
         for g in groups:
             g.stop()
@@ -205,18 +206,51 @@ def test_kv_moves_between_instances_of_different_tp(tiny, prefill_tp, decode_tp)
     assert outputs == expected
 
 
-def test_a_layer_listener_on_a_tp_instance_is_refused_and_releases_the_other_ranks(tiny):
-    """Layer-wise reads would run inside the forward, where the other ranks wait in their
-    all-reduces: refused at construction, and the follower returns instead of waiting."""
-    store, steps = dist.HashStore(), []
-    follower = threading.Thread(target=lambda: steps.append(
-        follow(tiny, ENGINE, TensorParallelGroup(store, 1, 2, timeout_s=30.0))))
-    follower.start()
-    group = TensorParallelGroup(store, 0, 2, timeout_s=30.0)
-    with pytest.raises(ValueError, match="layer-wise KV streaming from a TP 2 instance"):
-        make_engine(tiny, ENGINE, group, quiet=True, on_layer_done=lambda layer, batch: None)
-    follower.join(30)
-    assert steps == [0] and not follower.is_alive()
+@pytest.mark.parametrize("tp", [2, 4])
+def test_layer_wise_reads_from_a_tp_instance_give_every_head(tiny, tp):
+    """A layer listener reads each finished layer of the prompts completing in the step (as
+    the prefill worker streams them): the layers, put together, equal a TP 1 engine's
+    exported KV; a listener that raises fails that step's requests and the instance serves
+    on (every rank ran the whole forward)."""
+    prompts = random_prompts([9, 33], seed=8)
+    requests = [Request(f"r{i}", tuple(p), SamplingParams(max_tokens=4)) for i, p in enumerate(prompts)]
+    single = Engine(tiny, ENGINE, quiet=True)
+    for r in requests:
+        single.add_request(r, prefill_only=True)
+    while single.has_unfinished():
+        single.step()
+    reference_kv = {r.request_id: single.export_kv(r.request_id)[0] for r in requests}
+    streamed: dict[str, list[torch.Tensor]] = {}
+    mode = {"engine": None, "listen": True, "fail": False}
+
+    def listener(layer, batch) -> None:
+        if mode["fail"]:
+            raise OSError("transport down")
+        for i, state in enumerate(batch.requests):
+            if mode["listen"] and batch.completes(i):
+                streamed.setdefault(state.request_id, []).append(
+                    mode["engine"].read_kv_layers(state.request_id, slice(layer, layer + 1)))
+
+    def body(engines) -> None:
+        engine = mode["engine"] = engines[0]
+        for r in requests:
+            engine.add_request(r, prefill_only=True)
+        while engine.has_unfinished():
+            for out in engine.step():
+                engine.finish_prefilled(out.request_id)
+        mode["fail"] = True
+        engine.add_request(Request("x", (5, 6, 7), SamplingParams(max_tokens=2)), prefill_only=True)
+        step = engine.step()
+        assert [f.request_id for f in step.failed] == ["x"] and "transport down" in step.failed[0].error
+        mode["fail"], mode["listen"] = False, False
+        assert engine.generate([Request("y", (5, 6, 7), SamplingParams(max_tokens=3))])["y"] == \
+            reference_generate(tiny.model, [5, 6, 7], 3)
+
+    _threaded_instances(tiny, (tp,), body, on_layer_done=listener)
+    assert sorted(streamed) == ["r0", "r1"]
+    for rid, layers in streamed.items():
+        assert len(layers) == tiny.kv_spec.num_layers
+        torch.testing.assert_close(torch.cat(layers), reference_kv[rid], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
