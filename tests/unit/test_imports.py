@@ -41,7 +41,7 @@ PACKAGES = ("engine", "kv_transfer", "prefill_worker", "decode_worker", "router"
             "server", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
                      "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks",
-                     "engine.placement", "engine.kv_heads")
+                     "engine.placement", "engine.kv_heads", "engine.memory_fit")
 HEAVY = ("torch", "transformers", "ray", "msgpack")
 MAX_LAZY_IMPORTS = 10
 
