@@ -34,7 +34,10 @@ from __future__ import annotations
 
 import copy
 import datetime
+import os
 import pickle
+import sys
+import traceback
 from dataclasses import dataclass, replace
 
 import torch
@@ -137,6 +140,14 @@ class TensorParallelGroup:
     def stop(self) -> None:
         """Rank 0: end every other rank's ``follow`` loop."""
         self.broadcast_object(None)
+
+    def close(self) -> None:
+        """Shut the group's backend down (its threads joined) before the process exits: a
+        gloo group left to the interpreter's exit can abort the process (SIGABRT)."""
+        try:
+            self.pg.shutdown()
+        except RuntimeError:  # a peer already gone: nothing left to shut cleanly
+            pass
 
 
 # ---- sharding ---------------------------------------------------------------------------
@@ -508,7 +519,28 @@ def serve_rank(model_config, engine_config, init_method: str, rank: int, size: i
     loaded = load_model(model_config, engine_config.device)
     group = connect(init_method, rank, size, backend or backend_for(engine_config.device),
                     timeout_s)
-    return follow(loaded, engine_config, group)
+    try:
+        return follow(loaded, engine_config, group)
+    finally:
+        group.close()
+
+
+def _rank_process(*args) -> None:
+    """``start_instance``'s spawn target: ``serve_rank(*args)``, then leave the process
+    without the interpreter's teardown (exit 0, or 1 after printing the error). Once all
+    work is done, a C++ destructor at a gloo rank's exit sometimes aborts the process
+    ("terminate called without an active exception", SIGABRT) after several steps, which
+    would read as a failed rank."""
+    code = 0
+    try:
+        serve_rank(*args)
+    except BaseException:  # printed here: os._exit skips the default report
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 @dataclass
@@ -534,6 +566,7 @@ class RunningInstance:
             if p.is_alive():
                 p.kill()
                 p.join(timeout_s)
+        self.group.close()
         return [p.exitcode for p in self.processes]
 
 
@@ -556,7 +589,7 @@ def start_instance(loaded: LoadedModel, model_config, engine_config, tp: int,
     init_method = f"store://127.0.0.1:{store.port}"
     backend = backend_for(engine_config.device)
     ctx = torch.multiprocessing.get_context("spawn")
-    processes = [ctx.Process(target=serve_rank, daemon=True, name=f"tp-rank-{r}",
+    processes = [ctx.Process(target=_rank_process, daemon=True, name=f"tp-rank-{r}",
                              args=(model_config, engine_config, init_method, r, tp, backend,
                                    timeout_s, None if devices is None else devices[r]))
                  for r in range(1, tp)]
