@@ -37,12 +37,14 @@ import datetime
 import os
 import pickle
 import sys
+import time
 import traceback
 from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from engine.config import cpu_cores_of
 from engine.device import bind_device
 from engine.engine import Engine
 from engine.kv_cache import KVStore
@@ -496,12 +498,45 @@ def connect(init_method: str, rank: int, size: int, backend: str = "gloo",
         ValueError: ``init_method`` is not ``store://host:port``.
     """
     if store is None:
-        host, sep, port = init_method.removeprefix("store://").rpartition(":")
-        if not init_method.startswith("store://") or not sep or not port.isdigit():
-            raise ValueError(f"init_method must be store://host:port, got {init_method!r}")
-        store = dist.TCPStore(host, int(port), is_master=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
+        store = _store_client(init_method, timeout_s)
     return TensorParallelGroup(store, rank, size, backend, timeout_s)
+
+
+def _store_client(init_method: str, timeout_s: float):
+    """A client of the rendezvous at ``store://host:port``.
+
+    Raises:
+        ValueError: ``init_method`` is not ``store://host:port``.
+    """
+    host, sep, port = init_method.removeprefix("store://").rpartition(":")
+    if not init_method.startswith("store://") or not sep or not port.isdigit():
+        raise ValueError(f"init_method must be store://host:port, got {init_method!r}")
+    return dist.TCPStore(host, int(port), is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def _await_ranks(store, processes: list, timeout_s: float) -> None:
+    """Wait until every spawned rank says ``ready`` (``serve_rank``).
+
+    Raises:
+        RuntimeError: a rank said ``failed`` (its error quoted), exited, or neither within
+            ``timeout_s``; naming the rank.
+    """
+    waiting = dict(enumerate(processes, start=1))
+    deadline_s = time.monotonic() + timeout_s
+    while waiting:
+        for rank, process in list(waiting.items()):
+            if store.check([f"failed/{rank}"]):
+                raise RuntimeError(f"rank {rank} failed to start: "
+                                   f"{store.get(f'failed/{rank}').decode()}")
+            if store.check([f"ready/{rank}"]):
+                del waiting[rank]
+            elif not process.is_alive():
+                raise RuntimeError(f"rank {rank} exited while starting (exit code "
+                                   f"{process.exitcode})")
+        if waiting and time.monotonic() > deadline_s:
+            raise RuntimeError(f"ranks {sorted(waiting)} did not start within {timeout_s:g} s")
+        time.sleep(0.02)
 
 
 def serve_rank(model_config, engine_config, init_method: str, rank: int, size: int,
@@ -511,14 +546,29 @@ def serve_rank(model_config, engine_config, init_method: str, rank: int, size: i
     ``device`` (``engine.device.bind_device``: a ``cpu:a-b`` core group pins the process and
     its threads, ``cuda:i`` its GPU; None: ``engine_config.device``, one thread on CPU), load
     the model, join the group (``backend`` None: ``backend_for`` the device), ``follow``
-    until rank 0 stops. Returns the steps run."""
-    if device is not None:
-        engine_config = replace(engine_config, device=bind_device(device))
-    elif engine_config.device == "cpu":
-        torch.set_num_threads(1)
-    loaded = load_model(model_config, engine_config.device)
+    until rank 0 stops. Returns the steps run.
+
+    A spawned rank inherits rank 0's CPU pinning, so a ``cpu:`` device first takes its own
+    cores. Before joining the group it tells the rendezvous ``ready/<rank>``, or
+    ``failed/<rank>`` with the error (``start_instance`` waits for one of them)."""
+    store = _store_client(init_method, timeout_s)
+    try:
+        if device is not None:
+            if device.startswith("cpu:"):
+                try:
+                    os.sched_setaffinity(0, cpu_cores_of(device))
+                except OSError:  # cores this machine lacks: bind_device names them
+                    pass
+            engine_config = replace(engine_config, device=bind_device(device))
+        elif engine_config.device == "cpu":
+            torch.set_num_threads(1)
+        loaded = load_model(model_config, engine_config.device)
+    except Exception as err:
+        store.set(f"failed/{rank}", f"{type(err).__name__}: {err}")
+        raise
+    store.set(f"ready/{rank}", "1")
     group = connect(init_method, rank, size, backend or backend_for(engine_config.device),
-                    timeout_s)
+                    timeout_s, store=store)
     try:
         return follow(loaded, engine_config, group)
     finally:
@@ -581,6 +631,8 @@ def start_instance(loaded: LoadedModel, model_config, engine_config, tp: int,
     Raises:
         ValueError: ``devices`` not ``tp`` long, or ``make_engine``'s refusals (the other
             ranks are stopped first).
+        RuntimeError: a rank failed to start (its error quoted: e.g. a device it cannot
+            bind, a model it cannot load), exited, or did not start within ``timeout_s``.
     """
     if devices is not None and len(devices) != tp:
         raise ValueError(f"a TP {tp} instance needs {tp} devices, got {len(devices)}: {devices}")
@@ -597,6 +649,7 @@ def start_instance(loaded: LoadedModel, model_config, engine_config, tp: int,
         p.start()
     group = None
     try:
+        _await_ranks(store, processes, timeout_s)
         group = connect(init_method, 0, tp, backend, timeout_s, store=store)
         engine = make_engine(loaded, engine_config, group, **engine_kwargs)
     except BaseException:

@@ -260,3 +260,11 @@ def test_smollm2_at_tp3_is_greedy_equal_to_generate(smollm2):
     prompts = random_prompts([12, 37], vocab_size=smollm2.vocab_size, seed=5)
     outputs, _ = _run_instance(smollm2, "smollm2-135m", 3, prompts, 12, timeout_s=300.0)
     assert outputs == {f"r{i}": reference_generate(smollm2.model, p, 12) for i, p in enumerate(prompts)}
+
+
+def test_a_rank_that_cannot_start_is_named_at_once(tiny):
+    """A rank whose device does not exist fails the start in one line naming it, without
+    waiting out the group's deadline."""
+    with pytest.raises(RuntimeError, match="rank 1 failed to start: ValueError: device cpu:999"):
+        start_instance(tiny, ModelConfig("tiny-random-llama"), ENGINE, 2,
+                       devices=("cpu:0", "cpu:999"), timeout_s=300.0, quiet=True)
