@@ -18,6 +18,8 @@ import os
 import re
 from dataclasses import dataclass, field
 
+from engine.placement import NOCHUNK, Placement  # noqa: F401  (NOCHUNK: importable here too)
+
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("inprocess", "ray", "torchdist", "shm", "nixl")
 GRANULARITIES = ("request", "layer")
@@ -289,13 +291,11 @@ class TransferConfig:
 
 
 ADDRESS_PATTERN = r"auto|local|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5}"
-_PLACEMENT_RE = re.compile(r"colocated(?:-nochunk)?:(\d+)|(disagg|conditional):(\d+)p(\d+)d")
-NOCHUNK = "colocated-nochunk"
-
-
 def parse_placement(placement: str) -> tuple[str, int, int]:
-    """Parse ``colocated:N``, ``colocated-nochunk:N``, ``disagg:xPyD`` or
-    ``conditional:xPyD`` (case-insensitive).
+    """The kind and instance counts of a one-device-per-instance placement (``engine.
+    placement``, where the spelling is parsed and documented). Its callers start one worker
+    per instance on one device, so a placement with parallel sizes (``+tp2``) is refused
+    here rather than run at TP 1; code that runs TP instances reads ``Placement``.
 
     ``colocated-nochunk:N`` is ``colocated:N`` with chunked prefill off (see
     ``placement_engine_overrides``), so one comparison can hold both colocated baselines.
@@ -306,20 +306,13 @@ def parse_placement(placement: str) -> tuple[str, int, int]:
         ``("colocated", N, 0)``, ``("disagg", x, y)`` or ``("conditional", x, y)``.
 
     Raises:
-        ValueError: anything else, or a zero count.
+        ValueError: anything else, a zero count, or an instance over several devices.
     """
-    m = _PLACEMENT_RE.fullmatch(placement.strip().lower())
-    if m is None:
-        raise ValueError(
-            "placement must be 'colocated:N', 'colocated-nochunk:N', 'disagg:xPyD' or "
-            f"'conditional:xPyD' (e.g. disagg:1p1d), got {placement!r}")
-    if m.group(1) is not None:
-        n = int(m.group(1))
-        _check(n >= 1, f"colocated:N needs N >= 1, got {placement!r}")
-        return "colocated", n, 0
-    kind, x, y = m.group(2), int(m.group(3)), int(m.group(4))
-    _check(x >= 1 and y >= 1, f"{kind}:xPyD needs x, y >= 1, got {placement!r}")
-    return kind, x, y
+    p = Placement.parse(placement)
+    _check(not p.is_parallel, f"placement {placement.strip()!r} spans several devices per "
+                              "instance (TP/PP), which this command does not deploy yet: "
+                              "drop the '+tp'/'+pp' sizes")
+    return (p.kind, *p.counts)
 
 
 @dataclass(frozen=True)
@@ -360,7 +353,7 @@ def placement_engine_overrides(placement: str, engine: EngineConfig) -> EngineCo
     """The engine config a placement runs with. ``colocated-nochunk:N`` turns chunked prefill
     off and, as vLLM requires without chunking, raises the token budget to ``max_model_len``
     so any admissible prompt runs whole in one step."""
-    if not placement.strip().lower().startswith(NOCHUNK):
+    if Placement.parse(placement).chunked:
         return engine
     budget = max(engine.max_num_batched_tokens, engine.max_model_len)
     return dataclasses.replace(engine, enable_chunked_prefill=False, max_num_batched_tokens=budget)
@@ -442,7 +435,8 @@ class PlacementConfig:
     """Where prefill and decode run.
 
     Attributes:
-        placement: ``colocated:N``, ``disagg:xPyD`` or ``conditional:xPyD``.
+        placement: ``colocated:N``, ``disagg:xPyD`` or ``conditional:xPyD``, with optional
+            parallel sizes (``engine.placement``, e.g. ``disagg:1p1d+ptp2``).
         devices: comma-separated device set; None = all GPUs, else one device per CPU core.
         address: an existing Ray cluster to join; None starts a local one.
     """
@@ -453,18 +447,23 @@ class PlacementConfig:
         "pattern": ADDRESS_PATTERN, "hint": "'auto', 'local', 'host:port' or 'ray://host:port'"})
 
     def __post_init__(self) -> None:
-        parse_placement(self.placement)
+        Placement.parse(self.placement)
         parse_devices(self.devices) if self.devices else None
         check_fields(self)
 
     @property
+    def parsed(self) -> Placement:
+        """The typed placement (``engine.placement.Placement``), not bound to devices."""
+        return Placement.parse(self.placement)
+
+    @property
     def kind(self) -> str:
-        return parse_placement(self.placement)[0]
+        return self.parsed.kind
 
     @property
     def num_devices_needed(self) -> int:
-        kind, a, b = parse_placement(self.placement)
-        return a if kind == "colocated" else a + b
+        """Devices the placement spans: the sum of its instances' ``tp * pp``."""
+        return self.parsed.num_devices
 
 
 def add_dataclass_args(parser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> None:

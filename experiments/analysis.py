@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from engine import metrics as m
-from engine.config import parse_placement
+from engine.placement import Placement
 from engine.metrics import SLO, RequestRecord
 
 # Per-seed columns (seed_table), all from engine.metrics.summarize.
@@ -90,7 +90,7 @@ def _nan(v: float | None) -> float:
 def placement_kind(placement: str) -> str:
     """``"colocated:2"`` and ``"colocated-nochunk:2"`` -> ``"colocated"``, ``"disagg:1p1d"``
     -> ``"disagg"``; a ``pdlab bench`` label ``NAME@PLACEMENT`` by its placement."""
-    return parse_placement(placement.rsplit("@", 1)[-1])[0]
+    return Placement.parse(placement.rsplit("@", 1)[-1]).kind
 
 
 def is_colocated(placement: str) -> bool:

@@ -23,8 +23,9 @@ from dataclasses import dataclass, field
 
 from engine.config import (DEFAULT_CPU_KV_CACHE_GB,  # noqa: F401 (test_plan_identity reads it here)
                            ConditionalConfig, EngineConfig, kv_budget_bytes_for,
-                           kv_num_blocks_for, parse_placement, placement_engine_overrides)
+                           kv_num_blocks_for, placement_engine_overrides)
 from engine.limits import LimitError, Limits
+from engine.placement import Placement
 from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord,
                             StepRecord)
@@ -106,11 +107,7 @@ class _Flight:
 
 def worker_names(placement: str) -> list[tuple[str, str]]:
     """``(name, role)`` per worker, as ``experiments.placement.worker_layout`` names them."""
-    kind, first, second = parse_placement(placement)
-    if kind == "colocated":
-        return [(f"colocated-{i}", "colocated") for i in range(first)]
-    return ([(f"prefill-{i}", "prefill") for i in range(first)]
-            + [(f"decode-{i}", "decode") for i in range(second)])
+    return [(i.name, i.role) for i in Placement.parse(placement).instances]
 
 
 class Simulator:
@@ -125,7 +122,8 @@ class Simulator:
     rule).
 
     Raises:
-        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``."""
+        ValueError: a bad placement or policy, a placement with TP/PP sizes, or a
+            disaggregated placement without ``transfer``."""
 
     def __init__(self, placement: str, engine: EngineConfig,
                  step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
@@ -134,7 +132,11 @@ class Simulator:
                  fast_forward: bool = True,
                  speed_trace: Callable[[str, float], float] | None = None,
                  kv_budget_bytes: int | None = None) -> None:
-        self.kind = parse_placement(placement)[0]
+        parsed = Placement.parse(placement)
+        if parsed.is_parallel:  # a TP/PP instance's step time needs its own profile
+            raise ValueError(f"placement {placement} spans several devices per instance: the "
+                             "simulator models one device per instance")
+        self.kind = parsed.kind
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
         pick(policy, ["w"], {}, 0)  # refuses an unknown policy now (Assigner does it per run)

@@ -20,9 +20,10 @@ from pathlib import Path
 import pandas as pd
 
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, TransferConfig,
-                           add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
+                           add_dataclass_args, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
 from engine.model import model_context_len
+from engine.placement import Placement
 from experiments import dilation, report, validate, workload_map
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args, add_slo_args,
                                  add_transfer_args, check_model, check_out, check_placements,
@@ -178,7 +179,7 @@ def check(args: argparse.Namespace) -> Experiment:
     simulate = None
     if getattr(args, "simulate", None):
         simulate = load_profile_for(args.simulate, model, "--simulate")
-        if any(parse_placement(p)[0] != "colocated" for p in placements):
+        if any(Placement.parse(p).needs_transfer for p in placements):
             transfer_model_for(simulate, transfer.transport, "--simulate")
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Experiment(placements, devices, spec, model, engine, transfer,

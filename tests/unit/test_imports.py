@@ -44,7 +44,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "channel", "prefill_worker", "decode_worker", "router",
             "planner", "server", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
-                     "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks")
+                     "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks",
+                     "engine.placement", "engine.kv_heads", "engine.memory_fit")
 HEAVY = ("torch", "transformers", "ray", "msgpack", "zmq")
 CHANNEL_FOR_ROUTER = ("channel", "channel.contract")  # the contract only: no sockets, no msgpack
 MAX_LAZY_IMPORTS = 10
