@@ -91,7 +91,8 @@ self-healing: $(STAMP)
 # every family in fp32 and bf16, the KV cache under --gpu-memory-utilization, colocated:1 vs
 # disagg:1p1d on one GPU, decode step time against the HBM floor; one table, < 8 minutes.
 # It needs only torch (CUDA), transformers and msgpack: no virtualenv, no install, no network
-# (pytest comes from tests/gpu/wheels where it is missing). No CUDA: it stops, saying so.
+# (pytest comes from tests/gpu/wheels where it is missing). No CUDA: it stops, saying so;
+# a Python without torch, transformers or msgpack: it says so in one line (GPU_PYTHON=...).
 GPU_PYTHON ?= python3
 
 gpu-check:
