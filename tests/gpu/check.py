@@ -4,7 +4,8 @@ Made for the first GPU box pdlab meets (issue 31): one GPU (an H200 in mind), to
 CUDA, transformers and msgpack installed, and nothing else: no Ray, no network, no pdlab
 install. It runs from the checkout (``PYTHONPATH=<checkout> python3 tests/gpu/check.py``,
 which is what ``make gpu-check`` does) and finishes in under 8 minutes. On a machine without
-CUDA it stops at once with "no CUDA device".
+CUDA it stops at once with "no CUDA device"; run by a Python without torch, transformers or
+msgpack, it names what is missing in one line and how to choose another (``GPU_PYTHON=``).
 
 What it runs, in order (each part in its own try, so a failure shows in its row and the
 rest still runs; a part that would pass the time budget is skipped and says so):
