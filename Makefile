@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test test-avx512-emulated setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
+.PHONY: run test test-fast test-avx512-emulated setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,15 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory test-avx512-emulated
+
+# The inner loop (under a minute on 2 cores): every unit test, and the engine's own tests on
+# the tiny model; nothing marked slow (SmolLM2), ray or workers (kills, timers, servers).
+FAST_TESTS := tests/unit tests/integration/test_engine.py tests/integration/test_paged_kv.py \
+	tests/integration/test_prefill_attention.py tests/integration/test_prefix_cache.py \
+	tests/integration/test_step_output.py
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not ray and not workers" $(FAST_TESTS)
 
 # The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
 # (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too
