@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test test-fast test-avx512-emulated setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
+.PHONY: run test test-fast flakiness test-avx512-emulated setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ FAST_TESTS := tests/unit tests/integration/test_engine.py tests/integration/test
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not ray and not workers" $(FAST_TESTS)
+
+# Each test marked ray or workers (soak, self-healing, liveness, serve, Ray) run 10 times, each
+# one's failure count in a table (tests/flakiness.py; results/flakiness/<UTC time>/).
+flakiness: $(STAMP)
+	$(PY) tests/flakiness.py $(FLAKINESS_ARGS)
 
 # The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
 # (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too
