@@ -29,6 +29,7 @@ from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
 
+pytestmark = pytest.mark.workers
 TINY = ModelConfig("tiny-random-llama")
 NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="pip install 'pdlab[nixl]'")
 NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS = 500, 16, 4

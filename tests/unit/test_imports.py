@@ -374,7 +374,17 @@ def test_required_dependencies_are_imported_never_skipped():
     assert skipped == []
 
 
-def test_every_gpu_test_file_carries_the_gpu_marker():
-    unmarked = [str(p.relative_to(ROOT)) for p in _test_files("gpu")
-                if "pytest.mark.gpu" not in p.read_text()]
-    assert _test_files("gpu") and unmarked == []
+@pytest.mark.parametrize("folder,marker", [("gpu", "gpu"), ("ray", "ray")])
+def test_every_gpu_and_ray_test_file_carries_its_marker(folder, marker):
+    unmarked = [str(p.relative_to(ROOT)) for p in _test_files(folder)
+                if f"pytest.mark.{marker}" not in p.read_text()]
+    assert _test_files(folder) and unmarked == []
+
+
+def test_every_test_file_that_kills_a_worker_carries_the_workers_or_ray_marker():
+    """``make test-fast`` leaves out, and ``tests/flakiness.py`` reruns, the tests marked
+    ``workers`` or ``ray``: a file that kills a worker (``.kill(``) must say which it is."""
+    unmarked = [str(p.relative_to(ROOT)) for p in _test_files() if ".kill(" in p.read_text()
+                and not any(m in p.read_text() for m in ("pytest.mark.workers",
+                                                          "pytest.mark.ray"))]
+    assert [p for p in _test_files() if ".kill(" in p.read_text()] and unmarked == []
