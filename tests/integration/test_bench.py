@@ -97,6 +97,18 @@ def test_merge_joins_two_results_directories_into_one_comparison(url, tmp_path):
         bench.merge([tmp_path / "a", tmp_path / "a"], tmp_path / "again", slo)
 
 
+def test_merge_of_a_directory_without_requests_exits_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "bench-vllm").mkdir()
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["merge", "--out", str(tmp_path / "both"), str(tmp_path / "bench-vllm")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("python -m experiments.commands.bench merge: error: argument dirs: "
+                          f"{tmp_path / 'bench-vllm'} has no requests.jsonl")
+    assert not (tmp_path / "both").exists()  # nothing written
+
+
 def test_bench_records_a_refusing_server_as_failures_not_a_crash(url, tmp_path):
     spec = workload_spec.WorkloadSpec(dataset="synthetic", prompt_len="4-20", output_len="2-6",
                                 num_requests=2, seeds=1)
