@@ -71,9 +71,11 @@ MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
 
 def served_model(base_url: str, name: str | None = None,
                  timeout_s: float = 30.0) -> tuple[str, dict]:
-    """The model to send and the server's emulation block: ``GET /v1/models``'s first model (or
-    ``name``) and its ``emulated`` / ``emulation`` keys (``{}`` otherwise). With ``name``, a
-    server that does not answer or list it still gets ``name``.
+    """The model to send and what the server says of itself: ``GET /v1/models``'s first model
+    (or ``name``) and a dict with its ``owned_by`` as ``server`` (vLLM: ``vllm``, pdlab:
+    ``pdlab``; the verdict compares placements of one server, ``results.serving_systems``) and
+    its ``emulated`` / ``emulation`` keys, each only where the card has it. With ``name``, a
+    server that does not answer or list it still gets ``name`` (and ``{}``).
 
     Raises:
         RuntimeError: no ``name`` and the server did not answer or lists no model."""
@@ -86,7 +88,8 @@ def served_model(base_url: str, name: str | None = None,
         if name is not None:
             return name, {}
         raise RuntimeError(f"{base_url}/v1/models: {type(err).__name__}: {err}") from None
-    return card["id"], {k: card[k] for k in ("emulated", "emulation") if k in card}
+    about = {"server": card["owned_by"]} if isinstance(card.get("owned_by"), str) else {}
+    return card["id"], {**about, **{k: card[k] for k in ("emulated", "emulation") if k in card}}
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, request_id: str, label: str,
@@ -155,7 +158,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
     Raises:
         ValueError: a workload that does not fit ``max_len``. RuntimeError: no server."""
     items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
-    name, emulation = served_model(config.base_url, config.served_model)
+    name, about = served_model(config.base_url, config.served_model)
     label = config.label
     first = next(iter(items.values()))
     warm, _ = asyncio.run(_replay(config.base_url, name, label, f"{label}-warmup",
@@ -176,7 +179,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
         print(f"pdlab bench: {len(MISCOUNTED)} response(s) streamed fewer chunks than tokens: "
               "their ITL/TPOT are per chunk", file=sys.stderr)
     env = environment(model, ())
-    run_config = {**env, **emulation, "bench": dataclasses.asdict(config), "served_model": name,
+    run_config = {**env, **about, "bench": dataclasses.asdict(config), "served_model": name,
                   "placements": [label], "rates": list(rates), "workload": spec.options(),
                   "seeds": spec.seed_list, "max_model_len": max_len,
                   "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/commands/bench.py)",
@@ -286,7 +289,8 @@ def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments.commands.bench merge --out DIR DIR1 DIR2 ...`` (the make target's last step).
+    """``python -m experiments.commands.bench merge --out DIR DIR1 DIR2 ...`` (``make
+    vllm-baseline`` calls ``merge`` the same way).
 
     Returns:
         0; a bad option or directory exits 2 with one line naming it (``cli.Parser``)."""

@@ -93,6 +93,19 @@ def test_merge_joins_two_results_directories_into_one_comparison(url, tmp_path):
     assert list(summary["placement"]) == ["a@colocated:1", "b@disagg:1p1d"]
     assert (summary["num_requests"] == 4).all() and (tmp_path / "both" / "report.md").exists()
     assert analysis.placement_kind("b@disagg:1p1d") == "disagg"
+    # one pdlab server behind both labels (its /v1/models owned_by), no transfer a client sees
+    lines = (tmp_path / "b" / "requests.jsonl").read_text().splitlines()
+    config = json.loads(lines[0])
+    assert config["server"] == "pdlab"
+    assert "colocated/disagg = " in verdict and "different systems" not in verdict
+    assert "KV transfer" not in verdict
+    # the same records said to come from vLLM's server: no interference claim
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "requests.jsonl").write_text(
+        "\n".join([json.dumps({**config, "server": "vllm"})] + lines[1:]) + "\n")
+    _, verdict = bench.merge([tmp_path / "a", tmp_path / "v"], tmp_path / "other", slo)
+    assert "(different systems, pdlab server over HTTP vs vllm server over HTTP: not a " \
+           "measure of prefill-decode interference)" in verdict
     with pytest.raises(ValueError, match="two directories"):
         bench.merge([tmp_path / "a", tmp_path / "a"], tmp_path / "again", slo)
 
