@@ -566,15 +566,23 @@ def _rate_verdict(at: pd.DataFrame, rate: float) -> list[str]:
     return lines
 
 
-def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = None) -> str:
+def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = None,
+            systems: Mapping[str, str] | None = None) -> str:
     """Which placement wins, and why, from ``summary_table`` (intervals included).
 
     Per rate every placement ran: a placement wins only if its SLO-attainment interval lies
     entirely above every other's; otherwise "no clear winner at this rate", naming the metric of
     ``CI_METRICS`` closest to separating (smallest ``overlap_fraction``), or those that do. Then,
     at the highest common rate: TPOT p99 colocated / disagg, the KV transfer's cost (put + get
-    p50) against prefill p50, TTFT p99 of both; the worst dispatch-lag p99; and, given
-    ``goodput`` (``goodput_table``), goodput per device with intervals."""
+    p50) against prefill p50 (left out when the runs have no transfer figures, as a bench's),
+    TTFT p99 of both; the worst dispatch-lag p99; and, given ``goodput`` (``goodput_table``),
+    goodput per device with intervals.
+
+    ``systems``: placement -> the engine or server that produced its records
+    (``results.serving_systems``); placements it lacks fall back to the NAME of a
+    ``NAME@PLACEMENT`` label ("" for a plain placement). The colocated/disagg pair is taken from
+    one system where there is one; a pair from two systems is compared without any claim about
+    prefill-decode interference (two engines differ in more than placement)."""
     if summary_df.empty:
         return "No runs to compare."
     df = summary_df.copy()
@@ -597,15 +605,20 @@ def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = N
     colo = [r for r in rows if is_colocated(r["placement"])]
     disagg = [r for r in rows if placement_kind(r["placement"]) == "disagg"]
     if colo and disagg:
-        # bench labels NAME@PLACEMENT: compare placements of one system where there are
         def system(row) -> str:
-            return row["placement"].rsplit("@", 1)[0] if "@" in row["placement"] else ""
+            placement = row["placement"]
+            if systems is not None and placement in systems:
+                return systems[placement]
+            return placement.rsplit("@", 1)[0] if "@" in placement else ""
         pairs = [(c, d) for d in disagg for c in colo if system(c) == system(d)]
         c, d = pairs[0] if pairs else (colo[0], disagg[0])
         ratio = c["tpot_p99_s"] / d["tpot_p99_s"] if d["tpot_p99_s"] > 0 else math.nan
         ratio_txt = "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
         separated = overlap_fraction(c, d, "tpot_p99_s") < 0  # NaN (one seed): not separated
-        if ratio > 1 and separated:
+        if not pairs:
+            effect = (f"different systems, {system(c) or 'unnamed'} vs {system(d) or 'unnamed'}: "
+                      "not a measure of prefill-decode interference")
+        elif ratio > 1 and separated:
             effect = "disaggregation removed prefill-decode interference"
         elif ratio > 1:
             effect = ("lower with disaggregation, but the 95% intervals overlap: not shown "
@@ -618,12 +631,13 @@ def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = N
         lines.append(f"At {top['rate'].max():g} req/s, TPOT p99: {c['placement']} "
                      f"{_with_ci(c, 'tpot_p99_s')} vs {d['placement']} {_with_ci(d, 'tpot_p99_s')}, "
                      f"colocated/disagg = {ratio_txt}" + (f" ({effect})." if effect else "."))
-        kv, pf = d["kv_transfer_p50_s"], d["prefill_p50_s"]
-        share = kv / pf if pf > 0 else math.nan
-        share_txt = "n/a" if math.isnan(share) else f"{100 * share:.1f}% of prefill"
-        lines.append(f"Transfer paid by {d['placement']}: KV transfer (put + get) p50 {_fmt_s(kv)} "
-                     f"(put {_fmt_s(d['kv_put_p50_s'])}, get {_fmt_s(d['kv_get_p50_s'])}) vs "
-                     f"prefill p50 {_fmt_s(pf)} ({share_txt}).")
+        kv, pf = float(d["kv_transfer_p50_s"]), float(d["prefill_p50_s"])
+        if not math.isnan(kv):  # a client (bench) sees no transfer: no line
+            share = kv / pf if pf > 0 else math.nan
+            share_txt = "n/a" if math.isnan(share) else f"{100 * share:.1f}% of prefill"
+            lines.append(f"Transfer paid by {d['placement']}: KV transfer (put + get) p50 "
+                         f"{_fmt_s(kv)} (put {_fmt_s(d['kv_put_p50_s'])}, get "
+                         f"{_fmt_s(d['kv_get_p50_s'])}) vs prefill p50 {_fmt_s(pf)} ({share_txt}).")
         lines.append(f"TTFT p99: {c['placement']} {_with_ci(c, 'ttft_p99_s')} vs {d['placement']} "
                      f"{_with_ci(d, 'ttft_p99_s')}.")
     lag = df["dispatch_lag_p99_s"].astype(float)

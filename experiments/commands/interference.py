@@ -12,8 +12,9 @@ untimed) and one discarded warm-up step; then per repeat and prompt length P a *
   the KV import alone is timed separately.
 
 A step's time is the ITL its running requests see (``time.perf_counter``, CUDA synchronized); per
-point the minimum over repeats. Outputs: steps.csv (everything else is a pure function of it),
-interference.csv, fits.csv, summary.md, interference.png."""
+point the figures of one repeat, the one with the median stall (``summarize``). Outputs:
+steps.csv (everything else is a pure function of it), interference.csv, fits.csv, summary.md,
+interference.png."""
 
 from __future__ import annotations
 
@@ -248,13 +249,18 @@ def _inject_kv(engine, timer: _Timer, step, imports: list[dict], rid: str, promp
 
 
 def summarize(steps: pd.DataFrame, imports: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per (mode, budget, B, P): what the running requests see.
+    """One row per (mode, budget, B, P): what the running requests see, from one repeat.
 
     Per repeat: ``base`` = its baseline step; ``worst`` = its longest injection step (the worst ITL
-    of a running request); ``total_stall`` = sum over injection steps of (step - base). Across
-    repeats each is the minimum (the least disturbed run). Then ``stall_s = worst_step_s -
-    base_step_s`` and ``inflation = worst_step_s / base_step_s`` (1 and 0 for P = 0); ``import_s`` =
-    min KV import alone (disagg, else NaN).
+    of a running request); ``stall = worst - base``; ``total_stall`` = sum over injection steps of
+    (step - base). Each repeat pairs an injection with the no-prefill step taken just before it,
+    so the stall is a paired difference; the row reports the repeat whose stall is the median of
+    the repeats (the lower median for an even count, ties to the smaller base step), and every
+    figure of the row comes from that repeat. The minimum of a difference would pick the repeat
+    whose baseline was most disturbed (a stall below zero); the median is robust to one
+    disturbed step on either side. Then ``inflation = worst_step_s / base_step_s`` (1 and 0 for
+    P = 0); ``import_s`` = min KV import alone over the repeats (one timing, not a difference;
+    disagg, else NaN).
 
     Returns:
         columns ``mode, budget, batch_size, prompt_len, base_step_s, worst_step_s, stall_s,
@@ -268,11 +274,12 @@ def summarize(steps: pd.DataFrame, imports: pd.DataFrame | None = None) -> pd.Da
             base_s = float(rep.loc[rep["kind"] == "baseline", "step_s"].iloc[0])
             inj = rep.loc[rep["kind"] == "injection", "step_s"].to_numpy(dtype=float)
             worst_s = float(inj.max()) if inj.size else base_s
-            per_repeat.append((base_s, worst_s, float(np.sum(inj - base_s)), inj.size))
-        base_s, worst_s, total_s, _ = (min(v[i] for v in per_repeat) for i in range(4))
+            per_repeat.append((worst_s - base_s, base_s, worst_s, float(np.sum(inj - base_s)),
+                               inj.size))
+        stall_s, base_s, worst_s, total_s, num_inj = sorted(per_repeat)[(len(per_repeat) - 1) // 2]
         rows.append(dict(zip(keys, key), base_step_s=base_s, worst_step_s=worst_s,
-                         stall_s=worst_s - base_s, inflation=worst_s / base_s,
-                         total_stall_s=total_s, num_injection_steps=per_repeat[0][3]))
+                         stall_s=stall_s, inflation=worst_s / base_s,
+                         total_stall_s=total_s, num_injection_steps=num_inj))
     out = pd.DataFrame(rows)
     out["import_s"] = np.nan
     if imports is not None and len(imports):
@@ -380,8 +387,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(repeats=3)
     for action in parser._actions:
         if action.dest == "repeats":
-            action.help = "timed repeats of every grid point after 1 warm-up step; the " \
-                          "estimator is their minimum (default: 3)"
+            action.help = "timed repeats of every grid point after 1 warm-up step; each " \
+                          "point reports the repeat with the median stall (default: 3)"
     add_dataclass_args(parser.add_argument_group("grid"), InterferenceConfig)
 
 
@@ -427,11 +434,11 @@ def run(args: argparse.Namespace, _checked: None = None) -> int:
     fit_lines = [f"{k}: t = {f.a * 1e3:.4g} ms + {f.b * 1e3:.4g} ms * B + {f.c * 1e3:.4g} ms * P"
                  f"   (R^2 = {f.r2:.3f}, {f.num_steps} steps)" for k, f in fits.items()]
     (out / "summary.md").write_text(
-        f"# pdlab interference\n\n{header}; context C = {grid.context_len}; min of "
-        f"{args.repeats} repeats after 1 warm-up step.\n\n{text}\n\n"
+        f"# pdlab interference\n\n{header}; context C = {grid.context_len}; the "
+        f"median-stall repeat of {args.repeats} after 1 warm-up step.\n\n{text}\n\n"
         + markdown_table(summary) + "\n\n## Step model\n\n" + "\n".join(f"- {x}" for x in fit_lines)
         + "\n")
-    print(f"{header}; context {grid.context_len}; min of {args.repeats} repeats\n")
+    print(f"{header}; context {grid.context_len}; the median-stall repeat of {args.repeats}\n")
     print(summary.to_string(index=False) + "\n")
     print("\n".join(fit_lines) + "\n")
     print(text)
