@@ -93,6 +93,7 @@ def test_tiny_model_at_tp2_is_greedy_equal_to_generate(tiny):
     assert outputs == {f"r{i}": reference_generate(tiny.model, p, 16) for i, p in enumerate(prompts)}
 
 
+@pytest.mark.workers
 def test_a_dead_rank_fails_the_step_instead_of_hanging(tiny):
     prompts = random_prompts([6], seed=4)
     outputs, steps = _run_instance(tiny, "tiny-random-llama", 2, prompts, 4,
