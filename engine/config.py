@@ -270,14 +270,9 @@ def parse_placement(placement: str) -> tuple[str, int, int]:
     ``engine.placement``); one with parallel sizes (``+tp2``) is refused rather than run at
     TP 1. ``colocated-nochunk:N`` is ``colocated:N`` without chunked prefill;
     ``conditional:xPyD`` has ``disagg:xPyD``'s workers, its decode workers prefilling short
-    prompts themselves (``ConditionalConfig``).
-
-    Returns:
-        ``("colocated", N, 0)``, ``("disagg", x, y)`` or ``("conditional", x, y)``.
-
-    Raises:
-        ValueError: anything else, a zero count, or an instance over several devices.
-    """
+    prompts themselves (``ConditionalConfig``). Returns ``("colocated", N, 0)``, ``("disagg",
+    x, y)`` or ``("conditional", x, y)``; ValueError on anything else, a zero count, or an
+    instance over several devices."""
     p = Placement.parse(placement)
     _check(not p.is_parallel, f"placement {placement.strip()!r} spans several devices per "
                               "instance (TP/PP), which this command does not deploy yet: "

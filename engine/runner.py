@@ -202,10 +202,9 @@ _GROUP_DP_UNITS = 32  # split-point candidates in _group_decodes (see there)
 
 @dataclass
 class _DecodeGroup:
-    """Decode rows attended by one call: an SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and
-    V, a strided view of the store (row r's range starts at flat token ``token_offset + r *
-    stride_tokens``) or, when ``block_idx`` is set, the rows' blocks gathered; or, when
-    ``block_tables`` is set, the C paged kernel reading every row's blocks in place."""
+    """Decode rows attended by one call: SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and V,
+    a strided view (row r from flat token ``token_offset + r * stride_tokens``) or gathered
+    (``block_idx``); or the C paged kernel (``block_tables``)."""
 
     num_rows: int
     ctx_len: int  # the longest row's KV length
@@ -239,9 +238,8 @@ class _StepLayout:
 
 
 class ModelRunner:
-    """Runs scheduled batches through a supported decoder model (``engine.model.
-    SUPPORTED_ARCHITECTURES``) against a paged ``KVStore``; requests name their KV by
-    ``RequestState.block_ids``."""
+    """Runs scheduled batches through a supported decoder model against a paged ``KVStore``;
+    requests name their KV by ``RequestState.block_ids``."""
 
     def __init__(self, model, kv_store: KVStore, device: str = "cpu") -> None:
         self.model = model
@@ -252,13 +250,10 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.num_kv_heads
-        # The kernel backend (engine/ops.py), chosen once here: every kernel call below goes
-        # to it without asking which one it is.
         self.ops = ops_mod.select_ops(self.device, model.lm_head.weight.dtype,
                                       kv_store.kv.dtype)
         self.layers, self.final_norm, self.lm_head = _prepare(model, self.ops)
-        # Attention scale and soft-cap are the same in every layer of every supported family;
-        # None = SDPA's own default 1/sqrt(D), so Llama-like models run exactly as before.
+        # The same in every layer of every supported family; None = SDPA's default 1/sqrt(D).
         self.scale = self.layers[0].scale
         self.scale = None if self.scale == self.head_dim ** -0.5 else self.scale
         self.softcap = self.layers[0].softcap
@@ -323,9 +318,8 @@ class ModelRunner:
                                                  layer.gate_up.fused(x)))
 
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """``{rope_key: (cos, sin)}``, each ``[N, R]`` (contiguous), from the model's own
-        rotary module (so Llama 3 / YaRN / longrope scaling and Gemma 3's per-layer-type bases
-        follow transformers). ``R`` < D for partial rotary."""
+        """``{rope_key: (cos, sin)}``, each ``[N, R]`` (``R`` < D for partial rotary), from the
+        model's own rotary module, so every RoPE scaling follows transformers."""
         rotary, tables = self.model.model.rotary_emb, {}
         for key in {layer.rope_key for layer in self.layers}:
             args = () if key is None else (key,)
@@ -378,10 +372,9 @@ class ModelRunner:
 
     def _decode_attention(self, q, layer_idx: int, kv_layer,
                           group: _DecodeGroup) -> torch.Tensor:
-        """One attention call for ``group``'s rows over their KV (the C paged kernel for a
-        ``_paged_group``, else SDPA) -> their outputs ``[num_rows, H_q,
-        D]`` (row r is token ``token_start + r``, or ``token_idx[r]``). ``q``: ``[N, H_q,
-        D]``; ``kv_layer``: the store's ``[2, H_kv, NB, B, D]`` for layer ``layer_idx``."""
+        """One call (C paged kernel or SDPA) for ``group``'s rows: ``q [N, H_q, D]`` over
+        ``kv_layer [2, H_kv, NB, B, D]`` -> ``[num_rows, H_q, D]`` (row r is token
+        ``token_start + r``, or ``token_idx[r]``)."""
         n, heads, head_dim, ctx = group.num_rows, self.num_kv_heads, self.head_dim, group.ctx_len
         if group.token_start == 0 and n == q.shape[0]:
             q_rows = q
@@ -460,17 +453,15 @@ class ModelRunner:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
 
     def _query_rows(self, tokens: list[int]) -> tuple[int | None, torch.Tensor | None]:
-        """A group's ``(token_start, token_idx)`` for decode rows at step tokens ``tokens``:
-        ``(tokens[0], None)`` when they are consecutive (q is a slice), else ``(None, the
-        indices)`` (q is gathered)."""
+        """``(tokens[0], None)`` when the step tokens ``tokens`` are consecutive (q a slice),
+        else ``(None, their indices)`` (q gathered)."""
         if all(t == tokens[0] + r for r, t in enumerate(tokens)):
             return tokens[0], None
         return None, self._long(tokens)
 
     def _paged_group(self, decodes: list[tuple[int, int, list[int]]]) -> _DecodeGroup:
         """Decode rows ``(kv length, token index, block ids)`` -> one group for the C paged
-        kernel: no views, no gather, no split by length (it reads each row to its own
-        length), so none of ``_plan_decodes``' planning."""
+        kernel, which reads each row's blocks in place to its own length."""
         block_size = self.kv_store.block_size
         used = [table[:-(-length // block_size)] for length, _, table in decodes]
         width = max(len(u) for u in used)
