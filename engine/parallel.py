@@ -5,12 +5,10 @@ decides every step and its batch reaches every rank.
 Layout (Megatron-LM, Shoeybi et al. 2019; nano-vllm's ``layers/linear.py``), at TP ``t``:
 
 - Q/K/V and gate/up are column-parallel: rank ``r`` keeps the output rows of its query heads
-  ``engine.kv_heads.query_heads_of(r, t, H_q)``, of its KV heads ``kv_heads_of(r, t,
-  H_kv)`` (a KV head replicated on ``t / H_kv`` ranks when ``t > H_kv``, as vLLM does) and
-  of its ``I / t`` intermediate features;
-- O and down are row-parallel: rank ``r`` keeps the matching input columns, and the partial
-  outputs are summed by one all-reduce after each (two per layer); their biases are added
-  once (rank 0 keeps them, the other ranks drop them);
+  (``engine.kv_heads.query_heads_of``), its KV heads (``kv_heads_of``: replicated on ``t /
+  H_kv`` ranks when ``t > H_kv``, as vLLM does) and its ``I / t`` intermediate features;
+- O and down are row-parallel: rank ``r`` keeps the matching input columns, the partial
+  outputs summed by one all-reduce after each (two per layer), their biases kept by rank 0;
 - embeddings, norms, RoPE and the LM head are replicated: after each all-reduce every rank
   holds the same hidden state, so every rank computes the same logits (rank 0 samples).
 
