@@ -1,21 +1,18 @@
 """Does an instance of a given TP and PP fit its devices' memory? Weights per device from a
-model's geometry (its ``config.json``, no weights read) plus the minimum KV cache, against
-the device memory the KV budget rule may use (torch-free).
+model's ``config.json`` (no weights read) plus the minimum KV cache, against the memory the KV
+budget rule may use (torch-free).
 
-Weights (decoder-only, Llama-shaped: ``SUPPORTED_ARCHITECTURES`` without per-family
-extras beyond biases), per layer: Q and O ``hidden * H_q * D`` each, K and V ``hidden *
-H_kv * D`` each (plus biases where ``attention_bias``; Qwen2 always has Q/K/V biases), gate,
-up and down ``hidden * I`` each (plus biases where ``mlp_bias``), two norms of ``hidden``;
-the embedding and the LM head ``vocab * hidden`` each (one tensor when tied), a final norm.
-This reproduces the published parameter counts (Llama-3.1-8B 8,030,261,248; 70B
-70,553,706,496: tests/unit/test_memory_fit.py).
+Weights (Llama-shaped), per layer: Q and O ``hidden * H_q * D`` each, K and V ``hidden * H_kv
+* D`` each, gate, up and down ``hidden * I`` each (plus biases where ``attention_bias`` /
+``mlp_bias``; Qwen2 always has Q/K/V biases), two norms of ``hidden``; the embedding and LM head
+``vocab * hidden`` each (one tensor when tied), a final norm. This gives the published
+parameter counts (Llama-3.1-8B 8,030,261,248; 70B 70,553,706,496).
 
 Split (``engine.parallel``'s layout): at TP ``t`` a rank holds ``1/t`` of Q, O, gate, up and
-down, its KV heads of K and V (``engine.kv_heads.kv_heads_of``: one head when ``t >
-H_kv``), and the norms, embedding and head whole (``vocab_parallel``: the embedding and head
-split ``1/t`` too, as vLLM does). At PP ``p`` a stage holds ``ceil(L / p)`` layers, the
-first the embedding, the last the head and final norm (both with ``p = 1``; a tied pair is
-one tensor then, two copies across stages). The device that holds most is the one checked.
+down, its KV heads of K and V, and the norms, embedding and head whole (split ``1/t`` with
+``vocab_parallel``, as vLLM does). At PP ``p`` a stage holds ``ceil(L / p)`` layers, the first
+the embedding, the last the head and final norm (a tied pair is two copies across stages).
+The device that holds most is the one checked.
 """
 
 from __future__ import annotations
@@ -75,13 +72,9 @@ class Geometry:
                 + self.hidden)
 
     def device_params(self, tp: int = 1, pp: int = 1, vocab_parallel: bool = False) -> int:
-        """Parameters on the device that holds most at TP ``tp`` and PP ``pp`` (module
-        docstring).
-
-        Raises:
-            ValueError: a TP the heads do not allow or that does not divide the intermediate
-                size, or a PP above the layer count.
-        """
+        """Parameters on the device that holds most at TP ``tp`` and PP ``pp``; ValueError for
+        a TP the heads do not allow or that does not divide the intermediate size, or a PP
+        above the layer count."""
         check_tp(tp, self.num_heads, self.num_kv_heads)
         if self.intermediate % tp or (vocab_parallel and self.vocab % tp):
             raise ValueError(f"TP {tp} does not divide the intermediate size {self.intermediate}"
@@ -104,15 +97,10 @@ class Geometry:
 def check_fits(geometry: Geometry, itemsize: int, tp: int, pp: int, device_memory_bytes: int,
                min_kv_tokens: int, utilization: float = 1.0, vocab_parallel: bool = False,
                what: str = "an instance", device: str = "the device") -> int:
-    """Refuse an instance whose weights plus the KV of ``min_kv_tokens`` tokens (e.g. one
-    request of ``max_model_len``) exceed ``utilization * device_memory_bytes`` on its
-    fullest device; returns the bytes left there for more KV.
-
-    Raises:
-        ValueError: one line, e.g. ``prefill TP 1 does not fit an H100: 131 GiB of weights +
-            0.5 GiB of KV for 1024 tokens > 72 GiB (0.9 of 80 GiB)``; or ``Geometry.
-            device_params``' refusals.
-    """
+    """Refuse, with one line (``prefill TP 1 does not fit an H100: 131 GiB of weights + 0.5 GiB
+    of KV for 1024 tokens > 72 GiB (0.9 of 80 GiB)``) or ``device_params``' ValueError, an
+    instance whose weights plus the KV of ``min_kv_tokens`` tokens exceed ``utilization *
+    device_memory_bytes`` on its fullest device; else the bytes left there for more KV."""
     weights = geometry.device_params(tp, pp, vocab_parallel) * itemsize
     kv = geometry.kv_bytes_per_token(itemsize, tp, pp) * min_kv_tokens
     usable = int(utilization * device_memory_bytes)

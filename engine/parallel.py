@@ -5,29 +5,22 @@ decides every step and its batch reaches every rank.
 Layout (Megatron-LM, Shoeybi et al. 2019; nano-vllm's ``layers/linear.py``), at TP ``t``:
 
 - Q/K/V and gate/up are column-parallel: rank ``r`` keeps the output rows of its query heads
-  ``engine.kv_heads.query_heads_of(r, t, H_q)``, of its KV heads ``kv_heads_of(r, t,
-  H_kv)`` (a KV head replicated on ``t / H_kv`` ranks when ``t > H_kv``, as vLLM does) and
-  of its ``I / t`` intermediate features;
-- O and down are row-parallel: rank ``r`` keeps the matching input columns, and the partial
-  outputs are summed by one all-reduce after each (two per layer); their biases are added
-  once (rank 0 keeps them, the other ranks drop them);
+  (``engine.kv_heads.query_heads_of``), its KV heads (``kv_heads_of``: replicated on ``t /
+  H_kv`` ranks when ``t > H_kv``, as vLLM does) and its ``I / t`` intermediate features;
+- O and down are row-parallel: rank ``r`` keeps the matching input columns, the partial
+  outputs summed by one all-reduce after each (two per layer), their biases kept by rank 0;
 - embeddings, norms, RoPE and the LM head are replicated: after each all-reduce every rank
   holds the same hidden state, so every rank computes the same logits (rank 0 samples).
 
-Each rank runs the unchanged ``engine.runner.ModelRunner`` on its shard (a model whose
-config says ``H_q / t`` heads, its local KV heads, ``I / t`` features) over its own
-``KVStore`` of its local KV heads; the same block ids index every rank's store, so the
-scheduler's block tables hold for all. Rank 0 owns the ``Engine`` (scheduler, sampler,
-KV export); before each forward it broadcasts what the runner reads of the batch
-(``StepRows``) to the other ranks, which run ``follow`` until rank 0 calls
-``TensorParallelGroup.stop``.
+Each rank runs the unchanged ``engine.runner.ModelRunner`` on its shard over its own
+``KVStore`` of its local KV heads; the same block ids index every rank's store. Rank 0 owns
+the ``Engine`` and broadcasts what the runner reads of each batch (``StepRows``) to the other
+ranks, which run ``follow`` until ``TensorParallelGroup.stop``.
 
-Communication is a process group of the instance's ranks only (``TensorParallelGroup``),
-built directly on a rendezvous store, so it does not touch ``torch.distributed``'s default
-group (which the ``torchdist`` KV transport uses): gloo on CPU, NCCL on CUDA (by the
-devices, ``backend_for``, or named). Every collective has the group's deadline: a rank that
-dies makes the others' next collective fail (rank 0's engine fails that step's requests)
-instead of waiting forever.
+``TensorParallelGroup`` is a process group of the instance's ranks only, on a rendezvous
+store, apart from ``torch.distributed``'s default group (the ``torchdist`` KV transport's):
+gloo on CPU, NCCL on CUDA. Every collective has the group's deadline: a dead rank makes the
+others' next collective fail (rank 0's engine fails that step's requests), never hang.
 """
 
 from __future__ import annotations
@@ -62,16 +55,10 @@ def backend_for(device: str) -> str:
 
 
 class TensorParallelGroup:
-    """The ranks of one instance: ``size`` processes, this one ``rank``.
-
-    Args:
-        store: the rendezvous (``torch.distributed.Store``: a ``TCPStore`` from
-            ``kv_transfer.torchdist.open_rendezvous`` or a ``FileStore``), shared by every
-            rank; ``prefix`` keeps several instances apart on one store.
-        rank, size: this process's rank in ``[0, size)`` and the TP size.
-        backend: ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors).
-        timeout_s: deadline of every collective: a rank that died makes the others fail
-            after this long instead of waiting forever.
+    """The ranks of one instance: ``size`` processes, this one ``rank`` in ``[0, size)``,
+    over a ``torch.distributed.Store`` shared by every rank (``prefix`` keeps instances
+    apart on one store); ``backend`` ``gloo`` (CPU tensors) or ``nccl`` (CUDA tensors);
+    ``timeout_s`` the deadline of every collective, in seconds.
 
     Raises:
         ValueError: a rank outside ``[0, size)``, an unknown backend, or ``nccl`` in a torch
@@ -181,11 +168,9 @@ def _row(module: torch.nn.Linear, a: int, b: int, keep_bias: bool) -> None:
 
 
 def shard_model(model: torch.nn.Module, rank: int, tp: int) -> torch.nn.Module:
-    """Rank ``rank``'s shard of a supported decoder model (``engine.model.
-    SUPPORTED_ARCHITECTURES``) at TP ``tp``: a copy (``model`` is not changed) whose layers
-    keep the rows/columns of the module docstring and whose config reads ``H_q / tp``
-    attention heads, its local KV heads and ``I / tp`` intermediate features (``head_dim``
-    set explicitly, so it is not recomputed from the fewer heads). ``tp`` 1: a copy.
+    """Rank ``rank``'s shard of a supported decoder model at TP ``tp``: a copy whose layers
+    keep the rows/columns of the module docstring and whose config reads ``H_q / tp`` heads,
+    its local KV heads, ``I / tp`` features and an explicit ``head_dim``.
 
     Raises:
         ValueError: ``tp`` does not suit the heads (``engine.placement.check_tp``) or does not
@@ -309,15 +294,10 @@ class StepRows:
 
 
 class DriverRunner:
-    """Rank 0's runner: broadcasts each step's ``StepRows`` to the other ranks, then runs
-    its own shard (the engine calls it as its ``ModelRunner``; every other attribute is the
-    wrapped runner's).
-
-    With a layer listener (layer-wise KV streaming), every rank stops after each layer in a
-    window where rank 0's listener may read or write KV (``InstanceKVStore``: collectives,
-    which the other ranks serve until rank 0 closes the window). An exception of the
-    listener is held until the forward ends, so every rank runs the same collectives; then
-    it is raised (the engine fails the step's requests)."""
+    """Rank 0's ``ModelRunner``: broadcasts each step's ``StepRows``, then runs its own shard.
+    With a layer listener, every rank stops after each layer in a window where the listener
+    may read or write KV (``InstanceKVStore``); the listener's exception is held until the
+    forward ends, so every rank runs the same collectives, then raised."""
 
     def __init__(self, runner: ModelRunner, group: TensorParallelGroup) -> None:
         self.runner, self.group = runner, group
@@ -372,14 +352,9 @@ def _write_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int
 
 class InstanceKVStore:
     """Rank 0's view of a TP instance's KV: ``read`` and ``write`` take and give every KV
-    head (``[L', 2, H_kv, T, D]``, ``engine.kv_cache.KVStore``'s layouts), each rank
-    reading or writing its own heads (``engine.kv_heads.kv_heads_of``) of the same blocks;
-    anything else is rank 0's own store's (block count, block size).
-
-    Reads and writes are collectives on the instance's group: between steps, or inside a
-    forward only in the window after a layer (``DriverRunner``, layer-wise streaming);
-    anywhere else in a forward the other ranks are in its all-reduces, and a read or write
-    raises ``RuntimeError`` rather than wait.
+    head (``[L', 2, H_kv, T, D]``), each rank handling its own heads of the same blocks;
+    anything else is rank 0's store's. They are collectives: between steps, or in a forward
+    only in the window after a layer; elsewhere in a forward they raise ``RuntimeError``.
     """
 
     def __init__(self, local: KVStore, spec, group: TensorParallelGroup, driver: DriverRunner):
@@ -422,17 +397,11 @@ class InstanceKVStore:
 
 
 def make_engine(loaded: LoadedModel, config, group: TensorParallelGroup, **engine_kwargs):
-    """Rank 0 of an instance: an ``engine.engine.Engine`` over rank 0's shard whose runner
-    drives the other ranks (``DriverRunner``); the KV cache's block count is sent to them
-    (each rank's store has it, of its own KV heads). The engine's ``kv_spec`` is the whole
-    model's and its ``kv_store`` the instance's (``InstanceKVStore``), so ``export_kv`` and
-    ``finish_remote`` move every head and a TP instance exchanges KV with an instance of any
-    other TP in today's wire format. Call ``group.stop()`` when done.
-
-    ``config.device`` is rank 0's device; ``config``'s KV budget is per rank.
-
-    An ``on_layer_done`` listener (layer-wise streaming) may read the KV of the layers done
-    (``Engine.read_kv_layers``): ``DriverRunner`` opens a window after each layer.
+    """Rank 0 of an instance: an ``Engine`` over rank 0's shard whose runner drives the other
+    ranks (``DriverRunner``), its block count sent to them. Its ``kv_spec`` is the whole
+    model's and its ``kv_store`` an ``InstanceKVStore``, so it exchanges KV with an instance
+    of any TP in the same wire format. ``config.device`` is rank 0's; the KV budget is per
+    rank. Call ``group.stop()`` when done.
     """
     shard = shard_loaded(loaded, 0, group.size)
     engine = Engine(shard, config, **engine_kwargs)
@@ -461,10 +430,8 @@ def _serve_window(store: KVStore, group: TensorParallelGroup) -> None:
 
 
 def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
-    """Rank ``group.rank`` > 0 of an instance: shard ``loaded``, build its KV store with rank
-    0's block count, then run every command rank 0 broadcasts (a step; a KV read or write,
-    ``InstanceKVStore``) until ``stop``. ``config.device``
-    is this rank's device. Returns the steps run.
+    """Rank ``group.rank`` > 0 on ``config.device``: shard ``loaded``, build its KV store with
+    rank 0's block count, run every command rank 0 broadcasts until ``stop``; the steps run.
 
     Raises:
         RuntimeError: a collective failed (a rank died; after the group's timeout).
@@ -491,23 +458,15 @@ def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
 
 def connect(init_method: str, rank: int, size: int, backend: str = "gloo",
             timeout_s: float = 120.0, store=None) -> TensorParallelGroup:
-    """Join an instance's group through ``init_method`` ``store://host:port`` (a rendezvous
-    from ``kv_transfer.torchdist.open_rendezvous``; rank 0 may pass that ``store`` itself).
-
-    Raises:
-        ValueError: ``init_method`` is not ``store://host:port``.
-    """
+    """Join an instance's group through ``init_method`` ``store://host:port`` (rank 0 may pass
+    its ``store`` itself); ValueError on another form."""
     if store is None:
         store = _store_client(init_method, timeout_s)
     return TensorParallelGroup(store, rank, size, backend, timeout_s)
 
 
 def _store_client(init_method: str, timeout_s: float):
-    """A client of the rendezvous at ``store://host:port``.
-
-    Raises:
-        ValueError: ``init_method`` is not ``store://host:port``.
-    """
+    """A client of the rendezvous at ``store://host:port``; ValueError on another form."""
     host, sep, port = init_method.removeprefix("store://").rpartition(":")
     if not init_method.startswith("store://") or not sep or not port.isdigit():
         raise ValueError(f"init_method must be store://host:port, got {init_method!r}")
@@ -516,12 +475,8 @@ def _store_client(init_method: str, timeout_s: float):
 
 
 def _await_ranks(store, processes: list, timeout_s: float) -> None:
-    """Wait until every spawned rank says ``ready`` (``serve_rank``).
-
-    Raises:
-        RuntimeError: a rank said ``failed`` (its error quoted), exited, or neither within
-            ``timeout_s``; naming the rank.
-    """
+    """Wait until every spawned rank says ``ready``; RuntimeError naming a rank that said
+    ``failed`` (its error quoted), exited, or neither within ``timeout_s``."""
     waiting = dict(enumerate(processes, start=1))
     deadline_s = time.monotonic() + timeout_s
     while waiting:
@@ -542,15 +497,11 @@ def _await_ranks(store, processes: list, timeout_s: float) -> None:
 def serve_rank(model_config, engine_config, init_method: str, rank: int, size: int,
                backend: str | None = None, timeout_s: float = 120.0,
                device: str | None = None) -> int:
-    """A process's whole life as rank ``rank`` > 0 of an instance (a spawn target): bind to
-    ``device`` (``engine.device.bind_device``: a ``cpu:a-b`` core group pins the process and
-    its threads, ``cuda:i`` its GPU; None: ``engine_config.device``, one thread on CPU), load
-    the model, join the group (``backend`` None: ``backend_for`` the device), ``follow``
-    until rank 0 stops. Returns the steps run.
-
-    A spawned rank inherits rank 0's CPU pinning, so a ``cpu:`` device first takes its own
-    cores. Before joining the group it tells the rendezvous ``ready/<rank>``, or
-    ``failed/<rank>`` with the error (``start_instance`` waits for one of them)."""
+    """A process's life as rank ``rank`` > 0: bind to ``device`` (None:
+    ``engine_config.device``), load the model, tell the rendezvous ``ready/<rank>`` (or
+    ``failed/<rank>`` with the error), join the group (``backend`` None: ``backend_for``),
+    ``follow`` until rank 0 stops; the steps run. A ``cpu:`` device first takes its own
+    cores, since a spawned rank inherits rank 0's pinning."""
     store = _store_client(init_method, timeout_s)
     try:
         if device is not None:
@@ -576,11 +527,9 @@ def serve_rank(model_config, engine_config, init_method: str, rank: int, size: i
 
 
 def _rank_process(*args) -> None:
-    """``start_instance``'s spawn target: ``serve_rank(*args)``, then leave the process
-    without the interpreter's teardown (exit 0, or 1 after printing the error). Once all
-    work is done, a C++ destructor at a gloo rank's exit sometimes aborts the process
-    ("terminate called without an active exception", SIGABRT) after several steps, which
-    would read as a failed rank."""
+    """``start_instance``'s spawn target: ``serve_rank(*args)``, then exit 0 (or 1 after
+    printing the error) without the interpreter's teardown, where a gloo destructor can
+    abort the process (SIGABRT) and read as a failed rank."""
     code = 0
     try:
         serve_rank(*args)
@@ -623,10 +572,8 @@ class RunningInstance:
 def start_instance(loaded: LoadedModel, model_config, engine_config, tp: int,
                    devices: tuple[str, ...] | None = None, timeout_s: float = 120.0,
                    **engine_kwargs) -> RunningInstance:
-    """Start a TP-``tp`` instance: ranks 1.. as spawned processes (``serve_rank``, each bound
-    to ``devices[r]`` when given), rank 0 here (this process already bound to
-    ``devices[0]``; ``engine_config.device`` its torch device), over a rendezvous this
-    process hosts on 127.0.0.1 (the ranks of one instance share a node).
+    """Start a TP-``tp`` instance: ranks 1.. spawned (``serve_rank`` on ``devices[r]``),
+    rank 0 here (already on ``devices[0]``), over a rendezvous hosted on 127.0.0.1.
 
     Raises:
         ValueError: ``devices`` not ``tp`` long, or ``make_engine``'s refusals (the other

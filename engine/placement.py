@@ -1,35 +1,23 @@
-"""The typed placement: which instances run, in which role, each over how many devices (its
-tensor-parallel size TP times its pipeline-parallel size PP), parsed and checked here only.
+"""The typed placement: which instances run, in which role, each over ``tp * pp`` devices
+(tensor- and pipeline-parallel sizes), parsed and checked here only.
 
 Spelling (case-insensitive, surrounding spaces ignored)::
 
     colocated:N             N colocated instances (chunked prefill on)
-    colocated-nochunk:N     the same with chunked prefill off (``engine.config.
-                            placement_engine_overrides``)
+    colocated-nochunk:N     the same with chunked prefill off
     disagg:XpYd             X prefill instances, Y decode instances
-    conditional:XpYd        the instances of disagg:XpYd; decode instances prefill short
-                            prompts themselves (``engine.config.ConditionalConfig``)
+    conditional:XpYd        disagg:XpYd's instances; decode prefills short prompts itself
 
-each optionally followed by parallel sizes, ``+`` joined (``,`` already separates placements
-in a list, and ``+`` needs no quoting in a shell)::
+each optionally followed by ``+``-joined sizes (``+`` needs no shell quoting, ``,`` separates
+placements): ``+tpT +ppP`` for every instance, ``+ptpT +dtpT +pppP +dppP`` for prefill or
+decode only. ``disagg:1p1d+ptp2`` is a TP-2 prefill and a TP-1 decode instance on 3 devices,
+``colocated:2+tp2`` two TP-2 instances on 4. ``str(placement)`` writes the canonical spelling
+(sizes of 1 left out, a size both phases share written once).
 
-    +tpT  +ppP              every instance at TP T / PP P
-    +ptpT +dtpT             prefill / decode instances only (disagg, conditional)
-    +pppP +dppP
-
-so ``disagg:1p1d+ptp2`` is one prefill instance at TP 2 and one decode instance at TP 1 on 3
-devices, ``disagg:2p1d+tp2`` three instances at TP 2 on 6 devices, and
-``colocated:2+tp2`` two colocated instances at TP 2 on 4 devices. A size of 1 is the default;
-``str(placement)`` writes the canonical spelling (sizes of 1 left out, a size shared by both
-phases written once), so today's spellings read back unchanged.
-
-Devices are taken in order, prefill instances first, then decode, each instance the next
-``tp * pp`` devices (its ranks in rank order); a set with more devices than needed leaves
-the rest unused. A CPU core group (``cpu:0-3``) is one device.
-
-A TP size must suit the model (``check_tp``): it divides the attention heads, and divides
-the KV heads or is a multiple of them (then each KV head is replicated on ``tp / kv_heads``
-ranks, as vLLM does); a PP size must not exceed the layers.
+Devices are taken in order, prefill instances first, each the next ``tp * pp`` (in rank
+order); extra devices stay unused; a core group (``cpu:0-3``) is one device. A TP size must
+divide the attention heads and divide or be a multiple of the KV heads (``check_tp``); a PP
+size must not exceed the layers.
 """
 
 from __future__ import annotations
@@ -55,17 +43,9 @@ def _check(cond: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class Instance:
-    """One instance of a placement: ``tp * pp`` devices running one model copy with one
-    scheduler.
-
-    Attributes:
-        role: ``colocated``, ``prefill`` or ``decode``.
-        index: its number among the instances of its role (0-based).
-        tp: tensor-parallel size (ranks that split each layer's heads), >= 1.
-        pp: pipeline-parallel size (stages that split the layers), >= 1.
-        devices: its ``tp * pp`` devices in rank order (rank = stage * tp + tp_rank), or
-            ``()`` for a placement not bound to a device set.
-    """
+    """One instance: ``tp * pp`` devices running one model copy with one scheduler; ``role``
+    ``colocated``, ``prefill`` or ``decode``, ``index`` 0-based within its role, ``devices``
+    in rank order (rank = stage * tp + tp_rank), ``()`` until bound."""
 
     role: str
     index: int
@@ -85,11 +65,7 @@ class Instance:
 
     @property
     def device(self) -> str:
-        """Its first device (rank 0, where its scheduler runs).
-
-        Raises:
-            ValueError: the placement is not bound to devices.
-        """
+        """Its first device (rank 0, its scheduler's); ValueError when not bound to devices."""
         _check(bool(self.devices), f"instance {self.name} has no devices: bind the placement "
                                    "to a device set first (Placement.bind)")
         return self.devices[0]
@@ -97,14 +73,8 @@ class Instance:
 
 @dataclass(frozen=True)
 class Placement:
-    """A parsed placement (see the module docstring for the spelling).
-
-    Attributes:
-        kind: ``colocated``, ``disagg`` or ``conditional``.
-        chunked: False for ``colocated-nochunk`` (chunked prefill off), else True.
-        instances: prefill instances then decode instances (or the colocated ones), each
-            with its sizes and, once bound, its devices.
-    """
+    """A parsed placement: ``kind`` ``colocated``, ``disagg`` or ``conditional``; ``chunked``
+    False for ``colocated-nochunk``; ``instances`` prefill then decode (or colocated)."""
 
     kind: str
     chunked: bool
@@ -112,12 +82,8 @@ class Placement:
 
     @classmethod
     def parse(cls, text: str) -> Placement:
-        """Parse a placement spelling (module docstring).
-
-        Raises:
-            ValueError: anything else, a zero count or size, a size given twice, a per-phase
-                size on a colocated placement; one line naming the text.
-        """
+        """Parse a spelling; ValueError, one line naming the text, on anything else, a zero
+        count or size, a size given twice, or a per-phase size on a colocated placement."""
         raw = text
         head, *sizes = text.strip().lower().split("+")
         m = _HEAD_RE.fullmatch(head)
@@ -148,7 +114,6 @@ class Placement:
             Instance(role, i, given.get((role, "tp"), 1), given.get((role, "pp"), 1))
             for role in roles for i in range(counts[role])))
 
-    # ---- reading ---------------------------------------------------------------------------
 
     def of_role(self, role: str) -> tuple[Instance, ...]:
         """Its instances of ``role`` (``colocated``, ``prefill`` or ``decode``), in order."""
@@ -182,11 +147,8 @@ class Placement:
         return any(i.num_devices > 1 for i in self.instances)
 
     def size_of(self, role: str) -> tuple[int, int]:
-        """``(tp, pp)`` of ``role``'s instances (every instance of a role has the same).
-
-        Raises:
-            ValueError: the placement has no instance of ``role``.
-        """
+        """``(tp, pp)`` of ``role``'s instances (the same for all); ValueError when the
+        placement has none."""
         found = self.of_role(role)
         _check(bool(found), f"placement {self} has no {role} instance")
         return found[0].tp, found[0].pp
@@ -209,15 +171,10 @@ class Placement:
                 suffix += [f"{role[0]}{what}{v}" for role, v in values.items() if v != 1]
         return "+".join([head] + suffix)
 
-    # ---- binding and checking --------------------------------------------------------------
 
     def bind(self, devices: tuple[str, ...]) -> Placement:
-        """This placement with each instance's devices taken in order from ``devices``
-        (``engine.config.parse_devices``' result).
-
-        Raises:
-            ValueError: the placement needs more devices than the set has.
-        """
+        """This placement with each instance's devices taken in order from ``devices``;
+        ValueError when it needs more devices than the set has."""
         _check(self.num_devices <= len(devices),
                f"placement {self} needs {self.num_devices} devices, the device set "
                f"{','.join(devices)} has {len(devices)}")
@@ -229,12 +186,8 @@ class Placement:
 
     def check_model(self, num_heads: int, num_kv_heads: int, num_layers: int,
                     model: str = "the model") -> None:
-        """Refuse sizes the model cannot be split by (``check_tp`` for each role's TP; a PP
-        larger than ``num_layers``).
-
-        Raises:
-            ValueError: one line naming the role, the size and the model's counts.
-        """
+        """Refuse sizes the model cannot be split by (``check_tp``; a PP over ``num_layers``)
+        with a ValueError naming the role, the size and the model's counts."""
         for role in self.roles:
             tp, pp = self.size_of(role)
             check_tp(tp, num_heads, num_kv_heads, f"{role} TP {tp}", model)
@@ -243,10 +196,8 @@ class Placement:
 
 def check_tp(tp: int, num_heads: int, num_kv_heads: int, what: str = "",
              model: str = "the model") -> None:
-    """A TP size ``tp`` suits a model of ``num_heads`` attention heads and ``num_kv_heads``
-    KV heads if it divides the attention heads and either divides the KV heads (each rank
-    holds ``num_kv_heads / tp`` of them) or is a multiple of them (each KV head replicated on
-    ``tp / num_kv_heads`` ranks): vLLM's rule (``QKVParallelLinear``).
+    """``tp`` suits a model if it divides ``num_heads`` and divides ``num_kv_heads`` or is a
+    multiple of it (each KV head then on ``tp / num_kv_heads`` ranks): vLLM's rule.
 
     Raises:
         ValueError: one line, e.g. ``decode TP 3 does not suit tiny-random-llama: TP must

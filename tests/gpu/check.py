@@ -1,6 +1,6 @@
 """``make gpu-check``: everything pdlab can check on one CUDA GPU, in one run, one table.
 
-Made for the first GPU box pdlab meets (issue 31): one GPU (an H200 in mind), torch with
+Made for a GPU box pdlab has not met yet: one GPU (an H200 in mind), torch with
 CUDA, transformers and msgpack installed, and nothing else: no Ray, no network, no pdlab
 install. It runs from the checkout (``PYTHONPATH=<checkout> python3 tests/gpu/check.py``,
 which is what ``make gpu-check`` does) and finishes in under 8 minutes. On a machine without

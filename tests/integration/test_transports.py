@@ -198,7 +198,7 @@ def test_torchdist_rejects_missing_destination():
 
 
 def test_layer_wise_records_split_exposed_from_overlapped_time():
-    """Issue 29's definitions (kv_transfer/transport.py): a chunk's transfer time before the
+    """The definitions of kv_transfer/transport.py: a chunk's transfer time before the
     put of its request's last chunk began is overlapped, after it exposed."""
     transport = InProcessTransport()
     transport.peak_gbps = 4.0

@@ -1,4 +1,4 @@
-"""DESIGN §2 "who may import whom", enforced by parsing every module with ``ast``.
+"""Who may import whom, enforced by parsing every module with ``ast``.
 
 The layer order (a package may import only those below it; experiments may import
 everything):
