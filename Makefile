@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.pdlab-installed
 
-.PHONY: run test test-avx512-emulated docs setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
+.PHONY: run test test-fast flakiness test-avx512-emulated docs setup clean vllm-venv bench-vllm bench-prefill vllm-baseline vllm-client self-healing gpu-check cpu-parity
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -37,6 +37,20 @@ test: $(STAMP)
 # The docs site (mkdocs.yml, docs/): --strict fails on a broken link, anchor or missing page.
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet --site-dir .site
+
+# The inner loop (under a minute on 2 cores): every unit test, and the engine's own tests on
+# the tiny model; nothing marked slow (SmolLM2), ray or workers (kills, timers, servers).
+FAST_TESTS := tests/unit tests/integration/test_engine.py tests/integration/test_paged_kv.py \
+	tests/integration/test_prefill_attention.py tests/integration/test_prefix_cache.py \
+	tests/integration/test_step_output.py
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not ray and not workers" $(FAST_TESTS)
+
+# Each test marked ray or workers (soak, self-healing, liveness, serve, Ray) run 10 times, each
+# one's failure count in a table (tests/flakiness.py; results/flakiness/<UTC time>/).
+flakiness: $(STAMP)
+	$(PY) tests/flakiness.py $(FLAKINESS_ARGS)
 
 # The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
 # (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too
@@ -96,7 +110,8 @@ self-healing: $(STAMP)
 # every family in fp32 and bf16, the KV cache under --gpu-memory-utilization, colocated:1 vs
 # disagg:1p1d on one GPU, decode step time against the HBM floor; one table, < 8 minutes.
 # It needs only torch (CUDA), transformers and msgpack: no virtualenv, no install, no network
-# (pytest comes from tests/gpu/wheels where it is missing). No CUDA: it stops, saying so.
+# (pytest comes from tests/gpu/wheels where it is missing). No CUDA: it stops, saying so;
+# a Python without torch, transformers or msgpack: it says so in one line (GPU_PYTHON=...).
 GPU_PYTHON ?= python3
 
 gpu-check:

@@ -12,10 +12,7 @@ from channel.sockets import SocketPort
 
 def open_port(endpoint: Endpoint, on_arrival: Callable[[], None] | None = None) -> Port:
     """The port of ``endpoint``; ``on_arrival()`` runs after each command reaches it.
-
-    Raises:
-        KeyError: a local endpoint whose hub is not in this process (or closed).
-    """
+    KeyError for a local endpoint whose hub is not in this process (or closed)."""
     if endpoint.messages.startswith("local:"):
         return open_local_port(endpoint, on_arrival)
     return SocketPort(endpoint, on_arrival)

@@ -1,10 +1,9 @@
 """The channel's wire format: msgpack, with pickle for the values msgpack has no type for.
 
-Plain values (None, bools, ints, floats, str, bytes, lists, tuples, dicts) travel as
-msgpack; arrays come back as tuples. Anything else (a ``Request``, a ``WorkerEvent``, a
-KV handle) travels as a msgpack extension of type ``PICKLED`` holding its pickle, as
-vLLM's engine-core messages do. A peer is trusted as a Ray peer is: bind ``tcp``
-channels only on the cluster's own network.
+Plain values (None, bools, ints, floats, str, bytes, lists, tuples, dicts) travel as msgpack,
+arrays coming back as tuples; anything else (a ``Request``, a KV handle) as a ``PICKLED``
+extension holding its pickle, as vLLM's engine-core messages do. Peers are trusted as Ray
+peers are: bind ``tcp`` channels only on the cluster's own network.
 """
 
 from __future__ import annotations
@@ -33,11 +32,7 @@ def encode(value: Any) -> bytes:
 
 
 def decode(data: bytes | memoryview) -> Any:
-    """The value ``encode`` made ``data`` from (arrays as tuples).
-
-    Raises:
-        ValueError: ``data`` is not a whole message (msgpack's ``ExtraData``, ``FormatError``
-            and ``StackError`` are ValueErrors).
-    """
+    """The value ``encode`` made ``data`` from (arrays as tuples); ValueError (msgpack's
+    ``ExtraData``, ``FormatError``, ``StackError``) when ``data`` is not a whole message."""
     return msgpack.unpackb(data, ext_hook=_ext_hook, use_list=False, raw=False,
                            strict_map_key=False)

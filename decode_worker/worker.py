@@ -80,11 +80,11 @@ class DecodeWorker(EngineLoop):
                  rank: int | None = None, world_size: int | None = None,
                  init_method: str | None = None, inside_ray: bool = False,
                  bind: bool = True, step_delay_s: float = 0.0,
-                 emulation: Emulation | None = None) -> None:
+                 emulation: Emulation | None = None, rank_devices: tuple[str, ...] = ()) -> None:
         self.transfer = transfer_config
         self._transfers: dict[str, _Transfer] = {}  # loop thread only
         super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s,
-                         emulation)
+                         emulation, rank_devices)
         # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, self.engine.config.device)
@@ -124,8 +124,11 @@ class DecodeWorker(EngineLoop):
         self.transport.peak_gbps = gbps
 
     def shutdown(self) -> None:
-        self._fetcher.shutdown(wait=False, cancel_futures=True)
+        """Stop the loop, then the fetch pool (the other order let the loop's last step
+        start a fetch on a shut pool, and the loop died of it: its uncollected events were
+        lost, and ``wait_events`` raised)."""
         super().shutdown()
+        self._fetcher.shutdown(wait=False, cancel_futures=True)
 
     # ---- the loop thread ---------------------------------------------------------------
     def _admit(self, request: Request, first_token: int, handles: tuple[KVHandle, ...],

@@ -1,7 +1,5 @@
-"""When each request of a workload arrives: seeded arrival processes (vLLM's
-``benchmarks/benchmark_serving.py`` semantics), the one definition a real replay
-(``experiments.workloads.with_arrivals``) and the planner's simulation (``planner.search``) both
-draw from, so the same seed gives the same arrival times in both. No torch."""
+"""When each request of a workload arrives: seeded arrival processes (vLLM's benchmark_serving
+semantics), shared by the real replay and the planner's simulation so one seed gives one timing."""
 
 from __future__ import annotations
 
@@ -48,17 +46,12 @@ def check_count(num_requests: int) -> None:
 
 
 class Chains:
-    """Closed-loop arrivals of chained requests (the turns of multi-turn conversations): the one
-    turn-chaining rule, shared by the real replay (``experiments.workloads.ConversationReplay``,
-    behind ``Router.run``) and the planner's simulator.
+    """Closed-loop arrivals of chained requests (multi-turn conversations), for the real replay
+    (``experiments.workloads.ConversationReplay``) and the planner's simulator alike.
 
-    Chain ``c``'s link 0 arrives at ``starts_s[c]``; link ``k > 0`` arrives ``think_s[c][k]``
-    seconds after link ``k - 1`` ended (its last token, or its error). A link that failed ends its
-    chain: its later links never arrive (``num_dropped``). Times are seconds on the replay's clock.
-
-    Args:
-        starts_s: ``[num_chains]`` first arrivals (s), e.g. ``arrival_times`` of the chains.
-        think_s: ``[num_chains][num_links]`` think times (s); ``think_s[c][0]`` is unused.
+    Chain ``c``'s link 0 arrives at ``starts_s[c]`` (``[num_chains]``, s); link ``k > 0`` arrives
+    ``think_s[c][k]`` (``[num_chains][num_links]``, s) after link ``k - 1`` ended (its last token,
+    or its error). A failed link ends its chain: its later links never arrive (``num_dropped``).
 
     Raises:
         ValueError: the two disagree in length, a chain has no link, or a time is negative

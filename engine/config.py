@@ -1,11 +1,9 @@
 """Frozen, validated configuration dataclasses (no torch).
 
-Every field has a default and a **rule** in its metadata (``min``, ``gt``, ``choices`` or
+Every field has a default and a rule in its metadata (``min``, ``gt``, ``choices`` or
 ``pattern`` with a ``hint``; a bool needs none), checked by ``check_fields`` in
-``__post_init__``; a bad value raises ``ValueError`` naming the field and what is allowed.
-Rules that join several fields are checked after it. ``add_dataclass_args`` derives CLI
-options from the fields, so the CLI and the config never drift apart, and a new field
-cannot skip validation (``tests/integration/test_cli_options.py`` fails on a field without a rule).
+``__post_init__``, then the rules joining fields: a bad value raises ``ValueError`` naming the
+field and what is allowed. ``add_dataclass_args`` derives the CLI options from the fields.
 """
 
 from __future__ import annotations
@@ -17,6 +15,8 @@ import numbers
 import os
 import re
 from dataclasses import dataclass, field
+
+from engine.placement import NOCHUNK, Placement  # noqa: F401  (NOCHUNK: importable here too)
 
 DTYPES = ("float32", "bfloat16", "float16")
 TRANSPORTS = ("inprocess", "ray", "torchdist", "shm", "nixl")
@@ -57,9 +57,8 @@ def allowed(f: dataclasses.Field) -> str:
 
 
 def check_fields(obj) -> None:
-    """Check every field of the dataclass instance ``obj`` against its metadata rule (module
-    docstring): the type (a finite number for int/float; bool is not an int here), then
-    ``min`` (inclusive), ``gt`` (exclusive), ``choices``, ``pattern`` (full match).
+    """Check each field of ``obj`` against its rule: the type (a finite number for int/float;
+    bool is not an int), ``min`` (inclusive), ``gt`` (exclusive), ``choices``, ``pattern`` (full).
 
     Raises:
         ValueError: ``"<field> must be <what is allowed>, got <value>"``.
@@ -89,13 +88,9 @@ def check_fields(obj) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Which model to load and how.
-
-    Attributes:
-        model: ``smollm2-135m`` (bundled GGUF, the default), ``tiny-random-llama`` (seeded
-            test model), a local Hugging Face model directory, or a hub id (needs network).
-        dtype: parameter and KV cache dtype, one of ``float32``, ``bfloat16``, ``float16``.
-    """
+    """Which model to load: ``smollm2-135m`` (bundled GGUF, the default), ``tiny-random-llama``
+    (seeded test model), a local Hugging Face directory or a hub id (needs network); ``dtype``
+    is that of the parameters and the KV cache."""
 
     # which names exist is checked by engine.model.check_model_name (it reads the disk)
     model: str = field(default="smollm2-135m", metadata={"pattern": r".*\S.*",
@@ -111,37 +106,29 @@ class ModelConfig:
 class EngineConfig:
     """Scheduler and KV cache of one engine instance.
 
-    The KV cache is ``num_blocks`` blocks of ``block_size`` tokens (``engine.kv_cache``),
-    ``num_blocks`` = the memory budget (``kv_cache_memory_gb``; on CUDA, unset, a fraction
-    ``gpu_memory_utilization`` of the device) divided by the bytes of one block, capped by
-    what ``max_num_seqs`` requests of ``max_model_len`` tokens can ever use and by
-    ``kv_capacity_tokens`` (``engine.kv_cache.kv_cache_num_blocks``).
+    The KV cache is ``num_blocks`` blocks of ``block_size`` tokens: the memory budget over the
+    bytes of one block, capped by what ``max_num_seqs`` requests of ``max_model_len`` tokens
+    can use and by ``kv_capacity_tokens`` (``kv_num_blocks_for``).
 
     Attributes:
-        max_num_seqs: requests holding KV at once (>= 1; vLLM's default, 256).
-        max_model_len: tokens of one request: prompt + output must fit (>= 2); capped by the
-            model's context length.
+        max_num_seqs: requests holding KV at once (vLLM's default, 256).
+        max_model_len: tokens of one request, prompt + output; capped by the model's context.
         max_num_batched_tokens: per-step token budget (prompt chunks + decodes), >= max_num_seqs.
         enable_chunked_prefill: split long prompts across steps, mixed with running decodes
             (Sarathi-Serve); off = a prompt runs whole in one step.
-        kv_capacity_tokens: an extra cap on the KV cache in tokens (rounded up to whole
-            blocks); None = no cap beyond the memory budget.
-        block_size: tokens per KV block (>= 1; vLLM's default, 16).
-        kv_cache_memory_gb: KV cache budget in GiB (2**30 bytes, as vLLM's
-            ``VLLM_CPU_KVCACHE_SPACE``); None = ``DEFAULT_CPU_KV_CACHE_GB`` on CPU,
-            ``gpu_memory_utilization`` on CUDA.
-        gpu_memory_utilization: on CUDA with no ``kv_cache_memory_gb``: the fraction of the
-            device's memory this process may use in all; the KV cache gets what is left of
-            it after the weights (vLLM's ``gpu_memory_utilization``), in (0, 1].
+        kv_capacity_tokens: extra cap on the KV cache in tokens (rounded up to whole blocks).
+        block_size: tokens per KV block (vLLM's default, 16).
+        kv_cache_memory_gb: KV budget in GiB (2**30 bytes, as vLLM's ``VLLM_CPU_KVCACHE_SPACE``);
+            None = ``DEFAULT_CPU_KV_CACHE_GB`` on CPU, ``gpu_memory_utilization`` on CUDA.
+        gpu_memory_utilization: CUDA without ``kv_cache_memory_gb``: the fraction of the
+            device's memory for weights + KV, the KV cache getting what the weights leave.
         device: ``cpu`` or ``cuda[:i]``.
-        enable_prefix_caching: automatic prefix caching (vLLM's, on by default as there):
-            full KV blocks are kept by the hash of their token prefix after their request
-            ends, and a prompt starting with cached blocks skips their prefill
-            (``engine.kv_blocks``).
-        kv_reservation: ``on_demand`` (vLLM v1, the default): a request gets KV blocks as
-            its tokens arrive, and when none is free the newest running request is
-            preempted (its blocks freed, recomputed later); ``full``: a request gets the
-            blocks for prompt + max_tokens at admission and is never preempted.
+        enable_prefix_caching: vLLM's automatic prefix caching: full KV blocks stay cached by
+            the hash of their token prefix, and a prompt starting with them skips their
+            prefill (``engine.kv_blocks``).
+        kv_reservation: ``on_demand`` (vLLM v1): blocks as tokens arrive, preempting the newest
+            running request (freed, recomputed later) when none is free; ``full``: blocks for
+            prompt + max_tokens at admission, never preempted.
     """
 
     max_num_seqs: int = field(default=256, metadata={"min": 1})
@@ -193,10 +180,8 @@ class EngineConfig:
 
     @property
     def total_kv_capacity_tokens(self) -> int:
-        """Tokens the KV cache can hold at most without knowing the model's bytes per token:
-        ``max_num_seqs`` requests of ``max_model_len`` tokens in whole blocks, capped by
-        ``kv_capacity_tokens`` (rounded up to whole blocks). The engine's real capacity
-        also obeys the memory budget (``Engine.kv_capacity_tokens``)."""
+        """Most tokens the KV cache holds before the model's bytes per token are known:
+        ``max_kv_blocks * block_size`` (``Engine.kv_capacity_tokens`` obeys the budget too)."""
         return self.max_kv_blocks * self.block_size
 
     @property
@@ -209,8 +194,7 @@ class EngineConfig:
         return blocks
 
 
-# ---- the KV cache's size: one rule for the engine (engine.kv_cache reads the device) and the
-# planner (planner.latency.DeviceProfile gives the device facts a profile recorded) ----------
+# The KV cache's size: one rule for the engine (engine.kv_cache) and the planner (its profile).
 GIB = 2 ** 30
 DEFAULT_CPU_KV_CACHE_GB = 4.0  # vLLM's CPU default before "auto" (VLLM_CPU_KVCACHE_SPACE=4)
 
@@ -219,16 +203,13 @@ def kv_budget_bytes_for(config: EngineConfig, device: str,
                         device_memory_bytes: int | None = None,
                         used_memory_bytes: int | None = None) -> int:
     """The KV cache budget in bytes of an engine of ``config`` on ``device`` (``cpu``,
-    ``cuda`` or ``cuda:i``), from the device's facts (no torch: the caller measures them).
+    ``cuda[:i]``), from device facts the caller measures (no torch here).
 
-    ``kv_cache_memory_gb`` GiB (2**30 bytes) when set; else on CPU
-    ``DEFAULT_CPU_KV_CACHE_GB`` GiB; else on CUDA ``max(0, int(gpu_memory_utilization *
-    device_memory_bytes) - used_memory_bytes)``: what is left of this engine's share of the
-    device once what already occupies it is counted (vLLM's ``gpu_memory_utilization``;
-    activations of a step come out of the same share, so the fraction should leave room
-    for them). The engine passes ``torch.cuda.mem_get_info``'s ``total`` and ``total -
-    free`` after loading its weights (``engine.kv_cache.kv_budget_bytes``); the planner the
-    profile's ``device_memory_bytes`` and ``weight_bytes`` (``DeviceProfile.kv_budget_bytes``).
+    ``kv_cache_memory_gb`` GiB (2**30 bytes) when set; else ``DEFAULT_CPU_KV_CACHE_GB`` GiB on
+    CPU; else on CUDA ``max(0, int(gpu_memory_utilization * device_memory_bytes) -
+    used_memory_bytes)``, vLLM's rule (a step's activations come out of the same share). The
+    engine passes ``torch.cuda.mem_get_info``'s ``total`` and ``total - free`` after loading
+    its weights; the planner its profile's ``device_memory_bytes`` and ``weight_bytes``.
 
     Raises:
         ValueError: a CUDA budget from the utilization without ``device_memory_bytes`` or
@@ -249,10 +230,8 @@ def kv_num_blocks_for(config: EngineConfig, bytes_per_token: int, budget_bytes: 
                       max_model_len: int | None = None) -> int:
     """Blocks of the KV cache: ``budget_bytes // (block_size * bytes_per_token)`` (vLLM's
     ``available_memory // bytes_per_block``, v1/core/kv_cache_utils.py), capped by
-    ``config.max_kv_blocks`` (more than ``max_num_seqs`` requests of ``max_model_len``
-    tokens can ever use is never allocated); ``max_model_len`` overrides the config's (the
-    engine caps it by the model's context). ``bytes_per_token``: ``KVSpec.bytes_per_token``
-    (K and V of every layer), > 0."""
+    ``config.max_kv_blocks``; ``max_model_len`` overrides the config's. ``bytes_per_token``:
+    ``KVSpec.bytes_per_token`` (K and V of every layer), > 0."""
     if max_model_len is not None:
         config = dataclasses.replace(config, max_model_len=max_model_len)
     return min(budget_bytes // (config.block_size * bytes_per_token), config.max_kv_blocks)
@@ -263,19 +242,16 @@ class TransferConfig:
     """How KV moves from a prefill worker to a decode worker.
 
     Attributes:
-        transport: ``ray`` (object store, default, crosses nodes), ``inprocess`` (reference),
-            ``torchdist`` (torch.distributed point-to-point: gloo on CPU, NCCL on CUDA),
-            ``shm`` (a shared-memory arena per prefill worker: workers of one node only, one
-            copy per transfer; the fastest between processes, see ``kv_transfer.shm``),
-            ``nixl`` (NIXL one-sided READs from a registered arena per prefill worker, as
-            vLLM/Dynamo/SGLang move KV; crosses nodes; needs the ``nixl`` extra, see
-            ``kv_transfer.nixl``).
+        transport: ``ray`` (object store, the default, crosses nodes), ``inprocess``
+            (reference), ``torchdist`` (point-to-point: gloo on CPU, NCCL on CUDA), ``shm``
+            (a shared-memory arena per prefill worker; one node, one copy per transfer),
+            ``nixl`` (one-sided READs from a registered arena; crosses nodes; ``nixl`` extra).
         granularity: ``request`` (whole prompt KV after prefill) or ``layer`` (layer ranges
             sent while prefill computes the next).
-        layers_per_chunk: layers per layer-wise message (>= 1).
-        checksum: add a checksum of every tensor byte to the header (hardware CRC-32C; zlib
-            CRC-32 where the ``crc32c`` package is missing) and verify it on receipt.
-        timeout_s: deadline of every remote wait in seconds (> 0).
+        layers_per_chunk: layers per layer-wise message.
+        checksum: CRC-32C of every tensor byte in the header (zlib CRC-32 without the
+            ``crc32c`` package), verified on receipt.
+        timeout_s: deadline of every remote wait, seconds.
     """
 
     transport: str = dataclasses.field(default="ray", metadata={"choices": TRANSPORTS})
@@ -289,56 +265,29 @@ class TransferConfig:
 
 
 ADDRESS_PATTERN = r"auto|local|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5}"
-_PLACEMENT_RE = re.compile(r"colocated(?:-nochunk)?:(\d+)|(disagg|conditional):(\d+)p(\d+)d")
-NOCHUNK = "colocated-nochunk"
-
-
 def parse_placement(placement: str) -> tuple[str, int, int]:
-    """Parse ``colocated:N``, ``colocated-nochunk:N``, ``disagg:xPyD`` or
-    ``conditional:xPyD`` (case-insensitive).
-
-    ``colocated-nochunk:N`` is ``colocated:N`` with chunked prefill off (see
-    ``placement_engine_overrides``), so one comparison can hold both colocated baselines.
-    ``conditional:xPyD`` has the workers of ``disagg:xPyD``, but its decode workers prefill
-    short prompts themselves (``ConditionalConfig``).
-
-    Returns:
-        ``("colocated", N, 0)``, ``("disagg", x, y)`` or ``("conditional", x, y)``.
-
-    Raises:
-        ValueError: anything else, or a zero count.
-    """
-    m = _PLACEMENT_RE.fullmatch(placement.strip().lower())
-    if m is None:
-        raise ValueError(
-            "placement must be 'colocated:N', 'colocated-nochunk:N', 'disagg:xPyD' or "
-            f"'conditional:xPyD' (e.g. disagg:1p1d), got {placement!r}")
-    if m.group(1) is not None:
-        n = int(m.group(1))
-        _check(n >= 1, f"colocated:N needs N >= 1, got {placement!r}")
-        return "colocated", n, 0
-    kind, x, y = m.group(2), int(m.group(3)), int(m.group(4))
-    _check(x >= 1 and y >= 1, f"{kind}:xPyD needs x, y >= 1, got {placement!r}")
-    return kind, x, y
+    """The kind and instance counts of a one-device-per-instance placement (spelled as in
+    ``engine.placement``); one with parallel sizes (``+tp2``) is refused rather than run at
+    TP 1. ``colocated-nochunk:N`` is ``colocated:N`` without chunked prefill;
+    ``conditional:xPyD`` has ``disagg:xPyD``'s workers, its decode workers prefilling short
+    prompts themselves (``ConditionalConfig``). Returns ``("colocated", N, 0)``, ``("disagg",
+    x, y)`` or ``("conditional", x, y)``; ValueError on anything else, a zero count, or an
+    instance over several devices."""
+    p = Placement.parse(placement)
+    _check(not p.is_parallel, f"placement {placement.strip()!r} spans several devices per "
+                              "instance (TP/PP), which this command does not deploy yet: "
+                              "drop the '+tp'/'+pp' sizes")
+    return (p.kind, *p.counts)
 
 
 @dataclass(frozen=True)
 class ConditionalConfig:
-    """When a ``conditional:xPyD`` placement prefills a prompt remotely (NVIDIA Dynamo's
-    conditional disaggregation, with its option names ``max_local_prefill_length`` and
-    ``max_prefill_queue_size``: Dynamo docs, "Dynamo Disaggregation", v0.2.0,
-    docs.nvidia.com/dynamo/archive/0.2.0/architecture/disagg_serving.html).
-
-    A request prefills on a prefill worker only if its prompt is longer than
-    ``max_local_prefill_length`` tokens **and** fewer than ``max_prefill_queue_size``
-    requests wait for prefill on the prefill workers; otherwise its decode worker prefills
-    it locally (and decodes it, no KV transfer).
-
-    Attributes:
-        max_local_prefill_length: longest prompt (tokens) a decode worker prefills itself.
-        max_prefill_queue_size: remote prefill only while fewer requests than this are
-            queued or prefilling on the prefill workers (>= 1).
-    """
+    """When a ``conditional:xPyD`` placement prefills remotely: only if the prompt is longer
+    than ``max_local_prefill_length`` tokens and fewer than ``max_prefill_queue_size``
+    requests are queued or prefilling on the prefill workers; else its decode worker
+    prefills (and decodes) it, with no KV transfer. NVIDIA Dynamo's conditional
+    disaggregation and option names (Dynamo docs v0.2.0, "Dynamo Disaggregation",
+    docs.nvidia.com/dynamo/archive/0.2.0/architecture/disagg_serving.html)."""
 
     max_local_prefill_length: int = field(default=256, metadata={
         "min": 0, "help": "prompts of at most this many tokens prefill on their decode worker "
@@ -360,14 +309,14 @@ def placement_engine_overrides(placement: str, engine: EngineConfig) -> EngineCo
     """The engine config a placement runs with. ``colocated-nochunk:N`` turns chunked prefill
     off and, as vLLM requires without chunking, raises the token budget to ``max_model_len``
     so any admissible prompt runs whole in one step."""
-    if not placement.strip().lower().startswith(NOCHUNK):
+    if Placement.parse(placement).chunked:
         return engine
     budget = max(engine.max_num_batched_tokens, engine.max_model_len)
     return dataclasses.replace(engine, enable_chunked_prefill=False, max_num_batched_tokens=budget)
 
 
 def default_devices() -> tuple[str, ...]:
-    """All GPUs if CUDA is present, else one ``cpu:i`` device per core (DESIGN §5)."""
+    """All GPUs if CUDA is present, else one ``cpu:i`` device per core."""
     try:
         import torch  # local import: this module stays importable without torch
 
@@ -420,12 +369,8 @@ def is_emulated(devices: tuple[str, ...]) -> bool:
 
 
 def emulated_devices(n: int) -> tuple[str, ...]:
-    """``emu:0`` .. ``emu:n-1``: the emulated device set of ``n`` devices that ``pdlab plan
-    --validate`` (with ``--device-profile``) and ``pdlab map --validate-on emu`` run on.
-
-    Raises:
-        ValueError: ``n < 1``.
-    """
+    """``emu:0`` .. ``emu:n-1``, the emulated devices ``pdlab plan --validate`` and ``pdlab map
+    --validate-on emu`` run on; ValueError when ``n < 1``."""
     _check(isinstance(n, int) and n >= 1, f"an emulated device set needs n >= 1 devices, got {n!r}")
     return parse_devices(f"emu:0-{n - 1}")
 
@@ -439,13 +384,9 @@ def cpu_cores_of(device: str) -> list[int]:
 
 @dataclass(frozen=True)
 class PlacementConfig:
-    """Where prefill and decode run.
-
-    Attributes:
-        placement: ``colocated:N``, ``disagg:xPyD`` or ``conditional:xPyD``.
-        devices: comma-separated device set; None = all GPUs, else one device per CPU core.
-        address: an existing Ray cluster to join; None starts a local one.
-    """
+    """Where prefill and decode run: ``placement`` as ``engine.placement`` spells it (e.g.
+    ``disagg:1p1d+ptp2``); ``devices`` a comma-separated set (None: all GPUs, else one per CPU
+    core); ``address`` a Ray cluster to join (None starts a local one)."""
 
     placement: str = "disagg:1p1d"
     devices: str | None = None
@@ -453,18 +394,23 @@ class PlacementConfig:
         "pattern": ADDRESS_PATTERN, "hint": "'auto', 'local', 'host:port' or 'ray://host:port'"})
 
     def __post_init__(self) -> None:
-        parse_placement(self.placement)
+        Placement.parse(self.placement)
         parse_devices(self.devices) if self.devices else None
         check_fields(self)
 
     @property
+    def parsed(self) -> Placement:
+        """The typed placement (``engine.placement.Placement``), not bound to devices."""
+        return Placement.parse(self.placement)
+
+    @property
     def kind(self) -> str:
-        return parse_placement(self.placement)[0]
+        return self.parsed.kind
 
     @property
     def num_devices_needed(self) -> int:
-        kind, a, b = parse_placement(self.placement)
-        return a if kind == "colocated" else a + b
+        """Devices the placement spans: the sum of its instances' ``tp * pp``."""
+        return self.parsed.num_devices
 
 
 def add_dataclass_args(parser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> None:

@@ -1,18 +1,16 @@
 """Fused CPU float32 kernels (``engine/cpu_kernels.c``), built on first use with the system C
 compiler and called through ctypes, single-threaded on the calling thread: ``add_rms_norm``,
-``silu_mul``, ``rope_kv`` (RoPE on q and k, new K/V written into the paged store); ``linear`` /
-``linear512`` on weights packed once into column panels (BLIS's Haswell 6 x 16 AVX2/FMA blocking;
-12 x 32 AVX-512 blocks, bit-equal, only where the CPU has avx512f); ``causal_attention`` /
-``causal_attention512`` for a prompt chunk; ``decode_attention``: paged, GQA, K/V read in place.
+``silu_mul``, ``rope_kv``; ``linear`` / ``linear512`` on weights packed once into column panels
+(BLIS's Haswell 6 x 16 AVX2/FMA blocking; 12 x 32 AVX-512, bit-equal, where the CPU has avx512f);
+``causal_attention`` / ``causal_attention512`` for a prompt chunk; ``decode_attention`` (paged).
 
 Build: ``cc -O3 -march=native -ffp-contract=off -fno-trapping-math -fno-math-errno -shared -fPIC``
 (nothing that changes a result; ``$CC`` overrides ``cc``) into
-``$PDLAB_CACHE_DIR/kernels/<hash>/`` (default ``~/.cache/pdlab``), the hash covering source,
-command and machine. ``PDLAB_CPU_KERNELS_ISA=avx2`` leaves AVX-512 out; ``avx512-emulated``
-(tests only) builds the AVX-512 functions on SIMDe (``simde_include()``). ``load()`` returns None
-(``engine/ops.py`` then runs torch's kernels) when ``PDLAB_CPU_KERNELS=0``, no compiler is found,
-or the build or load fails (one warning says why). The wrappers read raw pointers, so they refuse
-(``ValueError``) anything but float32 CPU tensors in the layouts their docstrings give."""
+``$PDLAB_CACHE_DIR/kernels/<hash>/``, the hash covering source, command and machine.
+``PDLAB_CPU_KERNELS_ISA=avx2`` leaves AVX-512 out; ``avx512-emulated`` (tests) builds it on SIMDe.
+``load()`` returns None (torch's kernels then run) when ``PDLAB_CPU_KERNELS=0`` or the build or
+load fails (one warning says why). The wrappers refuse (``ValueError``) anything but float32 CPU
+tensors in the layouts their docstrings give."""
 
 from __future__ import annotations
 

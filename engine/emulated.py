@@ -2,18 +2,16 @@
 (``--devices emu:0-7``) runs the real engine loop, scheduler, allocator, router, transports and
 HTTP front; only ``EmulatedRunner`` differs:
 
-- Geometry without weights: a ``config.json`` directory (``engine.model.load_geometry``); the KV
-  cache has the blocks the emulated GPU would hold (``kv_budget_bytes`` over true block bytes).
-- Time: each step is held ``device.step_s(batch.step_features())`` (the simulator's function)
-  times the dilation ``time_scale``; layer ``l`` is reported done at ``(l + 1) / L`` of the step;
-  ``StepRecord.lateness`` = actual / modelled.
-- Tokens: ``emulated_token``, the same in every placement, never EOS, so each request runs to its
-  ``max_tokens``.
-- KV bytes: real tensors through the real transports; ``kv_scale`` < 1 (``--emu-kv-scale``)
-  shrinks each token's KV when the host cannot hold the GPU's cache, block counts unchanged.
+- Geometry without weights (``engine.model.load_geometry``); the KV cache has the blocks the
+  emulated GPU would hold.
+- Time: each step is held ``device.step_s(batch.step_features())`` x ``time_scale``; layer ``l``
+  is reported done at ``(l + 1) / L`` of the step; ``StepRecord.lateness`` = actual / modelled.
+- Tokens: ``emulated_token``, the same in every placement, never EOS.
+- KV bytes: real tensors through the real transports; ``kv_scale`` < 1 shrinks each token's KV
+  when the host cannot hold the GPU's cache, block counts unchanged.
 
-The engine may not import the planner: the device is any object with ``step_time()``,
-``kv_budget_bytes(config)``, ``kv_bytes_per_token`` and ``dtype`` (a ``planner.latency.DeviceProfile``)."""
+The device is any object with ``step_time()``, ``kv_budget_bytes(config)``,
+``kv_bytes_per_token`` and ``dtype`` (a ``planner.latency.DeviceProfile``; no planner import)."""
 
 from __future__ import annotations
 
@@ -58,11 +56,9 @@ class RealClock:
 class Emulation:
     """How an emulated worker runs (picklable: it travels to Ray actors).
 
-    Attributes:
-        kv_scale: KV bytes per token kept, in (0, 1] (1 = the true geometry).
-        time_scale: dilation ``S >= 1``: each step is held ``S`` x its modelled time
-            (``experiments.dilation`` spreads arrivals and divides measured times by ``S``).
-        clock: ``RealClock`` or a test's fake (``time()``, ``perf()``, ``wait_until(t)``).
+    ``kv_scale``: KV bytes per token kept, in (0, 1]. ``time_scale``: dilation ``S >= 1``, each
+    step held ``S`` x its modelled time (``experiments.dilation``). ``clock``: ``RealClock`` or a
+    test's fake (``time()``, ``perf()``, ``wait_until(t)``).
 
     Raises:
         ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1."""

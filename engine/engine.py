@@ -45,14 +45,12 @@ class StepOutput:
     """Everything one ``Engine.step`` did (vLLM v1's ``EngineCoreOutputs``); iterating, ``len``
     and indexing go over ``tokens`` (batch order).
 
-    Attributes:
-        finished: requests that ended with this step's token (stop, EOS, max_tokens); they left
-            the engine. A prefill-only request at PREFILLED holds its KV for ``export_kv``.
-        failed: requests the step failed; they left the engine, no token this step.
-        kv_reserved: remote requests whose blocks this step reserved, in order: fetch their KV
-            now and hand it to ``finish_remote``.
-        record: the step's ``StepRecord``, or None when no forward ran or it failed.
-        kv_dropped: remote requests turned into local recomputes: free their handles, unfetched."""
+    ``finished``: requests that ended with this step's token; they left the engine (a
+    prefill-only one at PREFILLED holds its KV for ``export_kv``). ``failed``: requests the step
+    failed (they left, no token). ``kv_reserved``: remote requests whose blocks this step
+    reserved, in order: fetch their KV now into ``finish_remote``. ``kv_dropped``: remote requests
+    turned into local recomputes: free their handles, unfetched. ``record``: the step's
+    ``StepRecord``, None when no forward ran or it failed."""
 
     tokens: tuple[TokenOutput, ...] = ()
     finished: tuple[str, ...] = ()
@@ -83,13 +81,10 @@ class Engine:
 
     Args:
         config: ``max_model_len`` is capped by the model's context.
-        on_layer_done: ``(layer_idx, batch)``, called during the forward once layer
-            ``layer_idx``'s K/V are in the store (``batch`` counters not advanced), so a layer
-            range can be read (``read_kv_layers``) and put while later layers compute.
-        emulation: an emulated device (``engine.emulated``): ``loaded`` is a geometry, the KV
-            cache the emulated GPU's block count in ``scaled_spec`` tensors, stamps from its clock.
-
-    Raises:
+    ``config.max_model_len`` is capped by the model's context. ``on_layer_done(layer_idx,
+    batch)`` is called during the forward once a layer's K/V are in the store, so a layer range
+    can be read (``read_kv_layers``) and put while later layers compute. ``emulation``: an
+    emulated device; ``loaded`` is then a geometry and stamps come from its clock.
         ValueError: a profile of another geometry (emulation); a KV budget that holds no block."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
@@ -141,7 +136,6 @@ class Engine:
         self.step_records: list[StepRecord] = []
         self._on_layer_done = on_layer_done
 
-    # ---- admission -------------------------------------------------------------------
     def validate(self, request: Request, prefill_only: bool = False) -> None:
         """``ValueError`` naming the field and range if ``request`` can never run here: a duplicate
         id, or past one of ``self.limits`` (context, vocabulary, the whole KV cache, and without
@@ -276,7 +270,6 @@ class Engine:
         if self.emulation is not None:
             self.runner.forget(request_id)
 
-    # ---- stepping --------------------------------------------------------------------
     def step(self) -> StepOutput:
         """Run one step: schedule, reserve, forward, sample, update. A step with nothing to
         compute runs no forward and records nothing, but still reports its reservations."""
@@ -351,7 +344,6 @@ class Engine:
                            num_cached_tokens=state.num_cached_tokens if first_here else None,
                            num_preemptions=state.num_preemptions)
 
-    # ---- load snapshots (router policies) -------------------------------------------
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 

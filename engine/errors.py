@@ -1,12 +1,8 @@
 """Error text for users and records: the root cause kept, terminal colour codes dropped (no torch).
 
-A failure often reaches the user wrapped several times (a worker's ``OSError`` inside Ray's
-``ActorDiedError`` inside the router's "failed to start"). The wrapper's first line alone says
-*that* something failed; the innermost exception line says *why* (``OSError: [Errno 98]Address
-already in use``). ``describe_error`` keeps both, on one line.
-
-``without_traceback``: a caught Ray error kept as a cause without the frames it would hold
-alive (every ``except`` around ``ray.get`` uses it)."""
+A failure often arrives wrapped (a worker's ``OSError`` inside Ray's ``ActorDiedError`` inside the
+router's "failed to start"): the outer line says that it failed, the innermost why.
+``describe_error`` keeps both, on one line."""
 
 from __future__ import annotations
 
@@ -66,12 +62,8 @@ def describe_error(err: BaseException) -> str:
 def without_traceback(err: BaseException) -> BaseException:
     """``err`` with its traceback dropped (returned, to chain as a cause).
 
-    ``ray.get`` raises an error object that its own frame still holds (in the values it
-    fetched): error -> traceback -> that frame -> error is a reference cycle, and a frame that
-    outlives its call keeps its callers' frames (``f_back``) and their locals. Those locals
-    can be ObjectRefs (KV handles, the results of calls in flight), which Ray then keeps alive
-    until Python's cycle collector runs, in a long-lived process maybe minutes later. Found
-    as a KV object a prefill worker's transport counted held long after its request finished
-    (the router had caught a decode worker's death: ``deployment.ray_actors.RayCalls``)."""
+    ``ray.get``'s error is held by its own frame (a reference cycle), and that frame keeps its
+    callers' locals, ObjectRefs among them, alive until the cycle collector runs: KV objects
+    stayed held long after their request ended."""
     err.__traceback__ = None
     return err

@@ -1,10 +1,9 @@
 """What a worker reports to the router (no torch), crossing processes. ``WorkerEvent`` kinds:
 ``token`` (``finish_reason`` on the last), ``prefilled`` (a prefill worker's first token and the KV
 handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``,
-``died`` (the worker's last words: its engine loop stopped, ``error`` says why; nothing follows).
-``TokenBatch``: one step's plain tokens. ``time_s`` is when the worker produced the event; the
-router keeps it beside its receipt time. ``stamps``: timeline events measured in the worker
-(``time.time()`` s, names from ``engine.metrics``)."""
+``died`` (a worker's last words: its loop stopped, ``error`` says why; nothing follows);
+``TokenBatch``: one step's plain tokens. ``time_s``: when the worker produced the event;
+``stamps``: timeline events measured in the worker (``time.time()`` s, ``engine.metrics`` names)."""
 
 from __future__ import annotations
 

@@ -1,17 +1,11 @@
 """Keep a CPU forward's freed activations mapped: glibc malloc's thresholds, set once per process.
 
-A CPU prefill step allocates and frees activations of megabytes per layer. glibc serves a block
-above its mmap threshold (dynamic, 128 KiB rising towards 32 MiB) with a fresh ``mmap``, and hands a
-freed heap top above its trim threshold back to the kernel, so the next step faults every page in
-again and the kernel zeroes it. ``benchmarks.host_memory`` measures the page faults and time with
-the thresholds raised or not, side by side.
-
-``keep_freed_memory()`` raises the mmap threshold to ``MMAP_THRESHOLD`` (glibc refuses values above
-its maximum on some builds: then its documented 64-bit maximum, 32 MiB) and the trim threshold to
-``TRIM_THRESHOLD``; it also ends glibc's dynamic adjustment of both (mallopt(3)). The process then
-keeps up to its peak working set of temporaries mapped, as vLLM's recommended tcmalloc does. A KV
-cache larger than the mmap threshold is still mapped on its own and returned when freed. Not glibc
-(musl, macOS) or ``PDLAB_MALLOC_TUNING=0``: nothing changes."""
+glibc serves a block above its (dynamic) mmap threshold with a fresh ``mmap`` and returns a freed
+heap top above its trim threshold to the kernel, so each prefill step would fault in and zero its
+megabytes of activations again (``benchmarks.host_memory`` measures it). ``keep_freed_memory()``
+raises both thresholds (``MMAP_THRESHOLD``, or glibc's 64-bit maximum of 32 MiB where refused;
+``TRIM_THRESHOLD``) and ends their dynamic adjustment (mallopt(3)), as vLLM's recommended
+tcmalloc would. Not glibc, or ``PDLAB_MALLOC_TUNING=0``: nothing changes."""
 
 from __future__ import annotations
 
@@ -23,10 +17,8 @@ import threading
 ENV_SWITCH = "PDLAB_MALLOC_TUNING"  # "0": leave glibc's malloc as it is (A/B runs)
 # mallopt(3) parameter numbers (malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-# bytes: blocks below it come from the heap and are reused. 256 MiB holds a step's largest
-# temporary up to 8B-parameter models at 2,048-token steps (Llama-3-8B's gate/up output is
-# 235 MB), while KV caches and other large long-lived buffers above it stay mapped on their
-# own and go back to the kernel when freed.
+# bytes: a step's largest temporary up to 8B-parameter models at 2,048-token steps (Llama-3-8B's
+# gate/up output is 235 MB) stays on the heap; KV caches above it are mapped on their own.
 MMAP_THRESHOLD = 256 << 20
 MMAP_THRESHOLD_FALLBACK = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit
 TRIM_THRESHOLD = 1 << 30  # bytes of free heap top kept mapped instead of returned

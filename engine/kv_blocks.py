@@ -2,14 +2,12 @@
 (``kv_cache_utils.hash_block_tokens``, ``BlockPool``, ``get_computed_blocks``).
 
 A full block of ``B`` tokens is named by a chained hash, ``h_0 = H(NONE_HASH, tokens[0:B])``,
-``h_i = H(h_{i-1}, tokens[iB:(i+1)B])``, ``H`` = SHA-256: equal hashes mean equal prefixes, so
-equal KV. A partial block has no hash and is never shared. No process salt, so a router can
-compare a prompt's ``block_hashes`` with a worker's (``pop_events``). A block's reference count is
-the block tables listing it; ``free`` drops one per block, and at zero a hashed block stays cached
-(evictable). ``allocate`` hands out unhashed blocks first (the lowest run of consecutive free
-blocks, else the lowest), then evicts cached blocks, least recently freed first; unlike vLLM's
-single LRU queue, a cached block goes only when no uncached one is left. Only the first block per
-hash is registered."""
+``h_i = H(h_{i-1}, tokens[iB:(i+1)B])``, ``H`` = SHA-256; a partial block has no hash and is
+never shared. No process salt, so a router can compare a prompt's ``block_hashes`` with a
+worker's (``pop_events``). At zero references a hashed block stays cached (evictable).
+``allocate`` hands out unhashed blocks first (the lowest run of consecutive free blocks, else the
+lowest), then evicts cached blocks, least recently freed first: unlike vLLM's single LRU queue, a
+cached block goes only when no uncached one is left. Only the first block per hash is registered."""
 
 from __future__ import annotations
 
@@ -123,7 +121,6 @@ class BlockAllocator:
         self._stored: list[bytes] = []
         self._removed: list[bytes] = []
 
-    # ---- counts --------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks no request holds: free ones plus cached ones at zero references."""
@@ -146,7 +143,6 @@ class BlockAllocator:
         """True if ``num_tokens`` fit the whole cache."""
         return self.blocks_needed(num_tokens) <= self.num_blocks
 
-    # ---- allocation ----------------------------------------------------------------
     def allocate(self, num_tokens: int) -> list[int]:
         """``blocks_needed(num_tokens)`` new blocks at one reference each, in table order (module
         docstring's allocation order).
@@ -230,7 +226,6 @@ class BlockAllocator:
         free.extend(block_ids)
         free.sort()  # timsort: two sorted runs, linear
 
-    # ---- the prefix cache ----------------------------------------------------------
     def cache(self, block: int, digest: bytes) -> bool:
         """Register a held full ``block`` under ``digest``; False (no change) when caching is off,
         the block has a hash, or another block holds ``digest``."""

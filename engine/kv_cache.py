@@ -2,19 +2,13 @@
 paged KV store.
 
 The store is ``num_blocks`` blocks of ``block_size`` tokens (vLLM's PagedAttention, Kwon et
-al. 2023; nano-vllm's ``BlockManager``); the scheduler's ``BlockAllocator`` hands a request
-the blocks it needs (never touches a tensor) and the request's block table lists them in
-token order: token ``t`` of a request lives in block ``block_ids[t // block_size]`` at offset
-``t % block_size``. Memory is the budget, not ``max_num_seqs * max_model_len``.
+al. 2023); the scheduler's ``BlockAllocator`` hands out blocks, and token ``t`` of a request
+lives in block ``block_ids[t // block_size]`` at offset ``t % block_size``.
 
-Layouts:
-    store:        [L, 2, H_kv, NB, B, D]   (L layers, K/V, KV heads, NB blocks of B tokens)
-    exported KV:  [L, 2, H_kv, T, D]       (one request's first T tokens, contiguous; the
-                                            wire format, unchanged from the slot store)
-
-Blocks sit on the fourth axis so that gathering a batch's blocks per layer
-(``index_select`` over NB) directly gives ``[H_kv, rows, T, D]`` for attention, one copy and
-no transpose (``engine.runner``).
+Layouts: the store ``[L, 2, H_kv, NB, B, D]`` (layers, K/V, KV heads, NB blocks of B tokens);
+exported KV, the wire format, ``[L, 2, H_kv, T, D]`` (a request's first T tokens, contiguous).
+Blocks sit on the fourth axis so gathering a batch's blocks per layer (``index_select`` over
+NB) gives ``[H_kv, rows, T, D]`` for attention, one copy and no transpose.
 """
 
 from __future__ import annotations
@@ -34,16 +28,9 @@ TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 
 @dataclass(frozen=True)
 class KVSpec:
-    """The KV geometry of a model; two engines can exchange KV only if their specs are equal.
-
-    Attributes:
-        model_fingerprint: identifies the weights (name + a hash of the config); differing
-            fingerprints mean the KV is meaningless to the receiver.
-        num_layers: decoder layers L.
-        num_kv_heads: KV heads H_kv (not query heads: GQA shares each KV head).
-        head_dim: D.
-        dtype: ``float32``, ``bfloat16`` or ``float16``.
-    """
+    """The KV geometry of a model (L layers, H_kv KV heads, not query heads, D head dim);
+    two engines exchange KV only if their specs are equal. ``model_fingerprint`` (name + a
+    hash of the config) identifies the weights the KV was computed with."""
 
     model_fingerprint: str
     num_layers: int
@@ -85,12 +72,8 @@ class KVSpec:
 
 
 def kv_budget_bytes(config, device: str = "cpu") -> int:
-    """The KV cache budget in bytes for ``config`` (an ``EngineConfig``) on ``device``:
-    ``engine.config.kv_budget_bytes_for`` with this device's facts. On CUDA without
-    ``kv_cache_memory_gb`` those are ``torch.cuda.mem_get_info``'s ``total`` and ``total -
-    free`` (what is in use on the device now: this process's weights, its CUDA context, any
-    other process), so call it after the weights are loaded.
-    """
+    """``engine.config.kv_budget_bytes_for`` with this device's facts; on CUDA it counts what
+    is in use now (``mem_get_info``), so call it after the weights are loaded."""
     if config.kv_cache_memory_gb is not None or not device.startswith("cuda"):
         return kv_budget_bytes_for(config, device)
     free_bytes, total_bytes = torch.cuda.mem_get_info(torch.device(device))
@@ -99,9 +82,7 @@ def kv_budget_bytes(config, device: str = "cpu") -> int:
 
 def kv_cache_num_blocks(config, spec: KVSpec, device: str = "cpu",
                         budget_bytes: int | None = None, max_model_len: int | None = None) -> int:
-    """Blocks of the KV cache (``engine.config.kv_num_blocks_for``: ``budget // (block_size *
-    bytes_per_token)`` capped by ``config.max_kv_blocks``; ``max_model_len`` overrides the
-    config's, as the engine caps it by the model's context). ``budget_bytes`` None =
+    """Blocks of the KV cache (``engine.config.kv_num_blocks_for``); ``budget_bytes`` None =
     ``kv_budget_bytes``."""
     budget = kv_budget_bytes(config, device) if budget_bytes is None else budget_bytes
     return kv_num_blocks_for(config, spec.bytes_per_token, budget, max_model_len)
@@ -109,15 +90,10 @@ def kv_cache_num_blocks(config, spec: KVSpec, device: str = "cpu",
 
 class KVStore:
     """Paged KV for one engine: ``[L, 2, H_kv, NB, B, D]``, ``NB * B * bytes_per_token``
-    bytes, allocated once and never zero-filled whole (start-up cost does not grow with
-    the budget; untouched CPU pages are not even resident).
-
-    Masked positions must still be finite (0 * NaN = NaN survives a zero attention
-    weight): before any block below ``top`` is read or written, ``claim(top)`` zeroes the
-    blocks ``[high_water, top)`` never zeroed before; stale values of finished requests
-    are finite. The allocator's first fit keeps used blocks low, so the zeroing is
-    proportional to the peak use and paid once per block.
-    """
+    bytes, allocated once, never zero-filled whole (start-up does not grow with the budget).
+    Masked positions must be finite (0 * NaN = NaN), so ``claim(top)`` zeroes blocks
+    ``[high_water, top)`` before any block below ``top`` is used; first fit keeps the used
+    blocks low, so zeroing follows the peak use, once per block."""
 
     def __init__(self, spec: KVSpec, num_blocks: int, block_size: int, device: str = "cpu"):
         if num_blocks < 1 or block_size < 1:
@@ -179,11 +155,8 @@ class KVStore:
 
     def read(self, block_ids: list[int], num_tokens: int,
              layers: slice = slice(None)) -> torch.Tensor:
-        """Copy out one request's KV: ``[L', 2, H_kv, T, D]``, contiguous (a new tensor).
-
-        Raises:
-            ValueError: T tokens do not fit ``block_ids``.
-        """
+        """Copy out one request's KV: a new ``[L', 2, H_kv, T, D]``, contiguous; ValueError
+        when T tokens do not fit ``block_ids``."""
         self._check_fits(block_ids, num_tokens)
         run, flat = self._run(block_ids, num_tokens), self._flat()[layers]
         if run is not None:
@@ -192,12 +165,8 @@ class KVStore:
 
     def write(self, block_ids: list[int], kv: torch.Tensor, layer_start: int = 0) -> None:
         """Place ``kv`` ``[L', 2, H_kv, T, D]`` into a request's blocks at tokens ``[0, T)``,
-        layers ``[layer_start, layer_start + L')``.
-
-        Raises:
-            ValueError: shape or dtype differs from this store's geometry, or T tokens do not
-                fit ``block_ids``.
-        """
+        layers ``[layer_start, layer_start + L')``; ValueError when its shape or dtype differs
+        from the store's geometry, or T tokens do not fit ``block_ids``."""
         num_layers, _, heads, num_tokens, head_dim = kv.shape
         expected = self.spec.kv_shape(num_tokens, num_layers)
         if tuple(kv.shape) != expected or kv.dtype != self.spec.torch_dtype:

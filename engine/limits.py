@@ -1,15 +1,12 @@
-"""The limits a request must fit, checked in one place with one message each: the engine
-(``Engine.validate``), the router (per role, from its workers), the planner's simulator, the HTTP
-server (through the router) and the CLI (the workload's longest request) all call ``Limits.check``.
-No torch.
+"""The limits a request must fit, checked in one place with one message each (``Limits.check``,
+called by the engine, the router, the planner's simulator, the HTTP server and the CLI). No torch.
 
 A request fits when:
 
 1. its prompt is not empty and ``prompt + max_tokens <= max_model_len`` (the context);
 2. every prompt and stop token id is in ``[0, vocab_size)``;
 3. the KV tokens it will hold fit the whole KV cache: ``prompt + max_tokens`` on a decode
-   or colocated worker, ``prompt + 1`` on a prefill worker (it samples the first token
-   there), in whole blocks of ``block_size``;
+   or colocated worker, ``prompt + 1`` on a prefill worker, in whole blocks of ``block_size``;
 4. with chunked prefill off, its prompt fits one step's token budget whole."""
 
 from __future__ import annotations
@@ -31,14 +28,10 @@ class LimitError(ValueError):
 class Limits:
     """What one worker can ever serve (module docstring).
 
-    Attributes:
-        max_model_len: tokens per request, prompt + output (the context).
-        vocab_size: token ids must be below it; None: not checked.
-        kv_blocks: KV blocks of the whole cache; None: no KV limit known.
-        block_size: tokens per KV block.
-        whose: whose cache the KV message names (``this engine's``, ``a decode worker's``).
-        prompt_budget: with chunked prefill off, the most prompt tokens one step runs
-            (``max_num_batched_tokens``); None: chunked (any prompt fits)."""
+    ``max_model_len``: tokens per request, prompt + output. ``vocab_size``, ``kv_blocks`` (of the
+    whole cache; ``block_size`` tokens each): None is not checked. ``whose``: whose cache the KV
+    message names. ``prompt_budget``: with chunked prefill off, the most prompt tokens one step
+    runs (``max_num_batched_tokens``); None: chunked (any prompt fits)."""
 
     max_model_len: int
     vocab_size: int | None = None

@@ -2,17 +2,15 @@
 boundaries, derive later (DistServe's ``lifetime.py``).
 
 The router creates one ``RequestRecord`` per request; ``arrived`` is its scheduled arrival, so a
-load generator that falls behind cannot hide queueing (``dispatch_lag_s``). Workers and the router
-stamp ``record.timeline`` with ``time.time()``; each output token has ``token_times_s`` (left the
-router) and ``token_worker_times_s`` (produced by the worker's step). Each metric is a function of
-a record, defined once here; ``summarize`` pools them over a run, ``goodput_rate`` reads a sweep.
+load generator that falls behind cannot hide queueing (``dispatch_lag_s``). Each metric is a
+function of a record, defined once here; ``summarize`` pools them over a run, ``goodput_rate``
+reads a sweep.
 
-Clocks: TTFT and E2E use the router's; ITL and TPOT the worker's when every token has one. Under
-disaggregation the first gap spans two workers (``first_decode_gap_s``). TTFT contains the KV put;
-the get shows in the first inter-token gap. All times are seconds. A metric whose events are
-missing is None, never 0. A request with no output token (or an error) is a failure: no TTFT, and
-it misses every SLO. Sources: vLLM ``benchmarks/benchmark_serving.py`` (TTFT, TPOT, ITL, E2EL,
-goodput); DistServe (Zhong et al., OSDI'24): SLO attainment, goodput per GPU from a rate sweep."""
+Clocks: TTFT and E2E use the router's; ITL and TPOT the worker's when every token has one. TTFT
+contains the KV put; the get shows in the first inter-token gap. All times are seconds; a metric
+whose events are missing is None, never 0. A request with no output token (or an error) is a
+failure: no TTFT, and it misses every SLO. Sources: vLLM's benchmark_serving (TTFT, TPOT, ITL,
+E2EL, goodput); DistServe (Zhong et al., OSDI'24): SLO attainment, goodput per GPU."""
 
 from __future__ import annotations
 
@@ -46,21 +44,14 @@ EVENTS = (
 class RequestRecord:
     """Everything measured about one request; JSON-serializable through ``to_dict``.
 
-    Attributes:
-        placement: e.g. ``"colocated:1"`` or ``"disagg:1P1D"``.
-        prefill_worker / decode_worker: the workers that served it (None if none).
-        finish_reason: ``FinishReason`` value (``"stop"``, ``"length"``, ...) or None.
-        prefill_path: ``"local"`` (prefilled where it decodes) or ``"remote"`` (on a prefill
-            worker, KV shipped).
-        kv_bytes: bytes of prompt KV shipped (0 when colocated); ``kv_bytes_saved``: bytes not
-            shipped because the decode worker already cached that prefix.
-        kv_put_s / kv_get_s: seconds inside the transport's ``put`` (all layer ranges) / spent
-            fetching and checking the KV; ``kv_transfer_s`` their sum (None: no transfer).
-        num_cached_prompt_tokens: prompt tokens the prefix cache skipped (vLLM's
-            ``num_cached_tokens``); num_preemptions: summed over its workers (vLLM v1's).
-        timeline: event name -> ``time.time()`` seconds.
-        token_times_s / token_worker_times_s: ``time.time()`` when each output token left the
-            router / was produced by the worker's step (empty when not reported)."""
+    ``placement``: e.g. ``"disagg:1P1D"``; ``prefill_path``: ``"local"`` (prefilled where it
+    decodes) or ``"remote"`` (KV shipped). ``kv_bytes``: prompt KV bytes shipped (0 colocated);
+    ``kv_bytes_saved``: not shipped because the decode worker cached that prefix. ``kv_put_s`` /
+    ``kv_get_s``: seconds inside the transport's ``put`` (all layer ranges) / fetching and
+    checking the KV; ``kv_transfer_s`` their sum (None: no transfer). ``num_cached_prompt_tokens``:
+    vLLM's ``num_cached_tokens``; ``num_preemptions``: summed over its workers. ``timeline``:
+    event -> ``time.time()`` s; ``token_times_s`` / ``token_worker_times_s``: ``time.time()`` when
+    each output token left the router / was produced by the worker's step (empty if unreported)."""
 
     request_id: str
     placement: str = ""
@@ -102,9 +93,6 @@ class RequestRecord:
         d["token_times_s"] = [float(t) for t in d.get("token_times_s", [])]
         d["token_worker_times_s"] = [float(t) for t in d.get("token_worker_times_s", [])]
         return cls(**d)
-
-
-# ---- per-request metrics (seconds; None when the events are missing) ----
 
 
 def _between(r: RequestRecord, start: str, end: str) -> float | None:
@@ -219,9 +207,6 @@ def kv_gb_per_s(r: RequestRecord) -> float | None:
     return r.kv_bytes / seconds / 1e9
 
 
-# ---- SLOs ----
-
-
 @dataclass(frozen=True)
 class SLO:
     """Latency targets in seconds: TTFT and TPOT (DistServe's two SLOs)."""
@@ -247,8 +232,6 @@ def slo_attainment(records: Sequence[RequestRecord], slo: SLO) -> float:
         return math.nan
     return sum(meets_slo(r, slo) for r in records) / len(records)
 
-
-# ---- run summary ----
 
 _METRICS: dict[str, Callable[[RequestRecord], float | None]] = {
     "ttft": ttft_s,
@@ -359,9 +342,6 @@ def goodput_rate(rates: Sequence[float], attainments: Sequence[float], num_devic
     return best / num_devices
 
 
-# ---- engine steps (measured at the boundary: each step with its batch) -----------------
-
-
 PREFILL, DECODE = "prefill", "decode"  # BatchEntry.phase
 
 
@@ -382,13 +362,10 @@ class BatchEntry(NamedTuple):
 class StepRecord:
     """One engine step that ran a forward: its phase mix, size, duration and batch.
 
-    Attributes:
-        start_s: ``time.time()`` at the step's start (s); duration_s: schedule-to-update wall
-            time (s); its tokens are stamped ``start_s + duration_s``.
-        batch: entries in the scheduler's order (decodes first, then prompt chunks); empty on
-            records built by hand.
-        lateness: an emulated device's held time ÷ the modelled time (1.0 = on time); None on a
-            real device (and then not in the row)."""
+    ``start_s``: ``time.time()`` at the step's start; ``duration_s``: schedule-to-update wall
+    time (s); its tokens are stamped ``start_s + duration_s``. ``batch``: in the scheduler's order
+    (decodes first, then prompt chunks). ``lateness``: an emulated device's held ÷ modelled time
+    (1.0 = on time); None on a real device (and then not in the row)."""
 
     start_s: float
     duration_s: float

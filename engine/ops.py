@@ -1,22 +1,18 @@
 """The kernel backend: every tensor kernel of the forward with more than one implementation,
-behind one interface chosen once per runner (``select_ops``); ``engine/runner.py`` calls
-``ops.<kernel>`` without asking which backend it has.
+behind one interface chosen once per runner (``select_ops``).
 
 - ``TorchOps``, the reference: public torch ops only (CUDA, dtypes other than float32, and CPU
   when forced with ``PDLAB_FORCE_KERNELS=backend=torch``).
 - ``CpuOps``, float32 on CPU: pdlab's C kernels (``engine/cpu_kernels.py``) for the fused
   elementwise chains and, per shape class and row-count (or chunk-length) bucket, the candidate
-  ``engine/kernel_choice.py`` measured fastest here: MKL's sgemm (``mm``), oneDNN, pdlab's AVX2
-  (``pdlab``, ``pdlab-hwpf``) or AVX-512 (``pdlab512``) GEMM; paged or planned decode attention;
-  torch's CPU flash or pdlab's causal kernel for prompt chunks.
+  ``engine/kernel_choice.py`` measured fastest here (GEMMs: MKL, oneDNN, pdlab's AVX2 or AVX-512;
+  paged or planned decode attention; torch's flash or pdlab's causal chunk attention).
 
-Two rules live here only. One thread: pdlab's C GEMM and paged attention run on the calling
-thread, so they compete only when torch has one thread (else they would leave cores idle).
-Consecutive blocks read in place: the allocator hands out first-fit runs, so ``TorchOps`` plans
-decode rows into strided views of the store (``"planned"``) and reads a chunk's prefix as a
-slice; ``CpuOps``' paged kernel reads any block table (``"paged"``). Every implementation gives
-``generate()``'s greedy tokens. ``PDLAB_FORCE_KERNELS`` pins choices, e.g.
-``linear=onednn,decode_attention=planned``; unknown names are refused."""
+One thread: pdlab's C GEMM and paged attention run on the calling thread, so they compete only
+when torch has one thread. ``TorchOps`` reads consecutive blocks in place (the allocator hands out
+first-fit runs) as strided views (``"planned"``); ``CpuOps``' paged kernel reads any block table
+(``"paged"``). Every implementation gives ``generate()``'s greedy tokens. ``PDLAB_FORCE_KERNELS``
+pins choices, e.g. ``linear=onednn,decode_attention=planned``; unknown names are refused."""
 
 from __future__ import annotations
 
@@ -36,8 +32,7 @@ ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_li
 _PACK_BATCH_HINT = 16  # oneDNN's reorder takes an M hint; the packed weight serves any M
 # torch's CPU flash attention -> (out [B, H, L, D], lse [B, H, L]), GQA without a copy (private).
 CPU_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# Row-count buckets measured: 1 .. 2^LINEAR_MAX_BUCKET (512), more use the last; the LM head (a
-# vocabulary-sized weight, costly to measure) up to 64 rows.
+# Row-count buckets measured: 1 .. 2^LINEAR_MAX_BUCKET, more use the last; the LM head to 64 rows.
 LINEAR_MAX_BUCKET = 9
 LM_HEAD_MAX_BUCKET = 6
 DECODE_MAX_BUCKET = 8  # decode rows 1 .. 256
@@ -321,7 +316,6 @@ class CpuOps(TorchOps):
         return (self.name, self.kernels is not None, self.threads,
                 tuple(sorted(self.force.items())))
 
-    # -- projections -------------------------------------------------------------------
     def _make_linear(self, name: str, weight, bias):
         if name == "onednn":
             return _OneDnn(weight, bias)
@@ -393,7 +387,6 @@ class CpuOps(TorchOps):
             return q
         return super().rope_kv(q, k, v, cos, sin, kv_layer, slots, qk)
 
-    # -- attention ---------------------------------------------------------------------
     def prepare_attention(self, num_kv_heads, group, head_dim, block_size, softcap):
         """Measure (or read) the decode layout per row bucket and chunk kernel per length bucket.
         Soft-capped logits (Gemma 2) have neither a paged nor a pdlab chunk kernel."""

@@ -58,23 +58,18 @@ FINISH_REASON_OF_STATUS = {
 class SamplingParams:
     """How to pick output tokens (vLLM's meanings; each "off" value is the default).
 
-    Attributes:
-        max_tokens: output tokens at most, the first included (>= 1).
-        temperature: below ``GREEDY_BELOW_TEMPERATURE`` greedy, else logits are divided by it (>= 0).
-        top_k: keep the k most likely tokens; 0 or -1 = off.
-        top_p: nucleus (Holtzman et al. 2020), 0 < top_p <= 1; the most likely token stays.
-        min_p: drop tokens below ``min_p`` times the most likely one's probability (Nguyen et al.
-            2024), before top-k and top-p; [0, 1].
-        seed: of this request's own ``torch.Generator``; None draws one at random.
-        stop_token_ids: extra ids that end the request (the token is kept).
-        min_tokens: outputs before which EOS and stop ids get -inf (even with ``ignore_eos``);
-            0 <= min_tokens <= max_tokens.
-        repetition_penalty: logits of prompt or output tokens divided by it when positive, else
-            multiplied (CTRL, Keskar et al. 2019); > 0, finite.
-        presence_penalty / frequency_penalty: subtracted once / per occurrence in the output
-            (OpenAI's definitions); [-2, 2].
-        logprobs: each token's raw log-probability and those of the ``logprobs`` most likely
-            (0..``MAX_LOGPROBS``, OpenAI's ``top_logprobs``); None = off.
+    ``max_tokens`` (>= 1) counts the first token. ``temperature`` (>= 0): below
+    ``GREEDY_BELOW_TEMPERATURE`` greedy, else logits are divided by it. ``top_k``: 0 or -1 = off.
+    ``top_p`` in (0, 1]: nucleus (Holtzman et al. 2020); the most likely token stays. ``min_p`` in
+    [0, 1]: drop tokens below ``min_p`` x the top probability (Nguyen et al. 2024), before top-k
+    and top-p. ``seed``: of the request's own ``torch.Generator`` (None: random).
+    ``stop_token_ids`` end the request (the token is kept). ``min_tokens`` (0 ..
+    ``max_tokens``): outputs before which EOS and stop ids get -inf, even with ``ignore_eos``.
+    ``repetition_penalty`` (> 0, finite): logits of prompt or output tokens divided by it when
+    positive, else multiplied (CTRL, Keskar et al. 2019). ``presence_penalty`` /
+    ``frequency_penalty`` in [-2, 2]: subtracted once / per occurrence in the output (OpenAI's).
+    ``logprobs`` (0..``MAX_LOGPROBS``; None = off): each token's raw log-probability and those of
+    the ``logprobs`` most likely.
 
     Raises:
         ValueError: a field is out of range; the message names the field and the range."""
@@ -245,13 +240,10 @@ class RequestState:
 class TokenOutput:
     """One token leaving an engine.
 
-    Attributes:
-        index: 0 for the first output token, 1 for the second, ...
-        time_s: ``time.time()`` when the step that produced it ended.
-        first_scheduled_s / num_cached_tokens: on this engine's first token of the request only
-            (else None): when it was first scheduled; prompt tokens found in its prefix cache.
-        logprob: raw log-probability (``SamplingParams.logprobs`` set), else None; top_logprobs:
-            most likely ``(token_id, logprob)`` pairs first."""
+    ``index``: 0 for the first output token. ``time_s``: ``time.time()`` when its step ended.
+    ``first_scheduled_s`` / ``num_cached_tokens``: on this engine's first token of the request
+    only (else None). ``logprob``: raw log-probability when asked, else None; ``top_logprobs``:
+    most likely ``(token_id, logprob)`` pairs first."""
 
     request_id: str
     token_id: int

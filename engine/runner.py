@@ -3,55 +3,25 @@
 One step is one forward over every scheduled token, prompt chunks and decodes together:
 
 1. The new tokens of all requests are packed into one ``[N]`` sequence with their positions.
-2. Each layer projects Q/K/V for all N tokens at once (one fused matmul), applies RoPE with
-   the tables of the model's own rotary module, and writes only the new K/V into the
-   requests' KV blocks at their flat positions ``block * B + offset`` (``ops.rope_kv``).
-3. Attention. Single-token entries (decodes) are attended in the layout the backend picks
-   for the step's row count (``ops.decode_layout``):
-   - ``"planned"``: batched SDPAs with a per-row length mask, reading the KV blocks in place
-     wherever they can (``_plan_decodes``): a request's blocks are usually consecutive (the
-     allocator's first fit), so its KV is one token range of the store's ``[H_kv, NB * B,
-     D]`` per layer, and rows whose ranges start equally spaced (requests of equal size
-     admitted in turn) are one strided view ``[rows, H_kv, T, D]``. Each such run is split
-     by KV length (``_group_decodes``) so short rows do not read up to the longest row's
-     length; a row on its own is a view of its own range; rows with scattered blocks are
-     gathered per layer (one ``index_select`` over the block axis into a reused buffer: a
-     decode step of 64 such rows took 1.4x the in-place one on the CPU measured,
-     benchmarks/README.md). GQA without copying K/V: the G query heads that share a KV head
-     are folded into the query-length axis, ``[H_q, 1, D] -> [H_kv, G, D]``.
-   - ``"paged"``: every decode row of the step in one ``ops.decode_attention`` call per
-     layer (``_paged_group``: each row's blocks read in place through its block table, to
-     its own length; the C kernel on CPU).
-   Each multi-token prompt chunk runs flash attention over its request's blocks (a view when
-   they are consecutive, else a gather) at the cost of the causal FLOPs
-   (``ops.chunk_attention``). CUDA runs the planned layout (views, ``index_select``);
-   FlexAttention's paged ``block_mask`` would read blocks in place at any spacing, at the
-   price of a compiled kernel per shape (not done: no GPU to measure it on).
-4. Only the last position of each request that completes this step goes through the final
-   norm and LM head.
+2. Each layer projects Q/K/V for all N tokens in one fused matmul, applies RoPE with the model's
+   own rotary tables, and writes the new K/V into the requests' KV blocks at flat positions
+   ``block * B + offset`` (``ops.rope_kv``).
+3. Decode rows are attended in the layout the backend picks for the row count
+   (``ops.decode_layout``): ``"planned"``, batched SDPAs over strided views of the store where
+   the rows' blocks are consecutive, split by KV length, else gathered (``_plan_decodes``), GQA
+   folded into the query-length axis without copying K/V; or ``"paged"``, one
+   ``ops.decode_attention`` call per layer reading each row's blocks in place. Each prompt
+   chunk runs flash attention over its request's blocks at the cost of the causal FLOPs
+   (``ops.chunk_attention``).
+4. Only the last position of each request completing this step reaches the final norm and head.
 
-Kernels. Every kernel with more than one implementation is the backend's (``engine/ops.py``),
-chosen once when the runner starts (``ops.select_ops``): the reference ``TorchOps`` (public
-torch ops: CUDA, other dtypes) or ``CpuOps`` (float32 on CPU: pdlab's fused C kernels and, per
-shape class and row count, the GEMM and decode layout measured fastest on this machine). The
-runner calls it without asking which it is; the rules on threads and on block layout live
-there. The fused elementwise kernels stand in for a module only where it computes the
-kernel's formula, checked at _prepare on a probe input bit for bit (``_Norm``: Llama-style
-``w * x / rms`` or Gemma's ``(1 + w)`` folded; ``_is_silu``; RoPE only with full rotary):
-anything else (q/k norms, sandwich norms, GELU, partial rotary) runs its own module's
-forward, so the forward is transformers' to float32 rounding.
-
-One residual-block shape (``_Layer``) covers every family that
-``engine/model.py`` accepts (``SUPPORTED_ARCHITECTURES``; anything else is refused at load):
-optional per-head q/k norms (Qwen3, Gemma 3), optional sandwich norms around attention and MLP
-(Gemma 2/3), fused QKV / gate-up projections (Phi-3), partial rotary (Phi-3), per-layer-type
-RoPE tables (Gemma 3), a non-default attention scale and attention / final logit soft-capping
-(Gemma); embedding scaling is inside Gemma's own embedding module. The projections use the
-layers' own weights through ``_Linear``: Q/K/V fused into one matmul and gate/up into another
-(the modules' weights become views of the fused tensor, so there is one copy; Phi-3's already
-fused ones as they are); the backend may pack a copy for the kernel it chose. The prepared
-layers (and packed weights) are built once per model and backend configuration and shared
-by every runner of that model.
+Every kernel with more than one implementation is the backend's (``engine/ops.py``, chosen once
+by ``ops.select_ops``). A fused kernel stands in for a module only where it reproduces the
+module's output bit for bit on a probe input at ``_prepare``; anything else (q/k norms, sandwich
+norms, GELU, partial rotary) runs its own module, so the forward is transformers' to float32
+rounding. One residual block (``_Layer``) covers every family ``engine/model.py`` accepts. Q/K/V
+and gate/up are fused into one matmul each, the modules' weights becoming views of the fused
+tensor; prepared layers are built once per model and backend and shared by its runners.
 """
 
 from __future__ import annotations
@@ -71,16 +41,10 @@ from engine.scheduler import ScheduledBatch
 
 
 class _Linear:
-    """One or more projections of the same input, run as one matmul:
-    ``x [N, in] -> (x @ W_i.T + b_i for each module i)``, the output split into per-module
-    views.
-
-    Several modules (Q/K/V, gate/up) are fused once: their weights are concatenated and each
-    module's ``weight`` becomes a view of its rows of that tensor (same values, no second
-    copy; transformers' own forward reads the same memory). The matmul itself is the
-    backend's (``ops.linear``: on CPU in float32 the kernel measured fastest here for each
-    row-count bucket, on a packed copy where that kernel wants one; else ``mm`` / ``addmm``).
-    """
+    """One or more projections of the same input as one matmul (``ops.linear``):
+    ``x [N, in] -> (x @ W_i.T + b_i for each module i)``, split into per-module views. Fused
+    modules' weights are concatenated once, each module's ``weight`` becoming a view of its
+    rows (no second copy; transformers' own forward reads the same memory)."""
 
     def __init__(self, modules: list[torch.nn.Linear], split: list[int] | None = None,
                  ops: TorchOps | None = None, lm_head: bool = False) -> None:
@@ -113,12 +77,10 @@ def _probe(width: int, device) -> torch.Tensor:
 
 @dataclass
 class _Norm:
-    """An RMSNorm module, plus what the fused path needs where the module is the plain form
-    ``out = w' * (x * rsqrt(mean(x^2, -1) + eps))`` (Zhang & Sennrich 2019): Llama-style norms
-    (``w' = weight``: Llama, Mistral, Qwen2/3, Phi-3) and Gemma's (``w' = 1 + weight``,
-    folded once here). Which form, if any, is decided on a probe input at _prepare: the
-    formula must reproduce the module's output bit for bit (``torch.equal``), else ``weight``
-    is None and only the module's own forward is used."""
+    """An RMSNorm module, plus the fused path's ``w'`` where it is the plain form ``out = w' *
+    (x * rsqrt(mean(x^2, -1) + eps))`` (Zhang & Sennrich 2019): ``w' = weight`` (Llama-style)
+    or ``1 + weight`` (Gemma). The form must reproduce the module's output bit for bit on a
+    probe input at _prepare, else ``weight`` is None and the module's own forward runs."""
 
     module: torch.nn.Module
     weight: torch.Tensor | None  # [H] float32, contiguous; None: not the plain form
@@ -159,9 +121,8 @@ class _Layer:
         h = h + attn_out_norm(o(attention(rope(q_norm(q)), rope(k_norm(k)), v)))  # of input_norm(h)
         h = h + mlp_out_norm(down(act(gate) * up))                               # of mlp_norm(h)
 
-    where the optional norms (None: identity) are Qwen3/Gemma 3's per-head q/k RMSNorm and
-    Gemma 2/3's sandwich norms; Llama's ``post_attention_layernorm`` is ``mlp_norm``,
-    Gemma's is ``attn_out_norm`` (its ``pre_feedforward_layernorm`` is ``mlp_norm``).
+    with optional norms (None: identity); Llama's ``post_attention_layernorm`` is
+    ``mlp_norm``, Gemma's is ``attn_out_norm``.
     """
 
     input_norm: _Norm
@@ -233,19 +194,17 @@ def _prepare(model, ops: TorchOps) -> tuple[list[_Layer], _Norm, _Linear]:
     return cached[1], cached[2], cached[3]
 
 
-# Grouping decode rows (see ``_group_decodes``): one more gather + SDPA call costs about as
-# much as reading this many tokens of one layer's K/V (~20 us vs ~0.1 us/token on the CPU
-# measured).
+# Grouping decode rows (``_group_decodes``): one more gather + SDPA call costs about as much as
+# reading this many tokens of one layer's K/V.
 _DECODE_CALL_COST_TOKENS = 256
 _GROUP_DP_UNITS = 32  # split-point candidates in _group_decodes (see there)
 
 
 @dataclass
 class _DecodeGroup:
-    """Decode rows attended by one call: an SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and
-    V, a strided view of the store (row r's range starts at flat token ``token_offset + r *
-    stride_tokens``) or, when ``block_idx`` is set, the rows' blocks gathered; or, when
-    ``block_tables`` is set, the C paged kernel reading every row's blocks in place."""
+    """Decode rows attended by one call: SDPA over ``[num_rows, H_kv, ctx_len, D]`` K and V,
+    a strided view (row r from flat token ``token_offset + r * stride_tokens``) or gathered
+    (``block_idx``); or the C paged kernel (``block_tables``)."""
 
     num_rows: int
     ctx_len: int  # the longest row's KV length
@@ -279,9 +238,8 @@ class _StepLayout:
 
 
 class ModelRunner:
-    """Runs scheduled batches through a supported decoder model (``engine.model.
-    SUPPORTED_ARCHITECTURES``) against a paged ``KVStore``; requests name their KV by
-    ``RequestState.block_ids``."""
+    """Runs scheduled batches through a supported decoder model against a paged ``KVStore``;
+    requests name their KV by ``RequestState.block_ids``."""
 
     def __init__(self, model, kv_store: KVStore, device: str = "cpu") -> None:
         self.model = model
@@ -292,13 +250,10 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.group = self.num_heads // self.num_kv_heads
-        # The kernel backend (engine/ops.py), chosen once here: every kernel call below goes
-        # to it without asking which one it is.
         self.ops = ops_mod.select_ops(self.device, model.lm_head.weight.dtype,
                                       kv_store.kv.dtype)
         self.layers, self.final_norm, self.lm_head = _prepare(model, self.ops)
-        # Attention scale and soft-cap are the same in every layer of every supported family;
-        # None = SDPA's own default 1/sqrt(D), so Llama-like models run exactly as before.
+        # The same in every layer of every supported family; None = SDPA's default 1/sqrt(D).
         self.scale = self.layers[0].scale
         self.scale = None if self.scale == self.head_dim ** -0.5 else self.scale
         self.softcap = self.layers[0].softcap
@@ -319,17 +274,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,
                 on_layer_done: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Run one step.
-
-        Args:
-            batch: the scheduler's step (counters not yet advanced).
-            on_layer_done: called with the layer index once that layer's K/V are in the
-                store (layer-wise KV streaming hooks in here).
-
-        Returns:
-            logits ``[num_sampled, vocab]`` (float32), one row per entry ``i`` with
-            ``batch.completes(i)``, in batch order.
-        """
+        """Run one step (counters not yet advanced) -> float32 logits ``[num_sampled, vocab]``,
+        one row per entry ``i`` with ``batch.completes(i)``, in batch order.
+        ``on_layer_done(layer)`` runs once that layer's K/V are in the store."""
         layout = self._layout(batch)
         inner = self.model.model
         hidden = inner.embed_tokens(layout.input_ids)  # [N, hidden] (Gemma: scaled inside)
@@ -371,9 +318,8 @@ class ModelRunner:
                                                  layer.gate_up.fused(x)))
 
     def _rope_tables(self, hidden: torch.Tensor, positions: torch.Tensor) -> dict:
-        """``{rope_key: (cos, sin)}``, each ``[N, R]`` (contiguous), from the model's own
-        rotary module (so Llama 3 / YaRN / longrope scaling and Gemma 3's per-layer-type bases
-        follow transformers). ``R`` < D for partial rotary."""
+        """``{rope_key: (cos, sin)}``, each ``[N, R]`` (``R`` < D for partial rotary), from the
+        model's own rotary module, so every RoPE scaling follows transformers."""
         rotary, tables = self.model.model.rotary_emb, {}
         for key in {layer.rope_key for layer in self.layers}:
             args = () if key is None else (key,)
@@ -426,10 +372,9 @@ class ModelRunner:
 
     def _decode_attention(self, q, layer_idx: int, kv_layer,
                           group: _DecodeGroup) -> torch.Tensor:
-        """One attention call for ``group``'s rows over their KV (the C paged kernel for a
-        ``_paged_group``, else SDPA) -> their outputs ``[num_rows, H_q,
-        D]`` (row r is token ``token_start + r``, or ``token_idx[r]``). ``q``: ``[N, H_q,
-        D]``; ``kv_layer``: the store's ``[2, H_kv, NB, B, D]`` for layer ``layer_idx``."""
+        """One call (C paged kernel or SDPA) for ``group``'s rows: ``q [N, H_q, D]`` over
+        ``kv_layer [2, H_kv, NB, B, D]`` -> ``[num_rows, H_q, D]`` (row r is token
+        ``token_start + r``, or ``token_idx[r]``)."""
         n, heads, head_dim, ctx = group.num_rows, self.num_kv_heads, self.head_dim, group.ctx_len
         if group.token_start == 0 and n == q.shape[0]:
             q_rows = q
@@ -458,12 +403,8 @@ class ModelRunner:
     def _chunk_attention(self, q, k, v, start: int) -> torch.Tensor:
         """Attention of one prompt chunk over its request's KV: ``q [n, H_q, D]`` (positions
         ``start .. start+n-1``), ``k, v [H_kv, start+n, D]`` (the cached prefix, then the
-        chunk's own K/V) -> ``[n, H_q, D]``.
-
-        Cost follows the causal FLOPs: no ``[n, ctx]`` mask is built (``ops.chunk_attention``:
-        a causal SDPA for a first chunk; for a later one, two flash calls merged by their
-        log-sum-exp on CPU, one SDPA with a lower-right causal bias elsewhere).
-        """
+        chunk's own K/V) -> ``[n, H_q, D]``; no ``[n, ctx]`` mask is built, so the cost
+        follows the causal FLOPs (``ops.chunk_attention``)."""
         if self.softcap is not None:  # soft-capped logits (Gemma 2): the eager form, masked
             return self._capped_chunk_attention(q, k, v, start)
         q4, k4, v4 = q.transpose(0, 1)[None], k[None], v[None]  # [1, H, len, D]
@@ -512,17 +453,15 @@ class ModelRunner:
         return torch.tensor(xs, dtype=torch.long, device=self.device)
 
     def _query_rows(self, tokens: list[int]) -> tuple[int | None, torch.Tensor | None]:
-        """A group's ``(token_start, token_idx)`` for decode rows at step tokens ``tokens``:
-        ``(tokens[0], None)`` when they are consecutive (q is a slice), else ``(None, the
-        indices)`` (q is gathered)."""
+        """``(tokens[0], None)`` when the step tokens ``tokens`` are consecutive (q a slice),
+        else ``(None, their indices)`` (q gathered)."""
         if all(t == tokens[0] + r for r, t in enumerate(tokens)):
             return tokens[0], None
         return None, self._long(tokens)
 
     def _paged_group(self, decodes: list[tuple[int, int, list[int]]]) -> _DecodeGroup:
         """Decode rows ``(kv length, token index, block ids)`` -> one group for the C paged
-        kernel: no views, no gather, no split by length (it reads each row to its own
-        length), so none of ``_plan_decodes``' planning."""
+        kernel, which reads each row's blocks in place to its own length."""
         block_size = self.kv_store.block_size
         used = [table[:-(-length // block_size)] for length, _, table in decodes]
         width = max(len(u) for u in used)
@@ -533,15 +472,11 @@ class ModelRunner:
             lens=self._long([length for length, _, _ in decodes]))
 
     def _plan_decodes(self, decodes: list[tuple[int, int, list[int]]]) -> list[_DecodeGroup]:
-        """Decode rows ``(kv length, token index, block ids)`` -> SDPA groups.
-
-        Rows whose used blocks are consecutive have a flat start token each; sorted by it,
-        runs of equally spaced starts become strided views (a run of one is a row's own
-        view), each run split by length by ``_group_decodes``. A view reads ``ctx_len``
-        tokens from every row's start, past a shorter row's end into its neighbour's
-        blocks (finite values, masked out), so a piece whose last row would read past the
-        store's end is split into single rows. The other rows are one gathered group.
-        """
+        """Decode rows ``(kv length, token index, block ids)`` -> SDPA groups. Rows with
+        consecutive blocks, sorted by start, form strided views over runs of equal spacing,
+        split by ``_group_decodes``; a view reads ``ctx_len`` tokens past a shorter row's end
+        (finite, masked out), so a piece that would read past the store's end is split into
+        single rows. The other rows are one gathered group."""
         block_size, flat_tokens = self.kv_store.block_size, self.kv_store.num_tokens
         in_place, scattered = [], []
         for length, token, table in decodes:
@@ -624,13 +559,10 @@ def _group_decodes(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int
     them by KV length) into runs, each gathered and attended as one padded batch. A run
     costs ``_DECODE_CALL_COST_TOKENS`` plus (ranks spanned x longest KV length) token reads;
     dynamic programming over the split points finds the cheapest split, so a few long
-    contexts do not make every short row read (and mask) their length.
-
-    The DP is quadratic in its candidate split points, and at 256 rows an exact one cost
-    88 ms of Python per step on a loaded core (benchmarks/README.md), so it considers
-    at most ~2 x ``_GROUP_DP_UNITS`` of them: every ``ceil(len(rows) / _GROUP_DP_UNITS)``
-    rows, plus the ``_GROUP_DP_UNITS`` largest jumps in KV length between neighbouring rows
-    (where a long context starts or ends). Up to that many rows it is exact."""
+    contexts do not make every short row read (and mask) their length. The DP is quadratic
+    in its split points, so it considers at most ~2 x ``_GROUP_DP_UNITS``: every
+    ``ceil(len(rows) / _GROUP_DP_UNITS)`` rows and the ``_GROUP_DP_UNITS`` largest jumps in
+    KV length between neighbours; up to that many rows it is exact."""
     n = len(rows)
     size = -(-n // _GROUP_DP_UNITS) if n else 1
     jumps = sorted(range(1, n), key=lambda i: -abs(rows[i][1] - rows[i - 1][1]))

@@ -6,16 +6,14 @@ get the next chunk (prompts part-way, preempted requests recomputing). Unless th
 blocks and the token budget allow; a prompt first shares its cached full blocks, leaving its last
 token to compute. A request prefilled elsewhere (``WAITING_FOR_REMOTE_KVS``) only reserves blocks
 for prompt + 1, is listed in ``batch.kv_reserved`` for its worker to fetch into, and runs from
-``kv_arrived``. ``update`` applies sampled tokens, checks stops and frees finished requests'
-blocks (full ones stay cached until evicted).
+``kv_arrived``. ``update`` applies sampled tokens, checks stops and frees finished requests' blocks.
 
 ``kv_reservation``: ``on_demand`` (vLLM v1) allocates blocks as tokens are scheduled and, with
-none free, preempts the newest running request (freed, requeued first, recomputed); PREFILLED or
-receiving requests are never preempted, and ``add`` refuses one that could not fit alone.
-``full`` reserves prompt + max_tokens at admission and never preempts. A block's reference count
-is the number of block tables listing it. Blocks join the prefix cache as allocated for this
-step's tokens; ``step_failed`` unregisters them, so a cached block holds the KV its hash names.
-Chunked prefill gives a prompt what is left of the budget (Sarathi-Serve); off, it runs whole."""
+none free, preempts the newest running request (freed, requeued first, recomputed; never a
+PREFILLED or receiving one); ``add`` refuses one that could not fit alone. ``full`` reserves
+prompt + max_tokens at admission and never preempts. Blocks join the prefix cache as allocated;
+``step_failed`` unregisters them, so a cached block holds the KV its hash names. Chunked prefill
+gives a prompt what is left of the budget (Sarathi-Serve); off, it runs whole."""
 
 from __future__ import annotations
 
@@ -127,7 +125,6 @@ class Scheduler:
         self._step_cached: list[int] = []
         self._preempted_now = False
 
-    # ---- queues --------------------------------------------------------------------
     def add(self, state: RequestState) -> None:
         """Queue a request.
 
@@ -156,7 +153,6 @@ class Scheduler:
         return sum(s.num_reserved_tokens for s in self.running) + sum(
             s.num_reserved_tokens for s in self.receiving)
 
-    # ---- one step ------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         self._step_cached = []
@@ -357,7 +353,6 @@ class Scheduler:
         return taken
 
     def _uncache_uncomputed(self, state: RequestState) -> None:
-        """Unregister blocks registered for tokens past the computed ones."""
         table, cap = state.block_ids, self.capacity
         for i in range(state.num_computed_tokens // self.block_size, state.num_cached_blocks):
             cap.uncache(table[i])

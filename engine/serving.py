@@ -41,6 +41,7 @@ from engine.events import DIED, ERROR, TOKEN, TokenBatch, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.emulated import Emulation
 from engine.model import load_geometry, load_model
+from engine.parallel import start_instance
 from engine.request import Request, TokenOutput
 from engine.scheduler import ScheduledBatch
 
@@ -112,14 +113,24 @@ class EngineLoop:
         step_delay_s: sleep this long after every step: a straggler, for failure tests.
         emulation: an emulated device (``engine.emulated``; device ``emu:i``): the model
             is ``model_config.model``'s geometry in the profile's dtype, no weights.
+        rank_devices: the devices of ranks 1.. of a tensor-parallel instance (TP = 1 +
+            their count; ``engine.parallel.start_instance``: each rank a process bound to its
+            device, this one rank 0 on ``device``; with ``bind`` off they are not pinned);
+            () is a one-device instance.
+
+    Raises:
+        ValueError: ``rank_devices`` with an emulated device, or a TP the model's heads do
+            not allow (``engine.parallel.shard_model``).
     """
 
     role = "colocated"
 
     def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
                  device: str = "cpu:0", inside_ray: bool = False, bind: bool = True,
-                 step_delay_s: float = 0.0, emulation: Emulation | None = None) -> None:
+                 step_delay_s: float = 0.0, emulation: Emulation | None = None,
+                 rank_devices: tuple[str, ...] = ()) -> None:
         self.name = name
+        self.rank_devices = tuple(rank_devices)
         self.step_delay_s = step_delay_s
         self.device = device
         self.torch_device = bind_device(device, inside_ray, pin=bind)
@@ -129,8 +140,20 @@ class EngineLoop:
         else:  # the emulated GPU's KV dtype is the profile's
             loaded = load_geometry(dataclasses.replace(model_config,
                                                        dtype=emulation.device.dtype))
-        self.engine = Engine(loaded, engine_config, on_layer_done=self.layer_listener(),
-                             emulation=emulation)
+        self._instance = None  # a TP instance's other ranks (engine.parallel)
+        if self.rank_devices:
+            if emulation is not None:
+                raise ValueError(f"worker {name}: an emulated instance spans one device, "
+                                 f"got rank devices {self.rank_devices}")
+            tp = 1 + len(self.rank_devices)
+            self._instance = start_instance(
+                loaded, model_config, engine_config, tp,
+                devices=(device, *self.rank_devices) if bind else None,
+                on_layer_done=self.layer_listener())
+            self.engine = self._instance.engine
+        else:
+            self.engine = Engine(loaded, engine_config, on_layer_done=self.layer_listener(),
+                                 emulation=emulation)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent | TokenBatch] = []
         self._events_ready = threading.Condition()
@@ -151,6 +174,7 @@ class EngineLoop:
         with every result. ``device`` is the device asked for, ``torch_device`` the one used."""
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
+                "tp": 1 + len(self.rank_devices), "rank_devices": list(self.rank_devices),
                 "torch_device": self.torch_device, "gpu": gpu_identity(self.torch_device),
                 "torch_num_threads": torch.get_num_threads(),
                 "torch_num_interop_threads": torch.get_num_interop_threads(),
@@ -290,6 +314,8 @@ class EngineLoop:
         self._stopped.set()
         self._commands.put(lambda: None)
         self._thread.join(timeout=10)
+        if self._instance is not None:  # after the loop: no collective of rank 0 in flight
+            self._instance.close()
         self._close_port()
 
     def _close_port(self) -> None:

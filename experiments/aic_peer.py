@@ -3,22 +3,15 @@ recommendation at the same SLOs, beside the map's winner.
 
 AIConfigurator (``cli_default``, CPU only) searches agg and disagg configurations of
 ``total_gpus`` GPUs on its silicon database and picks the mode with the most tokens/s per GPU
-that meets TTFT and TPOT; it has no KV-transfer term, which pdlab's map has.
-
-1. ``aic_verdict``: one ``cli_default`` call (tens of seconds) for a cell's SLO and a request
-   of ``isl`` / ``osl`` tokens; ``verdict_of`` reads its mode, both modes' tokens/s per GPU
-   and rank-1 configuration (``config_of``).
-2. ``map_mode``: the map's winner family as a mode (colocated -> agg; disagg and conditional
-   -> disagg; "none" / "no clear winner" -> None).
-3. ``peer_rows``: per checked cell both answers and whether they agree; with a zero-transfer
-   map (``zero_transfer_cells``), ``transfer_explains``: whether the transfer term explains a
-   disagreement.
-4. ``disagreement_lines``: one printed line per disagreement.
+that meets TTFT and TPOT; it has no KV-transfer term, which pdlab's map has. Per checked cell
+(``peer_rows``): its verdict (``aic_verdict``), the map's winner family as a mode (``map_mode``:
+colocated -> agg; disagg, conditional -> disagg), whether they agree and, with a zero-transfer
+map, whether the transfer term explains a disagreement (``transfer_explains``).
 
 ``python -m experiments.aic_peer --map-dir results/map-x --system h100_sxm --model
 engine/configs/llama-3.1-8b --devices 4 --cells 2 --zero-transfer-map-dir results/map-x0``
 writes aic_peer.csv in ``--map-dir``; ``map-x0`` is the same ``pdlab map`` command with
-``--transfer-latency-s 0 --transfer-bandwidth-gbps 1e9`` (map.csv does not record it)."""
+``--transfer-latency-s 0 --transfer-bandwidth-gbps 1e9``."""
 
 from __future__ import annotations
 
@@ -162,9 +155,8 @@ def peer_rows(cells: pd.DataFrame, verdicts: Sequence[dict], request_tokens: int
               zero: pd.DataFrame | None = None) -> pd.DataFrame:
     """Step 3: one row per cell of ``cells`` (``slo_map.cells`` rows) with its AIConfigurator
     verdict (``verdicts``, same order) and, given ``zero`` (``zero_transfer_cells``, same
-    order), the zero-transfer map's verdict and ``transfer_explains``: ``PEER_COLUMNS``.
-    ``map_mode`` "" and ``agrees`` None where the map has no clear winner or AIConfigurator
-    found nothing; ``zero_transfer_*`` "" and ``transfer_explains`` None without ``zero``."""
+    order), the zero-transfer map's verdict: ``PEER_COLUMNS``. ``agrees`` None where either
+    side has no answer; ``transfer_explains`` None without ``zero``."""
     zero_rows = zero.to_dict("records") if zero is not None else [None] * len(cells)
     rows = []
     for cell, v, z in zip(cells.to_dict("records"), verdicts, zero_rows):

@@ -1,16 +1,8 @@
-"""Tables and verdicts from the records of a placement comparison (no torch).
-
-``pdlab compare`` runs placements on the same devices and workload at one or more arrival
-rates, each ``(placement, rate)`` point with several seeds. From the ``RequestRecord``s:
-
-- ``seed_table``: one row per run, from ``engine.metrics.summarize`` (no metric defined twice);
-- ``summary_table``: per point, the mean over seeds and a 95% bootstrap interval of each of
-  ``CI_METRICS``, then the seed means of ``EXTRA_COLUMNS``;
-- ``goodput_table``: DistServe goodput per device, with its interval;
-- ``latency_breakdown``: the mean seconds a request spends in each stage;
-- ``transfer_efficiency``: KV transfers against the link peak measured at start;
-- ``verdict``: which placement wins where the intervals separate, and why, in numbers;
-- ``requests_frame``: one row per request, for plots.
+"""Tables and verdicts from the records of a placement comparison (no torch): per run
+(``seed_table``, from ``engine.metrics.summarize``: no metric defined twice), per
+``(placement, rate)`` point over seeds (``summary_table``), goodput per device
+(``goodput_table``), the stages of a request (``latency_breakdown``), KV transfers against the
+link peak (``transfer_efficiency``), who wins (``verdict``), and per request (``requests_frame``).
 
 The bootstrap is hierarchical and percentile: a replicate draws seeds with replacement and,
 inside each, requests with replacement, recomputes each seed's metric (duration fixed) and
@@ -30,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from engine import metrics as m
-from engine.config import parse_placement
+from engine.placement import Placement
 from engine.metrics import SLO, RequestRecord
 
 # Per-seed columns (seed_table), all from engine.metrics.summarize.
@@ -98,14 +90,11 @@ def _nan(v: float | None) -> float:
 def placement_kind(placement: str) -> str:
     """``"colocated:2"`` and ``"colocated-nochunk:2"`` -> ``"colocated"``, ``"disagg:1p1d"``
     -> ``"disagg"``; a ``pdlab bench`` label ``NAME@PLACEMENT`` by its placement."""
-    return parse_placement(placement.rsplit("@", 1)[-1])[0]
+    return Placement.parse(placement.rsplit("@", 1)[-1]).kind
 
 
 def is_colocated(placement: str) -> bool:
     return placement_kind(placement) == "colocated"
-
-
-# ---- per run ------------------------------------------------------------------------------
 
 
 def summary_row(placement: str, rate: float, records: Sequence[RequestRecord], slo: SLO | None,
@@ -127,9 +116,6 @@ def seed_table(runs: Sequence[Run], slo: SLO | None) -> pd.DataFrame:
     rows = [summary_row(r.placement, r.rate, r.records, slo, r.duration_s, r.seed)
             for r in map(as_run, runs)]
     return pd.DataFrame(rows, columns=SEED_COLUMNS)
-
-
-# ---- bootstrap ----------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -164,8 +150,7 @@ def _arrays(run: Run, slo: SLO | None) -> _Arrays:
 
 
 def _row_percentile(values: np.ndarray, q: float) -> np.ndarray:
-    """``np.nanpercentile(values, q, axis=1)`` (linear), vectorised: numpy's own loops over
-    rows in Python when there are NaNs. ``values`` ``[B, n]`` -> ``[B]``; NaN for all-NaN rows."""
+    """``np.nanpercentile(values, q, axis=1)`` (linear), vectorised: ``[B, n]`` -> ``[B]``."""
     v = np.sort(values, axis=1)  # NaNs sort last
     count = np.sum(~np.isnan(v), axis=1)
     pos = q / 100 * np.maximum(count - 1, 0)
@@ -259,9 +244,6 @@ def summary_table(runs: Sequence[Run], slo: SLO | None, num_boot: int = NUM_BOOT
     return pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
 
 
-# ---- per request --------------------------------------------------------------------------
-
-
 def requests_frame(records: Sequence[RequestRecord], slo: SLO | None = None) -> pd.DataFrame:
     """One row per request: ids, token counts, and its metrics from ``engine.metrics``
     (NaN where undefined). ``arrived_s`` is the raw ``time.time()`` of arrival.
@@ -303,7 +285,6 @@ def requests_frame(records: Sequence[RequestRecord], slo: SLO | None = None) -> 
     return pd.DataFrame(rows, columns=cols)
 
 
-# ---- latency breakdown --------------------------------------------------------------------
 # Stage spans of one request from its timeline. These are not new metrics: prefill queue and
 # prefill are engine.metrics'; the rest are timeline spans used only for this breakdown.
 
@@ -371,26 +352,19 @@ def latency_breakdown(records: Sequence[RequestRecord] | Mapping[str, Sequence[R
     return pd.DataFrame(rows, columns=["placement", "num_requests"] + BREAKDOWN_STAGES)
 
 
-# ---- rate sweep ---------------------------------------------------------------------------
-
-
 TRANSFER_EFFICIENCY_COLUMNS = ["placement", "transport", "num_transfers", "kv_bytes_total",
                                "achieved_gbps_p50", "peak_gbps", "efficiency_p50",
                                "exposed_share"]
 
 
 def transfer_efficiency(transfers: pd.DataFrame) -> pd.DataFrame:
-    """Per placement, its KV transfers against their link (``transfers.csv``'s rows: one
-    ``kv_transfer.transport.TransferRecord`` per chunk, all rates and seeds; the simulator's rows
-    carry only bytes and seconds, so their peak, efficiency and exposure are NaN).
-
-    Columns (``TRANSFER_EFFICIENCY_COLUMNS``): ``num_transfers`` (chunks), ``kv_bytes_total``
-    (bytes), ``achieved_gbps_p50`` (median over chunks of bytes / (put + get seconds) / 1e9),
-    ``peak_gbps`` (the link peak the deployment measured at start; NaN when none was
-    measured), ``efficiency_p50`` (median of achieved / peak), ``exposed_share`` (exposed
-    seconds over put + get seconds, summed over chunks: the part of the transfer time the
-    request waited for after its KV was ready; 1.0 for whole-request transfers; NaN where
-    no chunk has it). A placement without transfers (colocated) has no row."""
+    """Per placement, its KV transfers against their link (``transfers.csv``'s rows, one
+    ``TransferRecord`` per chunk; the simulator's rows carry only bytes and seconds, so their
+    peak, efficiency and exposure are NaN). Columns ``TRANSFER_EFFICIENCY_COLUMNS``:
+    ``achieved_gbps_p50`` (median of bytes / (put + get s) / 1e9), ``peak_gbps`` (measured at
+    start; NaN if not), ``efficiency_p50`` (median achieved / peak), ``exposed_share`` (exposed
+    s over put + get s, summed over chunks; 1.0 for whole-request transfers). A placement
+    without transfers has no row."""
     if transfers.empty or "num_bytes" not in transfers.columns:
         return pd.DataFrame(columns=TRANSFER_EFFICIENCY_COLUMNS)
     rows = []
@@ -452,8 +426,7 @@ def goodput_per_device(curve: pd.DataFrame, num_devices: int | Mapping[str, int]
 
 
 def _sweeps(runs: Sequence[Run], placement: str) -> tuple[list[float], list[int], dict]:
-    """A placement's swept rates (ascending), the seeds that ran at every one of them (a
-    seed is one sweep) and ``{(rate, seed): index into runs}``."""
+    """A placement's swept rates, the seeds that ran at all of them, ``{(rate, seed): index}``."""
     mine = [i for i, r in enumerate(runs) if r.placement == placement]
     rates = sorted({runs[i].rate for i in mine})
     at = {(runs[i].rate, runs[i].seed): i for i in mine}
@@ -510,9 +483,6 @@ def goodput_table(runs: Sequence[Run], slo: SLO, num_devices: int | Mapping[str,
                                        "goodput_per_device_req_s",
                                        "goodput_per_device_req_s_ci_lo",
                                        "goodput_per_device_req_s_ci_hi"])
-
-
-# ---- verdict ------------------------------------------------------------------------------
 
 
 def _fmt(col: str, v: float) -> str:
@@ -596,15 +566,23 @@ def _rate_verdict(at: pd.DataFrame, rate: float) -> list[str]:
     return lines
 
 
-def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = None) -> str:
+def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = None,
+            systems: Mapping[str, str] | None = None) -> str:
     """Which placement wins, and why, from ``summary_table`` (intervals included).
 
     Per rate every placement ran: a placement wins only if its SLO-attainment interval lies
     entirely above every other's; otherwise "no clear winner at this rate", naming the metric of
     ``CI_METRICS`` closest to separating (smallest ``overlap_fraction``), or those that do. Then,
     at the highest common rate: TPOT p99 colocated / disagg, the KV transfer's cost (put + get
-    p50) against prefill p50, TTFT p99 of both; the worst dispatch-lag p99; and, given
-    ``goodput`` (``goodput_table``), goodput per device with intervals."""
+    p50) against prefill p50 (left out when the runs have no transfer figures, as a bench's),
+    TTFT p99 of both; the worst dispatch-lag p99; and, given ``goodput`` (``goodput_table``),
+    goodput per device with intervals.
+
+    ``systems``: placement -> the engine or server that produced its records
+    (``results.serving_systems``); placements it lacks fall back to the NAME of a
+    ``NAME@PLACEMENT`` label ("" for a plain placement). The colocated/disagg pair is taken from
+    one system where there is one; a pair from two systems is compared without any claim about
+    prefill-decode interference (two engines differ in more than placement)."""
     if summary_df.empty:
         return "No runs to compare."
     df = summary_df.copy()
@@ -627,15 +605,20 @@ def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = N
     colo = [r for r in rows if is_colocated(r["placement"])]
     disagg = [r for r in rows if placement_kind(r["placement"]) == "disagg"]
     if colo and disagg:
-        # bench labels NAME@PLACEMENT: compare placements of one system where there are
         def system(row) -> str:
-            return row["placement"].rsplit("@", 1)[0] if "@" in row["placement"] else ""
+            placement = row["placement"]
+            if systems is not None and placement in systems:
+                return systems[placement]
+            return placement.rsplit("@", 1)[0] if "@" in placement else ""
         pairs = [(c, d) for d in disagg for c in colo if system(c) == system(d)]
         c, d = pairs[0] if pairs else (colo[0], disagg[0])
         ratio = c["tpot_p99_s"] / d["tpot_p99_s"] if d["tpot_p99_s"] > 0 else math.nan
         ratio_txt = "n/a" if math.isnan(ratio) else f"{ratio:.2f}x"
         separated = overlap_fraction(c, d, "tpot_p99_s") < 0  # NaN (one seed): not separated
-        if ratio > 1 and separated:
+        if not pairs:
+            effect = (f"different systems, {system(c) or 'unnamed'} vs {system(d) or 'unnamed'}: "
+                      "not a measure of prefill-decode interference")
+        elif ratio > 1 and separated:
             effect = "disaggregation removed prefill-decode interference"
         elif ratio > 1:
             effect = ("lower with disaggregation, but the 95% intervals overlap: not shown "
@@ -648,12 +631,13 @@ def verdict(summary_df: pd.DataFrame, slo: SLO, goodput: pd.DataFrame | None = N
         lines.append(f"At {top['rate'].max():g} req/s, TPOT p99: {c['placement']} "
                      f"{_with_ci(c, 'tpot_p99_s')} vs {d['placement']} {_with_ci(d, 'tpot_p99_s')}, "
                      f"colocated/disagg = {ratio_txt}" + (f" ({effect})." if effect else "."))
-        kv, pf = d["kv_transfer_p50_s"], d["prefill_p50_s"]
-        share = kv / pf if pf > 0 else math.nan
-        share_txt = "n/a" if math.isnan(share) else f"{100 * share:.1f}% of prefill"
-        lines.append(f"Transfer paid by {d['placement']}: KV transfer (put + get) p50 {_fmt_s(kv)} "
-                     f"(put {_fmt_s(d['kv_put_p50_s'])}, get {_fmt_s(d['kv_get_p50_s'])}) vs "
-                     f"prefill p50 {_fmt_s(pf)} ({share_txt}).")
+        kv, pf = float(d["kv_transfer_p50_s"]), float(d["prefill_p50_s"])
+        if not math.isnan(kv):  # a client (bench) sees no transfer: no line
+            share = kv / pf if pf > 0 else math.nan
+            share_txt = "n/a" if math.isnan(share) else f"{100 * share:.1f}% of prefill"
+            lines.append(f"Transfer paid by {d['placement']}: KV transfer (put + get) p50 "
+                         f"{_fmt_s(kv)} (put {_fmt_s(d['kv_put_p50_s'])}, get "
+                         f"{_fmt_s(d['kv_get_p50_s'])}) vs prefill p50 {_fmt_s(pf)} ({share_txt}).")
         lines.append(f"TTFT p99: {c['placement']} {_with_ci(c, 'ttft_p99_s')} vs {d['placement']} "
                      f"{_with_ci(d, 'ttft_p99_s')}.")
     lag = df["dispatch_lag_p99_s"].astype(float)

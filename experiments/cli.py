@@ -3,13 +3,11 @@
 Each command is one module of ``experiments.commands`` with ``HELP``, ``add_arguments(parser)``,
 ``check(args)`` (every option checked before anything starts: no Ray, no model weights; raises
 ``ValueError`` naming the first bad option) and ``run(args, checked) -> exit code``. A command's
-module is imported only when that command runs (or its ``--help`` is asked for), so ``pdlab --help``
-loads neither torch nor Ray.
-
-Engine, transfer and workload options are derived from the config dataclasses' fields
-(``engine.config.add_dataclass_args``), so every knob has one name, one default and one rule. A bad
-value exits 2 with one line naming the option and what it allows; an error while running exits 2
-with one line that keeps its root cause (``engine.errors.describe_error``)."""
+module is imported only when it runs (or its ``--help`` is asked for), so ``pdlab --help`` loads
+neither torch nor Ray. Options come from the config dataclasses' fields
+(``engine.config.add_dataclass_args``): one name, one default, one rule. A bad value exits 2 with
+one line naming the option; an error while running exits 2 with one line keeping its root cause
+(``engine.errors.describe_error``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""The CLI reference page (docs/reference/cli.md), printed from the ``pdlab`` parsers.
-
-``python -m experiments.cli_reference > docs/reference/cli.md`` writes it;
-``tests/integration/test_cli_reference.py`` fails when the committed page differs from what
-``render()`` prints. Every command's options come from ``experiments.cli.build_parser`` with all
-commands loaded (rendering imports every command's module, torch and Ray with them; ``pdlab --help``
-still loads none), formatted by argparse at a fixed width of ``WIDTH`` columns so the page does not
-depend on the terminal."""
+"""The CLI reference page (docs/reference/cli.md), printed from the ``pdlab`` parsers:
+``python -m experiments.cli_reference > docs/reference/cli.md`` writes it, and
+``tests/integration/test_cli_reference.py`` fails when the page differs from ``render()``.
+argparse formats every command's options at a fixed ``WIDTH``, so the page does not depend on the
+terminal (rendering imports every command's module; ``pdlab --help`` still loads none)."""
 
 from __future__ import annotations
 

@@ -1,26 +1,16 @@
-"""Time dilation of emulated devices (``--emu-time-scale S``).
+"""Time dilation of emulated devices (``--emu-time-scale S``), after time-warped emulation
+(Gupta et al., "To Infinity and Beyond: Time-Warped Network Emulation", NSDI 2006): the host's
+own cost (router, Ray calls, transports, the engine's Python) is separated from the exact
+emulated step times.
 
-On emulated devices (``engine.emulated``) the step times are known exactly; what is not is the
-host's own cost: the router, Ray calls, the transports and the engine's Python, which on a 2-core
-host sharing 4-8 worker processes add a share of a 6 ms GPU step that decides the tight SLO cells
-(README, "Where does disaggregation win?"). Time-warped emulation (Gupta et al., "To Infinity and
-Beyond: Time-Warped Network Emulation", NSDI 2006) separates the two:
+- every emulated step lasts ``S`` x its modelled time (``Emulation.time_scale``) and every gap
+  between arrivals ``S`` x its drawn value (``dilated_workload``);
+- every time measured in the run is divided by ``S`` before anything reads it (``undilate_*``:
+  stamps about the run's start, durations, bandwidths x S); wall-clock bounds on waits x S.
 
-- every emulated step lasts ``S`` x its modelled time (``Emulation.time_scale``, which
-  ``deployment.placement.emulation_for`` sets and ``EmulatedRunner.modelled_s`` multiplies
-  by; the profile itself is not scaled) and every gap between arrivals ``S`` x its drawn
-  value (``dilated_workload``: the workload drawn at the undilated rate, its offsets x S);
-- every time measured in the run is divided by ``S`` before anything reads it
-  (``undilate_record`` / ``_step`` / ``_transfer``: stamps about the run's start,
-  durations, bandwidths x S); the wall-clock bounds on waits x S (``dilated_transfer``).
-
-The modelled device then appears at its own speed, and the host's seconds per event (the same at any
-``S``) count ``1 / S`` as much. ``S = 1`` is real time. What ``S > 1`` checks is the placement
-logic: the scheduler, the router's choices, the hand-over, the KV accounting, against the
-simulator's (``plan --validate``, ``map --validate-on emu``); the control plane's cost at real speed
-is ``S = 1``'s (``benchmarks.control_plane``). Results record the scale (``Emulation.describe``'s
-``time_scale``). Multi-turn workloads are refused (``check_dilatable``): their turns' arrival times
-are drawn inside the closed-loop replay."""
+The host's seconds per event then count ``1 / S`` as much; ``S = 1`` is real time. Results record
+the scale. Multi-turn workloads are refused (``check_dilatable``): their arrival times are drawn
+inside the replay."""
 
 from __future__ import annotations
 
@@ -30,8 +20,7 @@ from engine.config import TransferConfig
 from engine.metrics import RequestRecord
 from experiments.workload_spec import ClosedLoop, MultiTurn
 
-# transfer-record fields (kv_transfer.transport.TransferRecord): wall-clock stamps and
-# durations; achieved_gbps is bytes over a duration
+# TransferRecord fields: wall-clock stamps and durations (achieved_gbps: bytes per duration)
 _TRANSFER_STAMPS = ("put_time_s", "get_time_s")
 _TRANSFER_DURATIONS = ("put_s", "get_s", "exposed_s", "overlapped_s")
 
@@ -42,8 +31,7 @@ _OPEN_LOOP_ONLY = ("argument --emu-time-scale: applies to open-loop workloads on
 
 
 def check_dataset(dataset: str, scale: float) -> None:
-    """The option check's form of ``check_dilatable``: refuse ``--dataset multiturn`` with a
-    dilation before anything runs (``run``, ``compare``, ``plan``).
+    """``check_dilatable`` for the options check (``--dataset multiturn``), before anything runs.
 
     Raises:
         ValueError: ``scale`` != 1 and ``dataset`` is ``"multiturn"``."""
@@ -62,9 +50,8 @@ def check_dilatable(items, scale: float) -> None:
 
 
 def dilated_workload(workload: list, scale: float) -> list:
-    """``workload`` (``router_workload``'s ``[(request, arrival offset s), ...]``) with every
-    offset x ``scale`` (the same workload at ``1 / scale`` of the rate: its gaps are drawn
-    once, at the undilated rate, and stretched)."""
+    """``workload`` (``[(request, arrival offset s), ...]``) with every offset x ``scale``: the
+    same workload at ``1 / scale`` of the rate."""
     if scale == 1:
         return workload
     assert not isinstance(workload, ClosedLoop), "check_dilatable refuses multi-turn workloads"
@@ -72,9 +59,8 @@ def dilated_workload(workload: list, scale: float) -> list:
 
 
 def dilated_transfer(transfer: TransferConfig, scale: float) -> TransferConfig:
-    """``transfer`` with its ``timeout_s`` x ``scale``: every remote wait (a KV fetch, and
-    the router's deadline, ``timeout_s`` + 5 s by default: ``placement.Deployment``) is a
-    wall-clock bound on a run whose every step and queue lasts ``scale`` x as long."""
+    """``transfer`` with ``timeout_s`` x ``scale``: every remote wait (a KV fetch, the router's
+    deadline) is a wall-clock bound on a run ``scale`` x as long."""
     if scale == 1:
         return transfer
     return dataclasses.replace(transfer, timeout_s=transfer.timeout_s * scale)
@@ -109,9 +95,8 @@ def undilate_record(record: RequestRecord, scale: float, origin_s: float) -> Req
 
 
 def undilate_step(row: dict, scale: float, origin_s: float) -> dict:
-    """A step row (``StepRecord.to_row``, plus the worker's name) undilated as
-    ``undilate_record``: ``start_s`` a stamp, ``duration_s`` a duration; ``lateness`` (a
-    ratio) unchanged."""
+    """A step row (``StepRecord.to_row`` and the worker) undilated as ``undilate_record``:
+    ``start_s`` a stamp, ``duration_s`` a duration, ``lateness`` (a ratio) unchanged."""
     return {**row, "start_s": _at(row["start_s"], scale, origin_s),
             "duration_s": row["duration_s"] / scale}
 

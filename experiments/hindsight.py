@@ -1,24 +1,15 @@
-"""Hindsight scoring of a ``conditional:xPyD`` run: for each request, the prefill path it took
-(``RequestRecord.prefill_path``), whether it met the SLO, and whether the other path would have met
-it, estimated from the same run's measured step times, so a user can tune
-``max_local_prefill_length`` from data.
+"""Hindsight scoring of a ``conditional:xPyD`` run: for each request, the prefill path it took,
+whether it met the SLO, and whether the other path would have, estimated from the same run's
+step times (optimistic: queueing on the other path is ignored), to tune
+``max_local_prefill_length``:
 
-The estimate (simple, and optimistic: queueing on the other path is ignored):
-
-1. Cost of a prompt token: the seconds of every step that computed prompt tokens, summed,
-   over the prompt tokens they computed (any worker; the decodes batched into a mixed step
-   make it a slight overestimate).
-2. TTFT on the other path: prompt tokens x that cost (either path prefills the whole prompt
-   in one engine; the first token leaves from there).
-3. TPOT on the other path:
-   - remote (it prefilled locally): the median decode-only step of the decode workers
-     (steps without prompt tokens: no prefill stalls it) plus its KV transfer, spread over
-     its output gaps (``transfer s per prompt token`` of the run's remote requests x P /
-     (n_out - 1); the transfer shows in the first gap);
-   - local (it prefilled remotely): the mean step of the decode workers, prefill steps
-     included (what a request decoding beside local prefills sees on average).
-4. ``other_met_slo`` = TTFT and TPOT estimates within the SLO (DistServe's both-SLO rule);
-   ``regret`` = it missed the SLO on its path and the other path would have met it."""
+1. A prompt token costs the seconds of the steps that computed prompt tokens over those tokens.
+2. TTFT on the other path: prompt tokens x that cost.
+3. TPOT on the other path: remote (it prefilled locally): the median decode-only step of the
+   decode workers plus its KV transfer over its output gaps (the run's transfer s per prompt
+   token x P / (n_out - 1)); local: the mean step of the decode workers, prefills included.
+4. ``other_met_slo``: both estimates within the SLO; ``regret``: it missed the SLO on its path
+   and the other path would have met it."""
 
 from __future__ import annotations
 
@@ -33,12 +24,9 @@ OTHER = {"local": "remote", "remote": "local"}
 
 
 def step_costs(steps: Sequence[dict], records: Sequence[RequestRecord]) -> dict[str, float]:
-    """The measured costs of the module docstring (seconds; NaN where the run has none).
-
-    Args:
-        steps: ``step_records`` rows (``worker, duration_s, num_prefill_tokens,
-            num_decode_tokens``); decode workers are named ``decode-*``.
-        records: the run's requests."""
+    """The measured costs of the module docstring (seconds; NaN where the run has none), from
+    ``step_records`` rows (``worker, duration_s, num_prefill_tokens, num_decode_tokens``;
+    decode workers are named ``decode-*``)."""
     df = pd.DataFrame(list(steps), columns=["worker", "duration_s", "num_prefill_tokens",
                                             "num_decode_tokens"])
     prefill = df[df["num_prefill_tokens"] > 0]

@@ -1,21 +1,16 @@
 """``pdlab map --validate K``: the map's own check against real runs.
 
 1. Cells come from ``planner.slo_map.pick_cells``. Per ratio with one, every candidate runs for
-   real (``experiments.replay.run_placement``) at the validation rates, and again
-   ``num_reruns`` times after the first pass. On emulated devices each run keeps its steps'
-   lateness p99 (``engine.emulated.lateness_p99``, ``lateness_line``).
-2. A real run does not depend on the SLO, so every checked cell of a ratio is scored from the
-   same real requests (``search.request_latencies``, ``slo_map.goodput_grid``); the measured
-   goodput is the mean over passes.
-3. Per cell, ``planner.decision.decide`` of mapped against measured goodputs: winner, regret,
-   Kendall tau, family agreement. A same-schedule twin pair (``same_schedule_as``) is scored
-   as one answer (``one_schedule``: the mean of the two). A disagreement is within the
-   machine's noise when in at least one pass the mapped winner was measured first (None
-   without reruns).
+   real (``experiments.replay.run_placement``) at the validation rates, ``1 + num_reruns``
+   passes; on emulated devices each run keeps its steps' lateness p99.
+2. Every checked cell of a ratio is scored from the same real requests (a run does not depend
+   on the SLO); the measured goodput is the mean over passes.
+3. Per cell, ``planner.decision.decide`` of mapped against measured goodputs. A same-schedule
+   twin pair is scored as one answer (``one_schedule``). A disagreement is within the noise when
+   in at least one pass the mapped winner was measured first (None without reruns).
 
-``contenders`` (``--validate-placements contenders``) runs only each family's best mapped
-placement per cell (and the winner's twin): the family verdict at a fraction of the runs,
-blind to a measured best the map ranked lower in its family."""
+``contenders`` runs only each family's best mapped placement per cell (and the winner's twin):
+the family verdict at a fraction of the runs, blind to a measured best the map ranked lower."""
 
 from __future__ import annotations
 
@@ -83,11 +78,9 @@ def contenders(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray],
 
 def one_schedule(pred: dict[str, float], per_pass: list[dict[str, float]], winner: str,
                  twin: str) -> tuple[dict[str, float], list[dict[str, float]], str]:
-    """``pred`` and ``per_pass`` with ``winner`` and its same-schedule ``twin`` merged into one
-    placement ``"winner / twin"`` (module docstring, step 3): its predicted goodput the
-    winner's (the map tied them), its measured goodput per pass the mean of the two. Returns
-    them unchanged when ``twin`` is empty or either is missing. Returns (pred, per_pass, the
-    merged label or ``winner``)."""
+    """``pred`` and ``per_pass`` with ``winner`` and its same-schedule ``twin`` merged into
+    ``"winner / twin"`` (predicted: the winner's; measured per pass: the mean of the two);
+    unchanged when ``twin`` is empty or either is missing. Returns (pred, per_pass, label)."""
     if not twin or winner not in pred or twin not in pred:
         return pred, per_pass, winner
     name = f"{winner} / {twin}"
@@ -108,16 +101,9 @@ def one_schedule(pred: dict[str, float], per_pass: list[dict[str, float]], winne
 def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs: pd.DataFrame,
                 ttft_grid: Sequence[float], tpot_grid: Sequence[float],
                 families: Mapping[str, str]) -> pd.DataFrame:
-    """Steps 2-3 for one ratio's checked cells (``picked``: rows of ``slo_map.cells``).
-
-    Args:
-        predicted: the map's goodput grids per candidate label (``slo_map.map_ratio``).
-        runs: ``real_runs``' rows.
-        families: candidate label -> family.
-
-    Returns:
-        One row per checked cell (``CHECK_COLUMNS``; ``measured_goodput`` and
-        ``predicted_goodput`` are "label=value; ..." texts)."""
+    """Steps 2-3 for one ratio's checked cells (``picked``: rows of ``slo_map.cells``;
+    ``predicted``: ``slo_map.map_ratio``'s goodput grids; ``runs``: ``real_runs``' rows). Returns
+    one row per checked cell (``CHECK_COLUMNS``; goodputs as "label=value; ..." texts)."""
     passes = [slo_map.goodput_grid(g, ttft_grid, tpot_grid)
               for _, g in runs.groupby("pass", sort=True)]
     labels = [x for x in predicted if x in passes[0]]
@@ -148,9 +134,8 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
 
 
 def goodput_text(goodput: dict[str, float]) -> str:
-    """``{placement: goodput}`` as the check table's "label=value; ..." text, 6 significant
-    digits: ``decision_table`` reads it back, and 3 digits tied placements that differ in
-    the 4th, so the summary's figures disagreed with the rows' own."""
+    """``{placement: goodput}`` as "label=value; ..." text, 6 significant digits (3 would tie
+    placements that differ in the 4th)."""
     return "; ".join(f"{label}={value:.6g}" for label, value in goodput.items())
 
 
@@ -192,11 +177,9 @@ def summary_lines(checked: pd.DataFrame, num_reruns: int, where: str = "for real
 
 
 def every_cell_line(checked: pd.DataFrame, num_at_sweep_top: int) -> str:
-    """One line of the decision figures over every cell of the map (``checked``:
-    ``check_cells`` of all of ``slo_map.cells``' rows, scored from the checked cells' real
-    runs, which ran every placement at every rate): how far the picked cells' figures carry
-    over the whole map. ``num_at_sweep_top``: the map's cells whose winner met the SLO at
-    the top swept rate (``at_sweep_top``), named because their goodput is a lower bound."""
+    """One line of the decision figures over every cell of the map (``checked``: ``check_cells``
+    of all cells, scored from the checked cells' real runs). ``num_at_sweep_top``: cells whose
+    winner met the SLO at the top swept rate (their goodput is a lower bound)."""
     _, s = decision.figures(decision_table(checked))
     return ("every cell of the map, scored from the same real runs: " + decision.summary_line(s)
             + f"; {int((~checked['top1_agrees'].astype(bool)).sum())} disagreement(s), "
@@ -204,10 +187,9 @@ def every_cell_line(checked: pd.DataFrame, num_at_sweep_top: int) -> str:
 
 
 def lateness_line(runs: pd.DataFrame) -> str | None:
-    """One line on the emulated runs' lateness (``real_runs``' ``lateness_p99``, one per
-    run): the median and the worst run's p99, that run's placement and rate, and how many
-    runs passed ``engine.emulated.LATENESS_WARN`` (their latencies include the host's lag).
-    None when no run has a lateness (real devices)."""
+    """The emulated runs' lateness (``real_runs``' ``lateness_p99``): median, the worst run with
+    its placement and rate, and how many passed ``engine.emulated.LATENESS_WARN``; None on real
+    devices."""
     late = runs.dropna(subset=["lateness_p99"]) if "lateness_p99" in runs else runs.iloc[:0]
     if late.empty:
         return None

@@ -1,15 +1,9 @@
 """The measurement helpers of ``pdlab profile``, ``kv-cost`` and ``interference`` (and the
 benchmarks): engine steps set up untimed and run once per timed run (a prefill of P tokens, a decode
-step of B requests at context C, a mixed step), the model loaded for measuring (``--threads``,
-``--device``), where the results go and the header naming what was measured.
-
-``kv-cost`` also runs on one emulated device (``--device emu:i --device-profile FILE``,
-``engine.emulated``): the model is a geometry (``engine.model.load_geometry``), and a prefill's
-seconds are the ones the emulated runner holds that step for (``modelled_prefill``:
-``EmulatedRunner.modelled_s``, the profile's fit), not a timing.
-
-Every time is ``experiments.timing``'s estimator (min of N runs after ``WARMUP`` warm-ups, the
-median beside it)."""
+step of B requests at context C, a mixed step), the model loaded for measuring, the results' place
+and header. On one emulated device (``kv-cost --device emu:i``) a prefill's seconds are the ones the
+emulated runner holds that step for (``modelled_prefill``), not a timing. Every time is
+``experiments.timing``'s estimator (min of N runs after ``WARMUP`` warm-ups, median beside it)."""
 
 from __future__ import annotations
 
@@ -38,7 +32,6 @@ WARMUP = 1
 _request_ids = itertools.count()
 
 
-# ---- requests --------------------------------------------------------------------------
 def random_prompt(gen: torch.Generator, vocab_size: int, length: int) -> tuple[int, ...]:
     """``length`` token ids drawn uniformly by ``gen`` from [3, vocab) (clear of the usual
     BOS/EOS/PAD ids; [0, vocab) for a vocabulary of 3 or fewer)."""
@@ -114,13 +107,9 @@ def profile_prefill(loaded: LoadedModel, prompt_lens: Sequence[int], repeats: in
 
 def modelled_prefill(loaded: LoadedModel, emulation: Emulation, prompt_lens: Sequence[int],
                      seed: int = 0, progress=None) -> pd.DataFrame:
-    """Prefill seconds per prompt length on an emulated device: the single step that prefills T
-    tokens whole runs once on an emulated engine (``prefill_point``), and its seconds are the ones
-    the runner held it for (``EmulatedRunner.last_modelled_s``: the device profile's prefill fit at
-    that step's ``StepFeatures``). Nothing is timed.
-
-    Returns:
-        ``profile_prefill``'s columns (``prefill_median_s`` = ``prefill_s``, ``num_runs`` 1)."""
+    """Prefill seconds per prompt length on an emulated device: the seconds the emulated runner
+    holds the whole-prompt step for (``EmulatedRunner.last_modelled_s``, the profile's prefill
+    fit). Nothing is timed. Returns ``profile_prefill``'s columns (``num_runs`` 1)."""
     engine = prefill_engine(loaded, max(prompt_lens), "cpu", emulation)
     rows = []
     for p in prompt_lens:
@@ -307,10 +296,8 @@ def check_measure_args(args: argparse.Namespace) -> ModelConfig:
 
 
 def emulation_of(args: argparse.Namespace) -> Emulation | None:
-    """The ``Emulation`` of ``--device emu:i`` (None for a real device), by the rules of every
-    emulated command (``deployment.placement.emulation_for``: a profile is needed, and only there;
-    it must be the model's); on an emulated device ``--dtype`` must be the profile's (the KV's dtype
-    is the profile's).
+    """The ``Emulation`` of ``--device emu:i`` (None for a real device), by the rules of
+    ``deployment.placement.emulation_for``; ``--dtype`` must be the profile's.
 
     Raises:
         ValueError: ``argument --x: ...``."""

@@ -1,11 +1,9 @@
-"""Command-line option helpers every ``pdlab`` command shares: the parser class with one-line
-errors, argparse types (rates, placements, devices, integer lists, transports), the option groups
-several commands take (model, engine, SLO), and the checks that join options to the machine and the
-model's config file before anything starts (no Ray, no weights).
+"""Command-line option helpers every ``pdlab`` command shares: the parser class, argparse types,
+the option groups several commands take (model, engine, SLO), and the checks that join options to
+the machine and the model's config file before anything starts (no Ray, no weights).
 
 A bad value exits 2 with one line naming the option and what it allows; a check that needs more than
-one option raises ``option_error`` (``argument --x: ...``), which ``experiments.cli`` prints the
-same way."""
+one option raises ``option_error`` (``argument --x: ...``), which ``experiments.cli`` prints too."""
 
 from __future__ import annotations
 
@@ -46,7 +44,6 @@ def _type_error(fn):
     return parse
 
 
-# ---- argparse types --------------------------------------------------------------------
 def positive_seconds(text: str) -> float:
     """A number of seconds > 0."""
     try:
@@ -148,7 +145,6 @@ def transport_list(text: str) -> tuple[str, ...]:
     return names
 
 
-# ---- option groups ---------------------------------------------------------------------
 def add_slo_args(parser: argparse.ArgumentParser) -> None:
     """``--slo-ttft-s`` and ``--slo-tpot-s`` (seconds, > 0; defaults 2 and 0.1), the same in
     every command that judges SLO attainment (run/compare, bench, plan)."""
@@ -195,8 +191,7 @@ def non_negative_int(text: str) -> int:
 
 def add_deployment_args(parser: argparse.ArgumentParser) -> None:
     """``--devices``, ``--address``, ``--policy`` and ``--max-worker-restarts``: where the
-    workers of ``run``, ``compare`` and ``serve`` go, how the router picks among them, and
-    how often a worker that dies is started again (``deployment.restarts``)."""
+    workers of ``run``, ``compare`` and ``serve`` go, and how the router picks among them."""
     parser.add_argument("--devices", default=None, type=device_set,
                         help="cuda:0,cuda:1,... or cpu:0,cpu:1 (default: all GPUs, else one per core)")
     parser.add_argument("--address", default=None,
@@ -214,7 +209,6 @@ def add_deployment_args(parser: argparse.ArgumentParser) -> None:
                              f"once its engine is ready (default {DEFAULT_RESTARTS}; 0: never)")
 
 
-# ---- checks ----------------------------------------------------------------------------
 def check_model(model: ModelConfig) -> None:
     """The model exists (its config file, or a known built-in name); no weights are read."""
     try:
@@ -265,9 +259,8 @@ def check_device(device: str) -> None:
 
 
 def context_limit(model: ModelConfig, max_model_len: int | None) -> int:
-    """Tokens one request may use: ``max_model_len`` (unset: the CPU default), which must fit the
-    model's context where its config file says it (unset: capped by that context, so the results
-    record the length the engine really uses).
+    """Tokens one request may use: ``max_model_len`` (unset: the CPU default, capped by the model's
+    context), which must fit the model's context where its config file says it.
 
     Raises:
         ValueError: ``argument --max-model-len: ...``."""
@@ -289,7 +282,6 @@ def engine_config(args: argparse.Namespace, model: ModelConfig) -> EngineConfig:
                                                                    "max_model_len": wanted}))
 
 
-# ---- device profiles (pdlab profile's device_profile.json) -----------------------------
 def find_profile(model: ModelConfig, root: Path = Path("results")) -> Path | None:
     """The newest ``root/profile-*/device_profile.json`` measured on ``model`` (name and dtype)."""
     for path in sorted(glob.glob(str(root / "profile-*" / "device_profile.json")), reverse=True):
@@ -329,10 +321,9 @@ def what_if_transfer(profile: DeviceProfile, transport: str, latency_s: float | 
                      bandwidth_gbps: float | None, needed: bool,
                      link: str | None = None) -> TransferModel | None:
     """The KV transfer model the planner uses (``pdlab plan``, ``pdlab map``): the profile's model
-    of ``transport``, or with ``link`` (``planner.latency.LINKS``) the profile's model of that link
-    where it has one (a silicon-database profile does), else the link's nominal one; ``latency_s``
-    (s) and ``bandwidth_gbps`` (GB/s), when given, replace its fixed cost and rate ("what if"). None
-    when nothing gives one and ``needed`` is False.
+    of ``transport``, or of ``link`` (``planner.latency.LINKS``) where it has one, else the link's
+    nominal one; ``latency_s`` (s) and ``bandwidth_gbps`` (GB/s) replace its fixed cost and rate
+    ("what if"). None when nothing gives one and ``needed`` is False.
 
     Raises:
         ValueError: ``argument --transport: ...`` when a placement needs a model the profile

@@ -1,9 +1,7 @@
-"""Figures of a placement comparison (matplotlib, Agg backend; no display needed).
-
-Each function writes one PNG and returns its path. Inputs come from ``experiments.analysis`` or are
-the runs' records and worker step records (dicts with keys worker, start_s, duration_s,
-num_requests, num_prefill_tokens, num_decode_tokens; ``StepRecord`` objects with those attributes
-work too)."""
+"""Figures of a placement comparison (matplotlib, Agg backend; no display needed). Each function
+writes one PNG and returns its path; inputs are ``experiments.analysis`` tables, records, or worker
+step records (dicts or ``StepRecord``s with worker, start_s, duration_s, num_requests,
+num_prefill_tokens, num_decode_tokens)."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ _STAGE_LABELS = {
 
 
 def _save(fig: plt.Figure, path: str | Path, **savefig) -> Path:
-    """Write ``fig`` (tight layout, ``DPI``; ``savefig``: more ``Figure.savefig`` options)
-    to ``path``, creating its folder, and close it."""
+    """Write ``fig`` (tight layout, ``DPI``) to ``path``, creating its folder, and close it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if not savefig:
@@ -160,16 +157,11 @@ def _pick_requests(records: Sequence[RequestRecord], k: int) -> list[RequestReco
 def plot_token_timeline(records_by_placement: Mapping[str, Sequence[RequestRecord]],
                         steps_by_placement: Mapping[str, Sequence[Any]], path: str | Path,
                         max_requests: int = 12) -> Path:
-    """Per placement, one panel, x = seconds since the placement's first arrival.
-
-    - A row per request (at most ``max_requests``, spread over the run by arrival): a dot
-      per output token, a bar at arrival. Behind each row, shaded spans of the prefill steps
-      (steps with prefill tokens), during its lifetime, of the worker that decoded it (``record.decode_worker``,
-      else ``prefill_worker``, matched to the steps' ``worker``): a decode stall under a
-      shaded span is prefill-decode interference.
-    - Above the rows, a lane per worker: its prefill steps (coloured) and decode-only steps
-      (grey), so where prefills ran is visible even when no row matches.
-    Steps without a ``worker`` (e.g. ``StepRecord`` objects) go in one lane named "worker"."""
+    """Per placement, one panel, x = seconds since the placement's first arrival: a row per
+    request (at most ``max_requests``, spread by arrival; a dot per output token) over shaded
+    spans of its decoding worker's prefill steps (a stall under one is prefill-decode
+    interference), and above the rows a lane per worker with its prefill and decode-only steps.
+    Steps without a ``worker`` go in one lane named "worker"."""
     placements = list(records_by_placement) or [""]
     lanes_max = max([len({str(_step_get(s, "worker") or "worker") for s in steps})
                      for steps in steps_by_placement.values()] + [0])
@@ -193,7 +185,6 @@ def plot_token_timeline(records_by_placement: Mapping[str, Sequence[RequestRecor
         workers = list(by_worker)
         wcolor = {w: colors[(i + 3) % 10] for i, w in enumerate(workers)}
         labelled: set[str] = set()
-        # request rows
         for i, r in enumerate(shown):
             w = r.decode_worker or r.prefill_worker
             if w in by_worker:
@@ -212,7 +203,6 @@ def plot_token_timeline(records_by_placement: Mapping[str, Sequence[RequestRecor
             if m.ARRIVED in r.timeline:
                 ax.plot([r.timeline[m.ARRIVED] - t0], [i], "|", ms=10, color="k",
                         label="arrival" if i == 0 else None)
-        # worker lanes
         base = len(shown) + 0.5
         for j, w in enumerate(workers):
             y = base + j
@@ -277,8 +267,6 @@ def plot_breakdown(breakdown_df: pd.DataFrame, path: str | Path) -> Path:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return _save(fig, path)
 
-# ---- the measuring commands' figures ----------------------------------------------------
-
 
 def plot_profile(result, path: Path, title: str) -> Path:
     """``pdlab profile``: decode step vs batch size with its fitted line, and prefill vs
@@ -324,7 +312,6 @@ def plot_kv_cost(df: pd.DataFrame, path: Path, title: str) -> Path:
     return _save(fig, path)
 
 
-# ---- output ----------------------------------------------------------------------------
 def plot_heatmap(summary: pd.DataFrame, path: Path, title: str,
                  mode_label: Callable[[str, Any], str]) -> Path:
     """One panel per mode: ITL inflation (worst step / baseline step) over B (rows) and
@@ -383,9 +370,7 @@ _FAMILY_COLOURS = {"colocated": "C0", "colocated chunked": "C2", "disagg": "C3",
 
 
 def _short(label: str) -> str:
-    """A placement label short enough for a map cell: ``disagg:1p3d`` -> ``1p3d``,
-    ``conditional:1p1d`` -> ``c1p1d``, ``colocated:4 (budget 256)`` -> ``co b256``,
-    ``colocated-nochunk:4`` -> ``co-nc``."""
+    """A placement label short enough for a map cell (``disagg:1p3d`` -> ``1p3d``)."""
     if label.startswith("disagg:"):
         return label.split(":", 1)[1]
     if label.startswith("conditional:"):
@@ -398,12 +383,10 @@ def _short(label: str) -> str:
 def plot_slo_map(cells: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence[float],
                  path: str | Path, title: str, checked: pd.DataFrame | None = None) -> Path:
     """One ratio's map (``planner.slo_map.cells``): TTFT SLO across, TPOT SLO up, one square
-    per cell coloured by the winner's family, shaded by its margin over the runner-up (pale
-    = small), hatched where there is no clear winner, grey where nothing meets the SLO; the
-    winner's short label in each cell, "+" after it where the winner met the SLO at the top
-    swept rate (``at_sweep_top``: its goodput is a lower bound). ``checked`` (rows with ``ttft_index``,
-    ``tpot_index``, ``top1_agrees``): cells run for real, outlined black with "ok" (the
-    measured winner is the mapped one) or "x"."""
+    per cell coloured by the winner's family, paler for a smaller margin over the runner-up,
+    hatched where there is no clear winner, grey where nothing meets the SLO; the winner's
+    short label, "+" where it met the SLO at the top swept rate (goodput a lower bound).
+    ``checked`` cells ran for real: outlined with "ok" (measured winner = mapped) or "x"."""
     fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(ttft_grid), 1.2 + 0.6 * len(tpot_grid)))
     for row in cells.itertuples():
         x, y = row.ttft_index, row.tpot_index

@@ -1,15 +1,13 @@
 """One placement deployed once and a workload replayed on it at each rate and seed, with the
-calibration that picks the rates (and loosens an SLO no lone request meets here): the runs behind
-``pdlab run``, ``compare`` and ``plan --validate``.
+calibration that picks the rates: the runs of ``pdlab run``, ``compare`` and ``plan --validate``.
 
-1. Deploy the placement on the device set (``deployment.placement.Deployment``: Ray actors,
-   or threads in this process with ``local``), warm it up with two discarded requests.
-2. With no rates given, calibrate: two requests each served alone (their TTFT and TPOT),
-   then the first seed's requests as one burst, whose throughput is the capacity; the rates
-   are ``CALIBRATION_FACTORS`` x the capacity (``calibrated_rates``).
-3. For each rate and seed, replay that seed's workload open-loop (arrivals at their
-   Poisson/Gamma times) through the router, and keep the request records and the worker
-   step and KV transfer records of that run only (``RunResult``)."""
+1. Deploy the placement (``deployment.placement.Deployment``), warm it up with two discarded
+   requests.
+2. With no rates given, calibrate: two requests each served alone (their TTFT and TPOT), then
+   the first seed's requests as one burst, whose throughput is the capacity; the rates are
+   ``CALIBRATION_FACTORS`` x the capacity (``calibrated_rates``).
+3. For each rate and seed, replay that seed's workload open-loop through the router and keep
+   that run's request, step and KV transfer records (``RunResult``)."""
 
 from __future__ import annotations
 
@@ -70,11 +68,8 @@ SLO_TTFT_SCALE, SLO_TPOT_SCALE = 4.0, 2.0  # x a lone request's latency: the tig
 
 def calibrated_slo(slo: SLO, lone_ttft_s: float, lone_tpot_s: float | None) -> SLO:
     """The SLO a calibrated run judges by: each target no tighter than ``SLO_TTFT_SCALE`` x
-    (``SLO_TPOT_SCALE`` x) what a lone request achieved on this machine, else as given.
-
-    DistServe states SLOs relative to the model's unloaded latency on the hardware (its "SLO
-    scale"); a target that a request alone misses makes attainment 0 at every rate, and the sweep
-    then shows nothing. On a fast machine the given SLO stands."""
+    (``SLO_TPOT_SCALE`` x) what a lone request achieved on this machine, else as given. As
+    DistServe's "SLO scale": a target a lone request misses makes attainment 0 at every rate."""
     def loosen(given: float, measured: float) -> float:  # 3 significant digits when loosened
         return given if measured <= given else float(f"{measured:.3g}")
 
@@ -105,18 +100,10 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   max_worker_restarts: int = 0) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
-    ``items`` is seed -> workload (or one workload for every seed). The deployment is warmed up with
-    two discarded requests first. ``worker_info`` (a list) receives each worker's ``info()``
-    (device, torch threads). ``local``: workers in this process (tests; needs the in-process
-    transport). ``rates=None``: calibrate first (after the warm-up, the first seed's requests as one
-    burst; ``calibrated_rates``); the chosen rates are those of the results; ``calibration`` (a
-    dict) receives ``capacity_req_s``, ``rates`` and the lone-request ``lone_ttft_s`` /
-    ``lone_tpot_s`` (two requests, each served alone).
-    ``conditional``: the thresholds of a ``conditional:xPyD`` placement.
-    ``max_worker_restarts``: a worker that dies is started again up to this many times.
-    ``engine.emu_time_scale`` S > 1 (emulated devices): arrivals spread x S and every
-    measured time / S (``experiments.dilation``), so the results read at the emulated
-    device's speed; the transfer timeout (and with it the router's deadline) x S.
+    ``items``: seed -> workload (or one for every seed). ``worker_info`` (a list) receives each
+    worker's ``info()``. ``rates=None``: calibrate first; ``calibration`` (a dict) receives
+    ``capacity_req_s``, ``rates``, ``lone_ttft_s`` and ``lone_tpot_s``. ``engine.emu_time_scale``
+    S > 1: arrivals and the transfer timeout x S, measured times / S (``experiments.dilation``).
 
     Raises:
         ValueError: a request does not fit the deployed workers' context; a dilated

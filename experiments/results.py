@@ -1,11 +1,10 @@
 """The results directory every experiment writes, and the config row that heads it.
 
-``write_results`` writes, from a list of ``RunResult``: requests.jsonl (first line: the
-config row, everything needed to rerun; then one row per request with its full timeline),
-summary.csv (means over seeds with 95% bootstrap intervals), summary_seeds.csv (one row per
-seed), goodput.csv, steps.csv and transfers.csv (every row tagged placement, rate, seed),
-transfer_efficiency.csv (``analysis.transfer_efficiency``), hindsight.csv for conditional placements, report.md and the plots. ``environment`` is the
-provenance part of the config row (command line, git commit, package versions, CPU, GPUs)."""
+``write_results`` writes, from ``RunResult``s: requests.jsonl (first line: the config row; then
+one row per request with its timeline), summary.csv, summary_seeds.csv, goodput.csv, steps.csv
+and transfers.csv (rows tagged placement, rate, seed), transfer_efficiency.csv, hindsight.csv
+(conditional placements), report.md and the plots. ``environment``: the config row's provenance
+(command line, git commit, package versions, CPU, GPUs)."""
 
 from __future__ import annotations
 
@@ -83,6 +82,24 @@ def _tagged(results: list[RunResult], attr: str) -> pd.DataFrame:
     return pd.DataFrame(rows) if rows else pd.DataFrame(columns=["placement", "rate", "seed"])
 
 
+def serving_systems(config: dict) -> dict[str, str]:
+    """Placement -> the system that produced its records, from a results directory's config
+    row: ``pdlab in process`` for ``run``/``compare`` (no ``bench`` key); for ``bench``, the
+    server's ``owned_by`` from ``GET /v1/models`` (vLLM: ``vllm``, pdlab: ``pdlab``) over HTTP,
+    or, where it was not recorded, the NAME of the ``NAME@PLACEMENT`` label; for ``bench merge``,
+    each merged directory's (its ``configs``). Placements the row does not list are left out."""
+    if "configs" in config:
+        systems: dict[str, str] = {}
+        for row in config["configs"]:
+            systems.update(serving_systems(row))
+        return systems
+    placements = config.get("placements", [])
+    if "bench" not in config:
+        return {p: "pdlab in process" for p in placements}
+    server = config.get("server")
+    return {p: f"{server or p.rsplit('@', 1)[0]} server over HTTP" for p in placements}
+
+
 def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SLO,
                   num_devices: int | None = None,
                   simulated: pd.DataFrame | None = None) -> tuple[pd.DataFrame, str]:
@@ -136,7 +153,7 @@ def write_results(out_dir: Path, results: list[RunResult], config: dict, slo: SL
         "Latency breakdown": plots.plot_breakdown(analysis.latency_breakdown(by_placement),
                                                   out_dir / "latency_breakdown.png"),
     }
-    verdict_text = analysis.verdict(summary, slo, goodput=goodput)
+    verdict_text = analysis.verdict(summary, slo, goodput=goodput, systems=serving_systems(config))
     verdict_text += _write_hindsight(out_dir, results, slo)
     if not efficiency.empty:
         verdict_text += "\n" + analysis.transfer_efficiency_text(efficiency)

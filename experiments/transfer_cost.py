@@ -1,24 +1,19 @@
 """What moving a prompt's KV costs, per transport (``pdlab kv-cost``'s table, and the
-transfer models ``pdlab profile`` fits on it).
-
-For each prompt length T:
+transfer models ``pdlab profile`` fits on it). For each prompt length T:
 
 1. Prefill seconds: the engine step that prefills T tokens whole (``measure.time_prefill``).
 2. The prompt's real KV (``Engine.export_kv``, ``[L, 2, H_kv, T, D]``); its bytes must equal
    ``kv_spec.kv_bytes(T)`` = ``2 * layers * kv_heads * head_dim * T * itemsize``, else an error.
 3. memcpy floor: ``dst.copy_(kv)`` into a preallocated tensor of the same bytes.
-4. Each transport moves it whole (one put + one get) and layer-wise (per ``layers_per_chunk``
-   layers); a run is put + get. ``inprocess`` and ``ray`` (the driver's object store) run in
-   this process; ``torchdist`` between two spawned gloo processes (sender's put_s plus
-   receiver's get_s).
+4. Each transport moves it whole and layer-wise (per ``layers_per_chunk`` layers); a run is
+   put + get. ``inprocess`` and ``ray`` run in this process; ``torchdist`` between two spawned
+   gloo processes (sender's put_s plus receiver's get_s).
 5. Ratios: transfer / prefill and transfer / memcpy; efficiency: GB/s over the link peak
    (``kv_transfer.link.memcpy_peak``, the peak every ``TransferRecord.efficiency`` uses).
 
-Times: ``experiments.timing``'s min of N runs after 1 warm-up, the median beside it.
-
-On an emulated device (``emulation``) prefill seconds are the profile's
-(``measure.modelled_prefill``), the KV is the emulated geometry scaled by ``kv_scale``
-(``true_kv_bytes`` unscaled), it moves for real through this host's transports, and
+Times: ``experiments.timing``'s min of N runs after 1 warm-up, the median beside it. On an
+emulated device prefill seconds are the profile's (``measure.modelled_prefill``), the KV is the
+emulated geometry scaled by ``kv_scale`` (``true_kv_bytes`` unscaled) moved for real, and
 ``modelled_transfer_s`` is the profile's transfer model at ``true_kv_bytes`` (NaN without one)."""
 
 from __future__ import annotations
@@ -113,7 +108,6 @@ def time_transfer(transport, spec: KVSpec, kv: torch.Tensor, repeats: int,
     return timing
 
 
-# ---- torch.distributed (two processes) -------------------------------------------------
 def _torchdist_rank(rank: int, init_method: str, spec_dict: dict, jobs: list, repeats: int,
                     checksum: bool, handle_q, ack_q, result_q) -> None:
     """One rank of the gloo measurement: rank 0 puts, rank 1 gets (see module docstring)."""
@@ -169,7 +163,6 @@ def time_torchdist(spec: KVSpec, jobs: list[tuple[int, list[tuple[int, int]]]], 
                 proc.terminate()
 
 
-# ---- the table -------------------------------------------------------------------------
 def kv_cost_table(loaded: LoadedModel, prompt_lens: Sequence[int] = DEFAULT_PROMPT_LENS,
                   transports: Sequence[str] = ("inprocess",), repeats: int = 5,
                   layers_per_chunk: int = 1, device: str = "cpu", seed: int = 0,
@@ -231,7 +224,6 @@ def _modelled_transfer_s(emulation: Emulation, transport: str, num_bytes: int) -
 
 def _in_process_rows(loaded, prefill, live, modes, repeats, device, seed, progress,
                      emulation=None):
-    """The memcpy floor and the in-process transports' rows, per prompt length."""
     spec = loaded.kv_spec if emulation is None else emulation.scaled_spec(loaded.kv_spec)
     base_rows, rows = [], []
     for p, prefill_s in zip(prefill["prompt_len"], prefill["prefill_s"]):

@@ -1,17 +1,16 @@
 """``pdlab plan --validate``: the simulator's own error against real runs, every time.
 
 1. The same requests run for real (``run_placement``) and through the simulator with the same
-   arrival times, written as ``measured/`` and ``simulated/``.
+   arrival times (``measured/``, ``simulated/``).
 2. Per (placement, rate), means over seeds: ``attainment_err_points`` = 100 x (simulated -
-   measured) attainment and TTFT/TPOT p50/p99 relative errors (validation.csv); ``num_flipped``:
-   requests whose SLO outcome differs from their twin's (one request = ``100 / num_requests`` points).
+   measured) attainment, TTFT/TPOT p50/p99 relative errors (validation.csv), ``num_flipped``.
 3. Step speed: each real run's ``step_factor``, median measured / modelled step time (as Dynamo's
-   SLA planner corrects its profile); the rerun simulation is validation_corrected.csv.
-4. Drift replay: a per-worker 5 s speed trace scales each simulated step (validation_replay.csv).
-5. Band (``speed_spread`` S > 0): twins at (1 ± S) x the model; the planner's first is accepted
-   when it is the real first or its goodput band reaches the real first's.
-6. Reruns (``num_reruns``): each point run again for real against the first (validation_reruns.csv):
-   the machine's run-to-run difference, the floor under any simulator's error."""
+   SLA planner corrects its profile), rerun in validation_corrected.csv; drift replay: a
+   per-worker 5 s speed trace scales each simulated step (validation_replay.csv).
+4. Band (``speed_spread`` S > 0): the planner's first is accepted when it is the real first or
+   its (1 ± S) goodput band reaches the real first's.
+5. Reruns (``num_reruns``): each point again for real (validation_reruns.csv), the machine's
+   run-to-run difference: the floor under any simulator's error."""
 
 from __future__ import annotations
 

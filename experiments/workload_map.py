@@ -1,25 +1,14 @@
-"""The small SLO map that a ``pdlab run`` / ``pdlab compare`` report carries for its own
-workload: around the run's own SLO, where the planner says each placement
-family wins on the run's devices. The map itself is ``planner.slo_map``'s (its one owner;
-``pdlab map`` draws the big one); this module only feeds it the run.
+"""The small SLO map a ``pdlab run`` / ``pdlab compare`` report carries for its own workload
+(``planner.slo_map``'s, fed the run):
 
-1. The profile (``profile_for``): the run's ``--simulate`` profile, else the newest
-   ``results/profile-*/`` of the model (``options.find_profile``: what ``pdlab profile``
-   measured here), else the one pdlab ships for the model (``SHIPPED``: SmolLM2-135M fp32,
-   measured by ``pdlab profile --transports inprocess,ray --repeats 3`` on one core of an
-   AMD EPYC Zen 5, shared and loaded). None: no map, and the report says why.
-2. Its step times scaled by this run's own steps (``validate.step_factors``: the median of
-   measured ÷ modelled over every real step of every placement), so a profile measured on
-   another machine, or another hour of this one, speaks for this run.
-3. The run's own requests (every seed), the candidates of ``slo_map.map_candidates`` on the
-   run's devices, an automatic ladder of ``NUM_RATES`` rates (``search.auto_rates``), a
-   ``STEPS`` x ``STEPS`` grid of SLOs from 1/4 x to 4 x the run's TTFT and TPOT SLOs (the
-   run's SLO at the centre: ``slo_map.parse_range``), the speed band +/- ``SPREAD``
-   (``slo_map.map_ratio``).
-4. ``map.csv`` and ``map.png`` in the results directory, and the report's lines: the
-   regions, and the centre cell (the run's SLO) beside what the run measured there.
-
-A few seconds: 4 placements of 2 devices x 12 rates x the run's seeds of 8 requests."""
+1. The profile (``profile_for``): ``--simulate``'s, else the newest ``results/profile-*/`` of the
+   model, else the one pdlab ships (``SHIPPED``). None: no map, and the report says why.
+2. Its step times scaled by this run's own steps (``validate.step_factors``).
+3. The run's own requests, ``slo_map.map_candidates`` on the run's devices, ``NUM_RATES`` rates,
+   a ``STEPS`` x ``STEPS`` SLO grid from 1/4 x to 4 x the run's SLO (at the centre), the speed
+   band +/- ``SPREAD``.
+4. ``map.csv`` and ``map.png``, and the report's lines: the regions, and the centre cell beside
+   what the run measured there."""
 
 from __future__ import annotations
 
@@ -87,17 +76,12 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
                simulate: DeviceProfile | None = None) -> tuple[list[str], Path | None]:
     """Steps 1-4 (module docstring) for one finished run.
 
-    Args:
-        results: the run's real runs (their steps scale the profile).
-        items: seed -> the run's workload (``build_workload``).
-        num_devices: the run's devices (the map places on all of them).
-        slo: the SLO the run was judged by (the calibrated one under ``--calibrate``).
+    ``slo``: the SLO the run was judged by (the calibrated one under ``--calibrate``).
 
     Returns:
-        (the report's lines, the heatmap's path or None when there is no map). No map (one
-        line saying why): fewer than 2 devices, a trace or multi-turn workload (its timing
-        is not a rate), or no profile. Never raises for those; a profile that cannot model
-        the run's transport is said in the line too."""
+        (the report's lines, the heatmap's path or None). No map (one line saying why): fewer
+        than 2 devices, a trace or multi-turn workload (its timing is not a rate), or no
+        profile, or one that cannot model the run's transport; never raises for those."""
     if num_devices < 2:
         return [f"No map: {num_devices} device (placements need 2 to differ)."], None
     requests = {s: requests_of(its, f"s{s}") for s, its in items.items()}

@@ -1,10 +1,9 @@
 """What a command replays, checked before anything starts: ``WorkloadSpec`` (the workload options
 of ``run``, ``compare``, ``bench`` and ``plan``), the requests it draws for a model (clipped or
 refused to fit its context, with one message), and their arrival offsets. Datasets: ``sharegpt``,
-``humaneval``, ``synthetic`` (open loop at ``--rates``); ``prefix_repetition`` (vLLM's shape);
-``mooncake`` (``--trace FILE`` at its own timestamps: no ``--rates``); ``multiturn`` (ShareGPT
-conversations started at ``--rates`` conversations/s, later turns ``--think-time-s`` after the
-previous answer: a closed loop, ``MultiTurn`` / ``ClosedLoop``)."""
+``humaneval``, ``synthetic``, ``prefix_repetition`` (vLLM's shape) at ``--rates``; ``mooncake``
+(``--trace FILE`` at its own timestamps); ``multiturn`` (closed loop: conversations/s, later turns
+``--think-time-s`` after the previous answer; ``MultiTurn`` / ``ClosedLoop``)."""
 
 from __future__ import annotations
 

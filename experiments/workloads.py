@@ -41,9 +41,6 @@ class WorkloadRequest:
         return len(self.prompt_token_ids)
 
 
-# ---- tokenization helpers ----
-
-
 def chat_prompt_ids(tokenizer: Any, text: str) -> tuple[int, ...]:
     """``text`` as one user turn through the chat template, generation prompt added (ids, or
     transformers 5's dict with ``input_ids``)."""
@@ -63,9 +60,6 @@ def chat_ids(tokenizer: Any, messages: list[dict], add_generation_prompt: bool =
 def num_text_tokens(tokenizer: Any, text: str) -> int:
     """Tokens in ``text`` without special tokens (how an output length is counted)."""
     return len(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-# ---- ShareGPT ----
 
 
 def _sharegpt_records() -> Iterator[dict]:
@@ -141,9 +135,6 @@ def sharegpt(tokenizer: Any, num_requests: int, seed: int, min_prompt_len: int =
     return out
 
 
-# ---- HumanEval ----
-
-
 def humaneval(tokenizer: Any, num_requests: int, seed: int, chat: bool = True,
               max_output_len: int | None = None) -> list[WorkloadRequest]:
     """Seeded sample of the 164 HumanEval problems (more requests repeat them, reshuffled): prompt
@@ -165,9 +156,6 @@ def humaneval(tokenizer: Any, num_requests: int, seed: int, chat: bool = True,
             n_out = min(n_out, max_output_len)
         cache[i] = WorkloadRequest(ids, n_out, f"humaneval:{p['task_id']}")
     return [cache[i] for i in order[:num_requests]]
-
-
-# ---- synthetic ----
 
 
 def _length_range(name: str, value: int | tuple[int, int]) -> tuple[int, int]:
@@ -231,9 +219,6 @@ def _token_range(token_range: tuple[int, int] | None, vocab_size: int) -> tuple[
     if not 0 <= t_lo < t_hi:
         raise ValueError(f"token_range must satisfy 0 <= lo < hi, got {(t_lo, t_hi)!r}")
     return int(t_lo), int(t_hi)
-
-
-# ---- multi-turn conversations ----
 
 
 @dataclass(frozen=True)
@@ -412,8 +397,6 @@ class ConversationReplay:
         return self.chains.done
 
 
-# ---- Mooncake trace replay ----
-
 MOONCAKE_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 
 
@@ -519,7 +502,6 @@ def mooncake_trace(path: str | Path, seed: int, num_requests: int | None = None,
     return out
 
 
-# ---- arrivals ----
 def with_arrivals(requests: Sequence[WorkloadRequest], rate: float, seed: int,
                   process: str = "poisson", burstiness: float = 1.0) -> list[WorkloadRequest]:
     """Copies of ``requests`` with ``arrival_s`` from ``arrival_times`` (same order)."""

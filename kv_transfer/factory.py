@@ -18,15 +18,11 @@ GROUP_INIT_TIMEOUT_S = 300.0
 def make_transport(config: TransferConfig, faults: dict | list[dict] | None = None,
                    rank: int | None = None, world_size: int | None = None,
                    init_method: str | None = None, device: str = "cpu") -> Transport:
-    """The transport of ``config.transport``; ``faults`` (FaultyTransport keyword arguments, e.g.
-    ``{"corrupt": True, "only_request_ids": ["r3"]}``, or a list of them, stacked:
-    ``faults.with_faults``) wraps it for tests/experiments.
-
-    ``torchdist`` needs ``rank``, ``world_size`` and ``init_method``; it uses NCCL when ``device``
-    is a CUDA device, gloo otherwise. ``shm`` needs nothing: each process that puts creates its own
-    segment, and handles name it (workers of one node only). ``nixl`` needs nothing either (each
-    process registers its own arena; handles carry what a consumer needs to read it); its buffers
-    live on ``device`` (CUDA memory on a GPU).
+    """The transport of ``config.transport``; ``faults`` (FaultyTransport keyword arguments, or a
+    list of them, stacked: ``faults.with_faults``) wraps it for tests and experiments.
+    ``torchdist`` needs ``rank``, ``world_size`` and ``init_method`` (NCCL on a CUDA ``device``,
+    gloo otherwise); ``shm`` and ``nixl`` need nothing (handles name the producer's arena);
+    ``nixl``'s buffers live on ``device``.
 
     Raises:
         ValueError: torchdist without its rank set-up; nixl without NIXL installed

@@ -1,14 +1,11 @@
 """``FaultyTransport``: wraps any transport and injects the failures P/D systems see.
 
-Modes (each applies only to ``only_request_ids`` when given, else to every request):
-    delay_s: ``get`` sleeps this long first; a delay reaching the deadline sleeps until the
-        deadline and raises ``TransferTimeout``.
-    fail:    ``put`` raises ``TransferFailed`` (nothing is stored).
-    corrupt: ``put`` flips one byte of the tensor frame; the receiver's checksum check raises
-        ``payload.KVChecksumError`` (undetected when checksums are off).
-    drop:    ``get`` waits out the whole deadline, then raises ``TransferTimeout``.
-Records, ``num_held``, ``free`` and ``peak_gbps`` are the inner transport's, so leak checks
-and efficiency still work."""
+Modes (each only for ``only_request_ids`` when given): ``delay_s``: ``get`` sleeps this long
+first (to the deadline at most, then ``TransferTimeout``); ``fail``: ``put`` raises
+``TransferFailed``, nothing stored; ``corrupt``: ``put`` flips one byte of the tensor frame (the
+receiver's checksum raises ``payload.KVChecksumError``; undetected with checksums off); ``drop``:
+``get`` waits out the deadline, then ``TransferTimeout``. Records, ``num_held``, ``free`` and
+``peak_gbps`` are the inner transport's."""
 
 from __future__ import annotations
 

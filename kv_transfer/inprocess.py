@@ -1,14 +1,8 @@
-"""``InProcessTransport``: the reference transport, a dict of frames in one process.
-
-Lifecycle: ``put`` copies the tensor bytes once into a tensor the transport owns, under a
-fresh integer key (the sender may reuse its memory at once); ``get`` hands that tensor out
-without copying (every get of one handle returns the same memory: the decode side reads it,
-it never writes it); ``free`` drops the entry (the memory lives on while a caller still
-holds the tensor ``get`` returned). Used by tests and by colocated experiments where
-prefill and decode share a process.
-
-Cost: one copy into a fresh tensor per put (its pages are new, so the copy runs below a
-memcpy into warm memory) plus the checksum on both sides; no copy on get."""
+"""``InProcessTransport``: the reference transport, a dict of frames in one process (tests, and
+colocated experiments where prefill and decode share a process). ``put`` copies the tensor bytes
+once into a tensor the transport owns, under a fresh integer key (the sender may reuse its memory
+at once); ``get`` hands that tensor out without copying (every get of a handle returns the same
+memory, only read); ``free`` drops the entry (the memory lives while a caller holds it)."""
 
 from __future__ import annotations
 
@@ -21,7 +15,6 @@ from kv_transfer.transport import KVHandle, Transport, TransferFailed
 
 
 def _owned_copy(frame: Frame) -> torch.Tensor:
-    """A flat uint8 tensor holding a private copy of ``frame``'s bytes."""
     if isinstance(frame, torch.Tensor):
         return frame.detach().reshape(-1).clone()
     return copy_to_tensor(frame)

@@ -1,7 +1,7 @@
 """``NixlTransport`` (``nixl``): KV through NIXL one-sided READs, as vLLM's ``NixlConnector``,
-NVIDIA Dynamo and SGLang move it. NIXL's UCX backend picks the path (CMA on one host, RDMA or TCP
-across hosts, GPUDirect); no GPU is needed. Install ``pdlab[nixl]``; without it
-``NixlTransport()`` raises ``ImportError`` with ``MISSING``.
+NVIDIA Dynamo and SGLang move it; NIXL's UCX backend picks the path (CMA, RDMA or TCP,
+GPUDirect; no GPU needed). Without ``pdlab[nixl]``, ``NixlTransport()`` raises ``ImportError``
+(``MISSING``).
 
 - One agent per process, without NIXL's progress thread (it spins a core): a producer's poller
   drives progress every ``PROGRESS_INTERVAL_S`` while it holds transfers; a consumer drives its READ.
@@ -159,7 +159,6 @@ class NixlTransport(Transport):
         self._closed = threading.Event()
         self._poller: threading.Thread | None = None
 
-    # ---- producer side ----------------------------------------------------------------
     def _own_arena(self) -> _Region:
         if self._arena is None:
             try:
@@ -264,7 +263,6 @@ class NixlTransport(Transport):
             self._reclaim()
             return arena.place(need) is not None
 
-    # ---- consumer side ----------------------------------------------------------------
     def _remote(self, key: NixlKey) -> str:
         """The producer's agent name, its metadata loaded once (under the lock)."""
         if key.agent != self.agent_name and key.agent not in self._remotes:

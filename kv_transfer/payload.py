@@ -5,10 +5,9 @@ before touching the bytes (``KVSpecMismatch`` names the field, expected and got)
 raise ``KVChecksumError``; both are ``ValueError``.
 
 Checksum (wire version 2): CRC-32C over every byte of frame 1 with the CPU's CRC instruction (the
-``crc32c`` package; about one memory pass, several times faster than zlib's table CRC32). Without
-the package the sender uses zlib ``crc32`` and names it in ``checksum_kind``. Copies: ``pack``
-never copies a contiguous CPU tensor; ``unpack`` never copies a writable frame (tensor, bytearray,
-shared-memory slot) and copies a read-only one (``bytes``, a Ray store buffer) exactly once."""
+``crc32c`` package; without it zlib ``crc32``, named in ``checksum_kind``). ``pack`` never copies a
+contiguous CPU tensor; ``unpack`` never copies a writable frame (tensor, bytearray, shared-memory
+slot) and copies a read-only one (``bytes``, a Ray store buffer) exactly once."""
 
 from __future__ import annotations
 

@@ -1,19 +1,17 @@
-"""``RayObjectStoreTransport``: KV through Ray's shared-memory object store. ``put`` calls
-``ray.put([header, tensor_bytes])``, one copy into the node's store; the putting process owns the
-object and the ``ObjectRef`` is the key; every process holding the handle borrows it. ``get`` is
-``ray.get(ref, timeout=timeout_s)`` (across nodes, store to store, never through the router), the
-read-only buffer copied once into a writable tensor. ``free`` drops this reference; Ray frees the
-object with the last one. An owner that died before the get makes ``get`` raise
-``TransferFailed`` (objects under Ray's 100 KiB inline limit travel in the handle and survive);
-a passed deadline, ``TransferTimeout``. ``num_held()`` counts objects put, not freed, and still
-referenced anywhere in the cluster.
+"""``RayObjectStoreTransport``: KV through Ray's shared-memory object store. ``put`` is
+``ray.put([header, tensor_bytes])``, one copy into the node's store, owned by the putting process
+(the ``ObjectRef`` is the key); ``get`` is ``ray.get(ref, timeout=timeout_s)`` (store to store,
+never through the router), the read-only buffer copied once into a writable tensor; ``free``
+drops this reference. An owner that died before the get: ``TransferFailed`` (objects under Ray's
+100 KiB inline limit travel in the handle and survive); a passed deadline: ``TransferTimeout``.
+``num_held()`` counts objects put, not freed, and still referenced anywhere in the cluster.
 
-Across a worker's channel (plain pickle, outside Ray's serialization) an ``ObjectRef`` would be
-pinned for its owner's life, so ``portable`` lends it instead: the owner keeps the ref under its
-id and the handle's key becomes a ``LentRef`` (that id and the owner actor's handle). The first
-``get`` elsewhere redeems it with one call to the owner, which hands the ref over in band (Ray's
-borrowing then frees the object with the last holder); ``free`` of a lent key never redeemed
-asks the owner to drop it. A dead owner's lent KV is lost like its objects: ``TransferFailed``."""
+Across a worker's channel (plain pickle) an ``ObjectRef`` would be pinned for its owner's life,
+so ``portable`` lends it: the owner keeps the ref under its id and the key becomes a ``LentRef``
+(that id and the owner actor's handle); the first ``get`` elsewhere redeems it with one call to
+the owner, which hands the ref over in band (Ray's borrowing then frees the object with its last
+holder); ``free`` of a lent key never redeemed asks the owner to drop it. A dead owner's lent KV
+is lost like its objects: ``TransferFailed``."""
 
 from __future__ import annotations
 

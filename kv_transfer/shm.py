@@ -203,7 +203,6 @@ class SharedMemoryTransport(Transport):
         self._mapped: dict[str, _Segment] = {}  # mapped segments (own included), by token
         self._leases: dict[tuple[str, int, int], _Lease] = {}  # (token, slot, gen)
 
-    # ---- producer side ----------------------------------------------------------------
     @property
     def segment_name(self) -> str | None:
         """Name other processes open this process's segment by (None before the first put)."""
@@ -305,7 +304,6 @@ class SharedMemoryTransport(Transport):
             self._reclaim()
             return self._find_room(num_bytes) is not None
 
-    # ---- consumer side ----------------------------------------------------------------
     def _map(self, key: ShmKey, request_id: str) -> _Segment:
         if key.node != self.node:
             raise TransferFailed(f"KV of request {request_id} is in shared memory on node "
@@ -362,7 +360,6 @@ class SharedMemoryTransport(Transport):
                 self._release(lease_key)  # a dead owner's segment: just forget the lease
 
     def _drop_dead_peers(self) -> int:
-        """Drop every mapped segment whose owner is gone; returns how many."""
         dead = [token for token, seg in self._mapped.items()
                 if seg is not self._own and seg.owner_gone()]
         for token in dead:

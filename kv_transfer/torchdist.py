@@ -89,14 +89,11 @@ class _Receive:
 class TorchDistributedTransport(Transport):
     """Point-to-point KV transfer between ranks of one process group.
 
-    Args:
-        init_method: ``store://host:port`` (``open_rendezvous``) or torch's own; None = the group
-            exists.
-        device: where received tensors land (``cpu`` for gloo, ``cuda:i`` for NCCL).
-        checksum: with NCCL this costs a device-to-host copy per side.
-        init_timeout_s: deadline for forming the group (and for a drain).
-        p2p: provides ``isend`` / ``irecv`` returning works with ``wait(timeout=None)`` and
-            ``is_completed()``; default ``torch.distributed``.
+    ``init_method``: ``store://host:port`` (``open_rendezvous``) or torch's own; None: the group
+    exists. ``device``: where received tensors land (``cpu`` for gloo, ``cuda:i`` for NCCL).
+    ``checksum`` with NCCL costs a device-to-host copy per side. ``init_timeout_s``: deadline for
+    forming the group (and for a drain). ``p2p``: ``isend`` / ``irecv`` returning works with
+    ``wait(timeout=None)`` and ``is_completed()`` (default ``torch.distributed``).
 
     Raises:
         ValueError: an unknown backend."""
@@ -171,7 +168,6 @@ class TorchDistributedTransport(Transport):
         if self._p2p is dist and dist.is_initialized():
             dist.destroy_process_group()
 
-    # ---- the host's view of a work's completion -----------------------------------------
     def _wait_host(self, work, deadline_s: float | None = None) -> None:
         """Return once the host knows ``work`` completed. gloo: ``work.wait`` blocks. NCCL:
         ``wait`` only orders the current stream, so ``is_completed()`` is polled (sleeps doubling
@@ -194,7 +190,6 @@ class TorchDistributedTransport(Transport):
             sleep_s = min(2 * sleep_s, NCCL_POLL_MAX_S)
         work.wait()
 
-    # ---- send side -------------------------------------------------------------------
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
               layer_start: int) -> list[Frame]:
         header, tensor_bytes = pack_tensor(request_id, spec, kv.to(self.device), token_start,
@@ -254,7 +249,6 @@ class TorchDistributedTransport(Transport):
             if (dst, key.seq) in self._sends:
                 self._orphans.add((dst, key.seq))
 
-    # ---- receive side ----------------------------------------------------------------
     def _post_in_order(self, key: P2PKey, request_id: str, drain: bool) -> _Receive:
         """Register ``key``'s receives and post them in the pair's order (NCCL) or at once (gloo).
 
@@ -341,7 +335,6 @@ class TorchDistributedTransport(Transport):
 
     def _receive(self, key: P2PKey, request_id: str, timeout_s: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Post and wait for both receives of ``key``; returns header and tensor buffers."""
         deadline_s = time.monotonic() + timeout_s
         receive = self._post_in_order(key, request_id, drain=False)
         if not receive.posted.wait(max(deadline_s - time.monotonic(), 0.0)):

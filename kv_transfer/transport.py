@@ -1,18 +1,16 @@
-"""The KV transfer protocol every transport implements. The prefill side calls ``put(request_id,
-spec, kv)``: the KV ``[L', 2, H_kv, T, D]`` is packed (``payload.pack``) and handed over, and a
-small picklable ``KVHandle`` returned (the router passes handles, never bytes). The decode side
-calls ``get(handle, expected_spec, timeout_s)``: fetched within the deadline, checked against its
-``KVSpec`` and checksum, ``(KVHeader, kv)`` returned, one ``TransferRecord`` appended. The last
-holder of a handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone:
-freed, owner died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``. A
-subclass implements ``_put_frames``, ``_get_frames``, ``_free`` and ``num_held``.
+"""The KV transfer protocol every transport implements. The prefill side's ``put(request_id, spec,
+kv)`` packs the KV ``[L', 2, H_kv, T, D]`` (``payload.pack``), hands it over and returns a small
+picklable ``KVHandle`` (the router passes handles, never bytes). The decode side's ``get(handle,
+expected_spec, timeout_s)`` fetches it within the deadline, checks it against its ``KVSpec`` and
+checksum, returns ``(KVHeader, kv)`` and appends one ``TransferRecord``. The last holder of a
+handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone: freed, owner
+died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``.
 
-Efficiency: ``achieved_gbps = num_bytes / (put_s + get_s) / 1e9``, ``efficiency = achieved_gbps /
-peak_gbps`` (the link peak from ``kv_transfer.link``, or None). A request's chunks form a stream;
-``ready`` is when the put of its last chunk began. Of each chunk's put and get intervals,
-``exposed_s`` is the part after ``ready`` (critical path) and ``overlapped_s`` the part before
-(hidden behind prefill), summing to ``put_s + get_s``; None until the last chunk is got. The
-stamps are two processes' wall clocks."""
+``achieved_gbps = num_bytes / (put_s + get_s) / 1e9``; ``efficiency = achieved_gbps / peak_gbps``
+(``kv_transfer.link``'s peak, or None). A request's chunks form a stream, ``ready`` when the put
+of its last chunk began: of each chunk's put and get, ``exposed_s`` is the part after ``ready``
+(critical path), ``overlapped_s`` the part before, summing to ``put_s + get_s`` (None until the
+last chunk is got; the stamps are two processes' wall clocks)."""
 
 from __future__ import annotations
 
@@ -45,11 +43,9 @@ class TransferFailed(TransferError):
 class KVHandle:
     """Opaque reference to KV held by a transport; small and picklable.
 
-    Attributes:
-        key: transport-specific locator (an int id, a Ray ObjectRef, a (rank, seq, ...) tuple).
-        num_bytes: tensor bytes (frame 1), ``spec.kv_bytes(T, L')``.
-        put_s: seconds inside ``put`` (packing + handing over).
-        put_time_s: ``time.time()`` s at which ``put`` began; 0.0 when unknown."""
+    ``key``: transport-specific locator; ``num_bytes``: tensor bytes (frame 1),
+    ``spec.kv_bytes(T, L')``; ``put_s``: seconds inside ``put``; ``put_time_s``: ``time.time()``
+    when ``put`` began (0.0 unknown)."""
 
     transport: str
     request_id: str

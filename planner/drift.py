@@ -1,13 +1,11 @@
-"""The machine's speed over one real run, and its replay in the simulator (no torch). A profile is
-measured once; a shared machine's speed drifts within minutes. A validation takes that out of the
-comparison: the real run's steps say how fast the machine was at each moment, and its simulation
-runs at that speed, leaving the simulator's own error (what DistServe's "< 2 points" is about).
+"""The machine's speed over one real run, and its replay in the simulator (no torch). A shared
+machine's speed drifts within minutes of its profile; replaying the real run's own speed leaves
+the simulator's own error (what DistServe's "< 2 points" is about).
 
 Per real step (``diagnose.step_table``), factor = measured ÷ modelled seconds. ``speed_trace``
 cuts each worker's run time (from ``run_origin``, the simulated clock's 0) into ``window_s``
-windows, each the median factor of the steps starting in it (batches that agree with their
-counts); an empty window keeps the last factor before it. ``SpeedTrace(worker, t_s)`` multiplies
-each modelled step starting at ``t_s`` (``Simulator(speed_trace=)``)."""
+windows, each the median factor of its steps (an empty window keeps the last factor);
+``SpeedTrace(worker, t_s)`` multiplies each modelled step starting at ``t_s``."""
 
 from __future__ import annotations
 

@@ -1,18 +1,15 @@
 """Step and transfer latency models fitted on one device, and the device profile file (no torch).
 All times are seconds.
 
-``pdlab profile`` measures prefill steps (one prompt of P tokens), decode steps (B requests at
-context C) and mixed steps (B decodes plus one prompt); ``--transports`` also times KV transfers.
-``fit_step_models`` fits by least squares on relative error (as DistServe's simulator, so short
-and long steps weigh alike), slopes non-negative:
+``fit_step_models`` fits ``pdlab profile``'s prefill, decode and mixed steps by least squares on
+relative error (as DistServe's simulator: short and long steps weigh alike), slopes non-negative:
   prefill ``t = a + b·Σn + c·Σn(k+n)`` (n new prompt tokens over k cached; for whole prompts
           DistServe's ``a + b·Σl + c·Σl²``);
   decode  ``t = a + b·B + c·Σctx`` (B decodes, ctx = KV tokens each attends to);
   mixed   ``t = a_mix + (prefill terms) + (decode terms)``, only the intercept refitted.
-``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport. Each fit
-reports R² and relative errors. A profile can also come from NVIDIA's GPU database
-(``planner.silicon``), with the usual links' models (``LINKS``). ``DeviceProfile.step_s`` is what
-the simulator asks for every step."""
+``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport. A profile can
+also come from NVIDIA's GPU database (``planner.silicon``) with the links' models (``LINKS``).
+``DeviceProfile.step_s`` is what the simulator asks for every step."""
 
 from __future__ import annotations
 
@@ -246,15 +243,10 @@ def link_transfer(name: str, node: dict | None = None) -> TransferModel:
 class DeviceProfile:
     """The fitted models of one model on one device, and what they were measured on.
 
-    Attributes:
-        num_threads: torch intra-op threads during the measurement.
-        kv_bytes_per_token: prompt KV bytes per token (``KVSpec.bytes_per_token``).
-        transfers: transport name -> ``TransferModel``.
-        max_prefill_tokens: the longest prompt measured (longer ones extrapolate); None: unknown.
-        device_memory_bytes, weight_bytes: GPU memory and parameter bytes (tied once), what
-            ``kv_budget_bytes`` needs on CUDA; None on CPU or unrecorded.
-        source: where step times came from when not measured here (None), e.g. ``{"kind":
-            "aiconfigurator", "package", "system", "backend", "database_version", ...}``."""
+    ``kv_bytes_per_token``: ``KVSpec.bytes_per_token``; ``max_prefill_tokens``: the longest
+    prompt measured (None: unknown); ``device_memory_bytes``, ``weight_bytes``: what
+    ``kv_budget_bytes`` needs on CUDA (None on CPU); ``source``: where step times came from when
+    not measured here, e.g. ``{"kind": "aiconfigurator", "system", "backend", ...}``."""
 
     model: str
     dtype: str

@@ -26,7 +26,8 @@ import numpy as np
 import pandas as pd
 
 from engine import metrics as m
-from engine.config import ConditionalConfig, EngineConfig, PlacementConfig, parse_placement
+from engine.config import ConditionalConfig, EngineConfig, PlacementConfig
+from engine.placement import Placement
 from engine.metrics import SLO, RequestRecord
 from engine.request import Request
 from engine.arrivals import arrival_times
@@ -114,7 +115,7 @@ def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile
 
     Raises:
         ValueError: a CUDA profile without the memory facts the budget needs."""
-    needs_transfer = parse_placement(candidate.placement)[0] != "colocated"
+    needs_transfer = Placement.parse(candidate.placement).needs_transfer
     step_s = profile.step_time()
     if step_scale != 1.0:
         base = step_s

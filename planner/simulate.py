@@ -1,18 +1,15 @@
 """A discrete-event simulator of one placement serving one workload (no torch, no threads).
 
-It runs pdlab's own scheduling code on a simulated clock: each instance holds a real
-``engine.scheduler.Scheduler``, assignment is ``router.assignment.Assigner``, and only the forward
-and the KV bytes are replaced by fitted durations (``latency``): a step lasts the step model at its
-batch's features; a prefill worker's put holds its loop and precedes the first token; a decode
-instance fetches once ``schedule()`` reserves the blocks; requests stop at ``max_tokens``. Output:
-``RequestRecord``s with a real run's stamps (simulated seconds from 0) and step and transfer
-records shaped like the real ones. Same inputs, same records.
+It runs pdlab's own scheduling code on a simulated clock (a real ``engine.scheduler.Scheduler``
+per instance, ``router.assignment.Assigner``); only the forward and the KV bytes are replaced by
+fitted durations (``latency``): a step lasts the step model at its batch's features; a prefill
+worker's put holds its loop and precedes the first token; a decode instance fetches once
+``schedule()`` reserves the blocks. Output: ``RequestRecord``s, step and transfer records shaped
+like a real run's (simulated seconds from 0). Same inputs, same records.
 
-Fast-forward (default): a pure-decode step would be scheduled again unchanged until an arrival,
-hand-over, KV landing or stop reaches the instance, so the steps up to that horizon advance in one
-go with the same floats (``step_s`` at the grown context). A step that preempted is never
-fast-forwarded, nor one needing more blocks than are free (``decode_steps_available``); their
-blocks are made afterwards in order (``catch_up_decodes``). Records equal step-by-step's exactly."""
+Fast-forward (default): pure-decode steps that would repeat unchanged until the next event (an
+arrival, hand-over, KV landing or stop) advance in one go with the same floats; never a step that
+preempted or needs more blocks than are free. Records equal step-by-step's exactly."""
 
 from __future__ import annotations
 
@@ -26,8 +23,9 @@ from dataclasses import dataclass, field
 
 from engine.config import (DEFAULT_CPU_KV_CACHE_GB,  # noqa: F401 (test_plan_identity reads it here)
                            ConditionalConfig, EngineConfig, kv_budget_bytes_for,
-                           kv_num_blocks_for, parse_placement, placement_engine_overrides)
+                           kv_num_blocks_for, placement_engine_overrides)
 from engine.limits import LimitError, Limits
+from engine.placement import Placement
 from engine.metrics import (ARRIVED, DECODE_ADMITTED, DISPATCHED, FINISHED, KV_GOT, KV_PUT,
                             PREFILL_FINISHED, PREFILL_QUEUED, PREFILL_STARTED, RequestRecord,
                             StepRecord)
@@ -49,12 +47,9 @@ _PREFILLED, _FINISHED_STOPPED = RequestStatus.PREFILLED, RequestStatus.FINISHED_
 class SimResult:
     """One simulated run (seconds from 0).
 
-    Attributes:
-        records: one per request, in arrival order.
-        steps: rows as a real run's (empty unless ``collect_steps``).
-        transfers: per KV transfer ``request_id, num_bytes, put_s, get_s, transport``.
-        batches: per step ``(worker, [(request_id, num_new_tokens), ...])`` when ``collect_batches``.
-        num_fast_forwarded_steps: steps the fast-forward completed (0 without it)."""
+    ``steps``: rows as a real run's (empty unless ``collect_steps``); ``transfers``: per KV
+    transfer ``request_id, num_bytes, put_s, get_s, transport``; ``batches``: per step ``(worker,
+    [(request_id, num_new_tokens), ...])`` with ``collect_batches``."""
 
     records: list[RequestRecord]
     steps: list[dict] = field(default_factory=list)
@@ -76,7 +71,6 @@ def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int,
 
 
 class _Instance:
-    """One simulated worker: its name, role and a real Scheduler."""
 
     __slots__ = ("name", "role", "scheduler", "busy")
 
@@ -113,31 +107,23 @@ class _Flight:
 
 def worker_names(placement: str) -> list[tuple[str, str]]:
     """``(name, role)`` per worker, as ``deployment.placement.worker_layout`` names them."""
-    kind, first, second = parse_placement(placement)
-    if kind == "colocated":
-        return [(f"colocated-{i}", "colocated") for i in range(first)]
-    return ([(f"prefill-{i}", "prefill") for i in range(first)]
-            + [(f"decode-{i}", "decode") for i in range(second)])
+    return [(i.name, i.role) for i in Placement.parse(placement).instances]
 
 
 class Simulator:
     """Simulates ``placement`` (``colocated:N``, ``colocated-nochunk:N``, ``disagg:xPyD``,
     ``conditional:xPyD``) on a simulated clock.
 
-    Args:
-        engine: each instance's config (``placement_engine_overrides`` applied here).
-        step_s: step seconds of ``(prefill_tokens, prefill_attention, batch_size, sum_context)``
-            (``DeviceProfile.step_time()``).
-        transfer: KV transfer model; required with prefill workers.
-        kv_bytes_per_token: prompt KV bytes per token.
-        fast_forward: False runs every step through the Scheduler; the records are the same.
-        speed_trace: ``(worker, step start s) -> factor`` multiplying modelled step times
-            (``drift.SpeedTrace``); None: the model's times.
-        kv_budget_bytes: each instance's KV budget in bytes (``DeviceProfile.kv_budget_bytes``);
-            None: the CPU rule.
+    ``step_s``: step seconds of ``(prefill_tokens, prefill_attention, batch_size, sum_context)``
+    (``DeviceProfile.step_time()``); ``transfer``: the KV transfer model, required with prefill
+    workers; ``fast_forward`` False runs every step through the Scheduler (same records);
+    ``speed_trace``: ``(worker, step start s) -> factor`` on modelled step times
+    (``drift.SpeedTrace``); ``kv_budget_bytes``: each instance's KV budget (bytes; None: the CPU
+    rule).
 
     Raises:
-        ValueError: a bad placement or policy, or a disaggregated placement without ``transfer``."""
+        ValueError: a bad placement or policy, a placement with TP/PP sizes, or a
+            disaggregated placement without ``transfer``."""
 
     def __init__(self, placement: str, engine: EngineConfig,
                  step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
@@ -146,7 +132,11 @@ class Simulator:
                  fast_forward: bool = True,
                  speed_trace: Callable[[str, float], float] | None = None,
                  kv_budget_bytes: int | None = None) -> None:
-        self.kind = parse_placement(placement)[0]
+        parsed = Placement.parse(placement)
+        if parsed.is_parallel:  # a TP/PP instance's step time needs its own profile
+            raise ValueError(f"placement {placement} spans several devices per instance: the "
+                             "simulator models one device per instance")
+        self.kind = parsed.kind
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
         pick(policy, ["w"], {}, 0)  # refuses an unknown policy now (Assigner does it per run)
@@ -162,7 +152,6 @@ class Simulator:
         self.speed_trace = speed_trace
         self.kv_budget_bytes = kv_budget_bytes
 
-    # ---- one run -----------------------------------------------------------------------
     def run(self, workload: Sequence[tuple[Request, float]], collect_steps: bool = False,
             collect_batches: bool = False) -> SimResult:
         """Serve ``workload`` (requests with arrival offsets, s) to the end; a ``SimResult`` with
@@ -237,7 +226,6 @@ class Simulator:
     def _push(self, t: float, kind: int, payload, order: int = _EARLY) -> None:
         heapq.heappush(self._heap, (t, order, next(self._seq), kind, payload))
 
-    # ---- router ------------------------------------------------------------------------
     def _arrive(self, t: float, request: Request) -> None:
         record = RequestRecord(request_id=request.request_id, placement=self.placement,
                                num_prompt_tokens=request.num_prompt_tokens)
@@ -296,7 +284,6 @@ class Simulator:
         instance.scheduler.add(state)
         self._wake(instance, t)
 
-    # ---- instances ---------------------------------------------------------------------
     def _wake(self, instance: _Instance, t: float) -> None:
         """An idle instance steps at ``t``, once the other events of ``t`` have run."""
         if not instance.busy:

@@ -22,6 +22,7 @@ import pandas as pd
 from engine import metrics as m
 from engine.config import EngineConfig
 from engine.metrics import SLO
+from engine.placement import Placement
 from engine.request import Request
 from planner import band, search
 from planner.latency import DeviceProfile, TransferModel
@@ -43,12 +44,13 @@ def family_of(placement: str) -> str:
 
     Raises:
         ValueError: another placement string."""
-    kind = placement.split(":", 1)[0]
-    names = {"colocated-nochunk": "colocated", "colocated": "colocated chunked",
-             "disagg": "disagg", "conditional": "conditional"}
-    if kind not in names:
-        raise ValueError(f"no family for placement {placement!r}")
-    return names[kind]
+    try:
+        parsed = Placement.parse(placement)
+    except ValueError:
+        raise ValueError(f"no family for placement {placement!r}") from None
+    if parsed.kind == "colocated":
+        return "colocated chunked" if parsed.chunked else "colocated"
+    return parsed.kind
 
 
 def map_candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
@@ -178,16 +180,13 @@ def cells(goodput: Mapping[str, np.ndarray], families: Mapping[str, str],
           twins: Mapping[str, str] | None = None) -> pd.DataFrame:
     """One row per cell (``CELL_COLUMNS``), TTFT index major.
 
-    Args:
-        goodput: candidate -> goodput per device per cell, in candidate order (breaks ties).
-        slow, fast: the same at the band's ends (None: no band; missing: nominal).
-        top: candidate -> goodput per device at the top swept rate; a winner at it has
-            ``at_sweep_top`` (its goodput is a lower bound). None: never flagged.
-        twins: ``same_schedule``'s map; a winner whose twin is the runner-up at the same goodput
-            names it in ``same_schedule_as``, and the next family's best is runner-up.
-
-    ``verdict``: the winner when clear, ``NO_CLEAR`` when the band does not separate it from the
-    runner-up, ``NONE`` when no goodput > 0 (margin NaN). Margin 1.0 without a runner-up family."""
+    ``goodput``: candidate -> goodput per device per cell, in candidate order (breaks ties);
+    ``slow``, ``fast``: the same at the band's ends (None: no band). ``top``: goodput at the top
+    swept rate; a winner there has ``at_sweep_top`` (a lower bound). ``twins``:
+    ``same_schedule``'s map; a winner whose twin is the runner-up at the same goodput names it
+    in ``same_schedule_as``. ``verdict``: the winner when clear, ``NO_CLEAR`` when the band does
+    not separate it from the runner-up, ``NONE`` when no goodput > 0 (margin NaN). Margin 1.0
+    without a runner-up family."""
     slow, fast, top, twins = slow or {}, fast or {}, top or {}, twins or {}
     rows = []
     for i, ttft in enumerate(ttft_grid):
@@ -229,11 +228,11 @@ def same_schedule(cands: Sequence[search.Candidate], engine: EngineConfig,
     ``chunk_budget`` are left out."""
     if max_prompt_tokens > engine.max_num_batched_tokens:
         return {}
-    by_kind = {c.placement.split(":")[0]: c for c in cands if c.chunk_budget is None
-               and c.placement.split(":")[0] in ("colocated", "colocated-nochunk")}
+    by_kind = {family_of(c.placement): c for c in cands if c.chunk_budget is None
+               and Placement.parse(c.placement).kind == "colocated"}
     if len(by_kind) < 2:
         return {}
-    a, b = by_kind["colocated"].label, by_kind["colocated-nochunk"].label
+    a, b = by_kind["colocated chunked"].label, by_kind["colocated"].label
     return {a: b, b: a}
 
 

@@ -56,7 +56,8 @@ from kv_transfer.transport import KVHandle, Transport
 class PrefillWorker(EngineLoop):
     """See the module docstring. ``transport`` overrides the one ``transfer_config`` names
     (in-process placements share one); ``faults`` wraps it in fault injection;
-    ``rank``/``world_size``/``init_method`` set up torch.distributed transports."""
+    ``rank``/``world_size``/``init_method`` set up torch.distributed transports;
+    ``rank_devices`` makes it a tensor-parallel instance (``engine.serving.EngineLoop``)."""
 
     role = "prefill"
 
@@ -66,7 +67,7 @@ class PrefillWorker(EngineLoop):
                  rank: int | None = None, world_size: int | None = None,
                  init_method: str | None = None, inside_ray: bool = False,
                  bind: bool = True, step_delay_s: float = 0.0,
-                 emulation: Emulation | None = None) -> None:
+                 emulation: Emulation | None = None, rank_devices: tuple[str, ...] = ()) -> None:
         self.transfer = transfer_config
         self._dst_rank: dict[str, int | None] = {}
         self._kv_start: dict[str, int] = {}  # first prompt token to send (the rest is cached there)
@@ -79,7 +80,7 @@ class PrefillWorker(EngineLoop):
         # dead Ray owner's objects are). Never kept for Ray: a held ObjectRef pins the object.
         self._sent: list[KVHandle] = []
         super().__init__(name, model_config, engine_config, device, inside_ray, bind, step_delay_s,
-                         emulation)
+                         emulation, rank_devices)
         # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, self.engine.config.device)

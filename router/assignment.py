@@ -3,15 +3,13 @@ used alike by the router and the planner's simulator, so a plan and a real run p
 workers from the same loads. No I/O, no clock, no torch.
 
 ``assign`` by placement kind: ``colocated``, one worker; ``disagg``, a prefill and a decode
-worker; ``conditional``, Dynamo's rule (``ConditionalConfig.remote``: prompt length minus its
-prefix hit on the decode worker, and the prefill queue) picks local or remote prefill. Each
-worker is picked by the policy over its pool's live workers and charged at once: a prefill worker
-the prompt tokens, a decode or colocated one ``prompt + max_tokens`` in whole KV blocks.
-``prefilled`` releases the prefill charge; ``release`` every charge, exactly once. Picked workers
-are credited with the prompt's block hashes in a ``PrefixIndex``; the KV sent to a decode worker
-(``kv_token_start``) skips only the prefix whose KV landed there (``kv_landed``). A dead worker
-leaves its pool (``mark_dead``; ``requests_needing``, ``reassign_decode``), ``mark_live`` brings
-it back; a pool with no live worker makes ``assign`` raise ``NoLiveWorker`` naming the role."""
+worker; ``conditional``, Dynamo's rule (``ConditionalConfig.remote``) picks local or remote
+prefill. The policy picks each worker from its pool's live workers, charged at once: a prefill
+worker the prompt tokens, a decode or colocated one ``prompt + max_tokens`` in whole KV blocks.
+``prefilled`` releases the prefill charge; ``release`` every charge, exactly once. The KV sent to
+a decode worker skips only the prefix whose KV landed there (``kv_landed``). A dead worker leaves
+its pool (``mark_dead``) until ``mark_live``; a pool with no live worker makes ``assign`` raise
+``NoLiveWorker`` naming the role."""
 
 from __future__ import annotations
 
@@ -53,11 +51,8 @@ class Assignment:
 class Assigner:
     """Pools, loads and charges of one placement (module docstring).
 
-    Args:
-        workers: ``(name, role)`` per worker; a pool keeps this order (``least_loaded`` ties go
-            to the first).
-        kind: ``colocated``, ``disagg`` or ``conditional`` (``engine.config.parse_placement``).
-        kv_block_size: tokens per KV block; decode charges count whole blocks (1 = tokens).
+    ``workers``: ``(name, role)`` per worker; a pool keeps this order (``least_loaded`` ties go
+    to the first). ``kv_block_size``: tokens per KV block (decode charges count whole blocks).
 
     Raises:
         ValueError: an unknown kind or policy, or a role the kind needs has no worker."""

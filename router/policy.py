@@ -1,13 +1,11 @@
 """Which worker gets a request: pure functions over load snapshots (no I/O, no state). ``loads``:
-worker -> tokens: a prefill worker's prompt tokens not yet prefilled, a decode (or colocated)
-worker's KV tokens (prompt + max_tokens in whole KV blocks) of requests not yet ended; charged at
-assignment (so a burst spreads), released once. Round robin takes one ``counter`` per pool.
-
-``cache_aware`` is SGLang's gateway policy (``sgl-router`` ``CacheAwarePolicy``, its
-``--balance-abs-threshold 32``, ``--balance-rel-threshold 1.0001``): balanced, the longest cached
-prefix match (``matches``, whole blocks); with requests per worker imbalanced past both
-thresholds, the least loaded. Departures: ties (and no match) go to the least loaded of the tied,
-where SGLang takes the smallest tree below its ``cache_threshold``; loads are pdlab's tokens."""
+worker -> tokens (a prefill worker's prompt tokens not yet prefilled, a decode or colocated
+worker's ``prompt + max_tokens`` in whole KV blocks), charged at assignment so a burst spreads.
+Round robin takes one ``counter`` per pool. ``cache_aware`` is SGLang's gateway policy
+(``sgl-router`` ``CacheAwarePolicy``, ``--balance-abs-threshold 32``, ``--balance-rel-threshold
+1.0001``): the longest cached prefix match (``matches``, whole blocks) unless requests per worker
+are imbalanced past both thresholds (then the least loaded); ties and no match go to the least
+loaded, where SGLang takes the smallest tree below its ``cache_threshold``."""
 
 from __future__ import annotations
 

@@ -3,26 +3,21 @@ Its part of a request's life (the whole story: docs/architecture.md, "A request'
 
 1. The body is read with a size cap (``max_body_bytes``: 413), decoded as strict UTF-8, parsed
    as JSON and validated by pydantic models that forbid unknown fields and coerce no types.
-2. The prompt becomes token ids (the tokenizer, the chat template, or ids as given). Empty
-   prompts, ``prompt + max_tokens`` over the context or a worker's whole KV cache, ids outside
-   the vocabulary and bad sampling values are refused before anything is queued.
-3. ``n`` choices are ``n`` router requests (``<id>-0`` ...; with a ``seed``, choice ``i`` uses
-   ``seed + i``); ``usage.prompt_tokens`` counts the prompt once.
-4. ``Router.submit`` streams token ids; ``TextStream`` turns them into text and matches
-   ``stop`` strings across tokens (the request is then aborted on its workers). Streaming is
-   one server-sent event per output token, the usage chunk when asked, then ``data: [DONE]``.
-5. A client that disconnects gets its requests aborted on every worker.
-
-Fields: ``_Sampling``, ``CompletionBody`` and ``ChatBody`` (OpenAI's and vLLM's extensions);
-``null`` means the default. ``echo``, ``suffix``, ``best_of`` other than ``n``, ``logit_bias``
-and tools are refused. Logprobs are raw (``log_softmax`` before any filter), one per token.
+2. The prompt becomes token ids. Empty prompts, ``prompt + max_tokens`` over the context or a
+   worker's whole KV cache, ids outside the vocabulary and bad sampling values are refused
+   before anything is queued.
+3. ``n`` choices are ``n`` router requests; ``usage.prompt_tokens`` counts the prompt once.
+4. ``Router.submit`` streams token ids; ``TextStream`` turns them into text and matches ``stop``
+   strings across tokens (the request is then aborted). Streaming is one server-sent event per
+   output token, the usage chunk when asked, then ``data: [DONE]``. Logprobs are raw
+   (``log_softmax`` before any filter). A client that disconnects gets its requests aborted.
 
 Errors: OpenAI's ``{"error": {"message", "type", "param", "code"}}`` with 400 (404 an unknown
-model, 413 a body over the cap), the connection kept; no live worker: 503, with
-``Retry-After`` while a restart is under way; a failed generation 500; anything unexpected a
-JSON 500 with ``Connection: close``. ``/metrics`` is Prometheus text with vLLM's metric names
-under ``pdlab:`` (TTFT, ITL, E2E, queue time, running and waiting, tokens, prefix cache), KV
-transfer histograms, and ``pdlab:worker_info`` / ``worker_load_tokens`` (``engine.metrics``)."""
+model, 413 a body over the cap), the connection kept; no live worker: 503, with ``Retry-After``
+while a restart is under way; a failed generation 500; anything unexpected a JSON 500 with
+``Connection: close``. ``/metrics`` is Prometheus text with vLLM's metric names under ``pdlab:``
+(TTFT, ITL, E2E, queue time, running and waiting, tokens, prefix cache), KV transfer histograms,
+and ``pdlab:worker_info`` / ``worker_load_tokens`` (``engine.metrics``)."""
 
 from __future__ import annotations
 
@@ -62,17 +57,13 @@ MAX_PROMPTS = 16  # prompts in one completions request
 RETRY_AFTER_S = 2  # 503's Retry-After while a worker restarts (seconds)
 
 
-# ---- request bodies (OpenAI's schema plus vLLM's extensions, unknown fields refused) -------
-
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        """``null`` for any field means "not given" (clients send ``stop: null``,
-        ``logprobs: null``): the field keeps its default. A required field sent as null is
-        then missing, and refused as such."""
+        """``null`` means "not given": the field keeps its default (a required one is missing)."""
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
@@ -107,9 +98,7 @@ def _token_ids(value: list, what: str) -> list[int]:
 
 
 def _check_prompt(value: Any) -> list[str | list[int]]:
-    """``prompt`` as a list of prompts: a string, a list of strings (one choice set each,
-    genai-perf sends one), a list of token ids, or a list of lists of token ids; at most
-    ``MAX_PROMPTS`` prompts, none an empty list."""
+    """``prompt`` as a list of prompts (strings or token-id lists), at most ``MAX_PROMPTS``."""
     if isinstance(value, str):
         return [value]
     if not isinstance(value, list):
@@ -134,22 +123,12 @@ def _check_prompt(value: Any) -> list[str | list[int]]:
 class _Sampling(_Body):
     """The request fields both endpoints take; ``null`` for any of them means "not given".
 
-    OpenAI's: ``model`` (the served name, else 404), ``max_tokens`` (default: 16 for completions,
-    what the context and the KV cache leave for chat), ``temperature`` (1.0; below 1e-5 greedy),
-    ``top_p``, ``seed`` (choice ``i`` uses ``seed + i``), ``stop`` (a string or up to
-    ``MAX_STOP_STRINGS`` strings), ``n`` (up to ``MAX_N``), ``best_of`` (only equal to ``n``: every
-    choice generated is returned), ``presence_penalty`` and ``frequency_penalty`` ([-2, 2]),
-    ``stream``, ``stream_options`` (``include_usage``; vLLM's ``continuous_usage_stats``: the usage
-    so far in every chunk), ``user`` (ignored), ``logit_bias`` (only empty).
-
-    vLLM's extensions (``vllm.entrypoints.openai.protocol``): ``top_k`` (0 or -1: off), ``min_p``,
-    ``min_tokens``, ``repetition_penalty``, ``stop_token_ids``, ``ignore_eos``,
-    ``skip_special_tokens`` (default true), ``include_stop_str_in_output`` (default false). The
-    sampling fields mean what ``engine.request.SamplingParams`` says.
-
-    Sent by the clients of tests/data/clients (README there): vLLM ``bench serve``, SGLang
-    ``bench_serving``, genai-perf, AIPerf, GuideLLM, llmperf. Any other field is refused (400 naming
-    it); ``DEFAULT_ONLY`` fields are refused unless at their default."""
+    OpenAI's fields, and vLLM's extensions (``vllm.entrypoints.openai.protocol``) with the
+    meaning ``engine.request.SamplingParams`` gives them. ``max_tokens`` defaults to 16 for
+    completions, to what the context and the KV cache leave for chat; ``seed``: choice ``i`` uses
+    ``seed + i``; ``best_of`` only equal to ``n``; ``user`` is ignored. These are what the clients
+    of tests/data/clients send. Any other field is refused (400 naming it); ``DEFAULT_ONLY``
+    fields are refused unless at their default."""
 
     model: str | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -172,7 +151,6 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    # accepted at their defaults only (anything else: "not supported", naming the field)
     logit_bias: Annotated[dict[str, float], Field(max_length=0)] = {}
 
 
@@ -239,9 +217,7 @@ def error_response(err: BadRequest) -> JSONResponse:
 
 
 def _validation_error(err: ValidationError) -> BadRequest:
-    """The first pydantic error as a BadRequest naming the field (``messages.0.role``). Of
-    the errors of one field (a union's branches each add one) the deepest is the telling
-    one: a content part without ``text`` is "Field required", not "not a string"."""
+    """The first pydantic error as a BadRequest naming the field (of one field's, the deepest)."""
     errors = err.errors()
     first = max((e for e in errors if e["loc"][:1] == errors[0]["loc"][:1]),
                 key=lambda e: len(e["loc"]))
@@ -277,8 +253,6 @@ async def read_json(request: HTTPRequest, max_body_bytes: int) -> Any:
     except json.JSONDecodeError as err:
         raise BadRequest(f"request body is not valid JSON: {err}") from None
 
-
-# ---- metrics ------------------------------------------------------------------------------
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py) for its latency histograms
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
@@ -373,8 +347,6 @@ class _Restarts(Collector):
         yield family
 
 
-# ---- the server ---------------------------------------------------------------------------
-
 @dataclass
 class _Choice:
     index: int
@@ -392,16 +364,11 @@ class _Choice:
 
 
 class OpenAIServer:
-    """The FastAPI app over one router.
+    """The FastAPI app over one router (whose loop starts and stops with the app).
 
-    Args:
-        router: the placement's router (its loop is started and stopped with the app).
-        text: ``HFText`` or ``ByteText`` of the served model.
-        model_name: the id clients send and ``/v1/models`` lists.
-        max_body_bytes: request body cap (413 beyond).
-        emulation: ``experiments.results.emulation_row`` of a deployment on emulated
-            devices (``{"emulated": True, "emulation": {...}}``), listed in ``/v1/models``
-            so a client (``pdlab bench``) can say its results are emulated; ``{}`` otherwise."""
+    ``max_body_bytes``: request body cap (413 beyond). ``emulation``:
+    ``experiments.results.emulation_row`` of a deployment on emulated devices, listed in
+    ``/v1/models`` so a client (``pdlab bench``) can say its results are emulated; else ``{}``."""
 
     def __init__(self, router: Router, text: ByteText | HFText, model_name: str,
                  max_body_bytes: int = 1 << 20, emulation: dict | None = None) -> None:
@@ -435,7 +402,6 @@ class OpenAIServer:
         finally:
             self.router.stop()
 
-    # ---- endpoints --------------------------------------------------------------------
     async def models(self) -> dict:
         """``GET /v1/models``: the one served model, with its context length (tokens) and,
         as vLLM, ``root`` (vLLM's client reads ``data[0]["root"]`` when given no model) and
@@ -474,9 +440,7 @@ class OpenAIServer:
         return await self._endpoint(request, chat=True)
 
     async def _endpoint(self, request: HTTPRequest, chat: bool) -> Response:
-        """Parse, check and serve one request: every refusal is OpenAI's error object (400
-        naming the field, 404 model, 413 body), anything unexpected a JSON 500 that closes
-        the connection (the client's next request opens a fresh one)."""
+        """Parse, check and serve one request; the errors are the module docstring's."""
         try:
             data = await read_json(request, self.max_body_bytes)
             if chat:
@@ -509,12 +473,10 @@ class OpenAIServer:
             raise BadRequest(f"the chat template refused the messages: {err}",
                              "messages") from None
 
-    # ---- one request --------------------------------------------------------------------
     def _requests(self, body: _Sampling, prompts: list[list[int]], chat: bool,
                   base_id: str) -> list[Request]:
-        """The router requests of ``body``: ``n`` per prompt, choice ``p * n + i`` for choice
-        ``i`` of prompt ``p`` (vLLM's numbering), each checked as the router checks it, so a
-        bad one is a 400 naming its field before anything is queued."""
+        """``n`` router requests per prompt (choice ``p * n + i``, as vLLM numbers them), each
+        checked as the router checks it, so a bad one is a 400 before anything is queued."""
         if body.model is not None and body.model != self.model_name:
             raise BadRequest(f"model {body.model!r} does not exist; this server serves "
                              f"{self.model_name!r}", "model", 404, "not_found_error")
@@ -555,9 +517,8 @@ class OpenAIServer:
 
     def _max_tokens(self, body: _Sampling, prompt: list[int], chat: bool, prompt_param: str,
                     max_param: str) -> int:
-        """The request's ``max_tokens`` (OpenAI's default when not given: 16 for
-        completions, what the context and the KV cache leave for chat). The limits are checked
-        once, by ``Router.validate`` (``engine.limits``), in ``_requests``."""
+        """``max_tokens``, or OpenAI's default (16; for chat what the context and KV cache
+        leave)."""
         if not prompt:
             raise BadRequest("prompt must not be empty (no tokens)", prompt_param)
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
@@ -608,8 +569,7 @@ class OpenAIServer:
 
 
 def _refusal(err: ValueError, prompt_param: str, max_param: str) -> BadRequest:
-    """A ValueError of ``SamplingParams``, ``Request`` or ``Router.validate`` as a 400: the
-    field from the error's ``field`` (``engine.limits.LimitError``) or its first word."""
+    """A ValueError of ``SamplingParams``, ``Request`` or ``Router.validate`` as a 400."""
     message = str(err)
     field = getattr(err, "field", None)
     if field is None:
@@ -620,8 +580,7 @@ def _refusal(err: ValueError, prompt_param: str, max_param: str) -> BadRequest:
 
 
 class _ClosingStream(StreamingResponse):
-    """A StreamingResponse that closes its generator as soon as sending stops (a client
-    gone makes ``send`` raise): the generator's ``finally`` aborts at once, not at GC."""
+    """Closes its generator as soon as sending stops, so the ``finally`` aborts at once."""
 
     async def __call__(self, scope, receive, send) -> None:
         try:
@@ -715,9 +674,7 @@ class _Call:
         return None
 
     async def _next_event(self, http: HTTPRequest) -> StreamEvent | None:
-        """The next router event, or None once the client has disconnected (a watcher
-        task waits for ASGI's ``http.disconnect``). The pending ``get`` is never cancelled
-        while an event may be handed to it, so no event is lost."""
+        """The next router event, or None once the client has disconnected (none is lost)."""
         if self._peeked is not None:
             event, self._peeked = self._peeked, None
             return event
@@ -734,8 +691,6 @@ class _Call:
 
     @staticmethod
     async def _watch(http: HTTPRequest) -> None:
-        """Returns when the client disconnects (the body is read already, so the next ASGI
-        message is the disconnect)."""
         while (await http.receive())["type"] != "http.disconnect":
             pass
 
@@ -813,9 +768,8 @@ class _Call:
         return list(self._token_text(token_id).encode("utf-8"))
 
     def _logprobs(self, entries: list[tuple], text_offset: int = 0) -> dict | None:
-        """OpenAI's ``logprobs`` object of some completion tokens (None when off): chat's
-        ``{"content": [...]}`` or completions' ``{"tokens", "token_logprobs","top_logprobs",
-        "text_offset"}`` (offsets into the completion text, from ``text_offset``)."""
+        """OpenAI's ``logprobs`` of some completion tokens (None when off): chat's ``{"content"}``
+        or completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}``."""
         if self._logprobs_off:
             return None
         if self.chat:
@@ -835,8 +789,7 @@ class _Call:
                 "text_offset": offsets}
 
     def _top_dict(self, top: tuple) -> dict[str, float]:
-        """Completions' ``{text: logprob}``; tokens with the same text keep the most likely
-        one's value (the pairs come most likely first)."""
+        """Completions' ``{text: logprob}``; tokens of equal text keep the most likely's value."""
         out: dict[str, float] = {}
         for token_id, value in top:
             out.setdefault(self._token_text(token_id), value)
@@ -875,18 +828,14 @@ class _Call:
             self._abort_unanswered()
 
 
-# ---- running it -------------------------------------------------------------------------
-
 def text_of(loaded_tokenizer: Any) -> ByteText | HFText:
     """``HFText`` over a tokenizer, ``ByteText`` when the model has none (tiny models)."""
     return ByteText() if loaded_tokenizer is None else HFText(loaded_tokenizer)
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on a background thread (tests, ``pdlab bench`` self-checks).
-
-    ``url`` is ``http://host:port`` once started (port 0 picks a free one). ``stop()`` shuts it down
-    (and with it the router loop, through the app's lifespan).
+    """uvicorn serving ``app`` on a background thread; ``url`` is ``http://host:port`` once
+    started (port 0 picks a free one); ``stop()`` also stops the router loop.
 
     Raises (from ``start``):
         RuntimeError: the server did not come up within ``timeout_s``."""

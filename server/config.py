@@ -12,13 +12,9 @@ LOOPBACK = "127.0.0.1"
 class ServeConfig:
     """Where and how ``pdlab serve`` listens.
 
-    Attributes:
-        host: address to bind (default loopback only; ``0.0.0.0`` only when asked).
-        port: TCP port (0 = any free port).
-        max_body_bytes: largest request body accepted (bytes); larger gets 413.
-        served_model_name: the model id clients send and ``/v1/models`` lists (default:
-            the ``--model`` value).
-        local: run the workers in this process (transport ``inprocess``) instead of Ray."""
+    ``host`` defaults to loopback only; ``port`` 0 is any free port; ``max_body_bytes`` beyond
+    which a body gets 413; ``served_model_name`` defaults to ``--model``; ``local`` runs the
+    workers in this process (transport ``inprocess``) instead of Ray."""
 
     host: str = field(default=LOOPBACK, metadata={
         "help": "address to bind", "pattern": r"[A-Za-z0-9_.:\-]+", "hint": "a host name or IP"})

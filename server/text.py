@@ -1,21 +1,15 @@
-"""Text <-> token ids for the HTTP front end: tokenizers, chat prompts, incremental detokenization
-with stop strings (no torch, no model).
+"""Text <-> token ids for the HTTP front end (no torch, no model).
 
 - ``HFText`` wraps a model's Hugging Face tokenizer: completions encode the prompt as the
-  tokenizer does by default (special tokens added as the model's tokenizer config says),
-  chat requests go through the model's chat template (``apply_chat_template``).
+  tokenizer does by default, chat requests go through the model's chat template.
 - ``ByteText`` serves the tiny test models, which have no tokenizer (vocabulary 256): one
-  token per UTF-8 byte, and a fixed plain chat template (``BYTE_CHAT_TEMPLATE``). It exists
-  so text prompts, stop strings and UTF-8 handling can be tested without a real model.
-- ``TextStream`` turns output token ids into text deltas: it decodes the output so far
-  incrementally (vLLM's ``detokenize_incrementally``: only a window from the last point
-  where the text was complete, so a long output costs linear, not quadratic, decoding) and
-  emits what is new, holding back an incomplete UTF-8 character (decoded as U+FFFD) and
-  the last ``len(longest stop) - 1`` characters (they may start a stop string that the next
-  token completes). A stop string is matched in the text across token boundaries; the text
-  ends before it (OpenAI: "the returned text will not contain the stop sequence"), or right
-  after it with vLLM's ``include_stop_str_in_output``. Special tokens (EOS, chat markers) are
-  left out of the text unless ``skip_special_tokens=False`` (vLLM's option, default on)."""
+  token per UTF-8 byte, and a fixed plain chat template (``BYTE_CHAT_TEMPLATE``).
+- ``TextStream`` turns output token ids into text deltas, decoding incrementally (vLLM's
+  ``detokenize_incrementally``: linear, not quadratic, in the output). It holds back an
+  incomplete UTF-8 character and the last ``len(longest stop) - 1`` characters, matches stop
+  strings across tokens and ends the text before one (OpenAI), or after it with vLLM's
+  ``include_stop_str_in_output``. Special tokens are left out unless
+  ``skip_special_tokens=False``."""
 
 from __future__ import annotations
 
@@ -39,8 +33,7 @@ class ByteText:
         return self.encode(text + "<|assistant|>\n")
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The bytes as UTF-8 (invalid bytes as U+FFFD); there are no special tokens, so
-        ``skip_special_tokens`` changes nothing."""
+        """The bytes as UTF-8 (invalid bytes as U+FFFD); there are no special tokens."""
         return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
 
 
@@ -63,8 +56,7 @@ class HFText:
         return [int(t) for t in ids]
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text of ``token_ids``; special tokens left out unless ``skip_special_tokens``
-        is False (vLLM's default: left out)."""
+        """The text of ``token_ids``; special tokens left out unless ``skip_special_tokens``."""
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens,
                                      clean_up_tokenization_spaces=False)
 
@@ -72,17 +64,10 @@ class HFText:
 class TextStream:
     """Output token ids in, text deltas out, with stop strings matched across tokens.
 
-    Args:
-        text: a ``ByteText`` or ``HFText``.
-        stop: stop strings (non-empty).
-        skip_special_tokens: leave special tokens out of the text (vLLM's default).
-        include_stop_str: the text ends right after the stop string instead of before it
-            (vLLM's ``include_stop_str_in_output``).
-
-    ``add(token_id)`` returns ``(delta, stopped)``: the text that can be shown now, and whether a
-    stop string appeared (the request is then over: the caller aborts it). ``finish()`` returns
-    the held-back rest. ``num_tokens`` counts tokens up to the one that completed the stop string
-    (``usage``'s completion tokens)."""
+    ``include_stop_str``: vLLM's ``include_stop_str_in_output``. ``add(token_id)`` returns
+    ``(delta, stopped)``: the text that can be shown now, and whether a stop string appeared (the
+    caller then aborts the request). ``finish()`` returns the held-back rest. ``num_tokens``
+    counts tokens up to the one that completed the stop string (``usage``'s completion tokens)."""
 
     def __init__(self, text: ByteText | HFText, stop: Sequence[str] = (),
                  skip_special_tokens: bool = True, include_stop_str: bool = False) -> None:
@@ -127,9 +112,7 @@ class TextStream:
         return self._take(end), False
 
     def _decode_new(self) -> str:
-        """The decoded output so far (equal to ``text.decode(all ids)``), decoding only the
-        window ``ids[_prefix:]``; the window moves on once its text is complete (not ending
-        in an incomplete UTF-8 character, U+FFFD)."""
+        """The decoded output so far (``text.decode(all ids)``), decoding only ``ids[_prefix:]``."""
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         window_text = self._decode(self._ids[self._prefix:])
         tail = window_text[len(prefix_text):]

@@ -27,7 +27,7 @@ def mixed_workload(tiny, num_requests: int = 8, max_tokens: int = 10, spacing_s:
     return workload, expected
 
 
-# Lengths around the KV block boundaries at the default block size 16 (issue 17).
+# Lengths around the KV block boundaries at the default block size 16.
 BOUNDARY_LENGTHS = (15, 16, 17, 31, 32, 33)
 
 

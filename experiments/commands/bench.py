@@ -1,22 +1,12 @@
-"""``pdlab bench``: the workloads of ``pdlab run`` sent to any OpenAI-compatible server.
-
-1. Each seed's workload is built as ``pdlab run`` builds it (``compare.build_workload``: same
-   datasets, token ids, output lengths and arrival times).
-2. The served model is read from ``GET /v1/models`` (or ``--served-model``; emulated devices
-   are reported as such); two warm-up requests are discarded; then every request is sent at
-   its scheduled time (open loop): ``POST /v1/completions`` with token ids, ``max_tokens``,
-   ``ignore_eos``, ``temperature`` 0, streamed with usage.
-3. Each response becomes a ``RequestRecord`` from client-side stamps: ``arrived`` = scheduled
-   send, ``dispatched`` = actual send, one ``token_times_s`` per chunk carrying a choice,
-   ``finished`` after ``[DONE]``. A ``usage.completion_tokens`` other than asked is an error;
-   fewer chunks than tokens are kept and counted. ``compare.write_results`` writes the usual
-   results.
-
-Unlike ``pdlab run``, TTFT and E2E include HTTP, JSON and detokenization, ITL and TPOT use
-the client clock, and there is no worker-side breakdown.
-
-Labels are ``NAME@PLACEMENT`` (``vllm@colocated:1``): the placement gives goodput per device
-its device count. ``merge`` joins several bench results directories into one report."""
+"""``pdlab bench``: the workloads of ``pdlab run`` (``compare.build_workload``) sent to any
+OpenAI-compatible server, at their scheduled times (open loop) after two discarded warm-ups:
+``POST /v1/completions`` with token ids, ``max_tokens``, ``ignore_eos``, ``temperature`` 0,
+streamed with usage. Each response becomes a ``RequestRecord`` from client-side stamps
+(``arrived`` = scheduled send, ``dispatched`` = actual send, one ``token_times_s`` per chunk
+carrying a choice, ``finished`` after ``[DONE]``); a ``usage.completion_tokens`` other than asked
+is an error, fewer chunks than tokens are counted. TTFT and E2E include HTTP, JSON and
+detokenization; ITL and TPOT use the client clock. Labels are ``NAME@PLACEMENT``: the placement
+gives goodput per device its device count. ``merge`` joins several results directories."""
 
 from __future__ import annotations
 
@@ -38,6 +28,7 @@ from engine.config import ModelConfig, add_dataclass_args, check_fields, datacla
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, SLO, RequestRecord
 from engine.model import TINY_NAMES
 from experiments import workloads
+from experiments.cli import Parser
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, check_model,
                                  check_out, context_limit, option_error, rate_list)
 from experiments.replay import RunResult
@@ -52,13 +43,7 @@ LABEL_PATTERN = r"[A-Za-z0-9_.\-]+@[A-Za-z0-9:\-]+"
 
 @dataclass(frozen=True)
 class BenchConfig:
-    """Which server ``pdlab bench`` drives.
-
-    Attributes:
-        base_url: the server, e.g. ``http://127.0.0.1:8000`` (``/v1/...`` is appended).
-        label: ``NAME@PLACEMENT`` recorded as the placement of every request.
-        served_model: model id to send (default: the first one ``/v1/models`` lists).
-        request_timeout_s: longest wait for one response (seconds)."""
+    """Which server ``pdlab bench`` drives (each field's help says what it is)."""
 
     base_url: str = field(default="http://127.0.0.1:8000", metadata={
         "help": "OpenAI-compatible server to drive", "pattern": r"https?://[^\s/]+(/\S*)?",
@@ -86,10 +71,11 @@ MISCOUNTED: list[str] = []  # requests whose chunks were not one per token
 
 def served_model(base_url: str, name: str | None = None,
                  timeout_s: float = 30.0) -> tuple[str, dict]:
-    """The model to send and the server's emulation block: ``GET /v1/models``'s first model (or
-    ``name``), and its ``emulated`` / ``emulation`` keys (a pdlab server on emulated devices,
-    ``server.app.OpenAIServer.models``; ``{}`` otherwise). With ``name`` given, a server that does
-    not answer or does not list it still gets ``name``.
+    """The model to send and what the server says of itself: ``GET /v1/models``'s first model
+    (or ``name``) and a dict with its ``owned_by`` as ``server`` (vLLM: ``vllm``, pdlab:
+    ``pdlab``; the verdict compares placements of one server, ``results.serving_systems``) and
+    its ``emulated`` / ``emulation`` keys, each only where the card has it. With ``name``, a
+    server that does not answer or list it still gets ``name`` (and ``{}``).
 
     Raises:
         RuntimeError: no ``name`` and the server did not answer or lists no model."""
@@ -102,7 +88,8 @@ def served_model(base_url: str, name: str | None = None,
         if name is not None:
             return name, {}
         raise RuntimeError(f"{base_url}/v1/models: {type(err).__name__}: {err}") from None
-    return card["id"], {k: card[k] for k in ("emulated", "emulation") if k in card}
+    about = {"server": card["owned_by"]} if isinstance(card.get("owned_by"), str) else {}
+    return card["id"], {**about, **{k: card[k] for k in ("emulated", "emulation") if k in card}}
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, request_id: str, label: str,
@@ -171,7 +158,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
     Raises:
         ValueError: a workload that does not fit ``max_len``. RuntimeError: no server."""
     items = {seed: build_workload(spec, model, seed, max_len) for seed in spec.seed_list}
-    name, emulation = served_model(config.base_url, config.served_model)
+    name, about = served_model(config.base_url, config.served_model)
     label = config.label
     first = next(iter(items.values()))
     warm, _ = asyncio.run(_replay(config.base_url, name, label, f"{label}-warmup",
@@ -192,7 +179,7 @@ def bench(config: BenchConfig, spec: WorkloadSpec, model: ModelConfig, max_len: 
         print(f"pdlab bench: {len(MISCOUNTED)} response(s) streamed fewer chunks than tokens: "
               "their ITL/TPOT are per chunk", file=sys.stderr)
     env = environment(model, ())
-    run_config = {**env, **emulation, "bench": dataclasses.asdict(config), "served_model": name,
+    run_config = {**env, **about, "bench": dataclasses.asdict(config), "served_model": name,
                   "placements": [label], "rates": list(rates), "workload": spec.options(),
                   "seeds": spec.seed_list, "max_model_len": max_len,
                   "slo": dataclasses.asdict(slo), "timing": "client-side (experiments/commands/bench.py)",
@@ -263,12 +250,15 @@ def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]
     by (placement, rate, seed), with each run's duration from its summary_seeds.csv.
 
     Raises:
-        ValueError: a directory without requests.jsonl, or two with the same placement."""
+        ValueError: a directory without requests.jsonl, a line of it that is not JSON, or two
+        directories with the same placement; nothing is written then."""
+    for d in dirs:
+        if not (Path(d) / "requests.jsonl").is_file():
+            raise ValueError(f"{d} has no requests.jsonl: not a results directory of pdlab "
+                             "run, compare or bench")
     results, configs, seen = [], [], set()
     for d in dirs:
         path = Path(d) / "requests.jsonl"
-        if not path.exists():
-            raise ValueError(f"{d} has no requests.jsonl")
         durations = {}
         seeds_csv = Path(d) / "summary_seeds.csv"
         if seeds_csv.exists():
@@ -276,8 +266,11 @@ def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]
                 durations[(row["placement"], float(row["rate"]), int(row["seed"]))] = float(row["duration_s"])
         runs: dict[tuple, list[RequestRecord]] = {}
         with open(path) as f:
-            for line in f:
-                row = json.loads(line)
+            for number, line in enumerate(f, 1):
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}, line {number}: not JSON ({err})") from None
                 if row.pop("type") == "config":
                     configs.append(row)
                     continue
@@ -296,8 +289,12 @@ def merge(dirs: list[Path], out_dir: Path, slo: SLO) -> tuple[pd.DataFrame, str]
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m experiments.commands.bench merge --out DIR DIR1 DIR2 ...`` (the make target's last step)."""
-    parser = argparse.ArgumentParser(prog="python -m experiments.commands.bench")
+    """``python -m experiments.commands.bench merge --out DIR DIR1 DIR2 ...`` (``make
+    vllm-baseline`` calls ``merge`` the same way).
+
+    Returns:
+        0; a bad option or directory exits 2 with one line naming it (``cli.Parser``)."""
+    parser = Parser(prog="python -m experiments.commands.bench")
     sub = parser.add_subparsers(dest="command", required=True)
     cmd = sub.add_parser("merge", help="one comparison report from several results directories")
     cmd.add_argument("dirs", nargs="+", type=Path)
@@ -307,8 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not (math.isfinite(args.slo_ttft_s) and args.slo_ttft_s > 0 and
             math.isfinite(args.slo_tpot_s) and args.slo_tpot_s > 0):
-        parser.error("--slo-ttft-s and --slo-tpot-s must be > 0")
-    summary, verdict = merge(args.dirs, args.out, SLO(args.slo_ttft_s, args.slo_tpot_s))
+        cmd.error("--slo-ttft-s and --slo-tpot-s must be > 0")
+    try:
+        summary, verdict = merge(args.dirs, args.out, SLO(args.slo_ttft_s, args.slo_tpot_s))
+    except ValueError as err:
+        cmd.error(f"argument dirs: {err}")
     print(format_table(summary))
     print()
     print(verdict)

@@ -1,20 +1,11 @@
 """``pdlab run`` and ``pdlab compare``: placements x arrival rates on one workload.
 
-An experiment:
-
-1. Build one workload per seed (ShareGPT, HumanEval or synthetic; seeds ``seed``,
-   ``seed + 1``, ... for ``seeds`` repeats) with the model's tokenizer, and check that every
-   request fits the model's context (clipped or refused here, with one message, before
-   anything starts). The same requests and arrival seeds go to every placement.
-2. For each placement: deploy it on the device set once (Ray actors), warm it up with two
-   discarded requests, then for each rate and each seed replay that seed's workload
-   open-loop (arrivals at their Poisson/Gamma times) through the router, collecting request
-   records, worker step records and KV transfer records of that run only.
-3. Derive the metrics (``engine.metrics`` via ``experiments.analysis``: means over seeds with
-   95% bootstrap intervals), print the side-by-side table and write the results directory:
-   requests.jsonl (first line: everything needed to rerun), summary.csv (intervals),
-   summary_seeds.csv (one row per seed), goodput.csv, steps.csv and transfers.csv (every
-   row tagged placement, rate, seed), report.md and the plots."""
+1. Build one workload per seed (``seed``, ``seed + 1``, ...) with the model's tokenizer, and
+   check that every request fits the model's context before anything starts. The same requests
+   and arrival seeds go to every placement.
+2. Per placement, ``experiments.replay.run_placement``: deploy once, replay at each rate and seed.
+3. Derive the metrics (``experiments.analysis``), print the side-by-side table and write the
+   results directory (``experiments.results``)."""
 
 from __future__ import annotations
 
@@ -29,9 +20,10 @@ from pathlib import Path
 import pandas as pd
 
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, TransferConfig,
-                           add_dataclass_args, dataclass_from_args, parse_devices, parse_placement)
+                           add_dataclass_args, dataclass_from_args, parse_devices)
 from engine.metrics import SLO
 from engine.model import model_context_len
+from engine.placement import Placement
 from experiments import dilation, report, validate, workload_map
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args, add_slo_args,
                                  add_transfer_args, check_model, check_out, check_placements,
@@ -55,16 +47,11 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                    simulate=None, max_worker_restarts: int = 0) -> tuple[pd.DataFrame, str]:
     """Steps 1-3 of the module docstring; returns (summary table, verdict text).
 
-    ``local``: workers in this process (tests; transport ``inprocess``). ``simulate``: a
-    ``planner.latency.DeviceProfile``; the same runs are then simulated too and validation.csv
-    holds the per-point errors (``experiments.validate``). ``max_worker_restarts``: a dead worker
-    is started again up to this many times. Last, the planner's small SLO map of this workload
-    (``experiments.workload_map``) goes into report.md, map.csv, map.png and the verdict.
-
-    With ``spec.calibrate`` the rates come from ``calibrated_rates`` and the SLO from
-    ``calibrated_slo`` (measured on the first placement, recorded under ``calibration``). A
-    ``mooncake`` trace runs once per placement and seed at its own timestamps, labelled with
-    its mean rate (``workload_spec.trace_rate``).
+    ``simulate``: a ``DeviceProfile``; the same runs are simulated too and validation.csv holds
+    the per-point errors (``experiments.validate``). The planner's small SLO map of this workload
+    (``experiments.workload_map``) goes into the report and verdict. With ``spec.calibrate`` the
+    rates and SLO are calibrated on the first placement. A ``mooncake`` trace runs once per
+    placement and seed at its own timestamps, labelled with its mean rate.
 
     Raises:
         ValueError: a bad placement, device set or workload option, or a workload that does not
@@ -192,7 +179,7 @@ def check(args: argparse.Namespace) -> Experiment:
     simulate = None
     if getattr(args, "simulate", None):
         simulate = load_profile_for(args.simulate, model, "--simulate")
-        if any(parse_placement(p)[0] != "colocated" for p in placements):
+        if any(Placement.parse(p).needs_transfer for p in placements):
             transfer_model_for(simulate, transfer.transport, "--simulate")
     out = Path(args.out or f"results/{args.command}-{time.strftime('%Y%m%d-%H%M%S')}")
     return Experiment(placements, devices, spec, model, engine, transfer,

@@ -1,22 +1,20 @@
 """``pdlab interference``: how much a prefill stalls the decodes running beside it, measured
 directly on one device through pdlab's own Engine (no Ray, no router).
 
-For each mode and decode batch size B: an engine gets B decode requests at context ~C
-(prefilled untimed), runs one discarded warm-up step, then for each repeat and prompt
-length P times a **baseline** step (decodes alone) and the **injection** beside it:
+For each mode and decode batch size B, an engine gets B decode requests at context ~C (prefilled
+untimed) and one discarded warm-up step; then per repeat and prompt length P a **baseline** step
+(decodes alone) and the **injection** beside it are timed:
 
 - ``colocated-nochunk``: a P-token request runs whole in the next step;
-- ``chunked`` (Sarathi-Serve): the token budget K covers the B decodes plus a chunk of
-  K - B, so it spreads over ceil(P / (K - B)) steps;
-- ``disagg``: the P-token KV arrives from elsewhere (``add_remote``, ``finish_remote``) and
-  the request decodes once beside the B; the KV import alone is timed separately.
+- ``chunked`` (Sarathi-Serve): the token budget K covers the B decodes plus a chunk of K - B,
+  so it spreads over ceil(P / (K - B)) steps;
+- ``disagg``: the P-token KV arrives from elsewhere and the request decodes once beside the B;
+  the KV import alone is timed separately.
 
-Each running request emits one token per step, so a step's time is the ITL it sees. Steps
-are timed with ``clock`` (``time.perf_counter``, CUDA synchronized on both ends). The raw
-steps are ``steps.csv``; everything else is a pure function of it (``summarize``,
-``fit_step_model``, ``sentence``); the estimator per point is the minimum over repeats.
-
-Outputs: steps.csv, interference.csv, fits.csv, summary.md, interference.png."""
+A step's time is the ITL its running requests see (``time.perf_counter``, CUDA synchronized); per
+point the figures of one repeat, the one with the median stall (``summarize``). Outputs:
+steps.csv (everything else is a pure function of it), interference.csv, fits.csv, summary.md,
+interference.png."""
 
 from __future__ import annotations
 
@@ -57,16 +55,8 @@ def ints(text: str) -> tuple[int, ...]:
 
 @dataclass(frozen=True)
 class InterferenceConfig:
-    """The grid of ``pdlab interference`` (module docstring).
-
-    Attributes:
-        batch_sizes: decode batch sizes B, comma-separated integers >= 1.
-        prompt_lens: injected prompt lengths P in tokens, comma-separated integers >= 0
-            (0 = the baseline only); at least one must be > 0.
-        context_len: context C of the running decode requests when measuring starts (tokens).
-        chunk_budgets: Sarathi-Serve token budgets K of the chunked mode (tokens per step,
-            decodes included), each > the largest B.
-        quick: replace the grid by a small one (B 1,2; P 0,16,48; C 16; K 12) for tests."""
+    """The grid of ``pdlab interference`` (module docstring; each field's help says what it is).
+    Each K must exceed the largest B; at least one P must be > 0."""
 
     batch_sizes: str = field(default="1,4,16", metadata={
         "pattern": _INTS_POS, "hint": "comma-separated integers >= 1, e.g. 1,4,16",
@@ -134,10 +124,9 @@ class InterferenceConfig:
 
     def decode_tokens_needed(self, mode: str, budget: int | None, batch_size: int,
                              repeats: int) -> int:
-        """Output tokens a running decode request may produce over the whole measurement: a bound on
-        the tokens it decodes while the others still prefill (each of those steps computes >= budget
-        - B prompt tokens), the warm-up, and per repeat one baseline and every injection step
-        (disagg: one more, for an engine that reserves the KV slot a step ahead)."""
+        """Output tokens a running decode may produce over the whole measurement: while the
+        others prefill (>= budget - B prompt tokens a step), the warm-up, and per repeat one
+        baseline and every injection step (disagg: one more, the KV slot reserved a step ahead)."""
         per_prompt = self.step_budget(mode, budget, batch_size) - batch_size
         setup = batch_size * (math.ceil((self.context_len - 1) / per_prompt) + 1)
         per_repeat = sum(1 + self.injection_steps(mode, budget, batch_size, p)
@@ -161,7 +150,6 @@ def engine_config(grid: InterferenceConfig, mode: str, budget: int | None, batch
                         enable_chunked_prefill=mode != NOCHUNK, device=device)
 
 
-# ---- the driver ------------------------------------------------------------------------
 class _Timer:
     def __init__(self, clock: Callable[[], float], sync: Callable[[], None] | None) -> None:
         self.clock, self.sync = clock, sync
@@ -180,8 +168,7 @@ def measure_mode(engine, grid: InterferenceConfig, mode: str, budget: int | None
                  batch_size: int, repeats: int, vocab_size: int, seed: int = 0,
                  clock: Callable[[], float] = time.perf_counter,
                  sync: Callable[[], None] | None = None) -> tuple[list[dict], list[dict]]:
-    """Run steps 1-4 of the module docstring on ``engine`` (configured by ``engine_config``; tests
-    pass a stub with the same methods).
+    """Run the module docstring's measurement on ``engine`` (``engine_config``'s, or a stub).
 
     Returns:
         (steps, imports): one dict per timed step (``mode, budget, batch_size, prompt_len,
@@ -261,15 +248,19 @@ def _inject_kv(engine, timer: _Timer, step, imports: list[dict], rid: str, promp
     return row
 
 
-# ---- bookkeeping (pure) ----------------------------------------------------------------
 def summarize(steps: pd.DataFrame, imports: pd.DataFrame | None = None) -> pd.DataFrame:
-    """One row per (mode, budget, B, P): what the running requests see.
+    """One row per (mode, budget, B, P): what the running requests see, from one repeat.
 
     Per repeat: ``base`` = its baseline step; ``worst`` = its longest injection step (the worst ITL
-    of a running request); ``total_stall`` = sum over injection steps of (step - base). Across
-    repeats each is the minimum (the least disturbed run). Then ``stall_s = worst_step_s -
-    base_step_s`` and ``inflation = worst_step_s / base_step_s`` (1 and 0 for P = 0); ``import_s`` =
-    min KV import alone (disagg, else NaN).
+    of a running request); ``stall = worst - base``; ``total_stall`` = sum over injection steps of
+    (step - base). Each repeat pairs an injection with the no-prefill step taken just before it,
+    so the stall is a paired difference; the row reports the repeat whose stall is the median of
+    the repeats (the lower median for an even count, ties to the smaller base step), and every
+    figure of the row comes from that repeat. The minimum of a difference would pick the repeat
+    whose baseline was most disturbed (a stall below zero); the median is robust to one
+    disturbed step on either side. Then ``inflation = worst_step_s / base_step_s`` (1 and 0 for
+    P = 0); ``import_s`` = min KV import alone over the repeats (one timing, not a difference;
+    disagg, else NaN).
 
     Returns:
         columns ``mode, budget, batch_size, prompt_len, base_step_s, worst_step_s, stall_s,
@@ -283,11 +274,12 @@ def summarize(steps: pd.DataFrame, imports: pd.DataFrame | None = None) -> pd.Da
             base_s = float(rep.loc[rep["kind"] == "baseline", "step_s"].iloc[0])
             inj = rep.loc[rep["kind"] == "injection", "step_s"].to_numpy(dtype=float)
             worst_s = float(inj.max()) if inj.size else base_s
-            per_repeat.append((base_s, worst_s, float(np.sum(inj - base_s)), inj.size))
-        base_s, worst_s, total_s, _ = (min(v[i] for v in per_repeat) for i in range(4))
+            per_repeat.append((worst_s - base_s, base_s, worst_s, float(np.sum(inj - base_s)),
+                               inj.size))
+        stall_s, base_s, worst_s, total_s, num_inj = sorted(per_repeat)[(len(per_repeat) - 1) // 2]
         rows.append(dict(zip(keys, key), base_step_s=base_s, worst_step_s=worst_s,
-                         stall_s=worst_s - base_s, inflation=worst_s / base_s,
-                         total_stall_s=total_s, num_injection_steps=per_repeat[0][3]))
+                         stall_s=stall_s, inflation=worst_s / base_s,
+                         total_stall_s=total_s, num_injection_steps=num_inj))
     out = pd.DataFrame(rows)
     out["import_s"] = np.nan
     if imports is not None and len(imports):
@@ -395,8 +387,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(repeats=3)
     for action in parser._actions:
         if action.dest == "repeats":
-            action.help = "timed repeats of every grid point after 1 warm-up step; the " \
-                          "estimator is their minimum (default: 3)"
+            action.help = "timed repeats of every grid point after 1 warm-up step; each " \
+                          "point reports the repeat with the median stall (default: 3)"
     add_dataclass_args(parser.add_argument_group("grid"), InterferenceConfig)
 
 
@@ -442,11 +434,11 @@ def run(args: argparse.Namespace, _checked: None = None) -> int:
     fit_lines = [f"{k}: t = {f.a * 1e3:.4g} ms + {f.b * 1e3:.4g} ms * B + {f.c * 1e3:.4g} ms * P"
                  f"   (R^2 = {f.r2:.3f}, {f.num_steps} steps)" for k, f in fits.items()]
     (out / "summary.md").write_text(
-        f"# pdlab interference\n\n{header}; context C = {grid.context_len}; min of "
-        f"{args.repeats} repeats after 1 warm-up step.\n\n{text}\n\n"
+        f"# pdlab interference\n\n{header}; context C = {grid.context_len}; the "
+        f"median-stall repeat of {args.repeats} after 1 warm-up step.\n\n{text}\n\n"
         + markdown_table(summary) + "\n\n## Step model\n\n" + "\n".join(f"- {x}" for x in fit_lines)
         + "\n")
-    print(f"{header}; context {grid.context_len}; min of {args.repeats} repeats\n")
+    print(f"{header}; context {grid.context_len}; the median-stall repeat of {args.repeats}\n")
     print(summary.to_string(index=False) + "\n")
     print("\n".join(fit_lines) + "\n")
     print(text)

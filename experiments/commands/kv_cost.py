@@ -1,13 +1,7 @@
-"""``pdlab kv-cost``: what moving a prompt's KV costs next to computing it, per transport.
-
-The table and how each row is measured: ``experiments.transfer_cost`` (prefill seconds, the prompt's
-exported KV checked against the byte formula, the memcpy floor, each transport whole and layer-wise,
-the ratios). Outputs: kv_cost.csv and kv_cost.png (transfer and prefill seconds vs T, log-log).
-
-On an emulated device (``--device emu:0 --device-profile FILE [--emu-kv-scale F]``,
-``engine.emulated``) prefill seconds are the profile's modelled ones and the emulated model's KV
-(scaled by F) moves through this host's transports; the header, the CSV's ``emulated`` column and
-the profile's own ``modelled_transfer_s`` say so."""
+"""``pdlab kv-cost``: what moving a prompt's KV costs next to computing it, per transport (the
+table and how each row is measured: ``experiments.transfer_cost``). Outputs: kv_cost.csv and
+kv_cost.png. On an emulated device (``--device emu:0 --device-profile FILE``) prefill seconds are
+the profile's and the emulated KV moves through this host's transports; the outputs say so."""
 
 from __future__ import annotations
 

@@ -4,22 +4,15 @@ cells and prompt:output ratios, from the planner's simulator (``planner.slo_map`
 machine's devices, or with ``--validate-on emu`` on emulated ones (``engine.emulated``).
 
 1. ``check`` refuses bad options before anything starts: SLO ranges (``MIN:MAX:STEPS``, MIN >
-   0, MIN <= MAX, STEPS >= 1), ratios, the device profile, the transfer model, requests over
-   ``--max-model-len``, devices or emulation ``--validate`` cannot have, and
-   ``--validate-on emu`` / ``--emu-kv-scale`` without what they need.
-2. Per ratio: the synthetic workload (``slo_map.ratio_lengths``), the rate ladder
-   (``search.auto_rates``) unless ``--rates``, one simulated sweep re-scored at every cell,
-   and the band runs of the contenders (``slo_map.map_ratio``).
-3. Outputs: map.csv, map_runs.csv, map_io<ratio>.png, regions.txt, map.md; printed: the
-   regions and the time taken.
-4. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real (every candidate, or
-   each family's best with ``--validate-placements contenders``), at ``--validate-rates`` or
-   the map's ladder, ``--validate-requests`` per seed, ``--validate-reruns`` more times:
-   map_validation.csv, map_validation_runs.csv, the checked cells outlined on the heatmaps,
-   and top-1 agreement, regret, Kendall tau and each disagreement with its noise verdict.
-   With every placement run, the same runs score every cell
-   (map_validation_every_cell.csv). Emulated runs say so in every output, with their
-   lateness (``map_validate.lateness_line``)."""
+   0, MIN <= MAX, STEPS >= 1), ratios, the device profile, the transfer model, request lengths,
+   and devices or emulation ``--validate`` cannot have.
+2. Per ratio (``slo_map.map_ratio``): the synthetic workload, the rate ladder, one simulated
+   sweep re-scored at every cell, the band runs of the contenders. Outputs: map.csv,
+   map_runs.csv, map_io<ratio>.png, regions.txt, map.md.
+3. ``--validate K``: the cells of ``slo_map.pick_cells`` run for real: map_validation.csv,
+   map_validation_runs.csv (map_validation_every_cell.csv when every placement ran), the
+   checked cells outlined on the heatmaps, and top-1 agreement, regret, Kendall tau and each
+   disagreement with its noise verdict. Emulated runs say so, with their lateness."""
 
 from __future__ import annotations
 
@@ -59,23 +52,9 @@ EMU_KV_SCALE = 1 / 256  # --validate-on emu's default --emu-kv-scale (the repo's
 
 @dataclass(frozen=True)
 class MapConfig:
-    """What ``pdlab map`` draws; each field's ``help`` and bounds are its CLI option's.
-
-    Attributes:
-        devices: devices N to place on (simulated; may exceed this machine without --validate).
-        ttft_slo, tpot_slo: ``MIN:MAX:STEPS`` seconds, geometric (``slo_map.parse_range``).
-        io_ratio: prompt:output token ratios, comma-separated (0.25 = 1 prompt per 4 output).
-        link: the KV link (``planner.latency.LINKS``) instead of the profile's --transport model;
-            transfer_latency_s, transfer_bandwidth_gbps (seconds, GB/s) replace its figures.
-        speed_spread: the band of "no clear winner" (``planner.band``); 0 = ties only.
-        validate: cells checked for real (0: none); validate_rates: req/s, "" = the map's ladder.
-        validate_placements: "all" (every candidate) or "contenders" (each family's best and the
-            winner's same-schedule twin, ``map_validate.contenders``).
-        validate_on: "here" (this machine's devices, of the profile's kind) or "emu" (emulated
-            devices holding each step for the profile's modelled time; KV scaled by
-            --emu-kv-scale).
-        local: the real runs' workers in this process (needs --transport inprocess).
-        jobs: simulation processes; 0 = one per CPU this process may use."""
+    """What ``pdlab map`` draws; each field's ``help`` and bounds are its CLI option's. SLO
+    ranges are ``MIN:MAX:STEPS`` seconds, geometric (``slo_map.parse_range``); ``io_ratio``
+    0.25 is 1 prompt token per 4 output tokens; ``speed_spread`` is ``planner.band``'s."""
 
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
     device_profile: str | None = field(default=None, metadata={
@@ -192,8 +171,7 @@ def check(args: argparse.Namespace) -> MapJob:
     model = ModelConfig(args.model, args.dtype)
     check_model(model)
     kv_scale = EMU_KV_SCALE if args.emu_kv_scale is None else args.emu_kv_scale
-    # --device-profile is map's own (its simulator's profile); the emulation gets it in
-    # _check_validation (--validate-on emu)
+    # --device-profile is the simulator's; _check_validation gives it to the emulation
     engine = dataclasses.replace(
         engine_config(argparse.Namespace(**{**vars(args), "emu_kv_scale": kv_scale}), model),
         device_profile=None)
@@ -247,10 +225,8 @@ def check(args: argparse.Namespace) -> MapJob:
 def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile, path: Path,
                       model: ModelConfig, engine: EngineConfig,
                       transfer: TransferConfig) -> tuple[tuple[str, ...], EngineConfig]:
-    """``--validate``: the real runs' devices and engine. ``--validate-on here``: this machine's
-    devices, of the profile's kind; ``emu``: ``emu:0`` .. ``emu:N-1`` with the engine's
-    ``device_profile`` = the map's profile (``path``), which ``emulation_for`` must accept. Every
-    candidate must fit the devices.
+    """``--validate``: the real runs' devices (``here``: this machine's, of the profile's kind;
+    ``emu``: ``emu:0`` .. ``emu:N-1`` on the map's profile) and engine; every candidate must fit.
 
     Raises:
         ValueError: ``argument --x: ...`` naming what cannot run."""
@@ -280,7 +256,7 @@ def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile, path: Path,
 
 
 def run(args: argparse.Namespace, job: MapJob) -> int:
-    """Steps 2-4 of the module docstring; returns 0."""
+    """Steps 2-3 of the module docstring; returns 0."""
     x = job
     cfg = x.cfg
     jobs = cfg.jobs or len(os.sched_getaffinity(0))
@@ -366,7 +342,7 @@ def _dilated(scale: float) -> str:
 
 def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, ladders: dict,
               families: dict) -> tuple[pd.DataFrame, list[str]]:
-    """Step 4: the picked cells run for real and scored; writes map_validation*.csv."""
+    """Step 3: the picked cells run for real and scored; writes map_validation*.csv."""
     cfg = x.cfg
     picked = slo_map.pick_cells(cells, cfg.validate)
     devices = ",".join(x.validate_devices)

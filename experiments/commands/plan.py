@@ -2,17 +2,13 @@
 table, write it with the curves and a plot; ``--validate`` also runs the best placements for real
 and reports the simulator's error.
 
-1. Check every option before anything starts (``check_arguments``): the device profile file
-   loads and was measured on this model and dtype, the transport has a transfer model (or
-   ``--transfer-latency-s`` / ``--transfer-bandwidth-gbps`` give one), chunk budgets suit
-   the engine, lengths fit the model's context.
-2. Build the workload per seed (the requests a real ``pdlab compare`` would send).
-3. Sweep (refined inside each candidate's bracket when the rates are automatic) and rank
-   (``search``); write plan.csv (ranked), plan_curves.csv (per candidate and
-   rate), plan_runs.csv (per seed), plan_attainment.png and plan.md. ``--speed-spread``:
-   the best ``--top`` again at steps 1 ± spread x the profile's (``band``): goodput and
-   attainment bands in plan.csv / plan_curves.csv, plan_band_runs.csv, and the verdict.
-4. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
+1. ``check``: the device profile was measured on this model and dtype, the transport has a
+   transfer model, chunk budgets suit the engine, lengths fit the model's context.
+2. Build the workload per seed (the requests a real ``pdlab compare`` would send), sweep and
+   rank (``search``): plan.csv (ranked), plan_curves.csv (per candidate and rate),
+   plan_runs.csv (per seed), plan_attainment.png, plan.md. ``--speed-spread``: the best
+   ``--top`` again at steps 1 ± spread x the profile's (``band``), plan_band_runs.csv.
+3. ``--validate``: ``validate.validate`` for the best ``--top`` placements that fit this
    machine, at the swept rates, on the first ``--validate-requests`` requests of each seed."""
 
 from __future__ import annotations
@@ -53,24 +49,8 @@ BUDGETS = r"(\d+(,\d+)*)?"
 @dataclass(frozen=True)
 class PlanConfig:
     """What ``pdlab plan`` searches and the "what if" knobs beyond the engine's own; each field's
-    ``help`` and bounds are its CLI option's.
-
-    Attributes:
-        devices: devices to place on (N; may exceed this machine: it is simulated).
-        profile: device profile JSON; unset: the newest results/profile-*/device_profile.json
-            of this model and dtype.
-        transfer_latency_s, transfer_bandwidth_gbps: what if a KV transfer had this fixed cost
-            (seconds) or moved this many GB/s, instead of the profile's model.
-        validate_requests: requests per seed in the validation runs; one request is 100 / N
-            points of attainment.
-        validate_reruns: every validated point run again for real this many times after a first
-            pass over all of them (``validate`` step 6).
-        step_scale: every modelled step time multiplied by this (``DeviceProfile.scaled``): the
-            factor a validation measured, as Dynamo's SLA planner applies its observed / expected
-            correction.
-        jobs: simulation processes; 0 = one per CPU this process may use.
-        speed_spread: the best --top placements also simulated with every step (1 +/- this) times
-            the profile's (``band``), in [0, 1); 0 = off.
+    ``help`` and bounds are its CLI option's. ``step_scale`` multiplies every modelled step time
+    (``DeviceProfile.scaled``), as Dynamo's SLA planner applies its observed / expected correction.
 
     Raises:
         ValueError: a field outside its bounds (``check_fields``), ``speed_spread >= 1``."""
@@ -256,9 +236,8 @@ def kv_cache_line(profile: DeviceProfile, engine: EngineConfig) -> str:
 
 def prefill_range_warning(profile: DeviceProfile, longest_prompt: int) -> str:
     """A warning when the workload's longest prompt (tokens) is longer than any the profile
-    measured: its prefill steps are then extrapolated by the fit's quadratic term, which
-    short prompts steepen. "" when it is not, or the profile does not say
-    (``max_prefill_tokens`` None)."""
+    measured (its prefill is then extrapolated by the fit's quadratic term); "" when not, or
+    when the profile does not say."""
     top = profile.max_prefill_tokens
     if top is None or longest_prompt <= top:
         return ""
@@ -278,7 +257,7 @@ def _console(ranked: pd.DataFrame) -> str:
 
 
 def run(args: argparse.Namespace, job: PlanJob) -> int:
-    """Steps 2-4 of the module docstring; returns 0."""
+    """Steps 2-3 of the module docstring; returns 0."""
     x = job
     max_len = context_len(x.model, x.engine)
     items = {seed: build_workload(x.spec, x.model, seed, max_len) for seed in x.spec.seed_list}

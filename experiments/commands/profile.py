@@ -1,27 +1,20 @@
 """``pdlab profile``: the phase profile of one model on one device, through pdlab's own Engine.
 
-1. Prefill: for each prompt length P, the one ``Engine.step()`` that prefills a P-token
-   request whole is timed (the budget is >= P). Time per prompt token = time / P.
-2. Decode vs context: B requests (each of the context batch sizes) prefilled to context C,
-   then single decode steps timed (the context grows by one per step; the row is labelled C).
-3. Decode vs batch: B requests at a fixed context, decode steps timed; a least-squares line
-   ``t = a + b*B`` with its R².
+1. Prefill: for each prompt length P, the one ``Engine.step()`` that prefills it whole is timed.
+2. Decode vs context: B requests prefilled to context C, then single decode steps timed.
+3. Decode vs batch: B requests at a fixed context; a least-squares line ``t = a + b*B``, R².
 4. Mixed steps: B decodes beside one P-token prompt prefilled whole in the same step.
-5. Derived: the cost of a prompt token over an output token's, and a P x G table of TTFT and
-   total time (prefill + G-1 decode steps from the context line).
-6. The device profile (``planner.latency``): step models fitted on each point's median run,
-   and per ``--transports`` transport a transfer model fitted on ``pdlab kv-cost``'s
-   measurement, with the model, dtype, device and thread count, for ``pdlab plan``.
+5. Derived: a prompt token's cost over an output token's, and a P x G table of TTFT and total
+   time (prefill + G-1 decode steps from the context line).
+6. The device profile (``planner.latency``): step models fitted on each point's median run, and
+   per ``--transports`` transport a transfer model fitted on ``pdlab kv-cost``'s measurement.
 
 ``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes a GPU's
-profile from NVIDIA's database instead (``planner.silicon``; no step runs here), with the link
-transfer models (``--link``): device_profile.json, silicon_steps.csv, decode_check.csv
-(decode at B = 1, 16, 64 against the database's TPOT), summary.md.
-
-Every time is the min of N runs after 1 warm-up, the median beside it. The runs of steps 1-4
-are interleaved (``experiments.timing.measure_interleaved``), so a machine whose speed drifts
-moves all points alike. Outputs: prefill.csv, decode_context.csv, decode_batch.csv,
-mixed.csv, pg_table.csv, kv_cost.csv, device_profile.json, summary.md, profile.png."""
+profile from NVIDIA's database instead (``planner.silicon``), with decode_check.csv (decode at
+B = 1, 16, 64 against the database's TPOT). Every time is the min of N runs after 1 warm-up, the
+median beside it; steps 1-4 are interleaved (``timing.measure_interleaved``), so drift moves all
+points alike. Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv,
+pg_table.csv, kv_cost.csv, device_profile.json, summary.md, profile.png."""
 
 from __future__ import annotations
 
@@ -70,7 +63,6 @@ DEFAULT_MIXED_BATCH_SIZES = (1, 4, 16)
 DEFAULT_PROFILE_TRANSPORTS = ("inprocess",)
 INTERLEAVED = "; every point once per round, rounds shuffled"
 HELP = "prefill/decode phase profile of a model"
-# ---- fitting ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class LinearFit:
     """Least-squares line ``y = a + b * x`` and its coefficient of determination."""
@@ -84,9 +76,8 @@ class LinearFit:
 
 
 def fit_linear(x: Sequence[float], y: Sequence[float]) -> LinearFit:
-    """Fit ``y = a + b * x`` by least squares (``numpy.polyfit`` degree 1).
-
-    R² = 1 - SS_res / SS_tot, clipped to [0, 1] (1.0 when y is constant and fitted exactly).
+    """Fit ``y = a + b * x`` by least squares (``numpy.polyfit`` degree 1); R² = 1 - SS_res /
+    SS_tot, clipped to [0, 1] (1.0 when y is constant and fitted exactly).
 
     Raises:
         ValueError: fewer than two points, or x and y of different lengths."""
@@ -115,10 +106,8 @@ def profile_interleaved(loaded: LoadedModel, prompt_lens: Sequence[int], context
                         repeats: int, device: str = "cpu", seed: int = 0, progress=None,
                         context_batch_sizes: Sequence[int] = DEFAULT_CONTEXT_BATCH_SIZES
                         ) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, pd.DataFrame]:
-    """Every point of the four sweeps measured in interleaved rounds
-    (``timing.measure_interleaved``), each set up first, untimed: the context sweep at
-    ``context_batch_sizes`` x ``contexts``, the batch sweep at ``batch_sizes`` x ``batch_context``,
-    the mixed steps at ``mixed_prompts`` x ``mixed_batch_sizes`` decoding at ``batch_context``.
+    """Every point of the four sweeps measured in interleaved rounds, each set up first,
+    untimed (``timing.measure_interleaved``).
 
     Returns:
         ``(prefill, decode_context, decode_batch, mixed)``: prefill has the columns of
@@ -167,8 +156,7 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
 
     Raises:
         ValueError: too few points for a fit."""
-    # The simulator needs a step's typical time, not its fastest: the fits take each point's
-    # median run (the tables' estimator is the minimum).
+    # the simulator needs a step's typical time, not its fastest: the fits take medians
     F = latency.StepFeatures
     prefill = [(F(int(p), int(p) * int(p)), float(t))
                for p, t in zip(result.prefill["prompt_len"], result.prefill["prefill_median_s"])]
@@ -187,8 +175,7 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
             transfers[str(name)] = latency.fit_transfer(list(g["kv_bytes"]), list(g["transfer_s"]))
     kind = "cuda" if device.startswith("cuda") else "cpu"
     name = torch.cuda.get_device_name(device) if kind == "cuda" else (cpu_model() or "cpu")
-    # the planner's KV budget under --gpu-memory-utilization needs the device's memory (the
-    # total the engine's own budget reads) and the weights (DeviceProfile.kv_budget_bytes)
+    # DeviceProfile.kv_budget_bytes needs the device's memory (the total the engine's reads)
     memory_bytes = int(torch.cuda.mem_get_info(torch.device(device))[1]) if kind == "cuda" else None
     return latency.DeviceProfile(
         model=loaded.name, dtype=dtype, device_kind=kind, device_name=name,
@@ -200,7 +187,6 @@ def fit_device_profile(result: "ProfileResult", loaded: LoadedModel, dtype: str,
         device_memory_bytes=memory_bytes, weight_bytes=weight_bytes(loaded.model))
 
 
-# ---- derived ---------------------------------------------------------------------------
 def token_cost_ratio(prefill: pd.DataFrame, decode_batch: pd.DataFrame) -> dict:
     """A prompt token's cost (prefill_s / P at the largest P) over an output token's cost
     (decode step at the smallest B, per token)."""
@@ -283,9 +269,8 @@ def run_profile(loaded: LoadedModel, prompt_lens=DEFAULT_PROMPT_LENS, contexts=D
                 mixed_prompts=DEFAULT_MIXED_PROMPTS,
                 mixed_batch_sizes=DEFAULT_MIXED_BATCH_SIZES,
                 context_batch_sizes=DEFAULT_CONTEXT_BATCH_SIZES) -> ProfileResult:
-    """The whole profile (module docstring). Prefill is measured for ``prompt_lens`` and the
-    P x G prompts together (prefill rows = their union, sorted). Mixed prompts that do not
-    fit the model's context are dropped (noted)."""
+    """The whole profile (module docstring); prefill rows are ``prompt_lens`` and the P x G
+    prompts together; mixed prompts over the model's context are dropped (noted)."""
     prompt_lens, contexts, pg_prompts, pg_outputs, notes = cap_lengths(
         loaded, list(prompt_lens), list(contexts), list(pg_prompts), list(pg_outputs),
         batch_context, repeats)
@@ -357,9 +342,7 @@ def pooled(results: Sequence[ProfileResult], devices: Sequence[str]) -> ProfileR
 
 
 def _profile_process(device: str, model: ModelConfig, kwargs: dict, start, results) -> None:
-    """One process of ``profile_on_devices``: bound to ``device``'s cores (one torch thread
-    each), the model loaded, then, once every process is ready (``start``, a barrier), the
-    profile; its result (or error text) is put on ``results`` as ``(device, result, error)``."""
+    """One process of ``profile_on_devices``: puts ``(device, result, error)`` on ``results``."""
     try:
         if device.startswith("cpu"):
             cores = cpu_cores_of(device)
@@ -376,10 +359,9 @@ def _profile_process(device: str, model: ModelConfig, kwargs: dict, start, resul
 
 
 def profile_on_devices(model: ModelConfig, devices: Sequence[str], **kwargs) -> ProfileResult:
-    """``run_profile`` on every device of ``devices`` at the same time, each in its own process
-    bound to that device (``cpu:i`` / ``cpu:i-j`` cores, or ``cuda:i``), then
-    ``pooled``: workers of a placement run beside each other, sharing memory bandwidth and
-    cache, which a profile of one device beside idle ones never sees.
+    """``run_profile`` on every device of ``devices`` at once, each in its own process bound to
+    it, then ``pooled``: a placement's workers share memory bandwidth and cache, which a profile
+    of one device beside idle ones never sees.
 
     Raises:
         ValueError: a device's process failed (its error named)."""
@@ -611,7 +593,6 @@ def _kv_table(loaded: LoadedModel, args: argparse.Namespace) -> pd.DataFrame:
                                        device=args.device, seed=args.seed)
 
 
-# ---- a GPU's profile from the silicon database ----------------------------------------------
 # The CPU sweeps' options that, given on the command line, replace the silicon grid's
 # defaults (an option left alone still holds its default object: argparse keeps it as is).
 SILICON_SWEEPS = {"prompt_lens": DEFAULT_PROMPT_LENS, "batch_sizes": DEFAULT_BATCH_SIZES,

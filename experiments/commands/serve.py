@@ -1,13 +1,6 @@
 """``pdlab serve``: one placement deployed on the device set, behind the OpenAI-compatible HTTP
-server (``server.app``) until interrupted.
-
-1. Check every option (``check``): one placement that fits the device set, the model's
-   config file, the engine options; ``--local`` runs the workers in this process and needs
-   the in-process transport (a Ray transport cannot cross threads of one process).
-2. Deploy the placement (``deployment.placement.Deployment``, restarting a worker that dies
-   up to ``--max-worker-restarts`` times), load the model's tokenizer for text in and out,
-   and serve ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and
-   ``/metrics`` over the deployment's router."""
+server (``server.app``) until interrupted. ``--local`` runs the workers in this process and needs
+the in-process transport (a Ray transport cannot cross threads of one process)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """``make gpu-check``: everything pdlab can check on one CUDA GPU, in one run, one table.
 
-Made for the first GPU box pdlab meets (issue 31): one GPU (an H200 in mind), torch with
+Made for a GPU box pdlab has not met yet: one GPU (an H200 in mind), torch with
 CUDA, transformers and msgpack installed, and nothing else: no Ray, no network, no pdlab
 install. It runs from the checkout (``PYTHONPATH=<checkout> python3 tests/gpu/check.py``,
 which is what ``make gpu-check`` does) and finishes in under 8 minutes. On a machine without
-CUDA it stops at once with "no CUDA device".
+CUDA it stops at once with "no CUDA device"; run by a Python without torch, transformers or
+msgpack, it names what is missing in one line and how to choose another (``GPU_PYTHON=``).
 
 What it runs, in order (each part in its own try, so a failure shows in its row and the
 rest still runs; a part that would pass the time budget is skipped and says so):
@@ -76,6 +77,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 H200_HBM_BYTES_PER_S = 4.8e12  # NVIDIA H200 datasheet: HBM3e, 4.8 TB/s
+# What this script and the pdlab code it runs import beyond the standard library (numpy comes
+# with transformers), and the Python pyproject.toml requires.
+REQUIRED_MODULES = ("torch", "transformers", "msgpack", "numpy")
+REQUIRED_PYTHON = (3, 11)
 
 
 @dataclass(frozen=True)
@@ -423,6 +428,24 @@ def environment_rows(table: Table, plan: Plan) -> None:
                                   f"{commit or 'unknown'}")
 
 
+def missing_requirements() -> str | None:
+    """One line naming what this interpreter lacks (Python too old, modules from
+    ``REQUIRED_MODULES`` not importable) and how to run the check with another one; None when
+    nothing is missing. Checked before anything imports torch, so a system ``python3`` without
+    it gets this line instead of a ``ModuleNotFoundError`` traceback."""
+    import importlib.util
+
+    lacks = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
+    if sys.version_info < REQUIRED_PYTHON:
+        lacks.insert(0, f"Python >= {'.'.join(map(str, REQUIRED_PYTHON))} "
+                        f"(it is {platform.python_version()})")
+    if not lacks:
+        return None
+    return (f"gpu-check: {sys.executable} has no {', '.join(lacks)} (the check needs torch "
+            f"with CUDA, transformers and msgpack); run it with a Python that has them: "
+            f"make gpu-check GPU_PYTHON=/path/to/that/python")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "gpu-check",
@@ -437,6 +460,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="check this script where no GPU is: every part on the CPU with "
                              "the tiny model at toy sizes (its numbers mean nothing)")
     args = parser.parse_args(argv)
+    missing = missing_requirements()
+    if missing:
+        print(missing, file=sys.stderr)
+        return 1
     start_s = time.monotonic()
     plan = DRY_RUN if args.dry_run_on_cpu else FULL
     import torch

@@ -1,4 +1,4 @@
-"""NixlTransport on CUDA (issue 29): the arena and the landing buffer are device memory
+"""NixlTransport on CUDA: the arena and the landing buffer are device memory
 registered as VRAM, frame 1 stays on the device, a READ between two processes on one GPU
 (or two) comes back bit for bit. Skipped without CUDA or NIXL."""
 

@@ -93,8 +93,33 @@ def test_merge_joins_two_results_directories_into_one_comparison(url, tmp_path):
     assert list(summary["placement"]) == ["a@colocated:1", "b@disagg:1p1d"]
     assert (summary["num_requests"] == 4).all() and (tmp_path / "both" / "report.md").exists()
     assert analysis.placement_kind("b@disagg:1p1d") == "disagg"
+    # one pdlab server behind both labels (its /v1/models owned_by), no transfer a client sees
+    lines = (tmp_path / "b" / "requests.jsonl").read_text().splitlines()
+    config = json.loads(lines[0])
+    assert config["server"] == "pdlab"
+    assert "colocated/disagg = " in verdict and "different systems" not in verdict
+    assert "KV transfer" not in verdict
+    # the same records said to come from vLLM's server: no interference claim
+    (tmp_path / "v").mkdir()
+    (tmp_path / "v" / "requests.jsonl").write_text(
+        "\n".join([json.dumps({**config, "server": "vllm"})] + lines[1:]) + "\n")
+    _, verdict = bench.merge([tmp_path / "a", tmp_path / "v"], tmp_path / "other", slo)
+    assert "(different systems, pdlab server over HTTP vs vllm server over HTTP: not a " \
+           "measure of prefill-decode interference)" in verdict
     with pytest.raises(ValueError, match="two directories"):
         bench.merge([tmp_path / "a", tmp_path / "a"], tmp_path / "again", slo)
+
+
+def test_merge_of_a_directory_without_requests_exits_2_with_one_line(tmp_path, capsys):
+    (tmp_path / "bench-vllm").mkdir()
+    with pytest.raises(SystemExit) as exited:
+        bench.main(["merge", "--out", str(tmp_path / "both"), str(tmp_path / "bench-vllm")])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("python -m experiments.commands.bench merge: error: argument dirs: "
+                          f"{tmp_path / 'bench-vllm'} has no requests.jsonl")
+    assert not (tmp_path / "both").exists()  # nothing written
 
 
 def test_bench_records_a_refusing_server_as_failures_not_a_crash(url, tmp_path):

@@ -1,6 +1,6 @@
 """The recorded request bodies of the benchmark clients (tests/data/clients: vLLM ``bench
 serve``, SGLang ``bench_serving``, genai-perf, AIPerf, GuideLLM, llmperf), replayed as they
-were sent against ``pdlab serve`` (issue 28): the command's own deployment and app
+were sent against ``pdlab serve``: the command's own deployment and app
 (``experiments.commands.serve.build`` from its command line), colocated:1 with SmolLM2 in
 this process, on a loopback port (one model load: the HTTP layer is the same over every
 placement; ``benchmarks/vllm_client.py`` runs vLLM's own client against disagg:1p1d).

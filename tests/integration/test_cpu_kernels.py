@@ -1,4 +1,4 @@
-"""The fused CPU kernels (``engine/cpu_kernels.py``, issue 10): each equals the torch ops it
+"""The fused CPU kernels (``engine/cpu_kernels.py``): each equals the torch ops it
 replaces (RMSNorm and SiLU to float32 rounding, RoPE and the K/V write bit for bit), the
 runner detects which modules they may stand in for, refuses what they cannot take, and the
 engine equals generate() with them and without them (no compiler, a failing build, or

@@ -1,4 +1,4 @@
-"""``pdlab kv-cost`` and ``pdlab bench`` on emulated devices (issue 25), with the Llama-3.1-8B
+"""``pdlab kv-cost`` and ``pdlab bench`` on emulated devices, with the Llama-3.1-8B
 H100 SXM vLLM profile shipped in tests/data (``engine/configs/llama-3.1-8b``: 32 layers x 8 KV
 heads x head_dim 128 x 2 B = 131072 KV bytes per token). The refusals are rows of
 tests/integration/test_cli_options.py (``KV_COST_EMULATION_ROWS``)."""

@@ -1,4 +1,4 @@
-"""A GPU box rehearsed on this machine (issue 25): ``disagg:2p2d`` on ``emu:0-3`` with the
+"""A GPU box rehearsed on this machine: ``disagg:2p2d`` on ``emu:0-3`` with the
 Llama-3.1-8B H100 SXM vLLM profile (``pdlab profile --from-silicon-db h100_sxm --backend
 vllm --model engine/configs/llama-3.1-8b``, shipped as tests/data/...json so the test runs
 without the optional aiconfigurator extra), KV scaled to 1/256: the run completes with the

@@ -1,5 +1,5 @@
-"""The runner's projections (``engine.runner._Linear`` on ``engine.ops``' kernels, issues 10
-and 30): every GEMM kernel the backend can pick gives ``F.linear``'s result, each row-count
+"""The runner's projections (``engine.runner._Linear`` on ``engine.ops``' kernels):
+every GEMM kernel the backend can pick gives ``F.linear``'s result, each row-count
 bucket runs the kernel chosen for it, the fused weight is the modules' only copy, and
 without oneDNN and pdlab's kernels the engine still equals generate()."""
 

@@ -1,4 +1,4 @@
-"""kv_transfer.link (issue 29): the link peaks every transfer record is scored against."""
+"""kv_transfer.link: the link peaks every transfer record is scored against."""
 
 import pytest
 import torch

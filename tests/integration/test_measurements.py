@@ -1,4 +1,4 @@
-"""Issue 9's corrected measurements end to end on the tiny model, in one process:
+"""The corrected measurements end to end on the tiny model, in one process:
 
 - the router stamps the *scheduled* arrival and the dispatch time, keeps each token's worker
   time beside its receipt time, and records KV put + get;
@@ -195,7 +195,7 @@ def test_tiny_compare_two_seeds_two_rates(tmp_path):
     transfers = pd.read_csv(tmp_path / "transfers.csv")
     assert set(transfers["placement"]) == {"disagg:1p1d"}
     assert transfers.groupby(["rate", "seed"]).size().tolist() == [4, 4, 4, 4]
-    efficiency = pd.read_csv(tmp_path / "transfer_efficiency.csv")  # issue 29: the report's table
+    efficiency = pd.read_csv(tmp_path / "transfer_efficiency.csv")  # the report's table
     assert efficiency["placement"].tolist() == ["disagg:1p1d"]
     assert efficiency["num_transfers"].tolist() == [16]
     assert efficiency["kv_bytes_total"].tolist() == [transfers["num_bytes"].sum()]

@@ -1,4 +1,4 @@
-"""Multi-turn conversations replayed closed-loop (issue 26), tiny model: each turn is sent
+"""Multi-turn conversations replayed closed-loop, tiny model: each turn is sent
 a think time after the previous answer ended, its prompt the history plus its new tokens;
 greedy output equals generate() on that prompt through ``colocated:2 --policy cache_aware``
 and ``disagg:1p1d``; the prefix hits are the hand-computed ones; a reset between runs

@@ -1,4 +1,4 @@
-"""NixlTransport (issue 29): NIXL READs in one process (loopback) and across two, leases,
+"""NixlTransport: NIXL READs in one process (loopback) and across two, leases,
 extent reuse, faults, deadlines, a dead producer, free by a one-sided WRITE, records."""
 
 import dataclasses

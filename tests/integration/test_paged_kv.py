@@ -1,4 +1,4 @@
-"""The paged KV cache (issue 17): the store's block reads/writes, the budget -> blocks rule,
+"""The paged KV cache: the store's block reads/writes, the budget -> blocks rule,
 decode attention over every block layout the runner plans (strided runs, single views,
 gathers, the store's end) against the model's own forward, masked positions safe without a
 zero-filled store, and admission errors for requests larger than the cache."""

@@ -1,4 +1,4 @@
-"""``pdlab plan`` end to end (the CLI) on the prefix-sharing workloads of issue 26:
+"""``pdlab plan`` end to end (the CLI) on the prefix-sharing workloads:
 ``--dataset prefix_repetition`` and ``mooncake`` on the tiny model, ``multiturn`` on
 SmolLM2's tokenizer (the tiny model has none and is refused in one line). The simulator's
 prefix-cache hit rate in plan_runs.csv is the hand-counted one; caching off, it is 0."""

@@ -1,4 +1,4 @@
-"""Prompt-chunk attention (issue 14): the flash paths equal masked attention, and greedy
+"""Prompt-chunk attention: the flash paths equal masked attention, and greedy
 outputs equal generate() at chunk and length boundaries, chunked and whole, through the
 engine and through colocated / disaggregated placements."""
 

@@ -1,4 +1,4 @@
-"""Prefix caching and on-demand KV blocks with preemption (issue 26), tiny model: greedy
+"""Prefix caching and on-demand KV blocks with preemption, tiny model: greedy
 output equals generate() on shared-prefix and multi-turn prompts, colocated and through
 ``disagg:1p1d`` over in-process and shm transports, whole and layer-wise; the records carry
 the prefix hits (hand-computed) and the preemptions; a decode worker that caches a prefix

@@ -118,8 +118,8 @@ def test_kv_of_requests_past_their_deadline_is_freed_by_its_producer(tiny, trans
 def test_requests_of_a_decode_worker_dead_before_hand_over_move_to_the_survivor(
         tiny, transport, granularity):
     """decode-1 dies while the first prefill step runs (each takes 0.5 s): the requests
-    assigned to it had not reached it, so they are handed to decode-0 instead (issue 28:
-    the survivors take the load) and none fails; outputs exact, every block and handle
+    assigned to it had not reached it, so they are handed to decode-0 instead (the
+    survivors take the load) and none fails; outputs exact, every block and handle
     freed, loads back to 0."""
     workload, expected = mixed_workload(tiny, num_requests=6)
     with disagg(1, 2, transport, granularity, deadline_s=30.0, prefill_delay_s=0.5) as (

@@ -1,4 +1,4 @@
-"""Sampling through the engine and through placements (issue 8): a request whose sampling
+"""Sampling through the engine and through placements: a request whose sampling
 cannot work fails alone (or is greedy below the documented threshold) while its greedy
 step-mates keep their exact generate() output; seeded sampling gives the same tokens
 colocated and disaggregated (both granularities), because each draw is seeded by
@@ -91,7 +91,7 @@ def test_seeded_sampling_is_placement_invariant(tiny, seeded_workload, placement
     assert {r.request_id: r.output_token_ids for r in records} == expected
 
 
-# ---- vLLM's extensions through the engine (issue 28): exact against transformers ------------
+# ---- vLLM's extensions through the engine: exact against transformers ---------------------
 
 class OpenAIPenalties:
     """An independent reference for presence / frequency penalties as a transformers logits

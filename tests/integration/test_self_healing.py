@@ -34,6 +34,7 @@ from deployment.restarts import Restarts
 from server.app import OpenAIServer, ServerThread
 from server.text import ByteText
 
+pytestmark = pytest.mark.workers
 TINY = ModelConfig("tiny-random-llama")
 ENGINE = EngineConfig(max_num_seqs=16, max_model_len=128, max_num_batched_tokens=64)
 BYTES = ByteText()

@@ -29,6 +29,7 @@ from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
 
+pytestmark = pytest.mark.workers
 TINY = ModelConfig("tiny-random-llama")
 NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="pip install 'pdlab[nixl]'")
 NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS = 500, 16, 4
@@ -185,12 +186,20 @@ def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny
             return any(0 < len(s.token_ids) - s.num_prompt_tokens < MAX_TOKENS - 1
                        for s in decode.engine.scheduler.running)
 
+        def stop_if_decoding() -> bool:  # on decode-0's loop
+            if not decoding():
+                return False
+            # its loop ends after this turn: at most one more step, so no request it is
+            # decoding now finishes (2-3 of 4 tokens)
+            decode._stopped.set()
+            return True
+
         def kill_mid_decode() -> None:
             # from 0.5 s on, at the first moment decode-0 is decoding: a fixed-time kill
             # found it idle between requests once (an AMD Zen 1 CI run: nothing killed)
             time.sleep(0.5)
             for _ in range(5000):
-                if decode.call(decoding):
+                if decode.call(stop_if_decoding):
                     break
                 time.sleep(0.001)
             kills.append(time.time())

@@ -1,4 +1,4 @@
-"""One step, one output (issue 24, items 3-4): ``Engine.step`` reports its tokens, finished,
+"""One step, one output: ``Engine.step`` reports its tokens, finished,
 failed and reserved requests in its ``StepOutput``, and its ``StepRecord`` keeps the batch
 that ran, checked against batches worked out by hand from the scheduler's rules."""
 

@@ -1,5 +1,6 @@
 """Transports end to end in one process (InProcess, faults) and across two (torch.distributed)."""
 
+import errno
 import socket
 import time
 
@@ -10,7 +11,7 @@ import torch.multiprocessing as mp
 from engine.kv_cache import KVSpec
 from kv_transfer import (FaultyTransport, InProcessTransport, KVChecksumError, KVSpecMismatch,
                          TransferFailed, TransferTimeout)
-from kv_transfer.torchdist import P2PKey, TorchDistributedTransport
+from kv_transfer.torchdist import STORE_SCHEME, P2PKey, TorchDistributedTransport, open_rendezvous
 from kv_transfer.transport import KVHandle
 
 SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
@@ -124,15 +125,9 @@ def test_faults_target_only_named_requests():
 
 # --- torch.distributed (gloo), two processes ------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchdist_worker(rank: int, port: int, handles, done) -> None:
+def _torchdist_worker(rank: int, init_method: str, handles, done) -> None:
     transport = TorchDistributedTransport(rank, world_size=2, backend="gloo",
-                                          init_method=f"tcp://127.0.0.1:{port}", dst_rank=1)
+                                          init_method=init_method, dst_rank=1)
     torch.manual_seed(0)
     kvs = {"r1": random_kv(SPEC, 5), "r2": random_kv(BF16, 3)}
     if rank == 0:  # prefill side: put, ship handles, check the sends drained
@@ -177,10 +172,22 @@ def _torchdist_worker(rank: int, port: int, handles, done) -> None:
         done.put("finished")
 
 
-def test_torchdist_gloo_two_processes():
+def test_torchdist_gloo_two_processes_through_the_held_rendezvous():
+    """The rendezvous port is chosen where it is bound (``open_rendezvous``), so nothing can
+    take it between choosing and binding; the two ranks form their group through it, as a
+    placement's do, and move KV."""
+    store, init_method = open_rendezvous("127.0.0.1", timeout_s=60.0)  # held until we return
+    assert init_method == f"{STORE_SCHEME}127.0.0.1:{store.port}" and store.port > 0
+    intruder = socket.socket()
+    try:  # another process grabbing the port now fails; start-up does not
+        with pytest.raises(OSError) as info:
+            intruder.bind(("127.0.0.1", store.port))
+        assert info.value.errno == errno.EADDRINUSE
+    finally:
+        intruder.close()
     ctx = mp.get_context("spawn")
     handles, done = ctx.Queue(), ctx.Queue()
-    mp.start_processes(_torchdist_worker, args=(free_port(), handles, done), nprocs=2,
+    mp.start_processes(_torchdist_worker, args=(init_method, handles, done), nprocs=2,
                        start_method="spawn")  # raises if either rank's assertions fail
 
 
@@ -191,7 +198,7 @@ def test_torchdist_rejects_missing_destination():
 
 
 def test_layer_wise_records_split_exposed_from_overlapped_time():
-    """Issue 29's definitions (kv_transfer/transport.py): a chunk's transfer time before the
+    """The definitions of kv_transfer/transport.py: a chunk's transfer time before the
     put of its request's last chunk began is overlapped, after it exposed."""
     transport = InProcessTransport()
     transport.peak_gbps = 4.0

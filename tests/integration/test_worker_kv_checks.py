@@ -1,5 +1,5 @@
 """A decode worker checks every KV payload against its own KVSpec and the prompt length
-(DESIGN §3 step 4): a mismatch is an ``error`` event naming the field, expected and got; the
+before it decodes: a mismatch is an ``error`` event naming the field, expected and got; the
 handles are freed; the worker keeps serving. Plain worker objects sharing one in-process
 transport (no Ray, no pinning)."""
 

@@ -17,6 +17,7 @@ from engine.request import Request, SamplingParams
 from engine.serving import EngineLoop, EngineLoopDied, InOrder
 from deployment.placement import Deployment
 
+pytestmark = pytest.mark.workers
 TINY = ModelConfig("tiny-random-llama")
 
 

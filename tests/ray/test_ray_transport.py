@@ -16,6 +16,7 @@ from kv_transfer import FaultyTransport, KVChecksumError, TransferFailed, Transf
 from kv_transfer.ray_store import RayObjectStoreTransport, live_object_ids
 from kv_transfer.transport import KVHandle
 
+pytestmark = pytest.mark.ray
 SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
               dtype="bfloat16")
 

@@ -295,6 +295,39 @@ def test_interference_is_called_removed_only_where_the_tpot_intervals_separate()
     assert "1.06x (lower with disaggregation, but the 95% intervals overlap" in text
 
 
+def test_no_interference_claim_between_two_systems_and_no_empty_transfer_line():
+    """A bench merge: vLLM colocated against pdlab disaggregated, TPOT intervals apart; a client
+    sees no KV transfer (NaN)."""
+    df = summary_rows((0.9, 0.8, 1.0), (0.9, 0.8, 1.0), (0.2, 0.15, 0.25), (0.1, 0.08, 0.12))
+    df[["kv_transfer_p50_s", "kv_put_p50_s", "kv_get_p50_s", "prefill_p50_s"]] = math.nan
+    df["placement"] = ["vllm@colocated:1", "pdlab@disagg:1p1d"]
+    # the config rows say which server made each: different ones, whatever the labels say
+    for labels in ({"vllm@colocated:1": "vllm server over HTTP",
+                    "pdlab@disagg:1p1d": "pdlab server over HTTP"}, None):
+        text = a.verdict(df, SLO_, systems=labels)
+        assert "interference" in text and "removed" not in text
+        assert "KV transfer" not in text and "Transfer paid" not in text
+    assert ("colocated/disagg = 2.00x (different systems, vllm server over HTTP vs pdlab "
+            "server over HTTP: not a measure of prefill-decode interference).") in a.verdict(
+        df, SLO_, systems={"vllm@colocated:1": "vllm server over HTTP",
+                           "pdlab@disagg:1p1d": "pdlab server over HTTP"})
+    # one server behind both labels: the claim stands
+    same = dict.fromkeys(["vllm@colocated:1", "pdlab@disagg:1p1d"], "pdlab server over HTTP")
+    assert "2.00x (disaggregation removed prefill-decode interference)" in a.verdict(
+        df, SLO_, systems=same)
+
+
+def test_serving_systems_read_from_the_config_rows():
+    from experiments.results import serving_systems
+    run = {"placements": ["colocated:2", "disagg:1p1d"], "engine": {}}
+    vllm = {"placements": ["vllm@colocated:1"], "bench": {}, "server": "vllm"}
+    older = {"placements": ["x@disagg:1p1d"], "bench": {}}  # no server recorded: the label
+    assert serving_systems({"configs": [run, vllm, older], "placements": []}) == {
+        "colocated:2": "pdlab in process", "disagg:1p1d": "pdlab in process",
+        "vllm@colocated:1": "vllm server over HTTP", "x@disagg:1p1d": "x server over HTTP"}
+    assert serving_systems({"model": "tiny"}) == {}
+
+
 def test_verdict_lines_with_numbers():
     df = a.summary_table(runs(), SLO_)
     gp = a.goodput_table(runs(), SLO_, 2, num_boot=100)

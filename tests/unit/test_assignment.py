@@ -185,7 +185,7 @@ def test_router_and_simulator_assign_alike_event_by_event():
     assert router_loads[-1] == dict.fromkeys(names, 0)
 
 
-# ---- cache_aware and the prefix index (issue 26) ----------------------------------------------
+# ---- cache_aware and the prefix index --------------------------------------------------------
 from engine.kv_blocks import block_hashes  # noqa: E402
 from router.policy import cache_aware, imbalanced, pick  # noqa: E402
 from router.prefix_index import PrefixIndex  # noqa: E402

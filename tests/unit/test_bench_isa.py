@@ -1,4 +1,4 @@
-"""The benchmarks' ``--isa`` caps (issue 30): one environment for every side of a run."""
+"""The benchmarks' ``--isa`` caps: one environment for every side of a run."""
 
 import benchmarks
 from engine import kernel_choice

@@ -185,6 +185,7 @@ def test_a_port_that_falls_silent_is_reported_dead_once(channel):
         hub.close()
 
 
+@pytest.mark.workers
 def test_a_killed_worker_process_is_reported_dead():
     """The port lives in another process, killed with SIGKILL mid-run."""
     hub = SocketHub("ipc", dead_after_s=NEVER_S, heartbeat_s=0.05)

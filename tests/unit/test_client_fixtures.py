@@ -1,4 +1,4 @@
-"""The recorded client bodies (tests/data/clients, issue 28) are what they say they are: each
+"""The recorded client bodies (tests/data/clients) are what they say they are: each
 names its source and endpoint, and its streaming mode and prompt field match its file name.
 (The replay against a running ``pdlab serve`` is tests/integration/test_client_replay.py.)"""
 

@@ -53,7 +53,7 @@ def test_a_message_that_already_has_its_cause_is_not_repeated():
 
 
 def test_torchdist_rendezvous_port_in_use_keeps_eaddrinuse():
-    """The issue's case: a rank-0 worker whose rendezvous port was taken (message of torch
+    """The reported case: a rank-0 worker whose rendezvous port was taken (message of torch
     2.x's DistNetworkError inside Ray's ActorDiedError)."""
     message = ("The actor died because of an error raised in its creation task, \x1b[36mray::"
                "PrefillWorker.__init__()\x1b[39m (pid=1, ip=10.0.0.1)\n"

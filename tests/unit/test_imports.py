@@ -1,4 +1,4 @@
-"""DESIGN §2 "who may import whom", enforced by parsing every module with ``ast``.
+"""Who may import whom, enforced by parsing every module with ``ast``.
 
 The layer order (a package may import only those below it; experiments may import
 everything):
@@ -46,7 +46,8 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "channel", "prefill_worker", "decode_worker", "router",
             "planner", "server", "deployment", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
-                     "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks")
+                     "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks",
+                     "engine.placement", "engine.kv_heads", "engine.memory_fit")
 HEAVY = ("torch", "transformers", "ray", "msgpack", "zmq")
 # the contract and the in-process hub (its default): no sockets, no msgpack
 CHANNEL_FOR_ROUTER = ("channel", "channel.contract", "channel.local")
@@ -383,7 +384,17 @@ def test_required_dependencies_are_imported_never_skipped():
     assert skipped == []
 
 
-def test_every_gpu_test_file_carries_the_gpu_marker():
-    unmarked = [str(p.relative_to(ROOT)) for p in _test_files("gpu")
-                if "pytest.mark.gpu" not in p.read_text()]
-    assert _test_files("gpu") and unmarked == []
+@pytest.mark.parametrize("folder,marker", [("gpu", "gpu"), ("ray", "ray")])
+def test_every_gpu_and_ray_test_file_carries_its_marker(folder, marker):
+    unmarked = [str(p.relative_to(ROOT)) for p in _test_files(folder)
+                if f"pytest.mark.{marker}" not in p.read_text()]
+    assert _test_files(folder) and unmarked == []
+
+
+def test_every_test_file_that_kills_a_worker_carries_the_workers_or_ray_marker():
+    """``make test-fast`` leaves out, and ``tests/flakiness.py`` reruns, the tests marked
+    ``workers`` or ``ray``: a file that kills a worker (``.kill(``) must say which it is."""
+    unmarked = [str(p.relative_to(ROOT)) for p in _test_files() if ".kill(" in p.read_text()
+                and not any(m in p.read_text() for m in ("pytest.mark.workers",
+                                                          "pytest.mark.ray"))]
+    assert [p for p in _test_files() if ".kill(" in p.read_text()] and unmarked == []

@@ -201,3 +201,45 @@ def test_quick_grid_replaces_the_grid():
     grid = itf.InterferenceConfig(quick=True).grid()
     assert (grid.batch_sizes_t, grid.prompt_lens_t, grid.context_len, grid.chunk_budgets_t) \
         == ((1, 2), (0, 16, 48), 16, (12,))
+
+
+def _steps(mode, budget, repeats):
+    """Hand-made steps.csv rows of one cell: ``repeats`` = [(baseline, [injection steps])]."""
+    rows = []
+    for r, (base_s, inj) in enumerate(repeats):
+        cell = {"mode": mode, "budget": budget, "batch_size": 4, "prompt_len": 64, "repeat": r}
+        rows.append({**cell, "kind": "baseline", "step_s": base_s})
+        rows += [{**cell, "kind": "injection", "step_s": s} for s in inj]
+    return pd.DataFrame(rows)
+
+
+def test_every_figure_of_a_cell_comes_from_the_median_stall_repeat():
+    # stalls 2/64, -6/64 (repeat 1: its baseline disturbed) and 5/64: the median is repeat 0's.
+    # The minimum of each figure taken alone would give base 8/64 (repeat 0), worst 9/64
+    # (repeat 1), stall 1/64 and total stall -6/64 (repeat 1): figures of no single repeat
+    u = 2.0 ** -6
+    steps = _steps(itf.NOCHUNK, None, [(8 * u, [10 * u]), (15 * u, [9 * u]), (11 * u, [16 * u])])
+    row = itf.summarize(steps).iloc[0]
+    assert (row.base_step_s, row.worst_step_s) == (8 * u, 10 * u)
+    assert row.stall_s == row.total_stall_s == 2 * u  # one injection step: the same figure
+    assert row.inflation == 10 / 8 and row.num_injection_steps == 1
+
+
+def test_chunked_total_stall_is_the_sum_over_the_chosen_repeats_steps():
+    u = 2.0 ** -6
+    # repeat 0: stall 3u, total (3 + 1 + 2)u; repeat 1: stall 1u (disturbed baseline), total
+    # (1 - 2 - 1)u; repeat 2: stall 7u, total (7 + 5 + 6)u. Median stall: repeat 0.
+    steps = _steps(itf.CHUNKED, 16, [(4 * u, [7 * u, 5 * u, 6 * u]),
+                                     (8 * u, [9 * u, 6 * u, 7 * u]),
+                                     (4 * u, [11 * u, 9 * u, 10 * u])])
+    row = itf.summarize(steps).iloc[0]
+    assert (row.base_step_s, row.worst_step_s, row.stall_s) == (4 * u, 7 * u, 3 * u)
+    assert row.total_stall_s == 6 * u and row.num_injection_steps == 3
+
+
+def test_two_repeats_report_the_lower_stall_and_ties_the_smaller_base():
+    u = 2.0 ** -6
+    row = itf.summarize(_steps(itf.DISAGG, None, [(4 * u, [9 * u]), (5 * u, [6 * u])])).iloc[0]
+    assert (row.base_step_s, row.worst_step_s, row.stall_s) == (5 * u, 6 * u, 1 * u)
+    tie = itf.summarize(_steps(itf.DISAGG, None, [(5 * u, [6 * u]), (4 * u, [5 * u])])).iloc[0]
+    assert (tie.base_step_s, tie.stall_s, tie.total_stall_s) == (4 * u, 1 * u, 1 * u)

@@ -1,4 +1,4 @@
-"""The kernel selector (``engine/kernel_choice.py``, issue 30) on fake timings: it keeps the
+"""The kernel selector (``engine/kernel_choice.py``) on fake timings: it keeps the
 fastest candidate per row bucket, writes its choices to the cache file and reads them back
 without measuring, and measures again for another CPU or a candidate it no longer has."""
 

@@ -32,7 +32,7 @@ def raises_naming(fn, *words):
     ({"max_tokens": 2.0}, ("max_tokens", "integer")),
     ({"temperature": -1.0}, ("temperature", ">= 0", "-1")),
     ({"temperature": math.nan}, ("temperature", ">= 0", "nan")),
-    ({"top_k": -2}, ("top_k", ">= -1", "-2")),  # -1 is vLLM's "off" (issue 28)
+    ({"top_k": -2}, ("top_k", ">= -1", "-2")),  # -1 is vLLM's "off"
     ({"top_k": 1.5}, ("top_k", "integer")),
     ({"top_k": True}, ("top_k", "integer")),
     ({"top_p": 0.0}, ("top_p", "(0, 1]", "0.0")),
@@ -74,7 +74,7 @@ def test_sampling_params_accepts_edges_and_normalizes_stop_tokens():
 
 
 def test_sampling_params_extensions_edges_and_defaults():
-    """vLLM's extension fields (issue 28): defaults are off; -1 top_k is 0; the edges of
+    """vLLM's extension fields: defaults are off; -1 top_k is 0; the edges of
     each range are accepted; has_penalties says when the sampler needs the history."""
     default = SamplingParams()
     assert (default.min_p, default.min_tokens, default.repetition_penalty,

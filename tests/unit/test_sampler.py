@@ -191,7 +191,7 @@ def test_logprobs_are_raw_log_softmax_of_the_asking_rows_only():
     assert Sampler.logprobs(logits, [1], [None, None, None], [3]) == {}  # failed rows skipped
 
 
-# ---- vLLM's extensions (issue 28): min_tokens, penalties, min-p, top_k -1 -------------------
+# ---- vLLM's extensions: min_tokens, penalties, min-p, top_k -1 -------------------
 
 def hf_processors():
     from transformers.generation.logits_process import (MinPLogitsWarper,

@@ -387,7 +387,7 @@ def test_release_of_a_waiting_request_drops_it_from_the_queue():
     assert not sched.running and sched.capacity.num_used_blocks == 0
 
 
-# ---- prefix caching and on-demand blocks with preemption (issue 26) ------------------------
+# ---- prefix caching and on-demand blocks with preemption ----------------------------------
 
 def cached(**kw) -> Scheduler:
     """Prefix caching on, blocks on demand: the engine's defaults."""
