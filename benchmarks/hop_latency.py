@@ -11,7 +11,7 @@ another (``--cores``), each measured ``--n`` times after ``--warmup`` untimed on
   the worker's loop takes it and sends the reply, the port's thread encodes and sends it,
   the router's poller wakes.
 - **ray**: a Ray actor call and its ``ray.get``, the actor threaded as pdlab's workers are
-  (``max_concurrency=16``, ``experiments.ray_actors.RayWorkers.start``).
+  (``max_concurrency=16``, ``deployment.ray_actors.RayWorkers.start``).
 
 Prints p50, p99 and mean (microseconds) per row, the ratios against the pipe's p50 and the
 Ray call's, and the targets: the channel's p50 within 2.5x the pipe's, at least 3x faster
@@ -37,7 +37,7 @@ import ray
 
 from channel.contract import SUBMIT, Command, Endpoint, Message
 from channel.sockets import SocketHub, SocketPort
-from experiments.ray_actors import ray_init_kwargs
+from deployment.ray_actors import ray_init_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
 KINDS = ("pipe", "channel", "ray")

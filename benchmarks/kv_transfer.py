@@ -47,7 +47,7 @@ from engine.engine import Engine
 from engine.kv_cache import KVSpec
 from engine.model import load_model
 from experiments.measure import random_request
-from experiments.ray_actors import ray_init_kwargs
+from deployment.ray_actors import ray_init_kwargs
 from experiments.timing import Timing, measure, summarize
 from experiments.transfer_cost import time_torchdist
 from kv_transfer.inprocess import InProcessTransport

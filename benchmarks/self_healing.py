@@ -33,7 +33,7 @@ from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferCo
 from engine.model import SMOLLM2_NAME, load_tokenizer
 from experiments import cli
 from experiments.commands import serve
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from server.app import OpenAIServer, ServerThread, text_of
 
 PROMPT_LEN, OUTPUT_LEN = 64, 16

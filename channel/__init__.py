@@ -9,5 +9,6 @@ or by ``wake`` from any thread). ``Port``, a worker's: ``take`` the commands tha
 
 ``channel.local`` (queues in one process) and ``channel.sockets`` (msgpack over pyzmq, ``ipc``
 within a node, ``tcp`` across) pass the same contract tests. Only ``sockets`` and ``wire`` load
-pyzmq and msgpack, so the router imports ``channel.contract`` alone.
+pyzmq and msgpack, so the router imports ``channel.contract`` and ``channel.local`` (its
+default hub) alone.
 """

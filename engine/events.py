@@ -1,6 +1,7 @@
 """What a worker reports to the router (no torch), crossing processes. ``WorkerEvent`` kinds:
 ``token`` (``finish_reason`` on the last), ``prefilled`` (a prefill worker's first token and the KV
-handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``;
+handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``,
+``died`` (a worker's last words: its loop stopped, ``error`` says why; nothing follows);
 ``TokenBatch``: one step's plain tokens. ``time_s``: when the worker produced the event;
 ``stamps``: timeline events measured in the worker (``time.time()`` s, ``engine.metrics`` names)."""
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 TOKEN, PREFILLED, KV_GOT, ERROR, TOKENS = "token", "prefilled", "kv_got", "error", "tokens"
+DIED = "died"
 
 
 @dataclass(frozen=True)

@@ -1,29 +1,25 @@
 """Run an Engine on a background thread: commands in, ``WorkerEvent``s out.
 
-The loop, on its own thread (the only thread that touches the engine):
+The loop, on its own thread (the only thread that touches the engine): run the queued
+commands; if the engine has work, run one ``engine.step()`` and turn its ``StepOutput`` into
+events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV over,
+or fetch the KV of the requests whose blocks the step reserved), run the commands that came
+during the step, then let the events leave; otherwise sleep until the next command.
 
-1. Run the commands queued by ``submit`` / ``abort`` / subclass methods.
-2. If the engine has work, run one ``engine.step()`` and turn its ``StepOutput`` into
-   events: failed requests become errors, the rest goes to ``on_step`` (subclasses hand KV
-   over, or fetch the KV of the requests whose blocks the step reserved).
-3. Otherwise sleep until the next command arrives.
+Over the message plane (``open_channel(endpoint)``, ``channel``): ``submit``, ``admit``,
+``abort`` and ``release`` come in through the worker's port in the order sent, and every loop
+turn with news sends it as one message (a tuple of the turn's events: one step's tokens,
+``prefilled`` with its KV handles, errors). A command the port cancelled (an ``abort``
+overtook it), or one that raised, goes to ``on_cancelled`` (it frees what the command
+carries); one that raised is also an ``error`` event naming its request. A loop that dies
+sends its last words (a ``died`` event naming the cause) and closes its port; the port's own
+thread does the socket work and the (de)serialization, beside the step.
 
-Callers collect events with ``wait_events(timeout_s)``, a long poll: it returns as soon as
-there is something to report, or empty-handed at the deadline. An exception that escapes
-the loop kills the worker at once: the loop stops, and ``wait_events`` (and ``call``) raise
-``EngineLoopDied`` naming the cause, so the router fails its requests within a poll.
-Commands that must keep their order across a transport that may reorder calls (threaded
-Ray actors) come through ``ordered(seq, method, ...)``, applied in ``seq`` order.
-
-Over the message plane (``open_channel(endpoint)``, ``channel``): the ordered commands
-(``submit``, ``admit``, ``abort``, ``release``) come in through the worker's port, in the
-order sent, and every loop turn that has news sends it as one message: the turn's events
-(one engine step's tokens, ``prefilled`` with its KV handles, errors), in order, as a tuple.
-A command the port cancelled (an ``abort`` overtook it) goes to ``on_cancelled``. The
-port's own thread does the socket work and the (de)serialization, beside the step.
-
-A worker (prefill, decode, colocated) is this loop plus what it does with tokens; it is a
-plain class, and ``experiments/placement.py`` turns it into a Ray actor.
+Until a channel is open, callers collect events with ``wait_events(timeout_s)``, a long poll;
+after the loop died it (and ``call``) raises ``EngineLoopDied`` naming the cause. Callers
+whose calls may be reordered (threaded Ray actors) use ``ordered(seq, method, ...)``, applied
+in ``seq`` order. A worker (prefill, decode, colocated) is this loop plus what it does with
+tokens, a plain class; ``deployment/placement.py`` makes it a Ray actor.
 """
 
 from __future__ import annotations
@@ -41,7 +37,7 @@ from channel.ports import open_port
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine, StepOutput
-from engine.events import ERROR, TOKEN, TokenBatch, WorkerEvent
+from engine.events import DIED, ERROR, TOKEN, TokenBatch, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.emulated import Emulation
 from engine.model import load_geometry, load_model
@@ -229,8 +225,8 @@ class EngineLoop:
         old, self._port = self._port, port
         if old is not None:
             old.close()
-        if self._died is not None:  # a dead loop sends no heartbeat: its hub sees the death
-            port.close()
+        if self._died is not None:  # a dead loop says so once, then sends no heartbeat
+            self._last_words()
 
     def _wake_loop(self) -> None:
         self._commands.put(_nothing)
@@ -327,6 +323,14 @@ class EngineLoop:
         if port is not None:
             port.close()
 
+    def _last_words(self) -> None:
+        """A dead loop's port: the ``died`` event (its cause), then silence."""
+        port = self._port
+        if port is not None:
+            port.send((WorkerEvent(DIED, "", self.name, time.time(), error=(
+                f"{self.role} worker {self.name}: engine loop died: {self._died}")),))
+            port.close()
+
     # ---- the loop thread ---------------------------------------------------------------
     def _run(self) -> None:
         try:
@@ -336,7 +340,7 @@ class EngineLoop:
             with self._events_ready:
                 self._died = f"{type(err).__name__}: {err}"
                 self._events_ready.notify_all()
-            self._close_port()  # its heartbeat stops: the hub sees the death
+            self._last_words()  # then its heartbeat stops: the hub sees the death either way
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
@@ -353,6 +357,9 @@ class EngineLoop:
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
             self.on_step(output)
             self.on_tick()
+            # commands that came during the step first: an abort still frees the KV of a
+            # prefilled event that has not left (nobody else would)
+            self._drain_commands(block=False)
             self._send_events()
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
@@ -386,6 +393,10 @@ class EngineLoop:
                                      f"{', '.join(CHANNEL_COMMANDS)})")
                 getattr(self, command.kind)(*command.args)
             except Exception as err:  # its request fails, the worker goes on
+                try:
+                    self.on_cancelled(command)  # never applied: free what it carries
+                except Exception:
+                    pass
                 self.emit(WorkerEvent(ERROR, command.request_id or "", self.name, time.time(),
                                       error=f"{command.kind} failed: {type(err).__name__}: {err}"))
 

@@ -24,7 +24,7 @@ from engine.model import LoadedModel, ModelLoadError, load_geometry, load_model
 from engine.request import Request, SamplingParams
 from experiments.options import (check_device, check_model, check_out, device_arg,
                                  measure_device_arg, option_error, positive_int)
-from experiments.placement import emulation_for
+from deployment.placement import emulation_for
 from experiments.timing import Timing, device_sync, measure
 
 WARMUP = 1
@@ -297,7 +297,7 @@ def check_measure_args(args: argparse.Namespace) -> ModelConfig:
 
 def emulation_of(args: argparse.Namespace) -> Emulation | None:
     """The ``Emulation`` of ``--device emu:i`` (None for a real device), by the rules of
-    ``experiments.placement.emulation_for``; ``--dtype`` must be the profile's.
+    ``deployment.placement.emulation_for``; ``--dtype`` must be the profile's.
 
     Raises:
         ValueError: ``argument --x: ...``."""

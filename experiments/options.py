@@ -17,7 +17,7 @@ from engine.config import (DTYPES, TRANSPORTS, ConditionalConfig, EngineConfig, 
                            PlacementConfig, TransferConfig, add_dataclass_args,
                            dataclass_from_args, parse_devices, parse_placement)
 from engine.model import ModelLoadError, check_model_name, model_context_len
-from experiments.placement import check_devices_exist, worker_layout
+from deployment.placement import check_devices_exist, worker_layout
 from planner.latency import LINKS, DeviceProfile, TransferModel, link_transfer
 from router.policy import POLICIES
 

@@ -1,7 +1,7 @@
 """One placement deployed once and a workload replayed on it at each rate and seed, with the
 calibration that picks the rates: the runs of ``pdlab run``, ``compare`` and ``plan --validate``.
 
-1. Deploy the placement (``experiments.placement.Deployment``), warm it up with two discarded
+1. Deploy the placement (``deployment.placement.Deployment``), warm it up with two discarded
    requests.
 2. With no rates given, calibrate: two requests each served alone (their TTFT and TPOT), then
    the first seed's requests as one burst, whose throughput is the capacity; the rates are
@@ -22,7 +22,7 @@ from engine import metrics
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import SLO, RequestRecord
 from experiments import dilation as dilate
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from experiments.workload_spec import WorkloadSpec, router_workload
 
 

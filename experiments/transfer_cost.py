@@ -32,7 +32,7 @@ from engine.engine import Engine
 from engine.kv_cache import KVSpec
 from engine.model import LoadedModel
 from experiments import measure
-from experiments.ray_actors import driver_ray
+from deployment.ray_actors import driver_ray
 from experiments.timing import Timing, device_sync, measure as time_runs, summarize
 from kv_transfer.factory import make_transport
 from kv_transfer.link import memcpy_peak

@@ -95,6 +95,9 @@ class FaultyTransport(Transport):
     def _free(self, handle: KVHandle) -> None:
         self.inner._free(handle)
 
+    def portable(self, handle: KVHandle) -> KVHandle:
+        return self.inner.portable(handle)
+
 
 def with_faults(transport: Transport, faults: dict | list[dict] | None) -> Transport:
     """``transport`` under fault injection: ``faults`` is one ``FaultyTransport``'s keyword

@@ -183,6 +183,11 @@ class Transport(ABC):
         """Release the bytes of ``handle``; freeing twice is harmless."""
         self._free(handle)
 
+    def portable(self, handle: KVHandle) -> KVHandle:
+        """``handle`` as it may leave this process by plain pickling (a worker's channel):
+        itself by default; ``get`` and ``free`` take either form."""
+        return handle
+
     @abstractmethod
     def num_held(self) -> int:
         """Transfers whose bytes are still held (0 once everything is freed)."""

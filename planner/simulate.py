@@ -106,7 +106,7 @@ class _Flight:
 
 
 def worker_names(placement: str) -> list[tuple[str, str]]:
-    """``(name, role)`` per worker, as ``experiments.placement.worker_layout`` names them."""
+    """``(name, role)`` per worker, as ``deployment.placement.worker_layout`` names them."""
     return [(i.name, i.role) for i in Placement.parse(placement).instances]
 
 

@@ -234,6 +234,7 @@ class PrefillWorker(EngineLoop):
         start = self._kv_start.pop(rid, 0)
         if self.transport.name == "inprocess":
             self._sent.extend(handles)
+        handles = [self.transport.portable(h) for h in handles]  # they cross the channel
         first = token_event(self.name, out, **{KV_PUT: time.time()})
         self.emit(WorkerEvent(PREFILLED, rid, self.name, out.time_s, token_id=out.token_id,
                               index=0, kv_handles=tuple(handles),

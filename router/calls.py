@@ -1,9 +1,11 @@
-"""How the router calls workers: an interface with a thread-based implementation.
+"""How the router and the deployment call workers' lifecycle methods (``info``,
+``open_channel``, reads such as ``status``): an interface with a thread-based
+implementation. What happens per request or per step goes over the channel instead.
 
 The router never imports Ray. It calls ``calls.call(worker, method, *args)`` and gets a
 pending call; ``ready(pending, timeout_s)`` returns those that finished and
 ``result(pending)`` their value, raising ``WorkerDied`` when the worker is gone.
-``experiments/placement.py`` provides the Ray implementation; ``LocalCalls`` runs plain
+``deployment/placement.py`` provides the Ray implementation; ``LocalCalls`` runs plain
 worker objects in this process (tests, the in-process transport).
 
 Ordering: the methods in ``ORDERED`` change what a worker holds, and must take effect in

@@ -1,78 +1,32 @@
 """The router: admits requests, picks workers, relays tokens, stamps every timeline.
 
-A request's life through the router (DESIGN §3):
+A request: validated at arrival (context, vocabulary, each role's whole KV cache; else it
+ends at once with an error), stamped ``arrived`` and assigned by the policy, charging each
+worker's load; ``submit`` goes to its prefill (or colocated) worker (``prefill_queued``); the
+``prefilled`` event's first token leaves at once (TTFT ends) and its KV handles stay in the
+router's hands until ``admit`` hands them to the decode worker; ``kv_got`` and each token are
+stamped on arrival; the last token, an error or an ``abort`` ends it and returns its record.
+Handles it cannot pass on go back to their producer (``release``); an early end aborts it.
 
-1. At its arrival time it is validated (prompt + max_tokens within the model's context,
-   prompt and stop token ids within the vocabulary; else it ends at once with an error,
-   nothing scheduled), stamped ``arrived``, and given a prefill and a decode worker (or one
-   colocated instance) by the policy. From this moment it counts against the load of every
-   worker it was given (prefill: its prompt tokens; decode and colocated: its KV tokens,
-   prompt + max_tokens).
-2. ``submit`` sends it to the prefill (or colocated) worker: ``prefill_queued``.
-3. The prefill worker's ``prefilled`` event brings the first token: it leaves the router at
-   once (**TTFT ends here**) and the prefill worker's load is released. The router holds
-   the event's KV handles until the decode worker's ``admit`` call accepts them (with Ray
-   the handles are ObjectRefs and the bytes go worker to worker).
-4. ``kv_got`` and every ``token`` event are stamped as they arrive; the last token (or an
-   error) ends the request: its remaining loads are released and its ``RequestRecord`` is
-   returned.
-
-No wait is unbounded. Every request has its own deadline: ``deadline_s`` seconds after it
-reached its current worker or after its own last event; when it passes, the request ends
-with an error naming the worker and the stage (``waiting for prefill on prefill-0``). A
-worker whose call raises ``WorkerDied``, or whose long poll raises (its engine loop died),
-is dead: every request that still needs it ends with an error naming it and the cause, and
-nothing new is routed to it.
-
-Restarts (issue 28): the router does not start workers, its owner does. When a worker dies
-the router asks ``on_worker_died(name, cause)``, which answers None when a restart is
-coming, else why not (the deployment's restart budget spent, say). The replacement joins
-through ``rejoin(name, handle, info)`` once its engine answers: it takes the dead worker's
-place (its name, role and rank),
-is routed to again, and every call still pending on the dead incarnation is ignored when it
-returns (``WorkerRef.incarnation``), so no late news of the dead one reaches the new one
-(only the requests moved off the dead one hear it, below).
-``worker_lost(name, reason)`` says no restart will come after all (the budget ran out).
-A remote request whose decode worker dies before the request started decoding there (still
-prefilling, or its KV handed over but not yet fetched: the router still holds the handles)
-moves to another live decode worker; one decoding there fails at once, naming the worker.
-News of a moved request that the dead worker sent before it died but that is collected
-after the move (a reply in flight) ends it as if it had come first: with the error reported
-there (a corrupted KV's checksum error, say), else as one decoding there.
-While a pool a request needs has no live worker, the request waits for one up to its
-deadline if a worker of that pool is restarting (a prefilled one with its KV handles held by
-the router), and fails at once otherwise, its ``finish`` event saying ``unavailable`` (a
-front end answers 503).
-
-Two front ends drive one router (DESIGN §3's loop, here in ``_step``):
-
-- **online** (``pdlab serve``): ``start()`` runs the loop on its own thread; any thread calls
-  ``submit(request, sink)`` and ``abort(request_id)``, which only queue a command (a
-  thread-safe inbox) and wake the loop; the loop is the only thread that touches router
-  state. Each request's ``StreamEvent``s (one per output token, then one ``finish`` with its
-  record) go to its ``sink``, called on the loop thread (it must not block: the HTTP server
-  hands them to its event loop), or to a ``TokenStream`` (an iterable queue) by default.
-- **replay** (``run(workload)``, ``pdlab run/compare``): the caller's thread submits each
-  request at its scheduled arrival time through the same ``submit`` and drives the same
-  ``_step`` itself between arrivals, so no arrival waits for a poll.
-
-An ``abort`` ends its request like an error does, with finish reason ``abort``: it is
-aborted on its live workers (which free its KV there) and KV handles in the router's hands
-go back to their producer.
-
-KV ownership on this side: the router never touches KV bytes, but it owns the handles of a
-``prefilled`` event until ``admit`` accepts them. Handles it cannot pass on (the request
-already ended, the decode worker died, ``admit`` failed) go back to the producer, the
-prefill worker named in the event, whose ``release`` frees them in its transport. A request
-ended by the router is aborted on its live workers, which free what it holds there.
-Commands that must stay ordered (``submit``, ``admit``, ``abort``, ``release``) reach each
-worker in the order sent: ``Calls`` guarantees it (``router.calls.ORDERED``).
+Messages: one channel per worker (a ``channel.contract.Hub``): ``submit``, ``admit``,
+``abort`` and ``release`` go out as commands, in order; each worker's step outputs come back
+as messages; a command that fails comes back as an ``error`` event naming its request. The
+loop waits on the hub (``receive``), woken by messages, deaths, its own inbox (``wake``) or
+the next deadline, never a time slice; lifecycle calls (``info``, ``open_channel``, reads)
+go through ``Calls``. Failures: a request fails ``deadline_s`` after its own last news. A
+worker is dead once its channel falls silent, its loop sends ``died``, or its deployment
+says so (``worker_died``: Ray's actor death): its requests fail naming the cause, or
+(remote, not yet decoding there) move to another decode worker. ``on_worker_died(name,
+cause)`` answers None when a restart is coming: ``rejoin`` then attaches the replacement as
+the next incarnation (the hub drops news of earlier ones) and requests waiting for the empty
+pool go to it; otherwise they fail as ``unavailable``. ``start()`` runs the loop on a
+thread, any thread may ``submit``/``abort`` (sinks run on the loop thread); ``run(workload)``
+replays on the caller's thread.
 """
 
 from __future__ import annotations
 
 import bisect
-import concurrent.futures as cf
 import dataclasses
 import queue
 import threading
@@ -89,6 +43,8 @@ from engine.limits import Limits
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
 from router.assignment import Assigner, NoLiveWorker
+from channel.contract import Command, Died, Hub, Message
+from channel.local import LocalHub
 from router.calls import Calls, WorkerDied
 
 # What a request waits for on its current worker (named in deadline errors); POOL: a
@@ -98,7 +54,8 @@ PREFILL, TRANSFER, DECODE, POOL = "prefill", "KV transfer", "decode", "a live wo
 
 @dataclass
 class WorkerRef:
-    """A worker as the router sees it: a name, a role, and whatever ``Calls`` calls.
+    """A worker as the router sees it: a name, a role, and whatever ``Calls`` calls (its
+    lifecycle: ``info``, ``open_channel``, reads).
 
     ``alive``: routed to; else ``restarting`` (a replacement is being started) or dead for
     good, ``cause`` saying why. ``incarnation`` counts its replacements (0: the first),
@@ -208,17 +165,6 @@ class TokenStream:
         raise RuntimeError("unreachable")
 
 
-@dataclass(frozen=True)
-class _Call:
-    """A call in flight."""
-
-    method: str
-    worker: str
-    request_id: str | None = None
-    incarnation: int = 0  # of the worker called: a reply from a replaced one is ignored
-
-
-
 def _safe_call(sink: Callable[[StreamEvent], None], event: StreamEvent) -> None:
     """Hand ``event`` to a front end's sink; a sink that raises hears no more (never kills
     the caller: the router loop, or a thread submitting to a stopped router)."""
@@ -238,7 +184,8 @@ class Router:
             KV tokens, prompt + max_tokens, both counted from assignment) or
             ``round_robin`` (one rotation per pool).
         deadline_s: a request that hears nothing of itself for this long fails.
-        poll_s: long-poll timeout of each ``wait_events`` call.
+        poll_s: the longest the loop waits on the hub with nothing due (seconds); news,
+            deadlines and wake-ups end the wait earlier.
         startup_timeout_s: how long each worker may take to answer its first call (it may
             still be loading its model).
         conditional: the local/remote prefill rule of a ``conditional:xPyD`` placement
@@ -246,17 +193,24 @@ class Router:
         on_worker_died: called on the loop thread as ``on_worker_died(name, cause)`` when a
             worker dies (it must not block); returns None when a replacement is on its way
             (``rejoin`` brings it), else why not. None: a dead worker stays dead.
+        hub: the router's end of the workers' channels (``channel.sockets.SocketHub``
+            across processes; default: a new ``channel.local.LocalHub``, for workers in this
+            process); each worker gets ``open_channel(endpoint)`` once its ``info``
+            answered. Its owner closes it.
 
     Raises:
         ValueError: no workers for a role, or prefill and decode KV geometries differ.
-        RuntimeError: a worker failed to start or did not answer within startup_timeout_s.
+        RuntimeError: a worker failed to start or did not answer within startup_timeout_s,
+            or could not open its channel.
     """
 
     def __init__(self, workers: list[WorkerRef], calls: Calls, placement: str,
                  policy: str = "least_loaded", deadline_s: float = 60.0,
                  poll_s: float = 0.05, startup_timeout_s: float = 300.0,
                  conditional: ConditionalConfig | None = None,
-                 on_worker_died: Callable[[str, str], str | None] | None = None) -> None:
+                 on_worker_died: Callable[[str, str], str | None] | None = None,
+                 hub: Hub | None = None) -> None:
+        self.hub = LocalHub() if hub is None else hub
         self.workers = {w.name: w for w in workers}
         self.calls = calls
         self.placement = placement
@@ -298,11 +252,8 @@ class Router:
             i.get("enable_prefix_caching", False) for i in infos)
         self._flights: dict[str, _Flight] = {}
         self._parked: dict[str, str] = {}  # request -> the role of the empty pool it waits for
-        self._pending: dict[Any, _Call] = {}
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit"|"abort", ...)
-        self._wake_lock = threading.Lock()
-        self._wake: cf.Future = cf.Future()  # set to end the loop's wait early (online)
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._closed = False  # the online loop has ended: submits are refused at once
@@ -310,6 +261,12 @@ class Router:
         # (waiting, running) requests, refreshed by the loop each step; read by /metrics
         self.num_waiting = self.num_running = 0
         self.loop_errors = 0  # exceptions the online loop survived (each failed its flights)
+        for worker in workers:
+            try:
+                self._open_channel(worker, startup_timeout_s)
+            except Exception as err:
+                raise RuntimeError(f"{worker.role} worker {worker.name} could not open its "
+                                   f"channel: {describe_error(err)}") from err
 
     @property
     def loads(self) -> dict[str, int]:
@@ -325,6 +282,12 @@ class Router:
         if not self.calls.ready([pending], timeout_s):
             raise TimeoutError(f"worker {worker.name} did not answer {method} in {timeout_s} s")
         return self.calls.result(pending)
+
+    def _open_channel(self, worker: WorkerRef, timeout_s: float) -> None:
+        """Attach ``worker``'s current incarnation to the hub and have it open its port
+        (commands sent meanwhile wait in the hub)."""
+        endpoint = self.hub.attach(worker.name, worker.incarnation)
+        self.call_now(worker, "open_channel", endpoint, timeout_s=timeout_s)
 
     def _first_info(self, worker: WorkerRef, timeout_s: float) -> dict:
         try:
@@ -383,6 +346,13 @@ class Router:
         geometry and at least the context and vocabulary the router checks requests
         against, else it is refused (the worker stays dead, ``cause`` says why)."""
         self._inbox.put(("rejoin", name, handle, info))
+        self._wake_up()
+
+    def worker_died(self, name: str, handle: Any, cause: str) -> None:
+        """Worker ``name``'s process died (any thread; its deployment's watch, e.g. Ray's
+        actor death): handled as a death the channel reported, unless ``handle`` is no
+        longer that worker's (a replacement joined meanwhile)."""
+        self._inbox.put(("died", name, handle, cause))
         self._wake_up()
 
     def worker_lost(self, name: str, reason: str) -> None:
@@ -480,7 +450,7 @@ class Router:
                         bisect.insort(arrivals, item, lo=next_index, key=lambda it: it[1])
 
         start_s = time.time()
-        self._flights, self._pending, self._sinks, self._parked = {}, {}, {}, {}
+        self._flights, self._sinks, self._parked = {}, {}, {}
         next_index = 0
         while next_index < len(arrivals) or self._flights:
             while next_index < len(arrivals) and start_s + arrivals[next_index][1] <= time.time():
@@ -497,35 +467,36 @@ class Router:
 
     # ---- the loop -------------------------------------------------------------------------
     def _step(self, wait_s: float) -> None:
-        """One turn of the loop: take queued submits and aborts, keep a long poll on every
-        live worker, handle the calls that finish within ``wait_s``, check deadlines."""
-        self._drain_inbox()
-        self._poll_workers()
-        pending = list(self._pending)
-        online = self._thread is not None and getattr(self.calls, "accepts_futures", False)
-        if online:
-            pending.append(self._wake)  # a submit or abort ends the wait at once
-        for ready in self.calls.ready(pending, wait_s):
-            if ready is not self._wake:
-                self._complete(ready)
-        if online and self._wake.done():
-            with self._wake_lock:
-                self._wake = cf.Future()
+        """One turn of the loop: take queued submits and aborts, wait on the hub up to
+        ``wait_s`` (less when a deadline falls due first; not at all after taking commands,
+        so the next turn sees the inbox again at once) and handle what it brings, check
+        deadlines."""
+        if self._drain_inbox():
+            wait_s = 0.0
+        if self._flights:
+            next_deadline = min(f.deadline_s for f in self._flights.values())
+            wait_s = min(wait_s, max(0.0, next_deadline - time.time()))
+        for item in self.hub.receive(wait_s):
+            if isinstance(item, Died):
+                self._on_died(item)
+            else:
+                self._on_message(item)
         self._check_deadlines()
         self.num_waiting = sum(1 for f in self._flights.values() if f.stage in (PREFILL, POOL))
         self.num_running = len(self._flights) - self.num_waiting
 
     def _wake_up(self) -> None:
-        with self._wake_lock:
-            if not self._wake.done():
-                self._wake.set_result(None)
+        self.hub.wake()
 
-    def _drain_inbox(self) -> None:
+    def _drain_inbox(self) -> bool:
+        """Apply the queued commands; whether there were any."""
+        took = False
         while True:
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
-                return
+                return took
+            took = True
             if command[0] == "abort":
                 flight = self._flights.get(command[1])
                 if flight is not None:
@@ -536,6 +507,12 @@ class Router:
                 continue
             if command[0] == "lost":
                 self._lost(*command[1:])
+                continue
+            if command[0] == "died":
+                _, name, handle, cause = command
+                worker = self.workers.get(name)
+                if worker is not None and worker.alive and worker.handle is handle:
+                    self._worker_died(name, WorkerDied(cause))
                 continue
             _, request, arrived_s, sink, tokens = command
             if request.request_id in self._flights:  # refused; the one in flight goes on
@@ -600,45 +577,29 @@ class Router:
         flight.deadline_s = time.time() + self.deadline_s
 
     def _send(self, worker: str, method: str, request_id: str | None, *args: Any) -> None:
-        ref = self.workers[worker]
-        pending = self.calls.call(ref.handle, method, *args)
-        self._pending[pending] = _Call(method, worker, request_id, ref.incarnation)
+        self.hub.send(worker, Command(method, request_id, args))
 
     # ---- events -----------------------------------------------------------------------
-    def _poll_workers(self) -> None:
-        polling = {(c.worker, c.incarnation) for c in self._pending.values()
-                   if c.method == "wait_events"}
-        for name, worker in self.workers.items():
-            if worker.alive and (name, worker.incarnation) not in polling:
-                self._send(name, "wait_events", None, self.poll_s)
+    def _on_message(self, message: Message) -> None:
+        """One step's news of a worker (the hub delivers only its current incarnation's)."""
+        worker = self.workers.get(message.worker)
+        if worker is None or message.incarnation != worker.incarnation:
+            return
+        for event in message.body:
+            if event.kind == ev.TOKENS:
+                self._on_tokens(event)
+            elif event.kind == ev.DIED:  # its last words: nothing follows
+                self._worker_died(message.worker, WorkerDied(event.error))
+                return
+            else:
+                self._on_event(event)
 
-    def _complete(self, pending: Any) -> None:
-        call = self._pending.pop(pending)
-        if call.incarnation != self.workers[call.worker].incarnation:
-            # a call to a replaced (dead) incarnation: its news concerns only the requests
-            # moved off it (``_news_of_the_dead``), nobody the replacement serves
-            if call.method == "wait_events":
-                self._news_of_replaced(call, pending)
-            return
-        try:
-            result = self.calls.result(pending)
-        except Exception as err:
-            if isinstance(err, WorkerDied) or call.method == "wait_events":
-                self._worker_died(call.worker, err)  # gone, or its engine loop died
-            elif call.request_id in self._flights and not (
-                    call.method == "admit"  # to a decode worker the request has since left
-                    and self._flights[call.request_id].record.decode_worker != call.worker):
-                # a call that raised: only its request fails
-                error = f"{call.worker}.{call.method}: {describe_error(err)}"
-                self._finish(self._flights[call.request_id], error=error,
-                             kv_back=call.method == "admit")  # a refused admit took no KV
-            return
-        if call.method == "wait_events":
-            for event in result:
-                if event.kind == ev.TOKENS:
-                    self._on_tokens(event)
-                else:
-                    self._on_event(event)
+    def _on_died(self, died: Died) -> None:
+        """The hub heard nothing of a worker incarnation for ``DEAD_AFTER_S``."""
+        worker = self.workers.get(died.worker)
+        if worker is not None and died.incarnation == worker.incarnation:
+            self._worker_died(died.worker, WorkerDied(
+                f"its channel fell silent ({died.silent_s:.1f} s without a heartbeat)"))
 
     def _on_tokens(self, batch: ev.TokenBatch) -> None:
         """A step's plain tokens (``engine.events.TokenBatch``): ``_on_event``'s token path
@@ -689,21 +650,6 @@ class Router:
         self._finish(flight, error=flight.moved_from_death if error is None
                      else f"{worker}: {error}")
         return True
-
-    def _news_of_replaced(self, call: _Call, pending: Any) -> None:
-        """A long poll of a replaced incarnation returned: the requests moved off it hear
-        its news (``_news_of_the_dead``); every other event is ignored."""
-        try:
-            events = self.calls.result(pending)
-        except Exception:  # it died: nothing to hear
-            return
-        for event in events:
-            rids = event.request_ids if event.kind == ev.TOKENS else (event.request_id,)
-            for rid in rids:
-                flight = self._flights.get(rid)
-                if flight is not None:
-                    self._news_of_the_dead(flight, call.worker, call.incarnation,
-                                           event.error if event.kind == ev.ERROR else None)
 
     def _on_event(self, event: ev.WorkerEvent) -> None:
         flight = self._flights.get(event.request_id)
@@ -834,7 +780,7 @@ class Router:
         if error is not None or finish_reason == "abort":
             for name in {record.prefill_worker, record.decode_worker} - {None}:
                 if self.workers[name].alive:  # free whatever it holds there
-                    self._send(name, "abort", None, record.request_id)
+                    self._send(name, "abort", record.request_id, record.request_id)
         self.assigner.release(record.request_id)
         del self._flights[record.request_id]
         self._emit(StreamEvent(record.request_id, FINISH, now, finish_reason=record.finish_reason,
@@ -850,6 +796,7 @@ class Router:
             return
         worker.alive = False
         worker.cause = f"died: {describe_error(err)}"
+        self.hub.detach(name)  # nothing more goes to it; its late news is stale
         self.assigner.mark_dead(name)
         if self.on_worker_died is not None:  # first: a moved request may wait for it
             try:
@@ -915,8 +862,16 @@ class Router:
         if problem is not None:
             self._lost(name, f"its replacement has {problem} than the placement: {info}")
             return
-        worker.handle, worker.alive, worker.restarting, worker.cause = handle, True, False, None
+        worker.handle = handle
         worker.incarnation += 1
+        try:
+            self._open_channel(worker, self.deadline_s)
+        except Exception as err:
+            self.hub.detach(name)
+            self._lost(name, f"its replacement could not open its channel: "
+                             f"{describe_error(err)}")
+            return
+        worker.alive, worker.restarting, worker.cause = True, False, None
         worker.restarts += 1
         self.assigner.mark_live(name)
         for rid in list(self._parked):  # in arrival order; one may park again (another pool)
@@ -965,11 +920,9 @@ class Router:
                                            f"{self.deadline_s} s while waiting for "
                                            f"{flight.stage} on {flight.worker}")
 
-    def _drain(self, limit_s: float = 2.0) -> None:
-        """Let the outstanding polls and calls end (bounded): late events they bring still
-        free their KV, and the aborts and releases sent are delivered before returning."""
-        end_s = time.time() + max(limit_s, 2 * self.poll_s)
-        while self._pending and time.time() < end_s:
-            for pending in self.calls.ready(list(self._pending), max(0.0, end_s - time.time())):
-                self._complete(pending)
-        self._pending.clear()
+    def _drain(self) -> None:
+        """One last turn on the hub: commands waiting for a port leave, and news already
+        there is handled (a late ``prefilled`` event's KV goes back to its producer)."""
+        for item in self.hub.receive(0.0):
+            if isinstance(item, Message):
+                self._on_message(item)

@@ -107,7 +107,7 @@ def local_ray(num_cpus: int = 4):
     Logical CPUs: 4 leaves room for a 3-worker placement on 2 cores."""
     import ray
 
-    from experiments.ray_actors import ray_init_kwargs
+    from deployment.ray_actors import ray_init_kwargs
 
     kwargs = ray_init_kwargs()
     env = kwargs["runtime_env"]["env_vars"]

@@ -30,7 +30,7 @@ from experiments.options import (add_deployment_args, add_engine_args, add_model
                                  engine_config,
                                  load_profile_for, option_error, placement_list, rate_list,
                                  transfer_model_for)
-from experiments.placement import emulation_for, worker_layout
+from deployment.placement import emulation_for, worker_layout
 from planner.latency import DeviceProfile
 from experiments.replay import RunResult, calibrated_slo, default_placements, run_placement
 from experiments.results import experiment_config, print_outcome, write_results

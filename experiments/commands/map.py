@@ -34,7 +34,7 @@ from experiments import dilation, map_validate, plots
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_transfer_args,
                                  check_model, check_out, engine_config, find_profile,
                                  load_profile_for, option_error, rate_list, what_if_transfer)
-from experiments.placement import emulation_for, worker_layout
+from deployment.placement import emulation_for, worker_layout
 from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
 from planner import search, slo_map
 from planner.latency import LINKS, DeviceProfile, TransferModel

@@ -28,12 +28,12 @@ from engine.config import (GIB, EngineConfig, ModelConfig, TransferConfig, add_d
                            check_fields, dataclass_from_args, emulated_devices, parse_devices)
 from engine.metrics import SLO
 from experiments import dilation, plots, validate
-from experiments.placement import emulation_for
+from deployment.placement import emulation_for
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, add_transfer_args,
                                  check_model,
                                  check_out, engine_config, find_profile, load_profile_for,
                                  option_error, rate_list, what_if_transfer)
-from experiments.placement import worker_layout
+from deployment.placement import worker_layout
 from experiments.report import markdown_table
 from experiments.workload_spec import (Timed, WorkloadSpec, build_workload, context_len,
                                        requests_of, trace_rate)

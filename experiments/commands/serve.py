@@ -14,7 +14,7 @@ from engine.model import load_tokenizer
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args,
                                  add_transfer_args, check_model, check_placements, engine_config, option_error,
                                  placement_list)
-from experiments.placement import Deployment, emulation_for
+from deployment.placement import Deployment, emulation_for
 from experiments.results import emulation_row
 from server.app import OpenAIServer, serve_forever, text_of
 from server.config import ServeConfig

@@ -267,7 +267,7 @@ def compare_placements(table: Table, plan: Plan, model_config, vocab_size: int) 
     from engine import metrics
     from engine.config import EngineConfig, PlacementConfig, TransferConfig
     from engine.request import Request, SamplingParams
-    from experiments.placement import Deployment
+    from deployment.placement import Deployment
     from kv_transfer.payload import DEFAULT_CHECKSUM_KIND
 
     engine = EngineConfig(max_num_seqs=64, max_model_len=plan.prompt_lens[1] + plan.output_len + 16,

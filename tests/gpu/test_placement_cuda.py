@@ -11,7 +11,7 @@ from conftest import random_prompts
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.model import load_model
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

@@ -16,7 +16,7 @@ from engine.metrics import ARRIVED, SLO, RequestRecord
 from experiments import workload_spec
 from experiments import analysis, cli, workloads
 from experiments.commands import bench
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from server.app import OpenAIServer, ServerThread
 from server.text import ByteText
 

@@ -17,7 +17,7 @@ from engine.request import Request, SamplingParams
 from engine.metrics import SLO
 from experiments.replay import RunResult
 from experiments.results import _write_hindsight
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")
 

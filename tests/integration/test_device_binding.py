@@ -14,7 +14,7 @@ from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_worklo
 from engine import device as dev
 from engine import serving
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")
 

@@ -26,7 +26,7 @@ from experiments import analysis, workloads
 from experiments.commands import compare
 from experiments.results import write_results
 from experiments.workload_spec import WorkloadSpec
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")
 INPROCESS = TransferConfig(transport="inprocess")

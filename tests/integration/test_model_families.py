@@ -19,7 +19,7 @@ from engine.model import (SUPPORTED_ARCHITECTURES, TINY_FAMILIES, UnsupportedMod
 from engine.request import Request, RequestState, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledBatch
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 # name: (layers, KV heads, head dim, context, what bounds it), written out from the configs in
 # engine/model.py tiny_family_config (head_dim given where it is not hidden/heads = 16).

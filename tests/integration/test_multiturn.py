@@ -14,7 +14,7 @@ from placement_helpers import assert_clean
 from engine.config import ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.metrics import ARRIVED, FINISHED
 from experiments import workloads as w
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from experiments.workload_spec import ClosedLoop
 from planner.latency import TransferModel
 from planner.simulate import Simulator

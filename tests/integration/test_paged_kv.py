@@ -17,7 +17,7 @@ from engine.kv_cache import GIB, KVSpec, KVStore, kv_budget_bytes, kv_cache_num_
 from engine.request import Request, RequestState, SamplingParams
 from engine.runner import ModelRunner
 from engine.scheduler import ScheduledBatch
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 SPEC = KVSpec("t", num_layers=3, num_kv_heads=2, head_dim=4, dtype="float32")
 

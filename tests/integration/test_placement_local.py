@@ -13,7 +13,7 @@ from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_wo
 from engine import metrics
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")
 

@@ -15,7 +15,7 @@ from engine import runner as runner_mod
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 BUDGET = 16
 CONTEXT = 256  # the tiny model's max_position_embeddings

@@ -20,7 +20,7 @@ from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferCo
 from engine.engine import Engine
 from engine.events import KV_GOT, PREFILLED, TOKEN
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.shm import SharedMemoryTransport
 from prefill_worker import PrefillWorker

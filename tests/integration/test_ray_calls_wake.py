@@ -8,7 +8,7 @@ import concurrent.futures as cf
 import threading
 import time
 
-import experiments.ray_actors as ray_actors
+import deployment.ray_actors as ray_actors
 
 
 class FakeRay:

@@ -12,7 +12,7 @@ from placement_helpers import ENGINE, assert_clean, mixed_workload
 
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from router.router import FINISH, TOKEN
 
 TINY = ModelConfig("tiny-random-llama")

@@ -16,7 +16,7 @@ from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_wo
 
 from decode_worker import DecodeWorker
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.shm import SharedMemoryTransport
 from prefill_worker import PrefillWorker

@@ -13,7 +13,7 @@ from placement_helpers import ENGINE, assert_clean
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.engine import Engine
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 TINY = ModelConfig("tiny-random-llama")
 CONFIG = EngineConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)

@@ -29,8 +29,8 @@ from placement_helpers import assert_clean
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
-from experiments.restarts import Restarts
+from deployment.placement import Deployment
+from deployment.restarts import Restarts
 from server.app import OpenAIServer, ServerThread
 from server.text import ByteText
 

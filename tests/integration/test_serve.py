@@ -27,7 +27,7 @@ from conftest import random_prompts, reference_generate
 from placement_helpers import assert_clean
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from server.app import OpenAIServer, ServerThread
 from server.text import ByteText
 

@@ -171,7 +171,7 @@ def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny
     generate()'s tokens; decode-0 rejoined; at the end every engine is empty with every
     block free, the transport holds nothing and the loads are 0."""
     from engine.config import PlacementConfig
-    from experiments.placement import Deployment
+    from deployment.placement import Deployment
 
     items, expected = workload
     faults = {"prefill-0": [{"fail": True, "only_request_ids": [rid(i) for i in FAILED]},

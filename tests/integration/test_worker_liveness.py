@@ -15,7 +15,7 @@ from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_worklo
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.request import Request, SamplingParams
 from engine.serving import EngineLoop, EngineLoopDied, InOrder
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 pytestmark = pytest.mark.workers
 TINY = ModelConfig("tiny-random-llama")

@@ -1,5 +1,5 @@
 """On a Ray cluster pdlab starts, a ``cuda:i`` worker gets exactly GPU i: the placement's
-own bundles and actor options (``experiments.ray_actors.gpu_actor_resources``) schedule and
+own bundles and actor options (``deployment.ray_actors.gpu_actor_resources``) schedule and
 reach the actor as the GPU it must make visible (``engine.device.PIN_ENV``; that
 ``bind_device`` applies it is ``tests/unit/test_device.py``'s). Stand-in actors, no GPU."""
 
@@ -11,7 +11,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from engine import device as dev
-from experiments.ray_actors import gpu_actor_resources, local_cluster_kwargs, ray_init_kwargs
+from deployment.ray_actors import gpu_actor_resources, local_cluster_kwargs, ray_init_kwargs
 
 pytestmark = pytest.mark.ray
 DEVICES = ("cuda:0", "cuda:1")

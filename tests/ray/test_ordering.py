@@ -14,7 +14,7 @@ from placement_helpers import OrderProbe, local_ray
 import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.serving import EngineLoopDied
-from experiments.ray_actors import RayCalls
+from deployment.ray_actors import RayCalls
 from router.calls import WorkerDied
 
 pytestmark = pytest.mark.ray

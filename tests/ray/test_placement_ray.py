@@ -13,7 +13,7 @@ from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_wo
 import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from kv_transfer.nixl import nixl_available
 
 pytestmark = pytest.mark.ray

@@ -1,5 +1,5 @@
 """Self-healing over Ray (issue 28): a killed actor is started again in its own bundle by
-pdlab (``experiments.restarts``, not Ray's actor restart), rejoins its pool and is routed to
+pdlab (``deployment.restarts``, not Ray's actor restart), rejoins its pool and is routed to
 again; the second death, past the budget, is final and says so."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.request import Request, SamplingParams
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")

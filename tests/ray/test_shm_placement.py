@@ -9,7 +9,7 @@ from placement_helpers import ENGINE, assert_clean, assert_outputs, local_ray, m
 import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")

@@ -15,7 +15,7 @@ from placement_helpers import assert_clean, local_ray, soak_workload
 import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 
 pytestmark = pytest.mark.ray
 TINY = ModelConfig("tiny-random-llama")
@@ -69,8 +69,11 @@ def test_soak_500_requests_through_ray_with_faults_and_the_prefill_actor_killed(
     import time
 
     items, expected = soak_workload(tiny, NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS)
+    # prefill-0's steps take 10 ms more, so that it always holds prompts when it is killed
+    # (a worker that keeps up with prompts 2 ms apart may hold none at that instant)
     faults = {"prefill-0": [{"fail": True, "only_request_ids": [rid(i) for i in FAILED]},
-                            {"corrupt": True, "only_request_ids": [rid(i) for i in CORRUPTED]}],
+                            {"corrupt": True, "only_request_ids": [rid(i) for i in CORRUPTED]},
+                            {"step_delay_s": 0.01}],
               "decode-0": {"delay_s": 0.2, "only_request_ids": [rid(i) for i in DELAYED]}}
     with local_ray(), Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
                                  TransferConfig(transport="ray", timeout_s=3.0), faults=faults,

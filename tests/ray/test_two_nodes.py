@@ -11,8 +11,8 @@ import ray  # a required dependency: a broken install fails here, it never skips
 from ray.cluster_utils import Cluster
 
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
-from experiments.placement import Deployment
-from experiments.ray_actors import ray_init_kwargs
+from deployment.placement import Deployment
+from deployment.ray_actors import ray_init_kwargs
 from kv_transfer.nixl import nixl_available
 
 pytestmark = pytest.mark.ray

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from channel.local import open_local_port
 from engine import events as ev
 from engine.config import ConditionalConfig, EngineConfig
 from engine.request import Request, SamplingParams
@@ -95,7 +96,10 @@ class ScriptedWorker:
 
     def __init__(self, name: str) -> None:
         self.name, self.role = name, name.split("-")[0]
-        self.outbox: list[ev.WorkerEvent] = []
+        self.outbox = _Outbox()
+
+    def open_channel(self, endpoint) -> None:
+        self.outbox.port = open_local_port(endpoint)
 
     def info(self) -> dict:
         return {"kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256,
@@ -113,9 +117,15 @@ class ScriptedWorker:
     def release(self, handles) -> None:
         pass
 
-    def wait_events(self, timeout_s: float) -> list[ev.WorkerEvent]:
-        events, self.outbox = self.outbox, []
-        return events
+
+
+class _Outbox:
+    """What the test appends leaves at once through the worker's channel port."""
+
+    port = None
+
+    def append(self, event: ev.WorkerEvent) -> None:
+        self.port.send((event,))
 
 
 class _Done:
@@ -163,7 +173,7 @@ def test_router_and_simulator_assign_alike_event_by_event():
             workers[decode].outbox.append(ev.WorkerEvent(
                 ev.TOKEN, rid, decode, float(t), token_id=9, index=1, finish_reason="length"))
             sim._finish(sim._flights[rid], float(t))
-        router._step(0.0)  # takes the submit or hears the event (its poll answers at once)
+        router._step(0.0)  # takes the submit or hears the event (sent before the step)
         if kind == "arrive":
             decode_of[rid] = router._flights[rid].record.decode_worker
             assert sim._flights[rid].decode == decode_of[rid], (kind, rid)

@@ -10,7 +10,7 @@ import pytest
 from fake_cuda import FakeCuda
 
 from engine import device as dev
-from experiments import ray_actors
+from deployment import ray_actors
 
 
 @pytest.fixture

@@ -18,7 +18,7 @@ from test_emulated import ENGINE, LLAMA, STEP_S, FakeClock, constant_profile, em
 
 from engine.engine import Engine
 from engine.model import load_geometry
-from experiments.placement import emulation_for
+from deployment.placement import emulation_for
 
 
 def test_undilate_record_hand_computed():

@@ -13,7 +13,7 @@ from engine.model import ModelLoadError, load_geometry
 from engine.request import Request, RequestState, SamplingParams
 from engine.scheduler import ScheduledBatch, StepFeatures
 from planner.latency import DeviceProfile, Fit
-from experiments.placement import Deployment
+from deployment.placement import Deployment
 from planner.simulate import Simulator
 
 LLAMA = "engine/configs/llama-3.1-8b"

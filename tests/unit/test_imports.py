@@ -5,15 +5,16 @@ everything):
 
     channel  <  engine.serving;  engine  <  kv_transfer  <  prefill_worker, decode_worker
     channel  <  prefill_worker, decode_worker
-    engine (torch-free), channel.contract  <  router  <  planner, server
+    engine (torch-free), channel.contract, channel.local  <  router  <  planner, server
+    engine, kv_transfer, channel, workers, router, planner  <  deployment  <  experiments
 
 Rules:
 - engine imports no other pdlab package but ``channel`` in engine/serving.py (a worker's
   loop speaks the message plane); kv_transfer imports only engine; channel imports no
   other pdlab package;
 - prefill_worker / decode_worker import engine, kv_transfer and channel, never each other;
-- router imports only the torch-free engine modules and ``channel.contract`` (it is handed
-  a hub), no torch/transformers/ray/msgpack/zmq;
+- router imports only the torch-free engine modules, ``channel.contract`` and
+  ``channel.local`` (its default hub, in-process), no torch/transformers/ray/msgpack/zmq;
 - planner (the simulator and its models) imports only the torch-free engine modules and
   router: a plan never loads torch or Ray; server (the HTTP front end) the same, plus web
   libraries;
@@ -25,8 +26,9 @@ Rules:
   ``benchmarks/kv_transfer.py`` included), each with a comment saying why;
 - transformers only in engine/model.py (engine/runner.py allowed); msgpack only in
   kv_transfer/payload.py and channel/wire.py; zmq only in channel/sockets.py; ray
-  (``import ray`` / ``from ray...``) only in experiments/* and kv_transfer/ray_store.py;
-  kv_transfer.ray_store itself only lazily (inside a function) outside experiments;
+  (``import ray`` / ``from ray...``) only in deployment/* and kv_transfer/ray_store.py;
+  kv_transfer.ray_store itself only lazily (inside a function) outside deployment;
+- deployment imports no experiments, server or benchmarks module;
 - the torch-free engine modules import no torch at module level (checked in a subprocess too).
 """
 
@@ -42,12 +44,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("engine", "kv_transfer", "channel", "prefill_worker", "decode_worker", "router",
-            "planner", "server", "experiments")
+            "planner", "server", "deployment", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
                      "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks",
                      "engine.placement", "engine.kv_heads", "engine.memory_fit")
 HEAVY = ("torch", "transformers", "ray", "msgpack", "zmq")
-CHANNEL_FOR_ROUTER = ("channel", "channel.contract")  # the contract only: no sockets, no msgpack
+# the contract and the in-process hub (its default): no sockets, no msgpack
+CHANNEL_FOR_ROUTER = ("channel", "channel.contract", "channel.local")
 MAX_LAZY_IMPORTS = 10
 
 
@@ -129,9 +132,9 @@ def test_the_parser_sees_the_imports_it_should():
         assert any(f.startswith(package + "/") for f in files), package
     assert any(i.file == "engine/model.py" and i.top == "transformers" and not i.lazy
                for i in IMPORTS)
-    assert any(i.file == "experiments/ray_actors.py" and i.top == "ray" and not i.lazy
+    assert any(i.file == "deployment/ray_actors.py" and i.top == "ray" and not i.lazy
                for i in IMPORTS)
-    assert any(i.file == "experiments/placement.py" and i.module == "experiments.ray_actors"
+    assert any(i.file == "deployment/placement.py" and i.module == "deployment.ray_actors"
                and i.lazy for i in IMPORTS)
     assert any(i.file == "kv_transfer/ray_store.py" and i.top == "ray" and not i.lazy
                for i in IMPORTS)
@@ -185,6 +188,13 @@ def test_router_planner_server_import_only_torch_free_engine_modules(package, al
         return i.top in set(PACKAGES) - allowed
 
     assert violations(bad) == []
+
+
+def test_deployment_imports_no_experiment_nor_front_end():
+    assert violations(lambda i: in_package(i, "deployment")
+                      and i.top in ("experiments", "server", "benchmarks")) == []
+    tops = {i.top for i in IMPORTS if in_package(i, "deployment")}
+    assert {"router", "prefill_worker", "decode_worker", "channel"} <= tops
 
 
 def _command(file: str) -> bool:
@@ -281,9 +291,9 @@ def test_zmq_only_in_the_channel_sockets():
     assert violations(lambda i: i.top == "zmq" and i.file != "channel/sockets.py") == []
 
 
-def test_ray_only_in_experiments_and_ray_store():
+def test_ray_only_in_deployment_and_ray_store():
     def bad(i: Import) -> bool:
-        if in_package(i, "experiments"):
+        if in_package(i, "deployment"):
             return False
         if i.top == "ray":
             return i.file != "kv_transfer/ray_store.py"
@@ -295,20 +305,20 @@ def test_ray_only_in_experiments_and_ray_store():
 
 
 def test_ray_eagerly_only_in_ray_actors():
-    """Only ``experiments/ray_actors.py`` imports ray at module level, and placement imports
+    """Only ``deployment/ray_actors.py`` imports ray at module level, and placement imports
     it only for a Ray deployment, so local mode (``Deployment(local=True)``, ``make
     gpu-check``) runs where Ray is not installed."""
-    eager = {i.file for i in IMPORTS if in_package(i, "experiments") and not i.lazy
-             and i.top == "ray"}
-    assert eager == {"experiments/ray_actors.py"}, eager
-    assert violations(lambda i: i.file == "experiments/placement.py" and not i.lazy
-                      and i.module == "experiments.ray_actors") == []
+    eager = {i.file for i in IMPORTS if not i.lazy and i.top == "ray"} - {
+        "kv_transfer/ray_store.py"}
+    assert eager == {"deployment/ray_actors.py"}, eager
+    assert violations(lambda i: i.file == "deployment/placement.py" and not i.lazy
+                      and i.module == "deployment.ray_actors") == []
 
 
 def test_local_placement_imports_where_ray_cannot_be_imported():
     """``sys.modules['ray'] = None`` makes every ``import ray`` fail, as on a box without it."""
     code = ("import sys\nsys.modules['ray'] = None\n"
-            "import experiments.placement\nprint('ok')\n")
+            "import deployment.placement\nprint('ok')\n")
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]

@@ -15,7 +15,8 @@ import pytest
 
 from engine.config import emulated_devices
 from engine.emulated import lateness_p99
-from experiments import cli, map_validate, placement
+from deployment import placement
+from experiments import cli, map_validate
 from experiments.commands import map as map_cmd
 
 DATA = Path(__file__).resolve().parents[1] / "data"

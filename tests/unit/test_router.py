@@ -1,11 +1,14 @@
 """Router over fake workers (no model, no Ray): pool rotation, load accounting from
 assignment, per-request deadlines, KV handles of late events, dead workers, validation.
 
-The fakes answer every call at once in the caller's thread. A fake prefill worker
-"prefills" a request ``prefill_s`` after its submit and reports the first token with one KV
-handle, which it keeps in the shared ``FakeTransport`` until someone frees it; a fake
-decode worker frees the handles on ``admit`` (it "fetched" them) and then reports
-``kv_got`` and one token every ``token_s`` seconds.
+The fakes speak the in-process channel (``channel.local``): a command runs the moment it
+reaches a fake's port, in the router's thread; each time the router waits on its hub, every
+fake sends what is due as one message (its "step"), and a fake that died sends its last
+words (a ``died`` event) and falls silent. A fake prefill worker "prefills" a request
+``prefill_s`` after its submit and reports the first token with one KV handle, which it
+keeps in the shared ``FakeTransport`` until someone frees it; a fake decode worker frees
+the handles on ``admit`` (it "fetched" them) and then reports ``kv_got`` and one token
+every ``token_s`` seconds.
 """
 
 from __future__ import annotations
@@ -16,12 +19,12 @@ from collections import Counter
 
 import pytest
 
+from channel.local import LocalHub, open_local_port
 from engine import events as ev
 from engine.metrics import ARRIVED, FINISHED
 from engine.request import Request, SamplingParams
 from router.calls import WorkerDied
 from router.router import Router, WorkerRef
-from router.router import _Call as RouterCall
 
 SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
         "dtype": "float32"}
@@ -38,10 +41,11 @@ class _Done:
 
 
 class FakeCalls:
-    """``Calls`` whose calls run at once; a worker with ``dead_error`` set raises it."""
+    """``Calls`` (the lifecycle: ``info``, ``open_channel``) whose calls run at once; a
+    worker with ``dead_error`` set raises it on any other."""
 
     def call(self, worker, method, *args):
-        if worker.dead_error is not None and method != "info":
+        if worker.dead_error is not None and method not in ("info", "open_channel"):
             return _Done(error=worker.dead_error)
         try:
             return _Done(getattr(worker, method)(*args))
@@ -55,6 +59,30 @@ class FakeCalls:
         if pending.error is not None:
             raise pending.error
         return pending.value
+
+
+class FakeHub(LocalHub):
+    """The in-process hub; before each wait every fake worker runs its step (``FakeWorker.
+    step``), and the wait is short (a fake's next event may fall due meanwhile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fakes: list[FakeWorker] = []
+
+    def receive(self, timeout_s: float):
+        for fake in list(self.fakes):
+            fake.step()
+        return super().receive(min(timeout_s, 0.002))
+
+
+_PORTS: list = []  # every fake's port, closed after each test (their heartbeat threads)
+
+
+@pytest.fixture(autouse=True)
+def _close_ports():
+    yield
+    while _PORTS:
+        _PORTS.pop().close()
 
 
 class FakeWorker:
@@ -75,6 +103,51 @@ class FakeWorker:
         self.router: Router | None = None
         self.loads_at_submit: list[dict[str, int]] = []
         self.min_load = 0
+        self.port = None
+        self.silent = False  # died and said so
+
+    def open_channel(self, endpoint) -> None:
+        hub = self.router.hub if self.router is not None else None
+        self.port = open_local_port(endpoint, on_arrival=self._take)
+        _PORTS.append(self.port)
+        if hub is not None and self not in hub.fakes:
+            hub.fakes.append(self)
+
+    def _take(self) -> None:
+        """Run the commands that reached the port (a dead worker runs nothing more); one
+        raising ``WorkerDied`` kills the worker, another raising becomes an error event."""
+        taken = self.port.take(0)
+        for command in taken.cancelled:
+            if command.kind == "admit":
+                self.transport.held.difference_update(command.args[2])
+        for command in taken.commands:
+            if self.dead_error is not None:
+                return
+            try:
+                getattr(self, command.kind)(*command.args)
+            except WorkerDied as err:
+                self.dead_error = err
+            except Exception as err:
+                self._emit(time.time(), ev.ERROR, command.request_id or "",
+                           error=f"{command.kind} failed: {err!r}")
+
+    def step(self) -> None:
+        """Send what is due as one message; a dead worker's loop (``dead_error``, or a
+        ``wait_events`` that raised) sends its last words instead of what was not due yet,
+        then falls silent."""
+        if self.port is None or self.silent:
+            return
+        try:
+            events = self.wait_events(0.0)
+        except Exception as err:  # its loop died
+            self.dead_error, events = self.dead_error or err, []
+        if events:
+            self.port.send(tuple(events))
+        if self.dead_error is not None:
+            self.port.send((ev.WorkerEvent(ev.DIED, "", self.name, time.time(),
+                                           error=str(self.dead_error)),))
+            self.port.close()
+            self.silent = True
 
     def info(self) -> dict:
         return {"kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256}
@@ -156,9 +229,12 @@ def build(placement: str, policy: str = "least_loaded", deadline_s: float = 60.0
                  + [f"decode-{i}" for i in range(int(num_decode))])
     workers = {name: FakeWorker(name, transport, **timing) for name in names}
     refs = [WorkerRef(name, w.role, w, rank) for rank, (name, w) in enumerate(workers.items())]
-    router = Router(refs, FakeCalls(), placement, policy, deadline_s=deadline_s, poll_s=0.005)
+    hub = FakeHub()
+    router = Router(refs, FakeCalls(), placement, policy, deadline_s=deadline_s, poll_s=0.005,
+                    hub=hub)
     for worker in workers.values():
         worker.router = router
+        hub.fakes.append(worker)
     return router, workers, transport
 
 
@@ -303,29 +379,12 @@ def test_a_replacement_rejoins_waiting_requests_go_to_it_and_the_dead_one_is_ign
     ref = router.workers["decode-0"]
     assert (ref.handle, ref.state, ref.incarnation, ref.restarts) == (replacement, "live", 1, 1)
     assert all(r.timeline[FINISHED] - r.timeline[ARRIVED] >= 0.2 for r in records)
-    # a reply from the dead incarnation (a WorkerDied of a call sent before) is ignored
-    late = _Done(error=WorkerDied("late"))
-    router._pending[late] = RouterCall("wait_events", "decode-0", None, incarnation=0)
-    router._complete(late)
-    assert ref.alive
+    # a message of the dead incarnation (its last words, late) is dropped: stale
+    router.hub.arrive("decode-0", 0, 0, (ev.WorkerEvent(ev.DIED, "", "decode-0", time.time(),
+                                                        error="late"),))
+    router._step(0.0)
+    assert ref.alive and router.hub.stale[("decode-0", 0)] == 1
     assert_drained(router, workers | {"decode-0": replacement}, transport)
-
-
-class LateCalls(FakeCalls):
-    """``FakeCalls`` that hand the router a long poll's answer from ``late_worker`` (one
-    carrying news) only once ``until()`` holds: a reply still in flight meanwhile."""
-
-    def __init__(self) -> None:
-        self.late_worker, self.until, self._late = None, lambda: True, set()
-
-    def call(self, worker, method, *args):
-        done = super().call(worker, method, *args)
-        if worker is self.late_worker and method == "wait_events" and done.value:
-            self._late.add(done)
-        return done
-
-    def ready(self, pending, timeout_s):
-        return [p for p in pending if p not in self._late or self.until()]
 
 
 def fetching(worker: FakeWorker, transport: FakeTransport, corrupted=(), dies_at=None):
@@ -352,15 +411,13 @@ def fetching(worker: FakeWorker, transport: FakeTransport, corrupted=(), dies_at
     return admit
 
 
-def die_after_reporting(placement: str, late: bool, corrupted=("r0",)):
+def die_after_reporting(placement: str, corrupted=("r0",), token_s: float = 0.0):
     """decode-0 takes r0's admit and reports on it (fetched, or its checksum failed:
-    ``corrupted``), then dies while r1 (1p1d) or r2 (1p2d) is admitted there. The router
-    learns of the death from that admit before it handles decode-0's last long poll,
-    which carries r0's news (Ray hands the router ready calls in the order sent). 1p1d: a
-    replacement is coming (its hook rejoins it), and with ``late`` that poll's answer
-    reaches the router only after the rejoin; 1p2d: decode-1 takes the moved requests."""
-    router, workers, transport = build(placement)
-    calls = router.calls = LateCalls()
+    ``corrupted``), then dies while r1 (1p1d) or r2 (1p2d) is admitted there. Its channel
+    carries r0's news (what was due) before its last words: the router hears them in that
+    order. 1p1d: a replacement is coming (its hook rejoins it); 1p2d: decode-1 takes the
+    moved requests."""
+    router, workers, transport = build(placement, token_s=token_s)
     dead = workers["decode-0"]
     replacement = FakeWorker("decode-0", transport)
     replacement.router = router
@@ -372,53 +429,43 @@ def die_after_reporting(placement: str, late: bool, corrupted=("r0",)):
     else:
         router.on_worker_died = lambda name, cause: router.rejoin(  # returns None: coming
             name, replacement, replacement.info())
-    if late:
-        calls.late_worker = dead
-        calls.until = lambda: router.workers["decode-0"].incarnation == 1
     records = router.run(requests(3 if "decode-1" in workers else 2))
     return records, workers, transport, replacement, router
 
 
-@pytest.mark.parametrize("placement, late", [
-    ("disagg:1p1d", False), ("disagg:1p1d", True), ("disagg:1p2d", False)])
-def test_a_checksum_error_reported_as_the_decode_worker_dies_is_the_request_s_cause(
-        placement, late):
+@pytest.mark.parametrize("placement", ["disagg:1p1d", "disagg:1p2d"])
+def test_a_checksum_error_reported_as_the_decode_worker_dies_is_the_request_s_cause(placement):
     """r0's KV is corrupted: decode-0 fetches it, fails the checksum, frees the handles,
-    reports the error and dies. The router learns of the death first and moves r0 (no
-    kv_got came: the handles it holds look unfetched); decode-0's report comes after, while
-    r0 waits for the replacement, after the replacement took it, or once decode-1 took it.
-    r0 fails with its first cause, the checksum error, not with the later fetch of freed
-    KV (a 500-request soak's 'q147': "fetching it again failed: ... no KV for request
-    q147"); the request that decode-0 never took decodes elsewhere; no handle is given back
-    twice, none leaks."""
-    records, workers, transport, replacement, router = die_after_reporting(placement, late)
+    reports the error and dies. r0 fails with its first cause, the checksum error, not with
+    a later fetch of freed KV elsewhere (a 500-request soak's 'q147': "fetching it again
+    failed: ... no KV for request q147"); the request that decode-0 never took decodes
+    elsewhere; no handle is given back twice, none leaks."""
+    records, workers, transport, replacement, router = die_after_reporting(placement)
     assert records[0].error == ("decode-0: KV transfer failed: KVChecksumError: payload "
                                 "checksum mismatch")
     assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in records[1:])
     assert workers["prefill-0"].released == []  # the handles were freed at the fetch
-    if placement == "disagg:1p1d":  # r0 reached the replacement only if it rejoined first
-        assert replacement.submitted == (["r0", "r1"] if late else ["r1"])
-        assert replacement.aborted == (["r0"] if late else [])
+    if placement == "disagg:1p1d":
+        assert replacement.submitted == ["r1"]
+        assert replacement.aborted == []
         workers["decode-0"] = replacement
     assert_drained(router, workers, transport)
 
 
-@pytest.mark.parametrize("placement, late", [
-    ("disagg:1p1d", False), ("disagg:1p1d", True), ("disagg:1p2d", False)])
-def test_a_kv_got_reported_as_the_decode_worker_dies_fails_the_request_naming_it(
-        placement, late):
+@pytest.mark.parametrize("placement", ["disagg:1p1d", "disagg:1p2d"])
+def test_a_kv_got_reported_as_the_decode_worker_dies_fails_the_request_naming_it(placement):
     """The same death, r0's KV healthy: decode-0 fetched and freed it and reported kv_got
-    (and its tokens) as it died. r0 was decoding there: it fails at once naming the death,
-    as it would have had the kv_got come first, and is never fetched again (the rejoin
-    once assigned such a request afresh: "request_id q107 is already assigned")."""
+    as it died (its next tokens, 0.05 s away, never came). r0 was decoding there: it fails
+    at once naming the death and is never fetched again (the rejoin once assigned such a
+    request afresh: "request_id q107 is already assigned")."""
     records, workers, transport, replacement, router = die_after_reporting(
-        placement, late, corrupted=())
+        placement, corrupted=(), token_s=0.05)
     assert records[0].error == "decode worker decode-0 died: actor decode-0 is gone"
     assert records[0].output_token_ids == [7]
     assert all(r.error is None and r.output_token_ids == [7, 11, 12] for r in records[1:])
     assert workers["prefill-0"].released == []
     if placement == "disagg:1p1d":
-        assert replacement.submitted == (["r0", "r1"] if late else ["r1"])
+        assert replacement.submitted == ["r1"]
         workers["decode-0"] = replacement
     assert_drained(router, workers, transport)
 
@@ -487,8 +534,8 @@ def test_late_prefilled_event_gives_its_kv_back_to_the_producer():
                                                 "RuntimeError: boom"),
                                    WorkerDied("ActorDiedError: the actor died")])
 def test_dead_worker_fails_its_requests_at_once_and_gets_nothing_new(error):
-    """Death comes from the poll (long before the 60 s deadline): its requests fail
-    naming the cause; later requests all go to prefill-1."""
+    """Death comes as the worker's last words (long before the 60 s deadline): its
+    requests fail naming the cause; later requests all go to prefill-1."""
     router, workers, transport = build("disagg:2p1d", policy="round_robin", prefill_s=0.2)
     dying = workers["prefill-0"]
     real_wait = dying.wait_events

@@ -1,35 +1,27 @@
-"""PlacementConfig -> workers on a device set, and a router over them: the one place that
-creates Ray actors (the composition root).
+"""PlacementConfig -> workers on a device set, the router over them and the hub of their
+channels: the one place that creates Ray actors (the composition root).
 
-Setting up a deployment:
-
-1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that
-   the set has enough devices and that each exists, before anything starts.
+1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that the
+   set has enough devices and that each exists, before anything starts.
 2. Ray mode: start a local Ray cluster (or join ``--address``), reserve one placement-group
-   bundle per worker (its GPU, or the CPU cores of a ``cpu:`` device: ``gpu_actor_resources``)
-   and start each worker as an actor in its bundle; the worker pins itself to its device
-   (on a cluster started here ``cuda:i`` is GPU i exactly; joining one, Ray picks the GPU).
-   ``torchdist``: the driver first binds the group's rendezvous store at port 0 and keeps it
-   until ``close``, see ``kv_transfer.torchdist.open_rendezvous``. Local mode: build the
-   workers as plain objects in this process (tests; the in-process transport), each on its
-   own device without pinning the process (a ``cuda:i`` worker runs on ``cuda:i``).
-3. Wait until every worker answers ``info`` (bounded), then build the ``Router``. A worker
-   that fails to start is an error that keeps its root cause (exception type and message,
-   ``engine.errors.describe_error``), not only Ray's "actor died" line.
-4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``,
-   issue 29) and set it on that worker's transport, so every ``TransferRecord`` carries
-   ``efficiency``: a memcpy on its node when every prefill worker shares the node, else a
-   short probe from a prefill worker on another node (NIXL READ, or TCP without NIXL).
-   ``link_peaks`` keeps them (decode worker name -> ``LinkPeak``).
+   bundle per worker (``deployment.ray_actors.gpu_actor_resources``) and start each worker as
+   an actor in its bundle, pinned to its device; ``torchdist``: the driver binds the group's
+   rendezvous store first and keeps it until ``close``. Local mode: plain worker objects in
+   this process (tests; the in-process transport), each on its own device, unpinned.
+3. Wait until every worker answers ``info`` (bounded; a failure keeps its root cause,
+   ``engine.errors.describe_error``), then build the ``Router`` over the message plane: a
+   ``channel.local.LocalHub`` in local mode, else a ``channel.sockets.SocketHub`` (``ipc`` on
+   a cluster started here, ``tcp`` on the driver's address when joining one). Ray's actor
+   deaths reach the router at once (``RayWorkers.watch``), as does a local ``kill``.
+4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``: a
+   memcpy when every prefill worker shares its node, else a probe from one on another node)
+   and set it on its transport, so every ``TransferRecord`` carries ``efficiency``
+   (``link_peaks``: decode worker name -> ``LinkPeak``).
 
-Self-healing (issue 28): a worker that dies is started again, as it was started the first
-time (a local object, or a Ray actor in its own bundle), under a budget of
-``max_worker_restarts`` attempts per worker (``experiments.restarts``); it rejoins its pool
-once its engine answers ``info``. ``torchdist`` cannot restart a worker (its process group
-cannot take a new member), so there a death is final.
-
-``close()`` stops the workers and releases the placement group (and Ray, if it was started
-here).
+Self-healing: a dead worker is started again as it was started, under ``max_worker_restarts``
+attempts per worker (``deployment.restarts``), and rejoins its pool once it answers ``info``;
+``torchdist`` cannot restart a worker (its process group takes no new member). ``close()``
+stops the workers, the hub and the placement group (and Ray, if it was started here).
 """
 
 from __future__ import annotations
@@ -46,13 +38,15 @@ from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, Placeme
 from engine import device as engine_device  # .CUDA: the seam tests fake
 from engine.emulated import Emulation
 from engine.model import ModelLoadError, check_model_name, load_geometry
-from experiments.restarts import Restarts
+from deployment.restarts import Restarts
 from engine.serving import EngineLoop
 from kv_transfer.faults import with_faults
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.link import LinkPeak, memcpy_peak
 from kv_transfer.nixl import MISSING, nixl_available
 from kv_transfer.torchdist import open_rendezvous
+from channel.local import LocalHub
+from channel.sockets import SocketHub
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
@@ -271,8 +265,9 @@ class Deployment:
         self.emulation = emulation_for(self.devices, model, self.engine)
         if self.emulation is None:
             check_model_name(model)
+        self.hub: Any = None  # the router's end of the workers' channels
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
-        self._ray = None  # experiments.ray_actors.RayWorkers of a Ray deployment
+        self._ray = None  # deployment.ray_actors.RayWorkers of a Ray deployment
         self.transport = None  # local: the in-process transport every worker shares
         self.handles: dict[str, Any] = {}
         self.calls: Any = LocalCalls()
@@ -291,17 +286,28 @@ class Deployment:
                 self._start_ray(faults or {})
             self.workers = [WorkerRef(name, role, self.handles[name], rank)
                             for rank, (name, role, _) in enumerate(self.layout)]
+            self.hub = self._open_hub()
             self.router = Router(self.workers, self.calls, placement.placement, policy,
                                  deadline_s or self.transfer.timeout_s + 5.0,
                                  startup_timeout_s=startup_timeout_s, conditional=conditional,
-                                 on_worker_died=self.restarts.on_died)
+                                 on_worker_died=self.restarts.on_died, hub=self.hub)
             self.restarts.router = self.router
+            if self._ray is not None:  # Ray's actor death, beside the channel's heartbeat
+                self._ray.watch(self.router.worker_died)
             self.link_peaks = self._measure_link_peaks()
         except BaseException:
             self.close()
             raise
 
     # ---- construction -----------------------------------------------------------------
+    def _open_hub(self) -> Any:
+        """Step 3's hub: in-process, or pyzmq sockets (``ipc`` or ``tcp``)."""
+        if self.local:
+            return LocalHub()
+        if self.placement.address:  # workers may be on other nodes
+            return SocketHub("tcp", host=self._ray.node_ip())
+        return SocketHub("ipc")
+
     def _worker_args(self, name: str, role: str, device: str, faults: dict, rank: int,
                      init_method: str | None) -> tuple[type, dict]:
         worker_faults = faults.get(name) or []
@@ -329,7 +335,7 @@ class Deployment:
 
     def _start_ray(self, faults: dict) -> None:
         # Ray only here: a local placement runs where Ray is not installed (make gpu-check)
-        from experiments import ray_actors
+        from deployment import ray_actors
 
         self._ray = ray_actors.RayWorkers(tuple(d for _, _, d in self.layout),
                                           self.placement.address, self.transfer.transport)
@@ -368,7 +374,7 @@ class Deployment:
             self.handles[decode[0]].transport.peak_gbps = peak.gbps
             return dict.fromkeys(decode, peak)
         return self._ray.link_peaks(decode, prefill)
-    # ---- restarts (experiments.restarts calls these on its threads) ---------------------
+    # ---- restarts (deployment.restarts calls these on its threads) ---------------------
     def _spawn(self, name: str) -> Any:
         """Start worker ``name`` again as it was started (the dead one is stopped first)."""
         rank, cls, kwargs, options = self._specs[name]
@@ -443,9 +449,13 @@ class Deployment:
         return self.gather("status")
 
     def kill(self, name: str) -> None:
-        """Kill one worker (failure tests)."""
+        """Kill one worker (failure tests). The router hears of it as of a Ray actor's death
+        (``Router.worker_died``, at once); a local worker's death is the deployment's own
+        news, its silence on the channel aside."""
         if self.local:
-            self.calls.kill(self.handles[name])
+            handle = self.handles[name]  # gone from this instant, as a killed process is:
+            self.router.worker_died(name, handle, "killed")  # nothing it sends counts
+            self.calls.kill(handle)
         else:
             self._ray.kill(name)
 
@@ -463,6 +473,9 @@ class Deployment:
             self.calls.shutdown()
         self.handles = {}
         self._rendezvous = None
+        if self.hub is not None:
+            self.hub.close()
+            self.hub = None
 
     def __enter__(self) -> Deployment:
         return self

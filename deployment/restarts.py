@@ -1,4 +1,4 @@
-"""Restarting dead workers under a budget (issue 28): the deployment's half of self-healing
+"""Restarting dead workers under a budget: the deployment's half of self-healing
 (the router's half is ``router.router``: it fails a dead worker's requests, holds new ones
 while the pool is empty, and routes to the replacement once it rejoins).
 

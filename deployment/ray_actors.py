@@ -1,4 +1,4 @@
-"""Ray at the edge: the only module that imports Ray. ``experiments.placement`` imports it
+"""Ray at the edge: the only module that imports Ray. ``deployment.placement`` imports it
 when a deployment runs its workers as Ray actors; local placements (one process, the
 in-process transport) never load Ray, so they run where Ray is not installed
 (``make gpu-check``).
@@ -10,7 +10,10 @@ A Ray deployment (``RayWorkers``):
 2. Reserve one placement-group bundle per worker (its GPU, or the CPU cores of a ``cpu:``
    device: ``gpu_actor_resources``; ``STRICT_PACK`` for shm, whose KV moves through one
    node's shared memory) and start each worker as a threaded actor in its bundle.
-3. ``close``: kill the actors, release the placement group, and Ray if it was started here.
+3. ``watch(on_death)``: every actor started runs one call that never returns; a thread
+   waits on those calls, and when one fails (the actor died) it tells ``on_death(name,
+   handle, cause)`` at once (the router's ``worker_died``), beside the channel's heartbeat.
+4. ``close``: kill the actors, release the placement group, and Ray if it was started here.
 
 ``RayCalls`` is how the router calls them (``router.calls.Calls``).
 """
@@ -22,8 +25,9 @@ import contextlib
 import itertools
 import os
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +199,11 @@ class RayWorkers:
         self.handles: dict[str, Any] = {}
         self._pg = None
         self._started_ray = False
+        self._watched: dict[Any, tuple[str, Any]] = {}  # never-ending call -> (name, handle)
+        self._watch_lock = threading.Lock()
+        self._on_death: Callable[[str, Any, str], None] | None = None
+        self._closing = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     def connect(self) -> dict | None:
         """Start or join Ray; returns the cluster's resources when joined (only totals can
@@ -244,7 +253,39 @@ class RayWorkers:
             name=None, max_concurrency=16, max_restarts=0, **options,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self._pg, placement_group_bundle_index=rank))
-        self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
+        handle = self.handles[name] = actor_cls.remote(**kwargs, inside_ray=True)
+        with self._watch_lock:
+            self._watched[handle.__ray_call__.remote(_until_killed)] = (name, handle)
+
+    def watch(self, on_death: Callable[[str, Any, str], None]) -> None:
+        """From now on call ``on_death(name, handle, cause)`` (on a thread of its own) when
+        an actor started here dies (module docstring, step 3)."""
+        self._on_death = on_death
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name="ray-actor-watch",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._closing.is_set():
+            with self._watch_lock:
+                refs = list(self._watched)
+            if not refs:
+                self._closing.wait(0.2)
+                continue
+            # the timeout only bounds how late an actor started meanwhile joins the wait
+            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+            for ref in ready:
+                with self._watch_lock:
+                    name, handle = self._watched.pop(ref)
+                try:
+                    ray.get(ref, timeout=0)
+                    cause = "its actor's watch call returned"
+                except Exception as err:  # ActorDiedError and kin: keep Ray's root cause
+                    cause = f"{type(err).__name__}: {describe_error(err)}"
+                    without_traceback(err)
+                if not self._closing.is_set() and self._on_death is not None:
+                    self._on_death(name, handle, cause)
 
     def link_peaks(self, decode: list[str], prefill: list[str]) -> dict[str, LinkPeak]:
         """The link each decode worker's transfers run on, measured inside the actors and set
@@ -292,6 +333,11 @@ class RayWorkers:
 
     def close(self) -> None:
         """Kill every actor, release the placement group and Ray if started here; twice is fine."""
+        self._closing.set()  # no death is reported from here on
+        if self._watcher is not None:
+            self._watcher.join(timeout=5)
+            self._watcher = None
+        self._watched = {}
         for handle in self.handles.values():
             try:
                 ray.kill(handle, no_restart=True)
@@ -304,6 +350,12 @@ class RayWorkers:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+
+
+def _until_killed(worker) -> None:
+    """Run inside an actor (``__ray_call__``), holding one of its threads: returns never,
+    fails when the actor dies (``RayWorkers.watch``)."""
+    threading.Event().wait()
 
 
 # ---- link peaks, run inside the worker actors (``__ray_call__``: fn(worker, *args)) ----------
