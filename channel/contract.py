@@ -1,28 +1,21 @@
-"""The channel contract: what crosses it, the rules both implementations keep, and the
-pieces of those rules that are plain bookkeeping (``Inbox``, ``Liveness``), owned here so
-that both implementations keep them the same way.
+"""The channel contract: what crosses it, the rules both implementations keep (checked against
+each by tests/unit/test_channel.py), and their bookkeeping (``Inbox``, ``Liveness``), owned here.
 
-Rules (tests/unit/test_channel.py checks each against both implementations):
-
-- **Ordering.** Commands reach a port in the order the hub sent them; a port's messages
-  reach the hub in the order sent, numbered ``seq`` = 0, 1, 2, ... per incarnation.
-  Commands sent before the port has connected wait in the hub and leave, in order, while
-  its owner's loop turns (``receive``).
-- **Abort overtaking.** An ``abort`` never waits behind work queued ahead of it: the
-  moment it reaches the port's inbox, a command for the same request still queued there
-  (its ``submit`` or ``admit``, not yet taken by the worker) is cancelled: it is never
-  applied, and ``take`` hands it back under ``Taken.cancelled`` so that the worker frees
-  what it carries (an ``admit``'s KV handles). The abort itself is still delivered, in
-  its place, to free whatever the worker already holds of the request.
-- **Death.** A port sends a heartbeat every ``HEARTBEAT_S`` seconds from its own thread,
-  whatever the worker's loop is doing; the hub reports an incarnation silent for
-  ``DEAD_AFTER_S`` seconds as a ``Died`` notice from ``receive``, once. Silence counts from
-  the incarnation's first message: a worker still loading its model is watched by its
-  deployment (start-up timeout, Ray's actor death), not by the heartbeat.
-- **Incarnation.** Every message carries its worker's name and incarnation. The hub
-  delivers only the messages of the incarnation attached last; those of an earlier one,
-  or of one reported dead, are dropped (``Hub.stale`` counts them) and never make its
-  worker look alive, even after the replacement rejoined under the same name.
+- **Ordering.** Commands reach a port in the order the hub sent them; a port's messages reach
+  the hub in the order sent, numbered ``seq`` = 0, 1, 2, ... per incarnation. Commands sent
+  before the port connected wait in the hub and leave, in order, while its owner's loop turns
+  (``receive``).
+- **Abort overtaking.** The moment an ``abort`` reaches the port's inbox, a command for the same
+  request still queued there (its ``submit`` or ``admit``) is cancelled: never applied, and
+  handed back under ``Taken.cancelled`` so the worker frees what it carries (an ``admit``'s KV
+  handles). The abort itself is still delivered, in its place, to free what the worker holds.
+- **Death.** A port sends a heartbeat every ``HEARTBEAT_S`` seconds from its own thread; the
+  hub reports an incarnation silent for ``DEAD_AFTER_S`` seconds as a ``Died`` notice from
+  ``receive``, once. Silence counts from the incarnation's first message: a worker still
+  loading its model is watched by its deployment (start-up timeout, Ray's actor death).
+- **Incarnation.** Every message carries its worker's name and incarnation. The hub delivers
+  only the messages of the incarnation attached last; those of an earlier or a dead one are
+  dropped (``Hub.stale`` counts them) and never make its worker look alive.
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """The channel over pyzmq: ``ipc`` within a node, ``tcp`` across nodes, ``channel.wire``
 (msgpack) on the wire.
 
-Sockets:
+- The hub binds one PULL socket that every port's PUSH connects to (messages and heartbeats,
+  each ``[worker, incarnation, seq, body]``, ``seq`` -1 for a heartbeat).
+- Per attached incarnation the hub binds a PUSH socket for its port's PULL (commands, each
+  ``[kind, request_id, args]``); commands sent before the port connects wait in the hub, in
+  order, and leave when the poller says the socket can take them.
 
-- the hub binds one PULL socket that every port's PUSH connects to (messages and
-  heartbeats, each ``[worker, incarnation, seq, body]``, ``seq`` -1 for a heartbeat);
-- per attached incarnation, the hub binds a PUSH socket that its port's PULL connects to
-  (commands, each ``[kind, request_id, args]``). A PUSH socket has no peer until its port
-  connects: commands sent before then wait in the hub, in order, and leave when the poller
-  says the socket can take them.
-
-Threads: libzmq's own I/O thread moves the bytes on both sides. A port runs one more
-thread of its own: it receives and decodes commands into the worker's ``Inbox``, encodes
-and sends the worker's messages, and beats the heartbeat, so none of that waits for the
-worker's engine step, nor the step for it. The hub has no thread: the router loop calls
-``receive``, which waits on a ``zmq.Poller`` over its sockets and a wake-up pipe
-(``wake``), never on a time slice.
+A port has one thread of its own (beside libzmq's I/O thread): it decodes commands into the
+worker's ``Inbox``, encodes and sends the worker's messages and beats the heartbeat, so neither
+it nor the engine step waits for the other. The hub has no thread: ``receive`` waits on a
+``zmq.Poller`` over its sockets and a wake-up pipe (``wake``), never on a time slice.
 """
 
 from __future__ import annotations

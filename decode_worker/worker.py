@@ -1,39 +1,25 @@
 """DecodeWorker: admits requests whose KV arrives through the transport, then decodes them
-together with all its other running requests, one forward per step.
+with all its other running requests, one forward per step. A request's life across the
+workers is told once, in docs/architecture.md ("A request's life"); this module's contract:
 
-A request's life here (DESIGN §3, steps 3-5). Transfer is a scheduler state:
-
-1. ``admit(request, first_token, kv_handles)`` returns at once. On the loop thread the
-   request enters the engine as ``WAITING_FOR_REMOTE_KVS``; this worker holds its handles
-   (the KV bytes stay with their producer). Nothing is fetched yet.
-2. The scheduler reserves the request's KV blocks (capacity first, FCFS; prompt + 1 tokens
-   on demand, sharing the prompt blocks this worker caches). Only then is the fetch
-   started, on a pool of fetch threads: several transfers are in flight at once and a slow
-   one never delays the others (a transport that must be read in order, NCCL, gets one
-   thread). The transfer deadline counts from the fetch's start.
-3. Each payload's header is checked against this worker's own KVSpec (model, layers, KV
-   heads, head dim, dtype), its request id and its token count against the request; a
-   mismatch, a corrupted payload (checksum) or a timeout becomes an ``error`` event naming
-   the cause (expected and got), and the reserved slot is released.
-4. The fetch's result goes back to the loop thread, which copies the checked KV
-   ``[L, 2, H_kv, T, D]`` into the reserved slot (the forward never sees a half-written
-   slot), frees the handles, reports ``kv_got`` (bytes, seconds), and the request joins the
-   next decode step. So no fetched tensor ever waits outside the KV capacity.
-5. Cancellation wins every race: ``abort`` drops the request from the engine at once (its
-   slot is free); handles not yet fetched are freed at once, a fetch in flight has its
-   handles freed and its KV dropped when it returns. An aborted request never decodes; an
-   ``error`` event says where it was aborted (ignored by a router that aborted it itself).
-6. Every token leaves as a ``token`` event; the request's KV is freed when it finishes.
-
-Prefix caching and preemption: a request admitted with ``kv_token_start`` > 0 receives only
-the prompt's KV from that token on (its router knew this worker caches the prefix). If the
-prefix was evicted before the reservation, the request recomputes prompt + first token
-here instead: its handles are freed unfetched and ``kv_got`` reports 0 bytes. A running
-request preempted for blocks (on-demand allocation) recomputes prompt + outputs here too,
-with no second transfer.
-
-Under ``conditional:xPyD`` the router also ``submit``s whole requests (short prompts) here:
-they prefill and decode in this engine like a colocated instance's, batched with the rest.
+- ``admit(request, first_token, kv_handles)`` returns at once; the request waits in the engine
+  as ``WAITING_FOR_REMOTE_KVS`` while this worker holds its handles. Its fetch starts only
+  once the scheduler reserved its KV blocks, on a pool of fetch threads (one for a transport
+  read in order, NCCL), so no fetched tensor waits outside the KV capacity; the transfer
+  deadline counts from the fetch's start.
+- Each payload's header is checked against this worker's KVSpec (model, layers, KV heads, head
+  dim, dtype), request id and token count; a mismatch, a checksum failure or a timeout becomes
+  an ``error`` event naming expected and got, and the reserved slot is released. The loop
+  thread copies the checked KV ``[L, 2, H_kv, T, D]`` into the slot, frees the handles and
+  reports ``kv_got`` (bytes, seconds).
+- Cancellation wins every race: ``abort`` frees the slot and unfetched handles at once; a fetch
+  in flight has its handles freed and its KV dropped when it returns. An aborted request never
+  decodes.
+- With ``kv_token_start`` > 0 only the prompt's KV from that token on arrives. If the cached
+  prefix was evicted before the reservation, or a running request is preempted, it recomputes
+  here with no second transfer (``kv_got`` reports 0 bytes).
+- Under ``conditional:xPyD`` the router also ``submit``s whole requests here: they prefill and
+  decode in this engine like a colocated instance's.
 """
 
 from __future__ import annotations

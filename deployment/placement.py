@@ -1,27 +1,22 @@
 """PlacementConfig -> workers on a device set, the router over them and the hub of their
 channels: the one place that creates Ray actors (the composition root).
 
-1. Parse the placement (``colocated:N`` / ``disagg:xPyD``) and the device set; check that the
-   set has enough devices and that each exists, before anything starts.
-2. Ray mode: start a local Ray cluster (or join ``--address``), reserve one placement-group
-   bundle per worker (``deployment.ray_actors.gpu_actor_resources``) and start each worker as
-   an actor in its bundle, pinned to its device; ``torchdist``: the driver binds the group's
-   rendezvous store first and keeps it until ``close``. Local mode: plain worker objects in
-   this process (tests; the in-process transport), each on its own device, unpinned.
-3. Wait until every worker answers ``info`` (bounded; a failure keeps its root cause,
-   ``engine.errors.describe_error``), then build the ``Router`` over the message plane: a
-   ``channel.local.LocalHub`` in local mode, else a ``channel.sockets.SocketHub`` (``ipc`` on
-   a cluster started here, ``tcp`` on the driver's address when joining one). Ray's actor
-   deaths reach the router at once (``RayWorkers.watch``), as does a local ``kill``.
-4. Measure the link peak each decode worker's transfers run on (``kv_transfer.link``: a
-   memcpy when every prefill worker shares its node, else a probe from one on another node)
-   and set it on its transport, so every ``TransferRecord`` carries ``efficiency``
-   (``link_peaks``: decode worker name -> ``LinkPeak``).
+1. Parse the placement and the device set; check that the set has enough devices and that each
+   exists, before anything starts.
+2. Ray mode: start workers as actors in their placement-group bundles (``deployment.ray_actors``);
+   ``torchdist``: the driver binds the group's rendezvous store first and keeps it until
+   ``close``. Local mode: plain worker objects in this process, each on its own device.
+3. Wait until every worker answers ``info`` (bounded; a failure keeps its root cause), then
+   build the ``Router`` over a ``channel.local.LocalHub`` (local mode) or a
+   ``channel.sockets.SocketHub`` (``ipc`` on a cluster started here, ``tcp`` when joining one).
+   Ray's actor deaths and a local ``kill`` reach the router at once.
+4. Measure the link peak of each decode worker's transfers (``kv_transfer.link``) and set it on
+   its transport, so every ``TransferRecord`` carries ``efficiency`` (``link_peaks``: decode
+   worker name -> ``LinkPeak``).
 
-Self-healing: a dead worker is started again as it was started, under ``max_worker_restarts``
-attempts per worker (``deployment.restarts``), and rejoins its pool once it answers ``info``;
-``torchdist`` cannot restart a worker (its process group takes no new member). ``close()``
-stops the workers, the hub and the placement group (and Ray, if it was started here).
+A dead worker is started again as it was, under ``max_worker_restarts`` attempts per worker
+(``deployment.restarts``); ``torchdist`` cannot restart one (its process group takes no new
+member). ``close()`` stops the workers, the hub, the placement group and Ray if started here.
 """
 
 from __future__ import annotations
@@ -224,11 +219,9 @@ class Deployment:
             stays dead); ``restarts`` counts them.
         startup_timeout_s: how long a (re)started worker may take to answer ``info``.
 
-    Devices: in local mode a ``cuda:i`` worker runs on GPU i of this process as the torch
-    device ``cuda:i`` (``engine.device``: several workers, several GPUs, one process). Under
-    Ray each worker sees only its GPU; on a cluster pdlab starts, ``cuda:i`` is exactly GPU i
-    of the driver's numbering (``gpu_actor_resources``), on a cluster it joins (``--address``)
-    Ray picks a free GPU. Either way ``info()["gpu"]`` records the GPU used (UUID, name).
+    Devices: in local mode ``cuda:i`` is GPU i of this process (``engine.device``); under Ray
+    each worker sees only its GPU (``gpu_actor_resources`` says which); ``info()["gpu"]``
+    records the GPU used (UUID, name).
 
     Raises:
         ValueError: bad placement or device set, not enough devices, a transport that

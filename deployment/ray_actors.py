@@ -1,21 +1,12 @@
-"""Ray at the edge: the only module that imports Ray. ``deployment.placement`` imports it
-when a deployment runs its workers as Ray actors; local placements (one process, the
-in-process transport) never load Ray, so they run where Ray is not installed
-(``make gpu-check``).
+"""Ray at the edge: the only module that imports Ray, loaded only when a deployment runs its
+workers as Ray actors (local placements run where Ray is not installed, ``make gpu-check``).
 
-A Ray deployment (``RayWorkers``):
-
-1. Start a private local Ray instance sized to this machine (``local_cluster_kwargs``), or
-   join ``--address``; check the device set against the cluster.
-2. Reserve one placement-group bundle per worker (its GPU, or the CPU cores of a ``cpu:``
-   device: ``gpu_actor_resources``; ``STRICT_PACK`` for shm, whose KV moves through one
-   node's shared memory) and start each worker as a threaded actor in its bundle.
-3. ``watch(on_death)``: every actor started runs one call that never returns; a thread
-   waits on those calls, and when one fails (the actor died) it tells ``on_death(name,
-   handle, cause)`` at once (the router's ``worker_died``), beside the channel's heartbeat.
-4. ``close``: kill the actors, release the placement group, and Ray if it was started here.
-
-``RayCalls`` is how the router calls them (``router.calls.Calls``).
+``RayWorkers`` starts a private Ray instance sized to this machine (``local_cluster_kwargs``) or
+joins ``--address``; reserves one placement-group bundle per worker (``gpu_actor_resources``;
+``STRICT_PACK`` for shm, whose KV moves through one node's shared memory) and starts each worker
+as a threaded actor in its bundle; ``watch(on_death)`` tells ``on_death(name, handle, cause)``
+at once when an actor dies (each actor holds one call that never returns); ``close`` kills the
+actors and releases the group. ``RayCalls`` is how the router calls them (``router.calls``).
 """
 
 from __future__ import annotations
@@ -259,7 +250,7 @@ class RayWorkers:
 
     def watch(self, on_death: Callable[[str, Any, str], None]) -> None:
         """From now on call ``on_death(name, handle, cause)`` (on a thread of its own) when
-        an actor started here dies (module docstring, step 3)."""
+        an actor started here dies (module docstring)."""
         self._on_death = on_death
         if self._watcher is None:
             self._watcher = threading.Thread(target=self._watch, name="ray-actor-watch",

@@ -1,21 +1,17 @@
-"""Restarting dead workers under a budget: the deployment's half of self-healing
-(the router's half is ``router.router``: it fails a dead worker's requests, holds new ones
-while the pool is empty, and routes to the replacement once it rejoins).
+"""Restarting dead workers under a budget: the deployment's half of self-healing (the router's
+half, ``router.router``, fails or parks a dead worker's requests and routes to the replacement
+once it rejoins).
 
-A worker's restart:
-
-1. The router finds it dead and asks ``Restarts.on_died(name, cause)`` on its loop thread.
-   With attempts left in the worker's budget (``max_restarts`` per worker, counted over the
-   deployment's life) it answers None at once and a thread of this worker starts the
-   replacement; otherwise it answers why not, and the worker stays dead.
-2. On that thread: ``spawn(name)`` builds the worker again (same name, role, rank, device
-   and options; the deployment knows how: a local object or a Ray actor in its bundle), then
-   ``ready(name, handle, should_stop)`` waits for its first ``info()`` (the engine loaded
-   and answering, bounded by ``startup_timeout_s``), then ``router.rejoin``.
-3. A failed attempt (the constructor raised, or no answer in time) stops what it started
-   (``stop(handle)``), counts against the budget and is tried again after ``backoff_s``.
-   When the budget is spent the router hears ``worker_lost`` with the last error: no more
-   attempts, no loop. A worker that dies again after rejoining draws on the same budget.
+1. The router asks ``Restarts.on_died(name, cause)`` on its loop thread. With attempts left
+   (``max_restarts`` per worker, over the deployment's life, rejoined workers included) it
+   answers None at once and a thread of this worker starts the replacement; else it answers
+   why not and the worker stays dead.
+2. On that thread: ``spawn(name)`` builds the worker again as it was, ``ready(name, handle,
+   should_stop)`` waits for its first ``info()`` (bounded by ``startup_timeout_s``), then
+   ``router.rejoin``.
+3. A failed attempt stops what it started (``stop(handle)``), counts against the budget and is
+   retried after ``backoff_s``; once the budget is spent the router hears ``worker_lost`` with
+   the last error.
 
 ``close()`` ends the threads (an attempt in progress is abandoned and its worker stopped).
 """

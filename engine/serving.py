@@ -1,25 +1,21 @@
 """Run an Engine on a background thread: commands in, ``WorkerEvent``s out.
 
-The loop, on its own thread (the only thread that touches the engine): run the queued
-commands; if the engine has work, run one ``engine.step()`` and turn its ``StepOutput`` into
-events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV over,
-or fetch the KV of the requests whose blocks the step reserved), run the commands that came
-during the step, then let the events leave; otherwise sleep until the next command.
+The loop thread is the only one that touches the engine. Each turn it runs the queued
+commands, then, if the engine has work, one ``engine.step()``, whose ``StepOutput`` becomes
+events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV over
+or fetch it), runs the commands that came during the step and lets the events leave; with no
+work it sleeps until the next command.
 
-Over the message plane (``open_channel(endpoint)``, ``channel``): ``submit``, ``admit``,
-``abort`` and ``release`` come in through the worker's port in the order sent, and every loop
-turn with news sends it as one message (a tuple of the turn's events: one step's tokens,
-``prefilled`` with its KV handles, errors). A command the port cancelled (an ``abort``
-overtook it), or one that raised, goes to ``on_cancelled`` (it frees what the command
-carries); one that raised is also an ``error`` event naming its request. A loop that dies
-sends its last words (a ``died`` event naming the cause) and closes its port; the port's own
-thread does the socket work and the (de)serialization, beside the step.
+Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
+in the order sent, and each turn with news leaves as one message (a tuple of its events). A
+command the port cancelled (an ``abort`` overtook it) or one that raised goes to
+``on_cancelled``, which frees what it carries; one that raised is also an ``error`` event. A
+loop that dies sends its last words (a ``died`` event naming the cause) and closes its port.
 
-Until a channel is open, callers collect events with ``wait_events(timeout_s)``, a long poll;
-after the loop died it (and ``call``) raises ``EngineLoopDied`` naming the cause. Callers
-whose calls may be reordered (threaded Ray actors) use ``ordered(seq, method, ...)``, applied
-in ``seq`` order. A worker (prefill, decode, colocated) is this loop plus what it does with
-tokens, a plain class; ``deployment/placement.py`` makes it a Ray actor.
+Until a channel is open, callers collect events with ``wait_events(timeout_s)``; after the loop
+died it (and ``call``) raises ``EngineLoopDied``. Calls that may be reordered (threaded Ray
+actors) go through ``ordered(seq, method, ...)``, applied in ``seq`` order. A worker (prefill,
+decode, colocated) is this loop plus what it does with tokens, a plain class.
 """
 
 from __future__ import annotations
@@ -55,16 +51,13 @@ class EngineLoopDied(RuntimeError):
 
 class InOrder:
     """Applies calls in the order of their sequence numbers (0, 1, 2, ...), whatever order
-    they arrive in, and never makes a caller wait for another call.
+    they arrive in, and never makes a caller wait for another call (early arrivals waiting
+    would take every thread of a Ray threaded actor and starve the call they wait for).
 
     A call whose number is next runs at once and returns its own result (or raises its own
-    error); then it runs, in order, every parked call that it unblocked. A call that arrives
-    before its predecessors is parked and returns None at once; an error it raises when it
-    runs later goes to ``on_late_error(fn, args, err)``. Waiting for predecessors instead
-    would deadlock: a Ray threaded actor has a fixed number of threads, and early arrivals
-    waiting in all of them starve the call they wait for (300 calls on 16 threads did).
-    The ordered commands (``submit``, ``admit``, ``abort``, ``release``) only queue work, so
-    running one under the lock is cheap.
+    error), then runs every parked call it unblocked, in order. A call that arrives before
+    its predecessors is parked and returns None at once; an error it raises when it runs
+    later goes to ``on_late_error(fn, args, err)``.
 
     Raises (from ``run``):
         ValueError: a number came twice.

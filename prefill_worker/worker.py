@@ -1,38 +1,23 @@
-"""PrefillWorker: an engine that stops each request after its first token and hands the
-prompt's KV to the transport.
+"""PrefillWorker: an engine that stops each request after its first token and puts the
+prompt's KV ``[L, 2, H_kv, T, D]`` into the transport. A request's life across the workers is
+told once, in docs/architecture.md ("A request's life"); this module's contract:
 
-A request's life here (DESIGN §3, step 2):
-
-1. ``submit(request, dst_rank, kv_token_start)`` queues it (prefill-only); it is batched
-   with other prompts under the token budget, chunked if the engine chunks; a prefix this
-   worker caches (``engine.kv_blocks``) is not recomputed.
-2. The step that computes its last prompt token samples the **first token**.
-   Layer-wise granularity: during that step each range of ``layers_per_chunk`` layers is
-   put into the transport as soon as the runner has written it, while the next layers
-   compute. Whole-request granularity: the prompt's KV ``[L, 2, H_kv, T, D]`` is put after
-   the step.
-   Only tokens from ``kv_token_start`` on are sent (the decode worker caches the prefix
-   before it; the event says how many bytes that saved).
-3. The local KV is freed (the transport owns the bytes now; full blocks stay in the
-   prefix cache) and a ``prefilled`` event carries the first token and the handles. If
-   the first token already ends the request (EOS, stop token, ``max_tokens == 1``) no KV
-   is sent. Once its last prompt chunk ran, a request is never preempted (PREFILLED), so
-   its KV cannot vanish before the put.
-4. The handles now belong to whoever collected the event (the router, then the decode
-   worker). Handles the router cannot pass on come back through ``release`` and are freed
-   here. An ``abort`` of a request whose ``prefilled`` event nobody has collected yet frees
-   that event's handles (no one else ever will).
-
-Back-pressure: the loop never blocks on a full transport buffer (an shm arena whose
-consumers have not freed it yet). Before each put it asks ``transport.has_room``; without
-room the request stays PREFILLED in this engine, its KV in its own slot (so it counts
-against this worker's KV capacity, which in turn holds back new prompts), and joins a FIFO
-of deferred puts. Every loop iteration retries the head of that FIFO; once it fits, the
-whole KV is put in one transfer and the ``prefilled`` event leaves (so with a full buffer
-the first token leaves late: TTFT shows the back-pressure). A layer-wise request that
-meets a full buffer mid-step frees the layer ranges it already put and is deferred whole,
-so a buffer is never held by half-sent requests that cannot finish. Aborting a deferred
-request frees its slot. Requests that finish here never wait behind the FIFO.
+- Only prompt tokens from ``kv_token_start`` on are sent (its decode worker caches the prefix).
+  Layer-wise granularity puts each range of ``layers_per_chunk`` layers once the runner wrote
+  it, while the next layers compute; whole-request granularity puts after the step. A request
+  whose first token ends it (EOS, stop token, ``max_tokens == 1``) sends no KV.
+- Past its last prompt chunk a request is never preempted (PREFILLED), so its KV cannot vanish
+  before the put; after it the local KV is freed (full blocks stay in the prefix cache) and a
+  ``prefilled`` event carries the first token and the handles.
+- The handles belong to whoever collected that event (the router, then the decode worker).
+  Handles nobody will fetch come back through ``release``; an ``abort`` before the event was
+  collected frees them here.
+- Back-pressure: the loop never blocks on a full transport buffer. Without
+  ``transport.has_room`` the request stays PREFILLED, its KV in its own blocks (counting
+  against this worker's capacity) in a FIFO of deferred puts, retried oldest first every loop
+  iteration and then put whole, so TTFT shows the wait. A layer-wise put that meets a full
+  buffer frees the ranges it put and is deferred whole. Requests that finish here never wait
+  behind the FIFO.
 """
 
 from __future__ import annotations

@@ -1,27 +1,22 @@
-"""The router: admits requests, picks workers, relays tokens, stamps every timeline.
+"""The router: admits requests, picks their workers (``router.assignment``), relays tokens and
+stamps every timeline. A request's life is told once, in docs/architecture.md ("A request's
+life"); this module's contract:
 
-A request: validated at arrival (context, vocabulary, each role's whole KV cache; else it
-ends at once with an error), stamped ``arrived`` and assigned by the policy, charging each
-worker's load; ``submit`` goes to its prefill (or colocated) worker (``prefill_queued``); the
-``prefilled`` event's first token leaves at once (TTFT ends) and its KV handles stay in the
-router's hands until ``admit`` hands them to the decode worker; ``kv_got`` and each token are
-stamped on arrival; the last token, an error or an ``abort`` ends it and returns its record.
-Handles it cannot pass on go back to their producer (``release``); an early end aborts it.
-
-Messages: one channel per worker (a ``channel.contract.Hub``): ``submit``, ``admit``,
-``abort`` and ``release`` go out as commands, in order; each worker's step outputs come back
-as messages; a command that fails comes back as an ``error`` event naming its request. The
-loop waits on the hub (``receive``), woken by messages, deaths, its own inbox (``wake``) or
-the next deadline, never a time slice; lifecycle calls (``info``, ``open_channel``, reads)
-go through ``Calls``. Failures: a request fails ``deadline_s`` after its own last news. A
-worker is dead once its channel falls silent, its loop sends ``died``, or its deployment
-says so (``worker_died``: Ray's actor death): its requests fail naming the cause, or
-(remote, not yet decoding there) move to another decode worker. ``on_worker_died(name,
-cause)`` answers None when a restart is coming: ``rejoin`` then attaches the replacement as
-the next incarnation (the hub drops news of earlier ones) and requests waiting for the empty
-pool go to it; otherwise they fail as ``unavailable``. ``start()`` runs the loop on a
-thread, any thread may ``submit``/``abort`` (sinks run on the loop thread); ``run(workload)``
-replays on the caller's thread.
+- A request that cannot be served (``validate``; its id already in flight; no live worker)
+  gets one ``finish`` event with reason ``error`` and nothing is scheduled.
+- A ``prefilled`` event's KV handles stay in the router's hands until ``admit`` hands them to
+  the decode worker; those it cannot pass on go back to the incarnation that put them.
+- Commands go out in order over one channel per worker (``channel.contract.Hub``) and step
+  outputs come back; lifecycle calls go through ``Calls``. The loop waits on the hub until
+  news, a death, its inbox (``wake``) or the next deadline.
+- A request fails ``deadline_s`` after its own last news. A worker is dead once its channel
+  falls silent, it sends ``died`` or its deployment says so (``worker_died``): its requests
+  fail naming the cause or, remote and not yet decoding there, move to another decode worker.
+  If ``on_worker_died`` answers None, ``rejoin`` attaches the replacement as the next
+  incarnation (the hub drops news of earlier ones); else requests parked for the empty pool
+  fail as ``unavailable``.
+- ``start()`` runs the loop on a thread and any thread may ``submit``/``abort`` (sinks run on
+  the loop thread); ``run(workload)`` replays on the caller's thread.
 """
 
 from __future__ import annotations
@@ -230,7 +225,7 @@ class Router:
         self.on_worker_died = on_worker_died
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = min(i["vocab_size"] for i in infos)
-        # decode load counts whole KV blocks (issue 17): a request holds ceil(tokens / B) blocks
+        # decode load counts whole KV blocks: a request holds ceil(tokens / B) blocks
         self.kv_block_size = max(i.get("kv_block_size", 1) for i in infos)
         # what the smallest worker of each role can ever hold: a request past it is refused
         # before any prefill runs (validate), not failed by a worker afterwards
@@ -632,16 +627,10 @@ class Router:
     def _news_of_the_dead(self, flight: _Flight, worker: str, incarnation: int | None = None,
                           error: str | None = None) -> bool:
         """If this news of ``flight`` (``error``: an error event's text) comes from the dead
-        incarnation of ``worker`` it was moved off (``_move_decode``; default: the
-        incarnation now in place, dead until its replacement rejoins), end the flight and
-        say True.
-
-        The move assumed that worker never took the KV (no ``kv_got`` had been collected),
-        but its reply was still in flight: it had fetched the KV or failed to, and freed
-        the handles either way. So the request ends as it would have had the news come
-        before the death: with the error it reported (its first cause, not the later
-        failure to fetch freed KV again), else as one decoding there when it died; the
-        handles the router still holds are gone, never released again."""
+        incarnation of ``worker`` it was moved off (``_move_decode``; default: the one now in
+        place), end the flight and say True. That worker had fetched the KV (or failed to) and
+        freed the handles, so the request ends as if the news had come before the death: with
+        the error it reported, else as one decoding there; its handles are never released."""
         if incarnation is None:
             incarnation = self.workers[worker].incarnation
         if flight.moved_from != worker or flight.moved_from_incarnation != incarnation:
