@@ -53,9 +53,8 @@ flakiness: $(STAMP)
 	$(PY) tests/flakiness.py $(FLAKINESS_ARGS)
 
 # The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
-# (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too
-# (44 s from an empty cache on a 2-core AVX2-only Zen 3). tests/fetch_simde.py fetches the
-# headers once (Debian's libsimde-dev, 0.5 MB); where it cannot, this prints SKIPPED and why.
+# (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too.
+# tests/fetch_simde.py fetches the headers once (Debian's libsimde-dev, 0.5 MB); where it cannot, this prints SKIPPED and why.
 KERNEL_TESTS := tests/integration/test_cpu_kernels.py tests/integration/test_linear_kernels.py
 
 test-avx512-emulated: $(STAMP)
@@ -117,9 +116,9 @@ GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) tests/gpu/check.py
 
-# Every CPU-parity figure of issues 26 and 30 on this machine, one benchmark after another
-# on the last core, into results/cpu-parity/<UTC time>/ (benchmarks/cpu_parity.py). About an
-# hour on 2 cores; run it on an idle machine.
+# Every figure of the results page's CPU-parity section (pdlab against vLLM's CPU build) on
+# this machine, one benchmark after another on the last core, into
+# results/cpu-parity/<UTC time>/ (benchmarks/cpu_parity.py). Run it on an idle machine.
 cpu-parity: $(STAMP) $(VLLM_STAMP)
 	PDLAB_VLLM_VENV=$(CURDIR)/$(VLLM_VENV) $(PY) -m benchmarks.cpu_parity
 
