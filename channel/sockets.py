@@ -40,8 +40,11 @@ class _WakePipe:
         self.read_fd, self._write_fd = os.pipe()
         os.set_blocking(self.read_fd, False)
         os.set_blocking(self._write_fd, False)
+        self._closed = False
 
     def poke(self) -> None:
+        if self._closed:  # a closed descriptor's number may already belong to another file
+            return
         try:
             os.write(self._write_fd, b"\0")
         except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: moot
@@ -55,6 +58,9 @@ class _WakePipe:
             pass
 
     def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         for fd in (self.read_fd, self._write_fd):
             try:
                 os.close(fd)
@@ -248,11 +254,14 @@ class SocketPort:
                     self._inbox.put(Command(kind, request_id, args))
             if self._wake.read_fd in ready:
                 self._wake.drain()
+            # read before draining: whatever was sent before close() leaves (a loop's last
+            # words sent just before close included), nothing after it
+            stopping = self._stopping.is_set()
             while self._outbox:
                 body = self._outbox.popleft()
                 self._messages.send(wire.encode((worker, incarnation, self._seq, body)))
                 self._seq += 1
-            if self._stopping.is_set():
+            if stopping:
                 break
             if time.monotonic() >= next_beat:
                 self._beat()
