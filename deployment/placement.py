@@ -441,12 +441,14 @@ class Deployment:
     def statuses(self) -> list[dict]:
         return self.gather("status")
 
-    def kill(self, name: str) -> None:
-        """Kill one worker (failure tests). The router hears of it as of a Ray actor's death
-        (``Router.worker_died``, at once); a local worker's death is the deployment's own
-        news, its silence on the channel aside."""
+    def kill(self, name: str, handle: Any = None) -> None:
+        """Kill one worker (failure tests): locally ``handle``, one incarnation of it, when
+        given (a replacement that joined meanwhile lives on), else the current one. The
+        router hears of it as of a Ray actor's death (``Router.worker_died``, at once); a
+        local worker's death is the deployment's own news, its silence on the channel aside."""
         if self.local:
-            handle = self.handles[name]  # gone from this instant, as a killed process is:
+            handle = self.handles[name] if handle is None else handle
+            # gone from this instant, as a killed process is:
             self.router.worker_died(name, handle, "killed")  # nothing it sends counts
             self.calls.kill(handle)
         else:

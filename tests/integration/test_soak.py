@@ -212,7 +212,10 @@ def test_soak_500_requests_with_faults_and_the_decode_worker_killed_mid_run(tiny
             deadline_s = time.monotonic() + 10
             while decode._events and time.monotonic() < deadline_s:
                 time.sleep(0.001)
-            dep.kill("decode-0")
+            # this incarnation: its closed port's silence may already have brought in the
+            # replacement, which must live on (killing it after the run left it dead but
+            # still routed to when the statuses below were gathered)
+            dep.kill("decode-0", handle=decode)
 
         timer = threading.Thread(target=kill_mid_decode)
         timer.start()
