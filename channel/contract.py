@@ -27,7 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 HEARTBEAT_S = 0.1  # a port's heartbeat period (seconds)
-DEAD_AFTER_S = 0.9  # silence after which the hub reports an incarnation dead (seconds)
+# silence after which the hub reports an incarnation dead (seconds): a backstop for a hung
+# worker; a crash is heard at once (last words, Ray's actor watch), and a CPU-starved one
+# on a loaded host can miss a second of heartbeats while alive
+DEAD_AFTER_S = 3.0
 
 # command kinds that change what a worker holds; ABORT cancels a queued SUBMIT / ADMIT
 SUBMIT, ADMIT, ABORT, RELEASE = "submit", "admit", "abort", "release"
