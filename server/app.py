@@ -46,7 +46,7 @@ from engine.errors import describe_error
 from engine.metrics import RequestRecord
 from engine.request import MAX_LOGPROBS, Request, SamplingParams
 from server.config import LOOPBACK
-from server.text import ByteText, HFText, TextStream
+from server.text import ByteText, HFText, Text, TextStream
 from router.router import FINISH, Router, StreamEvent
 
 _LOG = logging.getLogger(__name__)
@@ -370,7 +370,7 @@ class OpenAIServer:
     ``experiments.results.emulation_row`` of a deployment on emulated devices, listed in
     ``/v1/models`` so a client (``pdlab bench``) can say its results are emulated; else ``{}``."""
 
-    def __init__(self, router: Router, text: ByteText | HFText, model_name: str,
+    def __init__(self, router: Router, text: Text, model_name: str,
                  max_body_bytes: int = 1 << 20, emulation: dict | None = None) -> None:
         self.router = router
         self.emulation = dict(emulation or {})

@@ -14,9 +14,21 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 BYTE_CHAT_TEMPLATE = "<|{role}|>\n{content}\n"  # per message; then "<|assistant|>\n"
+
+
+class Text(Protocol):
+    """A model's text: ``ByteText``, ``HFText``, ``server.emulated_text.EmulatedText``."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]: ...
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
 
 class ByteText:
@@ -69,7 +81,7 @@ class TextStream:
     caller then aborts the request). ``finish()`` returns the held-back rest. ``num_tokens``
     counts tokens up to the one that completed the stop string (``usage``'s completion tokens)."""
 
-    def __init__(self, text: ByteText | HFText, stop: Sequence[str] = (),
+    def __init__(self, text: Text, stop: Sequence[str] = (),
                  skip_special_tokens: bool = True, include_stop_str: bool = False) -> None:
         self.text = text
         self.stop = [s for s in stop if s]

@@ -9,8 +9,9 @@ import dataclasses
 from dataclasses import dataclass
 
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
-                           TransferConfig, add_dataclass_args, dataclass_from_args, parse_devices)
-from engine.model import load_tokenizer
+                           TransferConfig, add_dataclass_args, dataclass_from_args, is_emulated,
+                           parse_devices)
+from engine.model import load_geometry, load_tokenizer, smollm2_tokenizer
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args,
                                  add_transfer_args, check_model, check_placements, engine_config, option_error,
                                  placement_list)
@@ -18,6 +19,8 @@ from deployment.placement import Deployment, emulation_for
 from experiments.results import emulation_row
 from server.app import OpenAIServer, serve_forever, text_of
 from server.config import ServeConfig
+from server.emulated_text import EmulatedText
+from server.text import HFText, Text
 
 HELP = "an OpenAI-compatible HTTP server over one placement"
 
@@ -80,10 +83,19 @@ def check(args: argparse.Namespace) -> Serving:
                    dataclass_from_args(ConditionalConfig, args), server)
 
 
+def serving_text(model: ModelConfig, devices: tuple[str, ...]) -> Text:
+    """The model's tokenizer; without one ``EmulatedText`` on emulated devices, else
+    ``ByteText`` (tiny models). ModelLoadError: a tokenizer that cannot be read."""
+    tokenizer = load_tokenizer(model)
+    if tokenizer is None and is_emulated(devices):
+        return EmulatedText(HFText(smollm2_tokenizer()), load_geometry(model).vocab_size)
+    return text_of(tokenizer)
+
+
 def build(args: argparse.Namespace, x: Serving) -> tuple[Deployment, OpenAIServer]:
     """The deployment and its HTTP app, not serving yet (``run`` serves them; tests serve
     them on a ``ServerThread``). The caller closes the deployment."""
-    text = text_of(load_tokenizer(x.model))
+    text = serving_text(x.model, x.devices)
     name = x.server.served_model_name or x.model.model
     dep = Deployment(PlacementConfig(x.placement, ",".join(x.devices), args.address), x.model,
                      x.engine, x.transfer, local=x.server.local, policy=args.policy,
