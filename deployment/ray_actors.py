@@ -5,7 +5,8 @@ workers as Ray actors (local placements run where Ray is not installed, ``make g
 joins ``--address``; reserves one placement-group bundle per worker (``gpu_actor_resources``;
 ``STRICT_PACK`` for shm, whose KV moves through one node's shared memory) and starts each worker
 as a threaded actor in its bundle; ``watch(on_death)`` tells ``on_death(name, handle, cause)``
-at once when an actor dies (each actor holds one call that never returns); ``close`` kills the
+at once when an actor dies (each actor holds one call that never returns; an error in the
+watch is logged and the watch goes on); ``close`` kills the
 actors and releases the group. ``RayCalls`` is how the router calls them (``router.calls``).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import itertools
+import logging
 import os
 import sys
 import threading
@@ -40,6 +42,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 WAKE_SLICE_S = 0.001
 PEAK_TIMEOUT_S = 60.0  # one link-peak measurement (a 32 MiB copy or probe, 4 runs)
 # Ray's exceptions for an actor that died (the set differs between Ray versions)
+_LOG = logging.getLogger(__name__)
+WATCH_RETRY_S = 0.2  # pause of the actor watch after an error, before it watches again
 ACTOR_DEATH = (RayActorError,) + tuple(
     getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
     if hasattr(ray.exceptions, name))
@@ -195,6 +199,7 @@ class RayWorkers:
         self._on_death: Callable[[str, Any, str], None] | None = None
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.watch_errors = 0  # exceptions the actor watch survived (each logged)
 
     def connect(self) -> dict | None:
         """Start or join Ray; returns the cluster's resources when joined (only totals can
@@ -258,25 +263,40 @@ class RayWorkers:
             self._watcher.start()
 
     def _watch(self) -> None:
+        """The watch thread: a failed turn is logged (``watch_errors`` counts them) and the
+        watch goes on after ``WATCH_RETRY_S``; it ends only with ``close``."""
         while not self._closing.is_set():
+            try:
+                self._watch_turn()
+            except Exception:
+                self.watch_errors += 1
+                _LOG.exception("Ray actor watch: a turn failed; watching again")
+                self._closing.wait(WATCH_RETRY_S)
+
+    def _watch_turn(self) -> None:
+        with self._watch_lock:
+            refs = list(self._watched)
+        if not refs:
+            self._closing.wait(0.2)
+            return
+        # the timeout only bounds how late an actor started meanwhile joins the wait
+        ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+        for ref in ready:
             with self._watch_lock:
-                refs = list(self._watched)
-            if not refs:
-                self._closing.wait(0.2)
-                continue
-            # the timeout only bounds how late an actor started meanwhile joins the wait
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
-            for ref in ready:
-                with self._watch_lock:
-                    name, handle = self._watched.pop(ref)
+                name, handle = self._watched.pop(ref)
+            try:
+                ray.get(ref, timeout=0)
+                cause = "its actor's watch call returned"
+            except Exception as err:  # ActorDiedError and kin: keep Ray's root cause
+                cause = f"{type(err).__name__}: {describe_error(err)}"
+                without_traceback(err)
+            if not self._closing.is_set() and self._on_death is not None:
                 try:
-                    ray.get(ref, timeout=0)
-                    cause = "its actor's watch call returned"
-                except Exception as err:  # ActorDiedError and kin: keep Ray's root cause
-                    cause = f"{type(err).__name__}: {describe_error(err)}"
-                    without_traceback(err)
-                if not self._closing.is_set() and self._on_death is not None:
                     self._on_death(name, handle, cause)
+                except Exception:  # this death is lost to its listener; the others are not
+                    self.watch_errors += 1
+                    _LOG.exception("Ray actor watch: telling of %s's death (%s) failed",
+                                   name, cause)
 
     def link_peaks(self, decode: list[str], prefill: list[str]) -> dict[str, LinkPeak]:
         """The link each decode worker's transfers run on, measured inside the actors and set
