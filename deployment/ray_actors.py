@@ -12,14 +12,11 @@ actors and releases the group. ``RayCalls`` is how the router calls them (``rout
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
-import itertools
 import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -33,13 +30,9 @@ from engine.config import cpu_cores_of
 from engine.device import PIN_ENV, VISIBLE_ENV
 from engine.errors import describe_error, without_traceback
 from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, probe_peak
-from router.calls import ORDERED, WorkerDied
+from router.calls import WorkerDied
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# the online router's wait on Ray calls is cut in slices this long to see a wake-up (a new
-# submit or abort, a concurrent.futures.Future): a submit waits half of it on average
-# before dispatch (5 ms slices could add up to 5 ms to a TTFT through `pdlab serve`)
-WAKE_SLICE_S = 0.001
 PEAK_TIMEOUT_S = 60.0  # one link-peak measurement (a 32 MiB copy or probe, 4 runs)
 # Ray's exceptions for an actor that died (the set differs between Ray versions)
 _LOG = logging.getLogger(__name__)
@@ -50,44 +43,14 @@ ACTOR_DEATH = (RayActorError,) + tuple(
 
 
 class RayCalls:
-    """``router.calls.Calls`` over Ray actor handles.
-
-    A threaded actor (``max_concurrency > 1``) runs calls out of order, even within a
-    concurrency group of size 1 (Ray forces ``allow_out_of_order_execution`` there). So the
-    ``ORDERED`` methods are numbered per actor and sent as ``ordered(seq, method, ...)``:
-    the worker applies them in that order, never holding a thread to wait for an earlier
-    number (``engine.serving.InOrder``), while long polls and reads run beside them on the
-    actor's other threads.
-    """
-
-    accepts_futures = True  # ready() also takes concurrent.futures.Futures (wake-ups)
-
-    def __init__(self) -> None:
-        self._seqs: dict[str, itertools.count] = {}
+    """``router.calls.Calls`` over Ray actor handles (lifecycle calls and reads; what a
+    worker holds changes only through its channel, in order)."""
 
     def call(self, handle: Any, method: str, *args: Any) -> Any:
         """Start ``handle.method(*args)``; returns its ``ray.ObjectRef``."""
-        if method in ORDERED:
-            seqs = self._seqs.setdefault(handle._actor_id.hex(), itertools.count())
-            return handle.ordered.remote(next(seqs), method, *args)
         return getattr(handle, method).remote(*args)
 
     def ready(self, pending: list, timeout_s: float) -> list:
-        futures = [p for p in pending if isinstance(p, cf.Future)]
-        if futures:  # ray.wait takes ObjectRefs only: wait in slices, checking the futures
-            refs = [p for p in pending if not isinstance(p, cf.Future)]
-            end_s = time.monotonic() + timeout_s
-            while True:
-                done = [f for f in futures if f.done()]
-                if refs:
-                    done += self.ready(refs, 0.0 if done else
-                                       max(0.0, min(WAKE_SLICE_S, end_s - time.monotonic())))
-                elif not done:
-                    cf.wait(futures, timeout=max(0.0, end_s - time.monotonic()),
-                            return_when=cf.FIRST_COMPLETED)
-                    done = [f for f in futures if f.done()]
-                if done or time.monotonic() >= end_s:
-                    return done
         first, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
         if not first:
             return []
