@@ -16,12 +16,9 @@ each by tests/unit/test_channel.py), and their bookkeeping (``Inbox``, ``Livenes
   port whose own thread fails says so before it stops: a ``Died`` with its ``cause``.
 - **Incarnation.** Every message carries its worker's name and incarnation. The hub delivers
   only the messages of the incarnation attached last; those of an earlier or a dead one are
-  dropped (``Hub.stale`` counts them) and never make its worker look alive. The first such
-  message of each incarnation is reported as a ``Stale`` notice: that incarnation should not
-  be running, and its owner stops it.
-- **Bad input.** A message that cannot be decoded costs only itself: it is logged (with its
-  sender and incarnation where those can be read) and dropped, and the port's thread and
-  the hub's other messages go on.
+  dropped (``Hub.stale`` counts them), never make its worker look alive, and the first of
+  each such incarnation is reported (``Stale``): it should not run.
+- **Bad input.** A message that cannot be decoded is logged and dropped, nothing else.
 """
 
 from __future__ import annotations
@@ -164,17 +161,15 @@ class Inbox:
 
 
 class InboxPort:
-    """The half both ports share: the worker's loop takes from the port's ``Inbox``."""
+    """What both ports share: ``take`` and ``arrived`` of the port's ``Inbox``."""
 
     _inbox: Inbox
 
     def take(self, timeout_s: float) -> Taken:
-        """``Inbox.take`` of the commands that reached this port."""
         return self._inbox.take(timeout_s)
 
     @property
     def arrived(self) -> int:
-        """Commands received so far (taken or not)."""
         return self._inbox.arrived
 
 

@@ -1,11 +1,9 @@
 """The channel over pyzmq: ``ipc`` within a node, ``tcp`` across nodes, ``channel.wire``
 (msgpack) on the wire.
 
-- The hub binds one PULL socket that every port's PUSH connects to (messages and heartbeats):
-  two frames each, the header ``[worker, incarnation, seq]`` and the body, decoded apart so
-  that a body the hub cannot decode is still logged with its sender. ``seq`` is ``HEARTBEAT``
-  for a heartbeat (empty body) and ``PORT_FAILED`` for a port's report of its own failure
-  (body: the cause).
+- The hub binds one PULL socket that every port's PUSH connects to: two frames each, the
+  header ``[worker, incarnation, seq]`` and the body, decoded apart (a bad body is logged
+  with its sender); ``seq`` ``HEARTBEAT`` or ``PORT_FAILED`` (body: the port's failure).
 - Per attached incarnation the hub binds a PUSH socket for its port's PULL (commands, each
   ``[kind, request_id, args]``); commands sent before the port connects wait in the hub, in
   order, and leave when the poller says the socket can take them.
@@ -14,8 +12,9 @@ A port has one thread of its own (beside libzmq's I/O thread): it decodes comman
 worker's ``Inbox``, encodes and sends the worker's messages and beats the heartbeat, so neither
 it nor the engine step waits for the other. A command it cannot decode, or a message it cannot
 encode, is logged and dropped; any other error ends the thread, which reports it to the hub
-(``PORT_FAILED``, best effort) and sets ``SocketPort.error``. The hub has no thread: ``receive`` waits on a
-``zmq.Poller`` over its sockets and a wake-up pipe (``wake``), never on a time slice.
+(``PORT_FAILED``, best effort) and sets ``SocketPort.error``. The hub has no thread:
+``receive`` waits on a ``zmq.Poller`` over its sockets and a wake-up pipe (``wake``), never on
+a time slice.
 """
 
 from __future__ import annotations
@@ -185,19 +184,18 @@ class SocketHub:
         out: list[Message | Died | Stale] = []
         # everything queued, so that no queued heartbeat is mistaken for silence
         while self._in.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            item = self._decode(self._in.recv_multipart(copy=False))
+            item = self._decode(self._in.recv_multipart())
             if item is not None:
                 out.append(item)
         out.extend(self.liveness.deaths())
         out.extend(self.liveness.strays())
         return out
 
-    def _decode(self, frames: list) -> Message | Died | None:
-        """One message off the wire: a ``Message``, a port's ``Died`` report, or None
-        (a heartbeat, a stale incarnation's news, or a message that is logged and dropped
-        because it cannot be decoded: counted in ``undecodable``)."""
+    def _decode(self, frames: list[bytes]) -> Message | Died | None:
+        """A ``Message``, a port's ``Died`` report, or None (a heartbeat, stale news, or
+        undecodable: logged, dropped, counted in ``undecodable``)."""
         try:
-            worker, incarnation, seq = wire.decode(frames[0].buffer)
+            worker, incarnation, seq = wire.decode(frames[0])
             if not (isinstance(worker, str) and isinstance(incarnation, int)
                     and isinstance(seq, int) and len(frames) == 2):
                 raise ValueError(f"a header of {len(frames)} frames ({worker!r}, "
@@ -210,7 +208,7 @@ class SocketHub:
         if seq == HEARTBEAT:
             return None
         try:
-            body = wire.decode(frames[1].buffer)
+            body = wire.decode(frames[1])
         except Exception as err:
             self._drop_message((worker, incarnation), f"message {seq} of {worker} incarnation "
                                                        f"{incarnation}: {err!r}")
@@ -246,8 +244,8 @@ class SocketPort(InboxPort):
     once; the first heartbeat leaves before the constructor returns.
 
     Attributes:
-        error: why the port's thread stopped on an error (None while it runs or after
-            ``close``); its hub has been told, its inbox is closed.
+        error: why the port's thread stopped on an error (None while it runs, and after a
+            plain ``close``); its hub has been told, its inbox is closed.
         dropped: commands that could not be decoded and messages that could not be encoded.
     """
 
@@ -312,7 +310,7 @@ class SocketPort(InboxPort):
             ready = dict(poller.poll(wait_ms))
             if self._commands in ready:
                 while self._commands.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    command = self._decode(self._commands.recv(copy=False))
+                    command = self._decode(self._commands.recv())
                     if command is not None:
                         self._inbox.put(command)
             if self._wake.read_fd in ready:
@@ -335,15 +333,15 @@ class SocketPort(InboxPort):
                 self._beat()
                 next_beat = time.monotonic() + self.endpoint.heartbeat_s
 
-    def _decode(self, frame: zmq.Frame) -> Command | None:
+    def _decode(self, data: bytes) -> Command | None:
         """A command off the wire, or None: logged and dropped as undecodable."""
         try:
-            kind, request_id, args = wire.decode(frame.buffer)
+            kind, request_id, args = wire.decode(data)
             if not (isinstance(kind, str) and isinstance(args, tuple)):
                 raise ValueError(f"({kind!r}, {request_id!r}, {args!r}) is not "
                                  "[kind, request_id, args]")
         except Exception as err:
-            self._drop(f"a command of {len(frame.buffer)} bytes: {err!r}")
+            self._drop(f"a command of {len(data)} bytes: {err!r}")
             return None
         return Command(kind, request_id, args)
 

@@ -412,10 +412,8 @@ class Deployment:
             pass
 
     def _stop_incarnation(self, name: str, handle: Any) -> None:
-        """The router declared this incarnation of ``name`` dead (``Router(stop_worker=)``):
-        kill it, on a thread (the router's loop never waits), so that one declared dead
-        while alive (silent too long on a starved host) neither runs nor holds KV for
-        nobody. Locally its calls fail from now on (``LocalCalls.kill``)."""
+        """``Router(stop_worker=)``: kill an incarnation declared dead (alive, it would hold
+        KV for nobody), on a thread; locally its calls fail from now on."""
         stop = self._stop_worker if self._ray is not None else self.calls.kill
         threading.Thread(target=self._stop_quietly, args=(stop, handle), daemon=True,
                          name=f"stop-{name}").start()

@@ -226,8 +226,7 @@ class RayWorkers:
             self._watcher.start()
 
     def _watch(self) -> None:
-        """The watch thread: a failed turn is logged (``watch_errors`` counts them) and the
-        watch goes on after ``WATCH_RETRY_S``; it ends only with ``close``."""
+        """Until ``close``: a failed turn is logged, counted, retried after a pause."""
         while not self._closing.is_set():
             try:
                 self._watch_turn()

@@ -8,8 +8,7 @@ once it rejoins).
    why not and the worker stays dead.
 2. On that thread: ``spawn(name)`` builds the worker again as it was, ``ready(name, handle,
    should_stop)`` waits for its first ``info()`` (bounded by ``startup_timeout_s``), then
-   ``router.rejoin`` and its answer (the router may refuse the replacement: another KV
-   geometry, a channel that did not open).
+   ``router.rejoin``'s answer (it may refuse the replacement).
 3. A failed attempt (one that raised, or a refused replacement) stops what it started
    (``stop(handle)``), counts against the budget and is retried after ``backoff_s``; once the
    budget is spent the router hears ``worker_lost`` with the last error, and requests that

@@ -12,8 +12,7 @@ life"); this module's contract:
 - A request fails ``deadline_s`` after its own last news. A worker is dead once its channel
   falls silent, it sends ``died`` or its deployment says so (``worker_died``): its requests
   fail naming the cause or, remote and not yet decoding there, move to another decode worker.
-  An incarnation declared dead is handed to ``stop_worker`` (one that was alive after all,
-  silent too long, must not run or hold KV for nobody), and again if it speaks afterwards.
+  An incarnation declared dead goes to ``stop_worker`` (a false death must not run on).
   If ``on_worker_died`` answers None, ``rejoin`` attaches the replacement as the next
   incarnation (the hub drops news of earlier ones) once its channel is open, which the loop
   never waits for; else requests parked for the empty pool fail as ``unavailable``.
@@ -196,10 +195,8 @@ class Router:
             across processes; default: a new ``channel.local.LocalHub``, for workers in this
             process); each worker gets ``open_channel(endpoint)`` once its ``info``
             answered. Its owner closes it.
-        stop_worker: called on the loop thread as ``stop_worker(name, handle)`` with an
-            incarnation the router declared dead, and again if that one speaks afterwards
-            (it must not block: it kills the incarnation or has it shut down and free its
-            KV). None: nobody stops it.
+        stop_worker: ``stop_worker(name, handle)`` (loop thread, must not block) kills an
+            incarnation declared dead; again if it speaks afterwards. None: nobody does.
 
     Raises:
         ValueError: no workers for a role, or prefill and decode KV geometries differ.
@@ -629,7 +626,8 @@ class Router:
         """The hub heard nothing of a worker incarnation for ``DEAD_AFTER_S``, or its port
         reported its own failure (``Died.cause``)."""
         worker = self.workers.get(died.worker)
-        cause = died.cause or f"its channel fell silent ({died.silent_s:.1f} s without a heartbeat)"
+        cause = died.cause or (f"its channel fell silent ({died.silent_s:.1f} s without a "
+                               "heartbeat)")
         joining = self._joining.get(died.worker)
         if joining is not None and joining[0] == died.incarnation:  # a replacement, joining
             del self._joining[died.worker]
@@ -923,8 +921,7 @@ class Router:
                          name=f"open-channel-{name}", daemon=True).start()
 
     def _await_channel(self, name: str, incarnation: int, pending: Any) -> None:
-        """Wait (bounded by ``deadline_s``) for a replacement's ``open_channel`` off the
-        loop thread; the loop hears the outcome as an ``opened`` command."""
+        """Off the loop: wait for ``open_channel`` (``deadline_s``), post ``opened``."""
         error = None
         try:
             if not self.calls.ready([pending], self.deadline_s):
@@ -936,8 +933,7 @@ class Router:
         self._wake_up()
 
     def _opened(self, name: str, incarnation: int, error: str | None) -> None:
-        """A replacement's channel opened (``error`` None) or did not: it serves from now on,
-        or it is detached and refused. Ignored once the join has ended (it died meanwhile)."""
+        """A replacement's channel opened (``error`` None): it serves; else it is refused."""
         joining = self._joining.get(name)
         if joining is None or joining[0] != incarnation:
             return
