@@ -916,7 +916,11 @@ class Router:
         worker.incarnation += 1
         endpoint = self.hub.attach(name, worker.incarnation)
         self._joining[name] = (worker.incarnation, handle, joined)
-        pending = self.calls.call(handle, "open_channel", endpoint)
+        try:
+            pending = self.calls.call(handle, "open_channel", endpoint)
+        except Exception as err:  # the call could not even start: refused like a failed one
+            self._opened(name, worker.incarnation, describe_error(err))
+            return
         threading.Thread(target=self._await_channel, args=(name, worker.incarnation, pending),
                          name=f"open-channel-{name}", daemon=True).start()
 
