@@ -12,10 +12,13 @@ each by tests/unit/test_channel.py), and their bookkeeping (``Inbox``, ``Livenes
 - **Death.** A port sends a heartbeat every ``HEARTBEAT_S`` seconds from its own thread; the
   hub reports an incarnation silent for ``DEAD_AFTER_S`` seconds as a ``Died`` notice from
   ``receive``, once. Silence counts from the incarnation's first message: a worker still
-  loading its model is watched by its deployment (start-up timeout, Ray's actor death).
+  loading its model is watched by its deployment (start-up timeout, Ray's actor death). A
+  port whose own thread fails says so before it stops: a ``Died`` with its ``cause``.
 - **Incarnation.** Every message carries its worker's name and incarnation. The hub delivers
   only the messages of the incarnation attached last; those of an earlier or a dead one are
-  dropped (``Hub.stale`` counts them) and never make its worker look alive.
+  dropped (``Hub.stale`` counts them), never make its worker look alive, and the first of
+  each such incarnation is reported (``Stale``): it should not run.
+- **Bad input.** A message that cannot be decoded is logged and dropped, nothing else.
 """
 
 from __future__ import annotations
@@ -70,11 +73,22 @@ class Message:
 
 @dataclass(frozen=True)
 class Died:
-    """A worker incarnation fell silent for ``silent_s`` >= ``DEAD_AFTER_S`` seconds."""
+    """A worker incarnation fell silent for ``silent_s`` >= ``DEAD_AFTER_S`` seconds, or its
+    port reported its own failure (``cause``; ``silent_s`` 0)."""
 
     worker: str
     incarnation: int
     silent_s: float
+    cause: str = ""
+
+
+@dataclass(frozen=True)
+class Stale:
+    """An incarnation that is not (or no longer) its worker's spoke (module docstring:
+    incarnation); reported once per incarnation."""
+
+    worker: str
+    incarnation: int
 
 
 @dataclass(frozen=True)
@@ -146,6 +160,19 @@ class Inbox:
             self._ready.notify_all()
 
 
+class InboxPort:
+    """What both ports share: ``take`` and ``arrived`` of the port's ``Inbox``."""
+
+    _inbox: Inbox
+
+    def take(self, timeout_s: float) -> Taken:
+        return self._inbox.take(timeout_s)
+
+    @property
+    def arrived(self) -> int:
+        return self._inbox.arrived
+
+
 class Liveness:
     """The hub's record of which incarnation of each worker counts, and when each was last
     heard (module docstring: death and incarnation rules). ``clock``: seconds, monotonic."""
@@ -158,6 +185,7 @@ class Liveness:
         self._last_seen: dict[str, float] = {}  # worker -> when its current one last spoke
         self._dead: set[tuple[str, int]] = set()
         self.stale: dict[tuple[str, int], int] = {}  # (worker, incarnation) -> dropped messages
+        self._strays: list[Stale] = []  # stale incarnations not yet reported
         self.next_seq: dict[str, int] = {}  # worker -> seq its current incarnation sends next
 
     def attach(self, worker: str, incarnation: int) -> None:
@@ -183,10 +211,26 @@ class Liveness:
         """``worker``'s ``incarnation`` spoke now; False (counted in ``stale``) when that
         message must be dropped: another incarnation's, or a dead one's."""
         if self.current.get(worker) != incarnation or (worker, incarnation) in self._dead:
+            if (worker, incarnation) not in self.stale:
+                self._strays.append(Stale(worker, incarnation))
             self.stale[(worker, incarnation)] = self.stale.get((worker, incarnation), 0) + 1
             return False
         self._last_seen[worker] = self.clock()
         return True
+
+    def strays(self) -> list[Stale]:
+        """Stale incarnations that spoke since the last call, each reported once."""
+        strays, self._strays = self._strays, []
+        return strays
+
+    def failed(self, worker: str, incarnation: int, cause: str) -> Died | None:
+        """``worker``'s ``incarnation`` reported its own failure: dead from now on; its
+        ``Died`` (None for a stale or already dead incarnation, whose news is dropped)."""
+        if self.current.get(worker) != incarnation or (worker, incarnation) in self._dead:
+            return None
+        self._dead.add((worker, incarnation))
+        self._last_seen.pop(worker, None)
+        return Died(worker, incarnation, 0.0, cause)
 
     def deaths(self) -> list[Died]:
         """Incarnations silent for ``dead_after_s`` since they last spoke, each reported
@@ -219,9 +263,9 @@ class Hub(Protocol):
 
     def send(self, worker: str, command: Command) -> None: ...
 
-    def receive(self, timeout_s: float) -> list[Message | Died]:
-        """What arrived, in order per worker, and deaths; waits up to ``timeout_s``
-        seconds for the first item, or until ``wake``."""
+    def receive(self, timeout_s: float) -> list[Message | Died | Stale]:
+        """What arrived, in order per worker, deaths and stale incarnations heard; waits up
+        to ``timeout_s`` seconds for the first item, or until ``wake``."""
         ...
 
     def wake(self) -> None: ...

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
-                              Liveness, Message, Taken)
+                              InboxPort, Liveness, Message, Stale)
 
 _HEARTBEAT = object()  # body of a heartbeat (never delivered)
 _HUBS: weakref.WeakValueDictionary[str, LocalHub] = weakref.WeakValueDictionary()
@@ -81,7 +81,7 @@ class LocalHub:
             self._arrived.append((worker, incarnation, seq, body))
             self._ready.notify()
 
-    def receive(self, timeout_s: float) -> list[Message | Died]:
+    def receive(self, timeout_s: float) -> list[Message | Died | Stale]:
         with self._ready:
             if not self._arrived and not self._woken and timeout_s > 0:
                 next_death = self.liveness.next_death_in()
@@ -93,6 +93,7 @@ class LocalHub:
             if self.liveness.heard(worker, incarnation) and body is not _HEARTBEAT:
                 out.append(Message(worker, incarnation, seq, body))
         out.extend(self.liveness.deaths())
+        out.extend(self.liveness.strays())
         return out
 
     def wake(self) -> None:
@@ -117,7 +118,7 @@ def open_local_port(endpoint: Endpoint,
     return _HUBS[endpoint.messages].open_port(endpoint, on_arrival)
 
 
-class LocalPort:
+class LocalPort(InboxPort):
     """``channel.contract.Port`` of a ``LocalHub`` (``LocalHub.open_port``)."""
 
     def __init__(self, hub: LocalHub, endpoint: Endpoint, inbox: Inbox) -> None:
@@ -131,13 +132,6 @@ class LocalPort:
         self._thread = threading.Thread(target=self._beat, daemon=True,
                                         name=f"{endpoint.worker}-heartbeat")
         self._thread.start()
-
-    def take(self, timeout_s: float) -> Taken:
-        return self._inbox.take(timeout_s)
-
-    @property
-    def arrived(self) -> int:
-        return self._inbox.arrived
 
     def send(self, body: Any) -> None:
         if not self._closed.is_set():

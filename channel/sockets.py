@@ -1,21 +1,26 @@
 """The channel over pyzmq: ``ipc`` within a node, ``tcp`` across nodes, ``channel.wire``
 (msgpack) on the wire.
 
-- The hub binds one PULL socket that every port's PUSH connects to (messages and heartbeats,
-  each ``[worker, incarnation, seq, body]``, ``seq`` -1 for a heartbeat).
+- The hub binds one PULL socket that every port's PUSH connects to: two frames each, the
+  header ``[worker, incarnation, seq]`` and the body, decoded apart (a bad body is logged
+  with its sender); ``seq`` ``HEARTBEAT`` or ``PORT_FAILED`` (body: the port's failure).
 - Per attached incarnation the hub binds a PUSH socket for its port's PULL (commands, each
   ``[kind, request_id, args]``); commands sent before the port connects wait in the hub, in
   order, and leave when the poller says the socket can take them.
 
 A port has one thread of its own (beside libzmq's I/O thread): it decodes commands into the
 worker's ``Inbox``, encodes and sends the worker's messages and beats the heartbeat, so neither
-it nor the engine step waits for the other. The hub has no thread: ``receive`` waits on a
-``zmq.Poller`` over its sockets and a wake-up pipe (``wake``), never on a time slice.
+it nor the engine step waits for the other. A command it cannot decode, or a message it cannot
+encode, is logged and dropped; any other error ends the thread, which reports it to the hub
+(``PORT_FAILED``, best effort) and sets ``SocketPort.error``. The hub has no thread:
+``receive`` waits on a ``zmq.Poller`` over its sockets and a wake-up pipe (``wake``), never on
+a time slice.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
 import shutil
 import tempfile
@@ -28,9 +33,11 @@ import zmq
 
 from channel import wire
 from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
-                              Liveness, Message, Taken)
+                              InboxPort, Liveness, Message, Stale)
 
 TRANSPORTS = ("ipc", "tcp")
+HEARTBEAT, PORT_FAILED = -1, -2  # header seq of a heartbeat, of a port's failure report
+_LOG = logging.getLogger(__name__)
 
 
 class _WakePipe:
@@ -102,6 +109,8 @@ class SocketHub:
         self._poller.register(self._in, zmq.POLLIN)
         self._poller.register(self._wake.read_fd, zmq.POLLIN)
         self._closed = False
+        # (worker, incarnation) -> messages dropped as undecodable (("?", -1): no header)
+        self.undecodable: dict[tuple[str, int], int] = {}
 
     @property
     def stale(self) -> dict[tuple[str, int], int]:
@@ -172,14 +181,45 @@ class SocketHub:
         for worker in [w for w, out in list(self._out.items()) if w in self._waiting
                        and ready.get(out, 0) & zmq.POLLOUT]:
             self._flush(worker)
-        out: list[Message | Died] = []
+        out: list[Message | Died | Stale] = []
         # everything queued, so that no queued heartbeat is mistaken for silence
         while self._in.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-            worker, incarnation, seq, body = wire.decode(self._in.recv())
-            if self.liveness.heard(worker, incarnation) and seq >= 0:
-                out.append(Message(worker, incarnation, seq, body))
+            item = self._decode(self._in.recv_multipart())
+            if item is not None:
+                out.append(item)
         out.extend(self.liveness.deaths())
+        out.extend(self.liveness.strays())
         return out
+
+    def _decode(self, frames: list[bytes]) -> Message | Died | None:
+        """A ``Message``, a port's ``Died`` report, or None (a heartbeat, stale news, or
+        undecodable: logged, dropped, counted in ``undecodable``)."""
+        try:
+            worker, incarnation, seq = wire.decode(frames[0])
+            if not (isinstance(worker, str) and isinstance(incarnation, int)
+                    and isinstance(seq, int) and len(frames) == 2):
+                raise ValueError(f"a header of {len(frames)} frames ({worker!r}, "
+                                 f"{incarnation!r}, {seq!r}) is not [worker, incarnation, seq]")
+        except Exception as err:
+            self._drop_message(("?", -1), f"a message from an unknown sender: {err!r}")
+            return None
+        if not self.liveness.heard(worker, incarnation):
+            return None
+        if seq == HEARTBEAT:
+            return None
+        try:
+            body = wire.decode(frames[1])
+        except Exception as err:
+            self._drop_message((worker, incarnation), f"message {seq} of {worker} incarnation "
+                                                       f"{incarnation}: {err!r}")
+            return None
+        if seq == PORT_FAILED:
+            return self.liveness.failed(worker, incarnation, str(body))
+        return Message(worker, incarnation, seq, body)
+
+    def _drop_message(self, sender: tuple[str, int], what: str) -> None:
+        self.undecodable[sender] = self.undecodable.get(sender, 0) + 1
+        _LOG.error("channel hub: dropped %s", what)
 
     def wake(self) -> None:
         self._wake.poke()
@@ -197,11 +237,17 @@ class SocketHub:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class SocketPort:
+class SocketPort(InboxPort):
     """``channel.contract.Port`` over pyzmq: opened in the worker's process with the
     ``Endpoint`` its hub's ``attach`` returned; ``on_arrival()`` runs after each command
     reaches the inbox (it wakes the worker's loop). Its thread (module docstring) starts at
-    once; the first heartbeat leaves before the constructor returns."""
+    once; the first heartbeat leaves before the constructor returns.
+
+    Attributes:
+        error: why the port's thread stopped on an error (None while it runs, and after a
+            plain ``close``); its hub has been told, its inbox is closed.
+        dropped: commands that could not be decoded and messages that could not be encoded.
+    """
 
     def __init__(self, endpoint: Endpoint, on_arrival: Callable[[], None] | None = None) -> None:
         self.endpoint = endpoint
@@ -217,17 +263,12 @@ class SocketPort:
         self._messages.setsockopt(zmq.LINGER, 1000)  # close: what was sent still leaves
         self._messages.connect(endpoint.messages)
         self._seq = 0
+        self.error: str | None = None
+        self.dropped = 0
         self._beat()  # heard from now on (a connecting PUSH queues it)
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"{endpoint.worker}-port")
         self._thread.start()
-
-    def take(self, timeout_s: float) -> Taken:
-        return self._inbox.take(timeout_s)
-
-    @property
-    def arrived(self) -> int:
-        return self._inbox.arrived
 
     def send(self, body: Any) -> None:
         """Hand ``body`` to the port's thread (encoded and sent there, in order)."""
@@ -235,12 +276,31 @@ class SocketPort:
             self._outbox.append(body)
             self._wake.poke()
 
+    def _send(self, seq: int, body: bytes) -> None:
+        header = wire.encode((self.endpoint.worker, self.endpoint.incarnation, seq))
+        self._messages.send_multipart((header, body))
+
     def _beat(self) -> None:
-        self._messages.send(wire.encode((self.endpoint.worker, self.endpoint.incarnation, -1,
-                                         None)))
+        self._send(HEARTBEAT, b"")
 
     def _run(self) -> None:
-        worker, incarnation = self.endpoint.worker, self.endpoint.incarnation
+        try:
+            self._serve()
+        except Exception as err:  # the socket (or this thread) is broken: the port is dead
+            self.error = f"{type(err).__name__}: {err}"
+            _LOG.exception("channel port of %s incarnation %d failed", self.endpoint.worker,
+                           self.endpoint.incarnation)
+            try:  # best effort: the hub hears the cause now, not after the silence
+                self._send(PORT_FAILED, wire.encode(f"its channel port failed: {self.error}"))
+            except Exception:
+                pass
+        finally:
+            self._inbox.close()
+            self._commands.close()
+            self._messages.close()  # lingers until what was sent has left
+            self._ctx.term()
+
+    def _serve(self) -> None:
         poller = zmq.Poller()
         poller.register(self._commands, zmq.POLLIN)
         poller.register(self._wake.read_fd, zmq.POLLIN)
@@ -250,8 +310,9 @@ class SocketPort:
             ready = dict(poller.poll(wait_ms))
             if self._commands in ready:
                 while self._commands.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    kind, request_id, args = wire.decode(self._commands.recv())
-                    self._inbox.put(Command(kind, request_id, args))
+                    command = self._decode(self._commands.recv())
+                    if command is not None:
+                        self._inbox.put(command)
             if self._wake.read_fd in ready:
                 self._wake.drain()
             # read before draining: whatever was sent before close() leaves (a loop's last
@@ -259,16 +320,35 @@ class SocketPort:
             stopping = self._stopping.is_set()
             while self._outbox:
                 body = self._outbox.popleft()
-                self._messages.send(wire.encode((worker, incarnation, self._seq, body)))
+                try:
+                    data = wire.encode(body)
+                except Exception as err:
+                    self._drop(f"message {self._seq} (not sent, its number reused): {err!r}")
+                    continue
+                self._send(self._seq, data)
                 self._seq += 1
             if stopping:
-                break
+                return
             if time.monotonic() >= next_beat:
                 self._beat()
                 next_beat = time.monotonic() + self.endpoint.heartbeat_s
-        self._commands.close()
-        self._messages.close()  # lingers until what was sent has left
-        self._ctx.term()
+
+    def _decode(self, data: bytes) -> Command | None:
+        """A command off the wire, or None: logged and dropped as undecodable."""
+        try:
+            kind, request_id, args = wire.decode(data)
+            if not (isinstance(kind, str) and isinstance(args, tuple)):
+                raise ValueError(f"({kind!r}, {request_id!r}, {args!r}) is not "
+                                 "[kind, request_id, args]")
+        except Exception as err:
+            self._drop(f"a command of {len(data)} bytes: {err!r}")
+            return None
+        return Command(kind, request_id, args)
+
+    def _drop(self, what: str) -> None:
+        self.dropped += 1
+        _LOG.error("channel port of %s incarnation %d: dropped %s", self.endpoint.worker,
+                   self.endpoint.incarnation, what)
 
     def close(self) -> None:
         """Stop: what was sent leaves (bounded), then nothing more, heartbeats included."""

@@ -110,9 +110,8 @@ class DecodeWorker(EngineLoop):
         self.transport.peak_gbps = gbps
 
     def shutdown(self) -> None:
-        """Stop the loop, then the fetch pool (the other order let the loop's last step
-        start a fetch on a shut pool, and the loop died of it: its uncollected events were
-        lost, and ``wait_events`` raised)."""
+        """Stop the loop, then the fetch pool (in the other order the loop's last step can
+        start a fetch on a shut pool, and the loop dies of it)."""
         super().shutdown()
         self._fetcher.shutdown(wait=False, cancel_futures=True)
 

@@ -9,7 +9,8 @@ channels: the one place that creates Ray actors (the composition root).
 3. Wait until every worker answers ``info`` (bounded; a failure keeps its root cause), then
    build the ``Router`` over a ``channel.local.LocalHub`` (local mode) or a
    ``channel.sockets.SocketHub`` (``ipc`` on a cluster started here, ``tcp`` when joining one).
-   Ray's actor deaths and a local ``kill`` reach the router at once.
+   Ray's actor deaths and a local ``kill`` reach the router at once, and every incarnation the
+   router declares dead is stopped (``_stop_incarnation``).
 4. Measure the link peak of each decode worker's transfers (``kv_transfer.link``) and set it on
    its transport, so every ``TransferRecord`` carries ``efficiency`` (``link_peaks``: decode
    worker name -> ``LinkPeak``).
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Any
 
@@ -283,7 +285,8 @@ class Deployment:
             self.router = Router(self.workers, self.calls, placement.placement, policy,
                                  deadline_s or self.transfer.timeout_s + 5.0,
                                  startup_timeout_s=startup_timeout_s, conditional=conditional,
-                                 on_worker_died=self.restarts.on_died, hub=self.hub)
+                                 on_worker_died=self.restarts.on_died, hub=self.hub,
+                                 stop_worker=self._stop_incarnation)
             self.restarts.router = self.router
             if self._ray is not None:  # Ray's actor death, beside the channel's heartbeat
                 self._ray.watch(self.router.worker_died)
@@ -406,6 +409,20 @@ class Deployment:
         try:
             handle.shutdown()
         except Exception:  # already dead
+            pass
+
+    def _stop_incarnation(self, name: str, handle: Any) -> None:
+        """``Router(stop_worker=)``: kill an incarnation declared dead (alive, it would hold
+        KV for nobody), on a thread; locally its calls fail from now on."""
+        stop = self._stop_worker if self._ray is not None else self.calls.kill
+        threading.Thread(target=self._stop_quietly, args=(stop, handle), daemon=True,
+                         name=f"stop-{name}").start()
+
+    @staticmethod
+    def _stop_quietly(stop, handle: Any) -> None:
+        try:
+            stop(handle)
+        except Exception:  # already gone
             pass
 
     # ---- use ----------------------------------------------------------------------------

@@ -5,19 +5,18 @@ workers as Ray actors (local placements run where Ray is not installed, ``make g
 joins ``--address``; reserves one placement-group bundle per worker (``gpu_actor_resources``;
 ``STRICT_PACK`` for shm, whose KV moves through one node's shared memory) and starts each worker
 as a threaded actor in its bundle; ``watch(on_death)`` tells ``on_death(name, handle, cause)``
-at once when an actor dies (each actor holds one call that never returns); ``close`` kills the
+at once when an actor dies (each actor holds one call that never returns; an error in the
+watch is logged and the watch goes on); ``close`` kills the
 actors and releases the group. ``RayCalls`` is how the router calls them (``router.calls``).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import contextlib
-import itertools
+import logging
 import os
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,59 +30,27 @@ from engine.config import cpu_cores_of
 from engine.device import PIN_ENV, VISIBLE_ENV
 from engine.errors import describe_error, without_traceback
 from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, probe_peak
-from router.calls import ORDERED, WorkerDied
+from router.calls import WorkerDied
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# the online router's wait on Ray calls is cut in slices this long to see a wake-up (a new
-# submit or abort, a concurrent.futures.Future): a submit waits half of it on average
-# before dispatch (5 ms slices could add up to 5 ms to a TTFT through `pdlab serve`)
-WAKE_SLICE_S = 0.001
 PEAK_TIMEOUT_S = 60.0  # one link-peak measurement (a 32 MiB copy or probe, 4 runs)
 # Ray's exceptions for an actor that died (the set differs between Ray versions)
+_LOG = logging.getLogger(__name__)
+WATCH_RETRY_S = 0.2  # pause of the actor watch after an error, before it watches again
 ACTOR_DEATH = (RayActorError,) + tuple(
     getattr(ray.exceptions, name) for name in ("ActorDiedError", "ActorUnavailableError")
     if hasattr(ray.exceptions, name))
 
 
 class RayCalls:
-    """``router.calls.Calls`` over Ray actor handles.
-
-    A threaded actor (``max_concurrency > 1``) runs calls out of order, even within a
-    concurrency group of size 1 (Ray forces ``allow_out_of_order_execution`` there). So the
-    ``ORDERED`` methods are numbered per actor and sent as ``ordered(seq, method, ...)``:
-    the worker applies them in that order, never holding a thread to wait for an earlier
-    number (``engine.serving.InOrder``), while long polls and reads run beside them on the
-    actor's other threads.
-    """
-
-    accepts_futures = True  # ready() also takes concurrent.futures.Futures (wake-ups)
-
-    def __init__(self) -> None:
-        self._seqs: dict[str, itertools.count] = {}
+    """``router.calls.Calls`` over Ray actor handles (lifecycle calls and reads; what a
+    worker holds changes only through its channel, in order)."""
 
     def call(self, handle: Any, method: str, *args: Any) -> Any:
         """Start ``handle.method(*args)``; returns its ``ray.ObjectRef``."""
-        if method in ORDERED:
-            seqs = self._seqs.setdefault(handle._actor_id.hex(), itertools.count())
-            return handle.ordered.remote(next(seqs), method, *args)
         return getattr(handle, method).remote(*args)
 
     def ready(self, pending: list, timeout_s: float) -> list:
-        futures = [p for p in pending if isinstance(p, cf.Future)]
-        if futures:  # ray.wait takes ObjectRefs only: wait in slices, checking the futures
-            refs = [p for p in pending if not isinstance(p, cf.Future)]
-            end_s = time.monotonic() + timeout_s
-            while True:
-                done = [f for f in futures if f.done()]
-                if refs:
-                    done += self.ready(refs, 0.0 if done else
-                                       max(0.0, min(WAKE_SLICE_S, end_s - time.monotonic())))
-                elif not done:
-                    cf.wait(futures, timeout=max(0.0, end_s - time.monotonic()),
-                            return_when=cf.FIRST_COMPLETED)
-                    done = [f for f in futures if f.done()]
-                if done or time.monotonic() >= end_s:
-                    return done
         first, _ = ray.wait(pending, num_returns=1, timeout=timeout_s)
         if not first:
             return []
@@ -195,6 +162,7 @@ class RayWorkers:
         self._on_death: Callable[[str, Any, str], None] | None = None
         self._closing = threading.Event()
         self._watcher: threading.Thread | None = None
+        self.watch_errors = 0  # exceptions the actor watch survived (each logged)
 
     def connect(self) -> dict | None:
         """Start or join Ray; returns the cluster's resources when joined (only totals can
@@ -258,25 +226,39 @@ class RayWorkers:
             self._watcher.start()
 
     def _watch(self) -> None:
+        """Until ``close``: a failed turn is logged, counted, retried after a pause."""
         while not self._closing.is_set():
+            try:
+                self._watch_turn()
+            except Exception:
+                self.watch_errors += 1
+                _LOG.exception("Ray actor watch: a turn failed; watching again")
+                self._closing.wait(WATCH_RETRY_S)
+
+    def _watch_turn(self) -> None:
+        with self._watch_lock:
+            refs = list(self._watched)
+        if not refs:
+            self._closing.wait(0.2)
+            return
+        # the timeout only bounds how late an actor started meanwhile joins the wait
+        ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
+        for ref in ready:
             with self._watch_lock:
-                refs = list(self._watched)
-            if not refs:
-                self._closing.wait(0.2)
-                continue
-            # the timeout only bounds how late an actor started meanwhile joins the wait
-            ready, _ = ray.wait(refs, num_returns=1, timeout=0.2)
-            for ref in ready:
-                with self._watch_lock:
-                    name, handle = self._watched.pop(ref)
+                name, handle = self._watched.pop(ref)
+            try:
+                ray.get(ref, timeout=0)
+                cause = "its actor's watch call returned"
+            except Exception as err:  # ActorDiedError and kin: keep Ray's root cause
+                cause = f"{type(err).__name__}: {describe_error(err)}"
+                without_traceback(err)
+            if not self._closing.is_set() and self._on_death is not None:
                 try:
-                    ray.get(ref, timeout=0)
-                    cause = "its actor's watch call returned"
-                except Exception as err:  # ActorDiedError and kin: keep Ray's root cause
-                    cause = f"{type(err).__name__}: {describe_error(err)}"
-                    without_traceback(err)
-                if not self._closing.is_set() and self._on_death is not None:
                     self._on_death(name, handle, cause)
+                except Exception:  # this death is lost to its listener; the others are not
+                    self.watch_errors += 1
+                    _LOG.exception("Ray actor watch: telling of %s's death (%s) failed",
+                                   name, cause)
 
     def link_peaks(self, decode: list[str], prefill: list[str]) -> dict[str, LinkPeak]:
         """The link each decode worker's transfers run on, measured inside the actors and set

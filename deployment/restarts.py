@@ -8,16 +8,18 @@ once it rejoins).
    why not and the worker stays dead.
 2. On that thread: ``spawn(name)`` builds the worker again as it was, ``ready(name, handle,
    should_stop)`` waits for its first ``info()`` (bounded by ``startup_timeout_s``), then
-   ``router.rejoin``.
-3. A failed attempt stops what it started (``stop(handle)``), counts against the budget and is
-   retried after ``backoff_s``; once the budget is spent the router hears ``worker_lost`` with
-   the last error.
+   ``router.rejoin``'s answer (it may refuse the replacement).
+3. A failed attempt (one that raised, or a refused replacement) stops what it started
+   (``stop(handle)``), counts against the budget and is retried after ``backoff_s``; once the
+   budget is spent the router hears ``worker_lost`` with the last error, and requests that
+   need the worker fail at once.
 
 ``close()`` ends the threads (an attempt in progress is abandoned and its worker stopped).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +35,8 @@ class Restarts:
         spawn: ``spawn(name) -> handle`` builds a replacement of worker ``name``.
         ready: ``ready(name, handle, should_stop) -> info`` waits for its ``info()``,
             raising when it fails to start; ``should_stop()`` turns true on ``close``.
-        stop: ``stop(handle)`` stops a replacement that failed to start (best effort).
+        stop: ``stop(handle)`` stops a replacement that failed to start or was refused
+            (best effort).
         disabled: why this deployment cannot restart workers (e.g. its transport's group
             cannot take a new member), or None; then every death is final, with this reason.
         backoff_s: seconds between two attempts of one worker.
@@ -93,19 +96,34 @@ class Restarts:
             try:
                 handle = self.spawn(name)
                 info = self.ready(name, handle, self._closing.is_set)
+                refused = self._join(name, handle, info)
             except Exception as err:  # counts against the budget; tried again after a pause
-                self.errors[name] = f"{type(err).__name__}: {describe_error(err)}"
-                if handle is not None:
-                    self._stop(handle)
-                self._closing.wait(self.backoff_s)
-                continue
-            if self._closing.is_set():
-                self._stop(handle)
+                refused = f"{type(err).__name__}: {describe_error(err)}"
+            if refused is None:
                 return
-            self.router.rejoin(name, handle, info)
-            return
+            if handle is not None:
+                self._stop(handle)
+            if self._closing.is_set():
+                return
+            self.errors[name] = refused
+            self._closing.wait(self.backoff_s)
         if not self._closing.is_set():
             self.router.worker_lost(name, f"died; not restarted: {self.why_not(name)}")
+
+    def _join(self, name: str, handle: Any, info: dict) -> str | None:
+        """``router.rejoin`` and wait for its answer: None (it serves) or why it was refused.
+
+        Raises:
+            RuntimeError: the deployment closed first.
+        """
+        joined = self.router.rejoin(name, handle, info)
+        while True:
+            if self._closing.is_set():
+                raise RuntimeError(f"{name}: the deployment closed while it joined")
+            try:
+                return joined.result(timeout=0.2)  # slices: close never waits for it
+            except cf.TimeoutError:
+                continue
 
     def _stop(self, handle: Any) -> None:
         try:

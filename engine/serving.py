@@ -12,10 +12,9 @@ command the port cancelled (an ``abort`` overtook it) or one that raised goes to
 ``on_cancelled``, which frees what it carries; one that raised is also an ``error`` event. A
 loop that dies sends its last words (a ``died`` event naming the cause) and closes its port.
 
-Until a channel is open, callers collect events with ``wait_events(timeout_s)``; after the loop
-died it (and ``call``) raises ``EngineLoopDied``. Calls that may be reordered (threaded Ray
-actors) go through ``ordered(seq, method, ...)``, applied in ``seq`` order. A worker (prefill,
-decode, colocated) is this loop plus what it does with tokens, a plain class.
+Events leave only through the channel (until it is open they wait); after the loop died
+``call`` raises ``EngineLoopDied``. A worker (prefill, decode, colocated) is this loop plus
+what it does with tokens, a plain class.
 """
 
 from __future__ import annotations
@@ -47,50 +46,6 @@ CHANNEL_COMMANDS = (SUBMIT, ADMIT, ABORT, RELEASE)  # what a port may ask of a w
 
 class EngineLoopDied(RuntimeError):
     """The worker's engine loop stopped on an exception; the worker serves nothing more."""
-
-
-class InOrder:
-    """Applies calls in the order of their sequence numbers (0, 1, 2, ...), whatever order
-    they arrive in, and never makes a caller wait for another call (early arrivals waiting
-    would take every thread of a Ray threaded actor and starve the call they wait for).
-
-    A call whose number is next runs at once and returns its own result (or raises its own
-    error), then runs every parked call it unblocked, in order. A call that arrives before
-    its predecessors is parked and returns None at once; an error it raises when it runs
-    later goes to ``on_late_error(fn, args, err)``.
-
-    Raises (from ``run``):
-        ValueError: a number came twice.
-    """
-
-    def __init__(self, on_late_error: Callable | None = None) -> None:
-        self.on_late_error = on_late_error
-        self._next = 0
-        self._parked: dict[int, tuple[Callable, tuple]] = {}
-        self._lock = threading.Lock()
-
-    def run(self, seq: int, fn: Callable, *args):
-        with self._lock:
-            if seq < self._next or seq in self._parked:
-                raise ValueError(f"call number {seq} came twice (next expected: {self._next})")
-            if seq != self._next:
-                self._parked[seq] = (fn, args)
-                return None
-            try:
-                return fn(*args)
-            finally:
-                self._next += 1
-                self._run_parked()
-
-    def _run_parked(self) -> None:
-        while self._next in self._parked:
-            fn, args = self._parked.pop(self._next)
-            self._next += 1
-            try:
-                fn(*args)
-            except Exception as err:  # its caller has its answer already: report it aside
-                if self.on_late_error is not None:
-                    self.on_late_error(fn, args, err)
 
 
 class EngineLoop:
@@ -152,7 +107,6 @@ class EngineLoop:
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
-        self._in_order = InOrder(on_late_error=self._late_command_error)
         self._port: Port | None = None  # the message plane, once open_channel ran
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._thread.start()
@@ -223,31 +177,6 @@ class EngineLoop:
 
     def _wake_loop(self) -> None:
         self._commands.put(_nothing)
-
-    def ordered(self, seq: int, method: str, *args):
-        """Call ``method(*args)`` as the ``seq``-th ordered command of this worker (see
-        ``InOrder``); for callers whose calls may arrive out of order."""
-        return self._in_order.run(seq, getattr(self, method), *args)
-
-    def _late_command_error(self, fn: Callable, args: tuple, err: Exception) -> None:
-        """A parked ordered command failed when it ran: its request (if it names one) fails."""
-        request_id = getattr(args[0], "request_id", "") if args else ""
-        self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(),
-                              error=f"{getattr(fn, '__name__', fn)} failed: {type(err).__name__}: {err}"))
-
-    def wait_events(self, timeout_s: float) -> list[WorkerEvent | TokenBatch]:
-        """Events since the last call; waits up to ``timeout_s`` seconds for the first one.
-
-        Raises:
-            EngineLoopDied: the engine loop stopped on an exception (events not yet
-                collected are dropped: the caller fails every request of this worker).
-        """
-        with self._events_ready:
-            if not self._events and self._died is None:
-                self._events_ready.wait(timeout_s)
-            self._check_alive()
-            events, self._events = self._events, []
-        return events
 
     def _check_alive(self) -> None:
         if self._died is not None:

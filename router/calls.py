@@ -6,13 +6,9 @@ The router never imports Ray. It calls ``calls.call(worker, method, *args)`` and
 pending call; ``ready(pending, timeout_s)`` returns those that finished and
 ``result(pending)`` their value, raising ``WorkerDied`` when the worker is gone.
 ``deployment/placement.py`` provides the Ray implementation; ``LocalCalls`` runs plain
-worker objects in this process (tests, the in-process transport).
-
-Ordering: the methods in ``ORDERED`` change what a worker holds, and must take effect in
-the order they were called (an ``abort`` overtaking its ``submit`` would leave a request
-running for nobody). Every implementation guarantees that, per worker: ``LocalCalls`` runs
-them at once in the caller's thread (they only queue a command); the Ray one numbers them
-and the worker applies them in that order (``engine.serving.InOrder``).
+worker objects in this process (tests, the in-process transport). What changes what a
+worker holds (``submit``, ``admit``, ``abort``, ``release``) is a channel command, never a
+call: the channel keeps their order.
 """
 
 from __future__ import annotations
@@ -21,7 +17,6 @@ import concurrent.futures as cf
 from typing import Any, Protocol
 
 
-ORDERED = ("submit", "admit", "abort", "release")
 KILLED = "_killed_by_local_calls"  # attribute LocalCalls.kill sets on a worker object
 
 
@@ -30,8 +25,7 @@ class WorkerDied(RuntimeError):
 
 
 class Calls(Protocol):
-    """``ready`` also takes ``concurrent.futures.Future``s among the pending calls where
-    ``accepts_futures`` is true (the online router's wake-up signal)."""
+    """How lifecycle calls are made (module docstring)."""
 
     def call(self, worker: Any, method: str, *args: Any) -> Any: ...
 
@@ -41,10 +35,7 @@ class Calls(Protocol):
 
 
 class LocalCalls:
-    """Calls plain worker objects on a thread pool (each long poll holds one thread);
-    ``ORDERED`` methods run at once in the caller's thread, so they keep its order."""
-
-    accepts_futures = True  # ready() waits on any concurrent.futures.Future
+    """Calls plain worker objects on a thread pool."""
 
     def __init__(self, max_threads: int = 32) -> None:
         self._pool = cf.ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="call")
@@ -54,14 +45,7 @@ class LocalCalls:
             future: cf.Future = cf.Future()
             future.set_exception(WorkerDied(f"worker {getattr(worker, 'name', worker)} is dead"))
             return future
-        if method not in ORDERED:
-            return self._pool.submit(getattr(worker, method), *args)
-        future = cf.Future()
-        try:
-            future.set_result(getattr(worker, method)(*args))
-        except Exception as err:  # reported through the future, as from a thread
-            future.set_exception(err)
-        return future
+        return self._pool.submit(getattr(worker, method), *args)
 
     def ready(self, pending: list[cf.Future], timeout_s: float) -> list[cf.Future]:
         done, _ = cf.wait(pending, timeout=timeout_s, return_when=cf.FIRST_COMPLETED)

@@ -12,9 +12,10 @@ life"); this module's contract:
 - A request fails ``deadline_s`` after its own last news. A worker is dead once its channel
   falls silent, it sends ``died`` or its deployment says so (``worker_died``): its requests
   fail naming the cause or, remote and not yet decoding there, move to another decode worker.
+  An incarnation declared dead goes to ``stop_worker`` (a false death must not run on).
   If ``on_worker_died`` answers None, ``rejoin`` attaches the replacement as the next
-  incarnation (the hub drops news of earlier ones); else requests parked for the empty pool
-  fail as ``unavailable``.
+  incarnation (the hub drops news of earlier ones) once its channel is open, which the loop
+  never waits for; else requests parked for the empty pool fail as ``unavailable``.
 - ``start()`` runs the loop on a thread and any thread may ``submit``/``abort`` (sinks run on
   the loop thread); ``run(workload)`` replays on the caller's thread.
 """
@@ -22,6 +23,7 @@ life"); this module's contract:
 from __future__ import annotations
 
 import bisect
+import concurrent.futures as cf
 import dataclasses
 import queue
 import threading
@@ -38,7 +40,7 @@ from engine.limits import Limits
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, PREFILL_QUEUED, RequestRecord
 from engine.request import Request
 from router.assignment import Assigner, NoLiveWorker
-from channel.contract import Command, Died, Hub, Message
+from channel.contract import Command, Died, Hub, Message, Stale
 from channel.local import LocalHub
 from router.calls import Calls, WorkerDied
 
@@ -53,8 +55,9 @@ class WorkerRef:
     lifecycle: ``info``, ``open_channel``, reads).
 
     ``alive``: routed to; else ``restarting`` (a replacement is being started) or dead for
-    good, ``cause`` saying why. ``incarnation`` counts its replacements (0: the first),
-    ``restarts`` those that joined."""
+    good, ``cause`` saying why. ``incarnation`` numbers its channel attachments (0: the
+    first; a replacement refused at its channel uses one up), ``restarts`` counts the
+    replacements that joined."""
 
     name: str
     role: str  # "prefill", "decode" or "colocated"
@@ -192,6 +195,8 @@ class Router:
             across processes; default: a new ``channel.local.LocalHub``, for workers in this
             process); each worker gets ``open_channel(endpoint)`` once its ``info``
             answered. Its owner closes it.
+        stop_worker: ``stop_worker(name, handle)`` (loop thread, must not block) kills an
+            incarnation declared dead; again if it speaks afterwards. None: nobody does.
 
     Raises:
         ValueError: no workers for a role, or prefill and decode KV geometries differ.
@@ -204,7 +209,8 @@ class Router:
                  poll_s: float = 0.05, startup_timeout_s: float = 300.0,
                  conditional: ConditionalConfig | None = None,
                  on_worker_died: Callable[[str, str], str | None] | None = None,
-                 hub: Hub | None = None) -> None:
+                 hub: Hub | None = None,
+                 stop_worker: Callable[[str, Any], None] | None = None) -> None:
         self.hub = LocalHub() if hub is None else hub
         self.workers = {w.name: w for w in workers}
         self.calls = calls
@@ -223,6 +229,11 @@ class Router:
             raise ValueError(f"workers disagree on the KV geometry: {infos}")
         self._kv_spec = specs.pop()  # a restarted worker must have it too
         self.on_worker_died = on_worker_died
+        self.stop_worker = stop_worker
+        # (name, incarnation) -> handle of an incarnation declared dead (stopped again if heard)
+        self._dead_handles: dict[tuple[str, int], Any] = {}
+        # name -> (incarnation, handle, its rejoin's future) of a replacement opening its channel
+        self._joining: dict[str, tuple[int, Any, cf.Future]] = {}
         self.max_model_len = min(i["max_model_len"] for i in infos)
         self.vocab_size = min(i["vocab_size"] for i in infos)
         # decode load counts whole KV blocks: a request holds ceil(tokens / B) blocks
@@ -335,13 +346,27 @@ class Router:
         self._inbox.put(("abort", request_id))
         self._wake_up()
 
-    def rejoin(self, name: str, handle: Any, info: dict) -> None:
+    def rejoin(self, name: str, handle: Any, info: dict) -> cf.Future:
         """A replacement of dead worker ``name`` is ready (any thread): ``handle`` is called
         from now on and ``info`` is its ``info()`` answer. It must have the placement's KV
         geometry and at least the context and vocabulary the router checks requests
-        against, else it is refused (the worker stays dead, ``cause`` says why)."""
-        self._inbox.put(("rejoin", name, handle, info))
-        self._wake_up()
+        against, and open its channel within ``deadline_s``.
+
+        Returns:
+            A future of None once it serves (routed to), else of why it was refused; a
+            refused one is its caller's to stop, and ``name`` stays restarting until the
+            caller rejoins another or calls ``worker_lost``.
+        """
+        joined: cf.Future = cf.Future()
+        with self._closed_lock:
+            closed = self._closed
+            if not closed:
+                self._inbox.put(("rejoin", name, handle, info, joined))
+        if closed:
+            joined.set_result("the router is stopped")
+        else:
+            self._wake_up()
+        return joined
 
     def worker_died(self, name: str, handle: Any, cause: str) -> None:
         """Worker ``name``'s process died (any thread; its deployment's watch, e.g. Ray's
@@ -389,6 +414,9 @@ class Router:
         with self._closed_lock:  # from here on submit() refuses; what came before is served
             self._closed = True
         self._drain_inbox()
+        for _, _, joined in self._joining.values():  # their callers stop them
+            joined.set_result("the router stopped")
+        self._joining.clear()
         self._fail_all("the router stopped")
         self._drain()
 
@@ -474,6 +502,8 @@ class Router:
         for item in self.hub.receive(wait_s):
             if isinstance(item, Died):
                 self._on_died(item)
+            elif isinstance(item, Stale):
+                self._on_stale(item)
             else:
                 self._on_message(item)
         self._check_deadlines()
@@ -499,6 +529,9 @@ class Router:
                 continue
             if command[0] == "rejoin":
                 self._rejoin(*command[1:])
+                continue
+            if command[0] == "opened":
+                self._opened(*command[1:])
                 continue
             if command[0] == "lost":
                 self._lost(*command[1:])
@@ -590,11 +623,34 @@ class Router:
                 self._on_event(event)
 
     def _on_died(self, died: Died) -> None:
-        """The hub heard nothing of a worker incarnation for ``DEAD_AFTER_S``."""
+        """The hub heard nothing of a worker incarnation for ``DEAD_AFTER_S``, or its port
+        reported its own failure (``Died.cause``)."""
         worker = self.workers.get(died.worker)
-        if worker is not None and died.incarnation == worker.incarnation:
-            self._worker_died(died.worker, WorkerDied(
-                f"its channel fell silent ({died.silent_s:.1f} s without a heartbeat)"))
+        cause = died.cause or (f"its channel fell silent ({died.silent_s:.1f} s without a "
+                               "heartbeat)")
+        joining = self._joining.get(died.worker)
+        if joining is not None and joining[0] == died.incarnation:  # a replacement, joining
+            del self._joining[died.worker]
+            self.hub.detach(died.worker)
+            joining[2].set_result(f"its replacement died while it joined: {cause}")
+        elif worker is not None and died.incarnation == worker.incarnation:
+            self._worker_died(died.worker, WorkerDied(cause))
+
+    def _on_stale(self, stale: Stale) -> None:
+        """An incarnation declared dead spoke: it runs, so it is stopped again."""
+        handle = self._dead_handles.get((stale.worker, stale.incarnation))
+        if handle is not None:
+            self._stop_incarnation(stale.worker, handle)
+
+    def _stop_incarnation(self, name: str, handle: Any) -> None:
+        """Hand an incarnation declared dead to ``stop_worker`` (module docstring)."""
+        if self.stop_worker is None:
+            return
+        try:
+            self.stop_worker(name, handle)
+        except Exception as err:  # it may run on: said where the worker's state is read
+            worker = self.workers[name]
+            worker.cause = f"{worker.cause}; stopping it failed: {describe_error(err)}"
 
     def _on_tokens(self, batch: ev.TokenBatch) -> None:
         """A step's plain tokens (``engine.events.TokenBatch``): ``_on_event``'s token path
@@ -786,6 +842,8 @@ class Router:
         worker.alive = False
         worker.cause = f"died: {describe_error(err)}"
         self.hub.detach(name)  # nothing more goes to it; its late news is stale
+        self._dead_handles[(name, worker.incarnation)] = worker.handle
+        self._stop_incarnation(name, worker.handle)
         self.assigner.mark_dead(name)
         if self.on_worker_died is not None:  # first: a moved request may wait for it
             try:
@@ -840,29 +898,61 @@ class Router:
         except NoLiveWorker:
             pass  # decided at its hand-over (``_admit``): wait for the pool, or fail
 
-    def _rejoin(self, name: str, handle: Any, info: dict) -> None:
+    def _rejoin(self, name: str, handle: Any, info: dict, joined: cf.Future) -> None:
+        """Check a replacement (``rejoin``), attach it as the next incarnation and have it
+        open its channel on a thread of its own (``_await_channel``); ``_opened`` ends it."""
         worker = self.workers[name]
-        if worker.alive:  # a replacement of a live worker: nothing to replace
+        if worker.alive or name in self._joining:
+            joined.set_result(f"worker {name} is {worker.state if worker.alive else 'joining'}"
+                              ": nothing to replace")
             return
         spec = tuple(sorted(info["kv_spec"].items()))
         problem = ("a different KV geometry" if spec != self._kv_spec else
                    "a shorter context" if info["max_model_len"] < self.max_model_len else
                    "a smaller vocabulary" if info["vocab_size"] < self.vocab_size else None)
         if problem is not None:
-            self._lost(name, f"its replacement has {problem} than the placement: {info}")
+            joined.set_result(f"its replacement has {problem} than the placement: {info}")
             return
-        worker.handle = handle
         worker.incarnation += 1
+        endpoint = self.hub.attach(name, worker.incarnation)
+        self._joining[name] = (worker.incarnation, handle, joined)
         try:
-            self._open_channel(worker, self.deadline_s)
-        except Exception as err:
-            self.hub.detach(name)
-            self._lost(name, f"its replacement could not open its channel: "
-                             f"{describe_error(err)}")
+            pending = self.calls.call(handle, "open_channel", endpoint)
+        except Exception as err:  # the call could not even start: refused like a failed one
+            self._opened(name, worker.incarnation, describe_error(err))
             return
+        threading.Thread(target=self._await_channel, args=(name, worker.incarnation, pending),
+                         name=f"open-channel-{name}", daemon=True).start()
+
+    def _await_channel(self, name: str, incarnation: int, pending: Any) -> None:
+        """Off the loop: wait for ``open_channel`` (``deadline_s``), post ``opened``."""
+        error = None
+        try:
+            if not self.calls.ready([pending], self.deadline_s):
+                raise TimeoutError(f"no answer to open_channel within {self.deadline_s} s")
+            self.calls.result(pending)
+        except Exception as err:
+            error = describe_error(err)
+        self._inbox.put(("opened", name, incarnation, error))
+        self._wake_up()
+
+    def _opened(self, name: str, incarnation: int, error: str | None) -> None:
+        """A replacement's channel opened (``error`` None): it serves; else it is refused."""
+        joining = self._joining.get(name)
+        if joining is None or joining[0] != incarnation:
+            return
+        del self._joining[name]
+        _, handle, joined = joining
+        if error is not None:
+            self.hub.detach(name)
+            joined.set_result(f"its replacement could not open its channel: {error}")
+            return
+        worker = self.workers[name]
+        worker.handle = handle
         worker.alive, worker.restarting, worker.cause = True, False, None
         worker.restarts += 1
         self.assigner.mark_live(name)
+        joined.set_result(None)
         for rid in list(self._parked):  # in arrival order; one may park again (another pool)
             del self._parked[rid]
             flight = self._flights.get(rid)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from pathlib import Path
 
 from conftest import random_prompts, reference_generate
 
+from channel.contract import Message
+from channel.local import LocalHub
 from engine.config import EngineConfig
 from engine.events import expand
 from engine.request import Request, SamplingParams
@@ -62,16 +65,35 @@ def soak_workload(tiny, num_requests: int = 500, num_prompts: int = 16, max_toke
     return workload, {f"q{i:03d}": references[i % num_prompts] for i in range(num_requests)}
 
 
+_HUBS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # worker -> its listening hub
+
+
+def listen(worker) -> LocalHub:
+    """The hub of ``worker``'s channel, as a router's would be: attached and opened on the
+    first call (the events it emitted before leave then), the same hub after."""
+    hub = _HUBS.get(worker)
+    if hub is None:
+        hub = _HUBS[worker] = LocalHub(dead_after_s=3600.0)
+        worker.open_channel(hub.attach(worker.name, 0))
+    return hub
+
+
+def events_within(worker, wait_s: float) -> list:
+    """What ``worker`` sends within ``wait_s`` seconds (one event per token)."""
+    items = listen(worker).receive(wait_s)
+    return [e for item in items if isinstance(item, Message) for e in expand(item.body)]
+
+
 def collect_events(worker, done, timeout_s: float = 20.0, poll_s: float = 0.2) -> list:
-    """``worker``'s events (long polls of ``poll_s``; a step's ``TokenBatch`` as its
-    ``token`` events) until ``done(events)``; fails at the
-    deadline naming the worker and what it got."""
+    """``worker``'s events through its channel (``listen``; a step's ``TokenBatch`` as its
+    ``token`` events) until ``done(events)``; fails at the deadline naming the worker and
+    what it got."""
     events: list = []
     deadline_s = time.monotonic() + timeout_s
     while not done(events):
         left_s = deadline_s - time.monotonic()
         assert left_s > 0, f"{worker.name}: timed out, got {events}"
-        events += expand(worker.wait_events(min(left_s, poll_s)))  # one event per token
+        events += events_within(worker, min(left_s, poll_s))
     return events
 
 
@@ -119,31 +141,11 @@ def local_ray(num_cpus: int = 4):
         ray.shutdown()
 
 
-class OrderProbe:
-    """A stand-in worker (no model) for Ray ordering tests: ``ordered`` as ``EngineLoop``'s,
-    ``submit``/``abort`` record the order they ran in, ``wait_events`` raises like a
-    worker whose engine loop died, ``hang`` ends only with the actor."""
+class Probe:
+    """A stand-in worker (no model) for ``RayCalls`` tests: ``fail`` raises like a worker
+    whose engine loop died, ``hang`` ends only with the actor."""
 
-    def __init__(self) -> None:
-        from engine.serving import InOrder
-
-        self.ran: list[tuple[str, int]] = []
-        self._in_order = InOrder()
-
-    def ordered(self, seq: int, method: str, *args):
-        return self._in_order.run(seq, getattr(self, method), *args)
-
-    def submit(self, i: int) -> int:
-        self.ran.append(("submit", i))
-        return i
-
-    def abort(self, i: int) -> None:
-        self.ran.append(("abort", i))
-
-    def history(self) -> list[tuple[str, int]]:
-        return self.ran
-
-    def wait_events(self, timeout_s: float):
+    def fail(self) -> None:
         from engine.serving import EngineLoopDied
 
         raise EngineLoopDied("probe: engine loop died: RuntimeError: boom")

@@ -17,6 +17,7 @@ dies is restarted under its budget and rejoins its pool.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures as cf
 import contextlib
 import json
 import threading
@@ -31,6 +32,7 @@ from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferCo
 from engine.request import Request, SamplingParams
 from deployment.placement import Deployment
 from deployment.restarts import Restarts
+from router.calls import KILLED
 from server.app import OpenAIServer, ServerThread
 from server.text import ByteText
 
@@ -256,11 +258,16 @@ def test_a_request_waits_for_an_empty_pool_up_to_its_deadline_then_gets_503(tiny
 # ---- the budget alone (no workers) --------------------------------------------------------
 
 class _Router:
-    def __init__(self):
-        self.joined, self.lost = [], []
+    """``Router.rejoin``'s answer at once: None, or the refusal ``refuse`` maps a handle to."""
+
+    def __init__(self, refuse: dict | None = None):
+        self.joined, self.lost, self.refuse = [], [], refuse or {}
 
     def rejoin(self, name, handle, info):
         self.joined.append((name, handle, info))
+        answer: cf.Future = cf.Future()
+        answer.set_result(self.refuse.get(handle))
+        return answer
 
     def worker_lost(self, name, reason):
         self.lost.append((name, reason))
@@ -300,3 +307,50 @@ def test_restarts_off_for_a_transport_that_cannot_take_a_new_member():
     assert restarts.on_died("decode-0", "died") == (
         "restarts are off: torchdist's process group cannot take a new member")
     assert restarts.attempts == {}
+
+
+def test_a_refused_replacement_is_stopped_and_the_budget_retried_then_spent():
+    """The router refuses h1 (it could not open its channel): h1 is stopped and h2 tried,
+    which joins. Later every replacement is refused: each is stopped, and once the budget
+    is spent the router hears that none will come, with the last refusal."""
+    refusals = {"h1": "its replacement could not open its channel: TimeoutError",
+                "h3": "its replacement has a different KV geometry than the placement",
+                "h4": "its replacement could not open its channel: connection refused"}
+    handles = iter(["h1", "h2", "h3", "h4"])
+    stopped = []
+    restarts = Restarts(4, lambda name: next(handles), lambda name, handle, stop: {},
+                        stopped.append, backoff_s=0.0)
+    router = restarts.router = _Router(refusals)
+    assert restarts.on_died("decode-0", "died") is None
+    restarts._threads["decode-0"].join(5)
+    assert [h for _, h, _ in router.joined] == ["h1", "h2"] and stopped == ["h1"]
+    assert router.lost == [] and restarts.attempts == {"decode-0": 2}
+    assert restarts.on_died("decode-0", "died again") is None
+    restarts._threads["decode-0"].join(5)
+    assert [h for _, h, _ in router.joined] == ["h1", "h2", "h3", "h4"]
+    assert stopped == ["h1", "h3", "h4"] and restarts.attempts == {"decode-0": 4}
+    assert router.lost == [("decode-0", "died; not restarted: its restart budget of 4 "
+                                        "(--max-worker-restarts) is spent; last attempt: "
+                                        + refusals["h4"])]
+
+
+def test_a_worker_declared_dead_while_alive_is_stopped(tiny):
+    """A false death: decode-0's port falls silent while its loop runs on (as a starved
+    worker's heartbeat can). The router declares it dead; the deployment stops that
+    incarnation (its loop ends, its calls fail), so nothing runs for nobody."""
+    with Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
+                    TransferConfig(transport="inprocess", timeout_s=5.0), local=True) as dep:
+        assert dep.run([(Request("r0", (5, 6, 7), SamplingParams(max_tokens=2)), 0.0)]
+                       )[0].error is None
+        alive = dep.handles["decode-0"]
+        dep.router.hub.liveness.dead_after_s = 0.3  # (not before: loading is not silence)
+        alive._port.close()  # silent from now on; its engine loop still runs
+        assert alive._thread.is_alive()
+        dep.router.start()
+        try:
+            wait_for(lambda: dep.router.workers["decode-0"].state == "dead", what="the death")
+            wait_for(lambda: not alive._thread.is_alive(), what="the incarnation to stop")
+        finally:
+            dep.router.stop()
+        assert "its channel fell silent" in dep.router.workers["decode-0"].cause
+        assert getattr(alive, KILLED) is True

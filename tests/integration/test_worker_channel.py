@@ -68,7 +68,6 @@ def test_a_colocated_loop_over_the_channel_sends_one_message_per_step(tiny, hub)
         # one message per step that produced tokens: never two messages for one step
         with_tokens = [m for m in got if any(e.kind == ev.TOKEN for e in ev.expand(m.body))]
         assert len(with_tokens) == len(loop.engine.step_records)
-        assert loop.wait_events(0) == []  # the channel took them all
     finally:
         loop.shutdown()
 

@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 from conftest import random_prompts
-from placement_helpers import collect_events
+from placement_helpers import collect_events, events_within
 
 from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
@@ -202,4 +202,4 @@ def test_nothing_leaked_at_the_end(workers):
     assert w.transport.num_held() == 0
     for worker in (w.prefill32, w.prefill16, w.decode16):
         assert worker.status()["engine_empty"]
-        assert worker.wait_events(0.05) == []
+        assert events_within(worker, 0.05) == []

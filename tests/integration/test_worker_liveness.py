@@ -1,54 +1,24 @@
-"""Worker liveness and command order: an exception that escapes an engine loop kills the
-worker at once (its polls raise, the router fails its requests naming the cause and routes
-nothing new to it); ordered commands run in their numbered order whatever order they
-arrive in. Plain worker objects in this process (tiny model, no Ray)."""
+"""Worker liveness: an exception that escapes an engine loop kills the worker at once (its
+last words name the cause, its calls raise, the router fails its requests naming the cause
+and routes nothing new to it). Plain worker objects in this process (tiny model, no Ray)."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
+from placement_helpers import (ENGINE, assert_clean, assert_outputs, collect_events, listen,
+                               mixed_workload)
 
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.request import Request, SamplingParams
-from engine.serving import EngineLoop, EngineLoopDied, InOrder
+from engine.events import DIED
+from engine.serving import EngineLoop, EngineLoopDied
 from deployment.placement import Deployment
 
 pytestmark = pytest.mark.workers
 TINY = ModelConfig("tiny-random-llama")
-
-
-def test_in_order_runs_calls_by_number_whatever_order_they_arrive_in():
-    late_errors = []
-    in_order, ran = InOrder(on_late_error=lambda fn, args, err: late_errors.append(
-        (args, str(err)))), []
-    numbers = list(range(40))
-    random.Random(0).shuffle(numbers)
-    threads = [threading.Thread(target=in_order.run, args=(n, ran.append, n)) for n in numbers]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.001)  # let late numbers arrive first, really out of order
-    for thread in threads:
-        thread.join(timeout=10)
-    assert ran == list(range(40))
-    assert in_order.run(40, lambda: "its own result") == "its own result"
-    with pytest.raises(ValueError, match="call number 3 came twice"):
-        in_order.run(3, ran.append, 3)
-    # an early arrival never waits: it is parked (None at once) and runs when the gap fills
-    assert in_order.run(42, ran.append, 42) is None and ran[-1] == 39
-    with pytest.raises(ValueError, match="call number 42 came twice"):
-        in_order.run(42, ran.append, 42)
-
-    def fails(x):
-        raise RuntimeError(f"bad {x}")
-    in_order.run(43, fails, "late")  # parked too
-    with pytest.raises(RuntimeError, match="bad own"):
-        in_order.run(41, fails, "own")  # runs now, raises its own error, then 42 and 43 run
-    assert ran[-1] == 42
-    assert late_errors == [(("late",), "bad late")]
 
 
 def test_an_exception_escaping_the_loop_kills_the_worker_at_once():
@@ -58,12 +28,13 @@ def test_an_exception_escaping_the_loop_kills_the_worker_at_once():
             raise RuntimeError("boom")
 
         loop.engine.step = broken_step
+        listen(loop)  # its channel is open
         loop.submit(Request("r0", (3, 4, 5), SamplingParams(max_tokens=2)))
         loop._thread.join(timeout=10)
         assert not loop._thread.is_alive()
         cause = "colocated worker colocated-0: engine loop died: RuntimeError: boom"
-        with pytest.raises(EngineLoopDied, match=cause):
-            loop.wait_events(5.0)
+        events = collect_events(loop, lambda events: events)
+        assert [(e.kind, e.error) for e in events] == [(DIED, cause)]  # its last words
         with pytest.raises(EngineLoopDied, match=cause):
             loop.status()
     finally:

@@ -7,18 +7,21 @@ happens (the bound only keeps a broken channel from hanging the suite)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from channel import wire
 from channel.contract import (ABORT, ADMIT, RELEASE, SUBMIT, Command, Died, Inbox, Liveness,
-                              Message)
+                              Message, Stale)
 from channel.local import LocalHub
 from channel.sockets import SocketHub, SocketPort
 from engine.request import Request, SamplingParams
@@ -227,7 +230,18 @@ def test_liveness_counts_silence_from_the_first_message_and_reports_each_death_o
     assert live.deaths() == [Died("w", 0, 1.0)]
     assert live.deaths() == []
     assert not live.heard("w", 0)  # a dead incarnation stays dead
-    assert live.stale == {("w", 0): 1}
+    assert not live.heard("w", 0)
+    assert live.stale == {("w", 0): 2}
+    assert live.strays() == [Stale("w", 0)] and live.strays() == []  # reported once
+
+
+def test_a_port_failure_is_a_death_with_its_cause_once():
+    live = Liveness(dead_after_s=1.0, clock=lambda: 0.0)
+    live.attach("w", 0)
+    assert live.heard("w", 0)
+    assert live.failed("w", 0, "socket closed") == Died("w", 0, 0.0, "socket closed")
+    assert live.failed("w", 0, "again") is None and live.deaths() == []
+    assert not live.heard("w", 0)
 
 
 # ---- incarnation ---------------------------------------------------------------------------
@@ -239,19 +253,21 @@ def test_news_of_a_dead_incarnation_is_told_apart_after_its_replacement_rejoins(
         old.send("old-0")
         assert [(m.incarnation, m.body) for m in messages(
             receive_until(hub, lambda items: messages(items)))] == [(0, "old-0")]
+        strays: list = []
         new = channel.port(hub, hub.attach("decode-0", 1))  # the replacement rejoins
         old.send("old-late")  # the dead one was not quite dead
         new.send("new-0")
         hub.send("decode-0", Command(SUBMIT, "r1"))
-        got = messages(receive_until(hub, lambda items: any(m.body == "new-0"
-                                                            for m in messages(items))))
+        items = receive_until(hub, lambda items: any(m.body == "new-0" for m in messages(items)))
         old.send("old-later")
         new.send("new-1")
-        got += messages(receive_until(hub, lambda items: any(m.body == "new-1"
-                                                             for m in messages(items))))
+        items += receive_until(hub, lambda items: any(m.body == "new-1" for m in messages(items)))
         # (two sockets: the old one's messages may come after the new one's)
-        got += messages(receive_until(hub, lambda _: hub.stale.get(("decode-0", 0)) == 2))
+        items += receive_until(hub, lambda _: hub.stale.get(("decode-0", 0)) == 2)
+        got = messages(items)
         assert [(m.incarnation, m.seq, m.body) for m in got] == [(1, 0, "new-0"), (1, 1, "new-1")]
+        # the old one spoke after its replacement joined: reported once, for its owner to stop
+        assert [i for i in items if isinstance(i, Stale)] == [Stale("decode-0", 0)]
         wait_arrived(hub, new, 1)
         assert new.take(0).commands == [Command(SUBMIT, "r1")]
         assert old.arrived == 0  # commands go to the incarnation attached last only
@@ -272,6 +288,104 @@ def test_an_incarnation_must_be_newer_than_the_one_attached(channel):
         hub.attach("decode-0", 3)
         with pytest.raises(ValueError, match="not newer than 3"):
             hub.attach("decode-0", 3)
+    finally:
+        hub.close()
+
+
+# ---- bad input ------------------------------------------------------------------------------
+SOCKET_CHANNELS = [c for c in CHANNELS if c.name.startswith("zmq")]
+
+
+def _refuse() -> None:
+    raise ValueError("this value cannot be rebuilt here")
+
+
+class Unloadable:
+    """Encodes (pickled) and fails to decode: a class the receiver cannot rebuild."""
+
+    def __reduce__(self):
+        return _refuse, ()
+
+
+@pytest.mark.parametrize("channel", SOCKET_CHANNELS, ids=lambda c: c.name)
+def test_a_port_drops_what_it_cannot_decode_or_encode_and_goes_on(channel, caplog):
+    hub = channel.hub(dead_after_s=NEVER_S)
+    try:
+        port = channel.port(hub, hub.attach("decode-0", 0))
+        with caplog.at_level(logging.ERROR, logger="channel.sockets"):
+            hub.send("decode-0", Command(SUBMIT, "r0"))
+            wait_arrived(hub, port, 1)
+            for garbage in (b"\xc1", wire.encode(42), wire.encode(("submit", "r1"))):
+                hub._out["decode-0"].send(garbage)  # what no hub of this version sends
+            hub.send("decode-0", Command(SUBMIT, "r2"))
+            wait_arrived(hub, port, 2)
+            assert [c.request_id for c in port.take(0).commands] == ["r0", "r2"]
+            port.send(threading.Lock())  # no pickle for it: dropped, its number reused
+            port.send("after")
+            got = messages(receive_until(hub, lambda items: messages(items)))
+        assert [(m.seq, m.body) for m in got] == [(0, "after")]
+        assert port.dropped == 4 and port.error is None
+        dropped = [r.getMessage() for r in caplog.records]
+        assert len(dropped) == 4 and all("decode-0 incarnation 0: dropped" in d for d in dropped)
+        assert "a command of 1 bytes" in dropped[0] and "lock" in dropped[3]
+        port.close()
+    finally:
+        hub.close()
+
+
+@pytest.mark.parametrize("channel", SOCKET_CHANNELS, ids=lambda c: c.name)
+def test_a_bad_message_costs_the_hub_only_itself(channel, caplog):
+    """Bodies the hub cannot decode and a frame with no readable header, in one batch
+    with good messages: the good ones arrive, each bad one is logged with its sender."""
+    hub = channel.hub(dead_after_s=NEVER_S)
+    context = zmq.Context()
+    raw = context.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    try:
+        port = channel.port(hub, hub.attach("decode-0", 0))
+        raw.connect(hub.address)
+        with caplog.at_level(logging.ERROR, logger="channel.sockets"):
+            raw.send(b"\xc1")
+            port.send("a")
+            port.send(Unloadable())
+            port.send("b")
+            port.send(Unloadable())
+            items = receive_until(hub, lambda items: len(messages(items)) == 2 and
+                                  sum(hub.undecodable.values()) == 3)
+        assert [(m.seq, m.body) for m in messages(items)] == [(0, "a"), (2, "b")]
+        assert hub.undecodable == {("decode-0", 0): 2, ("?", -1): 1}
+        logged = sorted(r.getMessage() for r in caplog.records)
+        assert "a message from an unknown sender" in logged[0]
+        assert [line.split(":")[1] for line in logged[1:]] == [
+            " dropped message 1 of decode-0 incarnation 0", " dropped message 3 of decode-0 "
+            "incarnation 0"]
+        assert all("cannot be rebuilt here" in line for line in logged[1:])
+        port.close()
+    finally:
+        raw.close()
+        context.term()
+        hub.close()
+
+
+@pytest.mark.parametrize("channel", SOCKET_CHANNELS, ids=lambda c: c.name)
+def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
+    """Not silence: the hub hears the port's own report at once (no heartbeat deadline
+    here), and a worker waiting on the port is woken for good."""
+    hub = channel.hub(dead_after_s=NEVER_S, heartbeat_s=0.01)
+    try:
+        port = channel.port(hub, hub.attach("prefill-0", 0))
+
+        def broken() -> None:
+            raise zmq.ZMQError(zmq.ENOTSOCK)
+
+        port._beat = broken  # the next heartbeat meets a broken socket
+        items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
+        died = [i for i in items if isinstance(i, Died)]
+        assert [(d.worker, d.incarnation, d.silent_s) for d in died] == [("prefill-0", 0, 0.0)]
+        assert died[0].cause.startswith("its channel port failed: ZMQError: ")
+        assert port.error.startswith("ZMQError: ")
+        assert not port.take(NEVER_S)  # closed: returns at once, empty
+        port.close()
     finally:
         hub.close()
 

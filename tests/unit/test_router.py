@@ -19,6 +19,7 @@ from collections import Counter
 
 import pytest
 
+from channel.contract import Died
 from channel.local import LocalHub, open_local_port
 from engine import events as ev
 from engine.metrics import ARRIVED, FINISHED
@@ -427,8 +428,10 @@ def die_after_reporting(placement: str, corrupted=("r0",), token_s: float = 0.0)
     if "decode-1" in workers:
         workers["decode-1"].admit = fetching(workers["decode-1"], transport)
     else:
-        router.on_worker_died = lambda name, cause: router.rejoin(  # returns None: coming
-            name, replacement, replacement.info())
+        def on_worker_died(name, cause):
+            router.rejoin(name, replacement, replacement.info())  # its answer comes later
+
+        router.on_worker_died = on_worker_died  # returns None: a replacement is coming
     records = router.run(requests(3 if "decode-1" in workers else 2))
     return records, workers, transport, replacement, router
 
@@ -471,16 +474,118 @@ def test_a_kv_got_reported_as_the_decode_worker_dies_fails_the_request_naming_it
 
 
 def test_a_replacement_with_another_kv_geometry_is_refused():
+    """The refusal is the rejoin's answer; its caller (``deployment.restarts``, its budget
+    spent here) then says no replacement will come, and requests fail at once."""
     router, workers, transport = build("disagg:1p1d")
     router.on_worker_died = lambda name, cause: None
     workers["decode-0"].dead_error = WorkerDied("gone")
     other = FakeWorker("decode-0", transport)
     info = {**other.info(), "kv_spec": {**SPEC, "num_kv_heads": 4}}
-    threading.Timer(0.1, router.rejoin, ["decode-0", other, info]).start()
+    answers = []
+
+    def rejoin() -> None:
+        joined = router.rejoin("decode-0", other, info)
+        joined.add_done_callback(lambda f: (answers.append(f.result()),
+                                            router.worker_lost("decode-0", f.result())))
+
+    threading.Timer(0.1, rejoin).start()
     records = router.run(requests(1, spacing_s=0.0) + [
         (Request("late", (3, 4), SamplingParams(max_tokens=2)), 0.3)])
+    assert len(answers) == 1 and answers[0].startswith(
+        "its replacement has a different KV geometry than the placement")
     assert "different KV geometry" in records[-1].error
     assert router.workers["decode-0"].state == "dead"
+    assert other.port is None and router.workers["decode-0"].incarnation == 0  # never attached
+
+
+def test_an_incarnation_declared_dead_is_stopped_and_again_when_it_speaks():
+    """A false death: decode-0's silence was reported (a starved host) while it ran on.
+    The router hands that incarnation to ``stop_worker`` at once, and again once its
+    heartbeats reach the hub (stale news: dropped, not delivered); the prefill worker,
+    heard all along, is never stopped."""
+    router, workers, transport = build("disagg:1p1d")
+    stopped: list[tuple[str, object]] = []
+    router.stop_worker = lambda name, handle: stopped.append((name, handle))
+    assert router.run(requests(1))[0].error is None  # both ports open and heard
+    alive = workers["decode-0"]
+    router._on_died(Died("decode-0", 0, 3.5))  # what the hub reports after 3 s of silence
+    assert stopped == [("decode-0", alive)]
+    assert router.workers["decode-0"].state == "dead"
+    end_s = time.monotonic() + 30
+    while len(stopped) < 2:  # its heartbeat thread runs on: the hub hears it, stale
+        assert time.monotonic() < end_s, "the dead incarnation's heartbeat never came"
+        router._step(0.01)
+    for _ in range(5):
+        router._step(0.01)
+    assert stopped == [("decode-0", alive)] * 2  # told once more, not on every heartbeat
+    assert router.hub.stale[("decode-0", 0)] >= 1
+
+
+def test_a_replacement_opens_its_channel_while_the_loop_serves():
+    """1p2d, decode-1 dead: its replacement's ``open_channel`` takes until the last of 4
+    requests (all on decode-0) has finished; the loop serves them meanwhile (before, it
+    waited on that call), then routes to the replacement."""
+    router, workers, transport = build("disagg:1p2d")
+    workers["decode-1"].dead_error = WorkerDied("gone")
+    router._worker_died("decode-1", WorkerDied("gone"))
+    router.workers["decode-1"].restarting = True  # as if on_worker_died had answered None
+    replacement = FakeWorker("decode-1", transport)
+    replacement.router = router
+    gate = threading.Event()
+    open_channel = replacement.open_channel
+
+    def slow_open(endpoint):
+        assert gate.wait(30), "the gate never opened"
+        open_channel(endpoint)
+
+    replacement.open_channel = slow_open
+
+    class ThreadedOpen(FakeCalls):
+        """``open_channel`` runs on a thread of its own, as a Ray call would."""
+
+        def call(self, worker, method, *args):
+            if method != "open_channel":
+                return super().call(worker, method, *args)
+            done = _Done()
+            done.event = threading.Event()
+
+            def run():
+                try:
+                    done.value = worker.open_channel(*args)
+                except Exception as err:
+                    done.error = err
+                done.event.set()
+
+            threading.Thread(target=run, daemon=True).start()
+            return done
+
+        def ready(self, pending, timeout_s):
+            return [p for p in pending if getattr(p, "event", None) is None
+                    or p.event.wait(timeout_s)]
+
+    router.calls = ThreadedOpen()
+    joined = router.rejoin("decode-1", replacement, replacement.info())
+    finished = []
+
+    def on_finish(record):
+        finished.append(record)
+        if len(finished) == 4:
+            gate.set()
+
+    records = router.run(requests(4), on_finish=on_finish)
+    assert [r.decode_worker for r in records] == ["decode-0"] * 4
+    assert all(r.error is None for r in records)
+    end_s = time.monotonic() + 30
+    while not joined.done():
+        assert time.monotonic() < end_s, "the replacement never joined"
+        router._step(0.01)
+    assert joined.result() is None
+    ref = router.workers["decode-1"]
+    assert (ref.state, ref.handle, ref.incarnation, ref.restarts) == ("live", replacement, 1, 1)
+    after = router.run([(Request(f"t{i}", (3, 4), SamplingParams(max_tokens=2)), 0.0)
+                        for i in range(2)])
+    assert sorted(r.decode_worker for r in after) == ["decode-0", "decode-1"]
+    assert replacement.submitted == [r.request_id for r in after if r.decode_worker == "decode-1"]
 
 
 @pytest.mark.parametrize("lost_in,where", [
