@@ -24,14 +24,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
-
-import torch
+from typing import TYPE_CHECKING
 
 from engine import kernel_choice
-from experiments import timing
-from experiments.timing import Timing, describe
+
+if TYPE_CHECKING:  # torch loads with experiments.timing: only the functions that time import it
+    from experiments.timing import Timing
 
 # --isa: the environment each cap sets (and that native clears) on every side of a benchmark:
 # oneDNN's and MKL's own variables and pdlab's C build (engine/cpu_kernels.py), so an AVX-512
@@ -81,6 +82,8 @@ def isa_line(isa: str) -> str:
 def setup_threads(threads: int) -> str:
     """Use ``threads`` torch threads, pinned to as many cores (the last ones, away from core 0
     where most other work lands); returns a line saying what was set."""
+    import torch
+
     if threads <= 0:
         return f"threads: torch default ({torch.get_num_threads()})"
     torch.set_num_threads(threads)
@@ -88,6 +91,18 @@ def setup_threads(threads: int) -> str:
     pinned = cores[-threads:] if len(cores) >= threads else cores
     os.sched_setaffinity(0, pinned)
     return f"threads: {threads} (pinned to cores {pinned})"
+
+
+def cpu_line() -> str:
+    """This CPU as ``lscpu`` names it: model name, family, model, CPUs online."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown CPU (no lscpu)"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    get = lambda key: fields.get(key, "?").strip()  # noqa: E731
+    return (f"{get('Model name')} (family {get('CPU family')} model {get('Model')}), "
+            f"{get('CPU(s)')} CPUs")
 
 
 def measure_interleaved(contenders: dict[str, Callable[[], object]], repeats: int, *,
@@ -100,6 +115,8 @@ def measure_interleaved(contenders: dict[str, Callable[[], object]], repeats: in
     Returns:
         name -> ``Timing`` over the ``repeats`` rounds after ``warmup`` discarded rounds.
     """
+    from experiments import timing
+
     setups = setups or {}
     return timing.measure_interleaved({name: (setups.get(name), run)
                                        for name, run in contenders.items()},
@@ -124,4 +141,6 @@ def _fmt(value: object) -> str:
 
 
 def estimator_line(repeats: int, warmup: int = 1) -> str:
+    from experiments.timing import describe
+
     return f"estimator: {describe(repeats, warmup)}; contenders interleaved round by round"
