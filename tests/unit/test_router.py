@@ -13,6 +13,8 @@ every ``token_s`` seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import queue
 import threading
 import time
 from collections import Counter
@@ -24,7 +26,7 @@ from engine import events as ev
 from engine.metrics import ARRIVED, FINISHED
 from engine.request import Request, SamplingParams
 from router.calls import WorkerDied
-from router.router import Router, WorkerRef
+from router.router import Router, StreamEvent, WorkerRef
 
 SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
         "dtype": "float32"}
@@ -511,6 +513,38 @@ def test_a_request_s_own_events_refresh_its_deadline():
     [record] = router.run(requests(1, max_tokens=20))
     assert record.error is None and len(record.output_token_ids) == 20
     assert_drained(router, workers, transport)
+
+
+def test_a_request_lost_after_an_idle_spell_still_ends_at_its_deadline():
+    """r0 is served and its deadline passes with nothing in flight; r1, lost, comes after:
+    the router still watches its deadline (it would otherwise wait forever)."""
+    router, workers, transport = build("colocated:1", deadline_s=0.2)
+    workers["colocated-0"].lose.add("r1")
+    [served] = router.run(requests(1))
+    time.sleep(0.3)  # r0's deadline passes
+    heard: queue.SimpleQueue = queue.SimpleQueue()
+    router.start()
+    try:
+        time.sleep(0.05)  # a turn of the loop with nothing in flight
+        router.submit(Request("r1", (3, 4), SamplingParams(max_tokens=2)), heard.put)
+        lost = heard.get(timeout=30).record
+    finally:
+        router.stop()
+    assert served.error is None
+    assert "deadline" in lost.error, lost.error
+    assert lost.timeline[FINISHED] - lost.timeline[ARRIVED] >= 0.2
+    assert_drained(router, workers, transport)
+
+
+def test_a_plain_token_event_equals_the_constructor_s():
+    """``StreamEvent.token`` (the router's per-token path) makes the constructor's event."""
+    fast = StreamEvent.token("r1", 12.5, 42, 3)
+    assert fast == StreamEvent("r1", "token", 12.5, token_id=42, index=3)
+    assert hash(fast) == hash(StreamEvent("r1", "token", 12.5, token_id=42, index=3))
+    assert (fast.finish_reason, fast.record, fast.top_logprobs, fast.unavailable) == (
+        None, None, (), False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.token_id = 7
 
 
 def test_late_prefilled_event_gives_its_kv_back_to_the_producer():
