@@ -22,7 +22,9 @@ every request runs to its end):
 - µs of router CPU per step message and per token relayed;
 - relay latency: from the fake worker stamping a step message (``time.time()``, the same
   clock across processes) to the front end's thread taking that token's ``StreamEvent``,
-  p50 / p99; target p99 <= 1 ms;
+  p50 / p99; target p99 <= 1 ms; split at the router's relay time (``RequestRecord.
+  token_times_s``) into worker -> router (the channel, and the router's turn reaching the
+  message) and router -> front end (the rest of its turn, the queue, the front end's thread);
 - the rates achieved (a fake on a loaded host may step late: ``msgs/s`` says so), and the
   CPU of the front end's thread and of all fakes together (% of one core): on a host with
   fewer cores than threads they compete with the router for its core.
@@ -65,7 +67,7 @@ SPEC = {"model_fingerprint": "router-cost-fake", "num_layers": 32, "num_kv_heads
         "head_dim": 128, "dtype": "bfloat16"}
 COLUMNS = ["channel", "workers", "running", "seconds", "msgs_per_s", "tokens_per_s",
            "router_cpu_pct", "us_per_msg", "us_per_token", "relay_p50_us", "relay_p99_us",
-           "front_cpu_pct", "fakes_cpu_pct", "requests_finished", "tokens_sent",
+           "to_router_p50_us", "to_router_p99_us", "to_front_p99_us", "front_cpu_pct", "fakes_cpu_pct", "requests_finished", "tokens_sent",
            "tokens_relayed"]
 CPU_TARGET_PCT, P99_TARGET_US = 50.0, 1000.0
 
@@ -214,6 +216,8 @@ class FrontEnd:
         self.events: queue.SimpleQueue[StreamEvent | None] = queue.SimpleQueue()
         self.arrivals: dict[str, list[float]] = {}
         self.latencies_us = array.array("d")
+        self.to_router_us = array.array("d")  # worker's stamp -> the router relayed it
+        self.to_front_us = array.array("d")  # the router relayed it -> the front end took it
         self.tokens = self.tokens_in_window = 0
         self.submitted = self.finished = self.failed = 0
         self.submitting = True
@@ -260,11 +264,14 @@ class FrontEnd:
             self.finished += 1
             record = event.record
             self.failed += record.error is not None
-            for arrived, stamped in zip(self.arrivals.pop(event.request_id),
-                                        record.token_worker_times_s):
+            for arrived, stamped, relayed in zip(self.arrivals.pop(event.request_id),
+                                                 record.token_worker_times_s,
+                                                 record.token_times_s):
                 if window.start_s <= arrived < window.end_s:
                     self.tokens_in_window += 1
                     self.latencies_us.append((arrived - stamped) * 1e6)
+                    self.to_router_us.append((relayed - stamped) * 1e6)
+                    self.to_front_us.append((arrived - relayed) * 1e6)
             if self.submitting:
                 self._submit()
             elif self.finished == self.submitted:
@@ -360,13 +367,16 @@ def measure(workers: int, running: int, seconds: float, warmup_s: float, step_ms
             "us_per_token": 1e6 * cpu / tokens if tokens else float("nan"),
             "relay_p50_us": percentile(front.latencies_us, 0.5),
             "relay_p99_us": percentile(front.latencies_us, 0.99),
+            "to_router_p50_us": percentile(front.to_router_us, 0.5),
+            "to_router_p99_us": percentile(front.to_router_us, 0.99),
+            "to_front_p99_us": percentile(front.to_front_us, 0.99),
             "front_cpu_pct": 100 * (front1 - front0) / wall,
             "fakes_cpu_pct": 100 * (fakes1 - fakes0) / wall,
             "requests_finished": front.finished, "tokens_sent": tokens_sent,
             "tokens_relayed": front.tokens}
 
 
-def top_of(profile: cProfile.Profile, n: int = 15) -> str:
+def top_of(profile: cProfile.Profile, n: int = 25) -> str:
     out = io.StringIO()
     pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(n)
     return out.getvalue()
@@ -398,12 +408,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     args.prompt_len, args.channel) for n in counts]
     light = min(rows, key=lambda r: r["workers"])
     headers = ["workers", "msgs/s", "tokens/s", "router CPU %", "x light", "us/msg",
-               "us/token", "relay p50 us", "relay p99 us", "p99 x light", "front CPU %",
+               "us/token", "relay p50 us", "relay p99 us", "p99 x light", "to router p50",
+               "to router p99", "to front p99", "front CPU %",
                "fakes CPU %", "tokens sent", "relayed"]
     print_table(headers, [[r["workers"], r["msgs_per_s"], r["tokens_per_s"],
                            r["router_cpu_pct"], r["router_cpu_pct"] / light["router_cpu_pct"],
                            r["us_per_msg"], r["us_per_token"], r["relay_p50_us"],
                            r["relay_p99_us"], r["relay_p99_us"] / light["relay_p99_us"],
+                           r["to_router_p50_us"], r["to_router_p99_us"], r["to_front_p99_us"],
                            r["front_cpu_pct"], r["fakes_cpu_pct"], r["tokens_sent"],
                            r["tokens_relayed"]] for r in rows])
     heavy = max(rows, key=lambda r: r["workers"])
