@@ -160,8 +160,11 @@ def measure(n: int, warmup: int, gap_s: float, cores: list[int | None],
                 hub.receive(0)  # an admit the hub kept (B's port not connected yet) leaves
                 time.sleep(gap_s)
         b_control.send(("report", len(PATHS) * (warmup + n)))
-        if not b_control.poll(60):
-            raise RuntimeError("the decode process never reported")
+        deadline = time.monotonic() + 60
+        while not b_control.poll(0.01):
+            hub.receive(0)
+            if time.monotonic() > deadline:
+                raise RuntimeError("the decode process never reported")
         taken = b_control.recv()
     finally:
         port.close()
@@ -207,11 +210,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=300, help="untimed ones first")
     parser.add_argument("--gap-ms", type=float, default=1.0, help="between two sends")
     parser.add_argument("--cores", default="0,0,1",
-                        help="cores of prefill A, router R, decode B ('-': not pinned)")
+                        help="cores of prefill A, router R, decode B ('any': not pinned)")
     parser.add_argument("--prompt-len", type=int, default=1024, help="the request's prompt")
     parser.add_argument("--out", default=None, help="results directory")
     args = parser.parse_args(argv)
-    cores = [None if c == "-" else int(c) for c in args.cores.split(",")]
+    cores = [None if c == "any" else int(c) for c in args.cores.split(",")]
     print(f"CPU: {cpu_line()}")
     print(f"cores: prefill A {cores[0]}, router R {cores[1]}, decode B {cores[2]}; "
           f"{args.n} hand-overs per path after {args.warmup}, {args.gap_ms:g} ms apart, "

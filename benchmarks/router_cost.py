@@ -67,7 +67,8 @@ SPEC = {"model_fingerprint": "router-cost-fake", "num_layers": 32, "num_kv_heads
         "head_dim": 128, "dtype": "bfloat16"}
 COLUMNS = ["channel", "workers", "running", "seconds", "msgs_per_s", "tokens_per_s",
            "router_cpu_pct", "us_per_msg", "us_per_token", "relay_p50_us", "relay_p99_us",
-           "to_router_p50_us", "to_router_p99_us", "to_front_p99_us", "front_cpu_pct", "fakes_cpu_pct", "requests_finished", "tokens_sent",
+           "to_router_p50_us", "to_router_p99_us", "to_front_p99_us", "front_cpu_pct",
+           "fakes_cpu_pct", "requests_finished", "tokens_requested", "tokens_sent",
            "tokens_relayed"]
 CPU_TARGET_PCT, P99_TARGET_US = 50.0, 1000.0
 
@@ -220,6 +221,7 @@ class FrontEnd:
         self.to_front_us = array.array("d")  # the router relayed it -> the front end took it
         self.tokens = self.tokens_in_window = 0
         self.submitted = self.finished = self.failed = 0
+        self.tokens_requested = 0  # max_tokens summed over the requests submitted
         self.submitting = True
         self.all_done = threading.Event()
         self.thread = threading.Thread(target=self._take, name="front-end", daemon=True)
@@ -233,8 +235,9 @@ class FrontEnd:
         rid = f"req-{self.submitted:07d}"
         self.submitted += 1
         self.arrivals[rid] = []
-        request = Request(rid, self.prompt, SamplingParams(
-            max_tokens=self.rng.randint(*self.output_lens), ignore_eos=True))
+        max_tokens = self.rng.randint(*self.output_lens)
+        self.tokens_requested += max_tokens
+        request = Request(rid, self.prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
         self.router.submit(request, self.events.put)
 
     def stop_submitting(self) -> None:
@@ -372,7 +375,8 @@ def measure(workers: int, running: int, seconds: float, warmup_s: float, step_ms
             "to_front_p99_us": percentile(front.to_front_us, 0.99),
             "front_cpu_pct": 100 * (front1 - front0) / wall,
             "fakes_cpu_pct": 100 * (fakes1 - fakes0) / wall,
-            "requests_finished": front.finished, "tokens_sent": tokens_sent,
+            "requests_finished": front.finished, "tokens_requested": front.tokens_requested,
+            "tokens_sent": tokens_sent,
             "tokens_relayed": front.tokens}
 
 
