@@ -27,12 +27,12 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+
+import torch
 
 from engine import kernel_choice
-
-if TYPE_CHECKING:  # torch loads with experiments.timing: only the functions that time import it
-    from experiments.timing import Timing
+from experiments import timing
+from experiments.timing import Timing, describe
 
 # --isa: the environment each cap sets (and that native clears) on every side of a benchmark:
 # oneDNN's and MKL's own variables and pdlab's C build (engine/cpu_kernels.py), so an AVX-512
@@ -82,8 +82,6 @@ def isa_line(isa: str) -> str:
 def setup_threads(threads: int) -> str:
     """Use ``threads`` torch threads, pinned to as many cores (the last ones, away from core 0
     where most other work lands); returns a line saying what was set."""
-    import torch
-
     if threads <= 0:
         return f"threads: torch default ({torch.get_num_threads()})"
     torch.set_num_threads(threads)
@@ -115,8 +113,6 @@ def measure_interleaved(contenders: dict[str, Callable[[], object]], repeats: in
     Returns:
         name -> ``Timing`` over the ``repeats`` rounds after ``warmup`` discarded rounds.
     """
-    from experiments import timing
-
     setups = setups or {}
     return timing.measure_interleaved({name: (setups.get(name), run)
                                        for name, run in contenders.items()},
@@ -141,6 +137,4 @@ def _fmt(value: object) -> str:
 
 
 def estimator_line(repeats: int, warmup: int = 1) -> str:
-    from experiments.timing import describe
-
     return f"estimator: {describe(repeats, warmup)}; contenders interleaved round by round"

@@ -34,6 +34,7 @@ Usage: ``python -m benchmarks.handover_hops [--n 3000] [--warmup 300] [--gap-ms 
 from __future__ import annotations
 
 import argparse
+import csv
 import multiprocessing
 import os
 import queue
@@ -231,9 +232,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
           f"p99 {two['p99_us'] / one['p99_us']:.2f}x")
     out = Path(args.out or f"results/handover-hops-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    import pandas as pd
-
-    pd.DataFrame(rows, columns=COLUMNS).to_csv(out / "handover_hops.csv", index=False)
+    with open(out / "handover_hops.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
     print(f"wrote {out / 'handover_hops.csv'}")
     return rows
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import array
 import cProfile
+import csv
 import io
 import multiprocessing
 import os
@@ -58,6 +59,8 @@ from typing import Any
 
 from benchmarks import cpu_line, print_table
 from channel.contract import ABORT, SUBMIT, Endpoint
+from channel.local import LocalHub
+from channel.sockets import SocketHub, SocketPort
 from engine.events import TOKEN, TokenBatch, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.request import Request, SamplingParams
@@ -78,13 +81,11 @@ def fake_worker(name: str, port_or_endpoint: Any, control: Any, step_s: float) -
     """A colocated worker's message stream without an engine: every ``step_s`` seconds one
     message with the next token of every request submitted to it, until ``control`` says
     ``stop``; then it answers ``(messages, tokens)`` it sent. ``port_or_endpoint``: an open
-    port, or an ``Endpoint`` to open a ``SocketPort`` on (in a child process)."""
-    if isinstance(port_or_endpoint, Endpoint):
-        from channel.sockets import SocketPort
-
-        port = SocketPort(port_or_endpoint)
-    else:
-        port = port_or_endpoint
+    port, or an ``Endpoint`` to open a ``SocketPort`` on (in a child process). Says
+    ``ready`` on ``control`` once its port is open."""
+    port = (SocketPort(port_or_endpoint) if isinstance(port_or_endpoint, Endpoint)
+            else port_or_endpoint)
+    control.send("ready")
     running: dict[str, list[int]] = {}  # request id -> [next output index, max_tokens]
     messages = tokens = 0
     next_s = time.monotonic()
@@ -164,6 +165,12 @@ class _Fake:
             return _thread_cpu_s(self.runner)
         fields = Path(f"/proc/{self.runner.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def end(self) -> None:
+        """End its child process if it still streams (after an error; ``stop`` ends it
+        otherwise)."""
+        if isinstance(self.runner, multiprocessing.process.BaseProcess) and self.runner.is_alive():
+            self.runner.terminate()
 
     def stop(self) -> tuple[int, int]:
         """Stop its stream; (messages, tokens) it sent."""
@@ -247,7 +254,8 @@ class FrontEnd:
     def close(self) -> None:
         self.events.put(None)
         self.all_done.set()
-        self.thread.join(timeout=10)
+        if self.thread.ident is not None:
+            self.thread.join(timeout=10)
 
     def _take(self) -> None:
         window, clock = self.window, time.time
@@ -314,14 +322,7 @@ def measure(workers: int, running: int, seconds: float, warmup_s: float, step_ms
     Raises:
         RuntimeError: tokens relayed differ from tokens sent, or a request failed.
     """
-    if channel == "sockets":
-        from channel.sockets import SocketHub
-
-        hub = SocketHub("ipc", dead_after_s=60.0)
-    else:
-        from channel.local import LocalHub
-
-        hub = LocalHub(dead_after_s=60.0)
+    hub = SocketHub("ipc", dead_after_s=60.0) if channel == "sockets" else LocalHub(60.0)
     fakes = [_Fake(f"colocated-{i}", hub, step_ms / 1000) for i in range(workers)]
     refs = [WorkerRef(f.name, "colocated", f) for f in fakes]
     router = Router(refs, _Now(), f"colocated:{workers}", hub=hub, deadline_s=60.0)
@@ -339,8 +340,11 @@ def measure(workers: int, running: int, seconds: float, warmup_s: float, step_ms
                 profile.disable()
         router._serve_forever = profiled
     router.start()
-    front.start()
     try:
+        for fake in fakes:  # a child process takes a while to import its modules
+            if not fake.control.poll(120) or fake.control.recv() != "ready":
+                raise RuntimeError(f"fake worker {fake.name} did not start")
+        front.start()
         time.sleep(warmup_s)
         window.start_s = time.time()
         cpu0, msgs0, wall0 = _thread_cpu_s(router._thread), messages[0], time.monotonic()
@@ -356,6 +360,8 @@ def measure(workers: int, running: int, seconds: float, warmup_s: float, step_ms
     finally:
         router.stop()
         front.close()
+        for fake in fakes:
+            fake.end()
         hub.close()
     tokens_sent = sum(tokens for _, tokens in sent)
     if front.tokens != tokens_sent or front.failed:
@@ -431,9 +437,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"  {'met ' if ok else 'MISS'}  {text}")
     out = Path(args.out or f"results/router-cost-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    import pandas as pd
-
-    pd.DataFrame(rows, columns=COLUMNS).to_csv(out / "router_cost.csv", index=False)
+    with open(out / "router_cost.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
     print(f"wrote {out / 'router_cost.csv'}")
     if args.cprofile:
         profile = cProfile.Profile(time.thread_time)
