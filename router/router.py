@@ -280,12 +280,17 @@ class Router:
     @property
     def num_waiting(self) -> int:
         """Requests not yet running: waiting for prefill or for a pool (any thread; /metrics)."""
-        return sum(1 for f in list(self._flights.values()) if f.stage in (PREFILL, POOL))
+        return self._waiting_running()[0]
 
     @property
     def num_running(self) -> int:
         """Requests past their prefill, not yet finished (any thread; /metrics)."""
-        return len(self._flights) - self.num_waiting
+        return self._waiting_running()[1]
+
+    def _waiting_running(self) -> tuple[int, int]:
+        flights = list(self._flights.values())  # one snapshot: the loop may change it meanwhile
+        waiting = sum(1 for f in flights if f.stage in (PREFILL, POOL))
+        return waiting, len(flights) - waiting
 
     @property
     def loads(self) -> dict[str, int]:
