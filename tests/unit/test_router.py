@@ -536,6 +536,22 @@ def test_a_request_lost_after_an_idle_spell_still_ends_at_its_deadline():
     assert_drained(router, workers, transport)
 
 
+def test_waiting_and_running_counts_follow_the_requests():
+    """/metrics' counts: both submitted requests wait for prefill; once r1's prefill is done
+    it runs (its KV handed over, tokens 10 s apart) while the lost r0 still waits."""
+    router, workers, _ = build("disagg:1p1d", token_s=10.0)
+    workers["prefill-0"].lose.add("r0")
+    for request, _ in requests(2, max_tokens=3):
+        router.submit(request, lambda event: None)
+    router._drain_inbox()
+    assert (router.num_waiting, router.num_running) == (2, 0)
+    for _ in range(1000):  # turns of the loop until r1's prefilled event came
+        router._step(0.005)
+        if router.num_running:
+            break
+    assert (router.num_waiting, router.num_running) == (1, 1)
+
+
 def test_a_plain_token_event_equals_the_constructor_s():
     """``StreamEvent.token`` (the router's per-token path) makes the constructor's event."""
     fast = StreamEvent.token("r1", 12.5, 42, 3)
