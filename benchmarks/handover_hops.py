@@ -1,34 +1,27 @@
 """The hand-over's hops: a prefilled request reaching its decode worker through the router
 (two hops, as pdlab does it) against straight from the prefill worker (one hop), in one run.
 
-Today a prefill worker's step message carries the ``prefilled`` event (first token, KV
-handles) to the router, and the router sends the decode worker an ``admit`` (the request,
-that token, the handles). The router keeps two things by standing in the middle: it alone
-assigns the decode worker (and moves a request off a dead one before its hand-over), and it
-owns the KV handles between the two workers (it gives them back to their producer when no
-decode worker can take them, and frees them when a request ends early). A direct
-notification would save one process hop and the router's turn per prefilled request; this
-benchmark measures how much that is, beside a GPU decode step.
+The prefill worker's step message carries the ``prefilled`` event (first token, KV handles)
+to the router, which sends the decode worker an ``admit`` (request, token, handles). In the
+middle the router keeps two things: it alone assigns the decode worker (moving a request off
+a dead one before its hand-over), and it owns the KV handles between the workers (giving them
+back to their producer when no decode worker can take them, freeing them when a request ends
+early). A direct notification would save one process hop and the router's turn per
+prefilled request, and give up both; this measures what it would save.
 
-Three processes on ``--cores`` (prefill A, router R, decode B) over ``channel.sockets``
-(msgpack over pyzmq, ``ipc``), each path's messages alternating with the other's
-(``--gap-ms`` apart, one in flight at a time):
+Three processes on ``--cores`` (prefill A, router R, decode B), ``channel.sockets`` (ipc),
+the paths alternating, one message in flight, ``--gap-ms`` apart:
 
-- **two hops**: A's loop sends the ``prefilled`` step message through its port (its port's
-  thread encodes and sends it); R's hub receives it and sends B the ``admit``; B's port
-  thread decodes it into the inbox and B's loop, woken as ``EngineLoop`` is, takes it.
-  R is a bare relay: the real router's bookkeeping per prefilled event comes on top
-  (``benchmarks.router_cost``'s µs per step message bounds it).
-- **one hop**: A sends B the same ``admit`` itself, through a hub of its own (the channel
-  the router uses towards a worker), down to B's loop as above.
+- **two hops**: A's port sends ``prefilled``; R's hub receives it and sends B the ``admit``
+  (a bare relay: the router's own bookkeeping per event comes on top, see
+  ``benchmarks.router_cost``); B's port thread queues it and B's loop, woken as
+  ``EngineLoop`` is, takes it.
+- **one hop**: A sends B the same ``admit`` through a hub of its own, down to B's loop.
 
-One-way latency: A's ``time.monotonic_ns()`` before the send to B's loop taking it (the
-same clock in every process). Prints p50 / p99 / mean (µs) per path, their difference and
-that difference in % of a decode step of 5 and 8 ms; writes ``handover_hops.csv`` under
-``--out`` (default ``results/handover-hops-<time>``) and names the CPU.
-
-Usage: ``python -m benchmarks.handover_hops [--n 3000] [--warmup 300] [--gap-ms 1]
-[--cores 0,0,1] [--prompt-len 1024]``.
+One-way: A's ``time.monotonic_ns()`` before the send to B's loop taking it; p50 / p99 / mean
+(µs) per path, the difference, its % of a 5 and an 8 ms decode step, in ``handover_hops.csv``
+under ``--out`` (default ``results/handover-hops-<time>``).
+Usage: ``python -m benchmarks.handover_hops [--n 3000] [--gap-ms 1] [--cores 0,0,1]``.
 """
 
 from __future__ import annotations

@@ -1,39 +1,24 @@
-"""What the router costs: the real ``Router`` fed a synthetic token stream, its CPU and
-its token relay latency.
+"""What the router costs: the real ``Router`` fed a synthetic token stream, in one run at
+``--workers`` loads (default 8 and 2 fake colocated workers, a row each).
 
-Fake colocated workers (``--workers``, default the heavy load 8 and the light load 2, one
-row each, in one run) speak the real channel (``channel.sockets``, each in its own
-process; ``--channel local``: threads of this process on ``channel.local``). Each sends
-one step message every ``--step-ms`` with a token for every request it runs: a request's
-first token and its last (finish reason ``length`` after its ``max_tokens``, drawn
-uniformly from ``--output-lens``) as ``WorkerEvent``s, the others in one ``TokenBatch``,
-as ``engine.serving.EngineLoop.emit_tokens`` does. A front end in this process keeps
-``--running`` requests per worker in flight: it submits one per finished one, on its own
-thread, and its sink hands every ``StreamEvent`` to that thread through a queue (as the
-HTTP server hands them to its event loop). So the router does its real bookkeeping per
-request (submit over the channel, first token, finish) and per token.
+Each fake (a process on ``channel.sockets``; ``--channel local``: a thread on
+``channel.local``) sends a step message every ``--step-ms`` with a token for each request it
+runs, first and last tokens as ``WorkerEvent``s, the rest as one ``TokenBatch`` (as
+``EngineLoop.emit_tokens``); a request ends (``length``) after its ``max_tokens``, drawn
+from ``--output-lens``. A front end keeps ``--running`` requests per worker in flight (one
+new per finished one) and takes every ``StreamEvent`` on its own thread through a queue, as
+the HTTP server does: the router does its real work per request and per token.
 
-Measured over ``--seconds`` after ``--warmup-s`` (then the front end stops submitting and
-every request runs to its end):
-
-- router CPU: the CPU seconds of the router's loop thread (its own clock,
-  ``pthread_getcpuclockid``) per wall second, in % of one core (the fakes and the front
-  end are other threads or processes); target < 50 % at the heavy load;
-- µs of router CPU per step message and per token relayed;
-- relay latency: from the fake worker stamping a step message (``time.time()``, the same
-  clock across processes) to the front end's thread taking that token's ``StreamEvent``,
-  p50 / p99; target p99 <= 1 ms; split at the router's relay time (``RequestRecord.
-  token_times_s``) into worker -> router (the channel, and the router's turn reaching the
-  message) and router -> front end (the rest of its turn, the queue, the front end's thread);
-- the rates achieved (a fake on a loaded host may step late: ``msgs/s`` says so), and the
-  CPU of the front end's thread and of all fakes together (% of one core): on a host with
-  fewer cores than threads they compete with the router for its core.
-
-At the end every row checks that the tokens relayed equal the tokens the fakes sent.
-Prints a table (ratios against the lightest row beside), writes it as
-``router_cost.csv`` under ``--out`` (default ``results/router-cost-<time>``) and names
-the CPU. ``--cprofile`` then runs the heaviest load once more with the router loop thread
-under cProfile (its thread's CPU clock as the timer) and prints the top by own time.
+Over ``--seconds`` after ``--warmup-s``: the router loop thread's CPU (its own clock) per
+wall second in % of a core (target < 50 % at 8 workers), and per step message and token
+(µs); the relay latency from a fake's stamp (``time.time()``) to the front end's thread,
+p50 / p99 (target p99 <= 1 ms), split at the router's relay stamp (``token_times_s``) into
+worker -> router and router -> front end; the rates achieved and the CPU of the front end
+and the fakes (on a host with fewer cores than threads they compete with the router). Every
+row checks tokens relayed == sent == requested. Prints the table (ratios against the
+lightest row), writes ``router_cost.csv`` under ``--out`` (default
+``results/router-cost-<time>``), names the CPU; ``--cprofile`` reruns the heaviest load with
+the router thread under cProfile (CPU clock) and prints the top by own time.
 
 Usage: ``python -m benchmarks.router_cost [--workers 8,2] [--seconds 10] [--channel
 sockets|local] [--cprofile]``.
