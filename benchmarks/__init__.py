@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 from collections.abc import Callable, Sequence
 
@@ -88,6 +89,18 @@ def setup_threads(threads: int) -> str:
     pinned = cores[-threads:] if len(cores) >= threads else cores
     os.sched_setaffinity(0, pinned)
     return f"threads: {threads} (pinned to cores {pinned})"
+
+
+def cpu_line() -> str:
+    """This CPU as ``lscpu`` names it: model name, family, model, CPUs online."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown CPU (no lscpu)"
+    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+    get = lambda key: fields.get(key, "?").strip()  # noqa: E731
+    return (f"{get('Model name')} (family {get('CPU family')} model {get('Model')}), "
+            f"{get('CPU(s)')} CPUs")
 
 
 def measure_interleaved(contenders: dict[str, Callable[[], object]], repeats: int, *,

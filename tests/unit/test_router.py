@@ -13,6 +13,8 @@ every ``token_s`` seconds.
 
 from __future__ import annotations
 
+import dataclasses
+import queue
 import threading
 import time
 from collections import Counter
@@ -25,7 +27,7 @@ from engine import events as ev
 from engine.metrics import ARRIVED, FINISHED
 from engine.request import Request, SamplingParams
 from router.calls import WorkerDied
-from router.router import Router, WorkerRef
+from router.router import Router, StreamEvent, WorkerRef
 
 SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
         "dtype": "float32"}
@@ -616,6 +618,54 @@ def test_a_request_s_own_events_refresh_its_deadline():
     [record] = router.run(requests(1, max_tokens=20))
     assert record.error is None and len(record.output_token_ids) == 20
     assert_drained(router, workers, transport)
+
+
+def test_a_request_lost_after_an_idle_spell_still_ends_at_its_deadline():
+    """r0 is served and its deadline passes with nothing in flight; r1, lost, comes after:
+    the router still watches its deadline (it would otherwise wait forever)."""
+    router, workers, transport = build("colocated:1", deadline_s=0.2)
+    workers["colocated-0"].lose.add("r1")
+    [served] = router.run(requests(1))
+    time.sleep(0.3)  # r0's deadline passes
+    heard: queue.SimpleQueue = queue.SimpleQueue()
+    router.start()
+    try:
+        time.sleep(0.05)  # a turn of the loop with nothing in flight
+        router.submit(Request("r1", (3, 4), SamplingParams(max_tokens=2)), heard.put)
+        lost = heard.get(timeout=30).record
+    finally:
+        router.stop()
+    assert served.error is None
+    assert "deadline" in lost.error, lost.error
+    assert lost.timeline[FINISHED] - lost.timeline[ARRIVED] >= 0.2
+    assert_drained(router, workers, transport)
+
+
+def test_waiting_and_running_counts_follow_the_requests():
+    """/metrics' counts: both submitted requests wait for prefill; once r1's prefill is done
+    it runs (its KV handed over, tokens 10 s apart) while the lost r0 still waits."""
+    router, workers, _ = build("disagg:1p1d", token_s=10.0)
+    workers["prefill-0"].lose.add("r0")
+    for request, _ in requests(2, max_tokens=3):
+        router.submit(request, lambda event: None)
+    router._drain_inbox()
+    assert (router.num_waiting, router.num_running) == (2, 0)
+    for _ in range(1000):  # turns of the loop until r1's prefilled event came
+        router._step(0.005)
+        if router.num_running:
+            break
+    assert (router.num_waiting, router.num_running) == (1, 1)
+
+
+def test_a_plain_token_event_equals_the_constructor_s():
+    """``StreamEvent.token`` (the router's per-token path) makes the constructor's event."""
+    fast = StreamEvent.token("r1", 12.5, 42, 3)
+    assert fast == StreamEvent("r1", "token", 12.5, token_id=42, index=3)
+    assert hash(fast) == hash(StreamEvent("r1", "token", 12.5, token_id=42, index=3))
+    assert (fast.finish_reason, fast.record, fast.top_logprobs, fast.unavailable) == (
+        None, None, (), False)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.token_id = 7
 
 
 def test_late_prefilled_event_gives_its_kv_back_to_the_producer():
