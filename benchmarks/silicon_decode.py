@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             db = silicon.open_database(model_dir, system, backend, tp)
             geometry = Geometry.from_config(silicon.read_model_config(model_dir))
             check_fits(geometry, 2, tp, 1, db.device_memory_bytes(), ISL + OSL,
-                       what=name, device=f"an {system} GPU")
+                       vocab_parallel=True, what=name, device=f"an {system} GPU")
         except ValueError as err:  # SiliconError included
             print(f"{name} {system}/{backend} TP {tp}: refused: {err}")
             continue

@@ -11,7 +11,8 @@ weights and KV per device from ``engine.memory_fit.Geometry``). A size is offere
 - it fits the device (``engine.memory_fit.check_fits``: weights plus the KV of one request of
   ``max_model_len`` tokens within ``gpu_memory_utilization`` of its memory) where the profile
   knows the device's memory (GPU profiles); else it is refused, with the reason, in
-  ``refused``;
+  ``refused``. A silicon-database profile's instances split the vocabulary as vLLM does
+  (``vocab_parallel``), as the database's own memory model does;
 - no size of the same device count is faster in both phases (``prune``: prefill of one
   ``reference_prompt``-token prompt and decode of ``reference_batch`` requests at that
   context); a pruned size is in ``dominated``.
@@ -52,10 +53,15 @@ def pipelined(profile: DeviceProfile, geometry: Geometry, pp: int) -> DeviceProf
     if pp == 1:
         return profile
     itemsize = _itemsize(profile)
-    weights = geometry.device_params(profile.tp, pp) * itemsize
+    weights = geometry.device_params(profile.tp, pp, vocab_parallel(profile)) * itemsize
     return profile.with_pp(pp, geometry.kv_bytes_per_token(itemsize, profile.tp, pp),
                            weights if profile.weight_bytes is not None else None,
                            geometry.hidden * itemsize, stage_link(profile))
+
+
+def vocab_parallel(profile: DeviceProfile) -> bool:
+    """True for a silicon-database profile (its instances split embedding and head over TP)."""
+    return (profile.source or {}).get("kind") == "aiconfigurator"
 
 
 def _itemsize(profile: DeviceProfile) -> int:
@@ -119,7 +125,8 @@ class ProfileSet:
                     if geometry is not None and profile.device_memory_bytes:
                         check_fits(geometry, _itemsize(profile), tp, pp,
                                    profile.device_memory_bytes, max_model_len, utilization,
-                                   what=f"{profile.model}", device=f"an {profile.device_name} GPU")
+                                   vocab_parallel(profile), what=f"{profile.model}",
+                                   device=f"an {profile.device_name} GPU")
                 except ValueError as err:
                     out.refused[tp, pp] = str(err)
                     continue

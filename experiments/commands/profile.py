@@ -707,7 +707,8 @@ def run_silicon(args: argparse.Namespace, model_dir: str) -> int:
         itemsize = sizes.ITEMSIZE[db.kv_dtype]
         # the profile's longest prompt must fit beside the fullest device's weights
         check_fits(geometry, itemsize, args.tp, args.pp, db.device_memory_bytes(),
-                   max(grid.prompt_lens) + 1, what=args.model, device=f"an {db.system} GPU")
+                   max(grid.prompt_lens) + 1, vocab_parallel=True, what=args.model,
+                   device=f"an {db.system} GPU")
         profile = silicon.build_profile(db, args.model, kv_bytes, args.link, grid,
                                         created=time.strftime("%Y-%m-%dT%H:%M:%S"),
                                         device_kv_bytes_per_token=geometry.kv_bytes_per_token(
