@@ -191,3 +191,14 @@ def test_validate_refuses_tp_placements_with_one_line(tmp_path):
                                          "several devices \\(TP/PP sizes\\), which real and "
                                          "emulated runs cannot deploy yet"):
         _map(MAP_70B + ["--validate", "1", "--validate-on", "emu"], tmp_path)
+
+
+def test_map_cells_show_the_winners_per_phase_sizes():
+    from experiments.plots import _short
+
+    assert _short("disagg:2p1d+ptp2+dtp4") == "2p1d\nptp2 dtp4"
+    assert _short("conditional:1p1d+tp2") == "c1p1d\ntp2"
+    assert _short("colocated:2+tp4 (budget 256)") == "co b256\ntp4"
+    assert _short("colocated-nochunk:1+tp8") == "co-nc\ntp8"
+    assert (_short("disagg:1p3d"), _short("colocated:2"), _short("colocated-nochunk:2")) == \
+        ("1p3d", "co", "co-nc")
