@@ -11,19 +11,11 @@ relative error (as DistServe's simulator: short and long steps weigh alike), slo
 also come from NVIDIA's GPU database (``planner.silicon``) with the links' models (``LINKS``).
 ``DeviceProfile.step_s`` is what the simulator asks for every step.
 
-A profile describes one instance of TP ``tp`` and PP ``pp`` (``DeviceProfile.tp``, ``.pp``): its
-fits are the TP-``tp`` instance's whole-model steps ``t``. Pipeline parallelism is modelled as
-DistServe's simulator models it (``simdistserve/estimators/time_estimator.py``: a stage's time
-is ``t / pp`` plus a per-stage overhead; ``base/worker.py``: a batch crosses the ``pp`` stages
-in turn). pdlab runs one batch per instance at a time (one scheduler), so a step lasts all its
-stages and each stage idles ``(pp - 1) / pp`` of it (the pipeline's bubbles)::
-
-    step_pp = pp * (t / pp) + (pp - 1) * (stage_link.latency_s
-                                          + tokens * stage_bytes_per_token / stage_link.bandwidth)
-
-``tokens``: the step's prefill tokens plus its decodes (the activations handed on). DistServe's
-overhead is a placeholder constant (``pp`` ms per prefill stage, 0 for decode); pdlab's is the
-activation hand-over on the link between stages. PP buys memory (an instance fits), not speed."""
+A profile is one instance of TP ``tp``, PP ``pp``; its fits are the TP instance's steps ``t``.
+PP as DistServe's simulator (``simdistserve/estimators/time_estimator.py``: a stage takes
+``t / pp`` plus an overhead; a batch crosses the stages in turn), one batch in flight (one
+scheduler; stages idle ``(pp - 1) / pp``): ``t + (pp - 1) * stage_link.seconds(tokens *
+stage_bytes_per_token)``, ``tokens`` = prefill tokens + decodes. PP buys memory, not speed."""
 
 from __future__ import annotations
 
@@ -292,21 +284,15 @@ class DeviceProfile:
 
     @property
     def size(self) -> tuple[int, int]:
-        """``(tp, pp)``."""
         return self.tp, self.pp
 
     @property
     def kv_bytes_per_device_token(self) -> int:
-        """KV bytes one token takes on the instance's fullest device."""
         return self.device_kv_bytes_per_token or self.kv_bytes_per_token
 
     def with_pp(self, pp: int, device_kv_bytes_per_token: int, weight_bytes: int | None,
                 stage_bytes_per_token: int, stage_link: TransferModel) -> DeviceProfile:
-        """This TP-``tp`` profile as an instance of PP ``pp`` (module docstring): the same fits,
-        the fullest device's KV bytes per token and weights at that PP, and the stage hand-over.
-
-        Raises:
-            ValueError: this profile is already pipelined, or ``pp`` < 1."""
+        """This PP-1 profile at PP ``pp``; ValueError when it is already pipelined."""
         if self.pp != 1:
             raise ValueError(f"the profile is already at PP {self.pp}: derive PP sizes from "
                              "a PP 1 profile")
@@ -445,7 +431,6 @@ class DeviceProfile:
 
 
 def _parallel_from_dict(d: dict | None) -> dict:
-    """``DeviceProfile``'s parallel fields from its ``parallel`` entry (absent: TP 1, PP 1)."""
     if not d:
         return {}
     link = d.get("stage_link")

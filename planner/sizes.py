@@ -1,22 +1,9 @@
-"""The per-phase sizes the planner searches: which ``(tp, pp)`` an instance may take on devices
-of one kind, and each size's device profile (no torch).
-
-``ProfileSet`` holds one PP-1 profile per TP size (``pdlab profile --from-silicon-db --tp T``, or
-a profile measured here at TP 1) and derives PP sizes from them (``DeviceProfile.with_pp``, the
-weights and KV per device from ``engine.memory_fit.Geometry``). A size is offered when:
-
-- its TP suits the model (``engine.placement.check_tp``, the intermediate size divides) and a
-  profile of that TP is given; its PP divides the layers (DistServe's
-  ``get_model_possible_pp``) and is at most ``max_pp``;
-- it fits the device (``engine.memory_fit.check_fits``: weights plus the KV of one request of
-  ``max_model_len`` tokens within ``gpu_memory_utilization`` of its memory) where the profile
-  knows the device's memory (GPU profiles); else it is refused, with the reason, in
-  ``refused``. A silicon-database profile's instances split the vocabulary as vLLM does
-  (``vocab_parallel``), as the database's own memory model does;
-- no size of the same device count is faster in both phases (``prune``: prefill of one
-  ``reference_prompt``-token prompt and decode of ``reference_batch`` requests at that
-  context); a pruned size is in ``dominated``.
-"""
+"""The per-phase sizes the planner searches and their profiles (no torch). ``ProfileSet``
+holds one PP-1 profile per TP size and derives PP sizes (``pipelined``). A size is offered when
+its TP suits the model and has a profile, its PP divides the layers (DistServe's
+``get_model_possible_pp``) up to ``max_pp``, it fits the device (``engine.memory_fit``: weights
+plus one ``max_model_len`` request's KV; else ``refused``), and no size on as many devices is
+faster in both phases at a reference prefill and decode step (else ``dominated``)."""
 
 from __future__ import annotations
 
@@ -33,8 +20,7 @@ MAX_PP = 4  # the default cap on PP sizes: deeper pipelines only add hand-overs 
 
 
 def stage_link(profile: DeviceProfile) -> TransferModel:
-    """The link between two PP stages: the profile's KV link (its ``source`` ``link``, e.g.
-    nvlink on an SXM box), else its first transfer model; a free hand-over without any."""
+    """The link between PP stages: the profile's KV link, else its first; free without any."""
     link = (profile.source or {}).get("link") or profile.notes.get("link")
     if link in profile.transfers:
         return profile.transfers[link]
@@ -44,12 +30,8 @@ def stage_link(profile: DeviceProfile) -> TransferModel:
 
 
 def pipelined(profile: DeviceProfile, geometry: Geometry, pp: int) -> DeviceProfile:
-    """``profile`` (PP 1) as a PP-``pp`` instance: the fullest stage's weights and KV bytes per
-    token, activations of ``hidden * itemsize`` bytes per token handed between stages over
-    ``stage_link``; ``profile`` itself at PP 1.
-
-    Raises:
-        ValueError: a dtype without a known item size, a PP the layers do not allow."""
+    """``profile`` (PP 1) at PP ``pp``: the fullest stage's weights and KV, ``hidden *
+    itemsize`` activation bytes per token between stages; ValueError for a PP over the layers."""
     if pp == 1:
         return profile
     itemsize = _itemsize(profile)
@@ -60,7 +42,7 @@ def pipelined(profile: DeviceProfile, geometry: Geometry, pp: int) -> DeviceProf
 
 
 def vocab_parallel(profile: DeviceProfile) -> bool:
-    """True for a silicon-database profile (its instances split embedding and head over TP)."""
+    """A silicon-database profile's instances split embedding and head, as its memory model."""
     return (profile.source or {}).get("kind") == "aiconfigurator"
 
 
@@ -92,13 +74,8 @@ class ProfileSet:
               num_devices: int, max_model_len: int, utilization: float = 0.9,
               max_pp: int = MAX_PP, reference_prompt: int = 512,
               reference_batch: int = 16) -> ProfileSet:
-        """The sizes of at most ``num_devices`` devices from PP-1 profiles of distinct TP (one
-        model, one device kind); without ``geometry`` only the given profiles' sizes (no PP,
-        no memory check).
-
-        Raises:
-            ValueError: no profile, a pipelined one, two of one TP, or profiles of different
-                models or devices."""
+        """The sizes of at most ``num_devices`` devices from PP-1 profiles of distinct TP
+        (without ``geometry``: no PP, no memory check); ValueError for profiles not a set."""
         if not tp_profiles:
             raise ValueError("the planner needs at least one device profile")
         seen: dict[int, DeviceProfile] = {}
@@ -135,8 +112,7 @@ class ProfileSet:
         return out
 
     def prune(self, reference_prompt: int = 512, reference_batch: int = 16) -> None:
-        """Drop each size that another of the same device count beats in both phases (a
-        reference prefill and decode step, module docstring), into ``dominated``."""
+        """Move each size another on as many devices beats in both phases to ``dominated``."""
         def times(size: tuple[int, int]) -> tuple[float, float]:
             p = self.profiles[size]
             return (p.step_s(StepFeatures(reference_prompt, reference_prompt ** 2)),
@@ -168,25 +144,19 @@ class ProfileSet:
 
     @property
     def base(self) -> DeviceProfile:
-        """The profile of the smallest offered size (rate ladders start from it).
-
-        Raises:
-            ValueError: no size is offered (every one refused)."""
+        """The smallest offered size's profile; ValueError naming the refusals when none."""
         if not self.profiles:
             raise ValueError("no instance size fits: " + "; ".join(self.refused.values()))
         return self.profiles[self.sizes[0]]
 
     def of_role(self, placement: Placement, role: str) -> DeviceProfile:
-        """The profile of ``placement``'s ``role`` instances."""
         return self.get(*placement.size_of(role))
 
     def scaled(self, factor: float) -> ProfileSet:
-        """Every profile's step times times ``factor`` (``DeviceProfile.scaled``)."""
         return ProfileSet({s: p.scaled(factor) for s, p in self.profiles.items()}, self.geometry,
                           dict(self.refused), dict(self.dominated))
 
     def refusal_lines(self) -> list[str]:
-        """One line per refused or dominated size, e.g. ``TP 1, PP 1: refused: ...``."""
         lines = [f"TP {tp}, PP {pp}: refused: {why}" for (tp, pp), why in sorted(self.refused.items())]
         lines += [f"TP {tp}, PP {pp}: pruned: TP {o[0]}, PP {o[1]} on as many devices is faster "
                   "in both phases" for (tp, pp), o in sorted(self.dominated.items())]
@@ -194,9 +164,7 @@ class ProfileSet:
 
 
 def geometry_of(profile: DeviceProfile, model_dir: str | None = None) -> Geometry | None:
-    """The model's geometry from ``model_dir``'s config.json, else the profile's source's
-    (``model_config``), else its model if that is a directory with one; None when none is
-    found."""
+    """The geometry in ``model_dir``'s, the profile's source's or model's config.json; None."""
     for where in (model_dir, (profile.source or {}).get("model_config"), profile.model):
         if where and (Path(where) / "config.json").is_file():
             return Geometry.from_config(json.loads((Path(where) / "config.json").read_text()))
