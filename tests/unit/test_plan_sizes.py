@@ -202,3 +202,16 @@ def test_map_cells_show_the_winners_per_phase_sizes():
     assert _short("colocated-nochunk:1+tp8") == "co-nc\ntp8"
     assert (_short("disagg:1p3d"), _short("colocated:2"), _short("colocated-nochunk:2")) == \
         ("1p3d", "co", "co-nc")
+
+
+def test_plan_validate_refuses_tp_placements_with_one_line(tmp_path, capsys):
+    from experiments import cli
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["plan", "--model", "engine/configs/llama-3.1-70b", "--dtype", "bfloat16",
+                  "--profile", L70, "--devices", "8", "--max-model-len", "4096", "--transport",
+                  "shm", "--validate", "--out", str(tmp_path / "p")])
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and "argument --validate: the search places instances over several " \
+                              "devices (TP/PP sizes)" in err[0], err
