@@ -19,6 +19,7 @@ from engine.config import (DTYPES, TRANSPORTS, ConditionalConfig, EngineConfig, 
 from engine.model import ModelLoadError, check_model_name, model_context_len
 from deployment.placement import check_devices_exist, worker_layout
 from planner.latency import LINKS, DeviceProfile, TransferModel, link_transfer
+from planner.sizes import ProfileSet, geometry_of
 from router.policy import POLICIES
 
 # The default CPU run: small enough for `make run` on 2 cores in under 5 minutes.
@@ -307,6 +308,31 @@ def load_profile_for(path: str | Path, model: ModelConfig, option: str) -> Devic
         raise option_error(option, f"{path} was measured on {profile.model} "
                                    f"({profile.dtype}), not {model.model} ({model.dtype})")
     return profile
+
+
+def load_profiles_for(text: str, model: ModelConfig, option: str, num_devices: int,
+                      engine: EngineConfig, max_pp: int) -> tuple[DeviceProfile, DeviceProfile | ProfileSet]:
+    """``--profile`` / ``--device-profile``: one path, or comma-separated paths of one PP-1
+    profile per TP size (``pdlab profile --from-silicon-db --tp T``). Returns the smallest
+    offered size's profile (for rate ladders and headers) and what the simulator reads: that
+    same profile when one TP-1 profile is given (one device per instance), else the
+    ``planner.sizes.ProfileSet`` of every ``(tp, pp)`` that fits (PP up to ``max_pp``, weights
+    and one ``max_model_len`` request's KV within ``gpu_memory_utilization``).
+
+    Raises:
+        ValueError: ``argument <option>: ...``: a file as ``load_profile_for`` refuses, or
+            profiles that do not form a set, or no size that fits (naming each refusal)."""
+    paths = [p.strip() for p in text.split(",") if p.strip()]
+    profiles = [load_profile_for(p, model, option) for p in paths]
+    if len(profiles) == 1 and profiles[0].size == (1, 1) and max_pp == 1:
+        return profiles[0], profiles[0]
+    try:
+        geometry = geometry_of(profiles[0], model.model)
+        found = ProfileSet.build(profiles, geometry, num_devices, engine.max_model_len,
+                                 engine.gpu_memory_utilization, max_pp)
+        return found.base, found
+    except ValueError as err:
+        raise option_error(option, str(err)) from None
 
 
 def transfer_model_for(profile: DeviceProfile, transport: str, option: str) -> TransferModel:

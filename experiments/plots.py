@@ -370,14 +370,18 @@ _FAMILY_COLOURS = {"colocated": "C0", "colocated chunked": "C2", "disagg": "C3",
 
 
 def _short(label: str) -> str:
-    """A placement label short enough for a map cell (``disagg:1p3d`` -> ``1p3d``)."""
-    if label.startswith("disagg:"):
-        return label.split(":", 1)[1]
-    if label.startswith("conditional:"):
-        return "c" + label.split(":", 1)[1]
-    if label.startswith("colocated-nochunk"):
-        return "co-nc"
-    return "co" + (" b" + label.split("budget ")[1].rstrip(")") if "budget" in label else "")
+    """A placement label short enough for a map cell (``disagg:1p3d`` -> ``1p3d``), its
+    instance sizes on a second line (``disagg:2p1d+ptp2+dtp4`` -> ``2p1d`` / ``ptp2 dtp4``)."""
+    budget = " b" + label.split("budget ")[1].rstrip(")") if "budget" in label else ""
+    head, _, sizes = label.split(" (budget")[0].partition("+")
+    sizes = "\n" + sizes.replace("+", " ") if sizes else ""
+    if head.startswith("disagg:"):
+        return head.split(":", 1)[1] + sizes
+    if head.startswith("conditional:"):
+        return "c" + head.split(":", 1)[1] + sizes
+    if head.startswith("colocated-nochunk"):
+        return "co-nc" + sizes
+    return "co" + budget + sizes
 
 
 def plot_slo_map(cells: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Sequence[float],
@@ -387,7 +391,9 @@ def plot_slo_map(cells: pd.DataFrame, ttft_grid: Sequence[float], tpot_grid: Seq
     hatched where there is no clear winner, grey where nothing meets the SLO; the winner's
     short label, "+" where it met the SLO at the top swept rate (goodput a lower bound).
     ``checked`` cells ran for real: outlined with "ok" (measured winner = mapped) or "x"."""
-    fig, ax = plt.subplots(figsize=(1.0 + 0.75 * len(ttft_grid), 1.2 + 0.6 * len(tpot_grid)))
+    sized = cells["winner"].astype(str).str.contains("+", regex=False).any()
+    fig, ax = plt.subplots(figsize=(1.0 + (1.0 if sized else 0.75) * len(ttft_grid),
+                                    1.2 + 0.6 * len(tpot_grid)))
     for row in cells.itertuples():
         x, y = row.ttft_index, row.tpot_index
         if row.verdict == "none":

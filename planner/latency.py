@@ -9,7 +9,13 @@ relative error (as DistServe's simulator: short and long steps weigh alike), slo
   mixed   ``t = a_mix + (prefill terms) + (decode terms)``, only the intercept refitted.
 ``fit_transfer`` fits ``t = latency_s + bytes / bandwidth_bytes_s`` per transport. A profile can
 also come from NVIDIA's GPU database (``planner.silicon``) with the links' models (``LINKS``).
-``DeviceProfile.step_s`` is what the simulator asks for every step."""
+``DeviceProfile.step_s`` is what the simulator asks for every step.
+
+A profile is one instance of TP ``tp``, PP ``pp``; its fits are the TP instance's steps ``t``.
+PP as DistServe's simulator (``simdistserve/estimators/time_estimator.py``: a stage takes
+``t / pp`` plus an overhead; a batch crosses the stages in turn), one batch in flight (one
+scheduler; stages idle ``(pp - 1) / pp``): ``t + (pp - 1) * stage_link.seconds(tokens *
+stage_bytes_per_token)``, ``tokens`` = prefill tokens + decodes. PP buys memory, not speed."""
 
 from __future__ import annotations
 
@@ -263,6 +269,36 @@ class DeviceProfile:
     device_memory_bytes: int | None = None
     weight_bytes: int | None = None
     source: dict | None = None
+    tp: int = 1
+    pp: int = 1
+    device_kv_bytes_per_token: int | None = None
+    stage_bytes_per_token: int = 0
+    stage_link: TransferModel | None = None
+
+    def __post_init__(self) -> None:
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"a profile's TP and PP must be >= 1, got tp {self.tp}, pp {self.pp}")
+        if self.pp > 1 and self.stage_link is None:
+            raise ValueError(f"a PP {self.pp} profile needs the link between its stages "
+                             "(stage_link)")
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.tp, self.pp
+
+    @property
+    def kv_bytes_per_device_token(self) -> int:
+        return self.device_kv_bytes_per_token or self.kv_bytes_per_token
+
+    def with_pp(self, pp: int, device_kv_bytes_per_token: int, weight_bytes: int | None,
+                stage_bytes_per_token: int, stage_link: TransferModel) -> DeviceProfile:
+        """This PP-1 profile at PP ``pp``; ValueError when it is already pipelined."""
+        if self.pp != 1:
+            raise ValueError(f"the profile is already at PP {self.pp}: derive PP sizes from "
+                             "a PP 1 profile")
+        return dataclasses.replace(self, pp=pp, device_kv_bytes_per_token=device_kv_bytes_per_token,
+                                   weight_bytes=weight_bytes, stage_bytes_per_token=stage_bytes_per_token,
+                                   stage_link=stage_link)
 
     def kv_budget_bytes(self, config: EngineConfig) -> int:
         """KV budget (bytes) of one engine of ``config`` here, by ``engine.config.
@@ -297,7 +333,17 @@ class DeviceProfile:
                 return pa + pb * n_pre + pc * q_pre if n_pre else 0.0
             decode = db * num_decode + dc * sum_ctx
             return da + decode if n_pre == 0 else ma + pb * n_pre + pc * q_pre + decode
-        return step_s
+        if self.pp == 1:
+            return step_s
+        hops, link, per_token = self.pp - 1, self.stage_link, self.stage_bytes_per_token
+        per_token_s = per_token / link.bandwidth_bytes_s
+
+        def pipelined_s(n_pre: int, q_pre: int, num_decode: int, sum_ctx: int) -> float:
+            t = step_s(n_pre, q_pre, num_decode, sum_ctx)
+            if t == 0.0:
+                return 0.0
+            return t + hops * (link.latency_s + (n_pre + num_decode) * per_token_s)
+        return pipelined_s
 
     def transfer(self, transport: str) -> TransferModel:
         """Raises ValueError when the profile has none, naming those it has and how to measure."""
@@ -316,7 +362,12 @@ class DeviceProfile:
                 "transfers": {k: v.to_dict() for k, v in self.transfers.items()},
                 **{k: getattr(self, k) for k in ("max_prefill_tokens", "device_memory_bytes",
                                                  "weight_bytes") if getattr(self, k) is not None},
-                **({} if self.source is None else {"source": self.source})}
+                **({} if self.source is None else {"source": self.source}),
+                **({} if self.size == (1, 1) else {"parallel": {
+                    "tp": self.tp, "pp": self.pp,
+                    "device_kv_bytes_per_token": self.device_kv_bytes_per_token,
+                    "stage_bytes_per_token": self.stage_bytes_per_token,
+                    "stage_link": self.stage_link.to_dict() if self.stage_link else None}})}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -339,7 +390,8 @@ class DeviceProfile:
                        dict(d.get("notes", {})),
                        *(None if d.get(k) is None else int(d[k])
                          for k in ("max_prefill_tokens", "device_memory_bytes", "weight_bytes")),
-                       None if d.get("source") is None else dict(d["source"]))
+                       None if d.get("source") is None else dict(d["source"]),
+                       **_parallel_from_dict(d.get("parallel")))
         except KeyError as err:
             raise ValueError(f"not a device profile: key {err} missing") from None
 
@@ -378,6 +430,17 @@ class DeviceProfile:
         return dataclasses.replace(self, **changes)
 
 
+def _parallel_from_dict(d: dict | None) -> dict:
+    if not d:
+        return {}
+    link = d.get("stage_link")
+    kv = d.get("device_kv_bytes_per_token")
+    return {"tp": int(d["tp"]), "pp": int(d["pp"]),
+            "device_kv_bytes_per_token": None if kv is None else int(kv),
+            "stage_bytes_per_token": int(d.get("stage_bytes_per_token", 0)),
+            "stage_link": TransferModel.from_dict(link) if link else None}
+
+
 def step_correction(steps: Sequence[dict], profile: DeviceProfile) -> float:
     """Median of measured / modelled seconds over worker steps (``duration_s, num_prefill_tokens,
     num_decode_tokens``); steps from ``planner.diagnose.step_features`` are modelled on their
@@ -414,6 +477,10 @@ def summary_lines(profile: DeviceProfile) -> list[str]:
         lines.append(f"source: {src.get('package', src.get('kind'))} database "
                      f"{src.get('system')}/{src.get('backend')} {src.get('database_version')} "
                      "(no step ran on this machine)")
+    if profile.size != (1, 1):
+        lines.append(f"instance: TP {profile.tp}, PP {profile.pp}"
+                     + (f"; each step plus {profile.pp - 1} stage hand-overs of "
+                        f"{profile.stage_bytes_per_token} bytes/token" if profile.pp > 1 else ""))
     if profile.notes.get("step_scale", 1.0) != 1.0:
         lines.append(f"step times above scaled x{profile.notes['step_scale']:.4g} (--step-scale)")
     for name, t in profile.transfers.items():

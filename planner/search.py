@@ -32,7 +32,9 @@ from engine.metrics import SLO, RequestRecord
 from engine.request import Request
 from engine.arrivals import arrival_times
 from planner.latency import DeviceProfile, StepFeatures, TransferModel
-from planner.simulate import SimResult, Simulator
+from engine.kv_heads import kv_heads_of
+from planner.simulate import InstanceModel, SimResult, Simulator
+from planner.sizes import ProfileSet
 
 
 @dataclass(frozen=True)
@@ -57,18 +59,47 @@ class Candidate:
         return dataclasses.replace(base, max_num_batched_tokens=self.chunk_budget)
 
 
-def candidates(num_devices: int, chunk_budgets: Sequence[int] = ()) -> list[Candidate]:
-    """Step 1, in that order (budgets ascending).
+def sized(head: str, prefill: tuple[int, int], decode: tuple[int, int] | None = None) -> str:
+    """The canonical spelling (``str(Placement)``) of ``head`` (``colocated:2``, ``disagg:2p1d``)
+    with its prefill (or every) instance at ``(tp, pp)`` ``prefill``, its decode instances at
+    ``decode`` (default: ``prefill``), e.g. ``disagg:2p1d+ptp2+dtp4``."""
+    d = decode or prefill
+    if head.startswith("colocated"):
+        return str(Placement.parse(f"{head}+tp{prefill[0]}+pp{prefill[1]}"))
+    return str(Placement.parse(f"{head}+ptp{prefill[0]}+ppp{prefill[1]}+dtp{d[0]}+dpp{d[1]}"))
+
+
+def candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
+               sizes: Sequence[tuple[int, int]] = ((1, 1),)) -> list[Candidate]:
+    """Step 1, per instance size ``(tp, pp)`` of ``sizes`` (ascending by devices): the colocated
+    placements of as many instances of one size as fit ``num_devices`` (budgets ascending), then
+    every ``disagg:xPyD`` whose x prefill instances of one size and y decode instances of one
+    size (each phase its own) fit in ``num_devices`` devices, by devices used. With ``sizes``
+    ``((1, 1),)``: ``colocated:N``, its budgets, ``colocated-nochunk:N``, every x + y <= N.
 
     Raises:
-        ValueError: ``num_devices < 1``."""
+        ValueError: ``num_devices < 1`` or no size."""
     if num_devices < 1:
         raise ValueError(f"devices must be >= 1, got {num_devices}")
-    out = [Candidate(f"colocated:{num_devices}")]
-    out += [Candidate(f"colocated:{num_devices}", b) for b in sorted(set(chunk_budgets))]
-    out.append(Candidate(f"colocated-nochunk:{num_devices}"))
-    out += [Candidate(f"disagg:{x}p{y}d") for total in range(2, num_devices + 1)
-            for x in range(1, total) for y in [total - x]]
+    if not sizes:
+        raise ValueError("no instance size to place")
+    out = []
+    for size in sizes:
+        count = num_devices // (size[0] * size[1])
+        if count < 1:
+            continue
+        out.append(Candidate(sized(f"colocated:{count}", size)))
+        out += [Candidate(sized(f"colocated:{count}", size), b) for b in sorted(set(chunk_budgets))]
+        out.append(Candidate(sized(f"colocated-nochunk:{count}", size)))
+    disagg = []
+    for p in sizes:
+        for d in sizes:
+            dp, dd = p[0] * p[1], d[0] * d[1]
+            for x in range(1, num_devices // dp + 1):
+                for y in range(1, (num_devices - x * dp) // dd + 1):
+                    disagg.append((x * dp + y * dd, x + y, x, p, d, y))
+    disagg.sort(key=lambda c: c[:3])
+    out += [Candidate(sized(f"disagg:{x}p{y}d", p, d)) for _, _, x, p, d, y in disagg]
     return out
 
 
@@ -104,27 +135,46 @@ def arrivals(requests: Sequence[Request], rate: float, seed: int, process: str =
     return list(zip(requests, (float(t) for t in times)))
 
 
-def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile,
+def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile | ProfileSet,
               transfer: TransferModel | None, policy: str = "least_loaded",
               conditional: ConditionalConfig | None = None, transport: str = "simulated",
               step_scale: float = 1.0,
               speed_trace: Callable[[str, float], float] | None = None) -> Simulator:
-    """The ``Simulator`` of one candidate on the profile's step model, times ``step_scale``
+    """The ``Simulator`` of one candidate on the step model of each role's profile (one
+    ``DeviceProfile``, or a ``ProfileSet``'s of each role's ``(tp, pp)``), times ``step_scale``
     (``latency.step_correction``) and ``speed_trace(worker, start s)``; KV caches sized by
-    ``DeviceProfile.kv_budget_bytes``.
+    ``DeviceProfile.kv_budget_bytes`` and the KV bytes per token on each instance's fullest
+    device; a decode instance of TP ``d`` fetches each rank's share of the KV heads at once.
 
     Raises:
-        ValueError: a CUDA profile without the memory facts the budget needs."""
-    needs_transfer = Placement.parse(candidate.placement).needs_transfer
-    step_s = profile.step_time()
-    if step_scale != 1.0:
-        base = step_s
-        step_s = lambda *f: step_scale * base(*f)  # noqa: E731
+        ValueError: a CUDA profile without the memory facts the budget needs, or a size the
+            profile set does not offer."""
+    placement = Placement.parse(candidate.placement)
     config = candidate.engine(engine)
-    return Simulator(candidate.placement, config, step_s,
-                     transfer if needs_transfer else None, profile.kv_bytes_per_token, policy,
-                     conditional, transport, speed_trace=speed_trace,
-                     kv_budget_bytes=profile.kv_budget_bytes(config))
+    models, whole = {}, profile
+    for role in placement.roles:
+        p = profile.of_role(placement, role) if isinstance(profile, ProfileSet) else profile
+        if isinstance(profile, DeviceProfile) and placement.size_of(role) != p.size:
+            raise ValueError(f"placement {candidate.placement}'s {role} instances are TP/PP "
+                             f"{placement.size_of(role)}, the profile's {p.size}: give a "
+                             "profile of each size")
+        step_s = p.step_time()
+        if step_scale != 1.0:
+            step_s = _scaled(step_s, step_scale)
+        models[role] = InstanceModel(step_s, p.kv_bytes_per_device_token, p.kv_budget_bytes(config))
+        whole = p
+    share = 1.0
+    if placement.needs_transfer and isinstance(profile, ProfileSet) and profile.geometry:
+        heads = profile.geometry.num_kv_heads
+        share = len(kv_heads_of(0, placement.size_of("decode")[0], heads)) / heads
+    return Simulator(candidate.placement, config, models[placement.roles[0]].step_s,
+                     transfer if placement.needs_transfer else None, whole.kv_bytes_per_token,
+                     policy, conditional, transport, speed_trace=speed_trace,
+                     instance_models=models, transfer_share=share)
+
+
+def _scaled(step_s: Callable[..., float], factor: float) -> Callable[..., float]:
+    return lambda *f: factor * step_s(*f)
 
 
 RUN_COLUMNS = ["candidate", "placement", "chunk_budget", "num_devices", "rate", "seed",

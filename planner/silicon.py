@@ -1,7 +1,8 @@
 """GPU device profiles without a GPU: pdlab's step models fitted on AIConfigurator, NVIDIA's
 measured per-operation database (H100, H200, B200, GB200, ... under vLLM, SGLang and TRT-LLM; no
 torch; the optional extra ``silicon``), calling its backends' ``run_static`` and ``run_mixed``:
-``open_database`` (one GPU; what the database lacks, MoE or an unknown KV dtype raise
+``open_database`` (one instance of TP ``tp``: the database's Megatron-style split, GEMMs over
+``tp`` GPUs and two all-reduces per layer, its own step times; what the database lacks, MoE or an unknown KV dtype raise
 ``SiliconError``), ``sample_steps`` (prefill, decode at Σctx = B(C + 1), mixed: one prompt of P
 beside B decodes at P + 1), ``build_profile`` (``fit_step_models`` on them, the system's own link
 figures, ``DeviceProfile.source``). Left out, as by the database's static steps: vLLM's
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.config import TRANSPORTS
+from engine.placement import check_tp
 from planner.latency import (LINKS, DeviceProfile, StepFeatures, fit_step_models, link_transfer)
 
 BACKENDS = ("vllm", "sglang", "trtllm")
@@ -179,9 +181,10 @@ def missing_data_message(err: BaseException, where: str) -> str:
 
 @dataclass
 class SiliconDatabase:
-    """One model on one GPU in the database (``open_database``). ``kv_dtype``: pdlab's name;
-    ``node``: the system spec's ``node`` (bytes/s, ``p2p_latency`` s); ``kv_bytes_per_token``:
-    the database's own (``get_kvcache_bytes_per_sequence(1)``)."""
+    """One model on one TP-``tp`` instance in the database (``open_database``). ``kv_dtype``:
+    pdlab's name; ``node``: the system spec's ``node`` (bytes/s, ``p2p_latency`` s);
+    ``kv_bytes_per_token``: the database's own on one GPU (``get_kvcache_bytes_per_sequence(1)``,
+    the GPU's share at TP ``tp``)."""
 
     model_dir: str
     system: str
@@ -191,6 +194,7 @@ class SiliconDatabase:
     gemm_dtype: str
     node: dict
     kv_bytes_per_token: int
+    tp: int
     _aic: Any = field(repr=False)
     _model: Any = field(repr=False)
     _database: Any = field(repr=False)
@@ -201,7 +205,8 @@ class SiliconDatabase:
         return int(self._database.system_spec["gpu"]["mem_capacity"])
 
     def weight_bytes(self) -> int:
-        """The model's weights on one GPU in bytes, by the database's memory model."""
+        """The model's weights on one GPU of the instance in bytes, by the database's memory
+        model."""
         memory = self._backend._get_memory_usage(
             self._model, self._database, batch_size=1, beam_width=1, isl=1, osl=1,
             num_tokens=1, prefix=0, max_seq_len=1, mtp_activation_scaling=False)
@@ -209,7 +214,7 @@ class SiliconDatabase:
 
     @property
     def where(self) -> str:
-        return f"{self.system}/{self.backend} {self.version}"
+        return f"{self.system}/{self.backend} {self.version}" + (f" TP {self.tp}" if self.tp > 1 else "")
 
     def _ms(self, call) -> float:
         try:
@@ -246,16 +251,23 @@ class SiliconDatabase:
         return self._ms(lambda: self._static("static_gen", batch_size, isl, osl)["tpot"]) / 1e3
 
 
-def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDatabase:
-    """The database's view of ``model_dir`` on one GPU of ``system`` under ``backend``, probed
-    with one decode and one prefill step so a missing shape is refused here.
+def open_database(model_dir: str | Path, system: str, backend: str, tp: int = 1) -> SiliconDatabase:
+    """The database's view of ``model_dir`` on an instance of ``tp`` GPUs of ``system`` under
+    ``backend`` (tensor parallel), probed with one decode and one prefill step so a missing
+    shape is refused here. Whether the weights fit is ``engine.memory_fit``'s question.
 
     Raises:
         SiliconError: the package is missing, an unknown system or backend, no config file,
-            a MoE model, a KV dtype pdlab has not, or data missing for the model's shapes."""
+            a TP the model's heads do not allow (``engine.placement.check_tp``), a MoE model, a
+            KV dtype pdlab has not, or data missing for the model's shapes."""
     aic = _aic()
     check_system(system, backend)
-    read_model_config(model_dir)
+    hf = read_model_config(model_dir)
+    heads = int(hf["num_attention_heads"])
+    try:
+        check_tp(tp, heads, int(hf.get("num_key_value_heads", heads)), model=str(model_dir))
+    except ValueError as err:
+        raise SiliconError(str(err)) from None
     path = str(Path(model_dir).expanduser())
     where = f"{system}/{backend}"
     try:
@@ -270,7 +282,7 @@ def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDa
                 transfer_policy=None)
             if database is None:
                 raise SiliconError(f"the {where} database could not be loaded")
-            config = aic.config_builders.build_model_config(1, 1, 1, 1, 1)
+            config = aic.config_builders.build_model_config(tp, 1, 1, 1, 1)
             aic.models.resolve_context_fmha_by_data(config, path, database, backend,
                                                     is_context_role=True)
             model = aic.models.get_model(path, config, backend)
@@ -287,7 +299,7 @@ def open_database(model_dir: str | Path, system: str, backend: str) -> SiliconDa
                            f"KV dtypes are {', '.join(_KV_DTYPES)}")
     db = SiliconDatabase(path, system, backend, str(version), _KV_DTYPES[kv_mode],
                          model.config.gemm_quant_mode.name, dict(database.system_spec["node"]),
-                         kv_bytes, aic, model, database, aic.factory.get_backend(backend))
+                         kv_bytes, tp, aic, model, database, aic.factory.get_backend(backend))
     db.decode_s(1, 128)
     db.prefill_s(1, 128)
     return db
@@ -314,10 +326,12 @@ def sample_steps(db: SiliconDatabase, grid: SampleGrid = SampleGrid()
 
 def build_profile(db: SiliconDatabase, model_name: str, kv_bytes_per_token: int,
                   link: str | None = None, grid: SampleGrid = SampleGrid(),
-                  created: str = "") -> DeviceProfile:
-    """The ``DeviceProfile`` of ``db``. Transfers: each ``LINKS`` link the system has, and
-    ``link``'s (default nvlink where present, else pcie) under every transport name: on that box
-    KV crosses that link whichever transport moves it. ``kv_bytes_per_token`` at ``db.kv_dtype``.
+                  created: str = "", device_kv_bytes_per_token: int | None = None) -> DeviceProfile:
+    """The ``DeviceProfile`` of ``db``'s TP-``db.tp`` instance (PP 1). Transfers: each ``LINKS``
+    link the system has, and ``link``'s (default nvlink where present, else pcie) under every
+    transport name: on that box KV crosses that link whichever transport moves it.
+    ``kv_bytes_per_token`` (the whole model's, what a transfer moves) and
+    ``device_kv_bytes_per_token`` (one GPU's share; None: the whole) at ``db.kv_dtype``.
 
     Raises:
         SiliconError: data missing for a shape of the grid.
@@ -342,7 +356,8 @@ def build_profile(db: SiliconDatabase, model_name: str, kv_bytes_per_token: int,
         prefill=pre, decode=dec, mixed=mix,
         transfers={**links, **{t: chosen for t in TRANSPORTS}},
         notes={"estimator": f"{package} {db.where} database, SILICON mode, static step "
-                            "estimates (no CPU dispatch overhead), one GPU",
+                            "estimates (no CPU dispatch overhead), "
+                            + (f"TP {db.tp} over {db.tp} GPUs" if db.tp > 1 else "one GPU"),
                "gemm_dtype": db.gemm_dtype, "link": link,
                "transports": f"{', '.join(TRANSPORTS)} carry the {link} model",
                "num_threads": "0: no step ran on this machine", "created": created},
@@ -350,7 +365,8 @@ def build_profile(db: SiliconDatabase, model_name: str, kv_bytes_per_token: int,
         device_memory_bytes=db.device_memory_bytes(), weight_bytes=db.weight_bytes(),
         source={"kind": "aiconfigurator", "package": package, "system": db.system,
                 "backend": db.backend, "database_version": db.version,
-                "database_mode": "SILICON", "link": link, "model_config": db.model_dir})
+                "database_mode": "SILICON", "link": link, "model_config": db.model_dir},
+        tp=db.tp, device_kv_bytes_per_token=device_kv_bytes_per_token)
 
 
 def mean_decode_step_s(profile: DeviceProfile, batch_size: int, isl: int, osl: int) -> float:

@@ -70,13 +70,24 @@ def num_kv_blocks(config: EngineConfig, kv_bytes_per_token: int,
     return kv_num_blocks_for(config, kv_bytes_per_token, budget_bytes)
 
 
+@dataclass(frozen=True)
+class InstanceModel:
+    """What the simulator knows of one role's instances: ``step_s`` as ``Simulator``'s, the KV
+    bytes a token takes on the instance's fullest device (its KV heads and layers) and that
+    device's KV budget (bytes; None: the CPU rule)."""
+
+    step_s: Callable[[int, int, int, int], float]
+    kv_bytes_per_token: int
+    kv_budget_bytes: int | None = None
+
+
 class _Instance:
 
-    __slots__ = ("name", "role", "scheduler", "busy")
+    __slots__ = ("name", "role", "scheduler", "busy", "step_s")
 
     def __init__(self, name: str, role: str, config: EngineConfig,
-                 blocks: int | None = None) -> None:
-        self.name, self.role = name, role
+                 blocks: int | None = None, step_s=None) -> None:
+        self.name, self.role, self.step_s = name, role, step_s
         self.scheduler = Scheduler(config, ()) if blocks is None else Scheduler(config, (), blocks)
         self.busy = False
 
@@ -119,11 +130,17 @@ class Simulator:
     workers; ``fast_forward`` False runs every step through the Scheduler (same records);
     ``speed_trace``: ``(worker, step start s) -> factor`` on modelled step times
     (``drift.SpeedTrace``); ``kv_budget_bytes``: each instance's KV budget (bytes; None: the CPU
-    rule).
+    rule). ``instance_models``: per role (``colocated``, ``prefill``, ``decode``), its
+    ``InstanceModel``, in place of ``step_s``, ``kv_bytes_per_token`` (the KV per device) and
+    ``kv_budget_bytes`` (a placement with TP/PP sizes needs them); ``kv_bytes_per_token`` stays
+    what a transfer moves. ``transfer_share``: the share of a request's KV bytes one decode rank
+    receives (its KV heads, ``engine.kv_heads.bytes_per_decode_rank``): the ranks fetch in
+    parallel, so a transfer lasts ``transfer.seconds(share * bytes)``.
 
     Raises:
-        ValueError: a bad placement or policy, a placement with TP/PP sizes, or a
-            disaggregated placement without ``transfer``."""
+        ValueError: a bad placement or policy, a placement with TP/PP sizes without
+            ``instance_models`` for its roles, or a disaggregated placement without
+            ``transfer``."""
 
     def __init__(self, placement: str, engine: EngineConfig,
                  step_s: Callable[[int, int, int, int], float], transfer: TransferModel | None = None,
@@ -131,11 +148,22 @@ class Simulator:
                  conditional: ConditionalConfig | None = None, transport: str = "simulated",
                  fast_forward: bool = True,
                  speed_trace: Callable[[str, float], float] | None = None,
-                 kv_budget_bytes: int | None = None) -> None:
+                 kv_budget_bytes: int | None = None,
+                 instance_models: dict[str, InstanceModel] | None = None,
+                 transfer_share: float = 1.0) -> None:
         parsed = Placement.parse(placement)
-        if parsed.is_parallel:  # a TP/PP instance's step time needs its own profile
+        models = dict(instance_models or {})
+        missing = [r for r in parsed.roles if r not in models]
+        if parsed.is_parallel and missing:  # a TP/PP instance's step time needs its own profile
             raise ValueError(f"placement {placement} spans several devices per instance: the "
-                             "simulator models one device per instance")
+                             f"simulator needs the {', '.join(missing)} instances' own step "
+                             "model (a profile of their TP/PP size)")
+        for role in missing:
+            models[role] = InstanceModel(step_s, kv_bytes_per_token, kv_budget_bytes)
+        self.instance_models = models
+        if not 0 < transfer_share <= 1:
+            raise ValueError(f"transfer_share must be in (0, 1], got {transfer_share!r}")
+        self.transfer_share = transfer_share
         self.kind = parsed.kind
         if self.kind != "colocated" and transfer is None:
             raise ValueError(f"placement {placement} moves KV: a transfer model is needed")
@@ -164,13 +192,17 @@ class Simulator:
         ids = [r.request_id for r, _ in workload]
         if len(set(ids)) != len(ids):
             raise ValueError("request_id must be unique within a workload")
-        blocks = num_kv_blocks(self.engine, self.kv_bytes_per_token, self.kv_budget_bytes)
         engine = self.engine
+        role_blocks = {role: num_kv_blocks(engine, model.kv_bytes_per_token, model.kv_budget_bytes)
+                       for role, model in self.instance_models.items()}
+        known = [b for b in role_blocks.values() if b is not None]
+        blocks = min(known) if known else None  # a request must fit each instance it visits
         self._limits = Limits(engine.max_model_len, None,
                               engine.max_kv_blocks if blocks is None else blocks,
                               engine.block_size, "an instance's",
                               None if engine.enable_chunked_prefill else engine.max_num_batched_tokens)
-        self._instances = {name: _Instance(name, role, self.engine, blocks)
+        self._instances = {name: _Instance(name, role, self.engine, role_blocks[role],
+                                           self.instance_models[role].step_s)
                            for name, role in worker_names(self.placement)}
         self._assigner = Assigner(worker_names(self.placement), self.kind, self.policy,
                                   self.engine.block_size, self.conditional)
@@ -317,7 +349,7 @@ class Simulator:
                 state.first_scheduled_time_s = t
                 timeline = flights[state.request.request_id].record.timeline
                 timeline[PREFILL_STARTED if state.first_output_index == 0 else DECODE_ADMITTED] = t
-        duration = self.step_s(n_pre, q_pre, num_decode, sum_ctx) if batch.requests else 0.0
+        duration = instance.step_s(n_pre, q_pre, num_decode, sum_ctx) if batch.requests else 0.0
         if self.speed_trace is not None and duration:
             duration *= self.speed_trace(instance.name, t)
         fetch_start = t + duration
@@ -369,7 +401,7 @@ class Simulator:
         if steps_left != math.inf:  # blocks on demand: never past a step that would preempt
             steps_left = 1 + scheduler.decode_steps_available(requests, int(steps_left) - 1)
         ends = []  # end of each step completed here: its tokens leave then
-        num_decode, step_s, add_end = len(requests), self.step_s, ends.append
+        num_decode, step_s, add_end = len(requests), instance.step_s, ends.append
         record = self._steps is not None or self._batches is not None
         trace, name = self.speed_trace, instance.name
         while len(ends) < steps_left - 1 and end_s < horizon_s:
@@ -419,8 +451,9 @@ class Simulator:
         return horizon_s
 
     def _transfer_s(self, flight: _Flight) -> float:
-        """The whole transfer's seconds: the KV of prompt tokens from ``kv_token_start`` on."""
-        return self.transfer.seconds(self._kv_bytes(flight))
+        """The whole transfer's seconds: the KV of prompt tokens from ``kv_token_start`` on, one
+        decode rank's share of it on each rank's link at once."""
+        return self.transfer.seconds(self._kv_bytes(flight) * self.transfer_share)
 
     def _kv_bytes(self, flight: _Flight) -> int:
         return self.kv_bytes_per_token * (flight.request.num_prompt_tokens - flight.kv_token_start)

@@ -13,6 +13,7 @@ tight TPOT (TaiChi). ``pdlab map``, per ratio:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping, Sequence
 
@@ -54,13 +55,15 @@ def family_of(placement: str) -> str:
 
 
 def map_candidates(num_devices: int, chunk_budgets: Sequence[int] = (),
-                   conditional: bool = True) -> list[search.Candidate]:
-    """``search.candidates`` plus, with ``conditional``, ``conditional:xPyD`` per ``disagg:xPyD``
-    (Dynamo's rule prefills short prompts on the decode side).
+                   conditional: bool = True,
+                   sizes: Sequence[tuple[int, int]] = ((1, 1),)) -> list[search.Candidate]:
+    """``search.candidates`` (per instance size of ``sizes``) plus, with ``conditional``,
+    ``conditional:xPyD`` per ``disagg:xPyD`` (Dynamo's rule prefills short prompts on the
+    decode side), with the same sizes.
 
     Raises:
         ValueError: ``num_devices < 1``."""
-    cands = search.candidates(num_devices, chunk_budgets)
+    cands = search.candidates(num_devices, chunk_budgets, sizes)
     if conditional:
         cands += [search.Candidate(c.placement.replace("disagg:", "conditional:"))
                   for c in cands if c.placement.startswith("disagg:")]
@@ -225,15 +228,18 @@ def same_schedule(cands: Sequence[search.Candidate], engine: EngineConfig,
     """``colocated:N`` (chunked at the engine's budget) and ``colocated-nochunk:N`` map to each
     other when the longest prompt fits the chunk budget: then the two run nearly the same
     schedule, and an equal goodput is one answer under two names. Candidates with their own
-    ``chunk_budget`` are left out."""
+    ``chunk_budget`` are left out; each instance size pairs with its own."""
     if max_prompt_tokens > engine.max_num_batched_tokens:
         return {}
-    by_kind = {family_of(c.placement): c for c in cands if c.chunk_budget is None
-               and Placement.parse(c.placement).kind == "colocated"}
-    if len(by_kind) < 2:
-        return {}
-    a, b = by_kind["colocated chunked"].label, by_kind["colocated"].label
-    return {a: b, b: a}
+    twins: dict[str, str] = {}
+    labels = {c.label for c in cands if c.chunk_budget is None}
+    for c in cands:
+        p = Placement.parse(c.placement)
+        if c.chunk_budget is None and p.kind == "colocated" and p.chunked:
+            twin = str(dataclasses.replace(p, chunked=False))
+            if twin in labels:
+                twins[c.label], twins[twin] = twin, c.label
+    return twins
 
 
 def contenders(table: pd.DataFrame) -> list[str]:

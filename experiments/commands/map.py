@@ -33,11 +33,12 @@ from engine.config import (EngineConfig, ModelConfig, TransferConfig, add_datacl
 from experiments import dilation, map_validate, plots
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_transfer_args,
                                  check_model, check_out, engine_config, find_profile,
-                                 load_profile_for, option_error, rate_list, what_if_transfer)
+                                 load_profiles_for, option_error, rate_list, what_if_transfer)
 from deployment.placement import emulation_for, worker_layout
 from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
 from planner import search, slo_map
 from planner.latency import LINKS, DeviceProfile, TransferModel
+from planner.sizes import ProfileSet
 from router.policy import POLICIES
 
 HELP = "where disaggregation wins over SLO targets and prompt:output ratios (--validate K: checked for real)"
@@ -59,7 +60,11 @@ class MapConfig:
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
     device_profile: str | None = field(default=None, metadata={
         "pattern": r".*\S.*\.json", "hint": "a path ending in .json",
-        "help": "device profile from `pdlab profile` (unset: the newest of this model)"})
+        "help": "device profile from `pdlab profile` (unset: the newest of this model); "
+                "comma-separated, one per TP size (`pdlab profile --from-silicon-db --tp T`): "
+                "each phase's instances then take any (TP, PP) that fits"})
+    max_pp: int = field(default=1, metadata={
+        "min": 1, "help": "largest PP size searched (divisors of the layer count)"})
     ttft_slo: str = field(default="0.1:4:8", metadata={"help": "TTFT SLOs MIN:MAX:STEPS (s)"})
     tpot_slo: str = field(default="0.01:0.2:8", metadata={"help": "TPOT SLOs MIN:MAX:STEPS (s)"})
     io_ratio: str = field(default="0.25,1,4", metadata={
@@ -125,6 +130,11 @@ class MapJob:
     out: Path
     validate_devices: tuple[str, ...] = ()  # --validate's devices (emu:0.. with --validate-on emu)
     validate_engine: EngineConfig | None = None  # the real runs' engine (emulation set)
+    profiles: DeviceProfile | ProfileSet | None = None  # what the simulator reads (None: profile)
+
+    @property
+    def simulated(self) -> DeviceProfile | ProfileSet:
+        return self.profile if self.profiles is None else self.profiles
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,8 +219,14 @@ def check(args: argparse.Namespace) -> MapJob:
         raise option_error("--device-profile", f"no device profile of model {model.model} "
                                                f"({model.dtype}) under results/: run `pdlab "
                                                "profile` or pass --device-profile FILE")
-    profile = load_profile_for(path, model, "--device-profile")
-    cands = slo_map.map_candidates(cfg.devices, budgets, cfg.conditional)
+    profile, profiles = load_profiles_for(str(path), model, "--device-profile", cfg.devices,
+                                          engine, cfg.max_pp)
+    sizes = profiles.sizes if isinstance(profiles, ProfileSet) else ((1, 1),)
+    if cfg.validate and sizes != ((1, 1),):
+        raise option_error("--validate", "the map places instances over several devices "
+                                         "(TP/PP sizes), which real and emulated runs cannot "
+                                         "deploy yet: drop --validate, or give one TP 1 profile")
+    cands = slo_map.map_candidates(cfg.devices, budgets, cfg.conditional, sizes)
     transfer_model = what_if_transfer(profile, transfer.transport, cfg.transfer_latency_s,
                                       cfg.transfer_bandwidth_gbps, cfg.devices >= 2, cfg.link)
     devices, run_engine = (_check_validation(cfg, cands, profile, path, model, engine, transfer)
@@ -219,7 +235,7 @@ def check(args: argparse.Namespace) -> MapJob:
     out = Path(args.out or f"results/map-{time.strftime('%Y%m%d-%H%M%S')}")
     return MapJob(cfg, ttft, tpot, ratios, specs, profile, path, transfer_model, cands,
                   args.rates, val_rates, model, engine, transfer, args.policy, out, devices,
-                  run_engine)
+                  run_engine, profiles)
 
 
 def _check_validation(cfg: MapConfig, cands, profile: DeviceProfile, path: Path,
@@ -265,6 +281,10 @@ def run(args: argparse.Namespace, job: MapJob) -> int:
           f"{len(x.ttft_grid)} TTFT x {len(x.tpot_grid)} TPOT SLOs x {len(x.ratios)} io ratios; "
           f"profile {x.profile_path} ({x.profile.model}, {x.profile.device_kind} "
           f"{x.profile.device_name})")
+    if isinstance(x.simulated, ProfileSet):
+        print(f"  instance sizes (TP, PP) searched: {', '.join(map(str, x.simulated.sizes))}")
+        for line in x.simulated.refusal_lines():
+            print("  " + line)
     if x.transfer_model is not None:
         print(f"  KV transfer: {x.transfer_model.latency_s:.3g} s + bytes / "
               f"{x.transfer_model.bandwidth_bytes_s / 1e9:.4g} GB/s"
@@ -292,7 +312,7 @@ def run(args: argparse.Namespace, job: MapJob) -> int:
                     bar.total += 1
                 bar.update()
             table, runs, goodput = slo_map.map_ratio(
-                x.candidates, rates, requests, x.engine, x.profile, x.transfer_model,
+                x.candidates, rates, requests, x.engine, x.simulated, x.transfer_model,
                 x.ttft_grid, x.tpot_grid, ratio, cfg.speed_spread, spec.arrival,
                 spec.burstiness, x.policy, tick, jobs)
         tables.append(table)

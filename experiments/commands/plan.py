@@ -31,7 +31,7 @@ from experiments import dilation, plots, validate
 from deployment.placement import emulation_for
 from experiments.options import (CPU_ENGINE_DEFAULTS, add_model_args, add_slo_args, add_transfer_args,
                                  check_model,
-                                 check_out, engine_config, find_profile, load_profile_for,
+                                 check_out, engine_config, find_profile, load_profiles_for,
                                  option_error, rate_list, what_if_transfer)
 from deployment.placement import worker_layout
 from experiments.report import markdown_table
@@ -39,6 +39,7 @@ from experiments.workload_spec import (Timed, WorkloadSpec, build_workload, cont
                                        requests_of, trace_rate)
 from planner import band, search, simulate
 from planner.latency import DeviceProfile, TransferModel, summary_lines
+from planner.sizes import ProfileSet
 from router.policy import POLICIES
 
 HELP = "rank placements of N devices on the simulator (--validate: and check it against real runs)"
@@ -58,7 +59,11 @@ class PlanConfig:
     devices: int = field(default=2, metadata={"min": 1, "help": "devices N to place on"})
     profile: str | None = field(default=None, metadata={
         "pattern": r".*\S.*\.json", "hint": "a path ending in .json",
-        "help": "device profile from `pdlab profile` (unset: the newest of this model)"})
+        "help": "device profile from `pdlab profile` (unset: the newest of this model); "
+                "comma-separated, one per TP size (`pdlab profile --from-silicon-db --tp T`): "
+                "each phase's instances then take any (TP, PP) that fits"})
+    max_pp: int = field(default=1, metadata={
+        "min": 1, "help": "largest PP size searched (divisors of the layer count)"})
     num_rates: int = field(default=8, metadata={"min": 2, "help": "rates in the automatic sweep"})
     chunk_budgets: str = field(default="", metadata={
         "pattern": BUDGETS, "hint": "N,N,...", "help": "extra chunk budgets for colocated:N"})
@@ -116,6 +121,11 @@ class PlanJob:
     slo: SLO
     policy: str
     out: Path
+    profiles: DeviceProfile | ProfileSet | None = None  # what the simulator reads (None: profile)
+
+    @property
+    def simulated(self) -> DeviceProfile | ProfileSet:
+        return self.profile if self.profiles is None else self.profiles
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,15 +200,22 @@ def check(args: argparse.Namespace) -> PlanJob:
         raise option_error("--profile", f"no device profile of model {model.model} "
                                             f"({model.dtype}) under results/: run `pdlab profile "
                                             f"--model {model.model}` or pass --profile FILE")
-    profile = load_profile_for(path, model, "--profile").scaled(plan.step_scale)
+    profile, profiles = load_profiles_for(str(path), model, "--profile", plan.devices, engine,
+                                          plan.max_pp)
+    profile, profiles = profile.scaled(plan.step_scale), profiles.scaled(plan.step_scale)
     kv_cache_line(profile, engine)  # a budget that cannot be computed or holds no block
-    cands = search.candidates(plan.devices, plan.budgets)
+    sizes = profiles.sizes if isinstance(profiles, ProfileSet) else ((1, 1),)
+    if plan.validate and sizes != ((1, 1),):
+        raise option_error("--validate", "the search places instances over several devices "
+                                         "(TP/PP sizes), which real and emulated runs cannot "
+                                         "deploy yet: drop --validate, or give one TP 1 profile")
+    cands = search.candidates(plan.devices, plan.budgets, sizes)
     transfer_model = _transfer_model(plan, profile, transfer.transport,
                                      any(c.placement.startswith("disagg") for c in cands))
     check_out(args.out)
     out = Path(args.out or f"results/plan-{time.strftime('%Y%m%d-%H%M%S')}")
     return PlanJob(plan, profile, path, transfer_model, cands, args.rates, spec, model, engine,
-                   transfer, SLO(args.slo_ttft_s, args.slo_tpot_s), args.policy, out)
+                   transfer, SLO(args.slo_ttft_s, args.slo_tpot_s), args.policy, out, profiles)
 
 
 def kv_cache_line(profile: DeviceProfile, engine: EngineConfig) -> str:
@@ -214,13 +231,13 @@ def kv_cache_line(profile: DeviceProfile, engine: EngineConfig) -> str:
         budget_bytes = profile.kv_budget_bytes(engine)
     except ValueError as err:
         raise option_error("--profile", str(err)) from None
-    blocks = simulate.num_kv_blocks(engine, profile.kv_bytes_per_token, budget_bytes)
+    blocks = simulate.num_kv_blocks(engine, profile.kv_bytes_per_device_token, budget_bytes)
     if blocks is not None and blocks < 1:
         option = ("--gpu-memory-utilization" if profile.device_kind == "cuda"
                   and engine.kv_cache_memory_gb is None else "--kv-cache-memory-gb")
         raise option_error(option, f"each instance's KV budget of {budget_bytes / GIB:.3g} GiB "
                                    f"holds no block of {engine.block_size} tokens "
-                                   f"({engine.block_size * profile.kv_bytes_per_token} bytes)")
+                                   f"({engine.block_size * profile.kv_bytes_per_device_token} bytes)")
     rule = (f"{engine.kv_cache_memory_gb:g} GiB (--kv-cache-memory-gb)"
             if engine.kv_cache_memory_gb is not None else
             f"{engine.gpu_memory_utilization:g} x {profile.device_memory_bytes / GIB:.4g} GiB "
@@ -280,6 +297,10 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
           f"{x.profile.device_name}, {x.profile.num_threads} threads)")
     for line in summary_lines(x.profile):
         print("  " + line)
+    if isinstance(x.simulated, ProfileSet):
+        print(f"  instance sizes (TP, PP) searched: {', '.join(map(str, x.simulated.sizes))}")
+        for line in x.simulated.refusal_lines():
+            print("  " + line)
     print(kv_cache_line(x.profile, x.engine))
     extrapolated = prefill_range_warning(x.profile, max(it.num_prompt_tokens for it in all_items))
     if extrapolated:
@@ -290,7 +311,7 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
     total = len(x.candidates) * len(rates) * len(requests)
     start = time.perf_counter()
     with tqdm(total=total, desc="simulate", unit="run", file=sys.stderr) as bar:
-        runs = search.sweep(x.candidates, rates, requests, x.engine, x.profile, x.transfer_model,
+        runs = search.sweep(x.candidates, rates, requests, x.engine, x.simulated, x.transfer_model,
                             x.slo, x.spec.arrival, x.spec.burstiness, x.policy, bar.update,
                             x.plan.num_jobs)
         if not x.rates and not timed:  # automatic ladder: read each goodput finer inside its bracket
@@ -300,7 +321,7 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
             more = {label: r for label, r in extra.items() if r}
             if more:
                 runs = pd.concat([runs, search.sweep(
-                    [by_label[label] for label in more], more, requests, x.engine, x.profile,
+                    [by_label[label] for label in more], more, requests, x.engine, x.simulated,
                     x.transfer_model, x.slo, x.spec.arrival, x.spec.burstiness, x.policy,
                     bar.update, x.plan.num_jobs)], ignore_index=True)
             total = len(runs)
@@ -313,7 +334,7 @@ def run(args: argparse.Namespace, job: PlanJob) -> int:
         top = [by_label[label] for label in ranked["candidate"].head(x.plan.top)]
         with tqdm(total=2 * int(runs["candidate"].isin(ranked["candidate"].head(x.plan.top)).sum()),
                   desc=f"speed band ±{x.plan.speed_spread:g}", unit="run", file=sys.stderr) as bar:
-            banded = band.band_runs(top, runs, requests, x.engine, x.profile, x.transfer_model,
+            banded = band.band_runs(top, runs, requests, x.engine, x.simulated, x.transfer_model,
                                     x.slo, x.plan.speed_spread, x.spec.arrival, x.spec.burstiness,
                                     x.policy, bar.update, x.plan.num_jobs)
         banded.to_csv(x.out / "plan_band_runs.csv", index=False)

@@ -11,7 +11,8 @@
 
 ``--from-silicon-db SYSTEM --backend vllm|sglang|trtllm --model CONFIG_DIR`` writes a GPU's
 profile from NVIDIA's database instead (``planner.silicon``), with decode_check.csv (decode at
-B = 1, 16, 64 against the database's TPOT). Every time is the min of N runs after 1 warm-up, the
+B = 1, 16, 64 against the database's TPOT); ``--tp T --pp P`` profile an instance of T x P GPUs
+(the database's TP steps, PP as ``planner.latency`` models it), refused when it does not fit. Every time is the min of N runs after 1 warm-up, the
 median beside it; steps 1-4 are interleaved (``timing.measure_interleaved``), so drift moves all
 points alike. Outputs: prefill.csv, decode_context.csv, decode_batch.csv, mixed.csv,
 pg_table.csv, kv_cost.csv, device_profile.json, summary.md, profile.png."""
@@ -47,7 +48,8 @@ from experiments.options import (check_model, check_out, existing_device_set, in
 from experiments.report import markdown_table
 from experiments.results import cpu_model
 from experiments.timing import describe, device_sync, measure_interleaved
-from planner import latency, silicon
+from engine.memory_fit import Geometry, check_fits
+from planner import latency, silicon, sizes
 
 DEFAULT_PROMPT_LENS = (1, 4, 16, 64, 128, 256, 512)
 DEFAULT_CONTEXTS = (16, 64, 256, 1024)
@@ -481,6 +483,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     gpu.add_argument("--backend", default="vllm", choices=silicon.BACKENDS,
                      help="the serving engine whose kernels the database measured "
                           "(default: vllm)")
+    gpu.add_argument("--tp", type=positive_int, default=1,
+                     help="--from-silicon-db: the instance's tensor-parallel size, its step "
+                          "times the database's at that TP (default: 1)")
+    gpu.add_argument("--pp", type=positive_int, default=1,
+                     help="--from-silicon-db: the instance's pipeline-parallel size, modelled "
+                          "on the TP profile as DistServe does (planner.latency; default: 1)")
     gpu.add_argument("--link", default=None, choices=tuple(latency.LINKS),
                      help="the link KV crosses between GPUs, written as the transfer model "
                           "of every transport (default: nvlink where the system has it, "
@@ -495,6 +503,10 @@ def check(args: argparse.Namespace) -> None:
         ValueError: ``argument --x: ...`` for the first bad option."""
     if args.from_silicon_db is not None:
         return check_silicon(args)
+    for option in ("tp", "pp"):
+        if getattr(args, option) != 1:
+            raise option_error(f"--{option}", "sizes a --from-silicon-db profile: a profile "
+                                              "measured here is one device's")
     model = measure.check_measure_args(args)
     if args.devices and args.device != "cpu":
         raise ValueError(f"argument --devices: it replaces --device (got --device {args.device}"
@@ -686,15 +698,24 @@ def run_silicon(args: argparse.Namespace, model_dir: str) -> int:
     silicon_steps.csv, decode_check.csv and summary.md, print the fits and the check."""
     grid = silicon_grid(args)
     try:
-        db = silicon.open_database(model_dir, args.from_silicon_db, args.backend)
+        db = silicon.open_database(model_dir, args.from_silicon_db, args.backend, args.tp)
         if args.dtype not in ("float32", db.kv_dtype):
             raise ValueError(f"argument --dtype: {db.where} estimates {model_dir} with its KV "
                              f"in {db.kv_dtype}, not {args.dtype}")
         kv_bytes = silicon_kv_bytes_per_token(model_dir, db.kv_dtype)
+        geometry = Geometry.from_config(silicon.read_model_config(model_dir))
+        itemsize = sizes.ITEMSIZE[db.kv_dtype]
+        # the profile's longest prompt must fit beside the fullest device's weights
+        check_fits(geometry, itemsize, args.tp, args.pp, db.device_memory_bytes(),
+                   max(grid.prompt_lens) + 1, vocab_parallel=True, what=args.model,
+                   device=f"an {db.system} GPU")
         profile = silicon.build_profile(db, args.model, kv_bytes, args.link, grid,
-                                        created=time.strftime("%Y-%m-%dT%H:%M:%S"))
+                                        created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                                        device_kv_bytes_per_token=geometry.kv_bytes_per_token(
+                                            itemsize, args.tp))
         steps = silicon_steps_table(db, profile, grid)
         check = pd.DataFrame(silicon.decode_table(profile, db))
+        profile = sizes.pipelined(profile, geometry, args.pp)
     except ValueError as err:  # SiliconError included
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -702,7 +723,9 @@ def run_silicon(args: argparse.Namespace, model_dir: str) -> int:
     profile.save(out / "device_profile.json")
     steps.to_csv(out / "silicon_steps.csv", index=False)
     check.to_csv(out / "decode_check.csv", index=False)
-    header = (f"{args.model} on one {db.system} GPU under {db.backend} ({db.where} database of "
+    on = f"one {db.system} GPU" if args.tp * args.pp == 1 else \
+        f"a TP {args.tp}, PP {args.pp} instance of {args.tp * args.pp} {db.system} GPUs"
+    header = (f"{args.model} on {on} under {db.backend} ({db.where} database of "
               f"{silicon.PACKAGE} {silicon.PACKAGE_VERSION}, {db.kv_dtype} KV, "
               f"{kv_bytes} KV bytes/token; no step ran on this machine)")
     lines = latency.summary_lines(profile)
@@ -714,9 +737,10 @@ def run_silicon(args: argparse.Namespace, model_dir: str) -> int:
         + "\n".join(f"- {line}" for line in lines)
         + "\n\n## Decode steps vs the database's TPOT (static_gen)\n\n"
         + markdown_table(shown) + "\n")
-    if kv_bytes != db.kv_bytes_per_token:
-        print(f"note: pdlab's KV bytes per token {kv_bytes} differ from the database's "
-              f"{db.kv_bytes_per_token}", file=sys.stderr)
+    per_gpu = geometry.kv_bytes_per_token(itemsize, args.tp)
+    if per_gpu != db.kv_bytes_per_token:
+        print(f"note: pdlab's KV bytes per token on one GPU {per_gpu} differ from the "
+              f"database's {db.kv_bytes_per_token}", file=sys.stderr)
     print(header + "\n\ndevice profile (fitted on relative error):")
     for line in lines:
         print("  " + line)

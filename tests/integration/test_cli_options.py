@@ -281,6 +281,8 @@ ROWS = ([("run", *r) for r in EXPERIMENT_ROWS]
            ("profile", "--from-silicon-db", ["--from-silicon-db", "H100 SXM"], ("h100_sxm",)),
            ("profile", "--backend", ["--backend", "tgi"], ("vllm", "sglang", "trtllm")),
            ("profile", "--link", ["--link", "nvlink6"], ("nvlink", "ib400", "tcp25")),
+           ("profile", "--tp", ["--tp", "2"], ("sizes a --from-silicon-db profile",)),
+           ("profile", "--pp", ["--pp", "0"], ("--pp",)),
            ("kv-cost", "--prompt-lens", ["--prompt-lens", "255,300"], ("no length fits",)),
            ("kv-cost", "--transports", ["--transports", "carrier-pigeon"], ("shm", "torchdist")),
            ("kv-cost", "--transports", ["--transports", "ray,ray"], ("distinct",)),

@@ -113,8 +113,11 @@ def test_check_model_names_the_role_and_the_model():
         Placement.parse("colocated:1+pp3").check_model(4, 2, 2, "tiny-random-llama")
 
 
-def test_the_simulator_refuses_instances_over_several_devices():
-    from planner.simulate import Simulator
+def test_the_simulator_refuses_instances_over_several_devices_without_their_step_model():
+    from planner.simulate import InstanceModel, Simulator
 
-    with pytest.raises(ValueError, match="simulator models one device per instance"):
+    with pytest.raises(ValueError, match="needs the colocated instances' own step model"):
         Simulator("colocated:1+tp2", EngineConfig(), lambda *f: 0.01)
+    with pytest.raises(ValueError, match="needs the decode instances' own step model"):
+        Simulator("disagg:1p1d+dtp2", EngineConfig(), lambda *f: 0.01, transfer=None,
+                  instance_models={"prefill": InstanceModel(lambda *f: 0.01, 0)})
