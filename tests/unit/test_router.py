@@ -42,10 +42,10 @@ class _Done:
 
 class FakeCalls:
     """``Calls`` (the lifecycle: ``info``, ``open_channel``) whose calls run at once; a
-    worker with ``dead_error`` set raises it on any other."""
+    worker with ``dead_error`` set raises it on any but ``open_channel``."""
 
     def call(self, worker, method, *args):
-        if worker.dead_error is not None and method not in ("info", "open_channel"):
+        if worker.dead_error is not None and method != "open_channel":
             return _Done(error=worker.dead_error)
         try:
             return _Done(getattr(worker, method)(*args))
@@ -467,6 +467,41 @@ def test_a_kv_got_reported_as_the_decode_worker_dies_fails_the_request_naming_it
     if placement == "disagg:1p1d":
         assert replacement.submitted == ["r1"]
         workers["decode-0"] = replacement
+    assert_drained(router, workers, transport)
+
+
+@pytest.mark.parametrize("owner", ["heard dead first", "heard dead after the report",
+                                   "dead, silent", "alive"])
+def test_a_fetch_failing_after_its_kv_producer_died_names_the_death(owner):
+    """prefill-0 put r0's KV; as decode-0 starts fetching it, prefill-0 dies and its KV goes
+    with it (a Ray owner's objects do), so the fetch fails ("no KV"). r0 fails naming the
+    death, the transport's error after it, whether the router hears of the death before the
+    report, in the same turn after it, or only from its own ``info`` call (the channel not
+    yet silent long enough). A producer alive leaves the transport's error as it was."""
+    router, workers, transport = build("disagg:1p1d")
+    prefill, decode = workers["prefill-0"], workers["decode-0"]
+    fetch = fetching(decode, transport)
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # lost: dead owner, or any other cause
+        if owner != "alive":
+            prefill.dead_error = WorkerDied("actor prefill-0 is gone")
+            prefill.silent = owner == "dead, silent"  # no last words
+        fetch(request, first_token, kv_handles, kv_token_start)
+
+    decode.admit = admit
+    if owner == "heard dead after the report":  # decode-0's message reaches the hub first
+        router.hub.fakes.sort(key=lambda fake: fake.role != "decode")
+    [record] = router.run(requests(1))
+    fetch_error = "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+    if owner == "alive":
+        assert record.error == fetch_error
+        assert router.workers["prefill-0"].state == "live"
+    else:
+        assert record.error == f"prefill worker prefill-0 died holding the KV of r0: {fetch_error}"
+        assert router.workers["prefill-0"].cause == "died: actor prefill-0 is gone"
+    assert record.output_token_ids == [7] and decode.submitted == ["r0"]
+    assert prefill.released == []  # decode-0 freed the handles before reporting
     assert_drained(router, workers, transport)
 
 
