@@ -32,15 +32,14 @@ def test_wake_future_ends_the_wait_and_only_refs_reach_ray_wait(monkeypatch):
     calls = ray_actors.RayCalls()
     wake: cf.Future = cf.Future()
     threading.Timer(0.05, wake.set_result, (None,)).start()
-    start_s = time.monotonic()
-    assert calls.ready(["a", wake], timeout_s=5.0) == [wake]
-    assert time.monotonic() - start_s < 1.0
+    # an hour's timeout: only the future ends the wait (pytest's timeout guards a hang)
+    assert calls.ready(["a", wake], timeout_s=3600.0) == [wake]
     assert all(all(isinstance(r, str) for r in refs) for refs in fake.seen)
     fake.done.add("a")
     assert calls.ready(["a", cf.Future()], timeout_s=5.0) == ["a"]
     start_s = time.monotonic()
     assert calls.ready(["b", cf.Future()], timeout_s=0.05) == []
-    assert 0.04 < time.monotonic() - start_s < 1.0
+    assert time.monotonic() - start_s > 0.04  # empty-handed at the timeout, not before
     idle: cf.Future = cf.Future()  # no refs at all: waits on the future alone
     threading.Timer(0.02, idle.set_result, (None,)).start()
     assert calls.ready([idle], timeout_s=5.0) == [idle]
