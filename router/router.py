@@ -94,8 +94,7 @@ class _Flight:
     moved_from_incarnation: int = 0
     moved_from_death: str = ""
     stream_tokens: bool = True  # its sink hears token events (``submit(tokens=...)``)
-    # its KV fetch failed (the decode worker's error); it ends once kv_owner answers or dies
-    fetch_error: str = ""
+    fetch_error: str = ""  # its decode worker's failed fetch; it ends once kv_owner answers
 
 
 TOKEN, FINISH = "token", "finish"  # StreamEvent kinds
@@ -753,8 +752,7 @@ class Router:
                 f"{flight.request.request_id}: {error}")
 
     def _collect_owner_checks(self) -> None:
-        """End the requests whose KV producer answered (alive: the fetch error stands) or
-        died (``_worker_died`` ends them naming it)."""
+        """End the requests whose KV producer answered (the fetch error stands) or died."""
         rids = {id(pending): rid for rid, pending in self._owner_checks.items()}
         for done in self.calls.ready(list(self._owner_checks.values()), 0.0):
             flight = self._flights.get(rids[id(done)])
