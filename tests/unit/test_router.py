@@ -505,6 +505,33 @@ def test_a_fetch_failing_after_its_kv_producer_died_names_the_death(owner):
     assert_drained(router, workers, transport)
 
 
+def test_a_failed_fetch_whose_producer_never_answers_ends_at_its_deadline_with_its_error():
+    """prefill-0 lives but its ``info`` never answers (a hung process): r0 ends at its own
+    deadline with the transport's error, not a bare deadline message."""
+    router, workers, transport = build("disagg:1p1d", deadline_s=0.3)
+    decode, calls, never = workers["decode-0"], router.calls, object()
+    fetch = fetching(decode, transport)
+
+    class HungInfo:
+        def call(self, worker, method, *args):
+            return never if method == "info" else calls.call(worker, method, *args)
+
+        def ready(self, pending, timeout_s):
+            return [p for p in pending if p is not never]
+
+        result = staticmethod(calls.result)
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # lost, its producer alive
+        fetch(request, first_token, kv_handles, kv_token_start)
+
+    decode.admit, router.calls = admit, HungInfo()
+    [record] = router.run(requests(1))
+    assert record.error == "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+    assert router.workers["prefill-0"].state == "live"
+    assert_drained(router, workers, transport)
+
+
 def test_a_replacement_with_another_kv_geometry_is_refused():
     router, workers, transport = build("disagg:1p1d")
     router.on_worker_died = lambda name, cause: None
