@@ -13,6 +13,8 @@ life"); this module's contract:
   falls silent, it sends ``died`` or its deployment says so (``worker_died``): its requests
   fail naming the cause or, remote and not yet decoding there, move to another decode worker.
   An incarnation declared dead goes to ``stop_worker`` (a false death must not run on).
+  A KV fetch that fails once its producer incarnation died names that death; while the
+  producer seems alive, the failure waits for its answer to an ``info`` call.
   If ``on_worker_died`` answers None, ``rejoin`` attaches the replacement as the next
   incarnation (the hub drops news of earlier ones) once its channel is open, which the loop
   never waits for; else requests parked for the empty pool fail as ``unavailable``.
@@ -95,6 +97,7 @@ class _Flight:
     moved_from_incarnation: int = 0
     moved_from_death: str = ""
     stream_tokens: bool = True  # its sink hears token events (``submit(tokens=...)``)
+    fetch_error: str = ""  # its decode worker's failed fetch; it ends once kv_owner answers
 
 
 TOKEN, FINISH = "token", "finish"  # StreamEvent kinds
@@ -270,6 +273,7 @@ class Router:
             i.get("enable_prefix_caching", False) for i in infos)
         self._flights: dict[str, _Flight] = {}
         self._parked: dict[str, str] = {}  # request -> the role of the empty pool it waits for
+        self._owner_checks: dict[str, Any] = {}  # request -> pending info() of its kv_owner
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit"|"abort", ...)
         self._thread: threading.Thread | None = None
@@ -531,6 +535,8 @@ class Router:
                 self._on_stale(item)
             else:
                 self._on_message(item)
+        if self._owner_checks:
+            self._collect_owner_checks()
         if time.time() >= self._due_s:
             self._check_deadlines()
 
@@ -742,6 +748,9 @@ class Router:
                 # kv_got never collected: the request died with it
                 error = (f"decode worker {flight.moved_from} died after its KV was handed "
                          f"over; fetching it again failed: {error}")
+            elif flight.stage == TRANSFER and event.worker == flight.worker and flight.kv_handles:
+                self._fetch_failed(flight, error)
+                return
             self._finish(flight, error=error)
         elif event.kind == ev.KV_GOT:
             if event.kv_bytes:  # its prompt's blocks are cached there now (0: it recomputes)
@@ -805,6 +814,44 @@ class Router:
         self._send(decode, "admit", request.request_id, request, record.output_token_ids[0],
                    flight.kv_handles, flight.kv_token_start)
 
+    def _fetch_failed(self, flight: _Flight, error: str) -> None:
+        """The decode worker could not fetch the KV (it freed the handles): the request fails
+        with ``error``, naming its producer's death first if that incarnation died; one that
+        seems alive is asked (``info``), its death may not have reached the router yet."""
+        flight.kv_handles, flight.fetch_error = (), error
+        if self._owner_lives(flight):
+            self._owner_checks[flight.request.request_id] = self.calls.call(
+                self.workers[flight.kv_owner].handle, "info")
+        else:
+            self._finish(flight, error=self._died_holding(flight, error))
+
+    def _owner_lives(self, flight: _Flight) -> bool:
+        owner = self.workers[flight.kv_owner]
+        return owner.alive and owner.incarnation == flight.kv_owner_incarnation
+
+    def _died_holding(self, flight: _Flight, error: str) -> str:
+        owner = self.workers[flight.kv_owner]
+        return (f"{owner.role} worker {owner.name} died holding the KV of "
+                f"{flight.request.request_id}: {error}")
+
+    def _collect_owner_checks(self) -> None:
+        """End the requests whose KV producer answered (the fetch error stands) or died."""
+        rids = {id(pending): rid for rid, pending in self._owner_checks.items()}
+        for done in self.calls.ready(list(self._owner_checks.values()), 0.0):
+            flight = self._flights.get(rids[id(done)])
+            if flight is None or flight.request.request_id not in self._owner_checks:
+                continue  # ended meanwhile (a death that _worker_died handled)
+            try:
+                self.calls.result(done)
+            except WorkerDied as err:
+                if self._owner_lives(flight):
+                    self._worker_died(flight.kv_owner, err)  # ends the flight too
+                    continue
+            except Exception:  # it answered: alive
+                pass
+            self._finish(flight, error=flight.fetch_error if self._owner_lives(flight)
+                         else self._died_holding(flight, flight.fetch_error))
+
     def _refusal(self, request: Request, arrived_s: float, error: str) -> StreamEvent:
         """The one ``finish`` event of a request that is not (or no longer) served."""
         now = time.time()
@@ -839,6 +886,7 @@ class Router:
         (``admit`` failed, or the decode worker died), so it goes back to its producer;
         ``unavailable``: it failed for want of a live worker (``StreamEvent.unavailable``)."""
         record = flight.record
+        self._owner_checks.pop(record.request_id, None)
         holding = self._parked.pop(record.request_id, None) is not None and bool(flight.kv_handles)
         if kv_back or holding:  # held while parked: nobody else will free them
             self._release_kv(flight.kv_owner, flight.kv_handles, flight.kv_owner_incarnation)
@@ -884,16 +932,18 @@ class Router:
             flight = self._flights.get(rid)
             if flight is None:
                 continue
+            if flight.fetch_error:  # already failed: its KV producer's answer decides how
+                continue
             death = f"{worker.role} worker {name} died: {err}"
             if self._movable(flight, name):
                 self._move_decode(flight, name, death)
                 continue
             self._finish(flight, error=death, kv_back=flight.worker == name)
-        for rid in list(self._parked):  # held KV that this worker put went with it
+        for rid in list(self._parked) + list(self._owner_checks):  # KV it put went with it
             flight = self._flights[rid]
-            if flight.kv_handles and flight.kv_owner == name:
-                self._finish(flight, error=f"{worker.role} worker {name} died holding the KV "
-                                           f"of the request: {err}")
+            if flight.kv_owner == name and (flight.kv_handles or flight.fetch_error):
+                self._finish(flight, error=self._died_holding(
+                    flight, flight.fetch_error or str(err)))
         self._fail_unservable()
 
     def _movable(self, flight: _Flight, dead: str) -> bool:
@@ -1022,9 +1072,9 @@ class Router:
                     f"no live worker in {flight.worker} within {self.deadline_s} s "
                     f"({', '.join(restarting) or 'none'} restarting)"))
             elif now > flight.deadline_s:
-                self._finish(flight, error=f"deadline: no news of the request for "
-                                           f"{self.deadline_s} s while waiting for "
-                                           f"{flight.stage} on {flight.worker}")
+                self._finish(flight, error=flight.fetch_error or (  # its producer never answered
+                    f"deadline: no news of the request for {self.deadline_s} s while waiting "
+                    f"for {flight.stage} on {flight.worker}"))
         self._due_s = min((f.deadline_s for f in self._flights.values()), default=float("inf"))
 
     def _drain(self) -> None:

@@ -187,14 +187,15 @@ def test_header_mismatch_is_named(nixl):
     nixl.free(handle)
 
 
-@pytest.mark.parametrize("fault", [{"drop": True}, {"delay_s": 5.0}])
+# an hour's delay: only giving up at the deadline ends the get (pytest's timeout guards a hang)
+@pytest.mark.parametrize("fault", [{"drop": True}, {"delay_s": 3600.0}])
 def test_injected_drop_and_late_delay_time_out(nixl, fault):
     transport = FaultyTransport(nixl, **fault)
     handle = transport.put("r1", SPEC, random_kv(SPEC, 2))
     start_s = time.perf_counter()
-    with pytest.raises(TransferTimeout, match="r1"):
+    with pytest.raises(TransferTimeout, match=r"r1 not received within 0\.2 s \(injected "):
         transport.get(handle, SPEC, timeout_s=0.2)
-    assert 0.2 <= time.perf_counter() - start_s < 1.0
+    assert time.perf_counter() - start_s >= 0.2  # it waited its deadline
     transport.free(handle)
 
 
@@ -222,7 +223,7 @@ def test_a_read_that_never_completes_times_out_and_releases_the_landing_extent(n
         start_s = time.perf_counter()
         with pytest.raises(TransferTimeout, match="r1 not read within 0.3 s"):
             nixl.get(handle, SPEC, timeout_s=0.3)
-        assert 0.3 <= time.perf_counter() - start_s < 1.5
+        assert time.perf_counter() - start_s >= 0.3  # it waited its deadline
     finally:
         nixl._agent = agent
     assert nixl.num_held() == 1 and not nixl._landing.extents  # only the producer's extent

@@ -4,7 +4,6 @@ generate(), timelines are complete, failures end requests with a named cause, no
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload,
@@ -114,40 +113,41 @@ def test_bad_request_fails_alone(tiny):
         assert_clean(deployment)
 
 
-@pytest.mark.parametrize("fault,cause", [
-    ({"fail": True}, "injected put failure"),
-    ({"corrupt": True}, "KVChecksumError"),
-    ({"delay_s": 10.0}, "TransferTimeout"),
-    ({"drop": True}, "TransferTimeout"),
+@pytest.mark.parametrize("fault,causes", [
+    ({"fail": True}, ["injected put failure"]),
+    ({"corrupt": True}, ["KVChecksumError"]),
+    # the get gave up at its own deadline (what was left of the 1 s): the 10 s delay would
+    # have met the router's 6 s deadline first
+    ({"delay_s": 10.0}, ["TransferTimeout: KV for request r2 not received within ",
+                         " s (injected delay of 10.0 s)"]),
+    ({"drop": True}, ["TransferTimeout: KV for request r2 not received within ",
+                      " s (injected drop)"]),
 ])
-def test_transfer_faults_fail_only_their_request(tiny, fault, cause):
+def test_transfer_faults_fail_only_their_request(tiny, fault, causes):
     workload, expected = mixed_workload(tiny, num_requests=6)
     on = "decode-0" if "delay_s" in fault or "drop" in fault else "prefill-0"
-    start = time.time()
     with deploy("disagg:1p1d", faults={on: {**fault, "only_request_ids": ["r2"]}},
                 timeout_s=1.0) as deployment:
         records = deployment.run(workload)
         assert_clean(deployment)
     by_id = {r.request_id: r for r in records}
-    assert cause in by_id["r2"].error
+    assert all(cause in by_id["r2"].error for cause in causes), by_id["r2"].error
     # A failed put fails the request at the prefill worker; later faults come after the
     # first token has already left the router.
     assert by_id["r2"].output_token_ids == ([] if "fail" in fault else expected["r2"][:1])
     assert_outputs([r for r in records if r.request_id != "r2"], expected)
-    assert time.time() - start < 10
 
 
-def test_dead_decode_worker_fails_its_requests_within_deadline(tiny):
+def test_dead_decode_worker_fails_its_requests_naming_its_death(tiny):
     workload, expected = mixed_workload(tiny, num_requests=6, max_tokens=60)
     with deploy("disagg:1p2d", faults={"decode-0": {"step_delay_s": 0.05}},
                 devices="cpu:0,cpu:1,cpu:0-1") as deployment:
         threading.Timer(0.5, deployment.kill, ["decode-0"]).start()
-        start = time.time()
         records = deployment.run(workload)
-        assert time.time() - start < 10
         failed = [r for r in records if r.error]
         assert failed and all(r.decode_worker == "decode-0" for r in failed)
-        assert all("decode worker decode-0 died" in r.error for r in failed)
+        # the named death, not the deadline, ended them
+        assert all("decode worker decode-0 died: killed" in r.error for r in failed), failed
         assert_outputs([r for r in records if not r.error], expected)
         assert_clean(deployment)  # the live workers hold nothing
 
@@ -159,7 +159,9 @@ def test_dead_prefill_worker_fails_its_requests_and_router_goes_on(tiny):
         threading.Timer(0.15, deployment.kill, ["prefill-0"]).start()
         records = deployment.run(workload)
         failed = [r for r in records if r.error]
-        assert failed and all("prefill-0" in r.error for r in failed)
+        # queued or prefilling on prefill-0, or prefilled there with the KV it put lost
+        assert failed and all(r.prefill_worker == "prefill-0" and
+                              "prefill worker prefill-0 died" in r.error for r in failed), failed
         done = [r for r in records if not r.error]
         assert len(done) >= 4 and any(r.prefill_worker == "prefill-1" for r in done)
         assert_outputs(done, expected)

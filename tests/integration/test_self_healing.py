@@ -74,7 +74,7 @@ def metric(url: str, name: str) -> float:
 
 async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyncio.Event,
                   out: dict) -> None:
-    """One streamed completion: its text chunks, error events and end time."""
+    """One streamed completion: its text chunks and error events."""
     out.update(chunks=0, errors=[], done=False)
     async with client.stream("POST", f"{url}/v1/completions", json=body) as reply:
         assert reply.status_code == 200
@@ -91,13 +91,13 @@ async def _stream(client: httpx.AsyncClient, url: str, body: dict, started: asyn
                 out["chunks"] += 1
                 if out["chunks"] >= 2:
                     started.set()
-    out["end_s"] = time.time()
 
 
 def test_killed_decode_worker_ends_its_streams_restarts_and_serves_again(tiny):
     """decode-0 steps take 20 ms, so 100-token streams last ~2 s: kill it when all 4 have
-    tokens; each ends with one error event naming decode-0, long before its 100 tokens; a
-    request sent right after the kill is exact (it waited for the replacement)."""
+    tokens; each ends with one error event naming decode-0's death (not the 60 s deadline),
+    before its 100 tokens; a request sent right after the kill is exact (it waited for the
+    replacement)."""
     prompt = random_prompts([9], seed=11)[0]
     with served("disagg:1p1d", restarts=1, faults={"decode-0": {"step_delay_s": 0.02}}) as (url, dep):
         async def scenario():
@@ -108,18 +108,17 @@ def test_killed_decode_worker_ends_its_streams_restarts_and_serves_again(tiny):
                     "prompt": [5 + i, 6, 7], "max_tokens": 100, "ignore_eos": True,
                     "stream": True, "temperature": 0}, events[i], outs[i])) for i in range(4)]
                 await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 30)
-                kill_s = time.time()
                 dep.kill("decode-0")
                 reply = await client.post(f"{url}/v1/completions", json={
                     "prompt": prompt, "max_tokens": 6, "temperature": 0})
                 await asyncio.gather(*tasks)
-                return kill_s, outs, reply
+                return outs, reply
 
-        kill_s, outs, reply = asyncio.run(scenario())
+        outs, reply = asyncio.run(scenario())
         for out in outs:
             assert out["done"] and len(out["errors"]) == 1, out
-            assert "decode worker decode-0 died" in out["errors"][0]
-            assert 2 <= out["chunks"] < 100 and out["end_s"] - kill_s < 5.0
+            assert "decode worker decode-0 died: killed" in out["errors"][0], out["errors"]
+            assert 2 <= out["chunks"] < 100
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["text"] == BYTES.decode(reference_generate(
             tiny.model, prompt, 6))
@@ -225,14 +224,14 @@ def test_a_replacement_that_cannot_start_spends_the_budget_then_gives_up(tiny, m
 
 
 def test_a_request_waits_for_an_empty_pool_up_to_its_deadline_then_gets_503(tiny, monkeypatch):
-    """The replacement takes 1.5 s to start, the deadline is 0.5 s: a request sent while the
-    decode pool is empty waits, then gets 503 with Retry-After; once it is back, requests
-    are served again."""
+    """The replacement starts only once the test lets it, the deadline is 0.5 s: a request
+    sent while the decode pool is empty waits its deadline, then gets 503 with Retry-After
+    naming the empty pool; once the replacement is back, requests are served again."""
     with served("disagg:1p1d", restarts=1, deadline_s=0.5) as (url, dep):
-        spawn = dep.restarts.spawn
+        spawn, go = dep.restarts.spawn, threading.Event()
 
         def slow(name):
-            time.sleep(1.5)
+            go.wait(60)  # a hang guard: the test sets it
             return spawn(name)
 
         monkeypatch.setattr(dep.restarts, "spawn", slow)
@@ -245,9 +244,10 @@ def test_a_request_waits_for_an_empty_pool_up_to_its_deadline_then_gets_503(tiny
         assert reply.status_code == 503 and reply.headers["retry-after"] == "2", reply.text
         assert "no live worker in the decode pool within 0.5 s (decode-0 restarting)" in \
             reply.json()["error"]["message"]
-        assert 0.5 <= waited_s < 1.5
+        assert waited_s >= 0.5  # it waited its deadline
         health = httpx.get(f"{url}/health").json()
         assert health["workers"]["decode-0"]["state"] == "restarting"
+        go.set()
         wait_for(lambda: dep.router.workers["decode-0"].alive, what="the replacement")
         reply = httpx.post(f"{url}/v1/completions", json={"prompt": [5, 6], "max_tokens": 3},
                            timeout=30)

@@ -57,10 +57,10 @@ def test_call_raises_the_callee_s_error_and_never_waits_out_a_dead_loop():
             raise SystemExit("loop killed")  # BaseException: escapes the command guard
         loop._commands.put(dies_while_a_call_waits)
         started.wait(10)
-        t0 = time.monotonic()
+        # an hour's timeout: only a check of the dead loop ends the call (pytest's timeout
+        # guards a hang)
         with pytest.raises(EngineLoopDied, match="loop killed"):
-            loop.call(lambda: 1, timeout_s=30.0)
-        assert time.monotonic() - t0 < 5.0  # raised at the next check, not after 30 s
+            loop.call(lambda: 1, timeout_s=3600.0)
     finally:
         loop.shutdown()
 

@@ -4,7 +4,6 @@ generate()'s tokens, dead workers turn into named errors within the deadline, no
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload, local_ray,
@@ -77,9 +76,8 @@ def test_decode_actor_killed_mid_decode(tiny, transport):
     with deploy("disagg:1p2d", transport, devices="cpu:0,cpu:1,cpu:0-1",
                 faults={"decode-0": {"step_delay_s": 0.05}}, timeout_s=3.0) as deployment:
         threading.Timer(1.0, deployment.kill, ["decode-0"]).start()
-        start = time.time()
         records = deployment.run(workload)
-        assert time.time() - start < 20
+        # the named death, not the deadline, ended them
         failed = [r for r in records if r.error]
         assert failed and all(r.decode_worker == "decode-0" for r in failed)
         assert all("decode worker decode-0 died" in r.error for r in failed), failed[0].error
@@ -94,11 +92,15 @@ def test_prefill_actor_killed_mid_prefill(tiny, transport):
                 faults={"prefill-0": {"step_delay_s": 0.5}}, timeout_s=3.0) as deployment:
         threading.Timer(0.3, deployment.kill, ["prefill-0"]).start()
         records = deployment.run(workload)
+        # every failed request was prefill-0's, and fails naming its death: queued or
+        # prefilling there ("died: ..."), or prefilled with its KV lost before decode-0 fetched
+        # it ("died holding the KV of ...": a Ray owner's objects die with it)
         failed = [r for r in records if r.error]
-        assert failed and all("prefill-0" in r.error for r in failed)
+        assert failed and all(r.prefill_worker == "prefill-0" and
+                              "prefill worker prefill-0 died" in r.error for r in failed), failed
         done = [r for r in records if not r.error]
-        # the router moved on to the live worker (a request prefilled before the kill landed
-        # may still have finished on prefill-0)
+        # the router moved on to the live worker (a request whose KV decode-0 fetched before
+        # the kill landed finished, prefilled on prefill-0)
         assert any(r.prefill_worker == "prefill-1" for r in done)
         assert_outputs(done, expected)
         assert_clean(deployment)

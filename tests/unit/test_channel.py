@@ -61,6 +61,34 @@ def channel(request):
     return request.param
 
 
+class Opened:
+    """A test's hubs and ports of one channel; ``close`` closes them all, ports first."""
+
+    def __init__(self, channel) -> None:
+        self.channel, self.hubs, self.ports = channel, [], []
+
+    def hub(self, dead_after_s: float = NEVER_S, **kwargs):
+        """A hub (by default silence never counts as death: tests of death set it later)."""
+        self.hubs.append(self.channel.hub(dead_after_s=dead_after_s, **kwargs))
+        return self.hubs[-1]
+
+    def port(self, hub, worker: str, incarnation: int = 0):
+        """``worker``'s port of ``incarnation``, attached and opened."""
+        self.ports.append(self.channel.port(hub, hub.attach(worker, incarnation)))
+        return self.ports[-1]
+
+    def close(self) -> None:
+        for thing in self.ports + self.hubs:  # closing twice is harmless
+            thing.close()
+
+
+@pytest.fixture
+def opened(channel):
+    things = Opened(channel)
+    yield things
+    things.close()
+
+
 def receive_until(hub, done, bound_s: float = BOUND_S) -> list:
     """Everything the hub delivers until ``done(items so far)``."""
     items: list = []
@@ -87,77 +115,62 @@ def messages(items) -> list[Message]:
 
 
 # ---- ordering ---------------------------------------------------------------------------
-def test_commands_and_messages_arrive_in_the_order_sent(channel):
-    hub = channel.hub(dead_after_s=NEVER_S)
-    try:
-        port = channel.port(hub, hub.attach("decode-0", 0))
-        sent = [Command(SUBMIT if i % 3 else RELEASE, f"r{i}", (i, f"x{i}", (i, i + 1)))
-                for i in range(300)]
-        for command in sent:
-            hub.send("decode-0", command)
-        wait_arrived(hub, port, len(sent))
-        assert port.take(0).commands == sent
-        for i in range(300):
-            port.send({"step": i, "tokens": (i, i + 1)})
-        got = messages(receive_until(hub, lambda items: len(messages(items)) == 300))
-        assert [m.seq for m in got] == list(range(300))
-        assert [m.body for m in got] == [{"step": i, "tokens": (i, i + 1)} for i in range(300)]
-        assert {(m.worker, m.incarnation) for m in got} == {("decode-0", 0)}
-        port.close()
-    finally:
-        hub.close()
+def test_commands_and_messages_arrive_in_the_order_sent(opened):
+    hub = opened.hub()
+    port = opened.port(hub, "decode-0")
+    sent = [Command(SUBMIT if i % 3 else RELEASE, f"r{i}", (i, f"x{i}", (i, i + 1)))
+            for i in range(300)]
+    for command in sent:
+        hub.send("decode-0", command)
+    wait_arrived(hub, port, len(sent))
+    assert port.take(0).commands == sent
+    for i in range(300):
+        port.send({"step": i, "tokens": (i, i + 1)})
+    got = messages(receive_until(hub, lambda items: len(messages(items)) == 300))
+    assert [m.seq for m in got] == list(range(300))
+    assert [m.body for m in got] == [{"step": i, "tokens": (i, i + 1)} for i in range(300)]
+    assert {(m.worker, m.incarnation) for m in got} == {("decode-0", 0)}
 
 
-def test_commands_sent_before_the_port_opens_wait_for_it(channel):
-    hub = channel.hub(dead_after_s=NEVER_S)
-    try:
-        endpoint = hub.attach("prefill-0", 0)
-        for i in range(5):
-            hub.send("prefill-0", Command(SUBMIT, f"r{i}"))
-        hub.receive(0)  # the hub's loop turns while nobody listens
-        port = channel.port(hub, endpoint)
-        wait_arrived(hub, port, 5)
-        assert [c.request_id for c in port.take(0).commands] == [f"r{i}" for i in range(5)]
-        port.close()
-    finally:
-        hub.close()
+def test_commands_sent_before_the_port_opens_wait_for_it(opened, channel):
+    hub = opened.hub()
+    endpoint = hub.attach("prefill-0", 0)
+    for i in range(5):
+        hub.send("prefill-0", Command(SUBMIT, f"r{i}"))
+    hub.receive(0)  # the hub's loop turns while nobody listens
+    port = channel.port(hub, endpoint)
+    opened.ports.append(port)
+    wait_arrived(hub, port, 5)
+    assert [c.request_id for c in port.take(0).commands] == [f"r{i}" for i in range(5)]
 
 
-def test_a_request_travels_whole(channel):
+def test_a_request_travels_whole(opened):
     """A command's arguments may be pdlab objects (pickled inside the msgpack frame)."""
-    hub = channel.hub(dead_after_s=NEVER_S)
-    try:
-        port = channel.port(hub, hub.attach("prefill-0", 0))
-        request = Request("r1", (1, 2, 3), SamplingParams(max_tokens=4))
-        hub.send("prefill-0", Command(SUBMIT, "r1", (request, 1, 16)))
-        wait_arrived(hub, port, 1)
-        assert port.take(0).commands == [Command(SUBMIT, "r1", (request, 1, 16))]
-        port.close()
-    finally:
-        hub.close()
+    hub = opened.hub()
+    port = opened.port(hub, "prefill-0")
+    request = Request("r1", (1, 2, 3), SamplingParams(max_tokens=4))
+    hub.send("prefill-0", Command(SUBMIT, "r1", (request, 1, 16)))
+    wait_arrived(hub, port, 1)
+    assert port.take(0).commands == [Command(SUBMIT, "r1", (request, 1, 16))]
 
 
 # ---- abort overtaking ---------------------------------------------------------------------
-def test_an_abort_cancels_its_requests_queued_command_and_keeps_the_rest_in_order(channel):
-    hub = channel.hub(dead_after_s=NEVER_S)
-    try:
-        port = channel.port(hub, hub.attach("decode-0", 0))
-        sent = [Command(SUBMIT, f"r{i}") for i in range(100)]
-        sent.insert(50, Command(ADMIT, "kv", (("handle-1", "handle-2"),)))
-        sent += [Command(ABORT, "r7"), Command(ABORT, "kv"), Command(ABORT, "unknown"),
-                 Command(RELEASE, None, (("h",),))]
-        for command in sent:  # the worker is busy: nothing is taken until all arrived
-            hub.send("decode-0", command)
-        wait_arrived(hub, port, len(sent))
-        taken = port.take(0)
-        assert taken.cancelled == [Command(SUBMIT, "r7"),
-                                   Command(ADMIT, "kv", (("handle-1", "handle-2"),))]
-        expected = [c for c in sent if c not in taken.cancelled]
-        assert taken.commands == expected  # the aborts in their places, all else in order
-        assert sum(c.request_id == "r7" for c in taken.commands) == 1  # the abort alone
-        port.close()
-    finally:
-        hub.close()
+def test_an_abort_cancels_its_requests_queued_command_and_keeps_the_rest_in_order(opened):
+    hub = opened.hub()
+    port = opened.port(hub, "decode-0")
+    sent = [Command(SUBMIT, f"r{i}") for i in range(100)]
+    sent.insert(50, Command(ADMIT, "kv", (("handle-1", "handle-2"),)))
+    sent += [Command(ABORT, "r7"), Command(ABORT, "kv"), Command(ABORT, "unknown"),
+             Command(RELEASE, None, (("h",),))]
+    for command in sent:  # the worker is busy: nothing is taken until all arrived
+        hub.send("decode-0", command)
+    wait_arrived(hub, port, len(sent))
+    taken = port.take(0)
+    assert taken.cancelled == [Command(SUBMIT, "r7"),
+                               Command(ADMIT, "kv", (("handle-1", "handle-2"),))]
+    expected = [c for c in sent if c not in taken.cancelled]
+    assert taken.commands == expected  # the aborts in their places, all else in order
+    assert sum(c.request_id == "r7" for c in taken.commands) == 1  # the abort alone
 
 
 def test_an_abort_after_its_command_was_taken_is_delivered_plainly():
@@ -170,22 +183,19 @@ def test_an_abort_after_its_command_was_taken_is_delivered_plainly():
 
 
 # ---- death ------------------------------------------------------------------------------
-def test_a_port_that_falls_silent_is_reported_dead_once(channel):
-    hub = channel.hub(dead_after_s=NEVER_S, heartbeat_s=0.05)
-    try:
-        port = channel.port(hub, hub.attach("decode-0", 0))
-        port.send("last words")
-        got = receive_until(hub, lambda items: messages(items))
-        assert [m.body for m in messages(got)] == ["last words"]
-        hub.liveness.dead_after_s = 0.3  # (not before: a busy host must not fake a death)
-        port.close()
-        items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
-        died = [i for i in items if isinstance(i, Died)]
-        assert [(d.worker, d.incarnation) for d in died] == [("decode-0", 0)]
-        assert died[0].silent_s >= 0.3
-        assert not any(isinstance(i, Died) for i in hub.receive(0.4))  # reported once
-    finally:
-        hub.close()
+def test_a_port_that_falls_silent_is_reported_dead_once(opened):
+    hub = opened.hub(heartbeat_s=0.05)
+    port = opened.port(hub, "decode-0")
+    port.send("last words")
+    got = receive_until(hub, lambda items: messages(items))
+    assert [m.body for m in messages(got)] == ["last words"]
+    hub.liveness.dead_after_s = 0.3  # (not before: a busy host must not fake a death)
+    port.close()
+    items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
+    died = [i for i in items if isinstance(i, Died)]
+    assert [(d.worker, d.incarnation) for d in died] == [("decode-0", 0)]
+    assert died[0].silent_s >= 0.3
+    assert not any(isinstance(i, Died) for i in hub.receive(0.4))  # reported once
 
 
 @pytest.mark.workers
@@ -245,51 +255,43 @@ def test_a_port_failure_is_a_death_with_its_cause_once():
 
 
 # ---- incarnation ---------------------------------------------------------------------------
-def test_news_of_a_dead_incarnation_is_told_apart_after_its_replacement_rejoins(channel):
+def test_news_of_a_dead_incarnation_is_told_apart_after_its_replacement_rejoins(opened):
     # no heartbeats after the first: the stale count is exactly the old one's late messages
-    hub = channel.hub(dead_after_s=NEVER_S, heartbeat_s=NEVER_S)
-    try:
-        old = channel.port(hub, hub.attach("decode-0", 0))
-        old.send("old-0")
-        assert [(m.incarnation, m.body) for m in messages(
-            receive_until(hub, lambda items: messages(items)))] == [(0, "old-0")]
-        strays: list = []
-        new = channel.port(hub, hub.attach("decode-0", 1))  # the replacement rejoins
-        old.send("old-late")  # the dead one was not quite dead
-        new.send("new-0")
-        hub.send("decode-0", Command(SUBMIT, "r1"))
-        items = receive_until(hub, lambda items: any(m.body == "new-0" for m in messages(items)))
-        old.send("old-later")
-        new.send("new-1")
-        items += receive_until(hub, lambda items: any(m.body == "new-1" for m in messages(items)))
-        # (two sockets: the old one's messages may come after the new one's)
-        items += receive_until(hub, lambda _: hub.stale.get(("decode-0", 0)) == 2)
-        got = messages(items)
-        assert [(m.incarnation, m.seq, m.body) for m in got] == [(1, 0, "new-0"), (1, 1, "new-1")]
-        # the old one spoke after its replacement joined: reported once, for its owner to stop
-        assert [i for i in items if isinstance(i, Stale)] == [Stale("decode-0", 0)]
-        wait_arrived(hub, new, 1)
-        assert new.take(0).commands == [Command(SUBMIT, "r1")]
-        assert old.arrived == 0  # commands go to the incarnation attached last only
-        # the old one's heartbeats never keep the new one alive
-        hub.liveness.dead_after_s = 0.3
-        new.close()
-        items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
-        died = [(d.worker, d.incarnation) for d in items if isinstance(d, Died)]
-        assert died == [("decode-0", 1)]
-        old.close()
-    finally:
-        hub.close()
+    hub = opened.hub(heartbeat_s=NEVER_S)
+    old = opened.port(hub, "decode-0", 0)
+    old.send("old-0")
+    assert [(m.incarnation, m.body) for m in messages(
+        receive_until(hub, lambda items: messages(items)))] == [(0, "old-0")]
+    new = opened.port(hub, "decode-0", 1)  # the replacement rejoins
+    old.send("old-late")  # the dead one was not quite dead
+    new.send("new-0")
+    hub.send("decode-0", Command(SUBMIT, "r1"))
+    items = receive_until(hub, lambda items: any(m.body == "new-0" for m in messages(items)))
+    old.send("old-later")
+    new.send("new-1")
+    items += receive_until(hub, lambda items: any(m.body == "new-1" for m in messages(items)))
+    # (two sockets: the old one's messages may come after the new one's)
+    items += receive_until(hub, lambda _: hub.stale.get(("decode-0", 0)) == 2)
+    got = messages(items)
+    assert [(m.incarnation, m.seq, m.body) for m in got] == [(1, 0, "new-0"), (1, 1, "new-1")]
+    # the old one spoke after its replacement joined: reported once, for its owner to stop
+    assert [i for i in items if isinstance(i, Stale)] == [Stale("decode-0", 0)]
+    wait_arrived(hub, new, 1)
+    assert new.take(0).commands == [Command(SUBMIT, "r1")]
+    assert old.arrived == 0  # commands go to the incarnation attached last only
+    # the old one's heartbeats never keep the new one alive
+    hub.liveness.dead_after_s = 0.3
+    new.close()
+    items = receive_until(hub, lambda items: any(isinstance(i, Died) for i in items))
+    died = [(d.worker, d.incarnation) for d in items if isinstance(d, Died)]
+    assert died == [("decode-0", 1)]
 
 
-def test_an_incarnation_must_be_newer_than_the_one_attached(channel):
-    hub = channel.hub()
-    try:
+def test_an_incarnation_must_be_newer_than_the_one_attached(opened):
+    hub = opened.hub()
+    hub.attach("decode-0", 3)
+    with pytest.raises(ValueError, match="not newer than 3"):
         hub.attach("decode-0", 3)
-        with pytest.raises(ValueError, match="not newer than 3"):
-            hub.attach("decode-0", 3)
-    finally:
-        hub.close()
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -391,14 +393,11 @@ def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
 
 
 # ---- wake-up and the wire ---------------------------------------------------------------------
-def test_wake_ends_a_receive_at_once(channel):
+def test_wake_ends_a_receive_at_once(opened):
     """A receive that would wait an hour returns empty-handed once woken (from any thread)."""
-    hub = channel.hub(dead_after_s=NEVER_S)
-    try:
-        hub.wake()
-        assert hub.receive(NEVER_S) == []
-    finally:
-        hub.close()
+    hub = opened.hub()
+    hub.wake()
+    assert hub.receive(NEVER_S) == []
 
 
 def test_the_wire_keeps_plain_values_as_msgpack_and_pickles_the_rest():

@@ -5,7 +5,6 @@ bad scales and uses are refused."""
 
 from __future__ import annotations
 
-import time
 
 import pytest
 
@@ -71,9 +70,20 @@ def test_dilated_workload_stretches_each_gap_and_refuses_multi_turn():
     dilation.check_dilatable(MultiTurn([]), 1.0)  # undilated: anything goes
 
 
+class Clock:
+    """The replay's ``time`` in this test: ``time()`` reads ``now``, which only a run moves."""
+
+    now = 1.7e9
+
+    @classmethod
+    def time(cls) -> float:
+        return cls.now
+
+
 class InstantDeployment:
     """Serves every request 0.04 s (dilated) after its arrival, its tokens 0.02 s apart; one
-    step row per request at its arrival. Records the offsets it was handed."""
+    step row per request at its arrival; the run lasts its workload + 0.1 s on ``Clock``.
+    Records the offsets it was handed."""
 
     offsets: list[float] = []
     transfer: TransferConfig | None = None
@@ -97,7 +107,7 @@ class InstantDeployment:
         pass
 
     def run(self, workload, on_finish=None):
-        base = time.time()
+        base = Clock.now
         InstantDeployment.offsets = [t for _, t in workload]
         records = []
         for request, offset in workload:
@@ -107,7 +117,7 @@ class InstantDeployment:
                                          token_times_s=[at + 0.04, at + 0.06]))
             self.steps.append({"worker": "w0", "start_s": at, "duration_s": 0.04,
                                "num_requests": 1})
-        time.sleep(max(offset for _, offset in workload) + 0.1)  # the run lasts its workload
+        Clock.now += max(offset for _, offset in workload) + 0.1  # the run lasts its workload
         return records
 
     def step_records(self):
@@ -119,6 +129,7 @@ class InstantDeployment:
 
 def test_dilated_replay_reads_back_the_undilated_workload(monkeypatch):
     monkeypatch.setattr(replay, "Deployment", InstantDeployment)
+    monkeypatch.setattr(replay, "time", Clock)
     spec = WorkloadSpec(dataset="synthetic", num_requests=4)
     items = {0: workloads.synthetic(4, 0, 4, 2)}
     engine = EngineConfig(emu_time_scale=4.0)
@@ -133,7 +144,7 @@ def test_dilated_replay_reads_back_the_undilated_workload(monkeypatch):
     # 0.04 s dilated x 1/4 (to the float precision of epoch stamps, ~2e-7 s)
     assert [ttft_s(r) for r in result.records] == pytest.approx([0.01] * 4, abs=1e-6)
     assert [s["duration_s"] for s in result.steps] == pytest.approx([0.01] * 4, abs=1e-6)
-    assert result.duration_s == pytest.approx((max(undilated) * 4 + 0.1) / 4, abs=0.02)
+    assert result.duration_s == pytest.approx((max(undilated) * 4 + 0.1) / 4, abs=1e-6)
     # every wall-clock bound x S: each wait lasts S x as long
     assert InstantDeployment.transfer.timeout_s == 4.0 * TransferConfig().timeout_s
 

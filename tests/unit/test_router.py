@@ -45,10 +45,10 @@ class _Done:
 
 class FakeCalls:
     """``Calls`` (the lifecycle: ``info``, ``open_channel``) whose calls run at once; a
-    worker with ``dead_error`` set raises it on any other."""
+    worker with ``dead_error`` set raises it on any but ``open_channel``."""
 
     def call(self, worker, method, *args):
-        if worker.dead_error is not None and method not in ("info", "open_channel"):
+        if worker.dead_error is not None and method != "open_channel":
             return _Done(error=worker.dead_error)
         try:
             return _Done(getattr(worker, method)(*args))
@@ -475,6 +475,68 @@ def test_a_kv_got_reported_as_the_decode_worker_dies_fails_the_request_naming_it
     assert_drained(router, workers, transport)
 
 
+@pytest.mark.parametrize("owner", ["heard dead first", "heard dead after the report",
+                                   "dead, silent", "alive"])
+def test_a_fetch_failing_after_its_kv_producer_died_names_the_death(owner):
+    """prefill-0 put r0's KV; as decode-0 starts fetching it, prefill-0 dies and its KV goes
+    with it (a Ray owner's objects do), so the fetch fails ("no KV"). r0 fails naming the
+    death, the transport's error after it, whether the router hears of the death before the
+    report, in the same turn after it, or only from its own ``info`` call (the channel not
+    yet silent long enough). A producer alive leaves the transport's error as it was."""
+    router, workers, transport = build("disagg:1p1d")
+    prefill, decode = workers["prefill-0"], workers["decode-0"]
+    fetch = fetching(decode, transport)
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # lost: dead owner, or any other cause
+        if owner != "alive":
+            prefill.dead_error = WorkerDied("actor prefill-0 is gone")
+            prefill.silent = owner == "dead, silent"  # no last words
+        fetch(request, first_token, kv_handles, kv_token_start)
+
+    decode.admit = admit
+    if owner == "heard dead after the report":  # decode-0's message reaches the hub first
+        router.hub.fakes.sort(key=lambda fake: fake.role != "decode")
+    [record] = router.run(requests(1))
+    fetch_error = "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+    if owner == "alive":
+        assert record.error == fetch_error
+        assert router.workers["prefill-0"].state == "live"
+    else:
+        assert record.error == f"prefill worker prefill-0 died holding the KV of r0: {fetch_error}"
+        assert router.workers["prefill-0"].cause == "died: actor prefill-0 is gone"
+    assert record.output_token_ids == [7] and decode.submitted == ["r0"]
+    assert prefill.released == []  # decode-0 freed the handles before reporting
+    assert_drained(router, workers, transport)
+
+
+def test_a_failed_fetch_whose_producer_never_answers_ends_at_its_deadline_with_its_error():
+    """prefill-0 lives but its ``info`` never answers (a hung process): r0 ends at its own
+    deadline with the transport's error, not a bare deadline message."""
+    router, workers, transport = build("disagg:1p1d", deadline_s=0.3)
+    decode, calls, never = workers["decode-0"], router.calls, object()
+    fetch = fetching(decode, transport)
+
+    class HungInfo:
+        def call(self, worker, method, *args):
+            return never if method == "info" else calls.call(worker, method, *args)
+
+        def ready(self, pending, timeout_s):
+            return [p for p in pending if p is not never]
+
+        result = staticmethod(calls.result)
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # lost, its producer alive
+        fetch(request, first_token, kv_handles, kv_token_start)
+
+    decode.admit, router.calls = admit, HungInfo()
+    [record] = router.run(requests(1))
+    assert record.error == "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+    assert router.workers["prefill-0"].state == "live"
+    assert_drained(router, workers, transport)
+
+
 def test_a_replacement_with_another_kv_geometry_is_refused():
     """The refusal is the rejoin's answer; its caller (``deployment.restarts``, its budget
     spent here) then says no replacement will come, and requests fail at once."""
@@ -604,8 +666,9 @@ def test_request_lost_in_a_busy_worker_ends_at_its_own_deadline(lost_in, where):
     lost = records[1]
     assert lost.error is not None and where in lost.error, lost.error
     assert lost.timeline[FINISHED] - lost.timeline[ARRIVED] >= deadline_s
-    # it ended while its worker was still busy reporting others (the last one arrives ~0.9 s)
-    assert lost.timeline[FINISHED] < records[-1].timeline[ARRIVED]
+    # it ended while its worker was still busy reporting others (a deadline counted from the
+    # worker's last news would end it only after the last of them)
+    assert lost.timeline[FINISHED] < records[-1].timeline[FINISHED]
     assert all(r.error is None and r.output_token_ids == [7, 11, 12, 13]
                for r in records if r.request_id != "r1")
     assert "r1" in workers[lost_in].aborted
