@@ -552,6 +552,14 @@ class RunningInstance:
     processes: list
     rendezvous: object
 
+    def dead_rank(self) -> str | None:
+        """The first other rank whose process ended, e.g. ``TP rank 1 (pid 42) exited with
+        code -9``; None while every rank runs."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                return f"TP rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        return None
+
     def close(self, timeout_s: float = 60.0) -> list[int | None]:
         """Stop the other ranks and wait for them; a rank still running after ``timeout_s``
         is killed. Returns their exit codes (0: a clean stop)."""
