@@ -344,6 +344,8 @@ class Deployment:
                   "emulation": self.emulation, "rank_devices": rank_devices}
         if role == "colocated":
             return EngineLoop, common
+        if role == "prefill":  # its KV goes out as the decode instances' ranks take it
+            common["decode_tp"] = 1 if self.emulation else self.placement.parsed.size_of("decode")[0]
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         return cls, {**common, "transfer_config": self.transfer, "faults": worker_faults or None,
                      "rank": rank, "world_size": len(self.layout), "init_method": init_method}

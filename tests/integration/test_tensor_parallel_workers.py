@@ -36,7 +36,7 @@ def test_prefill_and_decode_at_different_tp_give_generates_tokens(
     workers = []
     try:
         prefill = PrefillWorker("prefill-0", TINY, ENGINE, transfer, transport=shared,
-                                bind=False, rank_devices=_ranks(prefill_tp))
+                                bind=False, rank_devices=_ranks(prefill_tp), decode_tp=decode_tp)
         workers.append(prefill)
         decode = DecodeWorker("decode-0", TINY, ENGINE, transfer, transport=shared, bind=False,
                               rank_devices=_ranks(decode_tp))
