@@ -59,6 +59,7 @@ def test_a_tp_instance_is_one_worker_and_its_outputs_equal_generate(
             assert sent == {r.request_id: tiny.kv_spec.kv_bytes(len(r.prompt_token_ids))
                             for r, _ in workload}
 
+@pytest.mark.workers
 def test_a_dead_rank_is_a_dead_worker_and_its_requests_end(tiny):
     workload, _ = mixed_workload(tiny, num_requests=4)
     with deploy("colocated:1+tp2", "cpu:0,cpu:1") as deployment:
