@@ -18,11 +18,8 @@ workers is told once, in docs/architecture.md ("A request's life"); this module'
 - With ``kv_token_start`` > 0 only the prompt's KV from that token on arrives. If the cached
   prefix was evicted before the reservation, or a running request is preempted, it recomputes
   here with no second transfer (``kv_got`` reports 0 bytes).
-- From a prefill instance of another TP the KV arrives as one message per (prefill rank,
-  decode rank) slice of the KV heads (``engine.kv_heads.transfer_map``); each layer range
-  must bring exactly the map's slices for this instance's TP, else the request fails naming
-  what is missing. The slices are joined by head, and each rank of this instance keeps its
-  own heads (``engine.parallel.InstanceKVStore``).
+- Between TP sizes each layer range arrives as exactly ``engine.kv_heads.transfer_map``'s
+  slices (one message per prefill rank, decode rank pair), else the request fails.
 - Under ``conditional:xPyD`` the router also ``submit``s whole requests here: they prefill and
   decode in this engine like a colocated instance's.
 """
@@ -205,8 +202,7 @@ class DecodeWorker(EngineLoop):
                 pass
 
     def _join_heads(self, rid: str, messages: list, spec) -> torch.Tensor:
-        """One layer range's KV ``[L', 2, H_kv, T, D]`` from its per-rank messages, which
-        must be exactly ``transfer_map(H_kv, prefill TP, this TP)``'s slices."""
+        """One layer range's ``[L', 2, H_kv, T, D]`` from exactly ``transfer_map``'s slices."""
         decode_tp = 1 + len(self.rank_devices)
         header = messages[0][0]
         if any(h.decode_tp != decode_tp for h, _ in messages):

@@ -205,12 +205,8 @@ def _check_host_holds_kv(emulation: Emulation, geometry, engine: EngineConfig,
 
 
 def check_profile_sizes(profile: DeviceProfile, placement: Placement) -> None:
-    """An emulated instance is timed by a profile of its own sizes: every role's ``(tp, pp)``
-    must be the profile's (``tp``/``pp`` attributes; 1 where it has none).
-
-    Raises:
-        ValueError: one line naming ``--device-profile``, the role and both sizes.
-    """
+    """Every role's ``(tp, pp)`` must be the profile's (1 where it names none); ValueError,
+    one line naming ``--device-profile``, the role and both sizes."""
     have = (getattr(profile, "tp", 1) or 1, getattr(profile, "pp", 1) or 1)
     for role in placement.roles:
         if placement.size_of(role) != have:
@@ -327,10 +323,8 @@ class Deployment:
 
     def _worker_args(self, inst: Instance, faults: dict, rank: int,
                      init_method: str | None) -> tuple[type, dict]:
-        """The worker class of ``inst`` and its arguments: one worker per instance, on its
-        first device; a real TP instance starts its other ranks on the rest (``rank_devices``,
-        ``engine.parallel``), an emulated one is one emulated runner at the instance's sizes
-        (``EngineConfig.tp``/``pp``)."""
+        """``inst``'s worker class and arguments: on its first device, starting its other ranks
+        on the rest (real devices) or emulated at its ``EngineConfig.tp``/``pp``."""
         name, role = inst.name, inst.role
         worker_faults = faults.get(name) or []
         layers = [dict(f) for f in ([worker_faults] if isinstance(worker_faults, dict)

@@ -158,11 +158,9 @@ def gpu_actor_resources(device: str, pinned: bool) -> tuple[dict[str, float], di
 
 def instance_actor_resources(devices: tuple[str, ...], pinned: bool
                              ) -> tuple[dict[str, float], dict[str, Any]]:
-    """``(bundle, actor options)`` of one worker over an instance's ``devices``: one device's
-    ``gpu_actor_resources``, or their sum for a multi-device instance, whose actor (rank 0)
-    spawns the other ranks inside its bundle. Pinned CUDA devices are listed in rank order in
-    ``PDLAB_CUDA_VISIBLE_DEVICES``, unpinned ones are ``num_gpus`` of Ray's choosing: either
-    way rank ``r`` sees its GPU as ``cuda:r``."""
+    """``(bundle, actor options)`` of one worker over an instance's ``devices``: the sum of
+    their ``gpu_actor_resources`` (rank 0's actor spawns the other ranks in its bundle); its
+    CUDA rank ``r`` sees its GPU as ``cuda:r``."""
     parts = [gpu_actor_resources(d, pinned) for d in devices]
     if len(parts) == 1:
         return parts[0]
@@ -184,8 +182,8 @@ def instance_actor_resources(devices: tuple[str, ...], pinned: bool
 
 def local_cluster_kwargs(devices: tuple[str, ...]) -> dict[str, Any]:
     """``ray.init`` arguments of the private cluster pdlab starts for ``devices``: this
-    machine's cores (or the cores ``devices`` name, counted per device, where core groups
-    overlap to oversubscribe), no Ray ``GPU`` resource, one ``gpu_resource`` per CUDA device."""
+    machine's cores (more where core groups overlap: oversubscribed), no Ray ``GPU``
+    resource, one ``gpu_resource`` per CUDA device."""
     named = sum(len(cpu_cores_of(d)) for d in devices if d.startswith("cpu"))
     return {"address": "local",  # never join a stray cluster
             "num_cpus": max(len(os.sched_getaffinity(0)), named), "num_gpus": 0,

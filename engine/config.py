@@ -129,10 +129,8 @@ class EngineConfig:
         kv_reservation: ``on_demand`` (vLLM v1): blocks as tokens arrive, preempting the newest
             running request (freed, recomputed later) when none is free; ``full``: blocks for
             prompt + max_tokens at admission, never preempted.
-        tp, pp: the instance's tensor- and pipeline-parallel sizes, set per instance by the
-            deployment from its placement (no command-line option): a real instance runs
-            ``tp`` ranks (``engine.parallel``), an emulated one times its steps with a
-            profile of that ``tp``/``pp``.
+        tp, pp: the instance's TP and PP sizes, set by the deployment from the placement
+            (no command-line option).
     """
 
     max_num_seqs: int = field(default=256, metadata={"min": 1})

@@ -572,8 +572,7 @@ class RunningInstance:
     rendezvous: object
 
     def dead_rank(self) -> str | None:
-        """The first other rank whose process ended, e.g. ``TP rank 1 (pid 42) exited with
-        code -9``; None while every rank runs."""
+        """``TP rank 1 (pid 42) exited with code -9`` for a rank that ended; None if none."""
         for rank, process in enumerate(self.processes, start=1):
             if not process.is_alive():
                 return f"TP rank {rank} (pid {process.pid}) exited with code {process.exitcode}"

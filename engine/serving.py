@@ -109,9 +109,7 @@ class EngineLoop:
         rank_devices: the devices of ranks 1.. of a tensor-parallel instance (TP = 1 +
             their count; ``engine.parallel.start_instance``: each rank a process bound to its
             device, this one rank 0 on ``device``; with ``bind`` off they are not pinned);
-            () is a one-device instance. Inside Ray a CUDA instance's actor sees its GPUs
-            in rank order (``deployment.ray_actors.instance_actor_resources``): rank ``r``
-            runs on ``cuda:r`` whatever the names given.
+            () is a one-device instance. Inside Ray, CUDA rank ``r`` is ``cuda:r``.
 
     Raises:
         ValueError: ``rank_devices`` with an emulated device, or a TP the model's heads do
@@ -368,8 +366,7 @@ class EngineLoop:
                 self._drain_commands(block=True, timeout_s=0.01)
 
     def _check_ranks(self) -> None:
-        """A TP instance with a dead rank is a dead worker: raise (the loop dies, the router
-        hears of it as of any worker's death)."""
+        """A TP instance with a dead rank is a dead worker: raise (the loop dies)."""
         dead = self._instance and self._instance.dead_rank()
         if dead:
             raise RuntimeError(f"{self.role} worker {self.name}: {dead}: the TP "

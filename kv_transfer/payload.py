@@ -2,9 +2,8 @@
 frame 1, the KV tensor ``[L', 2, H_kv, T, D]`` as raw C-order bytes, never upcast, so ``len(frame
 1) == spec.kv_bytes(T, L')``. ``unpack`` checks the header against the receiver's ``KVSpec``
 before touching the bytes (``KVSpecMismatch`` names the field, expected and got); corrupted bytes
-raise ``KVChecksumError``; both are ``ValueError``. Between instances of different TP a message
-carries the KV heads ``[head_start, head_start + H')`` of one (prefill rank, decode rank) pair
-(``RankPart``, ``engine.kv_heads.transfer_map``); ``num_kv_heads`` stays the model's.
+raise ``KVChecksumError``; both are ``ValueError``. A message may carry a slice of the heads
+(``RankPart``).
 
 Checksum (wire version 2): CRC-32C over every byte of frame 1 with the CPU's CRC instruction (the
 ``crc32c`` package; without it zlib ``crc32``, named in ``checksum_kind``). ``pack`` never copies a
@@ -50,9 +49,8 @@ class KVChecksumError(ValueError):
 
 @dataclass(frozen=True)
 class RankPart:
-    """What one message of a TP-``prefill_tp`` to TP-``decode_tp`` transfer carries: the
-    global KV heads from ``head_start`` (the tensor's head axis says how many), sent by
-    ``prefill_rank`` for ``decode_rank``. ``RankPart()`` is the whole KV of a TP-1 pair."""
+    """One message of a TP-``prefill_tp`` to TP-``decode_tp`` transfer: global KV heads from
+    ``head_start`` (as many as the tensor has), from ``prefill_rank`` to ``decode_rank``."""
 
     head_start: int = 0
     prefill_rank: int = 0
@@ -68,8 +66,7 @@ WHOLE = RankPart()
 class KVHeader:
     """Frame 0 of a transfer; ranges half-open ``[start, end)``. ``shape`` is ``(layer_end -
     layer_start, 2, num_kv_heads, token_end - token_start, head_dim)``; ``checksum``: of all of
-    frame 1 by ``checksum_kind`` (``crc32c`` or zlib ``crc32``), or None; ``shape[2]`` heads
-    from ``head_start`` of ``num_kv_heads``, and the ranks of ``RankPart``."""
+    frame 1 by ``checksum_kind`` (``crc32c`` or zlib ``crc32``), or None; ``part``: its heads."""
 
     wire_version: int
     request_id: str

@@ -61,8 +61,7 @@ class TransferRecord:
     seconds inside each; ``*_time_s``: ``time.time()`` when they began; ``layer_start``,
     ``layer_end``: ``[start, end)``; ``num_messages``: wire messages (NIXL: descriptors);
     ``achieved_gbps``, ``efficiency``, ``exposed_s``, ``overlapped_s``: module docstring;
-    ``prefill_rank`` sent KV heads ``[head_start, head_end)`` to ``decode_rank`` (``RankPart``;
-    0, 0 and every head between TP-1 instances)."""
+    ``prefill_rank`` sent KV heads ``[head_start, head_end)`` to ``decode_rank``."""
 
     request_id: str
     num_bytes: int

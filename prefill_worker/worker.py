@@ -18,9 +18,8 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   iteration and then put whole, so TTFT shows the wait. A layer-wise put that meets a full
   buffer frees the ranges it put and is deferred whole. Requests that finish here never wait
   behind the FIFO.
-- Between instances of different TP (this one's ranks, ``decode_tp`` the decode instances'),
-  each put is one message per ``engine.kv_heads.transfer_map`` slice: the KV heads one prefill
-  rank sends one decode rank (``RankPart``); a request's handles are all of them.
+- Between TP sizes (``decode_tp``: the decode instances') a put is one message per
+  ``engine.kv_heads.transfer_map`` slice (``RankPart``).
 """
 
 from __future__ import annotations
