@@ -29,7 +29,7 @@ from typing import Any
 
 from decode_worker import DecodeWorker
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
-                           TransferConfig, cpu_cores_of, parse_devices,
+                           TransferConfig, cpu_cores_of, device_index, parse_devices,
                            is_emulated, placement_engine_overrides)
 from engine.placement import Instance, Placement
 from engine import device as engine_device  # .CUDA: the seam tests fake
@@ -94,7 +94,7 @@ def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None
         cuda = engine_device.CUDA
         count = cuda.device_count() if cuda.is_available() else 0
         for device in gpus:
-            if int(device.split(":")[1]) >= count:
+            if device_index(device) >= count:
                 raise ValueError(f"device {device} does not exist: this machine has {count} GPUs")
     cores = os.sched_getaffinity(0)
     for device in devices:

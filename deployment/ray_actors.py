@@ -27,7 +27,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.config import cpu_cores_of
+from engine.config import cpu_cores_of, device_index
 from engine.device import PIN_ENV, VISIBLE_ENV
 from engine.errors import describe_error, without_traceback
 from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, probe_peak
@@ -112,7 +112,7 @@ class RayCalls:
 def physical_gpu(device: str) -> str:
     """The GPU id that ``cuda:i`` names for this (driver) process: entry i of its
     ``CUDA_VISIBLE_DEVICES`` where that is set (an index, a UUID or a MIG id), else ``i``."""
-    index = int(device.split(":")[1])
+    index = device_index(device)
     visible = os.environ.get(VISIBLE_ENV)
     if visible is None:
         return str(index)
@@ -125,7 +125,7 @@ def physical_gpu(device: str) -> str:
 
 def gpu_resource(device: str) -> str:
     """The Ray custom resource that stands for GPU ``cuda:i`` on a cluster pdlab starts."""
-    return f"pdlab_cuda_{device.split(':')[1]}"
+    return f"pdlab_cuda_{device_index(device)}"
 
 
 EMULATED_CPUS = 0.1  # Ray CPUs of an emulated worker (engine.emulated: it mostly waits)

@@ -373,6 +373,11 @@ def emulated_devices(n: int) -> tuple[str, ...]:
     return parse_devices(f"emu:0-{n - 1}")
 
 
+def device_index(device: str) -> int:
+    """The index of a one-device name: ``cuda:3`` -> 3, ``emu:5`` -> 5, ``cpu:2`` -> 2."""
+    return int(device.split(":", 1)[1].partition("-")[0])
+
+
 def cpu_cores_of(device: str) -> list[int]:
     """Cores of a CPU device: ``cpu:2`` -> [2], ``cpu:0-3`` -> [0, 1, 2, 3]."""
     spec = device.split(":", 1)[1]
