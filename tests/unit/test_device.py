@@ -126,11 +126,11 @@ def test_a_ray_that_does_not_start_is_one_runtime_error_naming_the_cause(monkeyp
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fail)
-    workers = ray_actors.RayWorkers(("cpu:0", "cpu:1"), None, "ray")
+    workers = ray_actors.RayWorkers((("cpu:0",), ("cpu:1",)), None, "ray")
     with pytest.raises(RuntimeError, match=r"^Ray did not start \(a local cluster\): GCS did not "
                                            r"answer within 30 s$"):
         workers.connect()
     assert not workers._started_ray
-    joining = ray_actors.RayWorkers(("cpu:0",), "10.0.0.1:6379", "ray")
+    joining = ray_actors.RayWorkers((("cpu:0",),), "10.0.0.1:6379", "ray")
     with pytest.raises(RuntimeError, match=r"joining 10.0.0.1:6379"):
         joining.connect()
