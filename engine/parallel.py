@@ -581,11 +581,14 @@ class RunningInstance:
     def close(self, timeout_s: float = 60.0) -> list[int | None]:
         """Stop the other ranks and wait for them; a rank still running after ``timeout_s``
         is killed. Returns their exit codes (0: a clean stop)."""
-        try:
-            if self.group.size > 1:
+        try:  # with a rank gone the stop could wait out the group's timeout: kill instead
+            if self.group.size > 1 and self.dead_rank() is None:
                 self.group.stop()
-        except RuntimeError:  # a rank already died: the others are killed below
+        except RuntimeError:  # a rank died meanwhile: the others are killed below
             pass
+        if self.dead_rank() is not None:
+            for p in self.processes:
+                p.kill()
         for p in self.processes:
             p.join(timeout_s)
             if p.is_alive():

@@ -73,6 +73,22 @@ def test_a_dead_rank_is_a_dead_worker_and_its_requests_end(tiny):
     assert "TP rank 1" in worker._died and "exited with code -9" in worker._died
 
 
+@pytest.mark.workers
+def test_a_tp_worker_whose_rank_died_is_restarted_with_new_ranks(tiny):
+    """The run after the death waits for the replacement (new rank processes) and is exact."""
+    workload, expected = mixed_workload(tiny, num_requests=4)
+    with deploy("colocated:1+tp2", "cpu:0,cpu:1", max_worker_restarts=1) as deployment:
+        first = deployment.handles["colocated-0"]
+        os.kill(first._instance.processes[0].pid, signal.SIGKILL)
+        failed = deployment.run(workload)  # the router hears of the death on its next turn
+        assert any(r.error for r in failed), failed  # the dead rank's step, or the dead worker
+        assert_outputs(deployment.run(workload), expected)
+        assert deployment.restarts.attempts == {"colocated-0": 1}
+        replacement = deployment.handles["colocated-0"]
+        assert replacement is not first
+        assert [p.is_alive() for p in replacement._instance.processes] == [True]
+
+
 def test_an_emulated_tp_instance_needs_a_profile_of_its_sizes():
     """One emulated worker per instance over tp * pp emulated devices, timed by a profile of
     that size: the placement's sizes are checked against the profile's before any worker."""
