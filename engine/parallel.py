@@ -139,10 +139,6 @@ class TensorParallelGroup:
         else:
             self.pg.scatter([output], [inputs] if self.rank == 0 else [], opts).wait()
 
-    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
-        """Rank 0's ``tensor`` into every rank's ``tensor`` (same shape and dtype), in place."""
-        self._broadcast(tensor)
-
     def stop(self) -> None:
         """Rank 0: end every other rank's ``follow`` loop."""
         self.broadcast_object(None)
