@@ -18,6 +18,8 @@ workers is told once, in docs/architecture.md ("A request's life"); this module'
 - With ``kv_token_start`` > 0 only the prompt's KV from that token on arrives. If the cached
   prefix was evicted before the reservation, or a running request is preempted, it recomputes
   here with no second transfer (``kv_got`` reports 0 bytes).
+- Between TP sizes each layer range arrives as exactly ``engine.kv_heads.transfer_map``'s
+  slices (one message per prefill rank, decode rank pair), else the request fails.
 - Under ``conditional:xPyD`` the router also ``submit``s whole requests here: they prefill and
   decode in this engine like a colocated instance's.
 """
@@ -38,7 +40,9 @@ from engine.metrics import DECODE_ADMITTED
 from engine.request import Request
 from engine.emulated import Emulation
 from engine.serving import EngineLoop
+from engine.kv_heads import transfer_map
 from kv_transfer.factory import make_transport
+from kv_transfer.payload import WHOLE
 from kv_transfer.transport import KVHandle, Transport
 
 MAX_FETCH_THREADS = 8  # concurrent KV fetches per decode worker (bounded by its slots too)
@@ -196,6 +200,26 @@ class DecodeWorker(EngineLoop):
             except Exception:  # freeing is best effort: a dead peer holds nothing
                 pass
 
+    def _join_heads(self, rid: str, messages: list, spec) -> torch.Tensor:
+        """One layer range's ``[L', 2, H_kv, T, D]`` from exactly ``transfer_map``'s slices."""
+        decode_tp = 1 + len(self.rank_devices)
+        header = messages[0][0]
+        if any(h.decode_tp != decode_tp for h, _ in messages):
+            raise ValueError(f"KV for request {rid} was split for a TP {header.decode_tp} "
+                             f"decode instance; {self.name} runs at TP {decode_tp}")
+        want = {(s.prefill_rank, s.decode_rank, s.heads.start, len(s.heads))
+                for s in transfer_map(spec.num_kv_heads, header.prefill_tp, decode_tp)}
+        got = {(h.prefill_rank, h.decode_rank, h.head_start, kv.shape[2]) for h, kv in messages}
+        if got != want or len(messages) != len(want):
+            raise ValueError(f"KV for request {rid} layers from {header.layer_start}: (prefill "
+                             f"rank, decode rank, first head, heads) expected {sorted(want)}, "
+                             f"got {sorted(got)}")
+        kv = messages[0][1]
+        whole = kv.new_empty(kv.shape[:2] + (spec.num_kv_heads,) + kv.shape[3:])
+        for h, part in messages:  # a head the decode instance replicates arrives once per copy
+            whole[:, :, h.head_start:h.head_start + part.shape[2]] = part
+        return whole
+
     # ---- fetch threads -----------------------------------------------------------------
     def _fetch_thread(self, transfer: _Transfer) -> None:
         start_s = time.time()
@@ -214,6 +238,7 @@ class DecodeWorker(EngineLoop):
         spec = self.engine.kv_spec
         deadline_s = time.monotonic() + self.transfer.timeout_s
         parts = []
+        slices: dict[int, list] = {}  # layer_start -> [(header, kv)] of a TP pair's messages
         rid = request.request_id
         for handle in handles:
             header, kv = self.transport.get(handle, spec, max(deadline_s - time.monotonic(), 1e-3))
@@ -227,7 +252,11 @@ class DecodeWorker(EngineLoop):
                     f"KV header mismatch for request {rid}: tokens expected {want} "
                     f"[{token_start}, {request.num_prompt_tokens}), got "
                     f"{got[1] - got[0]} [{got[0]}, {got[1]})")
-            parts.append((header.layer_start, kv))
+            if header.part == WHOLE and kv.shape[2] == spec.num_kv_heads:
+                parts.append((header.layer_start, kv))
+            else:
+                slices.setdefault(header.layer_start, []).append((header, kv))
+        parts += [(start, self._join_heads(rid, got, spec)) for start, got in slices.items()]
         parts.sort(key=lambda part: part[0])
         layers = [start for start, _ in parts]
         expected = list(range(0, spec.num_layers, parts[0][1].shape[0])) if parts else []

@@ -22,6 +22,7 @@ member). ``close()`` stops the workers, the hub, the placement group and Ray if 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import threading
@@ -30,8 +31,9 @@ from typing import Any
 
 from decode_worker import DecodeWorker
 from engine.config import (ConditionalConfig, EngineConfig, ModelConfig, PlacementConfig,
-                           TransferConfig, cpu_cores_of, parse_devices, parse_placement,
+                           TransferConfig, cpu_cores_of, device_index, parse_devices,
                            is_emulated, placement_engine_overrides)
+from engine.placement import Instance, Placement
 from engine import device as engine_device  # .CUDA: the seam tests fake
 from engine.emulated import Emulation
 from engine.model import ModelLoadError, check_model_name, load_geometry
@@ -51,23 +53,27 @@ from planner.latency import DeviceProfile
 
 
 
-def worker_layout(placement: str, devices: tuple[str, ...]) -> list[tuple[str, str, str]]:
-    """``(name, role, device)`` per worker, devices taken in order.
+def worker_layout(placement: str | Placement, devices: tuple[str, ...]) -> tuple[Instance, ...]:
+    """The placement's instances bound to ``devices`` (``engine.placement.Placement.bind``):
+    one worker each, named ``Instance.name``, on its ``tp * pp`` devices (rank 0's first).
 
     Raises:
-        ValueError: the placement needs more devices than the set has.
+        ValueError: a bad placement, one needing more devices than the set has, or a PP size
+            over 1 on real devices (pipeline parallelism is emulated only).
     """
-    kind, first, second = parse_placement(placement)
-    roles = ["colocated"] * first if kind == "colocated" else ["prefill"] * first + ["decode"] * second
-    if len(roles) > len(devices):
-        raise ValueError(f"placement {placement} needs {len(roles)} devices, the device set "
-                         f"{','.join(devices)} has {len(devices)}")
-    counts: dict[str, int] = {}
-    layout = []
-    for role, device in zip(roles, devices):
-        layout.append((f"{role}-{counts.get(role, 0)}", role, device))
-        counts[role] = counts.get(role, 0) + 1
-    return layout
+    parsed = placement if isinstance(placement, Placement) else Placement.parse(placement)
+    bound = parsed.bind(devices)
+    if not is_emulated(devices):
+        _check_no_real_pp(bound)
+    return bound.instances
+
+
+def _check_no_real_pp(placement: Placement) -> None:
+    for role in placement.roles:
+        pp = placement.size_of(role)[1]
+        if pp > 1:
+            raise ValueError(f"placement {placement}: the {role} PP {pp} runs on emulated "
+                             "devices only (--devices emu:0-7); real instances are TP only")
 
 
 def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None = None) -> None:
@@ -90,7 +96,7 @@ def check_devices_exist(devices: tuple[str, ...], cluster_resources: dict | None
         cuda = engine_device.CUDA
         count = cuda.device_count() if cuda.is_available() else 0
         for device in gpus:
-            if int(device.split(":")[1]) >= count:
+            if device_index(device) >= count:
                 raise ValueError(f"device {device} does not exist: this machine has {count} GPUs")
     cores = os.sched_getaffinity(0)
     for device in devices:
@@ -200,6 +206,18 @@ def _check_host_holds_kv(emulation: Emulation, geometry, engine: EngineConfig,
                      f"pass --emu-kv-scale {scale:g} (or less)")
 
 
+def check_profile_sizes(profile: DeviceProfile, placement: Placement) -> None:
+    """Every role's ``(tp, pp)`` must be the profile's (1 where it names none); ValueError,
+    one line naming ``--device-profile``, the role and both sizes."""
+    have = (getattr(profile, "tp", 1) or 1, getattr(profile, "pp", 1) or 1)
+    for role in placement.roles:
+        if placement.size_of(role) != have:
+            tp, pp = placement.size_of(role)
+            raise ValueError(f"argument --device-profile: the {role} instances of {placement} "
+                             f"run at TP {tp} PP {pp}, the profile at TP {have[0]} PP "
+                             f"{have[1]}: build one per size (pdlab profile --from-silicon-db)")
+
+
 class Deployment:
     """The workers of one placement on a device set, and a router over them.
 
@@ -249,7 +267,7 @@ class Deployment:
             self.devices = tuple(worker_devices)
         else:
             self.devices = parse_devices(placement.devices)
-        self.layout = worker_layout(placement.placement, self.devices)
+        self.layout = worker_layout(placement.parsed, self.devices)
         if local and self.transfer.transport != "inprocess":
             raise ValueError("a local placement (one process) needs transport 'inprocess'")
         if not local and self.transfer.transport == "inprocess":
@@ -260,6 +278,8 @@ class Deployment:
         self.emulation = emulation_for(self.devices, model, self.engine)
         if self.emulation is None:
             check_model_name(model)
+        else:
+            check_profile_sizes(self.emulation.device, placement.parsed)
         self.hub: Any = None  # the router's end of the workers' channels
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self._ray = None  # deployment.ray_actors.RayWorkers of a Ray deployment
@@ -279,8 +299,8 @@ class Deployment:
                 self._start_local(faults or {})
             else:
                 self._start_ray(faults or {})
-            self.workers = [WorkerRef(name, role, self.handles[name], rank)
-                            for rank, (name, role, _) in enumerate(self.layout)]
+            self.workers = [WorkerRef(inst.name, inst.role, self.handles[inst.name], rank)
+                            for rank, inst in enumerate(self.layout)]
             self.hub = self._open_hub()
             self.router = Router(self.workers, self.calls, placement.placement, policy,
                                  deadline_s or self.transfer.timeout_s + 5.0,
@@ -304,36 +324,44 @@ class Deployment:
             return SocketHub("tcp", host=self._ray.node_ip())
         return SocketHub("ipc")
 
-    def _worker_args(self, name: str, role: str, device: str, faults: dict, rank: int,
+    def _worker_args(self, inst: Instance, faults: dict, rank: int,
                      init_method: str | None) -> tuple[type, dict]:
+        """``inst``'s worker class and arguments: on its first device, starting its other ranks
+        on the rest (real devices) or emulated at its ``EngineConfig.tp``/``pp``."""
+        name, role = inst.name, inst.role
         worker_faults = faults.get(name) or []
         layers = [dict(f) for f in ([worker_faults] if isinstance(worker_faults, dict)
                                     else worker_faults)]
         step_delay_s = sum(f.pop("step_delay_s", 0.0) for f in layers)
         worker_faults = [f for f in layers if f]
-        common = {"name": name, "model_config": self.model, "engine_config": self.engine,
-                  "device": device, "step_delay_s": step_delay_s, "emulation": self.emulation}
+        engine = dataclasses.replace(self.engine, tp=inst.tp, pp=inst.pp)
+        rank_devices = () if self.emulation is not None else inst.devices[1:]
+        common = {"name": name, "model_config": self.model, "engine_config": engine,
+                  "device": inst.device, "step_delay_s": step_delay_s,
+                  "emulation": self.emulation, "rank_devices": rank_devices}
         if role == "colocated":
             return EngineLoop, common
+        if role == "prefill":  # its KV goes out as the decode instances' ranks take it
+            common["decode_tp"] = 1 if self.emulation else self.placement.parsed.size_of("decode")[0]
         cls = PrefillWorker if role == "prefill" else DecodeWorker
         return cls, {**common, "transfer_config": self.transfer, "faults": worker_faults or None,
                      "rank": rank, "world_size": len(self.layout), "init_method": init_method}
 
     def _start_local(self, faults: dict) -> None:
         shared = InProcessTransport(checksum=self.transfer.checksum)
-        for rank, (name, role, device) in enumerate(self.layout):
-            cls, kwargs = self._worker_args(name, role, device, faults, rank, None)
+        for rank, inst in enumerate(self.layout):
+            cls, kwargs = self._worker_args(inst, faults, rank, None)
             if cls is not EngineLoop:  # P and D share one in-process transport
                 kwargs["transport"] = with_faults(shared, kwargs.pop("faults"))
-            self._specs[name] = (rank, cls, kwargs, None)
-            self.handles[name] = cls(**kwargs, bind=False)
+            self._specs[inst.name] = (rank, cls, kwargs, None)
+            self.handles[inst.name] = cls(**kwargs, bind=False)
         self.transport = shared  # tests read what it holds
 
     def _start_ray(self, faults: dict) -> None:
         # Ray only here: a local placement runs where Ray is not installed (make gpu-check)
         from deployment import ray_actors
 
-        self._ray = ray_actors.RayWorkers(tuple(d for _, _, d in self.layout),
+        self._ray = ray_actors.RayWorkers(tuple(inst.devices for inst in self.layout),
                                           self.placement.address, self.transfer.transport)
         self.calls = ray_actors.RayCalls()
         check_devices_exist(self.devices, self._ray.connect())
@@ -343,10 +371,10 @@ class Deployment:
             # bound here, at port 0, and held until close(): no port can be taken in between
             self._rendezvous, init_method = open_rendezvous(self._ray.node_ip(),
                                                             self.transfer.timeout_s)
-        for rank, (name, role, device) in enumerate(self.layout):
-            cls, kwargs = self._worker_args(name, role, device, faults, rank, init_method)
-            self._specs[name] = (rank, cls, kwargs, options[rank])
-            self._ray.start(name, rank, cls, options[rank], kwargs)
+        for rank, inst in enumerate(self.layout):
+            cls, kwargs = self._worker_args(inst, faults, rank, init_method)
+            self._specs[inst.name] = (rank, cls, kwargs, options[rank])
+            self._ray.start(inst.name, rank, cls, options[rank], kwargs)
         self.handles = self._ray.handles
 
     def _measure_link_peaks(self) -> dict[str, LinkPeak]:

@@ -26,7 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from engine.config import cpu_cores_of
+from engine.config import cpu_cores_of, device_index
 from engine.device import PIN_ENV, VISIBLE_ENV
 from engine.errors import describe_error, without_traceback
 from kv_transfer.link import LinkPeak, ProbeSource, ProbeTicket, memcpy_peak, probe_peak
@@ -79,7 +79,7 @@ class RayCalls:
 def physical_gpu(device: str) -> str:
     """The GPU id that ``cuda:i`` names for this (driver) process: entry i of its
     ``CUDA_VISIBLE_DEVICES`` where that is set (an index, a UUID or a MIG id), else ``i``."""
-    index = int(device.split(":")[1])
+    index = device_index(device)
     visible = os.environ.get(VISIBLE_ENV)
     if visible is None:
         return str(index)
@@ -92,7 +92,7 @@ def physical_gpu(device: str) -> str:
 
 def gpu_resource(device: str) -> str:
     """The Ray custom resource that stands for GPU ``cuda:i`` on a cluster pdlab starts."""
-    return f"pdlab_cuda_{device.split(':')[1]}"
+    return f"pdlab_cuda_{device_index(device)}"
 
 
 EMULATED_CPUS = 0.1  # Ray CPUs of an emulated worker (engine.emulated: it mostly waits)
@@ -123,11 +123,37 @@ def gpu_actor_resources(device: str, pinned: bool) -> tuple[dict[str, float], di
              "runtime_env": {"env_vars": env}})
 
 
+def instance_actor_resources(devices: tuple[str, ...], pinned: bool
+                             ) -> tuple[dict[str, float], dict[str, Any]]:
+    """``(bundle, actor options)`` of one worker over an instance's ``devices``: the sum of
+    their ``gpu_actor_resources`` (rank 0's actor spawns the other ranks in its bundle); its
+    CUDA rank ``r`` sees its GPU as ``cuda:r``."""
+    parts = [gpu_actor_resources(d, pinned) for d in devices]
+    if len(parts) == 1:
+        return parts[0]
+    bundle: dict[str, float] = {}
+    options: dict[str, Any] = {"num_cpus": 0, "num_gpus": 0}
+    for part_bundle, part_options in parts:
+        for key, value in part_bundle.items():
+            bundle[key] = bundle.get(key, 0) + value
+        options["num_cpus"] += part_options["num_cpus"]
+        options["num_gpus"] += part_options["num_gpus"]
+        for key, value in part_options.get("resources", {}).items():
+            options.setdefault("resources", {})[key] = value
+    pins = [o["runtime_env"]["env_vars"][PIN_ENV] for _, o in parts if "runtime_env" in o]
+    if pins:
+        env = {**ray_init_kwargs()["runtime_env"]["env_vars"], PIN_ENV: ",".join(pins)}
+        options["runtime_env"] = {"env_vars": env}
+    return bundle, options
+
+
 def local_cluster_kwargs(devices: tuple[str, ...]) -> dict[str, Any]:
     """``ray.init`` arguments of the private cluster pdlab starts for ``devices``: this
-    machine's cores, no Ray ``GPU`` resource, one ``gpu_resource`` per CUDA device."""
+    machine's cores (more where core groups overlap: oversubscribed), no Ray ``GPU``
+    resource, one ``gpu_resource`` per CUDA device."""
+    named = sum(len(cpu_cores_of(d)) for d in devices if d.startswith("cpu"))
     return {"address": "local",  # never join a stray cluster
-            "num_cpus": len(os.sched_getaffinity(0)), "num_gpus": 0,
+            "num_cpus": max(len(os.sched_getaffinity(0)), named), "num_gpus": 0,
             "resources": {gpu_resource(d): 1.0 for d in devices if d.startswith("cuda")}}
 
 
@@ -147,12 +173,13 @@ class RayWorkers:
     one, ``close`` everything. ``handles`` maps worker name -> actor handle.
 
     Args:
-        devices: the device set (one per worker, in layout order).
+        devices: each worker's devices (an instance's, rank 0's first), in layout order.
         address: a Ray cluster to join, or None (a private local one is started).
         transport: the KV transport's name (``shm`` packs every worker on one node).
     """
 
-    def __init__(self, devices: tuple[str, ...], address: str | None, transport: str) -> None:
+    def __init__(self, devices: tuple[tuple[str, ...], ...], address: str | None,
+                 transport: str) -> None:
         self.devices, self.address, self.transport = devices, address, transport
         self.handles: dict[str, Any] = {}
         self._pg = None
@@ -172,7 +199,7 @@ class RayWorkers:
             if self.address:
                 init["address"] = self.address
             else:
-                init.update(local_cluster_kwargs(self.devices))
+                init.update(local_cluster_kwargs(tuple(d for ds in self.devices for d in ds)))
             try:
                 ray.init(**init)
             except Exception as err:  # e.g. its GCS did not come up on a busy host: one line
@@ -193,7 +220,7 @@ class RayWorkers:
         """
         # cuda:i is honoured exactly only on a cluster started here (its resources are ours)
         pinned = self._started_ray and not self.address
-        resources = [gpu_actor_resources(device, pinned) for device in self.devices]
+        resources = [instance_actor_resources(devices, pinned) for devices in self.devices]
         bundles = [bundle for bundle, _ in resources]
         # shm moves KV through one node's shared memory: every worker must be on that node
         strategy = "STRICT_PACK" if self.transport == "shm" else "PACK"

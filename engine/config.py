@@ -129,6 +129,8 @@ class EngineConfig:
         kv_reservation: ``on_demand`` (vLLM v1): blocks as tokens arrive, preempting the newest
             running request (freed, recomputed later) when none is free; ``full``: blocks for
             prompt + max_tokens at admission, never preempted.
+        tp, pp: the instance's TP and PP sizes, set by the deployment from the placement
+            (no command-line option).
     """
 
     max_num_seqs: int = field(default=256, metadata={"min": 1})
@@ -166,6 +168,8 @@ class EngineConfig:
         "choices": KV_RESERVATIONS,
         "help": "on_demand: KV blocks as tokens arrive, preempting the newest request when "
                 "none is free (vLLM v1); full: blocks for prompt + max_tokens at admission"})
+    tp: int = field(default=1, metadata={"min": 1, "cli": False})
+    pp: int = field(default=1, metadata={"min": 1, "cli": False})
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -266,17 +270,11 @@ class TransferConfig:
 
 ADDRESS_PATTERN = r"auto|local|(ray://)?[A-Za-z0-9_.\-]+:\d{1,5}"
 def parse_placement(placement: str) -> tuple[str, int, int]:
-    """The kind and instance counts of a one-device-per-instance placement (spelled as in
-    ``engine.placement``); one with parallel sizes (``+tp2``) is refused rather than run at
-    TP 1. ``colocated-nochunk:N`` is ``colocated:N`` without chunked prefill;
-    ``conditional:xPyD`` has ``disagg:xPyD``'s workers, its decode workers prefilling short
-    prompts themselves (``ConditionalConfig``). Returns ``("colocated", N, 0)``, ``("disagg",
-    x, y)`` or ``("conditional", x, y)``; ValueError on anything else, a zero count, or an
-    instance over several devices."""
+    """The kind and instance counts of a placement (``engine.placement.Placement``, whose
+    fields everything that deploys reads): ``("colocated", N, 0)``, ``("disagg", x, y)`` or
+    ``("conditional", x, y)``, whatever the instances' TP/PP sizes; ValueError as
+    ``Placement.parse``."""
     p = Placement.parse(placement)
-    _check(not p.is_parallel, f"placement {placement.strip()!r} spans several devices per "
-                              "instance (TP/PP), which this command does not deploy yet: "
-                              "drop the '+tp'/'+pp' sizes")
     return (p.kind, *p.counts)
 
 
@@ -375,6 +373,11 @@ def emulated_devices(n: int) -> tuple[str, ...]:
     return parse_devices(f"emu:0-{n - 1}")
 
 
+def device_index(device: str) -> int:
+    """The index of a one-device name: ``cuda:3`` -> 3, ``emu:5`` -> 5, ``cpu:2`` -> 2."""
+    return int(device.split(":", 1)[1].partition("-")[0])
+
+
 def cpu_cores_of(device: str) -> list[int]:
     """Cores of a CPU device: ``cpu:2`` -> [2], ``cpu:0-3`` -> [0, 1, 2, 3]."""
     spec = device.split(":", 1)[1]
@@ -415,9 +418,10 @@ class PlacementConfig:
 
 def add_dataclass_args(parser, cls: type, prefix: str = "", skip: tuple[str, ...] = ()) -> None:
     """Add one ``--field-name`` option per dataclass field (but ``skip``), typed by the field;
-    a field's ``metadata`` may carry ``help`` and ``choices``; ``--help`` shows its rule."""
+    a field's ``metadata`` may carry ``help`` and ``choices``; ``cli: False`` keeps it off the
+    command line (a value the deployment sets); ``--help`` shows its rule."""
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or not f.metadata.get("cli", True):
             continue
         flag = "--" + prefix + f.name.replace("_", "-")
         default = f.default

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from engine.config import cpu_cores_of
+from engine.config import cpu_cores_of, device_index
 
 VISIBLE_ENV = "CUDA_VISIBLE_DEVICES"
 PIN_ENV = "PDLAB_CUDA_VISIBLE_DEVICES"  # set by the placement on an actor it pins to a GPU
@@ -74,7 +74,7 @@ def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
         _apply_pin()
     if not CUDA.is_available():
         raise ValueError(f"device {device} needs CUDA, which this machine does not have")
-    index = 0 if inside_ray else int(device.split(":")[1])
+    index = 0 if inside_ray else device_index(device)
     count = CUDA.device_count()
     if index >= count:
         raise ValueError(f"device {device} does not exist ({count} GPUs"
@@ -102,7 +102,7 @@ def _apply_pin() -> None:
 def use_on_this_thread(torch_device: str) -> None:
     """Make ``torch_device``'s GPU current on the calling thread (nothing for CPU)."""
     if torch_device.startswith("cuda"):
-        CUDA.set_device(int(torch_device.split(":")[1]))
+        CUDA.set_device(device_index(torch_device))
 
 
 def gpu_identity(torch_device: str) -> dict | None:
@@ -110,6 +110,6 @@ def gpu_identity(torch_device: str) -> dict | None:
     "total_memory_bytes", "cuda_visible_devices"}`` (None if unset)."""
     if not torch_device.startswith("cuda"):
         return None
-    index = int(torch_device.split(":")[1])
+    index = device_index(torch_device)
     return {"index": index, **CUDA.properties(index),
             "cuda_visible_devices": os.environ.get(VISIBLE_ENV)}

@@ -112,19 +112,32 @@ class TensorParallelGroup:
         else:
             self.pg.broadcast(tensor, 0).wait()
 
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        """Every rank's ``tensor`` (same shape on all) into ``outputs`` (rank order)."""
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor] | None:
+        """Every rank's ``tensor`` (same shape on all) on rank 0, in rank order; None on the
+        other ranks."""
+        opts = dist.GatherOptions()
+        opts.rootRank = 0
         if self.backend == "nccl":
-            moved = [o.to(self.device) for o in outputs]
-            self.pg.allgather([moved], [tensor.to(self.device)]).wait()
-            for o, m in zip(outputs, moved):
-                o.copy_(m.cpu())
-        else:
-            self.pg.allgather([outputs], [tensor]).wait()
+            moved = tensor.to(self.device)
+            outs = [[torch.empty_like(moved) for _ in range(self.size)]] if self.rank == 0 else []
+            self.pg.gather(outs, [moved], opts).wait()
+            return [o.cpu() for o in outs[0]] if self.rank == 0 else None
+        outs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
+        self.pg.gather(outs, [tensor], opts).wait()
+        return outs[0] if self.rank == 0 else None
 
-    def broadcast_tensor(self, tensor: torch.Tensor) -> None:
-        """Rank 0's ``tensor`` into every rank's ``tensor`` (same shape and dtype), in place."""
-        self._broadcast(tensor)
+    def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None = None) -> None:
+        """Rank 0's ``inputs[r]`` into rank ``r``'s ``output`` (same shape and dtype on all;
+        ``inputs`` only on rank 0)."""
+        opts = dist.ScatterOptions()
+        opts.rootRank = 0
+        if self.backend == "nccl":
+            moved = output.to(self.device)
+            sent = [[t.to(self.device) for t in inputs]] if self.rank == 0 else []
+            self.pg.scatter([moved], sent, opts).wait()
+            output.copy_(moved.cpu())
+        else:
+            self.pg.scatter([output], [inputs] if self.rank == 0 else [], opts).wait()
 
     def stop(self) -> None:
         """Rank 0: end every other rank's ``follow`` loop."""
@@ -333,21 +346,26 @@ class DriverRunner:
 
 
 def _read_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int],
-                num_tokens: int, layers: slice) -> list[torch.Tensor]:
-    """Every rank's ``store.read`` of one request, gathered on every rank (rank order)."""
-    local = store.read(block_ids, num_tokens, layers)
-    parts = [torch.empty_like(local) for _ in range(group.size)]
-    group.all_gather(parts, local)
-    return parts
+                num_tokens: int, layers: slice) -> list[torch.Tensor] | None:
+    """Every rank's ``store.read`` of one request (its own heads), gathered on rank 0 (rank
+    order; None on the others)."""
+    return group.gather(store.read(block_ids, num_tokens, layers))
 
 
 def _write_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int],
-                 shape: tuple[int, ...], layer_start: int) -> None:
-    """Receive rank 0's whole ``[L', 2, H_kv, T, D]`` KV and write this rank's heads."""
-    kv = torch.empty(shape, dtype=store.spec.torch_dtype)
-    group.broadcast_tensor(kv)
-    heads = kv_heads_of(group.rank, group.size, shape[2])
-    store.write(block_ids, kv[:, :, heads.start:heads.stop].contiguous(), layer_start)
+                 shape: tuple[int, ...], layer_start: int,
+                 kv: torch.Tensor | None = None) -> None:
+    """Write one request's ``[L', 2, H_kv, T, D]`` KV (``shape``), each rank exactly its own
+    heads, scattered from rank 0's ``kv``."""
+    def heads_of(rank: int) -> range:
+        return kv_heads_of(rank, group.size, shape[2])
+
+    mine = heads_of(group.rank)
+    local = torch.empty(shape[:2] + (len(mine),) + shape[3:], dtype=store.spec.torch_dtype)
+    parts = None if kv is None else [kv[:, :, heads_of(r).start:heads_of(r).stop].contiguous()
+                                     for r in range(group.size)]
+    group.scatter(local, parts)
+    store.write(block_ids, local, layer_start)
 
 
 class InstanceKVStore:
@@ -387,10 +405,7 @@ class InstanceKVStore:
                              f"{self.spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
         block_ids = list(block_ids)
         self.group.broadcast_object(("write", (block_ids, tuple(kv.shape), layer_start)))
-        kv = kv.contiguous()
-        self.group.broadcast_tensor(kv)
-        heads = kv_heads_of(0, self.group.size, self.spec.num_kv_heads)
-        self.local.write(block_ids, kv[:, :, heads.start:heads.stop].contiguous(), layer_start)
+        _write_local(self.local, self.group, block_ids, tuple(kv.shape), layer_start, kv)
 
     def __getattr__(self, name):
         return getattr(self.local, name)
@@ -552,14 +567,24 @@ class RunningInstance:
     processes: list
     rendezvous: object
 
+    def dead_rank(self) -> str | None:
+        """``TP rank 1 (pid 42) exited with code -9`` for a rank that ended; None if none."""
+        for rank, process in enumerate(self.processes, start=1):
+            if not process.is_alive():
+                return f"TP rank {rank} (pid {process.pid}) exited with code {process.exitcode}"
+        return None
+
     def close(self, timeout_s: float = 60.0) -> list[int | None]:
         """Stop the other ranks and wait for them; a rank still running after ``timeout_s``
         is killed. Returns their exit codes (0: a clean stop)."""
-        try:
-            if self.group.size > 1:
+        try:  # with a rank gone the stop could wait out the group's timeout: kill instead
+            if self.group.size > 1 and self.dead_rank() is None:
                 self.group.stop()
-        except RuntimeError:  # a rank already died: the others are killed below
+        except RuntimeError:  # a rank died meanwhile: the others are killed below
             pass
+        if self.dead_rank() is not None:
+            for p in self.processes:
+                p.kill()
         for p in self.processes:
             p.join(timeout_s)
             if p.is_alive():

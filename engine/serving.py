@@ -64,7 +64,7 @@ class EngineLoop:
         rank_devices: the devices of ranks 1.. of a tensor-parallel instance (TP = 1 +
             their count; ``engine.parallel.start_instance``: each rank a process bound to its
             device, this one rank 0 on ``device``; with ``bind`` off they are not pinned);
-            () is a one-device instance.
+            () is a one-device instance. Inside Ray, CUDA rank ``r`` is ``cuda:r``.
 
     Raises:
         ValueError: ``rank_devices`` with an emulated device, or a TP the model's heads do
@@ -82,7 +82,11 @@ class EngineLoop:
         self.step_delay_s = step_delay_s
         self.device = device
         self.torch_device = bind_device(device, inside_ray, pin=bind)
+        if self.rank_devices and inside_ray and self.torch_device.startswith("cuda"):
+            self.rank_devices = tuple(f"cuda:{r}" for r in range(1, 1 + len(self.rank_devices)))
         engine_config = dataclasses.replace(engine_config, device=self.torch_device)
+        if self.rank_devices:
+            engine_config = dataclasses.replace(engine_config, tp=1 + len(self.rank_devices))
         if emulation is None:
             loaded = load_model(model_config, self.torch_device)
         else:  # the emulated GPU's KV dtype is the profile's
@@ -121,7 +125,8 @@ class EngineLoop:
         with every result. ``device`` is the device asked for, ``torch_device`` the one used."""
         engine = self.engine
         return {"name": self.name, "role": self.role, "device": self.device,
-                "tp": 1 + len(self.rank_devices), "rank_devices": list(self.rank_devices),
+                "tp": engine.config.tp, "pp": engine.config.pp,
+                "rank_devices": list(self.rank_devices),
                 "torch_device": self.torch_device, "gpu": gpu_identity(self.torch_device),
                 "torch_num_threads": torch.get_num_threads(),
                 "torch_num_interop_threads": torch.get_num_interop_threads(),
@@ -266,6 +271,7 @@ class EngineLoop:
 
     def _loop(self) -> None:
         while not self._stopped.is_set():
+            self._check_ranks()
             self._drain_commands(block=not self.engine.has_unfinished(),
                                  timeout_s=self.idle_wait_s())
             self.on_tick()
@@ -273,6 +279,8 @@ class EngineLoop:
                 self._send_events()
                 continue
             output = self.engine.step()
+            if output.failed:  # a failed forward may be a rank's death: the instance's
+                self._check_ranks()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
             for request_id, error in output.failed:
@@ -285,6 +293,13 @@ class EngineLoop:
             self._send_events()
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
+
+    def _check_ranks(self) -> None:
+        """A TP instance with a dead rank is a dead worker: raise (the loop dies)."""
+        dead = self._instance and self._instance.dead_rank()
+        if dead:
+            raise RuntimeError(f"{self.role} worker {self.name}: {dead}: the TP "
+                               f"{self.engine.config.tp} instance cannot run without it")
 
     def _send_events(self) -> None:
         """Over the channel: this turn's events as one message (none: nothing is sent)."""

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from engine.config import (DTYPES, TRANSPORTS, ConditionalConfig, EngineConfig, ModelConfig,
                            PlacementConfig, TransferConfig, add_dataclass_args,
-                           dataclass_from_args, parse_devices, parse_placement)
+                           dataclass_from_args, parse_devices)
+from engine.placement import Placement
 from engine.model import ModelLoadError, check_model_name, model_context_len
 from deployment.placement import check_devices_exist, worker_layout
 from planner.latency import LINKS, DeviceProfile, TransferModel, link_transfer
@@ -68,12 +69,12 @@ def rate_list(text: str) -> list[float]:
 
 
 def placement_list(text: str) -> list[str]:
-    """Comma-separated placements (``engine.config.parse_placement``), each once."""
+    """Comma-separated placements (``engine.placement.Placement``), each once."""
     items = [p.strip().lower() for p in text.split(",") if p.strip()]
     if not items:
         raise argparse.ArgumentTypeError(f"must name at least one placement, got {text!r}")
     for p in items:
-        _type_error(parse_placement)(p)
+        _type_error(Placement.parse)(p)
     repeated = sorted({p for p in items if items.count(p) > 1})
     if repeated:
         raise argparse.ArgumentTypeError(f"each placement may appear once, {', '.join(repeated)} "

@@ -15,7 +15,7 @@ from typing import Any, Iterable
 import torch
 
 from engine.kv_cache import KVSpec
-from kv_transfer.payload import Frame
+from kv_transfer.payload import WHOLE, Frame, RankPart
 from kv_transfer.transport import KVHandle, Transport, TransferFailed, TransferTimeout, frame_nbytes
 
 
@@ -70,8 +70,8 @@ class FaultyTransport(Transport):
         return self.inner.ordered_gets
 
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
-              layer_start: int) -> list[Frame]:
-        frames = self.inner._pack(request_id, spec, kv, token_start, layer_start)
+              layer_start: int, part: RankPart = WHOLE) -> list[Frame]:
+        frames = self.inner._pack(request_id, spec, kv, token_start, layer_start, part)
         if self.corrupt and self.applies_to(request_id) and frame_nbytes(frames[1]):
             frames = [frames[0], flip_one_byte(frames[1])]
         return frames

@@ -33,7 +33,7 @@ import torch
 
 from engine.kv_cache import KVSpec
 from kv_transfer.extents import first_fit, round_up
-from kv_transfer.payload import Frame, pack_tensor
+from kv_transfer.payload import WHOLE, Frame, RankPart, pack_tensor
 from kv_transfer.shm import node_id, pid_alive
 from kv_transfer.transport import KVHandle, TransferFailed, TransferTimeout, Transport
 
@@ -210,11 +210,11 @@ class NixlTransport(Transport):
             arena.data[start + nbytes:start + nbytes + TAIL_BYTES].zero_()
 
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
-              layer_start: int) -> list[Frame]:
+              layer_start: int, part: RankPart = WHOLE) -> list[Frame]:
         if self.device.type != "cuda":
-            return super()._pack(request_id, spec, kv, token_start, layer_start)
+            return super()._pack(request_id, spec, kv, token_start, layer_start, part)
         header, kv_u8 = pack_tensor(request_id, spec, kv.to(self.device), token_start,
-                                    layer_start, self.checksum)
+                                    layer_start, self.checksum, part)
         return [header, kv_u8]  # stays on the device: copied device to device on put
 
     def _put_frames(self, request_id: str, frames: list[Frame], dst_rank: int | None

@@ -2,7 +2,8 @@
 frame 1, the KV tensor ``[L', 2, H_kv, T, D]`` as raw C-order bytes, never upcast, so ``len(frame
 1) == spec.kv_bytes(T, L')``. ``unpack`` checks the header against the receiver's ``KVSpec``
 before touching the bytes (``KVSpecMismatch`` names the field, expected and got); corrupted bytes
-raise ``KVChecksumError``; both are ``ValueError``.
+raise ``KVChecksumError``; both are ``ValueError``. A message may carry a slice of the heads
+(``RankPart``).
 
 Checksum (wire version 2): CRC-32C over every byte of frame 1 with the CPU's CRC instruction (the
 ``crc32c`` package; without it zlib ``crc32``, named in ``checksum_kind``). ``pack`` never copies a
@@ -26,7 +27,7 @@ try:  # hardware CRC-32C (SSE4.2 / ARMv8 CRC); a dependency, but keep working wi
 except ImportError:  # pragma: no cover - exercised only where the wheel is missing
     _crc32c_fn = None
 
-WIRE_VERSION = 2  # 2: checksum is CRC-32C by default and the header names its kind
+WIRE_VERSION = 3  # 3: a message may carry a slice of the KV heads and names its ranks
 CHECKSUM_KINDS = ("crc32c", "crc32")
 DEFAULT_CHECKSUM_KIND = "crc32c" if _crc32c_fn is not None else "crc32"
 
@@ -47,10 +48,25 @@ class KVChecksumError(ValueError):
 
 
 @dataclass(frozen=True)
+class RankPart:
+    """One message of a TP-``prefill_tp`` to TP-``decode_tp`` transfer: global KV heads from
+    ``head_start`` (as many as the tensor has), from ``prefill_rank`` to ``decode_rank``."""
+
+    head_start: int = 0
+    prefill_rank: int = 0
+    decode_rank: int = 0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+
+WHOLE = RankPart()
+
+
+@dataclass(frozen=True)
 class KVHeader:
     """Frame 0 of a transfer; ranges half-open ``[start, end)``. ``shape`` is ``(layer_end -
     layer_start, 2, num_kv_heads, token_end - token_start, head_dim)``; ``checksum``: of all of
-    frame 1 by ``checksum_kind`` (``crc32c`` or zlib ``crc32``), or None."""
+    frame 1 by ``checksum_kind`` (``crc32c`` or zlib ``crc32``), or None; ``part``: its heads."""
 
     wire_version: int
     request_id: str
@@ -66,6 +82,17 @@ class KVHeader:
     layer_end: int
     checksum: int | None
     checksum_kind: str | None = None
+    head_start: int = 0
+    prefill_rank: int = 0
+    decode_rank: int = 0
+    prefill_tp: int = 1
+    decode_tp: int = 1
+
+    @property
+    def part(self) -> RankPart:
+        """The heads and ranks this message carries."""
+        return RankPart(self.head_start, self.prefill_rank, self.decode_rank, self.prefill_tp,
+                        self.decode_tp)
 
     @property
     def num_bytes(self) -> int:
@@ -126,22 +153,30 @@ def check_header(header: KVHeader, expected: KVSpec) -> None:
     if not 0 <= header.layer_start < header.layer_end <= expected.num_layers:
         raise KVSpecMismatch(rid, "layer range", f"within [0, {expected.num_layers})",
                              f"[{header.layer_start}, {header.layer_end})")
+    heads = header.shape[2] if len(header.shape) == 5 else -1
+    if not (0 <= header.head_start and 0 < heads and header.head_start + heads <= expected.num_kv_heads):
+        raise KVSpecMismatch(rid, "KV heads", f"within [0, {expected.num_kv_heads})",
+                             f"[{header.head_start}, {header.head_start + heads})")
     want_shape = expected.kv_shape(header.token_end - header.token_start,
                                    header.layer_end - header.layer_start)
+    want_shape = want_shape[:2] + (heads,) + want_shape[3:]
     if header.shape != want_shape:
         raise KVSpecMismatch(rid, "shape", want_shape, header.shape)
 
 
 def make_header(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
                 layer_start: int = 0, checksum: int | None = None,
-                checksum_kind: str | None = None) -> KVHeader:
-    """Header for ``kv`` ``[L', 2, H_kv, T, D]``, tokens from ``token_start``, layers from
-    ``layer_start``.
+                checksum_kind: str | None = None, part: RankPart = WHOLE) -> KVHeader:
+    """Header for ``kv`` ``[L', 2, H', T, D]``, tokens from ``token_start``, layers from
+    ``layer_start``, heads ``[part.head_start, part.head_start + H')`` of the spec's.
 
     Raises:
-        ValueError: ``kv`` does not have the spec's shape or dtype."""
-    num_layers, _, _, num_tokens, _ = kv.shape if kv.dim() == 5 else (0, 0, 0, 0, 0)
-    if tuple(kv.shape) != spec.kv_shape(num_tokens, num_layers) or kv.dtype != spec.torch_dtype:
+        ValueError: ``kv`` does not have the spec's shape (on those heads) or dtype."""
+    num_layers, _, heads, num_tokens, _ = kv.shape if kv.dim() == 5 else (0, 0, 0, 0, 0)
+    want = spec.kv_shape(num_tokens, num_layers)
+    want = want[:2] + (heads,) + want[3:]
+    if (tuple(kv.shape) != want or kv.dtype != spec.torch_dtype or heads < 1
+            or part.head_start < 0 or part.head_start + heads > spec.num_kv_heads):
         raise ValueError(f"KV tensor for request {request_id} must be {spec.torch_dtype} of shape "
                          f"[L', 2, {spec.num_kv_heads}, T, {spec.head_dim}], "
                          f"got {kv.dtype} {tuple(kv.shape)}")
@@ -152,21 +187,25 @@ def make_header(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: in
         shape=tuple(kv.shape), token_start=token_start, token_end=token_start + num_tokens,
         layer_start=layer_start, layer_end=layer_start + num_layers, checksum=checksum,
         checksum_kind=None if checksum is None else (checksum_kind or DEFAULT_CHECKSUM_KIND),
+        head_start=part.head_start, prefill_rank=part.prefill_rank,
+        decode_rank=part.decode_rank, prefill_tp=part.prefill_tp, decode_tp=part.decode_tp,
     )
 
 
 def pack_tensor(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
-                layer_start: int = 0, checksum: bool = True) -> tuple[bytes, torch.Tensor]:
+                layer_start: int = 0, checksum: bool = True,
+                part: RankPart = WHOLE) -> tuple[bytes, torch.Tensor]:
     """``pack`` with frame 1 a flat uint8 tensor on ``kv``'s device (NCCL); the checksum of a
     CUDA tensor costs a device-to-host copy (``checksum=False`` skips it)."""
     kv_u8 = tensor_bytes(kv)
     crc = checksum_of(kv_u8) if checksum else None
-    header = make_header(request_id, spec, kv, token_start, layer_start, crc)
+    header = make_header(request_id, spec, kv, token_start, layer_start, crc, part=part)
     return encode_header(header), kv_u8
 
 
 def pack(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
-         layer_start: int = 0, checksum: bool = True) -> list[bytes | memoryview]:
+         layer_start: int = 0, checksum: bool = True,
+         part: RankPart = WHOLE) -> list[bytes | memoryview]:
     """``[header_bytes, tensor_bytes]`` for ``kv`` ``[L', 2, H_kv, T, D]`` (any device; moved to
     host, never upcast). Frame 1 views ``kv`` when it is contiguous on CPU: do not modify ``kv``
     until the transport has taken the bytes.
@@ -174,7 +213,7 @@ def pack(request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
     Raises:
         ValueError: ``kv`` does not match ``spec``'s shape or dtype."""
     header, kv_u8 = pack_tensor(request_id, spec, kv.detach().cpu(), token_start, layer_start,
-                                checksum)
+                                checksum, part)
     return [header, memoryview(kv_u8.numpy())]
 
 

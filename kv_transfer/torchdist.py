@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from engine.kv_cache import KVSpec
-from kv_transfer.payload import Frame, pack_tensor
+from kv_transfer.payload import WHOLE, Frame, RankPart, pack_tensor
 from kv_transfer.transport import (KVHandle, Transport, TransferError, TransferFailed,
                                    TransferTimeout)
 
@@ -191,9 +191,9 @@ class TorchDistributedTransport(Transport):
         work.wait()
 
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
-              layer_start: int) -> list[Frame]:
+              layer_start: int, part: RankPart = WHOLE) -> list[Frame]:
         header, tensor_bytes = pack_tensor(request_id, spec, kv.to(self.device), token_start,
-                                           layer_start, self.checksum)
+                                           layer_start, self.checksum, part)
         return [header, tensor_bytes]
 
     def _put_frames(self, request_id: str, frames: list[Frame], dst_rank: int | None) -> P2PKey:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVSpec
-from kv_transfer.payload import Frame, KVHeader, pack, unpack
+from kv_transfer.payload import WHOLE, Frame, KVHeader, RankPart, pack, unpack
 
 
 class TransferError(RuntimeError):
@@ -60,7 +60,8 @@ class TransferRecord:
     """One completed transfer (one chunk of a request), appended by ``get``. ``put_s``, ``get_s``:
     seconds inside each; ``*_time_s``: ``time.time()`` when they began; ``layer_start``,
     ``layer_end``: ``[start, end)``; ``num_messages``: wire messages (NIXL: descriptors);
-    ``achieved_gbps``, ``efficiency``, ``exposed_s``, ``overlapped_s``: module docstring."""
+    ``achieved_gbps``, ``efficiency``, ``exposed_s``, ``overlapped_s``: module docstring;
+    ``prefill_rank`` sent KV heads ``[head_start, head_end)`` to ``decode_rank``."""
 
     request_id: str
     num_bytes: int
@@ -77,6 +78,10 @@ class TransferRecord:
     efficiency: float | None = None
     exposed_s: float | None = None
     overlapped_s: float | None = None
+    prefill_rank: int = 0
+    decode_rank: int = 0
+    head_start: int = 0
+    head_end: int = 0
 
 
 def split_exposed(records: list[TransferRecord]) -> list[TransferRecord]:
@@ -115,7 +120,7 @@ class Transport(ABC):
         self.records: list[TransferRecord] = []
         self.peak_gbps: float | None = None
         self._records_lock = threading.Lock()  # decode workers get on several threads
-        self._streams: dict[str, list[int]] = {}  # request id -> indices of its open stream
+        self._streams: dict[tuple, list[int]] = {}  # (request, part) -> its open stream's indices
 
     def has_room(self, num_bytes: int) -> bool:
         """Whether a ``put`` of ``num_bytes`` would be taken now without waiting for buffer space
@@ -126,14 +131,16 @@ class Transport(ABC):
         return True
 
     def put(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int = 0,
-            layer_start: int = 0, dst_rank: int | None = None) -> KVHandle:
-        """Hand over ``kv`` ``[L', 2, H_kv, T, D]`` (tokens from ``token_start``, layers from
-        ``layer_start``); ``dst_rank``: the receiver, for point-to-point transports.
+            layer_start: int = 0, dst_rank: int | None = None,
+            part: RankPart = WHOLE) -> KVHandle:
+        """Hand over ``kv`` ``[L', 2, H', T, D]`` (tokens from ``token_start``, layers from
+        ``layer_start``, the heads and ranks of ``part``: all heads by default); ``dst_rank``:
+        the receiving worker, for point-to-point transports.
 
         Raises:
             ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused."""
         start_time_s, start_s = time.time(), time.perf_counter()
-        frames = self._pack(request_id, spec, kv, token_start, layer_start)
+        frames = self._pack(request_id, spec, kv, token_start, layer_start, part)
         key = self._put_frames(request_id, frames, dst_rank)
         return KVHandle(self.name, request_id, key, frame_nbytes(frames[1]),
                         time.perf_counter() - start_s, start_time_s)
@@ -157,7 +164,9 @@ class Transport(ABC):
             put_time_s=handle.put_time_s, get_time_s=start_time_s,
             layer_start=header.layer_start, layer_end=header.layer_end,
             num_messages=self._num_messages(handle), achieved_gbps=achieved, peak_gbps=peak,
-            efficiency=achieved / peak if peak else None), header.num_layers)
+            efficiency=achieved / peak if peak else None, prefill_rank=header.prefill_rank,
+            decode_rank=header.decode_rank, head_start=header.head_start,
+            head_end=header.head_start + header.shape[2]), header.num_layers)
         return header, kv
 
     def _record(self, record: TransferRecord, num_layers: int) -> None:
@@ -165,13 +174,14 @@ class Transport(ABC):
         with self._records_lock:
             self.records.append(record)
             index = len(self.records) - 1
+            key = (record.request_id, record.prefill_rank, record.decode_rank, record.head_start)
             if record.layer_start == 0:  # a stream's first chunk (a retry starts anew)
-                self._streams[record.request_id] = []
-            stream = self._streams.setdefault(record.request_id, [])
+                self._streams[key] = []
+            stream = self._streams.setdefault(key, [])
             stream.append(index)
             parts = [self.records[i] for i in stream]
             if sum(r.layer_end - r.layer_start for r in parts) >= num_layers:
-                del self._streams[record.request_id]
+                del self._streams[key]
                 for i, scored in zip(stream, split_exposed(parts)):
                     self.records[i] = scored
 
@@ -193,8 +203,8 @@ class Transport(ABC):
         """Transfers whose bytes are still held (0 once everything is freed)."""
 
     def _pack(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
-              layer_start: int) -> list[Frame]:
-        return pack(request_id, spec, kv, token_start, layer_start, self.checksum)
+              layer_start: int, part: RankPart = WHOLE) -> list[Frame]:
+        return pack(request_id, spec, kv, token_start, layer_start, self.checksum, part)
 
     @abstractmethod
     def _put_frames(self, request_id: str, frames: list[Frame], dst_rank: int | None) -> Any:

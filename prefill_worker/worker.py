@@ -18,6 +18,8 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   iteration and then put whole, so TTFT shows the wait. A layer-wise put that meets a full
   buffer frees the ranges it put and is deferred whole. Requests that finish here never wait
   behind the FIFO.
+- Between TP sizes (``decode_tp``: the decode instances') a put is one message per
+  ``engine.kv_heads.transfer_map`` slice (``RankPart``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,9 @@ from engine.request import Request, TokenOutput
 from engine.scheduler import ScheduledBatch
 from engine.emulated import Emulation
 from engine.serving import EngineLoop, token_event
+from engine.kv_heads import transfer_map
 from kv_transfer.factory import make_transport
+from kv_transfer.payload import RankPart
 from kv_transfer.transport import KVHandle, Transport
 
 
@@ -42,7 +46,9 @@ class PrefillWorker(EngineLoop):
     """See the module docstring. ``transport`` overrides the one ``transfer_config`` names
     (in-process placements share one); ``faults`` wraps it in fault injection;
     ``rank``/``world_size``/``init_method`` set up torch.distributed transports;
-    ``rank_devices`` makes it a tensor-parallel instance (``engine.serving.EngineLoop``)."""
+    ``rank_devices`` makes it a tensor-parallel instance (``engine.serving.EngineLoop``);
+    ``decode_tp``: the TP of the decode instances it sends to (1 for emulated ones, whose KV
+    is one store)."""
 
     role = "prefill"
 
@@ -52,7 +58,8 @@ class PrefillWorker(EngineLoop):
                  rank: int | None = None, world_size: int | None = None,
                  init_method: str | None = None, inside_ray: bool = False,
                  bind: bool = True, step_delay_s: float = 0.0,
-                 emulation: Emulation | None = None, rank_devices: tuple[str, ...] = ()) -> None:
+                 emulation: Emulation | None = None, rank_devices: tuple[str, ...] = (),
+                 decode_tp: int = 1) -> None:
         self.transfer = transfer_config
         self._dst_rank: dict[str, int | None] = {}
         self._kv_start: dict[str, int] = {}  # first prompt token to send (the rest is cached there)
@@ -69,6 +76,9 @@ class PrefillWorker(EngineLoop):
         # After binding: inside a Ray actor its GPU is cuda:0, whatever the device set says.
         self.transport = transport or make_transport(transfer_config, faults, rank, world_size,
                                                      init_method, self.engine.config.device)
+        prefill_tp = 1 + len(self.rank_devices)
+        self._slices = transfer_map(self.engine.kv_spec.num_kv_heads, prefill_tp, decode_tp)
+        self._tps = (prefill_tp, decode_tp)
 
     def layer_listener(self) -> Callable[[int, ScheduledBatch], None] | None:
         """Layer-wise granularity: ``_put_layers`` hears of every layer as it is written."""
@@ -190,21 +200,42 @@ class PrefillWorker(EngineLoop):
             return True  # let the put itself fail with the transport's reason
 
     def _put_bytes(self, state) -> int:
-        """Bytes of ``state``'s KV this worker sends (prompt tokens from its start on)."""
+        """Bytes of ``state``'s KV this worker sends (prompt tokens from its start on; a KV
+        head a decode instance replicates goes to each of its ranks)."""
         start = self._kv_start.get(state.request_id, 0)
-        return self.engine.kv_spec.kv_bytes(state.num_prompt_tokens - start)
+        heads = sum(len(s.heads) for s in self._slices)
+        num_kv_heads = self.engine.kv_spec.num_kv_heads
+        return self.engine.kv_spec.kv_bytes(state.num_prompt_tokens - start) * heads // num_kv_heads
+
+    def _put(self, rid: str, kv, token_start: int, layer_start: int = 0) -> list[KVHandle]:
+        """Put ``kv`` ``[L', 2, H_kv, T, D]`` as one message per rank slice (whole between TP-1
+        instances); a failed put frees the ones before it, then raises."""
+        if self._tps == (1, 1):
+            return [self.transport.put(rid, self.engine.kv_spec, kv, token_start=token_start,
+                                       layer_start=layer_start, dst_rank=self._dst_rank.get(rid))]
+        handles: list[KVHandle] = []
+        try:
+            for s in self._slices:
+                part = RankPart(s.heads.start, s.prefill_rank, s.decode_rank, *self._tps)
+                handles.append(self.transport.put(
+                    rid, self.engine.kv_spec, kv[:, :, s.heads.start:s.heads.stop].contiguous(),
+                    token_start=token_start, layer_start=layer_start,
+                    dst_rank=self._dst_rank.get(rid), part=part))
+        except Exception:
+            self._free(handles)
+            raise
+        return handles
 
     def _put_whole(self, out: TokenOutput) -> None:
         rid = out.request_id
         start = self._kv_start.get(rid, 0)
         try:
             kv, _ = self.engine.export_kv(rid, token_start=start)
-            handle = self.transport.put(rid, self.engine.kv_spec, kv, token_start=start,
-                                        dst_rank=self._dst_rank.get(rid))
+            handles = self._put(rid, kv, start)
         except Exception as err:  # the transport refused: this request fails, not the worker
             self._fail(rid, err)
             return
-        self._prefilled(out, [handle])
+        self._prefilled(out, handles)
 
     def _fail(self, rid: str, err: Exception) -> None:
         self._dst_rank.pop(rid, None)
@@ -253,9 +284,8 @@ class PrefillWorker(EngineLoop):
                     self._no_room.add(rid)
                     self._free(self._layer_handles.pop(rid, []))
                     continue
-                handle = self.transport.put(rid, self.engine.kv_spec, kv, token_start=token_start,
-                                            layer_start=start, dst_rank=self._dst_rank.get(rid))
+                handles = self._put(rid, kv, token_start, layer_start=start)
             except Exception as err:  # fail this request after the step, not the whole batch
                 self._put_errors[rid] = err
                 continue
-            self._layer_handles.setdefault(rid, []).append(handle)
+            self._layer_handles.setdefault(rid, []).extend(handles)

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import events as ev
-from engine.config import ConditionalConfig, parse_placement
+from engine.config import ConditionalConfig
+from engine.placement import Placement
 from engine.errors import describe_error
 from engine.kv_blocks import prompt_block_hashes
 from engine.limits import Limits
@@ -233,7 +234,7 @@ class Router:
         self.policy = policy
         self.deadline_s = deadline_s
         self.poll_s = poll_s
-        kind = parse_placement(placement)[0]
+        kind = Placement.parse(placement).kind
         kind = "colocated" if all(w.role == "colocated" for w in workers) else kind
         for role in ("colocated",) if kind == "colocated" else ("prefill", "decode"):
             if not any(w.role == role for w in workers):

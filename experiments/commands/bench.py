@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import httpx
 import pandas as pd
 
-from engine.config import ModelConfig, add_dataclass_args, check_fields, dataclass_from_args, parse_placement
+from engine.config import ModelConfig, add_dataclass_args, check_fields, dataclass_from_args
+from engine.placement import Placement
 from engine.metrics import ARRIVED, DISPATCHED, ERROR, FINISHED, SLO, RequestRecord
 from engine.model import TINY_NAMES
 from experiments import workloads
@@ -60,7 +61,7 @@ class BenchConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         try:
-            parse_placement(self.label.rsplit("@", 1)[1])
+            Placement.parse(self.label.rsplit("@", 1)[1])
         except ValueError as err:
             raise ValueError(f"label must be NAME@PLACEMENT with a placement such as "
                              f"colocated:1: {err}") from None

@@ -92,8 +92,11 @@ DERIVED = {"run": (WorkloadSpec, EngineConfig, TransferConfig, ConditionalConfig
            "bench": (BenchConfig, WorkloadSpec),
            "plan": (PlanConfig, WorkloadSpec, EngineConfig, TransferConfig),
            "map": (MapConfig, WorkloadSpec, EngineConfig, TransferConfig)}
-# dataclass fields the CLI leaves out (each worker binds its own device)
-SKIPPED = {(EngineConfig, "device")}
+# dataclass fields the CLI leaves out (each worker binds its own device; the deployment sets
+# an instance's TP/PP from its placement)
+SKIPPED = {(EngineConfig, "device")} | {(cls, f.name) for cls in (EngineConfig,)
+                                       for f in dataclasses.fields(cls)
+                                       if not f.metadata.get("cli", True)}
 SKIPPED_BY_COMMAND = {"bench": {(WorkloadSpec, "calibrate")},  # bench has no calibration
                       # map draws one synthetic workload per --io-ratio itself
                       "map": {(WorkloadSpec, name) for name in MAP_SPEC_SKIP}

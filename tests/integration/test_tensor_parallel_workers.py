@@ -1,7 +1,8 @@
-"""Disaggregated workers whose instances have different TP sizes (``rank_devices``): a
-prefill instance at TP 2 hands its KV to a decode instance at TP 1 and the other way round,
-over the in-process and shared-memory transports, whole and layer-wise; the tokens equal
-``generate()``. Each instance's other ranks are spawned processes (gloo)."""
+"""Disaggregated workers whose instances have different TP sizes (``rank_devices``): prefill
+TP 2 to decode TP 1, 1 to 2 and 2 to 2, over the in-process and shared-memory transports, whole
+and layer-wise, with a prefix cached on the decode side; the tokens equal ``generate()`` and
+each decode rank receives the formula's bytes over its TP. Each instance's other ranks are
+spawned processes (gloo)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from placement_helpers import collect_events
 from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
 from engine.events import ERROR, KV_GOT, PREFILLED, TOKEN
+from engine.kv_heads import transfer_map
 from engine.request import Request, SamplingParams
 from engine.serving import EngineLoop
 from kv_transfer.inprocess import InProcessTransport
@@ -26,45 +28,93 @@ def _ranks(tp: int) -> tuple[str, ...]:
     return ("cpu",) * (tp - 1)  # not bound (bind=False): the device names only count ranks
 
 
-@pytest.mark.parametrize("transport,granularity", [("inprocess", "request"), ("shm", "layer"),
-                                                   ("shm", "request"), ("inprocess", "layer")])
-@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 1), (1, 2)])
+def _per_rank(records, rid: str) -> tuple[dict[int, int], set[tuple[int, int, int, int]]]:
+    """A request's bytes per decode rank and its (prefill rank, decode rank, heads) slices."""
+    mine = [r for r in records if r["request_id"] == rid]
+    sent: dict[int, int] = {}
+    for r in mine:
+        sent[r["decode_rank"]] = sent.get(r["decode_rank"], 0) + r["num_bytes"]
+    return sent, {(r["prefill_rank"], r["decode_rank"], r["head_start"], r["head_end"])
+                  for r in mine}
+
+
+@pytest.mark.parametrize("transport,granularity,prefill_tp,decode_tp", [
+    ("inprocess", "request", 2, 1), ("shm", "layer", 2, 1),
+    ("shm", "request", 1, 2), ("inprocess", "layer", 1, 2),
+    ("shm", "layer", 2, 2), ("inprocess", "request", 2, 2),
+])
 def test_prefill_and_decode_at_different_tp_give_generates_tokens(
         tiny, transport, granularity, prefill_tp, decode_tp):
+    """Each decode rank receives its KV heads, kv_bytes / decode TP per request (2 KV heads,
+    TP <= 2), in the slices transfer_map names; a prompt whose first 32 tokens the decode
+    instance caches receives only the rest."""
     transfer = TransferConfig(transport=transport, granularity=granularity, timeout_s=20.0)
     shared = InProcessTransport() if transport == "inprocess" else None  # shm: one per worker
+    spec = tiny.kv_spec
+    slices = {(s.prefill_rank, s.decode_rank, s.heads.start, s.heads.stop)
+              for s in transfer_map(spec.num_kv_heads, prefill_tp, decode_tp)}
     workers = []
     try:
         prefill = PrefillWorker("prefill-0", TINY, ENGINE, transfer, transport=shared,
-                                bind=False, rank_devices=_ranks(prefill_tp))
+                                bind=False, rank_devices=_ranks(prefill_tp), decode_tp=decode_tp)
         workers.append(prefill)
         decode = DecodeWorker("decode-0", TINY, ENGINE, transfer, transport=shared, bind=False,
                               rank_devices=_ranks(decode_tp))
         workers.append(decode)
         assert (prefill.info()["tp"], decode.info()["tp"]) == (prefill_tp, decode_tp)
-        assert prefill.info()["kv_spec"] == decode.info()["kv_spec"] == tiny.kv_spec.to_dict()
-        for i, prompt in enumerate(random_prompts([11, 40, 23], seed=9)):
+        assert prefill.info()["kv_spec"] == decode.info()["kv_spec"] == spec.to_dict()
+        prompts = random_prompts([11, 40, 23], seed=9)
+        prompts.append(prompts[1][:32] + random_prompts([9], seed=10)[0])  # 2 cached blocks
+        for i, prompt in enumerate(prompts):
+            start = 32 if i == 3 else 0
             request = Request(f"r{i}", tuple(prompt), SamplingParams(max_tokens=8))
-            prefill.submit(request)
+            prefill.submit(request, kv_token_start=start)
             events = collect_events(prefill, lambda ev: any(
                 e.kind in (PREFILLED, ERROR) and e.request_id == request.request_id for e in ev),
                 30.0, poll_s=0.2)
             done = [e for e in events if e.kind in (PREFILLED, ERROR)]
             assert [e.kind for e in done] == [PREFILLED], done
             event = done[0]
-            assert event.kv_bytes == tiny.kv_spec.kv_bytes(len(prompt))  # every head
-            decode.admit(request, event.token_id, event.kv_handles)
+            formula = 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * 4 * (len(prompt) - start)
+            assert event.kv_bytes == formula == spec.kv_bytes(len(prompt) - start)  # every head
+            decode.admit(request, event.token_id, event.kv_handles, kv_token_start=start)
             events = collect_events(decode, lambda ev: any(e.kind == ERROR for e in ev) or any(
                 e.kind == TOKEN and e.finish_reason for e in ev), 30.0, poll_s=0.2)
             assert not [e.error for e in events if e.kind == ERROR]
             assert [e.kv_bytes for e in events if e.kind == KV_GOT] == [event.kv_bytes]
             tokens = [event.token_id] + [e.token_id for e in events if e.kind == TOKEN]
             assert tokens == reference_generate(tiny.model, prompt, 8)
+            per_rank, got = _per_rank(decode.transfer_records(), request.request_id)
+            assert per_rank == {j: formula // decode_tp for j in range(decode_tp)}
+            assert got == slices
         assert prefill.status()["engine_empty"] and decode.status()["engine_empty"]
     finally:
         for worker in workers:
             worker.shutdown()
         assert all(p.exitcode == 0 for w in workers if w._instance for p in w._instance.processes)
+
+
+def test_a_decode_instance_refuses_kv_split_for_another_tp(tiny):
+    """KV split for a TP-2 decode instance reaching a TP-1 one fails that request, naming both."""
+    transfer = TransferConfig(transport="inprocess", timeout_s=20.0)
+    shared = InProcessTransport()
+    prefill = PrefillWorker("prefill-0", TINY, ENGINE, transfer, transport=shared, bind=False,
+                            decode_tp=2)
+    decode = DecodeWorker("decode-0", TINY, ENGINE, transfer, transport=shared, bind=False)
+    try:
+        request = Request("r0", tuple(random_prompts([20], seed=4)[0]), SamplingParams(max_tokens=4))
+        prefill.submit(request)
+        events = collect_events(prefill, lambda ev: any(e.kind == PREFILLED for e in ev), 30.0)
+        event = next(e for e in events if e.kind == PREFILLED)
+        assert len(event.kv_handles) == 2
+        decode.admit(request, event.token_id, event.kv_handles)
+        events = collect_events(decode, lambda ev: any(e.kind == ERROR for e in ev), 30.0)
+        error = next(e.error for e in events if e.kind == ERROR)
+        assert "split for a TP 2 decode instance; decode-0 runs at TP 1" in error
+        assert decode.status()["engine_empty"]
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
 
 
 def test_a_colocated_worker_at_tp2_serves_generates_tokens(tiny):

@@ -101,6 +101,21 @@ def test_unpinned_gpu_actor_takes_any_gpu_ray_gives():
         {"CPU": 3}, {"num_cpus": 3, "num_gpus": 0})
 
 
+def test_a_tp_instance_actor_holds_all_its_devices_its_ranks_see_them_in_rank_order(monkeypatch):
+    """One actor per instance: its bundle sums its devices'; pinned GPUs are made visible in
+    rank order (rank r is cuda:r inside the actor); overlapping core groups oversubscribe."""
+    monkeypatch.setenv(dev.VISIBLE_ENV, "4,5,6,7")
+    bundle, options = ray_actors.instance_actor_resources(("cuda:3", "cuda:1"), pinned=True)
+    assert bundle == {"pdlab_cuda_3": 1.0, "pdlab_cuda_1": 1.0, "CPU": 2.0}
+    assert options["resources"] == {"pdlab_cuda_3": 1.0, "pdlab_cuda_1": 1.0}
+    assert options["runtime_env"]["env_vars"][dev.PIN_ENV] == "7,5" and options["num_gpus"] == 0
+    assert ray_actors.instance_actor_resources(("cuda:0", "cuda:1"), pinned=False) == (
+        {"GPU": 2.0, "CPU": 2.0}, {"num_cpus": 2, "num_gpus": 2})
+    assert ray_actors.instance_actor_resources(("cpu:0", "cpu:1"), pinned=True) == (
+        {"CPU": 2}, {"num_cpus": 2, "num_gpus": 0})
+    assert ray_actors.local_cluster_kwargs(("cpu:0", "cpu:1", "cpu:0-1"))["num_cpus"] >= 4
+
+
 def test_a_ray_that_does_not_start_is_one_runtime_error_naming_the_cause(monkeypatch):
     """ray.init failing (a GCS that did not come up on a busy host) reaches the CLI as one
     RuntimeError line with the root cause, not a traceback; Ray is not marked started."""
@@ -111,11 +126,11 @@ def test_a_ray_that_does_not_start_is_one_runtime_error_naming_the_cause(monkeyp
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", fail)
-    workers = ray_actors.RayWorkers(("cpu:0", "cpu:1"), None, "ray")
+    workers = ray_actors.RayWorkers((("cpu:0",), ("cpu:1",)), None, "ray")
     with pytest.raises(RuntimeError, match=r"^Ray did not start \(a local cluster\): GCS did not "
                                            r"answer within 30 s$"):
         workers.connect()
     assert not workers._started_ray
-    joining = ray_actors.RayWorkers(("cpu:0",), "10.0.0.1:6379", "ray")
+    joining = ray_actors.RayWorkers((("cpu:0",),), "10.0.0.1:6379", "ray")
     with pytest.raises(RuntimeError, match=r"joining 10.0.0.1:6379"):
         joining.connect()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from engine.kv_cache import KVSpec
-from kv_transfer.payload import (WIRE_VERSION, KVChecksumError, KVSpecMismatch, pack, unpack)
+from kv_transfer.payload import (WIRE_VERSION, KVChecksumError, KVSpecMismatch, RankPart, pack,
+                                 unpack)
 
 SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
               dtype="float32")
@@ -59,6 +60,21 @@ def test_layer_range_beyond_receiver_layers_is_rejected():
     kv = random_kv(SPEC, 4, num_layers=2)
     with pytest.raises(KVSpecMismatch, match="layer range"):
         unpack(pack("r1", SPEC, kv, layer_start=1), SPEC)
+
+
+def test_a_head_slice_names_its_heads_and_ranks_and_carries_only_them():
+    kv = random_kv(SPEC, 5)[:, :, 1:2]  # KV head 1 of 2
+    part = RankPart(head_start=1, prefill_rank=1, decode_rank=0, prefill_tp=2, decode_tp=1)
+    frames = pack("r1", SPEC, kv, part=part)
+    header, out = unpack(frames, SPEC)
+    assert header.part == part and header.num_kv_heads == 2 and header.shape == (2, 2, 1, 5, 8)
+    assert len(frames[1]) == SPEC.kv_bytes(5) // 2 and torch.equal(out, kv)
+    with pytest.raises(ValueError, match="must be torch.float32 of shape"):
+        pack("r1", SPEC, kv, part=RankPart(head_start=2))  # heads [2, 3) of 2
+    header = msgpack.unpackb(bytes(frames[0]))
+    header["head_start"] = 2
+    with pytest.raises(KVSpecMismatch, match=r"KV heads expected within \[0, 2\), got \[2, 3\)"):
+        unpack([msgpack.packb(header), frames[1]], SPEC)
 
 
 def test_received_tensor_is_writable_and_independent_of_read_only_frames():

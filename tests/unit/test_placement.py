@@ -46,9 +46,8 @@ def test_a_size_for_every_role_and_the_canonical_spelling():
         assert Placement.parse(str(Placement.parse(text))) == Placement.parse(text)
 
 
-def test_one_device_readers_refuse_sizes_and_the_typed_config_counts_them():
-    with pytest.raises(ValueError, match="spans several devices per instance .* drop the"):
-        parse_placement("disagg:1p2d+ptp2")
+def test_kind_and_counts_ignore_sizes_and_the_typed_config_counts_devices():
+    assert parse_placement("disagg:1p2d+ptp2") == ("disagg", 1, 2)
     assert parse_placement("disagg:1p2d+tp1") == ("disagg", 1, 2)
     assert PlacementConfig("disagg:1p1d+ptp2+dtp1").num_devices_needed == 3
     assert PlacementConfig("colocated:2+tp2").num_devices_needed == 4
