@@ -27,17 +27,107 @@ tensor; prepared layers are built once per model and backend and shared by its r
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine import ops as ops_mod
-from engine.kv_cache import KVStore
+from engine.kv_cache import KVSpec, KVStore, kv_budget_bytes, kv_cache_num_blocks
 from engine.ops import TorchOps, sdpa
+from engine.request import RequestState
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
+
+
+# ---- the runner seam: what an Engine asks of whatever runs its steps -------------------------
+
+class KVLayout(NamedTuple):
+    """An engine's KV cache as its runner sizes it: the store's ``spec`` (what its tensors
+    hold), ``num_blocks`` and the budget they came from (bytes, for the start-up line)."""
+
+    spec: KVSpec
+    num_blocks: int
+    budget_bytes: int
+
+
+class StepTokens(NamedTuple):
+    """A step's sampled rows: ``tokens[j]`` for ``states[j]`` (None: failed, see ``errors``:
+    row -> one line), ``logprobs``: request id -> (logprob, top pairs), rows that asked."""
+
+    tokens: list[int | None]
+    errors: dict[int, str]
+    logprobs: dict[str, tuple[float, tuple]]
+
+
+class Runner(Protocol):
+    """One engine's step runner (``ModelRunner``, ``engine.emulated.EmulatedRunner``, a TP
+    instance's ``engine.parallel.DriverRunner``). A step is ``execute`` (the device starts;
+    its output may still be in flight), ``tokens``, then ``finish`` (the device is done).
+    ``ops.describe()`` names its kernels."""
+
+    ops: Any
+
+    def now(self) -> float:
+        """The clock of every stamp (``time.time`` s, or an emulation's clock)."""
+
+    def execute(self, batch: ScheduledBatch,
+                on_layer_done: Callable[[int], None] | None = None) -> Any:
+        """Start one step over ``batch`` (counters not yet advanced); what ``tokens`` reads."""
+
+    def tokens(self, states: list[RequestState], output: Any) -> StepTokens:
+        """The next token of each sampled row (``states``: the rows ``batch.completes``)."""
+
+    def end_s(self, start_s: float) -> float:
+        """When the step begun at ``start_s`` (``now()``) ends: its tokens' stamp."""
+
+    def finish(self, idle: Callable[[float], None] | None = None) -> float | None:
+        """Block until the step ``execute`` began is done; its lateness (held / modelled)
+        on an emulated device, else None. ``idle(s)`` may be called with the seconds left."""
+
+    def forget(self, request_id: str) -> None:
+        """Drop per-request state (the request left the engine)."""
+
+
+class RunnerChoice(Protocol):
+    """How an engine's steps run, chosen at deployment (``OnWeights``, or an
+    ``engine.emulated.Emulation``): it sizes the KV cache before the store exists, then
+    builds the runner over that store."""
+
+    def kv_layout(self, loaded, config, max_model_len: int) -> KVLayout:
+        """The KV store's spec and block count for ``loaded`` under ``config``.
+
+        Raises:
+            ValueError: ``loaded`` does not match this choice (another model's profile)."""
+
+    def runner(self, loaded, kv_store: KVStore, config) -> Runner:
+        """The runner of an engine whose KV lives in ``kv_store``."""
+
+
+class OnWeights:
+    """Steps computed by the model's weights on ``config.device`` (``ModelRunner``); the KV
+    budget is the device's (``engine.kv_cache.kv_budget_bytes``)."""
+
+    def kv_layout(self, loaded, config, max_model_len: int) -> KVLayout:
+        budget = kv_budget_bytes(config, config.device)
+        return KVLayout(loaded.kv_spec, kv_cache_num_blocks(config, loaded.kv_spec,
+                                                            config.device, budget,
+                                                            max_model_len), budget)
+
+    def runner(self, loaded, kv_store: KVStore, config) -> ModelRunner:
+        return ModelRunner(loaded.model, kv_store, config.device,
+                           Sampler(loaded.eos_token_ids))  # min_tokens masks EOS too
+
+
+def _histories(states: list[RequestState]) -> list[tuple[list[int], int]] | None:
+    """(prompt + outputs, prompt length) of the sampled rows, or None when no row has a penalty."""
+    if not any(s.sampling.has_penalties for s in states):
+        return None
+    return [(s.token_ids, s.num_prompt_tokens) for s in states]
 
 
 class _Linear:
@@ -241,8 +331,10 @@ class ModelRunner:
     """Runs scheduled batches through a supported decoder model against a paged ``KVStore``;
     requests name their KV by ``RequestState.block_ids``."""
 
-    def __init__(self, model, kv_store: KVStore, device: str = "cpu") -> None:
+    def __init__(self, model, kv_store: KVStore, device: str = "cpu",
+                 sampler: Sampler | None = None) -> None:
         self.model = model
+        self.sampler = sampler or Sampler()
         self.kv_store = kv_store
         self.device = torch.device(device)
         cfg = model.config
@@ -270,6 +362,34 @@ class ModelRunner:
             print(f"pdlab: {summary}", file=sys.stderr)
         self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
         self._kv_views: tuple = (None, [])  # (store tensor, [(layer view, flat view)])
+
+    def now(self) -> float:
+        return time.time()
+
+    def tokens(self, states: list[RequestState], logits: torch.Tensor) -> StepTokens:
+        """``Runner.tokens``: the sampler's pick from each row of ``logits`` (row ``j`` of
+        ``states[j]``), log-probabilities for the rows that asked."""
+        tokens, errors = self.sampler.sample_rows(
+            logits, [s.request_id for s in states], [s.sampling for s in states],
+            [s.num_output_tokens for s in states], _histories(states))
+        lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
+        logprobs = {}
+        if lp_rows:  # only rows that asked pay for a log_softmax
+            by_row = self.sampler.logprobs(logits, lp_rows, tokens,
+                                           [states[j].sampling.logprobs for j in lp_rows])
+            logprobs = {states[j].request_id: v for j, v in by_row.items()}
+        return StepTokens(tokens, errors, logprobs)
+
+    def end_s(self, start_s: float) -> float:
+        """The forward ran in ``execute``: the step ends now."""
+        return time.time()
+
+    def finish(self, idle: Callable[[float], None] | None = None) -> None:
+        """Nothing in flight: ``execute`` returns once the forward is done."""
+        return None
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,

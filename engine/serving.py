@@ -1,10 +1,12 @@
 """Run an Engine on a background thread: commands in, ``WorkerEvent``s out.
 
 The loop thread is the only one that touches the engine. Each turn it runs the queued
-commands, then, if the engine has work, one ``engine.step()``, whose ``StepOutput`` becomes
-events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV over
-or fetch it), runs the commands that came during the step and lets the events leave; with no
-work it sleeps until the next command.
+commands, then, if the engine has work, one step: ``engine.start_step()``, whose ``StepOutput``
+becomes events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV
+over or fetch it), then ``engine.finish_step`` (on an emulated device the step's hold, during
+which arriving commands are applied), and the events leave; with no work it sleeps until the
+next command. The host's work for a step thus runs while the device's step does, as a GPU runs
+while its host prepares the next launch, and no token leaves before its step's end.
 
 Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
 in the order sent, and each turn with news leaves as one message (a tuple of its events). A
@@ -343,19 +345,31 @@ class EngineLoop:
             if not self.engine.has_unfinished():
                 self._send_events()
                 continue
-            output = self.engine.step()
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
+            output = self.engine.start_step()
             for request_id, error in output.failed:
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
-            self.on_step(output)
+            if self.outputs_during_step:
+                self.on_step(output)
             self.on_tick()
+            self._drain_commands(block=False)
+            # the device's step runs out meanwhile (an emulated hold): commands are applied
+            # as they come; what the step produced leaves only after it
+            output = self.engine.finish_step(output, self._drain_for)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
+            if not self.outputs_during_step:
+                self.on_step(output)
+                self.on_tick()
             # commands that came during the step first: an abort still frees the KV of a
             # prefilled event that has not left (nobody else would)
             self._drain_commands(block=False)
             self._send_events()
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
+
+    def _drain_for(self, timeout_s: float) -> None:
+        """Apply commands as they come for up to ``timeout_s`` (an emulated step's hold)."""
+        self._drain_commands(block=True, timeout_s=timeout_s)
 
     def _send_events(self) -> None:
         """Over the channel: this turn's events as one message (none: nothing is sent)."""
@@ -468,9 +482,14 @@ class EngineLoop:
         engine is built; None (the default) streams nothing while a step computes."""
         return None
 
+    # on_step runs while the device's step still runs (its events leave after it); False:
+    # after the step, for work whose own stamps must follow the step's end
+    outputs_during_step = True
+
     def on_step(self, output: StepOutput) -> None:
-        """After every step, on the loop thread, with what it did (its failed requests are
-        already reported). Colocated: every token goes straight out."""
+        """After every step's host work, on the loop thread, with what it did (its failed
+        requests are already reported; ``record`` is None while ``outputs_during_step``).
+        Colocated: every token goes straight out."""
         self.emit_tokens(output.tokens)
 
 

@@ -45,6 +45,7 @@ class PrefillWorker(EngineLoop):
     ``rank_devices`` makes it a tensor-parallel instance (``engine.serving.EngineLoop``)."""
 
     role = "prefill"
+    outputs_during_step = False  # a put follows its prompt's last step (its KV_PUT stamp too)
 
     def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
                  transfer_config: TransferConfig, device: str = "cpu:0",
