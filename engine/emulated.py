@@ -185,11 +185,14 @@ class EmulatedRunner:
         self.eos = frozenset(eos_token_ids)
         self.ops = _EmulatedOps(emulation)
         self.last_modelled_s = 0.0
+        self._begun = None  # perf() at ``begin``, for the next ``execute``
         self._start = None  # perf() at the start of the step in flight, None: none
         self._held_s = None  # the hold already done in ``execute`` (layer listener)
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
-    def now(self) -> float:
+    def begin(self) -> float:
+        """The hold of the next ``execute`` counts from now."""
+        self._begun = self.clock.perf()
         return self.clock.time()
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
@@ -204,7 +207,9 @@ class EmulatedRunner:
         layer ``l`` reported at ``(l+1)/L`` of it."""
         modelled = self.modelled_s(batch)
         clock = self.clock
-        self.last_modelled_s, self._start, self._held_s = modelled, clock.perf(), None
+        start, self._begun = self._begun, None
+        self.last_modelled_s, self._held_s = modelled, None
+        self._start = clock.perf() if start is None else start
         if on_layer_done is not None:
             for layer in range(self.num_layers):
                 clock.wait_until(self._start + modelled * (layer + 1) / self.num_layers)

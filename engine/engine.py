@@ -267,18 +267,21 @@ class Engine:
         ``finish_step(start_step())``."""
         return self.finish_step(self.start_step())
 
-    def start_step(self) -> StepOutput:
+    def start_step(self, on_launch: Callable[[], None] | None = None) -> StepOutput:
         """``step`` up to the end of the device's work: the runner may still be running it
         (an emulated device's hold), so its tokens, stamped at the step's end, must not leave
         before ``finish_step``; meanwhile the host may prepare what follows. ``record`` is
-        None until then."""
+        None until then. ``on_launch()``: called once the step has begun (not when nothing
+        runs), so the previous step's news leaves while this one runs."""
         self.finish_step(StepOutput())  # one step in flight at a time
         batch = self.scheduler.schedule()
         kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
         kv_dropped = tuple(state.request_id for state in batch.kv_dropped)
         if batch.is_empty:
             return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
-        start_s = self.runner.now()
+        start_s = self.runner.begin()
+        if on_launch is not None:
+            on_launch()
         num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
         entries = batch.entries()
         for state in batch.requests:

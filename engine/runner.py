@@ -67,13 +67,15 @@ class StepTokens(NamedTuple):
 class Runner(Protocol):
     """One engine's step runner (``ModelRunner``, ``engine.emulated.EmulatedRunner``, a TP
     instance's ``engine.parallel.DriverRunner``). A step is ``execute`` (the device starts;
-    its output may still be in flight), ``tokens``, then ``finish`` (the device is done).
+    its output may still be in flight) after ``begin``, ``tokens``, then ``finish`` (the
+    device is done).
     ``ops.describe()`` names its kernels."""
 
     ops: Any
 
-    def now(self) -> float:
-        """The clock of every stamp (``time.time`` s, or an emulation's clock)."""
+    def begin(self) -> float:
+        """A step starts now (the device's time counts from here): its start stamp, on the
+        clock of every stamp (``time.time`` s, or an emulation's clock)."""
 
     def execute(self, batch: ScheduledBatch,
                 on_layer_done: Callable[[int], None] | None = None) -> Any:
@@ -83,7 +85,7 @@ class Runner(Protocol):
         """The next token of each sampled row (``states``: the rows ``batch.completes``)."""
 
     def end_s(self, start_s: float) -> float:
-        """When the step begun at ``start_s`` (``now()``) ends: its tokens' stamp."""
+        """When the step begun at ``start_s`` (``begin()``) ends: its tokens' stamp."""
 
     def finish(self, idle: Callable[[float], None] | None = None) -> float | None:
         """Block until the step ``execute`` began is done; its lateness (held / modelled)
@@ -363,7 +365,7 @@ class ModelRunner:
         self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
         self._kv_views: tuple = (None, [])  # (store tensor, [(layer view, flat view)])
 
-    def now(self) -> float:
+    def begin(self) -> float:
         return time.time()
 
     def tokens(self, states: list[RequestState], logits: torch.Tensor) -> StepTokens:

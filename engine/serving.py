@@ -4,9 +4,10 @@ The loop thread is the only one that touches the engine. Each turn it runs the q
 commands, then, if the engine has work, one step: ``engine.start_step()``, whose ``StepOutput``
 becomes events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV
 over or fetch it), then ``engine.finish_step`` (on an emulated device the step's hold, during
-which arriving commands are applied), and the events leave; with no work it sleeps until the
-next command. The host's work for a step thus runs while the device's step does, as a GPU runs
-while its host prepares the next launch, and no token leaves before its step's end.
+which arriving commands are applied); its events leave once the next step has begun (at once
+when none follows); with no work it sleeps until the next command. The host's work for a step
+thus runs while the device's step does, as a GPU runs while its host prepares the next
+launch, and no token leaves before its step's end.
 
 Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
 in the order sent, and each turn with news leaves as one message (a tuple of its events). A
@@ -345,7 +346,8 @@ class EngineLoop:
             if not self.engine.has_unfinished():
                 self._send_events()
                 continue
-            output = self.engine.start_step()
+            output = self.engine.start_step(on_launch=self._send_events)
+            self._send_events()  # when no step began
             for request_id, error in output.failed:
                 self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
             if self.outputs_during_step:
@@ -363,7 +365,8 @@ class EngineLoop:
             # commands that came during the step first: an abort still frees the KV of a
             # prefilled event that has not left (nobody else would)
             self._drain_commands(block=False)
-            self._send_events()
+            if output.record is None or not self.engine.has_unfinished():
+                self._send_events()  # else they leave once the next step has begun
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
 
