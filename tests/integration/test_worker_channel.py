@@ -94,10 +94,10 @@ def test_a_loop_that_dies_falls_silent_and_its_hub_reports_it(hub):
     try:
         loop.open_channel(hub.attach("colocated-0", 0))
 
-        def broken_step():
+        def broken_step(on_launch=None):
             raise RuntimeError("boom")
 
-        loop.engine.step = broken_step
+        loop.engine.start_step = broken_step
         hub.liveness.dead_after_s = 0.3
         hub.send("colocated-0", Command(SUBMIT, "r0", (Request("r0", (3, 4, 5),
                                                                 SamplingParams(max_tokens=2)),)))
