@@ -152,6 +152,7 @@ class EngineLoop:
                                  emulation=emulation)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent | TokenBatch] = []
+        self._held: list | None = None  # the loop's events while its step runs, else None
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
@@ -258,11 +259,15 @@ class EngineLoop:
 
     def _take_events(self, request_id: str) -> list[WorkerEvent]:
         """Remove the not yet collected events of ``request_id`` (an abort makes them moot)."""
+        def mine(e) -> bool:  # (a TokenBatch has no request_id)
+            return getattr(e, "request_id", None) == request_id
+
         with self._events_ready:
-            taken = [e for e in self._events  # (a TokenBatch has no request_id)
-                     if getattr(e, "request_id", None) == request_id]
-            self._events = [e for e in self._events
-                            if getattr(e, "request_id", None) != request_id]
+            taken = [e for e in self._events if mine(e)]
+            self._events = [e for e in self._events if not mine(e)]
+        if self._held and threading.current_thread() is self._thread:  # a step running
+            taken += [e for e in self._held if mine(e)]
+            self._held[:] = [e for e in self._held if not mine(e)]
         return taken
 
     def status(self) -> dict:
@@ -348,20 +353,21 @@ class EngineLoop:
                 continue
             output = self.engine.start_step(on_launch=self._send_events)
             self._send_events()  # when no step began
-            for request_id, error in output.failed:
-                self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
-            if self.outputs_during_step:
-                self.on_step(output)
-            self.on_tick()
-            self._drain_commands(block=False)
-            # the device's step runs out meanwhile (an emulated hold): commands are applied
-            # as they come; what the step produced leaves only after it
-            output = self.engine.finish_step(output, self._drain_for)
+            during = self.outputs_during_step
+            if during:  # held back until the step's end (``emit``)
+                self._held = []
+                self._step_news(output)
+                self._drain_commands(block=False)
+            # the device's step runs out meanwhile (an emulated hold); with the outputs
+            # handled, commands are applied as they come
+            output = self.engine.finish_step(output, self._drain_for if during else None)
+            if during:
+                held, self._held = self._held, None
+                self._emit_all(held)
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            if not self.outputs_during_step:
-                self.on_step(output)
-                self.on_tick()
+            if not during:
+                self._step_news(output)
             # commands that came during the step first: an abort still frees the KV of a
             # prefilled event that has not left (nobody else would)
             self._drain_commands(block=False)
@@ -369,6 +375,12 @@ class EngineLoop:
                 self._send_events()  # else they leave once the next step has begun
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
+
+    def _step_news(self, output: StepOutput) -> None:
+        for request_id, error in output.failed:
+            self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
+        self.on_step(output)
+        self.on_tick()
 
     def _drain_for(self, timeout_s: float) -> None:
         """Apply commands as they come for up to ``timeout_s`` (an emulated step's hold)."""
@@ -443,9 +455,8 @@ class EngineLoop:
                                   error=str(err)))
 
     def emit(self, event: WorkerEvent | TokenBatch) -> None:
-        with self._events_ready:
-            self._events.append(event)
-            self._events_ready.notify_all()
+        """Queue ``event`` to leave; from the loop thread while a step runs, at its end."""
+        self._emit_all([event])
         if self._port is not None and threading.current_thread() is not self._thread:
             self._wake_loop()  # the loop sends it at its next turn
 
@@ -467,10 +478,17 @@ class EngineLoop:
                                      tuple(o.request_id for o in plain),
                                      tuple(o.token_id for o in plain),
                                      tuple(o.index for o in plain)))
-        if events:
-            with self._events_ready:
-                self._events.extend(events)
-                self._events_ready.notify_all()
+        self._emit_all(events)
+
+    def _emit_all(self, events: list) -> None:
+        if not events:
+            return
+        if self._held is not None and threading.current_thread() is self._thread:
+            self._held.extend(events)
+            return
+        with self._events_ready:
+            self._events.extend(events)
+            self._events_ready.notify_all()
 
     def on_tick(self) -> None:
         """Once per loop iteration, on the loop thread: subclasses retry deferred KV puts
@@ -485,8 +503,9 @@ class EngineLoop:
         engine is built; None (the default) streams nothing while a step computes."""
         return None
 
-    # on_step runs while the device's step still runs (its events leave after it); False:
-    # after the step, for work whose own stamps must follow the step's end
+    # on_step runs while the device's step still runs, and commands are applied as they come
+    # (its events are held until the step's end); False: both after the step, for work whose
+    # own stamps must follow the step's end
     outputs_during_step = True
 
     def on_step(self, output: StepOutput) -> None:
