@@ -58,8 +58,8 @@ def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
         ValueError: a core this process may not use; no CUDA; a GPU that does not exist;
             a pinned GPU asked for after CUDA started here with another view."""
     kind = device.split(":")[0]
-    if kind == "emu":  # an emulated device (engine.emulated) computes nothing: no pinning,
-        if pin:  # and its KV copies are too small to gain from threads that spin between them
+    if kind == "emu":  # computes nothing (engine.emulated): no pinning, and KV copies too
+        if pin:  # small to gain from threads that spin between them
             torch.set_num_threads(1)
         return "cpu"
     if kind == "cpu":

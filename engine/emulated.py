@@ -4,13 +4,10 @@ HTTP front; only ``EmulatedRunner`` differs:
 
 - Geometry without weights (``engine.model.load_geometry``); the KV cache has the blocks the
   emulated GPU would hold.
-- Time: each step is held ``device.step_s(batch.step_features())`` x ``time_scale``, as a
-  deadline: ``execute`` starts it and returns, the host's work for the step (tokens, the
-  scheduler's update, the outputs) runs while it is held, and ``finish`` waits out what is
-  left. Tokens are stamped at the modelled end (``start + modelled``) and must not leave
-  before ``finish`` returns. With a layer listener, layer ``l`` is reported done at
-  ``(l + 1) / L`` of the step, inside ``execute``. ``StepRecord.lateness`` = (when the hold
-  ended - start) / modelled: > 1 when the host's work overran the step.
+- Time: each step is held ``device.step_s(batch.step_features())`` x ``time_scale`` as a
+  deadline: ``execute`` starts it, the host works meanwhile, ``finish`` waits out the rest
+  (with a layer listener, ``execute`` holds, layer ``l`` done at ``(l + 1) / L``). Tokens are
+  stamped at the modelled end; ``StepRecord.lateness`` = held / modelled (> 1: host overran).
 - Tokens: ``emulated_token``, the same in every placement, never EOS.
 - KV bytes: real tensors through the real transports; ``kv_scale`` < 1 shrinks each token's KV
   when the host cannot hold the GPU's cache, block counts unchanged.
@@ -51,9 +48,8 @@ class RealClock:
 
     def wait_until(self, deadline: float,
                    idle: Callable[[float], None] | None = None) -> None:
-        """Hold until ``perf() >= deadline`` (perf_counter s): ``idle(s)`` (default
-        ``time.sleep``) while more than ``SPIN_S`` is left, called with the time left less
-        ``SPIN_S`` (it may return early: it is called again), then spin the last ``SPIN_S``."""
+        """Hold until ``perf() >= deadline`` (perf_counter s): ``idle(left - SPIN_S)`` (default
+        ``time.sleep``; it may return early) while more than ``SPIN_S`` is left, then spin."""
         nap = idle or time.sleep
         while (left := deadline - time.perf_counter()) > SPIN_S:
             nap(left - SPIN_S)
@@ -67,9 +63,7 @@ class Emulation:
 
     ``kv_scale``: KV bytes per token kept, in (0, 1]. ``time_scale``: dilation ``S >= 1``, each
     step held ``S`` x its modelled time (``experiments.dilation``). ``clock``: ``RealClock`` or a
-    test's fake (``time()``, ``perf()``, ``wait_until(t)``; ``wait_until(t, idle)`` where an
-    engine loop passes work to do while it holds). The engine's ``RunnerChoice``
-    (``engine.runner``): ``kv_layout`` and ``runner``.
+    test's fake (``time()``, ``perf()``, ``wait_until(t[, idle])``). An ``engine.runner.RunnerChoice``.
 
     Raises:
         ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1."""
@@ -108,8 +102,7 @@ class Emulation:
         return self.device.kv_budget_bytes(config)
 
     def kv_layout(self, loaded, config: EngineConfig, max_model_len: int) -> KVLayout:
-        """The emulated GPU's blocks (true geometry, its budget), held in ``scaled_spec``
-        tensors. Raises ValueError as ``check``."""
+        """The emulated GPU's blocks (true geometry) in ``scaled_spec`` tensors; ``check``'s errors."""
         self.check(loaded.kv_spec, loaded.name)
         budget = self.kv_budget_bytes(config)
         return KVLayout(self.scaled_spec(loaded.kv_spec),
@@ -165,11 +158,9 @@ class _EmulatedOps:
 
 
 class EmulatedRunner:
-    """Stands in for ``engine.runner.ModelRunner`` (the ``engine.runner.Runner`` seam): holds
-    each step for its modelled time, as a deadline (module docstring). Nothing computes K/V
-    (the store holds what fetches wrote); ``execute`` returns None instead of logits and
-    ``tokens`` gives ``emulated_token``s. ``last_modelled_s`` (x ``time_scale``): of the
-    latest step."""
+    """An ``engine.runner.Runner`` that holds each step for its modelled time (module
+    docstring); nothing computes K/V (the store holds what fetches wrote); ``tokens`` are
+    ``emulated_token``s. ``last_modelled_s`` (x ``time_scale``): of the latest step."""
 
     emulated = True
 
@@ -186,12 +177,11 @@ class EmulatedRunner:
         self.ops = _EmulatedOps(emulation)
         self.last_modelled_s = 0.0
         self._begun = None  # perf() at ``begin``, for the next ``execute``
-        self._start = None  # perf() at the start of the step in flight, None: none
-        self._held_s = None  # the hold already done in ``execute`` (layer listener)
+        self._start = None  # perf() at the start of the step in flight
+        self._held_s = None  # held in ``execute`` (layer listener)
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
     def begin(self) -> float:
-        """The hold of the next ``execute`` counts from now."""
         self._begun = self.clock.perf()
         return self.clock.time()
 
@@ -203,8 +193,7 @@ class EmulatedRunner:
 
     def execute(self, batch: ScheduledBatch,
                 on_layer_done: Callable[[int], None] | None = None) -> None:
-        """Start the step's hold (``finish`` ends it); with ``on_layer_done``, hold here,
-        layer ``l`` reported at ``(l+1)/L`` of it."""
+        """Start the step's hold from ``begin`` (``finish`` ends it; a listener: held here)."""
         modelled = self.modelled_s(batch)
         clock = self.clock
         start, self._begun = self._begun, None
@@ -222,9 +211,8 @@ class EmulatedRunner:
         return start_s + self.last_modelled_s
 
     def finish(self, idle: Callable[[float], None] | None = None) -> float | None:
-        """Wait out the step in flight (``idle`` as ``RealClock.wait_until``'s); its
-        lateness, (end - start) / modelled (1.0 for a step of no time); None when no step
-        is in flight."""
+        """Wait out the step in flight (``idle``: ``RealClock.wait_until``'s) -> held / modelled
+        (1.0 for a step of no time); None when none is in flight."""
         start, modelled = self._start, self.last_modelled_s
         if start is None:
             return None

@@ -3,13 +3,11 @@ instance; the prefill and decode workers wrap the same class.
 
 A step (``Engine.step`` -> ``StepOutput``): the scheduler picks decodes, prompt chunks and newly
 admitted requests (``ScheduledBatch``; remote requests only get blocks reserved, and their worker
-fetches the KV into them: ``finish_remote``); the runner (``engine.runner.Runner``, chosen at
-deployment: weights or an emulated device) runs one forward (``on_layer_done`` hears of each
-layer's K/V) and gives the tokens of the requests whose known tokens are all computed; the
-scheduler advances counters and frees finished requests' blocks. ``start_step`` /
-``finish_step`` split a step where the device's work may still run (an emulated hold) so a
-loop prepares the next step meanwhile. The KV cache is paged (``engine.kv_cache``), sized by
-the runner choice's budget and printed at start-up as
+fetches the KV into them: ``finish_remote``); the runner (``engine.runner.Runner``) runs one
+forward (``on_layer_done`` hears of each layer's K/V) and gives the tokens of the requests whose
+known tokens are all computed; the scheduler advances counters and frees finished requests'
+blocks (``start_step``; ``finish_step`` waits for the device). The KV cache is paged
+(``engine.kv_cache``), sized by the runner's budget and printed at start-up as
 ``KV cache: N blocks = T tokens = X GiB``. Bad input is refused in ``add_request`` /
 ``add_remote`` with ``ValueError``; a failing forward turns that step's requests into errors
 (``StepOutput.failed``) and the engine keeps serving."""
@@ -71,9 +69,7 @@ class StepOutput:
         return self.tokens[i]
 
 
-class _InFlight(NamedTuple):
-    """A started step's record fields, until ``finish_step`` knows its lateness."""
-
+class _InFlight(NamedTuple):  # a started step's record, but its lateness
     start_s: float
     end_s: float
     entries: tuple[BatchEntry, ...]
@@ -89,9 +85,8 @@ class Engine:
     ``config.max_model_len`` is capped by the model's context. ``on_layer_done(layer_idx,
     batch)`` is called during the forward once a layer's K/V are in the store, so a layer range
     can be read (``read_kv_layers``) and put while later layers compute. ``emulation``: an
-    emulated device (any ``engine.runner.RunnerChoice``; None: ``OnWeights``), which sizes
-    the KV cache, builds the runner and gives the clock of the stamps; ``loaded`` is then a
-    geometry.
+    emulated device (an ``engine.runner.RunnerChoice``; None: ``OnWeights``); ``loaded`` is
+    then a geometry.
         ValueError: a profile of another geometry (emulation); a KV budget that holds no block."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
@@ -268,11 +263,9 @@ class Engine:
         return self.finish_step(self.start_step())
 
     def start_step(self, on_launch: Callable[[], None] | None = None) -> StepOutput:
-        """``step`` up to the end of the device's work: the runner may still be running it
-        (an emulated device's hold), so its tokens, stamped at the step's end, must not leave
-        before ``finish_step``; meanwhile the host may prepare what follows. ``record`` is
-        None until then. ``on_launch()``: called once the step has begun (not when nothing
-        runs), so the previous step's news leaves while this one runs."""
+        """``step`` while the device may still run it (an emulated hold): its tokens (stamped
+        at its end) leave after ``finish_step``, which sets ``record``. ``on_launch()``: called
+        once a step has begun."""
         self.finish_step(StepOutput())  # one step in flight at a time
         batch = self.scheduler.schedule()
         kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
@@ -319,10 +312,8 @@ class Engine:
 
     def finish_step(self, started: StepOutput,
                     idle: Callable[[float], None] | None = None) -> StepOutput:
-        """Wait until the step ``start_step`` began is done (``idle(s)``: work to do while
-        an emulated device holds, given the seconds left; see ``RealClock.wait_until``),
-        record it in ``step_records`` and return ``started`` with its ``record``. No step in
-        flight: ``started`` as it is."""
+        """Wait for the step in flight (``idle(s)``: work while an emulated device holds,
+        ``RealClock.wait_until``), record it; ``started`` with its ``record`` (as is: none)."""
         flight = self._in_flight
         if flight is None:
             return started

@@ -44,11 +44,8 @@ from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
 
 
-# ---- the runner seam: what an Engine asks of whatever runs its steps -------------------------
-
 class KVLayout(NamedTuple):
-    """An engine's KV cache as its runner sizes it: the store's ``spec`` (what its tensors
-    hold), ``num_blocks`` and the budget they came from (bytes, for the start-up line)."""
+    """The KV store a runner choice sizes (``budget_bytes``: for the start-up line)."""
 
     spec: KVSpec
     num_blocks: int
@@ -56,8 +53,7 @@ class KVLayout(NamedTuple):
 
 
 class StepTokens(NamedTuple):
-    """A step's sampled rows: ``tokens[j]`` for ``states[j]`` (None: failed, see ``errors``:
-    row -> one line), ``logprobs``: request id -> (logprob, top pairs), rows that asked."""
+    """``tokens[j]`` of ``states[j]`` (None: ``errors[j]``); ``logprobs[request_id]``."""
 
     tokens: list[int | None]
     errors: dict[int, str]
@@ -65,49 +61,34 @@ class StepTokens(NamedTuple):
 
 
 class Runner(Protocol):
-    """One engine's step runner (``ModelRunner``, ``engine.emulated.EmulatedRunner``, a TP
-    instance's ``engine.parallel.DriverRunner``). A step is ``execute`` (the device starts;
-    its output may still be in flight) after ``begin``, ``tokens``, then ``finish`` (the
-    device is done).
-    ``ops.describe()`` names its kernels."""
+    """An engine's step runner (``ModelRunner``, ``EmulatedRunner``, ``DriverRunner``), in step
+    order: ``begin()`` -> the start stamp; ``execute`` starts the step (it may run on);
+    ``tokens`` -> ``StepTokens``; ``end_s(start_s)`` -> the tokens' stamp; ``finish(idle)``
+    blocks until the device is done -> lateness (held / modelled) when emulated, else None."""
 
     ops: Any
 
-    def begin(self) -> float:
-        """A step starts now (the device's time counts from here): its start stamp, on the
-        clock of every stamp (``time.time`` s, or an emulation's clock)."""
+    def begin(self) -> float: ...
 
     def execute(self, batch: ScheduledBatch,
-                on_layer_done: Callable[[int], None] | None = None) -> Any:
-        """Start one step over ``batch`` (counters not yet advanced); what ``tokens`` reads."""
+                on_layer_done: Callable[[int], None] | None = None) -> Any: ...
 
-    def tokens(self, states: list[RequestState], output: Any) -> StepTokens:
-        """The next token of each sampled row (``states``: the rows ``batch.completes``)."""
+    def tokens(self, states: list[RequestState], output: Any) -> StepTokens: ...
 
-    def end_s(self, start_s: float) -> float:
-        """When the step begun at ``start_s`` (``begin()``) ends: its tokens' stamp."""
+    def end_s(self, start_s: float) -> float: ...
 
-    def finish(self, idle: Callable[[float], None] | None = None) -> float | None:
-        """Block until the step ``execute`` began is done; its lateness (held / modelled)
-        on an emulated device, else None. ``idle(s)`` may be called with the seconds left."""
+    def finish(self, idle: Callable[[float], None] | None = None) -> float | None: ...
 
-    def forget(self, request_id: str) -> None:
-        """Drop per-request state (the request left the engine)."""
+    def forget(self, request_id: str) -> None: ...
 
 
 class RunnerChoice(Protocol):
-    """How an engine's steps run, chosen at deployment (``OnWeights``, or an
-    ``engine.emulated.Emulation``): it sizes the KV cache before the store exists, then
-    builds the runner over that store."""
+    """How an engine's steps run, chosen at deployment (``OnWeights``, ``Emulation``):
+    ``kv_layout`` sizes the KV store (ValueError: not this model's), ``runner`` runs on it."""
 
-    def kv_layout(self, loaded, config, max_model_len: int) -> KVLayout:
-        """The KV store's spec and block count for ``loaded`` under ``config``.
+    def kv_layout(self, loaded, config, max_model_len: int) -> KVLayout: ...
 
-        Raises:
-            ValueError: ``loaded`` does not match this choice (another model's profile)."""
-
-    def runner(self, loaded, kv_store: KVStore, config) -> Runner:
-        """The runner of an engine whose KV lives in ``kv_store``."""
+    def runner(self, loaded, kv_store: KVStore, config) -> Runner: ...
 
 
 class OnWeights:
@@ -369,8 +350,7 @@ class ModelRunner:
         return time.time()
 
     def tokens(self, states: list[RequestState], logits: torch.Tensor) -> StepTokens:
-        """``Runner.tokens``: the sampler's pick from each row of ``logits`` (row ``j`` of
-        ``states[j]``), log-probabilities for the rows that asked."""
+        """The sampler's pick from row ``j`` of ``logits`` for ``states[j]``."""
         tokens, errors = self.sampler.sample_rows(
             logits, [s.request_id for s in states], [s.sampling for s in states],
             [s.num_output_tokens for s in states], _histories(states))
@@ -383,12 +363,10 @@ class ModelRunner:
         return StepTokens(tokens, errors, logprobs)
 
     def end_s(self, start_s: float) -> float:
-        """The forward ran in ``execute``: the step ends now."""
-        return time.time()
+        return time.time()  # the forward ran in ``execute``
 
     def finish(self, idle: Callable[[float], None] | None = None) -> None:
-        """Nothing in flight: ``execute`` returns once the forward is done."""
-        return None
+        return None  # nothing in flight
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

@@ -5,9 +5,7 @@ commands, then, if the engine has work, one step: ``engine.start_step()``, whose
 becomes events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV
 over or fetch it), then ``engine.finish_step`` (on an emulated device the step's hold, during
 which arriving commands are applied); its events leave once the next step has begun (at once
-when none follows); with no work it sleeps until the next command. The host's work for a step
-thus runs while the device's step does, as a GPU runs while its host prepares the next
-launch, and no token leaves before its step's end.
+when none follows), never before its end; with no work it sleeps until the next command.
 
 Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
 in the order sent, and each turn with news leaves as one message (a tuple of its events). A
@@ -354,12 +352,11 @@ class EngineLoop:
             output = self.engine.start_step(on_launch=self._send_events)
             self._send_events()  # when no step began
             during = self.outputs_during_step
-            if during:  # held back until the step's end (``emit``)
+            if during:
                 self._held = []
                 self._step_news(output)
                 self._drain_commands(block=False)
-            # the device's step runs out meanwhile (an emulated hold); with the outputs
-            # handled, commands are applied as they come
+            # the device's step (an emulated hold) runs out; commands apply as they come
             output = self.engine.finish_step(output, self._drain_for if during else None)
             if during:
                 held, self._held = self._held, None
@@ -383,7 +380,6 @@ class EngineLoop:
         self.on_tick()
 
     def _drain_for(self, timeout_s: float) -> None:
-        """Apply commands as they come for up to ``timeout_s`` (an emulated step's hold)."""
         self._drain_commands(block=True, timeout_s=timeout_s)
 
     def _send_events(self) -> None:
@@ -503,9 +499,8 @@ class EngineLoop:
         engine is built; None (the default) streams nothing while a step computes."""
         return None
 
-    # on_step runs while the device's step still runs, and commands are applied as they come
-    # (its events are held until the step's end); False: both after the step, for work whose
-    # own stamps must follow the step's end
+    # on_step and arriving commands run while the device's step does (events held to its
+    # end); False: after it, for work whose own stamps must follow the step's end
     outputs_during_step = True
 
     def on_step(self, output: StepOutput) -> None:

@@ -457,11 +457,11 @@ class Router:
             wait_s = self.poll_s
             if next_index < len(arrivals):
                 due_s = start_s + arrivals[next_index][1] - time.time()
-                if due_s < 0.001:  # the hub waits whole ms: the last fraction is slept
+                if due_s < 0.001:  # the hub waits whole ms, never past the arrival: sleep the rest
                     self._step(0.0)
                     time.sleep(max(0.0, start_s + arrivals[next_index][1] - time.time()))
                     continue
-                wait_s = min(wait_s, math.floor(due_s * 1000) / 1000)  # not past the arrival
+                wait_s = min(wait_s, math.floor(due_s * 1000) / 1000)
             self._step(wait_s)
         self._drain()
         return [done[request.request_id] for request, _ in arrivals]
