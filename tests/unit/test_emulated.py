@@ -228,9 +228,11 @@ FAST = EngineConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=25
                     device_profile=PROFILE, emu_kv_scale=1 / 256)
 
 
-def deploy(placement: str, devices: str = "emu:0-1", engine: EngineConfig = FAST):
+def deploy(placement: str, devices: str = "emu:0-1", engine: EngineConfig = FAST,
+           granularity: str = "request"):
     return Deployment(PlacementConfig(placement, devices), ModelConfig(LLAMA), engine,
-                      TransferConfig(transport="inprocess", timeout_s=10.0), local=True)
+                      TransferConfig(transport="inprocess", timeout_s=10.0,
+                                     granularity=granularity, layers_per_chunk=8), local=True)
 
 
 def workload():
@@ -240,8 +242,10 @@ def workload():
 
 def test_tokens_identical_across_placements_and_reruns():
     outputs = {}
-    for run, placement in enumerate(["colocated:2", "disagg:1p1d", "colocated:2"]):
-        with deploy(placement) as deployment:
+    runs = [("colocated:2", "request"), ("disagg:1p1d", "request"), ("colocated:2", "request"),
+            ("disagg:1p1d", "layer")]  # layer: the hold runs in execute, layer by layer
+    for run, (placement, granularity) in enumerate(runs):
+        with deploy(placement, granularity=granularity) as deployment:
             records = deployment.run(workload())
             steps = deployment.step_records()
             infos = deployment.gather("info")
@@ -255,8 +259,8 @@ def test_tokens_identical_across_placements_and_reruns():
         if placement.startswith("disagg"):  # the scaled KV went through the transport
             assert {r.kv_bytes for r in records} == {
                 2 * 32 * 4 * 2 * r.num_prompt_tokens for r in records}
-            assert len(transfers) == 4
-    assert outputs[0] == outputs[1] == outputs[2]
+            assert len(transfers) == 4 * (1 if granularity == "request" else 32 // 8)
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
 
 
 @pytest.mark.parametrize("devices,engine,words", [
