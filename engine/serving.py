@@ -358,12 +358,12 @@ class EngineLoop:
                 self._drain_commands(block=False)
             # the device's step (an emulated hold) runs out; commands apply as they come
             output = self.engine.finish_step(output, self._drain_for if during else None)
+            if self.step_delay_s:
+                time.sleep(self.step_delay_s)
             if during:
                 held, self._held = self._held, None
                 self._emit_all(held)
-            if self.step_delay_s:
-                time.sleep(self.step_delay_s)
-            if not during:
+            else:
                 self._step_news(output)
             # commands that came during the step first: an abort still frees the KV of a
             # prefilled event that has not left (nobody else would)
