@@ -50,15 +50,17 @@ CUDA = CudaAPI()
 
 
 def bind_device(device: str, inside_ray: bool = False, pin: bool = True) -> str:
-    """Bind this worker to ``device`` (``cpu:i``, ``cpu:a-b``, ``cuda:i``, or ``emu:i``: nothing
-    bound, tensors on CPU); returns ``"cpu"`` or ``"cuda:j"``. ``inside_ray``: the actor sees only
+    """Bind this worker to ``device`` (``cpu:i``, ``cpu:a-b``, ``cuda:i``, or ``emu:i``: no core
+    bound, tensors on CPU, one torch thread); returns ``"cpu"`` or ``"cuda:j"``. ``inside_ray``: the actor sees only
     its own GPU; ``pin``: change process-wide state (False where workers share the process).
 
     Raises:
         ValueError: a core this process may not use; no CUDA; a GPU that does not exist;
             a pinned GPU asked for after CUDA started here with another view."""
     kind = device.split(":")[0]
-    if kind == "emu":  # an emulated device (engine.emulated) computes nothing: no pinning
+    if kind == "emu":  # computes nothing (engine.emulated): no pinning, and KV copies too
+        if pin:  # small to gain from threads that spin between them
+            torch.set_num_threads(1)
         return "cpu"
     if kind == "cpu":
         cores = cpu_cores_of(device)

@@ -4,8 +4,10 @@ HTTP front; only ``EmulatedRunner`` differs:
 
 - Geometry without weights (``engine.model.load_geometry``); the KV cache has the blocks the
   emulated GPU would hold.
-- Time: each step is held ``device.step_s(batch.step_features())`` x ``time_scale``; layer ``l``
-  is reported done at ``(l + 1) / L`` of the step; ``StepRecord.lateness`` = actual / modelled.
+- Time: each step is held ``device.step_s(batch.step_features())`` x ``time_scale`` as a
+  deadline: ``execute`` starts it, the host works meanwhile, ``finish`` waits out the rest
+  (with a layer listener, ``execute`` holds, layer ``l`` done at ``(l + 1) / L``). Tokens are
+  stamped at the modelled end; ``StepRecord.lateness`` = held / modelled (> 1: host overran).
 - Tokens: ``emulated_token``, the same in every placement, never EOS.
 - KV bytes: real tensors through the real transports; ``kv_scale`` < 1 shrinks each token's KV
   when the host cannot hold the GPU's cache, block counts unchanged.
@@ -23,9 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, kv_num_blocks_for
 from engine.kv_cache import KVSpec, KVStore
 from engine.request import RequestState
+from engine.runner import KVLayout, StepTokens
 from engine.scheduler import ScheduledBatch
 
 # sleep until this long before a deadline, then spin: a sleep overshoots by a fraction of a ms,
@@ -43,11 +46,13 @@ class RealClock:
     def perf(self) -> float:
         return time.perf_counter()
 
-    def wait_until(self, deadline: float) -> None:
-        """Hold until ``perf() >= deadline`` (perf_counter s): sleep, then spin the last ``SPIN_S``."""
-        left = deadline - time.perf_counter()
-        if left > SPIN_S:
-            time.sleep(left - SPIN_S)
+    def wait_until(self, deadline: float,
+                   idle: Callable[[float], None] | None = None) -> None:
+        """Hold until ``perf() >= deadline`` (perf_counter s): ``idle(left - SPIN_S)`` (default
+        ``time.sleep``; it may return early) while more than ``SPIN_S`` is left, then spin."""
+        nap = idle or time.sleep
+        while (left := deadline - time.perf_counter()) > SPIN_S:
+            nap(left - SPIN_S)
         while time.perf_counter() < deadline:
             pass
 
@@ -58,7 +63,7 @@ class Emulation:
 
     ``kv_scale``: KV bytes per token kept, in (0, 1]. ``time_scale``: dilation ``S >= 1``, each
     step held ``S`` x its modelled time (``experiments.dilation``). ``clock``: ``RealClock`` or a
-    test's fake (``time()``, ``perf()``, ``wait_until(t)``).
+    test's fake (``time()``, ``perf()``, ``wait_until(t[, idle])``). An ``engine.runner.RunnerChoice``.
 
     Raises:
         ValueError: ``kv_scale`` outside (0, 1], ``time_scale`` not a finite number >= 1."""
@@ -95,6 +100,17 @@ class Emulation:
     def kv_budget_bytes(self, config: EngineConfig) -> int:
         """The emulated GPU's KV budget (bytes, true geometry)."""
         return self.device.kv_budget_bytes(config)
+
+    def kv_layout(self, loaded, config: EngineConfig, max_model_len: int) -> KVLayout:
+        """The emulated GPU's blocks (true geometry) in ``scaled_spec`` tensors; ``check``'s errors."""
+        self.check(loaded.kv_spec, loaded.name)
+        budget = self.kv_budget_bytes(config)
+        return KVLayout(self.scaled_spec(loaded.kv_spec),
+                        kv_num_blocks_for(config, loaded.kv_spec.bytes_per_token, budget,
+                                          max_model_len), budget)
+
+    def runner(self, loaded, kv_store: KVStore, config: EngineConfig) -> EmulatedRunner:
+        return EmulatedRunner(kv_store, self, loaded.vocab_size, loaded.eos_token_ids)
 
     def describe(self) -> dict:
         """The emulation block of the config row."""
@@ -142,9 +158,9 @@ class _EmulatedOps:
 
 
 class EmulatedRunner:
-    """Stands in for ``engine.runner.ModelRunner``: holds each step for its modelled time. Nothing
-    computes K/V (the store holds what fetches wrote); ``execute`` returns None instead of logits.
-    ``last_modelled_s`` (x ``time_scale``) / ``last_lateness``: of the latest step."""
+    """An ``engine.runner.Runner`` that holds each step for its modelled time (module
+    docstring); nothing computes K/V (the store holds what fetches wrote); ``tokens`` are
+    ``emulated_token``s. ``last_modelled_s`` (x ``time_scale``): of the latest step."""
 
     emulated = True
 
@@ -160,8 +176,14 @@ class EmulatedRunner:
         self.eos = frozenset(eos_token_ids)
         self.ops = _EmulatedOps(emulation)
         self.last_modelled_s = 0.0
-        self.last_lateness = 1.0
+        self._begun = None  # perf() at ``begin``, for the next ``execute``
+        self._start = None  # perf() at the start of the step in flight
+        self._held_s = None  # held in ``execute`` (layer listener)
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
+
+    def begin(self) -> float:
+        self._begun = self.clock.perf()
+        return self.clock.time()
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
         """The device's seconds for ``batch`` x the time dilation."""
@@ -171,22 +193,40 @@ class EmulatedRunner:
 
     def execute(self, batch: ScheduledBatch,
                 on_layer_done: Callable[[int], None] | None = None) -> None:
-        """Hold for the step's modelled time (layer ``l`` reported at ``(l+1)/L`` of it)."""
+        """Start the step's hold from ``begin`` (``finish`` ends it; a listener: held here)."""
         modelled = self.modelled_s(batch)
         clock = self.clock
-        start = clock.perf()
+        start, self._begun = self._begun, None
+        self.last_modelled_s, self._held_s = modelled, None
+        self._start = clock.perf() if start is None else start
         if on_layer_done is not None:
             for layer in range(self.num_layers):
-                clock.wait_until(start + modelled * (layer + 1) / self.num_layers)
+                clock.wait_until(self._start + modelled * (layer + 1) / self.num_layers)
                 on_layer_done(layer)
-        else:
-            clock.wait_until(start + modelled)
-        actual = clock.perf() - start
-        self.last_modelled_s = modelled
-        self.last_lateness = actual / modelled if modelled > 0 else 1.0
+            self._held_s = clock.perf() - self._start
         return None
 
-    def sample(self, states: list[RequestState]) -> list[int]:
+    def end_s(self, start_s: float) -> float:
+        """The modelled end: ``start_s + last_modelled_s``."""
+        return start_s + self.last_modelled_s
+
+    def finish(self, idle: Callable[[float], None] | None = None) -> float | None:
+        """Wait out the step in flight (``idle``: ``RealClock.wait_until``'s) -> held / modelled
+        (1.0 for a step of no time); None when none is in flight."""
+        start, modelled = self._start, self.last_modelled_s
+        if start is None:
+            return None
+        self._start = None
+        held = self._held_s
+        if held is None:
+            if idle is None:
+                self.clock.wait_until(start + modelled)
+            else:
+                self.clock.wait_until(start + modelled, idle)
+            held = self.clock.perf() - start
+        return held / modelled if modelled > 0 else 1.0
+
+    def tokens(self, states: list[RequestState], output: None = None) -> StepTokens:
         """``emulated_token`` at each sampled row's next output position."""
         out, digests, vocab = [], self._digests, self.vocab_size
         for state in states:
@@ -198,7 +238,7 @@ class EmulatedRunner:
                     self.eos | frozenset(request.sampling.stop_token_ids))
             out.append(emulated_token(known[0], len(state.token_ids) - state.num_prompt_tokens,
                                       vocab, known[1]))
-        return out
+        return StepTokens(out, {}, {})
 
     def forget(self, request_id: str) -> None:
         self._digests.pop(request_id, None)

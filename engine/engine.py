@@ -3,34 +3,34 @@ instance; the prefill and decode workers wrap the same class.
 
 A step (``Engine.step`` -> ``StepOutput``): the scheduler picks decodes, prompt chunks and newly
 admitted requests (``ScheduledBatch``; remote requests only get blocks reserved, and their worker
-fetches the KV into them: ``finish_remote``); the runner runs one forward and returns logits for
-the requests whose known tokens are all computed (``on_layer_done`` hears of each layer's K/V);
-the sampler picks tokens; the scheduler advances counters and frees finished requests' blocks.
-The KV cache is paged (``engine.kv_cache``), sized by a memory budget and printed at start-up as
+fetches the KV into them: ``finish_remote``); the runner (``engine.runner.Runner``) runs one
+forward (``on_layer_done`` hears of each layer's K/V) and gives the tokens of the requests whose
+known tokens are all computed; the scheduler advances counters and frees finished requests'
+blocks (``start_step``; ``finish_step`` waits for the device). The KV cache is paged
+(``engine.kv_cache``), sized by the runner's budget and printed at start-up as
 ``KV cache: N blocks = T tokens = X GiB``. Bad input is refused in ``add_request`` /
 ``add_remote`` with ``ValueError``; a failing forward turns that step's requests into errors
 (``StepOutput.failed``) and the engine keeps serving."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from engine.config import EngineConfig, kv_num_blocks_for
-from engine.emulated import EmulatedRunner, Emulation
+from engine.config import EngineConfig
+from engine.emulated import Emulation
 from engine.limits import Limits
-from engine.metrics import StepRecord
+from engine.metrics import BatchEntry, StepRecord
 from engine.kv_blocks import block_hashes
-from engine.kv_cache import GIB, KVStore, kv_budget_bytes, kv_cache_num_blocks
+from engine.kv_cache import GIB, KVStore
 from engine.model import LoadedModel
 from engine.request import Request, RequestState, RequestStatus, TokenOutput
-from engine.runner import ModelRunner
-from engine.sampler import Sampler
+from engine.runner import OnWeights, Runner, RunnerChoice
 from engine.scheduler import ScheduledBatch, Scheduler
 
 class FailedRequest(NamedTuple):
@@ -50,7 +50,7 @@ class StepOutput:
     failed (they left, no token). ``kv_reserved``: remote requests whose blocks this step
     reserved, in order: fetch their KV now into ``finish_remote``. ``kv_dropped``: remote requests
     turned into local recomputes: free their handles, unfetched. ``record``: the step's
-    ``StepRecord``, None when no forward ran or it failed."""
+    ``StepRecord``, None when no forward ran or it failed (or before ``finish_step``)."""
 
     tokens: tuple[TokenOutput, ...] = ()
     finished: tuple[str, ...] = ()
@@ -69,11 +69,12 @@ class StepOutput:
         return self.tokens[i]
 
 
-def _histories(states: list[RequestState]) -> list[tuple[list[int], int]] | None:
-    """(prompt + outputs, prompt length) of the sampled rows, or None when no row has a penalty."""
-    if not any(s.sampling.has_penalties for s in states):
-        return None
-    return [(s.token_ids, s.num_prompt_tokens) for s in states]
+class _InFlight(NamedTuple):  # a started step's record, but its lateness
+    start_s: float
+    end_s: float
+    entries: tuple[BatchEntry, ...]
+    num_prefill_tokens: int
+    num_decode_tokens: int
 
 
 class Engine:
@@ -84,7 +85,8 @@ class Engine:
     ``config.max_model_len`` is capped by the model's context. ``on_layer_done(layer_idx,
     batch)`` is called during the forward once a layer's K/V are in the store, so a layer range
     can be read (``read_kv_layers``) and put while later layers compute. ``emulation``: an
-    emulated device; ``loaded`` is then a geometry and stamps come from its clock.
+    emulated device (an ``engine.runner.RunnerChoice``; None: ``OnWeights``); ``loaded`` is
+    then a geometry.
         ValueError: a profile of another geometry (emulation); a KV budget that holds no block."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
@@ -93,22 +95,11 @@ class Engine:
                  emulation: Emulation | None = None) -> None:
         self.config = config or EngineConfig()
         self.loaded = loaded
-        self.kv_spec = loaded.kv_spec
         self.max_model_len = min(self.config.max_model_len, loaded.max_context_len)
         self.vocab_size = loaded.vocab_size
-        self.emulation = emulation
-        if emulation is None:
-            budget_bytes = kv_budget_bytes(self.config, self.config.device)
-            num_blocks = kv_cache_num_blocks(self.config, self.kv_spec, self.config.device,
-                                             budget_bytes, self.max_model_len)
-            self._clock = time.time
-        else:  # the emulated GPU's blocks (true geometry), held in scaled tensors
-            emulation.check(loaded.kv_spec, loaded.name)
-            budget_bytes = emulation.kv_budget_bytes(self.config)
-            num_blocks = kv_num_blocks_for(self.config, loaded.kv_spec.bytes_per_token,
-                                           budget_bytes, self.max_model_len)
-            self.kv_spec = emulation.scaled_spec(loaded.kv_spec)
-            self._clock = emulation.clock.time
+        choice: RunnerChoice = emulation if emulation is not None else OnWeights()
+        self.kv_spec, num_blocks, budget_bytes = choice.kv_layout(loaded, self.config,
+                                                                  self.max_model_len)
         block_bytes = self.config.block_size * self.kv_spec.bytes_per_token
         if num_blocks < 1:
             raise ValueError(
@@ -127,14 +118,11 @@ class Engine:
                   f"{self.kv_store.num_bytes / GIB:.3g} GiB (budget "
                   f"{budget_bytes / GIB:.3g} GiB, block {self.config.block_size} tokens)",
                   file=sys.stderr)
-        self.runner = (ModelRunner(loaded.model, self.kv_store, self.config.device)
-                       if emulation is None else
-                       EmulatedRunner(self.kv_store, emulation, self.vocab_size,
-                                      loaded.eos_token_ids))
-        self.sampler = Sampler(loaded.eos_token_ids)  # min_tokens masks EOS too
+        self.runner: Runner = choice.runner(loaded, self.kv_store, self.config)
         self.states: dict[str, RequestState] = {}
         self.step_records: list[StepRecord] = []
         self._on_layer_done = on_layer_done
+        self._in_flight: _InFlight | None = None  # started, not finished (``start_step``)
 
     def validate(self, request: Request, prefill_only: bool = False) -> None:
         """``ValueError`` naming the field and range if ``request`` can never run here: a duplicate
@@ -266,19 +254,27 @@ class Engine:
         state = self.states.pop(request_id)
         state.status, state.error = status, error
         self.scheduler.release(state)
-        self.sampler.forget(request_id)
-        if self.emulation is not None:
-            self.runner.forget(request_id)
+        self.runner.forget(request_id)
 
     def step(self) -> StepOutput:
         """Run one step: schedule, reserve, forward, sample, update. A step with nothing to
-        compute runs no forward and records nothing, but still reports its reservations."""
+        compute runs no forward and records nothing, but still reports its reservations.
+        ``finish_step(start_step())``."""
+        return self.finish_step(self.start_step())
+
+    def start_step(self, on_launch: Callable[[], None] | None = None) -> StepOutput:
+        """``step`` while the device may still run it (an emulated hold): its tokens (stamped
+        at its end) leave after ``finish_step``, which sets ``record``. ``on_launch()``: called
+        once a step has begun."""
+        self.finish_step(StepOutput())  # one step in flight at a time
         batch = self.scheduler.schedule()
         kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
         kv_dropped = tuple(state.request_id for state in batch.kv_dropped)
         if batch.is_empty:
             return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
-        start_s = self._clock()
+        start_s = self.runner.begin()
+        if on_launch is not None:
+            on_launch()
         num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
         entries = batch.entries()
         for state in batch.requests:
@@ -286,24 +282,13 @@ class Engine:
                 state.first_scheduled_time_s = start_s
         try:
             listener = self._on_layer_done
-            logits = self.runner.execute(
+            output = self.runner.execute(
                 batch, listener and (lambda layer: listener(layer, batch)))
             sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
             states = [batch.requests[i] for i in sample_rows]
-            logprobs = {}
-            lp_rows = []
-            if self.emulation is not None:  # no logits: the emulated tokens
-                tokens, errors = self.runner.sample(states), {}
-            else:
-                tokens, errors = self.sampler.sample_rows(
-                    logits, [s.request_id for s in states], [s.sampling for s in states],
-                    [s.num_output_tokens for s in states], _histories(states))
-                lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
-            if lp_rows:  # only rows that asked pay for a log_softmax
-                by_row = self.sampler.logprobs(logits, lp_rows, tokens,
-                                               [states[j].sampling.logprobs for j in lp_rows])
-                logprobs = {states[j].request_id: v for j, v in by_row.items()}
+            tokens, errors, logprobs = self.runner.tokens(states, output)
         except Exception as err:  # a failed forward fails its requests, not the engine
+            self.runner.finish()
             self.scheduler.step_failed()  # the blocks it was to fill leave the prefix cache
             failed = tuple(FailedRequest(state.request_id, f"{type(err).__name__}: {err}")
                            for state in batch.requests)
@@ -317,15 +302,28 @@ class Engine:
             self.abort(state.request_id, error)
         sampled = {i: t for i, t in zip(sample_rows, tokens) if t is not None}
         produced = self.scheduler.update(batch, sampled)
-        end_s = self._clock()
-        record = StepRecord(start_s, end_s - start_s, len(entries), num_prefill_tokens,
-                            batch.num_tokens - num_prefill_tokens, entries,
-                            None if self.emulation is None else self.runner.last_lateness)
-        self.step_records.append(record)
+        end_s = self.runner.end_s(start_s)
+        self._in_flight = _InFlight(start_s, end_s, entries, num_prefill_tokens,
+                                    batch.num_tokens - num_prefill_tokens)
         outputs = tuple(self._token_output(state, end_s, logprobs.get(state.request_id))
                         for state in produced)
         return StepOutput(outputs, tuple(o.request_id for o in outputs if o.finished),
-                          tuple(failed), kv_reserved, record, kv_dropped)
+                          tuple(failed), kv_reserved, None, kv_dropped)
+
+    def finish_step(self, started: StepOutput,
+                    idle: Callable[[float], None] | None = None) -> StepOutput:
+        """Wait for the step in flight (``idle(s)``: work while an emulated device holds,
+        ``RealClock.wait_until``), record it; ``started`` with its ``record`` (as is: none)."""
+        flight = self._in_flight
+        if flight is None:
+            return started
+        self._in_flight = None
+        lateness = self.runner.finish(idle)
+        record = StepRecord(flight.start_s, flight.end_s - flight.start_s, len(flight.entries),
+                            flight.num_prefill_tokens, flight.num_decode_tokens,
+                            flight.entries, lateness)
+        self.step_records.append(record)
+        return dataclasses.replace(started, record=record)
 
     def _token_output(self, state: RequestState, time_s: float,
                       logprobs: tuple[float, tuple] | None = None) -> TokenOutput:
@@ -333,9 +331,7 @@ class Engine:
         first_here = index == state.first_output_index  # first token this engine produced
         if state.status.is_finished:
             self.states.pop(state.request_id, None)
-            self.sampler.forget(state.request_id)
-            if self.emulation is not None:
-                self.runner.forget(state.request_id)
+            self.runner.forget(state.request_id)
         return TokenOutput(state.request_id, state.token_ids[-1], index, time_s,
                            state.finish_reason,
                            state.first_scheduled_time_s if first_here else None,

@@ -363,7 +363,8 @@ class StepRecord:
     """One engine step that ran a forward: its phase mix, size, duration and batch.
 
     ``start_s``: ``time.time()`` at the step's start; ``duration_s``: schedule-to-update wall
-    time (s); its tokens are stamped ``start_s + duration_s``. ``batch``: in the scheduler's order
+    time (s), on an emulated device the modelled hold; its tokens are stamped ``start_s +
+    duration_s``. ``batch``: in the scheduler's order
     (decodes first, then prompt chunks). ``lateness``: an emulated device's held ÷ modelled time
     (1.0 = on time); None on a real device (and then not in the row)."""
 

@@ -27,17 +27,90 @@ tensor; prepared layers are built once per model and backend and shared by its r
 from __future__ import annotations
 
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from engine import ops as ops_mod
-from engine.kv_cache import KVStore
+from engine.kv_cache import KVSpec, KVStore, kv_budget_bytes, kv_cache_num_blocks
 from engine.ops import TorchOps, sdpa
+from engine.request import RequestState
+from engine.sampler import Sampler
 from engine.scheduler import ScheduledBatch
+
+
+class KVLayout(NamedTuple):
+    """The KV store a runner choice sizes (``budget_bytes``: for the start-up line)."""
+
+    spec: KVSpec
+    num_blocks: int
+    budget_bytes: int
+
+
+class StepTokens(NamedTuple):
+    """``tokens[j]`` of ``states[j]`` (None: ``errors[j]``); ``logprobs[request_id]``."""
+
+    tokens: list[int | None]
+    errors: dict[int, str]
+    logprobs: dict[str, tuple[float, tuple]]
+
+
+class Runner(Protocol):
+    """An engine's step runner (``ModelRunner``, ``EmulatedRunner``, ``DriverRunner``), in step
+    order: ``begin()`` -> the start stamp; ``execute`` starts the step (it may run on);
+    ``tokens`` -> ``StepTokens``; ``end_s(start_s)`` -> the tokens' stamp; ``finish(idle)``
+    blocks until the device is done -> lateness (held / modelled) when emulated, else None."""
+
+    ops: Any
+
+    def begin(self) -> float: ...
+
+    def execute(self, batch: ScheduledBatch,
+                on_layer_done: Callable[[int], None] | None = None) -> Any: ...
+
+    def tokens(self, states: list[RequestState], output: Any) -> StepTokens: ...
+
+    def end_s(self, start_s: float) -> float: ...
+
+    def finish(self, idle: Callable[[float], None] | None = None) -> float | None: ...
+
+    def forget(self, request_id: str) -> None: ...
+
+
+class RunnerChoice(Protocol):
+    """How an engine's steps run, chosen at deployment (``OnWeights``, ``Emulation``):
+    ``kv_layout`` sizes the KV store (ValueError: not this model's), ``runner`` runs on it."""
+
+    def kv_layout(self, loaded, config, max_model_len: int) -> KVLayout: ...
+
+    def runner(self, loaded, kv_store: KVStore, config) -> Runner: ...
+
+
+class OnWeights:
+    """Steps computed by the model's weights on ``config.device`` (``ModelRunner``); the KV
+    budget is the device's (``engine.kv_cache.kv_budget_bytes``)."""
+
+    def kv_layout(self, loaded, config, max_model_len: int) -> KVLayout:
+        budget = kv_budget_bytes(config, config.device)
+        return KVLayout(loaded.kv_spec, kv_cache_num_blocks(config, loaded.kv_spec,
+                                                            config.device, budget,
+                                                            max_model_len), budget)
+
+    def runner(self, loaded, kv_store: KVStore, config) -> ModelRunner:
+        return ModelRunner(loaded.model, kv_store, config.device,
+                           Sampler(loaded.eos_token_ids))  # min_tokens masks EOS too
+
+
+def _histories(states: list[RequestState]) -> list[tuple[list[int], int]] | None:
+    """(prompt + outputs, prompt length) of the sampled rows, or None when no row has a penalty."""
+    if not any(s.sampling.has_penalties for s in states):
+        return None
+    return [(s.token_ids, s.num_prompt_tokens) for s in states]
 
 
 class _Linear:
@@ -241,8 +314,10 @@ class ModelRunner:
     """Runs scheduled batches through a supported decoder model against a paged ``KVStore``;
     requests name their KV by ``RequestState.block_ids``."""
 
-    def __init__(self, model, kv_store: KVStore, device: str = "cpu") -> None:
+    def __init__(self, model, kv_store: KVStore, device: str = "cpu",
+                 sampler: Sampler | None = None) -> None:
         self.model = model
+        self.sampler = sampler or Sampler()
         self.kv_store = kv_store
         self.device = torch.device(device)
         cfg = model.config
@@ -270,6 +345,31 @@ class ModelRunner:
             print(f"pdlab: {summary}", file=sys.stderr)
         self._gather_buf = torch.empty(0, dtype=kv_store.kv.dtype, device=self.device)
         self._kv_views: tuple = (None, [])  # (store tensor, [(layer view, flat view)])
+
+    def begin(self) -> float:
+        return time.time()
+
+    def tokens(self, states: list[RequestState], logits: torch.Tensor) -> StepTokens:
+        """The sampler's pick from row ``j`` of ``logits`` for ``states[j]``."""
+        tokens, errors = self.sampler.sample_rows(
+            logits, [s.request_id for s in states], [s.sampling for s in states],
+            [s.num_output_tokens for s in states], _histories(states))
+        lp_rows = [j for j, s in enumerate(states) if s.sampling.logprobs is not None]
+        logprobs = {}
+        if lp_rows:  # only rows that asked pay for a log_softmax
+            by_row = self.sampler.logprobs(logits, lp_rows, tokens,
+                                           [states[j].sampling.logprobs for j in lp_rows])
+            logprobs = {states[j].request_id: v for j, v in by_row.items()}
+        return StepTokens(tokens, errors, logprobs)
+
+    def end_s(self, start_s: float) -> float:
+        return time.time()  # the forward ran in ``execute``
+
+    def finish(self, idle: Callable[[float], None] | None = None) -> None:
+        return None  # nothing in flight
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch,

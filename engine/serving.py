@@ -1,10 +1,11 @@
 """Run an Engine on a background thread: commands in, ``WorkerEvent``s out.
 
 The loop thread is the only one that touches the engine. Each turn it runs the queued
-commands, then, if the engine has work, one ``engine.step()``, whose ``StepOutput`` becomes
-events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV over
-or fetch it), runs the commands that came during the step and lets the events leave; with no
-work it sleeps until the next command.
+commands, then, if the engine has work, one step: ``engine.start_step()``, whose ``StepOutput``
+becomes events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV
+over or fetch it), then ``engine.finish_step`` (on an emulated device the step's hold, during
+which arriving commands are applied); its events leave once the next step has begun (at once
+when none follows), never before its end; with no work it sleeps until the next command.
 
 Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
 in the order sent, and each turn with news leaves as one message (a tuple of its events). A
@@ -108,6 +109,7 @@ class EngineLoop:
                                  emulation=emulation)
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent | TokenBatch] = []
+        self._held: list | None = None  # the loop's events while its step runs, else None
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
@@ -189,11 +191,15 @@ class EngineLoop:
 
     def _take_events(self, request_id: str) -> list[WorkerEvent]:
         """Remove the not yet collected events of ``request_id`` (an abort makes them moot)."""
+        def mine(e) -> bool:  # (a TokenBatch has no request_id)
+            return getattr(e, "request_id", None) == request_id
+
         with self._events_ready:
-            taken = [e for e in self._events  # (a TokenBatch has no request_id)
-                     if getattr(e, "request_id", None) == request_id]
-            self._events = [e for e in self._events
-                            if getattr(e, "request_id", None) != request_id]
+            taken = [e for e in self._events if mine(e)]
+            self._events = [e for e in self._events if not mine(e)]
+        if self._held and threading.current_thread() is self._thread:  # a step running
+            taken += [e for e in self._held if mine(e)]
+            self._held[:] = [e for e in self._held if not mine(e)]
         return taken
 
     def status(self) -> dict:
@@ -278,19 +284,29 @@ class EngineLoop:
             if not self.engine.has_unfinished():
                 self._send_events()
                 continue
-            output = self.engine.step()
+            output = self.engine.start_step(on_launch=self._send_events)
+            self._send_events()  # when no step began
+            during = self.outputs_during_step
+            if during:
+                self._held = []
+                self._step_news(output)
+                self._drain_commands(block=False)
+            # the device's step (an emulated hold) runs out; commands apply as they come
+            output = self.engine.finish_step(output, self._drain_for if during else None)
             if output.failed:  # a failed forward may be a rank's death: the instance's
                 self._check_ranks()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            for request_id, error in output.failed:
-                self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
-            self.on_step(output)
-            self.on_tick()
+            if during:
+                held, self._held = self._held, None
+                self._emit_all(held)
+            else:
+                self._step_news(output)
             # commands that came during the step first: an abort still frees the KV of a
             # prefilled event that has not left (nobody else would)
             self._drain_commands(block=False)
-            self._send_events()
+            if output.record is None or not self.engine.has_unfinished():
+                self._send_events()  # else they leave once the next step has begun
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
 
@@ -300,6 +316,15 @@ class EngineLoop:
         if dead:
             raise RuntimeError(f"{self.role} worker {self.name}: {dead}: the TP "
                                f"{self.engine.config.tp} instance cannot run without it")
+
+    def _step_news(self, output: StepOutput) -> None:
+        for request_id, error in output.failed:
+            self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
+        self.on_step(output)
+        self.on_tick()
+
+    def _drain_for(self, timeout_s: float) -> None:
+        self._drain_commands(block=True, timeout_s=timeout_s)
 
     def _send_events(self) -> None:
         """Over the channel: this turn's events as one message (none: nothing is sent)."""
@@ -370,9 +395,8 @@ class EngineLoop:
                                   error=str(err)))
 
     def emit(self, event: WorkerEvent | TokenBatch) -> None:
-        with self._events_ready:
-            self._events.append(event)
-            self._events_ready.notify_all()
+        """Queue ``event`` to leave; from the loop thread while a step runs, at its end."""
+        self._emit_all([event])
         if self._port is not None and threading.current_thread() is not self._thread:
             self._wake_loop()  # the loop sends it at its next turn
 
@@ -394,10 +418,17 @@ class EngineLoop:
                                      tuple(o.request_id for o in plain),
                                      tuple(o.token_id for o in plain),
                                      tuple(o.index for o in plain)))
-        if events:
-            with self._events_ready:
-                self._events.extend(events)
-                self._events_ready.notify_all()
+        self._emit_all(events)
+
+    def _emit_all(self, events: list) -> None:
+        if not events:
+            return
+        if self._held is not None and threading.current_thread() is self._thread:
+            self._held.extend(events)
+            return
+        with self._events_ready:
+            self._events.extend(events)
+            self._events_ready.notify_all()
 
     def on_tick(self) -> None:
         """Once per loop iteration, on the loop thread: subclasses retry deferred KV puts
@@ -412,9 +443,14 @@ class EngineLoop:
         engine is built; None (the default) streams nothing while a step computes."""
         return None
 
+    # on_step and arriving commands run while the device's step does (events held to its
+    # end); False: after it, for work whose own stamps must follow the step's end
+    outputs_during_step = True
+
     def on_step(self, output: StepOutput) -> None:
-        """After every step, on the loop thread, with what it did (its failed requests are
-        already reported). Colocated: every token goes straight out."""
+        """After every step's host work, on the loop thread, with what it did (its failed
+        requests are already reported; ``record`` is None while ``outputs_during_step``).
+        Colocated: every token goes straight out."""
         self.emit_tokens(output.tokens)
 
 

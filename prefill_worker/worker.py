@@ -51,6 +51,7 @@ class PrefillWorker(EngineLoop):
     is one store)."""
 
     role = "prefill"
+    outputs_during_step = False  # a put follows its prompt's last step (its KV_PUT stamp too)
 
     def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
                  transfer_config: TransferConfig, device: str = "cpu:0",

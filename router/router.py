@@ -27,6 +27,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures as cf
 import dataclasses
+import math
 import queue
 import threading
 import time
@@ -514,7 +515,12 @@ class Router:
                 next_index += 1
             wait_s = self.poll_s
             if next_index < len(arrivals):
-                wait_s = min(wait_s, max(0.0, start_s + arrivals[next_index][1] - time.time()))
+                due_s = start_s + arrivals[next_index][1] - time.time()
+                if due_s < 0.001:  # the hub waits whole ms, never past the arrival: sleep the rest
+                    self._step(0.0)
+                    time.sleep(max(0.0, start_s + arrivals[next_index][1] - time.time()))
+                    continue
+                wait_s = min(wait_s, math.floor(due_s * 1000) / 1000)
             self._step(wait_s)
         self._drain()
         return [done[request.request_id] for request, _ in arrivals]

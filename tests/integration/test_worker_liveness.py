@@ -24,10 +24,10 @@ TINY = ModelConfig("tiny-random-llama")
 def test_an_exception_escaping_the_loop_kills_the_worker_at_once():
     loop = EngineLoop("colocated-0", TINY, ENGINE, bind=False)
     try:
-        def broken_step():
+        def broken_step(on_launch=None):
             raise RuntimeError("boom")
 
-        loop.engine.step = broken_step
+        loop.engine.start_step = broken_step
         listen(loop)  # its channel is open
         loop.submit(Request("r0", (3, 4, 5), SamplingParams(max_tokens=2)))
         loop._thread.join(timeout=10)
@@ -72,10 +72,10 @@ def test_router_fails_a_dead_loop_s_requests_naming_the_cause_and_moves_on(tiny)
     with Deployment(PlacementConfig("disagg:2p1d", "cpu:0,cpu:1,cpu:0-1"), TINY, ENGINE,
                     TransferConfig(transport="inprocess", timeout_s=5.0), local=True,
                     policy="round_robin", deadline_s=60.0) as deployment:
-        def broken_step():
+        def broken_step(on_launch=None):
             raise RuntimeError("boom")
 
-        deployment.handles["prefill-0"].engine.step = broken_step
+        deployment.handles["prefill-0"].engine.start_step = broken_step
         records = deployment.run(workload)
         failed = [r for r in records if r.error]
         assert failed and all(r.prefill_worker == "prefill-0" for r in failed)

@@ -134,3 +134,13 @@ def test_a_ray_that_does_not_start_is_one_runtime_error_naming_the_cause(monkeyp
     joining = ray_actors.RayWorkers((("cpu:0",),), "10.0.0.1:6379", "ray")
     with pytest.raises(RuntimeError, match=r"joining 10.0.0.1:6379"):
         joining.connect()
+
+
+def test_an_emulated_worker_binds_no_core_and_runs_one_torch_thread(monkeypatch):
+    import torch
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(dev.os, "sched_setaffinity", lambda *a: pytest.fail("pinned a core"))
+    assert dev.bind_device("emu:3") == "cpu" and threads == [1]
+    assert dev.bind_device("emu:3", pin=False) == "cpu" and threads == [1]  # shared process

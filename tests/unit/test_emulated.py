@@ -4,14 +4,18 @@ and warned about; bad input is refused."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
-from engine.emulated import Emulation, emulated_token, lateness_warning, prompt_hash
+from engine import events as ev
+from engine.emulated import SPIN_S, Emulation, RealClock, emulated_token, lateness_warning, prompt_hash
 from engine.engine import Engine
 from engine.model import ModelLoadError, load_geometry
 from engine.request import Request, RequestState, SamplingParams
 from engine.scheduler import ScheduledBatch, StepFeatures
+from engine.serving import EngineLoop
 from planner.latency import DeviceProfile, Fit
 from deployment.placement import Deployment
 from planner.simulate import Simulator
@@ -41,7 +45,7 @@ class FakeClock:
     def perf(self) -> float:
         return self.t
 
-    def wait_until(self, deadline: float) -> None:
+    def wait_until(self, deadline: float, idle=None) -> None:
         self.t = max(self.t, deadline) + self.lag
 
 
@@ -127,6 +131,80 @@ def test_lateness_is_measured_and_warned():
     assert lateness_warning([{"lateness": 1.0}] * 98 + [{"lateness": 1.5}] * 2, "h") is not None
 
 
+def test_a_step_is_a_deadline_and_the_hosts_work_runs_inside_it():
+    clock = FakeClock()
+    engine = emulated_engine(clock)
+    for request in requests():
+        engine.add_request(request)
+    launched = []
+    started = engine.start_step(on_launch=lambda: launched.append(clock.t))
+    # launched and returned at once: tokens stamped at the modelled end, no record yet
+    assert launched == [0.0] and clock.t == 0.0
+    assert started.record is None and engine.step_records == []
+    assert [(o.request_id, o.index, o.time_s) for o in started] == [("r0", 0, STEP_S)]
+    clock.t = STEP_S / 2  # the host's work for the step, inside its hold: free
+    done = engine.finish_step(started)
+    assert clock.t == STEP_S and done.tokens == started.tokens
+    assert done.record == engine.step_records[0]
+    assert (done.record.start_s, done.record.duration_s, done.record.lateness) == (0.0, STEP_S, 1.0)
+    started = engine.start_step()
+    clock.t += 1.5 * STEP_S  # past the step's end: late by half a step
+    done = engine.finish_step(started)
+    assert (done.record.start_s, done.record.duration_s, done.record.lateness) == (
+        STEP_S, STEP_S, 1.5)
+    assert engine.finish_step(done) is done  # nothing in flight
+
+
+def test_real_clock_hands_a_hold_to_idle_work_then_spins_to_the_deadline():
+    clock, naps = RealClock(), []
+
+    def idle(left_s: float) -> None:
+        naps.append(left_s)
+        time.sleep(left_s / 2)
+
+    deadline = clock.perf() + 0.5
+    clock.wait_until(deadline, idle)
+    assert clock.perf() >= deadline
+    assert naps and all(0 < s <= 0.5 - SPIN_S for s in naps)
+
+
+class HoldProbe(FakeClock):
+    """Notes every event a loop lets out while a hold runs that is stamped after its start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop: EngineLoop | None = None
+        self.early: list = []
+
+    def wait_until(self, deadline: float, idle=None) -> None:
+        if self.loop is not None:
+            self.early += [e for e in list(self.loop._events) if e.time_s > self.t]
+        super().wait_until(deadline)
+
+
+def test_a_loop_lets_no_token_out_before_its_step_ends():
+    clock = HoldProbe()
+    loop = EngineLoop("colocated-0", ModelConfig(LLAMA, "bfloat16"), ENGINE, device="emu:0",
+                      bind=False, emulation=Emulation(constant_profile(), 1 / 256, clock))
+    clock.loop = loop
+    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
+    stamps = []
+    try:
+        for request in requests():
+            loop.submit(request)
+        end_s = time.monotonic() + 60.0
+        while sum(map(len, outputs.values())) < 5 + 3 + 9:
+            assert time.monotonic() < end_s, f"the loop stalled: {outputs}"
+            for event in ev.expand(loop.wait_events(0.5)):
+                outputs[event.request_id].append(event.token_id)
+                stamps.append(event.time_s)
+    finally:
+        loop.shutdown()
+    assert clock.early == []
+    assert outputs == emulated_engine(FakeClock()).generate(requests())
+    assert all(s % STEP_S == 0 and s > 0 for s in stamps)  # each at a step's end
+
+
 def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="emu_kv_scale must be in"):
         Emulation(constant_profile(), 0.0)
@@ -150,9 +228,11 @@ FAST = EngineConfig(max_num_seqs=8, max_model_len=256, max_num_batched_tokens=25
                     device_profile=PROFILE, emu_kv_scale=1 / 256)
 
 
-def deploy(placement: str, devices: str = "emu:0-1", engine: EngineConfig = FAST):
+def deploy(placement: str, devices: str = "emu:0-1", engine: EngineConfig = FAST,
+           granularity: str = "request"):
     return Deployment(PlacementConfig(placement, devices), ModelConfig(LLAMA), engine,
-                      TransferConfig(transport="inprocess", timeout_s=10.0), local=True)
+                      TransferConfig(transport="inprocess", timeout_s=10.0,
+                                     granularity=granularity, layers_per_chunk=8), local=True)
 
 
 def workload():
@@ -162,8 +242,10 @@ def workload():
 
 def test_tokens_identical_across_placements_and_reruns():
     outputs = {}
-    for run, placement in enumerate(["colocated:2", "disagg:1p1d", "colocated:2"]):
-        with deploy(placement) as deployment:
+    runs = [("colocated:2", "request"), ("disagg:1p1d", "request"), ("colocated:2", "request"),
+            ("disagg:1p1d", "layer")]  # layer: the hold runs in execute, layer by layer
+    for run, (placement, granularity) in enumerate(runs):
+        with deploy(placement, granularity=granularity) as deployment:
             records = deployment.run(workload())
             steps = deployment.step_records()
             infos = deployment.gather("info")
@@ -177,8 +259,8 @@ def test_tokens_identical_across_placements_and_reruns():
         if placement.startswith("disagg"):  # the scaled KV went through the transport
             assert {r.kv_bytes for r in records} == {
                 2 * 32 * 4 * 2 * r.num_prompt_tokens for r in records}
-            assert len(transfers) == 4
-    assert outputs[0] == outputs[1] == outputs[2]
+            assert len(transfers) == 4 * (1 if granularity == "request" else 32 // 8)
+    assert outputs[0] == outputs[1] == outputs[2] == outputs[3]
 
 
 @pytest.mark.parametrize("devices,engine,words", [
