@@ -9,7 +9,6 @@ import time
 import pytest
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
-from engine import events as ev
 from engine.emulated import SPIN_S, Emulation, RealClock, emulated_token, lateness_warning, prompt_hash
 from engine.engine import Engine
 from engine.model import ModelLoadError, load_geometry
@@ -19,6 +18,7 @@ from engine.serving import EngineLoop
 from planner.latency import DeviceProfile, Fit
 from deployment.placement import Deployment
 from planner.simulate import Simulator
+from placement_helpers import events_within
 
 LLAMA = "engine/configs/llama-3.1-8b"
 LLAMA_BYTES = 2 * 32 * 8 * 128 * 2  # 2 (K, V) x layers x KV heads x head dim x bf16 bytes
@@ -195,7 +195,7 @@ def test_a_loop_lets_no_token_out_before_its_step_ends():
         end_s = time.monotonic() + 60.0
         while sum(map(len, outputs.values())) < 5 + 3 + 9:
             assert time.monotonic() < end_s, f"the loop stalled: {outputs}"
-            for event in ev.expand(loop.wait_events(0.5)):
+            for event in events_within(loop, 0.5):
                 outputs[event.request_id].append(event.token_id)
                 stamps.append(event.time_s)
     finally:
