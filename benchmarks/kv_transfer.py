@@ -225,7 +225,7 @@ def bandwidth_table(sizes: list[int], repeats: int, threads: int, with_ray: bool
     ray_transport = None
     if with_ray:
 
-        ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
                  configure_logging=False,
                  object_store_memory=max(4 * max(sizes) * MIB, 512 * MIB))
         ray_transport = RayObjectStoreTransport()

@@ -26,7 +26,7 @@ def ray_cluster():
     # workers must import this module (actor classes) and the repo's packages
     here, root = Path(__file__).resolve().parent, Path(__file__).resolve().parents[2]
     python_path = os.pathsep.join([str(root), str(here), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": python_path}})
     yield
     ray.shutdown()

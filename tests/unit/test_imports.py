@@ -398,3 +398,14 @@ def test_every_test_file_that_kills_a_worker_carries_the_workers_or_ray_marker()
                 and not any(m in p.read_text() for m in ("pytest.mark.workers",
                                                           "pytest.mark.ray"))]
     assert [p for p in _test_files() if ".kill(" in p.read_text()] and unmarked == []
+
+
+def test_every_ray_init_starts_its_own_cluster_or_names_one():
+    """``ray.init()`` with no address joins whatever cluster this machine runs (another test
+    run's, a user's ``ray start``): each call passes ``address=`` (``"local"`` for a private
+    one) or ``ray_init_kwargs()``, which does."""
+    calls = [(p, line) for p in ROOT.glob("[a-z]*/**/*.py") if ".venv" not in p.parts
+             for line in p.read_text().splitlines() if line.lstrip().startswith("ray.init(")]
+    loose = [f"{p.relative_to(ROOT)}: {line.strip()}" for p, line in calls
+             if "address=" not in line and "**" not in line]
+    assert calls and loose == []
