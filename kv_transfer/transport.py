@@ -114,6 +114,9 @@ class Transport(ABC):
     name = "transport"
     # gets from one sender must follow its puts' order (NCCL): the decode worker uses one thread
     ordered_gets = False
+    # ``put`` has copied ``kv``'s bytes when it returns, whatever its strides: a caller may pass
+    # a view of its KV cache and reuse that memory at once (else it passes a copy it gives up)
+    copies_on_put = False
 
     def __init__(self, checksum: bool = True):
         self.checksum = checksum
@@ -140,10 +143,18 @@ class Transport(ABC):
         Raises:
             ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused."""
         start_time_s, start_s = time.time(), time.perf_counter()
+        key, num_bytes = self._put_kv(request_id, spec, kv, token_start, layer_start, dst_rank,
+                                      part)
+        return KVHandle(self.name, request_id, key, num_bytes, time.perf_counter() - start_s,
+                        start_time_s)
+
+    def _put_kv(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
+                layer_start: int, dst_rank: int | None, part: RankPart) -> tuple[Any, int]:
+        """``put``'s work: ``(the handle's key, bytes of frame 1)``. By default ``_pack`` then
+        ``_put_frames``; a transport that copies ``kv`` straight into its own buffer overrides
+        it (and sets ``copies_on_put``)."""
         frames = self._pack(request_id, spec, kv, token_start, layer_start, part)
-        key = self._put_frames(request_id, frames, dst_rank)
-        return KVHandle(self.name, request_id, key, frame_nbytes(frames[1]),
-                        time.perf_counter() - start_s, start_time_s)
+        return self._put_frames(request_id, frames, dst_rank), frame_nbytes(frames[1])
 
     def get(self, handle: KVHandle, expected: KVSpec, timeout_s: float
             ) -> tuple[KVHeader, torch.Tensor]:
