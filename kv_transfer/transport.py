@@ -1,8 +1,8 @@
 """The KV transfer protocol every transport implements. The prefill side's ``put(request_id, spec,
-kv)`` packs the KV ``[L', 2, H_kv, T, D]`` (``payload.pack``), hands it over and returns a small
-picklable ``KVHandle`` (the router passes handles, never bytes). The decode side's ``get(handle,
-expected_spec, timeout_s)`` fetches it within the deadline, checks it against its ``KVSpec`` and
-checksum, returns ``(KVHeader, kv)`` and appends one ``TransferRecord``. The last holder of a
+kv)`` packs the KV ``[L', 2, H_kv, T, D]`` (``payload``'s wire format), hands it over and returns a
+small picklable ``KVHandle`` (the router passes handles, never bytes). The decode side's
+``get(handle, expected_spec, timeout_s)`` fetches it within the deadline, checks it against its
+``KVSpec`` and checksum, returns ``(KVHeader, kv)`` and appends one ``TransferRecord``. The last holder of a
 handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone: freed, owner
 died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``.
 
