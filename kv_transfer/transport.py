@@ -2,9 +2,9 @@
 kv)`` packs the KV ``[L', 2, H_kv, T, D]`` (``payload``'s wire format), hands it over and returns a
 small picklable ``KVHandle`` (the router passes handles, never bytes). The decode side's
 ``get(handle, expected_spec, timeout_s)`` fetches it within the deadline, checks it against its
-``KVSpec`` and checksum, returns ``(KVHeader, kv)`` and appends one ``TransferRecord``. The last holder of a
-handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone: freed, owner
-died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``.
+``KVSpec`` and checksum, returns ``(KVHeader, kv)`` and appends one ``TransferRecord``. The last
+holder of a handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone:
+freed, owner died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``.
 
 ``achieved_gbps = num_bytes / (put_s + get_s) / 1e9``; ``efficiency = achieved_gbps / peak_gbps``
 (``kv_transfer.link``'s peak, or None). A request's chunks form a stream, ``ready`` when the put
