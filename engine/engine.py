@@ -212,18 +212,28 @@ class Engine:
 
         Raises:
             KeyError: the request is not held here in PREFILLED state."""
+        kv = self.prefilled_kv(request_id, token_start)
+        return kv, self.finish_prefilled(request_id)
+
+    def prefilled_kv(self, request_id: str, token_start: int = 0,
+                     may_view: bool = False) -> torch.Tensor:
+        """``export_kv``'s KV without freeing it (``finish_prefilled`` does, after);
+        ``may_view``: ``KVStore.read``'s (a view of the KV cache, valid until that free).
+
+        Raises:
+            KeyError: the request is not held here in PREFILLED state."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.PREFILLED:
             raise KeyError(f"request {request_id!r} has no prefilled KV in this engine")
-        kv = self._read_prompt(state, slice(None), token_start)
-        return kv, self.finish_prefilled(request_id)
+        return self._read_prompt(state, slice(None), token_start, may_view)
 
-    def _read_prompt(self, state: RequestState, layers: slice, token_start: int) -> torch.Tensor:
+    def _read_prompt(self, state: RequestState, layers: slice, token_start: int,
+                     may_view: bool = False) -> torch.Tensor:
         block_size = self.config.block_size
         if token_start % block_size:
             raise ValueError(f"token_start must be a multiple of {block_size}, got {token_start}")
         return self.kv_store.read(state.block_ids[token_start // block_size:],
-                                  state.num_prompt_tokens - token_start, layers)
+                                  state.num_prompt_tokens - token_start, layers, may_view)
 
     def finish_prefilled(self, request_id: str) -> int:
         """Free a prefilled request's blocks without copying its KV (its layers were already
@@ -234,9 +244,11 @@ class Engine:
         self.release(request_id, RequestStatus.FINISHED_LENGTH)
         return state.token_ids[-1]
 
-    def read_kv_layers(self, request_id: str, layers: slice, token_start: int = 0) -> torch.Tensor:
-        """Copy of a running prefill's prompt KV for ``layers``, ``[L', 2, H_kv, T - s, D]``."""
-        return self._read_prompt(self.states[request_id], layers, token_start)
+    def read_kv_layers(self, request_id: str, layers: slice, token_start: int = 0,
+                       may_view: bool = False) -> torch.Tensor:
+        """Copy of a running prefill's prompt KV for ``layers``, ``[L', 2, H_kv, T - s, D]``
+        (``may_view``: ``KVStore.read``'s)."""
+        return self._read_prompt(self.states[request_id], layers, token_start, may_view)
 
     def cached_prefix_tokens(self, token_ids) -> int:
         """Tokens of the longest prefix of ``token_ids`` whose full blocks are cached here now."""

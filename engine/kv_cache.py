@@ -142,8 +142,8 @@ class KVStore:
     def _run(self, block_ids: list[int], num_tokens: int) -> slice | None:
         """The flat token slice of the first T tokens when their blocks are consecutive (no
         gather needed), else None."""
-        needed = block_ids[:-(-num_tokens // self.block_size)]
-        if needed and all(b - a == 1 for a, b in zip(needed, needed[1:])):
+        needed = list(block_ids[:-(-num_tokens // self.block_size)])
+        if needed and needed == list(range(needed[0], needed[0] + len(needed))):
             start = needed[0] * self.block_size
             return slice(start, start + num_tokens)
         return None
@@ -153,14 +153,15 @@ class KVStore:
         s = self.spec
         return self.kv.view(s.num_layers, 2, s.num_kv_heads, self.num_tokens, s.head_dim)
 
-    def read(self, block_ids: list[int], num_tokens: int,
-             layers: slice = slice(None)) -> torch.Tensor:
+    def read(self, block_ids: list[int], num_tokens: int, layers: slice = slice(None),
+             may_view: bool = False) -> torch.Tensor:
         """Copy out one request's KV: a new ``[L', 2, H_kv, T, D]``, contiguous; ValueError
-        when T tokens do not fit ``block_ids``."""
+        when T tokens do not fit ``block_ids``. ``may_view``: where the blocks are consecutive,
+        a strided view of the store instead (no copy; valid until they are freed or written)."""
         self._check_fits(block_ids, num_tokens)
         run, flat = self._run(block_ids, num_tokens), self._flat()[layers]
         if run is not None:
-            return flat[:, :, :, run].contiguous()
+            return flat[:, :, :, run] if may_view else flat[:, :, :, run].contiguous()
         return flat.index_select(3, self.token_index(block_ids, num_tokens))
 
     def write(self, block_ids: list[int], kv: torch.Tensor, layer_start: int = 0) -> None:

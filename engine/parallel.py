@@ -383,8 +383,10 @@ class InstanceKVStore:
             raise RuntimeError(f"KV {what} of a TP {self.group.size} instance inside a "
                                "forward, outside the window after a layer")
 
-    def read(self, block_ids: list[int], num_tokens: int, layers: slice = slice(None)) -> torch.Tensor:
-        """One request's KV, every head: ``[L', 2, H_kv, T, D]``, contiguous."""
+    def read(self, block_ids: list[int], num_tokens: int, layers: slice = slice(None),
+             may_view: bool = False) -> torch.Tensor:
+        """One request's KV, every head: ``[L', 2, H_kv, T, D]``, contiguous, always a new
+        tensor (the heads are gathered from the ranks, whatever ``may_view``)."""
         self._outside_step("read")
         block_ids = list(block_ids)
         self.group.broadcast_object(("read", (block_ids, num_tokens, layers)))

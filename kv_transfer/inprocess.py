@@ -24,6 +24,7 @@ class InProcessTransport(Transport):
     """Frames kept in a dict keyed by an int handle id."""
 
     name = "inprocess"
+    copies_on_put = True  # ``_owned_copy``
 
     def __init__(self, checksum: bool = True):
         super().__init__(checksum)

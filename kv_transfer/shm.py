@@ -7,7 +7,8 @@ byte per slot (0 FREE, 1 READY), a u64 generation per slot, then page-aligned da
 
 - ``put``: reclaim FREE slots, take a slot and the first free extent that fits (retried each ms
   up to ``alloc_timeout_s``, then ``TransferFailed``), reserve pages with ``posix_fallocate`` (a
-  full ``/dev/shm`` is ``TransferFailed``, never SIGBUS), copy, bump the generation, store READY.
+  full ``/dev/shm`` is ``TransferFailed``, never SIGBUS), copy the caller's tensor (any strides:
+  the one copy), checksum the slot's bytes, bump the generation, store READY.
 - ``get``: another node, a dead owner, or a slot not READY at the handle's generation is
   ``TransferFailed``. Returns a view (checksum verified in place) leasing the slot;
   ``zero_copy=False`` copies out.
@@ -20,6 +21,7 @@ FREE), and x86-64 never makes a store visible before earlier loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import secrets
@@ -35,7 +37,9 @@ import torch
 
 from kv_transfer.extents import first_fit
 from kv_transfer.extents import round_up as _round_up
-from kv_transfer.payload import Frame
+from engine.kv_cache import KVSpec
+from kv_transfer.payload import (DEFAULT_CHECKSUM_KIND, Frame, RankPart, checksum_of,
+                                 encode_header, make_header)
 from kv_transfer.transport import KVHandle, Transport, TransferFailed
 
 MAGIC = b"PDLABKV1"
@@ -182,6 +186,7 @@ class SharedMemoryTransport(Transport):
     transfers outstanding at once; ``zero_copy``: ``get`` returns a view, else a private copy."""
 
     name = "shm"
+    copies_on_put = True  # ``_put_kv``
 
     def __init__(self, checksum: bool = True, capacity_bytes: int = DEFAULT_CAPACITY,
                  num_slots: int = DEFAULT_SLOTS, alloc_timeout_s: float = 10.0,
@@ -262,32 +267,63 @@ class SharedMemoryTransport(Transport):
         header, src = bytes(frames[0]), _as_u8(frames[1])
         nbytes = src.numel()
         with self._lock:
-            self._drop_dead_peers()
-            seg = self._segment()
-            if nbytes > seg.capacity:
-                raise TransferFailed(f"KV of request {request_id} ({nbytes} bytes) exceeds the "
-                                     f"shared-memory arena ({seg.capacity} bytes)")
-            deadline_s = time.monotonic() + self.alloc_timeout_s
-            while True:
-                self._reclaim()
-                room = self._find_room(nbytes)
-                if room is not None or time.monotonic() >= deadline_s:
-                    break
-                time.sleep(0.001)
-            if room is None:
-                raise TransferFailed(
-                    f"shared-memory arena full for request {request_id}: {len(self._allocated)} "
-                    f"transfers hold it, none freed within {self.alloc_timeout_s} s "
-                    f"({nbytes} bytes needed of {seg.capacity})")
-            slot, offset = room
-            end = offset + _round_up(max(nbytes, 1), PAGE)
-            self._reserve(end)
+            seg, slot, offset, end = self._claim(request_id, nbytes)
             if nbytes:
                 seg.data[offset:offset + nbytes].copy_(src)
-            gen = int(seg.gen[slot]) + 1
-            seg.gen[slot] = gen
-            seg.state[slot] = READY  # last: the slot is now the handle holder's
-            self._allocated[slot] = (offset, end, gen)
+            return self._commit(seg, slot, offset, end, nbytes, header)
+
+    def _put_kv(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
+                layer_start: int, dst_rank: int | None, part: RankPart) -> tuple[ShmKey, int]:
+        """One copy of ``kv`` (any strides, any device) into its slot, then the checksum over
+        the slot's bytes; a ``kv`` that does not match ``spec`` takes no slot."""
+        header = make_header(request_id, spec, kv, token_start, layer_start, part=part)
+        nbytes = header.num_bytes
+        with self._lock:
+            seg, slot, offset, end = self._claim(request_id, nbytes)
+            dst = seg.data[offset:offset + nbytes]
+            if nbytes:
+                dst.view(kv.dtype).view(kv.shape).copy_(kv.detach())
+            if self.checksum:
+                header = dataclasses.replace(header, checksum=checksum_of(dst),
+                                             checksum_kind=DEFAULT_CHECKSUM_KIND)
+            return self._commit(seg, slot, offset, end, nbytes, encode_header(header)), nbytes
+
+    def _claim(self, request_id: str, nbytes: int) -> tuple[_Segment, int, int, int]:
+        """``(segment, slot, offset, end)`` of room for ``nbytes``, its pages reserved: waits up
+        to ``alloc_timeout_s`` for a free slot and extent. Under ``_lock``; the slot stays FREE
+        (nobody's) until ``_commit``.
+
+        Raises:
+            TransferFailed: larger than the arena, no room in time, or no pages for it."""
+        self._drop_dead_peers()
+        seg = self._segment()
+        if nbytes > seg.capacity:
+            raise TransferFailed(f"KV of request {request_id} ({nbytes} bytes) exceeds the "
+                                 f"shared-memory arena ({seg.capacity} bytes)")
+        deadline_s = time.monotonic() + self.alloc_timeout_s
+        while True:
+            self._reclaim()
+            room = self._find_room(nbytes)
+            if room is not None or time.monotonic() >= deadline_s:
+                break
+            time.sleep(0.001)
+        if room is None:
+            raise TransferFailed(
+                f"shared-memory arena full for request {request_id}: {len(self._allocated)} "
+                f"transfers hold it, none freed within {self.alloc_timeout_s} s "
+                f"({nbytes} bytes needed of {seg.capacity})")
+        slot, offset = room
+        end = offset + _round_up(max(nbytes, 1), PAGE)
+        self._reserve(end)
+        return seg, slot, offset, end
+
+    def _commit(self, seg: _Segment, slot: int, offset: int, end: int, nbytes: int,
+                header: bytes) -> ShmKey:
+        """Publish a claimed slot whose bytes are written: READY at a new generation."""
+        gen = int(seg.gen[slot]) + 1
+        seg.gen[slot] = gen
+        seg.state[slot] = READY  # last: the slot is now the handle holder's
+        self._allocated[slot] = (offset, end, gen)
         return ShmKey(seg.path, seg.token, self.node, os.getpid(), slot, gen, offset, nbytes,
                       header)
 

@@ -1,10 +1,10 @@
 """The KV transfer protocol every transport implements. The prefill side's ``put(request_id, spec,
-kv)`` packs the KV ``[L', 2, H_kv, T, D]`` (``payload.pack``), hands it over and returns a small
-picklable ``KVHandle`` (the router passes handles, never bytes). The decode side's ``get(handle,
-expected_spec, timeout_s)`` fetches it within the deadline, checks it against its ``KVSpec`` and
-checksum, returns ``(KVHeader, kv)`` and appends one ``TransferRecord``. The last holder of a
-handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone: freed, owner
-died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``.
+kv)`` packs the KV ``[L', 2, H_kv, T, D]`` (``payload``'s wire format), hands it over and returns a
+small picklable ``KVHandle`` (the router passes handles, never bytes). The decode side's
+``get(handle, expected_spec, timeout_s)`` fetches it within the deadline, checks it against its
+``KVSpec`` and checksum, returns ``(KVHeader, kv)`` and appends one ``TransferRecord``. The last
+holder of a handle calls ``free``. Errors: ``TransferTimeout``, ``TransferFailed`` (bytes gone:
+freed, owner died, put failed), ``payload.KVSpecMismatch``, ``payload.KVChecksumError``.
 
 ``achieved_gbps = num_bytes / (put_s + get_s) / 1e9``; ``efficiency = achieved_gbps / peak_gbps``
 (``kv_transfer.link``'s peak, or None). A request's chunks form a stream, ``ready`` when the put
@@ -114,6 +114,9 @@ class Transport(ABC):
     name = "transport"
     # gets from one sender must follow its puts' order (NCCL): the decode worker uses one thread
     ordered_gets = False
+    # ``put`` has copied ``kv``'s bytes when it returns, whatever its strides: a caller may pass
+    # a view of its KV cache and reuse that memory at once (else it passes a copy it gives up)
+    copies_on_put = False
 
     def __init__(self, checksum: bool = True):
         self.checksum = checksum
@@ -140,10 +143,18 @@ class Transport(ABC):
         Raises:
             ValueError: ``kv`` does not match ``spec``. TransferFailed: the transport refused."""
         start_time_s, start_s = time.time(), time.perf_counter()
+        key, num_bytes = self._put_kv(request_id, spec, kv, token_start, layer_start, dst_rank,
+                                      part)
+        return KVHandle(self.name, request_id, key, num_bytes, time.perf_counter() - start_s,
+                        start_time_s)
+
+    def _put_kv(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
+                layer_start: int, dst_rank: int | None, part: RankPart) -> tuple[Any, int]:
+        """``put``'s work: ``(the handle's key, bytes of frame 1)``. By default ``_pack`` then
+        ``_put_frames``; a transport that copies ``kv`` straight into its own buffer overrides
+        it (and sets ``copies_on_put``)."""
         frames = self._pack(request_id, spec, kv, token_start, layer_start, part)
-        key = self._put_frames(request_id, frames, dst_rank)
-        return KVHandle(self.name, request_id, key, frame_nbytes(frames[1]),
-                        time.perf_counter() - start_s, start_time_s)
+        return self._put_frames(request_id, frames, dst_rank), frame_nbytes(frames[1])
 
     def get(self, handle: KVHandle, expected: KVSpec, timeout_s: float
             ) -> tuple[KVHeader, torch.Tensor]:

@@ -231,11 +231,12 @@ class PrefillWorker(EngineLoop):
         rid = out.request_id
         start = self._kv_start.get(rid, 0)
         try:
-            kv, _ = self.engine.export_kv(rid, token_start=start)
+            kv = self.engine.prefilled_kv(rid, start, may_view=self.transport.copies_on_put)
             handles = self._put(rid, kv, start)
         except Exception as err:  # the transport refused: this request fails, not the worker
             self._fail(rid, err)
             return
+        self.engine.finish_prefilled(rid)  # after the put: ``kv`` may view these blocks
         self._prefilled(out, handles)
 
     def _fail(self, rid: str, err: Exception) -> None:
@@ -278,7 +279,8 @@ class PrefillWorker(EngineLoop):
             if rid in self._put_errors or rid in self._no_room:
                 continue
             token_start = self._kv_start.get(rid, 0)
-            kv = self.engine.read_kv_layers(rid, slice(start, layer + 1), token_start)
+            kv = self.engine.read_kv_layers(rid, slice(start, layer + 1), token_start,
+                                            may_view=self.transport.copies_on_put)
             try:
                 room = not self._deferred and self.transport.has_room(kv.numel() * kv.element_size())
                 if not room:  # free what it holds of the buffer: nothing half-sent waits

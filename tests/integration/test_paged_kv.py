@@ -32,6 +32,10 @@ def test_store_round_trip_consecutive_and_scattered_blocks():
         torch.testing.assert_close(store.read(blocks, num_tokens, slice(1, 3)), kv[1:3],
                                    rtol=0, atol=0)
         assert store.read(blocks, num_tokens).is_contiguous()
+        seen = store.read(blocks, num_tokens, slice(1, 3), may_view=True)
+        torch.testing.assert_close(seen, kv[1:3], rtol=0, atol=0)
+        shares = seen.untyped_storage().data_ptr() == store.kv.untyped_storage().data_ptr()
+        assert shares == (blocks in ([1, 2, 3], [6]))  # a view where the blocks run in order
     kv = torch.randn(SPEC.kv_shape(6, 1))  # one layer at a time (layer-wise import)
     store.write([3, 1], kv, layer_start=2)
     torch.testing.assert_close(store.read([3, 1], 6, slice(2, 3)), kv, rtol=0, atol=0)

@@ -13,6 +13,7 @@ from engine.config import TransferConfig
 from engine.kv_cache import KVSpec
 from kv_transfer import FaultyTransport, KVChecksumError, KVSpecMismatch, TransferFailed
 from kv_transfer.factory import make_transport
+from kv_transfer.payload import pack
 from kv_transfer.shm import PAGE, SharedMemoryTransport, ShmKey
 from kv_transfer.transport import KVHandle
 
@@ -59,6 +60,28 @@ def test_put_copies_so_the_sender_may_reuse_its_memory(shm):
     kv.zero_()
     assert torch.equal(shm.get(handle, SPEC, 1.0)[1], expected)
     shm.free(handle)
+
+
+def test_a_strided_view_is_put_with_one_copy_and_the_wire_of_its_contiguous_copy(shm):
+    store = random_kv(BF16, 10)  # a cache: the request's tokens are 2..8 of it, a strided view
+    view = store[:, :, :, 2:8]
+    assert not view.is_contiguous()
+    handle = shm.put("r1", BF16, view, token_start=16)
+    assert handle.num_bytes == BF16.kv_bytes(6)
+    want = view.contiguous()
+    assert handle.key.header == pack("r1", BF16, want, token_start=16)[0]  # checksum too
+    store.zero_()  # the sender reuses its cache at once
+    header, out = shm.get(handle, BF16, 1.0)
+    assert torch.equal(out, want)
+    assert header.token_start == 16 and header.token_end == 22
+
+
+def test_a_put_that_does_not_fit_its_spec_takes_no_slot(shm):
+    with pytest.raises(ValueError, match="must be torch.float32 of shape"):
+        shm.put("r1", SPEC, random_kv(BF16, 3))
+    with pytest.raises(ValueError, match="must be torch.float32 of shape"):
+        shm.put("r2", SPEC, random_kv(SPEC, 3)[:, :1])
+    assert shm.num_held() == 0 and shm.has_room(shm.capacity)
 
 
 def test_get_is_zero_copy_and_the_slot_outlives_free_while_the_tensor_lives(shm):
