@@ -755,7 +755,8 @@ class Router:
                 # kv_got never collected: the request died with it
                 error = (f"decode worker {flight.moved_from} died after its KV was handed "
                          f"over; fetching it again failed: {error}")
-            elif flight.stage == TRANSFER and event.worker == flight.worker and flight.kv_handles:
+            elif (event.kv_fetch_failed and flight.stage == TRANSFER
+                  and event.worker == flight.worker and flight.kv_handles):
                 self._fetch_failed(flight, error)
                 return
             self._finish(flight, error=error)

@@ -407,7 +407,7 @@ def fetching(worker: FakeWorker, transport: FakeTransport, corrupted=(), dies_at
             return fetch_whole(request, first_token, kv_handles, kv_token_start)
         worker.submitted.append(rid)
         transport.held.difference_update(kv_handles)
-        worker._emit(time.time(), ev.ERROR, rid, error=(
+        worker._emit(time.time(), ev.ERROR, rid, kv_fetch_failed=True, error=(
             f"KV transfer failed: TransferFailed: no KV under {missing[0]}" if missing else
             "KV transfer failed: KVChecksumError: payload checksum mismatch"))
 
@@ -507,6 +507,30 @@ def test_a_fetch_failing_after_its_kv_producer_died_names_the_death(owner):
         assert router.workers["prefill-0"].cause == "died: actor prefill-0 is gone"
     assert record.output_token_ids == [7] and decode.submitted == ["r0"]
     assert prefill.released == []  # decode-0 freed the handles before reporting
+    assert_drained(router, workers, transport)
+
+
+def test_an_admit_refused_by_validation_is_the_request_s_error_even_if_its_producer_died():
+    """decode-0 refuses r0's admit (its validation: no fetch; it frees the handles and reports
+    an error not marked ``kv_fetch_failed``) as prefill-0 dies silently. r0 fails with the
+    refusal; nobody asks prefill-0 (``info``) whether it died holding the KV."""
+    router, workers, transport = build("disagg:1p1d")
+    prefill, decode = workers["prefill-0"], workers["decode-0"]
+    asked = []
+    info = prefill.info
+    prefill.info = lambda: asked.append("info") or info()
+
+    def refuse(request, first_token, kv_handles, kv_token_start=0):
+        decode.submitted.append(request.request_id)
+        transport.held.difference_update(kv_handles)
+        prefill.dead_error, prefill.silent = WorkerDied("actor prefill-0 is gone"), True
+        decode._emit(time.time(), ev.ERROR, request.request_id,
+                     error="request r0 has nothing to decode")
+
+    decode.admit = refuse
+    [record] = router.run(requests(1))
+    assert record.error == "decode-0: request r0 has nothing to decode"
+    assert asked == [] and prefill.released == []
     assert_drained(router, workers, transport)
 
 
