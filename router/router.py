@@ -576,7 +576,10 @@ class Router:
             if command[0] == "died":
                 _, name, handle, cause = command
                 worker = self.workers.get(name)
-                if worker is not None and worker.alive and worker.handle is handle:
+                joining = self._joining.get(name)
+                if joining is not None and joining[1] is handle:
+                    self._replacement_died(name, cause)
+                elif worker is not None and worker.alive and worker.handle is handle:
                     self._worker_died(name, WorkerDied(cause))
                 continue
             _, request, arrived_s, sink, tokens = command
@@ -667,12 +670,17 @@ class Router:
         cause = died.cause or (f"its channel fell silent ({died.silent_s:.1f} s without a "
                                "heartbeat)")
         joining = self._joining.get(died.worker)
-        if joining is not None and joining[0] == died.incarnation:  # a replacement, joining
-            del self._joining[died.worker]
-            self.hub.detach(died.worker)
-            joining[2].set_result(f"its replacement died while it joined: {cause}")
+        if joining is not None and joining[0] == died.incarnation:
+            self._replacement_died(died.worker, cause)
         elif worker is not None and died.incarnation == worker.incarnation:
             self._worker_died(died.worker, WorkerDied(cause))
+
+    def _replacement_died(self, name: str, cause: str) -> None:
+        """The replacement joining as ``name`` died before its channel opened: refused (its
+        ``rejoin`` future says why); its ``opened`` news, if any comes, is then ignored."""
+        _, _, joined = self._joining.pop(name)
+        self.hub.detach(name)
+        joined.set_result(f"its replacement died while it joined: {cause}")
 
     def _on_stale(self, stale: Stale) -> None:
         """An incarnation declared dead spoke: it runs, so it is stopped again."""

@@ -609,6 +609,30 @@ def test_an_incarnation_declared_dead_is_stopped_and_again_when_it_speaks():
     assert router.hub.stale[("decode-0", 0)] >= 1
 
 
+def test_a_replacement_s_death_reported_while_it_joins_refuses_it():
+    """decode-1 dead, its replacement joining: the deployment's watch reports the
+    replacement's death (``worker_died`` with its handle) before its channel's ``opened``
+    news. The rejoin is refused naming the death, and the late ``opened`` does not make the
+    dead replacement live."""
+    router, workers, transport = build("disagg:1p2d")
+    workers["decode-1"].dead_error = WorkerDied("gone")
+    router._worker_died("decode-1", WorkerDied("gone"))
+    router.workers["decode-1"].restarting = True  # as if on_worker_died had answered None
+    replacement = FakeWorker("decode-1", transport)
+    replacement.router = router
+    joined = router.rejoin("decode-1", replacement, replacement.info())
+    router.worker_died("decode-1", replacement, "actor decode-1 died")  # queued after rejoin
+    router._drain_inbox()  # the rejoin starts its open_channel thread, then the death
+    assert joined.result(timeout=0) == ("its replacement died while it joined: "
+                                        "actor decode-1 died")
+    for thread in threading.enumerate():
+        if thread.name == "open-channel-decode-1":
+            thread.join(30)
+    router._drain_inbox()  # its "opened" news
+    ref = router.workers["decode-1"]
+    assert (ref.state, ref.handle, ref.restarts) == ("restarting", workers["decode-1"], 0)
+
+
 def test_a_replacement_opens_its_channel_while_the_loop_serves():
     """1p2d, decode-1 dead: its replacement's ``open_channel`` takes until the last of 4
     requests (all on decode-0) has finished; the loop serves them meanwhile (before, it
