@@ -852,9 +852,9 @@ class Router:
 
     def _collect_owner_checks(self) -> None:
         """End the requests whose KV producer answered (the fetch error stands) or died."""
-        rids = {id(pending): rid for rid, pending in self._owner_checks.items()}
-        for done in self.calls.ready(list(self._owner_checks.values()), 0.0):
-            flight = self._flights.get(rids[id(done)])
+        rids = {pending: rid for rid, pending in self._owner_checks.items()}
+        for done in self.calls.ready(list(rids), 0.0):
+            flight = self._flights.get(rids[done])
             if flight is None or flight.request.request_id not in self._owner_checks:
                 continue  # ended meanwhile (a death that _worker_died handled)
             try:

@@ -561,6 +561,39 @@ def test_a_failed_fetch_whose_producer_never_answers_ends_at_its_deadline_with_i
     assert_drained(router, workers, transport)
 
 
+def test_an_owner_check_is_matched_by_equality_not_identity():
+    """``Calls.ready`` may hand back equal, not identical, pending objects (Ray's
+    ``ObjectRef``s): the producer check of a failed fetch still ends its request with the
+    transport's error."""
+    router, workers, transport = build("disagg:1p1d")
+    decode, calls = workers["decode-0"], router.calls
+    fetch = fetching(decode, transport)
+
+    @dataclasses.dataclass(frozen=True)
+    class Ref:  # equal and hashable by what it refers to, as an ObjectRef
+        done: _Done
+
+    class CopyingCalls:
+        def call(self, worker, method, *args):
+            return Ref(calls.call(worker, method, *args))
+
+        def ready(self, pending, timeout_s):
+            return [Ref(p.done) for p in pending]
+
+        def result(self, pending):
+            return calls.result(pending.done if isinstance(pending, Ref) else pending)
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # lost, its producer alive
+        fetch(request, first_token, kv_handles, kv_token_start)
+
+    decode.admit, router.calls = admit, CopyingCalls()
+    [record] = router.run(requests(1))
+    assert record.error == "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+    assert router.workers["prefill-0"].state == "live"
+    assert_drained(router, workers, transport)
+
+
 def test_a_replacement_with_another_kv_geometry_is_refused():
     """The refusal is the rejoin's answer; its caller (``deployment.restarts``, its budget
     spent here) then says no replacement will come, and requests fail at once."""
