@@ -14,7 +14,6 @@ every ``token_s`` seconds.
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from collections import Counter
@@ -770,18 +769,22 @@ def test_a_request_lost_after_an_idle_spell_still_ends_at_its_deadline():
     router, workers, transport = build("colocated:1", deadline_s=0.2)
     workers["colocated-0"].lose.add("r1")
     [served] = router.run(requests(1))
-    time.sleep(0.3)  # r0's deadline passes
-    heard: queue.SimpleQueue = queue.SimpleQueue()
-    router.start()
-    try:
-        time.sleep(0.05)  # a turn of the loop with nothing in flight
-        router.submit(Request("r1", (3, 4), SamplingParams(max_tokens=2)), heard.put)
-        lost = heard.get(timeout=30).record
-    finally:
-        router.stop()
+    idle_until_s = served.timeline[FINISHED] + 0.2  # r0's last deadline is before this
+    turns = 0
+    while time.time() <= idle_until_s or turns == 0:  # turns of the loop, nothing in flight
+        router._step(0.01)
+        turns += 1
+    heard: list[StreamEvent] = []
+    router.submit(Request("r1", (3, 4), SamplingParams(max_tokens=2)), heard.append)
+    end_s = time.monotonic() + 30
+    while not heard:
+        assert time.monotonic() < end_s, "r1 never ended"
+        router._step(0.01)
     assert served.error is None
-    assert "deadline" in lost.error, lost.error
-    assert lost.timeline[FINISHED] - lost.timeline[ARRIVED] >= 0.2
+    [finish] = heard
+    assert (finish.kind, finish.finish_reason, finish.error) == (
+        "finish", "error", "deadline: no news of the request for 0.2 s while waiting for "
+        "prefill on colocated-0")
     assert_drained(router, workers, transport)
 
 
