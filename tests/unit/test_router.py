@@ -667,8 +667,8 @@ def test_a_replacement_s_death_reported_while_it_joins_refuses_it():
 
 def test_a_replacement_opens_its_channel_while_the_loop_serves():
     """1p2d, decode-1 dead: its replacement's ``open_channel`` takes until the last of 4
-    requests (all on decode-0) has finished; the loop serves them meanwhile (before, it
-    waited on that call), then routes to the replacement."""
+    requests (all on decode-0) has finished; the loop serves them meanwhile, then routes to
+    the replacement."""
     router, workers, transport = build("disagg:1p2d")
     workers["decode-1"].dead_error = WorkerDied("gone")
     router._worker_died("decode-1", WorkerDied("gone"))
