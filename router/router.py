@@ -79,6 +79,12 @@ class WorkerRef:
         return "live" if self.alive else "restarting" if self.restarting else "dead"
 
 
+class NothingToReplace(str):
+    """``Router.rejoin``'s refusal of a replacement its worker does not need: that worker is
+    live, or another replacement of it is joining. The one offered is spare (its caller
+    stops it); it is no failed restart."""
+
+
 @dataclass
 class _Flight:
     """A request between arrival and its end, as the router tracks it."""
@@ -387,7 +393,8 @@ class Router:
         Returns:
             A future of None once it serves (routed to), else of why it was refused; a
             refused one is its caller's to stop, and ``name`` stays restarting until the
-            caller rejoins another or calls ``worker_lost``.
+            caller rejoins another or calls ``worker_lost``; a ``NothingToReplace`` when
+            ``name`` is live or another replacement of it is joining (no restart failed).
         """
         joined: cf.Future = cf.Future()
         with self._closed_lock:
@@ -996,8 +1003,9 @@ class Router:
         open its channel on a thread of its own (``_await_channel``); ``_opened`` ends it."""
         worker = self.workers[name]
         if worker.alive or name in self._joining:
-            joined.set_result(f"worker {name} is {worker.state if worker.alive else 'joining'}"
-                              ": nothing to replace")
+            joined.set_result(NothingToReplace(
+                f"worker {name} is {worker.state if worker.alive else 'joining'}: nothing to "
+                "replace"))
             return
         spec = tuple(sorted(info["kv_spec"].items()))
         problem = ("a different KV geometry" if spec != self._kv_spec else

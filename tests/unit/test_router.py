@@ -26,7 +26,7 @@ from engine import events as ev
 from engine.metrics import ARRIVED, FINISHED
 from engine.request import Request, SamplingParams
 from router.calls import WorkerDied
-from router.router import Router, StreamEvent, WorkerRef
+from router.router import NothingToReplace, Router, StreamEvent, WorkerRef
 
 SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
         "dtype": "float32"}
@@ -639,6 +639,16 @@ def test_an_incarnation_declared_dead_is_stopped_and_again_when_it_speaks():
         router._step(0.01)
     assert stopped == [("decode-0", alive)] * 2  # told once more, not on every heartbeat
     assert router.hub.stale[("decode-0", 0)] >= 1
+
+
+def test_a_rejoin_of_a_live_worker_is_refused_as_nothing_to_replace():
+    """Its caller (``deployment.restarts``) tells this refusal apart: no restart failed."""
+    router, workers, transport = build("disagg:1p1d")
+    answer = router.rejoin("decode-0", FakeWorker("decode-0", transport), {})
+    router._drain_inbox()
+    assert isinstance(answer.result(timeout=0), NothingToReplace)
+    assert answer.result() == "worker decode-0 is live: nothing to replace"
+    assert router.workers["decode-0"].handle is workers["decode-0"]
 
 
 def test_a_replacement_s_death_reported_while_it_joins_refuses_it():
