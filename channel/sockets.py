@@ -271,7 +271,9 @@ class SocketPort(InboxPort):
         self._thread.start()
 
     def send(self, body: Any) -> None:
-        """Hand ``body`` to the port's thread (encoded and sent there, in order)."""
+        """Hand ``body`` to the port's thread (encoded and sent there, in order); after
+        ``close``, or once that thread stopped on an error (``error``: its hub was told the
+        port died), ``body`` is dropped."""
         if not self._stopping.is_set():
             self._outbox.append(body)
             self._wake.poke()
@@ -295,6 +297,8 @@ class SocketPort(InboxPort):
             except Exception:
                 pass
         finally:
+            self._stopping.set()  # nothing sends from here on: send() drops
+            self._outbox.clear()
             self._inbox.close()
             self._commands.close()
             self._messages.close()  # lingers until what was sent has left

@@ -169,6 +169,7 @@ class DecodeWorker(EngineLoop):
                  start_s: float, got_s: float) -> None:
         """A fetch returned: place the KV in the reserved slot, or fail, or drop it."""
         rid = transfer.request.request_id
+        fetch_failed = error is not None  # the KV never came (not a placement failure)
         if self._transfers.get(rid) is transfer:
             del self._transfers[rid]
         current = self.engine.states.get(rid) is transfer.state
@@ -185,7 +186,8 @@ class DecodeWorker(EngineLoop):
             return  # aborted while in flight: cancellation wins, it never decodes
         if error is not None:
             self.engine.abort(rid, error)
-            self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=error))
+            self.emit(WorkerEvent(ERROR, rid, self.name, time.time(), error=error,
+                                  kv_fetch_failed=fetch_failed))
             return
         num_bytes = self.engine.kv_spec.kv_bytes(transfer.request.num_prompt_tokens
                                                  - transfer.kv_token_start)

@@ -441,7 +441,9 @@ class Deployment:
 
     def _stop_incarnation(self, name: str, handle: Any) -> None:
         """``Router(stop_worker=)``: kill an incarnation declared dead (alive, it would hold
-        KV for nobody), on a thread; locally its calls fail from now on."""
+        KV for nobody), on a thread: its actor (Ray), or locally ``LocalCalls.kill``: its
+        calls fail from now on and its ``shutdown`` stops its loop (a prefill worker frees
+        the KV it put)."""
         stop = self._stop_worker if self._ray is not None else self.calls.kill
         threading.Thread(target=self._stop_quietly, args=(stop, handle), daemon=True,
                          name=f"stop-{name}").start()

@@ -12,7 +12,8 @@ once it rejoins).
 3. A failed attempt (one that raised, or a refused replacement) stops what it started
    (``stop(handle)``), counts against the budget and is retried after ``backoff_s``; once the
    budget is spent the router hears ``worker_lost`` with the last error, and requests that
-   need the worker fail at once.
+   need the worker fail at once. A replacement the router does not need (``NothingToReplace``:
+   the worker is live, or another replacement joins) is stopped once and costs no attempt.
 
 ``close()`` ends the threads (an attempt in progress is abandoned and its worker stopped).
 """
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from engine.errors import describe_error
+from router.router import NothingToReplace
 
 
 class Restarts:
@@ -103,6 +105,10 @@ class Restarts:
                 return
             if handle is not None:
                 self._stop(handle)
+            if isinstance(refused, NothingToReplace):  # spare, not a failed restart
+                with self._lock:
+                    self.attempts[name] -= 1
+                return
             if self._closing.is_set():
                 return
             self.errors[name] = refused

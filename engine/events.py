@@ -1,6 +1,7 @@
 """What a worker reports to the router (no torch), crossing processes. ``WorkerEvent`` kinds:
 ``token`` (``finish_reason`` on the last), ``prefilled`` (a prefill worker's first token and the KV
-handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``,
+handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``
+(``kv_fetch_failed``: the decode worker's fetch of the KV failed, the handles freed),
 ``died`` (a worker's last words: its loop stopped, ``error`` says why; nothing follows);
 ``TokenBatch``: one step's plain tokens. ``time_s``: when the worker produced the event;
 ``stamps``: timeline events measured in the worker (``time.time()`` s, ``engine.metrics`` names)."""
@@ -39,6 +40,8 @@ class WorkerEvent:
     num_preemptions: int = 0
     # prefilled: KV bytes not sent because the decode worker caches that prefix
     kv_bytes_saved: int = 0
+    # error: fetching the KV failed (its producer may have died with it); not a refused admit
+    kv_fetch_failed: bool = False
 
 
 @dataclass(frozen=True)

@@ -257,9 +257,11 @@ class EngineLoop:
             port.close()
 
     def _last_words(self) -> None:
-        """A dead loop's port: the ``died`` event (its cause), then silence."""
+        """A dead loop's port: the events its last steps left (a ``prefilled`` one carries KV
+        handles only the router frees), the ``died`` event (its cause), then silence."""
         port = self._port
         if port is not None:
+            self._send_events()
             port.send((WorkerEvent(DIED, "", self.name, time.time(), error=(
                 f"{self.role} worker {self.name}: engine loop died: {self._died}")),))
             port.close()
@@ -309,6 +311,7 @@ class EngineLoop:
                 self._send_events()  # else they leave once the next step has begun
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
+        self._send_events()  # stopped: the last step's events, held for a step that never comes
 
     def _check_ranks(self) -> None:
         """A TP instance with a dead rank is a dead worker: raise (the loop dies)."""

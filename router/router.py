@@ -79,6 +79,12 @@ class WorkerRef:
         return "live" if self.alive else "restarting" if self.restarting else "dead"
 
 
+class NothingToReplace(str):
+    """``Router.rejoin``'s refusal of a replacement its worker does not need: that worker is
+    live, or another replacement of it is joining. The one offered is spare (its caller
+    stops it); it is no failed restart."""
+
+
 @dataclass
 class _Flight:
     """A request between arrival and its end, as the router tracks it."""
@@ -387,7 +393,8 @@ class Router:
         Returns:
             A future of None once it serves (routed to), else of why it was refused; a
             refused one is its caller's to stop, and ``name`` stays restarting until the
-            caller rejoins another or calls ``worker_lost``.
+            caller rejoins another or calls ``worker_lost``; a ``NothingToReplace`` when
+            ``name`` is live or another replacement of it is joining (no restart failed).
         """
         joined: cf.Future = cf.Future()
         with self._closed_lock:
@@ -576,7 +583,10 @@ class Router:
             if command[0] == "died":
                 _, name, handle, cause = command
                 worker = self.workers.get(name)
-                if worker is not None and worker.alive and worker.handle is handle:
+                joining = self._joining.get(name)
+                if joining is not None and joining[1] is handle:
+                    self._replacement_died(name, cause)
+                elif worker is not None and worker.alive and worker.handle is handle:
                     self._worker_died(name, WorkerDied(cause))
                 continue
             _, request, arrived_s, sink, tokens = command
@@ -667,12 +677,17 @@ class Router:
         cause = died.cause or (f"its channel fell silent ({died.silent_s:.1f} s without a "
                                "heartbeat)")
         joining = self._joining.get(died.worker)
-        if joining is not None and joining[0] == died.incarnation:  # a replacement, joining
-            del self._joining[died.worker]
-            self.hub.detach(died.worker)
-            joining[2].set_result(f"its replacement died while it joined: {cause}")
+        if joining is not None and joining[0] == died.incarnation:
+            self._replacement_died(died.worker, cause)
         elif worker is not None and died.incarnation == worker.incarnation:
             self._worker_died(died.worker, WorkerDied(cause))
+
+    def _replacement_died(self, name: str, cause: str) -> None:
+        """The replacement joining as ``name`` died before its channel opened: refused (its
+        ``rejoin`` future says why); its ``opened`` news, if any comes, is then ignored."""
+        _, _, joined = self._joining.pop(name)
+        self.hub.detach(name)
+        joined.set_result(f"its replacement died while it joined: {cause}")
 
     def _on_stale(self, stale: Stale) -> None:
         """An incarnation declared dead spoke: it runs, so it is stopped again."""
@@ -755,7 +770,8 @@ class Router:
                 # kv_got never collected: the request died with it
                 error = (f"decode worker {flight.moved_from} died after its KV was handed "
                          f"over; fetching it again failed: {error}")
-            elif flight.stage == TRANSFER and event.worker == flight.worker and flight.kv_handles:
+            elif (event.kv_fetch_failed and flight.stage == TRANSFER
+                  and event.worker == flight.worker and flight.kv_handles):
                 self._fetch_failed(flight, error)
                 return
             self._finish(flight, error=error)
@@ -843,9 +859,9 @@ class Router:
 
     def _collect_owner_checks(self) -> None:
         """End the requests whose KV producer answered (the fetch error stands) or died."""
-        rids = {id(pending): rid for rid, pending in self._owner_checks.items()}
-        for done in self.calls.ready(list(self._owner_checks.values()), 0.0):
-            flight = self._flights.get(rids[id(done)])
+        rids = {pending: rid for rid, pending in self._owner_checks.items()}
+        for done in self.calls.ready(list(rids), 0.0):
+            flight = self._flights.get(rids[done])
             if flight is None or flight.request.request_id not in self._owner_checks:
                 continue  # ended meanwhile (a death that _worker_died handled)
             try:
@@ -987,8 +1003,9 @@ class Router:
         open its channel on a thread of its own (``_await_channel``); ``_opened`` ends it."""
         worker = self.workers[name]
         if worker.alive or name in self._joining:
-            joined.set_result(f"worker {name} is {worker.state if worker.alive else 'joining'}"
-                              ": nothing to replace")
+            joined.set_result(NothingToReplace(
+                f"worker {name} is {worker.state if worker.alive else 'joining'}: nothing to "
+                "replace"))
             return
         spec = tuple(sorted(info["kv_spec"].items()))
         problem = ("a different KV geometry" if spec != self._kv_spec else

@@ -33,6 +33,7 @@ from engine.request import Request, SamplingParams
 from deployment.placement import Deployment
 from deployment.restarts import Restarts
 from router.calls import KILLED
+from router.router import NothingToReplace
 from server.app import OpenAIServer, ServerThread
 from server.text import ByteText
 
@@ -332,6 +333,25 @@ def test_a_refused_replacement_is_stopped_and_the_budget_retried_then_spent():
     assert router.lost == [("decode-0", "died; not restarted: its restart budget of 4 "
                                         "(--max-worker-restarts) is spent; last attempt: "
                                         + refusals["h4"])]
+
+
+def test_a_replacement_the_router_does_not_need_is_stopped_once_and_costs_no_attempt():
+    """The router refuses h1 as spare (decode-0 is live: ``NothingToReplace``): h1 is
+    stopped, nothing is retried, no attempt is counted, and the router hears no
+    ``worker_lost``. The full budget is still there for a later death."""
+    handles = iter(["h1", "h2"])
+    stopped = []
+    restarts = Restarts(1, lambda name: next(handles), lambda name, handle, stop: {},
+                        stopped.append, backoff_s=0.0)
+    router = restarts.router = _Router(
+        {"h1": NothingToReplace("worker decode-0 is live: nothing to replace")})
+    assert restarts.on_died("decode-0", "died") is None
+    restarts._threads["decode-0"].join(5)
+    assert [h for _, h, _ in router.joined] == ["h1"] and stopped == ["h1"]
+    assert restarts.attempts == {"decode-0": 0} and router.lost == []
+    assert restarts.on_died("decode-0", "died again") is None  # the budget of 1 is whole
+    restarts._threads["decode-0"].join(5)
+    assert [h for _, h, _ in router.joined] == ["h1", "h2"] and stopped == ["h1"]
 
 
 def test_a_worker_declared_dead_while_alive_is_stopped(tiny):

@@ -76,13 +76,16 @@ def prefill(worker: PrefillWorker, request: Request):
 
 
 def assert_rejected(w: Workers, request: Request, first_token: int, handles, *words,
-                    fetched: bool = False) -> str:
+                    fetched: bool = False, refused: bool = False) -> str:
     """Admit ``request`` with ``handles``; the decode worker must answer with one error event
     containing ``words``, produce no token, and free the handles. ``fetched``: the bytes
-    themselves were fine (a ``kv_got`` precedes the error)."""
+    themselves were fine (a ``kv_got`` precedes the error); ``refused``: the admit was refused
+    before any fetch. Only a failed fetch is marked ``kv_fetch_failed``."""
     w.decode16.admit(request, first_token, handles)
     events = wait_for(w.decode16, has(ERROR, request.request_id))
-    error = only(events, ERROR, request.request_id).error
+    event = only(events, ERROR, request.request_id)
+    error = event.error
+    assert event.kv_fetch_failed == (not fetched and not refused)
     for word in words:
         assert word in error, f"{word!r} missing from {error!r}"
     rid = request.request_id
@@ -183,7 +186,7 @@ def test_kv_for_a_request_already_finished_by_its_first_token(workers):
     request = Request("done", (5, 6, 7), SamplingParams(max_tokens=1))
     handle = w.transport.put("done", spec, torch.zeros(spec.kv_shape(3), dtype=torch.bfloat16))
     # refused at admission: nothing is reserved or fetched, the handle is freed at once
-    assert_rejected(w, request, 9, (handle,), "done", "nothing to decode")
+    assert_rejected(w, request, 9, (handle,), "done", "nothing to decode", refused=True)
 
 
 def test_request_id_mismatch_is_named(workers, bf16_reference):

@@ -41,6 +41,41 @@ def test_an_exception_escaping_the_loop_kills_the_worker_at_once():
         loop.shutdown()
 
 
+@pytest.mark.parametrize("end", ["stopped", "dies"])
+def test_a_loop_ending_right_after_a_step_still_sends_that_step_s_events(end):
+    """A step's events wait for the next step to begin; the loop ends right after its first
+    step (stopped, or ``_check_ranks`` raising at the next turn) with r0 unfinished. r0's
+    first token still leaves, before the last words of a loop that died."""
+    loop = EngineLoop("colocated-0", TINY, ENGINE, bind=False)
+    try:
+        finish_step, stepped = loop.engine.finish_step, threading.Event()
+
+        def one_step(*args, **kwargs):
+            output = finish_step(*args, **kwargs)
+            stepped.set()
+            if end == "stopped":
+                loop._stopped.set()
+            return output
+
+        def check_ranks():
+            if stepped.is_set():
+                raise RuntimeError("rank 1 died")
+
+        loop.engine.finish_step, loop._check_ranks = one_step, check_ranks
+        listen(loop)
+        loop.submit(Request("r0", (3, 4, 5), SamplingParams(max_tokens=5)))
+        loop._thread.join(timeout=30)
+        assert not loop._thread.is_alive()
+        events = collect_events(loop, lambda events: events and (
+            end == "stopped" or events[-1].kind == DIED))
+        assert [(e.kind, e.request_id, e.index) for e in events[:1]] == [("token", "r0", 0)]
+        if end == "dies":
+            assert [e.kind for e in events] == ["token", DIED]
+            assert events[-1].error.endswith("RuntimeError: rank 1 died")
+    finally:
+        loop.shutdown()
+
+
 def test_call_raises_the_callee_s_error_and_never_waits_out_a_dead_loop():
     loop = EngineLoop("colocated-0", TINY, ENGINE, bind=False)
     try:

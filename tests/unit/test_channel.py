@@ -372,7 +372,8 @@ def test_a_bad_message_costs_the_hub_only_itself(channel, caplog):
 @pytest.mark.parametrize("channel", SOCKET_CHANNELS, ids=lambda c: c.name)
 def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
     """Not silence: the hub hears the port's own report at once (no heartbeat deadline
-    here), and a worker waiting on the port is woken for good."""
+    here), a worker waiting on the port is woken for good, and what it sends after is
+    dropped (not queued for a thread that is gone)."""
     hub = channel.hub(dead_after_s=NEVER_S, heartbeat_s=0.01)
     try:
         port = channel.port(hub, hub.attach("prefill-0", 0))
@@ -387,6 +388,10 @@ def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
         assert died[0].cause.startswith("its channel port failed: ZMQError: ")
         assert port.error.startswith("ZMQError: ")
         assert not port.take(NEVER_S)  # closed: returns at once, empty
+        port._thread.join(30)
+        assert not port._thread.is_alive()
+        port.send(("late",))
+        assert len(port._outbox) == 0
         port.close()
     finally:
         hub.close()

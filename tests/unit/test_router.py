@@ -14,7 +14,6 @@ every ``token_s`` seconds.
 from __future__ import annotations
 
 import dataclasses
-import queue
 import threading
 import time
 from collections import Counter
@@ -27,7 +26,7 @@ from engine import events as ev
 from engine.metrics import ARRIVED, FINISHED
 from engine.request import Request, SamplingParams
 from router.calls import WorkerDied
-from router.router import Router, StreamEvent, WorkerRef
+from router.router import NothingToReplace, Router, StreamEvent, WorkerRef
 
 SPEC = {"model_fingerprint": "fake", "num_layers": 2, "num_kv_heads": 2, "head_dim": 16,
         "dtype": "float32"}
@@ -407,7 +406,7 @@ def fetching(worker: FakeWorker, transport: FakeTransport, corrupted=(), dies_at
             return fetch_whole(request, first_token, kv_handles, kv_token_start)
         worker.submitted.append(rid)
         transport.held.difference_update(kv_handles)
-        worker._emit(time.time(), ev.ERROR, rid, error=(
+        worker._emit(time.time(), ev.ERROR, rid, kv_fetch_failed=True, error=(
             f"KV transfer failed: TransferFailed: no KV under {missing[0]}" if missing else
             "KV transfer failed: KVChecksumError: payload checksum mismatch"))
 
@@ -510,6 +509,30 @@ def test_a_fetch_failing_after_its_kv_producer_died_names_the_death(owner):
     assert_drained(router, workers, transport)
 
 
+def test_an_admit_refused_by_validation_is_the_request_s_error_even_if_its_producer_died():
+    """decode-0 refuses r0's admit (its validation: no fetch; it frees the handles and reports
+    an error not marked ``kv_fetch_failed``) as prefill-0 dies silently. r0 fails with the
+    refusal; nobody asks prefill-0 (``info``) whether it died holding the KV."""
+    router, workers, transport = build("disagg:1p1d")
+    prefill, decode = workers["prefill-0"], workers["decode-0"]
+    asked = []
+    info = prefill.info
+    prefill.info = lambda: asked.append("info") or info()
+
+    def refuse(request, first_token, kv_handles, kv_token_start=0):
+        decode.submitted.append(request.request_id)
+        transport.held.difference_update(kv_handles)
+        prefill.dead_error, prefill.silent = WorkerDied("actor prefill-0 is gone"), True
+        decode._emit(time.time(), ev.ERROR, request.request_id,
+                     error="request r0 has nothing to decode")
+
+    decode.admit = refuse
+    [record] = router.run(requests(1))
+    assert record.error == "decode-0: request r0 has nothing to decode"
+    assert asked == [] and prefill.released == []
+    assert_drained(router, workers, transport)
+
+
 def test_a_failed_fetch_whose_producer_never_answers_ends_at_its_deadline_with_its_error():
     """prefill-0 lives but its ``info`` never answers (a hung process): r0 ends at its own
     deadline with the transport's error, not a bare deadline message."""
@@ -531,6 +554,39 @@ def test_a_failed_fetch_whose_producer_never_answers_ends_at_its_deadline_with_i
         fetch(request, first_token, kv_handles, kv_token_start)
 
     decode.admit, router.calls = admit, HungInfo()
+    [record] = router.run(requests(1))
+    assert record.error == "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+    assert router.workers["prefill-0"].state == "live"
+    assert_drained(router, workers, transport)
+
+
+def test_an_owner_check_is_matched_by_equality_not_identity():
+    """``Calls.ready`` may hand back equal, not identical, pending objects (Ray's
+    ``ObjectRef``s): the producer check of a failed fetch still ends its request with the
+    transport's error."""
+    router, workers, transport = build("disagg:1p1d")
+    decode, calls = workers["decode-0"], router.calls
+    fetch = fetching(decode, transport)
+
+    @dataclasses.dataclass(frozen=True)
+    class Ref:  # equal and hashable by what it refers to, as an ObjectRef
+        done: _Done
+
+    class CopyingCalls:
+        def call(self, worker, method, *args):
+            return Ref(calls.call(worker, method, *args))
+
+        def ready(self, pending, timeout_s):
+            return [Ref(p.done) for p in pending]
+
+        def result(self, pending):
+            return calls.result(pending.done if isinstance(pending, Ref) else pending)
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # lost, its producer alive
+        fetch(request, first_token, kv_handles, kv_token_start)
+
+    decode.admit, router.calls = admit, CopyingCalls()
     [record] = router.run(requests(1))
     assert record.error == "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
     assert router.workers["prefill-0"].state == "live"
@@ -585,10 +641,44 @@ def test_an_incarnation_declared_dead_is_stopped_and_again_when_it_speaks():
     assert router.hub.stale[("decode-0", 0)] >= 1
 
 
+def test_a_rejoin_of_a_live_worker_is_refused_as_nothing_to_replace():
+    """Its caller (``deployment.restarts``) tells this refusal apart: no restart failed."""
+    router, workers, transport = build("disagg:1p1d")
+    answer = router.rejoin("decode-0", FakeWorker("decode-0", transport), {})
+    router._drain_inbox()
+    assert isinstance(answer.result(timeout=0), NothingToReplace)
+    assert answer.result() == "worker decode-0 is live: nothing to replace"
+    assert router.workers["decode-0"].handle is workers["decode-0"]
+
+
+def test_a_replacement_s_death_reported_while_it_joins_refuses_it():
+    """decode-1 dead, its replacement joining: the deployment's watch reports the
+    replacement's death (``worker_died`` with its handle) before its channel's ``opened``
+    news. The rejoin is refused naming the death, and the late ``opened`` does not make the
+    dead replacement live."""
+    router, workers, transport = build("disagg:1p2d")
+    workers["decode-1"].dead_error = WorkerDied("gone")
+    router._worker_died("decode-1", WorkerDied("gone"))
+    router.workers["decode-1"].restarting = True  # as if on_worker_died had answered None
+    replacement = FakeWorker("decode-1", transport)
+    replacement.router = router
+    joined = router.rejoin("decode-1", replacement, replacement.info())
+    router.worker_died("decode-1", replacement, "actor decode-1 died")  # queued after rejoin
+    router._drain_inbox()  # the rejoin starts its open_channel thread, then the death
+    assert joined.result(timeout=0) == ("its replacement died while it joined: "
+                                        "actor decode-1 died")
+    for thread in threading.enumerate():
+        if thread.name == "open-channel-decode-1":
+            thread.join(30)
+    router._drain_inbox()  # its "opened" news
+    ref = router.workers["decode-1"]
+    assert (ref.state, ref.handle, ref.restarts) == ("restarting", workers["decode-1"], 0)
+
+
 def test_a_replacement_opens_its_channel_while_the_loop_serves():
     """1p2d, decode-1 dead: its replacement's ``open_channel`` takes until the last of 4
-    requests (all on decode-0) has finished; the loop serves them meanwhile (before, it
-    waited on that call), then routes to the replacement."""
+    requests (all on decode-0) has finished; the loop serves them meanwhile, then routes to
+    the replacement."""
     router, workers, transport = build("disagg:1p2d")
     workers["decode-1"].dead_error = WorkerDied("gone")
     router._worker_died("decode-1", WorkerDied("gone"))
@@ -689,18 +779,22 @@ def test_a_request_lost_after_an_idle_spell_still_ends_at_its_deadline():
     router, workers, transport = build("colocated:1", deadline_s=0.2)
     workers["colocated-0"].lose.add("r1")
     [served] = router.run(requests(1))
-    time.sleep(0.3)  # r0's deadline passes
-    heard: queue.SimpleQueue = queue.SimpleQueue()
-    router.start()
-    try:
-        time.sleep(0.05)  # a turn of the loop with nothing in flight
-        router.submit(Request("r1", (3, 4), SamplingParams(max_tokens=2)), heard.put)
-        lost = heard.get(timeout=30).record
-    finally:
-        router.stop()
+    idle_until_s = served.timeline[FINISHED] + 0.2  # r0's last deadline is before this
+    turns = 0
+    while time.time() <= idle_until_s or turns == 0:  # turns of the loop, nothing in flight
+        router._step(0.01)
+        turns += 1
+    heard: list[StreamEvent] = []
+    router.submit(Request("r1", (3, 4), SamplingParams(max_tokens=2)), heard.append)
+    end_s = time.monotonic() + 30
+    while not heard:
+        assert time.monotonic() < end_s, "r1 never ended"
+        router._step(0.01)
     assert served.error is None
-    assert "deadline" in lost.error, lost.error
-    assert lost.timeline[FINISHED] - lost.timeline[ARRIVED] >= 0.2
+    [finish] = heard
+    assert (finish.kind, finish.finish_reason, finish.error) == (
+        "finish", "error", "deadline: no news of the request for 0.2 s while waiting for "
+        "prefill on colocated-0")
     assert_drained(router, workers, transport)
 
 
