@@ -1,0 +1,82 @@
+"""Emulated instances that span several emulated devices: each is one emulated runner timed by
+the profile of its TP size (one ``--device-profile`` per TP size) and holding the KV budget of
+all its devices; an instance whose TP has no profile is refused before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from deployment.placement import Deployment
+from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
+from engine.emulated import EmulatedRunner
+from engine.request import Request, SamplingParams
+from engine.scheduler import ScheduledBatch
+from planner.latency import DeviceProfile
+
+DATA = Path(__file__).resolve().parents[1] / "data"
+LLAMA = ModelConfig("engine/configs/llama-3.1-8b", "bfloat16")
+
+
+def profile_path(tp: int) -> str:
+    return str(DATA / f"llama-3.1-8b_h100_sxm_vllm{'' if tp == 1 else f'_tp{tp}'}_profile.json")
+
+
+def engine_config(*tps: int) -> EngineConfig:
+    return EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=512,
+                        device_profile=",".join(profile_path(tp) for tp in tps),
+                        emu_kv_scale=1 / 256)
+
+
+def deploy(placement: str, devices: str, *tps: int) -> Deployment:
+    return Deployment(PlacementConfig(placement, devices), LLAMA, engine_config(*tps),
+                      TransferConfig(transport="inprocess", timeout_s=20.0), local=True)
+
+
+def test_a_per_phase_tp_run_finishes_on_each_instances_profile(monkeypatch):
+    """prefill at TP 2, decode at TP 4 (6 emulated H100s): every request ends at its length,
+    each runner held every step for its own profile's modelled time, and each instance's KV
+    budget is its devices' together (4 x one H100's at TP 4: Llama-3.1-8B's 8 KV heads, 2 a
+    device)."""
+    held: list[tuple[EmulatedRunner, ScheduledBatch, float]] = []
+    execute = EmulatedRunner.execute
+
+    def recording(self, batch, on_layer_done=None):
+        held.append((self, batch.step_features(), self.modelled_s(batch)))
+        return execute(self, batch, on_layer_done)
+
+    monkeypatch.setattr(EmulatedRunner, "execute", recording)
+    workload = [(Request(f"r{i}", tuple(range(7 + i, 7 + i + n)), SamplingParams(max_tokens=12)),
+                 0.01 * i) for i, n in enumerate((40, 130, 64, 250, 17, 96))]
+    profiles = {tp: DeviceProfile.load(profile_path(tp)) for tp in (2, 4)}
+    with deploy("disagg:1p1d+ptp2+dtp4", "emu:0-5", 1, 2, 4) as deployment:
+        records = deployment.run(workload)
+        engines = {name: deployment.handles[name].engine for name in ("prefill-0", "decode-0")}
+    assert [(r.request_id, r.error, len(r.output_token_ids)) for r in records] == [
+        (f"r{i}", None, 12) for i in range(6)]
+    runner_tp = {id(engines["prefill-0"].runner): 2, id(engines["decode-0"].runner): 4}
+    tokens = {2: 0, 4: 0}  # prompt tokens prefilled at TP 2, tokens decoded at TP 4
+    for runner, f, modelled in held:
+        tp = runner_tp[id(runner)]
+        tokens[tp] += f.prefill_tokens + f.batch_size
+        assert modelled == profiles[tp].step_s(f)
+        assert modelled != profiles[6 - tp].step_s(f)  # the other size's time differs
+    assert tokens == {2: 40 + 130 + 64 + 250 + 17 + 96, 4: 6 * 11}
+    for name, tp in (("prefill-0", 2), ("decode-0", 4)):
+        engine = engines[name]
+        per_device = profiles[tp].kv_budget_bytes(engine.config)
+        assert engine.emulation.kv_budget_bytes(engine.config) == tp * per_device
+        assert engine.emulation.device.size == (tp, 1)
+
+
+def test_an_instance_whose_tp_has_no_profile_is_refused():
+    with pytest.raises(ValueError, match=r"^argument --device-profile: the decode instances of "
+                                         r"disagg:1p1d\+ptp2\+dtp4 run at TP 4 PP 1, the "
+                                         r"profiles given are TP 1, TP 2: no instance of TP 4, "
+                                         r"PP 1: no profile of that TP given \(pdlab profile "
+                                         r"--from-silicon-db --tp 4\)$"):
+        deploy("disagg:1p1d+ptp2+dtp4", "emu:0-5", 1, 2)
+    with pytest.raises(ValueError, match=r"^argument --device-profile: two device profiles of "
+                                         r"TP 2: give one per TP size$"):
+        deploy("colocated:1+tp2", "emu:0-1", 2, 2)
