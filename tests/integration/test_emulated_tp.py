@@ -80,3 +80,35 @@ def test_an_instance_whose_tp_has_no_profile_is_refused():
     with pytest.raises(ValueError, match=r"^argument --device-profile: two device profiles of "
                                          r"TP 2: give one per TP size$"):
         deploy("colocated:1+tp2", "emu:0-1", 2, 2)
+
+
+def test_validation_runs_tp_placements_and_models_each_worker_on_its_size(tmp_path):
+    """``validate.validate`` (plan --validate's) on emulated TP placements: the placements run,
+    and every real step of validation_steps.csv is modelled on its own instance's profile."""
+    import pandas as pd
+
+    from engine.metrics import SLO
+    from experiments import validate
+    from experiments.options import load_profiles_for
+    from experiments.workload_spec import WorkloadSpec
+    from planner import search
+
+    engine = engine_config(1, 2, 4)
+    _, profiles = load_profiles_for(engine.device_profile, LLAMA, "--device-profile", 6, engine, 1)
+    spec = WorkloadSpec(dataset="synthetic", num_requests=6, seeds=1, prompt_len="64-300",
+                        output_len="8-16")
+    cands = [search.Candidate("disagg:1p1d+ptp2+dtp4"), search.Candidate("colocated:1+tp2")]
+    errors, summary = validate.validate(
+        cands, [20.0], spec, LLAMA, engine, TransferConfig(transport="inprocess"), profiles,
+        profiles.base.transfer("inprocess"), SLO(ttft_s=0.5, tpot_s=0.05), tmp_path,
+        devices="emu:0-5", local=True)
+    assert sorted(errors["placement"]) == ["colocated:1+tp2", "disagg:1p1d+ptp2+dtp4"]
+    steps = pd.read_csv(tmp_path / "validation_steps.csv")
+    size = {("disagg:1p1d+ptp2+dtp4", "prefill-0"): 2, ("disagg:1p1d+ptp2+dtp4", "decode-0"): 4,
+            ("colocated:1+tp2", "colocated-0"): 2}
+    assert set(zip(steps["placement"], steps["worker"])) == set(size)
+    for row in steps.itertuples():
+        step_s = DeviceProfile.load(profile_path(size[row.placement, row.worker])).step_time()
+        assert row.model_s == step_s(row.prefill_tokens, row.prefill_attention,
+                                     row.batch_size, row.sum_context)
+    assert set(summary["step_correction_by_worker"]) == {f"{p} {w}" for p, w in size}
