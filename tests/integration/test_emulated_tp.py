@@ -112,3 +112,19 @@ def test_validation_runs_tp_placements_and_models_each_worker_on_its_size(tmp_pa
         assert row.model_s == step_s(row.prefill_tokens, row.prefill_attention,
                                      row.batch_size, row.sum_context)
     assert set(summary["step_correction_by_worker"]) == {f"{p} {w}" for p, w in size}
+
+
+def test_an_instance_that_does_not_fit_its_devices_memory_is_refused():
+    """Llama-3.1-70B at TP 2: 65.7 GiB of weights per H100 leave no room for a 131072-token
+    request's KV (the planner's memory-fit rule, ``engine.memory_fit``)."""
+    tp2 = str(DATA / "llama-3.1-70b_h100_sxm_vllm_tp2_profile.json")
+    engine = EngineConfig(max_num_seqs=1, max_model_len=131072, max_num_batched_tokens=2048,
+                          device_profile=tp2, emu_kv_scale=1 / 256)
+    with pytest.raises(ValueError, match=r"^argument --device-profile: the colocated instances "
+                                         r"of colocated:1\+tp2 run at TP 2 PP 1, the profiles "
+                                         r"given are TP 2: no instance of TP 2, PP 1: "
+                                         r"engine/configs/llama-3.1-70b at TP 2, PP 1 does not "
+                                         r"fit an h100_sxm GPU: 65.7 GiB of weights"):
+        Deployment(PlacementConfig("colocated:1+tp2", "emu:0-1"),
+                   ModelConfig("engine/configs/llama-3.1-70b", "bfloat16"), engine,
+                   TransferConfig(transport="inprocess"), local=True)
