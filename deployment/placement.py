@@ -130,8 +130,8 @@ def emulation_for(devices: tuple[str, ...], model: ModelConfig, engine: EngineCo
     Raises:
         ValueError: ``--device-profile`` or ``--emu-time-scale`` without emulated devices,
             emulated devices without a profile, an unreadable profile, a profile of another
-            model or geometry, profiles of several dtypes, a model that is not a config directory, or KV caches this host cannot
-            hold (each message names the option).
+            model or geometry, profiles of several dtypes, a model that is not a config
+            directory, or KV caches this host cannot hold (each message names the option).
     """
     if not is_emulated(devices):
         if engine.device_profile is not None:
@@ -215,9 +215,11 @@ def instance_emulations(emulation: Emulation, placement: Placement, model: Model
             profile = InstanceProfile.of(found.of_role(placement, role))
         except ValueError as err:
             given = ", ".join(f"TP {p.tp}" for p in profiles)
+            hint = ("" if any(p.tp == tp for p in profiles)
+                    else f" (pdlab profile --from-silicon-db --tp {tp})")
             raise ValueError(f"argument --device-profile: the {role} instances of {placement} "
-                             f"run at TP {tp} PP {pp}, the profiles given are {given}: {err} "
-                             f"(pdlab profile --from-silicon-db --tp {tp})") from None
+                             f"run at TP {tp} PP {pp}, the profiles given are {given}: "
+                             f"{err}{hint}") from None
         for inst in placement.of_role(role):
             out[inst.name] = dataclasses.replace(emulation, device=profile)
     return out

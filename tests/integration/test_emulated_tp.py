@@ -124,7 +124,9 @@ def test_an_instance_that_does_not_fit_its_devices_memory_is_refused():
                                          r"of colocated:1\+tp2 run at TP 2 PP 1, the profiles "
                                          r"given are TP 2: no instance of TP 2, PP 1: "
                                          r"engine/configs/llama-3.1-70b at TP 2, PP 1 does not "
-                                         r"fit an h100_sxm GPU: 65.7 GiB of weights"):
+                                         r"fit an h100_sxm GPU: 65.7 GiB of weights \+ 20 GiB "
+                                         r"of KV for 131072 tokens > 72 GiB \(0.9 of 80 "
+                                         r"GiB\)$"):
         Deployment(PlacementConfig("colocated:1+tp2", "emu:0-1"),
                    ModelConfig("engine/configs/llama-3.1-70b", "bfloat16"), engine,
                    TransferConfig(transport="inprocess"), local=True)
