@@ -50,6 +50,7 @@ from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
 from planner.latency import DeviceProfile
+from planner.sizes import InstanceProfile, ProfileSet, geometry_of
 
 
 
@@ -116,8 +117,9 @@ def _same_model(a: str, b: str) -> bool:
 
 def emulation_for(devices: tuple[str, ...], model: ModelConfig, engine: EngineConfig,
                   whole_kv_caches: bool = True) -> Emulation | None:
-    """The ``Emulation`` of an emulated device set (``emu:i``, ``engine.emulated``), or None
-    for real devices.
+    """The ``Emulation`` of an emulated device set (``emu:i``, ``engine.emulated``) on the
+    first ``--device-profile`` (its dtype and description; ``instance_emulations`` gives each
+    instance the profile of its size), or None for real devices.
 
     The emulated model is ``model.model``, a directory with a ``config.json``
     (``engine/configs/llama-3.1-8b``); it runs in the profile's dtype. ``whole_kv_caches``:
@@ -128,8 +130,8 @@ def emulation_for(devices: tuple[str, ...], model: ModelConfig, engine: EngineCo
     Raises:
         ValueError: ``--device-profile`` or ``--emu-time-scale`` without emulated devices,
             emulated devices without a profile, an unreadable profile, a profile of another
-            model, a model that is not a config directory, or KV caches this host cannot
-            hold (each message names the option).
+            model or geometry, profiles of several dtypes, a model that is not a config
+            directory, or KV caches this host cannot hold (each message names the option).
     """
     if not is_emulated(devices):
         if engine.device_profile is not None:
@@ -143,25 +145,91 @@ def emulation_for(devices: tuple[str, ...], model: ModelConfig, engine: EngineCo
         raise ValueError(f"argument --device-profile: emulated devices ({','.join(devices)}) "
                          "need a device profile (pdlab profile, e.g. --from-silicon-db "
                          "h100_sxm --backend vllm --model engine/configs/llama-3.1-8b)")
+    profiles = device_profiles(engine, model)
     try:
-        profile = DeviceProfile.load(engine.device_profile)
-    except ValueError as err:
-        raise ValueError(f"argument --device-profile: {err}") from None
-    if not _same_model(profile.model, model.model):
-        raise ValueError(f"argument --device-profile: {engine.device_profile} has no model "
-                         f"{model.model}: it profiles {profile.model}")
-    try:
-        geometry = load_geometry(ModelConfig(model.model, profile.dtype)).kv_spec
+        geometry = load_geometry(ModelConfig(model.model, profiles[0].dtype)).kv_spec
     except ModelLoadError as err:
         raise ValueError(f"argument --model: {err}") from None
-    emulation = Emulation(profile, engine.emu_kv_scale, time_scale=engine.emu_time_scale)
+    emulation = Emulation(profiles[0], engine.emu_kv_scale, time_scale=engine.emu_time_scale)
     try:
-        emulation.check(geometry, model.model)
+        for profile in profiles:
+            dataclasses.replace(emulation, device=profile).check(geometry, model.model)
     except ValueError as err:
         raise ValueError(f"argument --device-profile: {err}") from None
-    if whole_kv_caches:
-        _check_host_holds_kv(emulation, geometry, engine, len(devices))
+    if whole_kv_caches:  # the largest per-device budget of the sizes given, on every device
+        widest = max(profiles, key=lambda p: _budget_or_zero(p, engine))
+        _check_host_holds_kv(dataclasses.replace(emulation, device=widest), geometry, engine,
+                             len(devices))
     return emulation
+
+
+def device_profiles(engine: EngineConfig, model: ModelConfig) -> list[DeviceProfile]:
+    """``--device-profile``: one path, or comma-separated paths of one profile per TP size
+    (``pdlab profile --from-silicon-db --tp T``), each of ``model`` and one dtype.
+
+    Raises:
+        ValueError: ``argument --device-profile: ...``: an unreadable profile, one of another
+            model, or profiles of different dtypes."""
+    paths = [p.strip() for p in engine.device_profile.split(",") if p.strip()]
+    out = []
+    for path in paths:
+        try:
+            profile = DeviceProfile.load(path)
+        except ValueError as err:
+            raise ValueError(f"argument --device-profile: {err}") from None
+        if not _same_model(profile.model, model.model):
+            raise ValueError(f"argument --device-profile: {path} has no model "
+                             f"{model.model}: it profiles {profile.model}")
+        if out and profile.dtype != out[0].dtype:
+            raise ValueError(f"argument --device-profile: {path} is {profile.dtype}, "
+                             f"{paths[0]} {out[0].dtype}: give profiles of one dtype")
+        out.append(profile)
+    return out
+
+
+def instance_emulations(emulation: Emulation, placement: Placement, model: ModelConfig,
+                        engine: EngineConfig, num_devices: int) -> dict[str, Emulation]:
+    """Each emulated instance's ``Emulation`` (by ``Instance.name``): ONE emulated runner over
+    its ``tp * pp`` emulated devices (no rank processes; nothing is computed), timed by the
+    profile of its size (``planner.sizes.ProfileSet.of_role``, the planner's own choice: a
+    PP size is derived from the TP's PP-1 profile) and holding the KV budget of all its
+    devices (``planner.sizes.InstanceProfile``). Emulated KV between instances of different
+    TP moves as one whole-instance slice (the emulated decode worker takes it whole).
+
+    Raises:
+        ValueError: ``argument --device-profile: ...``, one line naming the role and its size:
+            no profile of that TP given, profiles that do not form a set, or a size that does
+            not fit the device's memory (weights plus one ``max_model_len`` request's KV)."""
+    profiles = device_profiles(engine, model)
+    max_pp = max(placement.size_of(role)[1] for role in placement.roles)
+    try:
+        found = ProfileSet.build(profiles, geometry_of(profiles[0], model.model), num_devices,
+                                 engine.max_model_len, engine.gpu_memory_utilization, max_pp,
+                                 prune=False)
+    except ValueError as err:
+        raise ValueError(f"argument --device-profile: {err}") from None
+    out = {}
+    for role in placement.roles:
+        tp, pp = placement.size_of(role)
+        try:
+            profile = InstanceProfile.of(found.of_role(placement, role))
+        except ValueError as err:
+            given = ", ".join(f"TP {p.tp}" for p in profiles)
+            hint = ("" if any(p.tp == tp for p in profiles)
+                    else f" (pdlab profile --from-silicon-db --tp {tp})")
+            raise ValueError(f"argument --device-profile: the {role} instances of {placement} "
+                             f"run at TP {tp} PP {pp}, the profiles given are {given}: "
+                             f"{err}{hint}") from None
+        for inst in placement.of_role(role):
+            out[inst.name] = dataclasses.replace(emulation, device=profile)
+    return out
+
+
+def _budget_or_zero(profile: DeviceProfile, engine: EngineConfig) -> int:
+    try:
+        return profile.kv_budget_bytes(engine)
+    except ValueError:
+        return 0
 
 
 def _host_available_bytes() -> int | None:
@@ -204,18 +272,6 @@ def _check_host_holds_kv(emulation: Emulation, geometry, engine: EngineConfig,
                      f"each keep {need / 2**30:.1f} GiB on this host at scale "
                      f"{emulation.kv_scale:g}, and it has {free / 2**30:.1f} GiB available: "
                      f"pass --emu-kv-scale {scale:g} (or less)")
-
-
-def check_profile_sizes(profile: DeviceProfile, placement: Placement) -> None:
-    """Every role's ``(tp, pp)`` must be the profile's (1 where it names none); ValueError,
-    one line naming ``--device-profile``, the role and both sizes."""
-    have = (getattr(profile, "tp", 1) or 1, getattr(profile, "pp", 1) or 1)
-    for role in placement.roles:
-        if placement.size_of(role) != have:
-            tp, pp = placement.size_of(role)
-            raise ValueError(f"argument --device-profile: the {role} instances of {placement} "
-                             f"run at TP {tp} PP {pp}, the profile at TP {have[0]} PP "
-                             f"{have[1]}: build one per size (pdlab profile --from-silicon-db)")
 
 
 class Deployment:
@@ -276,10 +332,12 @@ class Deployment:
         if self.transfer.transport == "nixl" and not nixl_available():
             raise ValueError(MISSING)  # here, not in each worker's start-up
         self.emulation = emulation_for(self.devices, model, self.engine)
+        self.emulations: dict[str, Emulation] = {}  # instance name -> its emulated device
         if self.emulation is None:
             check_model_name(model)
         else:
-            check_profile_sizes(self.emulation.device, placement.parsed)
+            self.emulations = instance_emulations(self.emulation, placement.parsed, model,
+                                                  self.engine, len(self.devices))
         self.hub: Any = None  # the router's end of the workers' channels
         self._rendezvous = None  # the torchdist group's TCPStore, held while workers live
         self._ray = None  # deployment.ray_actors.RayWorkers of a Ray deployment
@@ -338,7 +396,7 @@ class Deployment:
         rank_devices = () if self.emulation is not None else inst.devices[1:]
         common = {"name": name, "model_config": self.model, "engine_config": engine,
                   "device": inst.device, "step_delay_s": step_delay_s,
-                  "emulation": self.emulation, "rank_devices": rank_devices}
+                  "emulation": self.emulations.get(name), "rank_devices": rank_devices}
         if role == "colocated":
             return EngineLoop, common
         if role == "prefill":  # its KV goes out as the decode instances' ranks take it

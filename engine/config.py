@@ -153,7 +153,8 @@ class EngineConfig:
     device_profile: str | None = field(default=None, metadata={
         "pattern": r"[^!]*\.json", "hint": "a .json file (pdlab profile's device_profile.json)",
         "help": "emulated devices (--devices emu:0-7) only: the device_profile.json whose "
-                "fitted step models time every step (pdlab profile, e.g. --from-silicon-db)"})
+                "fitted step models time every step (pdlab profile, e.g. --from-silicon-db); "
+                "comma-separated, one per TP size (--tp T): each instance takes its size's"})
     emu_kv_scale: float = field(default=1.0, metadata={
         "gt": 0, "help": "emulated devices only: fraction of the emulated model's KV bytes "
                          "per token actually held and moved, in (0, 1] (e.g. 0.00390625 = "

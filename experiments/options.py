@@ -312,13 +312,15 @@ def load_profile_for(path: str | Path, model: ModelConfig, option: str) -> Devic
 
 
 def load_profiles_for(text: str, model: ModelConfig, option: str, num_devices: int,
-                      engine: EngineConfig, max_pp: int) -> tuple[DeviceProfile, DeviceProfile | ProfileSet]:
+                      engine: EngineConfig, max_pp: int, prune: bool = True
+                      ) -> tuple[DeviceProfile, DeviceProfile | ProfileSet]:
     """``--profile`` / ``--device-profile``: one path, or comma-separated paths of one PP-1
     profile per TP size (``pdlab profile --from-silicon-db --tp T``). Returns the smallest
     offered size's profile (for rate ladders and headers) and what the simulator reads: that
     same profile when one TP-1 profile is given (one device per instance), else the
     ``planner.sizes.ProfileSet`` of every ``(tp, pp)`` that fits (PP up to ``max_pp``, weights
-    and one ``max_model_len`` request's KV within ``gpu_memory_utilization``).
+    and one ``max_model_len`` request's KV within ``gpu_memory_utilization``; ``prune=False``:
+    dominated sizes kept, for the twin of a run that deploys them).
 
     Raises:
         ValueError: ``argument <option>: ...``: a file as ``load_profile_for`` refuses, or
@@ -330,7 +332,7 @@ def load_profiles_for(text: str, model: ModelConfig, option: str, num_devices: i
     try:
         geometry = geometry_of(profiles[0], model.model)
         found = ProfileSet.build(profiles, geometry, num_devices, engine.max_model_len,
-                                 engine.gpu_memory_utilization, max_pp)
+                                 engine.gpu_memory_utilization, max_pp, prune=prune)
         return found.base, found
     except ValueError as err:
         raise option_error(option, str(err)) from None

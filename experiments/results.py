@@ -201,7 +201,8 @@ def emulation_row(engine) -> dict:
     if getattr(engine, "device_profile", None) is None:
         return {}
 
-    emulation = Emulation(DeviceProfile.load(engine.device_profile), engine.emu_kv_scale,
+    first = engine.device_profile.split(",")[0].strip()  # one per TP size: one model, device
+    emulation = Emulation(DeviceProfile.load(first), engine.emu_kv_scale,
                           time_scale=engine.emu_time_scale)
     return {"emulated": True, "emulation": {"device_profile": engine.device_profile,
                                             **emulation.describe()}}

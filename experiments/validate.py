@@ -31,7 +31,9 @@ from experiments.replay import RunResult, run_placement
 from experiments.results import write_results
 from experiments.workload_spec import WorkloadSpec, build_workload, context_len, requests_of
 from planner import band, decision, diagnose, drift, search
-from planner.latency import DeviceProfile, TransferModel, step_correction
+from engine.placement import Placement
+from planner.latency import DeviceProfile, TransferModel
+from planner.sizes import ProfileSet
 
 LATENCIES = ("ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s")
 COLUMNS = (["placement", "rate", "measured_attainment", "simulated_attainment",
@@ -93,27 +95,41 @@ def outcome_table(measured: Sequence[RunResult], simulated: Sequence[RunResult],
                         columns=["placement", "rate", "num_requests", "num_flipped"])
 
 
-def step_factors(measured: Sequence[RunResult], profile: DeviceProfile
+def step_factors(measured: Sequence[RunResult], profile: DeviceProfile | ProfileSet
                  ) -> tuple[dict[tuple[str, float, int], float], dict[str, float], float, pd.DataFrame]:
     """(median measured ÷ modelled per run ``(placement, rate, seed)``, the same per
     ``"<placement> <worker>"``, the table of every step with its run in front); NaN where a run has
-    no usable step."""
-    step_s = profile.step_time()
+    no usable step. Each worker's steps are modelled on its instance's profile
+    (``ProfileSet.of_worker``) when ``profile`` is a set."""
     tables = []
     for r in measured:
-        t = diagnose.step_table(r.steps, step_s)
-        tables.append(t.assign(placement=r.placement, rate=r.rate, seed=r.seed))
+        by_worker: dict[str, list[dict]] = {}
+        for st in r.steps:
+            by_worker.setdefault(st["worker"], []).append(st)
+        for worker, its in by_worker.items():
+            own = (profile.of_worker(Placement.parse(r.placement), worker)
+                   if isinstance(profile, ProfileSet) else profile)
+            t = diagnose.step_table(its, own.step_time())
+            tables.append(t.assign(placement=r.placement, rate=r.rate, seed=r.seed))
     cols = ["placement", "rate", "seed", *diagnose.STEP_COLUMNS]
     steps = pd.concat(tables, ignore_index=True)[cols] if tables else pd.DataFrame(columns=cols)
     rows = steps.to_dict("records")
     by_run: dict = {}
-    by_worker: dict = {}
+    by_worker_rows: dict = {}
     for row in rows:
         by_run.setdefault((row["placement"], row["rate"], row["seed"]), []).append(row)
-        by_worker.setdefault(f"{row['placement']} {row['worker']}", []).append(row)
-    return ({k: step_correction(v, profile) for k, v in by_run.items()},
-            {k: step_correction(v, profile) for k, v in by_worker.items()},
-            step_correction(rows, profile), steps)
+        by_worker_rows.setdefault(f"{row['placement']} {row['worker']}", []).append(row)
+    return ({k: _median_ratio(v) for k, v in by_run.items()},
+            {k: _median_ratio(v) for k, v in by_worker_rows.items()},
+            _median_ratio(rows), steps)
+
+
+def _median_ratio(rows: Sequence[dict]) -> float:
+    """``latency.step_correction`` on ``step_table`` rows (their ``model_s``, already of each
+    worker's profile): the median measured ÷ modelled over rebuilt steps; NaN without one."""
+    ratios = [r["duration_s"] / r["model_s"] for r in rows
+              if r.get("rebuilt", True) and r["model_s"] > 0 and r["duration_s"] > 0]
+    return float(np.median(ratios)) if ratios else math.nan
 
 
 def with_outcomes(errors: pd.DataFrame, measured: Sequence[RunResult],
@@ -267,7 +283,7 @@ def _goodput(summary: pd.DataFrame) -> dict[str, float]:
 
 
 def simulate_like(results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
-                  engine: EngineConfig, transport: str, profile: DeviceProfile,
+                  engine: EngineConfig, transport: str, profile: DeviceProfile | ProfileSet,
                   transfer_model: TransferModel | None, policy: str = "least_loaded",
                   step_scale: float = 1.0) -> list[RunResult]:
     """The simulated twin of real ``results`` on the same requests and arrival times."""
@@ -286,7 +302,7 @@ def simulate_like(results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
 
 def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: WorkloadSpec,
              model: ModelConfig, engine: EngineConfig, transfer: TransferConfig,
-             profile: DeviceProfile, transfer_model: TransferModel | None, slo: SLO,
+             profile: DeviceProfile | ProfileSet, transfer_model: TransferModel | None, slo: SLO,
              out_dir: Path, devices: str | None = None, address: str | None = None,
              policy: str = "least_loaded", local: bool = False, config: dict | None = None,
              speed_spread: float = 0.0, num_reruns: int = 0) -> tuple[pd.DataFrame, dict]:
@@ -315,7 +331,8 @@ def validate(cands: Sequence[search.Candidate], rates: Sequence[float], spec: Wo
 
 def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
           rates: Sequence[float], items: dict, spec: WorkloadSpec, engine: EngineConfig,
-          transfer: TransferConfig, profile: DeviceProfile, transfer_model: TransferModel | None,
+          transfer: TransferConfig, profile: DeviceProfile | ProfileSet,
+          transfer_model: TransferModel | None,
           slo: SLO, out_dir: Path, policy: str = "least_loaded", config: dict | None = None,
           replay_window_s: float = drift.DEFAULT_WINDOW_S, speed_spread: float = 0.0,
           reruns: Sequence[Sequence[RunResult]] = ()) -> tuple[pd.DataFrame, dict]:
@@ -362,7 +379,7 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
               "chunk_budgets": {p: c.chunk_budget for p, c in by_placement.items()}}
     sim_summary, _ = write_results(
         out_dir / "simulated", simulated,
-        {**config, "simulated": True, "device_profile": profile.to_dict()}, slo)
+        {**config, "simulated": True, "device_profile": _profile_dict(profile)}, slo)
     meas_summary, _ = write_results(out_dir / "measured", measured,
                                             {**config, "simulated": False}, slo,
                                             simulated=analysis.attainment_curve(sim_summary))
@@ -415,6 +432,14 @@ def score(measured: Sequence[RunResult], cands: Sequence[search.Candidate],
     errors = with_reruns(errors, reruns_table)
     errors.to_csv(out_dir / "validation.csv", index=False)
     return errors, summary
+
+
+def _profile_dict(profile: DeviceProfile | ProfileSet) -> dict:
+    """The simulated run's profile: the profile, or a set's base with every offered size's."""
+    if isinstance(profile, DeviceProfile):
+        return profile.to_dict()
+    return {**profile.base.to_dict(), "sizes": {f"tp{tp}pp{pp}": p.to_dict()
+                                                for (tp, pp), p in profile.profiles.items()}}
 
 
 def with_band(errors: pd.DataFrame, tables: dict[str, pd.DataFrame]) -> pd.DataFrame:
@@ -543,11 +568,12 @@ def largest_stage_text(stages: pd.DataFrame, time_scale: float = 1.0) -> str:
 
 def write_with_twin(out_dir: Path, results: Sequence[RunResult], config: dict, slo: SLO,
                     items: dict, spec: WorkloadSpec, engine: EngineConfig, transport: str,
-                    profile: DeviceProfile, policy: str) -> tuple[pd.DataFrame, str]:
+                    profile: DeviceProfile | ProfileSet, policy: str) -> tuple[pd.DataFrame, str]:
     """``pdlab compare --simulate``: every real run simulated too, drawn dashed over the measured
     curve, validation.csv written; returns (summary, verdict text with the simulator's error)."""
+    base = profile.base if isinstance(profile, ProfileSet) else profile
     twins = simulate_like(results, items, spec, engine, transport, profile,
-                          profile.transfers.get(transport), policy)
+                          base.transfers.get(transport), policy)
     simulated = analysis.summary_table(twins, slo, num_boot=100)
     summary, verdict_text = write_results(out_dir, results, config, slo,
                                           simulated=analysis.attainment_curve(simulated))

@@ -4,7 +4,9 @@
 1. The profile (``profile_for``): ``--simulate``'s, else the newest ``results/profile-*/`` of the
    model, else the one pdlab ships (``SHIPPED``). None: no map, and the report says why.
 2. Its step times scaled by this run's own steps (``validate.step_factors``).
-3. The run's own requests, ``slo_map.map_candidates`` on the run's devices, ``NUM_RATES`` rates,
+3. The run's own requests, ``slo_map.map_candidates`` on the run's devices with instances of
+   each size a ``ProfileSet`` offers (the run's TP/PP sizes among them), else one device each,
+   ``NUM_RATES`` rates,
    a ``STEPS`` x ``STEPS`` SLO grid from 1/4 x to 4 x the run's SLO (at the centre), the speed
    band +/- ``SPREAD``.
 4. ``map.csv`` and ``map.png``, and the report's lines: the regions, and the centre cell beside
@@ -25,6 +27,7 @@ from experiments.replay import RunResult
 from experiments.workload_spec import WorkloadSpec, requests_of
 from planner import search, slo_map
 from planner.latency import DeviceProfile
+from planner.sizes import ProfileSet
 
 # (model, dtype) -> the profile pdlab ships for it (package data, planner/profiles/).
 SHIPPED = {("smollm2-135m", "float32"):
@@ -35,8 +38,8 @@ SPREAD = 0.15  # pdlab map's default speed band
 TITLE = "Where does disaggregation win? (the planner's map of this workload)"
 
 
-def profile_for(model: ModelConfig, simulate: DeviceProfile | None = None,
-                root: Path = Path("results")) -> tuple[DeviceProfile | None, str]:
+def profile_for(model: ModelConfig, simulate: DeviceProfile | ProfileSet | None = None,
+                root: Path = Path("results")) -> tuple[DeviceProfile | ProfileSet | None, str]:
     """Step 1: (profile, where it came from), or (None, why there is none). A measured
     profile under ``root`` that cannot be read is skipped (``find_profile``)."""
     if simulate is not None:
@@ -73,10 +76,12 @@ def measured_goodput(results: Sequence[RunResult], slo: SLO) -> dict[str, float]
 def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: WorkloadSpec,
                model: ModelConfig, engine: EngineConfig, transport: str, num_devices: int,
                slo: SLO, policy: str = "least_loaded",
-               simulate: DeviceProfile | None = None) -> tuple[list[str], Path | None]:
+               simulate: DeviceProfile | ProfileSet | None = None
+               ) -> tuple[list[str], Path | None]:
     """Steps 1-4 (module docstring) for one finished run.
 
-    ``slo``: the SLO the run was judged by (the calibrated one under ``--calibrate``).
+    ``slo``: the SLO the run was judged by (the calibrated one under ``--calibrate``);
+    ``simulate``: one profile, or a ``ProfileSet`` whose sizes the map's placements take.
 
     Returns:
         (the report's lines, the heatmap's path or None). No map (one line saying why): fewer
@@ -93,15 +98,18 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
     start = time.perf_counter()
     factor = validate.step_factors(results, profile)[2]
     scaled = profile.scaled(factor) if math.isfinite(factor) and factor > 0 else profile
+    sized = isinstance(scaled, ProfileSet)
+    base = scaled.base if sized else scaled
     try:
-        transfer = what_if_transfer(scaled, transport, None, None, True)
+        transfer = what_if_transfer(base, transport, None, None, True)
     except ValueError as err:
         return [f"No map: {err}"], None
-    cands = slo_map.map_candidates(num_devices)
+    sizes = scaled.sizes if sized else ((1, 1),)
+    cands = slo_map.map_candidates(num_devices, sizes=sizes)
     flat = [it for its in items.values() for it in its]
     mean_p = sum(it.num_prompt_tokens for it in flat) / len(flat)
     mean_o = sum(it.output_len for it in flat) / len(flat)
-    rates = search.auto_rates(scaled, mean_p, mean_o, num_devices, NUM_RATES, engine.max_num_seqs)
+    rates = search.auto_rates(base, mean_p, mean_o, num_devices, NUM_RATES, engine.max_num_seqs)
     ttft, tpot = slo_grids(slo)
     ratio = mean_p / mean_o
     table, _, _ = slo_map.map_ratio(cands, rates, requests, engine, scaled, transfer, ttft, tpot,
@@ -118,7 +126,9 @@ def report_map(out_dir: Path, results: Sequence[RunResult], items: dict, spec: W
     firsts = [p for p, g in measured.items() if g == best]
     lines = [f"The planner's map of this workload on {num_devices} devices ({len(table)} cells "
              f"in {wall_s:.1f} s; profile: {source}, its steps x {factor:.3g} to match this "
-             f"run's own; {len(cands)} placements x rates {rates} req/s, "
+             f"run's own; {len(cands)} placements"
+             + (f" of instance sizes (TP, PP) {', '.join(map(str, sizes))}" if sized else "")
+             + f" x rates {rates} req/s, "
              f"speed band +/-{SPREAD:g}):"]
     lines += ["  " + line for line in slo_map.regions(table, ttft, tpot)]
     pick = (centre["verdict"] if centre["verdict"] in (slo_map.NO_CLEAR, slo_map.NONE)

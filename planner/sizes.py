@@ -8,7 +8,7 @@ faster in both phases at a reference prefill and decode step (else ``dominated``
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from engine.memory_fit import Geometry, check_fits
@@ -73,9 +73,10 @@ class ProfileSet:
     def build(cls, tp_profiles: list[DeviceProfile], geometry: Geometry | None,
               num_devices: int, max_model_len: int, utilization: float = 0.9,
               max_pp: int = MAX_PP, reference_prompt: int = 512,
-              reference_batch: int = 16) -> ProfileSet:
+              reference_batch: int = 16, prune: bool = True) -> ProfileSet:
         """The sizes of at most ``num_devices`` devices from PP-1 profiles of distinct TP
-        (without ``geometry``: no PP, no memory check); ValueError for profiles not a set."""
+        (without ``geometry``: no PP, no memory check; ``prune=False``: dominated sizes kept, as
+        a deployment runs the size it is given); ValueError for profiles not a set."""
         if not tp_profiles:
             raise ValueError("the planner needs at least one device profile")
         seen: dict[int, DeviceProfile] = {}
@@ -108,7 +109,8 @@ class ProfileSet:
                     out.refused[tp, pp] = str(err)
                     continue
                 out.profiles[tp, pp] = profile
-        out.prune(reference_prompt, reference_batch)
+        if prune:
+            out.prune(reference_prompt, reference_batch)
         return out
 
     def prune(self, reference_prompt: int = 512, reference_batch: int = 16) -> None:
@@ -150,7 +152,16 @@ class ProfileSet:
         return self.profiles[self.sizes[0]]
 
     def of_role(self, placement: Placement, role: str) -> DeviceProfile:
+        """The profile of ``role``'s instances (plan, map, validation and deployment alike)."""
         return self.get(*placement.size_of(role))
+
+    def of_worker(self, placement: Placement, worker: str) -> DeviceProfile:
+        """The profile of instance ``worker`` (``Instance.name``, e.g. ``decode-0``);
+        ValueError for a name of no role of ``placement``."""
+        role = worker.rsplit("-", 1)[0]
+        if role not in placement.roles:
+            raise ValueError(f"placement {placement} has no instance {worker!r}")
+        return self.of_role(placement, role)
 
     def scaled(self, factor: float) -> ProfileSet:
         return ProfileSet({s: p.scaled(factor) for s, p in self.profiles.items()}, self.geometry,
@@ -161,6 +172,22 @@ class ProfileSet:
         lines += [f"TP {tp}, PP {pp}: pruned: TP {o[0]}, PP {o[1]} on as many devices is faster "
                   "in both phases" for (tp, pp), o in sorted(self.dominated.items())]
         return lines
+
+
+@dataclass(frozen=True)
+class InstanceProfile(DeviceProfile):
+    """A profile as one emulated instance runs it: its step times, and the KV budget of all its
+    ``tp * pp`` devices (``kv_budget_bytes``: the profile's per-device budget x
+    ``kv_bytes_per_token / kv_bytes_per_device_token``, so that the whole instance's KV at
+    full geometry holds as many tokens as each device's slice does; the simulator's rule)."""
+
+    @classmethod
+    def of(cls, profile: DeviceProfile) -> InstanceProfile:
+        return cls(**{f.name: getattr(profile, f.name) for f in fields(DeviceProfile)})
+
+    def kv_budget_bytes(self, config) -> int:
+        per_device = super().kv_budget_bytes(config)
+        return per_device * self.kv_bytes_per_token // self.kv_bytes_per_device_token
 
 
 def geometry_of(profile: DeviceProfile, model_dir: str | None = None) -> Geometry | None:

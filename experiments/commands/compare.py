@@ -28,10 +28,9 @@ from experiments import dilation, report, validate, workload_map
 from experiments.options import (add_deployment_args, add_engine_args, add_model_args, add_slo_args,
                                  add_transfer_args, check_model, check_out, check_placements,
                                  engine_config,
-                                 load_profile_for, option_error, placement_list, rate_list,
+                                 load_profile_for, load_profiles_for, option_error, placement_list, rate_list,
                                  transfer_model_for)
 from deployment.placement import emulation_for, worker_layout
-from planner.latency import DeviceProfile
 from experiments.replay import RunResult, calibrated_slo, default_placements, run_placement
 from experiments.results import experiment_config, print_outcome, write_results
 from experiments.workload_spec import Timed, WorkloadSpec, build_workload, context_len, trace_rate
@@ -85,8 +84,11 @@ def run_experiment(placements: list[str], rates: list[float], spec: WorkloadSpec
                   f"{given.tpot_s:g} s", file=sys.stderr)
     config = experiment_config(model, device_set, placements, sweep, calibration, spec, engine,
                                transfer, slo, policy, conditional, worker_info)
-    if simulate is None and engine.device_profile is not None:  # emulated devices: the
-        simulate = DeviceProfile.load(engine.device_profile)    # twin gives added_latency.csv
+    if simulate is None and engine.device_profile is not None:  # emulated devices: the twin
+        simulate = load_profiles_for(  # (each instance's profile) gives added_latency.csv
+            engine.device_profile, model, "--device-profile", len(device_set), engine,
+            max(i.pp for p in placements for i in Placement.parse(p).instances),
+            prune=False)[1]
     if simulate is None:
         summary, verdict = write_results(out_dir, results, config, slo)
     else:

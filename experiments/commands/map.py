@@ -222,10 +222,6 @@ def check(args: argparse.Namespace) -> MapJob:
     profile, profiles = load_profiles_for(str(path), model, "--device-profile", cfg.devices,
                                           engine, cfg.max_pp)
     sizes = profiles.sizes if isinstance(profiles, ProfileSet) else ((1, 1),)
-    if cfg.validate and sizes != ((1, 1),):
-        raise option_error("--validate", "the map places instances over several devices "
-                                         "(TP/PP sizes), which real and emulated runs cannot "
-                                         "deploy yet: drop --validate, or give one TP 1 profile")
     cands = slo_map.map_candidates(cfg.devices, budgets, cfg.conditional, sizes)
     transfer_model = what_if_transfer(profile, transfer.transport, cfg.transfer_latency_s,
                                       cfg.transfer_bandwidth_gbps, cfg.devices >= 2, cfg.link)

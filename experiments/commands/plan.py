@@ -205,10 +205,6 @@ def check(args: argparse.Namespace) -> PlanJob:
     profile, profiles = profile.scaled(plan.step_scale), profiles.scaled(plan.step_scale)
     kv_cache_line(profile, engine)  # a budget that cannot be computed or holds no block
     sizes = profiles.sizes if isinstance(profiles, ProfileSet) else ((1, 1),)
-    if plan.validate and sizes != ((1, 1),):
-        raise option_error("--validate", "the search places instances over several devices "
-                                         "(TP/PP sizes), which real and emulated runs cannot "
-                                         "deploy yet: drop --validate, or give one TP 1 profile")
     cands = search.candidates(plan.devices, plan.budgets, sizes)
     transfer_model = _transfer_model(plan, profile, transfer.transport,
                                      any(c.placement.startswith("disagg") for c in cands))
@@ -405,7 +401,7 @@ def _validate(x: PlanJob, rates: list[float]) -> list[str]:
     print(f"\nvalidating {', '.join(c.label for c in chosen)} for real at {rates} req/s "
           f"({spec.num_requests} requests x {spec.seeds} seeds each)")
     errors, summary = validate.validate(chosen, rates, spec, x.model, x.engine, x.transfer,
-                                        x.profile, x.transfer_model, x.slo, x.out,
+                                        x.simulated, x.transfer_model, x.slo, x.out,
                                         ",".join(devices), None, x.policy,
                                         speed_spread=x.plan.speed_spread,
                                         num_reruns=x.plan.validate_reruns)

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
 
-from deployment.placement import Deployment, check_profile_sizes, worker_layout
-from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
+from deployment.placement import Deployment, worker_layout
+from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.placement import Placement
 
 TINY = ModelConfig("tiny-random-llama")
@@ -87,22 +85,3 @@ def test_a_tp_worker_whose_rank_died_is_restarted_with_new_ranks(tiny):
         replacement = deployment.handles["colocated-0"]
         assert replacement is not first
         assert [p.is_alive() for p in replacement._instance.processes] == [True]
-
-
-def test_an_emulated_tp_instance_needs_a_profile_of_its_sizes():
-    """One emulated worker per instance over tp * pp emulated devices, timed by a profile of
-    that size: the placement's sizes are checked against the profile's before any worker."""
-    profile = str(Path(__file__).resolve().parents[1] / "data" / "llama-3.1-8b_h100_sxm_vllm_profile.json")
-    engine = EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=512,
-                          device_profile=profile, emu_kv_scale=1 / 256)
-    with pytest.raises(ValueError, match=r"^argument --device-profile: the prefill instances of "
-                                         r"disagg:1p1d\+ptp2 run at TP 2 PP 1, the profile at TP "
-                                         r"1 PP 1: build one per size"):
-        Deployment(PlacementConfig("disagg:1p1d+ptp2", "emu:0-2"),
-                   ModelConfig("engine/configs/llama-3.1-8b", "bfloat16"), engine,
-                   TransferConfig(transport="inprocess"), local=True)
-    at_tp2 = SimpleNamespace(tp=2, pp=1)
-    check_profile_sizes(at_tp2, Placement.parse("colocated:2+tp2"))
-    with pytest.raises(ValueError, match="the decode instances of disagg:1p1d\\+tp2\\+dpp2 run "
-                                         "at TP 2 PP 2, the profile at TP 2 PP 1"):
-        check_profile_sizes(at_tp2, Placement.parse("disagg:1p1d+tp2+dpp2"))

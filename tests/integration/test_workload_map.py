@@ -70,3 +70,27 @@ def test_one_device_run_has_no_map(tmp_path):
         TransferConfig(transport="inprocess"), "cpu:0", None, SLO(1.0, 0.5), tmp_path, local=True)
     assert verdict.endswith("No map: 1 device (placements need 2 to differ).")
     assert not (tmp_path / "map.csv").exists()
+
+
+def test_the_map_of_an_emulated_tp_run_places_instances_of_its_sizes(tmp_path):
+    """A run on emulated devices with one profile per TP size: the map's placements are those
+    of every offered (TP, PP) size on the run's 6 devices, not one device per instance."""
+    from experiments.commands import compare
+
+    data = Path(__file__).resolve().parents[1] / "data"
+    profiles = ",".join(str(data / f"llama-3.1-8b_h100_sxm_vllm{s}_profile.json")
+                        for s in ("", "_tp2", "_tp4"))
+    spec = WorkloadSpec(dataset="synthetic", num_requests=4, seeds=1, prompt_len="64-200",
+                        output_len="4-8")
+    engine = EngineConfig(max_num_seqs=4, max_model_len=512, max_num_batched_tokens=512,
+                          device_profile=profiles, emu_kv_scale=1 / 256)
+    _, verdict = compare.run_experiment(
+        ["disagg:1p1d+ptp2+dtp4"], [20.0], spec, ModelConfig("engine/configs/llama-3.1-8b",
+                                                             "bfloat16"),
+        engine, TransferConfig(transport="inprocess"), "emu:0-5", None, SLO(0.5, 0.05),
+        tmp_path, local=True)
+    sizes = ((1, 1), (2, 1), (4, 1))
+    expected = len(slo_map.map_candidates(6, sizes=sizes))
+    assert expected > len(slo_map.map_candidates(6))
+    assert (f"{expected} placements of instance sizes (TP, PP) (1, 1), (2, 1), (4, 1) x rates"
+            in verdict), verdict

@@ -186,11 +186,11 @@ def test_the_70b_map_searches_the_tp_sizes_that_fit_eight_h100s(tmp_path):
         "weights + 20 GiB of KV for 131072 tokens > 72 GiB")
 
 
-def test_validate_refuses_tp_placements_with_one_line(tmp_path):
-    with pytest.raises(ValueError, match=r"^argument --validate: the map places instances over "
-                                         "several devices \\(TP/PP sizes\\), which real and "
-                                         "emulated runs cannot deploy yet"):
-        _map(MAP_70B + ["--validate", "1", "--validate-on", "emu"], tmp_path)
+def test_map_validate_on_emu_deploys_the_tp_placements_with_each_size_s_profile(tmp_path):
+    job = _map(MAP_70B + ["--validate", "1", "--validate-on", "emu"], tmp_path)
+    assert job.validate_devices == tuple(f"emu:{i}" for i in range(8))
+    assert job.validate_engine.device_profile == L70  # each instance takes its TP's profile
+    assert {c.placement for c in job.candidates} >= {"colocated:1+tp8", "disagg:2p1d+ptp2+dtp4"}
 
 
 def test_map_cells_show_the_winners_per_phase_sizes():
@@ -204,14 +204,14 @@ def test_map_cells_show_the_winners_per_phase_sizes():
         ("1p3d", "co", "co-nc")
 
 
-def test_plan_validate_refuses_tp_placements_with_one_line(tmp_path, capsys):
+def test_plan_validate_on_emu_keeps_the_tp_sizes(tmp_path):
     from experiments import cli
+    from experiments.commands import plan as plan_cmd
 
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["plan", "--model", "engine/configs/llama-3.1-70b", "--dtype", "bfloat16",
-                  "--profile", L70, "--devices", "8", "--max-model-len", "4096", "--transport",
-                  "shm", "--validate", "--out", str(tmp_path / "p")])
-    assert exit_info.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1 and "argument --validate: the search places instances over several " \
-                              "devices (TP/PP sizes)" in err[0], err
+    job = plan_cmd.check(cli.build_parser().parse_args(
+        ["plan", "--model", "engine/configs/llama-3.1-70b", "--dtype", "bfloat16",
+         "--device-profile", L70, "--emu-kv-scale", "0.00390625", "--devices", "8",
+         "--max-model-len", "4096", "--transport", "shm", "--validate",
+         "--out", str(tmp_path / "p")]))
+    assert job.simulated.sizes == ((2, 1), (4, 1), (8, 1))
+    assert any(c.placement == "colocated:1+tp8" for c in job.candidates)
