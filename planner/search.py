@@ -144,7 +144,8 @@ def simulator(candidate: Candidate, engine: EngineConfig, profile: DeviceProfile
     ``DeviceProfile``, or a ``ProfileSet``'s of each role's ``(tp, pp)``), times ``step_scale``
     (``latency.step_correction``) and ``speed_trace(worker, start s)``; KV caches sized by
     ``DeviceProfile.kv_budget_bytes`` and the KV bytes per token on each instance's fullest
-    device; a decode instance of TP ``d`` fetches each rank's share of the KV heads at once.
+    device; a decode instance of TP ``d`` fetches each rank's share of the KV heads at once
+    (per-rank links, as vLLM's NIXL connector; pdlab's transports relay through rank 0).
 
     Raises:
         ValueError: a CUDA profile without the memory facts the budget needs, or a size the
