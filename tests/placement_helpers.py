@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -155,3 +156,23 @@ class Probe:
         import threading
 
         threading.Event().wait()
+
+
+def kill_once_decoding(deployment, worker: str, bound_s: float = 60.0) -> threading.Thread:
+    """Kill ``worker`` once a request decodes there (a token past its first): a kill by timer
+    can land before any request reached it, or after all left, and then nothing fails and a
+    test of how its death is named checks nothing. Gives up (no kill) after ``bound_s``."""
+
+    def watch() -> None:
+        end_s = time.monotonic() + bound_s
+        while time.monotonic() < end_s:
+            flights = list(deployment.router._flights.values())
+            if any(f.worker == worker and f.stage == "decode"
+                   and len(f.record.output_token_ids) >= 2 for f in flights):
+                deployment.kill(worker)
+                return
+            time.sleep(0.002)
+
+    thread = threading.Thread(target=watch, name=f"kill {worker} once decoding", daemon=True)
+    thread.start()
+    return thread

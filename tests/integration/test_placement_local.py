@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload,
-                              mixed_workload)
+                              kill_once_decoding, mixed_workload)
 
 from engine import metrics
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
@@ -142,7 +142,7 @@ def test_dead_decode_worker_fails_its_requests_naming_its_death(tiny):
     workload, expected = mixed_workload(tiny, num_requests=6, max_tokens=60)
     with deploy("disagg:1p2d", faults={"decode-0": {"step_delay_s": 0.05}},
                 devices="cpu:0,cpu:1,cpu:0-1") as deployment:
-        threading.Timer(0.5, deployment.kill, ["decode-0"]).start()
+        kill_once_decoding(deployment, "decode-0")
         records = deployment.run(workload)
         failed = [r for r in records if r.error]
         assert failed and all(r.decode_worker == "decode-0" for r in failed)

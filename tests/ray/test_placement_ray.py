@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload, local_ray,
-                              mixed_workload)
+                              kill_once_decoding, mixed_workload)
 
 import ray  # a required dependency: a broken install fails here, it never skips
 
@@ -75,7 +75,7 @@ def test_decode_actor_killed_mid_decode(tiny, transport):
     workload, expected = mixed_workload(tiny, num_requests=6, max_tokens=60)
     with deploy("disagg:1p2d", transport, devices="cpu:0,cpu:1,cpu:0-1",
                 faults={"decode-0": {"step_delay_s": 0.05}}, timeout_s=3.0) as deployment:
-        threading.Timer(1.0, deployment.kill, ["decode-0"]).start()
+        kill_once_decoding(deployment, "decode-0")
         records = deployment.run(workload)
         # the named death, not the deadline, ended them
         failed = [r for r in records if r.error]
