@@ -66,8 +66,8 @@ def test_a_per_phase_tp_run_finishes_on_each_instances_profile(monkeypatch):
     for name, tp in (("prefill-0", 2), ("decode-0", 4)):
         engine = engines[name]
         per_device = profiles[tp].kv_budget_bytes(engine.config)
-        assert engine.emulation.kv_budget_bytes(engine.config) == tp * per_device
-        assert engine.emulation.device.size == (tp, 1)
+        assert engine.runner.emulation.kv_budget_bytes(engine.config) == tp * per_device
+        assert engine.runner.emulation.device.size == (tp, 1)
 
 
 def test_an_instance_whose_tp_has_no_profile_is_refused():
