@@ -438,12 +438,13 @@ def _serve_window(store: KVStore, group: TensorParallelGroup) -> None:
         op, args = group.broadcast_object()
         if op == "layer_done":
             return
-        if op == "read":
-            _read_local(store, group, *args)
-        elif op == "write":
-            _write_local(store, group, *args)
-        else:
+        if op not in _STORE_OPS:
             raise ValueError(f"instance command {op!r} inside a forward")
+        _STORE_OPS[op](store, group, *args)
+
+
+# the KV-store commands rank 0 broadcasts, inside a forward's windows or between steps alike
+_STORE_OPS = {"read": _read_local, "write": _write_local}
 
 
 def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
@@ -464,10 +465,8 @@ def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
             rows, windows = args
             runner.execute(rows, (lambda layer: _serve_window(store, group)) if windows else None)
             steps += 1
-        elif op == "read":
-            _read_local(store, group, *args)
-        elif op == "write":
-            _write_local(store, group, *args)
+        elif op in _STORE_OPS:
+            _STORE_OPS[op](store, group, *args)
         else:
             raise ValueError(f"unknown instance command {op!r}")
     return steps
