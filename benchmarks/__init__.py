@@ -23,10 +23,13 @@ This module holds the helpers they share: thread setup, the interleaved estimato
 from __future__ import annotations
 
 import argparse
+import csv
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -138,3 +141,18 @@ def _fmt(value: object) -> str:
 
 def estimator_line(repeats: int, warmup: int = 1) -> str:
     return f"estimator: {describe(repeats, warmup)}; contenders interleaved round by round"
+
+
+def write_rows(rows: Sequence[dict], columns: Sequence[str], out: str | None, prefix: str,
+               filename: str) -> Path:
+    """``rows`` as ``<out>/<filename>`` (a CSV ``pd.read_csv`` reads; ``columns`` in order);
+    ``out`` None: ``results/<prefix>-<local time>``. Prints and returns the file's path."""
+    directory = Path(out or f"results/{prefix}-{time.strftime('%Y%m%d-%H%M%S')}")
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / filename
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+    return path

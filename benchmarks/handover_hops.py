@@ -27,16 +27,14 @@ Usage: ``python -m benchmarks.handover_hops [--n 3000] [--gap-ms 1] [--cores 0,0
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing
 import os
 import queue
 import statistics
 import time
-from pathlib import Path
 from typing import NamedTuple
 
-from benchmarks import cpu_line, print_table
+from benchmarks import cpu_line, print_table, write_rows
 from channel.contract import ADMIT, Command, Endpoint, Message
 from channel.sockets import SocketHub, SocketPort
 from engine.events import PREFILLED, WorkerEvent
@@ -223,13 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     one, two = rows[0], rows[1]
     print(f"two hops / one hop: p50 {two['p50_us'] / one['p50_us']:.2f}x, "
           f"p99 {two['p99_us'] / one['p99_us']:.2f}x")
-    out = Path(args.out or f"results/handover-hops-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "handover_hops.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out / 'handover_hops.csv'}")
+    write_rows(rows, COLUMNS, args.out, "handover-hops", "handover_hops.csv")
     return rows
 
 

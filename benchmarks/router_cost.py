@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import array
 import cProfile
-import csv
 import io
 import multiprocessing
 import os
@@ -42,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import cpu_line, print_table
+from benchmarks import cpu_line, print_table, write_rows
 from channel.contract import ABORT, SUBMIT, Endpoint
 from channel.local import LocalHub
 from channel.sockets import SocketHub, SocketPort
@@ -420,13 +419,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      (f"relay p99 <= {P99_TARGET_US:g} us at {heavy['workers']} workers "
                       f"({heavy['relay_p99_us']:.0f} us)", heavy["relay_p99_us"] <= P99_TARGET_US)]:
         print(f"  {'met ' if ok else 'MISS'}  {text}")
-    out = Path(args.out or f"results/router-cost-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "router_cost.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {out / 'router_cost.csv'}")
+    write_rows(rows, COLUMNS, args.out, "router-cost", "router_cost.csv")
     if args.cprofile:
         profile = cProfile.Profile(time.thread_time)
         measure(max(counts), args.running, args.seconds, args.warmup_s, args.step_ms, (lo, hi),
