@@ -503,7 +503,7 @@ def test_a_fetch_failing_after_its_kv_producer_died_names_the_death(owner):
     if owner == "heard dead after the report":  # decode-0's message reaches the hub first
         router.hub.fakes.sort(key=lambda fake: fake.role != "decode")
     [record] = router.run(requests(1))
-    fetch_error = "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+    fetch_error = LOST_KV_ERROR
     if owner == "alive":
         assert record.error == fetch_error
         assert router.workers["prefill-0"].state == "live"
@@ -539,12 +539,31 @@ def test_an_admit_refused_by_validation_is_the_request_s_error_even_if_its_produ
     assert_drained(router, workers, transport)
 
 
+LOST_KV_ERROR = "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
+
+
+def assert_lost_kv_keeps_the_fetch_error(router, workers, transport) -> None:
+    """r0's KV is lost on the way while its producer lives: decode-0's fetch fails, and r0
+    ends with the transport's error, prefill-0 still live, nothing held."""
+    decode = workers["decode-0"]
+    fetch = fetching(decode, transport)
+
+    def admit(request, first_token, kv_handles, kv_token_start=0):
+        transport.held.difference_update(kv_handles)  # lost, its producer alive
+        fetch(request, first_token, kv_handles, kv_token_start)
+
+    decode.admit = admit
+    [record] = router.run(requests(1))
+    assert record.error == LOST_KV_ERROR
+    assert router.workers["prefill-0"].state == "live"
+    assert_drained(router, workers, transport)
+
+
 def test_a_failed_fetch_whose_producer_never_answers_ends_at_its_deadline_with_its_error():
     """prefill-0 lives but its ``info`` never answers (a hung process): r0 ends at its own
     deadline with the transport's error, not a bare deadline message."""
     router, workers, transport = build("disagg:1p1d", deadline_s=0.3)
-    decode, calls, never = workers["decode-0"], router.calls, object()
-    fetch = fetching(decode, transport)
+    calls, never = router.calls, object()
 
     class HungInfo:
         def call(self, worker, method, *args):
@@ -555,15 +574,8 @@ def test_a_failed_fetch_whose_producer_never_answers_ends_at_its_deadline_with_i
 
         result = staticmethod(calls.result)
 
-    def admit(request, first_token, kv_handles, kv_token_start=0):
-        transport.held.difference_update(kv_handles)  # lost, its producer alive
-        fetch(request, first_token, kv_handles, kv_token_start)
-
-    decode.admit, router.calls = admit, HungInfo()
-    [record] = router.run(requests(1))
-    assert record.error == "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
-    assert router.workers["prefill-0"].state == "live"
-    assert_drained(router, workers, transport)
+    router.calls = HungInfo()
+    assert_lost_kv_keeps_the_fetch_error(router, workers, transport)
 
 
 def test_an_owner_check_is_matched_by_equality_not_identity():
@@ -571,8 +583,7 @@ def test_an_owner_check_is_matched_by_equality_not_identity():
     ``ObjectRef``s): the producer check of a failed fetch still ends its request with the
     transport's error."""
     router, workers, transport = build("disagg:1p1d")
-    decode, calls = workers["decode-0"], router.calls
-    fetch = fetching(decode, transport)
+    calls = router.calls
 
     @dataclasses.dataclass(frozen=True)
     class Ref:  # equal and hashable by what it refers to, as an ObjectRef
@@ -588,15 +599,8 @@ def test_an_owner_check_is_matched_by_equality_not_identity():
         def result(self, pending):
             return calls.result(pending.done if isinstance(pending, Ref) else pending)
 
-    def admit(request, first_token, kv_handles, kv_token_start=0):
-        transport.held.difference_update(kv_handles)  # lost, its producer alive
-        fetch(request, first_token, kv_handles, kv_token_start)
-
-    decode.admit, router.calls = admit, CopyingCalls()
-    [record] = router.run(requests(1))
-    assert record.error == "decode-0: KV transfer failed: TransferFailed: no KV under kv-r0"
-    assert router.workers["prefill-0"].state == "live"
-    assert_drained(router, workers, transport)
+    router.calls = CopyingCalls()
+    assert_lost_kv_keeps_the_fetch_error(router, workers, transport)
 
 
 def test_a_replacement_with_another_kv_geometry_is_refused():
