@@ -3,10 +3,10 @@
 It runs pdlab's own scheduling code on a simulated clock (a real ``engine.scheduler.Scheduler``
 per instance, ``router.assignment.Assigner``); only the forward and the KV bytes are replaced by
 fitted durations (``latency``): a step lasts the step model at its batch's features; a prefill
-worker's first token leaves at its step's end, then its put holds the loop and precedes the
-hand-over; a decode instance fetches once
-``schedule()`` reserves the blocks. Output: ``RequestRecord``s, step and transfer records shaped
-like a real run's (simulated seconds from 0). Same inputs, same records.
+worker's first token leaves at its step's end, its put then holds the loop before the hand-over;
+a decode instance fetches once ``schedule()`` reserves the blocks. Output: ``RequestRecord``s,
+step and transfer records shaped like a real run's (simulated seconds from 0). Same inputs, same
+records.
 
 Fast-forward (default): pure-decode steps that would repeat unchanged until the next event (an
 arrival, hand-over, KV landing or stop) advance in one go with the same floats; never a step that

@@ -6,10 +6,8 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   Layer-wise granularity puts each range of ``layers_per_chunk`` layers once the runner wrote
   it, while the next layers compute; whole-request granularity puts after the step. A request
   whose first token ends it (EOS, stop token, ``max_tokens == 1``) sends no KV.
-- The first token leaves before the KV: a request going on to decode sends it at once as a
-  ``token`` event (index 0, prefill stamps, prefix-cache hit), flushed to the channel before
-  any whole-request put of its step starts; a ``prefilled`` event follows with the handles (and
-  again the token's fields, plus the ``kv_put`` stamp), in the same message at the earliest.
+- Every first token leaves as a ``token`` event, sent before any whole-request put of its step
+  starts; after the put a ``prefilled`` event repeats it with the handles and ``kv_put`` stamp.
 - Past its last prompt chunk a request is never preempted (PREFILLED), so its KV cannot vanish
   before the put; after it the local KV is freed (full blocks stay in the prefix cache).
 - The handles belong to whoever collected that event (the router, then the decode worker).
@@ -18,10 +16,9 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
 - Back-pressure: the loop never blocks on a full transport buffer. Without
   ``transport.has_room`` the request stays PREFILLED, its KV in its own blocks (counting
   against this worker's capacity) in a FIFO of deferred puts, retried oldest first every loop
-  iteration and then put whole. Its first token has left already, so the wait shows in the KV
-  transfer and the second token, not in TTFT. A layer-wise put that meets a full
-  buffer frees the ranges it put and is deferred whole. Requests that finish here never wait
-  behind the FIFO.
+  iteration and then put whole: the wait shows in the KV transfer, not in TTFT (the first
+  token has left). A layer-wise put that meets a full buffer frees the ranges it put and is
+  deferred whole. Requests that finish here never wait behind the FIFO.
 - Between TP sizes (``decode_tp``: the decode instances') a put is one message per
   ``engine.kv_heads.transfer_map`` slice (``RankPart``).
 """
@@ -171,8 +168,6 @@ class PrefillWorker(EngineLoop):
             self._put_whole(out)
 
     def on_step(self, output: StepOutput) -> None:
-        """Every first token of the step leaves now (module docstring); then the KV of those
-        going on to decode is put, deferred or failed, each put ending in ``prefilled``."""
         going_on = []
         for out in output.tokens:
             self.emit(token_event(self.name, out))

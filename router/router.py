@@ -4,8 +4,6 @@ life"); this module's contract:
 
 - A request that cannot be served (``validate``; its id already in flight; no live worker)
   gets one ``finish`` event with reason ``error`` and nothing is scheduled.
-- A prefill worker's first token streams when it comes; its request stays in the prefill
-  stage (its KV still there) until ``prefilled`` brings the handles, counted once.
 - A ``prefilled`` event's KV handles stay in the router's hands until ``admit`` hands them to
   the decode worker; those it cannot pass on go back to the incarnation that put them.
 - Commands go out in order over one channel per worker (``channel.contract.Hub``) and step
@@ -792,13 +790,12 @@ class Router:
             if event.num_cached_prompt_tokens is not None:
                 record.num_cached_prompt_tokens = event.num_cached_prompt_tokens
             record.num_preemptions += event.num_preemptions
-            # a prefill worker's first token leaves before its KV put (prefill_worker.worker);
-            # its ``prefilled`` event repeats that token and is not streamed again
+            # a prefill worker's first token comes before its prefilled (which repeats it)
             kv_to_come = (event.kind == ev.TOKEN and event.finish_reason is None
                           and self.workers[event.worker].role == "prefill")
             if not (event.kind == ev.PREFILLED and flight.stage == PREFILL
                     and record.output_token_ids):
-                self._out(flight, event)
+                self._token_out(flight, event)
             if flight.stage == PREFILL and not kv_to_come:
                 flight.stage = DECODE
             if event.finish_reason is not None:
@@ -806,7 +803,7 @@ class Router:
             elif event.kind == ev.PREFILLED:
                 self._hand_over(flight, event)
 
-    def _out(self, flight: _Flight, event: ev.WorkerEvent) -> None:
+    def _token_out(self, flight: _Flight, event: ev.WorkerEvent) -> None:
         """Record the token of ``event`` and stream it: it leaves the router now."""
         record = flight.record
         record.token_times_s.append(time.time())
@@ -820,8 +817,7 @@ class Router:
                                    top_logprobs=event.top_logprobs))
 
     def _hand_over(self, flight: _Flight, event: ev.WorkerEvent) -> None:
-        """The first token is out; the router holds the KV handles until ``admit`` accepts
-        them."""
+        """The first token is out; the router holds the handles until ``admit`` takes them."""
         record = flight.record
         record.kv_bytes = event.kv_bytes
         self.assigner.prefilled(flight.request.request_id, flight.worker)
