@@ -6,6 +6,7 @@ this process behind a router, over an in-process transport whose put waits for t
 - A put that fails, or a prefill loop that dies inside it, after the first token left: the
   request fails naming the cause, with that token counted once.
 - An abort between the token and ``prefilled`` frees the KV the put left at the prefill worker.
+- A put deferred for want of buffer room sends the first token all the same.
 Every test ends with engines empty and transports holding nothing.
 """
 
@@ -37,13 +38,19 @@ class LoopKilled(BaseException):
 
 
 class GatedTransport(InProcessTransport):
-    """Each put waits for ``release``, then raises ``fail`` if set, else stores the KV."""
+    """Each put waits for ``release``, then raises ``fail`` if set, else stores the KV; the
+    buffer has room while ``room`` is set."""
 
     def __init__(self) -> None:
         super().__init__()
         self.release = threading.Event()
         self.put_done = threading.Event()
+        self.room = threading.Event()
+        self.room.set()
         self.fail: BaseException | None = None
+
+    def has_room(self, num_bytes: int) -> bool:
+        return self.room.is_set()
 
     def _put_frames(self, request_id, frames, dst_rank):
         if not self.release.wait(WAIT_S):
@@ -178,3 +185,19 @@ def test_an_abort_between_the_first_token_and_prefilled_frees_the_kv(tiny, serve
     until(lambda: served.prefill.status()["transport_held"] == 0)
     assert_empty(served.prefill, served.decode)
     assert served.tokens() == [(0, want[0])]
+
+
+def test_a_deferred_put_sends_the_first_token_at_once(tiny, served):
+    want = reference_generate(tiny.model, PROMPT, 4)
+    served.transport.room.clear()
+    served.transport.release.set()
+    submit(served)
+    assert served.first.wait(WAIT_S), served.events
+    assert served.tokens() == [(0, want[0])]
+    assert served.prefill.call(lambda: served.prefill.num_deferred_puts) == 1
+    served.transport.room.set()
+    record = served.record()
+    assert record.error is None and record.output_token_ids == want
+    assert served.tokens() == list(enumerate(want))
+    until(lambda: served.prefill.status()["transport_held"] == 0)
+    assert_empty(served.prefill, served.decode)
