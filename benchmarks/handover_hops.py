@@ -1,8 +1,8 @@
 """The hand-over's hops: a prefilled request reaching its decode worker through the router
 (two hops, as pdlab does it) against straight from the prefill worker (one hop), in one run.
 
-The prefill worker's step message carries the ``prefilled`` event (first token, KV handles)
-to the router, which sends the decode worker an ``admit`` (request, token, handles). In the
+A prefill worker's message after its put carries the ``prefilled`` event (KV handles; the first
+token left before the put) to the router, which sends the decode worker an ``admit`` (request, token, handles). In the
 middle the router keeps two things: it alone assigns the decode worker (moving a request off
 a dead one before its hand-over), and it owns the KV handles between the workers (giving them
 back to their producer when no decode worker can take them, freeing them when a request ends

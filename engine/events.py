@@ -1,7 +1,7 @@
 """What a worker reports to the router (no torch), crossing processes. ``WorkerEvent`` kinds:
-``token`` (``finish_reason`` on the last), ``prefilled`` (a prefill worker's first token and the KV
-handles; none when that token ended the request), ``kv_got`` (KV fetched and checked), ``error``
-(``kv_fetch_failed``: the decode worker's fetch of the KV failed, the handles freed),
+``token`` (``finish_reason`` on the last), ``prefilled`` (KV handles, after the first ``token``,
+whose fields it repeats; none if that token ended it), ``kv_got`` (KV fetched and checked),
+``error`` (``kv_fetch_failed``: the decode worker's fetch of the KV failed, the handles freed),
 ``died`` (a worker's last words: its loop stopped, ``error`` says why; nothing follows);
 ``TokenBatch``: one step's plain tokens. ``time_s``: when the worker produced the event;
 ``stamps``: timeline events measured in the worker (``time.time()`` s, ``engine.metrics`` names)."""

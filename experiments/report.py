@@ -26,8 +26,8 @@ DEFINITIONS = [
     "TTFT and E2E use the router clock (the token leaving the router). ITL and TPOT use the "
     "worker clock (when the worker's step produced each token), so the router's polling does "
     "not quantise them; `tpot_router_p99_s` / `itl_router_p99_s` are the router-clock values.",
-    "Disaggregated TTFT includes the KV put (the prefill worker sends the first token after "
-    "its put returns); the get happens on the decode worker afterwards and shows in the first "
+    "Disaggregated TTFT excludes the KV transfer (the prefill worker sends the first token "
+    "before its put, as vLLM's NIXL connector does); the put and the get show in the first "
     "inter-token gap. KV transfer = put + get (`kv_put_p50_s`, `kv_get_p50_s`, "
     "`kv_transfer_p50_s`); `kv_gb_s` = bytes / (put + get seconds).",
     "Each cell with an interval is the mean over seeds and a 95% hierarchical bootstrap "

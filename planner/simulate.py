@@ -3,9 +3,10 @@
 It runs pdlab's own scheduling code on a simulated clock (a real ``engine.scheduler.Scheduler``
 per instance, ``router.assignment.Assigner``); only the forward and the KV bytes are replaced by
 fitted durations (``latency``): a step lasts the step model at its batch's features; a prefill
-worker's put holds its loop and precedes the first token; a decode instance fetches once
-``schedule()`` reserves the blocks. Output: ``RequestRecord``s, step and transfer records shaped
-like a real run's (simulated seconds from 0). Same inputs, same records.
+worker's first token leaves at its step's end, its put then holds the loop before the hand-over;
+a decode instance fetches once ``schedule()`` reserves the blocks. Output: ``RequestRecord``s,
+step and transfer records shaped like a real run's (simulated seconds from 0). Same inputs, same
+records.
 
 Fast-forward (default): pure-decode steps that would repeat unchanged until the next event (an
 arrival, hand-over, KV landing or stop) advance in one go with the same floats; never a step that
@@ -96,7 +97,7 @@ class _Flight:
     """One request in the simulation; ``finalize`` writes its record's token times and ids."""
 
     __slots__ = ("request", "record", "first", "decode", "remote", "put_s", "times",
-                 "first_out_s", "kv_token_start")
+                 "kv_token_start")
 
     def __init__(self, request: Request, record: RequestRecord) -> None:
         self.request, self.record = request, record
@@ -105,14 +106,11 @@ class _Flight:
         self.kv_token_start = 0  # the KV sent starts here (Assignment.kv_token_start)
         self.put_s = 0.0
         self.times = record.token_worker_times_s
-        self.first_out_s: float | None = None
 
     def finalize(self) -> None:
-        """Tokens leave when produced; a prefilled request's first after its put."""
+        """Tokens leave when produced (a prefilled request's first before its put)."""
         record = self.record
         record.token_times_s = list(self.times)
-        if self.first_out_s is not None:
-            record.token_times_s[0] = self.first_out_s
         record.output_token_ids = [FAKE_TOKEN] * len(self.times)
 
 
@@ -473,12 +471,11 @@ class Simulator:
             status = state.status
             if status == _PREFILLED or status >= _FINISHED_STOPPED:  # its last token here
                 flight.record.num_preemptions += state.num_preemptions
-            if status == _PREFILLED:  # KV out, then the first token
+            if status == _PREFILLED:  # its first token is out (at t); the KV put follows
                 instance.scheduler.release(state)
                 put_s = self._transfer_s(flight) * self.transfer.put_share
                 busy_until += put_s
                 flight.put_s = put_s
-                flight.first_out_s = busy_until
                 record = flight.record
                 record.timeline[KV_PUT] = busy_until
                 record.kv_bytes = self._kv_bytes(flight)

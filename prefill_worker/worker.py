@@ -6,18 +6,19 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   Layer-wise granularity puts each range of ``layers_per_chunk`` layers once the runner wrote
   it, while the next layers compute; whole-request granularity puts after the step. A request
   whose first token ends it (EOS, stop token, ``max_tokens == 1``) sends no KV.
+- Every first token leaves as a ``token`` event, sent before any whole-request put of its step
+  starts; after the put a ``prefilled`` event repeats it with the handles and ``kv_put`` stamp.
 - Past its last prompt chunk a request is never preempted (PREFILLED), so its KV cannot vanish
-  before the put; after it the local KV is freed (full blocks stay in the prefix cache) and a
-  ``prefilled`` event carries the first token and the handles.
+  before the put; after it the local KV is freed (full blocks stay in the prefix cache).
 - The handles belong to whoever collected that event (the router, then the decode worker).
   Handles nobody will fetch come back through ``release``; an ``abort`` before the event was
   collected frees them here.
 - Back-pressure: the loop never blocks on a full transport buffer. Without
   ``transport.has_room`` the request stays PREFILLED, its KV in its own blocks (counting
   against this worker's capacity) in a FIFO of deferred puts, retried oldest first every loop
-  iteration and then put whole, so TTFT shows the wait. A layer-wise put that meets a full
-  buffer frees the ranges it put and is deferred whole. Requests that finish here never wait
-  behind the FIFO.
+  iteration and then put whole: the wait shows in the KV transfer, not in TTFT (the first
+  token has left). A layer-wise put that meets a full buffer frees the ranges it put and is
+  deferred whole. Requests that finish here never wait behind the FIFO.
 - Between TP sizes (``decode_tp``: the decode instances') a put is one message per
   ``engine.kv_heads.transfer_map`` slice (``RankPart``).
 """
@@ -167,16 +168,21 @@ class PrefillWorker(EngineLoop):
             self._put_whole(out)
 
     def on_step(self, output: StepOutput) -> None:
+        going_on = []
         for out in output.tokens:
-            rid = out.request_id
-            if out.finish_reason is not None:  # ended with its first token: no KV to send
-                self._dst_rank.pop(rid, None)
-                self._kv_start.pop(rid, None)
-                self._put_errors.pop(rid, None)  # a layer put that failed no longer matters
-                self._no_room.discard(rid)
-                self._free(self._layer_handles.pop(rid, []))
-                self.emit(token_event(self.name, out))
+            self.emit(token_event(self.name, out))
+            if out.finish_reason is None:
+                going_on.append(out)
                 continue
+            rid = out.request_id  # ended with its first token: no KV to send
+            self._dst_rank.pop(rid, None)
+            self._kv_start.pop(rid, None)
+            self._put_errors.pop(rid, None)  # a layer put that failed no longer matters
+            self._no_room.discard(rid)
+            self._free(self._layer_handles.pop(rid, []))
+        self._send_events()  # before any put: a put's seconds are not the first token's
+        for out in going_on:
+            rid = out.request_id
             handles = self._layer_handles.pop(rid, None)
             if rid in self._put_errors:
                 self._free(handles or [])

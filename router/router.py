@@ -784,29 +784,40 @@ class Router:
             if record.kv_put_s is not None and event.kv_get_s is not None:
                 record.kv_transfer_s = record.kv_put_s + event.kv_get_s  # full cost: put + get
         elif event.kind in (ev.TOKEN, ev.PREFILLED):
-            record.token_times_s.append(time.time())  # the token leaves the router now
-            record.token_worker_times_s.append(event.time_s)  # the worker produced it then
             if event.kind == ev.PREFILLED:
                 record.kv_put_s = event.kv_put_s
                 record.kv_bytes_saved = event.kv_bytes_saved
             if event.num_cached_prompt_tokens is not None:
                 record.num_cached_prompt_tokens = event.num_cached_prompt_tokens
             record.num_preemptions += event.num_preemptions
-            record.output_token_ids.append(event.token_id)
-            flight.stage = DECODE if flight.stage == PREFILL else flight.stage
-            if flight.stream_tokens:
-                self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
-                                       token_id=event.token_id,
-                                       index=len(record.output_token_ids) - 1,
-                                       finish_reason=event.finish_reason, logprob=event.logprob,
-                                       top_logprobs=event.top_logprobs))
+            # a prefill worker's first token comes before its prefilled (which repeats it)
+            kv_to_come = (event.kind == ev.TOKEN and event.finish_reason is None
+                          and self.workers[event.worker].role == "prefill")
+            if not (event.kind == ev.PREFILLED and flight.stage == PREFILL
+                    and record.output_token_ids):
+                self._token_out(flight, event)
+            if flight.stage == PREFILL and not kv_to_come:
+                flight.stage = DECODE
             if event.finish_reason is not None:
                 self._finish(flight, finish_reason=event.finish_reason)
             elif event.kind == ev.PREFILLED:
                 self._hand_over(flight, event)
 
+    def _token_out(self, flight: _Flight, event: ev.WorkerEvent) -> None:
+        """Record the token of ``event`` and stream it: it leaves the router now."""
+        record = flight.record
+        record.token_times_s.append(time.time())
+        record.token_worker_times_s.append(event.time_s)  # the worker produced it then
+        record.output_token_ids.append(event.token_id)
+        if flight.stream_tokens:
+            self._emit(StreamEvent(record.request_id, TOKEN, record.token_times_s[-1],
+                                   token_id=event.token_id,
+                                   index=len(record.output_token_ids) - 1,
+                                   finish_reason=event.finish_reason, logprob=event.logprob,
+                                   top_logprobs=event.top_logprobs))
+
     def _hand_over(self, flight: _Flight, event: ev.WorkerEvent) -> None:
-        """First token out; the router holds the KV handles until ``admit`` accepts them."""
+        """The first token is out; the router holds the handles until ``admit`` takes them."""
         record = flight.record
         record.kv_bytes = event.kv_bytes
         self.assigner.prefilled(flight.request.request_id, flight.worker)

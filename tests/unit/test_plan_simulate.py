@@ -41,18 +41,20 @@ def test_colocated_trace_matches_hand_computed_times():
 
 
 def test_disaggregated_trace_times_the_transfer_as_a_stage():
-    # put 0.25 s holds the prefill worker and precedes the first token; get 0.25 s starts
-    # when the decode worker reserved the slot (after the step that reserved it).
-    #   prefill-0: 0-1 r0, put to 1.25 (r0 TTFT 1.25); 1.25-2.25 r1, put to 2.5 (TTFT 2.0)
+    # the first token leaves at the prefill's end; put 0.25 s then holds the prefill worker
+    # and precedes the hand-over; get 0.25 s starts when the decode worker reserved the slot
+    # (after the step that reserved it).
+    #   prefill-0: 0-1 r0 (TTFT 1.0), put to 1.25; 1.25-2.25 r1 (TTFT 1.75), put to 2.5
     #   decode-0:  1.25 reserve r0, fetch to 1.5; 1.5-2.5 r0 -> token 2; 2.5-3.5 r0 (reserves
     #              r1 too) -> token 3; r1 fetch 3.5-3.75; 3.75-4.75, 4.75-5.75 r1 tokens 2, 3
     res = Simulator("disagg:1p1d", ENGINE, ONE_S, HALF_S_TRANSFER, kv_bytes_per_token=100).run(
         [(_req("r0", 10, 3), 0.0), (_req("r1", 10, 3), 0.5)], collect_steps=True)
     r0, r1 = res.records
-    assert r0.token_times_s == [1.25, 2.5, 3.5] and r0.token_worker_times_s == [1.0, 2.5, 3.5]
-    assert r1.token_times_s == [2.5, 4.75, 5.75] and r1.token_worker_times_s == [2.25, 4.75, 5.75]
-    assert (m.ttft_s(r0), m.tpot_s(r0)) == (1.25, 1.25)
-    assert (m.ttft_s(r1), m.tpot_s(r1)) == (2.0, 1.75)
+    assert r0.token_times_s == r0.token_worker_times_s == [1.0, 2.5, 3.5]
+    assert r1.token_times_s == r1.token_worker_times_s == [2.25, 4.75, 5.75]
+    assert (m.ttft_s(r0), m.tpot_s(r0)) == (1.0, 1.25)
+    assert (m.ttft_s(r1), m.tpot_s(r1)) == (1.75, 1.75)
+    assert [r0.timeline[s] for s in (m.PREFILL_FINISHED, m.KV_PUT, m.KV_GOT)] == [1.0, 1.25, 1.5]
     assert (r0.kv_put_s, r0.kv_get_s, m.kv_transfer_s(r0), r0.kv_bytes) == (0.25, 0.25, 0.5, 1000)
     assert (r1.timeline[m.KV_PUT], r1.timeline[m.KV_GOT], r1.timeline[m.DECODE_ADMITTED]) == (2.5, 3.75, 3.75)
     assert (r0.prefill_worker, r0.decode_worker, r0.prefill_path) == ("prefill-0", "decode-0", "remote")
@@ -74,7 +76,7 @@ def test_conditional_prefills_short_prompts_on_the_decode_worker():
     short, long_ = sim.run([(_req("s", 10, 2), 0.0), (_req("l", 20, 2), 0.0)]).records
     assert (short.prefill_path, short.prefill_worker, short.kv_bytes) == ("local", "decode-0", 0)
     assert (long_.prefill_path, long_.prefill_worker) == ("remote", "prefill-0")
-    assert m.ttft_s(short) == 1.0 and m.ttft_s(long_) == 1.25
+    assert m.ttft_s(short) == m.ttft_s(long_) == 1.0  # a remote first token leaves before the put
 
 
 def test_kv_capacity_holds_requests_back_and_bad_requests_fail_alone():
@@ -242,7 +244,7 @@ def test_the_trace_is_read_per_worker():
                                            collect_steps=True)
     durations = {(s["worker"], s["duration_s"]) for s in res.steps}
     assert durations == {("prefill-0", 2.0), ("decode-0", 1.0)}
-    assert m.ttft_s(res.records[0]) == 2.25  # 2 s prefill + the 0.25 s put
+    assert m.ttft_s(res.records[0]) == 2.0  # the 2 s prefill; the 0.25 s put follows it
 
 
 @pytest.mark.parametrize("placement,engine", [

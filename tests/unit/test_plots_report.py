@@ -129,7 +129,7 @@ def test_report_has_config_slo_table_verdict_and_plot_links(tmp_path):
     assert "| 93.3% [" in rows[0]
     assert "| placement | num_devices | num_seeds | goodput_per_device_req_s |" in md
     assert f"| {COLO} | 2 | 1 | 1 [" in md and f"| {DIS} | 2 | 1 | 1 [" in md  # 2 req/s / 2
-    assert "## Definitions" in md and "includes the KV put" in md
+    assert "## Definitions" in md and "excludes the KV transfer" in md
 
 
 def test_format_value_rules():

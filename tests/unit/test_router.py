@@ -5,7 +5,8 @@ The fakes speak the in-process channel (``channel.local``): a command runs the m
 reaches a fake's port, in the router's thread; each time the router waits on its hub, every
 fake sends what is due as one message (its "step"), and a fake that died sends its last
 words (a ``died`` event) and falls silent. A fake prefill worker "prefills" a request
-``prefill_s`` after its submit and reports the first token with one KV handle, which it
+``prefill_s`` after its submit and reports the first token with one KV handle (with
+``put_s`` set: a ``token`` event first, the ``prefilled`` one ``put_s`` later), which it
 keeps in the shared ``FakeTransport`` until someone frees it; a fake decode worker frees
 the handles on ``admit`` (it "fetched" them) and then reports ``kv_got`` and one token
 every ``token_s`` seconds.
@@ -91,9 +92,10 @@ class FakeWorker:
     """Events go out at their due time; ``lose`` holds request ids never answered."""
 
     def __init__(self, name: str, transport: FakeTransport, prefill_s: float = 0.0,
-                 token_s: float = 0.0) -> None:
+                 token_s: float = 0.0, put_s: float | None = None) -> None:
         self.name, self.role = name, name.split("-")[0]
         self.transport, self.prefill_s, self.token_s = transport, prefill_s, token_s
+        self.put_s = put_s
         self.outbox: list[tuple[float, ev.WorkerEvent]] = []
         self.lose: set[str] = set()
         self.delay_s: dict[str, float] = {}  # extra delay of one request's first event
@@ -175,8 +177,11 @@ class FakeWorker:
             return
         handle = f"kv-{rid}"
         self.transport.held.add(handle)
+        if self.put_s is not None:
+            self._emit(due_s, ev.TOKEN, rid, token_id=7, index=0, num_cached_prompt_tokens=0)
+            due_s += self.put_s
         self._emit(due_s, ev.PREFILLED, rid, token_id=7, index=0, kv_handles=(handle,),
-                   kv_bytes=100)
+                   kv_bytes=100, num_cached_prompt_tokens=0)
 
     def admit(self, request: Request, first_token: int, kv_handles, kv_token_start: int = 0) -> None:
         self._watch()
@@ -988,3 +993,75 @@ def test_token_batches_give_the_same_records_and_streams(placement, first, monke
             ("token", t, i) for i, t in enumerate(expected)] + [("finish", None, None)]
         assert got[-1].record.output_token_ids == expected
     assert [e.kind for e in heard] == ["finish"] and heard[0].record.output_token_ids == expected
+
+
+def test_a_first_token_before_its_kv_streams_once_and_the_hand_over_waits_for_prefilled():
+    """The prefill worker's first token comes 0.05 s before its ``prefilled`` event: it
+    streams at once while the request still waits for its KV (no admit yet), and is neither
+    recorded nor streamed again when ``prefilled`` brings the handles."""
+    router, workers, transport = build("disagg:1p1d", put_s=0.05)
+    seen = []
+
+    def sink(event: StreamEvent) -> None:
+        seen.append((event.kind, event.index, event.token_id))
+        if event.kind == "token" and event.index == 0:
+            seen.append(("admitted", list(workers["decode-0"].submitted),
+                         router.num_waiting))
+
+    router.start()
+    try:
+        router.submit(Request("r0", (3, 4, 5, 6), SamplingParams(max_tokens=3)), sink)
+        until(lambda: seen and seen[-1][0] == "finish")
+    finally:
+        router.stop()
+    assert seen == [("token", 0, 7), ("admitted", [], 1), ("token", 1, 11), ("token", 2, 12),
+                    ("finish", None, None)]
+    assert_drained(router, workers, transport)
+
+
+def test_a_prefill_worker_dying_between_first_token_and_prefilled_fails_the_request():
+    router, workers, transport = build("disagg:1p1d", put_s=5.0)
+    prefill = workers["prefill-0"]
+    events = []
+
+    def sink(event: StreamEvent) -> None:
+        events.append(event)
+        if event.kind == "token":
+            prefill.dead_error = WorkerDied("actor prefill-0 is gone")
+
+    router.start()
+    try:
+        router.submit(Request("r0", (3, 4, 5, 6), SamplingParams(max_tokens=3)), sink)
+        until(lambda: events and events[-1].kind == "finish")
+    finally:
+        router.stop()
+    assert [(e.kind, e.token_id) for e in events] == [("token", 7), ("finish", None)]
+    record = events[-1].record
+    assert record.error == "prefill worker prefill-0 died: actor prefill-0 is gone"
+    assert record.output_token_ids == [7] and len(record.token_times_s) == 1
+    assert router.loads == {"prefill-0": 0, "decode-0": 0}
+
+
+def test_an_abort_between_first_token_and_prefilled_frees_the_kv():
+    router, workers, transport = build("disagg:1p1d", put_s=5.0)
+    events = []
+    router.start()
+    try:
+        router.submit(Request("r0", (3, 4, 5, 6), SamplingParams(max_tokens=3)), events.append)
+        until(lambda: events)
+        router.abort("r0")
+        until(lambda: events[-1].kind == "finish")
+    finally:
+        router.stop()
+    assert [(e.kind, e.token_id) for e in events] == [("token", 7), ("finish", None)]
+    assert events[-1].record.finish_reason == "abort"
+    assert events[-1].record.output_token_ids == [7]
+    assert workers["prefill-0"].aborted == ["r0"] and workers["decode-0"].submitted == []
+    assert_drained(router, workers, transport)
+
+
+def until(predicate, timeout_s: float = 10.0) -> None:
+    deadline_s = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline_s, "condition not reached"
+        time.sleep(0.002)
