@@ -286,4 +286,11 @@ class Port(Protocol):
 
     def send(self, body: Any) -> None: ...
 
+    def flush(self, timeout_s: float) -> bool:
+        """Wait (up to ``timeout_s`` seconds, the GIL released) until every body sent before
+        this call has been handed to the transport; True when it has (or the port stopped).
+        For a message whose latency counts (a first token): without it the port's thread may
+        wait for the GIL until the caller's thread next blocks."""
+        ...
+
     def close(self) -> None: ...

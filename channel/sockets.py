@@ -253,6 +253,8 @@ class SocketPort(InboxPort):
         self.endpoint = endpoint
         self._inbox = Inbox(on_arrival)  # on_arrival: called on the port's thread
         self._outbox: collections.deque[Any] = collections.deque()
+        self._handed = threading.Condition()  # counts below: what flush waits on
+        self._num_sent = self._num_handed = 0  # bodies given to send, handed to the socket
         self._wake = _WakePipe()
         self._stopping = threading.Event()
         self._ctx = zmq.Context()
@@ -275,8 +277,16 @@ class SocketPort(InboxPort):
         ``close``, or once that thread stopped on an error (``error``: its hub was told the
         port died), ``body`` is dropped."""
         if not self._stopping.is_set():
-            self._outbox.append(body)
+            with self._handed:
+                self._num_sent += 1
+                self._outbox.append(body)
             self._wake.poke()
+
+    def flush(self, timeout_s: float) -> bool:
+        with self._handed:
+            target = self._num_sent
+            return self._handed.wait_for(
+                lambda: self._num_handed >= target or self._stopping.is_set(), timeout_s)
 
     def _send(self, seq: int, body: bytes) -> None:
         header = wire.encode((self.endpoint.worker, self.endpoint.incarnation, seq))
@@ -299,6 +309,8 @@ class SocketPort(InboxPort):
         finally:
             self._stopping.set()  # nothing sends from here on: send() drops
             self._outbox.clear()
+            with self._handed:  # a flush waiting on this thread returns
+                self._handed.notify_all()
             self._inbox.close()
             self._commands.close()
             self._messages.close()  # lingers until what was sent has left
@@ -328,9 +340,13 @@ class SocketPort(InboxPort):
                     data = wire.encode(body)
                 except Exception as err:
                     self._drop(f"message {self._seq} (not sent, its number reused): {err!r}")
-                    continue
-                self._send(self._seq, data)
-                self._seq += 1
+                    data = None
+                if data is not None:
+                    self._send(self._seq, data)
+                    self._seq += 1
+                with self._handed:
+                    self._num_handed += 1
+                    self._handed.notify_all()
             if stopping:
                 return
             if time.monotonic() >= next_beat:
@@ -358,6 +374,8 @@ class SocketPort(InboxPort):
         """Stop: what was sent leaves (bounded), then nothing more, heartbeats included."""
         self._stopping.set()
         self._wake.poke()
+        with self._handed:
+            self._handed.notify_all()
         self._thread.join(timeout=5)
         self._inbox.close()
         if not self._thread.is_alive():

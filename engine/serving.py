@@ -43,6 +43,7 @@ from engine.scheduler import ScheduledBatch
 
 
 CHANNEL_COMMANDS = (SUBMIT, ADMIT, ABORT, RELEASE)  # what a port may ask of a worker
+FLUSH_S = 0.05  # longest a loop waits for its port to take a flushed message (s)
 
 
 class EngineLoopDied(RuntimeError):
@@ -329,14 +330,18 @@ class EngineLoop:
     def _drain_for(self, timeout_s: float) -> None:
         self._drain_commands(block=True, timeout_s=timeout_s)
 
-    def _send_events(self) -> None:
-        """Over the channel: this turn's events as one message (none: nothing is sent)."""
+    def _send_events(self, flush: bool = False) -> None:
+        """Over the channel: this turn's events as one message (none: nothing is sent);
+        ``flush``: return once the port has handed it to the socket (``Port.flush``, at most
+        ``FLUSH_S``), for news whose latency counts."""
         port = self._port
         if port is None or not self._events:
             return
         with self._events_ready:
             events, self._events = self._events, []
         port.send(tuple(events))
+        if flush:
+            port.flush(FLUSH_S)
 
     def _take_from_port(self) -> None:
         """Apply the commands that reached the port (each queues its work behind the

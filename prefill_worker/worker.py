@@ -6,8 +6,9 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   Layer-wise granularity puts each range of ``layers_per_chunk`` layers once the runner wrote
   it, while the next layers compute; whole-request granularity puts after the step. A request
   whose first token ends it (EOS, stop token, ``max_tokens == 1``) sends no KV.
-- Every first token leaves as a ``token`` event, sent before any whole-request put of its step
-  starts; after the put a ``prefilled`` event repeats it with the handles and ``kv_put`` stamp.
+- Every first token leaves as a ``token`` event, handed to the channel's socket before any
+  whole-request put of its step starts; after the put a ``prefilled`` event repeats it with
+  the handles and ``kv_put`` stamp.
 - Past its last prompt chunk a request is never preempted (PREFILLED), so its KV cannot vanish
   before the put; after it the local KV is freed (full blocks stay in the prefix cache).
 - The handles belong to whoever collected that event (the router, then the decode worker).
@@ -180,7 +181,7 @@ class PrefillWorker(EngineLoop):
             self._put_errors.pop(rid, None)  # a layer put that failed no longer matters
             self._no_room.discard(rid)
             self._free(self._layer_handles.pop(rid, []))
-        self._send_events()  # before any put: a put's seconds are not the first token's
+        self._send_events(flush=True)  # on the wire before any put starts: TTFT ends there
         for out in going_on:
             rid = out.request_id
             handles = self._layer_handles.pop(rid, None)

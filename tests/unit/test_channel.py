@@ -397,6 +397,30 @@ def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
         hub.close()
 
 
+def test_flush_returns_once_what_was_sent_is_handed_to_the_transport(opened):
+    """``flush`` waits for the port to take the message (held here), then returns True;
+    the message arrives whole; on a closed port it returns at once."""
+    hub = opened.hub()
+    port = opened.port(hub, "prefill-0")
+    if hasattr(port, "_send"):  # the socket port: hold its thread's next send until let go
+        go, send = threading.Event(), port._send
+
+        def held_send(seq, body):
+            go.wait(BOUND_S)
+            send(seq, body)
+        port._send = held_send
+        port.send(("first token",))
+        assert port.flush(0.05) is False  # still in the port's hands
+        go.set()
+    else:
+        port.send(("first token",))
+    assert port.flush(BOUND_S) is True
+    got = messages(receive_until(hub, lambda items: messages(items)))
+    assert [(m.worker, m.body) for m in got] == [("prefill-0", ("first token",))]
+    port.close()
+    assert port.flush(BOUND_S) is True
+
+
 # ---- wake-up and the wire ---------------------------------------------------------------------
 def test_wake_ends_a_receive_at_once(opened):
     """A receive that would wait an hour returns empty-handed once woken (from any thread)."""
