@@ -287,10 +287,8 @@ class Port(Protocol):
     def send(self, body: Any) -> None: ...
 
     def flush(self, timeout_s: float) -> bool:
-        """Wait (up to ``timeout_s`` seconds, the GIL released) until every body sent before
-        this call has been handed to the transport; True when it has (or the port stopped).
-        For a message whose latency counts (a first token): without it the port's thread may
-        wait for the GIL until the caller's thread next blocks."""
+        """Wait up to ``timeout_s`` s (GIL released) until what was sent is on the transport
+        (else the port's thread may wait for the GIL until the caller blocks); True: it is."""
         ...
 
     def close(self) -> None: ...

@@ -332,8 +332,7 @@ class EngineLoop:
 
     def _send_events(self, flush: bool = False) -> None:
         """Over the channel: this turn's events as one message (none: nothing is sent);
-        ``flush``: return once the port has handed it to the socket (``Port.flush``, at most
-        ``FLUSH_S``), for news whose latency counts."""
+        ``flush``: and wait for ``Port.flush`` (news whose latency counts)."""
         port = self._port
         if port is None or not self._events:
             return
