@@ -15,7 +15,10 @@ Layout (Megatron-LM, Shoeybi et al. 2019; nano-vllm's ``layers/linear.py``), at 
 Each rank runs the unchanged ``engine.runner.ModelRunner`` on its shard over its own
 ``KVStore`` of its local KV heads; the same block ids index every rank's store. Rank 0 owns
 the ``Engine`` and broadcasts what the runner reads of each batch (``StepRows``) to the other
-ranks, which run ``follow`` until ``TensorParallelGroup.stop``.
+ranks, which run ``follow`` until ``TensorParallelGroup.stop``. Rank 0 reaches the other
+ranks' KV stores through ``InstanceKVStore``: ``read``/``write`` gather and scatter every head
+over the group; ``each_rank`` runs a function on each rank's own store (a transfer whose bytes
+never cross the group: ``kv_transfer.rank_kv``).
 
 ``TensorParallelGroup`` is a process group of the instance's ranks only, on a rendezvous
 store, apart from ``torch.distributed``'s default group (the ``torchdist`` KV transport's):
@@ -125,6 +128,29 @@ class TensorParallelGroup:
         outs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
         self.pg.gather(outs, [tensor], opts).wait()
         return outs[0] if self.rank == 0 else None
+
+    def gather_object(self, obj) -> list | None:
+        """Every rank's picklable ``obj`` on rank 0, in rank order; None on the other ranks.
+        Two collectives on every rank: the longest pickle's length (all-reduce max), then the
+        pickles padded to it (gather)."""
+        data = pickle.dumps(obj)
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.pg.allreduce([length], opts).wait()
+        longest = int(length.item())
+        padded = torch.zeros(8 + longest, dtype=torch.uint8)
+        padded[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        if data:
+            padded[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = self.gather(padded)
+        if parts is None:
+            return None
+        out = []
+        for part in parts:
+            raw = part.numpy().tobytes()
+            out.append(pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]))
+        return out
 
     def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None = None) -> None:
         """Rank 0's ``inputs[r]`` into rank ``r``'s ``output`` (same shape and dtype on all;
@@ -368,11 +394,26 @@ def _write_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int
     store.write(block_ids, local, layer_start)
 
 
+def _on_rank(store: KVStore, group: TensorParallelGroup, fn, args: tuple,
+             **here) -> list[tuple[bool, object]] | None:
+    """``fn(store, group.rank, *args, **here)`` on this rank, its outcome gathered on rank 0:
+    ``(True, result)`` or ``(False, "ErrorType: message")`` per rank, in rank order (None on
+    the others). A failure is an outcome, never a raise, so every rank still takes part in
+    the gather."""
+    try:
+        outcome = (True, fn(store, group.rank, *args, **here))
+        pickle.dumps(outcome)  # an unpicklable result fails here, not inside the gather
+    except Exception as err:
+        outcome = (False, f"{type(err).__name__}: {err}")
+    return group.gather_object(outcome)
+
+
 class InstanceKVStore:
     """Rank 0's view of a TP instance's KV: ``read`` and ``write`` take and give every KV
     head (``[L', 2, H_kv, T, D]``), each rank handling its own heads of the same blocks;
-    anything else is rank 0's store's. They are collectives: between steps, or in a forward
-    only in the window after a layer; elsewhere in a forward they raise ``RuntimeError``.
+    ``each_rank`` runs a function on every rank's own store; anything else is rank 0's
+    store's. They are collectives: between steps, or in a forward only in the window after a
+    layer; elsewhere in a forward they raise ``RuntimeError``.
     """
 
     def __init__(self, local: KVStore, spec, group: TensorParallelGroup, driver: DriverRunner):
@@ -409,6 +450,15 @@ class InstanceKVStore:
         self.group.broadcast_object(("write", (block_ids, tuple(kv.shape), layer_start)))
         _write_local(self.local, self.group, block_ids, tuple(kv.shape), layer_start, kv)
 
+    def each_rank(self, fn, *args, **here) -> list[tuple[bool, object]]:
+        """Run ``fn(store, rank, *args)`` on every rank over its own ``KVStore`` (rank 0 also
+        gets ``here``'s keywords, which stay in this process): ``(ok, result or "ErrorType:
+        message")`` per rank, in rank order. ``fn`` is a module-level function (pickled by
+        name) and ``args`` picklable; ``fn`` runs no collective. Same windows as ``read``."""
+        self._outside_step("op")
+        self.group.broadcast_object(("each_rank", (fn, args)))
+        return _on_rank(self.local, self.group, fn, args, **here)
+
     def __getattr__(self, name):
         return getattr(self.local, name)
 
@@ -444,7 +494,7 @@ def _serve_window(store: KVStore, group: TensorParallelGroup) -> None:
 
 
 # the KV-store commands rank 0 broadcasts, inside a forward's windows or between steps alike
-_STORE_OPS = {"read": _read_local, "write": _write_local}
+_STORE_OPS = {"read": _read_local, "write": _write_local, "each_rank": _on_rank}
 
 
 def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:
