@@ -13,16 +13,13 @@ workers is told once, in docs/architecture.md ("A request's life"); this module'
   thread copies the checked KV ``[L, 2, H_kv, T, D]`` into the slot, frees the handles and
   reports ``kv_got`` (bytes, seconds).
 - Cancellation wins every race: ``abort`` frees the slot and unfetched handles at once; a fetch
-  in flight has its handles freed and its KV dropped when it returns. An aborted request never
-  decodes.
+  in flight has its handles freed and its KV dropped when it returns (never decoded).
 - With ``kv_token_start`` > 0 only the prompt's KV from that token on arrives. If the cached
   prefix was evicted before the reservation, or a running request is preempted, it recomputes
   here with no second transfer (``kv_got`` reports 0 bytes).
 - Between TP sizes each layer range arrives as exactly ``engine.kv_heads.transfer_map``'s
-  slices (one message per prefill rank, decode rank pair), else the request fails. Over a
-  transport any process opens (``kv_transfer.rank_kv``) each rank of a TP instance gets its
-  own slices and writes its own KV heads, on the loop thread between steps (a collective of
-  the instance's ranks); otherwise the fetch threads get every slice and rank 0 scatters it.
+  slices (one message per prefill rank, decode rank pair), else the request fails. Where
+  each rank gets its own (``kv_transfer.rank_kv``) it happens on the loop thread.
 - Under ``conditional:xPyD`` the router also ``submit``s whole requests here: they prefill and
   decode in this engine like a colocated instance's.
 """
@@ -45,7 +42,8 @@ from engine.emulated import Emulation
 from engine.serving import EngineLoop
 from kv_transfer.factory import make_transport
 from kv_transfer.payload import WHOLE
-from kv_transfer.rank_kv import check_layers, check_slices, check_tokens, get_on_ranks, rank_factory
+from kv_transfer.rank_kv import (check_layers, check_slices, check_tokens, get_on_ranks,
+                                  num_held, rank_factory)
 from kv_transfer.transport import KVHandle, Transport
 
 MAX_FETCH_THREADS = 8  # concurrent KV fetches per decode worker (bounded by its slots too)
@@ -105,7 +103,8 @@ class DecodeWorker(EngineLoop):
             self._free(tuple(command.args[2]))
 
     def status(self) -> dict:
-        return {**super().status(), "transport_held": self.call(self.transport.num_held),
+        return {**super().status(), "transport_held": self.call(
+            lambda: num_held(self.engine.kv_store, self.transport, self._rank_factory)),
                 "transfers_held": self.call(lambda: len(self._transfers))}
 
     def transfer_records(self) -> list[dict]:

@@ -196,12 +196,8 @@ class Engine:
         self.remote_kv_written(request_id)
 
     def remote_kv_target(self, request_id: str) -> tuple[list[int], int]:
-        """Where a request's fetched KV goes: ``(block ids, skip)``: its tokens from ``skip``
-        on (a multiple of ``block_size``: the prefix cached here meanwhile is not written)
-        fill those reserved blocks; no blocks when all is cached.
-
-        Raises:
-            KeyError: the request is not waiting for its KV here (aborted or unknown)."""
+        """``(block ids, skip)``: a fetched KV's tokens from ``skip`` on fill those reserved
+        blocks (a prefix cached here meanwhile is skipped). KeyError as ``finish_remote``."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
                 or state.block_ids is None:
@@ -251,12 +247,8 @@ class Engine:
                                   layers, may_view)
 
     def prompt_kv_blocks(self, request_id: str, token_start: int = 0) -> tuple[list[int], int]:
-        """Where a request's prompt KV from ``token_start`` on lies: ``(block ids from that
-        token's block, token count)``.
-
-        Raises:
-            KeyError: unknown request. ValueError: ``token_start`` not a multiple of
-                ``block_size``."""
+        """``(block ids, token count)`` of a request's prompt KV from ``token_start`` on;
+        KeyError (unknown request), ValueError (``token_start`` off a block boundary)."""
         block_size = self.config.block_size
         if token_start % block_size:
             raise ValueError(f"token_start must be a multiple of {block_size}, got {token_start}")

@@ -15,10 +15,8 @@ Layout (Megatron-LM, Shoeybi et al. 2019; nano-vllm's ``layers/linear.py``), at 
 Each rank runs the unchanged ``engine.runner.ModelRunner`` on its shard over its own
 ``KVStore`` of its local KV heads; the same block ids index every rank's store. Rank 0 owns
 the ``Engine`` and broadcasts what the runner reads of each batch (``StepRows``) to the other
-ranks, which run ``follow`` until ``TensorParallelGroup.stop``. Rank 0 reaches the other
-ranks' KV stores through ``InstanceKVStore``: ``read``/``write`` gather and scatter every head
-over the group; ``each_rank`` runs a function on each rank's own store (a transfer whose bytes
-never cross the group: ``kv_transfer.rank_kv``).
+ranks, which run ``follow`` until ``TensorParallelGroup.stop``. Rank 0 reaches every rank's
+KV store through ``InstanceKVStore`` (every head gathered or scattered, or ``each_rank``).
 
 ``TensorParallelGroup`` is a process group of the instance's ranks only, on a rendezvous
 store, apart from ``torch.distributed``'s default group (the ``torchdist`` KV transport's):
@@ -130,9 +128,8 @@ class TensorParallelGroup:
         return outs[0] if self.rank == 0 else None
 
     def gather_object(self, obj) -> list | None:
-        """Every rank's picklable ``obj`` on rank 0, in rank order; None on the other ranks.
-        Two collectives on every rank: the longest pickle's length (all-reduce max), then the
-        pickles padded to it (gather)."""
+        """Every rank's picklable ``obj`` on rank 0, in rank order (None on the others): the
+        longest pickle's length (all-reduce max), then the padded pickles (gather)."""
         data = pickle.dumps(obj)
         length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         opts = dist.AllreduceOptions()
@@ -396,10 +393,8 @@ def _write_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int
 
 def _on_rank(store: KVStore, group: TensorParallelGroup, fn, args: tuple,
              **here) -> list[tuple[bool, object]] | None:
-    """``fn(store, group.rank, *args, **here)`` on this rank, its outcome gathered on rank 0:
-    ``(True, result)`` or ``(False, "ErrorType: message")`` per rank, in rank order (None on
-    the others). A failure is an outcome, never a raise, so every rank still takes part in
-    the gather."""
+    """``fn(store, group.rank, *args, **here)`` here; each rank's ``(True, result)`` or
+    ``(False, "ErrorType: message")`` gathered on rank 0 (a failure never skips the gather)."""
     try:
         outcome = (True, fn(store, group.rank, *args, **here))
         pickle.dumps(outcome)  # an unpicklable result fails here, not inside the gather
@@ -451,10 +446,9 @@ class InstanceKVStore:
         _write_local(self.local, self.group, block_ids, tuple(kv.shape), layer_start, kv)
 
     def each_rank(self, fn, *args, **here) -> list[tuple[bool, object]]:
-        """Run ``fn(store, rank, *args)`` on every rank over its own ``KVStore`` (rank 0 also
-        gets ``here``'s keywords, which stay in this process): ``(ok, result or "ErrorType:
-        message")`` per rank, in rank order. ``fn`` is a module-level function (pickled by
-        name) and ``args`` picklable; ``fn`` runs no collective. Same windows as ``read``."""
+        """``fn(store, rank, *args)`` on every rank's own ``KVStore`` (``here``: rank 0's
+        extra keywords): ``(ok, result or "ErrorType: message")`` per rank. ``fn`` is
+        module-level, ``args`` picklable, no collective inside. Windows as ``read``'s."""
         self._outside_step("op")
         self.group.broadcast_object(("each_rank", (fn, args)))
         return _on_rank(self.local, self.group, fn, args, **here)

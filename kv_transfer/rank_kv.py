@@ -1,19 +1,14 @@
-"""A request's KV between tensor-parallel instances, moved rank to rank where the transport
-allows it, and the checks every received message passes, whichever process gets it.
+"""A request's KV between tensor-parallel instances, rank to rank where the transport allows,
+and the checks every received message passes, whichever process gets it.
 
-Rank to rank (``rank_factory``: a TP > 1 instance over a transport whose handles any process
-of the node opens, ``Transport.rank_factory``; shared memory): each prefill rank puts the
-``engine.kv_heads.transfer_map`` slices it sends (``sends_of``) from its own KV store
-(``put_on_ranks``), and each decode rank gets its own slices and writes them into its own
-store (``get_on_ranks``). No KV byte crosses the instance's process group: rank 0 only
-gathers handles, outcomes and transfer records (``engine.parallel.InstanceKVStore.each_rank``).
-Other transports, and TP 1 instances, take the rank-0 path: prefill rank 0 gathers every head
-and puts every slice; decode rank 0 gets every slice, joins the heads and scatters them.
-
-A rank process other than rank 0 builds its transport once, from rank 0's ``rank_factory``.
-Failure is per request: a rank whose put or get fails fails the request (``TransferFailed``
-naming every failing rank and its cause); every handle put is freed; the other ranks still
-finish the same collectives.
+Rank to rank (a TP > 1 instance whose transport has a ``Transport.rank_factory``: shared
+memory): each prefill rank puts its ``engine.kv_heads.sends_of`` slices from its own KV store
+(``put_on_ranks``); each decode rank gets its own slices into its own store (``get_on_ranks``).
+Rank 0 only gathers handles, outcomes and records (``InstanceKVStore.each_rank``); the other
+ranks build their transport once from ``rank_factory``. Else, the rank-0 path: rank 0 gathers
+every head and puts every slice; decode rank 0 gets them all and scatters the heads. A rank's
+failure fails the request (``TransferFailed`` naming each failing rank and its cause) and
+frees every handle put; every rank still takes part in the same collectives.
 """
 
 from __future__ import annotations
@@ -31,13 +26,11 @@ _RANK_TRANSPORTS: dict[bytes, Transport] = {}  # a rank process's transports, by
 
 
 def rank_factory(transport: Transport, tp: int) -> Callable[[], Transport] | None:
-    """How the other ranks of a TP-``tp`` instance build ``transport``'s equal when they move
-    their own KV heads; None: the rank-0 path (TP 1, or a transport that needs it)."""
+    """How a TP-``tp`` instance's other ranks build ``transport``'s equal; None: rank-0 path."""
     return transport.rank_factory() if tp > 1 else None
 
 
 def _transport_of(factory: Callable[[], Transport], here: Transport | None) -> Transport:
-    """Rank 0's own transport (``here``), else this process's from ``factory`` (built once)."""
     if here is not None:
         return here
     key = pickle.dumps(factory)
@@ -60,16 +53,28 @@ def _raise_failed(outcomes: list[tuple[bool, object]], side: str, request_id: st
         raise TransferFailed(f"KV of request {request_id}: " + "; ".join(failed))
 
 
+def _held_here(store, rank: int, factory, transport: Transport | None = None) -> int:
+    return _transport_of(factory, transport).num_held()
+
+
+def num_held(kv_store, transport: Transport, factory) -> int:
+    """``Transport.num_held`` summed over the instance's ranks (rank 0's alone when
+    ``factory`` is None); TransferFailed where a rank cannot count."""
+    if factory is None:
+        return transport.num_held()
+    outcomes = kv_store.each_rank(_held_here, factory, transport=transport)
+    _raise_failed(outcomes, "instance", "(held count)")
+    return sum(held for _, held in outcomes)
+
+
 # ---- prefill side ------------------------------------------------------------------------
 
 def put_own_slices(store, rank: int, factory, request_id: str, spec, block_ids: list[int],
                    num_tokens: int, layers: slice, token_start: int, layer_start: int,
                    slices: tuple[HeadSlice, ...], tps: tuple[int, int], dst_rank: int | None,
                    transport: Transport | None = None) -> list[KVHandle]:
-    """On prefill rank ``rank``: put the slices it sends of one request's KV (its ``store``'s
-    blocks ``block_ids``, ``num_tokens`` tokens from ``token_start``, ``layers``), in
-    ``transfer_map`` order; ``spec`` the instance's (every head). A failed put frees the
-    ones before it, then raises."""
+    """On prefill rank ``rank``: put its slices of a request's KV (blocks ``block_ids``,
+    ``num_tokens`` tokens, ``layers``), ``spec`` the instance's; a failure frees, then raises."""
     transport = _transport_of(factory, transport)
     mine = sends_of(rank, slices)
     if not mine:
@@ -93,12 +98,8 @@ def put_on_ranks(kv_store, transport: Transport, factory, request_id: str, spec,
                  block_ids: list[int], num_tokens: int, layers: slice, token_start: int,
                  layer_start: int, slices: tuple[HeadSlice, ...], tps: tuple[int, int],
                  dst_rank: int | None) -> list[KVHandle]:
-    """Prefill rank 0 of a TP instance (``kv_store`` an ``InstanceKVStore``): every rank puts
-    its slices (``put_own_slices``); the handles, one per slice in ``slices``' order.
-
-    Raises:
-        TransferFailed: a rank's put failed (every rank named with its cause); every handle
-            put was freed."""
+    """Prefill rank 0: every rank puts its slices (``put_own_slices``); the handles in
+    ``slices``' order. TransferFailed (module docstring) when a rank's put failed."""
     outcomes = kv_store.each_rank(put_own_slices, factory, request_id, spec, list(block_ids),
                                   num_tokens, layers, token_start, layer_start, slices, tps,
                                   dst_rank, transport=transport)
@@ -113,8 +114,7 @@ def put_on_ranks(kv_store, transport: Transport, factory, request_id: str, spec,
 
 def check_tokens(header: KVHeader, request_id: str, token_start: int,
                  num_prompt_tokens: int) -> None:
-    """A message is the request's and covers prompt tokens ``[token_start, T)``; ValueError
-    naming expected and got."""
+    """The message is ``request_id``'s, tokens ``[token_start, T)``; else ValueError."""
     if header.request_id != request_id:
         raise ValueError(f"KV header mismatch for request {request_id}: request_id expected "
                          f"{request_id!r}, got {header.request_id!r}")
@@ -128,9 +128,8 @@ def check_tokens(header: KVHeader, request_id: str, token_start: int,
 
 def check_slices(request_id: str, messages: list[tuple[KVHeader, int]], num_kv_heads: int,
                  decode_tp: int, who: str, decode_rank: int | None = None) -> None:
-    """One layer range's messages ``(header, heads carried)`` are exactly ``transfer_map``'s
-    slices into a TP-``decode_tp`` instance (``who``), those of ``decode_rank`` only when
-    given; ValueError naming expected and got."""
+    """One layer range's ``(header, heads)`` are exactly ``transfer_map``'s slices into
+    TP-``decode_tp`` ``who`` (``decode_rank``'s alone if given); else ValueError."""
     header = messages[0][0]
     if any(h.decode_tp != decode_tp for h, _ in messages):
         raise ValueError(f"KV for request {request_id} was split for a TP {header.decode_tp} "
@@ -146,8 +145,7 @@ def check_slices(request_id: str, messages: list[tuple[KVHeader, int]], num_kv_h
 
 
 def check_layers(request_id: str, ranges: list[tuple[int, int]], num_layers: int) -> None:
-    """The layer ranges ``(start, count)``, sorted, tile ``[0, num_layers)`` in equal chunks;
-    ValueError naming the starts."""
+    """Sorted ``(start, count)`` ranges tile ``[0, num_layers)`` evenly; else ValueError."""
     starts = [start for start, _ in ranges]
     expected = list(range(0, num_layers, ranges[0][1])) if ranges else []
     if not ranges or sum(n for _, n in ranges) != num_layers or starts != expected:
@@ -162,15 +160,13 @@ def get_own_slices(store, rank: int, factory, request_id: str, spec,
                    token_start: int, num_prompt_tokens: int, decode_tp: int, who: str,
                    timeout_s: float, transport: Transport | None = None
                    ) -> list[TransferRecord]:
-    """On decode rank ``rank``: get its messages ``handles_by_rank[rank]`` (checked as
-    ``check_tokens``, ``check_slices``, ``check_layers``), then write each layer range's heads
-    past the first ``skip`` tokens into ``store``'s blocks ``block_ids``; frees its handles
-    either way. Returns the transfer records it made (rank 0's stay in its transport)."""
+    """On decode rank ``rank``: get and check ``handles_by_rank[rank]``, write the KV past its
+    first ``skip`` tokens into blocks ``block_ids``, free them; its records (rank 0: [])."""
     transport = _transport_of(factory, transport)
     if rank:
         transport.take_records()  # a failed call's records: never reported
     handles = handles_by_rank[rank]
-    try:  # the gotten views die with _get_and_write's frame, before the frees
+    try:  # the views die with _get_and_write's frame, before the frees
         _get_and_write(store, rank, transport, request_id, spec, handles, block_ids, skip,
                        token_start, num_prompt_tokens, decode_tp, who, timeout_s)
     finally:
@@ -210,13 +206,8 @@ def get_on_ranks(kv_store, transport: Transport, factory, request_id: str, spec,
                  handles: tuple[KVHandle, ...], block_ids: list[int], skip: int,
                  token_start: int, num_prompt_tokens: int, decode_tp: int, who: str,
                  timeout_s: float) -> None:
-    """Decode rank 0 of a TP instance (``kv_store`` an ``InstanceKVStore``): every rank gets
-    the messages for it (``KVHandle.decode_rank``) and writes them (``get_own_slices``); the
-    other ranks' transfer records join ``transport``'s.
-
-    Raises:
-        TransferFailed: a rank's get, check or write failed (every rank named with its
-            cause)."""
+    """Decode rank 0: every rank gets and writes its messages (``get_own_slices``), their
+    records join ``transport``'s. TransferFailed (module docstring) when a rank failed."""
     by_rank = [[h for h in handles if h.decode_rank == rank] for rank in range(decode_tp)]
     outcomes = kv_store.each_rank(get_own_slices, factory, request_id, spec, by_rank,
                                   list(block_ids), skip, token_start, num_prompt_tokens,

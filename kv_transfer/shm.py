@@ -210,8 +210,7 @@ class SharedMemoryTransport(Transport):
         self._leases: dict[tuple[str, int, int], _Lease] = {}  # (token, slot, gen)
 
     def rank_factory(self):
-        """This transport's settings, for a TP instance's other ranks: each puts into its own
-        segment, which any process of the node opens by its handle."""
+        """Its settings: each TP rank puts into its own segment, which any process opens."""
         return functools.partial(SharedMemoryTransport, checksum=self.checksum,
                                  capacity_bytes=self.capacity, num_slots=self.num_slots,
                                  alloc_timeout_s=self.alloc_timeout_s, zero_copy=self.zero_copy,

@@ -206,8 +206,7 @@ class Transport(ABC):
                     self.records[i] = scored
 
     def take_records(self) -> list[TransferRecord]:
-        """Every record so far, removed from this transport (a TP instance's rank hands its
-        records to rank 0, ``add_records``)."""
+        """Every record so far, removed (a TP rank's, handed to rank 0's ``add_records``)."""
         with self._records_lock:
             taken = list(self.records)
             self.records.clear()
@@ -215,16 +214,14 @@ class Transport(ABC):
             return taken
 
     def add_records(self, records: list[TransferRecord]) -> None:
-        """Append records another process's transport made (``take_records``), as they are."""
+        """Append another process's ``take_records``."""
         with self._records_lock:
             self.records.extend(records)
 
     def rank_factory(self) -> Callable[[], Transport] | None:
-        """A picklable zero-argument callable that builds this transport's equal in another
-        process of this node, or None. Not None only where any process of the node can put
-        and open a handle (the handle names where the bytes are): then each rank of a TP
-        instance moves its own KV heads (``kv_transfer.rank_kv``). None: one process per
-        instance moves the KV (in-process objects, per-process set-up)."""
+        """A picklable callable building this transport's equal in another process of the
+        node, where any process opens any handle: then each TP rank moves its own KV heads
+        (``kv_transfer.rank_kv``). None (in-process objects, per-process set-up): rank 0 does."""
         return None
 
     def _num_messages(self, handle: KVHandle) -> int:

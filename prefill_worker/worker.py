@@ -41,7 +41,7 @@ from engine.serving import EngineLoop, token_event
 from engine.kv_heads import transfer_map
 from kv_transfer.factory import make_transport
 from kv_transfer.payload import RankPart
-from kv_transfer.rank_kv import put_on_ranks, rank_factory
+from kv_transfer.rank_kv import num_held, put_on_ranks, rank_factory
 from kv_transfer.transport import KVHandle, Transport
 
 
@@ -123,7 +123,8 @@ class PrefillWorker(EngineLoop):
                 pass
 
     def status(self) -> dict:
-        return {**super().status(), "transport_held": self.call(self.transport.num_held)}
+        return {**super().status(), "transport_held": self.call(
+            lambda: num_held(self.engine.kv_store, self.transport, self._rank_factory))}
 
     def shutdown(self) -> None:
         """Stop; like a dead Ray owner, drop every KV put here (freeing twice is harmless)."""
@@ -207,8 +208,7 @@ class PrefillWorker(EngineLoop):
     def _put_bytes(self, state, num_layers: int | None = None) -> int:
         """Bytes of ``state``'s KV this worker sends over ``num_layers`` (default all; prompt
         tokens from its start on; a KV head a decode instance replicates goes to each of its
-        ranks). Room is judged on rank 0's transport: where each rank puts its own slices,
-        they are shares of the same size."""
+        ranks). Rank 0's room stands for each rank's (equal shares)."""
         start = self._kv_start.get(state.request_id, 0)
         heads = sum(len(s.heads) for s in self._slices)
         num_kv_heads = self.engine.kv_spec.num_kv_heads

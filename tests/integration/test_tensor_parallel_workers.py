@@ -164,3 +164,59 @@ def test_a_colocated_worker_at_tp2_serves_generates_tokens(tiny):
     finally:
         loop.shutdown()
     assert [p.exitcode for p in loop._instance.processes] == [0]
+
+
+def test_a_rank_whose_put_or_get_fails_fails_its_request_alone(tiny):
+    """TP 2 to TP 2 over shm: a put failing on the prefill ranks and a get failing on decode
+    rank 1 (its slice freed before the fetch) each fail their request with an error naming
+    the rank and the cause, every handle freed; the next request is served."""
+    transfer = TransferConfig(transport="shm", timeout_s=20.0)
+    prefill = PrefillWorker("prefill-0", TINY, ENGINE, transfer, bind=False,
+                            rank_devices=_ranks(2), decode_tp=2,
+                            faults={"fail": True, "only_request_ids": ["bad"]})
+    decode = DecodeWorker("decode-0", TINY, ENGINE, transfer, bind=False, rank_devices=_ranks(2))
+    workers = [prefill, decode]
+
+    def prefilled(request: Request):
+        prefill.submit(request)
+        events = collect_events(prefill, lambda ev: any(
+            e.kind in (PREFILLED, ERROR) and e.request_id == request.request_id for e in ev),
+            30.0, poll_s=0.2)
+        return next(e for e in events if e.kind in (PREFILLED, ERROR))
+
+    def decoded(request: Request, event):
+        decode.admit(request, event.token_id, event.kv_handles)
+        return collect_events(decode, lambda ev: any(e.kind == ERROR for e in ev) or any(
+            e.kind == TOKEN and e.finish_reason for e in ev), 30.0, poll_s=0.2)
+
+    try:
+        prompts = random_prompts([30, 21, 17], seed=12)
+        bad = prefilled(Request("bad", tuple(prompts[0]), SamplingParams(max_tokens=4)))
+        assert bad.kind == ERROR
+        assert ("KV of request bad: prefill rank 0: TransferFailed: injected put failure for "
+                "request bad; prefill rank 1: TransferFailed: injected put failure") in bad.error
+
+        lost = Request("lost", tuple(prompts[1]), SamplingParams(max_tokens=4))
+        event = prefilled(lost)
+        assert event.kind == PREFILLED and sorted(h.decode_rank for h in event.kv_handles) == [0, 1]
+        rank1 = next(h for h in event.kv_handles if h.decode_rank == 1)
+        prefill.call(lambda: prefill.transport.free(rank1))
+        errors = [e for e in decoded(lost, event) if e.kind == ERROR]
+        assert len(errors) == 1 and errors[0].kv_fetch_failed
+        assert errors[0].error.startswith("KV transfer failed: TransferFailed: KV of request "
+                                          "lost: decode rank 1: TransferFailed: no KV for "
+                                          "request lost in slot")
+        assert "already freed" in errors[0].error and "decode rank 0" not in errors[0].error
+
+        good = Request("good", tuple(prompts[2]), SamplingParams(max_tokens=6))
+        event = prefilled(good)
+        events = decoded(good, event)
+        assert not [e.error for e in events if e.kind == ERROR]
+        tokens = [event.token_id] + [e.token_id for e in events if e.kind == TOKEN]
+        assert tokens == reference_generate(tiny.model, prompts[2], 6)
+        assert prefill.status()["transport_held"] == 0
+        assert decode.status()["engine_empty"] and decode.status()["transfers_held"] == 0
+    finally:
+        for worker in workers:
+            worker.shutdown()
+    assert all(p.exitcode == 0 for w in workers for p in w._instance.processes)
