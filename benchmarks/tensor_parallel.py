@@ -11,9 +11,8 @@ What is compared, side by side in one run (rounds interleaved, ``measure_interle
 3. **prefill**: one step prefilling a 512-token prompt, TP 2 against TP 1.
 4. **KV transfer TP 2 -> TP 2** over shared memory: the put and get of that prompt's KV
    between two TP 2 instances (both on cores 0 and 1), through the rank 0s (prefill rank 0
-   gathers every head and puts every slice; decode rank 0 gets them, joins the heads and
-   scatters them: the path of the transports with no ``rank_factory``) against rank to rank
-   (``kv_transfer.rank_kv``: each rank puts and gets its own slices).
+   gathers every head and puts every slice; decode rank 0 gets, joins and scatters them)
+   against rank to rank (``kv_transfer.rank_kv``); the decode side's KV checked equal.
 
 The model is SmolLM2-135M's shape with heads TP 2 divides (SmolLM2's own 9 heads do not):
 a seeded random Llama, hidden 512, 8 heads of 64, 4 KV heads, intermediate 1536, 30
@@ -21,8 +20,7 @@ layers, vocabulary 49152 (``--quick``: 8 layers), saved once under ``$PDLAB_CACH
 the other rank loads the same weights. Its tokens are meaningless; TP 2's tokens are
 checked equal to TP 1's.
 
-Output: the tables, ``ratio TP2/TP1`` per step row (below 1: TP 2 pays) and ``ratio
-direct/rank 0`` for the transfer; the decode instance's KV is checked equal to the prefill's.
+Output: the tables with ``ratio TP2/TP1`` (below 1: TP 2 pays) and ``ratio direct/rank 0``.
 """
 
 from __future__ import annotations
