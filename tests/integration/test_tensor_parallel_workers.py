@@ -107,6 +107,7 @@ def test_prefill_and_decode_at_different_tp_give_generates_tokens(
                 assert {(r["prefill_rank"], r["decode_rank"], r["put_pid"], r["get_pid"])
                         for r in records if r["request_id"] == request.request_id} == {
                     (i, j, put_by[i], got_by[j]) for i, j, _, _ in slices}
+        assert prefill.status()["transport_held"] == decode.status()["transport_held"] == 0
         if transport == "shm":
             assert whole_heads == {"read": 0, "write": 0}
         else:  # rank 0 gathers (prefill TP 2) or scatters (decode TP 2) every head
@@ -214,7 +215,7 @@ def test_a_rank_whose_put_or_get_fails_fails_its_request_alone(tiny):
         assert not [e.error for e in events if e.kind == ERROR]
         tokens = [event.token_id] + [e.token_id for e in events if e.kind == TOKEN]
         assert tokens == reference_generate(tiny.model, prompts[2], 6)
-        assert prefill.status()["transport_held"] == 0
+        assert prefill.status()["transport_held"] == decode.status()["transport_held"] == 0
         assert decode.status()["engine_empty"] and decode.status()["transfers_held"] == 0
     finally:
         for worker in workers:
