@@ -47,10 +47,10 @@ def _free(transport: Transport, handles) -> None:
             pass
 
 
-def _raise_failed(outcomes: list[tuple[bool, object]], side: str, request_id: str) -> None:
-    failed = [f"{side} rank {rank}: {err}" for rank, (ok, err) in enumerate(outcomes) if not ok]
+def _raise_failed(outcomes: list[tuple[bool, object]], ranks: str, what: str) -> None:
+    failed = [f"{ranks} {rank}: {err}" for rank, (ok, err) in enumerate(outcomes) if not ok]
     if failed:
-        raise TransferFailed(f"KV of request {request_id}: " + "; ".join(failed))
+        raise TransferFailed(f"{what}: " + "; ".join(failed))
 
 
 def _held_here(store, rank: int, factory, transport: Transport | None = None) -> int:
@@ -63,7 +63,7 @@ def num_held(kv_store, transport: Transport, factory) -> int:
     if factory is None:
         return transport.num_held()
     outcomes = kv_store.each_rank(_held_here, factory, transport=transport)
-    _raise_failed(outcomes, "instance", "(held count)")
+    _raise_failed(outcomes, "rank", "transfers held")
     return sum(held for _, held in outcomes)
 
 
@@ -105,7 +105,7 @@ def put_on_ranks(kv_store, transport: Transport, factory, request_id: str, spec,
                                   dst_rank, transport=transport)
     if not all(ok for ok, _ in outcomes):
         _free(transport, [h for ok, put in outcomes if ok for h in put])
-        _raise_failed(outcomes, "prefill", request_id)
+        _raise_failed(outcomes, "prefill rank", f"KV of request {request_id}")
     per_rank = [iter(put) for _, put in outcomes]
     return [next(per_rank[s.prefill_rank]) for s in slices]
 
@@ -213,4 +213,4 @@ def get_on_ranks(kv_store, transport: Transport, factory, request_id: str, spec,
                                   list(block_ids), skip, token_start, num_prompt_tokens,
                                   decode_tp, who, timeout_s, transport=transport)
     transport.add_records([r for ok, records in outcomes[1:] if ok for r in records])
-    _raise_failed(outcomes, "decode", request_id)
+    _raise_failed(outcomes, "decode rank", f"KV of request {request_id}")
