@@ -19,9 +19,8 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   buffer frees the ranges it put and is deferred whole. Requests that finish here never wait
   behind the FIFO.
 - Between TP sizes (``decode_tp``: the decode instances') a put is one message per
-  ``engine.kv_heads.transfer_map`` slice (``RankPart``). Over a transport any process opens
-  (``kv_transfer.rank_kv``) each rank of a TP instance puts its own slices from its own KV
-  store; otherwise rank 0 gathers every head and puts every slice.
+  ``engine.kv_heads.transfer_map`` slice (``RankPart``), put by each rank from its own KV
+  store where the transport allows (``kv_transfer.rank_kv``), else all by rank 0.
 """
 
 from __future__ import annotations
