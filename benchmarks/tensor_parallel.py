@@ -9,6 +9,10 @@ What is compared, side by side in one run (rounds interleaved, ``measure_interle
    (rank 0 on core 0, rank 1 a process on core 1) against a TP 1 engine on core 0, at B = 1
    and 16.
 3. **prefill**: one step prefilling a 512-token prompt, TP 2 against TP 1.
+4. **KV transfer TP 2 -> TP 2** over shared memory: the put and get of that prompt's KV
+   between two TP 2 instances (both on cores 0 and 1), through the rank 0s (prefill rank 0
+   gathers every head and puts every slice; decode rank 0 gets, joins and scatters them)
+   against rank to rank (``kv_transfer.rank_kv``); the decode side's KV checked equal.
 
 The model is SmolLM2-135M's shape with heads TP 2 divides (SmolLM2's own 9 heads do not):
 a seeded random Llama, hidden 512, 8 heads of 64, 4 KV heads, intermediate 1536, 30
@@ -16,7 +20,7 @@ layers, vocabulary 49152 (``--quick``: 8 layers), saved once under ``$PDLAB_CACH
 the other rank loads the same weights. Its tokens are meaningless; TP 2's tokens are
 checked equal to TP 1's.
 
-Output: the three tables and ``ratio TP2/TP1`` per row (below 1: TP 2 pays).
+Output: the tables with ``ratio TP2/TP1`` (below 1: TP 2 pays) and ``ratio direct/rank 0``.
 """
 
 from __future__ import annotations
@@ -34,7 +38,11 @@ from engine.device import bind_device
 from engine.engine import Engine
 from engine.model import cache_dir, load_model
 from engine.parallel import TensorParallelGroup, connect, start_instance
+from engine.kv_heads import transfer_map
 from engine.request import Request, SamplingParams
+from kv_transfer.payload import RankPart
+from kv_transfer.rank_kv import get_on_ranks, put_on_ranks
+from kv_transfer.shm import SharedMemoryTransport
 
 CONTEXT = 128
 PROMPT = 512
@@ -100,6 +108,51 @@ def _decode_ready(engine: Engine, batch_size: int, max_tokens: int, tag: str) ->
         engine.step()
 
 
+def kv_transfer_rows(prefill: Engine, decode: Engine, prompt: tuple[int, ...],
+                     repeats: int) -> list[list[object]]:
+    """Put + get seconds of ``prompt``'s KV between two TP 2 engines over shm, via the rank
+    0s and rank to rank (module docstring), and whether the decode side's KV equals it."""
+    prefill.add_request(Request("kv", prompt, SamplingParams(max_tokens=64, ignore_eos=True)))
+    prefill.step()  # the whole prompt in one step: its KV stays in these blocks
+    blocks, num_tokens = prefill.prompt_kv_blocks("kv")
+    targets = list(range(len(blocks)))  # decode blocks no request holds
+    spec = prefill.kv_spec
+    slices = transfer_map(spec.num_kv_heads, 2, 2)
+    sender, receiver = SharedMemoryTransport(), SharedMemoryTransport()
+
+    def via_rank0() -> None:  # what the workers do where the transport has no rank_factory
+        kv = prefill.kv_store.read(blocks, num_tokens)  # gathered from both ranks
+        handles = [sender.put("kv", spec, kv[:, :, s.heads.start:s.heads.stop].contiguous(),
+                              part=RankPart(s.heads.start, s.prefill_rank, s.decode_rank, 2, 2))
+                   for s in slices]
+        parts = [receiver.get(h, spec, 30.0) for h in handles]
+        whole = kv.new_empty(kv.shape)
+        for header, part in parts:
+            whole[:, :, header.head_start:header.head_start + part.shape[2]] = part
+        decode.kv_store.write(targets, whole)  # scattered to both ranks
+        del parts
+        for h in handles:
+            receiver.free(h)
+
+    def direct() -> None:
+        handles = put_on_ranks(prefill.kv_store, sender, sender.rank_factory(), "kv", spec,
+                               blocks, num_tokens, slice(None), 0, 0, slices, (2, 2), None)
+        get_on_ranks(decode.kv_store, receiver, receiver.rank_factory(), "kv", spec,
+                     tuple(handles), targets, 0, 0, num_tokens, 2, "decode", 30.0)
+
+    want = prefill.kv_store.read(blocks, num_tokens)
+    equal = {}
+    for name, run in (("rank 0", via_rank0), ("direct", direct)):
+        decode.kv_store.write(targets, torch.zeros_like(want))
+        run()
+        equal[name] = torch.equal(decode.kv_store.read(targets, num_tokens), want)
+    t = measure_interleaved({"rank 0": via_rank0, "direct": direct}, repeats)
+    prefill.abort("kv")
+    return [[f"{num_tokens} tokens ({want.numel() * want.element_size()} bytes)",
+             t["rank 0"].min_s, t["direct"].min_s, t["direct"].min_s / t["rank 0"].min_s,
+             "yes" if all(equal.values()) else "NO"]]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_common_args(parser)
@@ -153,10 +206,19 @@ def main(argv: list[str] | None = None) -> None:
         t = measure_interleaved({"tp1": prefill(single), "tp2": prefill(tp2)}, repeats)
         rows.append([f"prefill {PROMPT} tokens", t["tp1"].min_s, t["tp2"].min_s,
                      t["tp2"].min_s / t["tp1"].min_s, "-"])
+        receiver = start_instance(loaded, model_config, config, 2,
+                                  devices=(f"cpu:{cores[0]}", f"cpu:{cores[-1]}"), quiet=True)
+        try:
+            kv_rows = kv_transfer_rows(tp2, receiver.engine, prompt, repeats)
+        finally:
+            receiver.close()
     finally:
         instance.close()
     print("\nEngine.step() seconds (min), TP 2 on 2 cores vs TP 1 on 1 core")
     print_table(["step", "tp1_s", "tp2_s", "ratio TP2/TP1", "tokens equal"], rows)
+    print("\nKV put + get seconds (min), TP 2 -> TP 2 over shm, 4 ranks on 2 cores")
+    print_table(["prompt KV", "rank0_s", "direct_s", "ratio direct/rank 0", "KV equal"],
+                kv_rows)
 
 
 if __name__ == "__main__":

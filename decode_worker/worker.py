@@ -13,13 +13,13 @@ workers is told once, in docs/architecture.md ("A request's life"); this module'
   thread copies the checked KV ``[L, 2, H_kv, T, D]`` into the slot, frees the handles and
   reports ``kv_got`` (bytes, seconds).
 - Cancellation wins every race: ``abort`` frees the slot and unfetched handles at once; a fetch
-  in flight has its handles freed and its KV dropped when it returns. An aborted request never
-  decodes.
+  in flight has its handles freed and its KV dropped when it returns (never decoded).
 - With ``kv_token_start`` > 0 only the prompt's KV from that token on arrives. If the cached
   prefix was evicted before the reservation, or a running request is preempted, it recomputes
   here with no second transfer (``kv_got`` reports 0 bytes).
 - Between TP sizes each layer range arrives as exactly ``engine.kv_heads.transfer_map``'s
-  slices (one message per prefill rank, decode rank pair), else the request fails.
+  slices (one message per prefill rank, decode rank pair), else the request fails. Where
+  each rank gets its own (``kv_transfer.rank_kv``) it happens on the loop thread.
 - Under ``conditional:xPyD`` the router also ``submit``s whole requests here: they prefill and
   decode in this engine like a colocated instance's.
 """
@@ -40,9 +40,10 @@ from engine.metrics import DECODE_ADMITTED
 from engine.request import Request
 from engine.emulated import Emulation
 from engine.serving import EngineLoop
-from engine.kv_heads import transfer_map
 from kv_transfer.factory import make_transport
 from kv_transfer.payload import WHOLE
+from kv_transfer.rank_kv import (check_layers, check_slices, check_tokens, get_on_ranks,
+                                  num_held, rank_factory)
 from kv_transfer.transport import KVHandle, Transport
 
 MAX_FETCH_THREADS = 8  # concurrent KV fetches per decode worker (bounded by its slots too)
@@ -83,6 +84,7 @@ class DecodeWorker(EngineLoop):
             self.engine.config.max_num_seqs, MAX_FETCH_THREADS))
         self._fetcher = ThreadPoolExecutor(max_workers=num_threads,
                                            thread_name_prefix=f"{name}-kv")
+        self._rank_factory = rank_factory(self.transport, 1 + len(self.rank_devices))
 
     def admit(self, request: Request, first_token: int, kv_handles: tuple[KVHandle, ...],
               kv_token_start: int = 0) -> None:
@@ -101,7 +103,8 @@ class DecodeWorker(EngineLoop):
             self._free(tuple(command.args[2]))
 
     def status(self) -> dict:
-        return {**super().status(), "transport_held": self.call(self.transport.num_held),
+        return {**super().status(), "transport_held": self.call(
+            lambda: num_held(self.engine.kv_store, self.transport, self._rank_factory)),
                 "transfers_held": self.call(lambda: len(self._transfers))}
 
     def transfer_records(self) -> list[dict]:
@@ -163,11 +166,29 @@ class DecodeWorker(EngineLoop):
             if transfer is None or not self.engine.is_waiting_for_kv(rid):
                 continue  # no handles held here (added to the engine directly)
             transfer.fetching = True
-            self._fetcher.submit(self._fetch_thread, transfer)
+            if self._rank_factory is None:
+                self._fetcher.submit(self._fetch_thread, transfer)
+            else:
+                self._fetch_on_ranks(transfer)
+
+    def _fetch_on_ranks(self, transfer: _Transfer) -> None:
+        """Each rank gets its own slices and writes them (``kv_transfer.rank_kv``), now."""
+        rid, start_s = transfer.request.request_id, time.time()
+        try:
+            block_ids, skip = self.engine.remote_kv_target(rid)
+            get_on_ranks(self.engine.kv_store, self.transport, self._rank_factory, rid,
+                         self.engine.kv_spec, transfer.handles, block_ids, skip,
+                         transfer.kv_token_start, transfer.request.num_prompt_tokens,
+                         1 + len(self.rank_devices), self.name, self.transfer.timeout_s)
+            error = None
+        except Exception as err:  # a rank's get, check or write: this request fails alone
+            error = f"KV transfer failed: {type(err).__name__}: {err}"
+        self._arrived(transfer, None, error, start_s, time.time(), written=True)
 
     def _arrived(self, transfer: _Transfer, kv: torch.Tensor | None, error: str | None,
-                 start_s: float, got_s: float) -> None:
-        """A fetch returned: place the KV in the reserved slot, or fail, or drop it."""
+                 start_s: float, got_s: float, written: bool = False) -> None:
+        """A fetch returned: place the KV in the reserved slot (``written``: the ranks did),
+        or fail, or drop it."""
         rid = transfer.request.request_id
         fetch_failed = error is not None  # the KV never came (not a placement failure)
         if self._transfers.get(rid) is transfer:
@@ -175,7 +196,10 @@ class DecodeWorker(EngineLoop):
         current = self.engine.states.get(rid) is transfer.state
         if current and error is None:
             try:
-                self.engine.finish_remote(rid, kv)
+                if written:
+                    self.engine.remote_kv_written(rid)
+                else:
+                    self.engine.finish_remote(rid, kv)
             except (KeyError, ValueError) as err:
                 error = str(err)
             except Exception as err:  # e.g. a device copy failing: this request fails alone
@@ -204,18 +228,8 @@ class DecodeWorker(EngineLoop):
 
     def _join_heads(self, rid: str, messages: list, spec) -> torch.Tensor:
         """One layer range's ``[L', 2, H_kv, T, D]`` from exactly ``transfer_map``'s slices."""
-        decode_tp = 1 + len(self.rank_devices)
-        header = messages[0][0]
-        if any(h.decode_tp != decode_tp for h, _ in messages):
-            raise ValueError(f"KV for request {rid} was split for a TP {header.decode_tp} "
-                             f"decode instance; {self.name} runs at TP {decode_tp}")
-        want = {(s.prefill_rank, s.decode_rank, s.heads.start, len(s.heads))
-                for s in transfer_map(spec.num_kv_heads, header.prefill_tp, decode_tp)}
-        got = {(h.prefill_rank, h.decode_rank, h.head_start, kv.shape[2]) for h, kv in messages}
-        if got != want or len(messages) != len(want):
-            raise ValueError(f"KV for request {rid} layers from {header.layer_start}: (prefill "
-                             f"rank, decode rank, first head, heads) expected {sorted(want)}, "
-                             f"got {sorted(got)}")
+        check_slices(rid, [(h, kv.shape[2]) for h, kv in messages], spec.num_kv_heads,
+                     1 + len(self.rank_devices), self.name)
         kv = messages[0][1]
         whole = kv.new_empty(kv.shape[:2] + (spec.num_kv_heads,) + kv.shape[3:])
         for h, part in messages:  # a head the decode instance replicates arrives once per copy
@@ -244,25 +258,12 @@ class DecodeWorker(EngineLoop):
         rid = request.request_id
         for handle in handles:
             header, kv = self.transport.get(handle, spec, max(deadline_s - time.monotonic(), 1e-3))
-            if header.request_id != rid:
-                raise ValueError(f"KV header mismatch for request {rid}: request_id expected "
-                                 f"{rid!r}, got {header.request_id!r}")
-            got = (header.token_start, header.token_end)
-            if got != (token_start, request.num_prompt_tokens):
-                want = request.num_prompt_tokens - token_start
-                raise ValueError(
-                    f"KV header mismatch for request {rid}: tokens expected {want} "
-                    f"[{token_start}, {request.num_prompt_tokens}), got "
-                    f"{got[1] - got[0]} [{got[0]}, {got[1]})")
+            check_tokens(header, rid, token_start, request.num_prompt_tokens)
             if header.part == WHOLE and kv.shape[2] == spec.num_kv_heads:
                 parts.append((header.layer_start, kv))
             else:
                 slices.setdefault(header.layer_start, []).append((header, kv))
         parts += [(start, self._join_heads(rid, got, spec)) for start, got in slices.items()]
         parts.sort(key=lambda part: part[0])
-        layers = [start for start, _ in parts]
-        expected = list(range(0, spec.num_layers, parts[0][1].shape[0])) if parts else []
-        if not parts or sum(kv.shape[0] for _, kv in parts) != spec.num_layers or layers != expected:
-            raise ValueError(f"KV for request {rid} covers layers starting at "
-                             f"{layers}, expected all {spec.num_layers} layers")
+        check_layers(rid, [(start, kv.shape[0]) for start, kv in parts], spec.num_layers)
         return parts[0][1] if len(parts) == 1 else torch.cat([kv for _, kv in parts])

@@ -185,20 +185,34 @@ class Engine:
         Raises:
             KeyError: the request is not waiting for its KV here (aborted or unknown).
             ValueError: KV shape/dtype not this engine's (the request stays reserved)."""
+        block_ids, skip = self.remote_kv_target(request_id)
+        state = self.states[request_id]
+        expected = self.kv_spec.kv_shape(state.num_prompt_tokens - state.kv_token_start)
+        if tuple(kv.shape) != expected or kv.dtype != self.kv_spec.torch_dtype:
+            raise ValueError(f"request {request_id}: KV expected shape {expected} "
+                             f"dtype {self.kv_spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
+        if block_ids:
+            self.kv_store.write(block_ids, kv[:, :, :, skip:])
+        self.remote_kv_written(request_id)
+
+    def remote_kv_target(self, request_id: str) -> tuple[list[int], int]:
+        """``(block ids, skip)``: a fetched KV's tokens from ``skip`` on fill those reserved
+        blocks (a prefix cached here meanwhile is skipped). KeyError as ``finish_remote``."""
         state = self.states.get(request_id)
         if state is None or state.status != RequestStatus.WAITING_FOR_REMOTE_KVS \
                 or state.block_ids is None:
             raise KeyError(f"request {request_id!r} is not waiting for remote KV in this engine")
         start = state.kv_token_start
-        expected = self.kv_spec.kv_shape(state.num_prompt_tokens - start)
-        if tuple(kv.shape) != expected or kv.dtype != self.kv_spec.torch_dtype:
-            raise ValueError(f"request {request_id}: KV expected shape {expected} "
-                             f"dtype {self.kv_spec.torch_dtype}, got {tuple(kv.shape)} {kv.dtype}")
         first = max(state.num_cached_tokens or 0, start)  # a multiple of block_size
-        if first < state.num_prompt_tokens:
-            self.kv_store.write(state.block_ids[first // self.config.block_size:],
-                                kv[:, :, :, first - start:])
-        self.scheduler.kv_arrived(state)
+        if first >= state.num_prompt_tokens:
+            return [], first - start
+        return list(state.block_ids[first // self.config.block_size:]), first - start
+
+    def remote_kv_written(self, request_id: str) -> None:
+        """A request's fetched KV is in its ``remote_kv_target`` blocks: it joins the next step.
+        Raises KeyError as ``remote_kv_target``."""
+        self.remote_kv_target(request_id)
+        self.scheduler.kv_arrived(self.states[request_id])
 
     def is_waiting_for_kv(self, request_id: str) -> bool:
         """True while ``request_id`` is queued for KV blocks or its KV fetch is in flight."""
@@ -229,11 +243,17 @@ class Engine:
 
     def _read_prompt(self, state: RequestState, layers: slice, token_start: int,
                      may_view: bool = False) -> torch.Tensor:
+        return self.kv_store.read(*self.prompt_kv_blocks(state.request_id, token_start),
+                                  layers, may_view)
+
+    def prompt_kv_blocks(self, request_id: str, token_start: int = 0) -> tuple[list[int], int]:
+        """``(block ids, token count)`` of a request's prompt KV from ``token_start`` on;
+        KeyError (unknown request), ValueError (``token_start`` off a block boundary)."""
         block_size = self.config.block_size
         if token_start % block_size:
             raise ValueError(f"token_start must be a multiple of {block_size}, got {token_start}")
-        return self.kv_store.read(state.block_ids[token_start // block_size:],
-                                  state.num_prompt_tokens - token_start, layers, may_view)
+        state = self.states[request_id]
+        return list(state.block_ids[token_start // block_size:]), state.num_prompt_tokens - token_start
 
     def finish_prefilled(self, request_id: str) -> int:
         """Free a prefilled request's blocks without copying its KV (its layers were already

@@ -15,7 +15,8 @@ Layout (Megatron-LM, Shoeybi et al. 2019; nano-vllm's ``layers/linear.py``), at 
 Each rank runs the unchanged ``engine.runner.ModelRunner`` on its shard over its own
 ``KVStore`` of its local KV heads; the same block ids index every rank's store. Rank 0 owns
 the ``Engine`` and broadcasts what the runner reads of each batch (``StepRows``) to the other
-ranks, which run ``follow`` until ``TensorParallelGroup.stop``.
+ranks, which run ``follow`` until ``TensorParallelGroup.stop``. Rank 0 reaches every rank's
+KV store through ``InstanceKVStore`` (every head gathered or scattered, or ``each_rank``).
 
 ``TensorParallelGroup`` is a process group of the instance's ranks only, on a rendezvous
 store, apart from ``torch.distributed``'s default group (the ``torchdist`` KV transport's):
@@ -125,6 +126,28 @@ class TensorParallelGroup:
         outs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
         self.pg.gather(outs, [tensor], opts).wait()
         return outs[0] if self.rank == 0 else None
+
+    def gather_object(self, obj) -> list | None:
+        """Every rank's picklable ``obj`` on rank 0, in rank order (None on the others): the
+        longest pickle's length (all-reduce max), then the padded pickles (gather)."""
+        data = pickle.dumps(obj)
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        self.pg.allreduce([length], opts).wait()
+        longest = int(length.item())
+        padded = torch.zeros(8 + longest, dtype=torch.uint8)
+        padded[:8] = torch.frombuffer(bytearray(len(data).to_bytes(8, "little")), dtype=torch.uint8)
+        if data:
+            padded[8:8 + len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        parts = self.gather(padded)
+        if parts is None:
+            return None
+        out = []
+        for part in parts:
+            raw = part.numpy().tobytes()
+            out.append(pickle.loads(raw[8:8 + int.from_bytes(raw[:8], "little")]))
+        return out
 
     def scatter(self, output: torch.Tensor, inputs: list[torch.Tensor] | None = None) -> None:
         """Rank 0's ``inputs[r]`` into rank ``r``'s ``output`` (same shape and dtype on all;
@@ -368,11 +391,24 @@ def _write_local(store: KVStore, group: TensorParallelGroup, block_ids: list[int
     store.write(block_ids, local, layer_start)
 
 
+def _on_rank(store: KVStore, group: TensorParallelGroup, fn, args: tuple,
+             **here) -> list[tuple[bool, object]] | None:
+    """``fn(store, group.rank, *args, **here)`` here; each rank's ``(True, result)`` or
+    ``(False, "ErrorType: message")`` gathered on rank 0 (a failure never skips the gather)."""
+    try:
+        outcome = (True, fn(store, group.rank, *args, **here))
+        pickle.dumps(outcome)  # an unpicklable result fails here, not inside the gather
+    except Exception as err:
+        outcome = (False, f"{type(err).__name__}: {err}")
+    return group.gather_object(outcome)
+
+
 class InstanceKVStore:
     """Rank 0's view of a TP instance's KV: ``read`` and ``write`` take and give every KV
     head (``[L', 2, H_kv, T, D]``), each rank handling its own heads of the same blocks;
-    anything else is rank 0's store's. They are collectives: between steps, or in a forward
-    only in the window after a layer; elsewhere in a forward they raise ``RuntimeError``.
+    ``each_rank`` runs a function on every rank's own store; anything else is rank 0's
+    store's. They are collectives: between steps, or in a forward only in the window after a
+    layer; elsewhere in a forward they raise ``RuntimeError``.
     """
 
     def __init__(self, local: KVStore, spec, group: TensorParallelGroup, driver: DriverRunner):
@@ -409,6 +445,14 @@ class InstanceKVStore:
         self.group.broadcast_object(("write", (block_ids, tuple(kv.shape), layer_start)))
         _write_local(self.local, self.group, block_ids, tuple(kv.shape), layer_start, kv)
 
+    def each_rank(self, fn, *args, **here) -> list[tuple[bool, object]]:
+        """``fn(store, rank, *args)`` on every rank's own ``KVStore`` (``here``: rank 0's
+        extra keywords): ``(ok, result or "ErrorType: message")`` per rank. ``fn`` is
+        module-level, ``args`` picklable, no collective inside. Windows as ``read``'s."""
+        self._outside_step("op")
+        self.group.broadcast_object(("each_rank", (fn, args)))
+        return _on_rank(self.local, self.group, fn, args, **here)
+
     def __getattr__(self, name):
         return getattr(self.local, name)
 
@@ -444,7 +488,7 @@ def _serve_window(store: KVStore, group: TensorParallelGroup) -> None:
 
 
 # the KV-store commands rank 0 broadcasts, inside a forward's windows or between steps alike
-_STORE_OPS = {"read": _read_local, "write": _write_local}
+_STORE_OPS = {"read": _read_local, "write": _write_local, "each_rank": _on_rank}
 
 
 def follow(loaded: LoadedModel, config, group: TensorParallelGroup) -> int:

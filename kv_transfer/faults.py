@@ -9,6 +9,7 @@ receiver's checksum raises ``payload.KVChecksumError``; undetected with checksum
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Any, Iterable
 
@@ -62,6 +63,15 @@ class FaultyTransport(Transport):
     def _num_messages(self, handle: KVHandle) -> int:
         return self.inner._num_messages(handle)
 
+    def rank_factory(self):
+        """The inner transport's, under the same faults (they apply on every rank)."""
+        inner = self.inner.rank_factory()
+        if inner is None:
+            return None
+        return functools.partial(_faulty, inner, dict(
+            delay_s=self.delay_s, fail=self.fail, corrupt=self.corrupt, drop=self.drop,
+            only_request_ids=self.only_request_ids))
+
     def has_room(self, num_bytes: int) -> bool:
         return self.inner.has_room(num_bytes)
 
@@ -97,6 +107,10 @@ class FaultyTransport(Transport):
 
     def portable(self, handle: KVHandle) -> KVHandle:
         return self.inner.portable(handle)
+
+
+def _faulty(inner_factory, faults: dict) -> FaultyTransport:
+    return FaultyTransport(inner_factory(), **faults)
 
 
 def with_faults(transport: Transport, faults: dict | list[dict] | None) -> Transport:

@@ -22,6 +22,7 @@ FREE), and x86-64 never makes a store visible before earlier loads."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import mmap
 import os
 import secrets
@@ -207,6 +208,13 @@ class SharedMemoryTransport(Transport):
         self._allocated: dict[int, tuple[int, int, int]] = {}  # slot -> (offset, end, gen)
         self._mapped: dict[str, _Segment] = {}  # mapped segments (own included), by token
         self._leases: dict[tuple[str, int, int], _Lease] = {}  # (token, slot, gen)
+
+    def rank_factory(self):
+        """Its settings: each TP rank puts into its own segment, which any process opens."""
+        return functools.partial(SharedMemoryTransport, checksum=self.checksum,
+                                 capacity_bytes=self.capacity, num_slots=self.num_slots,
+                                 alloc_timeout_s=self.alloc_timeout_s, zero_copy=self.zero_copy,
+                                 directory=self.directory)
 
     @property
     def segment_name(self) -> str | None:

@@ -15,10 +15,12 @@ last chunk is got; the stamps are two processes' wall clocks)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +47,8 @@ class KVHandle:
 
     ``key``: transport-specific locator; ``num_bytes``: tensor bytes (frame 1),
     ``spec.kv_bytes(T, L')``; ``put_s``: seconds inside ``put``; ``put_time_s``: ``time.time()``
-    when ``put`` began (0.0 unknown)."""
+    when ``put`` began (0.0 unknown); ``decode_rank``: the decode rank its heads go to
+    (``RankPart``); ``put_pid``: the process that put it (0 unknown)."""
 
     transport: str
     request_id: str
@@ -53,6 +56,8 @@ class KVHandle:
     num_bytes: int
     put_s: float
     put_time_s: float = 0.0
+    decode_rank: int = 0
+    put_pid: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,7 +66,8 @@ class TransferRecord:
     seconds inside each; ``*_time_s``: ``time.time()`` when they began; ``layer_start``,
     ``layer_end``: ``[start, end)``; ``num_messages``: wire messages (NIXL: descriptors);
     ``achieved_gbps``, ``efficiency``, ``exposed_s``, ``overlapped_s``: module docstring;
-    ``prefill_rank`` sent KV heads ``[head_start, head_end)`` to ``decode_rank``."""
+    ``prefill_rank`` sent KV heads ``[head_start, head_end)`` to ``decode_rank``; ``put_pid``,
+    ``get_pid``: the processes that put and got them (a TP instance's rank processes)."""
 
     request_id: str
     num_bytes: int
@@ -82,6 +88,8 @@ class TransferRecord:
     decode_rank: int = 0
     head_start: int = 0
     head_end: int = 0
+    put_pid: int = 0
+    get_pid: int = 0
 
 
 def split_exposed(records: list[TransferRecord]) -> list[TransferRecord]:
@@ -146,7 +154,7 @@ class Transport(ABC):
         key, num_bytes = self._put_kv(request_id, spec, kv, token_start, layer_start, dst_rank,
                                       part)
         return KVHandle(self.name, request_id, key, num_bytes, time.perf_counter() - start_s,
-                        start_time_s)
+                        start_time_s, part.decode_rank, os.getpid())
 
     def _put_kv(self, request_id: str, spec: KVSpec, kv: torch.Tensor, token_start: int,
                 layer_start: int, dst_rank: int | None, part: RankPart) -> tuple[Any, int]:
@@ -177,7 +185,8 @@ class Transport(ABC):
             num_messages=self._num_messages(handle), achieved_gbps=achieved, peak_gbps=peak,
             efficiency=achieved / peak if peak else None, prefill_rank=header.prefill_rank,
             decode_rank=header.decode_rank, head_start=header.head_start,
-            head_end=header.head_start + header.shape[2]), header.num_layers)
+            head_end=header.head_start + header.shape[2], put_pid=handle.put_pid,
+            get_pid=os.getpid()), header.num_layers)
         return header, kv
 
     def _record(self, record: TransferRecord, num_layers: int) -> None:
@@ -195,6 +204,25 @@ class Transport(ABC):
                 del self._streams[key]
                 for i, scored in zip(stream, split_exposed(parts)):
                     self.records[i] = scored
+
+    def take_records(self) -> list[TransferRecord]:
+        """Every record so far, removed (a TP rank's, handed to rank 0's ``add_records``)."""
+        with self._records_lock:
+            taken = list(self.records)
+            self.records.clear()
+            self._streams.clear()
+            return taken
+
+    def add_records(self, records: list[TransferRecord]) -> None:
+        """Append another process's ``take_records``."""
+        with self._records_lock:
+            self.records.extend(records)
+
+    def rank_factory(self) -> Callable[[], Transport] | None:
+        """A picklable callable building this transport's equal in another process of the
+        node, where any process opens any handle: then each TP rank moves its own KV heads
+        (``kv_transfer.rank_kv``). None (in-process objects, per-process set-up): rank 0 does."""
+        return None
 
     def _num_messages(self, handle: KVHandle) -> int:
         """Wire messages (NIXL: descriptors) one get of ``handle`` consumes; 1 by default."""

@@ -21,7 +21,8 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   token has left). A layer-wise put that meets a full buffer frees the ranges it put and is
   deferred whole. Requests that finish here never wait behind the FIFO.
 - Between TP sizes (``decode_tp``: the decode instances') a put is one message per
-  ``engine.kv_heads.transfer_map`` slice (``RankPart``).
+  ``engine.kv_heads.transfer_map`` slice (``RankPart``), put by each rank from its own KV
+  store where the transport allows (``kv_transfer.rank_kv``), else all by rank 0.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from engine.serving import EngineLoop, token_event
 from engine.kv_heads import transfer_map
 from kv_transfer.factory import make_transport
 from kv_transfer.payload import RankPart
+from kv_transfer.rank_kv import num_held, put_on_ranks, rank_factory
 from kv_transfer.transport import KVHandle, Transport
 
 
@@ -82,6 +84,7 @@ class PrefillWorker(EngineLoop):
         prefill_tp = 1 + len(self.rank_devices)
         self._slices = transfer_map(self.engine.kv_spec.num_kv_heads, prefill_tp, decode_tp)
         self._tps = (prefill_tp, decode_tp)
+        self._rank_factory = rank_factory(self.transport, prefill_tp)
 
     def layer_listener(self) -> Callable[[int, ScheduledBatch], None] | None:
         """Layer-wise granularity: ``_put_layers`` hears of every layer as it is written."""
@@ -121,7 +124,8 @@ class PrefillWorker(EngineLoop):
                 pass
 
     def status(self) -> dict:
-        return {**super().status(), "transport_held": self.call(self.transport.num_held)}
+        return {**super().status(), "transport_held": self.call(
+            lambda: num_held(self.engine.kv_store, self.transport, self._rank_factory))}
 
     def shutdown(self) -> None:
         """Stop; like a dead Ray owner, drop every KV put here (freeing twice is harmless)."""
@@ -207,17 +211,32 @@ class PrefillWorker(EngineLoop):
         except Exception:
             return True  # let the put itself fail with the transport's reason
 
-    def _put_bytes(self, state) -> int:
-        """Bytes of ``state``'s KV this worker sends (prompt tokens from its start on; a KV
-        head a decode instance replicates goes to each of its ranks)."""
+    def _put_bytes(self, state, num_layers: int | None = None) -> int:
+        """Bytes of ``state``'s KV this worker sends over ``num_layers`` (default all; prompt
+        tokens from its start on; a KV head a decode instance replicates goes to each of its
+        ranks). Rank 0's room stands for each rank's (equal shares)."""
         start = self._kv_start.get(state.request_id, 0)
         heads = sum(len(s.heads) for s in self._slices)
         num_kv_heads = self.engine.kv_spec.num_kv_heads
-        return self.engine.kv_spec.kv_bytes(state.num_prompt_tokens - start) * heads // num_kv_heads
+        return (self.engine.kv_spec.kv_bytes(state.num_prompt_tokens - start, num_layers)
+                * heads // num_kv_heads)
 
-    def _put(self, rid: str, kv, token_start: int, layer_start: int = 0) -> list[KVHandle]:
-        """Put ``kv`` ``[L', 2, H_kv, T, D]`` as one message per rank slice (whole between TP-1
-        instances); a failed put frees the ones before it, then raises."""
+    def _put(self, rid: str, token_start: int, layers: slice | None = None) -> list[KVHandle]:
+        """Put the prompt KV ``[L', 2, H_kv, T, D]`` from ``token_start`` on of a prefilled
+        request (``layers``: those layers of one still computing) as one message per rank
+        slice (whole between TP-1 instances), each rank its own where the transport allows
+        (``kv_transfer.rank_kv``); a failed put frees the ones before it, then raises."""
+        layer_start = 0 if layers is None else layers.start
+        if self._rank_factory is not None:
+            block_ids, num_tokens = self.engine.prompt_kv_blocks(rid, token_start)
+            return put_on_ranks(self.engine.kv_store, self.transport, self._rank_factory, rid,
+                                self.engine.kv_spec, block_ids, num_tokens,
+                                slice(None) if layers is None else layers, token_start,
+                                layer_start, self._slices,
+                                self._tps, self._dst_rank.get(rid))
+        may_view = self.transport.copies_on_put
+        kv = (self.engine.prefilled_kv(rid, token_start, may_view=may_view) if layers is None
+              else self.engine.read_kv_layers(rid, layers, token_start, may_view=may_view))
         if self._tps == (1, 1):
             return [self.transport.put(rid, self.engine.kv_spec, kv, token_start=token_start,
                                        layer_start=layer_start, dst_rank=self._dst_rank.get(rid))]
@@ -238,8 +257,7 @@ class PrefillWorker(EngineLoop):
         rid = out.request_id
         start = self._kv_start.get(rid, 0)
         try:
-            kv = self.engine.prefilled_kv(rid, start, may_view=self.transport.copies_on_put)
-            handles = self._put(rid, kv, start)
+            handles = self._put(rid, start)
         except Exception as err:  # the transport refused: this request fails, not the worker
             self._fail(rid, err)
             return
@@ -286,15 +304,14 @@ class PrefillWorker(EngineLoop):
             if rid in self._put_errors or rid in self._no_room:
                 continue
             token_start = self._kv_start.get(rid, 0)
-            kv = self.engine.read_kv_layers(rid, slice(start, layer + 1), token_start,
-                                            may_view=self.transport.copies_on_put)
             try:
-                room = not self._deferred and self.transport.has_room(kv.numel() * kv.element_size())
+                room = not self._deferred and self.transport.has_room(
+                    self._put_bytes(state, layer + 1 - start))
                 if not room:  # free what it holds of the buffer: nothing half-sent waits
                     self._no_room.add(rid)
                     self._free(self._layer_handles.pop(rid, []))
                     continue
-                handles = self._put(rid, kv, token_start, layer_start=start)
+                handles = self._put(rid, token_start, slice(start, layer + 1))
             except Exception as err:  # fail this request after the step, not the whole batch
                 self._put_errors[rid] = err
                 continue
