@@ -6,8 +6,8 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
   Layer-wise granularity puts each range of ``layers_per_chunk`` layers once the runner wrote
   it, while the next layers compute; whole-request granularity puts after the step. A request
   whose first token ends it (EOS, stop token, ``max_tokens == 1``) sends no KV.
-- Every first token leaves as a ``token`` event, on the channel's socket before a whole-request put of
-  its step starts; then a ``prefilled`` event repeats it with the handles and ``kv_put``.
+- A first token leaves as a ``token`` event, on the channel's socket before its whole-request
+  put starts; then a ``prefilled`` event repeats it with the handles and ``kv_put`` stamp.
 - Past its last prompt chunk a request is never preempted (PREFILLED), so its KV cannot vanish
   before the put; after it the local KV is freed (full blocks stay in the prefix cache).
 - The handles belong to whoever collected that event (the router, then the decode worker).
