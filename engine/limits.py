@@ -61,6 +61,8 @@ class Limits:
                              f"{self.max_model_len} (max_model_len)", field)
         if self.vocab_size is not None:
             for field, ids in (("prompt", prompt_token_ids), ("stop_token_ids", stop_token_ids)):
+                if not ids or (min(ids) >= 0 and max(ids) < self.vocab_size):
+                    continue  # min/max in C: a router checks every prompt of a run
                 bad = [t for t in ids if not 0 <= t < self.vocab_size]
                 if bad:
                     name = "prompt_token_ids" if field == "prompt" else field
