@@ -25,15 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from engine.clock import wait_until
 from engine.config import EngineConfig, kv_num_blocks_for
 from engine.kv_cache import KVSpec, KVStore
 from engine.request import RequestState
 from engine.runner import KVLayout, StepTokens
 from engine.scheduler import ScheduledBatch
 
-# sleep until this long before a deadline, then spin: a sleep overshoots by a fraction of a ms,
-# and a longer spin holds the GIL and a core the worker's Ray and transport threads need
-SPIN_S = 0.00025
 LATENESS_WARN = 1.02  # p99 lateness above this: the host is too busy to keep the device's time
 
 
@@ -48,13 +46,8 @@ class RealClock:
 
     def wait_until(self, deadline: float,
                    idle: Callable[[float], None] | None = None) -> None:
-        """Hold until ``perf() >= deadline`` (perf_counter s): ``idle(left - SPIN_S)`` (default
-        ``time.sleep``; it may return early) while more than ``SPIN_S`` is left, then spin."""
-        nap = idle or time.sleep
-        while (left := deadline - time.perf_counter()) > SPIN_S:
-            nap(left - SPIN_S)
-        while time.perf_counter() < deadline:
-            pass
+        """``engine.clock.wait_until``: nap (``idle``), then spin to ``deadline`` (perf s)."""
+        wait_until(deadline, idle)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import time
 import pytest
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
-from engine.emulated import SPIN_S, Emulation, RealClock, emulated_token, lateness_warning, prompt_hash
+from engine.clock import SPIN_S
+from engine.emulated import Emulation, RealClock, emulated_token, lateness_warning, prompt_hash
 from engine.engine import Engine
 from engine.model import ModelLoadError, load_geometry
 from engine.request import Request, RequestState, SamplingParams

@@ -47,7 +47,7 @@ PACKAGES = ("engine", "kv_transfer", "channel", "prefill_worker", "decode_worker
             "planner", "server", "deployment", "experiments")
 TORCH_FREE_ENGINE = ("engine.request", "engine.config", "engine.metrics", "engine.events",
                      "engine.errors", "engine.arrivals", "engine.limits", "engine.kv_blocks",
-                     "engine.placement", "engine.kv_heads", "engine.memory_fit")
+                     "engine.placement", "engine.kv_heads", "engine.memory_fit", "engine.clock")
 HEAVY = ("torch", "transformers", "ray", "msgpack", "zmq")
 # the contract and the in-process hub (its default): no sockets, no msgpack
 CHANNEL_FOR_ROUTER = ("channel", "channel.contract", "channel.local")
