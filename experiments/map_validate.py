@@ -1,18 +1,14 @@
 """``pdlab map --validate K``: the map's own check against real runs.
 
-1. Cells come from ``planner.slo_map.pick_cells``. Per ratio with one, every candidate runs for
-   real (``experiments.replay.run_placement``) at the validation rates, ``1 + num_reruns``
-   passes; on emulated devices each run keeps its steps' lateness p99. The rates are
-   ``bracketing_rates`` (the ladder reaches past every run placement's predicted goodput), each
-   run ``run_size`` requests (long enough to leave a burst's transient, never longer than the
-   map's own simulated run).
+1. Cells come from ``planner.slo_map.pick_cells``. Per ratio with one, every candidate runs
+   (``experiments.replay.run_placement``) at ``bracketing_rates``, ``run_size`` requests a run,
+   ``1 + num_reruns`` passes; on emulated devices each run keeps its steps' lateness p99.
 2. Every checked cell of a ratio is scored from the same real requests (a run does not depend
    on the SLO); the measured goodput is the mean over passes.
 3. Per cell, ``planner.decision.decide`` of mapped against measured goodputs. A same-schedule
    twin pair is scored as one answer (``one_schedule``). A disagreement is within the noise when
-   in at least one pass the mapped winner was measured first (None without reruns). A cell where
-   a placement met the SLO at the ladder's top (a lower bound) could still overtake the measured
-   first is ``UNDECIDED``: neither an agreement nor a disagreement.
+   in at least one pass the mapped winner was measured first (None without reruns); a cell
+   ``decide`` leaves undecided (a goodput met at the ladder's top) counts neither way.
 
 ``contenders`` runs only each family's best mapped placement per cell (and the winner's twin):
 the family verdict at a fraction of the runs, blind to a measured best the map ranked lower."""
@@ -37,15 +33,13 @@ CHECK_COLUMNS = ["io_ratio", "ttft_slo_s", "tpot_slo_s", "ttft_index", "tpot_ind
                  "top_rate_req_s", "measured_goodput", "predicted_goodput"]
 UNDECIDED = "undecided at the validation ladder's top"
 BRACKET = 1.5  # the ladder's top exceeds every run placement's predicted goodput x this
-WINDOW_TTFTS = 4  # --validate-window-s default: this many of the loosest TTFT SLO
+WINDOW_TTFTS = 4  # --validate-window-s default: x the loosest TTFT SLO (run_size)
 
 
 def bracketing_rates(rates: Sequence[float], predicted_req_s: float, cap: float) -> list[float]:
-    """The validation ladder (req/s, ascending): ``rates`` with rungs doubling its top added until
-    the top exceeds ``BRACKET`` x ``predicted_req_s`` (the highest predicted goodput over all of
-    a placement's devices, req/s, among the placements run), the last one ``cap`` where doubling
-    would pass it. Below that top every placement may meet the SLO at every rung, and measured
-    goodputs that are all lower bounds cannot rank placements.
+    """The validation ladder (req/s, ascending): ``rates`` plus rungs doubling the top until it
+    exceeds ``BRACKET`` x ``predicted_req_s`` (the run placements' highest predicted goodput
+    over all their devices), none above ``cap``: measured goodputs met at the top cannot rank.
 
     Raises:
         ValueError: no rates, or a rate or ``cap`` not > 0."""
@@ -59,22 +53,18 @@ def bracketing_rates(rates: Sequence[float], predicted_req_s: float, cap: float)
 
 
 def run_size(rate: float, window_s: float, floor: int, num_requests: int) -> int:
-    """Requests in one real run at ``rate`` req/s: enough to arrive over ``window_s`` seconds
-    (ceil(rate x window)), at least ``floor`` (``--validate-requests``), at most
-    ``num_requests``. The map's simulated run replays all ``num_requests`` of the workload at
-    every rate (``slo_map.map_ratio``); a real run replays the first n of the same requests
-    with the same arrivals (``run_placement``), so it is never longer than the run its
-    prediction came from. The window's default, ``WINDOW_TTFTS`` x the loosest TTFT SLO T: a
-    rate 25% above capacity queues 0.25 s of work per second, which passes T after 4T s; a
-    shorter run is a burst that drains before its queue shows.
+    """Requests in one real run: ceil(``rate`` x ``window_s``), at least ``floor``, at most
+    ``num_requests``, the map's simulated run at every rate; a real run is its first n requests
+    and arrivals. Default window 4T (T the loosest TTFT SLO): 25% over capacity queues 0.25 s of
+    work per second, past T after 4T s; a shorter run is a burst that drains first.
 
     Raises:
         ValueError: ``window_s`` not > 0 or ``floor`` < 1."""
     if not window_s > 0 or floor < 1:
         raise ValueError(f"a run's window must be > 0 s and its floor >= 1 request, got "
                          f"{window_s} s and {floor}")
-    # rounded first: 0.1 req/s x 30 s is 3.0000000000000004 in floats, 3 requests
-    return min(num_requests, max(floor, math.ceil(round(rate * window_s, 9))))
+    n = math.ceil(round(rate * window_s, 9))  # 0.1 x 30 is 3.0000000000000004 in floats
+    return min(num_requests, max(floor, n))
 
 
 def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: dict,
@@ -87,7 +77,7 @@ def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: 
     first), ``candidate``, ``placement``, ``num_devices``, ``rate``, ``seed``,
     ``search.LATENCY_COLUMNS`` (every real request's TTFT and TPOT, s) and ``lateness_p99`` (the
     run's emulated steps, actual ÷ modelled; NaN on real devices). ``progress`` is called after each
-    candidate's runs; ``num_requests``: a run's request count per rate (None: all of ``items``).
+    candidate's runs; ``num_requests(rate)``: ``run_placement``'s.
 
     Raises:
         ValueError: a placement that does not fit ``devices``, a workload that does not fit."""
@@ -151,9 +141,8 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
                 families: Mapping[str, str]) -> pd.DataFrame:
     """Steps 2-3 for one ratio's checked cells (``picked``: rows of ``slo_map.cells``;
     ``predicted``: ``slo_map.map_ratio``'s goodput grids; ``runs``: ``real_runs``' rows, one
-    ladder for every placement). Returns one row per checked cell (``CHECK_COLUMNS``; goodputs
-    as "label=value; ..." texts; ``met_at_top``: the placements whose mean goodput is the top
-    rate over their devices, "; "-joined)."""
+    ladder for all). Returns one row per checked cell (``CHECK_COLUMNS``; goodputs as
+    "label=value; ..." texts; ``met_at_top``: "; "-joined)."""
     passes = [slo_map.goodput_grid(g, ttft_grid, tpot_grid)
               for _, g in runs.groupby("pass", sort=True)]
     labels = [x for x in predicted if x in passes[0]]
@@ -202,8 +191,7 @@ def parse_goodput(text: str) -> dict[str, float]:
 
 def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
     """``checked`` (``check_cells`` rows) as ``decision.figures``' input table: one row per
-    (cell, placement) with its predicted and measured goodput and whether that is a lower
-    bound (met at the top validated rate)."""
+    (cell, placement) with its predicted and measured goodput and ``lower_bound``."""
     rows = []
     for r in checked.itertuples():
         cell = f"{r.io_ratio:g} @ TTFT {r.ttft_slo_s:g} s, TPOT {r.tpot_slo_s:g} s"
@@ -217,10 +205,9 @@ def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
 
 
 def summary_lines(checked: pd.DataFrame, num_reruns: int, where: str = "for real") -> list[str]:
-    """The validation summary: the decision figures (``decision.summary_line``) over the
-    checked cells, one line per disagreement, with whether it lies inside the rerun noise, and
-    one per ``UNDECIDED`` cell. ``where`` says what the cells ran on ("for real", or "on
-    emulated devices ...")."""
+    """The validation summary: the decision figures (``decision.summary_line``), a line per
+    disagreement (inside the rerun noise or not) and per undecided cell. ``where`` says what
+    the cells ran on ("for real", or "on emulated devices ...")."""
     per_cell, s = decision.figures(decision_table(checked))
     undecided = checked["undecided"].astype(bool)
     decided = checked[~undecided]

@@ -102,9 +102,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   num_requests: Callable[[float], int] | None = None) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
-    ``items``: seed -> workload (or one for every seed); ``num_requests``: a run at rate r
-    replays the first ``num_requests(r)`` requests of each seed's list (None: all; their
-    arrivals are the prefix of the whole list's, ``engine.arrivals``). ``worker_info`` (a list) receives each
+    ``items``: seed -> workload (or one for every seed); ``num_requests(rate)``: a run replays
+    that many of each seed's first requests (None: all). ``worker_info`` (a list) receives each
     worker's ``info()``. ``rates=None``: calibrate first; ``calibration`` (a dict) receives
     ``capacity_req_s``, ``rates``, ``lone_ttft_s`` and ``lone_tpot_s``. ``engine.emu_time_scale``
     S > 1: arrivals and the transfer timeout x S, measured times / S (``experiments.dilation``).

@@ -3,10 +3,8 @@ have chosen well", per decision (one SLO, one workload) from each placement's pr
 measured goodput per device: **top-1 agreement** (the predicted first, ties to the first listed, is
 a measured first); **regret** (best - measured[planner's first]) / best, 0 when best is 0;
 **Kendall tau-b** between predicted and measured (NaN with under two placements or all tied).
-A decision is **undecided** when a measured goodput is only a lower bound (the placement met the
-SLO at the highest rate run) and that placement is not the sole measured first: its true goodput
-may overtake the measured first, so neither agreement nor regret is known. ``figures`` summarizes
-many: top-1 share, mean and worst regret, mean tau, over the decided ones."""
+**Undecided**: a measured goodput that is a lower bound (met at the top rate run) may overtake the
+measured first. ``figures`` summarizes the decided: top-1 share, mean and worst regret, mean tau."""
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ def decide(predicted: Mapping[str, float], measured: Mapping[str, float],
            lower_bound: Collection[str] = ()) -> dict:
     """One decision over the placements both sides have, in ``predicted``'s order:
     ``predicted_first``, ``measured_first`` (tied firsts joined by " = "), ``top1_agrees``,
-    ``regret``, ``kendall_tau``, ``num_placements``, ``undecided`` (a placement of
-    ``lower_bound``, whose measured goodput is a lower bound, other than a sole measured first).
+    ``regret``, ``kendall_tau``, ``num_placements``, ``undecided`` (by ``lower_bound``).
 
     Raises:
         ValueError: the two share no placement."""
@@ -53,8 +50,7 @@ def decide(predicted: Mapping[str, float], measured: Mapping[str, float],
     best = max(measured[p] for p in common)
     firsts = [p for p in common if measured[p] == best]
     regret = (best - measured[first]) / best if best > 0 else 0.0
-    # decided: no lower bound, or the one lower bound is the sole measured first (it only grows)
-    open_ended = [p for p in common if p in lower_bound]
+    open_ended = [p for p in common if p in lower_bound]  # a sole first of them stays first
     return {"predicted_first": first, "measured_first": " = ".join(firsts),
             "top1_agrees": first in firsts, "regret": float(regret),
             "kendall_tau": kendall_tau([predicted[p] for p in common],
@@ -65,11 +61,10 @@ def decide(predicted: Mapping[str, float], measured: Mapping[str, float],
 
 def figures(table: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     """Many decisions: ``table`` has one row per (cell, placement) with ``cell``, ``placement``,
-    ``predicted`` and ``measured`` (goodput per device, req/s), and optionally ``lower_bound``
-    (bool: that measured goodput is a lower bound). Returns (one row per cell,
-    ``DECISION_COLUMNS``; summary: ``num_cells``, ``num_undecided``, and over the decided cells
-    ``top1_agreement``, ``regret_mean``, ``regret_max`` (NaN when none is decided),
-    ``kendall_tau_mean`` over cells where defined).
+    ``predicted``, ``measured`` (goodput per device, req/s), optionally ``lower_bound`` (bool).
+    Returns (one row per cell, ``DECISION_COLUMNS``; summary: ``num_cells``, ``num_undecided``,
+    over decided cells ``top1_agreement``, ``regret_mean``, ``regret_max`` (NaN: none decided),
+    ``kendall_tau_mean`` where defined).
 
     Raises:
         ValueError: an empty table."""
@@ -92,8 +87,7 @@ def figures(table: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
 
 
 def summary_line(s: Mapping, undecided: str = "undecided") -> str:
-    """``figures``' summary as one sentence; ``undecided`` names the undecided decisions (said
-    only when there are any)."""
+    """``figures``' summary as one sentence; ``undecided`` names the undecided ones."""
     tau, skipped = s["kendall_tau_mean"], s.get("num_undecided", 0)
     decided = s["num_cells"] - skipped
     more = f" (and {skipped} {undecided}, not counted)" if skipped else ""
