@@ -1,19 +1,21 @@
 """``pdlab map --validate K``: the map's own check against real runs.
 
-1. Cells come from ``planner.slo_map.pick_cells``. Per ratio with one, every candidate runs for
-   real (``experiments.replay.run_placement``) at the validation rates, ``1 + num_reruns``
-   passes; on emulated devices each run keeps its steps' lateness p99.
+1. Cells come from ``planner.slo_map.pick_cells``. Per ratio with one, every candidate runs
+   (``experiments.replay.run_placement``) at ``bracketing_rates``, ``run_size`` requests a run,
+   ``1 + num_reruns`` passes; on emulated devices each run keeps its steps' lateness p99.
 2. Every checked cell of a ratio is scored from the same real requests (a run does not depend
    on the SLO); the measured goodput is the mean over passes.
 3. Per cell, ``planner.decision.decide`` of mapped against measured goodputs. A same-schedule
    twin pair is scored as one answer (``one_schedule``). A disagreement is within the noise when
-   in at least one pass the mapped winner was measured first (None without reruns).
+   in at least one pass the mapped winner was measured first (None without reruns); a cell
+   ``decide`` leaves undecided (a goodput met at the ladder's top) counts neither way.
 
 ``contenders`` runs only each family's best mapped placement per cell (and the winner's twin):
 the family verdict at a fraction of the runs, blind to a measured best the map ranked lower."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
@@ -27,20 +29,55 @@ from planner import decision, search, slo_map
 
 CHECK_COLUMNS = ["io_ratio", "ttft_slo_s", "tpot_slo_s", "ttft_index", "tpot_index",
                  "map_verdict", "mapped", "measured_first", "top1_agrees", "family_agrees",
-                 "regret", "kendall_tau", "inside_rerun_noise", "measured_goodput",
-                 "predicted_goodput"]
+                 "regret", "kendall_tau", "inside_rerun_noise", "undecided", "met_at_top",
+                 "top_rate_req_s", "measured_goodput", "predicted_goodput"]
+UNDECIDED = "undecided at the validation ladder's top"
+BRACKET = 1.5  # the ladder's top exceeds every run placement's predicted goodput x this
+WINDOW_TTFTS = 4  # --validate-window-s default: x the loosest TTFT SLO (run_size)
+
+
+def bracketing_rates(rates: Sequence[float], predicted_req_s: float, cap: float) -> list[float]:
+    """The validation ladder (req/s, ascending): ``rates`` plus rungs doubling the top until it
+    exceeds ``BRACKET`` x ``predicted_req_s`` (the run placements' highest predicted goodput
+    over all their devices), none above ``cap``: measured goodputs met at the top cannot rank.
+
+    Raises:
+        ValueError: no rates, or a rate or ``cap`` not > 0."""
+    ladder = sorted({float(r) for r in rates})
+    if not ladder or not ladder[0] > 0 or not cap > 0:
+        raise ValueError(f"validation rates and their cap must be > 0 req/s, got {list(rates)} "
+                         f"and {cap}")
+    while ladder[-1] <= BRACKET * predicted_req_s and ladder[-1] < cap:
+        ladder.append(min(2 * ladder[-1], cap))
+    return ladder
+
+
+def run_size(rate: float, window_s: float, floor: int, num_requests: int) -> int:
+    """Requests in one real run: ceil(``rate`` x ``window_s``), at least ``floor``, at most
+    ``num_requests``, the map's simulated run at every rate; a real run is its first n requests
+    and arrivals. Default window 4T (T the loosest TTFT SLO): 25% over capacity queues 0.25 s of
+    work per second, past T after 4T s; a shorter run is a burst that drains first.
+
+    Raises:
+        ValueError: ``window_s`` not > 0 or ``floor`` < 1."""
+    if not window_s > 0 or floor < 1:
+        raise ValueError(f"a run's window must be > 0 s and its floor >= 1 request, got "
+                         f"{window_s} s and {floor}")
+    n = math.ceil(round(rate * window_s, 9))  # 0.1 x 30 is 3.0000000000000004 in floats
+    return min(num_requests, max(floor, n))
 
 
 def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: dict,
               spec: WorkloadSpec, model: ModelConfig, engine: EngineConfig,
               transfer: TransferConfig, devices: str, policy: str = "least_loaded",
               local: bool = False, num_reruns: int = 0,
-              progress: Callable[[], None] | None = None) -> pd.DataFrame:
+              progress: Callable[[], None] | None = None,
+              num_requests: Callable[[float], int] | None = None) -> pd.DataFrame:
     """Step 1 for one ratio: one row per (pass, candidate, rate, seed) with ``pass`` (0 = the
     first), ``candidate``, ``placement``, ``num_devices``, ``rate``, ``seed``,
     ``search.LATENCY_COLUMNS`` (every real request's TTFT and TPOT, s) and ``lateness_p99`` (the
     run's emulated steps, actual ÷ modelled; NaN on real devices). ``progress`` is called after each
-    candidate's runs.
+    candidate's runs; ``num_requests(rate)``: ``run_placement``'s.
 
     Raises:
         ValueError: a placement that does not fit ``devices``, a workload that does not fit."""
@@ -49,7 +86,8 @@ def real_runs(cands: Sequence[search.Candidate], rates: Sequence[float], items: 
         for cand in cands:
             for r in run_placement(cand.placement, list(rates), items, spec, model,
                                    cand.engine(engine), transfer, devices, None, policy,
-                                   local=local, conditional=ConditionalConfig()):
+                                   local=local, conditional=ConditionalConfig(),
+                                   num_requests=num_requests):
                 ttft, tpot = search.request_latencies(r.records)
                 late = lateness_p99(r.steps)
                 rows.append({"pass": k, "candidate": cand.label, "placement": cand.placement,
@@ -102,11 +140,14 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
                 ttft_grid: Sequence[float], tpot_grid: Sequence[float],
                 families: Mapping[str, str]) -> pd.DataFrame:
     """Steps 2-3 for one ratio's checked cells (``picked``: rows of ``slo_map.cells``;
-    ``predicted``: ``slo_map.map_ratio``'s goodput grids; ``runs``: ``real_runs``' rows). Returns
-    one row per checked cell (``CHECK_COLUMNS``; goodputs as "label=value; ..." texts)."""
+    ``predicted``: ``slo_map.map_ratio``'s goodput grids; ``runs``: ``real_runs``' rows, one
+    ladder for all). Returns one row per checked cell (``CHECK_COLUMNS``; goodputs as
+    "label=value; ..." texts; ``met_at_top``: "; "-joined)."""
     passes = [slo_map.goodput_grid(g, ttft_grid, tpot_grid)
               for _, g in runs.groupby("pass", sort=True)]
     labels = [x for x in predicted if x in passes[0]]
+    top = float(runs["rate"].max())
+    devices = dict(zip(runs["candidate"], runs["num_devices"]))
     rows = []
     for cell in picked.itertuples():
         i, j = cell.ttft_index, cell.tpot_index
@@ -116,10 +157,12 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
         pred, per_pass, name = one_schedule(pred, per_pass, cell.winner, twin)
         fams = {**families, name: families.get(cell.winner, "")}
         meas = {x: float(np.mean([p[x] for p in per_pass])) for x in pred}
-        d = decision.decide(pred, meas)
+        at_top = [x for x in meas if np.isclose(  # a merged twin pair: the winner's devices
+            meas[x], top / (devices[x] if x in devices else devices[cell.winner]))]
+        d = decision.decide(pred, meas, at_top)
         firsts = d["measured_first"].split(" = ")
         noise = None
-        if not d["top1_agrees"] and len(per_pass) > 1:
+        if not d["top1_agrees"] and not d["undecided"] and len(per_pass) > 1:
             noise = any(p[d["predicted_first"]] >= max(p.values()) for p in per_pass)
         rows.append({"io_ratio": cell.io_ratio, "ttft_slo_s": cell.ttft_slo_s,
                      "tpot_slo_s": cell.tpot_slo_s, "ttft_index": i, "tpot_index": j,
@@ -127,7 +170,8 @@ def check_cells(picked: pd.DataFrame, predicted: Mapping[str, np.ndarray], runs:
                      "measured_first": d["measured_first"], "top1_agrees": d["top1_agrees"],
                      "family_agrees": fams[d["predicted_first"]] in {fams[f] for f in firsts},
                      "regret": d["regret"], "kendall_tau": d["kendall_tau"],
-                     "inside_rerun_noise": noise,
+                     "inside_rerun_noise": noise, "undecided": d["undecided"],
+                     "met_at_top": "; ".join(at_top), "top_rate_req_s": top,
                      "measured_goodput": goodput_text(meas),
                      "predicted_goodput": goodput_text(pred)})
     return pd.DataFrame(rows, columns=CHECK_COLUMNS)
@@ -147,25 +191,31 @@ def parse_goodput(text: str) -> dict[str, float]:
 
 def decision_table(checked: pd.DataFrame) -> pd.DataFrame:
     """``checked`` (``check_cells`` rows) as ``decision.figures``' input table: one row per
-    (cell, placement) with its predicted and measured goodput."""
+    (cell, placement) with its predicted and measured goodput and ``lower_bound``."""
     rows = []
     for r in checked.itertuples():
         cell = f"{r.io_ratio:g} @ TTFT {r.ttft_slo_s:g} s, TPOT {r.tpot_slo_s:g} s"
         meas = parse_goodput(r.measured_goodput)
+        at_top = set(r.met_at_top.split("; ")) if isinstance(r.met_at_top, str) else set()
         for label, value in parse_goodput(r.predicted_goodput).items():
             rows.append({"cell": cell, "placement": label, "predicted": value,
-                         "measured": meas[label]})
-    return pd.DataFrame(rows, columns=["cell", "placement", "predicted", "measured"])
+                         "measured": meas[label], "lower_bound": label in at_top})
+    return pd.DataFrame(rows, columns=["cell", "placement", "predicted", "measured",
+                                       "lower_bound"])
 
 
 def summary_lines(checked: pd.DataFrame, num_reruns: int, where: str = "for real") -> list[str]:
-    """The validation summary: the decision figures (``decision.summary_line``) over the
-    checked cells and one line per disagreement, with whether it lies inside the rerun
-    noise. ``where`` says what the cells ran on ("for real", or "on emulated devices ...")."""
+    """The validation summary: the decision figures (``decision.summary_line``), a line per
+    disagreement (inside the rerun noise or not) and per undecided cell. ``where`` says what
+    the cells ran on ("for real", or "on emulated devices ...")."""
     per_cell, s = decision.figures(decision_table(checked))
-    lines = [f"validated {len(checked)} cell(s) {where}: " + decision.summary_line(s)
-             + f"; family agreement {100 * checked['family_agrees'].mean():.0f}%"]
-    for r in checked[~checked["top1_agrees"]].itertuples():
+    undecided = checked["undecided"].astype(bool)
+    decided = checked[~undecided]
+    family = (f"{100 * decided['family_agrees'].astype(float).mean():.0f}%" if len(decided)
+              else "undefined (no decided cell)")
+    lines = [f"validated {len(checked)} cell(s) {where}: " + decision.summary_line(s, UNDECIDED)
+             + f"; family agreement {family}"]
+    for r in decided[~decided["top1_agrees"].astype(bool)].itertuples():
         noise = ("no reruns to judge it by (--validate-reruns)" if r.inside_rerun_noise is None
                  else "inside the rerun noise (a pass measured the mapped one first)"
                  if r.inside_rerun_noise else
@@ -173,6 +223,11 @@ def summary_lines(checked: pd.DataFrame, num_reruns: int, where: str = "for real
         lines.append(f"  disagreement at io {r.io_ratio:g}, TTFT {r.ttft_slo_s:g} s, TPOT "
                      f"{r.tpot_slo_s:g} s: mapped {r.mapped} ({r.map_verdict}), measured "
                      f"{r.measured_first}, regret {100 * r.regret:.1f}%: {noise}")
+    for r in checked[undecided].itertuples():
+        lines.append(f"  {UNDECIDED} at io {r.io_ratio:g}, TTFT {r.ttft_slo_s:g} s, TPOT "
+                     f"{r.tpot_slo_s:g} s: {r.met_at_top.replace('; ', ', ')} met the SLO at {r.top_rate_req_s:g} "
+                     f"req/s (goodput a lower bound); mapped {r.mapped}, measured first "
+                     f"{r.measured_first}")
     return lines
 
 
@@ -181,8 +236,9 @@ def every_cell_line(checked: pd.DataFrame, num_at_sweep_top: int) -> str:
     of all cells, scored from the checked cells' real runs). ``num_at_sweep_top``: cells whose
     winner met the SLO at the top swept rate (their goodput is a lower bound)."""
     _, s = decision.figures(decision_table(checked))
-    return ("every cell of the map, scored from the same real runs: " + decision.summary_line(s)
-            + f"; {int((~checked['top1_agrees'].astype(bool)).sum())} disagreement(s), "
+    missed = ~checked["top1_agrees"].astype(bool) & ~checked["undecided"].astype(bool)
+    return ("every cell of the map, scored from the same real runs: "
+            + decision.summary_line(s, UNDECIDED) + f"; {int(missed.sum())} disagreement(s), "
             f"{num_at_sweep_top} cell(s) at the sweep's top (map_validation_every_cell.csv)")
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -97,10 +98,12 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                   policy: str = "least_loaded", worker_info: list | None = None,
                   local: bool = False, calibration: dict | None = None,
                   conditional: ConditionalConfig | None = None,
-                  max_worker_restarts: int = 0) -> list[RunResult]:
+                  max_worker_restarts: int = 0,
+                  num_requests: Callable[[float], int] | None = None) -> list[RunResult]:
     """Deploy one placement once and replay the workload at each rate and seed.
 
-    ``items``: seed -> workload (or one for every seed). ``worker_info`` (a list) receives each
+    ``items``: seed -> workload (or one for every seed); ``num_requests(rate)``: a run replays
+    that many of each seed's first requests (None: all). ``worker_info`` (a list) receives each
     worker's ``info()``. ``rates=None``: calibrate first; ``calibration`` (a dict) receives
     ``capacity_req_s``, ``rates``, ``lone_ttft_s`` and ``lone_tpot_s``. ``engine.emu_time_scale``
     S > 1: arrivals and the transfer timeout x S, measured times / S (``experiments.dilation``).
@@ -141,7 +144,8 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
                                    rates=rates, placement=placement, lone_ttft_s=lone_ttft_s,
                                    lone_tpot_s=lone_tpot_s)
         for rate in rates:
-            for seed, its in by_seed.items():
+            for seed, every in by_seed.items():
+                its = every if num_requests is None else every[:num_requests(rate)]
                 workload = dilate.dilated_workload(router_workload(
                     its, rate, spec, tag=f"{placement}@{rate:g}/s{seed}", seed=seed), dilation)
                 dep.reset_prefix_cache()  # each run starts cold (no hits inherited)

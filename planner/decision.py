@@ -3,18 +3,19 @@ have chosen well", per decision (one SLO, one workload) from each placement's pr
 measured goodput per device: **top-1 agreement** (the predicted first, ties to the first listed, is
 a measured first); **regret** (best - measured[planner's first]) / best, 0 when best is 0;
 **Kendall tau-b** between predicted and measured (NaN with under two placements or all tied).
-``figures`` summarizes many: top-1 share, mean and worst regret, mean tau."""
+**Undecided**: a measured goodput that is a lower bound (met at the top rate run) may overtake the
+measured first. ``figures`` summarizes the decided: top-1 share, mean and worst regret, mean tau."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
 
 DECISION_COLUMNS = ["cell", "predicted_first", "measured_first", "top1_agrees", "regret",
-                    "kendall_tau", "num_placements"]
+                    "kendall_tau", "num_placements", "undecided"]
 
 
 def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
@@ -34,10 +35,11 @@ def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
     return float(np.sum(dx * dy) / denom) if denom > 0 else math.nan
 
 
-def decide(predicted: Mapping[str, float], measured: Mapping[str, float]) -> dict:
+def decide(predicted: Mapping[str, float], measured: Mapping[str, float],
+           lower_bound: Collection[str] = ()) -> dict:
     """One decision over the placements both sides have, in ``predicted``'s order:
     ``predicted_first``, ``measured_first`` (tied firsts joined by " = "), ``top1_agrees``,
-    ``regret``, ``kendall_tau``, ``num_placements``.
+    ``regret``, ``kendall_tau``, ``num_placements``, ``undecided`` (by ``lower_bound``).
 
     Raises:
         ValueError: the two share no placement."""
@@ -48,18 +50,21 @@ def decide(predicted: Mapping[str, float], measured: Mapping[str, float]) -> dic
     best = max(measured[p] for p in common)
     firsts = [p for p in common if measured[p] == best]
     regret = (best - measured[first]) / best if best > 0 else 0.0
+    open_ended = [p for p in common if p in lower_bound]  # a sole first of them stays first
     return {"predicted_first": first, "measured_first": " = ".join(firsts),
             "top1_agrees": first in firsts, "regret": float(regret),
             "kendall_tau": kendall_tau([predicted[p] for p in common],
                                        [measured[p] for p in common]),
-            "num_placements": len(common)}
+            "num_placements": len(common),
+            "undecided": bool(open_ended) and not (len(firsts) == 1 and open_ended == firsts)}
 
 
 def figures(table: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
     """Many decisions: ``table`` has one row per (cell, placement) with ``cell``, ``placement``,
-    ``predicted`` and ``measured`` (goodput per device, req/s). Returns (one row per cell,
-    ``DECISION_COLUMNS``; summary: ``num_cells``, ``top1_agreement``, ``regret_mean``,
-    ``regret_max``, ``kendall_tau_mean`` over cells where defined).
+    ``predicted``, ``measured`` (goodput per device, req/s), optionally ``lower_bound`` (bool).
+    Returns (one row per cell, ``DECISION_COLUMNS``; summary: ``num_cells``, ``num_undecided``,
+    over decided cells ``top1_agreement``, ``regret_mean``, ``regret_max`` (NaN: none decided),
+    ``kendall_tau_mean`` where defined).
 
     Raises:
         ValueError: an empty table."""
@@ -67,21 +72,28 @@ def figures(table: pd.DataFrame) -> tuple[pd.DataFrame, dict]:
         raise ValueError("no decisions to score")
     rows = []
     for cell, g in table.groupby("cell", sort=False):
+        lower = g["placement"][g["lower_bound"].astype(bool)] if "lower_bound" in g else ()
         rows.append({"cell": cell, **decide(dict(zip(g["placement"], g["predicted"])),
-                                            dict(zip(g["placement"], g["measured"])))})
+                                            dict(zip(g["placement"], g["measured"])),
+                                            set(lower))})
     per_cell = pd.DataFrame(rows, columns=DECISION_COLUMNS)
-    taus = per_cell["kendall_tau"].dropna()
-    return per_cell, {"num_cells": len(per_cell),
-                      "top1_agreement": float(per_cell["top1_agrees"].mean()),
-                      "regret_mean": float(per_cell["regret"].mean()),
-                      "regret_max": float(per_cell["regret"].max()),
+    decided = per_cell[~per_cell["undecided"]]
+    taus = decided["kendall_tau"].dropna()
+    return per_cell, {"num_cells": len(per_cell), "num_undecided": len(per_cell) - len(decided),
+                      "top1_agreement": float(decided["top1_agrees"].astype(float).mean()),
+                      "regret_mean": float(decided["regret"].mean()),
+                      "regret_max": float(decided["regret"].max()),
                       "kendall_tau_mean": float(taus.mean()) if len(taus) else math.nan}
 
 
-def summary_line(s: Mapping) -> str:
-    """``figures``' summary as one sentence."""
-    tau = s["kendall_tau_mean"]
-    return (f"top-1 agreement {100 * s['top1_agreement']:.0f}% of {s['num_cells']} "
-            f"decision(s); regret mean {100 * s['regret_mean']:.1f}%, worst "
+def summary_line(s: Mapping, undecided: str = "undecided") -> str:
+    """``figures``' summary as one sentence; ``undecided`` names the undecided ones."""
+    tau, skipped = s["kendall_tau_mean"], s.get("num_undecided", 0)
+    decided = s["num_cells"] - skipped
+    more = f" (and {skipped} {undecided}, not counted)" if skipped else ""
+    if not decided:
+        return f"no decided decision{more}"
+    return (f"top-1 agreement {100 * s['top1_agreement']:.0f}% of {decided} decision(s){more}; "
+            f"regret mean {100 * s['regret_mean']:.1f}%, worst "
             f"{100 * s['regret_max']:.1f}% of the measured best goodput; Kendall tau "
             + (f"{tau:.2f}" if math.isfinite(tau) else "undefined (ties)"))

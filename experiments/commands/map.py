@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 import time
@@ -85,12 +86,18 @@ class MapConfig:
         "min": 0, "help": "no clear winner where the winner with steps 1+S slower does not "
                           "beat the runner-up with steps 1-S faster; < 1"})
     validate: int = field(default=0, metadata={"min": 0, "help": "cells checked for real"})
-    validate_requests: int = field(default=20, metadata={"min": 1, "help": "requests per seed "
-                                                                           "per real run"})
+    validate_requests: int = field(default=20, metadata={"min": 1, "help": "fewest requests "
+                                                                           "per seed per real run"})
     validate_reruns: int = field(default=0, metadata={"min": 0, "help": "real reruns of every "
                                                                         "validation run"})
     validate_rates: str = field(default="", metadata={
-        "help": "real runs' rates req/s, comma-separated (default: the map's ladder)"})
+        "help": "real runs' rates req/s, comma-separated (default: the map's ladder); rungs "
+                "doubling the top are added until it passes 1.5 x every run placement's "
+                "predicted goodput, up to twice the map's top rate"})
+    validate_window_s: float | None = field(default=None, metadata={
+        "gt": 0, "help": "real runs' arrival window (s): a run at rate r has ceil(r x window) "
+                         "requests, at least --validate-requests, at most --num-requests "
+                         "(unset: 4 x the loosest TTFT SLO)"})
     validate_placements: str = field(default="all", metadata={
         "choices": VALIDATE_PLACEMENTS, "help": "placements run per checked cell: all, or "
                                                 "contenders (each family's best there)"})
@@ -188,6 +195,9 @@ def check(args: argparse.Namespace) -> MapJob:
     if cfg.validate_on == "emu" and not cfg.validate:
         raise option_error("--validate-on", "emu says where --validate K runs the checked "
                                             "cells: give --validate K too")
+    if cfg.validate_window_s is not None and not cfg.validate:
+        raise option_error("--validate-window-s", "sizes the runs of --validate K: give "
+                                                  "--validate K too")
     if cfg.validate_placements != "all" and not cfg.validate:
         raise option_error("--validate-placements", "says which placements --validate K runs: "
                                                     "give --validate K too")
@@ -380,15 +390,31 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
           + ", ".join(f"io {r:g}: {len(runs_of[r])} of {len(x.candidates)} placements"
                       for r in ratios)
           + f" ({cfg.validate_placements}) x {1 + cfg.validate_reruns} pass(es)")
+    window = cfg.validate_window_s or map_validate.WINDOW_TTFTS * max(x.ttft_grid)
+    rates_of, size_of, ladder_lines = {}, {}, []
+    for ratio in ratios:
+        here = picked[picked["io_ratio"] == ratio]
+        best = max(float(predicted[ratio][c.label][i, j]) * c.num_devices for c in runs_of[ratio]
+                   for i, j in zip(here["ttft_index"], here["tpot_index"]))
+        cap = 2 * max(ladders[ratio])  # the map's goodputs are at most its top rate
+        rates_of[ratio] = map_validate.bracketing_rates(x.validate_rates or ladders[ratio], best,
+                                                        cap)
+        size_of[ratio] = functools.partial(map_validate.run_size, window_s=window,
+                                           floor=cfg.validate_requests,
+                                           num_requests=x.specs[ratio].num_requests)
+        ladder_lines.append(
+            f"io {ratio:g}: rates {', '.join(f'{r:g}' for r in rates_of[ratio])} req/s (the "
+            f"top above {map_validate.BRACKET:g} x the highest predicted goodput of the "
+            f"placements run, {best:.3g} req/s, or at the cap {cap:g}); requests per run "
+            f"{', '.join(str(size_of[ratio](r)) for r in rates_of[ratio])} (window {window:g} "
+            f"s, at least {cfg.validate_requests}, at most {x.specs[ratio].num_requests})")
+        print("  " + ladder_lines[-1])
     with tqdm(total=total, desc="real runs", unit="placement", file=sys.stderr) as bar:
         for ratio in ratios:
-            spec = dataclasses.replace(x.specs[ratio], num_requests=min(cfg.validate_requests,
-                                                                        x.specs[ratio].num_requests))
-            items = {s: its[:spec.num_requests] for s, its in workloads[ratio].items()}
-            runs = map_validate.real_runs(runs_of[ratio], x.validate_rates or ladders[ratio], items,
-                                          spec, x.model, x.validate_engine, x.transfer, devices,
-                                          x.policy,
-                                          cfg.local, cfg.validate_reruns, bar.update)
+            runs = map_validate.real_runs(runs_of[ratio], rates_of[ratio], workloads[ratio],
+                                          x.specs[ratio], x.model, x.validate_engine, x.transfer,
+                                          devices, x.policy, cfg.local, cfg.validate_reruns,
+                                          bar.update, size_of[ratio])
             here = picked[picked["io_ratio"] == ratio]
             # with every placement run, every cell is scored (a run does not depend on the
             # SLO) and the picked cells are rows of that; else the picked cells alone
@@ -417,8 +443,8 @@ def _validate(x: MapJob, cells: pd.DataFrame, predicted: dict, workloads: dict, 
         table_all.to_csv(x.out / "map_validation_every_cell.csv", index=False)
         summary.append(map_validate.every_cell_line(table_all, int(cells["at_sweep_top"].sum())))
     late = map_validate.lateness_line(pd.concat(per_run, ignore_index=True))
-    summary = [f"real runs {where}", *summary, *([late] if late else [])]
+    summary = [f"real runs {where}", *ladder_lines, *summary, *([late] if late else [])]
     print("\n" + table[["io_ratio", "ttft_slo_s", "tpot_slo_s", "map_verdict", "mapped",
-                        "measured_first", "regret"]].to_string(index=False) + "\n")
+                        "measured_first", "regret", "undecided"]].to_string(index=False) + "\n")
     print("\n".join(summary))
     return table, summary

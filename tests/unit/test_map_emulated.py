@@ -83,6 +83,9 @@ def test_validate_here_keeps_this_machines_devices(tmp_path):
     (["--validate-on", "emu"], "argument --validate-on: emu says where --validate K runs"),
     (["--validate-placements", "contenders"], "argument --validate-placements: says which "
                                               "placements --validate K runs: give --validate K"),
+    (["--validate-window-s", "2"], "argument --validate-window-s: sizes the runs of --validate "
+                                   "K: give --validate K too"),
+    (["--validate", "1", "--validate-window-s", "0"], "validate_window_s must be > 0"),
     (["--emu-kv-scale", "0.25"], "argument --emu-kv-scale: scales the emulated devices' KV: "
                                  "only with --validate K --validate-on emu"),
     (["--validate", "1", "--emu-kv-scale", "0.25"], "only with --validate K --validate-on emu"),

@@ -1,13 +1,17 @@
 """``experiments.map_validate`` on hand-made real runs: a checked cell scored against them,
-the same-schedule twins scored as one answer (the mean of their two runs), and the
-placements ``--validate-placements contenders`` runs."""
+the same-schedule twins scored as one answer (the mean of their two runs), the placements
+``--validate-placements contenders`` runs, the validation ladder and run sizes, and cells left
+undecided at the ladder's top."""
 
 from __future__ import annotations
+
+import io
 
 import numpy as np
 import pandas as pd
 import pytest
 
+from engine.arrivals import arrival_times
 from experiments import map_validate
 
 FAMS = {"colocated:2": "colocated chunked", "colocated-nochunk:2": "colocated",
@@ -114,3 +118,88 @@ def test_every_cell_line_counts_disagreements_and_sweep_top_cells():
                            "agreement 50% of 2 decision(s); regret mean 25.0%, worst 50.0%")
     assert line.endswith("; 1 disagreement(s), 1 cell(s) at the sweep's top "
                          "(map_validation_every_cell.csv)")
+
+
+def test_the_ladder_doubles_its_top_past_every_predicted_goodput_up_to_the_cap():
+    base = [16, 8, 8, 32, 64, 128, 256]  # unsorted, a duplicate
+    # 100 req/s predicted: 256 > 1.5 x 100 already
+    assert map_validate.bracketing_rates(base, 100.0, 1024.0) == [8, 16, 32, 64, 128, 256]
+    # 200: 256 <= 300, so 512 is added
+    assert map_validate.bracketing_rates(base, 200.0, 1024.0)[-2:] == [256, 512]
+    # 400: 512 <= 600, so 1024 too
+    assert map_validate.bracketing_rates(base, 400.0, 1024.0)[-3:] == [256, 512, 1024]
+    # 600 with a cap of 768: 512, then the cap itself (doubling would pass it), and no more
+    assert map_validate.bracketing_rates(base, 600.0, 768.0)[-3:] == [256, 512, 768]
+    assert map_validate.bracketing_rates(base, 5000.0, 768.0)[-1] == 768
+    for rates, cap in (([], 10.0), ([0.0, 1.0], 10.0), ([1.0], 0.0)):
+        with pytest.raises(ValueError, match="must be > 0"):
+            map_validate.bracketing_rates(rates, 1.0, cap)
+
+
+def test_a_runs_size_is_the_rate_over_the_window_between_the_floor_and_the_maps_run():
+    assert map_validate.run_size(8.0, 4.0, 20, 300) == 32  # 8 req/s x 4 s
+    assert map_validate.run_size(16.5, 4.0, 20, 300) == 66
+    assert map_validate.run_size(256.0, 4.0, 20, 300) == 300  # 1024, the map's 300 at most
+    assert map_validate.run_size(2.0, 4.0, 20, 300) == 20  # 8, the floor at least
+    assert map_validate.run_size(2.0, 4.0, 20, 10) == 10  # the map's run bounds the floor too
+    assert map_validate.run_size(0.1, 30.0, 1, 300) == 3  # not 4 from 3.0000000000000004
+    for window, floor in ((0.0, 1), (1.0, 0)):
+        with pytest.raises(ValueError):
+            map_validate.run_size(1.0, window, floor, 10)
+
+
+def test_a_shorter_run_has_the_first_arrivals_of_the_maps_run():
+    """``run_size`` leans on this: n requests at a rate arrive as the first n of the map's."""
+    for process, burstiness in (("poisson", 1.0), ("gamma", 0.5)):
+        whole = arrival_times(300, 256.0, 7, process, burstiness)
+        assert np.array_equal(arrival_times(20, 256.0, 7, process, burstiness), whole[:20])
+
+
+# every placement met the SLO at both rates: each goodput is the top rate over 2 devices, 1.0
+ALL_MET = _runs({"colocated:2": (OK, OK), "colocated-nochunk:2": (OK, OK),
+                 "disagg:1p1d": (OK, OK)})
+
+
+def test_a_cell_whose_placements_all_met_the_top_rate_is_undecided():
+    row = map_validate.check_cells(_picked(""), PREDICTED, ALL_MET, [1.0], [0.1], FAMS).iloc[0]
+    assert bool(row["undecided"]) and row["top_rate_req_s"] == 2.0
+    assert row["met_at_top"] == "colocated:2; colocated-nochunk:2; disagg:1p1d"
+    assert row["inside_rerun_noise"] is None
+    # a met-at-top placement that is the sole measured first only grows: decided
+    row = map_validate.check_cells(_picked(""), PREDICTED, RUNS, [1.0], [0.1], FAMS).iloc[0]
+    assert (bool(row["undecided"]), row["met_at_top"]) == (False, "colocated-nochunk:2")
+
+
+def test_the_summary_counts_undecided_cells_apart_from_agreements_and_disagreements():
+    agree = map_validate.check_cells(_picked("colocated-nochunk:2"), PREDICTED, RUNS, [1.0],
+                                     [0.1], FAMS)
+    miss = map_validate.check_cells(_picked(""), PREDICTED, RUNS, [1.0], [0.1], FAMS)
+    open_ = map_validate.check_cells(_picked(""), PREDICTED, ALL_MET, [1.0], [0.1], FAMS)
+    miss["tpot_slo_s"], open_["tpot_slo_s"] = 0.2, 0.3  # three cells
+    checked = pd.concat([agree, miss, open_], ignore_index=True)
+    # through the CSV (an empty met_at_top reads back as NaN) the lines are the same
+    read = pd.read_csv(io.StringIO(checked.to_csv(index=False)))
+    for table in (checked, read):
+        lines = map_validate.summary_lines(table, 0)
+        # decided: agree (regret 0, tau 1) and miss (regret 0.5; tau over (colocated:2,
+        # colocated-nochunk:2, disagg:1p1d): one concordant pair, one tie each side,
+        # 1 / sqrt(2 x 2) = 0.5); family: the twins' family agrees, colocated:2's does not
+        assert lines[0] == (
+            "validated 3 cell(s) for real: top-1 agreement 50% of 2 decision(s) (and 1 "
+            "undecided at the validation ladder's top, not counted); regret mean 25.0%, worst "
+            "50.0% of the measured best goodput; Kendall tau 0.75; family agreement 50%")
+        assert lines[1].startswith("  disagreement at io 4, TTFT 1 s, TPOT 0.2 s: mapped "
+                                   "colocated:2 (colocated:2), measured colocated-nochunk:2")
+        assert lines[2] == (
+            "  undecided at the validation ladder's top at io 4, TTFT 1 s, TPOT 0.3 s: "
+            "colocated:2, colocated-nochunk:2, disagg:1p1d met the SLO at 2 req/s (goodput a "
+            "lower bound); mapped colocated:2, measured first colocated:2 = colocated-nochunk:2 "
+            "= disagg:1p1d")
+        assert len(lines) == 3
+    line = map_validate.every_cell_line(checked, 0)
+    assert "top-1 agreement 50% of 2 decision(s) (and 1 undecided" in line
+    assert "; 1 disagreement(s), 0 cell(s)" in line
+    only_open = map_validate.summary_lines(open_, 0)[0]
+    assert only_open == ("validated 1 cell(s) for real: no decided decision (and 1 undecided "
+                         "at the validation ladder's top, not counted); family agreement "
+                         "undefined (no decided cell)")

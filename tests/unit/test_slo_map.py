@@ -261,6 +261,42 @@ def test_top1_and_regret_on_a_hand_made_table():
         decision.figures(table.iloc[0:0])
 
 
+def test_a_lower_bound_that_could_overtake_the_measured_first_leaves_a_decision_undecided():
+    pred = {"A": 2.0, "B": 1.0, "C": 0.5}
+    meas = {"A": 1.5, "B": 2.0, "C": 1.0}
+    # B is a lower bound and the sole measured first: it only grows, A still misses
+    d = decision.decide(pred, meas, {"B"})
+    assert (d["undecided"], d["top1_agrees"], d["regret"]) == (False, False, 0.25)
+    assert decision.decide(pred, meas)["undecided"] is False
+    # C is a lower bound below the first: it may overtake B
+    assert decision.decide(pred, meas, {"C"})["undecided"] is True
+    # a tie at the top where one of the tied is a lower bound: it may pull ahead
+    assert decision.decide(pred, {"A": 2.0, "B": 2.0, "C": 1.0}, {"B"})["undecided"] is True
+    assert decision.decide(pred, {"A": 1.0, "B": 1.0, "C": 1.0}, set(pred))["undecided"] is True
+
+
+def test_undecided_cells_are_left_out_of_the_figures():
+    table = pd.DataFrame([
+        # a: agrees (regret 0, tau 1); b: misses (regret (2 - 1) / 2, tau -1)
+        ("a", "A", 2.0, 2.0, False), ("a", "B", 1.0, 1.0, False),
+        ("b", "A", 2.0, 1.0, False), ("b", "B", 1.0, 2.0, False),
+        # c: would miss as b does, but A's 1.0 is a lower bound: undecided
+        ("c", "A", 2.0, 1.0, True), ("c", "B", 1.0, 2.0, False),
+    ], columns=["cell", "placement", "predicted", "measured", "lower_bound"])
+    per_cell, s = decision.figures(table)
+    assert per_cell["undecided"].tolist() == [False, False, True]
+    assert (s["num_cells"], s["num_undecided"]) == (3, 1)
+    assert (s["top1_agreement"], s["regret_mean"], s["regret_max"]) == (0.5, 0.25, 0.5)
+    assert s["kendall_tau_mean"] == 0.0
+    assert decision.summary_line(s) == (
+        "top-1 agreement 50% of 2 decision(s) (and 1 undecided, not counted); regret mean "
+        "25.0%, worst 50.0% of the measured best goodput; Kendall tau 0.00")
+    # without the column every cell counts
+    assert decision.figures(table.drop(columns="lower_bound"))[1]["num_undecided"] == 0
+    _, none = decision.figures(table[table["cell"] == "c"])
+    assert decision.summary_line(none, "open") == "no decided decision (and 1 open, not counted)"
+
+
 def test_plan_validation_summary_carries_the_decision_figures():
     from experiments import validate
     errors = pd.DataFrame({"attainment_err_points": [2.0, -4.0], **{
