@@ -770,8 +770,8 @@ class Router:
             if flight.moved_from is not None and flight.stage == TRANSFER:
                 # the dead worker may have fetched (and freed) the KV before it died, its
                 # kv_got never collected: the request died with it
-                error = (f"decode worker {flight.moved_from} died after its KV was handed "
-                         f"over; fetching it again failed: {error}")
+                error = (f"{flight.moved_from_death}, after its KV was handed over; "
+                         f"fetching it again failed: {error}")
             elif (event.kv_fetch_failed and flight.stage == TRANSFER
                   and event.worker == flight.worker and flight.kv_handles):
                 self._fetch_failed(flight, error)

@@ -105,6 +105,15 @@ def assert_outputs(records, expected) -> None:
         assert len(record.token_times_s) == len(record.output_token_ids)
 
 
+def was_decoding_on(record, worker: str) -> bool:
+    """A failed request was ``worker``'s when that decode worker died: decoding there, or moved
+    to another after ``worker`` had fetched (and freed) its KV, so fetching it again failed
+    (the router's error says so, naming the death)."""
+    return record.decode_worker == worker or (
+        f"decode worker {worker} died" in record.error
+        and "after its KV was handed over; fetching it again failed" in record.error)
+
+
 def assert_clean(deployment, settle_s: float = 10.0) -> None:
     """Nothing leaked: every live worker's engine is empty and its transport holds nothing,
     within ``settle_s`` seconds (Ray frees an object once its last borrower lets go, and a

@@ -341,8 +341,9 @@ def test_a_decode_worker_dying_after_fetching_fails_the_moved_request_naming_it(
 
     dead.admit, other.admit = fetch_then_die, fetch_gone
     [record] = router.run(requests(1))
-    assert record.error.startswith("decode worker decode-0 died after its KV was handed over; "
-                                   "fetching it again failed: decode-1: KV transfer failed")
+    assert record.error.startswith("decode worker decode-0 died: actor decode-0 is gone, after its "
+                                   "KV was handed over; fetching it again failed: decode-1: KV "
+                                   "transfer failed")
     assert record.decode_worker == "decode-1"
     assert_drained(router, workers, transport)
 
