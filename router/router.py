@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine import events as ev
-from engine.clock import wait_until
 from engine.config import ConditionalConfig
 from engine.placement import Placement
 from engine.errors import describe_error
@@ -524,10 +523,10 @@ class Router:
             wait_s = self.poll_s
             if next_index < len(arrivals):
                 due_s = start_s + arrivals[next_index][1] - time.time()
-                if due_s < 0.001:  # the hub waits whole ms, never past the arrival: the rest
-                    self._step(0.0)  # napped then spun (a sleep alone overshoots ~0.1 ms)
-                    due_s = start_s + arrivals[next_index][1] - time.time()
-                    wait_until(time.perf_counter() + due_s)
+                if due_s < 0.001:  # the hub waits whole ms, never past the arrival: sleep the rest
+                    # (not spun: on a host with a core per worker a spinning router takes one)
+                    self._step(0.0)
+                    time.sleep(max(0.0, start_s + arrivals[next_index][1] - time.time()))
                     continue
                 wait_s = min(wait_s, math.floor(due_s * 1000) / 1000)
             self._step(wait_s)
