@@ -285,8 +285,9 @@ class SocketPort(InboxPort):
     def flush(self, timeout_s: float) -> bool:
         with self._handed:
             target = self._num_sent
-            return self._handed.wait_for(
+            self._handed.wait_for(
                 lambda: self._num_handed >= target or self._stopping.is_set(), timeout_s)
+            return self._num_handed >= target  # a stopped port may have dropped it
 
     def _send(self, seq: int, body: bytes) -> None:
         header = wire.encode((self.endpoint.worker, self.endpoint.incarnation, seq))

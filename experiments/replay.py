@@ -24,7 +24,7 @@ from engine.config import ConditionalConfig, EngineConfig, ModelConfig, Placemen
 from engine.metrics import SLO, RequestRecord
 from experiments import dilation as dilate
 from deployment.placement import Deployment
-from experiments.workload_spec import WorkloadSpec, router_workload
+from experiments.workload_spec import MultiTurn, Timed, WorkloadSpec, router_workload
 
 
 def default_placements(num_devices: int) -> list[str]:
@@ -110,8 +110,12 @@ def run_placement(placement: str, rates: list[float] | None, items, spec: Worklo
 
     Raises:
         ValueError: a request does not fit the deployed workers' context; a dilated
-            multi-turn workload."""
+            multi-turn workload; ``num_requests`` with a trace or multi-turn workload."""
     by_seed = items if isinstance(items, dict) else {s: items for s in spec.seed_list}
+    if num_requests is not None and any(isinstance(its, (Timed, MultiTurn))
+                                        for its in by_seed.values()):
+        raise ValueError("num_requests cuts a workload whose arrivals each rate draws; a trace "
+                         "or a multi-turn workload keeps its own arrivals: replay it whole")
     dilation = engine.emu_time_scale  # 1 but on dilated emulated devices (experiments.dilation)
     for its in by_seed.values():
         dilate.check_dilatable(its, dilation)

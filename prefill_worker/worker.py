@@ -38,7 +38,7 @@ from engine.request import Request, TokenOutput
 from engine.scheduler import ScheduledBatch
 from engine.emulated import Emulation
 from engine.serving import EngineLoop, token_event
-from engine.kv_heads import transfer_map
+from engine.kv_heads import sends_of, transfer_map
 from kv_transfer.factory import make_transport
 from kv_transfer.payload import RankPart
 from kv_transfer.rank_kv import num_held, put_on_ranks, rank_factory
@@ -213,9 +213,11 @@ class PrefillWorker(EngineLoop):
     def _put_bytes(self, state, num_layers: int | None = None) -> int:
         """Bytes of ``state``'s KV this worker sends over ``num_layers`` (default all; prompt
         tokens from its start on; a KV head a decode instance replicates goes to each of its
-        ranks). Rank 0's room stands for each rank's (equal shares)."""
+        ranks). Rank to rank, the largest one rank puts: rank 0's room stands for each rank's."""
         start = self._kv_start.get(state.request_id, 0)
-        heads = sum(len(s.heads) for s in self._slices)
+        heads = (sum(len(s.heads) for s in self._slices) if self._rank_factory is None else
+                 max(sum(len(s.heads) for s in sends_of(r, self._slices))
+                     for r in range(self._tps[0])))
         num_kv_heads = self.engine.kv_spec.num_kv_heads
         return (self.engine.kv_spec.kv_bytes(state.num_prompt_tokens - start, num_layers)
                 * heads // num_kv_heads)

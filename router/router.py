@@ -309,7 +309,8 @@ class Router:
 
     def _waiting_running(self) -> tuple[int, int]:
         flights = list(self._flights.values())  # one snapshot: the loop may change it meanwhile
-        waiting = sum(1 for f in flights if f.stage in (PREFILL, POOL))
+        waiting = sum(1 for f in flights  # a first token out: past its prefill, KV being put
+                      if f.stage == POOL or (f.stage == PREFILL and not f.record.output_token_ids))
         return waiting, len(flights) - waiting
 
     @property
@@ -769,7 +770,7 @@ class Router:
             if flight.moved_from is not None and flight.stage == TRANSFER:
                 # the dead worker may have fetched (and freed) the KV before it died, its
                 # kv_got never collected: the request died with it
-                error = (f"{flight.moved_from_death}, after its KV was handed over; "
+                error = (f"{flight.moved_from_death} (after its KV was handed over); "
                          f"fetching it again failed: {error}")
             elif (event.kv_fetch_failed and flight.stage == TRANSFER
                   and event.worker == flight.worker and flight.kv_handles):

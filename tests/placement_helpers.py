@@ -111,7 +111,7 @@ def was_decoding_on(record, worker: str) -> bool:
     (the router's error says so, naming the death)."""
     return record.decode_worker == worker or (
         f"decode worker {worker} died" in record.error
-        and "after its KV was handed over; fetching it again failed" in record.error)
+        and "(after its KV was handed over); fetching it again failed" in record.error)
 
 
 def assert_clean(deployment, settle_s: float = 10.0) -> None:

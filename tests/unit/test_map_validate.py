@@ -203,3 +203,15 @@ def test_the_summary_counts_undecided_cells_apart_from_agreements_and_disagreeme
     assert only_open == ("validated 1 cell(s) for real: no decided decision (and 1 undecided "
                          "at the validation ladder's top, not counted); family agreement "
                          "undefined (no decided cell)")
+
+
+def test_run_sizes_refuse_a_trace_or_a_multi_turn_workload():
+    """A run of the first n requests needs arrivals drawn per rate: a trace (its own offsets)
+    or a multi-turn workload (its conversations) is refused before anything deploys."""
+    from experiments.replay import run_placement
+    from experiments.workload_spec import MultiTurn, Timed
+
+    for workload in (Timed([]), MultiTurn([])):
+        with pytest.raises(ValueError, match="replay it whole"):
+            run_placement("colocated:1", [1.0], {0: workload}, None, None, None, None,
+                          "cpu:0", None, num_requests=lambda rate: 2)

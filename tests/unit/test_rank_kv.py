@@ -93,3 +93,19 @@ def test_a_failing_rank_frees_every_slice_the_others_put():
         put_on_ranks(_Rank1Fails([]), transport, None, "r", SPEC, [0], 4, slice(None), 0, 0,
                      transfer_map(4, 2, 2), (2, 2), None)
     assert transport.num_held() == 0
+
+
+@pytest.mark.parametrize("rank_to_rank,prefill_tp,decode_tp,heads", [
+    (True, 2, 2, 2), (True, 2, 1, 2), (True, 4, 2, 1), (False, 2, 2, 4), (False, 1, 2, 4)])
+def test_a_put_asks_rank_0_for_the_bytes_one_rank_sends(rank_to_rank, prefill_tp, decode_tp,
+                                                        heads):
+    """Rank to rank, each rank's buffer holds its own share (the largest rank's, 2 of 4 heads
+    at TP 2); through rank 0 it holds every slice (4 heads)."""
+    from types import SimpleNamespace
+
+    from prefill_worker.worker import PrefillWorker
+    worker = SimpleNamespace(_kv_start={"r": 4}, _slices=transfer_map(4, prefill_tp, decode_tp),
+                             _rank_factory=object() if rank_to_rank else None,
+                             _tps=(prefill_tp, decode_tp), engine=SimpleNamespace(kv_spec=SPEC))
+    state = SimpleNamespace(request_id="r", num_prompt_tokens=12)
+    assert PrefillWorker._put_bytes(worker, state) == SPEC.kv_bytes(8) * heads // 4

@@ -341,9 +341,9 @@ def test_a_decode_worker_dying_after_fetching_fails_the_moved_request_naming_it(
 
     dead.admit, other.admit = fetch_then_die, fetch_gone
     [record] = router.run(requests(1))
-    assert record.error.startswith("decode worker decode-0 died: actor decode-0 is gone, after its "
-                                   "KV was handed over; fetching it again failed: decode-1: KV "
-                                   "transfer failed")
+    assert record.error.startswith("decode worker decode-0 died: actor decode-0 is gone (after "
+                                   "its KV was handed over); fetching it again failed: decode-1: "
+                                   "KV transfer failed")
     assert record.decode_worker == "decode-1"
     assert_drained(router, workers, transport)
 
@@ -999,7 +999,8 @@ def test_token_batches_give_the_same_records_and_streams(placement, first, monke
 def test_a_first_token_before_its_kv_streams_once_and_the_hand_over_waits_for_prefilled():
     """The prefill worker's first token comes 0.05 s before its ``prefilled`` event: it
     streams at once while the request still waits for its KV (no admit yet), and is neither
-    recorded nor streamed again when ``prefilled`` brings the handles."""
+    recorded nor streamed again when ``prefilled`` brings the handles. Past its prefill, it
+    counts as running (/metrics), as in the KV transfer that follows."""
     router, workers, transport = build("disagg:1p1d", put_s=0.05)
     seen = []
 
@@ -1015,7 +1016,7 @@ def test_a_first_token_before_its_kv_streams_once_and_the_hand_over_waits_for_pr
         until(lambda: seen and seen[-1][0] == "finish")
     finally:
         router.stop()
-    assert seen == [("token", 0, 7), ("admitted", [], 1), ("token", 1, 11), ("token", 2, 12),
+    assert seen == [("token", 0, 7), ("admitted", [], 0), ("token", 1, 11), ("token", 2, 12),
                     ("finish", None, None)]
     assert_drained(router, workers, transport)
 
