@@ -667,17 +667,24 @@ def test_a_rejoin_of_a_live_worker_is_refused_as_nothing_to_replace():
     assert router.workers["decode-0"].handle is workers["decode-0"]
 
 
+def decode_1_dead_and_its_replacement():
+    """1p2d with decode-1 dead and restarting (as if ``on_worker_died`` had answered None),
+    and the replacement that will rejoin for it: (router, workers, transport, replacement)."""
+    router, workers, transport = build("disagg:1p2d")
+    workers["decode-1"].dead_error = WorkerDied("gone")
+    router._worker_died("decode-1", WorkerDied("gone"))
+    router.workers["decode-1"].restarting = True
+    replacement = FakeWorker("decode-1", transport)
+    replacement.router = router
+    return router, workers, transport, replacement
+
+
 def test_a_replacement_s_death_reported_while_it_joins_refuses_it():
     """decode-1 dead, its replacement joining: the deployment's watch reports the
     replacement's death (``worker_died`` with its handle) before its channel's ``opened``
     news. The rejoin is refused naming the death, and the late ``opened`` does not make the
     dead replacement live."""
-    router, workers, transport = build("disagg:1p2d")
-    workers["decode-1"].dead_error = WorkerDied("gone")
-    router._worker_died("decode-1", WorkerDied("gone"))
-    router.workers["decode-1"].restarting = True  # as if on_worker_died had answered None
-    replacement = FakeWorker("decode-1", transport)
-    replacement.router = router
+    router, workers, transport, replacement = decode_1_dead_and_its_replacement()
     joined = router.rejoin("decode-1", replacement, replacement.info())
     router.worker_died("decode-1", replacement, "actor decode-1 died")  # queued after rejoin
     router._drain_inbox()  # the rejoin starts its open_channel thread, then the death
@@ -695,12 +702,7 @@ def test_a_replacement_opens_its_channel_while_the_loop_serves():
     """1p2d, decode-1 dead: its replacement's ``open_channel`` takes until the last of 4
     requests (all on decode-0) has finished; the loop serves them meanwhile, then routes to
     the replacement."""
-    router, workers, transport = build("disagg:1p2d")
-    workers["decode-1"].dead_error = WorkerDied("gone")
-    router._worker_died("decode-1", WorkerDied("gone"))
-    router.workers["decode-1"].restarting = True  # as if on_worker_died had answered None
-    replacement = FakeWorker("decode-1", transport)
-    replacement.router = router
+    router, workers, transport, replacement = decode_1_dead_and_its_replacement()
     gate = threading.Event()
     open_channel = replacement.open_channel
 
