@@ -14,8 +14,8 @@ the paths alternating, one message in flight, ``--gap-ms`` apart:
 
 - **two hops**: A's port sends ``prefilled``; R's hub receives it and sends B the ``admit``
   (a bare relay: the router's own bookkeeping per event comes on top, see
-  ``benchmarks.router_cost``); B's port thread queues it and B's loop, woken as
-  ``EngineLoop`` is, takes it.
+  ``benchmarks.router_cost``); B's loop, waiting on its ports' sockets as ``EngineLoop`` does,
+  takes it.
 - **one hop**: A sends B the same ``admit`` through a hub of its own, down to B's loop.
 
 One-way: A's ``time.monotonic_ns()`` before the send to B's loop taking it; p50 / p99 / mean
@@ -29,7 +29,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
-import queue
+import select
 import statistics
 import time
 from typing import NamedTuple
@@ -88,21 +88,19 @@ def router_relay(core: int | None, control, prompt_len: int) -> None:
 
 
 def decode_loop(core: int | None, control, via_router: Endpoint, direct: Endpoint) -> None:
-    """B: two ports (from R, from A) waking one loop; records when the loop took each
-    ``admit``; on ``("report", n)`` answers {request_id: monotonic ns} once n arrived (or
-    10 s later: a lost one is missing from the answer)."""
+    """B: two ports (from R, from A) read by one loop, which waits on both sockets at once as
+    ``SocketPort.take`` waits on one; records when the loop took each ``admit``; on
+    ``("report", n)`` answers {request_id: monotonic ns} once n arrived (or 10 s later: a
+    lost one is missing from the answer)."""
     _pin(core)
-    woken: queue.SimpleQueue = queue.SimpleQueue()
-    ports = [SocketPort(via_router, lambda: woken.put(None)),
-             SocketPort(direct, lambda: woken.put(None))]
+    ports = [SocketPort(via_router), SocketPort(direct)]
+    # libzmq's descriptors say "look again"; each take(0) below looks, so a wait after it is sound
+    descriptors = [port._commands_fd for port in ports]
     control.send("ready")
     taken: dict[str, int] = {}
     expected, deadline = 0, None
     while deadline is None or (len(taken) < expected and time.monotonic() < deadline):
-        try:
-            woken.get(timeout=0.05)
-        except queue.Empty:
-            pass
+        select.select(descriptors, [], [], 0.05)
         for port in ports:
             for command in port.take(0).commands:
                 taken[command.request_id] = time.monotonic_ns()

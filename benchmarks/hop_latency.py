@@ -7,9 +7,8 @@ another (``--cores``), each measured ``--n`` times after ``--warmup`` untimed on
   process and being woken.
 - **channel**: a ``Command`` down ``channel.sockets`` (``SocketHub`` -> ``SocketPort``,
   msgpack over pyzmq, ``ipc``; ``--tcp`` adds the ``tcp`` row) and a one-message reply
-  back, through every thread a worker uses: the port's thread decodes it into the inbox,
-  the worker's loop takes it and sends the reply, the port's thread encodes and sends it,
-  the router's poller wakes.
+  back, as a worker handles them: its loop waits in ``take``, decodes the command and sends
+  the reply (libzmq's I/O threads write both), the router's poller wakes.
 - **ray**: a Ray actor call and its ``ray.get``, the actor threaded as pdlab's workers are
   (``max_concurrency=16``, ``deployment.ray_actors.RayWorkers.start``).
 

@@ -117,16 +117,15 @@ class Taken:
 
 
 class Inbox:
-    """A port's queue of commands that arrived and are not yet taken (thread-safe): one
-    thread puts (the port's receiving side), the worker's loop takes. Owns the abort rule."""
+    """A port's queue of commands that arrived and are not yet taken (thread-safe): the
+    port's receiving side puts, the worker's loop takes. Owns the abort rule."""
 
-    def __init__(self, on_put: Callable[[], None] | None = None) -> None:
-        self.on_put = on_put  # called after each put, outside the lock (wakes a worker's loop)
+    def __init__(self) -> None:
         self._commands: list[Command | None] = []  # None: a cancelled slot
         self._cancelled: list[Command] = []
         self._queued: dict[str, int] = {}  # request id -> index of its cancellable command
         self._ready = threading.Condition()
-        self._closed = False
+        self._closed = self._woken = False
         self.arrived = 0  # commands put so far (cancelled ones and aborts included)
 
     def put(self, command: Command) -> None:
@@ -140,37 +139,34 @@ class Inbox:
             self._commands.append(command)
             self.arrived += 1
             self._ready.notify()
-        if self.on_put is not None:
-            self.on_put()
+
+    def __len__(self) -> int:
+        """Commands waiting to be taken (cancelled ones included)."""
+        return len(self._commands) + len(self._cancelled)
 
     def take(self, timeout_s: float) -> Taken:
         """Everything queued; waits up to ``timeout_s`` seconds for the first command (0:
-        never waits); empty-handed at the deadline or once closed."""
+        never waits); empty-handed at the deadline, after a ``wake``, or once closed."""
         with self._ready:
-            if not (self._commands or self._cancelled or self._closed) and timeout_s > 0:
+            if not (self._commands or self._cancelled or self._closed or self._woken) \
+                    and timeout_s > 0:
                 self._ready.wait(timeout_s)
+            self._woken = False
             taken = Taken([c for c in self._commands if c is not None], self._cancelled)
             self._commands, self._cancelled, self._queued = [], [], {}
         return taken
+
+    def wake(self) -> None:
+        """End a waiting ``take`` (or the next one) at once (any thread)."""
+        with self._ready:
+            self._woken = True
+            self._ready.notify_all()
 
     def close(self) -> None:
         """Wake a waiting ``take`` for good (the port closed)."""
         with self._ready:
             self._closed = True
             self._ready.notify_all()
-
-
-class InboxPort:
-    """What both ports share: ``take`` and ``arrived`` of the port's ``Inbox``."""
-
-    _inbox: Inbox
-
-    def take(self, timeout_s: float) -> Taken:
-        return self._inbox.take(timeout_s)
-
-    @property
-    def arrived(self) -> int:
-        return self._inbox.arrived
 
 
 class Liveness:
@@ -274,21 +270,30 @@ class Hub(Protocol):
 
 
 class Port(Protocol):
-    """A worker's end: ``take`` is called by the worker's loop, ``send`` too; the port's
-    own thread does the socket work, the (de)serialization and the heartbeat."""
+    """A worker's end: ``take`` and ``send`` run on the worker loop's thread, no hand-off on a
+    request's path; the port's own thread beats the heartbeat."""
 
-    def take(self, timeout_s: float) -> Taken: ...
+    def take(self, timeout_s: float) -> Taken:
+        """What arrived (the abort rule applied); waits up to ``timeout_s`` seconds for the
+        first command, or until ``wake``; at once, empty-handed, once closed."""
+        ...
 
     @property
     def arrived(self) -> int:
         """Commands received so far (taken or not)."""
         ...
 
-    def send(self, body: Any) -> None: ...
+    def send(self, body: Any) -> None:
+        """One message, numbered in the order sent; dropped after ``close``."""
+        ...
 
-    def flush(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` s (GIL released) until what was sent is on the transport
-        (else the port's thread may wait for the GIL until the caller blocks); True: it is."""
+    @property
+    def open(self) -> bool:
+        """False once closed or failed: ``take`` no longer waits."""
+        ...
+
+    def wake(self) -> None:
+        """End a waiting ``take`` (or the next one) at once; any thread."""
         ...
 
     def close(self) -> None: ...

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
-                              InboxPort, Liveness, Message, Stale)
+                              Liveness, Message, Stale, Taken)
 
 _HEARTBEAT = object()  # body of a heartbeat (never delivered)
 _HUBS: weakref.WeakValueDictionary[str, LocalHub] = weakref.WeakValueDictionary()
@@ -58,17 +58,13 @@ class LocalHub:
         self.liveness.detach(worker)
         self._inboxes.pop(self._current.pop(worker, ""), None)
 
-    def open_port(self, endpoint: Endpoint,
-                  on_arrival: Callable[[], None] | None = None) -> LocalPort:
-        """The worker's end of ``endpoint`` (the incarnation attached last); ``on_arrival``
-        is called (on the sending thread) after each command reaches its inbox.
+    def open_port(self, endpoint: Endpoint) -> LocalPort:
+        """The worker's end of ``endpoint`` (the incarnation attached last).
 
         Raises:
             KeyError: ``endpoint`` is not (or no longer) attached.
         """
-        inbox = self._inboxes[endpoint.commands]
-        inbox.on_put = on_arrival
-        return LocalPort(self, endpoint, inbox)
+        return LocalPort(self, endpoint, self._inboxes[endpoint.commands])
 
     def send(self, worker: str, command: Command) -> None:
         inbox = self._inboxes.get(self._current.get(worker, ""))
@@ -108,18 +104,18 @@ class LocalHub:
         _HUBS.pop(self.address, None)
 
 
-def open_local_port(endpoint: Endpoint,
-                    on_arrival: Callable[[], None] | None = None) -> LocalPort:
+def open_local_port(endpoint: Endpoint) -> LocalPort:
     """``LocalHub.open_port`` of the hub in this process that attached ``endpoint``.
 
     Raises:
         KeyError: no such hub here (closed, or in another process).
     """
-    return _HUBS[endpoint.messages].open_port(endpoint, on_arrival)
+    return _HUBS[endpoint.messages].open_port(endpoint)
 
 
-class LocalPort(InboxPort):
-    """``channel.contract.Port`` of a ``LocalHub`` (``LocalHub.open_port``)."""
+class LocalPort:
+    """``channel.contract.Port`` of a ``LocalHub`` (``LocalHub.open_port``): the hub puts
+    commands straight into its ``Inbox``."""
 
     def __init__(self, hub: LocalHub, endpoint: Endpoint, inbox: Inbox) -> None:
         self.endpoint = endpoint
@@ -137,9 +133,19 @@ class LocalPort(InboxPort):
         if not self._closed.is_set():
             self._arrive(body)
 
-    def flush(self, timeout_s: float) -> bool:
-        """Always True at once: ``send`` delivers on the caller's thread."""
-        return True
+    def take(self, timeout_s: float) -> Taken:
+        return self._inbox.take(timeout_s)
+
+    @property
+    def arrived(self) -> int:
+        return self._inbox.arrived
+
+    @property
+    def open(self) -> bool:
+        return not self._closed.is_set()
+
+    def wake(self) -> None:
+        self._inbox.wake()
 
     def _arrive(self, body: Any) -> None:
         with self._lock:

@@ -8,13 +8,15 @@
   ``[kind, request_id, args]``); commands sent before the port connects wait in the hub, in
   order, and leave when the poller says the socket can take them.
 
-A port has one thread of its own (beside libzmq's I/O thread): it decodes commands into the
-worker's ``Inbox``, encodes and sends the worker's messages and beats the heartbeat, so neither
-it nor the engine step waits for the other. A command it cannot decode, or a message it cannot
-encode, is logged and dropped; any other error ends the thread, which reports it to the hub
-(``PORT_FAILED``, best effort) and sets ``SocketPort.error``. The hub has no thread:
-``receive`` waits on a ``zmq.Poller`` over its sockets and a wake-up pipe (``wake``), never on
-a time slice.
+A port reads and decodes commands and encodes and sends messages on its caller's thread (the
+worker's loop), handing each to libzmq, whose I/O thread does the socket work: a hand-off to a
+thread of the port's own would cost a wake-up each way (benchmarks/hop_latency.py measures it).
+The loop waits for commands in ``take`` (``select`` over the socket and a wake-up pipe). The
+port's own thread only beats the heartbeat, on a socket of its own. A command that cannot be
+decoded, or a message that cannot be encoded, is logged and dropped; a socket error fails the
+port: the heartbeat thread reports it to the hub (``PORT_FAILED``, best effort) and stops, and
+``SocketPort.error`` says why. The hub has no thread: ``receive`` waits on a ``zmq.Poller``
+over its sockets and a wake-up pipe (``wake``), never on a time slice.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import select
 import shutil
 import tempfile
 import threading
@@ -33,7 +36,7 @@ import zmq
 
 from channel import wire
 from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
-                              InboxPort, Liveness, Message, Stale)
+                              Liveness, Message, Stale, Taken)
 
 TRANSPORTS = ("ipc", "tcp")
 HEARTBEAT, PORT_FAILED = -1, -2  # header seq of a heartbeat, of a port's failure report
@@ -221,6 +224,10 @@ class SocketHub:
         self.undecodable[sender] = self.undecodable.get(sender, 0) + 1
         _LOG.error("channel hub: dropped %s", what)
 
+    @property
+    def open(self) -> bool:
+        return not self._stopping.is_set()
+
     def wake(self) -> None:
         self._wake.poke()
 
@@ -237,122 +244,155 @@ class SocketHub:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class SocketPort(InboxPort):
+class SocketPort:
     """``channel.contract.Port`` over pyzmq: opened in the worker's process with the
-    ``Endpoint`` its hub's ``attach`` returned; ``on_arrival()`` runs after each command
-    reaches the inbox (it wakes the worker's loop). Its thread (module docstring) starts at
-    once; the first heartbeat leaves before the constructor returns.
+    ``Endpoint`` its hub's ``attach`` returned (module docstring). Its heartbeat thread
+    starts at once; the first heartbeat leaves before the constructor returns.
 
     Attributes:
-        error: why the port's thread stopped on an error (None while it runs, and after a
-            plain ``close``); its hub has been told, its inbox is closed.
+        error: why the port failed (None while it works, and after a plain ``close``): its
+            hub has been told, ``take`` returns at once, ``send`` drops.
         dropped: commands that could not be decoded and messages that could not be encoded.
     """
 
-    def __init__(self, endpoint: Endpoint, on_arrival: Callable[[], None] | None = None) -> None:
+    def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self._inbox = Inbox(on_arrival)  # on_arrival: called on the port's thread
-        self._outbox: collections.deque[Any] = collections.deque()
-        self._handed = threading.Condition()  # counts below: what flush waits on
-        self._num_sent = self._num_handed = 0  # bodies given to send, handed to the socket
+        self._inbox = Inbox()
+        self._io = threading.Lock()  # the command and message sockets: one thread at a time
+        self._taking = threading.Lock()  # held through a take: close waits it out
         self._wake = _WakePipe()
         self._stopping = threading.Event()
+        self._closed = False
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PULL)
         self._commands.setsockopt(zmq.LINGER, 0)
         self._commands.connect(endpoint.commands)
-        self._messages = self._ctx.socket(zmq.PUSH)
-        self._messages.setsockopt(zmq.LINGER, 1000)  # close: what was sent still leaves
-        self._messages.connect(endpoint.messages)
+        self._commands_fd = self._commands.getsockopt(zmq.FD)
+        self._messages = self._connect_out(endpoint.messages)
+        self._beats = self._connect_out(endpoint.messages)  # the heartbeat thread's own
         self._seq = 0
         self.error: str | None = None
         self.dropped = 0
         self._beat()  # heard from now on (a connecting PUSH queues it)
         self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"{endpoint.worker}-port")
+                                        name=f"{endpoint.worker}-heartbeat")
         self._thread.start()
 
+    def _connect_out(self, address: str) -> zmq.Socket:
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.SNDHWM, 0)  # never full: a send never blocks the loop
+        socket.setsockopt(zmq.LINGER, 1000)  # close: what was sent still leaves
+        socket.connect(address)
+        return socket
+
+    # ---- the caller's thread (the worker's loop) ------------------------------------------
+    def take(self, timeout_s: float) -> Taken:
+        with self._taking:
+            if not self._stopping.is_set():
+                self._wait(timeout_s)
+                self._receive()
+            return self._inbox.take(0)
+
+    @property
+    def arrived(self) -> int:
+        self._receive()
+        return self._inbox.arrived
+
+    @property
+    def open(self) -> bool:
+        return not self._stopping.is_set()
+
+    def wake(self) -> None:
+        self._wake.poke()
+
     def send(self, body: Any) -> None:
-        """Hand ``body`` to the port's thread (encoded and sent there, in order); after
-        ``close``, or once that thread stopped on an error (``error``: its hub was told the
-        port died), ``body`` is dropped."""
-        if not self._stopping.is_set():
-            with self._handed:
-                self._num_sent += 1
-                self._outbox.append(body)
-            self._wake.poke()
+        """Encode ``body`` and hand it to libzmq (whose I/O thread writes it); one that
+        cannot be encoded is logged and dropped, its number reused."""
+        try:
+            data = wire.encode(body)
+        except Exception as err:
+            self._drop(f"message {self._seq} (not sent, its number reused): {err!r}")
+            return
+        with self._io:
+            if self._stopping.is_set():
+                return
+            try:
+                self._send(self._messages, self._seq, data)
+            except zmq.ZMQError as err:
+                self._fail(err)
+                return
+            self._seq += 1
 
-    def flush(self, timeout_s: float) -> bool:
-        with self._handed:
-            target = self._num_sent
-            self._handed.wait_for(
-                lambda: self._num_handed >= target or self._stopping.is_set(), timeout_s)
-            return self._num_handed >= target  # a stopped port may have dropped it
+    def _wait(self, timeout_s: float) -> None:
+        """Until a command can be read, a ``wake``, a failure or ``timeout_s`` seconds:
+        ``select`` to the microsecond (a ``zmq.Poller`` waits whole ms), ``EVENTS`` read
+        before each wait (libzmq's descriptor only says "look again")."""
+        deadline_s = time.monotonic() + timeout_s
+        while not len(self._inbox):
+            with self._io:
+                if self._stopping.is_set() or self._readable():
+                    return
+            left_s = deadline_s - time.monotonic()
+            if left_s <= 0:
+                return
+            ready, _, _ = select.select([self._commands_fd, self._wake.read_fd], [], [], left_s)
+            if self._wake.read_fd in ready:
+                self._wake.drain()
+                return
 
-    def _send(self, seq: int, body: bytes) -> None:
+    def _readable(self) -> bool:
+        try:
+            return bool(self._commands.getsockopt(zmq.EVENTS) & zmq.POLLIN)
+        except zmq.ZMQError as err:
+            self._fail(err)
+            return False
+
+    def _receive(self) -> None:
+        """Move every command that reached the socket into the inbox (the abort rule)."""
+        with self._io:
+            while not self._stopping.is_set() and self._readable():
+                try:
+                    data = self._commands.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    return
+                except zmq.ZMQError as err:
+                    self._fail(err)
+                    return
+                command = self._decode(data)
+                if command is not None:
+                    self._inbox.put(command)
+
+    def _fail(self, err: Exception) -> None:
+        """The port is broken (module docstring); a waiting ``take`` returns."""
+        if self.error is None:
+            self.error = f"{type(err).__name__}: {err}"
+            _LOG.error("channel port of %s incarnation %d failed: %s", self.endpoint.worker,
+                       self.endpoint.incarnation, self.error)
+        self._stopping.set()
+        self._inbox.close()
+        self._wake.poke()
+
+    # ---- the heartbeat thread ---------------------------------------------------------------
+    def _send(self, socket: zmq.Socket, seq: int, body: bytes) -> None:
         header = wire.encode((self.endpoint.worker, self.endpoint.incarnation, seq))
-        self._messages.send_multipart((header, body))
+        socket.send_multipart((header, body))
 
     def _beat(self) -> None:
-        self._send(HEARTBEAT, b"")
+        self._send(self._beats, HEARTBEAT, b"")
 
     def _run(self) -> None:
         try:
-            self._serve()
+            while not self._stopping.wait(self.endpoint.heartbeat_s):
+                self._beat()
         except Exception as err:  # the socket (or this thread) is broken: the port is dead
-            self.error = f"{type(err).__name__}: {err}"
-            _LOG.exception("channel port of %s incarnation %d failed", self.endpoint.worker,
-                           self.endpoint.incarnation)
+            self._fail(err)
+        if self.error is not None:
             try:  # best effort: the hub hears the cause now, not after the silence
-                self._send(PORT_FAILED, wire.encode(f"its channel port failed: {self.error}"))
+                self._send(self._beats, PORT_FAILED,
+                           wire.encode(f"its channel port failed: {self.error}"))
             except Exception:
                 pass
-        finally:
-            self._stopping.set()  # nothing sends from here on: send() drops
-            self._outbox.clear()
-            with self._handed:  # a flush waiting on this thread returns
-                self._handed.notify_all()
-            self._inbox.close()
-            self._commands.close()
-            self._messages.close()  # lingers until what was sent has left
-            self._ctx.term()
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._commands, zmq.POLLIN)
-        poller.register(self._wake.read_fd, zmq.POLLIN)
-        next_beat = time.monotonic() + self.endpoint.heartbeat_s
-        while True:
-            wait_ms = max(0, int((next_beat - time.monotonic()) * 1000 + 0.999))
-            ready = dict(poller.poll(wait_ms))
-            if self._commands in ready:
-                while self._commands.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    command = self._decode(self._commands.recv())
-                    if command is not None:
-                        self._inbox.put(command)
-            if self._wake.read_fd in ready:
-                self._wake.drain()
-            # read before draining: whatever was sent before close() leaves (a loop's last
-            # words sent just before close included), nothing after it
-            stopping = self._stopping.is_set()
-            while self._outbox:
-                body = self._outbox.popleft()
-                try:
-                    data = wire.encode(body)
-                except Exception as err:
-                    self._drop(f"message {self._seq} (not sent, its number reused): {err!r}")
-                    data = None
-                if data is not None:
-                    self._send(self._seq, data)
-                    self._seq += 1
-                with self._handed:
-                    self._num_handed += 1
-                    self._handed.notify_all()
-            if stopping:
-                return
-            if time.monotonic() >= next_beat:
-                self._beat()
-                next_beat = time.monotonic() + self.endpoint.heartbeat_s
+        self._beats.close()  # lingers until what was sent has left
 
     def _decode(self, data: bytes) -> Command | None:
         """A command off the wire, or None: logged and dropped as undecodable."""
@@ -375,9 +415,14 @@ class SocketPort(InboxPort):
         """Stop: what was sent leaves (bounded), then nothing more, heartbeats included."""
         self._stopping.set()
         self._wake.poke()
-        with self._handed:
-            self._handed.notify_all()
-        self._thread.join(timeout=5)
+        with self._taking, self._io:  # a take in progress returns first (woken above)
+            if self._closed:
+                return
+            self._closed = True
         self._inbox.close()
-        if not self._thread.is_alive():
+        self._thread.join(timeout=5)
+        self._commands.close()
+        self._messages.close()
+        if not self._thread.is_alive():  # (else its socket is open: term would wait on it)
+            self._ctx.term()
             self._wake.close()

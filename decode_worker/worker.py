@@ -90,11 +90,11 @@ class DecodeWorker(EngineLoop):
               kv_token_start: int = 0) -> None:
         """Queue ``request`` for a KV slot; its KV (prompt tokens from ``kv_token_start``
         on, the prefix before it cached here) is fetched once the slot is reserved."""
-        self._commands.put(lambda: self._admit(request, first_token, tuple(kv_handles),
+        self._queue(lambda: self._admit(request, first_token, tuple(kv_handles),
                                                kv_token_start))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self._abort(request_id))
+        self._queue(lambda: self._abort(request_id))
 
     def on_cancelled(self, command: Command) -> None:
         """An ``admit`` an abort overtook on the channel: nobody will fetch its KV, so its
@@ -245,7 +245,7 @@ class DecodeWorker(EngineLoop):
         except Exception as err:  # timeout, lost bytes, header mismatch, corruption
             kv, error = None, f"KV transfer failed: {type(err).__name__}: {err}"
         got_s = time.time()
-        self._commands.put(lambda: self._arrived(transfer, kv, error, start_s, got_s))
+        self._queue(lambda: self._arrived(transfer, kv, error, start_s, got_s))
 
     def _fetch(self, request: Request, handles: tuple[KVHandle, ...],
                token_start: int = 0) -> torch.Tensor:

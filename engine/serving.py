@@ -28,7 +28,7 @@ from collections.abc import Callable
 
 import torch
 
-from channel.contract import ABORT, ADMIT, RELEASE, SUBMIT, Command, Endpoint, Port
+from channel.contract import ABORT, ADMIT, RELEASE, SUBMIT, Command, Endpoint, Port, Taken
 from channel.ports import open_port
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device, gpu_identity, use_on_this_thread
@@ -43,7 +43,6 @@ from engine.scheduler import ScheduledBatch
 
 
 CHANNEL_COMMANDS = (SUBMIT, ADMIT, ABORT, RELEASE)  # what a port may ask of a worker
-FLUSH_S = 0.05  # longest a loop waits for its port to take a flushed message (s)
 
 
 class EngineLoopDied(RuntimeError):
@@ -164,10 +163,10 @@ class EngineLoop:
 
     def submit(self, request: Request) -> None:
         """Queue a request; an invalid one comes back as an ``error`` event."""
-        self._commands.put(lambda: self._add(request))
+        self._queue(lambda: self._add(request))
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(lambda: self.engine.abort(request_id))
+        self._queue(lambda: self.engine.abort(request_id))
 
     def open_channel(self, endpoint: Endpoint) -> None:
         """Take commands from the channel port of ``endpoint`` and send each loop turn's
@@ -176,15 +175,25 @@ class EngineLoop:
         Raises:
             KeyError: a local endpoint whose hub is not in this process.
         """
-        port = open_port(endpoint, on_arrival=self._wake_loop)
+        port = open_port(endpoint)
         old, self._port = self._port, port
         if old is not None:
             old.close()
+        self._wake_loop()  # a loop waiting on its own queue waits on the port from now on
         if self._died is not None:  # a dead loop says so once, then sends no heartbeat
             self._last_words()
 
+    def _queue(self, command: Callable[[], None]) -> None:
+        """Run ``command`` on the loop thread at its next turn (any thread; from another
+        thread it wakes a loop waiting on its port)."""
+        self._commands.put(command)
+        if threading.current_thread() is not self._thread:
+            port = self._port
+            if port is not None:
+                port.wake()
+
     def _wake_loop(self) -> None:
-        self._commands.put(_nothing)
+        self._queue(_nothing)
 
     def _check_alive(self) -> None:
         if self._died is not None:
@@ -230,7 +239,7 @@ class EngineLoop:
             except Exception as err:  # the caller gets it; the loop carries on
                 done.put((False, err))
 
-        self._commands.put(run)
+        self._queue(run)
         deadline_s = time.monotonic() + timeout_s
         while True:
             try:
@@ -246,7 +255,7 @@ class EngineLoop:
 
     def shutdown(self) -> None:
         self._stopped.set()
-        self._commands.put(lambda: None)
+        self._queue(_nothing)
         self._thread.join(timeout=10)
         if self._instance is not None:  # after the loop: no collective of rank 0 in flight
             self._instance.close()
@@ -330,25 +339,18 @@ class EngineLoop:
     def _drain_for(self, timeout_s: float) -> None:
         self._drain_commands(block=True, timeout_s=timeout_s)
 
-    def _send_events(self, flush: bool = False) -> None:
-        """Over the channel: this turn's events as one message (none: nothing is sent);
-        ``flush``: and wait for ``Port.flush`` (news whose latency counts)."""
+    def _send_events(self) -> None:
+        """Over the channel: this turn's events as one message (none: nothing is sent)."""
         port = self._port
         if port is None or not self._events:
             return
         with self._events_ready:
             events, self._events = self._events, []
         port.send(tuple(events))
-        if flush:
-            port.flush(FLUSH_S)
 
-    def _take_from_port(self) -> None:
+    def _apply(self, taken: Taken) -> None:
         """Apply the commands that reached the port (each queues its work behind the
         commands already queued); hand the cancelled ones to ``on_cancelled``."""
-        port = self._port
-        if port is None:
-            return
-        taken = port.take(0)
         for command in taken.cancelled:
             try:
                 self.on_cancelled(command)
@@ -374,16 +376,17 @@ class EngineLoop:
         what it carries. A ``submit`` carries nothing."""
 
     def _drain_commands(self, block: bool, timeout_s: float = 0.1) -> None:
+        """Run what came: the port's commands, then the loop's own queue. ``block``: wait up
+        to ``timeout_s`` seconds for the first, on the port while it is open (``_queue``
+        wakes it), else on the queue."""
+        port = self._port
+        if port is not None and port.open:
+            self._apply(port.take(timeout_s if block and self._commands.empty() else 0.0))
+            block = False
         try:
             command = self._commands.get(timeout=timeout_s) if block else self._commands.get_nowait()
         except queue.Empty:
-            command = None
-        self._take_from_port()
-        if command is None:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
+            return
         while True:
             try:
                 command()
@@ -410,8 +413,7 @@ class EngineLoop:
     def emit_tokens(self, outputs, first_scheduled_as: str | None = None) -> None:
         """A step's tokens: the plain ones (``is_plain``) as one ``TokenBatch``, each other
         one as its own ``token_event`` (stamped ``first_scheduled_as`` = its
-        ``first_scheduled_s`` where it has one), all under one lock and one wake-up of the
-        long poll."""
+        ``first_scheduled_s`` where it has one), all under one lock."""
         events, plain = [], []
         for out in outputs:
             if is_plain(out):

@@ -106,12 +106,12 @@ class PrefillWorker(EngineLoop):
             self._dst_rank[rid] = dst_rank
             self._kv_start[rid] = kv_token_start
             self._add(request, prefill_only=True)
-        self._commands.put(add)
+        self._queue(add)
 
     def release(self, handles: tuple[KVHandle, ...]) -> None:
         """Free KV handles this worker put that nobody will fetch (the request ended first,
         its decode worker died, or ``admit`` refused them). Freeing twice is harmless."""
-        self._commands.put(lambda: self._free(handles))
+        self._queue(lambda: self._free(handles))
 
     def _free(self, handles) -> None:
         """Free each handle; best effort, so one failing free (a dead peer's segment) never
@@ -137,7 +137,7 @@ class PrefillWorker(EngineLoop):
     def abort(self, request_id: str) -> None:
         """Drop ``request_id`` wherever it is here: queued, computing, deferred, or put but
         with its ``prefilled`` event not yet collected (no one else will free that KV)."""
-        self._commands.put(lambda: self._abort(request_id))
+        self._queue(lambda: self._abort(request_id))
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
@@ -184,7 +184,7 @@ class PrefillWorker(EngineLoop):
             self._put_errors.pop(rid, None)  # a layer put that failed no longer matters
             self._no_room.discard(rid)
             self._free(self._layer_handles.pop(rid, []))
-        self._send_events(flush=True)  # on the wire before any put starts: TTFT ends there
+        self._send_events()  # on the wire before any put starts: TTFT ends there
         for out in going_on:
             rid = out.request_id
             handles = self._layer_handles.pop(rid, None)

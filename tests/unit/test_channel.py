@@ -387,38 +387,34 @@ def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
         assert [(d.worker, d.incarnation, d.silent_s) for d in died] == [("prefill-0", 0, 0.0)]
         assert died[0].cause.startswith("its channel port failed: ZMQError: ")
         assert port.error.startswith("ZMQError: ")
-        assert not port.take(NEVER_S)  # closed: returns at once, empty
+        assert not port.take(NEVER_S)  # failed: returns at once, empty
+        assert not port.open
         port._thread.join(30)
         assert not port._thread.is_alive()
-        port.send(("late",))
-        assert len(port._outbox) == 0
+        port.send(("late",))  # dropped: never numbered, never sent
+        assert port._seq == 0
         port.close()
     finally:
         hub.close()
 
 
-def test_flush_returns_once_what_was_sent_is_handed_to_the_transport(opened):
-    """``flush`` waits for the port to take the message (held here), then returns True;
-    the message arrives whole; on a closed port it returns at once."""
+def test_a_take_waits_until_a_command_arrives_or_a_wake(opened):
+    """``take`` returns with the first command to arrive, or empty-handed once woken from
+    another thread (a worker's own commands wake its loop so); a closed port's returns at
+    once."""
     hub = opened.hub()
     port = opened.port(hub, "prefill-0")
-    if hasattr(port, "_send"):  # the socket port: hold its thread's next send until let go
-        go, send = threading.Event(), port._send
-
-        def held_send(seq, body):
-            go.wait(BOUND_S)
-            send(seq, body)
-        port._send = held_send
-        port.send(("first token",))
-        assert port.flush(0.05) is False  # still in the port's hands
-        go.set()
-    else:
-        port.send(("first token",))
-    assert port.flush(BOUND_S) is True
-    got = messages(receive_until(hub, lambda items: messages(items)))
-    assert [(m.worker, m.body) for m in got] == [("prefill-0", ("first token",))]
+    threading.Timer(0.05, lambda: hub.send("prefill-0", Command(SUBMIT, "r1"))).start()
+    taken = port.take(BOUND_S)
+    while not taken:  # (the hub's loop turns for a command sent before the port connected)
+        hub.receive(0.001)
+        taken = port.take(0.01)
+    assert taken.commands == [Command(SUBMIT, "r1")]
+    threading.Timer(0.05, port.wake).start()
+    assert not port.take(NEVER_S)
+    assert port.open
     port.close()
-    assert port.flush(BOUND_S) is True
+    assert not port.open and not port.take(NEVER_S)
 
 
 # ---- wake-up and the wire ---------------------------------------------------------------------

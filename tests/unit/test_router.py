@@ -1,10 +1,10 @@
 """Router over fake workers (no model, no Ray): pool rotation, load accounting from
 assignment, per-request deadlines, KV handles of late events, dead workers, validation.
 
-The fakes speak the in-process channel (``channel.local``): a command runs the moment it
-reaches a fake's port, in the router's thread; each time the router waits on its hub, every
-fake sends what is due as one message (its "step"), and a fake that died sends its last
-words (a ``died`` event) and falls silent. A fake prefill worker "prefills" a request
+The fakes speak the in-process channel (``channel.local``): each time the router waits on
+its hub, every fake runs the commands that reached its port and sends what is due as one
+message (its "step"), in the router's thread; a fake that died sends its last words (a
+``died`` event) and falls silent. A fake prefill worker "prefills" a request
 ``prefill_s`` after its submit and reports the first token with one KV handle (with
 ``put_s`` set: a ``token`` event first, the ``prefilled`` one ``put_s`` later), which it
 keeps in the shared ``FakeTransport`` until someone frees it; a fake decode worker frees
@@ -112,7 +112,7 @@ class FakeWorker:
 
     def open_channel(self, endpoint) -> None:
         hub = self.router.hub if self.router is not None else None
-        self.port = open_local_port(endpoint, on_arrival=self._take)
+        self.port = open_local_port(endpoint)
         _PORTS.append(self.port)
         if hub is not None and self not in hub.fakes:
             hub.fakes.append(self)
@@ -141,6 +141,7 @@ class FakeWorker:
         then falls silent."""
         if self.port is None or self.silent:
             return
+        self._take()
         try:
             events = self.wait_events(0.0)
         except Exception as err:  # its loop died
