@@ -18,6 +18,7 @@ The device is any object with ``step_time()``, ``kv_budget_bytes(config)``,
 from __future__ import annotations
 
 import hashlib
+import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -138,7 +139,7 @@ def emulated_token(prompt_digest: int, position: int, vocab_size: int,
 
 def prompt_hash(token_ids) -> int:
     """64-bit blake2b digest of a prompt's token ids (int32 little-endian each)."""
-    data = b"".join(int(t).to_bytes(4, "little", signed=True) for t in token_ids)
+    data = struct.pack(f"<{len(token_ids)}i", *token_ids)
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 

@@ -7,6 +7,8 @@ its prompt computed and first token appended. FINISHED_* statuses sort after eve
 
 from __future__ import annotations
 
+import copy
+
 import enum
 import math
 from dataclasses import dataclass, field
@@ -166,6 +168,13 @@ class Request:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    def arrived_at(self, arrival_time_s: float) -> Request:
+        """This request with ``arrival_time_s``; a copy that skips ``__post_init__``'s check
+        of every token (done when this one was made) and keeps the cached block hashes."""
+        arrived = copy.copy(self)
+        object.__setattr__(arrived, "arrival_time_s", arrival_time_s)
+        return arrived
 
 
 class RequestState:

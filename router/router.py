@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures as cf
-import dataclasses
 import math
 import queue
 import threading
@@ -605,7 +604,7 @@ class Router:
         """``arrived_s``: the scheduled arrival (default: now); ``dispatched`` is stamped now;
         ``tokens``: its sink hears token events (``submit``)."""
         now = time.time()
-        request = dataclasses.replace(request, arrival_time_s=now if arrived_s is None else arrived_s)
+        request = request.arrived_at(now if arrived_s is None else arrived_s)
         record = RequestRecord(request_id=request.request_id, placement=self.placement,
                                num_prompt_tokens=request.num_prompt_tokens)
         record.timeline[ARRIVED] = request.arrival_time_s

@@ -3,10 +3,12 @@ placement and device parsing; status ordering; Engine.validate against a tiny en
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from engine.kv_blocks import prompt_block_hashes
 from engine.config import (EngineConfig, ModelConfig, PlacementConfig, TransferConfig,
                            cpu_cores_of, parse_devices, parse_placement,
                            placement_engine_overrides)
@@ -100,6 +102,15 @@ def test_request_rejects_empty_prompt():
 @pytest.mark.parametrize("prompt", [(1, -1, 3), (-5,), (1, 2.0, 3), (1, "2")])
 def test_request_rejects_negative_or_non_integer_token_ids(prompt):
     raises_naming(lambda: Request("r1", prompt), "r1", "prompt_token_ids", "non-negative integers")
+
+
+def test_arrived_at_changes_only_the_arrival_and_keeps_the_cached_block_hashes():
+    request = Request("r1", (3, 1, 4, 1, 5), SamplingParams(max_tokens=7))
+    hashes = prompt_block_hashes(request, 2)
+    arrived = request.arrived_at(12.5)
+    assert arrived == dataclasses.replace(request, arrival_time_s=12.5)
+    assert request.arrival_time_s == 0.0
+    assert prompt_block_hashes(arrived, 2) is hashes
 
 
 def test_request_normalizes_prompt_to_tuple_and_counts():
