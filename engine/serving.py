@@ -30,6 +30,7 @@ import torch
 
 from channel.contract import ABORT, ADMIT, RELEASE, SUBMIT, Command, Endpoint, Port, Taken
 from channel.ports import open_port
+from engine.clock import precise_timers
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine, StepOutput
@@ -280,6 +281,7 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             use_on_this_thread(self.torch_device)  # the CUDA current device is per thread
+            precise_timers()  # an emulated step's nap and a command's wait end on time
             self._loop()
         except BaseException as err:  # nothing may escape silently: the worker is dead now
             with self._events_ready:

@@ -4,12 +4,15 @@ and warned about; bad input is refused."""
 
 from __future__ import annotations
 
+import ctypes
+import sys
+import threading
 import time
 
 import pytest
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
-from engine.clock import SPIN_S
+from engine.clock import SPIN_S, TIMER_SLACK_NS, precise_timers
 from engine.emulated import Emulation, RealClock, emulated_token, lateness_warning, prompt_hash
 from engine.engine import Engine
 from engine.model import ModelLoadError, load_geometry
@@ -317,3 +320,18 @@ def test_silicon_profile_on_fake_clock_keeps_the_simulators_times():
     assert [r["duration_s"] for r in real] == pytest.approx([s["duration_s"] for s in sim],
                                                             rel=1e-12)
     assert sim[0]["duration_s"] > 0.0055  # an H100 prefill step: ~6 ms, not the constant
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl(2) is Linux's")
+def test_precise_timers_sets_the_calling_threads_timer_slack_to_1_us():
+    prctl = ctypes.CDLL(None).prctl
+    seen = {}
+
+    def fresh_thread() -> None:  # (the test's own thread keeps its slack)
+        seen["set"] = precise_timers()
+        seen["after"] = prctl(30, 0, 0, 0, 0)  # PR_GET_TIMERSLACK: this thread's, in ns
+
+    thread = threading.Thread(target=fresh_thread)
+    thread.start()
+    thread.join()
+    assert seen == {"set": True, "after": TIMER_SLACK_NS} and TIMER_SLACK_NS == 1000
