@@ -35,7 +35,9 @@ from pathlib import Path
 import ray
 
 from channel.contract import SUBMIT, Command, Endpoint, Message
-from channel.sockets import SocketHub, SocketPort
+from channel.ports import open_port
+from channel.sockets import SocketHub
+from channel.unix import UnixHub
 from deployment.ray_actors import ray_init_kwargs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +106,8 @@ def echo_pipe(read_fd: int, write_fd: int) -> None:
 
 # ---- channel -------------------------------------------------------------------------------
 def channel_round_trips(n: int, warmup: int, worker_core: int, transport: str) -> list[float]:
-    hub = SocketHub(transport, dead_after_s=3600.0)
+    hub = (UnixHub(dead_after_s=3600.0) if transport == "unix"
+           else SocketHub(transport, dead_after_s=3600.0))
     endpoint = hub.attach("worker-0", 0)
     child = _child(["channel", json.dumps(list(vars(endpoint).values()))], worker_core)
     try:
@@ -122,7 +125,7 @@ def channel_round_trips(n: int, warmup: int, worker_core: int, transport: str) -
 
 def echo_channel(endpoint: Endpoint) -> None:
     """A worker's loop that answers every command with one message."""
-    port = SocketPort(endpoint)
+    port = open_port(endpoint)
     while True:
         for command in port.take(3600.0).commands:
             if command.kind == "stop":
@@ -206,6 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     if "pipe" in kinds:
         rows["pipe"] = pipe_round_trips(args.n, args.warmup, worker_core)
     if "channel" in kinds:
+        rows["channel-unix"] = channel_round_trips(args.n, args.warmup, worker_core, "unix")
         rows["channel-ipc"] = channel_round_trips(args.n, args.warmup, worker_core, "ipc")
         if args.tcp:
             rows["channel-tcp"] = channel_round_trips(args.n, args.warmup, worker_core, "tcp")

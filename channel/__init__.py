@@ -3,7 +3,8 @@ the local mode places and watches workers; ``kv_transfer`` carries the KV bytes)
 
 ``channel.contract`` states the contract: the router's ``Hub`` (``attach``, ``send``,
 ``receive``, ``wake``) and a worker's ``Port`` (``take``, ``send``, its own heartbeat).
-``channel.local`` (queues in one process) and ``channel.sockets`` (msgpack over pyzmq, ``ipc``
-within a node, ``tcp`` across) pass the same contract tests. Only ``sockets`` and ``wire`` load
-pyzmq and msgpack, so the router imports ``channel.contract`` and ``channel.local`` alone.
+``channel.local`` (queues in one process), ``channel.unix`` (msgpack over Unix-domain sockets:
+a deployment's workers on its own node) and ``channel.sockets`` (msgpack over pyzmq, ``tcp``
+across nodes; ``ipc`` too) pass the same contract tests. Only ``sockets`` loads pyzmq, and
+``wire`` msgpack, so the router imports ``channel.contract`` and ``channel.local`` alone.
 """

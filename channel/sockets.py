@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import select
 import shutil
 import tempfile
@@ -35,47 +34,13 @@ from typing import Any
 import zmq
 
 from channel import wire
+from channel.wake import WakePipe
+from channel.wire import HEARTBEAT, PORT_FAILED
 from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
                               Liveness, Message, Stale, Taken)
 
 TRANSPORTS = ("ipc", "tcp")
-HEARTBEAT, PORT_FAILED = -1, -2  # header seq of a heartbeat, of a port's failure report
 _LOG = logging.getLogger(__name__)
-
-
-class _WakePipe:
-    """A pipe that a ``zmq.Poller`` watches: ``poke`` from any thread wakes it."""
-
-    def __init__(self) -> None:
-        self.read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self.read_fd, False)
-        os.set_blocking(self._write_fd, False)
-        self._closed = False
-
-    def poke(self) -> None:
-        if self._closed:  # a closed descriptor's number may already belong to another file
-            return
-        try:
-            os.write(self._write_fd, b"\0")
-        except (BlockingIOError, OSError):  # full: a wake-up is pending anyway; closed: moot
-            pass
-
-    def drain(self) -> None:
-        try:
-            while os.read(self.read_fd, 4096):
-                pass
-        except (BlockingIOError, OSError):
-            pass
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for fd in (self.read_fd, self._write_fd):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
 
 
 class SocketHub:
@@ -107,7 +72,7 @@ class SocketHub:
         self.address = self._bind(self._in, "in")
         self._out: dict[str, zmq.Socket] = {}  # worker -> PUSH of its current incarnation
         self._waiting: dict[str, collections.deque[bytes]] = {}  # commands its port cannot take yet
-        self._wake = _WakePipe()
+        self._wake = WakePipe()
         self._poller = zmq.Poller()
         self._poller.register(self._in, zmq.POLLIN)
         self._poller.register(self._wake.read_fd, zmq.POLLIN)
@@ -260,7 +225,7 @@ class SocketPort:
         self._inbox = Inbox()
         self._io = threading.Lock()  # the command and message sockets: one thread at a time
         self._taking = threading.Lock()  # held through a take: close waits it out
-        self._wake = _WakePipe()
+        self._wake = WakePipe()
         self._stopping = threading.Event()
         self._closed = False
         self._ctx = zmq.Context()
@@ -273,7 +238,9 @@ class SocketPort:
         self._seq = 0
         self.error: str | None = None
         self.dropped = 0
-        self._beat()  # heard from now on (a connecting PUSH queues it)
+        # heard from now on (a connecting PUSH queues it); on the message socket, so that it
+        # arrives before the port's first message, as its first heartbeat does on one stream
+        self._send(self._messages, HEARTBEAT, b"")
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"{endpoint.worker}-heartbeat")
         self._thread.start()

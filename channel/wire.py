@@ -14,6 +14,7 @@ from typing import Any
 import msgpack
 
 PICKLED = 1  # msgpack extension type: the value's pickle
+HEARTBEAT, PORT_FAILED = -1, -2  # a port's message seq of a heartbeat, of its failure report
 
 
 def _default(value: Any) -> msgpack.ExtType:

@@ -7,8 +7,9 @@ channels: the one place that creates Ray actors (the composition root).
    ``torchdist``: the driver binds the group's rendezvous store first and keeps it until
    ``close``. Local mode: plain worker objects in this process, each on its own device.
 3. Wait until every worker answers ``info`` (bounded; a failure keeps its root cause), then
-   build the ``Router`` over a ``channel.local.LocalHub`` (local mode) or a
-   ``channel.sockets.SocketHub`` (``ipc`` on a cluster started here, ``tcp`` when joining one).
+   build the ``Router`` over a ``channel.local.LocalHub`` (local mode), a
+   ``channel.unix.UnixHub`` (a cluster started here) or a ``channel.sockets.SocketHub``
+   (``tcp``, when joining one).
    Ray's actor deaths and a local ``kill`` reach the router at once, and every incarnation the
    router declares dead is stopped (``_stop_incarnation``).
 4. Measure the link peak of each decode worker's transfers (``kv_transfer.link``) and set it on
@@ -46,6 +47,7 @@ from kv_transfer.nixl import MISSING, nixl_available
 from kv_transfer.torchdist import open_rendezvous
 from channel.local import LocalHub
 from channel.sockets import SocketHub
+from channel.unix import UnixHub
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
@@ -375,12 +377,13 @@ class Deployment:
 
     # ---- construction -----------------------------------------------------------------
     def _open_hub(self) -> Any:
-        """Step 3's hub: in-process, or pyzmq sockets (``ipc`` or ``tcp``)."""
+        """Step 3's hub: in-process; Unix-domain sockets on one node (a hop wakes one
+        thread, not pyzmq ipc's three: ``channel.unix``); pyzmq ``tcp`` across nodes."""
         if self.local:
             return LocalHub()
         if self.placement.address:  # workers may be on other nodes
             return SocketHub("tcp", host=self._ray.node_ip())
-        return SocketHub("ipc")
+        return UnixHub()
 
     def _worker_args(self, inst: Instance, faults: dict, rank: int,
                      init_method: str | None) -> tuple[type, dict]:

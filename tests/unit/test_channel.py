@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -24,6 +26,7 @@ from channel.contract import (ABORT, ADMIT, RELEASE, SUBMIT, Command, Died, Inbo
                               Message, Stale)
 from channel.local import LocalHub
 from channel.sockets import SocketHub, SocketPort
+from channel.unix import MAX_FRAME, UnixHub, UnixPort, frame
 from engine.request import Request, SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,7 +56,17 @@ class SocketChannel:
         return SocketPort(endpoint)
 
 
-CHANNELS = [LocalChannel(), SocketChannel("ipc"), SocketChannel("tcp")]
+class UnixChannel:
+    name = "unix"
+
+    def hub(self, **kwargs):
+        return UnixHub(**kwargs)
+
+    def port(self, hub, endpoint):
+        return UnixPort(endpoint)
+
+
+CHANNELS = [LocalChannel(), SocketChannel("ipc"), SocketChannel("tcp"), UnixChannel()]
 
 
 @pytest.fixture(params=CHANNELS, ids=lambda c: c.name)
@@ -369,7 +382,7 @@ def test_a_bad_message_costs_the_hub_only_itself(channel, caplog):
         hub.close()
 
 
-@pytest.mark.parametrize("channel", SOCKET_CHANNELS, ids=lambda c: c.name)
+@pytest.mark.parametrize("channel", SOCKET_CHANNELS + [UnixChannel()], ids=lambda c: c.name)
 def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
     """Not silence: the hub hears the port's own report at once (no heartbeat deadline
     here), a worker waiting on the port is woken for good, and what it sends after is
@@ -398,18 +411,64 @@ def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
         hub.close()
 
 
+def test_the_unix_channel_drops_what_it_cannot_decode_and_closes_a_broken_stream(caplog):
+    """A command frame the port cannot decode and a message body the hub cannot decode are
+    logged and dropped alone; a stranger's garbage hello and a frame length no message has
+    close that connection only; the good commands and messages all arrive."""
+    hub = UnixHub(dead_after_s=NEVER_S)
+    try:
+        port = UnixPort(hub.attach("decode-0", 0))
+        with caplog.at_level(logging.ERROR):
+            hub.send("decode-0", Command(SUBMIT, "r0"))
+            wait_arrived(hub, port, 1)
+            connection = hub._current["decode-0"]
+            connection.out += frame(b"\xc1") + frame(wire.encode(("submit", "r1")))
+            hub.send("decode-0", Command(SUBMIT, "r2"))
+            wait_arrived(hub, port, 2)
+            assert [c.request_id for c in port.take(0).commands] == ["r0", "r2"]
+            assert port.dropped == 2 and port.error is None
+            for garbage in (frame(b"\xc1"), struct.pack("<I", MAX_FRAME + 1)):
+                stranger = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                stranger.connect(hub.address[len("unix://"):])
+                stranger.sendall(garbage)
+                stranger.close()
+            port.send("a")
+            port.send(Unloadable())
+            port.send("b")
+            items = receive_until(hub, lambda items: len(messages(items)) == 2
+                                  and sum(hub.undecodable.values()) == 3)
+        assert [(m.seq, m.body) for m in messages(items)] == [(0, "a"), (2, "b")]
+        assert hub.undecodable == {("decode-0", 0): 1, ("?", -1): 2}
+        port.close()
+    finally:
+        hub.close()
+
+
+def test_a_unix_port_whose_hub_went_away_fails_and_waits_no_more():
+    hub = UnixHub(dead_after_s=NEVER_S)
+    port = UnixPort(hub.attach("prefill-0", 0))
+    try:
+        hub.send("prefill-0", Command(SUBMIT, "r0"))
+        wait_arrived(hub, port, 1)
+        hub.close()
+        assert port.take(NEVER_S).commands == [Command(SUBMIT, "r0")]  # it came before
+        assert not port.take(NEVER_S)  # the hub's end closed: failed, at once
+        assert not port.open and port.error == "ConnectionError: the hub closed the channel"
+    finally:
+        port.close()
+
+
 def test_a_take_waits_until_a_command_arrives_or_a_wake(opened):
     """``take`` returns with the first command to arrive, or empty-handed once woken from
     another thread (a worker's own commands wake its loop so); a closed port's returns at
     once."""
     hub = opened.hub()
     port = opened.port(hub, "prefill-0")
+    hub.send("prefill-0", Command(SUBMIT, "r0"))  # the channel is up once this arrived
+    wait_arrived(hub, port, 1)
+    assert port.take(0).commands == [Command(SUBMIT, "r0")]
     threading.Timer(0.05, lambda: hub.send("prefill-0", Command(SUBMIT, "r1"))).start()
-    taken = port.take(BOUND_S)
-    while not taken:  # (the hub's loop turns for a command sent before the port connected)
-        hub.receive(0.001)
-        taken = port.take(0.01)
-    assert taken.commands == [Command(SUBMIT, "r1")]
+    assert port.take(BOUND_S).commands == [Command(SUBMIT, "r1")]
     threading.Timer(0.05, port.wake).start()
     assert not port.take(NEVER_S)
     assert port.open
