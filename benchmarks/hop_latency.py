@@ -5,10 +5,11 @@ another (``--cores``), each measured ``--n`` times after ``--warmup`` untimed on
 
 - **pipe**: one byte down an OS pipe and back; this host's floor for waking another
   process and being woken.
-- **channel**: a ``Command`` down ``channel.sockets`` (``SocketHub`` -> ``SocketPort``,
-  msgpack over pyzmq, ``ipc``; ``--tcp`` adds the ``tcp`` row) and a one-message reply
-  back, as a worker handles them: its loop waits in ``take``, decodes the command and sends
-  the reply (libzmq's I/O threads write both), the router's poller wakes.
+- **channel**: a ``Command`` down the channel and a one-message reply back, over
+  ``channel.unix`` (what a deployment's workers on its node use; the targets are checked
+  on it) and ``channel.sockets`` (pyzmq ``ipc``; ``--tcp`` adds ``tcp``), as a worker
+  handles them: its loop waits in ``take``, decodes the command and sends
+  the reply, the router's poller wakes.
 - **ray**: a Ray actor call and its ``ray.get``, the actor threaded as pdlab's workers are
   (``max_concurrency=16``, ``deployment.ray_actors.RayWorkers.start``).
 
@@ -170,8 +171,8 @@ def summarize(rows: dict[str, list[float]]) -> None:
               f"{statistics.fmean(times):9.1f} "
               f"{p50 / pipe_p50 if pipe_p50 else float('nan'):11.2f} "
               f"{ray_p50 / p50 if ray_p50 else float('nan'):10.2f}")
-    if "channel-ipc" in rows and pipe_p50 and ray_p50:
-        channel = rows["channel-ipc"]
+    if "channel-unix" in rows and pipe_p50 and ray_p50:  # the channel a node's workers use
+        channel = rows["channel-unix"]
         p50, p99 = percentile(channel, 0.5), percentile(channel, 0.99)
         checks = [(f"channel p50 within 2.5x the pipe's ({p50 / pipe_p50:.2f}x)",
                    p50 <= 2.5 * pipe_p50),

@@ -1,11 +1,11 @@
 """What the router costs: the real ``Router`` fed a synthetic token stream, in one run at
 ``--workers`` loads (default 8 and 2 fake colocated workers, a row each).
 
-Each fake (a process on ``channel.sockets``; ``--channel local``: a thread on
-``channel.local``) sends a step message every ``--step-ms`` with a token for each request it
-runs, first and last tokens as ``WorkerEvent``s, the rest as one ``TokenBatch`` (as
-``EngineLoop.emit_tokens``); a request ends (``length``) after its ``max_tokens``, drawn
-from ``--output-lens``. A front end keeps ``--running`` requests per worker in flight (one
+Each fake (a process on ``channel.unix``, the node's channel; ``--channel sockets``: pyzmq
+``ipc``; ``--channel local``: a thread on ``channel.local``) sends a step message every
+``--step-ms`` with a token for each request it runs, first and last tokens as
+``WorkerEvent``s, the rest as one ``TokenBatch`` (as ``EngineLoop.emit_tokens``); a request
+ends (``length``) after its ``max_tokens``, drawn from ``--output-lens``. A front end keeps ``--running`` requests per worker in flight (one
 new per finished one) and takes every ``StreamEvent`` on its own thread through a queue, as
 the HTTP server does: the router does its real work per request and per token.
 
@@ -21,7 +21,7 @@ lightest row), writes ``router_cost.csv`` under ``--out`` (default
 the router thread under cProfile (CPU clock) and prints the top by own time.
 
 Usage: ``python -m benchmarks.router_cost [--workers 8,2] [--seconds 10] [--channel
-sockets|local] [--cprofile]``.
+unix|sockets|local] [--cprofile]``.
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ from typing import Any
 from benchmarks import cpu_line, print_table, write_rows
 from channel.contract import ABORT, SUBMIT, Endpoint
 from channel.local import LocalHub
-from channel.sockets import SocketHub, SocketPort
+from channel.ports import open_port
+from channel.sockets import SocketHub
+from channel.unix import UnixHub
 from engine.events import TOKEN, TokenBatch, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.request import Request, SamplingParams
@@ -65,9 +67,9 @@ def fake_worker(name: str, port_or_endpoint: Any, control: Any, step_s: float) -
     """A colocated worker's message stream without an engine: every ``step_s`` seconds one
     message with the next token of every request submitted to it, until ``control`` says
     ``stop``; then it answers ``(messages, tokens)`` it sent. ``port_or_endpoint``: an open
-    port, or an ``Endpoint`` to open a ``SocketPort`` on (in a child process). Says
+    port, or an ``Endpoint`` to open its port on (in a child process). Says
     ``ready`` on ``control`` once its port is open."""
-    port = (SocketPort(port_or_endpoint) if isinstance(port_or_endpoint, Endpoint)
+    port = (open_port(port_or_endpoint) if isinstance(port_or_endpoint, Endpoint)
             else port_or_endpoint)
     control.send("ready")
     running: dict[str, list[int]] = {}  # request id -> [next output index, max_tokens]
@@ -306,7 +308,9 @@ def measure(workers: int, running: int, seconds: float, warmup_s: float, step_ms
     Raises:
         RuntimeError: tokens relayed differ from tokens sent, or a request failed.
     """
-    hub = SocketHub("ipc", dead_after_s=60.0) if channel == "sockets" else LocalHub(60.0)
+    hub = {"unix": lambda: UnixHub(dead_after_s=60.0),
+           "sockets": lambda: SocketHub("ipc", dead_after_s=60.0),
+           "local": lambda: LocalHub(dead_after_s=60.0)}[channel]()
     fakes = [_Fake(f"colocated-{i}", hub, step_ms / 1000) for i in range(workers)]
     refs = [WorkerRef(f.name, "colocated", f) for f in fakes]
     router = Router(refs, _Now(), f"colocated:{workers}", hub=hub, deadline_s=60.0)
@@ -387,7 +391,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--prompt-len", type=int, default=256, help="prompt tokens per request")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
     parser.add_argument("--warmup-s", type=float, default=3.0, help="before the window")
-    parser.add_argument("--channel", choices=("sockets", "local"), default="sockets")
+    parser.add_argument("--channel", choices=("unix", "sockets", "local"), default="unix")
     parser.add_argument("--cprofile", action="store_true",
                         help="cProfile the router loop thread at the heaviest load")
     parser.add_argument("--out", default=None, help="results directory")

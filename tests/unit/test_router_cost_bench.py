@@ -9,7 +9,7 @@ import pytest
 from benchmarks import router_cost
 
 
-@pytest.mark.parametrize("channel, workers", [("sockets", "1"), ("local", "2,1")])
+@pytest.mark.parametrize("channel, workers", [("unix", "1"), ("sockets", "1"), ("local", "2,1")])
 def test_every_token_the_fakes_send_reaches_the_front_end(tmp_path, channel, workers):
     router_cost.main(["--workers", workers, "--running", "3", "--output-lens", "2,6",
                       "--prompt-len", "8", "--seconds", "0.4", "--warmup-s", "0.2",
