@@ -48,6 +48,7 @@ from kv_transfer.torchdist import open_rendezvous
 from channel.local import LocalHub
 from channel.sockets import SocketHub
 from channel.unix import UnixHub
+from engine.clock import freeze_heap
 from prefill_worker import PrefillWorker
 from router.calls import LocalCalls
 from router.router import Router, WorkerRef
@@ -371,6 +372,7 @@ class Deployment:
             if self._ray is not None:  # Ray's actor death, beside the channel's heartbeat
                 self._ray.watch(self.router.worker_died)
             self.link_peaks = self._measure_link_peaks()
+            freeze_heap()  # the router's process: no full collection stalls its loop on these
         except BaseException:
             self.close()
             raise

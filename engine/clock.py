@@ -4,12 +4,14 @@
 default on Linux, plus the wake-up), so ``wait_until`` naps until ``SPIN_S`` before the deadline
 and spins the rest. A longer spin would hold the GIL and a core that the process's other threads
 (channel port, transports) need. ``precise_timers`` cuts a thread's slack to 1 us (the router's
-and each engine loop's thread call it).
+and each engine loop's thread call it); ``freeze_heap`` keeps the garbage collector's full passes
+off the objects of start-up (torch, Ray: a pass over them stops every thread for ~0.1 s).
 """
 
 from __future__ import annotations
 
 import ctypes
+import gc
 import sys
 import time
 from collections.abc import Callable
@@ -17,6 +19,14 @@ from collections.abc import Callable
 SPIN_S = 0.00025  # spun, not slept, before a deadline (s)
 TIMER_SLACK_NS = 1000  # what ``precise_timers`` sets (the kernel's default: 50 us)
 _PR_SET_TIMERSLACK = 29  # prctl(2) option, linux/prctl.h
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive now out of the collector's reach (``gc.freeze``,
+    as vLLM's engine core does after start-up): later full passes scan only what came after.
+    Call once a process has loaded what it keeps (its model, the router's workers)."""
+    gc.collect()
+    gc.freeze()
 
 
 def precise_timers() -> bool:

@@ -30,7 +30,7 @@ import torch
 
 from channel.contract import ABORT, ADMIT, RELEASE, SUBMIT, Command, Endpoint, Port, Taken
 from channel.ports import open_port
-from engine.clock import precise_timers
+from engine.clock import freeze_heap, precise_timers
 from engine.config import EngineConfig, ModelConfig
 from engine.device import bind_device, gpu_identity, use_on_this_thread
 from engine.engine import Engine, StepOutput
@@ -115,6 +115,7 @@ class EngineLoop:
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
         self._port: Port | None = None  # the message plane, once open_channel ran
+        freeze_heap()  # the model and the imports: no full collection stops the loop on them
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
