@@ -47,6 +47,7 @@ from channel.local import LocalHub
 from channel.ports import open_port
 from channel.sockets import SocketHub
 from channel.unix import UnixHub
+from engine.clock import freeze_heap
 from engine.events import TOKEN, TokenBatch, WorkerEvent
 from engine.metrics import PREFILL_FINISHED, PREFILL_STARTED
 from engine.request import Request, SamplingParams
@@ -314,6 +315,7 @@ def measure(workers: int, running: int, seconds: float, warmup_s: float, step_ms
     fakes = [_Fake(f"colocated-{i}", hub, step_ms / 1000) for i in range(workers)]
     refs = [WorkerRef(f.name, "colocated", f) for f in fakes]
     router = Router(refs, _Now(), f"colocated:{workers}", hub=hub, deadline_s=60.0)
+    freeze_heap()  # as a deployment does once its router is up
     messages = _count_messages(hub)
     window = _Window()
     front = FrontEnd(router, workers * running, output_lens, prompt_len, window)
