@@ -19,14 +19,21 @@ from collections.abc import Callable
 SPIN_S = 0.00025  # spun, not slept, before a deadline (s)
 TIMER_SLACK_NS = 1000  # what ``precise_timers`` sets (the kernel's default: 50 us)
 _PR_SET_TIMERSLACK = 29  # prctl(2) option, linux/prctl.h
+_heap_frozen = False  # freeze_heap ran in this process
 
 
 def freeze_heap() -> None:
     """Collect, then move every object alive now out of the collector's reach (``gc.freeze``,
     as vLLM's engine core does after start-up): later full passes scan only what came after.
-    Call once a process has loaded what it keeps (its model, the router's workers)."""
-    gc.collect()
-    gc.freeze()
+    Call once a process has loaded what it keeps (its model, the router's workers). Only the
+    first call in a process freezes: a frozen object is never collected as part of a cycle,
+    so a process that starts many workers or deployments (a test suite) keeps only what was
+    alive at the first (its imports, mostly: what a full pass spends its time on)."""
+    global _heap_frozen
+    if not _heap_frozen:
+        _heap_frozen = True
+        gc.collect()
+        gc.freeze()
 
 
 def precise_timers() -> bool:

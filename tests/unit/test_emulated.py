@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
+from engine import clock
 from engine.clock import SPIN_S, TIMER_SLACK_NS, freeze_heap, precise_timers
 from engine.emulated import Emulation, RealClock, emulated_token, lateness_warning, prompt_hash
 from engine.engine import Engine
@@ -338,11 +339,16 @@ def test_precise_timers_sets_the_calling_threads_timer_slack_to_1_us():
     assert seen == {"set": True, "after": TIMER_SLACK_NS} and TIMER_SLACK_NS == 1000
 
 
-def test_freeze_heap_moves_what_lives_now_out_of_the_collectors_reach():
+def test_freeze_heap_freezes_what_lives_at_its_first_call_only(monkeypatch):
+    monkeypatch.setattr(clock, "_heap_frozen", False)
     kept = [{"i": i} for i in range(1000)]  # containers the collector tracks
-    gc.unfreeze()
+    frozen_before = gc.get_freeze_count()
     try:
         freeze_heap()
-        assert gc.get_freeze_count() >= len(kept)  # a full pass no longer scans them
+        first = gc.get_freeze_count()
+        assert first >= frozen_before + len(kept)  # a full pass no longer scans them
+        later = [{"i": i} for i in range(1000)]
+        freeze_heap()  # a second call: nothing more is frozen
+        assert gc.get_freeze_count() == first and later
     finally:
         gc.unfreeze()
