@@ -11,7 +11,7 @@
 A port reads and decodes commands and encodes and sends messages on its caller's thread (the
 worker's loop), handing each to libzmq, whose I/O thread does the socket work: a hand-off to a
 thread of the port's own would cost a wake-up each way (benchmarks/hop_latency.py measures it).
-The loop waits for commands in ``take`` (``select`` over the socket and a wake-up pipe). The
+The loop waits for commands in ``take`` (``wait_fds`` over the socket and a wake-up pipe). The
 port's own thread only beats the heartbeat, on a socket of its own. A command that cannot be
 decoded, or a message that cannot be encoded, is logged and dropped; a socket error fails the
 port: the heartbeat thread reports it to the hub (``PORT_FAILED``, best effort) and stops, and
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import select
 import shutil
 import tempfile
 import threading
@@ -34,7 +33,7 @@ from typing import Any
 import zmq
 
 from channel import wire
-from channel.wake import WakePipe
+from channel.wake import WakePipe, wait_fds
 from channel.wire import HEARTBEAT, PORT_FAILED
 from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
                               Liveness, Message, Stale, Taken)
@@ -292,7 +291,7 @@ class SocketPort:
 
     def _wait(self, timeout_s: float) -> None:
         """Until a command can be read, a ``wake``, a failure or ``timeout_s`` seconds:
-        ``select`` to the microsecond (a ``zmq.Poller`` waits whole ms), ``EVENTS`` read
+        ``wait_fds`` (a ``zmq.Poller`` waits whole ms), ``EVENTS`` read
         before each wait (libzmq's descriptor only says "look again")."""
         deadline_s = time.monotonic() + timeout_s
         while not len(self._inbox):
@@ -302,7 +301,7 @@ class SocketPort:
             left_s = deadline_s - time.monotonic()
             if left_s <= 0:
                 return
-            ready, _, _ = select.select([self._commands_fd, self._wake.read_fd], [], [], left_s)
+            ready, _ = wait_fds([self._commands_fd, self._wake.read_fd], [], left_s)
             if self._wake.read_fd in ready:
                 self._wake.drain()
                 return

@@ -19,7 +19,6 @@ thread (pyzmq's ``ipc`` wakes three: the sender's I/O thread, the receiver's, th
 from __future__ import annotations
 
 import logging
-import select
 import selectors
 import shutil
 import socket
@@ -33,7 +32,7 @@ from typing import Any
 from channel import wire
 from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
                               Liveness, Message, Stale, Taken)
-from channel.wake import WakePipe
+from channel.wake import WakePipe, wait_fds
 from channel.wire import HEARTBEAT, PORT_FAILED
 
 SCHEME = "unix://"
@@ -364,12 +363,13 @@ class UnixPort:
             del self._unsent[:sent]
 
     def _wait(self, timeout_s: float) -> None:
-        """Until the socket has bytes, a ``wake``, or ``timeout_s`` seconds (``select``:
-        to the microsecond); writes what waits once the socket takes it."""
+        """Until the socket has bytes, a ``wake``, or ``timeout_s`` seconds (``wait_fds``);
+        writes what waits once the socket takes it."""
         if len(self._inbox) or timeout_s <= 0:
             return
-        ready, writable, _ = select.select([self._sock, self._wake.read_fd],
-                                           [self._sock] if self._unsent else [], [], timeout_s)
+        sock = self._sock.fileno()
+        ready, writable = wait_fds([sock, self._wake.read_fd], [sock] if self._unsent else [],
+                                   timeout_s)
         if self._wake.read_fd in ready:
             self._wake.drain()
         if writable:
@@ -462,7 +462,7 @@ class UnixPort:
         self._thread.join(timeout=5)
         deadline_s = time.monotonic() + 1.0
         try:
-            while self._unsent and select.select([], [self._sock], [], max(
+            while self._unsent and wait_fds([], [self._sock.fileno()], max(
                     0.0, deadline_s - time.monotonic()))[1]:
                 self._write()
         except OSError:

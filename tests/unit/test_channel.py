@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import signal
 import socket
 import struct
@@ -474,6 +475,29 @@ def test_a_take_waits_until_a_command_arrives_or_a_wake(opened):
     assert port.open
     port.close()
     assert not port.open and not port.take(NEVER_S)
+
+
+def test_a_take_waits_on_descriptors_past_selects_limit(opened):
+    """A worker process with over a thousand files open: select(2) refuses a descriptor of
+    1024 or more, yet the port's ``take`` still waits for a command and for a wake."""
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("the soft limit on open files is under 1200")
+    held = [os.open(os.devnull, os.O_RDONLY)]
+    try:
+        while held[-1] < 1100:
+            held.append(os.dup(held[0]))
+        hub = opened.hub()
+        port = opened.port(hub, "prefill-0")
+        hub.send("prefill-0", Command(SUBMIT, "r0"))
+        wait_arrived(hub, port, 1)
+        assert port.take(0).commands == [Command(SUBMIT, "r0")]
+        threading.Timer(0.05, lambda: hub.send("prefill-0", Command(SUBMIT, "r1"))).start()
+        assert port.take(BOUND_S).commands == [Command(SUBMIT, "r1")]
+        threading.Timer(0.05, port.wake).start()
+        assert not port.take(NEVER_S) and port.open
+    finally:
+        for fd in held:
+            os.close(fd)
 
 
 # ---- wake-up and the wire ---------------------------------------------------------------------
