@@ -188,10 +188,6 @@ class SocketHub:
         self.undecodable[sender] = self.undecodable.get(sender, 0) + 1
         _LOG.error("channel hub: dropped %s", what)
 
-    @property
-    def open(self) -> bool:
-        return not self._stopping.is_set()
-
     def wake(self) -> None:
         self._wake.poke()
 
