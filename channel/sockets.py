@@ -257,7 +257,8 @@ class SocketPort:
 
     @property
     def arrived(self) -> int:
-        self._receive()
+        with self._taking:  # (a read beside a waiting take would eat the wake-up it waits on)
+            self._receive()
         return self._inbox.arrived
 
     @property

@@ -477,6 +477,28 @@ def test_a_take_waits_until_a_command_arrives_or_a_wake(opened):
     assert not port.open and not port.take(NEVER_S)
 
 
+def test_a_take_returns_its_command_while_another_thread_reads_arrived(opened):
+    """``arrived`` read from another thread (a test's poll) never takes the wake-up a waiting
+    ``take`` needs: each take returns with the command that came, not at its timeout."""
+    hub = opened.hub()
+    port = opened.port(hub, "prefill-0")
+    hub.send("prefill-0", Command(SUBMIT, "r0"))
+    wait_arrived(hub, port, 1)
+    assert port.take(0).commands == [Command(SUBMIT, "r0")]
+    for i in range(1, 11):
+        stop, taken = threading.Event(), []
+        poller = threading.Thread(target=lambda: [port.arrived for _ in iter(stop.is_set, True)])
+        taker = threading.Thread(target=lambda: taken.append(port.take(NEVER_S)))
+        poller.start()
+        taker.start()
+        hub.send("prefill-0", Command(SUBMIT, f"r{i}"))
+        taker.join(BOUND_S)
+        stop.set()
+        poller.join()
+        assert not taker.is_alive(), f"take {i} missed its command"
+        assert taken[0].commands == [Command(SUBMIT, f"r{i}")]
+
+
 def test_a_take_waits_on_descriptors_past_selects_limit(opened):
     """A worker process with over a thousand files open: select(2) refuses a descriptor of
     1024 or more, yet the port's ``take`` still waits for a command and for a wake."""
