@@ -300,13 +300,18 @@ class UnixPort:
         self._stopping = threading.Event()
         self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.connect(endpoint.messages[len(SCHEME):])
         self._seq = 0
         self.error: str | None = None
         self.dropped = 0
-        self._sock.setblocking(False)
-        self._write(frame(wire.encode((endpoint.worker, endpoint.incarnation))))
-        self._beat()  # heard from now on
+        try:
+            self._sock.connect(endpoint.messages[len(SCHEME):])
+            self._sock.setblocking(False)
+            self._write(frame(wire.encode((endpoint.worker, endpoint.incarnation))))
+            self._beat()  # heard from now on
+        except OSError:
+            self._sock.close()
+            self._wake.close()
+            raise
         self._thread = threading.Thread(target=self._run, daemon=True,
                                         name=f"{endpoint.worker}-heartbeat")
         self._thread.start()

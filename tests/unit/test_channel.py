@@ -459,6 +459,18 @@ def test_a_unix_port_whose_hub_went_away_fails_and_waits_no_more():
         port.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files in /proc")
+def test_a_unix_port_that_cannot_reach_its_hub_raises_and_keeps_no_descriptor():
+    hub = UnixHub(dead_after_s=NEVER_S)
+    endpoint = hub.attach("prefill-0", 0)
+    hub.close()
+    before = sorted(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        with pytest.raises(OSError):
+            UnixPort(endpoint)
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
 def test_a_take_waits_until_a_command_arrives_or_a_wake(opened):
     """``take`` returns with the first command to arrive, or empty-handed once woken from
     another thread (a worker's own commands wake its loop so); a closed port's returns at
