@@ -360,14 +360,10 @@ class SocketPort:
     def _decode(self, data: bytes) -> Command | None:
         """A command off the wire, or None: logged and dropped as undecodable."""
         try:
-            kind, request_id, args = wire.decode(data)
-            if not (isinstance(kind, str) and isinstance(args, tuple)):
-                raise ValueError(f"({kind!r}, {request_id!r}, {args!r}) is not "
-                                 "[kind, request_id, args]")
+            return wire.decode_command(data)
         except Exception as err:
             self._drop(f"a command of {len(data)} bytes: {err!r}")
             return None
-        return Command(kind, request_id, args)
 
     def _drop(self, what: str) -> None:
         self.dropped += 1

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgpack
 
+from channel.contract import Command
+
 PICKLED = 1  # msgpack extension type: the value's pickle
 HEARTBEAT, PORT_FAILED = -1, -2  # a port's message seq of a heartbeat, of its failure report
 
@@ -37,3 +39,21 @@ def decode(data: bytes | memoryview) -> Any:
     ``ExtraData``, ``FormatError``, ``StackError``) when ``data`` is not a whole message."""
     return msgpack.unpackb(data, ext_hook=_ext_hook, use_list=False, raw=False,
                            strict_map_key=False)
+
+
+def decode_command(data: bytes | memoryview) -> Command:
+    """A hub's command off the wire, ``[kind, request_id, args]``: a str, a hashable value (the
+    abort rule indexes by it), a tuple. Raises ValueError (or what ``decode`` raises): ``data``
+    is no such command."""
+    kind, request_id, args = decode(data)
+    if not (isinstance(kind, str) and _hashable(request_id) and isinstance(args, tuple)):
+        raise ValueError(f"({kind!r}, {request_id!r}, {args!r}) is not [kind, request_id, args]")
+    return Command(kind, request_id, args)
+
+
+def _hashable(value: Any) -> bool:
+    try:
+        hash(value)
+    except TypeError:
+        return False
+    return True

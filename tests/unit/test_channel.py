@@ -384,6 +384,28 @@ def test_a_bad_message_costs_the_hub_only_itself(channel, caplog):
 
 
 @pytest.mark.parametrize("channel", SOCKET_CHANNELS + [UnixChannel()], ids=lambda c: c.name)
+def test_a_command_whose_request_id_is_unhashable_is_dropped_and_the_port_goes_on(channel):
+    """A request id the abort rule cannot index by (a map, a list holding one) would break
+    ``take``, and the worker's loop with it: such a command is dropped alone."""
+    hub = channel.hub(dead_after_s=NEVER_S)
+    try:
+        port = channel.port(hub, hub.attach("decode-0", 0))
+        for request_id in ({"not": "an id"}, [1, {}], "r1"):
+            hub.send("decode-0", Command(SUBMIT, request_id))
+        end_s = time.monotonic() + BOUND_S
+        commands = []
+        while not commands:
+            assert time.monotonic() < end_s, "r1 never arrived"
+            hub.receive(0.001)
+            commands = port.take(0).commands
+        assert commands == [Command(SUBMIT, "r1")]
+        assert port.dropped == 2 and port.open
+        port.close()
+    finally:
+        hub.close()
+
+
+@pytest.mark.parametrize("channel", SOCKET_CHANNELS + [UnixChannel()], ids=lambda c: c.name)
 def test_a_port_whose_socket_fails_is_reported_dead_with_the_cause(channel):
     """Not silence: the hub hears the port's own report at once (no heartbeat deadline
     here), a worker waiting on the port is woken for good, and what it sends after is
