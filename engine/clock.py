@@ -5,7 +5,8 @@ default on Linux, plus the wake-up), so ``wait_until`` naps until ``SPIN_S`` bef
 and spins the rest. A longer spin would hold the GIL and a core that the process's other threads
 (channel port, transports) need. ``precise_timers`` cuts a thread's slack to 1 us (the router's
 and each engine loop's thread call it); ``freeze_heap`` keeps the garbage collector's full passes
-off the objects of start-up (torch, Ray: a pass over them stops every thread for ~0.1 s).
+off the objects of start-up (torch's and Ray's: a pass over them stops every thread of the
+process for as long as it scans them).
 """
 
 from __future__ import annotations
