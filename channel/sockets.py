@@ -25,18 +25,17 @@ import collections
 import logging
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import zmq
 
 from channel import wire
 from channel.wake import WakePipe, wait_fds
 from channel.wire import HEARTBEAT, PORT_FAILED
-from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
-                              Liveness, Message, Stale, Taken)
+from channel.worker_port import WorkerPort
+from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Liveness,
+                              Message, Stale)
 
 TRANSPORTS = ("ipc", "tcp")
 _LOG = logging.getLogger(__name__)
@@ -204,25 +203,16 @@ class SocketHub:
             shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class SocketPort:
+class SocketPort(WorkerPort):
     """``channel.contract.Port`` over pyzmq: opened in the worker's process with the
-    ``Endpoint`` its hub's ``attach`` returned (module docstring). Its heartbeat thread
-    starts at once; the first heartbeat leaves before the constructor returns.
+    ``Endpoint`` its hub's ``attach`` returned (module docstring; what it shares with the Unix
+    port: ``channel.worker_port``). Its heartbeat thread starts at once; the first heartbeat
+    leaves before the constructor returns. ``_io`` guards the command and message sockets."""
 
-    Attributes:
-        error: why the port failed (None while it works, and after a plain ``close``): its
-            hub has been told, ``take`` returns at once, ``send`` drops.
-        dropped: commands that could not be decoded and messages that could not be encoded.
-    """
+    SOCKET_ERRORS = (zmq.ZMQError,)
 
     def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self._inbox = Inbox()
-        self._io = threading.Lock()  # the command and message sockets: one thread at a time
-        self._taking = threading.Lock()  # held through a take: close waits it out
-        self._wake = WakePipe()
-        self._stopping = threading.Event()
-        self._closed = False
+        super().__init__(endpoint, _LOG)
         self._ctx = zmq.Context()
         self._commands = self._ctx.socket(zmq.PULL)
         self._commands.setsockopt(zmq.LINGER, 0)
@@ -230,15 +220,10 @@ class SocketPort:
         self._commands_fd = self._commands.getsockopt(zmq.FD)
         self._messages = self._connect_out(endpoint.messages)
         self._beats = self._connect_out(endpoint.messages)  # the heartbeat thread's own
-        self._seq = 0
-        self.error: str | None = None
-        self.dropped = 0
         # heard from now on (a connecting PUSH queues it); on the message socket, so that it
         # arrives before the port's first message, as its first heartbeat does on one stream
         self._send(self._messages, HEARTBEAT, b"")
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"{endpoint.worker}-heartbeat")
-        self._thread.start()
+        self._start_heartbeat()
 
     def _connect_out(self, address: str) -> zmq.Socket:
         socket = self._ctx.socket(zmq.PUSH)
@@ -248,43 +233,8 @@ class SocketPort:
         return socket
 
     # ---- the caller's thread (the worker's loop) ------------------------------------------
-    def take(self, timeout_s: float) -> Taken:
-        with self._taking:
-            if not self._stopping.is_set():
-                self._wait(timeout_s)
-                self._receive()
-            return self._inbox.take(0)
-
-    @property
-    def arrived(self) -> int:
-        with self._taking:  # (a read beside a waiting take would eat the wake-up it waits on)
-            self._receive()
-        return self._inbox.arrived
-
-    @property
-    def open(self) -> bool:
-        return not self._stopping.is_set()
-
-    def wake(self) -> None:
-        self._wake.poke()
-
-    def send(self, body: Any) -> None:
-        """Encode ``body`` and hand it to libzmq (whose I/O thread writes it); one that
-        cannot be encoded is logged and dropped, its number reused."""
-        try:
-            data = wire.encode(body)
-        except Exception as err:
-            self._drop(f"message {self._seq} (not sent, its number reused): {err!r}")
-            return
-        with self._io:
-            if self._stopping.is_set():
-                return
-            try:
-                self._send(self._messages, self._seq, data)
-            except zmq.ZMQError as err:
-                self._fail(err)
-                return
-            self._seq += 1
+    def _send_message(self, seq: int, body: bytes) -> None:
+        self._send(self._messages, seq, body)  # libzmq's I/O thread writes it
 
     def _wait(self, timeout_s: float) -> None:
         """Until a command can be read, a ``wake``, a failure or ``timeout_s`` seconds:
@@ -311,7 +261,6 @@ class SocketPort:
             return False
 
     def _receive(self) -> None:
-        """Move every command that reached the socket into the inbox (the abort rule)."""
         with self._io:
             while not self._stopping.is_set() and self._readable():
                 try:
@@ -325,16 +274,6 @@ class SocketPort:
                 if command is not None:
                     self._inbox.put(command)
 
-    def _fail(self, err: Exception) -> None:
-        """The port is broken (module docstring); a waiting ``take`` returns."""
-        if self.error is None:
-            self.error = f"{type(err).__name__}: {err}"
-            _LOG.error("channel port of %s incarnation %d failed: %s", self.endpoint.worker,
-                       self.endpoint.incarnation, self.error)
-        self._stopping.set()
-        self._inbox.close()
-        self._wake.poke()
-
     # ---- the heartbeat thread ---------------------------------------------------------------
     def _send(self, socket: zmq.Socket, seq: int, body: bytes) -> None:
         header = wire.encode((self.endpoint.worker, self.endpoint.incarnation, seq))
@@ -343,43 +282,14 @@ class SocketPort:
     def _beat(self) -> None:
         self._send(self._beats, HEARTBEAT, b"")
 
+    def _report_failure(self, body: bytes) -> None:
+        self._send(self._beats, PORT_FAILED, body)
+
     def _run(self) -> None:
-        try:
-            while not self._stopping.wait(self.endpoint.heartbeat_s):
-                self._beat()
-        except Exception as err:  # the socket (or this thread) is broken: the port is dead
-            self._fail(err)
-        if self.error is not None:
-            try:  # best effort: the hub hears the cause now, not after the silence
-                self._send(self._beats, PORT_FAILED,
-                           wire.encode(f"its channel port failed: {self.error}"))
-            except Exception:
-                pass
+        super()._run()
         self._beats.close()  # lingers until what was sent has left
 
-    def _decode(self, data: bytes) -> Command | None:
-        """A command off the wire, or None: logged and dropped as undecodable."""
-        try:
-            return wire.decode_command(data)
-        except Exception as err:
-            self._drop(f"a command of {len(data)} bytes: {err!r}")
-            return None
-
-    def _drop(self, what: str) -> None:
-        self.dropped += 1
-        _LOG.error("channel port of %s incarnation %d: dropped %s", self.endpoint.worker,
-                   self.endpoint.incarnation, what)
-
-    def close(self) -> None:
-        """Stop: what was sent leaves (bounded), then nothing more, heartbeats included."""
-        self._stopping.set()
-        self._wake.poke()
-        with self._taking, self._io:  # a take in progress returns first (woken above)
-            if self._closed:
-                return
-            self._closed = True
-        self._inbox.close()
-        self._thread.join(timeout=5)
+    def _close_transport(self) -> None:
         self._commands.close()
         self._messages.close()
         if not self._thread.is_alive():  # (else its socket is open: term would wait on it)

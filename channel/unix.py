@@ -24,16 +24,15 @@ import shutil
 import socket
 import struct
 import tempfile
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 from channel import wire
-from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Inbox,
-                              Liveness, Message, Stale, Taken)
+from channel.contract import (DEAD_AFTER_S, HEARTBEAT_S, Command, Died, Endpoint, Liveness,
+                              Message, Stale)
 from channel.wake import WakePipe, wait_fds
 from channel.wire import HEARTBEAT, PORT_FAILED
+from channel.worker_port import WorkerPort
 
 SCHEME = "unix://"
 MAX_FRAME = 1 << 30  # a longer length means a broken stream, not a message (bytes)
@@ -274,35 +273,21 @@ class UnixHub:
         shutil.rmtree(self._dir, ignore_errors=True)
 
 
-class UnixPort:
+class UnixPort(WorkerPort):
     """``channel.contract.Port`` of a ``UnixHub``: opened in the worker's process with the
-    ``Endpoint`` its hub's ``attach`` returned; ``take`` and ``send`` on the caller's thread
-    (the worker's loop), the heartbeat on the port's own, which starts at once (the hello and
-    the first heartbeat leave before the constructor returns).
-
-    Attributes:
-        error: why the port failed (None while it works, and after a plain ``close``): its
-            hub has been told (best effort), ``take`` returns at once, ``send`` drops.
-        dropped: commands that could not be decoded and messages that could not be encoded.
+    ``Endpoint`` its hub's ``attach`` returned (what it shares with the pyzmq port:
+    ``channel.worker_port``); the heartbeat thread starts at once (the hello and the first
+    heartbeat leave before the constructor returns). ``_io`` guards the writes.
 
     Raises:
         OSError: the hub cannot be reached.
     """
 
     def __init__(self, endpoint: Endpoint) -> None:
-        self.endpoint = endpoint
-        self._inbox = Inbox()
+        super().__init__(endpoint, _LOG)
         self._frames = Frames()
-        self._out = threading.Lock()  # writes: the loop and the heartbeat take turns
         self._unsent = bytearray()  # what the socket could not take yet
-        self._taking = threading.Lock()  # held through a take and a receive: close waits
-        self._wake = WakePipe()
-        self._stopping = threading.Event()
-        self._closed = False
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._seq = 0
-        self.error: str | None = None
-        self.dropped = 0
         try:
             self._sock.connect(endpoint.messages[len(SCHEME):])
             self._sock.setblocking(False)
@@ -312,53 +297,15 @@ class UnixPort:
             self._sock.close()
             self._wake.close()
             raise
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"{endpoint.worker}-heartbeat")
-        self._thread.start()
+        self._start_heartbeat()
 
     # ---- the caller's thread (the worker's loop) ------------------------------------------
-    def take(self, timeout_s: float) -> Taken:
-        with self._taking:
-            if not self._stopping.is_set():
-                self._wait(timeout_s)
-                self._receive()
-            return self._inbox.take(0)
-
-    @property
-    def arrived(self) -> int:
-        with self._taking:
-            if not self._stopping.is_set():
-                self._receive()
-        return self._inbox.arrived
-
-    @property
-    def open(self) -> bool:
-        return not self._stopping.is_set()
-
-    def wake(self) -> None:
-        self._wake.poke()
-
-    def send(self, body: Any) -> None:
-        """Encode ``body`` and write it (module docstring: never blocks); one that cannot be
-        encoded is logged and dropped, its number reused."""
-        try:
-            data = wire.encode(body)
-        except Exception as err:
-            self._drop(f"message {self._seq} (not sent, its number reused): {err!r}")
-            return
-        with self._out:
-            if self._stopping.is_set():
-                return
-            try:
-                self._write(frame(_SEQ.pack(self._seq) + data))
-            except OSError as err:
-                self._fail(err)
-                return
-            self._seq += 1
+    def _send_message(self, seq: int, body: bytes) -> None:
+        self._write(frame(_SEQ.pack(seq) + body))
 
     def _write(self, data: bytes = b"") -> None:
         """Queue ``data`` behind what waits and write what the socket takes now (under
-        ``_out``). Raises OSError: the socket is broken."""
+        ``_io``). Raises OSError: the socket is broken."""
         self._unsent += data
         while self._unsent:
             try:
@@ -378,14 +325,13 @@ class UnixPort:
         if self._wake.read_fd in ready:
             self._wake.drain()
         if writable:
-            with self._out:
+            with self._io:
                 try:
                     self._write()
                 except OSError as err:
                     self._fail(err)
 
     def _receive(self) -> None:
-        """Move every command that reached the socket into the inbox (the abort rule)."""
         while True:
             try:
                 data = self._sock.recv(1 << 20, socket.MSG_DONTWAIT)
@@ -407,60 +353,17 @@ class UnixPort:
                 if command is not None:
                     self._inbox.put(command)
 
-    def _fail(self, err: Exception) -> None:
-        """The port is broken: the heartbeat thread tells the hub (best effort) and stops;
-        a waiting ``take`` returns."""
-        if self.error is None:
-            self.error = f"{type(err).__name__}: {err}"
-            _LOG.error("channel port of %s incarnation %d failed: %s", self.endpoint.worker,
-                       self.endpoint.incarnation, self.error)
-        self._stopping.set()
-        self._inbox.close()
-        self._wake.poke()
-
     # ---- the heartbeat thread ---------------------------------------------------------------
     def _beat(self) -> None:
-        with self._out:
+        with self._io:
             self._write(b"" if self._unsent else frame(_SEQ.pack(HEARTBEAT)))
 
-    def _run(self) -> None:
-        try:
-            while not self._stopping.wait(self.endpoint.heartbeat_s):
-                self._beat()
-        except Exception as err:
-            self._fail(err)
-        if self.error is not None:
-            try:
-                with self._out:
-                    self._write(frame(_SEQ.pack(PORT_FAILED) + wire.encode(
-                        f"its channel port failed: {self.error}")))
-            except Exception:
-                pass
+    def _report_failure(self, body: bytes) -> None:
+        with self._io:
+            self._write(frame(_SEQ.pack(PORT_FAILED) + body))
 
-    def _decode(self, data: bytes) -> Command | None:
-        """A command off the wire, or None: logged and dropped as undecodable."""
-        try:
-            return wire.decode_command(data)
-        except Exception as err:
-            self._drop(f"a command of {len(data)} bytes: {err!r}")
-            return None
-
-    def _drop(self, what: str) -> None:
-        self.dropped += 1
-        _LOG.error("channel port of %s incarnation %d: dropped %s", self.endpoint.worker,
-                   self.endpoint.incarnation, what)
-
-    def close(self) -> None:
-        """Stop: what was sent leaves (waiting up to 1 s for the socket to take the rest),
-        then nothing more."""
-        self._stopping.set()
-        self._wake.poke()
-        with self._taking, self._out:
-            if self._closed:
-                return
-            self._closed = True
-        self._inbox.close()
-        self._thread.join(timeout=5)
+    def _close_transport(self) -> None:
+        """What waits leaves (up to 1 s for the socket to take it), then the socket closes."""
         deadline_s = time.monotonic() + 1.0
         try:
             while self._unsent and wait_fds([], [self._sock.fileno()], max(
