@@ -340,20 +340,19 @@ def test_precise_timers_sets_the_calling_threads_timer_slack_to_1_us():
 
 
 def test_freeze_heap_freezes_what_lives_at_its_first_call_only(monkeypatch):
+    # Judged by what a full pass scans, never by gc.get_freeze_count(): another thread of
+    # the test process may free frozen objects at any time, so the count can only go down.
     monkeypatch.setattr(clock, "_heap_frozen", False)
     kept = [[i] for i in range(1000)]  # (a dict of atoms only would be untracked)
     assert all(gc.is_tracked(k) for k in kept)
-    frozen_before = gc.get_freeze_count()
     try:
         freeze_heap()
-        first = gc.get_freeze_count()
-        assert first >= frozen_before + len(kept)
         scanned = {id(o) for o in gc.get_objects()}  # what a full pass scans
         assert not any(id(k) in scanned for k in kept)
         later = [[i] for i in range(1000)]
         freeze_heap()  # a second call: nothing more is frozen
-        assert gc.get_freeze_count() == first
         scanned = {id(o) for o in gc.get_objects()}
         assert all(id(k) in scanned for k in later)
+        assert not any(id(k) in scanned for k in kept)
     finally:
         gc.unfreeze()
