@@ -1,4 +1,4 @@
-"""KV has exactly one owner, and transfer is a scheduler state (issue 8).
+"""KV has exactly one owner, and transfer is a scheduler state.
 
 - A decode worker reserves a KV slot before it fetches; several fetches run at once, so a
   slow one never holds back the others.

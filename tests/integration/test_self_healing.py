@@ -1,4 +1,4 @@
-"""Self-healing placements (issue 28) on local placements of the tiny model: a worker that
+"""Self-healing placements on local placements of the tiny model: a worker that
 dies is restarted under its budget and rejoins its pool.
 
 - disagg:1p1d over HTTP: 4 open streams end with an error event naming decode-0 as soon as

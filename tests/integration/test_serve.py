@@ -490,7 +490,7 @@ def test_200_concurrent_streaming_clients_get_exact_tokens_and_usage(tiny):
         wait_clean(dep, timeout_s=5.0)
 
 
-# ---- vLLM's fields, served (issue 28) --------------------------------------------------------
+# ---- vLLM's fields, served -------------------------------------------------------------------
 
 def _engine_tokens(tiny, prompt: list[int], sampling) -> list[int]:
     """The tokens of one request on a bare engine (the oracle of the HTTP fields)."""
@@ -586,7 +586,7 @@ def test_include_stop_str_in_output_and_continuous_usage(server, client, tiny):
     wait_clean(dep, 5.0)
 
 
-# ---- bad input on one keep-alive connection (issue 28) --------------------------------------
+# ---- bad input on one keep-alive connection -------------------------------------------------
 
 KEEPALIVE_BAD = [  # (endpoint, body, param, words of the message)
     ("completions", {"prompt": [5, -1, 7]}, "prompt", "prompt token ids must be >= 0, got -1"),

@@ -1,4 +1,4 @@
-"""Soak (issue 8): 500 requests through ``disagg:1p1d`` (tiny model, plain workers in this
+"""Soak: 500 requests through ``disagg:1p1d`` (tiny model, plain workers in this
 process) with 5% of transfers failed, delayed or corrupted by the fault wrapper and a few
 aborts while the KV is in flight. Every request finishes or fails with a named cause; the
 greedy outputs of the healthy ones (delayed ones included) equal generate(); at the end

@@ -45,7 +45,7 @@ def _per_rank(records, rid: str) -> tuple[dict[int, int], set[tuple[int, int, in
 @pytest.mark.parametrize("transport,granularity,prefill_tp,decode_tp", [
     ("inprocess", "request", 2, 1), ("shm", "layer", 2, 1),
     ("shm", "request", 1, 2), ("inprocess", "layer", 1, 2),
-    ("shm", "layer", 2, 2), ("shm", "request", 2, 2), ("inprocess", "request", 2, 2),
+    ("shm", "layer", 2, 2), ("inprocess", "request", 2, 2),
 ])
 def test_prefill_and_decode_at_different_tp_give_generates_tokens(
         tiny, transport, granularity, prefill_tp, decode_tp, monkeypatch):

@@ -44,7 +44,7 @@ def deploy(placement, transport="ray", granularity="request", devices="cpu:0,cpu
 def test_greedy_through_ray_placement(tiny, placement, transport, granularity, num_requests):
     workload, expected = mixed_workload(tiny, num_requests=num_requests, spacing_s=0.005)
     boundary, boundary_expected = boundary_workload(tiny, start_s=0.005 * num_requests)
-    workload, expected = workload + boundary, {**expected, **boundary_expected}  # issue 17
+    workload, expected = workload + boundary, {**expected, **boundary_expected}  # block edges
     with deploy(placement, transport, granularity) as deployment:
         records = deployment.run(workload)
         assert_outputs(records, expected)

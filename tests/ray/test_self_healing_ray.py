@@ -1,4 +1,4 @@
-"""Self-healing over Ray (issue 28): a killed actor is started again in its own bundle by
+"""Self-healing over Ray: a killed actor is started again in its own bundle by
 pdlab (``deployment.restarts``, not Ray's actor restart), rejoins its pool and is routed to
 again; the second death, past the budget, is final and says so."""
 

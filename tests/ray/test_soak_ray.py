@@ -1,4 +1,4 @@
-"""Soak over Ray (issue 8): 500 requests through ``disagg:1p1d`` as Ray actors with the Ray
+"""Soak over Ray: 500 requests through ``disagg:1p1d`` as Ray actors with the Ray
 object-store transport, 5% of the transfers failed, corrupted (prefill side) or delayed
 (decode side) by stacked fault wrappers. Every request finishes or fails with a named
 cause, the healthy ones (delayed included) give generate()'s tokens, and at the end both
@@ -26,6 +26,12 @@ CORRUPTED = set(range(27, NUM_REQUESTS, 60))   # one byte flipped: checksum erro
 DELAYED = set(range(47, NUM_REQUESTS, 60))     # get 0.2 s late, within the 3 s deadline
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    with local_ray():
+        yield
+
+
 def rid(i: int) -> str:
     return f"q{i:03d}"
 
@@ -35,9 +41,8 @@ def test_soak_500_requests_through_ray_with_faults(tiny):
     faults = {"prefill-0": [{"fail": True, "only_request_ids": [rid(i) for i in FAILED]},
                             {"corrupt": True, "only_request_ids": [rid(i) for i in CORRUPTED]}],
               "decode-0": {"delay_s": 0.2, "only_request_ids": [rid(i) for i in DELAYED]}}
-    with local_ray(), Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
-                                 TransferConfig(transport="ray", timeout_s=3.0),
-                                 faults=faults) as deployment:
+    with Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
+                    TransferConfig(transport="ray", timeout_s=3.0), faults=faults) as deployment:
         records = deployment.run(items)
         assert_clean(deployment)
         loads = dict(deployment.router.loads)
@@ -75,9 +80,9 @@ def test_soak_500_requests_through_ray_with_faults_and_the_prefill_actor_killed(
                             {"corrupt": True, "only_request_ids": [rid(i) for i in CORRUPTED]},
                             {"step_delay_s": 0.01}],
               "decode-0": {"delay_s": 0.2, "only_request_ids": [rid(i) for i in DELAYED]}}
-    with local_ray(), Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
-                                 TransferConfig(transport="ray", timeout_s=3.0), faults=faults,
-                                 deadline_s=120.0, max_worker_restarts=1) as deployment:
+    with Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
+                    TransferConfig(transport="ray", timeout_s=3.0), faults=faults,
+                    deadline_s=120.0, max_worker_restarts=1) as deployment:
         kills: list[float] = []
         timer = threading.Timer(0.5, lambda: (kills.append(time.time()),
                                               deployment.kill("prefill-0")))

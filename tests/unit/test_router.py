@@ -290,7 +290,7 @@ def test_least_loaded_counts_a_burst_from_assignment():
 
 def test_decode_load_counts_whole_kv_blocks(monkeypatch):
     """Workers with 16-token KV blocks: a request of 4 + 3 tokens holds one whole block, so
-    it charges 16 tokens to its decode worker (issue 17); the prefill load stays in prompt
+    it charges 16 tokens to its decode worker; the prefill load stays in prompt
     tokens."""
     monkeypatch.setattr(FakeWorker, "info", lambda self: {
         "kv_spec": SPEC, "max_model_len": 128, "vocab_size": 256, "kv_block_size": 16})
@@ -304,7 +304,7 @@ def test_decode_load_counts_whole_kv_blocks(monkeypatch):
 
 
 def test_decode_death_at_hand_over_moves_its_requests_to_the_live_decode_worker():
-    """decode-1 refuses every admit as dead (issue 28: the requests had not reached it, so
+    """decode-1 refuses every admit as dead (the requests had not reached it, so
     the survivor takes them): all 6 decode on decode-0 with their own KV handles, none is
     released, none fails, loads return to 0."""
     router, workers, transport = build("disagg:1p2d")
