@@ -11,13 +11,14 @@
    requests and arrival times on ``pdlab plan``'s simulator with the same profile) gives
    the modelled TTFT / TPOT p50; added latency = measured - modelled
    (``validate.added_latency``), in % of modelled.
-4. Also: output tokens/s through the router per run (the highest rate is past
-   saturation), the p99 of the steps' lateness (actual / modelled hold: > 1.02 means this
-   host could not keep the emulated device's time), and a cProfile of the router loop
-   (``Router.run``, the replay's driver thread) at the highest rate (top by own time).
+4. Also: output tokens/s through the router per run (past saturation at the highest
+   rate), the steps' lateness p99 (actual / modelled hold: > 1.02, this host could not keep
+   the device's time), a cProfile of the router loop at the highest rate (own time).
 
-Writes ``control_plane.csv`` (the printed table) and ``control_plane.png`` (added latency
-and tokens/s against the rate) under ``--out`` (default ``results/control-plane-<time>``).
+Writes ``control_plane.csv`` (the printed table), ``control_plane_stages.csv`` (where the
+added latency goes: ``validate.stage_latency``'s median per stage, also printed) and
+``control_plane.png`` (added latency and tokens/s against the rate) under ``--out`` (default
+``results/control-plane-<time>``).
 
 Usage: ``python -m benchmarks.control_plane [--rates 20,60,150] [--num-requests 300]
 [--placements colocated:8,disagg:4p4d,disagg:2p6d] [--profile FILE] [--out DIR]``.
@@ -124,7 +125,7 @@ def main() -> None:
     stats: list = []
     if args.cprofile:
         profiled_router_loop(stats)
-    rows, profiles = [], {}
+    rows, profiles, stages = [], {}, []
     for placement in args.placements.split(","):
         before = len(stats)
         results = run_placement(placement, rates, items, spec, LLAMA, engine, transfer,
@@ -135,6 +136,7 @@ def main() -> None:
         measured = analysis.summary_table(results, slo, num_boot=50)
         modelled = analysis.summary_table(twins, slo, num_boot=50)
         added = validate.added_latency(measured, modelled)
+        stages.append(validate.stage_latency(results, twins))
         for r, (_, a) in zip(results, added.iterrows()):
             late = pd.Series([s.get("lateness") for s in r.steps], dtype=float).dropna()
             tokens = sum(len(rec.output_token_ids) for rec in r.records)
@@ -149,7 +151,14 @@ def main() -> None:
             "lateness_p99", "failed"]
     print(table[cols].to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     table[cols].to_csv(out / "control_plane.csv", index=False)
-    print(f"\nWrote {out / 'control_plane.csv'} and {plot(table, out / 'control_plane.png')}")
+    by_stage = pd.concat(stages, ignore_index=True)
+    by_stage.to_csv(out / "control_plane_stages.csv", index=False)
+    wide = by_stage.assign(added_ms=1e3 * by_stage["added_s"]).pivot_table(
+        index="stage", columns=["placement", "rate"], values="added_ms", sort=False)
+    print("\nWhere the added latency goes: measured - modelled median per stage, ms")
+    print(wide.to_string(float_format=lambda v: f"{v:+.3f}"))
+    print(f"\nWrote {out / 'control_plane.csv'}, {out / 'control_plane_stages.csv'} and "
+          f"{plot(table, out / 'control_plane.png')}")
     for placement, prof in profiles.items():
         print(f"\ncProfile of the router loop, {placement} at {max(rates):g} req/s (top by own time):")
         print(top_of(prof))

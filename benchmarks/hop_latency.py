@@ -15,11 +15,13 @@ another (``--cores``), each measured ``--n`` times after ``--warmup`` untimed on
 
 Prints p50, p99 and mean (microseconds) per row, the ratios against the pipe's p50 and the
 Ray call's, and the targets: the channel's p50 within 2.5x the pipe's, at least 3x faster
-than the Ray call, its p99 <= 500 us. Say which CPU and how idle the host was beside any
-figure (the CPU model is printed).
+than the Ray call, its p99 <= 500 us. Name the CPU and how idle the host was beside a figure.
+
+``--gap-ms``: each timed round trip after that long asleep, both processes idle, as a
+worker between sparse requests is (on a VM, waking an idle virtual CPU costs more).
 
 Usage: ``python -m benchmarks.hop_latency [--n 5000] [--warmup 500] [--cores 0,1] [--tcp]
-[--kinds pipe,channel,ray]``.
+[--kinds pipe,channel,ray] [--gap-ms 0]``.
 """
 
 from __future__ import annotations
@@ -69,13 +71,16 @@ def _child(args: list[str], core: int, **popen) -> subprocess.Popen:
                              "--cores", f"{core},{core}"], cwd=ROOT, env=env, **popen)
 
 
-def time_round_trips(one, n: int, warmup: int) -> list[float]:
-    """Microseconds of each of ``n`` calls of ``one()`` after ``warmup`` untimed ones."""
+def time_round_trips(one, n: int, warmup: int, gap_s: float = 0.0) -> list[float]:
+    """Microseconds of each of ``n`` calls of ``one()`` after ``warmup`` untimed ones, each
+    after ``gap_s`` seconds asleep (untimed)."""
     for _ in range(warmup):
         one()
     times = []
     clock = time.perf_counter_ns
     for _ in range(n):
+        if gap_s:
+            time.sleep(gap_s)
         start = clock()
         one()
         times.append((clock() - start) / 1000)
@@ -83,7 +88,7 @@ def time_round_trips(one, n: int, warmup: int) -> list[float]:
 
 
 # ---- pipe ----------------------------------------------------------------------------------
-def pipe_round_trips(n: int, warmup: int, worker_core: int) -> list[float]:
+def pipe_round_trips(n: int, warmup: int, worker_core: int, gap_s: float = 0.0) -> list[float]:
     down_r, down_w = os.pipe()
     up_r, up_w = os.pipe()
     child = _child(["pipe", str(down_r), str(up_w)], worker_core, pass_fds=(down_r, up_w))
@@ -93,7 +98,7 @@ def pipe_round_trips(n: int, warmup: int, worker_core: int) -> list[float]:
         def one() -> None:
             os.write(down_w, b"x")
             os.read(up_r, 1)
-        return time_round_trips(one, n, warmup)
+        return time_round_trips(one, n, warmup, gap_s)
     finally:
         os.close(down_w)
         os.close(up_r)
@@ -106,7 +111,8 @@ def echo_pipe(read_fd: int, write_fd: int) -> None:
 
 
 # ---- channel -------------------------------------------------------------------------------
-def channel_round_trips(n: int, warmup: int, worker_core: int, transport: str) -> list[float]:
+def channel_round_trips(n: int, warmup: int, worker_core: int, transport: str,
+                        gap_s: float = 0.0) -> list[float]:
     hub = (UnixHub(dead_after_s=3600.0) if transport == "unix"
            else SocketHub(transport, dead_after_s=3600.0))
     endpoint = hub.attach("worker-0", 0)
@@ -116,7 +122,7 @@ def channel_round_trips(n: int, warmup: int, worker_core: int, transport: str) -
             hub.send("worker-0", COMMAND)
             while not any(isinstance(item, Message) for item in hub.receive(10.0)):
                 pass
-        return time_round_trips(one, n, warmup)
+        return time_round_trips(one, n, warmup, gap_s)
     finally:
         hub.send("worker-0", Command("stop"))
         hub.receive(0.2)  # let the stop leave
@@ -144,12 +150,12 @@ class Echo:
         return REPLY
 
 
-def ray_round_trips(n: int, warmup: int, worker_core: int) -> list[float]:
+def ray_round_trips(n: int, warmup: int, worker_core: int, gap_s: float = 0.0) -> list[float]:
     ray.init(**{**ray_init_kwargs(), "num_cpus": 2})
     try:
         actor = ray.remote(Echo).options(max_concurrency=16, num_cpus=0).remote(worker_core)
         ray.get(actor.echo.remote(COMMAND))
-        return time_round_trips(lambda: ray.get(actor.echo.remote(COMMAND)), n, warmup)
+        return time_round_trips(lambda: ray.get(actor.echo.remote(COMMAND)), n, warmup, gap_s)
     finally:
         ray.shutdown()
 
@@ -190,6 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cores", default="0,1", help="router's core, worker's core")
     parser.add_argument("--tcp", action="store_true", help="also the channel over tcp")
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--gap-ms", type=float, default=0.0,
+                        help="sleep before each timed round trip: both sides idle, as a worker "
+                             "between sparse requests")
     parser.add_argument("--echo", nargs="+", help=argparse.SUPPRESS)  # a child's side
     args = parser.parse_args(argv)
     router_core, worker_core = (int(c) for c in args.cores.split(","))
@@ -205,17 +214,18 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         parser.error(f"--kinds: unknown {sorted(unknown)}; choose from {KINDS}")
     print(f"{cpu_model()}; router on core {router_core}, worker on core {worker_core}; "
-          f"{args.n} round trips each after {args.warmup} untimed")
+          f"{args.n} round trips each after {args.warmup} untimed"
+          + (f", each after {args.gap_ms:g} ms idle" if args.gap_ms else ""))
+    gap_s = args.gap_ms / 1000
     rows: dict[str, list[float]] = {}
     if "pipe" in kinds:
-        rows["pipe"] = pipe_round_trips(args.n, args.warmup, worker_core)
+        rows["pipe"] = pipe_round_trips(args.n, args.warmup, worker_core, gap_s)
     if "channel" in kinds:
-        rows["channel-unix"] = channel_round_trips(args.n, args.warmup, worker_core, "unix")
-        rows["channel-ipc"] = channel_round_trips(args.n, args.warmup, worker_core, "ipc")
-        if args.tcp:
-            rows["channel-tcp"] = channel_round_trips(args.n, args.warmup, worker_core, "tcp")
+        for transport in ("unix", "ipc") + (("tcp",) if args.tcp else ()):
+            rows[f"channel-{transport}"] = channel_round_trips(args.n, args.warmup, worker_core,
+                                                               transport, gap_s)
     if "ray" in kinds:
-        rows["ray"] = ray_round_trips(args.n, args.warmup, worker_core)
+        rows["ray"] = ray_round_trips(args.n, args.warmup, worker_core, gap_s)
     summarize(rows)
 
 

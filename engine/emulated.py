@@ -161,6 +161,11 @@ class EmulatedRunner:
     def __init__(self, kv_store: KVStore, emulation: Emulation, vocab_size: int,
                  eos_token_ids: tuple[int, ...]) -> None:
         self.kv_store = kv_store
+        # Zeroed whole now, as a GPU engine's KV cache is allocated at start-up (the deployment
+        # has checked that every emulated store fits this host): otherwise the first read of
+        # each page, a KV put's, faults on the worker's loop (with huge pages, 2 MiB zeroed per
+        # layer row), and a put would read bytes nothing defined.
+        kv_store.claim(kv_store.num_blocks)
         self.emulation = emulation
         self.clock = emulation.clock
         self.step_s: Callable[[int, int, int, int], float] = emulation.device.step_time()

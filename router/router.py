@@ -285,6 +285,7 @@ class Router:
         self._sinks: dict[str, Callable[[StreamEvent], None]] = {}
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("submit"|"abort", ...)
         self._thread: threading.Thread | None = None
+        self._driver: int | None = None  # ident of the thread driving the loop now
         self._stopping = threading.Event()
         self._closed = False  # the online loop has ended: submits are refused at once
         self._closed_lock = threading.Lock()
@@ -374,7 +375,7 @@ class Router:
                 self._inbox.put(("submit", request, arrived_s, sink, tokens))
         if closed:  # nobody drives the loop any more: answer now, on the caller's thread
             _safe_call(sink, self._refusal(request, arrived_s, "the router is stopped"))
-        else:
+        elif threading.get_ident() != self._driver:  # the driver drains its inbox next turn
             self._wake_up()
         return stream
 
@@ -446,6 +447,7 @@ class Router:
 
     def _serve_forever(self) -> None:
         precise_timers()
+        self._driver = threading.get_ident()
         while not self._stopping.is_set():
             try:
                 self._step(self.poll_s)
@@ -460,6 +462,7 @@ class Router:
         self._joining.clear()
         self._fail_all("the router stopped")
         self._drain()
+        self._driver = None
 
     def _fail_all(self, error: str) -> None:
         """End every flight with ``error``; a flight whose ending itself fails (its abort
@@ -514,6 +517,7 @@ class Router:
                         bisect.insort(arrivals, item, lo=next_index, key=lambda it: it[1])
 
         precise_timers()  # (this thread's): an arrival's wait ends within 1 us of it, not 50
+        self._driver = threading.get_ident()
         start_s = time.time()
         self._flights, self._sinks, self._parked = {}, {}, {}
         next_index = 0
@@ -534,6 +538,7 @@ class Router:
                 wait_s = min(wait_s, math.floor(due_s * 1000) / 1000)
             self._step(wait_s)
         self._drain()
+        self._driver = None
         return [done[request.request_id] for request, _ in arrivals]
 
     # ---- the loop -------------------------------------------------------------------------

@@ -79,6 +79,8 @@ def test_geometry_of_llama_and_scaled_kv():
     # blocks of the true geometry: 4 GiB CPU budget / (16 x 131072) = 2048, capped by
     # max_num_seqs x max_model_len / 16 = 4 x 16 = 64
     assert engine.kv_store.num_blocks == 64
+    # zeroed whole at start, as a GPU engine's cache is allocated: a put reads defined bytes
+    assert engine.kv_store.high_water == 64 and not engine.kv_store.kv.any()
 
 
 def test_constant_profile_on_fake_clock_equals_the_simulator_exactly():

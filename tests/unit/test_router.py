@@ -1070,3 +1070,25 @@ def until(predicate, timeout_s: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline_s, "condition not reached"
         time.sleep(0.002)
+
+
+def test_submits_wake_the_loop_only_from_a_thread_that_does_not_drive_it():
+    """A replay's arrivals are submitted on the thread that drives the loop (``run``): it takes
+    them at its next turn, so the hub is never woken for them; a submit from another thread
+    (the online front end's callers) wakes it once each."""
+    router, workers, transport = build("disagg:1p1d")
+    wakes: list[str] = []
+    wake = router.hub.wake
+    router.hub.wake = lambda: (wakes.append(threading.current_thread().name), wake())[1]
+    records = router.run(requests(5, spacing_s=0.001))
+    assert [r.error for r in records] == [None] * 5 and wakes == []
+    router.start()
+    try:
+        streams = [router.submit(Request(f"s{i}", (3, 4, 5), SamplingParams(max_tokens=3)))
+                   for i in range(2)]
+        assert all(list(stream)[-1].record.error is None for stream in streams)
+    finally:
+        router.stop()
+    main = threading.current_thread().name
+    assert wakes.count(main) == 3  # the two submits and stop()'s
+    assert_drained(router, workers, transport)
