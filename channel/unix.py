@@ -76,6 +76,7 @@ class _Connection:
         self.frames = Frames()
         self.sender: tuple[str, int] | None = None  # (worker, incarnation) once it said hello
         self.out = bytearray()  # commands the socket could not take yet
+        self.writing = False  # registered for EVENT_WRITE (out was left over)
 
 
 class UnixHub:
@@ -145,8 +146,11 @@ class UnixHub:
             self._close(connection)
             return
         del connection.out[:sent]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if connection.out else 0)
-        self._selector.modify(connection.sock, events, connection)
+        writing = bool(connection.out)
+        if writing != connection.writing:  # (an epoll_ctl only when the interest changes)
+            connection.writing = writing
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if writing else 0)
+            self._selector.modify(connection.sock, events, connection)
 
     def receive(self, timeout_s: float) -> list[Message | Died | Stale]:
         next_death = self.liveness.next_death_in()

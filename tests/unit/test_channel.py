@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import resource
+import selectors
 import signal
 import socket
 import struct
@@ -479,6 +480,36 @@ def test_a_unix_port_whose_hub_went_away_fails_and_waits_no_more():
         assert not port.open and port.error == "ConnectionError: the hub closed the channel"
     finally:
         port.close()
+
+
+def test_a_unix_hub_changes_its_epoll_registration_only_when_a_backlog_starts_or_ends():
+    """A command the socket takes whole costs no ``epoll_ctl``; one that leaves a backlog
+    adds the wait for room, and the write that empties it removes that, in order."""
+    hub = UnixHub(dead_after_s=NEVER_S)
+    port = UnixPort(hub.attach("prefill-0", 0))
+    modified: list[int] = []
+    modify = hub._selector.modify
+    hub._selector.modify = lambda sock, events, data=None: (modified.append(events),
+                                                             modify(sock, events, data))[1]
+    try:
+        hub.send("prefill-0", Command(SUBMIT, "r0"))
+        wait_arrived(hub, port, 1)
+        assert port.take(0.0).commands == [Command(SUBMIT, "r0")] and modified == []
+        big = tuple(range(300_000))  # ~1.5 MB a command: more than the socket buffers hold
+        for i in range(3):
+            hub.send("prefill-0", Command(SUBMIT, f"big{i}", (big,)))
+        assert modified == [selectors.EVENT_READ | selectors.EVENT_WRITE]  # the backlog
+        got: list = []
+        end_s = time.monotonic() + BOUND_S
+        while len(got) < 3:
+            assert time.monotonic() < end_s, f"{len(got)} of 3 big commands arrived"
+            hub.receive(0.001)  # writes what the socket takes now
+            got += port.take(0.001).commands
+        assert [c.request_id for c in got] == ["big0", "big1", "big2"] and got[2].args == (big,)
+        assert modified == [selectors.EVENT_READ | selectors.EVENT_WRITE, selectors.EVENT_READ]
+    finally:
+        port.close()
+        hub.close()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="lists open files in /proc")
