@@ -4,9 +4,9 @@ workers is told once, in docs/architecture.md ("A request's life"); this module'
 
 - ``admit(request, first_token, kv_handles)`` returns at once; the request waits in the engine
   as ``WAITING_FOR_REMOTE_KVS`` while this worker holds its handles. Its fetch starts only
-  once the scheduler reserved its KV blocks, on a pool of fetch threads (one for a transport
-  read in order, NCCL), so no fetched tensor waits outside the KV capacity; the transfer
-  deadline counts from the fetch's start.
+  once the scheduler reserved its KV blocks and that step ended (``EngineLoop.after_step``),
+  on a pool of fetch threads (one for a transport read in order, NCCL), so no fetched tensor
+  waits outside the KV capacity; the transfer deadline counts from the fetch's start.
 - Each payload's header is checked against this worker's KVSpec (model, layers, KV heads, head
   dim, dtype), request id and token count; a mismatch, a checksum failure or a timeout becomes
   an ``error`` event naming expected and got, and the reserved slot is released. The loop
@@ -26,6 +26,7 @@ workers is told once, in docs/architecture.md ("A request's life"); this module'
 
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -165,11 +166,19 @@ class DecodeWorker(EngineLoop):
             transfer = self._transfers.get(rid)
             if transfer is None or not self.engine.is_waiting_for_kv(rid):
                 continue  # no handles held here (added to the engine directly)
-            transfer.fetching = True
-            if self._rank_factory is None:
-                self._fetcher.submit(self._fetch_thread, transfer)
-            else:
-                self._fetch_on_ranks(transfer)
+            self.after_step(functools.partial(self._start_fetch, transfer))
+
+    def _start_fetch(self, transfer: _Transfer) -> None:
+        """Fetch ``transfer``'s KV into its reserved slot, once the step that reserved it has
+        ended (``after_step``); an abort meanwhile already freed its handles."""
+        rid = transfer.request.request_id
+        if self._transfers.get(rid) is not transfer or not self.engine.is_waiting_for_kv(rid):
+            return
+        transfer.fetching = True
+        if self._rank_factory is None:
+            self._fetcher.submit(self._fetch_thread, transfer)
+        else:
+            self._fetch_on_ranks(transfer)
 
     def _fetch_on_ranks(self, transfer: _Transfer) -> None:
         """Each rank gets its own slices and writes them (``kv_transfer.rank_kv``), now."""

@@ -111,6 +111,7 @@ class EngineLoop:
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._events: list[WorkerEvent | TokenBatch] = []
         self._held: list | None = None  # the loop's events while its step runs, else None
+        self._after_step: list[Callable[[], None]] = []  # ``after_step``'s, for this step
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
@@ -315,6 +316,9 @@ class EngineLoop:
             if during:
                 held, self._held = self._held, None
                 self._emit_all(held)
+                after, self._after_step = self._after_step, []
+                for work in after:
+                    work()
             else:
                 self._step_news(output)
             # commands that came during the step first: an abort still frees the KV of a
@@ -338,6 +342,16 @@ class EngineLoop:
             self.emit(WorkerEvent(ERROR, request_id, self.name, time.time(), error=error))
         self.on_step(output)
         self.on_tick()
+
+    def after_step(self, work: Callable[[], None]) -> None:
+        """Run ``work`` on the loop thread once the step in flight has ended on its device
+        (an emulated step's hold run out); at once when none is. For what a real device's
+        step lets start only after it: there the loop is back from ``start_step`` only once
+        the forward ran (``engine.runner``), so an emulated device must not start it sooner."""
+        if self._held is None:
+            work()
+        else:
+            self._after_step.append(work)
 
     def _drain_for(self, timeout_s: float) -> None:
         self._drain_commands(block=True, timeout_s=timeout_s)

@@ -351,7 +351,7 @@ class Simulator:
         if self.speed_trace is not None and duration:
             duration *= self.speed_trace(instance.name, t)
         fetch_start = t + duration
-        for state in batch.kv_reserved:  # the worker's on_tick starts the fetch after the step
+        for state in batch.kv_reserved:  # the worker starts the fetch once this step ended
             flight = flights[state.request.request_id]
             get_s = self._transfer_s(flight) * (1.0 - self.transfer.put_share)
             self._push(fetch_start + get_s, _FETCHED, (instance, state, get_s))

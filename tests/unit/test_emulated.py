@@ -358,3 +358,37 @@ def test_freeze_heap_freezes_what_lives_at_its_first_call_only(monkeypatch):
         assert not any(id(k) in scanned for k in kept)
     finally:
         gc.unfreeze()
+
+
+class _AfterStepProbe(EngineLoop):
+    """Notes, per step, the clock when ``on_step`` ran and when its ``after_step`` work ran."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock, self.seen = clock, []
+        super().__init__("colocated-0", ModelConfig(LLAMA, "bfloat16"), ENGINE, device="emu:0",
+                         bind=False, emulation=Emulation(constant_profile(), 1 / 256, clock))
+
+    def on_step(self, output) -> None:
+        if output.record is None and output.tokens:  # a step in flight (its hold not run out)
+            at = self.clock.t
+            self.after_step(lambda: self.seen.append((at, self.clock.t)))
+
+
+def test_after_step_work_waits_for_the_emulated_step_to_end():
+    """What ``after_step`` defers (a decode worker's KV fetch) runs when the step's hold has run
+    out, one step's time after the step began, as on a device whose loop is back only after
+    the forward; with no step in flight it runs at once."""
+    loop = _AfterStepProbe(FakeClock())
+    try:
+        for request in requests():
+            loop.submit(request)
+        end_s = time.monotonic() + 60.0
+        while len(loop.seen) < 5 or loop.call(loop.engine.has_unfinished):
+            assert time.monotonic() < end_s, f"the loop stalled: {loop.seen}"
+            time.sleep(0.01)
+        ran: list[str] = []  # (all requests done: no step in flight)
+        loop.call(lambda: loop.after_step(lambda: ran.append("now")))
+        assert ran == ["now"]
+    finally:
+        loop.shutdown()
+    assert all(end == pytest.approx(start + STEP_S) for start, end in loop.seen)
