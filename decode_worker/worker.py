@@ -152,7 +152,7 @@ class DecodeWorker(EngineLoop):
     def on_step(self, output: StepOutput) -> None:
         """Every token goes out; the handles of requests that recompute here instead of
         receiving their KV are freed; then the fetch of every request whose slot this step
-        reserved starts (also after a step that did nothing else)."""
+        reserved starts once the step has ended (also after a step that did nothing else)."""
         self.emit_tokens(output.tokens, first_scheduled_as=DECODE_ADMITTED)
         for rid in output.kv_dropped:
             transfer = self._transfers.pop(rid, None)

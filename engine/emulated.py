@@ -162,9 +162,8 @@ class EmulatedRunner:
                  eos_token_ids: tuple[int, ...]) -> None:
         self.kv_store = kv_store
         # Zeroed whole now, as a GPU engine's KV cache is allocated at start-up (the deployment
-        # has checked that every emulated store fits this host): otherwise the first read of
-        # each page, a KV put's, faults on the worker's loop (with huge pages, 2 MiB zeroed per
-        # layer row), and a put would read bytes nothing defined.
+        # has checked that every emulated store fits this host): otherwise a KV put's first
+        # read of each page faults on the worker's loop, and reads bytes nothing defined.
         kv_store.claim(kv_store.num_blocks)
         self.emulation = emulation
         self.clock = emulation.clock
