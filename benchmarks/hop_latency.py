@@ -71,16 +71,16 @@ def _child(args: list[str], core: int, **popen) -> subprocess.Popen:
                              "--cores", f"{core},{core}"], cwd=ROOT, env=env, **popen)
 
 
-def time_round_trips(one, n: int, warmup: int, gap_s: float = 0.0) -> list[float]:
+def time_round_trips(one, n: int, warmup: int, gap_s: float = 0.0,
+                     clock=time.perf_counter_ns, sleep=time.sleep) -> list[float]:
     """Microseconds of each of ``n`` calls of ``one()`` after ``warmup`` untimed ones, each
-    after ``gap_s`` seconds asleep (untimed)."""
+    after ``sleep(gap_s)`` (untimed); ``clock``: nanoseconds."""
     for _ in range(warmup):
         one()
     times = []
-    clock = time.perf_counter_ns
     for _ in range(n):
         if gap_s:
-            time.sleep(gap_s)
+            sleep(gap_s)
         start = clock()
         one()
         times.append((clock() - start) / 1000)

@@ -172,7 +172,11 @@ class DecodeWorker(EngineLoop):
         """Fetch ``transfer``'s KV into its reserved slot, once the step that reserved it has
         ended (``after_step``); an abort meanwhile already freed its handles."""
         rid = transfer.request.request_id
-        if self._transfers.get(rid) is not transfer or not self.engine.is_waiting_for_kv(rid):
+        if self._transfers.get(rid) is not transfer:
+            return
+        if not self.engine.is_waiting_for_kv(rid):  # it ended some other way: nobody fetches
+            del self._transfers[rid]
+            self._free(transfer.handles)
             return
         transfer.fetching = True
         if self._rank_factory is None:

@@ -344,10 +344,11 @@ class EngineLoop:
         self.on_tick()
 
     def after_step(self, work: Callable[[], None]) -> None:
-        """Run ``work`` on the loop thread once the step in flight has ended on its device
-        (an emulated step's hold run out); at once when none is. For what a real device's
-        step lets start only after it: there the loop is back from ``start_step`` only once
-        the forward ran (``engine.runner``), so an emulated device must not start it sooner."""
+        """Run ``work`` once the step in flight has ended on its device (an emulated step's
+        hold run out); at once when none is. Call it on the loop thread (``on_step``, a
+        command). For what a real device's step lets start only after it: there the loop is
+        back from ``start_step`` only once the forward ran (``engine.runner``), so an emulated
+        device must not start it sooner."""
         if self._held is None:
             work()
         else:

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig, parse_devices
 from engine import clock
@@ -20,7 +21,9 @@ from engine.engine import Engine
 from engine.model import ModelLoadError, load_geometry
 from engine.request import Request, RequestState, SamplingParams
 from engine.scheduler import ScheduledBatch, StepFeatures
+from decode_worker.worker import DecodeWorker
 from engine.serving import EngineLoop
+from kv_transfer.inprocess import InProcessTransport
 from planner.latency import DeviceProfile, Fit
 from deployment.placement import Deployment
 from planner.simulate import Simulator
@@ -29,6 +32,7 @@ from placement_helpers import events_within
 LLAMA = "engine/configs/llama-3.1-8b"
 LLAMA_BYTES = 2 * 32 * 8 * 128 * 2  # 2 (K, V) x layers x KV heads x head dim x bf16 bytes
 STEP_S = 2.0 ** -6  # a power of two: every sum of steps is exact in floating point
+BOUND_S = 30.0  # longest any wait here may take before the test fails (s)
 ENGINE = EngineConfig(max_num_seqs=4, max_model_len=256, max_num_batched_tokens=64)
 
 
@@ -392,3 +396,65 @@ def test_after_step_work_waits_for_the_emulated_step_to_end():
     finally:
         loop.shutdown()
     assert all(end == pytest.approx(start + STEP_S) for start, end in loop.seen)
+
+
+class _CountingTransport(InProcessTransport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gets: list = []
+        self.frees: list = []
+
+    def get(self, handle, *args, **kwargs):
+        self.gets.append(handle.key)
+        return super().get(handle, *args, **kwargs)
+
+    def free(self, handle) -> None:
+        self.frees.append(handle.key)
+        super().free(handle)
+
+
+class _HookClock(FakeClock):
+    """A fake clock that calls ``hook()`` (on the loop thread) whenever a step's hold runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook = lambda: None
+
+    def wait_until(self, deadline: float, idle=None) -> None:
+        self.hook()
+        super().wait_until(deadline)
+
+
+def test_an_abort_while_the_reserving_step_runs_frees_the_kv_once_and_fetches_nothing():
+    """A decode worker's fetch waits for the step that reserved its slot to end; an abort
+    during that step frees the handles there and then, and no fetch starts after it."""
+    clock, transport = _HookClock(), _CountingTransport()
+    worker = DecodeWorker("decode-0", ModelConfig(LLAMA, "bfloat16"), ENGINE, TransferConfig(),
+                          device="emu:0", transport=transport, bind=False,
+                          emulation=Emulation(constant_profile(), 1 / 256, clock))
+    seen: list = []
+    admitted = threading.Event()
+
+    def abort_once_reserved() -> None:
+        admitted.wait(BOUND_S)
+        state = worker.engine.states.get("r0")
+        if not seen and state is not None and state.block_ids is not None:
+            seen.append((len(worker._after_step), worker._transfers["r0"].fetching))
+            worker._abort("r0")
+    clock.hook = abort_once_reserved
+    try:
+        spec = worker.engine.kv_spec
+        worker.submit(Request("c0", tuple(range(10, 30)), SamplingParams(max_tokens=50)))
+        handle = transport.put("r0", spec, torch.zeros(spec.kv_shape(20), dtype=spec.torch_dtype))
+        worker.admit(Request("r0", tuple(range(40, 60)), SamplingParams(max_tokens=4)), 7,
+                     (handle,))
+        admitted.set()
+        end_s = time.monotonic() + BOUND_S
+        while not seen or worker.call(worker.engine.has_unfinished):
+            assert time.monotonic() < end_s and worker._died is None, (seen, worker._died)
+            time.sleep(0.005)
+        assert seen == [(1, False)]  # deferred to the step's end, not started
+        assert transport.gets == [] and transport.frees == [handle.key]
+        assert worker.call(lambda: dict(worker._transfers)) == {} and transport.num_held() == 0
+    finally:
+        worker.shutdown()

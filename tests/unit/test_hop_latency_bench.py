@@ -5,19 +5,22 @@ from __future__ import annotations
 from benchmarks import hop_latency
 
 
-def test_round_trips_time_only_the_call_and_sleep_the_gap_before_each(monkeypatch):
+def test_round_trips_time_only_the_call_and_sleep_the_gap_before_each():
     now = [0]  # ns, a fake clock: the call takes 2 ms, a sleep what it is asked
     slept: list[float] = []
-    monkeypatch.setattr(hop_latency.time, "perf_counter_ns", lambda: now[0])
-    monkeypatch.setattr(hop_latency.time, "sleep",
-                        lambda s: (slept.append(s), now.__setitem__(0, now[0] + int(s * 1e9))))
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += int(s * 1e9)
+
     calls: list[int] = []
 
     def one() -> None:
         calls.append(now[0])
         now[0] += 2_000_000
 
-    times = hop_latency.time_round_trips(one, n=4, warmup=2, gap_s=0.01)
+    times = hop_latency.time_round_trips(one, n=4, warmup=2, gap_s=0.01,
+                                         clock=lambda: now[0], sleep=sleep)
     assert times == [2000.0] * 4  # us: the call, never the gap
     assert slept == [0.01] * 4  # before each timed call, none before the warm-up ones
     assert calls == [0, 2_000_000, 14_000_000, 26_000_000, 38_000_000, 50_000_000]
