@@ -53,12 +53,15 @@ flakiness: $(STAMP)
 	$(PY) tests/flakiness.py $(FLAKINESS_ARGS)
 
 # The kernel tests again, with pdlab's AVX-512 functions built on SIMDe's portable intrinsics
-# (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too.
+# (PDLAB_CPU_KERNELS_ISA=avx512-emulated), so a CPU without avx512f checks their results too;
+# on a CPU with avx512f (and no PDLAB_CPU_KERNELS_ISA cap) the kernel tests just ran them natively.
 # tests/fetch_simde.py fetches the headers once (Debian's libsimde-dev, 0.5 MB); where it cannot, this prints SKIPPED and why.
 KERNEL_TESTS := tests/integration/test_cpu_kernels.py tests/integration/test_linear_kernels.py
 
 test-avx512-emulated: $(STAMP)
-	@if $(PY) tests/fetch_simde.py >/dev/null; then \
+	@if grep -qw avx512f /proc/cpuinfo 2>/dev/null && [ -z "$$PDLAB_CPU_KERNELS_ISA" ]; then \
+	  echo "test-avx512-emulated: not needed (this CPU has avx512f: the kernel tests ran the AVX-512 kernels natively)"; \
+	elif $(PY) tests/fetch_simde.py >/dev/null; then \
 	  echo "kernel tests on the emulated AVX-512 build:"; \
 	  PDLAB_CPU_KERNELS_ISA=avx512-emulated $(PY) -m pytest -q $(KERNEL_TESTS); \
 	else echo "test-avx512-emulated: SKIPPED (SIMDe's headers could not be fetched)"; fi
