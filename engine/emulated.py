@@ -161,10 +161,6 @@ class EmulatedRunner:
     def __init__(self, kv_store: KVStore, emulation: Emulation, vocab_size: int,
                  eos_token_ids: tuple[int, ...]) -> None:
         self.kv_store = kv_store
-        # Zeroed whole now, as a GPU engine's KV cache is allocated at start-up (the deployment
-        # has checked that every emulated store fits this host): otherwise a KV put's first
-        # read of each page faults on the worker's loop, and reads bytes nothing defined.
-        kv_store.claim(kv_store.num_blocks)
         self.emulation = emulation
         self.clock = emulation.clock
         self.step_s: Callable[[int, int, int, int], float] = emulation.device.step_time()
@@ -193,6 +189,9 @@ class EmulatedRunner:
                 on_layer_done: Callable[[int], None] | None = None) -> None:
         """Start the step's hold from ``begin`` (``finish`` ends it; a listener: held here)."""
         modelled = self.modelled_s(batch)
+        for state in batch.requests:  # a prompt's blocks, which a KV put reads: their first
+            if state.is_prefilling:  # use zeroes them, as the real runner's does, in the hold
+                self.kv_store.claim(max(state.block_ids) + 1)
         clock = self.clock
         start, self._begun = self._begun, None
         self.last_modelled_s, self._held_s = modelled, None

@@ -90,8 +90,7 @@ def kv_cache_num_blocks(config, spec: KVSpec, device: str = "cpu",
 
 class KVStore:
     """Paged KV for one engine: ``[L, 2, H_kv, NB, B, D]``, ``NB * B * bytes_per_token``
-    bytes, allocated once, never zero-filled whole (start-up does not grow with the budget;
-    an emulated engine's, which no forward writes, is: ``engine.emulated.EmulatedRunner``).
+    bytes, allocated once, never zero-filled whole (start-up does not grow with the budget).
     Masked positions must be finite (0 * NaN = NaN), so ``claim(top)`` zeroes blocks
     ``[high_water, top)`` before any block below ``top`` is used; first fit keeps the used
     blocks low, so zeroing follows the peak use, once per block."""

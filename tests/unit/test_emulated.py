@@ -83,8 +83,15 @@ def test_geometry_of_llama_and_scaled_kv():
     # blocks of the true geometry: 4 GiB CPU budget / (16 x 131072) = 2048, capped by
     # max_num_seqs x max_model_len / 16 = 4 x 16 = 64
     assert engine.kv_store.num_blocks == 64
-    # zeroed whole at start, as a GPU engine's cache is allocated: a put reads defined bytes
-    assert engine.kv_store.high_water == 64 and not engine.kv_store.kv.any()
+    # a prompt's blocks are zeroed at their first use, as the real runner's: a put reads
+    # defined bytes, and start-up does not grow with the budget
+    store = engine.kv_store
+    assert store.high_water == 0
+    store.kv.fill_(1.0)  # (what an unzeroed page could hold)
+    prompt = requests()[1]  # 70 tokens: 5 blocks, two chunks
+    engine.generate([prompt])
+    assert store.high_water == 5 and not store.kv[:, :, :, :5].any()
+    assert store.kv[:, :, :, 5:].eq(1.0).all()
 
 
 def test_constant_profile_on_fake_clock_equals_the_simulator_exactly():
