@@ -8,6 +8,8 @@ HTTP front; only ``EmulatedRunner`` differs:
   deadline: ``execute`` starts it, the host works meanwhile, ``finish`` waits out the rest
   (with a layer listener, ``execute`` holds, layer ``l`` done at ``(l + 1) / L``). Tokens are
   stamped at the modelled end; ``StepRecord.lateness`` = held / modelled (> 1: host overran).
+  ``finish(lead_s=...)`` may return before the end: the next step, prepared meanwhile (a
+  launch queued behind a GPU's running step), begins at that end; ``wait_end`` waits for it.
 - Tokens: ``emulated_token``, the same in every placement, never EOS.
 - KV bytes: real tensors through the real transports; ``kv_scale`` < 1 shrinks each token's KV
   when the host cannot hold the GPU's cache, block counts unchanged.
@@ -173,11 +175,19 @@ class EmulatedRunner:
         self._begun = None  # perf() at ``begin``, for the next ``execute``
         self._start = None  # perf() at the start of the step in flight
         self._held_s = None  # held in ``execute`` (layer listener)
+        self._start_s = 0.0  # wall stamp of the latest step's start
+        self._busy: tuple[float, float] | None = None  # (perf, wall) end of a step left early
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
     def begin(self) -> float:
-        self._begun = self.clock.perf()
-        return self.clock.time()
+        """The next step's start (wall s): now, or the end of a step ``finish`` left early."""
+        now = self.clock.perf()
+        busy = self._busy
+        if busy is not None and busy[0] > now:
+            self._begun, self._start_s = busy
+        else:
+            self._begun, self._start_s = now, self.clock.time()
+        return self._start_s
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
         """The device's seconds for ``batch`` x the time dilation."""
@@ -207,21 +217,42 @@ class EmulatedRunner:
         """The modelled end: ``start_s + last_modelled_s``."""
         return start_s + self.last_modelled_s
 
-    def finish(self, idle: Callable[[float], None] | None = None) -> float | None:
+    def finish(self, idle: Callable[[float], None] | None = None,
+               lead_s: float = 0.0) -> float | None:
         """Wait out the step in flight (``idle``: ``RealClock.wait_until``'s) -> held / modelled
-        (1.0 for a step of no time); None when none is in flight."""
+        (1.0 for a step of no time); None when none is in flight. ``lead_s``: return up to that
+        long (half the step) before the end, which ``wait_end`` waits for."""
         start, modelled = self._start, self.last_modelled_s
         if start is None:
             return None
         self._start = None
         held = self._held_s
         if held is None:
+            end = start + modelled
+            until = end - min(max(lead_s, 0.0), modelled / 2)
             if idle is None:
-                self.clock.wait_until(start + modelled)
+                self.clock.wait_until(until)
             else:
-                self.clock.wait_until(start + modelled, idle)
-            held = self.clock.perf() - start
+                self.clock.wait_until(until, idle)
+            now = self.clock.perf()
+            if now < end:
+                self._busy = (end, self._start_s + modelled)
+            held = max(now - start, modelled)
         return held / modelled if modelled > 0 else 1.0
+
+    @property
+    def busy(self) -> bool:
+        """A step ``finish`` left early is still held (``wait_end`` waits it out)."""
+        return self._busy is not None
+
+    def wait_end(self, idle: Callable[[float], None] | None = None) -> None:
+        """Wait until the step ``finish`` left early has ended (at once when none has)."""
+        busy, self._busy = self._busy, None
+        if busy is not None:
+            if idle is None:
+                self.clock.wait_until(busy[0])
+            else:
+                self.clock.wait_until(busy[0], idle)
 
     def tokens(self, states: list[RequestState], output: None = None) -> StepTokens:
         """``emulated_token`` at each sampled row's next output position."""

@@ -342,20 +342,32 @@ class Engine:
         return StepOutput(outputs, tuple(o.request_id for o in outputs if o.finished),
                           tuple(failed), kv_reserved, None, kv_dropped)
 
-    def finish_step(self, started: StepOutput,
-                    idle: Callable[[float], None] | None = None) -> StepOutput:
+    def finish_step(self, started: StepOutput, idle: Callable[[float], None] | None = None,
+                    lead_s: float = 0.0) -> StepOutput:
         """Wait for the step in flight (``idle(s)``: work while an emulated device holds,
-        ``RealClock.wait_until``), record it; ``started`` with its ``record`` (as is: none)."""
+        ``RealClock.wait_until``), record it; ``started`` with its ``record`` (as is: none).
+        ``lead_s``: an emulated step may run that long after (``device_busy``): the next
+        ``start_step`` begins at its end; ``wait_step_end`` waits for it."""
         flight = self._in_flight
         if flight is None:
             return started
         self._in_flight = None
-        lateness = self.runner.finish(idle)
+        lateness = self.runner.finish(idle, lead_s)
         record = StepRecord(flight.start_s, flight.end_s - flight.start_s, len(flight.entries),
                             flight.num_prefill_tokens, flight.num_decode_tokens,
                             flight.entries, lateness)
         self.step_records.append(record)
         return dataclasses.replace(started, record=record)
+
+    @property
+    def device_busy(self) -> bool:
+        """The step ``finish_step`` returned from early still runs on the device."""
+        return self.runner.busy
+
+    def wait_step_end(self, idle: Callable[[float], None] | None = None) -> None:
+        """Wait until the device's step has ended (``finish_step``'s ``lead_s``; ``idle``
+        as there); at once when it has."""
+        self.runner.wait_end(idle)
 
     def _token_output(self, state: RequestState, time_s: float,
                       logprobs: tuple[float, tuple] | None = None) -> TokenOutput:

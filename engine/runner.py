@@ -64,7 +64,9 @@ class Runner(Protocol):
     """An engine's step runner (``ModelRunner``, ``EmulatedRunner``, ``DriverRunner``), in step
     order: ``begin()`` -> the start stamp; ``execute`` starts the step (it may run on);
     ``tokens`` -> ``StepTokens``; ``end_s(start_s)`` -> the tokens' stamp; ``finish(idle)``
-    blocks until the device is done -> lateness (held / modelled) when emulated, else None."""
+    blocks until the device is done -> lateness (held / modelled) when emulated, else None;
+    ``finish(lead_s=...)`` may return up to that long before, while ``busy``, until
+    ``wait_end`` (emulated: the next step's host work overlaps the device's step)."""
 
     ops: Any
 
@@ -77,7 +79,12 @@ class Runner(Protocol):
 
     def end_s(self, start_s: float) -> float: ...
 
-    def finish(self, idle: Callable[[float], None] | None = None) -> float | None: ...
+    def finish(self, idle: Callable[[float], None] | None = None,
+               lead_s: float = 0.0) -> float | None: ...
+
+    busy: bool
+
+    def wait_end(self, idle: Callable[[float], None] | None = None) -> None: ...
 
     def forget(self, request_id: str) -> None: ...
 
@@ -365,8 +372,14 @@ class ModelRunner:
     def end_s(self, start_s: float) -> float:
         return time.time()  # the forward ran in ``execute``
 
-    def finish(self, idle: Callable[[float], None] | None = None) -> None:
+    busy = False  # the forward ran in ``execute``
+
+    def finish(self, idle: Callable[[float], None] | None = None,
+               lead_s: float = 0.0) -> None:
         return None  # nothing in flight
+
+    def wait_end(self, idle: Callable[[float], None] | None = None) -> None:
+        return None
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)

@@ -5,7 +5,8 @@ commands, then, if the engine has work, one step: ``engine.start_step()``, whose
 becomes events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV
 over or fetch it), then ``engine.finish_step`` (on an emulated device the step's hold, during
 which arriving commands are applied); its events leave once the next step has begun (at once
-when none follows), never before its end; with no work it sleeps until the next command.
+when none follows), never before its end; with no work it sleeps until the next command. An
+emulated step's hold is left just before its end to prepare the next step, which begins then.
 
 Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
 in the order sent, and each turn with news leaves as one message (a tuple of its events). A
@@ -44,6 +45,13 @@ from engine.scheduler import ScheduledBatch
 
 
 CHANNEL_COMMANDS = (SUBMIT, ADMIT, ABORT, RELEASE)  # what a port may ask of a worker
+
+# The lead on an emulated step's end: 1.5x the longest recent preparation plus a wake-up
+# margin, at most 1 ms; a command arriving within it joins the step after (vLLM's async
+# scheduling makes every command arriving during a step wait that long)
+LEAD_MARGIN_S = 50e-6
+LEAD_MAX_S = 1e-3
+LEAD_DECAY = 0.95  # per step: one slow preparation widens the lead for some tens of steps
 
 
 class EngineLoopDied(RuntimeError):
@@ -112,6 +120,10 @@ class EngineLoop:
         self._events: list[WorkerEvent | TokenBatch] = []
         self._held: list | None = None  # the loop's events while its step runs, else None
         self._after_step: list[Callable[[], None]] = []  # ``after_step``'s, for this step
+        self._ending: StepOutput | None = None  # a step whose news wait for its end
+        self._left_at = 0.0  # perf_counter() when the loop left that step's hold early
+        self._prep_s = LEAD_MARGIN_S  # the next step's host work, longest recent (decaying)
+        self._lead_s = LEAD_MARGIN_S + 1.5 * self._prep_s  # ``finish_step``'s lead_s
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
@@ -294,41 +306,70 @@ class EngineLoop:
     def _loop(self) -> None:
         while not self._stopped.is_set():
             self._check_ranks()
-            self._drain_commands(block=not self.engine.has_unfinished(),
-                                 timeout_s=self.idle_wait_s())
+            ending = self._ending is not None
+            if not ending or self.outputs_during_step:  # else the ending step's news go first
+                self._drain_commands(block=not ending and not self.engine.has_unfinished(),
+                                     timeout_s=self.idle_wait_s())
             self.on_tick()
             if not self.engine.has_unfinished():
-                self._send_events()
+                if ending:
+                    self._end_step(send=True)
+                else:
+                    self._send_events()
                 continue
             output = self.engine.start_step(on_launch=self._send_events)
+            if ending:  # this step begins as the one before ends: that one's news now
+                self._prepared(time.perf_counter() - self._left_at)
+                self._end_step(send=True)
             self._send_events()  # when no step began
             during = self.outputs_during_step
             if during:
                 self._held = []
                 self._step_news(output)
                 self._drain_commands(block=False)
-            # the device's step (an emulated hold) runs out; commands apply as they come
-            output = self.engine.finish_step(output, self._drain_for if during else None)
+            # the device's step (an emulated hold) runs out, all but the next step's host work;
+            # commands apply as they come
+            output = self.engine.finish_step(output, self._drain_for if during else None,
+                                             self._lead_s)
             if output.failed:  # a failed forward may be a rank's death: the instance's
                 self._check_ranks()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            if during:
-                held, self._held = self._held, None
-                self._emit_all(held)
-                after, self._after_step = self._after_step, []
-                for work in after:
-                    work()
-            else:
-                self._step_news(output)
-            # commands that came during the step first: an abort still frees the KV of a
-            # prefilled event that has not left (nobody else would)
-            self._drain_commands(block=False)
-            if output.record is None or not self.engine.has_unfinished():
-                self._send_events()  # else they leave once the next step has begun
+            self._ending = output
+            if self.engine.device_busy:  # it ends once the next step is prepared
+                self._left_at = time.perf_counter()
+                continue
+            self._end_step(send=output.record is None)
             if output.record is None:  # no forward could run (at most reservations): wait a bit
                 self._drain_commands(block=True, timeout_s=0.01)
+        if self._ending is not None:
+            self._end_step(send=False)
         self._send_events()  # stopped: the last step's events, held for a step that never comes
+
+    def _end_step(self, send: bool) -> None:
+        """Wait for ``_ending``'s end; its held events and ``after_step`` work go (or its news),
+        then the commands that came; its events leave now if ``send`` or no work is left."""
+        output, self._ending = self._ending, None
+        during = self.outputs_during_step
+        self.engine.wait_step_end(self._drain_for if during else None)
+        if during:
+            held, self._held = self._held, None
+            self._emit_all(held)
+            after, self._after_step = self._after_step, []
+            for work in after:
+                work()
+        else:
+            self._step_news(output)
+        # commands that came during the step first: an abort still frees the KV of a
+        # prefilled event that has not left (nobody else would)
+        self._drain_commands(block=False)
+        if send or not self.engine.has_unfinished():
+            self._send_events()
+
+    def _prepared(self, took_s: float) -> None:
+        """A step's host work took ``took_s`` after the loop left the last one's hold."""
+        self._prep_s = max(took_s, self._prep_s * LEAD_DECAY)
+        self._lead_s = min(LEAD_MAX_S, LEAD_MARGIN_S + 1.5 * self._prep_s)
 
     def _check_ranks(self) -> None:
         """A TP instance with a dead rank is a dead worker: raise (the loop dies)."""

@@ -174,6 +174,70 @@ def test_a_step_is_a_deadline_and_the_hosts_work_runs_inside_it():
     assert engine.finish_step(done) is done  # nothing in flight
 
 
+def test_a_step_left_early_is_still_held_and_the_next_one_begins_at_its_end():
+    """``finish_step(lead_s)`` returns that long before the end; a step started meanwhile begins
+    at that end (a launch queued behind the device's step); a host back after the end is late."""
+    clock = FakeClock()
+    engine = emulated_engine(clock)
+    for request in requests():
+        engine.add_request(request)
+    done = engine.finish_step(engine.start_step(), lead_s=STEP_S / 4)
+    assert clock.t == STEP_S * 3 / 4 and engine.device_busy
+    assert (done.record.start_s, done.record.lateness) == (0.0, 1.0)
+    started = engine.start_step()  # prepared inside the first step's hold
+    assert [o.time_s for o in started] == [2 * STEP_S] * len(started)
+    engine.wait_step_end()
+    assert clock.t == STEP_S and not engine.device_busy
+    engine.wait_step_end()  # none left: at once
+    assert clock.t == STEP_S
+    done = engine.finish_step(started, lead_s=STEP_S)  # at most half a step early
+    assert clock.t == 1.5 * STEP_S and done.record.start_s == STEP_S
+    engine.wait_step_end()
+    started = engine.start_step()  # the device was idle: it begins now
+    clock.t = 3.25 * STEP_S  # the host came back past the end: that step ran late
+    done = engine.finish_step(started, lead_s=STEP_S / 4)
+    assert not engine.device_busy
+    assert (done.record.start_s, done.record.lateness) == (2 * STEP_S, 1.25)
+
+
+class TickingClock(FakeClock):
+    """Host work takes time too: every reading of the clock moves it ``tick`` on."""
+
+    def __init__(self, tick: float) -> None:
+        super().__init__()
+        self.tick = tick
+
+    def perf(self) -> float:
+        self.t += self.tick
+        return self.t
+
+    time = perf
+
+
+def test_a_loop_prepares_the_next_step_inside_the_hold_so_steps_run_back_to_back():
+    """With host work taking time, each step of a busy loop begins exactly where the one before
+    ended (its host work ran inside that hold), and no token leaves before its step's end."""
+    clock = TickingClock(2.0 ** -22)
+    loop = EngineLoop("colocated-0", ModelConfig(LLAMA, "bfloat16"), ENGINE, device="emu:0",
+                      bind=False, emulation=Emulation(constant_profile(), 1 / 256, clock))
+    got: list = []
+    try:
+        for request in requests():
+            loop.submit(request)
+        end_s = time.monotonic() + BOUND_S
+        while len(got) < 5 + 3 + 9:
+            assert time.monotonic() < end_s, f"the loop stalled: {got}"
+            got += events_within(loop, 0.5)
+        records = loop.call(lambda: list(loop.engine.step_records))
+    finally:
+        loop.shutdown()
+    assert len(records) >= 9
+    assert all(b.start_s == a.start_s + STEP_S for a, b in zip(records, records[1:]))
+    assert all(r.lateness == 1.0 for r in records)
+    ends = {r.start_s + STEP_S for r in records}
+    assert all(e.time_s in ends for e in got)
+
+
 def test_real_clock_hands_a_hold_to_idle_work_then_spins_to_the_deadline():
     clock, naps = RealClock(), []
 
@@ -445,7 +509,8 @@ def test_an_abort_while_the_reserving_step_runs_frees_the_kv_once_and_fetches_no
     def abort_once_reserved() -> None:
         admitted.wait(BOUND_S)
         state = worker.engine.states.get("r0")
-        if not seen and state is not None and state.block_ids is not None:
+        # once reserved and its step's news ran (a step prepared ahead reserves before that)
+        if not seen and state is not None and state.block_ids is not None and worker._after_step:
             seen.append((len(worker._after_step), worker._transfers["r0"].fetching))
             worker._abort("r0")
     clock.hook = abort_once_reserved
