@@ -6,7 +6,8 @@ becomes events (failed requests become errors, the rest goes to ``on_step``: sub
 over or fetch it), then ``engine.finish_step`` (on an emulated device the step's hold, during
 which arriving commands are applied); its events leave once the next step has begun (at once
 when none follows), never before its end; with no work it sleeps until the next command. An
-emulated step's hold is left just before its end to prepare the next step, which begins then.
+emulated step's hold is left just before its end to prepare the next step, which begins then
+(with ``outputs_during_step``; else the step's news, a prefill worker's put, hold the loop).
 
 Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
 in the order sent, and each turn with news leaves as one message (a tuple of its events). A
@@ -307,9 +308,8 @@ class EngineLoop:
         while not self._stopped.is_set():
             self._check_ranks()
             ending = self._ending is not None
-            if not ending or self.outputs_during_step:  # else the ending step's news go first
-                self._drain_commands(block=not ending and not self.engine.has_unfinished(),
-                                     timeout_s=self.idle_wait_s())
+            self._drain_commands(block=not ending and not self.engine.has_unfinished(),
+                                 timeout_s=self.idle_wait_s())
             self.on_tick()
             if not self.engine.has_unfinished():
                 if ending:
@@ -327,10 +327,10 @@ class EngineLoop:
                 self._held = []
                 self._step_news(output)
                 self._drain_commands(block=False)
-            # the device's step (an emulated hold) runs out, all but the next step's host work;
-            # commands apply as they come
+            # the device's step (an emulated hold) runs out, commands applying as they come;
+            # while on_step runs during it, all but the next step's host work
             output = self.engine.finish_step(output, self._drain_for if during else None,
-                                             self._lead_s)
+                                             self._lead_s if during else 0.0)
             if output.failed:  # a failed forward may be a rank's death: the instance's
                 self._check_ranks()
             if self.step_delay_s:
@@ -512,7 +512,8 @@ class EngineLoop:
         return None
 
     # on_step and arriving commands run while the device's step does (events held to its
-    # end); False: after it, for work whose own stamps must follow the step's end
+    # end; the next step is prepared before its end); False: after it, for work whose own
+    # stamps must follow the step's end and which holds the loop (a prefill worker's put)
     outputs_during_step = True
 
     def on_step(self, output: StepOutput) -> None:
