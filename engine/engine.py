@@ -18,7 +18,7 @@ import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -75,6 +75,19 @@ class _InFlight(NamedTuple):  # a started step's record, but its lateness
     entries: tuple[BatchEntry, ...]
     num_prefill_tokens: int
     num_decode_tokens: int
+
+
+class LaunchedStep(NamedTuple):
+    """A step ``Engine.launch_step`` began (``error``: its forward raised)."""
+
+    batch: ScheduledBatch
+    kv_reserved: tuple[str, ...]
+    kv_dropped: tuple[str, ...]
+    start_s: float = 0.0
+    entries: tuple[BatchEntry, ...] = ()
+    num_prefill_tokens: int = 0
+    output: Any = None  # the runner's ``execute``
+    error: Exception | None = None
 
 
 class Engine:
@@ -297,13 +310,17 @@ class Engine:
     def start_step(self, on_launch: Callable[[], None] | None = None) -> StepOutput:
         """``step`` while the device may still run it (an emulated hold): its tokens (stamped
         at its end) leave after ``finish_step``, which sets ``record``. ``on_launch()``: called
-        once a step has begun."""
+        once a step has begun. ``complete_step(launch_step())``."""
+        return self.complete_step(self.launch_step(on_launch))
+
+    def launch_step(self, on_launch: Callable[[], None] | None = None) -> LaunchedStep:
+        """``start_step`` up to the forward's start; ``complete_step`` must come next."""
         self.finish_step(StepOutput())  # one step in flight at a time
         batch = self.scheduler.schedule()
         kv_reserved = tuple(state.request_id for state in batch.kv_reserved)
         kv_dropped = tuple(state.request_id for state in batch.kv_dropped)
         if batch.is_empty:
-            return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
+            return LaunchedStep(batch, kv_reserved, kv_dropped)
         start_s = self.runner.begin()
         if on_launch is not None:
             on_launch()
@@ -316,10 +333,26 @@ class Engine:
             listener = self._on_layer_done
             output = self.runner.execute(
                 batch, listener and (lambda layer: listener(layer, batch)))
-            sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
-            states = [batch.requests[i] for i in sample_rows]
-            tokens, errors, logprobs = self.runner.tokens(states, output)
-        except Exception as err:  # a failed forward fails its requests, not the engine
+        except Exception as err:  # its requests fail in ``complete_step``
+            return LaunchedStep(batch, kv_reserved, kv_dropped, start_s, entries,
+                                num_prefill_tokens, error=err)
+        return LaunchedStep(batch, kv_reserved, kv_dropped, start_s, entries, num_prefill_tokens,
+                            output)
+
+    def complete_step(self, launched: LaunchedStep) -> StepOutput:
+        """``start_step``'s rest: sample ``launched``'s tokens, update its requests."""
+        batch, kv_reserved, kv_dropped = launched.batch, launched.kv_reserved, launched.kv_dropped
+        if batch.is_empty:
+            return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
+        err = launched.error
+        if err is None:
+            try:
+                sample_rows = [i for i in range(len(batch.requests)) if batch.completes(i)]
+                states = [batch.requests[i] for i in sample_rows]
+                tokens, errors, logprobs = self.runner.tokens(states, launched.output)
+            except Exception as sampling_err:
+                err = sampling_err
+        if err is not None:  # a failed forward fails its requests, not the engine
             self.runner.finish()
             self.scheduler.step_failed()  # the blocks it was to fill leave the prefix cache
             failed = tuple(FailedRequest(state.request_id, f"{type(err).__name__}: {err}")
@@ -334,8 +367,9 @@ class Engine:
             self.abort(state.request_id, error)
         sampled = {i: t for i, t in zip(sample_rows, tokens) if t is not None}
         produced = self.scheduler.update(batch, sampled)
+        start_s, num_prefill_tokens = launched.start_s, launched.num_prefill_tokens
         end_s = self.runner.end_s(start_s)
-        self._in_flight = _InFlight(start_s, end_s, entries, num_prefill_tokens,
+        self._in_flight = _InFlight(start_s, end_s, launched.entries, num_prefill_tokens,
                                     batch.num_tokens - num_prefill_tokens)
         outputs = tuple(self._token_output(state, end_s, logprobs.get(state.request_id))
                         for state in produced)

@@ -47,12 +47,11 @@ from engine.scheduler import ScheduledBatch
 
 CHANNEL_COMMANDS = (SUBMIT, ADMIT, ABORT, RELEASE)  # what a port may ask of a worker
 
-# The lead on an emulated step's end: 1.5x the longest recent preparation plus a wake-up
-# margin, at most 1 ms; a command arriving within it joins the step after (vLLM's async
-# scheduling makes every command arriving during a step wait that long)
-LEAD_MARGIN_S = 50e-6
+# The lead on an emulated step's end: the recent launches' mean plus a margin. A command
+# arriving within it joins the step after, so it is short; a longer launch starts late
+LEAD_MARGIN_S = 20e-6
 LEAD_MAX_S = 1e-3
-LEAD_DECAY = 0.95  # per step: one slow preparation widens the lead for some tens of steps
+LEAD_GAIN = 0.1  # the mean's weight of the latest launch
 
 
 class EngineLoopDied(RuntimeError):
@@ -123,8 +122,8 @@ class EngineLoop:
         self._after_step: list[Callable[[], None]] = []  # ``after_step``'s, for this step
         self._ending: StepOutput | None = None  # a step whose news wait for its end
         self._left_at = 0.0  # perf_counter() when the loop left that step's hold early
-        self._prep_s = LEAD_MARGIN_S  # the next step's host work, longest recent (decaying)
-        self._lead_s = LEAD_MARGIN_S + 1.5 * self._prep_s  # ``finish_step``'s lead_s
+        self._prep_s = 0.0  # a step's launch after the loop left the last one's hold (mean)
+        self._lead_s = LEAD_MARGIN_S  # ``finish_step``'s lead_s
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
@@ -317,10 +316,11 @@ class EngineLoop:
                 else:
                     self._send_events()
                 continue
-            output = self.engine.start_step(on_launch=self._send_events)
-            if ending:  # this step begins as the one before ends: that one's news now
-                self._prepared(time.perf_counter() - self._left_at)
-                self._end_step(send=True)
+            launched = self.engine.launch_step(on_launch=self._send_events)
+            if ending:  # this step begins as the one before ends: that one's news now (no
+                self._prepared(time.perf_counter() - self._left_at)  # command meanwhile:
+                self._end_step(send=True, drain=False)  # it might touch the launched batch)
+            output = self.engine.complete_step(launched)
             self._send_events()  # when no step began
             during = self.outputs_during_step
             if during:
@@ -346,12 +346,12 @@ class EngineLoop:
             self._end_step(send=False)
         self._send_events()  # stopped: the last step's events, held for a step that never comes
 
-    def _end_step(self, send: bool) -> None:
+    def _end_step(self, send: bool, drain: bool = True) -> None:
         """Wait for ``_ending``'s end; its held events and ``after_step`` work go (or its news),
-        then the commands that came; its events leave now if ``send`` or no work is left."""
+        then (``drain``) commands; its events leave now if ``send`` or no work is left."""
         output, self._ending = self._ending, None
         during = self.outputs_during_step
-        self.engine.wait_step_end(self._drain_for if during else None)
+        self.engine.wait_step_end(self._drain_for if during and drain else None)
         if during:
             held, self._held = self._held, None
             self._emit_all(held)
@@ -362,14 +362,15 @@ class EngineLoop:
             self._step_news(output)
         # commands that came during the step first: an abort still frees the KV of a
         # prefilled event that has not left (nobody else would)
-        self._drain_commands(block=False)
+        if drain:
+            self._drain_commands(block=False)
         if send or not self.engine.has_unfinished():
             self._send_events()
 
     def _prepared(self, took_s: float) -> None:
-        """A step's host work took ``took_s`` after the loop left the last one's hold."""
-        self._prep_s = max(took_s, self._prep_s * LEAD_DECAY)
-        self._lead_s = min(LEAD_MAX_S, LEAD_MARGIN_S + 1.5 * self._prep_s)
+        """Launching a step took ``took_s`` after the loop left the last one's hold."""
+        self._prep_s += LEAD_GAIN * (took_s - self._prep_s)
+        self._lead_s = min(LEAD_MAX_S, LEAD_MARGIN_S + self._prep_s)
 
     def _check_ranks(self) -> None:
         """A TP instance with a dead rank is a dead worker: raise (the loop dies)."""

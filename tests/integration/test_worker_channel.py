@@ -79,7 +79,7 @@ def test_a_colocated_loop_over_the_channel_sends_one_message_per_step(tiny, hub,
 
 
 def test_an_abort_over_the_channel_ends_the_request_on_the_worker(hub, loop):
-    start_step, steps = loop.engine.start_step, []
+    launch_step, steps = loop.engine.launch_step, []
 
     def step_once_the_abort_arrived(on_launch=None):
         # r0's first step runs at once, later ones only once its abort reached the port: only
@@ -89,10 +89,10 @@ def test_an_abort_over_the_channel_ends_the_request_on_the_worker(hub, loop):
         end_s = time.monotonic() + BOUND_S
         while steps and loop._port.arrived < 2 and time.monotonic() < end_s:
             time.sleep(0.001)
-        steps.append(start_step(on_launch))
+        steps.append(launch_step(on_launch))
         return steps[-1]
 
-    loop.engine.start_step = step_once_the_abort_arrived
+    loop.engine.launch_step = step_once_the_abort_arrived
     request = Request("r0", (5, 6, 7), SamplingParams(max_tokens=100, ignore_eos=True))
     hub.send("colocated-0", Command(SUBMIT, "r0", (request,)))
     items = receive_until(hub, lambda items: any(isinstance(m, Message) for m in items))
@@ -111,7 +111,7 @@ def test_a_loop_that_dies_falls_silent_and_its_hub_reports_it(hub, loop):
     def broken_step(on_launch=None):
         raise RuntimeError("boom")
 
-    loop.engine.start_step = broken_step
+    loop.engine.launch_step = broken_step
     hub.liveness.dead_after_s = 0.3
     hub.send("colocated-0", Command(SUBMIT, "r0", (Request("r0", (3, 4, 5),
                                                             SamplingParams(max_tokens=2)),)))

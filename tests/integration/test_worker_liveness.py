@@ -27,7 +27,7 @@ def test_an_exception_escaping_the_loop_kills_the_worker_at_once():
         def broken_step(on_launch=None):
             raise RuntimeError("boom")
 
-        loop.engine.start_step = broken_step
+        loop.engine.launch_step = broken_step  # where every step of the loop begins
         listen(loop)  # its channel is open
         loop.submit(Request("r0", (3, 4, 5), SamplingParams(max_tokens=2)))
         loop._thread.join(timeout=10)
@@ -110,7 +110,7 @@ def test_router_fails_a_dead_loop_s_requests_naming_the_cause_and_moves_on(tiny)
         def broken_step(on_launch=None):
             raise RuntimeError("boom")
 
-        deployment.handles["prefill-0"].engine.start_step = broken_step
+        deployment.handles["prefill-0"].engine.launch_step = broken_step
         records = deployment.run(workload)
         failed = [r for r in records if r.error]
         assert failed and all(r.prefill_worker == "prefill-0" for r in failed)
