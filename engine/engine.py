@@ -84,8 +84,6 @@ class LaunchedStep(NamedTuple):
     kv_reserved: tuple[str, ...]
     kv_dropped: tuple[str, ...]
     start_s: float = 0.0
-    entries: tuple[BatchEntry, ...] = ()
-    num_prefill_tokens: int = 0
     output: Any = None  # the runner's ``execute``
     error: Exception | None = None
 
@@ -324,8 +322,6 @@ class Engine:
         start_s = self.runner.begin()
         if on_launch is not None:
             on_launch()
-        num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
-        entries = batch.entries()
         for state in batch.requests:
             if state.first_scheduled_time_s is None:  # prefill started / remote KV decodes
                 state.first_scheduled_time_s = start_s
@@ -334,16 +330,16 @@ class Engine:
             output = self.runner.execute(
                 batch, listener and (lambda layer: listener(layer, batch)))
         except Exception as err:  # its requests fail in ``complete_step``
-            return LaunchedStep(batch, kv_reserved, kv_dropped, start_s, entries,
-                                num_prefill_tokens, error=err)
-        return LaunchedStep(batch, kv_reserved, kv_dropped, start_s, entries, num_prefill_tokens,
-                            output)
+            return LaunchedStep(batch, kv_reserved, kv_dropped, start_s, error=err)
+        return LaunchedStep(batch, kv_reserved, kv_dropped, start_s, output)
 
     def complete_step(self, launched: LaunchedStep) -> StepOutput:
         """``start_step``'s rest: sample ``launched``'s tokens, update its requests."""
         batch, kv_reserved, kv_dropped = launched.batch, launched.kv_reserved, launched.kv_dropped
         if batch.is_empty:
             return StepOutput(kv_reserved=kv_reserved, kv_dropped=kv_dropped)
+        num_prefill_tokens = batch.num_prefill_tokens  # before update() advances the counters
+        entries = batch.entries()  # (and before a failed row's abort)
         err = launched.error
         if err is None:
             try:
@@ -367,9 +363,9 @@ class Engine:
             self.abort(state.request_id, error)
         sampled = {i: t for i, t in zip(sample_rows, tokens) if t is not None}
         produced = self.scheduler.update(batch, sampled)
-        start_s, num_prefill_tokens = launched.start_s, launched.num_prefill_tokens
+        start_s = launched.start_s
         end_s = self.runner.end_s(start_s)
-        self._in_flight = _InFlight(start_s, end_s, launched.entries, num_prefill_tokens,
+        self._in_flight = _InFlight(start_s, end_s, entries, num_prefill_tokens,
                                     batch.num_tokens - num_prefill_tokens)
         outputs = tuple(self._token_output(state, end_s, logprobs.get(state.request_id))
                         for state in produced)
