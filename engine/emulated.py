@@ -175,19 +175,15 @@ class EmulatedRunner:
         self._begun = None  # perf() at ``begin``, for the next ``execute``
         self._start = None  # perf() at the start of the step in flight
         self._held_s = None  # held in ``execute`` (layer listener)
-        self._start_s = 0.0  # wall stamp of the latest step's start
-        self._busy: tuple[float, float] | None = None  # (perf, wall) end of a step left early
+        self._busy: float | None = None  # perf() end of a step ``finish`` left early
         self._digests: dict[str, tuple[int, frozenset[int]]] = {}  # request -> digest, banned
 
     def begin(self) -> float:
         """The next step's start (wall s): now, or the end of a step ``finish`` left early."""
         now = self.clock.perf()
         busy = self._busy
-        if busy is not None and busy[0] > now:
-            self._begun, self._start_s = busy
-        else:
-            self._begun, self._start_s = now, self.clock.time()
-        return self._start_s
+        self._begun = busy if busy is not None and busy > now else now
+        return self.clock.time() + (self._begun - now)  # wall time read anew: it may be set
 
     def modelled_s(self, batch: ScheduledBatch) -> float:
         """The device's seconds for ``batch`` x the time dilation."""
@@ -236,7 +232,7 @@ class EmulatedRunner:
                 self.clock.wait_until(until, idle)
             now = self.clock.perf()
             if now < end:
-                self._busy = (end, self._start_s + modelled)
+                self._busy = end
             held = max(now - start, modelled)
         return held / modelled if modelled > 0 else 1.0
 
@@ -250,9 +246,9 @@ class EmulatedRunner:
         busy, self._busy = self._busy, None
         if busy is not None:
             if idle is None:
-                self.clock.wait_until(busy[0])
+                self.clock.wait_until(busy)
             else:
-                self.clock.wait_until(busy[0], idle)
+                self.clock.wait_until(busy, idle)
 
     def tokens(self, states: list[RequestState], output: None = None) -> StepTokens:
         """``emulated_token`` at each sampled row's next output position."""

@@ -301,6 +301,10 @@ class EngineLoop:
             with self._events_ready:
                 self._died = f"{type(err).__name__}: {err}"
                 self._events_ready.notify_all()
+            if self._ending is not None:  # its step ran: its events still go, at its end
+                held, self._held = self._held or [], None
+                self.engine.wait_step_end()
+                self._emit_all(held)
             self._last_words()  # then its heartbeat stops: the hub sees the death either way
 
     def _loop(self) -> None:

@@ -27,7 +27,8 @@ from kv_transfer.inprocess import InProcessTransport
 from planner.latency import DeviceProfile, Fit
 from deployment.placement import Deployment
 from planner.simulate import Simulator
-from placement_helpers import events_within
+from engine.events import DIED, expand
+from placement_helpers import collect_events, events_within, listen
 
 LLAMA = "engine/configs/llama-3.1-8b"
 LLAMA_BYTES = 2 * 32 * 8 * 128 * 2  # 2 (K, V) x layers x KV heads x head dim x bf16 bytes
@@ -201,7 +202,7 @@ def test_a_step_left_early_is_still_held_and_the_next_one_begins_at_its_end():
 
 
 class TickingClock(FakeClock):
-    """Host work takes time too: every reading of the clock moves it ``tick`` on."""
+    """Host work takes time too: every reading of ``perf`` moves the clock ``tick`` on."""
 
     def __init__(self, tick: float) -> None:
         super().__init__()
@@ -211,8 +212,6 @@ class TickingClock(FakeClock):
         self.t += self.tick
         return self.t
 
-    time = perf
-
 
 def test_a_loop_prepares_the_next_step_inside_the_hold_so_steps_run_back_to_back():
     """With host work taking time, each step of a busy loop begins exactly where the one before
@@ -221,7 +220,15 @@ def test_a_loop_prepares_the_next_step_inside_the_hold_so_steps_run_back_to_back
     loop = EngineLoop("colocated-0", ModelConfig(LLAMA, "bfloat16"), ENGINE, device="emu:0",
                       bind=False, emulation=Emulation(constant_profile(), 1 / 256, clock))
     got: list = []
+    early: list = []  # (clock, stamp) of a token sent before its stamp
     try:
+        listen(loop)
+        send = loop._port.send
+
+        def checked_send(body) -> None:
+            early.extend((clock.t, e.time_s) for e in expand(body) if e.time_s > clock.t)
+            send(body)
+        loop._port.send = checked_send
         for request in requests():
             loop.submit(request)
         end_s = time.monotonic() + BOUND_S
@@ -235,7 +242,45 @@ def test_a_loop_prepares_the_next_step_inside_the_hold_so_steps_run_back_to_back
     assert all(b.start_s == a.start_s + STEP_S for a, b in zip(records, records[1:]))
     assert all(r.lateness == 1.0 for r in records)
     ends = {r.start_s + STEP_S for r in records}
-    assert all(e.time_s in ends for e in got)
+    assert all(e.time_s in ends for e in got) and early == []
+
+
+@pytest.mark.parametrize("how", ["check_ranks", "launch_step"])
+def test_a_loop_dying_while_a_step_ends_still_sends_that_step_s_tokens(how):
+    """The loop left the first step's hold early, then dies before that step's end (a dead
+    rank at the next turn, or the next launch raising): the step's tokens (r1 finished in it)
+    still leave, before the last words."""
+    loop = EngineLoop("colocated-0", ModelConfig(LLAMA, "bfloat16"), ENGINE, device="emu:0",
+                      bind=False, emulation=Emulation(constant_profile(), 1 / 256))
+    try:
+        finish_step, launch_step, stepped = (loop.engine.finish_step, loop.engine.launch_step,
+                                             threading.Event())
+
+        def one_step(*args, **kwargs):
+            output = finish_step(*args, **kwargs)
+            stepped.set()
+            return output
+
+        def check_ranks():
+            if how == "check_ranks" and stepped.is_set():
+                raise RuntimeError("rank 1 died")
+
+        def launch(*args, **kwargs):
+            if how == "launch_step" and stepped.is_set():
+                raise RuntimeError("schedule failed")
+            return launch_step(*args, **kwargs)
+        loop.engine.finish_step, loop._check_ranks, loop.engine.launch_step = (
+            one_step, check_ranks, launch)
+        listen(loop)
+        loop.submit(Request("r0", (3, 4, 5), SamplingParams(max_tokens=5)))
+        loop.submit(Request("r1", (6, 7, 8), SamplingParams(max_tokens=1)))
+        loop._thread.join(timeout=BOUND_S)
+        assert not loop._thread.is_alive()
+        events = collect_events(loop, lambda events: events and events[-1].kind == DIED)
+        assert sorted((e.kind, e.request_id, e.index) for e in events[:-1]) == [
+            ("token", "r0", 0), ("token", "r1", 0)], events
+    finally:
+        loop.shutdown()
 
 
 def test_real_clock_hands_a_hold_to_idle_work_then_spins_to_the_deadline():
