@@ -135,20 +135,47 @@ def assert_clean(deployment, settle_s: float = 10.0) -> None:
 
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 4):
-    """A private local Ray instance whose workers can import pdlab and these test helpers.
-    Logical CPUs: 4 leaves room for a 3-worker placement on 2 cores."""
+    """A private local Ray instance whose workers can import pdlab, these test helpers and
+    the modules of tests/ray (actor classes defined there). Logical CPUs: 4 leaves room for
+    a 3-worker placement on 2 cores. Tests share one through the ``shared_ray`` fixture
+    (tests/conftest.py)."""
     import ray
 
     from deployment.ray_actors import ray_init_kwargs
 
     kwargs = ray_init_kwargs()
     env = kwargs["runtime_env"]["env_vars"]
-    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(Path(__file__).resolve().parent)])
+    here = Path(__file__).resolve().parent
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], str(here), str(here / "ray")])
     ray.init(num_cpus=num_cpus, **kwargs)
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def ray_leftovers(settle_s: float = 30.0) -> list[str]:
+    """What the running Ray cluster still holds that a finished test must not leave: actors
+    not dead, named actors, placement groups not removed, logical CPUs in use; [] once
+    clean, within ``settle_s`` seconds (``ray.kill`` and ``remove_placement_group`` only
+    ask: the actor dies, and the resources come back, a moment later)."""
+    import ray
+    from ray._private import state  # the GCS tables: the state API needs the dashboard
+
+    deadline_s = time.monotonic() + settle_s
+    while True:
+        left = [f"actor {a['ActorClassName']} {a['State']}" for a in state.actors().values()
+                if a["State"] != "DEAD"]
+        left += [f"named actor {a['name']!r}"
+                 for a in ray.util.list_named_actors(all_namespaces=True)]
+        left += [f"placement group {g['bundles']} {g['state']}"
+                 for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+        free, total = ray.available_resources().get("CPU", 0), ray.cluster_resources()["CPU"]
+        if free != total:
+            left.append(f"{total - free:g} of {total:g} CPUs in use")
+        if not left or time.monotonic() >= deadline_s:
+            return left
+        time.sleep(0.05)
 
 
 class Probe:

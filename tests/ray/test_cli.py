@@ -15,6 +15,9 @@ from experiments.cli import main
 pytestmark = pytest.mark.ray
 
 
+# In the shared cluster, which pdlab joins; a run that starts its own (and shuts it down) is
+# test_worker_that_fails_to_start_shows_the_root_cause's.
+@pytest.mark.usefixtures("shared_ray")
 def test_compare_writes_results_directory(tmp_path, capsys):
     out = tmp_path / "cmp"
     code = main(["compare", "--model", "tiny-random-llama", "--dataset", "synthetic",

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 from placement_helpers import (ENGINE, assert_clean, assert_outputs, boundary_workload,
-                               kill_once_decoding, local_ray, mixed_workload, was_decoding_on)
+                               kill_once_decoding, mixed_workload, was_decoding_on)
 
 import ray  # a required dependency: a broken install fails here, it never skips
 
@@ -15,15 +15,9 @@ from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferCo
 from deployment.placement import Deployment
 from kv_transfer.nixl import nixl_available
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 TINY = ModelConfig("tiny-random-llama")
 NEEDS_NIXL = pytest.mark.skipif(not nixl_available(), reason="pip install 'pdlab[nixl]'")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray():
-        yield
 
 
 def deploy(placement, transport="ray", granularity="request", devices="cpu:0,cpu:1",

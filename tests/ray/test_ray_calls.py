@@ -9,7 +9,7 @@ import gc
 import weakref
 
 import pytest
-from placement_helpers import Probe, local_ray
+from placement_helpers import Probe
 
 import ray  # a required dependency: a broken install fails here, it never skips
 
@@ -17,7 +17,7 @@ from engine.serving import EngineLoopDied
 from deployment.ray_actors import RayCalls
 from router.calls import WorkerDied
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 
 
 class _Local:
@@ -38,25 +38,24 @@ def test_a_failed_call_raises_its_own_error_and_leaves_its_callers_frames_alone(
     on that cycle until the cycle collector runs: in the router they held a prefill
     worker's poll result, so the KV handles it carried stayed alive long after their request
     finished. Both ways a call fails: the method raised, the actor died."""
-    with local_ray(num_cpus=2):
-        probe = ray.remote(Probe).options(max_concurrency=16, num_cpus=0).remote()
-        calls = RayCalls()
-        raised = calls.call(probe, "fail")
-        assert calls.ready([raised], 30.0)
-        with pytest.raises(EngineLoopDied, match="probe: engine loop died: RuntimeError: boom"):
-            calls.result(raised)
-        # ray.kill only asks for the kill: a call sent after it can still run first, so the
-        # call that must die with the actor is one that never returns, sent before
-        died = calls.call(probe, "hang")
-        ray.kill(probe, no_restart=True)
-        assert calls.ready([died], 30.0)
-        gc.disable()  # only reference counting frees what the calls left behind
-        try:
-            for pending, error in ((raised, EngineLoopDied), (died, WorkerDied)):
-                local = _Local()
-                alive = weakref.ref(local)
-                assert _collect_failed(calls, pending, local) is error
-                del local
-                assert alive() is None, f"{error.__name__} kept its caller's frame alive"
-        finally:
-            gc.enable()
+    probe = ray.remote(Probe).options(max_concurrency=16, num_cpus=0).remote()
+    calls = RayCalls()
+    raised = calls.call(probe, "fail")
+    assert calls.ready([raised], 30.0)
+    with pytest.raises(EngineLoopDied, match="probe: engine loop died: RuntimeError: boom"):
+        calls.result(raised)
+    # ray.kill only asks for the kill: a call sent after it can still run first, so the
+    # call that must die with the actor is one that never returns, sent before
+    died = calls.call(probe, "hang")
+    ray.kill(probe, no_restart=True)
+    assert calls.ready([died], 30.0)
+    gc.disable()  # only reference counting frees what the calls left behind
+    try:
+        for pending, error in ((raised, EngineLoopDied), (died, WorkerDied)):
+            local = _Local()
+            alive = weakref.ref(local)
+            assert _collect_failed(calls, pending, local) is error
+            del local
+            assert alive() is None, f"{error.__name__} kept its caller's frame alive"
+    finally:
+        gc.enable()

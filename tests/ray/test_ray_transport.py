@@ -1,10 +1,8 @@
 """RayObjectStoreTransport on a local Ray cluster: actor to actor, timeouts, owner death, leaks."""
 
 import gc
-import os
 import time
 import weakref
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,20 +14,10 @@ from kv_transfer import FaultyTransport, KVChecksumError, TransferFailed, Transf
 from kv_transfer.ray_store import RayObjectStoreTransport, live_object_ids
 from kv_transfer.transport import KVHandle
 
-pytestmark = pytest.mark.ray
+# shared_ray: its workers import this module (the actor classes): local_ray()'s PYTHONPATH
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 SPEC = KVSpec(model_fingerprint="tiny-llama:abc", num_layers=2, num_kv_heads=2, head_dim=8,
               dtype="bfloat16")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    # workers must import this module (actor classes) and the repo's packages
-    here, root = Path(__file__).resolve().parent, Path(__file__).resolve().parents[2]
-    python_path = os.pathsep.join([str(root), str(here), os.environ.get("PYTHONPATH", "")])
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": python_path}})
-    yield
-    ray.shutdown()
 
 
 def kv_for(seed: int, num_tokens: int) -> torch.Tensor:
@@ -85,6 +73,8 @@ def test_actor_to_actor_through_the_driver_and_back_to_baseline():
     # the owner (prefill) releases the object once no process holds the handle any more
     assert wait_until(lambda: ray.get(prefill.num_held.remote()) == 0)
     assert object_id not in live_object_ids()
+    ray.kill(prefill)
+    ray.kill(decode)
 
 
 def test_get_in_driver_free_and_leak_count():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import random_prompts, reference_generate
-from placement_helpers import ENGINE, assert_clean, local_ray
+from placement_helpers import ENGINE, assert_clean
 
 import ray  # a required dependency: a broken install fails here, it never skips
 
@@ -16,7 +16,7 @@ from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.request import Request, SamplingParams
 from deployment.placement import Deployment
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 TINY = ModelConfig("tiny-random-llama")
 
 
@@ -32,10 +32,10 @@ def test_killed_decode_actor_restarts_rejoins_then_its_budget_runs_out(tiny):
     it; a request sent right after the kill waits for the new actor and gives generate()'s
     tokens; the second kill is final: a request fails at once naming the spent budget."""
     prompts = random_prompts([5, 7, 9, 11, 6], seed=2)
-    with local_ray(), Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
-                                 TransferConfig(transport="ray", timeout_s=5.0),
-                                 faults={"decode-0": {"step_delay_s": 0.05}}, deadline_s=120.0,
-                                 max_worker_restarts=1) as dep:
+    with Deployment(PlacementConfig("disagg:1p1d", "cpu:0,cpu:1"), TINY, ENGINE,
+                    TransferConfig(transport="ray", timeout_s=5.0),
+                    faults={"decode-0": {"step_delay_s": 0.05}}, deadline_s=120.0,
+                    max_worker_restarts=1) as dep:
         router = dep.router
         router.start()
         try:

@@ -4,21 +4,15 @@ shared-memory slots all come back, corruption fails only its request."""
 from __future__ import annotations
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, local_ray, mixed_workload
+from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
 
 import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from deployment.placement import Deployment
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 TINY = ModelConfig("tiny-random-llama")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray():
-        yield
 
 
 def deploy(placement, granularity="request", devices="cpu:0,cpu:1", faults=None):

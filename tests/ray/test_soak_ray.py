@@ -10,26 +10,20 @@ shm soak (tests/integration/test_soak.py) covers them.
 from __future__ import annotations
 
 import pytest
-from placement_helpers import assert_clean, local_ray, soak_workload
+from placement_helpers import assert_clean, soak_workload
 
 import ray  # a required dependency: a broken install fails here, it never skips
 
 from engine.config import EngineConfig, ModelConfig, PlacementConfig, TransferConfig
 from deployment.placement import Deployment
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 TINY = ModelConfig("tiny-random-llama")
 NUM_REQUESTS, NUM_PROMPTS, MAX_TOKENS = 500, 16, 4
 ENGINE = EngineConfig(max_num_seqs=16, max_model_len=64, max_num_batched_tokens=128)
 FAILED = set(range(7, NUM_REQUESTS, 60))       # put fails
 CORRUPTED = set(range(27, NUM_REQUESTS, 60))   # one byte flipped: checksum error at the get
 DELAYED = set(range(47, NUM_REQUESTS, 60))     # get 0.2 s late, within the 3 s deadline
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray():
-        yield
 
 
 def rid(i: int) -> str:

@@ -5,20 +5,15 @@ receives the formula's bytes over its TP, over the ray and torchdist transports.
 from __future__ import annotations
 
 import pytest
-from placement_helpers import ENGINE, assert_clean, assert_outputs, local_ray, mixed_workload
+from placement_helpers import ENGINE, assert_clean, assert_outputs, mixed_workload
 
 from deployment.placement import Deployment
 from engine.config import ModelConfig, PlacementConfig, TransferConfig
 from engine.placement import Placement
 
-pytestmark = pytest.mark.ray
+# shared_ray's 4 logical CPUs: 3 devices over 4 cores' worth of bundles
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 TINY = ModelConfig("tiny-random-llama")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    with local_ray():  # 4 logical CPUs: 3 devices over 4 cores' worth of bundles
-        yield
 
 
 @pytest.mark.parametrize("placement,devices,transport,granularity", [
