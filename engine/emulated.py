@@ -225,11 +225,7 @@ class EmulatedRunner:
         held = self._held_s
         if held is None:
             end = start + modelled
-            until = end - min(max(lead_s, 0.0), modelled / 2)
-            if idle is None:
-                self.clock.wait_until(until)
-            else:
-                self.clock.wait_until(until, idle)
+            self._wait_until(end - min(max(lead_s, 0.0), modelled / 2), idle)
             now = self.clock.perf()
             if now < end:
                 self._busy = end
@@ -245,10 +241,13 @@ class EmulatedRunner:
         """Wait until the step ``finish`` left early has ended (at once when none has)."""
         busy, self._busy = self._busy, None
         if busy is not None:
-            if idle is None:
-                self.clock.wait_until(busy)
-            else:
-                self.clock.wait_until(busy, idle)
+            self._wait_until(busy, idle)
+
+    def _wait_until(self, deadline: float, idle: Callable[[float], None] | None) -> None:
+        if idle is None:  # ``Emulation.clock``: wait_until(t[, idle])
+            self.clock.wait_until(deadline)
+        else:
+            self.clock.wait_until(deadline, idle)
 
     def tokens(self, states: list[RequestState], output: None = None) -> StepTokens:
         """``emulated_token`` at each sampled row's next output position."""

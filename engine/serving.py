@@ -123,7 +123,6 @@ class EngineLoop:
         self._ending: StepOutput | None = None  # a step whose news wait for its end
         self._left_at = 0.0  # perf_counter() when the loop left that step's hold early
         self._prep_s = 0.0  # a step's launch after the loop left the last one's hold (mean)
-        self._lead_s = LEAD_MARGIN_S  # ``finish_step``'s lead_s
         self._events_ready = threading.Condition()
         self._stopped = threading.Event()
         self._died: str | None = None  # why the loop stopped on an exception
@@ -333,8 +332,8 @@ class EngineLoop:
                 self._drain_commands(block=False)
             # the device's step (an emulated hold) runs out, commands applying as they come;
             # while on_step runs during it, all but the next step's host work
-            output = self.engine.finish_step(output, self._drain_for if during else None,
-                                             self._lead_s if during else 0.0)
+            lead_s = min(LEAD_MAX_S, LEAD_MARGIN_S + self._prep_s) if during else 0.0
+            output = self.engine.finish_step(output, self._drain_for if during else None, lead_s)
             if output.failed:  # a failed forward may be a rank's death: the instance's
                 self._check_ranks()
             if self.step_delay_s:
@@ -374,7 +373,6 @@ class EngineLoop:
     def _prepared(self, took_s: float) -> None:
         """Launching a step took ``took_s`` after the loop left the last one's hold."""
         self._prep_s += LEAD_GAIN * (took_s - self._prep_s)
-        self._lead_s = min(LEAD_MAX_S, LEAD_MARGIN_S + self._prep_s)
 
     def _check_ranks(self) -> None:
         """A TP instance with a dead rank is a dead worker: raise (the loop dies)."""
