@@ -229,8 +229,8 @@ def test_a_loop_prepares_the_next_step_inside_the_hold_so_steps_run_back_to_back
             early.extend((clock.t, e.time_s) for e in expand(body) if e.time_s > clock.t)
             send(body)
         loop._port.send = checked_send
-        for request in requests():
-            loop.submit(request)
+        # all at once, on the loop's thread: its engine never runs dry before the last ends
+        loop.call(lambda: [loop.engine.add_request(r) for r in requests()])
         end_s = time.monotonic() + BOUND_S
         while len(got) < 5 + 3 + 9:
             assert time.monotonic() < end_s, f"the loop stalled: {got}"
@@ -272,8 +272,9 @@ def test_a_loop_dying_while_a_step_ends_still_sends_that_step_s_tokens(how):
         loop.engine.finish_step, loop._check_ranks, loop.engine.launch_step = (
             one_step, check_ranks, launch)
         listen(loop)
-        loop.submit(Request("r0", (3, 4, 5), SamplingParams(max_tokens=5)))
-        loop.submit(Request("r1", (6, 7, 8), SamplingParams(max_tokens=1)))
+        loop.call(lambda: [loop.engine.add_request(r) for r in (  # both in the first step
+            Request("r0", (3, 4, 5), SamplingParams(max_tokens=5)),
+            Request("r1", (6, 7, 8), SamplingParams(max_tokens=1)))])
         loop._thread.join(timeout=BOUND_S)
         assert not loop._thread.is_alive()
         events = collect_events(loop, lambda events: events and events[-1].kind == DIED)
