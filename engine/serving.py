@@ -3,11 +3,12 @@
 The loop thread is the only one that touches the engine. Each turn it runs the queued
 commands, then, if the engine has work, one step: ``engine.start_step()``, whose ``StepOutput``
 becomes events (failed requests become errors, the rest goes to ``on_step``: subclasses hand KV
-over or fetch it), then ``engine.finish_step`` (on an emulated device the step's hold, during
-which arriving commands are applied); its events leave once the next step has begun (at once
-when none follows), never before its end; with no work it sleeps until the next command. An
-emulated step's hold is left just before its end to prepare the next step, which begins then
-(with ``outputs_during_step``; else the step's news, a prefill worker's put, hold the loop).
+over or fetch it, with ``after_step`` for work that must follow the step's end), then
+``engine.finish_step`` (on an emulated device the step's hold, during which arriving commands
+are applied); its events leave once the next step has begun (at once when none follows), never
+before its end; with no work it sleeps until the next command. An emulated step's hold is left
+just before its end to prepare the next step, which begins then; its ``after_step`` work (a
+prefill worker's put, a decode worker's fetch) runs after that launch, during the new step.
 
 Over the message plane (``open_channel(endpoint)``): commands come in through the worker's port
 in the order sent, and each turn with news leaves as one message (a tuple of its events). A
@@ -325,15 +326,13 @@ class EngineLoop:
                 self._end_step(send=True, drain=False)  # it might touch the launched batch)
             output = self.engine.complete_step(launched)
             self._send_events()  # when no step began
-            during = self.outputs_during_step
-            if during:
-                self._held = []
-                self._step_news(output)
-                self._drain_commands(block=False)
+            self._held = []
+            self._step_news(output)
+            self._drain_commands(block=False)
             # the device's step (an emulated hold) runs out, commands applying as they come;
             # while on_step runs during it, all but the next step's host work
-            lead_s = min(LEAD_MAX_S, LEAD_MARGIN_S + self._prep_s) if during else 0.0
-            output = self.engine.finish_step(output, self._drain_for if during else None, lead_s)
+            lead_s = min(LEAD_MAX_S, LEAD_MARGIN_S + self._prep_s)
+            output = self.engine.finish_step(output, self._drain_for, lead_s)
             if output.failed:  # a failed forward may be a rank's death: the instance's
                 self._check_ranks()
             if self.step_delay_s:
@@ -352,17 +351,13 @@ class EngineLoop:
     def _end_step(self, send: bool, drain: bool = True) -> None:
         """Wait for ``_ending``'s end; its held events and ``after_step`` work go (or its news),
         then (``drain``) commands; its events leave now if ``send`` or no work is left."""
-        output, self._ending = self._ending, None
-        during = self.outputs_during_step
-        self.engine.wait_step_end(self._drain_for if during and drain else None)
-        if during:
-            held, self._held = self._held, None
-            self._emit_all(held)
-            after, self._after_step = self._after_step, []
-            for work in after:
-                work()
-        else:
-            self._step_news(output)
+        self._ending = None
+        self.engine.wait_step_end(self._drain_for if drain else None)
+        held, self._held = self._held, None
+        self._emit_all(held)
+        after, self._after_step = self._after_step, []
+        for work in after:
+            work()
         # commands that came during the step first: an abort still frees the KV of a
         # prefilled event that has not left (nobody else would)
         if drain:
@@ -514,14 +509,10 @@ class EngineLoop:
         engine is built; None (the default) streams nothing while a step computes."""
         return None
 
-    # on_step and arriving commands run while the device's step does (events held to its
-    # end; the next step is prepared before its end); False: after it, for work whose own
-    # stamps must follow the step's end and which holds the loop (a prefill worker's put)
-    outputs_during_step = True
-
     def on_step(self, output: StepOutput) -> None:
         """After every step's host work, on the loop thread, with what it did (its failed
-        requests are already reported; ``record`` is None while ``outputs_during_step``).
+        requests are already reported; ``record`` is None: the device's step still runs, and
+        so do commands, its events held to its end).
         Colocated: every token goes straight out."""
         self.emit_tokens(output.tokens)
 

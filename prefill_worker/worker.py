@@ -4,8 +4,8 @@ told once, in docs/architecture.md ("A request's life"); this module's contract:
 
 - Only prompt tokens from ``kv_token_start`` on are sent (its decode worker caches the prefix).
   Layer-wise granularity puts each range of ``layers_per_chunk`` layers once the runner wrote
-  it, while the next layers compute; whole-request granularity puts after the step. A request
-  whose first token ends it (EOS, stop token, ``max_tokens == 1``) sends no KV.
+  it, while the next layers compute; whole-request granularity puts once the step has ended (an
+  emulated device's next step already launched). A first token that ends its request sends no KV.
 - A first token leaves as a ``token`` event, on the channel's socket before its whole-request
   put starts; then a ``prefilled`` event repeats it with the handles and ``kv_put`` stamp.
 - Past its last prompt chunk a request is never preempted (PREFILLED), so its KV cannot vanish
@@ -34,7 +34,7 @@ from engine.config import EngineConfig, ModelConfig, TransferConfig
 from engine.engine import StepOutput
 from engine.events import ERROR, PREFILLED, WorkerEvent
 from engine.metrics import KV_PUT
-from engine.request import Request, TokenOutput
+from engine.request import Request, RequestStatus, TokenOutput
 from engine.scheduler import ScheduledBatch
 from engine.emulated import Emulation
 from engine.serving import EngineLoop, token_event
@@ -54,7 +54,6 @@ class PrefillWorker(EngineLoop):
     is one store)."""
 
     role = "prefill"
-    outputs_during_step = False  # a put follows its prompt's last step (its KV_PUT stamp too)
 
     def __init__(self, name: str, model_config: ModelConfig, engine_config: EngineConfig,
                  transfer_config: TransferConfig, device: str = "cpu:0",
@@ -184,9 +183,19 @@ class PrefillWorker(EngineLoop):
             self._put_errors.pop(rid, None)  # a layer put that failed no longer matters
             self._no_room.discard(rid)
             self._free(self._layer_handles.pop(rid, []))
+        if going_on:  # its KV leaves once its step has ended (KV_PUT stamped after that)
+            self.after_step(lambda: self._hand_over(going_on))
+
+    def _hand_over(self, outs: list[TokenOutput]) -> None:
+        """At the end of the step that prefilled ``outs``: their first tokens go on the wire,
+        then each one's KV is put (or deferred, or its request fails). One aborted while its
+        step ran is no longer PREFILLED here and is skipped."""
         self._send_events()  # on the wire before any put starts: TTFT ends there
-        for out in going_on:
+        for out in outs:
             rid = out.request_id
+            state = self.engine.states.get(rid)
+            if state is None or state.status != RequestStatus.PREFILLED:
+                continue
             handles = self._layer_handles.pop(rid, None)
             if rid in self._put_errors:
                 self._free(handles or [])
