@@ -349,8 +349,8 @@ class EngineLoop:
         self._send_events()  # stopped: the last step's events, held for a step that never comes
 
     def _end_step(self, send: bool, drain: bool = True) -> None:
-        """Wait for ``_ending``'s end; its held events and ``after_step`` work go (or its news),
-        then (``drain``) commands; its events leave now if ``send`` or no work is left."""
+        """Wait for ``_ending``'s end; its held events and ``after_step`` work go, then
+        (``drain``) commands; its events leave now if ``send`` or no work is left."""
         self._ending = None
         self.engine.wait_step_end(self._drain_for if drain else None)
         held, self._held = self._held, None

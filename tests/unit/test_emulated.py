@@ -22,6 +22,7 @@ from engine.model import ModelLoadError, load_geometry
 from engine.request import Request, RequestState, SamplingParams
 from engine.scheduler import ScheduledBatch, StepFeatures
 from decode_worker.worker import DecodeWorker
+from prefill_worker.worker import PrefillWorker
 from engine.serving import EngineLoop
 from kv_transfer.inprocess import InProcessTransport
 from planner.latency import DeviceProfile, Fit
@@ -576,3 +577,88 @@ def test_an_abort_while_the_reserving_step_runs_frees_the_kv_once_and_fetches_no
         assert worker.call(lambda: dict(worker._transfers)) == {} and transport.num_held() == 0
     finally:
         worker.shutdown()
+
+
+class _ClockedTransport(InProcessTransport):
+    """Notes the clock at each put and whether the worker's port had sent the request's first
+    token by then."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__()
+        self.clock, self.worker, self.puts = clock, None, []
+
+    def put(self, request_id, *args, **kwargs):
+        sent = any(e.request_id == request_id for e in self.worker.sent_tokens)
+        self.puts.append((request_id, self.clock.t, sent))
+        return super().put(request_id, *args, **kwargs)
+
+
+def emulated_prefill_worker(clock: FakeClock, transport: InProcessTransport) -> PrefillWorker:
+    worker = PrefillWorker("prefill-0", ModelConfig(LLAMA, "bfloat16"), ENGINE, TransferConfig(),
+                           device="emu:0", transport=transport, bind=False,
+                           emulation=Emulation(constant_profile(), 1 / 256, clock))
+    worker.sent_tokens = []
+    listen(worker)
+    send = worker._port.send
+
+    def noting_send(body) -> None:
+        worker.sent_tokens += [e for e in expand(body) if e.kind == "token"]
+        send(body)
+    worker._port.send = noting_send
+    return worker
+
+
+def test_an_emulated_prefill_worker_puts_after_its_step_while_the_next_one_runs():
+    """Host work takes time (a ticking clock): the second prompt's step still begins exactly at
+    the first one's end (launched inside its hold), and each put comes after its step's end,
+    its first token already sent."""
+    clock = TickingClock(2.0 ** -22)
+    transport = _ClockedTransport(clock)
+    worker = emulated_prefill_worker(clock, transport)
+    transport.worker = worker
+    prompts = [Request(f"r{i}", tuple(range(10 + i, 10 + i + 60)), SamplingParams(max_tokens=4))
+               for i in range(2)]  # 60 tokens each: one prompt per 64-token step
+    try:
+        worker.call(lambda: [worker._add(r, prefill_only=True) for r in prompts])
+        events = collect_events(worker, lambda got: sum(e.kind == "prefilled" for e in got) == 2,
+                                timeout_s=BOUND_S)
+        records = worker.call(lambda: list(worker.engine.step_records))
+    finally:
+        worker.shutdown()
+    assert [e.kind for e in events].count("token") == 2
+    first, second = records[:2]
+    assert second.start_s == first.start_s + STEP_S  # back to back: the put did not hold it
+    assert [(rid, sent) for rid, _, sent in transport.puts] == [("r0", True), ("r1", True)]
+    ends = [first.start_s + STEP_S, second.start_s + STEP_S]
+    assert all(end <= t < end + STEP_S for (_, t, _), end in zip(transport.puts, ends))
+
+
+def test_an_emulated_prefill_worker_aborted_during_its_step_puts_nothing_and_reports_nothing():
+    """An abort applied while the step that prefills the request runs: at the step's end
+    neither its first token nor a put nor an error follows, and it holds no KV."""
+    clock = _HookClock()
+    transport = _ClockedTransport(clock)
+    worker = emulated_prefill_worker(clock, transport)
+    transport.worker = worker
+
+    def abort_in_the_hold() -> None:
+        if "r0" in worker.engine.states:
+            worker._abort("r0")
+    clock.hook = abort_in_the_hold
+    try:
+        worker.call(lambda: worker._add(Request("r0", tuple(range(10, 50)),
+                                                SamplingParams(max_tokens=4)), prefill_only=True))
+        end_s = time.monotonic() + BOUND_S
+        while worker.call(worker.engine.has_unfinished):
+            assert time.monotonic() < end_s and worker._died is None, worker._died
+            time.sleep(0.005)
+        clock.hook = lambda: None
+        worker.call(lambda: worker._add(Request("r1", tuple(range(10, 30)),
+                                                SamplingParams(max_tokens=1)), prefill_only=True))
+        events = collect_events(worker, lambda got: any(e.request_id == "r1" for e in got),
+                                timeout_s=BOUND_S)
+        status = worker.status()
+    finally:
+        worker.shutdown()
+    assert [(e.kind, e.request_id) for e in events] == [("token", "r1")]
+    assert transport.puts == [] and status["transport_held"] == 0 and status["engine_empty"]
