@@ -342,7 +342,8 @@ class EngineLoop:
                 self._left_at = time.perf_counter()
                 continue
             self._end_step(send=output.record is None)
-            if output.record is None:  # no forward could run (at most reservations): wait a bit
+            if output.record is None and not ending:  # no forward could run (at most
+                # reservations): wait a bit, unless the step that just ended freed room
                 self._drain_commands(block=True, timeout_s=0.01)
         if self._ending is not None:
             self._end_step(send=False)

@@ -153,7 +153,12 @@ class PrefillWorker(EngineLoop):
         return 0.002 if self._deferred else super().idle_wait_s()
 
     def on_tick(self) -> None:
-        """Retry deferred puts, oldest first, while the buffer has room."""
+        """Retry deferred puts, oldest first, while the buffer has room; while a step runs,
+        once it has ended (after its first tokens left)."""
+        if self._held is not None:
+            if self._deferred:
+                self.after_step(self.on_tick)
+            return
         while self._deferred:
             rid, out = next(iter(self._deferred.items()))
             state = self.engine.states.get(rid)

@@ -6,7 +6,8 @@ this process behind a router, over an in-process transport whose put waits for t
 - A put that fails, or a prefill loop that dies inside it, after the first token left: the
   request fails naming the cause, with that token counted once.
 - An abort between the token and ``prefilled`` frees the KV the put left at the prefill worker.
-- A put deferred for want of buffer room sends the first token all the same.
+- A put deferred for want of buffer room sends the first token all the same; when room comes
+  with a later step, that step's first tokens leave before the deferred put starts.
 Every test ends with engines empty and transports holding nothing.
 """
 
@@ -17,11 +18,13 @@ import time
 
 import pytest
 from conftest import random_prompts, reference_generate
+from placement_helpers import collect_events, listen
 
 from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
+from engine.events import expand
 from engine.metrics import KV_PUT
-from engine.request import Request, SamplingParams
+from engine.request import Request, RequestStatus, SamplingParams
 from kv_transfer.inprocess import InProcessTransport
 from kv_transfer.transport import TransferFailed
 from prefill_worker import PrefillWorker
@@ -201,3 +204,48 @@ def test_a_deferred_put_sends_the_first_token_at_once(tiny, served):
     assert served.tokens() == list(enumerate(want))
     until(lambda: served.prefill.status()["transport_held"] == 0)
     assert_empty(served.prefill, served.decode)
+
+
+class RoomOnceR1Prefilled(InProcessTransport):
+    """The buffer has room only once r1 is PREFILLED; each put notes whether r1's first token
+    had left the worker's port by then."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.worker, self.sent, self.puts = None, [], []
+
+    def has_room(self, num_bytes: int) -> bool:
+        state = self.worker.engine.states.get("r1")
+        return state is not None and state.status == RequestStatus.PREFILLED
+
+    def put(self, request_id, *args, **kwargs):
+        self.puts.append((request_id, "r1" in self.sent))
+        return super().put(request_id, *args, **kwargs)
+
+
+def test_a_deferred_put_that_finds_room_starts_after_that_step_s_first_tokens():
+    """r0's put waits for room, which comes with r1's step: r1's first token leaves before
+    r0's put starts (a put is never inside another request's TTFT), then r1's put."""
+    transport = RoomOnceR1Prefilled()
+    worker = PrefillWorker("prefill-0", TINY, ENGINE, TransferConfig(), transport=transport,
+                           bind=False)
+    transport.worker = worker
+    listen(worker)
+    send = worker._port.send
+
+    def noting_send(body) -> None:
+        transport.sent += [e.request_id for e in expand(body) if e.kind == "token"]
+        send(body)
+    worker._port.send = noting_send
+    try:
+        worker.submit(Request("r0", tuple(range(10, 50)), SamplingParams(max_tokens=4)))
+        until(lambda: worker.call(lambda: worker.num_deferred_puts) == 1)
+        worker.submit(Request("r1", tuple(range(60, 90)), SamplingParams(max_tokens=4)))
+        events = collect_events(worker, lambda got: sum(e.kind == "prefilled" for e in got) == 2,
+                                timeout_s=WAIT_S)
+        status = worker.status()
+    finally:
+        worker.shutdown()
+    assert transport.puts == [("r0", True), ("r1", True)]
+    assert [e.request_id for e in events if e.kind == "prefilled"] == ["r0", "r1"]
+    assert status["engine_empty"]

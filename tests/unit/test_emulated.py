@@ -5,6 +5,7 @@ and warned about; bad input is refused."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import gc
 import sys
 import threading
@@ -662,3 +663,34 @@ def test_an_emulated_prefill_worker_aborted_during_its_step_puts_nothing_and_rep
         worker.shutdown()
     assert [(e.kind, e.request_id) for e in events] == [("token", "r1")]
     assert transport.puts == [] and status["transport_held"] == 0 and status["engine_empty"]
+
+
+def test_an_emulated_prefill_worker_never_idles_while_a_prompt_waits_for_a_seat():
+    """One seat (``max_num_seqs=1``): the step launched ahead finds it still held by the
+    prompt whose put is pending and comes out empty; once that put has run at the step's end,
+    the waiting prompt is launched at once, never behind an idle wait for a command."""
+    engine = dataclasses.replace(ENGINE, max_num_seqs=1)
+    worker = PrefillWorker("prefill-0", ModelConfig(LLAMA, "bfloat16"), engine,
+                           TransferConfig(), device="emu:0", transport=InProcessTransport(),
+                           bind=False, emulation=Emulation(constant_profile(), 1 / 256,
+                                                           FakeClock()))
+    listen(worker)
+    idled = []  # blocking waits for a command while a prompt waited (a fake clock never
+    drain = worker._drain_commands  # hands a hold to ``idle``, so no other wait blocks)
+
+    def noting_drain(block, timeout_s=0.1):
+        if block and worker.engine.scheduler.waiting:
+            idled.append(timeout_s)
+        drain(block, timeout_s)
+    worker._drain_commands = noting_drain
+    prompts = [Request(f"r{i}", tuple(range(10 + i, 10 + i + 60)), SamplingParams(max_tokens=4))
+               for i in range(2)]
+    try:
+        worker.call(lambda: [worker._add(r, prefill_only=True) for r in prompts])
+        events = collect_events(worker, lambda got: sum(e.kind == "prefilled" for e in got) == 2,
+                                timeout_s=BOUND_S)
+        status = worker.status()
+    finally:
+        worker.shutdown()
+    assert idled == [] and [e.request_id for e in events if e.kind == "prefilled"] == ["r0", "r1"]
+    assert status["engine_empty"] and status["transport_held"] == 2
