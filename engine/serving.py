@@ -121,7 +121,7 @@ class EngineLoop:
         self._events: list[WorkerEvent | TokenBatch] = []
         self._held: list | None = None  # the loop's events while its step runs, else None
         self._after_step: list[Callable[[], None]] = []  # ``after_step``'s, for this step
-        self._ending: StepOutput | None = None  # a step whose news wait for its end
+        self._ending = False  # a step left early: its held events and after_step work wait
         self._left_at = 0.0  # perf_counter() when the loop left that step's hold early
         self._prep_s = 0.0  # a step's launch after the loop left the last one's hold (mean)
         self._events_ready = threading.Condition()
@@ -301,7 +301,7 @@ class EngineLoop:
             with self._events_ready:
                 self._died = f"{type(err).__name__}: {err}"
                 self._events_ready.notify_all()
-            if self._ending is not None:  # its step ran: its events still go, at its end
+            if self._ending:  # its step ran: its events still go, at its end
                 held, self._held = self._held or [], None
                 self.engine.wait_step_end()
                 self._emit_all(held)
@@ -310,7 +310,7 @@ class EngineLoop:
     def _loop(self) -> None:
         while not self._stopped.is_set():
             self._check_ranks()
-            ending = self._ending is not None
+            ending = self._ending
             self._drain_commands(block=not ending and not self.engine.has_unfinished(),
                                  timeout_s=self.idle_wait_s())
             self.on_tick()
@@ -337,7 +337,7 @@ class EngineLoop:
                 self._check_ranks()
             if self.step_delay_s:
                 time.sleep(self.step_delay_s)
-            self._ending = output
+            self._ending = True
             if self.engine.device_busy:  # it ends once the next step is prepared
                 self._left_at = time.perf_counter()
                 continue
@@ -345,14 +345,14 @@ class EngineLoop:
             if output.record is None and not ending:  # no forward could run (at most
                 # reservations): wait a bit, unless the step that just ended freed room
                 self._drain_commands(block=True, timeout_s=0.01)
-        if self._ending is not None:
+        if self._ending:
             self._end_step(send=False)
         self._send_events()  # stopped: the last step's events, held for a step that never comes
 
     def _end_step(self, send: bool, drain: bool = True) -> None:
-        """Wait for ``_ending``'s end; its held events and ``after_step`` work go, then
+        """Wait for the ending step's end; its held events and ``after_step`` work go, then
         (``drain``) commands; its events leave now if ``send`` or no work is left."""
-        self._ending = None
+        self._ending = False
         self.engine.wait_step_end(self._drain_for if drain else None)
         held, self._held = self._held, None
         self._emit_all(held)

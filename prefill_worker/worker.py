@@ -153,12 +153,13 @@ class PrefillWorker(EngineLoop):
         return 0.002 if self._deferred else super().idle_wait_s()
 
     def on_tick(self) -> None:
-        """Retry deferred puts, oldest first, while the buffer has room; while a step runs,
-        once it has ended (after its first tokens left)."""
-        if self._held is not None:
-            if self._deferred:
-                self.after_step(self.on_tick)
-            return
+        """Retry deferred puts once no step is in flight (``after_step``: after a running
+        step's first tokens left)."""
+        if self._deferred:
+            self.after_step(self._retry_deferred)
+
+    def _retry_deferred(self) -> None:
+        """Put deferred requests, oldest first, while the buffer has room."""
         while self._deferred:
             rid, out = next(iter(self._deferred.items()))
             state = self.engine.states.get(rid)

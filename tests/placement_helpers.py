@@ -79,6 +79,18 @@ def listen(worker) -> LocalHub:
     return hub
 
 
+def watch_sends(worker, seen) -> None:
+    """Open ``worker``'s channel (``listen``) and call ``seen(events)`` (one event per token)
+    with every message its port sends, just before it leaves."""
+    listen(worker)
+    send = worker._port.send
+
+    def watched(body) -> None:
+        seen(expand(body))
+        send(body)
+    worker._port.send = watched
+
+
 def events_within(worker, wait_s: float) -> list:
     """What ``worker`` sends within ``wait_s`` seconds (one event per token)."""
     items = listen(worker).receive(wait_s)

@@ -18,11 +18,10 @@ import time
 
 import pytest
 from conftest import random_prompts, reference_generate
-from placement_helpers import collect_events, listen
+from placement_helpers import collect_events, watch_sends
 
 from decode_worker import DecodeWorker
 from engine.config import EngineConfig, ModelConfig, TransferConfig
-from engine.events import expand
 from engine.metrics import KV_PUT
 from engine.request import Request, RequestStatus, SamplingParams
 from kv_transfer.inprocess import InProcessTransport
@@ -230,13 +229,8 @@ def test_a_deferred_put_that_finds_room_starts_after_that_step_s_first_tokens():
     worker = PrefillWorker("prefill-0", TINY, ENGINE, TransferConfig(), transport=transport,
                            bind=False)
     transport.worker = worker
-    listen(worker)
-    send = worker._port.send
-
-    def noting_send(body) -> None:
-        transport.sent += [e.request_id for e in expand(body) if e.kind == "token"]
-        send(body)
-    worker._port.send = noting_send
+    watch_sends(worker, lambda events: transport.sent.extend(
+        e.request_id for e in events if e.kind == "token"))
     try:
         worker.submit(Request("r0", tuple(range(10, 50)), SamplingParams(max_tokens=4)))
         until(lambda: worker.call(lambda: worker.num_deferred_puts) == 1)

@@ -29,8 +29,8 @@ from kv_transfer.inprocess import InProcessTransport
 from planner.latency import DeviceProfile, Fit
 from deployment.placement import Deployment
 from planner.simulate import Simulator
-from engine.events import DIED, expand
-from placement_helpers import collect_events, events_within, listen
+from engine.events import DIED
+from placement_helpers import collect_events, events_within, listen, watch_sends
 
 LLAMA = "engine/configs/llama-3.1-8b"
 LLAMA_BYTES = 2 * 32 * 8 * 128 * 2  # 2 (K, V) x layers x KV heads x head dim x bf16 bytes
@@ -224,13 +224,8 @@ def test_a_loop_prepares_the_next_step_inside_the_hold_so_steps_run_back_to_back
     got: list = []
     early: list = []  # (clock, stamp) of a token sent before its stamp
     try:
-        listen(loop)
-        send = loop._port.send
-
-        def checked_send(body) -> None:
-            early.extend((clock.t, e.time_s) for e in expand(body) if e.time_s > clock.t)
-            send(body)
-        loop._port.send = checked_send
+        watch_sends(loop, lambda events: early.extend(
+            (clock.t, e.time_s) for e in events if e.time_s > clock.t))
         # all at once, on the loop's thread: its engine never runs dry before the last ends
         loop.call(lambda: [loop.engine.add_request(r) for r in requests()])
         end_s = time.monotonic() + BOUND_S
@@ -599,13 +594,8 @@ def emulated_prefill_worker(clock: FakeClock, transport: InProcessTransport) -> 
                            device="emu:0", transport=transport, bind=False,
                            emulation=Emulation(constant_profile(), 1 / 256, clock))
     worker.sent_tokens = []
-    listen(worker)
-    send = worker._port.send
-
-    def noting_send(body) -> None:
-        worker.sent_tokens += [e for e in expand(body) if e.kind == "token"]
-        send(body)
-    worker._port.send = noting_send
+    watch_sends(worker, lambda events: worker.sent_tokens.extend(
+        e for e in events if e.kind == "token"))
     return worker
 
 
